@@ -1,0 +1,383 @@
+// kda-bench: times the CUDA prefill and decode on the cases of docs/KDA.md §6.
+//
+// Method (docs/PERFORMANCE.md): CUDA events around each forward, median of many runs after warm-up,
+// input sets rotated so that their total exceeds the L2 several times, floor = bytes that must move
+// (q, k, v, g, beta read, out written, fp32 state read and written) over the device-to-device copy
+// bandwidth measured at start. Prints markdown tables.
+//
+//   kda-bench [--prefill] [--decode] [--iters N] [--case NAME]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kda/kda.hpp"
+
+namespace {
+
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "kda-bench: %s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), \
+                   __FILE__, __LINE__);                                                       \
+      std::exit(1);                                                                           \
+    }                                                                                         \
+  } while (0)
+
+void check(const kda::Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "kda-bench: %s: %s\n", what, st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Uniform values in [lo, hi) as bf16, from a counter-based hash (fast to fill gigabytes).
+__global__ void fill_bf16(std::uint16_t* dst, std::int64_t n, std::uint64_t seed, float lo, float hi) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t x = (static_cast<std::uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+    const float f = lo + (hi - lo) * u;
+    std::uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    dst[i] = static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+__global__ void fill_f32(float* dst, std::int64_t n, std::uint64_t seed, float lo, float hi) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    std::uint64_t x = (static_cast<std::uint64_t>(i) + 7) * 0xD6E8FEB86659FD93ull ^ seed;
+    x ^= x >> 32;
+    x *= 0x9E3779B97F4A7C15ull;
+    x ^= x >> 29;
+    dst[i] = lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+  }
+}
+
+void fill(std::uint16_t* p, std::int64_t n, std::uint64_t seed, float lo, float hi) {
+  if (n > 0) fill_bf16<<<1024, 256>>>(p, n, seed, lo, hi);
+  CK(cudaGetLastError());
+}
+void fill(float* p, std::int64_t n, std::uint64_t seed, float lo, float hi) {
+  if (n > 0) fill_f32<<<1024, 256>>>(p, n, seed, lo, hi);
+  CK(cudaGetLastError());
+}
+
+template <typename F>
+double median_ms(F&& run, int warmup, int iters) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) run(i);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a));
+    run(i);
+    CK(cudaEventRecord(b));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&ms[i], a, b));
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[iters / 2];
+}
+
+double measure_copy_bandwidth() {
+  const std::size_t bytes = std::size_t(2) << 30;  // 2 GiB
+  void *a, *b;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMemset(a, 1, bytes));
+  const double ms = median_ms([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, 15);
+  CK(cudaFree(a));
+  CK(cudaFree(b));
+  return 2.0 * bytes / (ms * 1e-3);  // bytes read + written per second
+}
+
+struct PrefillCase {
+  std::string name;
+  int heads;
+  std::vector<std::int64_t> lengths;  // one entry: fixed single sequence; several: varlen
+  bool fixed_batch;                   // lengths all equal and run as [B, T] rows
+  kda::GateMode gate;
+  double flashkda_ms;                 // KDA.md §6, fp32 state; 0 when none
+  double fla_ms;                      // fla chunk_kda; 0 when none
+};
+
+struct Prefill {
+  kda::Problem p;
+  std::int64_t T = 0, N = 0;
+  std::vector<kda::Tensors> sets;
+  void* ws = nullptr;
+  std::size_t ws_bytes = 0;
+  std::vector<void*> allocations;
+  double bytes = 0;  // the floor's bytes
+};
+
+void* dalloc(Prefill& pf, std::size_t bytes) {
+  void* p = nullptr;
+  CK(cudaMalloc(&p, bytes == 0 ? 16 : bytes));
+  pf.allocations.push_back(p);
+  return p;
+}
+
+Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
+  Prefill pf;
+  const int H = c.heads, D = 128;
+  std::int64_t T = 0;
+  for (auto l : c.lengths) T += l;
+  const std::int64_t N = static_cast<std::int64_t>(c.lengths.size());
+  kda::Problem& p = pf.p;
+  if (c.fixed_batch || N == 1) {
+    p.batch = N;
+    p.seq_len = c.lengths[0];
+  } else {
+    p.batch = 1;
+    p.seq_len = T;
+    p.num_seqs = N;
+    p.cu_seqlens_dtype = kda::DType::kI64;
+  }
+  p.num_heads = H;
+  p.head_dim_k = p.head_dim_v = D;
+  p.gate = c.gate;
+  p.lower_bound = -5.0f;
+  p.initial_state_dtype = kda::DType::kF32;
+  p.final_state_dtype = kda::DType::kF32;
+  pf.T = T;
+  pf.N = N;
+  const std::int64_t tok_elems = T * H * D;
+  const std::size_t state_bytes = static_cast<std::size_t>(N) * H * D * D * 4;
+  const double set_bytes = 4.0 * tok_elems * 2 + 2.0 * T * H + tok_elems * 2.0 + 2.0 * state_bytes;
+  pf.bytes = set_bytes;
+  // Rotate input sets so that one pass over all of them is at least 4x the 60 MB L2.
+  const int nsets = static_cast<int>(std::min<double>(8, std::max<double>(2, 240e6 / set_bytes + 1)));
+  std::vector<std::int64_t> cu(N + 1, 0);
+  for (std::int64_t i = 0; i < N; ++i) cu[i + 1] = cu[i] + c.lengths[i];
+  void* d_cu = dalloc(pf, (N + 1) * 8);
+  CK(cudaMemcpy(d_cu, cu.data(), (N + 1) * 8, cudaMemcpyHostToDevice));
+  float* A_log = static_cast<float*>(dalloc(pf, H * 4));
+  float* dt_bias = static_cast<float*>(dalloc(pf, H * D * 4));
+  fill(A_log, H, seed + 1, 0.0f, 2.7f);  // exp(A_log) in [1, 15]
+  fill(dt_bias, H * D, seed + 2, -1.0f, 1.0f);
+  for (int s = 0; s < nsets; ++s) {
+    kda::Tensors t;
+    auto bf = [&](std::int64_t n, float lo, float hi, std::uint64_t sd) {
+      auto* ptr = static_cast<std::uint16_t*>(dalloc(pf, n * 2));
+      fill(ptr, n, sd, lo, hi);
+      return ptr;
+    };
+    const std::uint64_t sd = seed * 1000 + s * 10;
+    t.q = bf(tok_elems, -1, 1, sd + 1);
+    t.k = bf(tok_elems, -1, 1, sd + 2);
+    t.v = bf(tok_elems, -1, 1, sd + 3);
+    t.g = bf(tok_elems, -3, 1, sd + 4);
+    t.beta = bf(T * H, -2, 2, sd + 5);
+    t.A_log = A_log;
+    t.dt_bias = dt_bias;
+    if (p.varlen()) {
+      t.cu_seqlens = d_cu;
+      t.cu_seqlens_host = cu.data();  // validated once; the vector lives in this function only
+    }
+    float* h0 = static_cast<float*>(dalloc(pf, state_bytes));
+    fill(h0, static_cast<std::int64_t>(state_bytes / 4), sd + 6, -0.1f, 0.1f);
+    t.initial_state = h0;
+    t.final_state = dalloc(pf, state_bytes);
+    t.out = dalloc(pf, tok_elems * 2);
+    pf.sets.push_back(t);
+  }
+  check(kda::workspace_size(p, kda::Backend::kCuda, &pf.ws_bytes), "workspace_size");
+  pf.ws = dalloc(pf, pf.ws_bytes);
+  // Validate cu_seqlens once through the host copy, then drop the pointer (it dies with `cu`).
+  check(kda::forward_cuda(p, pf.sets[0], {pf.ws, pf.ws_bytes}, nullptr), "forward_cuda (first run)");
+  for (auto& t : pf.sets) t.cu_seqlens_host = nullptr;
+  CK(cudaDeviceSynchronize());
+  return pf;
+}
+
+void free_prefill(Prefill& pf) {
+  for (void* p : pf.allocations) CK(cudaFree(p));
+  pf.allocations.clear();
+}
+
+std::string lengths_label(const PrefillCase& c) {
+  if (c.lengths.size() == 1) return "1 x " + std::to_string(c.lengths[0]);
+  bool same = std::all_of(c.lengths.begin(), c.lengths.end(), [&](auto l) { return l == c.lengths[0]; });
+  if (same) return std::to_string(c.lengths.size()) + " x " + std::to_string(c.lengths[0]);
+  std::string s = "varlen ";
+  for (std::size_t i = 0; i < c.lengths.size(); ++i) s += (i ? "," : "") + std::to_string(c.lengths[i]);
+  return s;
+}
+
+void run_prefill(double bw, int iters, const std::string& only) {
+  const std::vector<std::int64_t> varlen = {1300, 547, 2048, 963, 271, 3063};
+  const std::vector<std::int64_t> b8(8, 1024), b16(16, 2048);
+  using G = kda::GateMode;
+  const std::vector<PrefillCase> cases = {
+      {"h96-1seq", 96, {8192}, false, G::kLowerBound, 1.400, 2.626},
+      {"h96-varlen", 96, varlen, false, G::kLowerBound, 1.392, 2.670},
+      {"h96-8x1024", 96, b8, true, G::kLowerBound, 1.196, 2.642},
+      {"h64-1seq", 64, {8192}, false, G::kLowerBound, 1.195, 1.749},
+      {"h64-varlen", 64, varlen, false, G::kLowerBound, 1.008, 2.035},
+      {"h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003},
+      {"h32-1seq", 32, {8192}, false, G::kLowerBound, 0.980, 2.039},
+      {"h32-32k", 32, {32768}, false, G::kLowerBound, 3.821, 3.870},
+      {"h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457},
+      {"softplus-h32-1seq", 32, {8192}, false, G::kSoftplus, 0, 1.107},
+      {"softplus-h96-1seq", 96, {8192}, false, G::kSoftplus, 0, 2.918},
+      {"softplus-h32-16x2048", 32, b16, true, G::kSoftplus, 0, 3.848},
+  };
+  std::printf("\n### CUDA prefill (K = V = 128, fp32 state in and out, median of %d)\n\n", iters);
+  std::printf("| case | gate | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | speedup vs FlashKDA | fla ms | speedup vs fla |\n");
+  std::printf("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (const auto& c : cases) {
+    if (!only.empty() && c.name != only) continue;
+    Prefill pf = make_prefill(c, 1234);
+    const kda::Workspace ws{pf.ws, pf.ws_bytes};
+    const double ms = median_ms(
+        [&](int i) { check(kda::forward_cuda(pf.p, pf.sets[i % pf.sets.size()], ws, nullptr), "forward_cuda"); },
+        5, iters);
+    const double floor_ms = pf.bytes / bw * 1e3;
+    char fk[32] = "-", fks[32] = "-", fl[32] = "-", fls[32] = "-";
+    if (c.flashkda_ms > 0) {
+      std::snprintf(fk, sizeof fk, "%.3f", c.flashkda_ms);
+      std::snprintf(fks, sizeof fks, "%.2fx", c.flashkda_ms / ms);
+    }
+    if (c.fla_ms > 0) {
+      std::snprintf(fl, sizeof fl, "%.3f", c.fla_ms);
+      std::snprintf(fls, sizeof fls, "%.2fx", c.fla_ms / ms);
+    }
+    std::printf("| %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n", c.name.c_str(),
+                c.gate == G::kSoftplus ? "softplus" : "lower_bound", c.heads, lengths_label(c).c_str(), ms,
+                pf.bytes / (ms * 1e-3) / 1e9, floor_ms, ms / floor_ms, fk, fks, fl, fls);
+    std::fflush(stdout);
+    free_prefill(pf);
+  }
+}
+
+void run_decode(double bw, int iters) {
+  const int H = 32, D = 128;
+  const double fla_ms[] = {0, 0.061, 0.094, 0.379};
+  const int batches[] = {1, 16, 64, 256};
+  std::printf("\n### CUDA decode (one token per sequence, H = 32, K = V = 128, fp32 state in place)\n\n");
+  std::printf("| B | us per step | GB moved | GB/s | %% of copy bw | floor us | fla fused_recurrent us |\n");
+  std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
+  for (int bi = 0; bi < 4; ++bi) {
+    const int B = batches[bi];
+    kda::DecodeProblem p;
+    p.batch = B;
+    p.tokens = 1;
+    p.num_heads = H;
+    p.num_slots = 2 * B;
+    p.state_dtype = kda::DType::kF32;
+    p.gate = kda::GateMode::kSoftplus;
+    const std::int64_t tok = static_cast<std::int64_t>(B) * H * D;
+    std::vector<void*> allocs;
+    auto al = [&](std::size_t n) {
+      void* ptr;
+      CK(cudaMalloc(&ptr, n));
+      allocs.push_back(ptr);
+      return ptr;
+    };
+    kda::DecodeTensors t;
+    auto* q = static_cast<std::uint16_t*>(al(tok * 2));
+    auto* k = static_cast<std::uint16_t*>(al(tok * 2));
+    auto* v = static_cast<std::uint16_t*>(al(tok * 2));
+    auto* g = static_cast<std::uint16_t*>(al(tok * 2));
+    auto* beta = static_cast<std::uint16_t*>(al(B * H * 2));
+    fill(q, tok, 11, -1, 1);
+    fill(k, tok, 12, -1, 1);
+    fill(v, tok, 13, -1, 1);
+    fill(g, tok, 14, -3, 1);
+    fill(beta, B * H, 15, -2, 2);
+    auto* A_log = static_cast<float*>(al(H * 4));
+    auto* dt_bias = static_cast<float*>(al(H * D * 4));
+    fill(A_log, H, 16, 0, 2.7f);
+    fill(dt_bias, H * D, 17, -1, 1);
+    const std::size_t pool_elems = static_cast<std::size_t>(p.num_slots) * H * D * D;
+    auto* pool = static_cast<float*>(al(pool_elems * 4));
+    fill(pool, static_cast<std::int64_t>(pool_elems), 18, -0.1f, 0.1f);
+    std::vector<std::int32_t> slots(B);
+    for (int b = 0; b < B; ++b) slots[b] = 2 * b;  // every other slot: a gappy pool as in serving
+    auto* d_slots = static_cast<std::int32_t*>(al(B * 4));
+    CK(cudaMemcpy(d_slots, slots.data(), B * 4, cudaMemcpyHostToDevice));
+    t.q = q; t.k = k; t.v = v; t.g = g; t.beta = beta; t.A_log = A_log; t.dt_bias = dt_bias;
+    t.slots = d_slots; t.state_pool = pool; t.out = al(tok * 2);
+    // A graph of `steps` decode steps, replayed: per-step time without launch gaps.
+    const int steps = 50;
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < steps; ++i) check(kda::decode_cuda(p, t, s), "decode_cuda");
+    CK(cudaStreamEndCapture(s, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
+    std::vector<float> ms(iters);
+    for (int i = 0; i < iters; ++i) {
+      CK(cudaEventRecord(e0, s));
+      CK(cudaGraphLaunch(exec, s));
+      CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1));
+      CK(cudaEventElapsedTime(&ms[i], e0, e1));
+    }
+    std::sort(ms.begin(), ms.end());
+    const double step_us = ms[iters / 2] * 1e3 / steps;
+    const double bytes = 2.0 * B * H * D * D * 4 + 5.0 * tok * 2 + B * H * 2 + B * 4;
+    const double gbps = bytes / (step_us * 1e-6) / 1e9;
+    std::printf("| %d | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B, step_us, bytes / 1e9, gbps,
+                100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
+                fla_ms[bi] > 0 ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
+    std::fflush(stdout);
+    CK(cudaGraphExecDestroy(exec));
+    CK(cudaGraphDestroy(graph));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaStreamDestroy(s));
+    for (void* ptr : allocs) CK(cudaFree(ptr));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool prefill = false, decode = false;
+  int iters = 30;
+  std::string only;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--prefill") prefill = true;
+    else if (a == "--decode") decode = true;
+    else if (a == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
+    else if (a == "--case" && i + 1 < argc) only = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: kda-bench [--prefill] [--decode] [--iters N] [--case NAME]\n");
+      return 2;
+    }
+  }
+  if (!prefill && !decode) prefill = decode = true;
+  if (kda::cuda_device_count() == 0) {
+    std::fprintf(stderr, "kda-bench: no CUDA device\n");
+    return 1;
+  }
+  const double bw = measure_copy_bandwidth();
+  std::printf("device: %s; device-to-device copy: %.2f TB/s (bytes read + written)\n",
+              kda::device_name(0).c_str(), bw / 1e12);
+  if (prefill) run_prefill(bw, iters, only);
+  if (decode) run_decode(bw, iters);
+  return 0;
+}

@@ -1,0 +1,90 @@
+// kda/engine/model_spec.hpp — the YAML model description, parsed and validated into a ModelSpec.
+//
+// Schema (extra keys anywhere are allowed, so a Hugging Face config.json converted to YAML can be
+// pasted in; a key listed here with the wrong type or an out-of-range value is an error):
+//
+//   name: Kimi-Linear-48B-A3B        # optional string; default: the file name without extension
+//   hidden_size: 2304                # required, 1..1048576
+//   num_hidden_layers: 27            # required, 1..4096
+//   linear_attn_config:              # required map
+//     num_heads: 32                  # required, 1..1024 (H)
+//     head_dim: 128                  # required, 1..1024 (K = V)
+//     short_conv_kernel_size: 4      # optional, 1..64, default 4 (not used by the KDA operator)
+//     kda_layers: [1, 2, 3, 5]       # required, 1-based, each in [1, num_hidden_layers], unique,
+//                                    #   at least one
+//     full_attn_layers: [4]          # optional (default none), 1-based, same rules, and disjoint
+//                                    #   from kda_layers
+//     gate: softplus                 # required: softplus | lower_bound
+//     gate_lower_bound: -5.0         # required with gate: lower_bound; finite, in [-5, 0);
+//                                    #   checked the same way when given with softplus (unused)
+//   weights: kda-params.safetensors  # optional; relative paths are relative to the YAML's directory
+//   runtime:                         # optional map; every key optional
+//     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences together
+//     max_sequences: 8               # default 8; 1..1048576; sequences per prefill = state slots
+//     state_dtype: fp32              # default fp32; fp32 | bf16
+//     workspace_plan: sum            # default sum; sum | reuse
+//     backend: auto                  # default auto; auto | cpu | cuda
+//
+// Byte counts derived from the sizes (inputs and outputs at max_tokens, the state pool of every KDA
+// layer at max_sequences, their sum) must fit in 64 bits; the loader checks them, so every later
+// size computation on a validated spec is overflow-free.
+//
+// Errors throw kda::Error (code kInvalidArgument, or kOverflow for byte counts) whose message starts
+// with "file:line:column:" and names the key, e.g.
+//   models/m.yaml:5:14: linear_attn_config.num_heads: expected an integer, got 'many'
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda/planner/memory_plan.hpp"
+
+namespace kda::engine {
+
+enum class BackendChoice : int { kAuto = 0, kCpu = 1, kCuda = 2 };
+const char* to_string(BackendChoice choice) noexcept;
+// Parses "auto" / "cpu" / "cuda"; false on anything else.
+bool parse_backend_choice(const std::string& text, BackendChoice* choice) noexcept;
+
+struct RuntimeSpec {
+  std::int64_t max_tokens = 8192;
+  std::int64_t max_sequences = 8;
+  DType state_dtype = DType::kF32;  // kF32 or kBF16
+  planner::PlanMode workspace_plan = planner::PlanMode::kSum;
+  BackendChoice backend = BackendChoice::kAuto;
+};
+
+struct ModelSpec {
+  std::string name;
+  std::string source;  // where it was read from (file path or the caller's source name)
+  std::int64_t hidden_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_heads = 0;               // H
+  std::int64_t head_dim = 0;                // K = V
+  std::int64_t short_conv_kernel_size = 4;
+  std::vector<int> kda_layers;              // 1-based, as written in the YAML (sorted ascending)
+  std::vector<int> kda_layer_indices;       // the same, 0-based (model.layers.{i} in checkpoints)
+  std::vector<int> full_attn_layers;        // 1-based, sorted ascending
+  GateMode gate = GateMode::kSoftplus;
+  float gate_lower_bound = -5.0f;           // meaningful with GateMode::kLowerBound
+  std::string weights;                      // resolved path, or empty when none
+  RuntimeSpec runtime;
+
+  std::int64_t num_kda_layers() const noexcept {
+    return static_cast<std::int64_t>(kda_layer_indices.size());
+  }
+  // Bytes of one state slot of one layer: H * V * K * sizeof(state dtype).
+  std::uint64_t state_slot_bytes() const noexcept;
+};
+
+// Reads and validates a YAML model description. Throws kda::Error.
+ModelSpec load_model_spec(const std::string& path);
+
+// Parses YAML text. `source_name` prefixes error messages ("file:line:col: ..."); relative
+// `weights` paths are resolved against `base_dir` (empty: left as written).
+ModelSpec parse_model_spec(const std::string& text, const std::string& source_name,
+                           const std::string& base_dir = {});
+
+}  // namespace kda::engine

@@ -1,0 +1,327 @@
+// engine/case_file.cpp — validate a case file completely, run one forward, write the result.
+#include "kda/engine/case_file.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+#include "kda/engine/error.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& source, const std::string& what,
+                       StatusCode code = StatusCode::kInvalidArgument) {
+  throw Error(code, source + ": " + what);
+}
+
+// Every tensor the contract names; anything else in the file is ignored.
+const char* const kInputNames[] = {"q", "k", "v", "g", "beta", "A_log", "dt_bias",
+                                   "initial_state", "cu_seqlens"};
+
+// Strict number parsing: the whole string, no trailing garbage.
+bool parse_number(const std::string& text, double* value) {
+  if (text.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const double parsed = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size()) return false;
+  *value = parsed;
+  return true;
+}
+
+std::string number_text(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+const Tensor& require(const std::map<std::string, Tensor>& tensors, const std::string& name,
+                      const std::string& source) {
+  const auto it = tensors.find(name);
+  if (it == tensors.end()) fail(source, "missing tensor '" + name + "'");
+  return it->second;
+}
+
+void expect_dtype(const Tensor& t, std::initializer_list<DType> allowed, const std::string& source) {
+  for (const DType d : allowed) {
+    if (t.dtype == d) return;
+  }
+  std::string names;
+  for (const DType d : allowed) names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
+  fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) + ", expected " +
+                   names);
+}
+
+void expect_shape(const Tensor& t, const std::vector<std::int64_t>& shape, const std::string& what,
+                  const std::string& source) {
+  if (t.shape != shape) {
+    fail(source, "tensor '" + t.name + "' has shape " + shape_to_string(t.shape) + ", expected " +
+                     shape_to_string(shape) + " (" + what + ")");
+  }
+}
+
+// Deleters for host and device buffers used by run_case.
+struct FreeDeleter {
+  void operator()(void* p) const noexcept { std::free(p); }
+};
+struct DeviceDeleter {
+  void operator()(void* p) const noexcept { (void)device_free(p); }
+};
+
+// A non-null stand-in for pointers to empty tensors (length-0 problems still pass pointer checks).
+alignas(256) unsigned char g_empty[256];
+
+}  // namespace
+
+KdaCase make_case(std::map<std::string, Tensor> tensors,
+                  const std::map<std::string, std::string>& metadata, const std::string& source) {
+  const Tensor& q = require(tensors, "q", source);
+  const Tensor& k = require(tensors, "k", source);
+  const Tensor& v = require(tensors, "v", source);
+  const Tensor& g = require(tensors, "g", source);
+  const Tensor& beta = require(tensors, "beta", source);
+  const Tensor& a_log = require(tensors, "A_log", source);
+  const Tensor& dt_bias = require(tensors, "dt_bias", source);
+  for (const Tensor* t : {&q, &k, &v, &g, &beta}) expect_dtype(*t, {DType::kBF16}, source);
+  for (const Tensor* t : {&a_log, &dt_bias}) expect_dtype(*t, {DType::kF32}, source);
+
+  if (q.shape.size() != 4) {
+    fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ", expected [B, T, H, K]");
+  }
+  const std::int64_t B = q.shape[0], T = q.shape[1], H = q.shape[2], K = q.shape[3];
+  if (H < 1 || K < 1) fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ": H and K must be >= 1");
+  expect_shape(k, q.shape, "same as q: [B, T, H, K]", source);
+  expect_shape(g, q.shape, "same as q: [B, T, H, K]", source);
+  if (v.shape.size() != 4 || v.shape[0] != B || v.shape[1] != T || v.shape[2] != H || v.shape[3] < 1) {
+    fail(source, "tensor 'v' has shape " + shape_to_string(v.shape) + ", expected [" +
+                     std::to_string(B) + ", " + std::to_string(T) + ", " + std::to_string(H) +
+                     ", V] with V >= 1");
+  }
+  const std::int64_t V = v.shape[3];
+  expect_shape(beta, {B, T, H}, "[B, T, H]", source);
+  expect_shape(a_log, {H}, "[H]", source);
+  expect_shape(dt_bias, {H, K}, "[H, K]", source);
+
+  Problem p;
+  p.batch = B;
+  p.seq_len = T;
+  p.num_heads = H;
+  p.head_dim_k = K;
+  p.head_dim_v = V;
+
+  std::int64_t N = B;
+  if (const auto it = tensors.find("cu_seqlens"); it != tensors.end()) {
+    const Tensor& cu = it->second;
+    expect_dtype(cu, {DType::kI64, DType::kI32}, source);
+    if (cu.shape.size() != 1 || cu.shape[0] < 2) {
+      fail(source, "tensor 'cu_seqlens' has shape " + shape_to_string(cu.shape) +
+                       ", expected [N + 1] with N >= 1");
+    }
+    if (B != 1) fail(source, "cu_seqlens is given, so B must be 1, but q has B = " + std::to_string(B));
+    N = cu.shape[0] - 1;
+    auto at = [&cu](std::int64_t i) -> std::int64_t {
+      return cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i] : cu.data_as<std::int32_t>()[i];
+    };
+    if (at(0) != 0) fail(source, "cu_seqlens[0] is " + std::to_string(at(0)) + ", expected 0");
+    for (std::int64_t i = 1; i <= N; ++i) {
+      if (at(i) < at(i - 1)) {
+        fail(source, "cu_seqlens decreases at index " + std::to_string(i) + " (" +
+                         std::to_string(at(i - 1)) + " then " + std::to_string(at(i)) + ")");
+      }
+    }
+    if (at(N) != T) {
+      fail(source, "cu_seqlens ends at " + std::to_string(at(N)) + ", expected T = " + std::to_string(T));
+    }
+    p.num_seqs = N;
+    p.cu_seqlens_dtype = cu.dtype;
+  }
+
+  DType final_dtype = DType::kF32;
+  if (const auto it = tensors.find("initial_state"); it != tensors.end()) {
+    const Tensor& s = it->second;
+    expect_dtype(s, {DType::kF32, DType::kBF16}, source);
+    expect_shape(s, {N, H, V, K}, "[N, H, V, K]", source);
+    p.initial_state_dtype = s.dtype;
+    final_dtype = s.dtype;
+  }
+
+  // Metadata.
+  const auto gate_it = metadata.find("gate");
+  if (gate_it == metadata.end()) fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
+  if (gate_it->second == "lower_bound") {
+    p.gate = GateMode::kLowerBound;
+  } else if (gate_it->second == "softplus") {
+    p.gate = GateMode::kSoftplus;
+  } else {
+    fail(source, "metadata 'gate' is '" + gate_it->second + "', expected lower_bound or softplus");
+  }
+  const auto bound_it = metadata.find("lower_bound");
+  if (p.gate == GateMode::kLowerBound && bound_it == metadata.end()) {
+    fail(source, "metadata 'lower_bound' is required with gate lower_bound");
+  }
+  if (bound_it != metadata.end()) {
+    double bound = 0.0;
+    if (!parse_number(bound_it->second, &bound)) {
+      fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
+    }
+    if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
+      fail(source, "metadata 'lower_bound' is " + number_text(bound) +
+                       ", outside [-5, 0) or not finite");
+    }
+    p.lower_bound = static_cast<float>(bound);
+  }
+  if (const auto it = metadata.find("scale"); it != metadata.end()) {
+    double scale = 0.0;
+    if (!parse_number(it->second, &scale)) {
+      fail(source, "metadata 'scale' is '" + it->second + "', not a number");
+    }
+    if (!std::isfinite(scale) || scale <= 0.0 || !std::isfinite(static_cast<float>(scale))) {
+      fail(source, "metadata 'scale' is " + number_text(scale) + ", expected a finite value > 0");
+    }
+    p.scale = static_cast<float>(scale);
+  }
+  if (const auto it = metadata.find("final_state"); it != metadata.end()) {
+    if (it->second == "f32") final_dtype = DType::kF32;
+    else if (it->second == "bf16") final_dtype = DType::kBF16;
+    else if (it->second == "none") final_dtype = DType::kNone;
+    else fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
+  }
+  p.final_state_dtype = final_dtype;
+
+  const Status st = validate(p);
+  if (!st.ok()) throw Error(st, source);
+
+  KdaCase result;
+  result.problem = p;
+  for (const char* name : kInputNames) {
+    auto it = tensors.find(name);
+    if (it != tensors.end()) result.tensors.emplace(name, std::move(it->second));
+  }
+  return result;
+}
+
+KdaCase load_case(const std::string& path) {
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  std::map<std::string, Tensor> tensors;
+  for (const char* name : kInputNames) {
+    if (file.find(name) != nullptr) tensors.emplace(name, file.read(name));
+  }
+  return make_case(std::move(tensors), file.metadata(), path);
+}
+
+std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Backend* used) {
+  const Problem& p = kda_case.problem;
+  Backend backend = Backend::kCpu;
+  if (choice == BackendChoice::kCuda) {
+    backend = Backend::kCuda;
+  } else if (choice == BackendChoice::kAuto && cuda_device_count() > 0 &&
+             can_implement(p, Backend::kCuda).ok()) {
+    backend = Backend::kCuda;
+  }
+  if (const Status st = can_implement(p, backend); !st.ok()) {
+    throw Error(st, std::string("backend ") + to_string(backend));
+  }
+  std::size_t workspace_bytes = 0;
+  throw_if_error(workspace_size(p, backend, &workspace_bytes), "workspace size");
+
+  Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, p.num_heads, p.head_dim_v});
+  Tensor final_state;
+  const bool has_final = p.final_state_dtype != DType::kNone;
+  if (has_final) {
+    final_state = Tensor::zeros("final_state", p.final_state_dtype,
+                                {p.sequences(), p.num_heads, p.head_dim_v, p.head_dim_k});
+  }
+  auto input = [&kda_case](const char* name) -> const Tensor* {
+    const auto it = kda_case.tensors.find(name);
+    return it == kda_case.tensors.end() ? nullptr : &it->second;
+  };
+  auto host_ptr = [](const Tensor* t) -> const void* {
+    if (t == nullptr) return nullptr;
+    return t->data.empty() ? static_cast<const void*>(g_empty) : t->data.data();
+  };
+
+  Tensors t;
+  if (backend == Backend::kCpu) {
+    std::unique_ptr<void, FreeDeleter> workspace;
+    if (workspace_bytes > 0) {
+      const std::size_t rounded = (workspace_bytes + 255) / 256 * 256;
+      workspace.reset(std::aligned_alloc(256, rounded));
+      if (!workspace) throw Error(StatusCode::kInternal, "cannot allocate the CPU workspace");
+    }
+    t.q = host_ptr(input("q"));
+    t.k = host_ptr(input("k"));
+    t.v = host_ptr(input("v"));
+    t.g = host_ptr(input("g"));
+    t.beta = host_ptr(input("beta"));
+    t.A_log = static_cast<const float*>(host_ptr(input("A_log")));
+    t.dt_bias = static_cast<const float*>(host_ptr(input("dt_bias")));
+    t.cu_seqlens = host_ptr(input("cu_seqlens"));
+    t.cu_seqlens_host = t.cu_seqlens;
+    t.initial_state = host_ptr(input("initial_state"));
+    t.out = out.data.empty() ? static_cast<void*>(g_empty) : out.data.data();
+    t.final_state = has_final ? (final_state.data.empty() ? static_cast<void*>(g_empty)
+                                                          : final_state.data.data())
+                              : nullptr;
+    throw_if_error(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
+  } else {
+    std::vector<std::unique_ptr<void, DeviceDeleter>> allocations;
+    auto device_buffer = [&allocations](std::size_t bytes) -> void* {
+      void* ptr = nullptr;
+      throw_if_error(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
+      allocations.emplace_back(ptr);
+      return ptr;
+    };
+    auto upload = [&](const Tensor* tensor) -> const void* {
+      if (tensor == nullptr) return nullptr;
+      void* ptr = device_buffer(tensor->data.size());
+      throw_if_error(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
+      return ptr;
+    };
+    t.q = upload(input("q"));
+    t.k = upload(input("k"));
+    t.v = upload(input("v"));
+    t.g = upload(input("g"));
+    t.beta = upload(input("beta"));
+    t.A_log = static_cast<const float*>(upload(input("A_log")));
+    t.dt_bias = static_cast<const float*>(upload(input("dt_bias")));
+    t.cu_seqlens = upload(input("cu_seqlens"));
+    t.cu_seqlens_host = host_ptr(input("cu_seqlens"));
+    t.initial_state = upload(input("initial_state"));
+    t.out = device_buffer(out.data.size());
+    if (has_final) t.final_state = device_buffer(final_state.data.size());
+    void* workspace = workspace_bytes > 0 ? device_buffer(workspace_bytes) : nullptr;
+    throw_if_error(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
+    throw_if_error(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
+    if (has_final) {
+      throw_if_error(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
+                     "download final_state");
+    }
+    throw_if_error(stream_synchronize(nullptr), "CUDA forward");
+  }
+  if (used != nullptr) *used = backend;
+  std::vector<Tensor> outputs;
+  outputs.push_back(std::move(out));
+  if (has_final) outputs.push_back(std::move(final_state));
+  return outputs;
+}
+
+void run_case_file(const std::string& input_path, const std::string& output_path,
+                   BackendChoice backend, Backend* used) {
+  const KdaCase kda_case = load_case(input_path);
+  Backend ran = Backend::kCpu;
+  const std::vector<Tensor> outputs = run_case(kda_case, backend, &ran);
+  std::map<std::string, std::string> metadata = {
+      {"backend", to_string(ran)},
+      {"gate", to_string(kda_case.problem.gate)},
+      {"producer", "kda-run"},
+  };
+  save_safetensors(output_path, outputs, metadata);
+  if (used != nullptr) *used = ran;
+}
+
+}  // namespace kda::engine

@@ -1,0 +1,261 @@
+// engine/kda_layer.cpp — parameters, buffer declarations and the forward of one KDA layer.
+#include "kda/engine/kda_layer.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "kda/bf16.hpp"
+#include "kda/engine/error.hpp"
+#include "kda/engine/safetensors.hpp"
+#include "kda/nvtx.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+// A parameter tensor as fp32, whatever its stored float dtype.
+std::vector<float> to_float(const SafetensorsFile& file, const Tensor& tensor) {
+  std::vector<float> values(static_cast<std::size_t>(tensor.numel()));
+  if (tensor.dtype == DType::kF32) {
+    std::memcpy(values.data(), tensor.data.data(), values.size() * sizeof(float));
+  } else if (tensor.dtype == DType::kBF16) {
+    const auto* bits = tensor.data_as<bf16_bits>();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
+  } else {
+    throw Error(StatusCode::kInvalidArgument,
+                file.path() + ": tensor '" + tensor.name + "' has dtype " +
+                    safetensors_dtype_name(tensor.dtype) + ", expected F32 or BF16");
+  }
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      throw Error(StatusCode::kInvalidArgument, file.path() + ": tensor '" + tensor.name +
+                                                    "' holds a non-finite value at element " +
+                                                    std::to_string(i));
+    }
+  }
+  return values;
+}
+
+bool shape_is(const std::vector<std::int64_t>& shape, std::initializer_list<std::int64_t> dims) {
+  return shape == std::vector<std::int64_t>(dims);
+}
+
+}  // namespace
+
+std::string a_log_tensor_name(int layer_index) {
+  return "model.layers." + std::to_string(layer_index) + ".self_attn.A_log";
+}
+std::string dt_bias_tensor_name(int layer_index) {
+  return "model.layers." + std::to_string(layer_index) + ".self_attn.dt_bias";
+}
+
+KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
+                                  std::int64_t num_heads, std::int64_t head_dim) {
+  const std::string a_name = a_log_tensor_name(layer_index);
+  const std::string dt_name = dt_bias_tensor_name(layer_index);
+  for (const std::string& name : {a_name, dt_name}) {
+    if (file.find(name) == nullptr) {
+      throw Error(StatusCode::kInvalidArgument,
+                  file.path() + ": no tensor '" + name + "' (parameters of KDA layer " +
+                      std::to_string(layer_index + 1) + " in 1-based YAML numbering)");
+    }
+  }
+  const Tensor a_log = file.read(a_name);
+  if (!shape_is(a_log.shape, {num_heads}) && !shape_is(a_log.shape, {1, 1, num_heads, 1})) {
+    throw Error(StatusCode::kInvalidArgument,
+                file.path() + ": tensor '" + a_name + "' has shape " +
+                    shape_to_string(a_log.shape) + ", expected [" + std::to_string(num_heads) +
+                    "] or [1, 1, " + std::to_string(num_heads) + ", 1]");
+  }
+  const Tensor dt_bias = file.read(dt_name);
+  if (!shape_is(dt_bias.shape, {num_heads * head_dim}) &&
+      !shape_is(dt_bias.shape, {num_heads, head_dim})) {
+    throw Error(StatusCode::kInvalidArgument,
+                file.path() + ": tensor '" + dt_name + "' has shape " +
+                    shape_to_string(dt_bias.shape) + ", expected [" +
+                    std::to_string(num_heads * head_dim) + "] or [" + std::to_string(num_heads) +
+                    ", " + std::to_string(head_dim) + "]");
+  }
+  KdaParameters parameters;
+  parameters.A_log = to_float(file, a_log);
+  parameters.dt_bias = to_float(file, dt_bias);
+  parameters.origin = file.path();
+  return parameters;
+}
+
+KdaParameters random_kda_parameters(std::uint64_t seed, int layer_index, std::int64_t num_heads,
+                                    std::int64_t head_dim) {
+  // Distinct, reproducible streams per (seed, layer).
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    static_cast<std::uint32_t>(layer_index), 0x6b6461u};
+  std::mt19937_64 generator(seq);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  KdaParameters parameters;
+  parameters.A_log.resize(static_cast<std::size_t>(num_heads));
+  parameters.dt_bias.resize(static_cast<std::size_t>(num_heads * head_dim));
+  for (float& a : parameters.A_log) a = static_cast<float>(std::log(1.0 + 15.0 * unit(generator)));
+  const double log_lo = std::log(1e-3), log_hi = std::log(1e-1);
+  for (float& bias : parameters.dt_bias) {
+    const double dt = std::exp(log_lo + (log_hi - log_lo) * unit(generator));
+    bias = static_cast<float>(dt + std::log(-std::expm1(-dt)));  // softplus^-1(dt)
+  }
+  parameters.origin = "random (seed " + std::to_string(seed) + ")";
+  return parameters;
+}
+
+KdaLayer::KdaLayer(const ModelSpec& spec, int ordinal, int layer_index, KdaParameters parameters)
+    : ordinal_(ordinal),
+      layer_index_(layer_index),
+      num_heads_(spec.num_heads),
+      head_dim_(spec.head_dim),
+      max_tokens_(spec.runtime.max_tokens),
+      max_sequences_(spec.runtime.max_sequences),
+      state_dtype_(spec.runtime.state_dtype),
+      gate_(spec.gate),
+      lower_bound_(spec.gate_lower_bound),
+      parameters_(std::move(parameters)) {
+  const std::string prefix = "layer" + std::to_string(layer_index);
+  if (parameters_.A_log.size() != static_cast<std::size_t>(num_heads_) ||
+      parameters_.dt_bias.size() != static_cast<std::size_t>(num_heads_ * head_dim_)) {
+    throw Error(StatusCode::kInvalidArgument,
+                prefix + ": parameters have " + std::to_string(parameters_.A_log.size()) +
+                    " A_log and " + std::to_string(parameters_.dt_bias.size()) +
+                    " dt_bias values, expected " + std::to_string(num_heads_) + " and " +
+                    std::to_string(num_heads_ * head_dim_));
+  }
+  nvtx_name_ = "kda.layer" + std::to_string(layer_index);
+  a_log_name_ = prefix + ".A_log";
+  dt_bias_name_ = prefix + ".dt_bias";
+  state_name_ = prefix + ".state";
+  workspace_name_ = prefix + ".workspace";
+}
+
+Problem KdaLayer::prefill_problem(std::int64_t tokens, std::int64_t sequences) const noexcept {
+  Problem p;
+  p.batch = 1;
+  p.seq_len = tokens;
+  p.num_heads = num_heads_;
+  p.head_dim_k = head_dim_;
+  p.head_dim_v = head_dim_;
+  p.num_seqs = sequences;
+  p.cu_seqlens_dtype = DType::kI64;
+  p.gate = gate_;
+  p.lower_bound = lower_bound_;
+  p.initial_state_dtype = state_dtype_;
+  p.final_state_dtype = state_dtype_;
+  return p;
+}
+
+DecodeProblem KdaLayer::decode_problem(std::int64_t batch, std::int64_t tokens) const noexcept {
+  DecodeProblem p;
+  p.batch = batch;
+  p.tokens = tokens;
+  p.num_heads = num_heads_;
+  p.head_dim_k = head_dim_;
+  p.head_dim_v = head_dim_;
+  p.num_slots = max_sequences_;
+  p.state_dtype = state_dtype_;
+  p.gate = gate_;
+  p.lower_bound = lower_bound_;
+  return p;
+}
+
+void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend) const {
+  const auto H = static_cast<std::uint64_t>(num_heads_);
+  const auto K = static_cast<std::uint64_t>(head_dim_);
+  planner::BufferRequest request;
+  request.layer = layer_index_;
+  request.persistent = true;
+
+  request.name = a_log_name_;
+  request.kind = planner::BufferKind::kParameter;
+  request.bytes = H * sizeof(float);
+  planner.add(request);
+
+  request.name = dt_bias_name_;
+  request.bytes = H * K * sizeof(float);
+  planner.add(request);
+
+  // The spec loader checked that this product fits in 64 bits.
+  request.name = state_name_;
+  request.kind = planner::BufferKind::kState;
+  request.bytes = static_cast<std::uint64_t>(max_sequences_) * H * K * K * dtype_size(state_dtype_);
+  planner.add(request);
+
+  std::size_t workspace = 0;
+  const Status st = workspace_size(prefill_problem(max_tokens_, max_sequences_), backend, &workspace);
+  if (!st.ok()) throw Error(st, nvtx_name_ + ": workspace size on " + to_string(backend));
+  if (workspace > 0) {
+    request.name = workspace_name_;
+    request.kind = planner::BufferKind::kWorkspace;
+    request.bytes = workspace;
+    request.persistent = false;
+    request.first_step = ordinal_;
+    request.last_step = ordinal_;
+    planner.add(request);
+  }
+}
+
+void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Backend backend,
+                    void* stream) {
+  auto locate = [&](const std::string& name, std::uint64_t* bytes) -> std::uint8_t* {
+    const planner::PlanEntry* entry = plan.find(name);
+    if (entry == nullptr) return nullptr;
+    if (bytes != nullptr) *bytes = entry->bytes;
+    return arena + entry->offset;
+  };
+  backend_ = backend;
+  A_log_ = reinterpret_cast<float*>(locate(a_log_name_, nullptr));
+  dt_bias_ = reinterpret_cast<float*>(locate(dt_bias_name_, nullptr));
+  state_pool_ = locate(state_name_, &state_pool_bytes_);
+  workspace_bytes_ = 0;
+  workspace_ = locate(workspace_name_, &workspace_bytes_);
+  if (A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr) {
+    throw Error(StatusCode::kInternal, nvtx_name_ + ": buffers missing from the memory plan");
+  }
+  const std::size_t a_bytes = parameters_.A_log.size() * sizeof(float);
+  const std::size_t dt_bytes = parameters_.dt_bias.size() * sizeof(float);
+  if (backend == Backend::kCuda) {
+    throw_if_error(memcpy_to_device(A_log_, parameters_.A_log.data(), a_bytes, stream),
+                   "uploading A_log");
+    throw_if_error(memcpy_to_device(dt_bias_, parameters_.dt_bias.data(), dt_bytes, stream),
+                   "uploading dt_bias");
+  } else {
+    std::memcpy(A_log_, parameters_.A_log.data(), a_bytes);
+    std::memcpy(dt_bias_, parameters_.dt_bias.data(), dt_bytes);
+  }
+}
+
+void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream) const {
+  Workspace ws{workspace_, static_cast<std::size_t>(workspace_bytes_)};
+  t.A_log = A_log_;
+  t.dt_bias = dt_bias_;
+  Status st;
+  if (backend_ == Backend::kCuda) {
+    KDA_NVTX_RANGE("prefill.forward_cuda");
+    st = forward_cuda(p, t, ws, stream);
+  } else {
+    KDA_NVTX_RANGE("prefill.forward_cpu");
+    st = forward_cpu(p, t, ws, cpu);
+  }
+  if (!st.ok()) throw Error(st, nvtx_name_ + " prefill");
+}
+
+void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu,
+                      void* stream) const {
+  t.A_log = A_log_;
+  t.dt_bias = dt_bias_;
+  t.state_pool = state_pool_;
+  Status st;
+  if (backend_ == Backend::kCuda) {
+    KDA_NVTX_RANGE("decode.step_cuda");
+    st = decode_cuda(p, t, stream);
+  } else {
+    KDA_NVTX_RANGE("decode.step_cpu");
+    st = decode_cpu(p, t, cpu);
+  }
+  if (!st.ok()) throw Error(st, nvtx_name_ + " decode");
+}
+
+}  // namespace kda::engine

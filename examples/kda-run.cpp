@@ -1,0 +1,358 @@
+// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case file.
+//
+// Exit codes: 0 success, 1 runtime error (bad model or case file, backend failure), 2 usage error.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kda/engine/case_file.hpp"
+#include "kda/engine/engine.hpp"
+#include "kda/engine/error.hpp"
+#include "kda/engine/model_spec.hpp"
+
+namespace {
+
+using kda::engine::BackendChoice;
+
+constexpr std::int64_t kDefaultTokens = 1024;
+
+const char* const kUsage =
+    R"(Usage:
+  kda-run --model M.yaml [--tokens T] [--sequences N] [--decode-steps S]
+          [--backend auto|cpu|cuda] [--seed S] [--threads N]
+  kda-run --model M.yaml --plan-only [--json] [--tokens T] [--backend auto|cpu|cuda]
+  kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
+  kda-run --help
+
+Runs every KDA layer of the model described by M.yaml on synthetic inputs (T tokens split evenly
+over N sequences, each on its own state slot) and prints the memory plan, the time of each layer,
+the total and tokens/s. With --decode-steps S, then runs S decode steps of one token per sequence
+through every KDA layer and prints the median step latency and tokens/s.
+
+Options:
+  --model M.yaml       model description (YAML; see README for the schema)
+  --tokens T           prefill tokens, all sequences together (default 1024; at most
+                       runtime.max_tokens of the model)
+  --sequences N        sequences (default 1; at most runtime.max_sequences)
+  --decode-steps S     decode steps after the prefill (default 0)
+  --backend B          auto (default: the model's runtime.backend), cpu or cuda
+  --seed S             seeds the synthetic inputs and random parameters (default 0)
+  --threads N          CPU backend threads (default 0: all hardware threads)
+  --plan-only          print the memory plan and exit; --json prints it as JSON:
+                       {"mode", "alignment", "total_bytes", "buffers": [{"name", "kind", "layer",
+                       "offset", "bytes", ...}]}, kind one of workspace, state, scratch, parameter
+  --case IN            one KDA forward on the tensors of IN (safetensors case file: q, k, v, g,
+                       beta, A_log, dt_bias, optional initial_state and cu_seqlens; metadata gate,
+                       lower_bound, scale, final_state); writes out and final_state to --output.
+                       A bad case file is reported and nothing is written.
+  --output OUT         where --case writes its result (atomically)
+  --help               this text
+
+Exit status: 0 success, 1 runtime error, 2 usage error.
+)";
+
+struct UsageError {
+  std::string message;
+};
+
+struct Options {
+  std::string model;
+  std::string case_path;
+  std::string output;
+  std::optional<std::int64_t> tokens;
+  std::int64_t sequences = 1;
+  std::int64_t decode_steps = 0;
+  std::optional<BackendChoice> backend;
+  std::uint64_t seed = 0;
+  std::int64_t threads = 0;
+  bool plan_only = false;
+  bool json = false;
+  bool help = false;
+  bool sequences_given = false;
+  bool decode_given = false;
+  bool seed_given = false;
+  bool threads_given = false;
+};
+
+std::int64_t parse_int(const std::string& flag, const std::string& text, std::int64_t lo,
+                       std::int64_t hi) {
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+    throw UsageError{flag + " expects an integer, got '" + text + "'"};
+  }
+  if (value < lo || value > hi) {
+    throw UsageError{flag + " " + text + " is out of range [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "]"};
+  }
+  return value;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    std::optional<std::string> inline_value;
+    if (arg.rfind("--", 0) == 0) {
+      const auto eq = arg.find('=');
+      if (eq != std::string::npos) {
+        inline_value = arg.substr(eq + 1);
+        arg = arg.substr(0, eq);
+      }
+    }
+    auto value = [&]() -> std::string {
+      if (inline_value) return *inline_value;
+      if (i + 1 >= argc) throw UsageError{arg + " needs a value"};
+      return argv[++i];
+    };
+    auto no_value = [&]() {
+      if (inline_value) throw UsageError{arg + " takes no value"};
+    };
+    if (arg == "--help" || arg == "-h") {
+      no_value();
+      o.help = true;
+    } else if (arg == "--model") {
+      o.model = value();
+    } else if (arg == "--case") {
+      o.case_path = value();
+    } else if (arg == "--output") {
+      o.output = value();
+    } else if (arg == "--tokens") {
+      o.tokens = parse_int(arg, value(), 1, kMax);
+    } else if (arg == "--sequences") {
+      o.sequences = parse_int(arg, value(), 1, 1 << 20);
+      o.sequences_given = true;
+    } else if (arg == "--decode-steps") {
+      o.decode_steps = parse_int(arg, value(), 0, 1 << 24);
+      o.decode_given = true;
+    } else if (arg == "--seed") {
+      o.seed = static_cast<std::uint64_t>(parse_int(arg, value(), 0, kMax));
+      o.seed_given = true;
+    } else if (arg == "--threads") {
+      o.threads = parse_int(arg, value(), 0, 4096);
+      o.threads_given = true;
+    } else if (arg == "--backend") {
+      const std::string text = value();
+      BackendChoice choice;
+      if (!kda::engine::parse_backend_choice(text, &choice)) {
+        throw UsageError{"--backend expects auto, cpu or cuda, got '" + text + "'"};
+      }
+      o.backend = choice;
+    } else if (arg == "--plan-only") {
+      no_value();
+      o.plan_only = true;
+    } else if (arg == "--json") {
+      no_value();
+      o.json = true;
+    } else {
+      throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
+    }
+  }
+  if (o.help) return o;
+  if (!o.case_path.empty()) {
+    if (!o.model.empty()) throw UsageError{"--case and --model cannot be used together"};
+    if (o.output.empty()) throw UsageError{"--case needs --output OUT.safetensors"};
+    if (o.plan_only || o.json || o.tokens || o.sequences_given || o.decode_given || o.seed_given ||
+        o.threads_given) {
+      throw UsageError{"--case takes only --output and --backend"};
+    }
+    return o;
+  }
+  if (!o.output.empty()) throw UsageError{"--output is only used with --case"};
+  if (o.model.empty()) throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
+  if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
+  if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
+    throw UsageError{"--plan-only takes only --json, --tokens and --backend"};
+  }
+  return o;
+}
+
+// A one-line progress bar on stderr, shown only on a terminal and only once the run has taken
+// more than about a second (short runs stay quiet).
+class ProgressBar {
+ public:
+  ProgressBar() : enabled_(isatty(STDERR_FILENO) == 1), start_(std::chrono::steady_clock::now()) {}
+  void update(int done, int total) {
+    if (!enabled_) return;
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (elapsed < 1.0 && !shown_) return;
+    shown_ = true;
+    constexpr int kWidth = 30;
+    const int filled = total > 0 ? done * kWidth / total : kWidth;
+    std::string bar(static_cast<std::size_t>(filled), '#');
+    bar.append(static_cast<std::size_t>(kWidth - filled), '.');
+    std::fprintf(stderr, "\r[%s] %d/%d  %.1f s", bar.c_str(), done, total, elapsed);
+    std::fflush(stderr);
+  }
+  void finish() {
+    if (shown_) {
+      std::fprintf(stderr, "\r\033[K");
+      std::fflush(stderr);
+    }
+    shown_ = false;
+  }
+  ~ProgressBar() { finish(); }
+
+ private:
+  bool enabled_;
+  bool shown_ = false;
+  std::chrono::steady_clock::time_point start_;
+};
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const std::size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
+}
+
+std::string describe_model(const kda::engine::ModelSpec& spec) {
+  std::string text = spec.name + ": " + std::to_string(spec.num_hidden_layers) + " layers, " +
+                     std::to_string(spec.num_kda_layers()) + " KDA (H=" +
+                     std::to_string(spec.num_heads) + ", D=" + std::to_string(spec.head_dim) +
+                     ", gate " + kda::to_string(spec.gate);
+  if (spec.gate == kda::GateMode::kLowerBound) {
+    char bound[32];
+    std::snprintf(bound, sizeof bound, " %g", static_cast<double>(spec.gate_lower_bound));
+    text += bound;
+  }
+  text += ", state " + std::string(spec.runtime.state_dtype == kda::DType::kF32 ? "fp32" : "bf16") +
+          ", plan " + kda::planner::to_string(spec.runtime.workspace_plan) + ")";
+  return text;
+}
+
+int run_case_mode(const Options& o) {
+  const auto start = std::chrono::steady_clock::now();
+  kda::Backend used = kda::Backend::kCpu;
+  kda::engine::run_case_file(o.case_path, o.output, o.backend.value_or(BackendChoice::kAuto), &used);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("kda-run: %s -> %s on %s in %.3f s\n", o.case_path.c_str(), o.output.c_str(),
+              kda::to_string(used), seconds);
+  return 0;
+}
+
+int run_model_mode(const Options& o) {
+  const kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
+  const std::int64_t tokens = o.tokens.value_or(std::min(kDefaultTokens, spec.runtime.max_tokens));
+  if (tokens > spec.runtime.max_tokens) {
+    throw UsageError{"--tokens " + std::to_string(tokens) + " exceeds runtime.max_tokens " +
+                     std::to_string(spec.runtime.max_tokens) + " of " + o.model};
+  }
+  if (o.sequences > spec.runtime.max_sequences) {
+    throw UsageError{"--sequences " + std::to_string(o.sequences) +
+                     " exceeds runtime.max_sequences " +
+                     std::to_string(spec.runtime.max_sequences) + " of " + o.model};
+  }
+  const BackendChoice choice = o.backend.value_or(spec.runtime.backend);
+
+  if (o.plan_only) {
+    const kda::Backend backend = kda::engine::resolve_backend(spec, choice);
+    const kda::planner::MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend, tokens);
+    if (o.json) {
+      std::printf("%s\n", plan.to_json().c_str());
+    } else {
+      std::printf("%s\nmemory plan on %s (synthetic inputs for %lld tokens):\n%s",
+                  describe_model(spec).c_str(), kda::to_string(backend),
+                  static_cast<long long>(tokens), plan.to_table().c_str());
+    }
+    return 0;
+  }
+
+  kda::engine::EngineOptions options;
+  options.backend = choice;
+  options.seed = o.seed;
+  options.cpu_threads = static_cast<int>(o.threads);
+  options.synthetic_tokens = tokens;
+  kda::engine::Engine engine(spec, options);
+
+  const int threads = o.threads > 0 ? static_cast<int>(o.threads)
+                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  std::printf("%s\n", describe_model(spec).c_str());
+  std::printf("backend: %s", kda::to_string(engine.backend()));
+  if (engine.backend() == kda::Backend::kCpu) {
+    std::printf(" (%d thread%s)\n", threads, threads == 1 ? "" : "s");
+  } else {
+    std::printf(" (%s)\n", kda::device_name(0).c_str());
+  }
+  std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
+  std::printf("\nmemory plan:\n%s\n", engine.plan().to_table().c_str());
+  std::fflush(stdout);
+
+  ProgressBar bar;
+  kda::engine::RunOptions run;
+  run.tokens = tokens;
+  run.sequences = o.sequences;
+  run.decode_steps = static_cast<int>(o.decode_steps);
+  run.seed = o.seed;
+  run.progress = [&bar](int done, int total) { bar.update(done, total); };
+  const kda::engine::RunReport report = engine.run_synthetic(run);
+  bar.finish();
+
+  std::printf("prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
+              "not timed)\n",
+              static_cast<long long>(tokens), static_cast<long long>(o.sequences),
+              o.sequences == 1 ? "" : "s", report.upload_seconds);
+  std::printf("%8s  %8s  %12s  %12s\n", "kda", "layer", "time (ms)", "tokens/s");
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    const double s = report.layer_seconds[static_cast<std::size_t>(l)];
+    std::printf("%8d  %8d  %12.3f  %12.0f\n", l, engine.layer(l).layer_index() + 1, s * 1e3,
+                s > 0 ? static_cast<double>(tokens) / s : 0.0);
+  }
+  const double total = report.prefill_seconds;
+  std::printf("total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
+              "%.0f tokens/s per layer\n",
+              engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+              total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
+
+  if (o.decode_steps > 0) {
+    const double step = median(report.decode_step_seconds);
+    const double best = *std::min_element(report.decode_step_seconds.begin(),
+                                          report.decode_step_seconds.end());
+    std::printf("decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
+                "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
+                static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
+                o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
+                step > 0 ? static_cast<double>(o.sequences) / step : 0.0,
+                step * 1e6 / engine.num_layers());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options;
+  try {
+    options = parse_args(argc, argv);
+    if (options.help) {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    return options.case_path.empty() ? run_model_mode(options) : run_case_mode(options);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "kda-run: %s\n(run kda-run --help for usage)\n", e.message.c_str());
+    return 2;
+  } catch (const kda::Error& e) {
+    std::fprintf(stderr, "kda-run: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kda-run: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,204 @@
+// kda/kda.hpp — the Kimi Delta Attention operator contract.
+//
+// One header describes the problem (shapes, layouts, gate, state dtypes), the tensors (raw pointers,
+// caller-owned), the workspace (caller-owned scratch, sized by workspace_size()) and the backends
+// (CPU: Eigen, exact reference and fallback; CUDA: sm_90a). The contract follows CUTLASS's operator
+// sequence: can_implement -> workspace_size -> forward. Nothing here throws: every entry point returns a
+// Status that names the problem. Nothing in a forward allocates, synchronizes or prints.
+//
+// Math, layouts and numerics: see docs/KDA.md (mirrors the project's shared KDA reference).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace kda {
+
+// ---------------------------------------------------------------------------------------------
+// Status
+// ---------------------------------------------------------------------------------------------
+enum class StatusCode : int {
+  kOk = 0,
+  kInvalidArgument = 1,     // a shape, pointer, dtype or value is wrong
+  kUnsupported = 2,         // valid, but not supported by this backend (e.g. K != 128 on CUDA)
+  kOverflow = 3,            // a size whose element or byte count overflows 64 bits
+  kWorkspaceTooSmall = 4,   // caller's workspace smaller than workspace_size()
+  kBackendUnavailable = 5,  // CUDA not compiled in, or no device present
+  kCudaError = 6,           // a CUDA runtime call or launch failed
+  kInternal = 7,
+};
+
+const char* to_string(StatusCode code) noexcept;
+
+// A status code and a message naming the problem. Ok statuses carry no message (no allocation).
+class Status {
+ public:
+  Status() noexcept = default;
+  Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  static Status Ok() noexcept { return Status(); }
+  bool ok() const noexcept { return code_ == StatusCode::kOk; }
+  explicit operator bool() const noexcept { return ok(); }
+  StatusCode code() const noexcept { return code_; }
+  const std::string& message() const noexcept { return message_; }
+  // "invalid argument: q is null" style text for logs.
+  std::string to_string() const;
+
+ private:
+  StatusCode code_ = StatusCode::kOk;
+  std::string message_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Problem description
+// ---------------------------------------------------------------------------------------------
+enum class DType : int { kNone = 0, kBF16 = 1, kF32 = 2, kI32 = 3, kI64 = 4 };
+const char* to_string(DType dtype) noexcept;
+std::size_t dtype_size(DType dtype) noexcept;  // 0 for kNone
+
+enum class GateMode : int {
+  kLowerBound = 0,  // g = lower_bound * sigmoid(exp(A_log[h]) * (g_raw + dt_bias[h]))
+  kSoftplus = 1,    // g = -exp(A_log[h]) * softplus(g_raw + dt_bias[h])
+};
+const char* to_string(GateMode gate) noexcept;
+
+enum class Backend : int { kCpu = 0, kCuda = 1 };
+const char* to_string(Backend backend) noexcept;
+
+// Layouts (FlashKDA-compatible, all contiguous):
+//   q, k, g: bf16 [B, T, H, K]    v, out: bf16 [B, T, H, V]    beta: bf16 [B, T, H]
+//   A_log: f32 [H]                dt_bias: f32 [H, K]
+//   cu_seqlens: i32 or i64 [N + 1] (then B == 1; T is the total token count)
+//   initial_state, final_state: [N, H, V, K] ("V-first", i.e. S^T), bf16 or f32, each optional.
+struct Problem {
+  std::int64_t batch = 1;        // B. Must be 1 when cu_seqlens is used.
+  std::int64_t seq_len = 0;      // T: tokens per row (with cu_seqlens: all tokens together)
+  std::int64_t num_heads = 0;    // H
+  std::int64_t head_dim_k = 128; // K
+  std::int64_t head_dim_v = 128; // V
+  std::int64_t num_seqs = 0;     // N with cu_seqlens (cu_seqlens has N + 1 entries); ignored otherwise
+  DType cu_seqlens_dtype = DType::kNone;  // kNone: fixed-length rows; kI32 or kI64: varlen
+  GateMode gate = GateMode::kSoftplus;
+  float lower_bound = -5.0f;     // kLowerBound only; must be finite and in [-5, 0)
+  float scale = 0.0f;            // 0 means K^-0.5; otherwise finite and > 0
+  DType initial_state_dtype = DType::kNone;  // kNone | kBF16 | kF32
+  DType final_state_dtype = DType::kNone;    // kNone | kBF16 | kF32
+
+  bool varlen() const noexcept { return cu_seqlens_dtype != DType::kNone; }
+  std::int64_t total_tokens() const noexcept { return batch * seq_len; }
+  std::int64_t sequences() const noexcept { return varlen() ? num_seqs : batch; }
+  float effective_scale() const noexcept;
+};
+
+// Caller-owned tensors. For the CPU backend all pointers are host pointers; for the CUDA backend
+// all are device pointers except cu_seqlens_host.
+struct Tensors {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* g = nullptr;      // raw gate input, activated inside the operator
+  const void* beta = nullptr;   // raw beta, sigmoid inside the operator
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  const void* cu_seqlens = nullptr;
+  // Optional host copy of cu_seqlens. When given, its contents are validated before anything runs
+  // (CUDA backend; the CPU backend always validates cu_seqlens itself).
+  const void* cu_seqlens_host = nullptr;
+  const void* initial_state = nullptr;
+  void* final_state = nullptr;  // may equal initial_state (in-place update) if dtypes match
+  void* out = nullptr;
+};
+
+struct Workspace {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+};
+
+// Shape and value checks on the problem alone (no pointers). Names the offending field.
+Status validate(const Problem& p);
+// Problem checks + pointer checks (non-null where required, state aliasing rules).
+Status validate(const Problem& p, const Tensors& t);
+// Checks cu_seqlens contents: [0] == 0, non-decreasing, [N] == T. `cu_seqlens` is a host pointer.
+Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host);
+
+// Whether `backend` can run `p` (validate() plus backend restrictions, e.g. K == V == 128 on CUDA,
+// CUDA compiled in and a device present).
+Status can_implement(const Problem& p, Backend backend);
+
+// Bytes of workspace a forward of `p` on `backend` needs, in overflow-checked 64-bit arithmetic.
+// A tight upper bound that depends only on the problem's sizes (never on cu_seqlens contents), so a
+// planner can size it once for max_tokens / max_sequences.
+Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes);
+
+// ---------------------------------------------------------------------------------------------
+// Backends
+// ---------------------------------------------------------------------------------------------
+struct CpuOptions {
+  int num_threads = 0;   // 0: std::thread::hardware_concurrency()
+  bool fp64 = false;     // accumulate in double (tests); default fp32 accumulation
+};
+
+// CPU forward (Eigen). Validates, then computes; writes nothing when validation fails.
+Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt = {});
+
+// CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once the
+// kernels are enqueued. No allocation, no synchronization; capturable in a CUDA graph.
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Decode: a few new tokens per sequence on a pool of state slots, updated in place.
+// ---------------------------------------------------------------------------------------------
+//   q, k, g: bf16 [B, tokens, H, K]   v, out: bf16 [B, tokens, H, V]   beta: bf16 [B, tokens, H]
+//   slots: int32 [B], index into the pool, negative = padding (row skipped, its out left untouched)
+//   state_pool: [num_slots, H, V, K] bf16 or f32, read and written in place
+struct DecodeProblem {
+  std::int64_t batch = 0;        // B sequences in this step
+  std::int64_t tokens = 1;       // new tokens per sequence, 1..16
+  std::int64_t num_heads = 0;
+  std::int64_t head_dim_k = 128;
+  std::int64_t head_dim_v = 128;
+  std::int64_t num_slots = 0;
+  DType state_dtype = DType::kF32;
+  GateMode gate = GateMode::kSoftplus;
+  float lower_bound = -5.0f;
+  float scale = 0.0f;
+  float effective_scale() const noexcept;
+};
+
+struct DecodeTensors {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* g = nullptr;
+  const void* beta = nullptr;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  const std::int32_t* slots = nullptr;
+  void* state_pool = nullptr;
+  void* out = nullptr;
+};
+
+Status validate(const DecodeProblem& p);
+Status validate(const DecodeProblem& p, const DecodeTensors& t);
+Status can_implement(const DecodeProblem& p, Backend backend);
+// CPU: slot indices >= num_slots are an error (checked before anything is written).
+Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt = {});
+// CUDA: slot indices >= num_slots are skipped on the device (out rows left untouched), since the host
+// cannot see them without a sync.
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream);
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a
+// build without CUDA.
+// ---------------------------------------------------------------------------------------------
+bool cuda_compiled() noexcept;          // built with the CUDA backend
+int cuda_device_count() noexcept;       // 0 when not compiled in or no device
+Status device_malloc(void** ptr, std::size_t bytes);
+Status device_free(void* ptr);
+Status memcpy_to_device(void* dst, const void* src, std::size_t bytes, void* stream = nullptr);
+Status memcpy_to_host(void* dst, const void* src, std::size_t bytes, void* stream = nullptr);
+Status memset_device(void* dst, int value, std::size_t bytes, void* stream = nullptr);
+Status stream_synchronize(void* stream);
+std::string device_name(int device = 0);
+
+}  // namespace kda

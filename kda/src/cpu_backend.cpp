@@ -1,0 +1,147 @@
+// CPU forward: the token-by-token KDA recurrence (cpu_recurrence.hpp), threaded over
+// (sequence, head) pairs. Everything is validated before the first byte of output is written.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <thread>
+
+#include "cpu_recurrence.hpp"
+#include "kda/kda.hpp"
+
+namespace kda {
+namespace detail::cpu {
+
+Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
+                             std::int64_t head_dim_k) {
+  for (std::int64_t h = 0; h < num_heads; ++h) {
+    if (!std::isfinite(A_log[h])) {
+      return Status(StatusCode::kInvalidArgument,
+                    "A_log[" + std::to_string(h) + "] is not finite");
+    }
+  }
+  for (std::int64_t i = 0; i < num_heads * head_dim_k; ++i) {
+    if (!std::isfinite(dt_bias[i])) {
+      return Status(StatusCode::kInvalidArgument,
+                    "dt_bias[" + std::to_string(i / head_dim_k) + ", " +
+                        std::to_string(i % head_dim_k) + "] is not finite");
+    }
+  }
+  return Status::Ok();
+}
+
+std::int64_t resolve_threads(int requested, std::int64_t items, std::int64_t state_updates) {
+  constexpr std::int64_t kMinUpdatesPerThread = std::int64_t{1} << 20;
+  std::int64_t threads = requested;
+  if (threads <= 0) {
+    threads = static_cast<std::int64_t>(std::thread::hardware_concurrency());
+    threads = std::min(threads, state_updates / kMinUpdatesPerThread);
+  }
+  threads = std::min({std::max<std::int64_t>(threads, 1), kMaxThreads, items});
+  return std::max<std::int64_t>(threads, 1);
+}
+
+}  // namespace detail::cpu
+
+namespace {
+
+using detail::cpu::Scratch;
+
+template <typename Real>
+void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::int64_t workers) {
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, T = p.seq_len;
+  const std::int64_t state_elems = V * K;
+  const std::uint64_t slot_stride = detail::cpu::slot_bytes(K, V);
+  const float scale = p.effective_scale();
+  const auto* q = static_cast<const bf16_bits*>(t.q);
+  const auto* k = static_cast<const bf16_bits*>(t.k);
+  const auto* v = static_cast<const bf16_bits*>(t.v);
+  const auto* g = static_cast<const bf16_bits*>(t.g);
+  const auto* beta = static_cast<const bf16_bits*>(t.beta);
+  auto* out = static_cast<bf16_bits*>(t.out);
+  const std::size_t in_size = dtype_size(p.initial_state_dtype);
+  const std::size_t fin_size = dtype_size(p.final_state_dtype);
+
+  auto seq_bounds = [&](std::int64_t seq, std::int64_t* begin, std::int64_t* end) {
+    if (p.cu_seqlens_dtype == DType::kI64) {
+      const auto* cu = static_cast<const std::int64_t*>(t.cu_seqlens);
+      *begin = cu[seq];
+      *end = cu[seq + 1];
+    } else if (p.cu_seqlens_dtype == DType::kI32) {
+      const auto* cu = static_cast<const std::int32_t*>(t.cu_seqlens);
+      *begin = cu[seq];
+      *end = cu[seq + 1];
+    } else {
+      *begin = seq * T;
+      *end = *begin + T;
+    }
+  };
+
+  detail::cpu::parallel_for(p.sequences() * H, workers, [&](std::int64_t item,
+                                                           std::int64_t worker) {
+    const std::int64_t seq = item / H, head = item % H;  // item == seq * H + head
+    std::int64_t begin = 0, end = 0;
+    seq_bounds(seq, &begin, &end);
+    Scratch<Real> sc(reinterpret_cast<Real*>(slots + worker * slot_stride), K, V);
+    const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
+                                                        t.A_log, t.dt_bias, head);
+    // The whole state is read before anything is written: final_state may alias initial_state.
+    detail::cpu::load_state(
+        p.initial_state_dtype,
+        static_cast<const unsigned char*>(t.initial_state) + item * state_elems * in_size,
+        state_elems, sc.state);
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::int64_t row = i * H + head;
+      detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
+      detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
+      detail::cpu::store_out(sc.o, V, out + row * V);
+    }
+    detail::cpu::store_state(sc.state, state_elems, p.final_state_dtype,
+                             static_cast<unsigned char*>(t.final_state) +
+                                 item * state_elems * fin_size);
+  });
+}
+
+}  // namespace
+
+Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt) {
+  if (Status st = validate(p, t); !st) return st;
+  if (p.varlen()) {
+    if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
+  }
+  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads,
+                                                     p.head_dim_k);
+      !st) {
+    return st;
+  }
+  std::size_t needed = 0;
+  if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;
+  if (ws.bytes < needed) {
+    return Status(StatusCode::kWorkspaceTooSmall,
+                  "workspace has " + std::to_string(ws.bytes) + " bytes, the CPU backend needs " +
+                      std::to_string(needed));
+  }
+  if (needed > 0 && ws.ptr == nullptr) {
+    return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
+  }
+  const std::int64_t items = p.sequences() * p.num_heads;
+  if (items == 0) return Status::Ok();
+
+  // Slots start at the first aligned address; workspace_size() added the slack for it.
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
+  const std::uintptr_t align = detail::cpu::kSlotAlignment;
+  auto* slots = reinterpret_cast<unsigned char*>((base + align - 1) / align * align);
+  // Tokens x V x K, saturated: only a heuristic for the automatic thread count.
+  const double updates = static_cast<double>(p.total_tokens()) * static_cast<double>(p.num_heads) *
+                         static_cast<double>(p.head_dim_v * p.head_dim_k);
+  const std::int64_t workers = detail::cpu::resolve_threads(
+      opt.num_threads, items, updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
+  if (opt.fp64) {
+    run_prefill<double>(p, t, slots, workers);
+  } else {
+    run_prefill<float>(p, t, slots, workers);
+  }
+  return Status::Ok();
+}
+
+}  // namespace kda

@@ -1,0 +1,281 @@
+// The CPU backend's per-token KDA step, shared by the prefill (cpu_backend.cpp) and the decode
+// (cpu_decode.cpp), so that both compute bit-for-bit the same recurrence.
+//
+// One (sequence, head) keeps its state S^T as a row-major V x K matrix ("V-first", as in memory).
+// A token is applied in two parts:
+//   prepare_token: the K-sized vectors of the token: k^ and q^ (L2 norm, eps 1e-6 inside the sqrt),
+//     the decay a = exp(g) from the activated gate, beta = sigmoid(b), and the products the state
+//     pass needs: ak = a * k^, aq = scale * a * q^, kq = scale * (k^ . q^).
+//   apply_token: one pass over the state, row v at a time (rows are independent: the delta rule is
+//     per column of V):
+//       u_v  = beta * (v_v - row_v . ak)                  (= beta (v - S^T k^) after the decay)
+//       o_v  = row_v . aq + u_v * kq                       (= scale S'^T q^ with the new state S')
+//       row_v = row_v * a + u_v * k^                       (decay, then the rank-1 delta update)
+//   This is KDA.md §1 reordered so that each state row is read and written once per token.
+//
+// Real is float (fp32 accumulation, the default) or double (CpuOptions::fp64, for tests).
+#pragma once
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "kda/bf16.hpp"
+#include "kda/kda.hpp"
+
+namespace kda::detail::cpu {
+
+// The CPU backend never runs more threads than this; workspace_size(kCpu) sizes one scratch slot
+// per thread up to this many (and never more than the problem has (sequence, head) items).
+inline constexpr std::int64_t kMaxThreads = 64;
+// Alignment of each thread's scratch slot inside the caller's workspace.
+inline constexpr std::uint64_t kSlotAlignment = 64;
+
+// Reals of one thread's scratch slot: the V x K state, four K-vectors (a, ak, aq, k^) and o (V).
+inline std::uint64_t slot_reals(std::uint64_t head_dim_k, std::uint64_t head_dim_v) {
+  return head_dim_v * head_dim_k + 4 * head_dim_k + head_dim_v;
+}
+// Bytes of one slot, sized for double so that one workspace serves both precisions. The caller has
+// bounded K and V (<= 4096), so this cannot overflow.
+inline std::uint64_t slot_bytes(std::uint64_t head_dim_k, std::uint64_t head_dim_v) {
+  const std::uint64_t bytes = slot_reals(head_dim_k, head_dim_v) * sizeof(double);
+  return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+}
+
+// One head's gate parameters and scale, converted to Real once per (sequence, head).
+template <typename Real>
+struct HeadParams {
+  std::int64_t head_dim_k = 0;
+  std::int64_t head_dim_v = 0;
+  GateMode gate = GateMode::kSoftplus;
+  Real lower_bound = 0;
+  Real exp_a = 0;                   // exp(A_log[h])
+  const float* dt_bias = nullptr;   // [K] of this head
+  Real scale = 0;
+};
+
+template <typename Real>
+HeadParams<Real> make_head_params(std::int64_t head_dim_k, std::int64_t head_dim_v, GateMode gate,
+                                  float lower_bound, float scale, const float* A_log,
+                                  const float* dt_bias, std::int64_t head) {
+  HeadParams<Real> hp;
+  hp.head_dim_k = head_dim_k;
+  hp.head_dim_v = head_dim_v;
+  hp.gate = gate;
+  hp.lower_bound = static_cast<Real>(lower_bound);
+  // Capped at the largest finite Real, so that exp(A_log) * 0 stays 0 for absurd A_log (> 88).
+  hp.exp_a = std::min(std::exp(static_cast<Real>(A_log[head])), std::numeric_limits<Real>::max());
+  hp.dt_bias = dt_bias + head * head_dim_k;
+  hp.scale = static_cast<Real>(scale);
+  return hp;
+}
+
+// A token's K-vectors (pointers into the thread's scratch) and scalars.
+template <typename Real>
+struct TokenVectors {
+  Real* a = nullptr;    // exp(g)
+  Real* ak = nullptr;   // a * k^
+  Real* aq = nullptr;   // scale * a * q^
+  Real* kh = nullptr;   // k^
+  Real beta = 0;        // sigmoid(b)
+  Real kq = 0;          // scale * (k^ . q^)
+};
+
+// Carves one thread's slot (at least slot_reals(K, V) Reals) into the state and the vectors.
+template <typename Real>
+struct Scratch {
+  Real* state = nullptr;  // [V, K]
+  TokenVectors<Real> tok;
+  Real* o = nullptr;      // [V]
+
+  Scratch(Real* slot, std::int64_t head_dim_k, std::int64_t head_dim_v) {
+    state = slot;
+    Real* p = slot + head_dim_v * head_dim_k;
+    tok.a = p;
+    tok.ak = p + head_dim_k;
+    tok.aq = p + 2 * head_dim_k;
+    tok.kh = p + 3 * head_dim_k;
+    o = p + 4 * head_dim_k;
+  }
+};
+
+template <typename Real>
+using ArrayMap = Eigen::Map<Eigen::Array<Real, Eigen::Dynamic, 1>>;
+
+// Fills `tv` for one token of one head. q, k, g: [K] bf16; b: the raw beta.
+template <typename Real>
+void prepare_token(const HeadParams<Real>& hp, const bf16_bits* q, const bf16_bits* k,
+                   const bf16_bits* g, bf16_bits b, TokenVectors<Real>* tv) {
+  const std::int64_t K = hp.head_dim_k;
+  ArrayMap<Real> a(tv->a, K), ak(tv->ak, K), aq(tv->aq, K), kh(tv->kh, K);
+  // Raw inputs: q into aq, k into kh, g + dt_bias into a (computed in Real).
+  for (std::int64_t d = 0; d < K; ++d) {
+    aq[d] = static_cast<Real>(bf16_to_float(q[d]));
+    kh[d] = static_cast<Real>(bf16_to_float(k[d]));
+    a[d] = static_cast<Real>(bf16_to_float(g[d])) + static_cast<Real>(hp.dt_bias[d]);
+  }
+  const Real eps = static_cast<Real>(1e-6);
+  const Real q_norm = std::sqrt(aq.square().sum() + eps);
+  const Real k_norm = std::sqrt(kh.square().sum() + eps);
+  aq /= q_norm;
+  kh /= k_norm;
+
+  // Gate activation, as separate whole-array statements so that Eigen vectorizes each (exp, log1p).
+  if (hp.gate == GateMode::kSoftplus) {
+    // softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow for large x, where it is x itself
+    // (the "x > 20 -> x" rule, without a branch), and exact for very negative x.
+    ak = (-a.abs()).exp();                    // ak: scratch
+    ak = a.max(Real(0)) + ak.log1p();         // softplus(x) >= 0
+    a = (-hp.exp_a * ak).exp();               // exp(-exp(A_log) * softplus(x))
+  } else {
+    ak = (-hp.exp_a * a).exp();               // exp(-exp(A_log) * x)
+    a = (hp.lower_bound / (Real(1) + ak)).exp();  // exp(lower_bound * sigmoid(exp(A_log) * x))
+  }
+
+  tv->kq = hp.scale * (kh * aq).sum();
+  ak = a * kh;
+  aq = hp.scale * a * aq;
+  tv->beta = Real(1) / (Real(1) + std::exp(-static_cast<Real>(bf16_to_float(b))));
+}
+
+// Applies `rows` consecutive state rows (R at once, so the token vectors are loaded once for R rows).
+template <typename Real, int R>
+inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const TokenVectors<Real>& tv,
+                       const bf16_bits* v, Real* o) {
+  using Packet = typename Eigen::internal::packet_traits<Real>::type;
+  constexpr std::int64_t W = Eigen::internal::packet_traits<Real>::size;
+  const std::int64_t k_packets = K / W * W;
+  Real* rows[R];
+  for (int i = 0; i < R; ++i) rows[i] = state + (row0 + i) * K;
+
+  // Dots with ak and aq: packet partial sums, then the tail, in a fixed order (deterministic).
+  Packet dot_k[R], dot_q[R];
+  for (int i = 0; i < R; ++i) {
+    dot_k[i] = Eigen::internal::pset1<Packet>(Real(0));
+    dot_q[i] = Eigen::internal::pset1<Packet>(Real(0));
+  }
+  for (std::int64_t j = 0; j < k_packets; j += W) {
+    const Packet pak = Eigen::internal::ploadu<Packet>(tv.ak + j);
+    const Packet paq = Eigen::internal::ploadu<Packet>(tv.aq + j);
+    for (int i = 0; i < R; ++i) {
+      const Packet x = Eigen::internal::ploadu<Packet>(rows[i] + j);
+      dot_k[i] = Eigen::internal::pmadd(x, pak, dot_k[i]);
+      dot_q[i] = Eigen::internal::pmadd(x, paq, dot_q[i]);
+    }
+  }
+  Real u[R];
+  for (int i = 0; i < R; ++i) {
+    Real dk = Eigen::internal::predux(dot_k[i]);
+    Real dq = Eigen::internal::predux(dot_q[i]);
+    for (std::int64_t j = k_packets; j < K; ++j) {
+      dk += rows[i][j] * tv.ak[j];
+      dq += rows[i][j] * tv.aq[j];
+    }
+    u[i] = tv.beta * (static_cast<Real>(bf16_to_float(v[row0 + i])) - dk);
+    o[row0 + i] = dq + u[i] * tv.kq;
+  }
+
+  // row = row * a + u * k^
+  Packet pu[R];
+  for (int i = 0; i < R; ++i) pu[i] = Eigen::internal::pset1<Packet>(u[i]);
+  for (std::int64_t j = 0; j < k_packets; j += W) {
+    const Packet pa = Eigen::internal::ploadu<Packet>(tv.a + j);
+    const Packet pk = Eigen::internal::ploadu<Packet>(tv.kh + j);
+    for (int i = 0; i < R; ++i) {
+      const Packet x = Eigen::internal::ploadu<Packet>(rows[i] + j);
+      Eigen::internal::pstoreu(rows[i] + j,
+                               Eigen::internal::pmadd(pu[i], pk, Eigen::internal::pmul(x, pa)));
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (std::int64_t j = k_packets; j < K; ++j) rows[i][j] = rows[i][j] * tv.a[j] + u[i] * tv.kh[j];
+  }
+}
+
+// Applies one prepared token to the V x K state; writes o [V] (Real; scale included).
+template <typename Real>
+void apply_token(Real* state, std::int64_t head_dim_v, std::int64_t head_dim_k,
+                 const TokenVectors<Real>& tv, const bf16_bits* v, Real* o) {
+  constexpr int kRowBlock = 4;
+  std::int64_t row = 0;
+  for (; row + kRowBlock <= head_dim_v; row += kRowBlock) {
+    apply_rows<Real, kRowBlock>(state, row, head_dim_k, tv, v, o);
+  }
+  for (; row < head_dim_v; ++row) apply_rows<Real, 1>(state, row, head_dim_k, tv, v, o);
+}
+
+// State transfer between memory (bf16 / f32 / none = zeros) and the Real accumulator.
+template <typename Real>
+void load_state(DType dtype, const void* src, std::int64_t count, Real* dst) {
+  if (dtype == DType::kF32) {
+    const float* s = static_cast<const float*>(src);
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = static_cast<Real>(s[i]);
+  } else if (dtype == DType::kBF16) {
+    const bf16_bits* s = static_cast<const bf16_bits*>(src);
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = static_cast<Real>(bf16_to_float(s[i]));
+  } else {
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = Real(0);
+  }
+}
+
+template <typename Real>
+void store_state(const Real* src, std::int64_t count, DType dtype, void* dst) {
+  if (dtype == DType::kF32) {
+    float* d = static_cast<float*>(dst);
+    for (std::int64_t i = 0; i < count; ++i) d[i] = static_cast<float>(src[i]);
+  } else if (dtype == DType::kBF16) {
+    bf16_bits* d = static_cast<bf16_bits*>(dst);
+    for (std::int64_t i = 0; i < count; ++i) d[i] = float_to_bf16(static_cast<float>(src[i]));
+  }
+}
+
+// Writes o [V] as bf16 (rounded once, from Real through float).
+template <typename Real>
+void store_out(const Real* o, std::int64_t count, bf16_bits* out) {
+  for (std::int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(static_cast<float>(o[i]));
+}
+
+// Value checks the CPU can make on host parameters: A_log [H] and dt_bias [H, K] finite.
+Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
+                             std::int64_t head_dim_k);
+
+// Threads for `items` independent work items that update `state_updates` state elements in all
+// (tokens x V x K summed over items). An explicit request is honoured (up to kMaxThreads and
+// `items`); 0 means the hardware's thread count, but no more threads than the work pays for
+// (starting a thread costs about as much as a few hundred thousand element updates).
+std::int64_t resolve_threads(int requested, std::int64_t items, std::int64_t state_updates);
+
+// Runs fn(item, worker) for item in [0, items) on `workers` threads (worker in [0, workers)), items
+// handed out dynamically. Each item's result depends only on the item, so any thread count gives
+// bit-identical results. One worker runs inline. If a thread cannot be started, the workers already
+// running (or the caller alone) take over its share: no exception escapes.
+template <typename Fn>
+void parallel_for(std::int64_t items, std::int64_t workers, Fn fn) {
+  std::atomic<std::int64_t> next{0};
+  auto drain = [&](std::int64_t worker) {
+    for (std::int64_t item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+      fn(item, worker);
+    }
+  };
+  if (workers <= 1 || items <= 1) {
+    drain(0);
+    return;
+  }
+  std::vector<std::thread> pool;
+  try {
+    pool.reserve(static_cast<std::size_t>(workers - 1));
+    for (std::int64_t w = 1; w < workers; ++w) pool.emplace_back(drain, w);
+  } catch (const std::exception&) {
+    // Fewer threads than asked: the ones started (and this one) still drain every item.
+  }
+  drain(0);
+  for (std::thread& t : pool) t.join();
+}
+
+}  // namespace kda::detail::cpu

@@ -1,0 +1,56 @@
+// Device-side helpers shared by the CUDA prefill and decode kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kda::detail {
+
+using bf16 = __nv_bfloat16;
+
+// Gate activations (KDA.md §1), fp32. softplus is computed stably: x for large x, log1p(exp(x)) else.
+__device__ __forceinline__ float softplus_f(float x) {
+  return x > 20.f ? x : log1pf(__expf(x));
+}
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+
+// g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))   (gate_mode 0)
+// g = -exp(A_log) * softplus(g_raw + dt_bias)                  (gate_mode 1)
+__device__ __forceinline__ float gate_activation(int gate_mode, float g_raw, float a_exp,
+                                                 float dt_bias, float lower_bound) {
+  const float x = g_raw + dt_bias;
+  return gate_mode == 0 ? lower_bound * sigmoid_f(a_exp * x) : -a_exp * softplus_f(x);
+}
+
+// Sequence bounds [bos, eos) of sequence s: from cu_seqlens (int32 or int64) or fixed rows of T.
+struct SeqIndex {
+  const void* cu;    // nullptr: fixed-length rows
+  int cu_is_64;
+  std::int64_t row_len;  // T per row (fixed length)
+  std::int64_t total;    // all tokens
+  std::int64_t num_seqs;
+
+  __device__ __forceinline__ std::int64_t start(std::int64_t s) const {
+    if (cu == nullptr) return s * row_len;
+    return cu_is_64 ? static_cast<const std::int64_t*>(cu)[s]
+                    : static_cast<std::int64_t>(static_cast<const std::int32_t*>(cu)[s]);
+  }
+  // Bounds clamped to [0, total] so that broken cu_seqlens on the device can never index out of
+  // range (the host validates them when it has a copy).
+  __device__ __forceinline__ void bounds(std::int64_t s, std::int64_t* bos, std::int64_t* eos) const {
+    std::int64_t b = start(s), e = start(s + 1);
+    b = b < 0 ? 0 : (b > total ? total : b);
+    e = e < b ? b : (e > total ? total : e);
+    *bos = b;
+    *eos = e;
+  }
+};
+
+__device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<std::uint32_t*>(&v);
+}
+
+}  // namespace kda::detail

@@ -1,0 +1,35 @@
+// The CUDA entry points of a build without the CUDA backend: each validates its arguments (so that
+// callers get the same diagnostics everywhere), then reports kBackendUnavailable.
+#include "kda/kda.hpp"
+
+namespace kda {
+namespace {
+Status unavailable() {
+  return Status(StatusCode::kBackendUnavailable, "the CUDA backend is not compiled in");
+}
+}  // namespace
+
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace, void*) {
+  if (Status st = validate(p, t); !st) return st;
+  return unavailable();
+}
+
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*) {
+  if (Status st = validate(p, t); !st) return st;
+  return unavailable();
+}
+
+bool cuda_compiled() noexcept { return false; }
+int cuda_device_count() noexcept { return 0; }
+Status device_malloc(void** ptr, std::size_t) {
+  if (ptr != nullptr) *ptr = nullptr;
+  return unavailable();
+}
+Status device_free(void*) { return unavailable(); }
+Status memcpy_to_device(void*, const void*, std::size_t, void*) { return unavailable(); }
+Status memcpy_to_host(void*, const void*, std::size_t, void*) { return unavailable(); }
+Status memset_device(void*, int, std::size_t, void*) { return unavailable(); }
+Status stream_synchronize(void*) { return unavailable(); }
+std::string device_name(int) { return "none"; }
+
+}  // namespace kda

@@ -1,0 +1,466 @@
+// Validation, can_implement and workspace_size for the prefill and decode problems.
+//
+// Every check returns a Status whose message names the offending field and its value. Sizes are
+// computed in overflow-checked 64-bit arithmetic and must stay below 2^63 (the backends index with
+// signed 64-bit integers), so any problem that validates can be addressed without overflow.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <initializer_list>
+#include <limits>
+#include <string>
+
+#include "cpu_recurrence.hpp"
+#include "kda/kda.hpp"
+#include "workspace_layout.hpp"
+
+namespace kda {
+namespace {
+
+// Head dimensions above this are rejected as absurd (Kimi Linear uses 128).
+constexpr std::int64_t kMaxHeadDim = 4096;
+constexpr std::int64_t kMaxDecodeTokens = 16;
+constexpr std::uint64_t kMaxSize = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+
+Status invalid(std::string message) {
+  return Status(StatusCode::kInvalidArgument, std::move(message));
+}
+
+std::string str(std::int64_t value) { return std::to_string(value); }
+std::string str(float value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", static_cast<double>(value));
+  return text;
+}
+
+// Product of non-negative factors, or kOverflow naming `what` when it passes 2^63 - 1.
+Status checked_product(const char* what, std::initializer_list<std::int64_t> factors,
+                       std::uint64_t* out) {
+  std::uint64_t product = 1;
+  for (std::int64_t factor : factors) {
+    const std::uint64_t f = static_cast<std::uint64_t>(factor);
+    if (!detail::checked_mul(product, f, &product) || product > kMaxSize) {
+      return Status(StatusCode::kOverflow, std::string(what) + " overflows 64-bit sizes");
+    }
+  }
+  *out = product;
+  return Status::Ok();
+}
+
+bool valid_gate(GateMode gate) {
+  return gate == GateMode::kLowerBound || gate == GateMode::kSoftplus;
+}
+bool valid_state_dtype(DType dtype) {
+  return dtype == DType::kNone || dtype == DType::kBF16 || dtype == DType::kF32;
+}
+std::string dtype_name(DType dtype) {
+  const int raw = static_cast<int>(dtype);
+  if (raw < 0 || raw > static_cast<int>(DType::kI64)) return "dtype(" + std::to_string(raw) + ")";
+  return to_string(dtype);
+}
+
+Status check_head_dims(std::int64_t head_dim_k, std::int64_t head_dim_v) {
+  if (head_dim_k < 1 || head_dim_k > kMaxHeadDim) {
+    return invalid("head_dim_k must be in [1, " + str(kMaxHeadDim) + "] (got " + str(head_dim_k) +
+                   ")");
+  }
+  if (head_dim_v < 1 || head_dim_v > kMaxHeadDim) {
+    return invalid("head_dim_v must be in [1, " + str(kMaxHeadDim) + "] (got " + str(head_dim_v) +
+                   ")");
+  }
+  return Status::Ok();
+}
+
+// Gate mode, lower_bound (bounded gate only) and scale: shared by prefill and decode.
+Status check_gate_and_scale(GateMode gate, float lower_bound, float scale) {
+  if (!valid_gate(gate)) {
+    return invalid("gate must be lower_bound or softplus (got " +
+                   std::to_string(static_cast<int>(gate)) + ")");
+  }
+  if (gate == GateMode::kLowerBound &&
+      !(std::isfinite(lower_bound) && lower_bound >= -5.0f && lower_bound < 0.0f)) {
+    return invalid("lower_bound must be finite and in [-5, 0) (got " + str(lower_bound) + ")");
+  }
+  if (!std::isfinite(scale) || scale < 0.0f) {
+    return invalid("scale must be finite and >= 0, 0 selecting K^-0.5 (got " + str(scale) + ")");
+  }
+  return Status::Ok();
+}
+
+// Byte range of a tensor, for the aliasing checks. Null or empty ranges overlap nothing.
+struct Range {
+  const char* name;
+  const void* ptr;
+  std::uint64_t bytes;
+};
+
+bool overlaps(const Range& a, const Range& b) {
+  if (a.ptr == nullptr || b.ptr == nullptr || a.bytes == 0 || b.bytes == 0) return false;
+  const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(a.ptr);
+  const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
+
+// `output` must not overlap any of `inputs`.
+Status check_no_overlap(const Range& output, std::initializer_list<Range> inputs) {
+  for (const Range& input : inputs) {
+    if (overlaps(output, input)) {
+      return invalid(std::string(output.name) + " overlaps " + input.name +
+                     " (outputs must not alias inputs)");
+    }
+  }
+  return Status::Ok();
+}
+
+Status require(const void* ptr, const char* name) {
+  if (ptr == nullptr) return invalid(std::string(name) + " is null");
+  return Status::Ok();
+}
+
+// Sizes of a valid prefill problem, in bytes.
+struct PrefillSizes {
+  std::uint64_t qk_bytes = 0;    // q, k, g each
+  std::uint64_t v_bytes = 0;     // v, out each
+  std::uint64_t beta_bytes = 0;
+  std::uint64_t a_log_bytes = 0;
+  std::uint64_t dt_bias_bytes = 0;
+  std::uint64_t cu_bytes = 0;
+  std::uint64_t initial_state_bytes = 0;
+  std::uint64_t final_state_bytes = 0;
+};
+
+// Computes the sizes; the problem's shape fields are already known to be in range.
+Status prefill_sizes(const Problem& p, PrefillSizes* s) {
+  std::uint64_t scratch = 0;
+  Status st;
+  if (!(st = checked_product("total tokens B*T", {p.batch, p.seq_len}, &scratch))) return st;
+  if (!(st = checked_product("q/k/g bytes B*T*H*K*2",
+                             {p.batch, p.seq_len, p.num_heads, p.head_dim_k, 2}, &s->qk_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("v/out bytes B*T*H*V*2",
+                             {p.batch, p.seq_len, p.num_heads, p.head_dim_v, 2}, &s->v_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("beta bytes B*T*H*2", {p.batch, p.seq_len, p.num_heads, 2},
+                             &s->beta_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("A_log bytes H*4", {p.num_heads, 4}, &s->a_log_bytes))) return st;
+  if (!(st = checked_product("dt_bias bytes H*K*4", {p.num_heads, p.head_dim_k, 4},
+                             &s->dt_bias_bytes))) {
+    return st;
+  }
+  const std::int64_t n = p.sequences();
+  if (!(st = checked_product("sequence-head pairs N*H", {n, p.num_heads}, &scratch))) return st;
+  if (p.varlen()) {
+    if (!(st = checked_product("cu_seqlens bytes (N+1)*size",
+                               {n + 1, static_cast<std::int64_t>(dtype_size(p.cu_seqlens_dtype))},
+                               &s->cu_bytes))) {
+      return st;
+    }
+  }
+  if (p.initial_state_dtype != DType::kNone) {
+    if (!(st = checked_product(
+              "initial_state bytes N*H*V*K*size",
+              {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+               static_cast<std::int64_t>(dtype_size(p.initial_state_dtype))},
+              &s->initial_state_bytes))) {
+      return st;
+    }
+  }
+  if (p.final_state_dtype != DType::kNone) {
+    if (!(st = checked_product(
+              "final_state bytes N*H*V*K*size",
+              {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+               static_cast<std::int64_t>(dtype_size(p.final_state_dtype))},
+              &s->final_state_bytes))) {
+      return st;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Prefill
+// ---------------------------------------------------------------------------------------------
+Status validate(const Problem& p) {
+  if (p.batch < 1) return invalid("batch must be >= 1 (got " + str(p.batch) + ")");
+  if (p.seq_len < 0) return invalid("seq_len must be >= 0 (got " + str(p.seq_len) + ")");
+  if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
+  if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
+  if (p.cu_seqlens_dtype != DType::kNone && p.cu_seqlens_dtype != DType::kI32 &&
+      p.cu_seqlens_dtype != DType::kI64) {
+    return invalid("cu_seqlens_dtype must be none, i32 or i64 (got " +
+                   dtype_name(p.cu_seqlens_dtype) + ")");
+  }
+  if (p.varlen()) {
+    if (p.batch != 1) {
+      return invalid("batch must be 1 with cu_seqlens (got " + str(p.batch) + ")");
+    }
+    if (p.num_seqs < 0) return invalid("num_seqs must be >= 0 (got " + str(p.num_seqs) + ")");
+    if (p.num_seqs == std::numeric_limits<std::int64_t>::max()) {
+      return Status(StatusCode::kOverflow, "cu_seqlens entries num_seqs+1 overflows 64-bit sizes");
+    }
+    if (p.num_seqs == 0 && p.seq_len > 0) {
+      return invalid("num_seqs is 0 but seq_len is " + str(p.seq_len) +
+                     " (zero sequences hold no tokens)");
+    }
+    if (p.cu_seqlens_dtype == DType::kI32 && p.seq_len > std::numeric_limits<std::int32_t>::max()) {
+      return invalid("seq_len " + str(p.seq_len) + " does not fit i32 cu_seqlens");
+    }
+  }
+  if (Status st = check_gate_and_scale(p.gate, p.lower_bound, p.scale); !st) return st;
+  if (!valid_state_dtype(p.initial_state_dtype)) {
+    return invalid("initial_state_dtype must be none, bf16 or f32 (got " +
+                   dtype_name(p.initial_state_dtype) + ")");
+  }
+  if (!valid_state_dtype(p.final_state_dtype)) {
+    return invalid("final_state_dtype must be none, bf16 or f32 (got " +
+                   dtype_name(p.final_state_dtype) + ")");
+  }
+  PrefillSizes sizes;
+  return prefill_sizes(p, &sizes);
+}
+
+Status validate(const Problem& p, const Tensors& t) {
+  if (Status st = validate(p); !st) return st;
+  PrefillSizes s;
+  if (Status st = prefill_sizes(p, &s); !st) return st;
+
+  // Token tensors may be null only when there are no tokens at all.
+  if (p.total_tokens() > 0) {
+    for (const Range& r : {Range{"q", t.q, 0}, Range{"k", t.k, 0}, Range{"v", t.v, 0},
+                           Range{"g", t.g, 0}, Range{"beta", t.beta, 0}, Range{"out", t.out, 0}}) {
+      if (Status st = require(r.ptr, r.name); !st) return st;
+    }
+  }
+  if (Status st = require(t.A_log, "A_log"); !st) return st;
+  if (Status st = require(t.dt_bias, "dt_bias"); !st) return st;
+
+  if (p.varlen()) {
+    if (Status st = require(t.cu_seqlens, "cu_seqlens"); !st) return st;
+  } else if (t.cu_seqlens != nullptr || t.cu_seqlens_host != nullptr) {
+    return invalid("cu_seqlens is set but cu_seqlens_dtype is none");
+  }
+
+  // States: a pointer exactly when a dtype is given (null allowed for a zero-sized state).
+  if (p.initial_state_dtype == DType::kNone && t.initial_state != nullptr) {
+    return invalid("initial_state is set but initial_state_dtype is none");
+  }
+  if (p.initial_state_dtype != DType::kNone && s.initial_state_bytes > 0 &&
+      t.initial_state == nullptr) {
+    return invalid("initial_state is null but initial_state_dtype is " +
+                   dtype_name(p.initial_state_dtype));
+  }
+  if (p.final_state_dtype == DType::kNone && t.final_state != nullptr) {
+    return invalid("final_state is set but final_state_dtype is none");
+  }
+  if (p.final_state_dtype != DType::kNone && s.final_state_bytes > 0 && t.final_state == nullptr) {
+    return invalid("final_state is null but final_state_dtype is " +
+                   dtype_name(p.final_state_dtype));
+  }
+
+  const Range q{"q", t.q, s.qk_bytes}, k{"k", t.k, s.qk_bytes}, v{"v", t.v, s.v_bytes},
+      g{"g", t.g, s.qk_bytes}, beta{"beta", t.beta, s.beta_bytes},
+      a_log{"A_log", t.A_log, s.a_log_bytes}, dt_bias{"dt_bias", t.dt_bias, s.dt_bias_bytes},
+      cu{"cu_seqlens", t.cu_seqlens, s.cu_bytes},
+      cu_host{"cu_seqlens_host", t.cu_seqlens_host, s.cu_bytes},
+      initial{"initial_state", t.initial_state, s.initial_state_bytes},
+      final_state{"final_state", t.final_state, s.final_state_bytes}, out{"out", t.out, s.v_bytes};
+
+  // In-place update: final_state may be initial_state itself (same dtype), never a partial overlap.
+  if (t.final_state != nullptr && t.final_state == t.initial_state) {
+    if (p.final_state_dtype != p.initial_state_dtype) {
+      return invalid("final_state aliases initial_state but their dtypes differ (" +
+                     dtype_name(p.final_state_dtype) + " vs " +
+                     dtype_name(p.initial_state_dtype) + ")");
+    }
+  } else if (overlaps(final_state, initial)) {
+    return invalid("final_state partially overlaps initial_state (only an exact alias is allowed)");
+  }
+  if (Status st = check_no_overlap(out, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial,
+                                         final_state});
+      !st) {
+    return st;
+  }
+  return check_no_overlap(final_state, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host});
+}
+
+Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host) {
+  if (Status st = validate(p); !st) return st;
+  if (!p.varlen()) return invalid("cu_seqlens given but cu_seqlens_dtype is none");
+  if (cu_seqlens_host == nullptr) return invalid("cu_seqlens is null");
+  const bool is_i64 = p.cu_seqlens_dtype == DType::kI64;
+  auto at = [&](std::int64_t i) -> std::int64_t {
+    return is_i64 ? static_cast<const std::int64_t*>(cu_seqlens_host)[i]
+                  : static_cast<const std::int32_t*>(cu_seqlens_host)[i];
+  };
+  if (at(0) != 0) return invalid("cu_seqlens[0] must be 0 (got " + str(at(0)) + ")");
+  for (std::int64_t i = 1; i <= p.num_seqs; ++i) {
+    if (at(i) < at(i - 1)) {
+      return invalid("cu_seqlens must be non-decreasing: cu_seqlens[" + str(i) + "] = " +
+                     str(at(i)) + " < cu_seqlens[" + str(i - 1) + "] = " + str(at(i - 1)));
+    }
+  }
+  if (at(p.num_seqs) != p.seq_len) {
+    return invalid("cu_seqlens[" + str(p.num_seqs) + "] must equal seq_len " + str(p.seq_len) +
+                   " (got " + str(at(p.num_seqs)) + ")");
+  }
+  return Status::Ok();
+}
+
+namespace {
+Status can_run_cuda(std::int64_t head_dim_k, std::int64_t head_dim_v) {
+  if (head_dim_k != detail::kHeadDim || head_dim_v != detail::kHeadDim) {
+    return Status(StatusCode::kUnsupported,
+                  "the CUDA backend needs head_dim_k == head_dim_v == 128 (got K = " +
+                      str(head_dim_k) + ", V = " + str(head_dim_v) + ")");
+  }
+  if (!cuda_compiled()) {
+    return Status(StatusCode::kBackendUnavailable, "the CUDA backend is not compiled in");
+  }
+  if (cuda_device_count() <= 0) {
+    return Status(StatusCode::kBackendUnavailable, "no CUDA device is present");
+  }
+  return Status::Ok();
+}
+
+Status check_backend(Backend backend) {
+  if (backend != Backend::kCpu && backend != Backend::kCuda) {
+    return invalid("backend must be cpu or cuda (got " +
+                   std::to_string(static_cast<int>(backend)) + ")");
+  }
+  return Status::Ok();
+}
+}  // namespace
+
+Status can_implement(const Problem& p, Backend backend) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  if (backend == Backend::kCuda) return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  return Status::Ok();
+}
+
+// CPU: one scratch slot (state + token vectors, sized for fp64) per thread, for up to
+// min(N*H, kMaxThreads) threads, plus slack to align the caller's pointer.
+// CUDA: the chunk records of kda/src/workspace_layout.hpp.
+Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
+  if (bytes == nullptr) return invalid("bytes is null");
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  std::uint64_t total = 0;
+  if (backend == Backend::kCpu) {
+    const std::uint64_t items = static_cast<std::uint64_t>(p.sequences()) *
+                                static_cast<std::uint64_t>(p.num_heads);  // checked in validate
+    const std::uint64_t slots = std::min<std::uint64_t>(items, detail::cpu::kMaxThreads);
+    if (slots > 0) {
+      total = slots * detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
+                                              static_cast<std::uint64_t>(p.head_dim_v)) +
+              detail::cpu::kSlotAlignment;
+    }
+  } else if (!detail::cuda_prefill_workspace_bytes(static_cast<std::uint64_t>(p.total_tokens()),
+                                                   static_cast<std::uint64_t>(p.sequences()),
+                                                   static_cast<std::uint64_t>(p.num_heads),
+                                                   &total) ||
+             total > kMaxSize) {
+    return Status(StatusCode::kOverflow, "CUDA workspace bytes overflow 64-bit sizes");
+  }
+  if (total > std::numeric_limits<std::size_t>::max()) {
+    return Status(StatusCode::kOverflow, "workspace bytes do not fit size_t");
+  }
+  *bytes = static_cast<std::size_t>(total);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode
+// ---------------------------------------------------------------------------------------------
+namespace {
+struct DecodeSizes {
+  std::uint64_t qk_bytes = 0, v_bytes = 0, beta_bytes = 0, a_log_bytes = 0, dt_bias_bytes = 0,
+                slots_bytes = 0, pool_bytes = 0;
+};
+
+Status decode_sizes(const DecodeProblem& p, DecodeSizes* s) {
+  Status st;
+  if (!(st = checked_product("q/k/g bytes B*tokens*H*K*2",
+                             {p.batch, p.tokens, p.num_heads, p.head_dim_k, 2}, &s->qk_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("v/out bytes B*tokens*H*V*2",
+                             {p.batch, p.tokens, p.num_heads, p.head_dim_v, 2}, &s->v_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("beta bytes B*tokens*H*2", {p.batch, p.tokens, p.num_heads, 2},
+                             &s->beta_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("A_log bytes H*4", {p.num_heads, 4}, &s->a_log_bytes))) return st;
+  if (!(st = checked_product("dt_bias bytes H*K*4", {p.num_heads, p.head_dim_k, 4},
+                             &s->dt_bias_bytes))) {
+    return st;
+  }
+  if (!(st = checked_product("slots bytes B*4", {p.batch, 4}, &s->slots_bytes))) return st;
+  return checked_product("state_pool bytes num_slots*H*V*K*size",
+                         {p.num_slots, p.num_heads, p.head_dim_v, p.head_dim_k,
+                          static_cast<std::int64_t>(dtype_size(p.state_dtype))},
+                         &s->pool_bytes);
+}
+}  // namespace
+
+Status validate(const DecodeProblem& p) {
+  if (p.batch < 0) return invalid("batch must be >= 0 (got " + str(p.batch) + ")");
+  if (p.tokens < 1 || p.tokens > kMaxDecodeTokens) {
+    return invalid("tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " + str(p.tokens) +
+                   ")");
+  }
+  if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
+  if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
+  if (p.num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(p.num_slots) + ")");
+  if (p.state_dtype != DType::kBF16 && p.state_dtype != DType::kF32) {
+    return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
+  }
+  if (Status st = check_gate_and_scale(p.gate, p.lower_bound, p.scale); !st) return st;
+  DecodeSizes sizes;
+  return decode_sizes(p, &sizes);
+}
+
+Status validate(const DecodeProblem& p, const DecodeTensors& t) {
+  if (Status st = validate(p); !st) return st;
+  DecodeSizes s;
+  if (Status st = decode_sizes(p, &s); !st) return st;
+  if (p.batch > 0) {
+    for (const Range& r : {Range{"q", t.q, 0}, Range{"k", t.k, 0}, Range{"v", t.v, 0},
+                           Range{"g", t.g, 0}, Range{"beta", t.beta, 0},
+                           Range{"slots", t.slots, 0}, Range{"out", t.out, 0}}) {
+      if (Status st = require(r.ptr, r.name); !st) return st;
+    }
+  }
+  if (Status st = require(t.A_log, "A_log"); !st) return st;
+  if (Status st = require(t.dt_bias, "dt_bias"); !st) return st;
+  if (s.pool_bytes > 0) {
+    if (Status st = require(t.state_pool, "state_pool"); !st) return st;
+  }
+  const Range q{"q", t.q, s.qk_bytes}, k{"k", t.k, s.qk_bytes}, v{"v", t.v, s.v_bytes},
+      g{"g", t.g, s.qk_bytes}, beta{"beta", t.beta, s.beta_bytes},
+      a_log{"A_log", t.A_log, s.a_log_bytes}, dt_bias{"dt_bias", t.dt_bias, s.dt_bias_bytes},
+      slots{"slots", t.slots, s.slots_bytes}, pool{"state_pool", t.state_pool, s.pool_bytes},
+      out{"out", t.out, s.v_bytes};
+  if (Status st = check_no_overlap(out, {q, k, v, g, beta, a_log, dt_bias, slots, pool}); !st) {
+    return st;
+  }
+  return check_no_overlap(pool, {q, k, v, g, beta, a_log, dt_bias, slots});
+}
+
+Status can_implement(const DecodeProblem& p, Backend backend) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  if (backend == Backend::kCuda) return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  return Status::Ok();
+}
+
+}  // namespace kda

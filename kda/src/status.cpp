@@ -1,0 +1,84 @@
+// Names of the contract's enums, Status text, and the effective scale.
+#include <cmath>
+
+#include "kda/kda.hpp"
+
+namespace kda {
+
+const char* to_string(StatusCode code) noexcept {
+  switch (code) {
+    case StatusCode::kOk: return "ok";
+    case StatusCode::kInvalidArgument: return "invalid argument";
+    case StatusCode::kUnsupported: return "unsupported";
+    case StatusCode::kOverflow: return "overflow";
+    case StatusCode::kWorkspaceTooSmall: return "workspace too small";
+    case StatusCode::kBackendUnavailable: return "backend unavailable";
+    case StatusCode::kCudaError: return "CUDA error";
+    case StatusCode::kInternal: return "internal error";
+  }
+  return "unknown status";
+}
+
+const char* to_string(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kNone: return "none";
+    case DType::kBF16: return "bf16";
+    case DType::kF32: return "f32";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+  }
+  return "unknown dtype";
+}
+
+std::size_t dtype_size(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::kNone: return 0;
+    case DType::kBF16: return 2;
+    case DType::kF32: return 4;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
+  }
+  return 0;
+}
+
+const char* to_string(GateMode gate) noexcept {
+  switch (gate) {
+    case GateMode::kLowerBound: return "lower_bound";
+    case GateMode::kSoftplus: return "softplus";
+  }
+  return "unknown gate";
+}
+
+const char* to_string(Backend backend) noexcept {
+  switch (backend) {
+    case Backend::kCpu: return "cpu";
+    case Backend::kCuda: return "cuda";
+  }
+  return "unknown backend";
+}
+
+std::string Status::to_string() const {
+  if (ok()) return "ok";
+  std::string text = kda::to_string(code_);
+  if (!message_.empty()) {
+    text += ": ";
+    text += message_;
+  }
+  return text;
+}
+
+namespace {
+// scale == 0 selects the default K^-0.5 (computed in double, then rounded once to float).
+float effective_scale_of(float scale, std::int64_t head_dim_k) noexcept {
+  if (scale != 0.0f) return scale;
+  if (head_dim_k <= 0) return 0.0f;
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim_k)));
+}
+}  // namespace
+
+float Problem::effective_scale() const noexcept { return effective_scale_of(scale, head_dim_k); }
+float DecodeProblem::effective_scale() const noexcept {
+  return effective_scale_of(scale, head_dim_k);
+}
+
+}  // namespace kda

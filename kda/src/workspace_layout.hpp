@@ -1,0 +1,68 @@
+// Workspace layout of the CUDA prefill, in plain C++ so that workspace_size() works in every build
+// (a CPU-only build can still plan a CUDA arena) and the kernels and the planner agree on one formula.
+//
+// The prefill runs in two phases. Phase 1 (token-parallel) turns each chunk of kChunk tokens of each
+// head into the operands of the sequential recurrence and stores them in the workspace; phase 2 walks
+// the chunks of each (sequence, head) in order. A sequence s that starts at token cu[s] owns chunk slots
+// [s + cu[s] / kChunk, s + cu[s] / kChunk + ceil(len_s / kChunk)): disjoint across sequences and all
+// below num_chunk_slots(T, N) = ceil(T / kChunk) + N, so the workspace depends on sizes alone.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kda::detail {
+
+inline constexpr int kChunk = 16;    // tokens per chunk
+inline constexpr int kHeadDim = 128; // K == V == 128 on CUDA
+
+// One (chunk slot, head) record, all row-major:
+//   qg   bf16 [kChunk][K]  scale * q_hat * exp(G_i)               (Q~)
+//   kd   bf16 [kChunk][K]  k_hat * exp(G_last - G_i)              (K^, feeds the state update)
+//   w    bf16 [kChunk][K]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W)
+//   u    bf16 [kChunk][V]  (I + A)^-1 diag(beta) v                (U0)
+//   m    bf16 [kChunk][kChunk] scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0
+//   gl   f32  [K]          exp(G_last)                            (chunk decay of the state)
+struct ChunkRecord {
+  static constexpr std::size_t kQg = 0;
+  static constexpr std::size_t kKd = kQg + kChunk * kHeadDim * 2;
+  static constexpr std::size_t kW = kKd + kChunk * kHeadDim * 2;
+  static constexpr std::size_t kU = kW + kChunk * kHeadDim * 2;
+  static constexpr std::size_t kM = kU + kChunk * kHeadDim * 2;
+  static constexpr std::size_t kGl = kM + kChunk * kChunk * 2;
+  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;  // 17,408
+};
+static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
+
+// Alignment of the record array inside the caller's workspace.
+inline constexpr std::size_t kWorkspaceAlignment = 256;
+
+// Overflow-checked helpers: return false on overflow.
+inline bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
+  if (a != 0 && b > UINT64_MAX / a) return false;
+  *out = a * b;
+  return true;
+}
+inline bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
+  if (b > UINT64_MAX - a) return false;
+  *out = a + b;
+  return true;
+}
+
+// Number of chunk slots for total_tokens tokens split into num_seqs sequences.
+inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs, std::uint64_t* out) {
+  return checked_add((total_tokens + kChunk - 1) / kChunk, num_seqs, out);
+}
+
+// Bytes of the CUDA prefill workspace; false on overflow.
+inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                                         std::uint64_t num_heads, std::uint64_t* bytes) {
+  std::uint64_t slots = 0, records = 0, total = 0;
+  if (!num_chunk_slots(total_tokens, num_seqs, &slots)) return false;
+  if (!checked_mul(slots, num_heads, &records)) return false;
+  if (!checked_mul(records, ChunkRecord::kBytes, &total)) return false;
+  // + one alignment unit so an unaligned caller pointer can be rounded up.
+  return checked_add(total, kWorkspaceAlignment, bytes);
+}
+
+}  // namespace kda::detail

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The one command the H200 machine runs (see docs/PERFORMANCE.md): configure with the carried Debian
+# dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
+# the benchmark. Logs and tables go to $OUT. Usage: scripts/gpu-check.sh [tests|bench|all] [bench args]
+# KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
+set -uo pipefail
+what=${1:-all}; shift || true
+root=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/kda-out}
+mkdir -p "$OUT"
+build=${KDA_GPU_BUILD:-/tmp/kda-gpu-build}
+export LD_LIBRARY_PATH=$root/.gpudeps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu \
+  --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+cat "$OUT/nvidia-smi.txt"
+t0=$(date +%s)
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.gpudeps/usr" \
+  -DKDA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a > "$OUT/configure.log" 2>&1 \
+  || { tail -40 "$OUT/configure.log"; exit 1; }
+cmake --build "$build" -j16 ${KDA_GPU_TARGETS:+--target $KDA_GPU_TARGETS} > "$OUT/build.log" 2>&1 \
+  || { grep -E "error|Error" -A4 "$OUT/build.log" | head -80; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  ctest --test-dir "$build" -L gpu --output-on-failure -j4 --timeout 300 > "$OUT/ctest-gpu.log" 2>&1 || rc=1
+  grep -E "tests passed|tests failed|Failed|\*\*\*|Exception|SKIP" "$OUT/ctest-gpu.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  "$build/bench/kda-bench" "$@" 2>&1 | tee "$OUT/bench.md" || rc=1
+fi
+exit $rc

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The main job: installs missing Debian packages, builds kda-run (Release, CUDA when a toolkit is
+# found) and runs every KDA layer of Kimi-Linear-48B-A3B on synthetic inputs — on the GPU when one is
+# present, else on the CPU. Arguments go to kda-run, e.g.
+#   scripts/run-example.sh --tokens 1024 --backend cpu
+#   scripts/run-example.sh --plan-only --json
+# Passing --model or --case replaces the default model.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build_dir="${KDA_BUILD_DIR:-$root/build}"
+
+"$root/scripts/deps.sh"
+"$root/scripts/build.sh" --target kda-run
+
+model_args=(--model "$root/examples/models/kimi-linear-48b-a3b.yaml")
+for arg in "$@"; do
+  case "$arg" in
+    --model | --model=* | --case | --case=*) model_args=() ;;
+  esac
+done
+exec "$build_dir/examples/kda-run" "${model_args[@]}" "$@"

@@ -1,0 +1,171 @@
+// cuda_test_util.hpp — device buffers and "run this case on the GPU" for the GPU tests, through the
+// kda device helpers only (no CUDA headers), so that the tests build — and skip — without CUDA.
+#pragma once
+
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda_reference.hpp"
+
+namespace kda::test {
+
+// True when a CUDA device is present; otherwise prints the marker CTest reads as "skipped".
+inline bool gpu_or_skip() {
+  if (cuda_device_count() > 0) return true;
+  std::printf("KDA_SKIP: no CUDA device (this test needs one)\n");
+  return false;
+}
+
+// A device allocation with `guard` bytes of a known pattern before and after the payload, so that a
+// test can check that nothing is written outside the tensor.
+class DeviceBuffer {
+ public:
+  static constexpr unsigned char kGuardByte = 0xA5;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes, std::size_t guard = 256) : bytes_(bytes), guard_(guard) {
+    Status st = device_malloc(&base_, bytes + 2 * guard);
+    if (!st.ok()) throw std::runtime_error(st.to_string());
+    if (guard > 0) {
+      memset_device(base_, kGuardByte, guard);
+      memset_device(static_cast<unsigned char*>(base_) + guard + bytes, kGuardByte, guard);
+    }
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(guard_, o.guard_);
+    return *this;
+  }
+  ~DeviceBuffer() { device_free(base_); }
+
+  void* get() const { return base_ ? static_cast<unsigned char*>(base_) + guard_ : nullptr; }
+  std::size_t bytes() const { return bytes_; }
+
+  template <typename T>
+  static DeviceBuffer from(const std::vector<T>& host) {
+    DeviceBuffer b(host.size() * sizeof(T));
+    if (!host.empty()) memcpy_to_device(b.get(), host.data(), b.bytes());
+    return b;
+  }
+  template <typename T>
+  std::vector<T> download() const {
+    std::vector<T> host(bytes_ / sizeof(T));
+    if (!host.empty()) memcpy_to_host(host.data(), get(), bytes_);
+    return host;
+  }
+  void fill(unsigned char byte) { memset_device(get(), byte, bytes_); }
+  // Whether both guard regions still hold the pattern.
+  bool guards_intact() const {
+    if (guard_ == 0) return true;
+    std::vector<unsigned char> g(guard_);
+    for (int side = 0; side < 2; ++side) {
+      const unsigned char* p = static_cast<const unsigned char*>(base_) + (side ? guard_ + bytes_ : 0);
+      memcpy_to_host(g.data(), p, guard_);
+      for (unsigned char x : g) {
+        if (x != kGuardByte) return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  void* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  std::size_t guard_ = 0;
+};
+
+// A case's inputs on the device.
+struct DeviceCase {
+  DeviceBuffer q, k, v, g, beta, A_log, dt_bias, cu, h0;
+  explicit DeviceCase(const KdaCase& c)
+      : q(DeviceBuffer::from(c.q)),
+        k(DeviceBuffer::from(c.k)),
+        v(DeviceBuffer::from(c.v)),
+        g(DeviceBuffer::from(c.g)),
+        beta(DeviceBuffer::from(c.beta)),
+        A_log(DeviceBuffer::from(c.A_log)),
+        dt_bias(DeviceBuffer::from(c.dt_bias)) {
+    if (c.problem.varlen()) {
+      cu = c.problem.cu_seqlens_dtype == DType::kI32 ? DeviceBuffer::from(c.cu_seqlens_i32)
+                                                       : DeviceBuffer::from(c.cu_seqlens);
+    }
+    if (c.problem.initial_state_dtype == DType::kF32) h0 = DeviceBuffer::from(c.initial_state);
+    if (c.problem.initial_state_dtype == DType::kBF16) h0 = DeviceBuffer::from(c.initial_state_bf16);
+    stream_synchronize(nullptr);  // uploads done before work on any other stream starts
+  }
+  Tensors tensors() const {
+    Tensors t;
+    t.q = q.get();
+    t.k = k.get();
+    t.v = v.get();
+    t.g = g.get();
+    t.beta = beta.get();
+    t.A_log = static_cast<const float*>(A_log.get());
+    t.dt_bias = static_cast<const float*>(dt_bias.get());
+    t.cu_seqlens = cu.get();
+    t.initial_state = h0.get();
+    return t;
+  }
+};
+
+// Outputs of one GPU run, downloaded; plus whether the guards around them survived.
+struct GpuRun {
+  Status status;
+  Outputs out;
+  bool guards_intact = true;
+};
+
+// Runs forward_cuda on case c with device outputs poisoned with 0xFF bytes (NaN in bf16 and f32).
+// `extra_state_rows`: the final-state buffer gets that many more [H, V, K] rows than the problem has
+// sequences; they are poisoned and checked to stay untouched (reported through guards_intact).
+inline GpuRun run_cuda(const KdaCase& c, int extra_state_rows = 0, void* stream = nullptr) {
+  GpuRun r;
+  DeviceCase d(c);
+  const Problem& p = c.problem;
+  DeviceBuffer out(static_cast<std::size_t>(c.out_elems()) * 2);
+  out.fill(0xFF);
+  const std::size_t row = static_cast<std::size_t>(p.num_heads * p.head_dim_v * p.head_dim_k);
+  const std::size_t state_elems = static_cast<std::size_t>(c.state_elems()) + extra_state_rows * row;
+  DeviceBuffer ht(p.final_state_dtype == DType::kNone ? 0 : state_elems * dtype_size(p.final_state_dtype));
+  ht.fill(0xFF);
+  std::size_t ws_bytes = 0;
+  r.status = workspace_size(p, Backend::kCuda, &ws_bytes);
+  if (!r.status.ok()) return r;
+  DeviceBuffer ws(ws_bytes);
+  Tensors t = d.tensors();
+  t.out = out.get();
+  t.final_state = p.final_state_dtype == DType::kNone ? nullptr : ht.get();
+  t.cu_seqlens_host = c.cu_seqlens_ptr();
+  r.status = forward_cuda(p, t, Workspace{ws.get(), ws.bytes()}, stream);
+  if (r.status.ok()) r.status = stream_synchronize(stream);
+  r.out.out = out.download<std::uint16_t>();
+  if (p.final_state_dtype == DType::kF32) r.out.final_f32 = ht.download<float>();
+  if (p.final_state_dtype == DType::kBF16) r.out.final_bf16 = ht.download<std::uint16_t>();
+  r.guards_intact = out.guards_intact() && ht.guards_intact() && ws.guards_intact();
+  // The extra rows must still hold the poison; then drop them so that sizes match the case.
+  const std::size_t n = static_cast<std::size_t>(c.state_elems());
+  if (!r.out.final_f32.empty()) {
+    for (std::size_t i = n; i < r.out.final_f32.size(); ++i) {
+      std::uint32_t bits;
+      std::memcpy(&bits, &r.out.final_f32[i], 4);
+      if (bits != 0xFFFFFFFFu) r.guards_intact = false;
+    }
+    r.out.final_f32.resize(n);
+  }
+  if (!r.out.final_bf16.empty()) {
+    for (std::size_t i = n; i < r.out.final_bf16.size(); ++i) {
+      if (r.out.final_bf16[i] != 0xFFFF) r.guards_intact = false;
+    }
+    r.out.final_bf16.resize(n);
+  }
+  return r;
+}
+
+}  // namespace kda::test

@@ -1,0 +1,251 @@
+// Safetensors: round trip of every supported dtype, atomic writes, and one clear error per kind of
+// malformed file.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kda/engine/error.hpp"
+#include "kda/engine/safetensors.hpp"
+
+namespace fs = std::filesystem;
+using kda::DType;
+using kda::engine::SafetensorsFile;
+using kda::engine::Tensor;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::random_device random;
+    path = fs::temp_directory_path() / ("kda-test-st-" + std::to_string(random()) + "-" +
+                                        std::to_string(random()));
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path, ignored);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+  std::size_t entries() const {
+    return static_cast<std::size_t>(std::distance(fs::directory_iterator(path), fs::directory_iterator()));
+  }
+};
+
+Tensor random_tensor(const std::string& name, DType dtype, std::vector<std::int64_t> shape,
+                     std::mt19937_64& rng) {
+  Tensor t = Tensor::zeros(name, dtype, std::move(shape));
+  for (auto& byte : t.data) byte = static_cast<std::uint8_t>(rng());
+  return t;
+}
+
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::string le64(std::uint64_t value) {
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<std::size_t>(i)] = static_cast<char>(value >> (8 * i));
+  return bytes;
+}
+
+// A file with the given header text and `data_bytes` bytes of data.
+std::string file_with_header(const std::string& header, std::size_t data_bytes) {
+  return le64(header.size()) + header + std::string(data_bytes, '\x5a');
+}
+
+// Opens `path` expecting kda::Error; returns the message.
+std::string open_error(const std::string& path, kda::StatusCode* code = nullptr) {
+  try {
+    SafetensorsFile::open(path);
+  } catch (const kda::Error& e) {
+    if (code != nullptr) *code = e.code();
+    return e.what();
+  }
+  return {};
+}
+
+void check_bad(const TempDir& dir, const std::string& bytes, std::initializer_list<const char*> parts) {
+  const std::string path = dir.file("bad.safetensors");
+  write_bytes(path, bytes);
+  const std::string message = open_error(path);
+  INFO("message: " << message);
+  REQUIRE_FALSE(message.empty());
+  CHECK(message.rfind(path, 0) == 0);  // names the file first
+  for (const char* part : parts) CHECK(message.find(part) != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("round trip: every dtype, odd shapes, metadata") {
+  TempDir dir;
+  std::mt19937_64 rng(42);
+  std::vector<Tensor> tensors;
+  tensors.push_back(random_tensor("q", DType::kBF16, {2, 3, 4, 5}, rng));
+  tensors.push_back(random_tensor("A_log", DType::kF32, {7}, rng));
+  tensors.push_back(random_tensor("cu_seqlens", DType::kI64, {3}, rng));
+  tensors.push_back(random_tensor("slots", DType::kI32, {1, 3}, rng));
+  tensors.push_back(random_tensor("scalar", DType::kF32, {}, rng));
+  tensors.push_back(random_tensor("empty", DType::kBF16, {0, 4}, rng));
+  tensors.push_back(random_tensor("last", DType::kBF16, {3}, rng));  // 6 bytes: odd end
+  const std::map<std::string, std::string> metadata = {{"gate", "softplus"}, {"scale", "0.125"}};
+  const std::string path = dir.file("round.safetensors");
+  kda::engine::save_safetensors(path, tensors, metadata);
+  CHECK(dir.entries() == 1);  // no temporary left behind
+
+  // The header length is a multiple of 8 (data section aligned).
+  std::ifstream in(path, std::ios::binary);
+  unsigned char length[8];
+  in.read(reinterpret_cast<char*>(length), 8);
+  CHECK(length[0] % 8 == 0);
+
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  CHECK(file.metadata() == metadata);
+  REQUIRE(file.tensors().size() == tensors.size());
+  for (const Tensor& expected : tensors) {
+    CAPTURE(expected.name);
+    const Tensor got = file.read(expected.name);
+    CHECK(got.dtype == expected.dtype);
+    CHECK(got.shape == expected.shape);
+    CHECK(got.data == expected.data);
+  }
+  CHECK(file.read_all().size() == tensors.size());
+  CHECK(file.find("missing") == nullptr);
+  CHECK_THROWS_WITH_AS(file.read("missing"), doctest::Contains("no tensor 'missing'"), kda::Error);
+
+  // Serialized bytes equal the file's bytes.
+  const std::vector<std::uint8_t> bytes = kda::engine::serialize_safetensors(tensors, metadata);
+  std::ifstream again(path, std::ios::binary);
+  const std::vector<std::uint8_t> on_disk((std::istreambuf_iterator<char>(again)),
+                                          std::istreambuf_iterator<char>());
+  CHECK(on_disk == bytes);
+}
+
+TEST_CASE("writer refuses bad tensors and leaves the destination untouched") {
+  TempDir dir;
+  std::mt19937_64 rng(7);
+  const std::string path = dir.file("out.safetensors");
+  kda::engine::save_safetensors(path, {random_tensor("a", DType::kF32, {4}, rng)});
+  const auto before = fs::file_size(path);
+
+  Tensor wrong = random_tensor("b", DType::kF32, {4}, rng);
+  wrong.data.pop_back();  // 15 bytes for 4 floats
+  CHECK_THROWS_WITH_AS(kda::engine::save_safetensors(path, {wrong}),
+                       doctest::Contains("do not match shape"), kda::Error);
+  const Tensor x = random_tensor("x", DType::kF32, {1}, rng);
+  CHECK_THROWS_AS(kda::engine::save_safetensors(path, {x, x}), kda::Error);  // duplicate name
+  Tensor meta = x;
+  meta.name = "__metadata__";
+  CHECK_THROWS_AS(kda::engine::save_safetensors(path, {meta}), kda::Error);
+  CHECK(fs::file_size(path) == before);
+  CHECK(SafetensorsFile::open(path).find("a") != nullptr);
+
+  // A directory that does not exist: error, nothing created.
+  const std::string nowhere = dir.file("no/such/dir/out.safetensors");
+  CHECK_THROWS_AS(kda::engine::save_safetensors(nowhere, {x}), kda::Error);
+  CHECK_FALSE(fs::exists(nowhere));
+  CHECK(dir.entries() == 1);
+}
+
+TEST_CASE("malformed files: empty, truncated, absurd or overlong header length") {
+  TempDir dir;
+  check_bad(dir, "", {"file is empty"});
+  check_bad(dir, "\x10\x00\x00", {"truncated", "3 bytes"});
+  check_bad(dir, le64(0), {"header length is 0"});
+  check_bad(dir, le64(1ull << 40) + "{}", {"absurd"});
+  check_bad(dir, le64(1000) + "{\"a\": 1}", {"runs past the end of the file"});
+
+  // A valid file cut short: the data offsets now run past the end.
+  std::mt19937_64 rng(3);
+  const std::string good = dir.file("good.safetensors");
+  kda::engine::save_safetensors(good, {random_tensor("t", DType::kF32, {64}, rng)});
+  std::ifstream in(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  check_bad(dir, bytes.substr(0, bytes.size() - 10), {"tensor 't'", "past the end"});
+  check_bad(dir, bytes.substr(0, 20), {"runs past the end of the file"});
+  CHECK(fs::is_directory(dir.path));
+  CHECK_THROWS_WITH_AS(SafetensorsFile::open(dir.path.string()), doctest::Contains("directory"),
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(SafetensorsFile::open(dir.file("missing.safetensors")),
+                       doctest::Contains("cannot open"), kda::Error);
+}
+
+TEST_CASE("malformed files: header garbage") {
+  TempDir dir;
+  check_bad(dir, file_with_header("{not json", 0), {"not valid JSON"});
+  check_bad(dir, file_with_header("\xff\xfe garbage", 0), {"not valid JSON"});
+  check_bad(dir, file_with_header("[1, 2, 3]", 0), {"not a JSON object"});
+  check_bad(dir, file_with_header(R"({"t": 5})", 0), {"tensor 't'", "not an object"});
+  check_bad(dir, file_with_header(R"({"t": {"shape": [1], "data_offsets": [0, 4]}})", 4),
+            {"tensor 't'", "missing dtype"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "data_offsets": [0, 4]}})", 4),
+            {"tensor 't'", "missing shape"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1]}})", 4),
+            {"tensor 't'", "data_offsets"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", 4),
+            {"data_offsets must be [begin, end]"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4),
+            {"tensor 't'", "non-negative"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4),
+            {"tensor 't'", "non-negative"});
+  check_bad(dir, file_with_header(R"({"__metadata__": {"gate": 3}})", 0),
+            {"__metadata__", "'gate'", "not a string"});
+  check_bad(dir, file_with_header(R"({"__metadata__": [1]})", 0), {"__metadata__"});
+}
+
+TEST_CASE("malformed files: dtypes") {
+  TempDir dir;
+  check_bad(dir, file_with_header(R"({"h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", 4),
+            {"tensor 'h'", "unsupported dtype 'F16'", "BF16, F32, I32, I64"});
+  check_bad(dir, file_with_header(R"({"h": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8),
+            {"unsupported dtype 'F64'"});
+  check_bad(dir, file_with_header(R"({"h": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}})", 1),
+            {"unknown dtype 'Q4'"});
+}
+
+TEST_CASE("malformed files: data offsets past the end, reversed, overlapping; shape mismatch") {
+  TempDir dir;
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 12),
+            {"tensor 't'", "run past the end of the data section (12 bytes"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})", 12),
+            {"tensor 't'", "reversed"});
+  check_bad(dir,
+            file_with_header(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
+                             R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
+                             12),
+            {"tensor 'b'", "overlaps tensor 'a'"});
+  // An empty tensor between two overlapping ones does not hide the overlap.
+  check_bad(dir,
+            file_with_header(R"({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},)"
+                             R"( "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]},)"
+                             R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+                             16),
+            {"overlaps"});
+  check_bad(dir, file_with_header(R"({"t": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})", 10),
+            {"tensor 't'", "shape [2, 3] of BF16 needs 12 bytes but data_offsets hold 10"});
+
+  const std::string path = dir.file("overflow.safetensors");
+  write_bytes(path, file_with_header(
+                        R"({"t": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 4]}})",
+                        4));
+  kda::StatusCode code = kda::StatusCode::kOk;
+  const std::string message = open_error(path, &code);
+  CHECK(message.find("overflows 64 bits") != std::string::npos);
+  CHECK(code == kda::StatusCode::kOverflow);
+
+  // Gaps are tolerated, and tensors may be listed out of data order.
+  write_bytes(path, file_with_header(R"({"b": {"dtype": "I32", "shape": [1], "data_offsets": [8, 12]},)"
+                                     R"( "a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}})",
+                                     12));
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  REQUIRE(file.tensors().size() == 2);
+  CHECK(file.tensors()[0].name == "a");
+  CHECK(file.read("b").data == std::vector<std::uint8_t>{0x5a, 0x5a, 0x5a, 0x5a});
+}
