@@ -24,6 +24,8 @@ rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   ctest --test-dir "$build" -L gpu --output-on-failure -j4 --timeout 300 > "$OUT/ctest-gpu.log" 2>&1 || rc=1
   grep -E "tests passed|tests failed|Failed|\*\*\*|Exception|SKIP" "$OUT/ctest-gpu.log" | tail -40
+  # The measured errors of every case, for the record (ctest shows output only on failure).
+  for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done > "$OUT/gpu-test-output.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   "$build/bench/kda-bench" "$@" 2>&1 | tee "$OUT/bench.md" || rc=1

@@ -280,6 +280,7 @@ TEST_CASE("cuda prefill reports bad input before launching anything") {
   if (!gpu_or_skip()) return;
   CaseOptions o = cuda_options(4, 800);
   o.lengths = {20, 30};
+  o.final_state_dtype = DType::kNone;
   KdaCase c = make_case(o);
   {
     KdaCase k64 = c;
@@ -298,7 +299,7 @@ TEST_CASE("cuda prefill reports bad input before launching anything") {
   t.out = out.get();
   {
     const Status st = forward_cuda(c.problem, t, {ws.get(), ws_bytes - 1}, nullptr);
-    CHECK(st.code() == StatusCode::kWorkspaceTooSmall);
+    CHECK_MESSAGE(st.code() == StatusCode::kWorkspaceTooSmall, st.to_string());
   }
   {
     Tensors bad = t;

@@ -156,8 +156,8 @@ TEST_CASE("writer refuses bad tensors and leaves the destination untouched") {
 
 TEST_CASE("malformed files: empty, truncated, absurd or overlong header length") {
   TempDir dir;
-  check_bad(dir, "", {"file is empty"});
-  check_bad(dir, "\x10\x00\x00", {"truncated", "3 bytes"});
+  check_bad(dir, std::string(), {"file is empty"});
+  check_bad(dir, std::string("\x10\x00\x00", 3), {"truncated", "3 bytes"});
   check_bad(dir, le64(0), {"header length is 0"});
   check_bad(dir, le64(1ull << 40) + "{}", {"absurd"});
   check_bad(dir, le64(1000) + "{\"a\": 1}", {"runs past the end of the file"});

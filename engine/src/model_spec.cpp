@@ -189,21 +189,27 @@ void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::No
   const std::uint64_t seqs = static_cast<std::uint64_t>(spec.runtime.max_sequences);
   const std::uint64_t layers = static_cast<std::uint64_t>(spec.num_kda_layers());
   const std::uint64_t state_size = dtype_size(spec.runtime.state_dtype);
-  const YAML::Node& where = runtime_node.IsDefined() ? runtime_node : root;
-  const std::string key = runtime_node.IsDefined() ? "runtime.max_tokens" : "max_tokens";
+  // Point at the runtime value that makes the count overflow, or at the section (or top) when the
+  // default is in effect.
+  auto node_of = [&](const char* key) -> YAML::Node {
+    if (!runtime_node.IsDefined()) return root;
+    const YAML::Node value = runtime_node[key];
+    return value.IsDefined() ? value : runtime_node;
+  };
+  const std::string key = "runtime.max_tokens";
 
   std::uint64_t tensor_bytes = 0, state_pool = 0, all_pools = 0, total = 0;
   // One bf16 [max_tokens, H, D] tensor (q, k, v, g or out); six of them with beta rounded up.
   if (!checked_product({tokens, heads, dim, 2}, &tensor_bytes) ||
       !checked_mul(tensor_bytes, 6, &total)) {
-    ctx.fail(where, key,
+    ctx.fail(node_of("max_tokens"), key,
              "max_tokens " + std::to_string(tokens) + " x num_heads " + std::to_string(heads) +
                  " x head_dim " + std::to_string(dim) + " x 2 bytes overflows 64 bits",
              StatusCode::kOverflow);
   }
   if (!checked_product({seqs, heads, dim, dim, state_size}, &state_pool) ||
       !checked_mul(state_pool, layers, &all_pools) || !checked_add(total, all_pools, &total)) {
-    ctx.fail(where, runtime_node.IsDefined() ? "runtime.max_sequences" : "max_sequences",
+    ctx.fail(node_of("max_sequences"), "runtime.max_sequences",
              "the state pools (max_sequences " + std::to_string(seqs) + " x num_heads " +
                  std::to_string(heads) + " x head_dim^2 " + std::to_string(dim) + "^2 x " +
                  std::to_string(state_size) + " bytes x " + std::to_string(layers) +

@@ -15,7 +15,9 @@ foreach(var CMAKE_PREFIX_PATH CMAKE_CXX_FLAGS CMAKE_EXE_LINKER_FLAGS)
   string(REPLACE "|" ";" KDA_${var} "${KDA_${var}}")
 endforeach()
 
-# A fresh directory per run, so that nothing from an earlier run (or a concurrent one) is reused.
+# A fresh directory per run, so that nothing from an earlier run is reused; an earlier failed run's
+# files (kept for inspection) go now.
+file(REMOVE_RECURSE "${KDA_CONSUMER_WORK_DIR}")
 string(RANDOM LENGTH 8 ALPHABET "abcdefghijklmnopqrstuvwxyz0123456789" run_id)
 set(work_dir "${KDA_CONSUMER_WORK_DIR}/run-${run_id}")
 set(prefix "${work_dir}/prefix")

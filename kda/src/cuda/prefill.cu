@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -58,208 +59,11 @@ __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std
 }
 
 // ---------------------------------------------------------------------------------------------
-// Phase 1
+// Tensor-core and copy helpers
 // ---------------------------------------------------------------------------------------------
-constexpr int kPrepThreads = 128;  // one thread per channel d
-constexpr int kPad = D + 1;        // fp32 rows padded so that threads reading [i][d] for different i
-                                   // hit different banks
-
-struct PrepSmem {
-  float qn[C][kPad];   // scale-free normalized q
-  float kn[C][kPad];   // normalized k
-  float G[C][kPad];    // in-chunk cumulative gate
-  float A[C][C + 1];   // beta_i * k_i . k_j * exp(G_i - G_j), i > j
-  float M[C][C + 1];   // scale * q_i . k_j * exp(G_i - G_j), i >= j
-  float part[4][2][C];  // per-warp partial sums of squares
-  float beta[C];
-  float inv_norm[2][C];
-};
-
-// Finds the sequence owning chunk slot `slot`: the largest s with s + start(s) / C <= slot.
-__device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std::int64_t slot) {
-  std::int64_t lo = 0, hi = seqs.num_seqs - 1;
-  while (lo < hi) {
-    const std::int64_t mid = (lo + hi + 1) / 2;
-    std::int64_t b = seqs.start(mid);
-    b = b < 0 ? 0 : (b > seqs.total ? seqs.total : b);
-    if (mid + b / C <= slot) lo = mid; else hi = mid - 1;
-  }
-  return lo;
-}
-
-__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
-  __shared__ PrepSmem sm;
-  const std::int64_t slot = blockIdx.x;
-  const int h = blockIdx.y;
-  const int d = threadIdx.x;
-  const int lane = d & 31, warp = d >> 5;
-
-  const std::int64_t s = owner_of_slot(p.seqs, slot);
-  std::int64_t bos, eos;
-  p.seqs.bounds(s, &bos, &eos);
-  const std::int64_t first_slot = s + bos / C;
-  const std::int64_t j = slot - first_slot;
-  const std::int64_t nchunks = (eos - bos + C - 1) / C;
-  if (j < 0 || j >= nchunks) return;  // a gap slot: no chunk lives here
-  const std::int64_t tok0 = bos + j * C;
-  const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
-
-  const std::int64_t H = p.num_heads;
-  const float a_exp = __expf(p.A_log[h]);
-  const float dtb = p.dt_bias[h * D + d];
-
-  float qv[C], kv[C], gv[C], vv[C];
-#pragma unroll
-  for (int t = 0; t < C; ++t) {
-    if (t < nvalid) {
-      const std::int64_t off = ((tok0 + t) * H + h) * D + d;
-      qv[t] = __bfloat162float(p.q[off]);
-      kv[t] = __bfloat162float(p.k[off]);
-      gv[t] = __bfloat162float(p.g[off]);
-      vv[t] = __bfloat162float(p.v[off]);
-    } else {
-      qv[t] = kv[t] = gv[t] = vv[t] = 0.f;
-    }
-  }
-  if (d < C) {
-    sm.beta[d] = d < nvalid ? sigmoid_f(__bfloat162float(p.beta[(tok0 + d) * H + h])) : 0.f;
-  }
-
-  // Sums of squares per token: warp shuffle, then across the 4 warps.
-#pragma unroll
-  for (int t = 0; t < C; ++t) {
-    float sq = qv[t] * qv[t], sk = kv[t] * kv[t];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      sq += __shfl_xor_sync(0xffffffffu, sq, o);
-      sk += __shfl_xor_sync(0xffffffffu, sk, o);
-    }
-    if (lane == 0) {
-      sm.part[warp][0][t] = sq;
-      sm.part[warp][1][t] = sk;
-    }
-  }
-  __syncthreads();
-  if (d < 2 * C) {
-    const int which = d / C, t = d % C;
-    const float ss = sm.part[0][which][t] + sm.part[1][which][t] + sm.part[2][which][t] +
-                     sm.part[3][which][t];
-    sm.inv_norm[which][t] = rsqrtf(ss + 1e-6f);
-  }
-  __syncthreads();
-
-  // Gate and its cumulative sum over the chunk (padded tokens have g = 0: no decay).
-  float G[C];
-  float acc = 0.f;
-#pragma unroll
-  for (int t = 0; t < C; ++t) {
-    if (t < nvalid) acc += gate_activation(p.gate_mode, gv[t], a_exp, dtb, p.lower_bound);
-    G[t] = acc;
-    qv[t] *= sm.inv_norm[0][t];
-    kv[t] *= sm.inv_norm[1][t];
-    sm.qn[t][d] = qv[t];
-    sm.kn[t][d] = kv[t];
-    sm.G[t][d] = G[t];
-  }
-  __syncthreads();
-
-  // A and M: 136 pairs (i >= j). Warp w sums channels [32w, 32w + 32) of every pair (a lane per
-  // pair), writes its partial to shared memory, and the four partials are added afterwards.
-  // Pair index pidx = i * (i + 1) / 2 + j.
-  {
-    __shared__ float partA[4][C * (C + 1) / 2];
-    __shared__ float partM[4][C * (C + 1) / 2];
-    constexpr int kPairs = C * (C + 1) / 2;  // 136
-    for (int pidx = lane; pidx < kPairs; pidx += 32) {
-      // invert pidx = i*(i+1)/2 + j
-      int i = static_cast<int>((sqrtf(8.f * pidx + 1.f) - 1.f) * 0.5f);
-      while ((i + 1) * (i + 2) / 2 <= pidx) ++i;
-      while (i * (i + 1) / 2 > pidx) --i;
-      const int jj = pidx - i * (i + 1) / 2;
-      float a = 0.f, m = 0.f;
-      const int d0 = warp * 32;
-#pragma unroll 8
-      for (int dd = 0; dd < 32; ++dd) {
-        // Every lane reads channel c of its own rows i, jj: rows are 129 floats apart, so distinct
-        // rows fall in distinct banks and equal rows broadcast.
-        const int c = d0 + dd;
-        const float e = __expf(sm.G[i][c] - sm.G[jj][c]);
-        const float kj = sm.kn[jj][c] * e;
-        a = fmaf(sm.kn[i][c], kj, a);
-        m = fmaf(sm.qn[i][c], kj, m);
-      }
-      partA[warp][pidx] = a;
-      partM[warp][pidx] = m;
-    }
-    __syncthreads();
-    for (int pidx = d; pidx < kPairs; pidx += kPrepThreads) {
-      int i = static_cast<int>((sqrtf(8.f * pidx + 1.f) - 1.f) * 0.5f);
-      while ((i + 1) * (i + 2) / 2 <= pidx) ++i;
-      while (i * (i + 1) / 2 > pidx) --i;
-      const int jj = pidx - i * (i + 1) / 2;
-      const float a = partA[0][pidx] + partA[1][pidx] + partA[2][pidx] + partA[3][pidx];
-      const float m = partM[0][pidx] + partM[1][pidx] + partM[2][pidx] + partM[3][pidx];
-      sm.A[i][jj] = i > jj ? sm.beta[i] * a : 0.f;
-      sm.M[i][jj] = p.scale * m;
-    }
-    __syncthreads();
-  }
-
-  // Forward substitution: (I + A) X = diag(beta) [K~ | V], one column of each per thread.
-  float xk[C], xv[C];
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    const float b = sm.beta[i];
-    float rk = b * kv[i] * __expf(G[i]);
-    float rv = b * vv[i];
-#pragma unroll
-    for (int jj = 0; jj < i; ++jj) {
-      const float aij = sm.A[i][jj];
-      rk = fmaf(-aij, xk[jj], rk);
-      rv = fmaf(-aij, xv[jj], rv);
-    }
-    xk[i] = rk;
-    xv[i] = rv;
-  }
-
-  unsigned char* rec = record_ptr(p, slot, h);
-  bf16* r_qg = reinterpret_cast<bf16*>(rec + ChunkRecord::kQg);
-  bf16* r_kd = reinterpret_cast<bf16*>(rec + ChunkRecord::kKd);
-  bf16* r_w = reinterpret_cast<bf16*>(rec + ChunkRecord::kW);
-  bf16* r_u = reinterpret_cast<bf16*>(rec + ChunkRecord::kU);
-  bf16* r_m = reinterpret_cast<bf16*>(rec + ChunkRecord::kM);
-  float* r_gl = reinterpret_cast<float*>(rec + ChunkRecord::kGl);
-  const float g_last = G[C - 1];
-#pragma unroll
-  for (int i = 0; i < C; ++i) {
-    r_qg[i * D + d] = __float2bfloat16(p.scale * qv[i] * __expf(G[i]));
-    r_kd[i * D + d] = __float2bfloat16(kv[i] * __expf(g_last - G[i]));
-    r_w[i * D + d] = __float2bfloat16(xk[i]);
-    r_u[i * D + d] = __float2bfloat16(xv[i]);
-  }
-  r_gl[d] = __expf(g_last);
-  for (int e = d; e < C * C; e += kPrepThreads) {
-    const int i = e / C, jj = e % C;
-    r_m[e] = __float2bfloat16(i >= jj ? sm.M[i][jj] : 0.f);
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Phase 2
-// ---------------------------------------------------------------------------------------------
-constexpr int kStages = 3;
-constexpr int kRowPad = D + 8;   // bf16 row stride in shared memory: 272 bytes, so that ldmatrix's 8
-                                 // row addresses fall in distinct 16-byte bank groups
-constexpr int kMPad = C + 8;     // 48-byte rows for M
-
-struct StageSmem {
-  bf16 qg[C][kRowPad];
-  bf16 kd[C][kRowPad];
-  bf16 w[C][kRowPad];
-  bf16 u[C][kRowPad];
-  bf16 m[C][kMPad];
-  float gl[D];
-};
+constexpr int kRowPad = D + 8;  // bf16 row stride in shared memory: 272 bytes, so that ldmatrix's 8
+                                // row addresses fall in distinct 16-byte bank groups
+constexpr int kMPad = C + 8;    // 48-byte rows for 16 x 16 tiles
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -295,6 +99,281 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], 
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// ---------------------------------------------------------------------------------------------
+// Phase 1
+// ---------------------------------------------------------------------------------------------
+constexpr int kPrepThreads = 128;  // 4 warps; in the elementwise steps one thread per channel d
+constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded against bank conflicts
+// Above this in-chunk decay (-G_last, natural log), exp(-G) could overflow or lose the smallest
+// factors: such chunks take the exact path that exponentiates differences G_i - G_j <= 0 only. The
+// bounded gate (lower_bound >= -5, 16 tokens) always stays below it.
+constexpr float kFactoredRange = 80.0f;
+
+struct PrepSmem {
+  bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero)
+  bf16 k[C][kRowPad];
+  bf16 v[C][kRowPad];
+  bf16 g[C][kRowPad];
+  bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
+  bf16 kg[C][kRowPad];  // k_hat * exp(G)                  (K~, feeds A and W)
+  bf16 ki[C][kRowPad];  // k_hat * exp(-G)                 (factored path only)
+  bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
+  bf16 w[C][kRowPad];   // record: W
+  bf16 u[C][kRowPad];   // record: U0
+  bf16 tb[C][kMPad];    // (I + A)^-1 diag(beta)
+  bf16 m[C][kMPad];     // record: M
+  float A[C][C + 1];
+  float beta[C];
+  float inv_norm[2][C];
+  float range[4];
+  // Exact path only.
+  float qn[C][kPad];
+  float kn[C][kPad];
+  float G[C][kPad];
+};
+
+// Finds the sequence owning chunk slot `slot`: the largest s with s + start(s) / C <= slot.
+__device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std::int64_t slot) {
+  std::int64_t lo = 0, hi = seqs.num_seqs - 1;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi + 1) / 2;
+    std::int64_t b = seqs.start(mid);
+    b = b < 0 ? 0 : (b > seqs.total ? seqs.total : b);
+    if (mid + b / C <= slot) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// 16 x 16 = X Y^T over the 128 channels, X and Y 16 x 128 bf16 tiles in shared memory (one warp).
+// acc[nt][0..1]: (row gq, cols 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
+__device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*X)[kRowPad],
+                                       const bf16 (*Y)[kRowPad], int lane) {
+  const int lrow = (lane & 7) + ((lane >> 4) << 3);
+  const int lcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    unsigned a[4], b0, b1, b2, b3;
+    ldmatrix_x4(a[0], a[1], a[2], a[3], &X[lane & 15][kt * 16 + (lane >> 4) * 8]);
+    ldmatrix_x4(b0, b1, b2, b3, &Y[lrow][kt * 16 + lcol]);
+    mma_bf16(acc[0], a, b0, b1);
+    mma_bf16(acc[1], a, b2, b3);
+  }
+}
+
+template <int THREADS>
+__device__ __forceinline__ void copy_tile_out(bf16* dst, const bf16 (*src)[kRowPad], int tid) {
+  for (int e = tid; e < C * D / 8; e += THREADS) {
+    const int row = e / (D / 8), col = (e % (D / 8)) * 8;
+    *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(&src[row][col]);
+  }
+}
+
+__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
+  extern __shared__ __align__(16) unsigned char prep_smem_raw[];
+  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
+  const std::int64_t slot = blockIdx.x;
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  const std::int64_t s = owner_of_slot(p.seqs, slot);
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t j = slot - (s + bos / C);
+  const std::int64_t nchunks = (eos - bos + C - 1) / C;
+  if (j < 0 || j >= nchunks) return;  // a gap slot: no chunk lives here
+  const std::int64_t tok0 = bos + j * C;
+  const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
+  const std::int64_t H = p.num_heads;
+
+  // 1. The chunk's q, k, v, g rows into shared memory (16-byte copies; padded tokens zero).
+  {
+    const bf16* srcs[4] = {p.q, p.k, p.v, p.g};
+    bf16(*dsts[4])[kRowPad] = {sm.q, sm.k, sm.v, sm.g};
+#pragma unroll
+    for (int tensor = 0; tensor < 4; ++tensor) {
+      for (int e = tid; e < C * D / 8; e += kPrepThreads) {
+        const int row = e / (D / 8), col = (e % (D / 8)) * 8;
+        if (row < nvalid) {
+          cp_async16(&dsts[tensor][row][col], srcs[tensor] + ((tok0 + row) * H + h) * D + col);
+        } else {
+          *reinterpret_cast<uint4*>(&dsts[tensor][row][col]) = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    cp_async_commit();
+    if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.beta[(tok0 + tid) * H + h])) : 0.f;
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+
+  // 2. Inverse L2 norms of q and k rows: warp w takes rows 4w .. 4w + 3.
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = warp * 4 + r;
+      const bf16* x = which == 0 ? &sm.q[row][4 * lane] : &sm.k[row][4 * lane];
+      const uint2 raw = *reinterpret_cast<const uint2*>(x);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      float ss = a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) sm.inv_norm[which][row] = rsqrtf(ss + 1e-6f);
+    }
+  }
+
+  // 3. Gate, its in-chunk cumulative sum G, and the scaled operands; thread d owns channel d.
+  const int d = tid;
+  float G[C];
+  {
+    const float a_exp = __expf(p.A_log[h]);
+    const float dtb = p.dt_bias[h * D + d];
+    float acc = 0.f;
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      if (t < nvalid) acc += gate_activation(p.gate_mode, __bfloat162float(sm.g[t][d]), a_exp, dtb, p.lower_bound);
+      G[t] = acc;
+    }
+  }
+  const float g_last = G[C - 1];
+  float range = -g_last;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
+  if (lane == 0) sm.range[warp] = range;
+  __syncthreads();  // also publishes inv_norm
+  const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
+
+  unsigned char* rec = record_ptr(p, slot, h);
+  reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = __expf(g_last);
+#pragma unroll
+  for (int t = 0; t < C; ++t) {
+    const float qh = __bfloat162float(sm.q[t][d]) * sm.inv_norm[0][t];
+    const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
+    const float eg = __expf(G[t]);
+    sm.qg[t][d] = __float2bfloat16(p.scale * qh * eg);
+    sm.kg[t][d] = __float2bfloat16(kh * eg);
+    sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
+    if (factored) {
+      sm.ki[t][d] = __float2bfloat16(kh * __expf(-G[t]));
+    } else {
+      sm.qn[t][d] = qh;
+      sm.kn[t][d] = kh;
+      sm.G[t][d] = G[t];
+    }
+  }
+  __syncthreads();
+
+  // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg).
+  if (factored) {
+    // exp(G_i - G_j) = exp(G_i) exp(-G_j): two 16 x 16 x 128 tensor-core products.
+    if (warp < 2) {
+      float acc[2][4] = {};
+      gram16(acc, warp == 0 ? sm.kg : sm.qg, sm.ki, lane);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
+          if (warp == 0) sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
+          else sm.m[i][jj] = __float2bfloat16(i >= jj ? acc[nt][r] : 0.f);
+        }
+      }
+    }
+  } else {
+    // Exact: every exp() of a difference G_i - G_j <= 0. A thread per pair (i, j), i >= j.
+    for (int pidx = tid; pidx < C * C; pidx += kPrepThreads) {
+      const int i = pidx / C, jj = pidx % C;
+      float a = 0.f, m = 0.f;
+      if (i >= jj) {
+#pragma unroll 8
+        for (int c = 0; c < D; ++c) {
+          const float kj = sm.kn[jj][c] * __expf(sm.G[i][c] - sm.G[jj][c]);
+          a = fmaf(sm.kn[i][c], kj, a);
+          m = fmaf(sm.qn[i][c], kj, m);
+        }
+      }
+      sm.A[i][jj] = i > jj ? sm.beta[i] * a : 0.f;
+      sm.m[i][jj] = __float2bfloat16(i >= jj ? p.scale * m : 0.f);
+    }
+  }
+  __syncthreads();
+
+  // 5. Warp 0: T = (I + A)^-1 by forward substitution, lane j computing column j; then T diag(beta).
+  //    Warps 1-3 meanwhile store Q~, K^ and M.
+  if (warp == 0) {
+    if (lane < C) {
+      const int jcol = lane;
+      float col[C];
+#pragma unroll
+      for (int i = 0; i < C; ++i) {
+        float x = i == jcol ? 1.f : 0.f;
+#pragma unroll
+        for (int kk = 0; kk < i; ++kk) x = fmaf(-sm.A[i][kk], col[kk], x);
+        col[i] = x;
+      }
+      const float bj = sm.beta[jcol];
+#pragma unroll
+      for (int i = 0; i < C; ++i) sm.tb[i][jcol] = __float2bfloat16(col[i] * bj);
+    }
+  } else {
+    const int t96 = tid - 32;
+    copy_tile_out<kPrepThreads - 32>(reinterpret_cast<bf16*>(rec + ChunkRecord::kQg), sm.qg, t96);
+    copy_tile_out<kPrepThreads - 32>(reinterpret_cast<bf16*>(rec + ChunkRecord::kKd), sm.kd, t96);
+    if (t96 < C * 2) {
+      const int row = t96 / 2, col = (t96 % 2) * 8;
+      *reinterpret_cast<uint4*>(rec + ChunkRecord::kM + (row * C + col) * 2) =
+          *reinterpret_cast<const uint4*>(&sm.m[row][col]);
+    }
+  }
+  __syncthreads();
+
+  // 6. W = T diag(beta) K~ and U0 = T diag(beta) V: warp w takes channels [32w, 32w + 32).
+  {
+    unsigned a[4];
+    ldmatrix_x4(a[0], a[1], a[2], a[3], &sm.tb[lane & 15][(lane >> 4) * 8]);
+#pragma unroll
+    for (int n = 4 * warp; n < 4 * warp + 4; n += 2) {
+      unsigned b0, b1, b2, b3, c0, c1, c2, c3;
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.kg[lane & 15][8 * n + ((lane >> 4) << 3)]);
+      ldmatrix_x4_trans(c0, c1, c2, c3, &sm.v[lane & 15][8 * n + ((lane >> 4) << 3)]);
+      float w0[4] = {}, w1[4] = {}, u0[4] = {}, u1[4] = {};
+      mma_bf16(w0, a, b0, b1);
+      mma_bf16(w1, a, b2, b3);
+      mma_bf16(u0, a, c0, c1);
+      mma_bf16(u1, a, c2, c3);
+      const int c_lo = 8 * n + 2 * tq, c_hi = 8 * (n + 1) + 2 * tq;
+      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq][c_lo]) = __floats2bfloat162_rn(w0[0], w0[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq + 8][c_lo]) = __floats2bfloat162_rn(w0[2], w0[3]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq][c_hi]) = __floats2bfloat162_rn(w1[0], w1[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq + 8][c_hi]) = __floats2bfloat162_rn(w1[2], w1[3]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq][c_lo]) = __floats2bfloat162_rn(u0[0], u0[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq + 8][c_lo]) = __floats2bfloat162_rn(u0[2], u0[3]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq][c_hi]) = __floats2bfloat162_rn(u1[0], u1[1]);
+      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq + 8][c_hi]) = __floats2bfloat162_rn(u1[2], u1[3]);
+    }
+  }
+  __syncthreads();
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kW), sm.w, tid);
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kU), sm.u, tid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phase 2
+// ---------------------------------------------------------------------------------------------
+constexpr int kStages = 3;
+
+struct StageSmem {
+  bf16 qg[C][kRowPad];
+  bf16 kd[C][kRowPad];
+  bf16 w[C][kRowPad];
+  bf16 u[C][kRowPad];
+  bf16 m[C][kMPad];
+  float gl[D];
+};
 
 // Copies the chunk record of (slot, h) into a stage: 4 padded 16 x 128 bf16 tiles, M, g_last.
 template <int THREADS>
@@ -566,7 +645,10 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   if (T > 0) {
     KDA_NVTX_RANGE("kda.prefill.prepare");
     dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(p.num_heads));
-    kda_prepare_kernel<<<grid, kPrepThreads, 0, stream>>>(prm);
+    cudaError_t err = cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(sizeof(PrepSmem)));
+    if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
+    kda_prepare_kernel<<<grid, kPrepThreads, sizeof(PrepSmem), stream>>>(prm);
     st = launch_status("kda_prepare_kernel");
     if (!st.ok()) return st;
   }
@@ -574,6 +656,13 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
     KDA_NVTX_RANGE("kda.prefill.recurrence");
     // Enough blocks to fill the GPU: split V into more, narrower slices when there are few (seq, head).
     const std::int64_t pairs = N * p.num_heads;
+    if (const char* e = std::getenv("KDA_EXPERIMENT_WARPS")) {  // temporary: tuning experiment
+      const int w = std::atoi(e);
+      if (w == 8) return launch_recurrence<8>(prm, N, stream);
+      if (w == 4) return launch_recurrence<4>(prm, N, stream);
+      if (w == 2) return launch_recurrence<2>(prm, N, stream);
+      if (w == 1) return launch_recurrence<1>(prm, N, stream);
+    }
     if (pairs >= 264) return launch_recurrence<4>(prm, N, stream);
     if (pairs >= 66) return launch_recurrence<2>(prm, N, stream);
     return launch_recurrence<1>(prm, N, stream);

@@ -1,0 +1,335 @@
+// decode_cpu: a prefill followed by decode steps equals one longer prefill; multi-token steps equal
+// single-token steps; slots not named and padding rows stay untouched; bad slots write nothing.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kda_reference.hpp"
+
+using namespace kda;
+using namespace kda::test;
+
+namespace {
+
+// A state pool [num_slots, H, V, K] in f32 or bf16, filled with seeded random values.
+struct Pool {
+  DType dtype = DType::kF32;
+  std::int64_t per_slot = 0;  // H * V * K
+  std::vector<float> f32;
+  std::vector<std::uint16_t> bf16;
+
+  Pool(DType d, std::int64_t num_slots, std::int64_t per_slot_elems, std::uint64_t seed)
+      : dtype(d), per_slot(per_slot_elems) {
+    Rng rng(seed);
+    std::vector<float> values(static_cast<std::size_t>(num_slots * per_slot));
+    for (auto& x : values) x = static_cast<float>(0.5 * rng.normal());
+    if (dtype == DType::kF32) {
+      f32 = values;
+    } else {
+      bf16 = to_bf16(values);
+    }
+  }
+  void* data() { return dtype == DType::kF32 ? static_cast<void*>(f32.data()) : bf16.data(); }
+  // Slot `slot` as floats.
+  std::vector<float> slot(std::int64_t slot) const {
+    const std::size_t begin = static_cast<std::size_t>(slot * per_slot);
+    const std::size_t count = static_cast<std::size_t>(per_slot);
+    if (dtype == DType::kF32) {
+      return std::vector<float>(f32.begin() + begin, f32.begin() + begin + count);
+    }
+    std::vector<std::uint16_t> bits(bf16.begin() + begin, bf16.begin() + begin + count);
+    return to_floats(bits);
+  }
+  // Writes `values` (per_slot floats) into slot `slot`, rounding to bf16 for a bf16 pool.
+  void set_slot(std::int64_t slot, const float* values) {
+    for (std::int64_t i = 0; i < per_slot; ++i) {
+      const std::size_t at = static_cast<std::size_t>(slot * per_slot + i);
+      if (dtype == DType::kF32) {
+        f32[at] = values[i];
+      } else {
+        bf16[at] = float_to_bf16(values[i]);
+      }
+    }
+  }
+  bool same_bits(const Pool& other) const {
+    return bf16 == other.bf16 && f32.size() == other.f32.size() &&
+           std::memcmp(f32.data(), other.f32.data(), f32.size() * sizeof(float)) == 0;
+  }
+};
+
+// One decode call on tokens [t0, t0 + tokens) of every row of the fixed-length case `c`, row b on
+// slot slots[b]. Returns the status; *out receives [B, tokens, H, V] bf16 (poisoned first, or
+// kept as given when it already has the right size).
+Status decode_tokens(const KdaCase& c, std::int64_t t0, std::int64_t tokens,
+                     const std::vector<std::int32_t>& slots, Pool* pool,
+                     std::vector<std::uint16_t>* out, const CpuOptions& opt = {},
+                     std::int64_t num_slots = -1) {
+  const KdaCase step = split_tokens(c, t0, t0 + tokens, DType::kNone, {}, DType::kNone);
+  DecodeProblem p;
+  p.batch = c.problem.batch;
+  p.tokens = tokens;
+  p.num_heads = c.problem.num_heads;
+  p.head_dim_k = c.problem.head_dim_k;
+  p.head_dim_v = c.problem.head_dim_v;
+  p.num_slots = num_slots >= 0 ? num_slots
+                               : static_cast<std::int64_t>(
+                                     (pool->dtype == DType::kF32 ? pool->f32.size()
+                                                                 : pool->bf16.size()) /
+                                     static_cast<std::size_t>(pool->per_slot));
+  p.state_dtype = pool->dtype;
+  p.gate = c.problem.gate;
+  p.lower_bound = c.problem.lower_bound;
+  p.scale = c.problem.scale;
+  const std::size_t out_elems =
+      static_cast<std::size_t>(p.batch * tokens * p.num_heads * p.head_dim_v);
+  if (out->size() != out_elems) out->assign(out_elems, kPoisonBf16);
+  DecodeTensors t;
+  t.q = step.q.data();
+  t.k = step.k.data();
+  t.v = step.v.data();
+  t.g = step.g.data();
+  t.beta = step.beta.data();
+  t.A_log = c.A_log.data();
+  t.dt_bias = c.dt_bias.data();
+  t.slots = slots.data();
+  t.state_pool = pool->data();
+  t.out = out->data();
+  return decode_cpu(p, t, opt);
+}
+
+CaseOptions small_options(std::uint64_t seed) {
+  CaseOptions o;
+  o.batch = 3;
+  o.seq_len = 12;
+  o.heads = 2;
+  o.head_dim_k = 32;
+  o.head_dim_v = 16;
+  o.initial_state_dtype = DType::kF32;
+  o.seed = seed;
+  return o;
+}
+
+// out [B, T, H, V] of a case, tokens [t0, t0 + n) of every row, as a [B, n, H, V] vector.
+template <typename Element>
+std::vector<Element> out_tokens(const KdaCase& c, const std::vector<Element>& out,
+                                std::int64_t t0, std::int64_t n) {
+  const std::int64_t row = c.problem.num_heads * c.problem.head_dim_v, T = c.problem.seq_len;
+  std::vector<Element> part;
+  for (std::int64_t b = 0; b < c.problem.batch; ++b) {
+    const auto first = out.begin() + (b * T + t0) * row;
+    part.insert(part.end(), first, first + n * row);
+  }
+  return part;
+}
+
+}  // namespace
+
+TEST_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
+  for (DType pool_dtype : {DType::kF32, DType::kBF16}) {
+    for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
+      CAPTURE(std::string(to_string(pool_dtype)));
+      CAPTURE(std::string(to_string(gate)));
+      CaseOptions o = small_options(3);
+      o.gate = gate;
+      const KdaCase whole = make_case(o);
+      const std::int64_t n = 5, m = 7, T = 12;
+      Outputs full;
+      REQUIRE(run_cpu(whole, &full).ok());
+      const Reference ref = reference_forward(whole);
+
+      // Prefill n tokens, then move each row's state into its slot of a 5-slot pool.
+      const KdaCase first = split_tokens(whole, 0, n, DType::kF32, whole.initial_state,
+                                         DType::kF32);
+      Outputs pre;
+      REQUIRE(run_cpu(first, &pre).ok());
+      const std::int64_t per_slot = o.heads * o.head_dim_v * o.head_dim_k;
+      Pool pool(pool_dtype, 5, per_slot, 17);
+      const std::vector<std::int32_t> slots = {3, 0, 4};
+      for (std::int64_t b = 0; b < o.batch; ++b) {
+        pool.set_slot(slots[static_cast<std::size_t>(b)], pre.final_f32.data() + b * per_slot);
+      }
+      const std::vector<float> untouched_slot1 = pool.slot(1), untouched_slot2 = pool.slot(2);
+
+      std::vector<double> decoded_out(ref.out.size());
+      std::vector<std::uint16_t> all_out(full.out.size());
+      for (std::int64_t j = 0; j < m; ++j) {
+        std::vector<std::uint16_t> out;
+        REQUIRE(decode_tokens(whole, n + j, 1, slots, &pool, &out).ok());
+        CHECK(all_finite(out));
+        // Row b's token lands at [b, n + j] of the whole sequence's out.
+        const std::size_t row = static_cast<std::size_t>(o.heads * o.head_dim_v);
+        for (std::int64_t b = 0; b < o.batch; ++b) {
+          std::copy(out.begin() + b * row, out.begin() + (b + 1) * row,
+                    all_out.begin() + (b * T + n + j) * row);
+        }
+      }
+      const std::vector<std::uint16_t> got = out_tokens(whole, all_out, n, m);
+      const std::vector<std::uint16_t> want = out_tokens(whole, full.out, n, m);
+      const std::vector<double> ref_part = out_tokens(whole, ref.out, n, m);
+      CHECK(rel_error_bf16(got, to_doubles(want)) <= 5e-3);
+      CHECK(rel_error_bf16(got, ref_part) <= 5e-3);
+      std::vector<float> final_state;
+      for (std::int64_t b = 0; b < o.batch; ++b) {
+        const std::vector<float> s = pool.slot(slots[static_cast<std::size_t>(b)]);
+        final_state.insert(final_state.end(), s.begin(), s.end());
+      }
+      CHECK(rel_error(final_state, to_doubles(full.final_f32)) <= 5e-3);
+      CHECK(rel_error(final_state, ref.final_state) <= 5e-3);
+      if (pool_dtype == DType::kF32) {
+        // Same per-token step, fp32 state throughout: bit-identical to the one long prefill.
+        CHECK(got == want);
+        CHECK(final_state == full.final_f32);
+      }
+      CHECK(pool.slot(1) == untouched_slot1);  // slots not named: bitwise untouched
+      CHECK(pool.slot(2) == untouched_slot2);
+    }
+  }
+}
+
+TEST_CASE("a 4-token step equals the same tokens one at a time") {
+  for (DType pool_dtype : {DType::kF32, DType::kBF16}) {
+    for (bool fp64 : {false, true}) {
+      CAPTURE(std::string(to_string(pool_dtype)));
+      CAPTURE(fp64);
+      const KdaCase c = make_case(small_options(5));
+      const std::int64_t per_slot = 2 * 16 * 32;
+      const std::vector<std::int32_t> slots = {1, 2, 0};
+      CpuOptions opt;
+      opt.fp64 = fp64;
+      Pool multi(pool_dtype, 3, per_slot, 23), single = multi;
+      std::vector<std::uint16_t> out_multi;
+      REQUIRE(decode_tokens(c, 2, 4, slots, &multi, &out_multi, opt).ok());
+      std::vector<std::uint16_t> out_single(out_multi.size());
+      const std::size_t row = 2 * 16;
+      for (std::int64_t j = 0; j < 4; ++j) {
+        std::vector<std::uint16_t> out;
+        REQUIRE(decode_tokens(c, 2 + j, 1, slots, &single, &out, opt).ok());
+        for (std::size_t b = 0; b < 3; ++b) {
+          std::copy(out.begin() + b * row, out.begin() + (b + 1) * row,
+                    out_single.begin() + (b * 4 + j) * row);
+        }
+      }
+      if (pool_dtype == DType::kF32 && !fp64) {
+        CHECK(out_multi == out_single);
+        CHECK(multi.same_bits(single));
+      } else {
+        // bf16 pools round the state after every call; fp64 rounds it to f32 after every call.
+        CHECK(rel_error_bf16(out_multi, to_doubles(out_single)) <= 5e-3);
+        for (std::int64_t s = 0; s < 3; ++s) {
+          CHECK(rel_error(multi.slot(s), to_doubles(single.slot(s))) <= 5e-3);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("padding rows (negative slots) are skipped: out rows and all other slots untouched") {
+  const KdaCase c = make_case(small_options(7));
+  const std::int64_t per_slot = 2 * 16 * 32;
+  Pool pool(DType::kF32, 4, per_slot, 29);
+  const Pool before = pool;
+  const std::vector<std::int32_t> slots = {-1, 2, -7};
+  std::vector<std::uint16_t> out;
+  REQUIRE(decode_tokens(c, 0, 3, slots, &pool, &out).ok());
+  const std::size_t row_elems = 3 * 2 * 16;  // tokens * H * V of one batch row
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const bool padding = i < row_elems || i >= 2 * row_elems;
+    if (padding) {
+      CHECK(out[i] == kPoisonBf16);
+    } else {
+      CHECK(std::isfinite(bf16_to_float(out[i])));
+    }
+  }
+  for (std::int64_t s : {0, 1, 3}) CHECK(pool.slot(s) == before.slot(s));
+  CHECK(pool.slot(2) != before.slot(2));
+}
+
+TEST_CASE("bad slots and bad parameters are errors that write nothing") {
+  KdaCase c = make_case(small_options(9));
+  const std::int64_t per_slot = 2 * 16 * 32;
+  Pool pool(DType::kBF16, 4, per_slot, 31);
+  const Pool before = pool;
+  auto expect_nothing_written = [&](const KdaCase& kc, const std::vector<std::int32_t>& slots,
+                                    const std::string& field) {
+    std::vector<std::uint16_t> out;
+    const Status st = decode_tokens(kc, 0, 2, slots, &pool, &out);
+    CAPTURE(st.to_string());
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message().find(field) != std::string::npos);
+    for (std::uint16_t x : out) CHECK(x == kPoisonBf16);
+    CHECK(pool.same_bits(before));
+  };
+  expect_nothing_written(c, {0, 4, 1}, "slots[1] = 4");         // == num_slots
+  expect_nothing_written(c, {0, 1, 1000}, "slots[2] = 1000");
+  expect_nothing_written(c, {2, 1, 2}, "both name slot 2");     // duplicate
+  expect_nothing_written(c, {-1, 3, 3}, "both name slot 3");
+  KdaCase bad = c;
+  bad.A_log[0] = std::numeric_limits<float>::infinity();
+  expect_nothing_written(bad, {0, 1, 2}, "A_log[0]");
+  bad = c;
+  bad.dt_bias[40] = std::numeric_limits<float>::quiet_NaN();
+  expect_nothing_written(bad, {0, 1, 2}, "dt_bias[1, 8]");
+  // Duplicate negative (padding) slots are fine.
+  std::vector<std::uint16_t> out;
+  CHECK(decode_tokens(c, 0, 2, {-1, -1, 0}, &pool, &out).ok());
+}
+
+TEST_CASE("decode: empty batch, fp64 mode against the reference, thread counts") {
+  SUBCASE("batch 0 is a no-op") {
+    DecodeProblem p;
+    p.batch = 0;
+    p.num_heads = 1;
+    p.head_dim_k = p.head_dim_v = 8;
+    p.num_slots = 1;
+    std::vector<float> params(8, 0.0f), pool(64, 1.0f);
+    DecodeTensors t;
+    t.A_log = params.data();
+    t.dt_bias = params.data();
+    t.state_pool = pool.data();
+    CHECK(decode_cpu(p, t).ok());
+    CHECK(pool == std::vector<float>(64, 1.0f));
+  }
+  SUBCASE("one 16-token step from zero state matches the fp64 reference") {
+    CaseOptions o = small_options(13);
+    o.seq_len = 16;
+    o.initial_state_dtype = DType::kNone;
+    o.head_dim_k = o.head_dim_v = 128;
+    const KdaCase c = make_case(o);
+    const Reference ref = reference_forward(c);
+    for (bool fp64 : {false, true}) {
+      CAPTURE(fp64);
+      const std::int64_t per_slot = 2 * 128 * 128;
+      Pool pool(DType::kF32, 3, per_slot, 37);
+      std::fill(pool.f32.begin(), pool.f32.end(), 0.0f);
+      CpuOptions opt;
+      opt.fp64 = fp64;
+      std::vector<std::uint16_t> out;
+      REQUIRE(decode_tokens(c, 0, 16, {2, 1, 0}, &pool, &out, opt).ok());
+      CHECK(rel_error_bf16(out, ref.out) <= 2.5e-3);  // [B, 16, H, V] is [B, T, H, V] here
+      std::vector<float> states;
+      for (std::int64_t s : {2, 1, 0}) {
+        const std::vector<float> x = pool.slot(s);
+        states.insert(states.end(), x.begin(), x.end());
+      }
+      CHECK(rel_error(states, ref.final_state) <= (fp64 ? 2e-7 : 1e-5));
+    }
+  }
+  SUBCASE("1 and 2 threads are bitwise equal") {
+    const KdaCase c = make_case(small_options(15));
+    const std::int64_t per_slot = 2 * 16 * 32;
+    Pool one(DType::kF32, 3, per_slot, 41), two = one;
+    std::vector<std::uint16_t> out_one, out_two;
+    CpuOptions opt;
+    opt.num_threads = 1;
+    REQUIRE(decode_tokens(c, 0, 3, {0, 2, 1}, &one, &out_one, opt).ok());
+    opt.num_threads = 2;
+    REQUIRE(decode_tokens(c, 0, 3, {0, 2, 1}, &two, &out_two, opt).ok());
+    CHECK(out_one == out_two);
+    CHECK(one.same_bits(two));
+  }
+}
