@@ -137,11 +137,12 @@ int main(int argc, char** argv) {
   }
   std::vector<unsigned char> workspace(ws_bytes);
 
-  std::printf("CPU backend, one KDA layer: T=%lld H=%lld K=V=%lld, softplus gate, f32 state, %s "
-              "accumulation, %u hardware threads\n\n",
-              static_cast<long long>(args.tokens), static_cast<long long>(args.heads),
-              static_cast<long long>(args.dim), args.fp64 ? "fp64" : "fp32",
-              std::thread::hardware_concurrency());
+  std::printf(
+      "CPU backend, one KDA layer: T=%lld H=%lld K=V=%lld, softplus gate, f32 state, %s "
+      "accumulation, %u hardware threads\n\n",
+      static_cast<long long>(args.tokens), static_cast<long long>(args.heads),
+      static_cast<long long>(args.dim), args.fp64 ? "fp64" : "fp32",
+      std::thread::hardware_concurrency());
   std::printf("| threads | ms (median of %d) | tokens/s |\n|---:|---:|---:|\n", args.runs);
   for (int threads : args.threads) {
     kda::CpuOptions opt;

@@ -308,7 +308,8 @@ int run_model_mode(const Options& o) {
               "not timed)\n",
               static_cast<long long>(tokens), static_cast<long long>(o.sequences),
               o.sequences == 1 ? "" : "s", report.upload_seconds);
-  std::printf("%8s  %8s  %12s  %12s\n", "kda", "layer", "time (ms)", "tokens/s");
+  // "layer" is the model layer in the YAML's 1-based numbering.
+  std::printf("%8s  %8s  %12s  %12s\n", "kda #", "layer", "time (ms)", "tokens/s");
   for (int l = 0; l < engine.num_layers(); ++l) {
     const double s = report.layer_seconds[static_cast<std::size_t>(l)];
     std::printf("%8d  %8d  %12.3f  %12.0f\n", l, engine.layer(l).layer_index() + 1, s * 1e3,

@@ -10,8 +10,9 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${KDA_BUILD_DIR:-$root/build}"
 
-"$root/scripts/deps.sh"
-"$root/scripts/build.sh" --target kda-run
+# Build output goes to stderr, so that stdout carries only kda-run's (e.g. --plan-only --json).
+bash "$root/scripts/deps.sh" >&2
+bash "$root/scripts/build.sh" --target kda-run >&2
 
 model_args=(--model "$root/examples/models/kimi-linear-48b-a3b.yaml")
 for arg in "$@"; do

@@ -7,6 +7,6 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${KDA_BUILD_DIR:-$root/build}"
 
-"$root/scripts/deps.sh"
-"$root/scripts/build.sh"
+bash "$root/scripts/deps.sh"
+bash "$root/scripts/build.sh"
 ctest --test-dir "$build_dir" --output-on-failure -j "${KDA_TEST_JOBS:-2}" "$@"

@@ -1,19 +1,21 @@
 // kda_reference.hpp — test helpers for the KDA operator, shared by the CPU and the CUDA tests.
 //
 // What it gives:
-//   CaseOptions / make_case(opts)  a seeded random KDA problem: bf16 q, k, v, g, beta; f32 A_log and
-//                                  dt_bias; optional cu_seqlens (i32 or i64); optional initial state
-//                                  (f32, or bf16-representable values fed as bf16). Same options and
-//                                  seed give the same case on every platform (own RNG transforms).
-//   reference_forward(case)        an fp64 token-by-token recurrence written straight from KDA.md §1
-//                                  (state kept K x V, shares no code with the backends); returns out
-//                                  [B*T, H, V] and the final state [N, H, V, K] (V-first, as in memory).
-//   Outputs / run_cpu(case, ...)   runs the CPU backend on a case with poisoned (NaN) outputs and a
-//                                  workspace sized by workspace_size(); the CUDA tests copy the same
-//                                  inputs with case.inputs() pointers swapped for device pointers.
-//   split_tokens(case, t0, t1, ...)  tokens [t0, t1) of a fixed-length case with a given initial
-//                                  state (the split round trip).
-//   rel_error(x, ref)              ||x - ref|| / ||ref|| in fp64 (x: float, double or bf16 bits).
+//   CaseOptions / make_case(opts)   a seeded random KDA problem: bf16 q, k, v, g, beta; f32 A_log
+//       and dt_bias; optional cu_seqlens (i32 or i64); optional initial state (f32, or
+//       bf16-representable values fed as bf16). Same options and seed give the same case on every
+//       platform (own RNG transforms).
+//   reference_forward(case)   an fp64 token-by-token recurrence written straight from KDA.md §1
+//       (state kept K x V, shares no code with the backends); returns out [B*T, H, V] and the final
+//       state [N, H, V, K] (V-first, as in memory).
+//   Outputs / run_cpu(case, ...)   runs the CPU backend on a case with poisoned (NaN) outputs and
+//       a workspace sized by workspace_size(); the CUDA tests feed the same inputs
+//       (case.inputs() with the pointers swapped for device copies).
+//   split_tokens(case, t0, t1, ...)   tokens [t0, t1) of a fixed-length case with a given initial
+//       state (the split round trip).
+//   rel_error(x, ref)   ||x - ref|| / ||ref|| in fp64 (x: float or double; rel_error_bf16: bf16).
+//   same_bits(a, b)     bitwise equality of float vectors (NaN poison included).
+//   all_finite(x)       no NaN/Inf left (poisoned outputs were all written).
 //   to_floats / to_bf16 / to_doubles   bf16 <-> float <-> double conversions of vectors.
 //
 // Typical use:
@@ -28,6 +30,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -76,6 +79,12 @@ inline double rel_error_bf16(const std::vector<std::uint16_t>& x, const std::vec
   return rel_error(to_doubles(x), ref);
 }
 
+// Bit-for-bit equality of float vectors (NaN poison compares equal to the same NaN bits).
+inline bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Seeded randomness (splitmix64 + Box-Muller: the same numbers on every platform)
 // ---------------------------------------------------------------------------------------------
@@ -116,10 +125,10 @@ struct CaseOptions {
 
   GateMode gate = GateMode::kSoftplus;
   float lower_bound = -5.0f;
-  float scale = 0.0f;           // 0: K^-0.5
+  float scale = 0.0f;  // 0: K^-0.5
   // Added to every dt_bias: +3 gives strong decay (exp(g) near 0), -4 long memory (near 1).
   float dt_bias_shift = 0.0f;
-  float value_scale = 1.0f;     // standard deviation of v
+  float value_scale = 1.0f;  // standard deviation of v
 
   DType initial_state_dtype = DType::kNone;  // kNone, kBF16 (values rounded to bf16) or kF32
   DType final_state_dtype = DType::kF32;
@@ -128,12 +137,12 @@ struct CaseOptions {
 
 struct KdaCase {
   Problem problem;
-  std::vector<std::uint16_t> q, k, g;    // bf16 [B, T, H, K]
-  std::vector<std::uint16_t> v;          // bf16 [B, T, H, V]
-  std::vector<std::uint16_t> beta;       // bf16 [B, T, H]
-  std::vector<float> A_log;              // [H]
-  std::vector<float> dt_bias;            // [H, K]
-  std::vector<std::int64_t> cu_seqlens;  // [N + 1] when varlen (values; see cu_seqlens_i32)
+  std::vector<std::uint16_t> q, k, g;        // bf16 [B, T, H, K]
+  std::vector<std::uint16_t> v;              // bf16 [B, T, H, V]
+  std::vector<std::uint16_t> beta;           // bf16 [B, T, H]
+  std::vector<float> A_log;                  // [H]
+  std::vector<float> dt_bias;                // [H, K]
+  std::vector<std::int64_t> cu_seqlens;      // [N + 1] when varlen (values; see cu_seqlens_i32)
   std::vector<std::int32_t> cu_seqlens_i32;  // the same values when cu_seqlens_dtype == kI32
   // Initial state [N, H, V, K] as the operator sees it (already bf16-rounded when fed as bf16);
   // empty when the problem has none.
@@ -141,7 +150,9 @@ struct KdaCase {
   std::vector<std::uint16_t> initial_state_bf16;  // what is fed when initial_state_dtype == kBF16
 
   std::int64_t num_seqs() const { return problem.sequences(); }
-  std::int64_t out_elems() const { return problem.total_tokens() * problem.num_heads * problem.head_dim_v; }
+  std::int64_t out_elems() const {
+    return problem.total_tokens() * problem.num_heads * problem.head_dim_v;
+  }
   std::int64_t state_elems() const {
     return num_seqs() * problem.num_heads * problem.head_dim_v * problem.head_dim_k;
   }

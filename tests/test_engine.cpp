@@ -109,7 +109,7 @@ bool lifetimes_overlap(const kda::planner::PlanEntry& a, const kda::planner::Pla
 
 }  // namespace
 
-TEST_CASE("plan: one state buffer per KDA layer, parameters, workspaces, aligned, no overlap in sum") {
+TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / aligned / no overlap in sum") {
   const ModelSpec spec = spec_from(kSpec);
   EngineOptions options;
   options.synthetic_tokens = 64;
@@ -193,7 +193,7 @@ TEST_CASE("plan: reuse shares workspaces between layers and is smaller than sum"
   }
 }
 
-TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly, bitwise") {
+TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly (bitwise)") {
   const ModelSpec spec = spec_from(kSpec);
   EngineOptions options;
   options.synthetic_tokens = 100;
@@ -251,7 +251,7 @@ TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly, bitwise"
   }
 }
 
-TEST_CASE("run_synthetic: every layer timed, slots acquired and released, decode steps") {
+TEST_CASE("run_synthetic: every layer timed / slots acquired and released / decode steps") {
   EngineOptions options;
   options.synthetic_tokens = 64;
   Engine engine(spec_from(kSpec), options);
@@ -366,11 +366,11 @@ void check_prefill_then_decode(const std::string& yaml, kda::DType state_dtype) 
   }
 }
 
-TEST_CASE("slots: prefill n + decode m equals prefill n + m (softplus, fp32 state)") {
+TEST_CASE("slots: prefill n + decode m equals prefill n + m (softplus / fp32 state)") {
   check_prefill_then_decode(kSpec, kda::DType::kF32);
 }
 
-TEST_CASE("slots: prefill n + decode m equals prefill n + m (lower_bound gate, bf16 state)") {
+TEST_CASE("slots: prefill n + decode m equals prefill n + m (lower_bound gate / bf16 state)") {
   std::string yaml = replace(kSpec, "gate: softplus", "gate: lower_bound\n  gate_lower_bound: -3.0");
   yaml = replace(yaml, "state_dtype: fp32", "state_dtype: bf16");
   check_prefill_then_decode(yaml, kda::DType::kBF16);
@@ -392,7 +392,7 @@ TEST_CASE("slots: a second prefill continues from the slot's state (chunked pref
   CHECK(rel_bf16(out_b, tail) <= 5e-3);
 }
 
-TEST_CASE("slots: slots not named in a step stay bitwise untouched; padding rows are skipped") {
+TEST_CASE("slots: slots not named in a step stay bitwise untouched / padding rows are skipped") {
   Engine engine(spec_from(kSpec), EngineOptions{});
   for (int i = 0; i < 4; ++i) CHECK(engine.acquire_slot() == i);
   // Poison slots 2 and 3 of every layer with NaN bit patterns and random bytes.
@@ -435,7 +435,7 @@ TEST_CASE("slots: slots not named in a step stay bitwise untouched; padding rows
   }
 }
 
-TEST_CASE("slots: acquire, release, reset, reuse, and misuse") {
+TEST_CASE("slots: acquire / release / reset / reuse / misuse") {
   Engine engine(spec_from(kSpec), EngineOptions{});
   CHECK(engine.num_slots() == 4);
   for (int i = 0; i < 4; ++i) CHECK(engine.acquire_slot() == i);
@@ -566,7 +566,7 @@ TEST_CASE("parameters come from the weights file when the model names one") {
   fs::remove_all(dir);
 }
 
-TEST_CASE("backends: cpu always works; cuda without a device is kBackendUnavailable") {
+TEST_CASE("backends: cpu always works / cuda without a device is kBackendUnavailable") {
   ModelSpec spec = spec_from(kSpec);
   spec.runtime.backend = kda::engine::BackendChoice::kAuto;
   if (kda::cuda_device_count() == 0) {

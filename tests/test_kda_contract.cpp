@@ -176,8 +176,8 @@ TEST_CASE("validate(Problem): every shape and value check trips with the field n
           p.gate = GateMode::kLowerBound;
           p.lower_bound = -1e-6f;
         })).ok());
-  for (float scale : {-1.0f, std::numeric_limits<float>::infinity(),
-                      std::numeric_limits<float>::quiet_NaN()}) {
+  for (float scale :
+       {-1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     CAPTURE(scale);
     check_invalid(with([&](Problem& p) { p.scale = scale; }), "scale");
   }
@@ -258,42 +258,60 @@ TEST_CASE("validate(Problem, Tensors): pointers, optional states and aliasing") 
   // Aliasing. The two tensors under test share one separate buffer, so nothing else overlaps.
   std::vector<float> arena_storage(1024);
   unsigned char* arena = reinterpret_cast<unsigned char*>(arena_storage.data());
-  check_t([](Problem& p, Tensors& t) {
-    t.final_state = const_cast<void*>(t.initial_state);
-    p.final_state_dtype = DType::kBF16;
-  }, "dtypes differ");
-  check_t([&](Problem&, Tensors& t) {
-    t.initial_state = arena;
-    t.final_state = arena + 4;
-  }, "partially overlaps initial_state");
-  check_t([&](Problem&, Tensors& t) {
-    t.v = arena;
-    t.out = arena + 6;
-  }, "out overlaps v");
-  check_t([&](Problem&, Tensors& t) {
-    t.q = arena + 90;  // q's last bytes are out's first
-    t.out = arena + 90 + 2 * 2 * 3 * 2 * 4 - 2;
-  }, "out overlaps q");
-  check_t([&](Problem&, Tensors& t) {
-    t.dt_bias = reinterpret_cast<const float*>(arena);
-    t.out = arena + 4;
-  }, "out overlaps dt_bias");
-  check_t([&](Problem&, Tensors& t) {
-    t.final_state = arena;
-    t.out = arena + 16;
-  }, "out overlaps final_state");
-  check_t([&](Problem&, Tensors& t) {
-    t.initial_state = arena;
-    t.out = arena + 16;
-  }, "out overlaps initial_state");
-  check_t([&](Problem&, Tensors& t) {
-    t.beta = arena;
-    t.final_state = arena + 8;
-  }, "final_state overlaps beta");
-  check_t([&](Problem&, Tensors& t) {
-    t.A_log = reinterpret_cast<const float*>(arena + 200);
-    t.final_state = arena;
-  }, "final_state overlaps A_log");
+  check_t(
+      [](Problem& p, Tensors& t) {
+        t.final_state = const_cast<void*>(t.initial_state);
+        p.final_state_dtype = DType::kBF16;
+      },
+      "dtypes differ");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.initial_state = arena;
+        t.final_state = arena + 4;
+      },
+      "partially overlaps initial_state");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.v = arena;
+        t.out = arena + 6;
+      },
+      "out overlaps v");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.q = arena + 90;  // q's last bytes are out's first
+        t.out = arena + 90 + 2 * 2 * 3 * 2 * 4 - 2;
+      },
+      "out overlaps q");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.dt_bias = reinterpret_cast<const float*>(arena);
+        t.out = arena + 4;
+      },
+      "out overlaps dt_bias");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.final_state = arena;
+        t.out = arena + 16;
+      },
+      "out overlaps final_state");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.initial_state = arena;
+        t.out = arena + 16;
+      },
+      "out overlaps initial_state");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.beta = arena;
+        t.final_state = arena + 8;
+      },
+      "final_state overlaps beta");
+  check_t(
+      [&](Problem&, Tensors& t) {
+        t.A_log = reinterpret_cast<const float*>(arena + 200);
+        t.final_state = arena;
+      },
+      "final_state overlaps A_log");
 
   SUBCASE("legal: in place with equal dtypes, adjacent buffers, no state") {
     Problem p = f.p;
@@ -374,8 +392,7 @@ TEST_CASE("can_implement: CPU takes any valid problem; CUDA needs K = V = 128 an
   }
   p.batch = 0;
   check_fails(can_implement(p, Backend::kCuda), StatusCode::kInvalidArgument, "batch");
-  check_fails(can_implement(f.p, static_cast<Backend>(5)), StatusCode::kInvalidArgument,
-              "backend");
+  check_fails(can_implement(f.p, static_cast<Backend>(5)), StatusCode::kInvalidArgument, "backend");
 }
 
 TEST_CASE("workspace_size: CPU and CUDA formulas, errors") {
@@ -557,12 +574,16 @@ TEST_CASE("validate(DecodeProblem) and its tensors") {
   check_t([&](DecodeTensors& x) { x.out = pool.data() + 5; }, "out overlaps state_pool");
   // The two tensors under test share one separate buffer, so nothing else overlaps.
   std::vector<float> arena(1024);
-  check_t([&](DecodeTensors& x) {
-    x.slots = reinterpret_cast<const std::int32_t*>(arena.data() + 50);
-    x.state_pool = arena.data();
-  }, "state_pool overlaps slots");
-  check_t([&](DecodeTensors& x) {
-    x.q = arena.data() + 4;
-    x.state_pool = arena.data();
-  }, "state_pool overlaps q");
+  check_t(
+      [&](DecodeTensors& x) {
+        x.slots = reinterpret_cast<const std::int32_t*>(arena.data() + 50);
+        x.state_pool = arena.data();
+      },
+      "state_pool overlaps slots");
+  check_t(
+      [&](DecodeTensors& x) {
+        x.q = arena.data() + 4;
+        x.state_pool = arena.data();
+      },
+      "state_pool overlaps q");
 }

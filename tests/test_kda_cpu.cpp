@@ -17,9 +17,9 @@ using namespace kda::test;
 
 namespace {
 
-constexpr double kStateTol = 1e-3;    // f32 state (fp32 accumulation), before any bf16 rounding
-constexpr double kBf16Tol = 2.5e-3;   // bf16 out or bf16 state
-constexpr double kFp64Tol = 2e-7;     // fp64 mode: only the final rounding to f32 remains
+constexpr double kStateTol = 1e-3;   // f32 state (fp32 accumulation), before any bf16 rounding
+constexpr double kBf16Tol = 2.5e-3;  // bf16 out or bf16 state
+constexpr double kFp64Tol = 2e-7;    // fp64 mode: only the final rounding to f32 remains
 
 // Runs the backend in fp32 and fp64 mode on `c` and checks both against the reference.
 void check_against_reference(const KdaCase& c, int threads = 2) {
@@ -35,8 +35,8 @@ void check_against_reference(const KdaCase& c, int threads = 2) {
     CHECK(all_finite(got.out));
     CHECK(rel_error_bf16(got.out, ref.out) <= kBf16Tol);
     const double state_tol = c.problem.final_state_dtype == DType::kBF16 ? kBf16Tol
-                             : fp64                                        ? kFp64Tol
-                                                                           : kStateTol;
+                             : fp64                                      ? kFp64Tol
+                                                                         : kStateTol;
     if (c.problem.final_state_dtype != DType::kNone) {
       const std::vector<double> state = got.final_state();
       CHECK(state.size() == ref.final_state.size());
@@ -46,9 +46,7 @@ void check_against_reference(const KdaCase& c, int threads = 2) {
 }
 
 bool bitwise_equal(const Outputs& a, const Outputs& b) {
-  return a.out == b.out && a.final_bf16 == b.final_bf16 &&
-         a.final_f32.size() == b.final_f32.size() &&
-         std::memcmp(a.final_f32.data(), b.final_f32.data(), a.final_f32.size() * 4) == 0;
+  return a.out == b.out && a.final_bf16 == b.final_bf16 && same_bits(a.final_f32, b.final_f32);
 }
 
 // A hand-built K = V = 2 case of three tokens; see the test below for the expected values.
@@ -239,12 +237,11 @@ TEST_CASE("gates: strong decay and long memory stay finite and accurate") {
     float shift;
     float lower_bound;
   };
-  for (const Regime& r : {Regime{GateMode::kSoftplus, 3.0f, -5.0f},
-                          Regime{GateMode::kSoftplus, -4.0f, -5.0f},
-                          Regime{GateMode::kSoftplus, 30.0f, -5.0f},  // softplus(x) = x branch
-                          Regime{GateMode::kLowerBound, 3.0f, -5.0f},
-                          Regime{GateMode::kLowerBound, -4.0f, -5.0f},
-                          Regime{GateMode::kLowerBound, 0.0f, -0.1f}}) {
+  for (const Regime& r :
+       {Regime{GateMode::kSoftplus, 3.0f, -5.0f}, Regime{GateMode::kSoftplus, -4.0f, -5.0f},
+        Regime{GateMode::kSoftplus, 30.0f, -5.0f},  // softplus(x) = x branch
+        Regime{GateMode::kLowerBound, 3.0f, -5.0f}, Regime{GateMode::kLowerBound, -4.0f, -5.0f},
+        Regime{GateMode::kLowerBound, 0.0f, -0.1f}}) {
     CAPTURE(std::string(to_string(r.gate)));
     CAPTURE(r.shift);
     CAPTURE(r.lower_bound);
@@ -321,8 +318,8 @@ TEST_CASE("state round trip: one call equals two calls chained through the state
   for (std::int64_t split : {0, 1, 16, 23, 40}) {
     CAPTURE(split);
     SUBCASE("f32 state: bitwise") {
-      const KdaCase first = split_tokens(whole, 0, split, DType::kF32, whole.initial_state,
-                                         DType::kF32);
+      const KdaCase first =
+          split_tokens(whole, 0, split, DType::kF32, whole.initial_state, DType::kF32);
       Outputs a;
       REQUIRE(run_cpu(first, &a).ok());
       const KdaCase second = split_tokens(whole, split, 40, DType::kF32, a.final_f32, DType::kF32);
@@ -341,8 +338,8 @@ TEST_CASE("state round trip: one call equals two calls chained through the state
       }
     }
     SUBCASE("bf16 state: within tolerance") {
-      const KdaCase first = split_tokens(whole, 0, split, DType::kF32, whole.initial_state,
-                                         DType::kBF16);
+      const KdaCase first =
+          split_tokens(whole, 0, split, DType::kF32, whole.initial_state, DType::kBF16);
       Outputs a;
       REQUIRE(run_cpu(first, &a).ok());
       const KdaCase second =
@@ -417,8 +414,7 @@ TEST_CASE("a failing call writes nothing") {
     CHECK(st.code() == code);
     CHECK(!st.message().empty());
     CHECK(got.out == poison.out);  // NaN bits compared as bits
-    CHECK(std::memcmp(got.final_f32.data(), poison.final_f32.data(), got.final_f32.size() * 4) ==
-          0);
+    CHECK(same_bits(got.final_f32, poison.final_f32));
   };
   SUBCASE("non-finite A_log") {
     KdaCase c = good;
@@ -440,9 +436,7 @@ TEST_CASE("a failing call writes nothing") {
     c.cu_seqlens[1] = 15;
     expect_untouched(c, StatusCode::kInvalidArgument);
   }
-  SUBCASE("workspace one byte short") {
-    expect_untouched(good, StatusCode::kWorkspaceTooSmall, 1);
-  }
+  SUBCASE("workspace one byte short") { expect_untouched(good, StatusCode::kWorkspaceTooSmall, 1); }
 }
 
 TEST_CASE("1 and 2 threads give bitwise equal results") {

@@ -57,8 +57,7 @@ struct Pool {
     }
   }
   bool same_bits(const Pool& other) const {
-    return bf16 == other.bf16 && f32.size() == other.f32.size() &&
-           std::memcmp(f32.data(), other.f32.data(), f32.size() * sizeof(float)) == 0;
+    return bf16 == other.bf16 && kda::test::same_bits(f32, other.f32);
   }
 };
 
@@ -76,11 +75,11 @@ Status decode_tokens(const KdaCase& c, std::int64_t t0, std::int64_t tokens,
   p.num_heads = c.problem.num_heads;
   p.head_dim_k = c.problem.head_dim_k;
   p.head_dim_v = c.problem.head_dim_v;
-  p.num_slots = num_slots >= 0 ? num_slots
-                               : static_cast<std::int64_t>(
-                                     (pool->dtype == DType::kF32 ? pool->f32.size()
-                                                                 : pool->bf16.size()) /
-                                     static_cast<std::size_t>(pool->per_slot));
+  p.num_slots = num_slots >= 0
+                    ? num_slots
+                    : static_cast<std::int64_t>(
+                          (pool->dtype == DType::kF32 ? pool->f32.size() : pool->bf16.size()) /
+                          static_cast<std::size_t>(pool->per_slot));
   p.state_dtype = pool->dtype;
   p.gate = c.problem.gate;
   p.lower_bound = c.problem.lower_bound;
@@ -116,8 +115,8 @@ CaseOptions small_options(std::uint64_t seed) {
 
 // out [B, T, H, V] of a case, tokens [t0, t0 + n) of every row, as a [B, n, H, V] vector.
 template <typename Element>
-std::vector<Element> out_tokens(const KdaCase& c, const std::vector<Element>& out,
-                                std::int64_t t0, std::int64_t n) {
+std::vector<Element> out_tokens(const KdaCase& c, const std::vector<Element>& out, std::int64_t t0,
+                                std::int64_t n) {
   const std::int64_t row = c.problem.num_heads * c.problem.head_dim_v, T = c.problem.seq_len;
   std::vector<Element> part;
   for (std::int64_t b = 0; b < c.problem.batch; ++b) {
@@ -143,8 +142,8 @@ TEST_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
       const Reference ref = reference_forward(whole);
 
       // Prefill n tokens, then move each row's state into its slot of a 5-slot pool.
-      const KdaCase first = split_tokens(whole, 0, n, DType::kF32, whole.initial_state,
-                                         DType::kF32);
+      const KdaCase first =
+          split_tokens(whole, 0, n, DType::kF32, whole.initial_state, DType::kF32);
       Outputs pre;
       REQUIRE(run_cpu(first, &pre).ok());
       const std::int64_t per_slot = o.heads * o.head_dim_v * o.head_dim_k;
@@ -264,9 +263,9 @@ TEST_CASE("bad slots and bad parameters are errors that write nothing") {
     for (std::uint16_t x : out) CHECK(x == kPoisonBf16);
     CHECK(pool.same_bits(before));
   };
-  expect_nothing_written(c, {0, 4, 1}, "slots[1] = 4");         // == num_slots
+  expect_nothing_written(c, {0, 4, 1}, "slots[1] = 4");  // == num_slots
   expect_nothing_written(c, {0, 1, 1000}, "slots[2] = 1000");
-  expect_nothing_written(c, {2, 1, 2}, "both name slot 2");     // duplicate
+  expect_nothing_written(c, {2, 1, 2}, "both name slot 2");  // duplicate
   expect_nothing_written(c, {-1, 3, 3}, "both name slot 3");
   KdaCase bad = c;
   bad.A_log[0] = std::numeric_limits<float>::infinity();

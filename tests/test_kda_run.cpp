@@ -245,7 +245,7 @@ void check_rejected_bytes(const std::string& raw, const std::string& part) {
 
 }  // namespace
 
-TEST_CASE("kda-run: --help, and usage errors exit 2") {
+TEST_CASE("kda-run: --help / usage errors exit 2") {
   Result r = kda_run({"--help"});
   CHECK(r.rc == 0);
   CHECK(r.out.find("Usage:") != std::string::npos);
@@ -338,7 +338,7 @@ TEST_CASE("kda-run: a small synthetic run with decode steps reports times and to
   CHECK(r.err.empty());  // no progress bar when stderr is not a terminal
 }
 
-TEST_CASE("kda-run --case: varlen, softplus, fp32 initial and final state") {
+TEST_CASE("kda-run --case: varlen / softplus / fp32 initial and final state") {
   kda::test::CaseOptions o;
   o.heads = 2;
   o.head_dim_k = 32;
@@ -351,7 +351,7 @@ TEST_CASE("kda-run --case: varlen, softplus, fp32 initial and final state") {
   check_round_trip(kda::test::make_case(o));
 }
 
-TEST_CASE("kda-run --case: fixed length, lower_bound gate, bf16 state by default, custom scale") {
+TEST_CASE("kda-run --case: fixed length / lower_bound gate / bf16 state by default / custom scale") {
   kda::test::CaseOptions o;
   o.heads = 3;
   o.head_dim_k = 16;
@@ -367,7 +367,7 @@ TEST_CASE("kda-run --case: fixed length, lower_bound gate, bf16 state by default
   check_round_trip(kda::test::make_case(o), /*write_final_state_key=*/false);
 }
 
-TEST_CASE("kda-run --case: int32 cu_seqlens, no state in or out") {
+TEST_CASE("kda-run --case: int32 cu_seqlens / no state in or out") {
   kda::test::CaseOptions o;
   o.heads = 2;
   o.head_dim_k = 16;
@@ -379,7 +379,7 @@ TEST_CASE("kda-run --case: int32 cu_seqlens, no state in or out") {
   check_round_trip(kda::test::make_case(o));
 }
 
-TEST_CASE("kda-run --case: bad files exit 1, name the problem and write nothing") {
+TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing") {
   const CaseFile good = to_case_file(small_case());
   {
     TempDir dir;

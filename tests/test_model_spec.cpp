@@ -96,7 +96,7 @@ TEST_CASE("a valid description parses into the spec it describes") {
   CHECK(spec.state_slot_bytes() == 4u * 64 * 64 * 2);
 }
 
-TEST_CASE("defaults: runtime section, name, short conv kernel, full attention layers") {
+TEST_CASE("defaults: runtime section / name / short conv kernel / full attention layers") {
   const std::string text =
       "hidden_size: 64\nnum_hidden_layers: 2\n"
       "linear_attn_config: {num_heads: 2, head_dim: 16, kda_layers: [2, 1], gate: softplus}\n";
@@ -147,7 +147,7 @@ TEST_CASE("the example models parse") {
   CHECK(tiny.num_kda_layers() < kimi.num_kda_layers());
 }
 
-TEST_CASE("syntax errors name the file, line and column") {
+TEST_CASE("syntax errors name the file / line and column") {
   const std::string message = error_of(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n",
                                                "  kda_layers: [1, 2, 4, 5\n"));
   INFO(message);
@@ -229,7 +229,7 @@ TEST_CASE("byte counts that overflow 64 bits are rejected") {
                                  "m.yaml"));
 }
 
-TEST_CASE("layer indices: range, duplicates, overlap with full attention") {
+TEST_CASE("layer indices: range / duplicates / overlap with full attention") {
   check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", "  kda_layers: [1, 2, 7]\n"),
               {"m.yaml:8:", "kda_layers[2]", "layer 7 is out of range [1, 6]"});
   check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", "  kda_layers: [0, 1]\n"),
@@ -272,12 +272,12 @@ TEST_CASE("unknown runtime values are named") {
               {"runtime.workspace_plan", "unknown plan 'greedy'"});
 }
 
-TEST_CASE("duplicate keys are an error, not a silent choice") {
+TEST_CASE("duplicate keys are an error (not a silent choice)") {
   check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 64\n  head_dim: 128\n"),
               {"m.yaml:7:3:", "linear_attn_config.head_dim", "twice"});
 }
 
-TEST_CASE("files: weights resolve against the YAML's directory; unreadable files are named") {
+TEST_CASE("files: weights resolve against the YAML's directory / unreadable files are named") {
   const fs::path dir = temp_dir("spec");
   const fs::path yaml = dir / "model.yaml";
   {

@@ -84,7 +84,7 @@ void check_bad(const TempDir& dir, const std::string& bytes, std::initializer_li
 
 }  // namespace
 
-TEST_CASE("round trip: every dtype, odd shapes, metadata") {
+TEST_CASE("round trip: every dtype / odd shapes / metadata") {
   TempDir dir;
   std::mt19937_64 rng(42);
   std::vector<Tensor> tensors;
@@ -154,7 +154,7 @@ TEST_CASE("writer refuses bad tensors and leaves the destination untouched") {
   CHECK(dir.entries() == 1);
 }
 
-TEST_CASE("malformed files: empty, truncated, absurd or overlong header length") {
+TEST_CASE("malformed files: empty / truncated / absurd or overlong header length") {
   TempDir dir;
   check_bad(dir, std::string(), {"file is empty"});
   check_bad(dir, std::string("\x10\x00\x00", 3), {"truncated", "3 bytes"});
@@ -210,7 +210,7 @@ TEST_CASE("malformed files: dtypes") {
             {"unknown dtype 'Q4'"});
 }
 
-TEST_CASE("malformed files: data offsets past the end, reversed, overlapping; shape mismatch") {
+TEST_CASE("malformed files: data offsets past the end / reversed / overlapping / shape mismatch") {
   TempDir dir;
   check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 12),
             {"tensor 't'", "run past the end of the data section (12 bytes"});

@@ -522,7 +522,6 @@ void Engine::generate_synthetic_inputs(std::uint64_t seed) {
   upload(synthetic_.g, synthetic_host_.g);
   upload(synthetic_.beta, synthetic_host_.beta);
   synchronize();
-  synthetic_ready_ = true;
 }
 
 LayerInputs Engine::synthetic_inputs(std::int64_t token_offset) const {

@@ -16,15 +16,14 @@ Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int6
                              std::int64_t head_dim_k) {
   for (std::int64_t h = 0; h < num_heads; ++h) {
     if (!std::isfinite(A_log[h])) {
-      return Status(StatusCode::kInvalidArgument,
-                    "A_log[" + std::to_string(h) + "] is not finite");
+      return Status(StatusCode::kInvalidArgument, "A_log[" + std::to_string(h) + "] is not finite");
     }
   }
   for (std::int64_t i = 0; i < num_heads * head_dim_k; ++i) {
     if (!std::isfinite(dt_bias[i])) {
-      return Status(StatusCode::kInvalidArgument,
-                    "dt_bias[" + std::to_string(i / head_dim_k) + ", " +
-                        std::to_string(i % head_dim_k) + "] is not finite");
+      return Status(StatusCode::kInvalidArgument, "dt_bias[" + std::to_string(i / head_dim_k) +
+                                                      ", " + std::to_string(i % head_dim_k) +
+                                                      "] is not finite");
     }
   }
   return Status::Ok();
@@ -77,29 +76,29 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
     }
   };
 
-  detail::cpu::parallel_for(p.sequences() * H, workers, [&](std::int64_t item,
-                                                           std::int64_t worker) {
-    const std::int64_t seq = item / H, head = item % H;  // item == seq * H + head
-    std::int64_t begin = 0, end = 0;
-    seq_bounds(seq, &begin, &end);
-    Scratch<Real> sc(reinterpret_cast<Real*>(slots + worker * slot_stride), K, V);
-    const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
-                                                        t.A_log, t.dt_bias, head);
-    // The whole state is read before anything is written: final_state may alias initial_state.
-    detail::cpu::load_state(
-        p.initial_state_dtype,
-        static_cast<const unsigned char*>(t.initial_state) + item * state_elems * in_size,
-        state_elems, sc.state);
-    for (std::int64_t i = begin; i < end; ++i) {
-      const std::int64_t row = i * H + head;
-      detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
-      detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
-      detail::cpu::store_out(sc.o, V, out + row * V);
-    }
-    detail::cpu::store_state(sc.state, state_elems, p.final_state_dtype,
-                             static_cast<unsigned char*>(t.final_state) +
-                                 item * state_elems * fin_size);
-  });
+  detail::cpu::parallel_for(
+      p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
+        const std::int64_t seq = item / H, head = item % H;  // item == seq * H + head
+        std::int64_t begin = 0, end = 0;
+        seq_bounds(seq, &begin, &end);
+        Scratch<Real> sc(reinterpret_cast<Real*>(slots + worker * slot_stride), K, V);
+        const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
+                                                            t.A_log, t.dt_bias, head);
+        // The whole state is read before anything is written: final_state may alias initial_state.
+        detail::cpu::load_state(
+            p.initial_state_dtype,
+            static_cast<const unsigned char*>(t.initial_state) + item * state_elems * in_size,
+            state_elems, sc.state);
+        for (std::int64_t i = begin; i < end; ++i) {
+          const std::int64_t row = i * H + head;
+          detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
+          detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
+          detail::cpu::store_out(sc.o, V, out + row * V);
+        }
+        detail::cpu::store_state(
+            sc.state, state_elems, p.final_state_dtype,
+            static_cast<unsigned char*>(t.final_state) + item * state_elems * fin_size);
+      });
 }
 
 }  // namespace
@@ -109,17 +108,16 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   if (p.varlen()) {
     if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
   }
-  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads,
-                                                     p.head_dim_k);
+  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
       !st) {
     return st;
   }
   std::size_t needed = 0;
   if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;
   if (ws.bytes < needed) {
-    return Status(StatusCode::kWorkspaceTooSmall,
-                  "workspace has " + std::to_string(ws.bytes) + " bytes, the CPU backend needs " +
-                      std::to_string(needed));
+    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
+                                                      " bytes, the CPU backend needs " +
+                                                      std::to_string(needed));
   }
   if (needed > 0 && ws.ptr == nullptr) {
     return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
@@ -135,7 +133,8 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   const double updates = static_cast<double>(p.total_tokens()) * static_cast<double>(p.num_heads) *
                          static_cast<double>(p.head_dim_v * p.head_dim_k);
   const std::int64_t workers = detail::cpu::resolve_threads(
-      opt.num_threads, items, updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
+      opt.num_threads, items,
+      updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
   if (opt.fp64) {
     run_prefill<double>(p, t, slots, workers);
   } else {

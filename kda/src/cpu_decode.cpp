@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <new>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -44,9 +45,8 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, std::vector<Real
                 std::int64_t workers) {
   const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, n_tok = p.tokens;
   const std::int64_t state_elems = V * K;
-  const std::int64_t slot_reals =
-      static_cast<std::int64_t>(detail::cpu::slot_reals(static_cast<std::uint64_t>(K),
-                                                        static_cast<std::uint64_t>(V)));
+  const std::int64_t slot_reals = static_cast<std::int64_t>(
+      detail::cpu::slot_reals(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(V)));
   const std::size_t state_size = dtype_size(p.state_dtype);
   const float scale = p.effective_scale();
   const auto* q = static_cast<const bf16_bits*>(t.q);
@@ -65,15 +65,15 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, std::vector<Real
     if (slot < 0) return;  // padding: its out rows stay untouched
     detail::cpu::Scratch<Real> sc(scratch.data() + worker * slot_reals, K, V);
     const std::int64_t state_index = (static_cast<std::int64_t>(slot) * H + head) * state_elems;
-    unsigned char* state_mem =
-        static_cast<unsigned char*>(t.state_pool) + state_index * static_cast<std::int64_t>(state_size);
+    unsigned char* state_mem = static_cast<unsigned char*>(t.state_pool) +
+                               state_index * static_cast<std::int64_t>(state_size);
     if (in_place) {
       sc.state = reinterpret_cast<Real*>(state_mem);
     } else {
       detail::cpu::load_state(p.state_dtype, state_mem, state_elems, sc.state);
     }
-    const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
-                                                        t.A_log, t.dt_bias, head);
+    const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale, t.A_log,
+                                                        t.dt_bias, head);
     for (std::int64_t j = 0; j < n_tok; ++j) {
       const std::int64_t row = (b * n_tok + j) * H + head;
       detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
@@ -88,8 +88,7 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, std::vector<Real
 
 Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt) {
   if (Status st = validate(p, t); !st) return st;
-  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads,
-                                                     p.head_dim_k);
+  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
       !st) {
     return st;
   }

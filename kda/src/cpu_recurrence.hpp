@@ -55,8 +55,8 @@ struct HeadParams {
   std::int64_t head_dim_v = 0;
   GateMode gate = GateMode::kSoftplus;
   Real lower_bound = 0;
-  Real exp_a = 0;                   // exp(A_log[h])
-  const float* dt_bias = nullptr;   // [K] of this head
+  Real exp_a = 0;                  // exp(A_log[h])
+  const float* dt_bias = nullptr;  // [K] of this head
   Real scale = 0;
 };
 
@@ -79,12 +79,12 @@ HeadParams<Real> make_head_params(std::int64_t head_dim_k, std::int64_t head_dim
 // A token's K-vectors (pointers into the thread's scratch) and scalars.
 template <typename Real>
 struct TokenVectors {
-  Real* a = nullptr;    // exp(g)
-  Real* ak = nullptr;   // a * k^
-  Real* aq = nullptr;   // scale * a * q^
-  Real* kh = nullptr;   // k^
-  Real beta = 0;        // sigmoid(b)
-  Real kq = 0;          // scale * (k^ . q^)
+  Real* a = nullptr;   // exp(g)
+  Real* ak = nullptr;  // a * k^
+  Real* aq = nullptr;  // scale * a * q^
+  Real* kh = nullptr;  // k^
+  Real beta = 0;       // sigmoid(b)
+  Real kq = 0;         // scale * (k^ . q^)
 };
 
 // Carves one thread's slot (at least slot_reals(K, V) Reals) into the state and the vectors.
@@ -92,7 +92,7 @@ template <typename Real>
 struct Scratch {
   Real* state = nullptr;  // [V, K]
   TokenVectors<Real> tok;
-  Real* o = nullptr;      // [V]
+  Real* o = nullptr;  // [V]
 
   Scratch(Real* slot, std::int64_t head_dim_k, std::int64_t head_dim_v) {
     state = slot;
@@ -130,11 +130,11 @@ void prepare_token(const HeadParams<Real>& hp, const bf16_bits* q, const bf16_bi
   if (hp.gate == GateMode::kSoftplus) {
     // softplus(x) = max(x, 0) + log1p(exp(-|x|)): no overflow for large x, where it is x itself
     // (the "x > 20 -> x" rule, without a branch), and exact for very negative x.
-    ak = (-a.abs()).exp();                    // ak: scratch
-    ak = a.max(Real(0)) + ak.log1p();         // softplus(x) >= 0
-    a = (-hp.exp_a * ak).exp();               // exp(-exp(A_log) * softplus(x))
+    ak = (-a.abs()).exp();             // ak: scratch
+    ak = a.max(Real(0)) + ak.log1p();  // softplus(x) >= 0
+    a = (-hp.exp_a * ak).exp();        // exp(-exp(A_log) * softplus(x))
   } else {
-    ak = (-hp.exp_a * a).exp();               // exp(-exp(A_log) * x)
+    ak = (-hp.exp_a * a).exp();                   // exp(-exp(A_log) * x)
     a = (hp.lower_bound / (Real(1) + ak)).exp();  // exp(lower_bound * sigmoid(exp(A_log) * x))
   }
 
@@ -144,7 +144,8 @@ void prepare_token(const HeadParams<Real>& hp, const bf16_bits* q, const bf16_bi
   tv->beta = Real(1) / (Real(1) + std::exp(-static_cast<Real>(bf16_to_float(b))));
 }
 
-// Applies `rows` consecutive state rows (R at once, so the token vectors are loaded once for R rows).
+// Applies `rows` consecutive state rows (R at once, so the token vectors are loaded once for R
+// rows).
 template <typename Real, int R>
 inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const TokenVectors<Real>& tv,
                        const bf16_bits* v, Real* o) {
@@ -194,7 +195,8 @@ inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const Tok
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (std::int64_t j = k_packets; j < K; ++j) rows[i][j] = rows[i][j] * tv.a[j] + u[i] * tv.kh[j];
+    for (std::int64_t j = k_packets; j < K; ++j)
+      rows[i][j] = rows[i][j] * tv.a[j] + u[i] * tv.kh[j];
   }
 }
 

@@ -21,7 +21,8 @@ namespace {
 // Head dimensions above this are rejected as absurd (Kimi Linear uses 128).
 constexpr std::int64_t kMaxHeadDim = 4096;
 constexpr std::int64_t kMaxDecodeTokens = 16;
-constexpr std::uint64_t kMaxSize = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+constexpr std::uint64_t kMaxSize =
+    static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
 
 Status invalid(std::string message) {
   return Status(StatusCode::kInvalidArgument, std::move(message));
@@ -120,8 +121,8 @@ Status require(const void* ptr, const char* name) {
 
 // Sizes of a valid prefill problem, in bytes.
 struct PrefillSizes {
-  std::uint64_t qk_bytes = 0;    // q, k, g each
-  std::uint64_t v_bytes = 0;     // v, out each
+  std::uint64_t qk_bytes = 0;  // q, k, g each
+  std::uint64_t v_bytes = 0;   // v, out each
   std::uint64_t beta_bytes = 0;
   std::uint64_t a_log_bytes = 0;
   std::uint64_t dt_bias_bytes = 0;
@@ -162,20 +163,18 @@ Status prefill_sizes(const Problem& p, PrefillSizes* s) {
     }
   }
   if (p.initial_state_dtype != DType::kNone) {
-    if (!(st = checked_product(
-              "initial_state bytes N*H*V*K*size",
-              {n, p.num_heads, p.head_dim_v, p.head_dim_k,
-               static_cast<std::int64_t>(dtype_size(p.initial_state_dtype))},
-              &s->initial_state_bytes))) {
+    if (!(st = checked_product("initial_state bytes N*H*V*K*size",
+                               {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+                                static_cast<std::int64_t>(dtype_size(p.initial_state_dtype))},
+                               &s->initial_state_bytes))) {
       return st;
     }
   }
   if (p.final_state_dtype != DType::kNone) {
-    if (!(st = checked_product(
-              "final_state bytes N*H*V*K*size",
-              {n, p.num_heads, p.head_dim_v, p.head_dim_k,
-               static_cast<std::int64_t>(dtype_size(p.final_state_dtype))},
-              &s->final_state_bytes))) {
+    if (!(st = checked_product("final_state bytes N*H*V*K*size",
+                               {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+                                static_cast<std::int64_t>(dtype_size(p.final_state_dtype))},
+                               &s->final_state_bytes))) {
       return st;
     }
   }
@@ -276,14 +275,14 @@ Status validate(const Problem& p, const Tensors& t) {
   if (t.final_state != nullptr && t.final_state == t.initial_state) {
     if (p.final_state_dtype != p.initial_state_dtype) {
       return invalid("final_state aliases initial_state but their dtypes differ (" +
-                     dtype_name(p.final_state_dtype) + " vs " +
-                     dtype_name(p.initial_state_dtype) + ")");
+                     dtype_name(p.final_state_dtype) + " vs " + dtype_name(p.initial_state_dtype) +
+                     ")");
     }
   } else if (overlaps(final_state, initial)) {
     return invalid("final_state partially overlaps initial_state (only an exact alias is allowed)");
   }
-  if (Status st = check_no_overlap(out, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial,
-                                         final_state});
+  if (Status st = check_no_overlap(
+          out, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial, final_state});
       !st) {
     return st;
   }
@@ -302,8 +301,8 @@ Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host) {
   if (at(0) != 0) return invalid("cu_seqlens[0] must be 0 (got " + str(at(0)) + ")");
   for (std::int64_t i = 1; i <= p.num_seqs; ++i) {
     if (at(i) < at(i - 1)) {
-      return invalid("cu_seqlens must be non-decreasing: cu_seqlens[" + str(i) + "] = " +
-                     str(at(i)) + " < cu_seqlens[" + str(i - 1) + "] = " + str(at(i - 1)));
+      return invalid("cu_seqlens must be non-decreasing: cu_seqlens[" + str(i) +
+                     "] = " + str(at(i)) + " < cu_seqlens[" + str(i - 1) + "] = " + str(at(i - 1)));
     }
   }
   if (at(p.num_seqs) != p.seq_len) {
@@ -331,8 +330,8 @@ Status can_run_cuda(std::int64_t head_dim_k, std::int64_t head_dim_v) {
 
 Status check_backend(Backend backend) {
   if (backend != Backend::kCpu && backend != Backend::kCuda) {
-    return invalid("backend must be cpu or cuda (got " +
-                   std::to_string(static_cast<int>(backend)) + ")");
+    return invalid("backend must be cpu or cuda (got " + std::to_string(static_cast<int>(backend)) +
+                   ")");
   }
   return Status::Ok();
 }
@@ -434,9 +433,9 @@ Status validate(const DecodeProblem& p, const DecodeTensors& t) {
   DecodeSizes s;
   if (Status st = decode_sizes(p, &s); !st) return st;
   if (p.batch > 0) {
-    for (const Range& r : {Range{"q", t.q, 0}, Range{"k", t.k, 0}, Range{"v", t.v, 0},
-                           Range{"g", t.g, 0}, Range{"beta", t.beta, 0},
-                           Range{"slots", t.slots, 0}, Range{"out", t.out, 0}}) {
+    for (const Range& r :
+         {Range{"q", t.q, 0}, Range{"k", t.k, 0}, Range{"v", t.v, 0}, Range{"g", t.g, 0},
+          Range{"beta", t.beta, 0}, Range{"slots", t.slots, 0}, Range{"out", t.out, 0}}) {
       if (Status st = require(r.ptr, r.name); !st) return st;
     }
   }

@@ -7,52 +7,74 @@ namespace kda {
 
 const char* to_string(StatusCode code) noexcept {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kUnsupported: return "unsupported";
-    case StatusCode::kOverflow: return "overflow";
-    case StatusCode::kWorkspaceTooSmall: return "workspace too small";
-    case StatusCode::kBackendUnavailable: return "backend unavailable";
-    case StatusCode::kCudaError: return "CUDA error";
-    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kUnsupported:
+      return "unsupported";
+    case StatusCode::kOverflow:
+      return "overflow";
+    case StatusCode::kWorkspaceTooSmall:
+      return "workspace too small";
+    case StatusCode::kBackendUnavailable:
+      return "backend unavailable";
+    case StatusCode::kCudaError:
+      return "CUDA error";
+    case StatusCode::kInternal:
+      return "internal error";
   }
   return "unknown status";
 }
 
 const char* to_string(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kNone: return "none";
-    case DType::kBF16: return "bf16";
-    case DType::kF32: return "f32";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
+    case DType::kNone:
+      return "none";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
   }
   return "unknown dtype";
 }
 
 std::size_t dtype_size(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kNone: return 0;
-    case DType::kBF16: return 2;
-    case DType::kF32: return 4;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
+    case DType::kNone:
+      return 0;
+    case DType::kBF16:
+      return 2;
+    case DType::kF32:
+      return 4;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
   }
   return 0;
 }
 
 const char* to_string(GateMode gate) noexcept {
   switch (gate) {
-    case GateMode::kLowerBound: return "lower_bound";
-    case GateMode::kSoftplus: return "softplus";
+    case GateMode::kLowerBound:
+      return "lower_bound";
+    case GateMode::kSoftplus:
+      return "softplus";
   }
   return "unknown gate";
 }
 
 const char* to_string(Backend backend) noexcept {
   switch (backend) {
-    case Backend::kCpu: return "cpu";
-    case Backend::kCuda: return "cuda";
+    case Backend::kCpu:
+      return "cpu";
+    case Backend::kCuda:
+      return "cuda";
   }
   return "unknown backend";
 }

@@ -31,7 +31,8 @@ bool near(float actual, float expected, float tolerance) {
 
 // One token, one head, K = V = 2, no initial state. With S0 = 0 the decay does nothing, so
 // S = beta * k_hat * v^T and out = scale * (k_hat . q_hat) * beta * v. With q = k = (1, 0) and
-// b_raw = 0 (beta = 1/2): out = 2^-0.5 * 0.5 * v and final_state (V-first, S^T) = [[v0/2, 0], [v1/2, 0]].
+// b_raw = 0 (beta = 1/2): out = 2^-0.5 * 0.5 * v, and final_state (V-first, i.e. S^T) is
+// [[v0 / 2, 0], [v1 / 2, 0]].
 void check_tiny_forward() {
   kda::Problem problem;
   problem.batch = 1;
@@ -169,7 +170,8 @@ void check_engine() {
     run.tokens = 32;
     run.sequences = 2;
     kda::engine::RunReport report = engine.run_synthetic(run);
-    check(report.tokens == 32 && report.layer_seconds.size() == 2, "run_synthetic reports 2 layers");
+    check(report.tokens == 32 && report.layer_seconds.size() == 2,
+          "run_synthetic reports 2 layers");
   } catch (const kda::Error& error) {
     check(false, std::string("engine threw: ") + error.what());
   }

@@ -12,11 +12,10 @@
 //     X = S^T W^T,  Y = S^T Q~^T,  U^T = U0^T - X,  O^T = Y + U^T M^T,  S^T = S^T diag(g_last) + U^T K^
 // The accumulator layout of S^T is the A-operand layout of the next chunk's products, so the state
 // never leaves registers. Columns of V are independent in the delta rule: no inter-warp traffic.
-// Chunk records stream through a 3-stage cp.async ring in shared memory.
+// Chunk records stream through a 5-stage cp.async ring in shared memory.
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -111,26 +110,22 @@ constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded agains
 constexpr float kFactoredRange = 80.0f;
 
 struct PrepSmem {
-  bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero)
-  bf16 k[C][kRowPad];
+  bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero); q and k are reused for the
+  bf16 k[C][kRowPad];   // W and U0 outputs once the last reader (step 4) is done
   bf16 v[C][kRowPad];
   bf16 g[C][kRowPad];
   bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
-  bf16 kg[C][kRowPad];  // k_hat * exp(G)                  (K~, feeds A and W)
-  bf16 ki[C][kRowPad];  // k_hat * exp(-G)                 (factored path only)
+  bf16 kg[C][kRowPad];  // k_hat * exp(G)                  (K~, feeds A)
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
-  bf16 w[C][kRowPad];   // record: W
-  bf16 u[C][kRowPad];   // record: U0
-  bf16 tb[C][kMPad];    // (I + A)^-1 diag(beta)
+  union {
+    bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G)
+    float G[C][kPad];     // exact path: the cumulative gate itself
+  };
   bf16 m[C][kMPad];     // record: M
   float A[C][C + 1];
   float beta[C];
   float inv_norm[2][C];
   float range[4];
-  // Exact path only.
-  float qn[C][kPad];
-  float kn[C][kPad];
-  float G[C][kPad];
 };
 
 // Finds the sequence owning chunk slot `slot`: the largest s with s + start(s) / C <= slot.
@@ -249,19 +244,19 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
 
   unsigned char* rec = record_ptr(p, slot, h);
   reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = __expf(g_last);
+  float kt[C];  // K~ column d in fp32, for the forward substitution
 #pragma unroll
   for (int t = 0; t < C; ++t) {
     const float qh = __bfloat162float(sm.q[t][d]) * sm.inv_norm[0][t];
     const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
     const float eg = __expf(G[t]);
+    kt[t] = kh * eg;
     sm.qg[t][d] = __float2bfloat16(p.scale * qh * eg);
-    sm.kg[t][d] = __float2bfloat16(kh * eg);
+    sm.kg[t][d] = __float2bfloat16(kt[t]);
     sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
     if (factored) {
       sm.ki[t][d] = __float2bfloat16(kh * __expf(-G[t]));
     } else {
-      sm.qn[t][d] = qh;
-      sm.kn[t][d] = kh;
       sm.G[t][d] = G[t];
     }
   }
@@ -291,80 +286,54 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       if (i >= jj) {
 #pragma unroll 8
         for (int c = 0; c < D; ++c) {
-          const float kj = sm.kn[jj][c] * __expf(sm.G[i][c] - sm.G[jj][c]);
-          a = fmaf(sm.kn[i][c], kj, a);
-          m = fmaf(sm.qn[i][c], kj, m);
+          const float kj = __bfloat162float(sm.k[jj][c]) * __expf(sm.G[i][c] - sm.G[jj][c]);
+          a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
+          m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
         }
       }
-      sm.A[i][jj] = i > jj ? sm.beta[i] * a : 0.f;
-      sm.m[i][jj] = __float2bfloat16(i >= jj ? p.scale * m : 0.f);
+      sm.A[i][jj] = i > jj ? sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj] : 0.f;
+      sm.m[i][jj] = __float2bfloat16(i >= jj ? p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj] : 0.f);
     }
   }
   __syncthreads();
 
-  // 5. Warp 0: T = (I + A)^-1 by forward substitution, lane j computing column j; then T diag(beta).
-  //    Warps 1-3 meanwhile store Q~, K^ and M.
-  if (warp == 0) {
-    if (lane < C) {
-      const int jcol = lane;
-      float col[C];
-#pragma unroll
-      for (int i = 0; i < C; ++i) {
-        float x = i == jcol ? 1.f : 0.f;
-#pragma unroll
-        for (int kk = 0; kk < i; ++kk) x = fmaf(-sm.A[i][kk], col[kk], x);
-        col[i] = x;
-      }
-      const float bj = sm.beta[jcol];
-#pragma unroll
-      for (int i = 0; i < C; ++i) sm.tb[i][jcol] = __float2bfloat16(col[i] * bj);
-    }
-  } else {
-    const int t96 = tid - 32;
-    copy_tile_out<kPrepThreads - 32>(reinterpret_cast<bf16*>(rec + ChunkRecord::kQg), sm.qg, t96);
-    copy_tile_out<kPrepThreads - 32>(reinterpret_cast<bf16*>(rec + ChunkRecord::kKd), sm.kd, t96);
-    if (t96 < C * 2) {
-      const int row = t96 / 2, col = (t96 % 2) * 8;
-      *reinterpret_cast<uint4*>(rec + ChunkRecord::kM + (row * C + col) * 2) =
-          *reinterpret_cast<const uint4*>(&sm.m[row][col]);
-    }
-  }
-  __syncthreads();
-
-  // 6. W = T diag(beta) K~ and U0 = T diag(beta) V: warp w takes channels [32w, 32w + 32).
+  // 5. Forward substitution in fp32, thread d owning column d:
+  //    (I + A) [W | U0] = diag(beta) [K~ | V]. q and k are dead now: W and U0 take their place.
   {
-    unsigned a[4];
-    ldmatrix_x4(a[0], a[1], a[2], a[3], &sm.tb[lane & 15][(lane >> 4) * 8]);
+    float xk[C], xv[C];
 #pragma unroll
-    for (int n = 4 * warp; n < 4 * warp + 4; n += 2) {
-      unsigned b0, b1, b2, b3, c0, c1, c2, c3;
-      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.kg[lane & 15][8 * n + ((lane >> 4) << 3)]);
-      ldmatrix_x4_trans(c0, c1, c2, c3, &sm.v[lane & 15][8 * n + ((lane >> 4) << 3)]);
-      float w0[4] = {}, w1[4] = {}, u0[4] = {}, u1[4] = {};
-      mma_bf16(w0, a, b0, b1);
-      mma_bf16(w1, a, b2, b3);
-      mma_bf16(u0, a, c0, c1);
-      mma_bf16(u1, a, c2, c3);
-      const int c_lo = 8 * n + 2 * tq, c_hi = 8 * (n + 1) + 2 * tq;
-      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq][c_lo]) = __floats2bfloat162_rn(w0[0], w0[1]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq + 8][c_lo]) = __floats2bfloat162_rn(w0[2], w0[3]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq][c_hi]) = __floats2bfloat162_rn(w1[0], w1[1]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.w[gq + 8][c_hi]) = __floats2bfloat162_rn(w1[2], w1[3]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq][c_lo]) = __floats2bfloat162_rn(u0[0], u0[1]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq + 8][c_lo]) = __floats2bfloat162_rn(u0[2], u0[3]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq][c_hi]) = __floats2bfloat162_rn(u1[0], u1[1]);
-      *reinterpret_cast<__nv_bfloat162*>(&sm.u[gq + 8][c_hi]) = __floats2bfloat162_rn(u1[2], u1[3]);
+    for (int i = 0; i < C; ++i) {
+      const float b = sm.beta[i];
+      float rk = b * kt[i];
+      float rv = b * __bfloat162float(sm.v[i][d]);
+#pragma unroll
+      for (int jj = 0; jj < i; ++jj) {
+        const float aij = sm.A[i][jj];
+        rk = fmaf(-aij, xk[jj], rk);
+        rv = fmaf(-aij, xv[jj], rv);
+      }
+      xk[i] = rk;
+      xv[i] = rv;
+      sm.q[i][d] = __float2bfloat16(rk);  // W
+      sm.k[i][d] = __float2bfloat16(rv);  // U0
     }
   }
   __syncthreads();
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kW), sm.w, tid);
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kU), sm.u, tid);
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kQg), sm.qg, tid);
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kKd), sm.kd, tid);
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kW), sm.q, tid);
+  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kU), sm.k, tid);
+  if (tid < C * 2) {
+    const int row = tid / 2, col = (tid % 2) * 8;
+    *reinterpret_cast<uint4*>(rec + ChunkRecord::kM + (row * C + col) * 2) =
+        *reinterpret_cast<const uint4*>(&sm.m[row][col]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Phase 2
 // ---------------------------------------------------------------------------------------------
-constexpr int kStages = 3;
+constexpr int kStages = 5;  // deep enough to cover DRAM latency with one or two blocks per SM
 
 struct StageSmem {
   bf16 qg[C][kRowPad];
@@ -454,33 +423,32 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   for (std::int64_t c = 0; c < nchunks; ++c) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage c is visible to all; every warp is done with chunk c - 1
-    {
-      const std::int64_t nc = c + kStages - 1;
-      if (nc < nchunks && slot0 + nc < p.num_slots)
-        load_stage<THREADS>(stages[nc % kStages], record_ptr(p, slot0 + nc, h), tid);
-      cp_async_commit();
-    }
     const StageSmem& st = stages[c % kStages];
 
-    // X = S^T W^T and Y = S^T Q~^T  (16 v x 16 tokens each, two n-tiles of 8 tokens)
-    float X[2][4] = {}, Y[2][4] = {};
+    // The chain that carries the state from chunk to chunk is X -> U -> S; Y and O hang off it and
+    // are issued after the state update so that they fill its latency.
+    // S^T (old) as bf16 A fragments: k-tile kt covers state channels [16 kt, 16 kt + 16).
+    unsigned sa[8][4];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      sa[kt][0] = pack_bf16x2(acc[2 * kt][0], acc[2 * kt][1]);
+      sa[kt][1] = pack_bf16x2(acc[2 * kt][2], acc[2 * kt][3]);
+      sa[kt][2] = pack_bf16x2(acc[2 * kt + 1][0], acc[2 * kt + 1][1]);
+      sa[kt][3] = pack_bf16x2(acc[2 * kt + 1][2], acc[2 * kt + 1][3]);
+    }
     // ldmatrix addresses: lanes 0-7 rows 0-7 col lo, 8-15 rows 0-7 col hi, 16-23 rows 8-15 lo, 24-31 hi
     const int lrow = (lane & 7) + ((lane >> 4) << 3);
     const int lcol = ((lane >> 3) & 1) * 8;
+
+    // X = S^T W^T (16 v x 16 tokens, two n-tiles of 8 tokens); even and odd k-tiles accumulate
+    // separately to halve the dependent chain.
+    float X[2][2][4] = {};
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
-      unsigned a[4];
-      a[0] = pack_bf16x2(acc[2 * kt][0], acc[2 * kt][1]);
-      a[1] = pack_bf16x2(acc[2 * kt][2], acc[2 * kt][3]);
-      a[2] = pack_bf16x2(acc[2 * kt + 1][0], acc[2 * kt + 1][1]);
-      a[3] = pack_bf16x2(acc[2 * kt + 1][2], acc[2 * kt + 1][3]);
-      unsigned w0, w1, w2, w3, q0, q1, q2, q3;
+      unsigned w0, w1, w2, w3;
       ldmatrix_x4(w0, w1, w2, w3, &st.w[lrow][kt * 16 + lcol]);
-      ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
-      mma_bf16(X[0], a, w0, w1);
-      mma_bf16(X[1], a, w2, w3);
-      mma_bf16(Y[0], a, q0, q1);
-      mma_bf16(Y[1], a, q2, q3);
+      mma_bf16(X[kt & 1][0], sa[kt], w0, w1);
+      mma_bf16(X[kt & 1][1], sa[kt], w2, w3);
     }
 
     // U^T = U0^T - X   (row v, col token)
@@ -489,24 +457,16 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     for (int nt = 0; nt < 2; ++nt) {
       const int t0 = nt * 8 + 2 * tq;
       const int v0 = v_warp + gq;
-      U[nt][0] = __bfloat162float(st.u[t0][v0]) - X[nt][0];
-      U[nt][1] = __bfloat162float(st.u[t0 + 1][v0]) - X[nt][1];
-      U[nt][2] = __bfloat162float(st.u[t0][v0 + 8]) - X[nt][2];
-      U[nt][3] = __bfloat162float(st.u[t0 + 1][v0 + 8]) - X[nt][3];
+      U[nt][0] = __bfloat162float(st.u[t0][v0]) - (X[0][nt][0] + X[1][nt][0]);
+      U[nt][1] = __bfloat162float(st.u[t0 + 1][v0]) - (X[0][nt][1] + X[1][nt][1]);
+      U[nt][2] = __bfloat162float(st.u[t0][v0 + 8]) - (X[0][nt][2] + X[1][nt][2]);
+      U[nt][3] = __bfloat162float(st.u[t0 + 1][v0 + 8]) - (X[0][nt][3] + X[1][nt][3]);
     }
     unsigned ua[4];
     ua[0] = pack_bf16x2(U[0][0], U[0][1]);
     ua[1] = pack_bf16x2(U[0][2], U[0][3]);
     ua[2] = pack_bf16x2(U[1][0], U[1][1]);
     ua[3] = pack_bf16x2(U[1][2], U[1][3]);
-
-    // O^T = Y + U^T M^T
-    {
-      unsigned m0, m1, m2, m3;
-      ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
-      mma_bf16(Y[0], ua, m0, m1);
-      mma_bf16(Y[1], ua, m2, m3);
-    }
 
     // S^T = S^T diag(g_last) + U^T K^
 #pragma unroll
@@ -526,15 +486,39 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       mma_bf16(acc[n + 1], ua, b2, b3);
     }
 
+    // Prefetch a later chunk into the stage every warp finished with (top-of-loop barrier).
+    {
+      const std::int64_t nc = c + kStages - 1;
+      if (nc < nchunks && slot0 + nc < p.num_slots)
+        load_stage<THREADS>(stages[nc % kStages], record_ptr(p, slot0 + nc, h), tid);
+      cp_async_commit();
+    }
+
+    // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
+    float Y[2][2][4] = {};
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      unsigned q0, q1, q2, q3;
+      ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
+      mma_bf16(Y[kt & 1][0], sa[kt], q0, q1);
+      mma_bf16(Y[kt & 1][1], sa[kt], q2, q3);
+    }
+    {
+      unsigned m0, m1, m2, m3;
+      ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
+      mma_bf16(Y[0][0], ua, m0, m1);
+      mma_bf16(Y[0][1], ua, m2, m3);
+    }
+
     // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int t0 = nt * 8 + 2 * tq;
       const int vl = warp * 16 + gq;
-      so[t0][vl] = __float2bfloat16(Y[nt][0]);
-      so[t0 + 1][vl] = __float2bfloat16(Y[nt][1]);
-      so[t0][vl + 8] = __float2bfloat16(Y[nt][2]);
-      so[t0 + 1][vl + 8] = __float2bfloat16(Y[nt][3]);
+      so[t0][vl] = __float2bfloat16(Y[0][nt][0] + Y[1][nt][0]);
+      so[t0 + 1][vl] = __float2bfloat16(Y[0][nt][1] + Y[1][nt][1]);
+      so[t0][vl + 8] = __float2bfloat16(Y[0][nt][2] + Y[1][nt][2]);
+      so[t0 + 1][vl + 8] = __float2bfloat16(Y[0][nt][3] + Y[1][nt][3]);
     }
     __syncthreads();
     {
@@ -654,18 +638,12 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   }
   {
     KDA_NVTX_RANGE("kda.prefill.recurrence");
-    // Enough blocks to fill the GPU: split V into more, narrower slices when there are few (seq, head).
+    // Measured on the H200 (docs/PERFORMANCE-NOTES.md): two 64-column blocks per (sequence, head)
+    // beat one 128-column block (fewer SMs busy) and four 32-column ones (each re-reads the chunk
+    // record); below 33 (sequence, head) pairs four 32-column blocks win by keeping more SMs busy.
     const std::int64_t pairs = N * p.num_heads;
-    if (const char* e = std::getenv("KDA_EXPERIMENT_WARPS")) {  // temporary: tuning experiment
-      const int w = std::atoi(e);
-      if (w == 8) return launch_recurrence<8>(prm, N, stream);
-      if (w == 4) return launch_recurrence<4>(prm, N, stream);
-      if (w == 2) return launch_recurrence<2>(prm, N, stream);
-      if (w == 1) return launch_recurrence<1>(prm, N, stream);
-    }
-    if (pairs >= 264) return launch_recurrence<4>(prm, N, stream);
-    if (pairs >= 66) return launch_recurrence<2>(prm, N, stream);
-    return launch_recurrence<1>(prm, N, stream);
+    if (pairs >= 33) return launch_recurrence<4>(prm, N, stream);
+    return launch_recurrence<2>(prm, N, stream);
   }
 }
 

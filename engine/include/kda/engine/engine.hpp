@@ -204,7 +204,6 @@ class Engine {
   std::int64_t synthetic_capacity_ = 0;
   SyntheticBuffers synthetic_;
   SyntheticHost synthetic_host_;
-  bool synthetic_ready_ = false;
 };
 
 }  // namespace kda::engine
