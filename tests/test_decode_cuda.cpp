@@ -141,7 +141,7 @@ std::vector<double> pool_values(const std::vector<unsigned char>& bytes, DType d
 
 }  // namespace
 
-TEST_CASE("cuda decode matches the CPU decode, and unnamed slots and padding rows stay untouched") {
+TEST_CASE("cuda decode matches the CPU decode / and unnamed slots and padding rows stay untouched") {
   if (!gpu_or_skip()) return;
   std::uint64_t seed = 1000;
   for (DType dt : {DType::kF32, DType::kBF16}) {

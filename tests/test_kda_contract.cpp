@@ -77,7 +77,7 @@ void check_invalid(const Problem& p, const std::string& field) {
 
 }  // namespace
 
-TEST_CASE("enum names, dtype sizes and Status text") {
+TEST_CASE("enum names / dtype sizes and Status text") {
   CHECK(std::string(to_string(StatusCode::kOk)) == "ok");
   CHECK(std::string(to_string(StatusCode::kInvalidArgument)) == "invalid argument");
   CHECK(std::string(to_string(StatusCode::kWorkspaceTooSmall)) == "workspace too small");
@@ -231,7 +231,7 @@ TEST_CASE("validate(Problem): sizes whose element or byte counts overflow 64 bit
   check_overflow(heads, "bytes");  // A_log H*4 or dt_bias H*K*4
 }
 
-TEST_CASE("validate(Problem, Tensors): pointers, optional states and aliasing") {
+TEST_CASE("validate(Problem / Tensors): pointers / optional states and aliasing") {
   Fixture f;
   auto check_t = [&](const std::function<void(Problem&, Tensors&)>& change,
                      const std::string& field) {
@@ -376,7 +376,7 @@ TEST_CASE("validate_cu_seqlens: contents") {
               "cu_seqlens_dtype");
 }
 
-TEST_CASE("can_implement: CPU takes any valid problem; CUDA needs K = V = 128 and a device") {
+TEST_CASE("can_implement: CPU takes any valid problem / CUDA needs K = V = 128 and a device") {
   Fixture f;
   CHECK(can_implement(f.p, Backend::kCpu).ok());
   check_fails(can_implement(f.p, Backend::kCuda), StatusCode::kUnsupported, "head_dim");
@@ -395,7 +395,7 @@ TEST_CASE("can_implement: CPU takes any valid problem; CUDA needs K = V = 128 an
   check_fails(can_implement(f.p, static_cast<Backend>(5)), StatusCode::kInvalidArgument, "backend");
 }
 
-TEST_CASE("workspace_size: CPU and CUDA formulas, errors") {
+TEST_CASE("workspace_size: CPU and CUDA formulas / errors") {
   Fixture f;
   std::size_t cpu = 0, cuda = 0;
   REQUIRE(workspace_size(f.p, Backend::kCpu, &cpu).ok());
@@ -444,7 +444,7 @@ TEST_CASE("workspace_size: CPU and CUDA formulas, errors") {
   CHECK(workspace_size(huge, Backend::kCpu, &cpu).ok());
 }
 
-TEST_CASE("forward_cpu: workspace too small, null workspace") {
+TEST_CASE("forward_cpu: workspace too small / null workspace") {
   kda::test::CaseOptions o;
   o.seq_len = 5;
   const kda::test::KdaCase c = kda::test::make_case(o);

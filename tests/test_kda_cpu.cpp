@@ -75,7 +75,7 @@ KdaCase hand_case(GateMode gate) {
 
 }  // namespace
 
-TEST_CASE("hand-checked K = V = 2 recurrence, both gates") {
+TEST_CASE("hand-checked K = V = 2 recurrence / both gates") {
   // Both gates give exp(g) = 1/2 here: A_log = 0, g_raw + dt_bias = 0, so
   //   softplus:     g = -1 * softplus(0) = -ln 2;
   //   lower_bound:  g = (-2 ln 2) * sigmoid(0) = -ln 2.
@@ -116,7 +116,7 @@ TEST_CASE("hand-checked K = V = 2 recurrence, both gates") {
   }
 }
 
-TEST_CASE("hand-checked: a zero-length row returns its initial state, a one-token row") {
+TEST_CASE("hand-checked: a zero-length row returns its initial state / a one-token row") {
   // Varlen lengths {0, 1}. Sequence 0 has no tokens: its final state is its initial state.
   KdaCase c = hand_case(GateMode::kSoftplus);
   c.problem.seq_len = 1;
@@ -142,7 +142,7 @@ TEST_CASE("hand-checked: a zero-length row returns its initial state, a one-toke
   CHECK(to_floats(got.out) == std::vector<float>({2, 2}));
 }
 
-TEST_CASE("short lengths 0, 1, 15, 16, 17 against the fp64 reference") {
+TEST_CASE("short lengths 0 / 1 / 15 / 16 / 17 against the fp64 reference") {
   for (std::int64_t len : {0, 1, 15, 16, 17}) {
     CAPTURE(len);
     CaseOptions o;
@@ -157,7 +157,7 @@ TEST_CASE("short lengths 0, 1, 15, 16, 17 against the fp64 reference") {
   }
 }
 
-TEST_CASE("long sequence T = 1000, H = 4, K = V = 128, both gates") {
+TEST_CASE("long sequence T = 1000 / H = 4 / K = V = 128 / both gates") {
   for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
     CAPTURE(std::string(to_string(gate)));
     CaseOptions o;
@@ -188,7 +188,7 @@ TEST_CASE("odd head sizes (K and V not multiples of the SIMD width)") {
   }
 }
 
-TEST_CASE("varlen with i32 and i64 cu_seqlens, including 0- and 1-length sequences") {
+TEST_CASE("varlen with i32 and i64 cu_seqlens / including 0- and 1-length sequences") {
   for (DType cu : {DType::kI32, DType::kI64}) {
     CAPTURE(std::string(to_string(cu)));
     CaseOptions o;
@@ -284,7 +284,7 @@ TEST_CASE("an explicit scale is used instead of K^-0.5") {
   }
 }
 
-TEST_CASE("state dtypes in and out: none, bf16, f32 in every combination") {
+TEST_CASE("state dtypes in and out: none / bf16 / f32 in every combination") {
   for (DType in : {DType::kNone, DType::kBF16, DType::kF32}) {
     for (DType fin : {DType::kNone, DType::kBF16, DType::kF32}) {
       CAPTURE(std::string(to_string(in)));

@@ -94,7 +94,7 @@ TEST_CASE("cuda prefill is as accurate as the fp64 reference demands") {
   }
 }
 
-TEST_CASE("cuda prefill varlen: empty and one-token sequences, int32 and int64, many tiny ones") {
+TEST_CASE("cuda prefill varlen: empty and one-token sequences / int32 and int64 / many tiny ones") {
   if (!gpu_or_skip()) return;
   for (DType cu : {DType::kI64, DType::kI32}) {
     CaseOptions o = cuda_options(4, cu == DType::kI64 ? 21 : 22);
@@ -122,7 +122,7 @@ TEST_CASE("cuda prefill varlen: empty and one-token sequences, int32 and int64, 
   }
 }
 
-TEST_CASE("cuda prefill: strong decay and long memory, both gates") {
+TEST_CASE("cuda prefill: strong decay and long memory / both gates") {
   if (!gpu_or_skip()) return;
   std::uint64_t seed = 300;
   for (float shift : {3.0f, -4.0f}) {
@@ -150,7 +150,7 @@ TEST_CASE("cuda prefill: strong decay and long memory, both gates") {
   CHECK(rel_error_bf16(gpu.out.out, to_doubles(cpu.out)) <= kTol);
 }
 
-TEST_CASE("cuda prefill: every state combination, and in-place state") {
+TEST_CASE("cuda prefill: every state combination / and in-place state") {
   if (!gpu_or_skip()) return;
   std::uint64_t seed = 400;
   for (DType in : {DType::kNone, DType::kBF16, DType::kF32}) {

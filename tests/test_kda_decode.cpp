@@ -278,7 +278,7 @@ TEST_CASE("bad slots and bad parameters are errors that write nothing") {
   CHECK(decode_tokens(c, 0, 2, {-1, -1, 0}, &pool, &out).ok());
 }
 
-TEST_CASE("decode: empty batch, fp64 mode against the reference, thread counts") {
+TEST_CASE("decode: empty batch / fp64 mode against the reference / thread counts") {
   SUBCASE("batch 0 is a no-op") {
     DecodeProblem p;
     p.batch = 0;

@@ -126,7 +126,7 @@ bool contains(const std::string& text, const std::string& part) {
 
 }  // namespace
 
-TEST_CASE("planner: names of kinds and modes, parse_plan_mode, format_bytes") {
+TEST_CASE("planner: names of kinds and modes / parse_plan_mode / format_bytes") {
   CHECK(std::string(to_string(BufferKind::kWorkspace)) == "workspace");
   CHECK(std::string(to_string(BufferKind::kState)) == "state");
   CHECK(std::string(to_string(BufferKind::kScratch)) == "scratch");
@@ -154,7 +154,7 @@ TEST_CASE("planner: names of kinds and modes, parse_plan_mode, format_bytes") {
   CHECK(kda::planner::format_bytes(kMaxU64) == "16.0 EiB");
 }
 
-TEST_CASE("planner: sum mode, hand-checkable offsets") {
+TEST_CASE("planner: sum mode / hand-checkable offsets") {
   const std::vector<BufferRequest> requests = {make_request("a", 100, 0, 0),
                                                make_request("b", 300, 1, 1),
                                                make_request("c", 1, 2, 2)};
@@ -181,7 +181,7 @@ TEST_CASE("planner: sum mode, hand-checkable offsets") {
   CHECK(empty.plan.entries.empty());
 }
 
-TEST_CASE("planner: sum mode never overlaps, aligns, and totals the aligned sum") {
+TEST_CASE("planner: sum mode never overlaps / aligns / and totals the aligned sum") {
   for (const std::uint64_t plan_alignment : {std::uint64_t{1}, std::uint64_t{64},
                                              std::uint64_t{256}, std::uint64_t{4096}}) {
     for (std::uint64_t seed = 0; seed < 40; ++seed) {
@@ -495,7 +495,7 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
   CHECK(json.at("total_bytes").get<std::uint64_t>() == kMaxU64 - 255);
 }
 
-TEST_CASE("planner: to_table lists every buffer, the mode and the total") {
+TEST_CASE("planner: to_table lists every buffer / the mode and the total") {
   std::vector<BufferRequest> requests = {
       make_request("layer0.workspace", 3 * 1024 * 1024 / 2, 0, 0, BufferKind::kWorkspace, 0),
       make_request("a_much_longer_buffer_name", 10, 1, 1, BufferKind::kScratch),
