@@ -1,0 +1,137 @@
+// GPU tests of the engine (label `gpu`): an engine on the CUDA backend against the same engine on the
+// CPU backend (same seeded parameters and synthetic inputs): prefill of a batch on state slots, then
+// decode steps, per layer; and run_synthetic end to end. Prints "KDA_SKIP: ..." without a device.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.hpp"
+#include "kda/engine/engine.hpp"
+#include "kda/engine/model_spec.hpp"
+#include "kda_reference.hpp"
+
+using kda::engine::BackendChoice;
+using kda::engine::Engine;
+using kda::engine::EngineOptions;
+
+namespace {
+
+const char* const kSpec =
+    "name: engine-cuda-test\n"
+    "hidden_size: 512\n"
+    "num_hidden_layers: 3\n"
+    "linear_attn_config:\n"
+    "  num_heads: 4\n"
+    "  head_dim: 128\n"
+    "  kda_layers: [1, 3]\n"
+    "  full_attn_layers: [2]\n"
+    "  gate: softplus\n"
+    "runtime:\n"
+    "  max_tokens: 512\n"
+    "  max_sequences: 4\n"
+    "  state_dtype: fp32\n"
+    "  workspace_plan: reuse\n";
+
+std::vector<std::uint16_t> output_of(const Engine& e, std::size_t elems) {
+  std::vector<std::uint16_t> host(elems);
+  if (e.backend() == kda::Backend::kCuda) {
+    REQUIRE(kda::memcpy_to_host(host.data(), e.synthetic_output(), elems * 2, e.stream()).ok());
+  } else {
+    std::memcpy(host.data(), e.synthetic_output(), elems * 2);
+  }
+  return host;
+}
+
+std::vector<double> state_of(const Engine& e, int layer, int slot) {
+  std::vector<float> s(e.state_slot_bytes() / 4);
+  e.read_slot_state(layer, slot, s.data());
+  return kda::test::to_doubles(s);
+}
+
+}  // namespace
+
+TEST_CASE("engine on CUDA equals the engine on the CPU: prefill on slots then decode steps") {
+  if (!kda::test::gpu_or_skip()) return;
+  const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
+  EngineOptions go, co;
+  go.backend = BackendChoice::kCuda;
+  co.backend = BackendChoice::kCpu;
+  go.seed = co.seed = 17;
+  go.synthetic_tokens = co.synthetic_tokens = 300;
+  Engine gpu(spec, go), cpu(spec, co);
+  REQUIRE(gpu.backend() == kda::Backend::kCuda);
+  gpu.generate_synthetic_inputs(5);
+  cpu.generate_synthetic_inputs(5);
+  const std::vector<std::int64_t> cu = {0, 100, 101, 300};
+  std::vector<int> gs, cs;
+  for (int i = 0; i < 3; ++i) {
+    gs.push_back(gpu.acquire_slot());
+    cs.push_back(cpu.acquire_slot());
+  }
+  const std::int64_t H = 4, D = 128;
+  for (int l = 0; l < gpu.num_layers(); ++l) {
+    gpu.prefill(l, gpu.synthetic_inputs(0), gpu.synthetic_output(), gs, cu);
+    cpu.prefill(l, cpu.synthetic_inputs(0), cpu.synthetic_output(), cs, cu);
+    gpu.synchronize();
+    const std::size_t n = static_cast<std::size_t>(300 * H * D);
+    const double e_out = kda::test::rel_error_bf16(output_of(gpu, n), kda::test::to_doubles(output_of(cpu, n)));
+    std::printf("engine layer %d prefill: out %.2e\n", l, e_out);
+    CHECK(e_out <= 5e-3);
+    for (int s = 0; s < 3; ++s) {
+      const double e_state = kda::test::rel_error(state_of(gpu, l, gs[s]), state_of(cpu, l, cs[s]));
+      CHECK(e_state <= 5e-3);
+    }
+  }
+  // Two decode steps of one token for each of the three sequences, plus a padding row.
+  for (int step = 0; step < 2; ++step) {
+    std::vector<int> gslots = {gs[0], -1, gs[1], gs[2]}, cslots = {cs[0], -1, cs[1], cs[2]};
+    for (int l = 0; l < gpu.num_layers(); ++l) {
+      gpu.decode(l, gpu.synthetic_inputs(4 * step), gpu.synthetic_output(), gslots, 1);
+      cpu.decode(l, cpu.synthetic_inputs(4 * step), cpu.synthetic_output(), cslots, 1);
+      gpu.synchronize();
+      std::vector<std::uint16_t> g = output_of(gpu, static_cast<std::size_t>(4 * H * D));
+      std::vector<std::uint16_t> c = output_of(cpu, static_cast<std::size_t>(4 * H * D));
+      // Row 1 is padding: compare rows 0, 2, 3.
+      std::vector<double> gr, cr;
+      for (int r : {0, 2, 3}) {
+        for (std::int64_t i = r * H * D; i < (r + 1) * H * D; ++i) {
+          gr.push_back(kda::bf16_to_float(g[static_cast<std::size_t>(i)]));
+          cr.push_back(kda::bf16_to_float(c[static_cast<std::size_t>(i)]));
+        }
+      }
+      const double e_out = kda::test::rel_error(gr, cr);
+      CHECK(e_out <= 5e-3);
+      for (int s = 0; s < 3; ++s) {
+        CHECK(kda::test::rel_error(state_of(gpu, l, gs[s]), state_of(cpu, l, cs[s])) <= 5e-3);
+      }
+    }
+  }
+}
+
+TEST_CASE("engine on CUDA: run_synthetic with decode steps completes and reports timings") {
+  if (!kda::test::gpu_or_skip()) return;
+  const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
+  EngineOptions o;
+  o.backend = BackendChoice::kAuto;
+  o.synthetic_tokens = 512;
+  Engine e(spec, o);
+  CHECK(e.backend() == kda::Backend::kCuda);
+  kda::engine::RunOptions r;
+  r.tokens = 512;
+  r.sequences = 4;
+  r.decode_steps = 3;
+  const kda::engine::RunReport rep = e.run_synthetic(r);
+  CHECK(rep.layer_seconds.size() == 2);
+  CHECK(rep.decode_step_seconds.size() == 3);
+  CHECK(rep.prefill_seconds > 0);
+  const std::size_t n = static_cast<std::size_t>(4 * 4 * 128);
+  for (std::uint16_t x : output_of(e, n)) {
+    if (!std::isfinite(kda::bf16_to_float(x))) {
+      FAIL("non-finite output after run_synthetic");
+      break;
+    }
+  }
+}
