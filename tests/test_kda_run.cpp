@@ -20,27 +20,15 @@
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda_reference.hpp"
+#include "temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using kda::DType;
 using kda::engine::Tensor;
 
-namespace {
+using kda::test::TempDir;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device random;
-    path = fs::temp_directory_path() / ("kda-test-run-" + std::to_string(random()) + "-" +
-                                        std::to_string(random()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path, ignored);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
+namespace {
 
 struct Result {
   int rc = -1;

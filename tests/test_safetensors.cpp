@@ -12,31 +12,16 @@
 
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
+#include "temp_dir.hpp"
 
 namespace fs = std::filesystem;
 using kda::DType;
 using kda::engine::SafetensorsFile;
 using kda::engine::Tensor;
 
-namespace {
+using kda::test::TempDir;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    std::random_device random;
-    path = fs::temp_directory_path() / ("kda-test-st-" + std::to_string(random()) + "-" +
-                                        std::to_string(random()));
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path, ignored);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-  std::size_t entries() const {
-    return static_cast<std::size_t>(std::distance(fs::directory_iterator(path), fs::directory_iterator()));
-  }
-};
+namespace {
 
 Tensor random_tensor(const std::string& name, DType dtype, std::vector<std::int64_t> shape,
                      std::mt19937_64& rng) {
