@@ -401,8 +401,8 @@ TEST_CASE("workspace_size: CPU and CUDA formulas / errors") {
   REQUIRE(workspace_size(f.p, Backend::kCpu, &cpu).ok());
   CHECK(cpu > 0);
   REQUIRE(workspace_size(f.p, Backend::kCuda, &cuda).ok());
-  // CUDA: (ceil(T_total / 16) + N) * H records of 17,408 bytes, plus 256 bytes of alignment slack.
-  CHECK(cuda == (1 + 2) * 2 * 17408 + 256);
+  // CUDA: (ceil(T_total / 16) + N) * H records of 18,688 bytes, plus 256 bytes of alignment slack.
+  CHECK(cuda == (1 + 2) * 2 * 18688 + 256);
   // Depends on sizes only, grows with tokens on CUDA, never with tokens on the CPU.
   Problem longer = f.p;
   longer.seq_len = 1000;
@@ -434,7 +434,7 @@ TEST_CASE("workspace_size: CPU and CUDA formulas / errors") {
   check_fails(workspace_size(f.p, static_cast<Backend>(3), &cuda), StatusCode::kInvalidArgument,
               "backend");
   // The CUDA record count overflows before the inputs do: 2^58 tokens * 1 head of K = V = 1 is
-  // 2^59 bytes of q, but 2^54 chunks * 17,408 bytes passes 2^63.
+  // 2^59 bytes of q, but 2^54 chunks * 18,688 bytes passes 2^63.
   Problem huge;
   huge.seq_len = std::int64_t{1} << 58;
   huge.num_heads = 1;

@@ -16,21 +16,27 @@ namespace kda::detail {
 inline constexpr int kChunk = 16;    // tokens per chunk
 inline constexpr int kHeadDim = 128; // K == V == 128 on CUDA
 
-// One (chunk slot, head) record, all row-major:
-//   qg   bf16 [kChunk][K]  scale * q_hat * exp(G_i)               (Q~)
-//   kd   bf16 [kChunk][K]  k_hat * exp(G_last - G_i)              (K^, feeds the state update)
-//   w    bf16 [kChunk][K]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W)
-//   u    bf16 [kChunk][V]  (I + A)^-1 diag(beta) v                (U0)
-//   m    bf16 [kChunk][kChunk] scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0
-//   gl   f32  [K]          exp(G_last)                            (chunk decay of the state)
+// One (chunk slot, head) record. Rows are padded (kRowStride bf16 for 128-wide tiles, kMStride for
+// M) so that the record is byte for byte the shared-memory image the recurrence kernel works on:
+// one bulk copy brings it in, and ldmatrix on 272-byte rows is free of bank conflicts.
+//   qg   bf16 [kChunk][kRowStride]  scale * q_hat * exp(G_i)               (Q~)
+//   kd   bf16 [kChunk][kRowStride]  k_hat * exp(G_last - G_i)              (K^, feeds the state update)
+//   w    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W)
+//   u    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) v                (U0)
+//   m    bf16 [kChunk][kMStride]    scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0
+//   gl   f32  [K]                   exp(G_last)                            (chunk decay of the state)
+// Padding columns carry no meaning.
+inline constexpr int kRowStride = kHeadDim + 8;  // 272-byte rows
+inline constexpr int kMStride = kChunk + 8;      // 48-byte rows
 struct ChunkRecord {
+  static constexpr std::size_t kTileBytes = kChunk * kRowStride * 2;  // 4,352
   static constexpr std::size_t kQg = 0;
-  static constexpr std::size_t kKd = kQg + kChunk * kHeadDim * 2;
-  static constexpr std::size_t kW = kKd + kChunk * kHeadDim * 2;
-  static constexpr std::size_t kU = kW + kChunk * kHeadDim * 2;
-  static constexpr std::size_t kM = kU + kChunk * kHeadDim * 2;
-  static constexpr std::size_t kGl = kM + kChunk * kChunk * 2;
-  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;  // 17,408
+  static constexpr std::size_t kKd = kQg + kTileBytes;
+  static constexpr std::size_t kW = kKd + kTileBytes;
+  static constexpr std::size_t kU = kW + kTileBytes;
+  static constexpr std::size_t kM = kU + kTileBytes;
+  static constexpr std::size_t kGl = kM + kChunk * kMStride * 2;
+  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;  // 18,688
 };
 static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
 

@@ -10,9 +10,10 @@ namespace kda::detail {
 
 using bf16 = __nv_bfloat16;
 
-// Gate activations (KDA.md §1), fp32. softplus is computed stably: x for large x, log1p(exp(x)) else.
+// Gate activations (KDA.md §1), fp32. softplus(x) = max(x, 0) + log(1 + exp(-|x|)): stable for
+// any x, with fast intrinsics (absolute error ~1e-7, far below the bf16 inputs' rounding).
 __device__ __forceinline__ float softplus_f(float x) {
-  return x > 20.f ? x : log1pf(__expf(x));
+  return fmaxf(x, 0.f) + __logf(1.f + __expf(-fabsf(x)));
 }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
 

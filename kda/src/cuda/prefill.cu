@@ -12,10 +12,12 @@
 //     X = S^T W^T,  Y = S^T Q~^T,  U^T = U0^T - X,  O^T = Y + U^T M^T,  S^T = S^T diag(g_last) + U^T K^
 // The accumulator layout of S^T is the A-operand layout of the next chunk's products, so the state
 // never leaves registers. Columns of V are independent in the delta rule: no inter-warp traffic.
-// Chunk records stream through a 5-stage cp.async ring in shared memory.
+// Chunk records stream through a 5-stage ring in shared memory, one bulk copy (copy engine,
+// mbarrier completion) per record.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -60,9 +62,10 @@ __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std
 // ---------------------------------------------------------------------------------------------
 // Tensor-core and copy helpers
 // ---------------------------------------------------------------------------------------------
-constexpr int kRowPad = D + 8;  // bf16 row stride in shared memory: 272 bytes, so that ldmatrix's 8
-                                // row addresses fall in distinct 16-byte bank groups
-constexpr int kMPad = C + 8;    // 48-byte rows for 16 x 16 tiles
+constexpr int kRowPad = kRowStride;  // bf16 row stride in shared memory (and in the records): 272
+                                     // bytes, so that ldmatrix's 8 row addresses fall in distinct
+                                     // 16-byte bank groups
+constexpr int kMPad = kMStride;      // 48-byte rows for 16 x 16 tiles
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -156,12 +159,12 @@ __device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*X)[kRowP
   }
 }
 
+// A padded 16 x 128 tile, padding included, from shared memory into its record (same layout).
 template <int THREADS>
-__device__ __forceinline__ void copy_tile_out(bf16* dst, const bf16 (*src)[kRowPad], int tid) {
-  for (int e = tid; e < C * D / 8; e += THREADS) {
-    const int row = e / (D / 8), col = (e % (D / 8)) * 8;
-    *reinterpret_cast<uint4*>(dst + row * D + col) = *reinterpret_cast<const uint4*>(&src[row][col]);
-  }
+__device__ __forceinline__ void copy_tile_out(unsigned char* dst, const bf16 (*src)[kRowPad], int tid) {
+  const uint4* from = reinterpret_cast<const uint4*>(src);
+  uint4* to = reinterpret_cast<uint4*>(dst);
+  for (int e = tid; e < static_cast<int>(ChunkRecord::kTileBytes / 16); e += THREADS) to[e] = from[e];
 }
 
 __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
@@ -319,14 +322,12 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     }
   }
   __syncthreads();
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kQg), sm.qg, tid);
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kKd), sm.kd, tid);
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kW), sm.q, tid);
-  copy_tile_out<kPrepThreads>(reinterpret_cast<bf16*>(rec + ChunkRecord::kU), sm.k, tid);
-  if (tid < C * 2) {
-    const int row = tid / 2, col = (tid % 2) * 8;
-    *reinterpret_cast<uint4*>(rec + ChunkRecord::kM + (row * C + col) * 2) =
-        *reinterpret_cast<const uint4*>(&sm.m[row][col]);
+  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kQg, sm.qg, tid);
+  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kKd, sm.kd, tid);
+  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kW, sm.q, tid);
+  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kU, sm.k, tid);
+  if (tid < C * kMPad * 2 / 16) {
+    reinterpret_cast<uint4*>(rec + ChunkRecord::kM)[tid] = reinterpret_cast<const uint4*>(sm.m)[tid];
   }
 }
 
@@ -335,6 +336,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
 // ---------------------------------------------------------------------------------------------
 constexpr int kStages = 5;  // deep enough to cover DRAM latency with one or two blocks per SM
 
+// A stage is the byte image of a chunk record (workspace_layout.hpp).
 struct StageSmem {
   bf16 qg[C][kRowPad];
   bf16 kd[C][kRowPad];
@@ -343,28 +345,51 @@ struct StageSmem {
   bf16 m[C][kMPad];
   float gl[D];
 };
+static_assert(sizeof(StageSmem) == ChunkRecord::kBytes, "a stage is a record's image");
+static_assert(offsetof(StageSmem, m) == ChunkRecord::kM && offsetof(StageSmem, gl) == ChunkRecord::kGl,
+              "a stage is a record's image");
 
-// Copies the chunk record of (slot, h) into a stage: 4 padded 16 x 128 bf16 tiles, M, g_last.
-template <int THREADS>
-__device__ __forceinline__ void load_stage(StageSmem& st, const unsigned char* rec, int tid) {
-  constexpr int kTileChunks = C * D * 2 / 16;  // 256 16-byte pieces per 16 x 128 bf16 tile
+// Bulk copy (the copy engine, completing on an mbarrier) of one record into a stage. One thread.
+__device__ __forceinline__ void mbarrier_init(std::uint64_t* bar, unsigned count) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count));
+}
+__device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned char* rec, std::uint64_t* bar) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&st));
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b),
+               "r"(static_cast<unsigned>(ChunkRecord::kBytes))
+               : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "l"(rec), "r"(static_cast<unsigned>(ChunkRecord::kBytes)), "r"(b)
+      : "memory");
+}
+// Waits until the phase with parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(b),
+      "r"(parity)
+      : "memory");
+}
+
+// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x 128
+// tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the chain.
+__device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
+                                                 const bf16 (*tile)[kRowPad], int lrow, int lcol) {
 #pragma unroll
-  for (int tile = 0; tile < 4; ++tile) {
-    bf16(*dst)[kRowPad] = tile == 0 ? st.qg : tile == 1 ? st.kd : tile == 2 ? st.w : st.u;
-    const unsigned char* src = rec + tile * (C * D * 2);
-    for (int e = tid; e < kTileChunks; e += THREADS) {
-      const int row = e / (D / 8), col = (e % (D / 8)) * 8;
-      cp_async16(&dst[row][col], src + e * 16);
-    }
-  }
-  for (int e = tid; e < C * C * 2 / 16 + D * 4 / 16; e += THREADS) {
-    if (e < C * C * 2 / 16) {
-      const int row = e / 2, col = (e % 2) * 8;
-      cp_async16(&st.m[row][col], rec + ChunkRecord::kM + e * 16);
-    } else {
-      const int f = e - C * C * 2 / 16;
-      cp_async16(&st.gl[f * 4], rec + ChunkRecord::kGl + f * 16);
-    }
+  for (int kt = 0; kt < 8; ++kt) {
+    unsigned b0, b1, b2, b3;
+    ldmatrix_x4(b0, b1, b2, b3, &tile[lrow][kt * 16 + lcol]);
+    mma_bf16(out[kt & 1][0], sa[kt], b0, b1);
+    mma_bf16(out[kt & 1][1], sa[kt], b2, b3);
   }
 }
 
@@ -375,6 +400,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
+                                                         C * (VB + 8) * sizeof(bf16));
 
   const std::int64_t s = blockIdx.x;
   const int h = blockIdx.y;
@@ -413,16 +440,29 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     }
   }
 
-  // Prologue: prefetch the first kStages - 1 chunks.
+  // One thread drives the copy engine: an mbarrier per stage, the first kStages - 1 chunks now.
+  // Chunks past the workspace's slots (only with broken cu_seqlens) are never fetched or waited on.
+  const std::int64_t nfetch = nchunks < p.num_slots - slot0 ? nchunks : (p.num_slots - slot0 > 0 ? p.num_slots - slot0 : 0);
+  if (tid == 0) {
 #pragma unroll
-  for (int c = 0; c < kStages - 1; ++c) {
-    if (c < nchunks && slot0 + c < p.num_slots) load_stage<THREADS>(stages[c], record_ptr(p, slot0 + c, h), tid);
-    cp_async_commit();
+    for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#pragma unroll
+    for (int c = 0; c < kStages - 1; ++c) {
+      if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c, h), &full[c]);
+    }
   }
+  __syncthreads();
 
-  for (std::int64_t c = 0; c < nchunks; ++c) {
-    cp_async_wait<kStages - 2>();
-    __syncthreads();  // stage c is visible to all; every warp is done with chunk c - 1
+  for (std::int64_t c = 0; c < nfetch; ++c) {
+    // Every warp is done with chunk c - 1 (the barrier before the output stores of c - 1), so its
+    // stage can be refilled; `so` is free once the stores of c - 1 are done (this barrier).
+    __syncthreads();
+    if (tid == 0) {
+      const std::int64_t nc = c + kStages - 1;
+      if (nc < nfetch) load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + nc, h), &full[nc % kStages]);
+    }
+    mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
     const StageSmem& st = stages[c % kStages];
 
     // The chain that carries the state from chunk to chunk is X -> U -> S; Y and O hang off it and
@@ -440,16 +480,9 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     const int lrow = (lane & 7) + ((lane >> 4) << 3);
     const int lcol = ((lane >> 3) & 1) * 8;
 
-    // X = S^T W^T (16 v x 16 tokens, two n-tiles of 8 tokens); even and odd k-tiles accumulate
-    // separately to halve the dependent chain.
+    // X = S^T W^T (16 v x 16 tokens, two n-tiles of 8 tokens).
     float X[2][2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      unsigned w0, w1, w2, w3;
-      ldmatrix_x4(w0, w1, w2, w3, &st.w[lrow][kt * 16 + lcol]);
-      mma_bf16(X[kt & 1][0], sa[kt], w0, w1);
-      mma_bf16(X[kt & 1][1], sa[kt], w2, w3);
-    }
+    state_times_tile(X, sa, st.w, lrow, lcol);
 
     // U^T = U0^T - X   (row v, col token)
     float U[2][4];
@@ -486,23 +519,9 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       mma_bf16(acc[n + 1], ua, b2, b3);
     }
 
-    // Prefetch a later chunk into the stage every warp finished with (top-of-loop barrier).
-    {
-      const std::int64_t nc = c + kStages - 1;
-      if (nc < nchunks && slot0 + nc < p.num_slots)
-        load_stage<THREADS>(stages[nc % kStages], record_ptr(p, slot0 + nc, h), tid);
-      cp_async_commit();
-    }
-
     // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
     float Y[2][2][4] = {};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      unsigned q0, q1, q2, q3;
-      ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
-      mma_bf16(Y[kt & 1][0], sa[kt], q0, q1);
-      mma_bf16(Y[kt & 1][1], sa[kt], q2, q3);
-    }
+    state_times_tile(Y, sa, st.qg, lrow, lcol);
     {
       unsigned m0, m1, m2, m3;
       ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
@@ -532,8 +551,6 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       }
     }
   }
-  cp_async_wait<0>();
-
   if (p.ht_kind != 0) {
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
@@ -554,7 +571,7 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
 
 template <int WARPS>
 constexpr std::size_t recurrence_smem_bytes() {
-  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16);
+  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) + kStages * sizeof(std::uint64_t);
 }
 
 template <int WARPS>
