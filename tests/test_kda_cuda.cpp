@@ -309,6 +309,13 @@ TEST_CASE("cuda prefill reports bad input before launching anything") {
     CHECK(st.message().find("q") != std::string::npos);
   }
   {
+    Tensors bad = t;
+    bad.k = static_cast<const unsigned char*>(t.k) + 2;  // bf16-aligned, not 16-byte aligned
+    const Status st = forward_cuda(c.problem, bad, {ws.get(), ws_bytes}, nullptr);
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message().find("k must be 16-byte aligned") != std::string::npos);
+  }
+  {
     std::vector<std::int64_t> broken = {0, 30, 20};  // decreasing, and not ending at T = 50
     Tensors bad = t;
     bad.cu_seqlens_host = broken.data();

@@ -67,14 +67,52 @@ constexpr int kRowPad = kRowStride;  // bf16 row stride in shared memory (and in
                                      // 16-byte bank groups
 constexpr int kMPad = kMStride;      // 48-byte rows for 16 x 16 tiles
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+// The copy engine (cp.async.bulk, plain sm_90) and its mbarriers.
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+__device__ __forceinline__ void mbarrier_init(std::uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// Orders this thread's earlier generic shared-memory accesses before later async-proxy (copy
+// engine) accesses.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Arrives once on `bar` and announces `bytes` of copies that will complete on it.
+__device__ __forceinline__ void mbarrier_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+// Global -> shared, `bytes` a multiple of 16, both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, std::uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+// Shared -> global, tracked by the issuing thread's bulk group.
+__device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit_and_wait_all() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Waits until the phase with parity `parity` of the mbarrier has completed.
+__device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned& r0, unsigned& r1, unsigned& r2, unsigned& r3,
@@ -125,10 +163,11 @@ struct PrepSmem {
     float G[C][kPad];     // exact path: the cumulative gate itself
   };
   bf16 m[C][kMPad];     // record: M
-  float A[C][C + 1];
+  float A[C][C + 4];     // 16-byte rows: read back as float4
   float beta[C];
   float inv_norm[2][C];
   float range[4];
+  std::uint64_t inputs_ready;  // mbarrier of the input copies
 };
 
 // Finds the sequence owning chunk slot `slot`: the largest s with s + start(s) / C <= slot.
@@ -159,14 +198,6 @@ __device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*X)[kRowP
   }
 }
 
-// A padded 16 x 128 tile, padding included, from shared memory into its record (same layout).
-template <int THREADS>
-__device__ __forceinline__ void copy_tile_out(unsigned char* dst, const bf16 (*src)[kRowPad], int tid) {
-  const uint4* from = reinterpret_cast<const uint4*>(src);
-  uint4* to = reinterpret_cast<uint4*>(dst);
-  for (int e = tid; e < static_cast<int>(ChunkRecord::kTileBytes / 16); e += THREADS) to[e] = from[e];
-}
-
 __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char prep_smem_raw[];
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
@@ -186,25 +217,29 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
   const std::int64_t H = p.num_heads;
 
-  // 1. The chunk's q, k, v, g rows into shared memory (16-byte copies; padded tokens zero).
+  // 1. The chunk's q, k, v, g rows into shared memory: one 256-byte bulk copy per (tensor, token),
+  //    issued by 4 * nvalid threads, completing on one mbarrier; padded tokens are zeroed.
   {
-    const bf16* srcs[4] = {p.q, p.k, p.v, p.g};
-    bf16(*dsts[4])[kRowPad] = {sm.q, sm.k, sm.v, sm.g};
+    if (tid == 0) {
+      mbarrier_init(&sm.inputs_ready, 1);
+      mbarrier_expect_tx(&sm.inputs_ready, static_cast<unsigned>(4 * nvalid * D * 2));
+    }
+    __syncthreads();
+    if (tid < 4 * C) {
+      const int tensor = tid / C, row = tid % C;
+      const bf16* src = tensor == 0 ? p.q : tensor == 1 ? p.k : tensor == 2 ? p.v : p.g;
+      bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
+      if (row < nvalid) {
+        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, &sm.inputs_ready);
+      } else {
+        uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
 #pragma unroll
-    for (int tensor = 0; tensor < 4; ++tensor) {
-      for (int e = tid; e < C * D / 8; e += kPrepThreads) {
-        const int row = e / (D / 8), col = (e % (D / 8)) * 8;
-        if (row < nvalid) {
-          cp_async16(&dsts[tensor][row][col], srcs[tensor] + ((tok0 + row) * H + h) * D + col);
-        } else {
-          *reinterpret_cast<uint4*>(&dsts[tensor][row][col]) = make_uint4(0, 0, 0, 0);
-        }
+        for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
       }
     }
-    cp_async_commit();
     if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.beta[(tok0 + tid) * H + h])) : 0.f;
-    cp_async_wait<0>();
-    __syncthreads();
+    mbarrier_wait(&sm.inputs_ready, 0);
+    __syncthreads();  // the zeroed rows and beta
   }
 
   // 2. Inverse L2 norms of q and k rows: warp w takes rows 4w .. 4w + 3.
@@ -310,10 +345,14 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       float rk = b * kt[i];
       float rv = b * __bfloat162float(sm.v[i][d]);
 #pragma unroll
-      for (int jj = 0; jj < i; ++jj) {
-        const float aij = sm.A[i][jj];
-        rk = fmaf(-aij, xk[jj], rk);
-        rv = fmaf(-aij, xv[jj], rv);
+      for (int j4 = 0; j4 < i; j4 += 4) {
+        const float4 a4 = *reinterpret_cast<const float4*>(&sm.A[i][j4]);
+        const float arow[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+        for (int jj = j4; jj < j4 + 4 && jj < i; ++jj) {
+          rk = fmaf(-arow[jj - j4], xk[jj], rk);
+          rv = fmaf(-arow[jj - j4], xv[jj], rv);
+        }
       }
       xk[i] = rk;
       xv[i] = rv;
@@ -321,13 +360,18 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       sm.k[i][d] = __float2bfloat16(rv);  // U0
     }
   }
+  // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against the
+  //    async proxy, then one thread issues the bulk stores and waits for them before the block ends.
+  fence_proxy_async();
   __syncthreads();
-  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kQg, sm.qg, tid);
-  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kKd, sm.kd, tid);
-  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kW, sm.q, tid);
-  copy_tile_out<kPrepThreads>(rec + ChunkRecord::kU, sm.k, tid);
-  if (tid < C * kMPad * 2 / 16) {
-    reinterpret_cast<uint4*>(rec + ChunkRecord::kM)[tid] = reinterpret_cast<const uint4*>(sm.m)[tid];
+  if (tid == 0) {
+    constexpr unsigned kTile = static_cast<unsigned>(ChunkRecord::kTileBytes);
+    bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kKd, sm.kd, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
+    bulk_commit_and_wait_all();
   }
 }
 
@@ -349,35 +393,11 @@ static_assert(sizeof(StageSmem) == ChunkRecord::kBytes, "a stage is a record's i
 static_assert(offsetof(StageSmem, m) == ChunkRecord::kM && offsetof(StageSmem, gl) == ChunkRecord::kGl,
               "a stage is a record's image");
 
-// Bulk copy (the copy engine, completing on an mbarrier) of one record into a stage. One thread.
-__device__ __forceinline__ void mbarrier_init(std::uint64_t* bar, unsigned count) {
-  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(b), "r"(count));
-}
+// One record into a stage by the copy engine, completing on `bar`. One thread.
 __device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned char* rec, std::uint64_t* bar) {
-  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(&st));
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b),
-               "r"(static_cast<unsigned>(ChunkRecord::kBytes))
-               : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-      "l"(rec), "r"(static_cast<unsigned>(ChunkRecord::kBytes)), "r"(b)
-      : "memory");
-}
-// Waits until the phase with parity `parity` of the mbarrier has completed.
-__device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
-  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(b),
-      "r"(parity)
-      : "memory");
+  fence_proxy_async();
+  mbarrier_expect_tx(bar, static_cast<unsigned>(ChunkRecord::kBytes));
+  bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
 }
 
 // out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x 128
@@ -446,7 +466,6 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
       if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c, h), &full[c]);
@@ -602,6 +621,22 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   if (t.cu_seqlens_host != nullptr) {
     st = validate_cu_seqlens(p, t.cu_seqlens_host);
     if (!st.ok()) return st;
+  }
+  // The kernels move q, k, v, g and out in 16-byte pieces (bulk copies, vector stores) and states in
+  // 8-byte pieces.
+  {
+    const struct {
+      const void* ptr;
+      const char* name;
+      std::uintptr_t align;
+    } aligned[] = {{t.q, "q", 16}, {t.k, "k", 16}, {t.v, "v", 16}, {t.g, "g", 16}, {t.out, "out", 16},
+                   {t.initial_state, "initial_state", 8}, {t.final_state, "final_state", 8}};
+    for (const auto& a : aligned) {
+      if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.align != 0) {
+        return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.align) +
+                                                        "-byte aligned for the CUDA backend");
+      }
+    }
   }
   std::size_t need = 0;
   st = workspace_size(p, Backend::kCuda, &need);
