@@ -98,9 +98,11 @@ __device__ __forceinline__ void bulk_copy_to_global(void* dst, const void* src, 
                "r"(bytes)
                : "memory");
 }
-__device__ __forceinline__ void bulk_commit_and_wait_all() {
+// Commits the bulk stores and waits until they have read their shared-memory sources (the block may
+// then exit; the writes complete before the grid does).
+__device__ __forceinline__ void bulk_commit_and_wait_read() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 // Waits until the phase with parity `parity` of the mbarrier has completed.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
@@ -281,7 +283,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
 
   unsigned char* rec = record_ptr(p, slot, h);
-  reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = __expf(g_last);
+  const float gl_d = __expf(g_last);
+  reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = gl_d;
   float kt[C];  // K~ column d in fp32, for the forward substitution
 #pragma unroll
   for (int t = 0; t < C; ++t) {
@@ -291,10 +294,13 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     kt[t] = kh * eg;
     sm.qg[t][d] = __float2bfloat16(p.scale * qh * eg);
     sm.kg[t][d] = __float2bfloat16(kt[t]);
-    sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
     if (factored) {
-      sm.ki[t][d] = __float2bfloat16(kh * __expf(-G[t]));
+      // exp(-G) is finite here, and exp(G_last - G) = exp(G_last) exp(-G) saves an exp.
+      const float ki = kh * __expf(-G[t]);
+      sm.ki[t][d] = __float2bfloat16(ki);
+      sm.kd[t][d] = __float2bfloat16(ki * gl_d);
     } else {
+      sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
       sm.G[t][d] = G[t];
     }
   }
@@ -371,7 +377,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
-    bulk_commit_and_wait_all();
+    bulk_commit_and_wait_read();
   }
 }
 
@@ -690,10 +696,11 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   }
   {
     KDA_NVTX_RANGE("kda.prefill.recurrence");
-    // Measured on the H200 (docs/PERFORMANCE-NOTES.md): two 64-column blocks per (sequence, head)
-    // beat one 128-column block (fewer SMs busy) and four 32-column ones (each re-reads the chunk
-    // record); below 33 (sequence, head) pairs four 32-column blocks win by keeping more SMs busy.
+    // Measured on the H200 (docs/PERFORMANCE-NOTES.md): with at least one (sequence, head) pair per
+    // SM, one 128-column block per pair (the chunk record read once, 8 warps sharing it); with fewer,
+    // two 64-column blocks, and below 33 pairs four 32-column blocks, to keep more SMs busy.
     const std::int64_t pairs = N * p.num_heads;
+    if (pairs >= 132) return launch_recurrence<8>(prm, N, stream);
     if (pairs >= 33) return launch_recurrence<4>(prm, N, stream);
     return launch_recurrence<2>(prm, N, stream);
   }
