@@ -1,0 +1,510 @@
+// The C API (kda/kda.h) on the CPU backend: every entry point, its errors (null handle and
+// pointers, bad YAML, options, layer and slot out of range, the plan-JSON buffer), and prefill +
+// decode through it equal the same calls on the C++ Engine bitwise.
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kda/engine/engine.hpp"
+#include "kda/engine/error.hpp"
+#include "kda/kda.h"
+#include "kda_reference.hpp"
+
+using kda::engine::Engine;
+using kda::engine::EngineOptions;
+using kda::engine::LayerInputs;
+using kda::engine::ModelSpec;
+
+#if defined(__SANITIZE_ADDRESS__)
+#define KDA_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KDA_UNDER_ASAN 1
+#endif
+#endif
+#ifndef KDA_UNDER_ASAN
+#define KDA_UNDER_ASAN 0
+#endif
+
+namespace {
+
+// 3 KDA layers, H = 2, K = V = 32, 4 slots, CPU.
+const char* const kSpec =
+    "name: c-api-test\n"
+    "hidden_size: 64\n"
+    "num_hidden_layers: 4\n"
+    "linear_attn_config:\n"
+    "  num_heads: 2\n"
+    "  head_dim: 32\n"
+    "  kda_layers: [1, 2, 4]\n"
+    "  full_attn_layers: [3]\n"
+    "  gate: softplus\n"
+    "runtime:\n"
+    "  max_tokens: 128\n"
+    "  max_sequences: 4\n"
+    "  state_dtype: fp32\n"
+    "  workspace_plan: reuse\n"
+    "  backend: cpu\n";
+
+// Owns a handle: destroyed at scope exit, so a failed CHECK does not leak.
+struct Handle {
+  kda_engine* engine = nullptr;
+  Handle() = default;
+  Handle(const Handle&) = delete;
+  Handle& operator=(const Handle&) = delete;
+  ~Handle() { CHECK(kda_engine_destroy(engine) == KDA_OK); }
+  operator kda_engine*() const { return engine; }  // NOLINT: a handle stands for its engine
+};
+
+kda_engine_options cpu_options(std::uint64_t seed = 0) {
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  options.backend = KDA_BACKEND_CPU;
+  options.cpu_threads = 2;
+  options.seed = seed;
+  return options;
+}
+
+void create(Handle* handle, const char* yaml = kSpec, std::uint64_t seed = 0) {
+  const kda_engine_options options = cpu_options(seed);
+  char err[256] = "untouched";
+  REQUIRE(kda_engine_create_from_string(yaml, &options, &handle->engine, err, sizeof err) ==
+          KDA_OK);
+  REQUIRE(handle->engine != nullptr);
+  CHECK(std::string(err).empty());
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+std::string last_error(const kda_engine* engine) { return kda_engine_last_error(engine); }
+
+// bf16 activations for `tokens` tokens: q, k, v, g [tokens, H, D], beta [tokens, H].
+struct Activations {
+  std::vector<std::uint16_t> q, k, v, g, beta;
+  Activations(std::int64_t tokens, std::int64_t H, std::int64_t D, std::uint64_t seed) {
+    kda::test::Rng rng(seed);
+    q = kda::test::random_bf16(rng, tokens * H * D, 1.0);
+    k = kda::test::random_bf16(rng, tokens * H * D, 1.0);
+    v = kda::test::random_bf16(rng, tokens * H * D, 1.0);
+    g = kda::test::random_bf16(rng, tokens * H * D, 1.0);
+    beta = kda::test::random_bf16(rng, tokens * H, 1.0);
+  }
+  LayerInputs inputs() const { return {q.data(), k.data(), v.data(), g.data(), beta.data()}; }
+};
+
+}  // namespace
+
+TEST_CASE("status strings and options_init") {
+  CHECK(std::string(kda_status_string(KDA_OK)) == "ok");
+  CHECK(std::string(kda_status_string(KDA_INVALID_ARGUMENT)) == "invalid argument");
+  CHECK(std::string(kda_status_string(KDA_BACKEND_UNAVAILABLE)) == "backend unavailable");
+  CHECK(std::string(kda_status_string(static_cast<kda_status>(99))) == "unknown status");
+  CHECK(std::string(kda_status_string(static_cast<kda_status>(8))) == "unknown status");
+  // Value for value the C++ codes, with the same names.
+  for (int code = 0; code <= static_cast<int>(kda::StatusCode::kInternal); ++code) {
+    CAPTURE(code);
+    CHECK(std::string(kda_status_string(static_cast<kda_status>(code))) ==
+          kda::to_string(static_cast<kda::StatusCode>(code)));
+  }
+  CHECK(KDA_INTERNAL == static_cast<int>(kda::StatusCode::kInternal));
+
+  kda_engine_options options;
+  std::memset(&options, 0xAB, sizeof options);
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  CHECK(options.struct_size == sizeof(kda_engine_options));
+  CHECK(options.backend == KDA_BACKEND_DEFAULT);
+  CHECK(options.cuda_stream == nullptr);
+  CHECK(options.cpu_threads == 0);
+  CHECK(options.seed == 0);
+  CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
+}
+
+TEST_CASE("create from string and from file, every query") {
+  Handle handle;
+  create(&handle);
+  const ModelSpec spec = kda::engine::parse_model_spec(kSpec, "t.yaml");
+
+  int layers = 0, free_slots = 0;
+  std::int64_t heads = 0, head_dim = 0, max_tokens = 0, max_sequences = 0;
+  kda_backend backend = KDA_BACKEND_DEFAULT;
+  std::uint64_t arena = 0;
+  CHECK(kda_engine_num_layers(handle, &layers) == KDA_OK);
+  CHECK(kda_engine_num_heads(handle, &heads) == KDA_OK);
+  CHECK(kda_engine_head_dim(handle, &head_dim) == KDA_OK);
+  CHECK(kda_engine_backend(handle, &backend) == KDA_OK);
+  CHECK(kda_engine_max_tokens(handle, &max_tokens) == KDA_OK);
+  CHECK(kda_engine_max_sequences(handle, &max_sequences) == KDA_OK);
+  CHECK(kda_engine_free_slots(handle, &free_slots) == KDA_OK);
+  CHECK(kda_engine_arena_bytes(handle, &arena) == KDA_OK);
+  CHECK(layers == 3);
+  CHECK(heads == 2);
+  CHECK(head_dim == 32);
+  CHECK(backend == KDA_BACKEND_CPU);
+  CHECK(max_tokens == 128);
+  CHECK(max_sequences == 4);
+  CHECK(free_slots == 4);
+  // The C API reports the plan the C++ planner makes for this spec.
+  const kda::planner::MemoryPlan plan = Engine::plan_for(spec, kda::Backend::kCpu);
+  CHECK(arena == plan.total_bytes);
+  std::size_t length = 0;
+  REQUIRE(kda_engine_plan_json(handle, nullptr, 0, &length) == KDA_OK);
+  std::vector<char> json(length + 1, 'x');
+  REQUIRE(kda_engine_plan_json(handle, json.data(), json.size(), nullptr) == KDA_OK);
+  CHECK(std::string(json.data()) == plan.to_json());
+  CHECK(last_error(handle).empty());
+
+  // From the example model's file, backend left to the options' default (the YAML's `auto`, which
+  // is the CPU here unless a CUDA device is present).
+  Handle tiny;
+  kda_engine_options options = cpu_options();
+  options.backend = KDA_BACKEND_DEFAULT;
+  char err[256];
+  const std::string path = std::string(KDA_SOURCE_DIR) + "/examples/models/tiny.yaml";
+  REQUIRE(kda_engine_create_from_file(path.c_str(), &options, &tiny.engine, err, sizeof err) ==
+          KDA_OK);
+  CHECK(kda_engine_num_layers(tiny, &layers) == KDA_OK);
+  CHECK(kda_engine_num_heads(tiny, &heads) == KDA_OK);
+  CHECK(kda_engine_max_sequences(tiny, &max_sequences) == KDA_OK);
+  CHECK(kda_engine_backend(tiny, &backend) == KDA_OK);
+  CHECK(layers == 3);
+  CHECK(heads == 4);
+  CHECK(max_sequences == 4);
+  CHECK(backend == (kda::cuda_device_count() > 0 ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU));
+  // NULL options: the defaults.
+  Handle defaults;
+  REQUIRE(kda_engine_create_from_file(path.c_str(), nullptr, &defaults.engine, nullptr, 0) ==
+          KDA_OK);
+}
+
+TEST_CASE("creation errors: message in the caller's buffer, no handle") {
+  const kda_engine_options options = cpu_options();
+  char err[512];
+  kda_engine* engine = reinterpret_cast<kda_engine*>(0x1);  // must be reset to NULL on failure
+
+  SUBCASE("bad YAML string") {
+    const std::string bad = std::string(kSpec).replace(std::string(kSpec).find("num_heads: 2"),
+                                                       12, "num_heads: many");
+    CHECK(kda_engine_create_from_string(bad.c_str(), &options, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "<yaml string>:5:"));
+    CHECK(contains(err, "linear_attn_config.num_heads"));
+    CHECK(contains(err, "many"));
+    CHECK(kda_engine_create_from_string("[1, 2", &options, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(std::strlen(err) > 0);
+  }
+  SUBCASE("missing file") {
+    CHECK(kda_engine_create_from_file("/nonexistent/model.yaml", &options, &engine, err,
+                                      sizeof err) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "/nonexistent/model.yaml"));
+  }
+  SUBCASE("null arguments") {
+    CHECK(kda_engine_create_from_string(nullptr, &options, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "yaml_text is null"));
+    CHECK(kda_engine_create_from_file(nullptr, &options, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "yaml_path is null"));
+    CHECK(kda_engine_create_from_string(kSpec, &options, nullptr, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "out_engine is null"));
+  }
+  SUBCASE("bad options") {
+    kda_engine_options bad = options;
+    bad.struct_size = sizeof bad - 8;  // a struct from another version of the header
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "struct_size"));
+    bad = options;
+    bad.backend = static_cast<kda_backend>(7);
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "options.backend is 7"));
+    bad = options;
+    bad.cpu_threads = -3;
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "cpu_threads is -3"));
+  }
+  SUBCASE("CUDA without a device; head_dim the CUDA backend cannot run") {
+    kda_engine_options cuda = options;
+    cuda.backend = KDA_BACKEND_CUDA;
+    const kda_status status = kda_engine_create_from_string(kSpec, &cuda, &engine, err, sizeof err);
+    if (kda::cuda_device_count() == 0) {
+      CHECK(status == KDA_BACKEND_UNAVAILABLE);
+      CHECK(contains(err, "no CUDA device"));
+    } else {
+      CHECK(status == KDA_UNSUPPORTED);  // head_dim 32: the CUDA backend needs 128
+    }
+  }
+  SUBCASE("byte counts overflowing 64 bits: KDA_OVERFLOW") {
+    std::string huge = std::string(kSpec);
+    huge.replace(huge.find("max_tokens: 128"), 15, "max_tokens: 4611686018427387904");  // 2^62
+    CHECK(kda_engine_create_from_string(huge.c_str(), &options, &engine, err, sizeof err) ==
+          KDA_OVERFLOW);
+    CHECK(contains(err, "overflow"));
+  }
+#if !KDA_UNDER_ASAN  // ASan aborts on an allocation this large instead of returning NULL
+  SUBCASE("an arena that cannot be allocated: KDA_INTERNAL, no crash") {
+    std::string huge = std::string(kSpec);
+    huge.replace(huge.find("num_heads: 2"), 12, "num_heads: 1024");
+    huge.replace(huge.find("head_dim: 32"), 12, "head_dim: 1024");
+    huge.replace(huge.find("max_sequences: 4"), 16, "max_sequences: 1048576");
+    huge.replace(huge.find("kda_layers: [1, 2, 4]"), 21, "kda_layers: [1]");
+    // 4 PiB of state: beyond any address space, so the one allocation fails cleanly.
+    CHECK(kda_engine_create_from_string(huge.c_str(), &options, &engine, err, sizeof err) ==
+          KDA_INTERNAL);
+    CHECK(contains(err, "cannot allocate the arena"));
+  }
+#endif
+  SUBCASE("the message is truncated to the buffer, always terminated") {
+    char small[8];
+    std::memset(small, 'x', sizeof small);
+    CHECK(kda_engine_create_from_string("hidden_size: many", &options, &engine, small,
+                                        sizeof small) == KDA_INVALID_ARGUMENT);
+    CHECK(std::strlen(small) == sizeof small - 1);
+    CHECK(std::string(small) == "<yaml s");
+    // No buffer at all is allowed.
+    CHECK(kda_engine_create_from_string("hidden_size: many", &options, &engine, nullptr, 0) ==
+          KDA_INVALID_ARGUMENT);
+  }
+  CHECK(engine == nullptr);
+}
+
+TEST_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, destroy is a no-op") {
+  int i = 0;
+  std::int64_t n = 0;
+  std::uint64_t u = 0;
+  std::size_t length = 0;
+  kda_backend backend = KDA_BACKEND_DEFAULT;
+  std::uint16_t data[4] = {};
+  const int slot = 0;
+  const std::int64_t cu[2] = {0, 1};
+  CHECK(kda_engine_num_layers(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_num_heads(nullptr, &n) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_head_dim(nullptr, &n) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_backend(nullptr, &backend) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_max_tokens(nullptr, &n) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_max_sequences(nullptr, &n) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_free_slots(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_arena_bytes(nullptr, &u) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_plan_json(nullptr, nullptr, 0, &length) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_acquire_slot(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_release_slot(nullptr, 0) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_reset_slot(nullptr, 0) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_prefill(nullptr, 0, data, data, data, data, data, data, &slot, 1, cu) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_decode(nullptr, 0, data, data, data, data, data, data, &slot, 1, 1) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_synchronize(nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(nullptr), "null"));
+  CHECK(kda_engine_destroy(nullptr) == KDA_OK);
+}
+
+TEST_CASE("errors on a handle: null outputs, layer and slot out of range, counts, cleared on OK") {
+  Handle handle;
+  create(&handle);
+  const Activations x(8, 2, 32, 5);
+  std::vector<std::uint16_t> out(8 * 2 * 32);
+  const std::uint16_t* q = x.q.data();
+  const std::uint16_t* k = x.k.data();
+  const std::uint16_t* v = x.v.data();
+  const std::uint16_t* g = x.g.data();
+  const std::uint16_t* beta = x.beta.data();
+  const std::int64_t cu[2] = {0, 8};
+
+  SUBCASE("null output pointers of queries") {
+    CHECK(kda_engine_num_layers(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_num_layers: out is null");
+    CHECK(kda_engine_num_heads(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_head_dim(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_backend(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_max_tokens(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_max_sequences(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_free_slots(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_arena_bytes(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_arena_bytes: out is null");
+    CHECK(kda_engine_acquire_slot(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "out_slot is null"));
+    // A successful call clears the message.
+    int layers = 0;
+    CHECK(kda_engine_num_layers(handle, &layers) == KDA_OK);
+    CHECK(last_error(handle).empty());
+  }
+  SUBCASE("slots: out of range, not acquired, all in use") {
+    CHECK(kda_engine_release_slot(handle, 0) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "slot 0 is not acquired"));
+    CHECK(kda_engine_reset_slot(handle, 9) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "slot 9"));
+    CHECK(kda_engine_release_slot(handle, -1) == KDA_INVALID_ARGUMENT);
+    int slots[4];
+    for (int& slot : slots) REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+    CHECK(slots[0] == 0);
+    CHECK(slots[3] == 3);
+    int free_slots = -1;
+    CHECK(kda_engine_free_slots(handle, &free_slots) == KDA_OK);
+    CHECK(free_slots == 0);
+    int fifth = -7;
+    CHECK(kda_engine_acquire_slot(handle, &fifth) == KDA_INVALID_ARGUMENT);
+    CHECK(fifth == -7);  // untouched on failure
+    CHECK(contains(last_error(handle), "state slots are in use"));
+    CHECK(kda_engine_release_slot(handle, 2) == KDA_OK);
+    CHECK(kda_engine_reset_slot(handle, 1) == KDA_OK);
+    CHECK(kda_engine_acquire_slot(handle, &fifth) == KDA_OK);
+    CHECK(fifth == 2);
+  }
+  SUBCASE("prefill and decode arguments") {
+    int slot = -1;
+    REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+    CHECK(kda_engine_prefill(handle, 3, q, k, v, g, beta, out.data(), &slot, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "KDA layer 3 is out of range [0, 3)"));
+    CHECK(kda_engine_prefill(handle, -1, q, k, v, g, beta, out.data(), &slot, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_decode(handle, 3, q, k, v, g, beta, out.data(), &slot, 1, 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "KDA layer 3 is out of range"));
+    CHECK(kda_engine_prefill(handle, 0, nullptr, k, v, g, beta, out.data(), &slot, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_prefill: q is null");
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, nullptr, &slot, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_prefill: out is null");
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), nullptr, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &slot, 1, nullptr) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "cu_seqlens is null"));
+    CHECK(kda_engine_decode(handle, 0, q, k, v, g, nullptr, out.data(), &slot, 1, 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_decode: beta is null");
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &slot, 0, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "num_sequences is 0, expected 1..4"));
+    CHECK(kda_engine_decode(handle, 0, q, k, v, g, beta, out.data(), &slot, 5, 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "batch is 5, expected 1..4"));
+    CHECK(kda_engine_decode(handle, 0, q, k, v, g, beta, out.data(), &slot, 1, 17) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "tokens 17"));
+    // A slot that is not acquired, and cu_seqlens the engine rejects.
+    const int unacquired = 3;
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &unacquired, 1, cu) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "slot 3, which is not an acquired slot"));
+    CHECK(kda_engine_decode(handle, 0, q, k, v, g, beta, out.data(), &unacquired, 1, 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "slot 3, which is not an acquired slot"));
+    const std::int64_t too_long[2] = {0, 129};  // max_tokens is 128
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &slot, 1, too_long) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "129 tokens exceed runtime.max_tokens 128"));
+    // The handle still works after all that.
+    CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &slot, 1, cu) == KDA_OK);
+    CHECK(last_error(handle).empty());
+    CHECK(kda_engine_synchronize(handle) == KDA_OK);
+  }
+}
+
+TEST_CASE("plan JSON: size query, buffer too small reports the size needed, exact fit") {
+  Handle handle;
+  create(&handle);
+  std::size_t length = 0;
+  REQUIRE(kda_engine_plan_json(handle, nullptr, 0, &length) == KDA_OK);
+  REQUIRE(length > 100);
+  const std::string expected =
+      Engine::plan_for(kda::engine::parse_model_spec(kSpec, "t.yaml"), kda::Backend::kCpu)
+          .to_json();
+  CHECK(length == expected.size());
+
+  std::vector<char> buffer(length + 1, 'x');
+  std::size_t reported = 0;
+  CHECK(kda_engine_plan_json(handle, buffer.data(), length, &reported) == KDA_INVALID_ARGUMENT);
+  CHECK(reported == length);
+  CHECK(buffer[0] == '\0');  // no half JSON
+  CHECK(buffer[1] == 'x');
+  CHECK(contains(last_error(handle), "needs " + std::to_string(length + 1) + " bytes"));
+  CHECK(kda_engine_plan_json(handle, buffer.data(), 1, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_plan_json(handle, nullptr, 16, &reported) == KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(handle), "buffer"));
+
+  reported = 0;
+  CHECK(kda_engine_plan_json(handle, buffer.data(), buffer.size(), &reported) == KDA_OK);
+  CHECK(reported == length);
+  CHECK(std::string(buffer.data()) == expected);
+  CHECK(last_error(handle).empty());
+}
+
+TEST_CASE("prefill + decode through the C API equal the C++ Engine bitwise") {
+  const std::uint64_t seed = 23;
+  Handle handle;
+  create(&handle, kSpec, seed);
+  EngineOptions cpp_options;
+  cpp_options.backend = kda::engine::BackendChoice::kCpu;
+  cpp_options.cpu_threads = 2;
+  cpp_options.seed = seed;
+  Engine engine(kda::engine::parse_model_spec(kSpec, "t.yaml"), cpp_options);
+  const std::int64_t H = 2, D = 32;
+
+  // Two sequences of 37 and 21 tokens on slots 0 and 1, both engines.
+  int c_slots[2];
+  for (int& slot : c_slots) REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+  const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot()};
+  REQUIRE(slots == std::vector<int>{c_slots[0], c_slots[1]});
+  const std::vector<std::int64_t> cu = {0, 37, 58};
+  const Activations prefill(58, H, D, seed + 1);
+
+  for (int layer = 0; layer < engine.num_layers(); ++layer) {
+    CAPTURE(layer);
+    std::vector<std::uint16_t> out_c(58 * H * D, 0), out_cpp(58 * H * D, 1);
+    const LayerInputs in = prefill.inputs();
+    REQUIRE(kda_engine_prefill(handle, layer, in.q, in.k, in.v, in.g, in.beta, out_c.data(),
+                               c_slots, 2, cu.data()) == KDA_OK);
+    engine.prefill(layer, in, out_cpp.data(), slots, cu);
+    CHECK(out_c == out_cpp);
+  }
+
+  // Decode: three steps of two tokens, rows {slot 1, padding, slot 0}; the padding row's out stays
+  // as it was in both.
+  const int c_rows[3] = {c_slots[1], -1, c_slots[0]};
+  const std::vector<int> rows = {slots[1], -1, slots[0]};
+  for (int step = 0; step < 3; ++step) {
+    const Activations x(3 * 2, H, D, seed + 10 + static_cast<std::uint64_t>(step));
+    const LayerInputs in = x.inputs();
+    for (int layer = 0; layer < engine.num_layers(); ++layer) {
+      CAPTURE(step);
+      CAPTURE(layer);
+      std::vector<std::uint16_t> out_c(3 * 2 * H * D, 0x7FC1), out_cpp(3 * 2 * H * D, 0x7FC1);
+      REQUIRE(kda_engine_decode(handle, layer, in.q, in.k, in.v, in.g, in.beta, out_c.data(),
+                                c_rows, 3, 2) == KDA_OK);
+      engine.decode(layer, in, out_cpp.data(), rows, 2);
+      CHECK(out_c == out_cpp);
+      CHECK(out_c[2 * H * D] == 0x7FC1);  // padding row untouched
+      CHECK(out_c[0] != 0x7FC1);          // a real row written
+    }
+  }
+  REQUIRE(kda_engine_synchronize(handle) == KDA_OK);
+
+  // reset_slot through the C API zeroes the state like the C++ one: the next decode agrees again.
+  REQUIRE(kda_engine_reset_slot(handle, c_slots[0]) == KDA_OK);
+  engine.reset_slot(slots[0]);
+  const Activations x(1, H, D, seed + 99);
+  std::vector<std::uint16_t> out_c(H * D), out_cpp(H * D), out_unreset(H * D);
+  const LayerInputs in = x.inputs();
+  REQUIRE(kda_engine_decode(handle, 0, in.q, in.k, in.v, in.g, in.beta, out_c.data(), c_slots, 1,
+                            1) == KDA_OK);
+  engine.decode(0, in, out_cpp.data(), {slots[0]}, 1);
+  CHECK(out_c == out_cpp);
+  // ... and differs from a slot that kept its state (the reset did something).
+  REQUIRE(kda_engine_decode(handle, 0, in.q, in.k, in.v, in.g, in.beta, out_unreset.data(),
+                            &c_slots[1], 1, 1) == KDA_OK);
+  CHECK(out_unreset != out_c);
+
+  for (const int slot : c_slots) CHECK(kda_engine_release_slot(handle, slot) == KDA_OK);
+  int free_slots = 0;
+  CHECK(kda_engine_free_slots(handle, &free_slots) == KDA_OK);
+  CHECK(free_slots == 4);
+}
