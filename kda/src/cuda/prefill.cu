@@ -156,9 +156,11 @@ struct PrepSmem {
   bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero); q and k are reused for the
   bf16 k[C][kRowPad];   // W and U0 outputs once the last reader (step 4) is done
   bf16 v[C][kRowPad];
-  bf16 g[C][kRowPad];
+  union {               // thread d reads g[t][d] for every t before it writes kg[t][d]
+    bf16 g[C][kRowPad];
+    bf16 kg[C][kRowPad];  // k_hat * exp(G)                (K~, feeds A)
+  };
   bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
-  bf16 kg[C][kRowPad];  // k_hat * exp(G)                  (K~, feeds A)
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
     bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G)
@@ -208,6 +210,10 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
+
+  // The gate parameters first: their latency overlaps the search and the input copies.
+  const float a_log_h = p.A_log[h];
+  const float dtb = p.dt_bias[h * D + tid];
 
   const std::int64_t s = owner_of_slot(p.seqs, slot);
   std::int64_t bos, eos;
@@ -265,8 +271,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const int d = tid;
   float G[C];
   {
-    const float a_exp = __expf(p.A_log[h]);
-    const float dtb = p.dt_bias[h * D + d];
+    const float a_exp = __expf(a_log_h);
     float acc = 0.f;
 #pragma unroll
     for (int t = 0; t < C; ++t) {
