@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command the H200 machine runs (see docs/PERFORMANCE.md): configure with the carried Debian
 # dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
-# the benchmark. Logs and tables go to $OUT. Usage: scripts/gpu-check.sh [tests|bench|all] [bench args]
+# the benchmark. Logs and tables go to $OUT.
+# Usage: scripts/gpu-check.sh [tests|bench|sanitize|all|all-sanitize|none] [bench args]
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -21,13 +22,31 @@ cmake --build "$build" -j16 ${KDA_GPU_TARGETS:+--target $KDA_GPU_TARGETS} > "$OU
   || { grep -E "error|Error" -A4 "$OUT/build.log" | head -80; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   ctest --test-dir "$build" -L gpu --output-on-failure -j4 --timeout 300 > "$OUT/ctest-gpu.log" 2>&1 || rc=1
   grep -E "tests passed|tests failed|Failed|\*\*\*|Exception|SKIP" "$OUT/ctest-gpu.log" | tail -40
   # The measured errors of every case, for the record (ctest shows output only on failure).
   for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done > "$OUT/gpu-test-output.log"
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
+  # compute-sanitizer over the GPU tests, on case subsets that keep each tool within a minute or two.
+  t=$build/tests
+  run_tool() {  # tool log binary [doctest args]
+    local tool=$1 log=$2; shift 2
+    timeout 240 compute-sanitizer --tool "$tool" --error-exitcode 1 "$@" > "$OUT/$log" 2>&1
+    local r=$?
+    echo "compute-sanitizer $tool $(basename "$1") ${*:2}: exit $r, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$log" | tail -1)"
+    [ $r -eq 0 ] || rc=1
+  }
+  run_tool memcheck san-memcheck-prefill.log "$t/test_kda_cuda" '-tc=*varlen*,*state combination*,*bad input*,*graph*,*split*'
+  run_tool memcheck san-memcheck-decode.log "$t/test_decode_cuda"
+  run_tool memcheck san-memcheck-engine.log "$t/test_engine_cuda"
+  run_tool racecheck san-racecheck.log "$t/test_kda_cuda" '-tc=*varlen*'
+  run_tool racecheck san-racecheck-decode.log "$t/test_decode_cuda" '-tc=*graph*'
+  run_tool initcheck san-initcheck.log "$t/test_kda_cuda" '-tc=*state combination*'
+  run_tool synccheck san-synccheck.log "$t/test_kda_cuda" '-tc=*varlen*'
+fi
+if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   "$build/bench/kda-bench" "$@" 2>&1 | tee "$OUT/bench.md" || rc=1
 fi
 exit $rc
