@@ -1,0 +1,336 @@
+// Hardening of the engine on the CPU backend (label `cpu`): two engines driven from two threads
+// equal the same work run serially, bitwise; byte counts that overflow 64 bits are a kda::Error (from
+// the YAML loader, the engine constructor and the planner), never a crash or a huge allocation; a
+// prefill or decode that breaks the runtime limits (max_tokens, max_sequences, tokens per step)
+// throws before writing anything. docs/VALIDATION.md lists every check.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kda/engine/engine.hpp"
+#include "kda/engine/error.hpp"
+#include "kda/engine/model_spec.hpp"
+#include "kda_reference.hpp"
+
+using kda::engine::BackendChoice;
+using kda::engine::Engine;
+using kda::engine::EngineOptions;
+using kda::engine::LayerInputs;
+using kda::engine::ModelSpec;
+
+namespace {
+
+std::string tiny_path() { return std::string(KDA_SOURCE_DIR) + "/examples/models/tiny.yaml"; }
+
+// Everything a run of work() produces: each layer's prefill output, each decode step's output,
+// and every used slot's state in every layer afterwards (raw bytes).
+struct WorkResult {
+  std::vector<std::uint16_t> prefill_out;  // [layers][T, H, V]
+  std::vector<std::uint16_t> decode_out;   // [steps][layers][rows, H, V]
+  std::vector<std::uint8_t> states;        // [layers][slots][H, V, K]
+};
+
+constexpr std::int64_t kPrefillTokens = 257;
+const std::vector<std::int64_t> kCuSeqlens = {0, 100, 101, kPrefillTokens};  // lengths 100, 1, 156
+constexpr int kDecodeSteps = 4;
+constexpr int kDecodeRows = 4;  // three sequences and one padding row
+
+// Acquires three slots, prefills every layer on the synthetic inputs, runs kDecodeSteps decode
+// steps of one token (rows: slot, padding, slot, slot) through every layer, records everything and
+// releases the slots. Throws kda::Error on failure (it runs on worker threads: no doctest macros).
+WorkResult work(Engine& engine) {
+  const std::int64_t H = engine.spec().num_heads, D = engine.spec().head_dim;
+  const std::size_t prefill_elems = static_cast<std::size_t>(kPrefillTokens * H * D);
+  const std::size_t row_elems = static_cast<std::size_t>(kDecodeRows * H * D);
+  const int layers = engine.num_layers();
+  WorkResult r;
+  r.prefill_out.assign(prefill_elems * layers, kda::test::kPoisonBf16);
+  r.decode_out.assign(row_elems * layers * kDecodeSteps, kda::test::kPoisonBf16);
+
+  std::vector<int> slots;
+  for (int j = 0; j < 3; ++j) slots.push_back(engine.acquire_slot());
+  for (int l = 0; l < layers; ++l) {
+    engine.prefill(l, engine.synthetic_inputs(0), r.prefill_out.data() + prefill_elems * l, slots,
+                   kCuSeqlens);
+  }
+  const std::vector<int> rows = {slots[0], -1, slots[1], slots[2]};
+  for (int step = 0; step < kDecodeSteps; ++step) {
+    const LayerInputs inputs = engine.synthetic_inputs(kPrefillTokens + kDecodeRows * step);
+    for (int l = 0; l < layers; ++l) {
+      engine.decode(l, inputs, r.decode_out.data() + row_elems * (step * layers + l), rows, 1);
+    }
+  }
+  const std::size_t slot_bytes = static_cast<std::size_t>(engine.state_slot_bytes());
+  r.states.resize(slot_bytes * slots.size() * layers);
+  for (int l = 0; l < layers; ++l) {
+    for (std::size_t j = 0; j < slots.size(); ++j) {
+      engine.read_slot_state(l, slots[j], r.states.data() + slot_bytes * (l * slots.size() + j));
+    }
+  }
+  for (const int slot : slots) engine.release_slot(slot);
+  return r;
+}
+
+EngineOptions cpu_options(std::uint64_t seed) {
+  EngineOptions o;
+  o.backend = BackendChoice::kCpu;
+  o.seed = seed;
+  o.cpu_threads = 2;  // each engine threads internally too, so the threads really interleave
+  o.synthetic_tokens = kPrefillTokens + kDecodeRows * kDecodeSteps;
+  return o;
+}
+
+void check_same(const WorkResult& got, const WorkResult& want) {
+  CHECK(got.prefill_out == want.prefill_out);
+  CHECK(got.decode_out == want.decode_out);
+  CHECK(got.states == want.states);
+}
+
+// A slot's state in every layer, as raw bytes.
+std::vector<std::uint8_t> all_layer_states(const Engine& e, int slot) {
+  const std::size_t bytes = static_cast<std::size_t>(e.state_slot_bytes());
+  std::vector<std::uint8_t> states(bytes * e.num_layers());
+  for (int l = 0; l < e.num_layers(); ++l) e.read_slot_state(l, slot, states.data() + bytes * l);
+  return states;
+}
+
+// Runs `call`, which must throw kda::Error with `code`; returns its message ("" when it did not).
+template <typename Call>
+std::string expect_error(Call call, kda::StatusCode code) {
+  try {
+    call();
+  } catch (const kda::Error& e) {
+    CHECK_MESSAGE(e.code() == code, "code " << kda::to_string(e.code()) << ": " << e.what());
+    return e.what();
+  }
+  FAIL_CHECK("no kda::Error was thrown");
+  return std::string();
+}
+
+std::string with_runtime_value(std::string yaml, const std::string& key, const std::string& value) {
+  const std::string needle = "  " + key + ": ";
+  const auto at = yaml.find(needle);
+  REQUIRE(at != std::string::npos);
+  const auto end = yaml.find('\n', at);
+  yaml.replace(at, end - at, needle + value);
+  return yaml;
+}
+
+std::string tiny_yaml() {
+  // tiny.yaml's text, so that a variant can be parsed from a string (same schema, same numbers).
+  return "name: tiny-kda\n"
+         "hidden_size: 512\n"
+         "num_hidden_layers: 4\n"
+         "linear_attn_config:\n"
+         "  num_heads: 4\n"
+         "  head_dim: 128\n"
+         "  kda_layers: [1, 2, 3]\n"
+         "  full_attn_layers: [4]\n"
+         "  gate: lower_bound\n"
+         "  gate_lower_bound: -5.0\n"
+         "runtime:\n"
+         "  max_tokens: 2048\n"
+         "  max_sequences: 4\n"
+         "  state_dtype: fp32\n"
+         "  workspace_plan: reuse\n"
+         "  backend: auto\n";
+}
+
+}  // namespace
+
+TEST_CASE("two CPU engines in two threads equal the same work run serially (bitwise)") {
+  const ModelSpec spec = kda::engine::load_model_spec(tiny_path());
+  Engine a(spec, cpu_options(31)), b(spec, cpu_options(32));
+  a.generate_synthetic_inputs(7);
+  b.generate_synthetic_inputs(8);
+
+  const WorkResult serial_a = work(a);
+  const WorkResult serial_b = work(b);
+  // Every output of a real row was written; the two engines really compute different things.
+  CHECK(kda::test::all_finite(serial_a.prefill_out));
+  CHECK(serial_a.prefill_out != serial_b.prefill_out);
+  CHECK(serial_a.states != serial_b.states);
+
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    WorkResult got[2];
+    std::exception_ptr failure[2];
+    std::atomic<int> ready{0};
+    auto drive = [&](int i, Engine& engine) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) std::this_thread::yield();  // start together
+      try {
+        got[i] = work(engine);
+      } catch (...) {
+        failure[i] = std::current_exception();
+      }
+    };
+    std::thread ta(drive, 0, std::ref(a));
+    std::thread tb(drive, 1, std::ref(b));
+    ta.join();
+    tb.join();
+    for (const std::exception_ptr& f : failure) {
+      if (!f) continue;
+      try {
+        std::rethrow_exception(f);
+      } catch (const std::exception& e) {
+        FAIL("a worker thread failed: " << e.what());
+      }
+    }
+    check_same(got[0], serial_a);
+    check_same(got[1], serial_b);
+  }
+}
+
+TEST_CASE("overflow: YAML sizes whose byte counts overflow 64 bits are a kda::Error naming the key") {
+  {  // Inputs at max_tokens: 2^62 x 4 heads x 128 x 2 bytes.
+    const std::string yaml =
+        with_runtime_value(tiny_yaml(), "max_tokens", "4611686018427387904");
+    const std::string message = expect_error(
+        [&] { kda::engine::parse_model_spec(yaml, "huge.yaml"); }, kda::StatusCode::kOverflow);
+    CHECK(message.find("huge.yaml:") == 0);
+    CHECK(message.find("runtime.max_tokens") != std::string::npos);
+    CHECK(message.find("overflows 64 bits") != std::string::npos);
+  }
+  {  // State pools: 2^20 slots x 1024 heads x 1024^2 x 4 bytes x 4096 layers = 2^64.
+    std::string layers;
+    for (int i = 1; i <= 4096; ++i) layers += (i == 1 ? "" : ", ") + std::to_string(i);
+    const std::string yaml = "hidden_size: 4096\n"
+                             "num_hidden_layers: 4096\n"
+                             "linear_attn_config:\n"
+                             "  num_heads: 1024\n"
+                             "  head_dim: 1024\n"
+                             "  kda_layers: [" + layers + "]\n"
+                             "  gate: softplus\n"
+                             "runtime:\n"
+                             "  max_tokens: 1\n"
+                             "  max_sequences: 1048576\n";
+    const std::string message = expect_error(
+        [&] { kda::engine::parse_model_spec(yaml, "pools.yaml"); }, kda::StatusCode::kOverflow);
+    CHECK(message.find("runtime.max_sequences") != std::string::npos);
+    CHECK(message.find("overflow 64 bits") != std::string::npos);
+  }
+  {  // The bound is exact: inputs and outputs (6 x T x 4 heads x 128 x 2 bytes = 6144 T) plus the
+    // state pools (4 slots x 4 x 128^2 x 4 bytes x 3 layers = 3145728) fit in 2^64 - 1 bytes for
+    // T = 3002399751579818 and not for one token more.
+    CHECK_NOTHROW(kda::engine::parse_model_spec(
+        with_runtime_value(tiny_yaml(), "max_tokens", "3002399751579818"), "edge.yaml"));
+    expect_error([&] {
+      kda::engine::parse_model_spec(
+          with_runtime_value(tiny_yaml(), "max_tokens", "3002399751579819"), "edge.yaml");
+    }, kda::StatusCode::kOverflow);
+  }
+}
+
+TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and allocates nothing") {
+  const ModelSpec tiny = kda::engine::parse_model_spec(tiny_yaml(), "tiny.yaml");
+  EngineOptions options;
+  options.backend = BackendChoice::kCpu;
+  {  // A spec edited past the loader's checks: the operator's size checks still catch it.
+    ModelSpec spec = tiny;
+    spec.runtime.max_tokens = std::numeric_limits<std::int64_t>::max() / 2;
+    const std::string message =
+        expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kOverflow);
+    CHECK(message.find("tiny-kda on cpu") != std::string::npos);
+    CHECK(message.find("overflows 64-bit sizes") != std::string::npos);
+  }
+  {  // Synthetic scratch buffers for 2^60 tokens.
+    EngineOptions synthetic = options;
+    synthetic.synthetic_tokens = std::int64_t{1} << 60;
+    const std::string message =
+        expect_error([&] { Engine e(tiny, synthetic); }, kda::StatusCode::kOverflow);
+    CHECK(message.find("synthetic inputs") != std::string::npos);
+  }
+  {  // Valid for the loader (inputs fit in 64 bits) but the CUDA workspace at max_tokens does not:
+    // the CUDA plan reports it, even on a machine without a GPU.
+    const std::string yaml = with_runtime_value(
+        with_runtime_value(tiny_yaml(), "max_tokens", "10000000000000"), "max_sequences", "8");
+    std::string wide = yaml;
+    wide.replace(wide.find("num_heads: 4"), 12, "num_heads: 1024");
+    const ModelSpec spec = kda::engine::parse_model_spec(wide, "wide.yaml");
+    const std::string message = expect_error(
+        [&] { Engine::plan_for(spec, kda::Backend::kCuda); }, kda::StatusCode::kOverflow);
+    CHECK(message.find("workspace") != std::string::npos);
+    // The CPU backend's workspace does not grow with the tokens: the same spec plans there.
+    CHECK(Engine::plan_for(spec, kda::Backend::kCpu).total_bytes > 0);
+  }
+}
+
+TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and writes nothing") {
+  const ModelSpec spec = kda::engine::load_model_spec(tiny_path());
+  REQUIRE(spec.runtime.max_tokens == 2048);
+  REQUIRE(spec.runtime.max_sequences == 4);
+  EngineOptions options;
+  options.backend = BackendChoice::kCpu;
+  options.seed = 41;
+  options.cpu_threads = 2;
+  Engine engine(spec, options);
+  const std::int64_t H = spec.num_heads, D = spec.head_dim, T = spec.runtime.max_tokens + 1;
+
+  // Inputs for one token more than max_tokens.
+  kda::test::Rng rng(41);
+  const std::vector<std::uint16_t> q = kda::test::random_bf16(rng, T * H * D, 1.0),
+                                   k = kda::test::random_bf16(rng, T * H * D, 1.0),
+                                   v = kda::test::random_bf16(rng, T * H * D, 1.0),
+                                   g = kda::test::random_bf16(rng, T * H * D, 1.0),
+                                   beta = kda::test::random_bf16(rng, T * H, 1.0);
+  const LayerInputs in{q.data(), k.data(), v.data(), g.data(), beta.data()};
+
+  // Two slots with a non-zero state, so that "untouched" means something.
+  const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot()};
+  std::vector<std::uint16_t> warm(static_cast<std::size_t>(64 * H * D));
+  for (int l = 0; l < engine.num_layers(); ++l) engine.prefill(l, in, warm.data(), slots, {0, 30, 64});
+  const std::vector<std::uint8_t> state0 = all_layer_states(engine, slots[0]);
+  const std::vector<std::uint8_t> state1 = all_layer_states(engine, slots[1]);
+
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(T * H * D), kda::test::kPoisonBf16);
+  auto untouched = [&] {
+    for (const std::uint16_t x : out) {
+      if (x != kda::test::kPoisonBf16) return false;
+    }
+    return all_layer_states(engine, slots[0]) == state0 &&
+           all_layer_states(engine, slots[1]) == state1;
+  };
+
+  {  // One sequence of max_tokens + 1 tokens.
+    const std::string message = expect_error(
+        [&] { engine.prefill(0, in, out.data(), {slots[0]}, {0, T}); },
+        kda::StatusCode::kInvalidArgument);
+    CHECK(message.find("2049 tokens exceed runtime.max_tokens 2048") != std::string::npos);
+  }
+  {  // Two sequences that together exceed max_tokens, on the last layer.
+    const std::string message = expect_error(
+        [&] { engine.prefill(engine.num_layers() - 1, in, out.data(), slots, {0, 1500, T}); },
+        kda::StatusCode::kInvalidArgument);
+    CHECK(message.find("max_tokens") != std::string::npos);
+  }
+  // More sequences than max_sequences.
+  expect_error([&] { engine.prefill(0, in, out.data(), {0, 1, 2, 3, 0}, {0, 1, 2, 3, 4, 5}); },
+               kda::StatusCode::kInvalidArgument);
+  // Decode: 17 tokens per step, 5 rows, an unacquired slot, a slot named twice.
+  const std::string m17 = expect_error([&] { engine.decode(0, in, out.data(), slots, 17); },
+                                       kda::StatusCode::kInvalidArgument);
+  CHECK(m17.find("tokens 17") != std::string::npos);
+  expect_error([&] { engine.decode(0, in, out.data(), {slots[0], -1, -1, -1, -1}, 1); },
+               kda::StatusCode::kInvalidArgument);
+  const std::string free_slot = expect_error(
+      [&] { engine.decode(0, in, out.data(), {slots[0], 3}, 1); }, kda::StatusCode::kInvalidArgument);
+  CHECK(free_slot.find("not an acquired slot") != std::string::npos);
+  const std::string twice = expect_error(
+      [&] { engine.decode(0, in, out.data(), {slots[1], slots[1]}, 1); },
+      kda::StatusCode::kInvalidArgument);
+  CHECK(twice.find("appears twice") != std::string::npos);
+  CHECK(untouched());
+
+  // The engine is still usable afterwards: a prefill at exactly max_tokens works.
+  engine.reset_slot(slots[0]);
+  engine.prefill(0, in, out.data(), {slots[0]}, {0, T - 1});
+  CHECK(kda::test::all_finite(std::vector<std::uint16_t>(out.begin(), out.end() - H * D)));
+}
