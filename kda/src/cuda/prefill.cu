@@ -226,18 +226,17 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const std::int64_t H = p.num_heads;
 
   // 1. The chunk's q, k, v, g rows into shared memory: one 256-byte bulk copy per (tensor, token),
-  //    issued by 4 * nvalid threads, completing on one mbarrier; padded tokens are zeroed.
+  //    issued by 4 * nvalid threads, each announcing its own bytes on the mbarrier (so no thread
+  //    waits on another's announcement); padded tokens are zeroed.
   {
-    if (tid == 0) {
-      mbarrier_init(&sm.inputs_ready, 1);
-      mbarrier_expect_tx(&sm.inputs_ready, static_cast<unsigned>(4 * nvalid * D * 2));
-    }
-    __syncthreads();
+    if (tid == 0) mbarrier_init(&sm.inputs_ready, static_cast<unsigned>(4 * nvalid));
+    __syncthreads();  // the barrier is initialized before anyone uses it
     if (tid < 4 * C) {
       const int tensor = tid / C, row = tid % C;
       const bf16* src = tensor == 0 ? p.q : tensor == 1 ? p.k : tensor == 2 ? p.v : p.g;
       bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
       if (row < nvalid) {
+        mbarrier_expect_tx(&sm.inputs_ready, D * 2);
         bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, &sm.inputs_ready);
       } else {
         uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
@@ -477,12 +476,14 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+  if (tid == 0) {
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
       if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c, h), &full[c]);
     }
   }
-  __syncthreads();
 
   for (std::int64_t c = 0; c < nfetch; ++c) {
     // Every warp is done with chunk c - 1 (the barrier before the output stores of c - 1), so its
