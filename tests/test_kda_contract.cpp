@@ -467,7 +467,7 @@ TEST_CASE("forward_cpu: workspace too small / null workspace") {
 
 TEST_CASE("CUDA entry points without the CUDA backend") {
   if (cuda_compiled()) {
-    MESSAGE("CUDA is compiled in; the no-CUDA stubs are not part of this build");
+    MESSAGE("CUDA is compiled in; the no-CUDA fallbacks are not part of this build");
     return;
   }
   CHECK(cuda_device_count() == 0);
