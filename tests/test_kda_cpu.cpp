@@ -174,7 +174,8 @@ TEST_CASE("long sequence T = 1000 / H = 4 / K = V = 128 / both gates") {
 }
 
 TEST_CASE("odd head sizes (K and V not multiples of the SIMD width)") {
-  for (auto [k, v] : {std::pair<int, int>{1, 1}, {3, 5}, {7, 1}, {1, 9}, {33, 17}, {130, 66}}) {
+  for (const auto& kv : {std::pair<int, int>{1, 1}, {3, 5}, {7, 1}, {1, 9}, {33, 17}, {130, 66}}) {
+    const int k = kv.first, v = kv.second;  // plain variables: CAPTURE cannot take structured bindings
     CAPTURE(k);
     CAPTURE(v);
     CaseOptions o;
