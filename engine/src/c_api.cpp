@@ -134,6 +134,11 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
   result.stream = options->cuda_stream;
   result.cpu_threads = options->cpu_threads;
   result.seed = options->seed;
+  if (options->check_pointers != 0 && options->check_pointers != 1) {
+    invalid(function, "options.check_pointers is " + std::to_string(options->check_pointers) +
+                          ", expected 0 or 1");
+  }
+  result.check_pointers = options->check_pointers != 0;
   return result;
 }
 
@@ -199,6 +204,7 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->backend = KDA_BACKEND_DEFAULT;
   options->cuda_stream = nullptr;
   options->cpu_threads = 0;
+  options->check_pointers = 1;
   options->seed = 0;
   return KDA_OK;
 }
@@ -347,6 +353,10 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
 
 kda_status kda_engine_synchronize(kda_engine* engine) {
   return on_handle(engine, [&](kda::engine::Engine& e) { e.synchronize(); });
+}
+
+kda_status kda_engine_check_device_status(kda_engine* engine) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.check_device_status(); });
 }
 
 }  // extern "C"

@@ -102,6 +102,7 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
   // has (its sequences + 1) entries: at most 2N in all.
   scratch("prefill.cu_seqlens", (2 * seqs + 2) * sizeof(std::int64_t));
   scratch("decode.slots", seqs * sizeof(std::int32_t));
+  if (backend == Backend::kCuda) scratch("engine.device_status", sizeof(std::uint32_t));
 
   if (synthetic_capacity > 0) {
     const auto tokens = static_cast<std::uint64_t>(synthetic_capacity);
@@ -190,6 +191,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
       stream_(options.stream),
       arena_(nullptr, ArenaDeleter{backend_}) {
   cpu_.num_threads = options.cpu_threads;
+  cuda_.check_pointers = options.check_pointers;
   const std::string where = spec_.name + " on " + to_string(backend_);
   if (backend_ == Backend::kCuda && cuda_device_count() == 0) {
     fail(where + ": no CUDA device" +
@@ -235,6 +237,10 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
   };
   cu_scratch_ = static_cast<std::int64_t*>(locate("prefill.cu_seqlens"));
   slots_scratch_ = static_cast<std::int32_t*>(locate("decode.slots"));
+  device_status_ = static_cast<std::uint32_t*>(locate("engine.device_status"));
+  if (device_status_ != nullptr) {
+    throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
+  }
   if (synthetic_capacity_ > 0) {
     synthetic_ = {locate("synthetic.q"), locate("synthetic.k"),    locate("synthetic.v"),
                   locate("synthetic.g"), locate("synthetic.beta"), locate("synthetic.out")};
@@ -297,6 +303,16 @@ void Engine::copy_in(void* dst, const void* src, std::size_t bytes) {
 
 void Engine::synchronize() const {
   if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
+}
+
+void Engine::check_device_status() {
+  if (device_status_ == nullptr) return;
+  const Status st = kda::check_device_status(device_status_, stream_);
+  if (st.ok()) return;
+  if (st.code() == StatusCode::kInvalidArgument) {  // bits were set: clear them for the next check
+    throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
+  }
+  throw Error(st, spec_.name + ": device status");
 }
 
 // ---- state slots ---------------------------------------------------------------------------
@@ -444,7 +460,8 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     t.cu_seqlens_host = cu_staging_.data() + run.cu_offset;
     t.initial_state = slot_state(kda_layer, run.first_slot);
     t.final_state = slot_state(kda_layer, run.first_slot);  // in place
-    layer.forward(layer.prefill_problem(tokens, run.num_seqs), t, cpu_, stream_);
+    t.device_status = device_status_;
+    layer.forward(layer.prefill_problem(tokens, run.num_seqs), t, cpu_, stream_, cuda_);
   }
 }
 
@@ -495,7 +512,9 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
   t.beta = inputs.beta;
   t.slots = slots_scratch_;
   t.out = out;
-  layer.decode(layer.decode_problem(static_cast<std::int64_t>(batch), tokens), t, cpu_, stream_);
+  t.device_status = device_status_;
+  layer.decode(layer.decode_problem(static_cast<std::int64_t>(batch), tokens), t, cpu_, stream_,
+               cuda_);
 }
 
 // ---- synthetic inputs ----------------------------------------------------------------------

@@ -227,14 +227,15 @@ void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Backen
   }
 }
 
-void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream) const {
+void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream,
+                       const CudaOptions& cuda) const {
   Workspace ws{workspace_, static_cast<std::size_t>(workspace_bytes_)};
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   Status st;
   if (backend_ == Backend::kCuda) {
     KDA_NVTX_RANGE("prefill.forward_cuda");
-    st = forward_cuda(p, t, ws, stream);
+    st = forward_cuda(p, t, ws, stream, cuda);
   } else {
     KDA_NVTX_RANGE("prefill.forward_cpu");
     st = forward_cpu(p, t, ws, cpu);
@@ -242,15 +243,15 @@ void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void*
   if (!st.ok()) throw Error(st, nvtx_name_ + " prefill");
 }
 
-void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu,
-                      void* stream) const {
+void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream,
+                      const CudaOptions& cuda) const {
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   t.state_pool = state_pool_;
   Status st;
   if (backend_ == Backend::kCuda) {
     KDA_NVTX_RANGE("decode.step_cuda");
-    st = decode_cuda(p, t, stream);
+    st = decode_cuda(p, t, stream, cuda);
   } else {
     KDA_NVTX_RANGE("decode.step_cpu");
     st = decode_cpu(p, t, cpu);

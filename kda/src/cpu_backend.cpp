@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <thread>
 
@@ -17,6 +18,13 @@ Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int6
   for (std::int64_t h = 0; h < num_heads; ++h) {
     if (!std::isfinite(A_log[h])) {
       return Status(StatusCode::kInvalidArgument, "A_log[" + std::to_string(h) + "] is not finite");
+    }
+    if (std::fabs(A_log[h]) > kMaxAbsALog) {
+      char text[96];
+      std::snprintf(text, sizeof text, "A_log[%lld] = %g is outside [-%g, %g]",
+                    static_cast<long long>(h), static_cast<double>(A_log[h]),
+                    static_cast<double>(kMaxAbsALog), static_cast<double>(kMaxAbsALog));
+      return Status(StatusCode::kInvalidArgument, text);
     }
   }
   for (std::int64_t i = 0; i < num_heads * head_dim_k; ++i) {

@@ -9,12 +9,12 @@ Status unavailable() {
 }
 }  // namespace
 
-Status forward_cuda(const Problem& p, const Tensors& t, Workspace, void*) {
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace, void*, const CudaOptions&) {
   if (Status st = validate(p, t); !st) return st;
   return unavailable();
 }
 
-Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*) {
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*, const CudaOptions&) {
   if (Status st = validate(p, t); !st) return st;
   return unavailable();
 }
@@ -31,5 +31,8 @@ Status memcpy_to_host(void*, const void*, std::size_t, void*) { return unavailab
 Status memset_device(void*, int, std::size_t, void*) { return unavailable(); }
 Status stream_synchronize(void*) { return unavailable(); }
 std::string device_name(int) { return "none"; }
+Status cuda_device_supported() { return unavailable(); }
+Status check_device_status(const std::uint32_t*, void*) { return unavailable(); }
+Status clear_device_status(std::uint32_t*, void*) { return unavailable(); }
 
 }  // namespace kda

@@ -13,6 +13,7 @@
 
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
+#include "tensor_extents.hpp"
 #include "workspace_layout.hpp"
 
 namespace kda {
@@ -269,7 +270,8 @@ Status validate(const Problem& p, const Tensors& t) {
       cu{"cu_seqlens", t.cu_seqlens, s.cu_bytes},
       cu_host{"cu_seqlens_host", t.cu_seqlens_host, s.cu_bytes},
       initial{"initial_state", t.initial_state, s.initial_state_bytes},
-      final_state{"final_state", t.final_state, s.final_state_bytes}, out{"out", t.out, s.v_bytes};
+      final_state{"final_state", t.final_state, s.final_state_bytes}, out{"out", t.out, s.v_bytes},
+      status{"device_status", t.device_status, sizeof(std::uint32_t)};
 
   // In-place update: final_state may be initial_state itself (same dtype), never a partial overlap.
   if (t.final_state != nullptr && t.final_state == t.initial_state) {
@@ -286,8 +288,35 @@ Status validate(const Problem& p, const Tensors& t) {
       !st) {
     return st;
   }
-  return check_no_overlap(final_state, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host});
+  if (Status st = check_no_overlap(final_state, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host});
+      !st) {
+    return st;
+  }
+  return check_no_overlap(status, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial,
+                                   final_state, out});
 }
+
+namespace detail {
+Status prefill_extents(const Problem& p, const Tensors& t, TensorExtents* out) {
+  if (Status st = validate(p, t); !st) return st;
+  PrefillSizes s;
+  if (Status st = prefill_sizes(p, &s); !st) return st;
+  out->count = 0;
+  out->add("q", t.q, s.qk_bytes);
+  out->add("k", t.k, s.qk_bytes);
+  out->add("v", t.v, s.v_bytes);
+  out->add("g", t.g, s.qk_bytes);
+  out->add("beta", t.beta, s.beta_bytes);
+  out->add("A_log", t.A_log, s.a_log_bytes);
+  out->add("dt_bias", t.dt_bias, s.dt_bias_bytes);
+  out->add("cu_seqlens", t.cu_seqlens, s.cu_bytes);
+  out->add("initial_state", t.initial_state, s.initial_state_bytes);
+  out->add("final_state", t.final_state, s.final_state_bytes);
+  out->add("out", t.out, s.v_bytes);
+  out->add("device_status", t.device_status, sizeof(std::uint32_t));
+  return Status::Ok();
+}
+}  // namespace detail
 
 Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host) {
   if (Status st = validate(p); !st) return st;
@@ -325,6 +354,24 @@ Status can_run_cuda(std::int64_t head_dim_k, std::int64_t head_dim_v) {
   if (cuda_device_count() <= 0) {
     return Status(StatusCode::kBackendUnavailable, "no CUDA device is present");
   }
+  return cuda_device_supported();
+}
+
+// The CUDA kernels' grids: heads on y (at most 65,535), chunk slots, sequences or decode rows on
+// x (at most 2^31 - 1).
+constexpr std::int64_t kMaxGridY = 65535;
+constexpr std::int64_t kMaxGridX = 2147483647;
+
+Status check_cuda_grid(std::int64_t num_heads, const char* x_what, std::uint64_t x_count) {
+  if (num_heads > kMaxGridY) {
+    return Status(StatusCode::kUnsupported, "the CUDA backend runs at most " + str(kMaxGridY) +
+                                                " heads per call (got " + str(num_heads) + ")");
+  }
+  if (x_count > static_cast<std::uint64_t>(kMaxGridX)) {
+    return Status(StatusCode::kUnsupported, std::string("the CUDA backend runs at most ") +
+                                                str(kMaxGridX) + " " + x_what + " per call (got " +
+                                                std::to_string(x_count) + ")");
+  }
   return Status::Ok();
 }
 
@@ -340,7 +387,20 @@ Status check_backend(Backend backend) {
 Status can_implement(const Problem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
-  if (backend == Backend::kCuda) return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  if (backend == Backend::kCuda) {
+    std::uint64_t slots = 0;
+    detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
+                            static_cast<std::uint64_t>(p.sequences()), &slots);
+    if (Status st = check_cuda_grid(p.num_heads, "sequences", static_cast<std::uint64_t>(p.sequences()));
+        !st) {
+      return st;
+    }
+    if (Status st = check_cuda_grid(p.num_heads, "16-token chunk slots (tokens / 16 + sequences)", slots);
+        !st) {
+      return st;
+    }
+    return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  }
   return Status::Ok();
 }
 
@@ -448,17 +508,45 @@ Status validate(const DecodeProblem& p, const DecodeTensors& t) {
       g{"g", t.g, s.qk_bytes}, beta{"beta", t.beta, s.beta_bytes},
       a_log{"A_log", t.A_log, s.a_log_bytes}, dt_bias{"dt_bias", t.dt_bias, s.dt_bias_bytes},
       slots{"slots", t.slots, s.slots_bytes}, pool{"state_pool", t.state_pool, s.pool_bytes},
-      out{"out", t.out, s.v_bytes};
+      out{"out", t.out, s.v_bytes}, status{"device_status", t.device_status, sizeof(std::uint32_t)};
   if (Status st = check_no_overlap(out, {q, k, v, g, beta, a_log, dt_bias, slots, pool}); !st) {
     return st;
   }
-  return check_no_overlap(pool, {q, k, v, g, beta, a_log, dt_bias, slots});
+  if (Status st = check_no_overlap(pool, {q, k, v, g, beta, a_log, dt_bias, slots}); !st) return st;
+  return check_no_overlap(status, {q, k, v, g, beta, a_log, dt_bias, slots, pool, out});
 }
+
+namespace detail {
+Status decode_extents(const DecodeProblem& p, const DecodeTensors& t, TensorExtents* out) {
+  if (Status st = validate(p, t); !st) return st;
+  DecodeSizes s;
+  if (Status st = decode_sizes(p, &s); !st) return st;
+  out->count = 0;
+  out->add("q", t.q, s.qk_bytes);
+  out->add("k", t.k, s.qk_bytes);
+  out->add("v", t.v, s.v_bytes);
+  out->add("g", t.g, s.qk_bytes);
+  out->add("beta", t.beta, s.beta_bytes);
+  out->add("A_log", t.A_log, s.a_log_bytes);
+  out->add("dt_bias", t.dt_bias, s.dt_bias_bytes);
+  out->add("slots", t.slots, s.slots_bytes);
+  out->add("state_pool", t.state_pool, s.pool_bytes);
+  out->add("out", t.out, s.v_bytes);
+  out->add("device_status", t.device_status, sizeof(std::uint32_t));
+  return Status::Ok();
+}
+}  // namespace detail
 
 Status can_implement(const DecodeProblem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
-  if (backend == Backend::kCuda) return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  if (backend == Backend::kCuda) {
+    if (Status st = check_cuda_grid(p.num_heads, "decode rows", static_cast<std::uint64_t>(p.batch));
+        !st) {
+      return st;
+    }
+    return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  }
   return Status::Ok();
 }
 

@@ -1,5 +1,7 @@
 // Names of the contract's enums, Status text, and the effective scale.
 #include <cmath>
+#include <cstdio>
+#include <string>
 
 #include "kda/kda.hpp"
 
@@ -101,6 +103,43 @@ float effective_scale_of(float scale, std::int64_t head_dim_k) noexcept {
 float Problem::effective_scale() const noexcept { return effective_scale_of(scale, head_dim_k); }
 float DecodeProblem::effective_scale() const noexcept {
   return effective_scale_of(scale, head_dim_k);
+}
+
+}  // namespace kda
+
+namespace kda {
+
+Status describe_device_status(std::uint32_t bits) {
+  if (bits == 0) return Status::Ok();
+  std::string message = "the device reported:";
+  const char* sep = " ";
+  if (bits & kDeviceStatusCuSeqlens) {
+    message += sep;
+    message += "broken cu_seqlens (cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T)";
+    sep = "; ";
+  }
+  if (bits & kDeviceStatusGateParams) {
+    message += sep;
+    message += "gate parameters out of range (A_log not finite or |A_log| > " +
+               std::to_string(static_cast<int>(kMaxAbsALog)) + ", or dt_bias not finite)";
+    sep = "; ";
+  }
+  if (bits & kDeviceStatusSlot) {
+    message += sep;
+    message += "a decode slot index >= num_slots (that row was skipped)";
+    sep = "; ";
+  }
+  const std::uint32_t unknown =
+      bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams | kDeviceStatusSlot);
+  if (unknown != 0) {
+    message += sep;
+    message += "unknown status bits 0x" + [&] {
+      char hex[16];
+      std::snprintf(hex, sizeof hex, "%x", unknown);
+      return std::string(hex);
+    }();
+  }
+  return Status(StatusCode::kInvalidArgument, message);
 }
 
 }  // namespace kda

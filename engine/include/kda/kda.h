@@ -83,6 +83,9 @@ typedef struct kda_engine_options {
   void* cuda_stream;   /* cudaStream_t for everything the engine enqueues; NULL: default stream */
   int cpu_threads;     /* CPU backend threads; 0 (default): all hardware threads */
   uint64_t seed;       /* random layer parameters when the YAML names no weights; default 0 */
+  int check_pointers;  /* CUDA: check on every call that the caller's pointers are device memory
+                          of the current device and large enough; default 1, 0 skips the driver
+                          queries (host time) */
 } kda_engine_options;
 
 /* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
@@ -150,6 +153,11 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
                              const int* slots, int batch, int tokens);
 /* Waits for everything the engine enqueued (CUDA); a no-op on the CPU. */
 kda_status kda_engine_synchronize(kda_engine* engine);
+/* What the kernels found that the host could not see, over every call since the last check: gate
+ * parameters out of range, broken device-side cu_seqlens (KDA_INVALID_ARGUMENT, the message names
+ * them; the word is then cleared). Synchronizes the engine's stream: call it where you would wait
+ * for results anyway, not per layer. KDA_OK, and a no-op, on the CPU backend. */
+kda_status kda_engine_check_device_status(kda_engine* engine);
 
 #ifdef __cplusplus
 } /* extern "C" */

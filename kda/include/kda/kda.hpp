@@ -107,6 +107,12 @@ struct Tensors {
   const void* initial_state = nullptr;
   void* final_state = nullptr;  // may equal initial_state (in-place update) if dtypes match
   void* out = nullptr;
+  // Optional device word (4 bytes of device memory, CUDA only) where the kernels report what only
+  // the device can see: they OR in DeviceStatusBit values (broken cu_seqlens contents, gate
+  // parameters out of range) and never clear it. Read it after your own synchronization with
+  // check_device_status(); clear it with clear_device_status(). Ignored by the CPU backend, which
+  // reports the same problems in its returned Status.
+  std::uint32_t* device_status = nullptr;
 };
 
 struct Workspace {
@@ -133,6 +139,22 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes);
 // ---------------------------------------------------------------------------------------------
 // Backends
 // ---------------------------------------------------------------------------------------------
+// Gate parameter range, enforced by every backend (CPU: before computing; CUDA: on the device,
+// through Tensors::device_status): A_log finite with |A_log| <= kMaxAbsALog, so that exp(A_log) and
+// the per-chunk decay sums stay far inside fp32 (trained Kimi Linear layers hold A_log in about
+// [0, 3]); dt_bias finite.
+inline constexpr float kMaxAbsALog = 20.0f;
+
+// Bits the CUDA kernels OR into a caller's device status word (Tensors::device_status,
+// DecodeTensors::device_status).
+enum DeviceStatusBit : std::uint32_t {
+  kDeviceStatusCuSeqlens = 1u << 0,   // cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T
+  kDeviceStatusGateParams = 1u << 1,  // an A_log or dt_bias value not finite or out of range
+  kDeviceStatusSlot = 1u << 2,        // decode: a slot index >= num_slots (that row was skipped)
+};
+// kOk for 0; otherwise kInvalidArgument naming every problem in `bits`.
+Status describe_device_status(std::uint32_t bits);
+
 struct CpuOptions {
   int num_threads = 0;   // 0: std::thread::hardware_concurrency()
   bool fp64 = false;     // accumulate in double (tests); default fp32 accumulation
@@ -141,9 +163,19 @@ struct CpuOptions {
 // CPU forward (Eigen). Validates, then computes; writes nothing when validation fails.
 Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt = {});
 
+struct CudaOptions {
+  // Ask the driver where every pointer lives (cudaPointerGetAttributes) and how far its allocation
+  // reaches, before anything is launched: a host pointer, memory of another device or a buffer too
+  // small for the problem is reported as kInvalidArgument instead of faulting in a kernel. Costs a
+  // few driver queries per call (host time only, measured in docs/PERFORMANCE.md); turn it off for
+  // pointers already checked, e.g. when capturing a graph that will be replayed many times.
+  bool check_pointers = true;
+};
+
 // CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once the
 // kernels are enqueued. No allocation, no synchronization; capturable in a CUDA graph.
-Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream);
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream,
+                    const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
 // Decode: a few new tokens per sequence on a pool of state slots, updated in place.
@@ -176,6 +208,7 @@ struct DecodeTensors {
   const std::int32_t* slots = nullptr;
   void* state_pool = nullptr;
   void* out = nullptr;
+  std::uint32_t* device_status = nullptr;  // optional, CUDA only: see Tensors::device_status
 };
 
 Status validate(const DecodeProblem& p);
@@ -183,9 +216,10 @@ Status validate(const DecodeProblem& p, const DecodeTensors& t);
 Status can_implement(const DecodeProblem& p, Backend backend);
 // CPU: slot indices >= num_slots are an error (checked before anything is written).
 Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt = {});
-// CUDA: slot indices >= num_slots are skipped on the device (out rows left untouched), since the host
-// cannot see them without a sync.
-Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream);
+// CUDA: slot indices >= num_slots are skipped on the device (out rows left untouched) and reported
+// through t.device_status (kDeviceStatusSlot), since the host cannot see them without a sync.
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream,
+                   const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a
@@ -200,5 +234,13 @@ Status memcpy_to_host(void* dst, const void* src, std::size_t bytes, void* strea
 Status memset_device(void* dst, int value, std::size_t bytes, void* stream = nullptr);
 Status stream_synchronize(void* stream);
 std::string device_name(int device = 0);
+// Whether the current device can run the CUDA backend (compute capability 9.0: the kernels are
+// built for sm_90a only). kUnsupported names the device and its capability otherwise.
+Status cuda_device_supported();
+// Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
+// Not for the forward path (it synchronizes): call it where you would read results anyway.
+Status check_device_status(const std::uint32_t* device_status, void* stream);
+// Zeroes the device status word on `stream` (asynchronous, capturable).
+Status clear_device_status(std::uint32_t* device_status, void* stream);
 
 }  // namespace kda

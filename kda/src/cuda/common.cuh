@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "kda/kda.hpp"
+
 namespace kda::detail {
 
 using bf16 = __nv_bfloat16;
@@ -48,6 +50,16 @@ struct SeqIndex {
     *eos = e;
   }
 };
+
+// Gate parameters outside the contract's range (kda.hpp: kMaxAbsALog; NaN fails every comparison).
+__device__ __forceinline__ bool gate_params_bad(float a_log, float dt_bias) {
+  return !(fabsf(a_log) <= kMaxAbsALog) || !(fabsf(dt_bias) <= 3.0e38f);
+}
+
+// ORs `bits` into the caller's device status word (Tensors::device_status), if it gave one.
+__device__ __forceinline__ void report_status(std::uint32_t* status, std::uint32_t bits) {
+  if (status != nullptr && bits != 0) atomicOr(status, bits);
+}
 
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -15,9 +15,4 @@ inline Status cuda_status(cudaError_t err, const char* what) {
                 std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
-// After a launch: reports configuration errors (bad grid, too much shared memory) without syncing.
-inline Status launch_status(const char* kernel) {
-  return cuda_status(cudaGetLastError(), kernel);
-}
-
 }  // namespace kda::detail

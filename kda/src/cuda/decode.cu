@@ -13,6 +13,7 @@
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
 #include "kda/nvtx.hpp"
+#include "tensor_extents.hpp"
 
 namespace kda::detail {
 namespace {
@@ -38,6 +39,7 @@ struct DecodeParams {
   int gate_mode;
   float lower_bound;
   float scale;
+  std::uint32_t* status;  // caller's device status word, or null
 };
 
 __device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
@@ -60,6 +62,13 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::int32_t slot = p.slots[b];
+  if (b == 0) {  // the first row's blocks (one per head) check the gate parameters for everyone
+    const int k = threadIdx.x & (D - 1);
+    if (gate_params_bad(threadIdx.x == 0 ? p.A_log[h] : 0.f, p.dt_bias[h * D + k])) {
+      report_status(p.status, kDeviceStatusGateParams);
+    }
+  }
+  if (slot >= p.num_slots && h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
   if (slot < 0 || slot >= p.num_slots) return;  // padding (or out of range: skipped, never indexed)
 
   const std::int64_t H = p.num_heads;
@@ -167,13 +176,40 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
 
 namespace kda {
 
-Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr) {
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr, const CudaOptions& opt) {
   using namespace detail;
   KDA_NVTX_RANGE("kda.decode");
   Status st = can_implement(p, Backend::kCuda);
   if (!st.ok()) return st;
   st = validate(p, t);
   if (!st.ok()) return st;
+  // The kernel loads q, k, g and a bf16 pool in 8-byte pieces, v, dt_bias and an f32 pool in 16.
+  {
+    const bool f32_pool = p.state_dtype == DType::kF32;
+    const struct {
+      const void* ptr;
+      const char* name;
+      std::uintptr_t align;
+    } aligned[] = {{t.q, "q", 8},       {t.k, "k", 8},
+                   {t.g, "g", 8},       {t.v, "v", 16},
+                   {t.out, "out", 2},   {t.beta, "beta", 2},
+                   {t.A_log, "A_log", 4}, {t.dt_bias, "dt_bias", 16},
+                   {t.slots, "slots", 4}, {t.state_pool, "state_pool", f32_pool ? 16u : 8u},
+                   {t.device_status, "device_status", 4}};
+    for (const auto& a : aligned) {
+      if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.align != 0) {
+        return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.align) +
+                                                        "-byte aligned for the CUDA decode");
+      }
+    }
+  }
+  if (opt.check_pointers) {
+    TensorExtents extents;
+    st = decode_extents(p, t, &extents);
+    if (!st.ok()) return st;
+    st = check_device_extents(extents);
+    if (!st.ok()) return st;
+  }
   if (p.batch == 0) return Status::Ok();
   DecodeParams prm{};
   prm.q = static_cast<const bf16*>(t.q);
@@ -192,14 +228,14 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.gate_mode = p.gate == GateMode::kLowerBound ? 0 : 1;
   prm.lower_bound = p.lower_bound;
   prm.scale = p.effective_scale();
-  dim3 grid(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (p.state_dtype == DType::kF32) {
-    kda_decode_kernel<true><<<grid, kWarps * 32, 0, stream>>>(prm);
-  } else {
-    kda_decode_kernel<false><<<grid, kWarps * 32, 0, stream>>>(prm);
-  }
-  return launch_status("kda_decode_kernel");
+  prm.status = t.device_status;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
+  cfg.blockDim = dim3(kWarps * 32);
+  cfg.stream = static_cast<cudaStream_t>(stream_ptr);
+  const cudaError_t err = p.state_dtype == DType::kF32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true>, prm)
+                                                       : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false>, prm);
+  return cuda_status(err, "kda_decode_kernel");
 }
 
 }  // namespace kda

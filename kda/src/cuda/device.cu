@@ -1,8 +1,13 @@
 // Device helpers of the public API (kda/kda.hpp), so that layers above need no CUDA headers.
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
+#include <string>
+
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
+#include "tensor_extents.hpp"
 
 namespace kda {
 
@@ -67,4 +72,141 @@ std::string device_name(int device) {
   return prop.name;
 }
 
+namespace {
+
+// Compute capability per device ordinal, looked up once (0: not yet known).
+constexpr int kMaxCachedDevices = 64;
+std::atomic<int> g_capability[kMaxCachedDevices];
+
+int device_capability(int device, cudaError_t* err) {
+  *err = cudaSuccess;
+  if (device >= 0 && device < kMaxCachedDevices) {
+    const int cached = g_capability[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached;
+  }
+  int major = 0, minor = 0;
+  *err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (*err == cudaSuccess) *err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (*err != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  const int capability = major * 10 + minor;
+  if (device >= 0 && device < kMaxCachedDevices) g_capability[device].store(capability, std::memory_order_relaxed);
+  return capability;
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point, so that the library needs no
+// link against libcuda. Null when the driver does not offer it (the extent check is then skipped).
+using MemGetAddressRangeFn = int (*)(unsigned long long* base, std::size_t* size, unsigned long long ptr);
+
+MemGetAddressRangeFn mem_get_address_range() {
+  static const MemGetAddressRangeFn fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &ptr, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return MemGetAddressRangeFn{nullptr};
+    }
+    return reinterpret_cast<MemGetAddressRangeFn>(ptr);
+  }();
+  return fn;
+}
+
+const char* memory_type_name(cudaMemoryType type) {
+  switch (type) {
+    case cudaMemoryTypeUnregistered: return "unregistered host memory";
+    case cudaMemoryTypeHost: return "pinned host memory";
+    case cudaMemoryTypeDevice: return "device memory";
+    case cudaMemoryTypeManaged: return "managed memory";
+  }
+  return "memory of an unknown kind";
+}
+
+}  // namespace
+
+Status cuda_device_supported() {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(err, "cudaGetDevice");
+  }
+  const int capability = device_capability(device, &err);
+  if (err != cudaSuccess) return cuda_status(err, "cudaDeviceGetAttribute(compute capability)");
+  if (capability != 90) {
+    return Status(StatusCode::kUnsupported,
+                  "the CUDA backend is built for sm_90a (Hopper, compute capability 9.0); device " +
+                      std::to_string(device) + " (" + device_name(device) + ") has compute capability " +
+                      std::to_string(capability / 10) + "." + std::to_string(capability % 10));
+  }
+  return Status::Ok();
+}
+
+Status check_device_status(const std::uint32_t* device_status, void* stream) {
+  if (device_status == nullptr) {
+    return Status(StatusCode::kInvalidArgument, "check_device_status: device_status is null");
+  }
+  std::uint32_t bits = 0;
+  Status st = memcpy_to_host(&bits, device_status, sizeof bits, stream);
+  if (!st.ok()) return st;
+  return describe_device_status(bits);
+}
+
+Status clear_device_status(std::uint32_t* device_status, void* stream) {
+  if (device_status == nullptr) {
+    return Status(StatusCode::kInvalidArgument, "clear_device_status: device_status is null");
+  }
+  return memset_device(device_status, 0, sizeof(std::uint32_t), stream);
+}
+
+namespace detail {
+
+Status check_device_extents(const TensorExtents& extents) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return cuda_status(err, "cudaGetDevice");
+  }
+  const MemGetAddressRangeFn range_of = mem_get_address_range();
+  for (int i = 0; i < extents.count; ++i) {
+    const TensorExtent& e = extents.items[i];
+    if (e.ptr == nullptr || e.bytes == 0) continue;
+    cudaPointerAttributes attr{};
+    err = cudaPointerGetAttributes(&attr, e.ptr);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(e.name) + " is not a pointer the CUDA runtime knows (" + cudaGetErrorName(err) + ")");
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
+      return Status(StatusCode::kInvalidArgument, std::string(e.name) + " points to " + memory_type_name(attr.type) +
+                                                      "; the CUDA backend needs device or managed memory");
+    }
+    if (attr.type == cudaMemoryTypeDevice && attr.device != device) {
+      return Status(StatusCode::kInvalidArgument, std::string(e.name) + " is memory of device " +
+                                                      std::to_string(attr.device) + ", but the current device is " +
+                                                      std::to_string(device));
+    }
+    if (range_of != nullptr) {
+      unsigned long long base = 0;
+      std::size_t size = 0;
+      const unsigned long long addr = reinterpret_cast<std::uintptr_t>(e.ptr);
+      if (range_of(&base, &size, addr) == 0 && addr >= base) {
+        const unsigned long long room = base + size - addr;
+        if (room < e.bytes) {
+          return Status(StatusCode::kInvalidArgument,
+                        std::string(e.name) + " needs " + std::to_string(e.bytes) + " bytes, but its allocation ends " +
+                            std::to_string(room) + " bytes after it");
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace detail
 }  // namespace kda

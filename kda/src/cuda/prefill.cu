@@ -25,6 +25,7 @@
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
 #include "kda/nvtx.hpp"
+#include "tensor_extents.hpp"
 #include "workspace_layout.hpp"
 
 namespace kda::detail {
@@ -53,6 +54,7 @@ struct PrefillParams {
   bf16* out;
   unsigned char* records;
   std::int64_t num_slots;
+  std::uint32_t* status;  // caller's device status word, or null
 };
 
 __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std::int64_t slot, int h) {
@@ -214,6 +216,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   // The gate parameters first: their latency overlaps the search and the input copies.
   const float a_log_h = p.A_log[h];
   const float dtb = p.dt_bias[h * D + tid];
+  // The first slot's blocks (one per head) check the gate parameters for everyone.
+  if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb)) report_status(p.status, kDeviceStatusGateParams);
 
   const std::int64_t s = owner_of_slot(p.seqs, slot);
   std::int64_t bos, eos;
@@ -440,6 +444,13 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   const int gq = lane >> 2, tq = lane & 3;  // mma fragment row group / thread-in-group
   const int v_warp = v_block + warp * 16;   // first V column of this warp
 
+  // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
+  if (p.seqs.cu != nullptr && h == 0 && blockIdx.z == 0 && tid == 0) {
+    const std::int64_t b = p.seqs.start(s), e = p.seqs.start(s + 1);
+    if (e < b || (s == 0 && b != 0) || (s == p.seqs.num_seqs - 1 && e != p.seqs.total)) {
+      report_status(p.status, kDeviceStatusCuSeqlens);
+    }
+  }
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t nchunks = (eos - bos + C - 1) / C;
@@ -611,9 +622,12 @@ Status launch_recurrence(const PrefillParams& prm, std::int64_t num_seqs, cudaSt
   cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
-  dim3 grid(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), 128 / (WARPS * 16));
-  kda_recurrence_kernel<WARPS><<<grid, WARPS * 32, smem, stream>>>(prm);
-  return launch_status("kda_recurrence_kernel");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), 128 / (WARPS * 16));
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS>, prm), "kda_recurrence_kernel");
 }
 
 int state_kind(DType dt) { return dt == DType::kBF16 ? 1 : dt == DType::kF32 ? 2 : 0; }
@@ -623,7 +637,7 @@ int state_kind(DType dt) { return dt == DType::kBF16 ? 1 : dt == DType::kF32 ? 2
 
 namespace kda {
 
-Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream_ptr) {
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream_ptr, const CudaOptions& opt) {
   using namespace detail;
   KDA_NVTX_RANGE("kda.prefill");
   Status st = can_implement(p, Backend::kCuda);
@@ -642,7 +656,10 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
       const char* name;
       std::uintptr_t align;
     } aligned[] = {{t.q, "q", 16}, {t.k, "k", 16}, {t.v, "v", 16}, {t.g, "g", 16}, {t.out, "out", 16},
-                   {t.initial_state, "initial_state", 8}, {t.final_state, "final_state", 8}};
+                   {t.initial_state, "initial_state", 8}, {t.final_state, "final_state", 8},
+                   {t.beta, "beta", 2}, {t.A_log, "A_log", 4}, {t.dt_bias, "dt_bias", 4},
+                   {t.cu_seqlens, "cu_seqlens", p.cu_seqlens_dtype == DType::kI64 ? 8u : 4u},
+                   {t.device_status, "device_status", 4}};
     for (const auto& a : aligned) {
       if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.align != 0) {
         return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.align) +
@@ -656,6 +673,14 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   if (ws.bytes < need || (need > 0 && ws.ptr == nullptr)) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace holds " + std::to_string(ws.bytes) +
                                                       " bytes; the CUDA prefill needs " + std::to_string(need));
+  }
+  if (opt.check_pointers) {
+    TensorExtents extents;
+    st = prefill_extents(p, t, &extents);
+    if (!st.ok()) return st;
+    extents.add("workspace", ws.ptr, need);
+    st = check_device_extents(extents);
+    if (!st.ok()) return st;
   }
   const std::int64_t N = p.sequences();
   if (N == 0) return Status::Ok();
@@ -683,6 +708,7 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   prm.ht = t.final_state;
   prm.ht_kind = t.final_state ? state_kind(p.final_state_dtype) : 0;
   prm.out = static_cast<bf16*>(t.out);
+  prm.status = t.device_status;
   const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
   prm.records = reinterpret_cast<unsigned char*>((base + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1));
   std::uint64_t slots = 0;
@@ -696,8 +722,12 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
     cudaError_t err = cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            static_cast<int>(sizeof(PrepSmem)));
     if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
-    kda_prepare_kernel<<<grid, kPrepThreads, sizeof(PrepSmem), stream>>>(prm);
-    st = launch_status("kda_prepare_kernel");
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kPrepThreads);
+    cfg.dynamicSmemBytes = sizeof(PrepSmem);
+    cfg.stream = stream;
+    st = cuda_status(cudaLaunchKernelEx(&cfg, kda_prepare_kernel, prm), "kda_prepare_kernel");
     if (!st.ok()) return st;
   }
   {

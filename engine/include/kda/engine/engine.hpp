@@ -48,6 +48,9 @@ struct EngineOptions {
   // Synthetic inputs (kda-run, tests, benchmarks): when > 0, the plan gets scratch buffers
   // synthetic.{q,k,v,g,beta,out} for max(synthetic_tokens, max_sequences) tokens.
   std::int64_t synthetic_tokens = 0;
+  // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
+  // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
+  bool check_pointers = true;
 };
 
 // Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
@@ -136,6 +139,12 @@ class Engine {
               int tokens);
   // Waits for everything enqueued (CUDA); no-op on the CPU.
   void synchronize() const;
+  // What the kernels found that the host could not see (CUDA): broken cu_seqlens on the device or
+  // gate parameters out of range (kda::DeviceStatusBit), accumulated over every forward since the
+  // last check. Synchronizes the stream, reads the engine's device status word, clears it, and
+  // throws kda::Error (kInvalidArgument) naming what was found. No-op on the CPU, whose forwards
+  // throw such problems at once. Not for the hot path: call it where you synchronize anyway.
+  void check_device_status();
 
   // ---- synthetic inputs -------------------------------------------------------------------
   // Requires EngineOptions::synthetic_tokens > 0. Generates random bf16 inputs on the host (seeded)
@@ -179,6 +188,8 @@ class Engine {
   Backend backend_;
   void* stream_;
   CpuOptions cpu_;
+  CudaOptions cuda_;
+  std::uint32_t* device_status_ = nullptr;  // CUDA: the engine's device status word (arena)
   std::vector<KdaLayer> layers_;
   planner::MemoryPlan plan_;
   std::unique_ptr<std::uint8_t, ArenaDeleter> arena_;

@@ -82,10 +82,12 @@ class KdaLayer {
 
   // One forward on the bound backend, in the NVTX phase range "prefill.forward_cpu|cuda". `t`
   // needs no parameters or workspace: the layer fills them in. Throws kda::Error.
-  void forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream) const;
+  void forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream,
+               const CudaOptions& cuda = {}) const;
   // One decode step on the layer's state pool, in the NVTX phase range "decode.step_cpu|cuda";
   // `t` needs no parameters or pool. Throws kda::Error.
-  void decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream) const;
+  void decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream,
+              const CudaOptions& cuda = {}) const;
 
  private:
   int ordinal_;
