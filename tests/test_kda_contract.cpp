@@ -395,6 +395,47 @@ TEST_CASE("can_implement: CPU takes any valid problem / CUDA needs K = V = 128 a
   check_fails(can_implement(f.p, static_cast<Backend>(5)), StatusCode::kInvalidArgument, "backend");
 }
 
+TEST_CASE("can_implement: CUDA grid limits (heads on y / sequences and chunk slots on x)") {
+  Problem p;
+  p.num_heads = 65536;
+  p.seq_len = 1;
+  check_fails(can_implement(p, Backend::kCuda), StatusCode::kUnsupported, "at most 65535 heads");
+  CHECK(can_implement(p, Backend::kCpu).ok());
+  p.num_heads = 1;
+  p.seq_len = std::int64_t{1} << 36;  // 2^32 chunk slots
+  check_fails(can_implement(p, Backend::kCuda), StatusCode::kUnsupported, "chunk slots");
+  Problem v;
+  v.num_heads = 1;
+  v.cu_seqlens_dtype = DType::kI64;
+  v.num_seqs = std::int64_t{1} << 31;
+  v.seq_len = 0;
+  check_fails(can_implement(v, Backend::kCuda), StatusCode::kUnsupported, "sequences");
+  DecodeProblem d;
+  d.batch = std::int64_t{1} << 31;
+  d.num_heads = 1;
+  d.num_slots = 1;
+  check_fails(can_implement(d, Backend::kCuda), StatusCode::kUnsupported, "decode rows");
+}
+
+TEST_CASE("describe_device_status: each bit named, zero is ok") {
+  CHECK(describe_device_status(0).ok());
+  const Status cu = describe_device_status(kDeviceStatusCuSeqlens);
+  check_fails(cu, StatusCode::kInvalidArgument, "broken cu_seqlens");
+  CHECK(cu.message().find("gate") == std::string::npos);
+  const Status all = describe_device_status(kDeviceStatusCuSeqlens | kDeviceStatusGateParams | kDeviceStatusSlot | 0x100u);
+  check_fails(all, StatusCode::kInvalidArgument, "gate parameters out of range");
+  CHECK(all.message().find("cu_seqlens") != std::string::npos);
+  CHECK(all.message().find("slot index >= num_slots") != std::string::npos);
+  CHECK(all.message().find("unknown status bits 0x100") != std::string::npos);
+}
+
+TEST_CASE("validate: device_status must not overlap the tensors") {
+  Fixture f;
+  Tensors t = f.t;
+  t.device_status = static_cast<std::uint32_t*>(const_cast<void*>(t.q));
+  check_fails(validate(f.p, t), StatusCode::kInvalidArgument, "device_status overlaps q");
+}
+
 TEST_CASE("workspace_size: CPU and CUDA formulas / errors") {
   Fixture f;
   std::size_t cpu = 0, cuda = 0;
@@ -495,6 +536,10 @@ TEST_CASE("CUDA entry points without the CUDA backend") {
   dt.A_log = params.data();
   dt.dt_bias = params.data();
   CHECK(decode_cuda(d, dt, nullptr).code() == StatusCode::kBackendUnavailable);
+  CHECK(cuda_device_supported().code() == StatusCode::kBackendUnavailable);
+  std::uint32_t word = 0;
+  CHECK(check_device_status(&word, nullptr).code() == StatusCode::kBackendUnavailable);
+  CHECK(clear_device_status(&word, nullptr).code() == StatusCode::kBackendUnavailable);
 }
 
 TEST_CASE("validate(DecodeProblem) and its tensors") {

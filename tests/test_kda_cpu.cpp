@@ -422,6 +422,18 @@ TEST_CASE("a failing call writes nothing") {
     c.A_log[1] = std::numeric_limits<float>::quiet_NaN();
     expect_untouched(c, StatusCode::kInvalidArgument);
   }
+  SUBCASE("A_log outside [-kMaxAbsALog, kMaxAbsALog]") {
+    for (float a : {kMaxAbsALog + 0.25f, -kMaxAbsALog - 1.0f, 88.0f}) {
+      KdaCase c = good;
+      c.A_log[0] = a;
+      expect_untouched(c, StatusCode::kInvalidArgument);
+    }
+    KdaCase edge = good;  // the bounds themselves are allowed
+    edge.A_log[0] = kMaxAbsALog;
+    edge.A_log[1] = -kMaxAbsALog;
+    Outputs got;
+    CHECK(run_cpu(edge, &got).ok());
+  }
   SUBCASE("infinite dt_bias") {
     KdaCase c = good;
     c.dt_bias[3] = std::numeric_limits<float>::infinity();

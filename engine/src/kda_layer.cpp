@@ -80,6 +80,15 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   KdaParameters parameters;
   parameters.A_log = to_float(file, a_log);
   parameters.dt_bias = to_float(file, dt_bias);
+  for (std::size_t h = 0; h < parameters.A_log.size(); ++h) {
+    if (std::fabs(parameters.A_log[h]) > kMaxAbsALog) {
+      throw Error(StatusCode::kInvalidArgument,
+                  file.path() + ": tensor '" + a_log.name + "' value " + std::to_string(parameters.A_log[h]) +
+                      " at element " + std::to_string(h) + " is outside [-" +
+                      std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                      std::to_string(static_cast<int>(kMaxAbsALog)) + "] (kda::kMaxAbsALog)");
+    }
+  }
   parameters.origin = file.path();
   return parameters;
 }
