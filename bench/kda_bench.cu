@@ -5,10 +5,11 @@
 // (q, k, v, g, beta read, out written, fp32 state read and written) over the device-to-device copy
 // bandwidth measured at start. Prints markdown tables.
 //
-//   kda-bench [--prefill] [--decode] [--iters N] [--case NAME]
+//   kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -352,24 +353,97 @@ void run_decode(double bw, int iters) {
   }
 }
 
+// Host time per call (enqueue only, no sync inside), median over repeats of 100 calls: what the
+// checks of CudaOptions::check_pointers (driver queries per pointer) cost on top of validation
+// and the launches. The GPU keeps up (100 short kernels), so the loop measures the host.
+void run_host_overhead() {
+  const int H = 32, D = 128, T = 64;
+  std::vector<void*> allocs;
+  auto al = [&](std::size_t n) {
+    void* ptr;
+    CK(cudaMalloc(&ptr, n));
+    CK(cudaMemset(ptr, 0, n));
+    allocs.push_back(ptr);
+    return ptr;
+  };
+  const std::size_t tok = static_cast<std::size_t>(T) * H * D;
+  void* q = al(tok * 2); void* k = al(tok * 2); void* v = al(tok * 2); void* g = al(tok * 2);
+  void* beta = al(T * H * 2); void* out = al(tok * 2);
+  auto* A_log = static_cast<float*>(al(H * 4));
+  auto* dt_bias = static_cast<float*>(al(H * D * 4));
+  void* pool = al(static_cast<std::size_t>(2) * H * D * D * 4);
+  auto* slots = static_cast<std::int32_t*>(al(4));
+  auto* status = static_cast<std::uint32_t*>(al(4));
+  std::int64_t cu_host[2] = {0, T};
+  auto* cu = static_cast<std::int64_t*>(al(16));
+  CK(cudaMemcpy(cu, cu_host, 16, cudaMemcpyHostToDevice));
+
+  kda::Problem pp;
+  pp.seq_len = T; pp.num_heads = H; pp.num_seqs = 1; pp.cu_seqlens_dtype = kda::DType::kI64;
+  pp.initial_state_dtype = pp.final_state_dtype = kda::DType::kF32;
+  std::size_t ws_bytes = 0;
+  check(kda::workspace_size(pp, kda::Backend::kCuda, &ws_bytes), "workspace_size");
+  void* ws = al(ws_bytes);
+  kda::Tensors pt;
+  pt.q = q; pt.k = k; pt.v = v; pt.g = g; pt.beta = beta; pt.A_log = A_log; pt.dt_bias = dt_bias;
+  pt.cu_seqlens = cu; pt.cu_seqlens_host = cu_host; pt.initial_state = pool; pt.final_state = pool;
+  pt.out = out; pt.device_status = status;
+
+  kda::DecodeProblem dp;
+  dp.batch = 1; dp.tokens = 1; dp.num_heads = H; dp.num_slots = 2; dp.state_dtype = kda::DType::kF32;
+  kda::DecodeTensors dt;
+  dt.q = q; dt.k = k; dt.v = v; dt.g = g; dt.beta = beta; dt.A_log = A_log; dt.dt_bias = dt_bias;
+  dt.slots = slots; dt.state_pool = pool; dt.out = out; dt.device_status = status;
+
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  auto host_us = [&](auto&& call) {
+    std::vector<double> per_call;
+    for (int rep = 0; rep < 25; ++rep) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 100; ++i) call();
+      const auto t1 = std::chrono::steady_clock::now();
+      CK(cudaStreamSynchronize(s));
+      if (rep >= 5) per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 100);
+    }
+    std::sort(per_call.begin(), per_call.end());
+    return per_call[per_call.size() / 2];
+  };
+  kda::CudaOptions on, off;
+  off.check_pointers = false;
+  std::printf("\n### Host time per call (enqueue only; H = 32; median of 20 x 100 calls)\n\n");
+  std::printf("| call | pointers checked | host us per call | checks off | cost of the checks |\n");
+  std::printf("|---|---:|---:|---:|---:|\n");
+  const double d_on = host_us([&] { check(kda::decode_cuda(dp, dt, s, on), "decode_cuda"); });
+  const double d_off = host_us([&] { check(kda::decode_cuda(dp, dt, s, off), "decode_cuda"); });
+  std::printf("| decode_cuda B = 1 | 11 | %.2f | %.2f | %.2f |\n", d_on, d_off, d_on - d_off);
+  const double p_on = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, on), "forward_cuda"); });
+  const double p_off = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, off), "forward_cuda"); });
+  std::printf("| forward_cuda T = 64, 1 sequence | 13 | %.2f | %.2f | %.2f |\n", p_on, p_off, p_on - p_off);
+  std::fflush(stdout);
+  CK(cudaStreamDestroy(s));
+  for (void* ptr : allocs) CK(cudaFree(ptr));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool prefill = false, decode = false;
+  bool prefill = false, decode = false, host = false;
   int iters = 30;
   std::string only;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--prefill") prefill = true;
     else if (a == "--decode") decode = true;
+    else if (a == "--host") host = true;
     else if (a == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc) only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: kda-bench [--prefill] [--decode] [--iters N] [--case NAME]\n");
+      std::fprintf(stderr, "usage: kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]\n");
       return 2;
     }
   }
-  if (!prefill && !decode) prefill = decode = true;
+  if (!prefill && !decode && !host) prefill = decode = host = true;
   if (kda::cuda_device_count() == 0) {
     std::fprintf(stderr, "kda-bench: no CUDA device\n");
     return 1;
@@ -379,5 +453,6 @@ int main(int argc, char** argv) {
               kda::device_name(0).c_str(), bw / 1e12);
   if (prefill) run_prefill(bw, iters, only);
   if (decode) run_decode(bw, iters);
+  if (host) run_host_overhead();
   return 0;
 }

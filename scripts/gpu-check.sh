@@ -2,7 +2,9 @@
 # The one command the H200 machine runs (see docs/PERFORMANCE.md): configure with the carried Debian
 # dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
 # the benchmark. Logs and tables go to $OUT.
-# Usage: scripts/gpu-check.sh [tests|bench|sanitize|all|all-sanitize|none] [bench args]
+# Usage: scripts/gpu-check.sh [tests|bench|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
+# sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
+# (KDA_SANITIZER_TIMEOUT seconds each, default 480; parallel, the 2^31-element test serially).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -47,5 +49,32 @@ if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
   run_tool racecheck san-racecheck.log "$t/test_kda_cuda" '-tc=*varlen*'
   run_tool initcheck san-initcheck.log "$t/test_kda_cuda" '-tc=*state combination*'
   run_tool synccheck san-synccheck.log "$t/test_kda_cuda" '-tc=*varlen*'
+fi
+if [ "$what" = sanitize-all ]; then
+  t=$build/tests
+  logs=/tmp/kda-sanitizer-logs
+  rm -rf "$logs"; mkdir -p "$logs"
+  one() {  # tool binary
+    local tool=$1 bin=$2 s0=$(date +%s)
+    timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --error-exitcode 1 \
+      "$t/$bin" > "$logs/$tool-$bin.log" 2>&1
+    local r=$?
+    local summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$tool-$bin.log" | tail -1)
+    local cases=$(grep -E '^\[doctest\] test cases:' "$logs/$tool-$bin.log" | tail -1)
+    echo "| $tool | $bin | exit $r | $summary | $cases | $(( $(date +%s) - s0 )) s |"
+  }
+  export -f one; export t logs
+  bins="test_kda_cuda test_decode_cuda test_validation_cuda test_c_api_cuda test_engine_cuda"
+  {
+    echo "| tool | binary | exit | summary | doctest | time |"
+    echo "|---|---|---|---|---|---|"
+    # The 2^31-element test needs ~50 GB of device memory: one tool at a time, beside the others.
+    ( for tool in memcheck initcheck synccheck racecheck; do one $tool test_hardening_cuda; done ) &
+    for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do echo "$tool $b"; done; done \
+      | xargs -P 6 -L 1 bash -c 'one $0 $1'
+    wait
+  } | tee "$OUT/sanitizers.md"
+  grep -q "exit [^0]" "$OUT/sanitizers.md" && rc=1
+  tar -czf "$OUT/sanitizer-logs.tar.gz" -C "$logs" .
 fi
 exit $rc
