@@ -216,6 +216,7 @@ TEST_CASE("cuda prefill: broken device cu_seqlens are reported through the devic
     CHECK(rig.device_status().ok());
     KdaCase c32 = c;
     c32.problem.cu_seqlens_dtype = DType::kI32;
+    c32.cu_seqlens_i32.assign(c.cu_seqlens.begin(), c.cu_seqlens.end());
     PrefillRig rig32(c32);
     REQUIRE(rig32.run(rig32.tensors()).ok());
     CHECK(rig32.device_status().ok());
