@@ -119,6 +119,7 @@ TEST_CASE("status strings and options_init") {
   CHECK(options.cuda_stream == nullptr);
   CHECK(options.cpu_threads == 0);
   CHECK(options.seed == 0);
+  CHECK(options.check_pointers == 1);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
@@ -228,6 +229,12 @@ TEST_CASE("creation errors: message in the caller's buffer, no handle") {
     CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
     CHECK(contains(err, "cpu_threads is -3"));
+    bad = options;
+    bad.check_pointers = 2;
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "options.check_pointers is 2, expected 0 or 1"));
+    CHECK(engine == nullptr);
   }
   SUBCASE("CUDA without a device; head_dim the CUDA backend cannot run") {
     kda_engine_options cuda = options;

@@ -35,10 +35,11 @@ struct Handle {
   ~Handle() { kda_engine_destroy(e); }
 };
 
-kda_engine* create(kda_backend backend) {
+kda_engine* create(kda_backend backend, int check_pointers = 1) {
   kda_engine_options o;
   REQUIRE(kda_engine_options_init(&o) == KDA_OK);
   o.backend = backend;
+  o.check_pointers = check_pointers;
   o.seed = 29;
   kda_engine* e = nullptr;
   char err[512] = {0};
@@ -169,4 +170,32 @@ TEST_CASE("C API on CUDA: host pointers and short buffers come back as KDA_INVAL
                            dout.get(), &slot, 1, cu) == KDA_OK);
   CHECK(kda_engine_check_device_status(gpu.e) == KDA_OK);
   CHECK(std::string(kda_engine_last_error(gpu.e)).empty());
+}
+
+TEST_CASE("C API on CUDA: check_pointers = 0 gives bitwise the same results as the default") {
+  if (!kda::test::gpu_or_skip()) return;
+  Handle checked{create(KDA_BACKEND_CUDA)}, unchecked{create(KDA_BACKEND_CUDA, 0)};
+  const std::int64_t T = 77, H = 2, D = 128;
+  const std::int64_t cu[3] = {0, 33, T};
+  int a[2], b[2];
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(kda_engine_acquire_slot(checked.e, &a[i]) == KDA_OK);
+    REQUIRE(kda_engine_acquire_slot(unchecked.e, &b[i]) == KDA_OK);
+  }
+  Inputs in(T, 47);
+  kda::test::DeviceBuffer out_a(static_cast<std::size_t>(T * H * D) * 2), out_b(static_cast<std::size_t>(T * H * D) * 2);
+  for (int layer = 0; layer < 2; ++layer) {
+    REQUIRE(kda_engine_prefill(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
+                               out_a.get(), a, 2, cu) == KDA_OK);
+    REQUIRE(kda_engine_prefill(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                               in.dbeta.get(), out_b.get(), b, 2, cu) == KDA_OK);
+    REQUIRE(kda_engine_decode(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
+                              out_a.get(), a, 2, 1) == KDA_OK);
+    REQUIRE(kda_engine_decode(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                              in.dbeta.get(), out_b.get(), b, 2, 1) == KDA_OK);
+  }
+  REQUIRE(kda_engine_synchronize(checked.e) == KDA_OK);
+  REQUIRE(kda_engine_synchronize(unchecked.e) == KDA_OK);
+  CHECK(out_a.download<std::uint16_t>() == out_b.download<std::uint16_t>());
+  CHECK(kda_engine_check_device_status(unchecked.e) == KDA_OK);
 }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -563,7 +564,31 @@ TEST_CASE("parameters come from the weights file when the model names one") {
   kda::engine::save_safetensors((dir / "w.safetensors").string(), tensors);
   CHECK_THROWS_WITH_AS(Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
                        doctest::Contains("expected [64] or [2, 32]"), kda::Error);
+  // A_log outside the operator's range (kda::kMaxAbsALog) is refused at load, naming the tensor.
+  tensors.pop_back();
+  tensors.push_back(kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(3), kda::DType::kF32, {H * K}));
+  tensors[2].data_as<float>()[1] = kda::kMaxAbsALog + 5.0f;  // layer 1's A_log, head 1
+  kda::engine::save_safetensors((dir / "w.safetensors").string(), tensors);
+  CHECK_THROWS_WITH_AS(Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
+                       doctest::Contains("model.layers.1.self_attn.A_log' value 25.000000 at element 1 is outside [-20, 20]"),
+                       kda::Error);
   fs::remove_all(dir);
+}
+
+TEST_CASE("KdaLayer refuses parameters outside the operator's contract, however they were made") {
+  const ModelSpec spec = spec_from(kSpec);
+  kda::engine::KdaParameters good = kda::engine::random_kda_parameters(1, 0, spec.num_heads, spec.head_dim);
+  CHECK_NOTHROW(kda::engine::KdaLayer(spec, 0, 0, good));
+  auto bad = good;
+  bad.A_log[1] = -kda::kMaxAbsALog - 1.0f;
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[1] = -21"), kda::Error);
+  bad = good;
+  bad.A_log[0] = std::numeric_limits<float>::quiet_NaN();
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[0]"), kda::Error);
+  bad = good;
+  bad.dt_bias[5] = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("dt_bias[5] is not finite"),
+                       kda::Error);
 }
 
 TEST_CASE("backends: cpu always works / cuda without a device is kBackendUnavailable") {

@@ -133,6 +133,26 @@ KdaLayer::KdaLayer(const ModelSpec& spec, int ordinal, int layer_index, KdaParam
                     " dt_bias values, expected " + std::to_string(num_heads_) + " and " +
                     std::to_string(num_heads_ * head_dim_));
   }
+  // The operator's parameter contract (kda.hpp), here too, so that parameters built in code (not
+  // loaded from a file) fail at construction on every backend: CUDA would only report them through
+  // the device status word.
+  for (std::size_t h = 0; h < parameters_.A_log.size(); ++h) {
+    const float a = parameters_.A_log[h];
+    if (!std::isfinite(a) || std::fabs(a) > kMaxAbsALog) {
+      throw Error(StatusCode::kInvalidArgument,
+                  prefix + ": A_log[" + std::to_string(h) + "] = " + std::to_string(a) +
+                      " is not finite or outside [-" + std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                      std::to_string(static_cast<int>(kMaxAbsALog)) + "] (parameters from " +
+                      parameters_.origin + ")");
+    }
+  }
+  for (std::size_t i = 0; i < parameters_.dt_bias.size(); ++i) {
+    if (!std::isfinite(parameters_.dt_bias[i])) {
+      throw Error(StatusCode::kInvalidArgument, prefix + ": dt_bias[" + std::to_string(i) +
+                                                    "] is not finite (parameters from " +
+                                                    parameters_.origin + ")");
+    }
+  }
   nvtx_name_ = "kda.layer" + std::to_string(layer_index);
   a_log_name_ = prefix + ".A_log";
   dt_bias_name_ = prefix + ".dt_bias";

@@ -53,7 +53,7 @@ struct SeqIndex {
 
 // Gate parameters outside the contract's range (kda.hpp: kMaxAbsALog; NaN fails every comparison).
 __device__ __forceinline__ bool gate_params_bad(float a_log, float dt_bias) {
-  return !(fabsf(a_log) <= kMaxAbsALog) || !(fabsf(dt_bias) <= 3.0e38f);
+  return !(fabsf(a_log) <= kMaxAbsALog) || !isfinite(dt_bias);
 }
 
 // ORs `bits` into the caller's device status word (Tensors::device_status), if it gave one.

@@ -100,19 +100,40 @@ int device_capability(int device, cudaError_t* err) {
 // link against libcuda. Null when the driver does not offer it (the extent check is then skipped).
 using MemGetAddressRangeFn = int (*)(unsigned long long* base, std::size_t* size, unsigned long long ptr);
 
+using PointerGetAttributeFn = int (*)(void* data, int attribute, unsigned long long ptr);
+constexpr int kAttributeIsLegacyIpcCapable = 10;  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+
+void* driver_entry_point(const char* symbol) {
+  void* ptr = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return ptr;
+}
+
 MemGetAddressRangeFn mem_get_address_range() {
-  static const MemGetAddressRangeFn fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &ptr, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return MemGetAddressRangeFn{nullptr};
-    }
-    return reinterpret_cast<MemGetAddressRangeFn>(ptr);
-  }();
+  static const auto fn = reinterpret_cast<MemGetAddressRangeFn>(driver_entry_point("cuMemGetAddressRange"));
   return fn;
+}
+
+PointerGetAttributeFn pointer_get_attribute() {
+  static const auto fn = reinterpret_cast<PointerGetAttributeFn>(driver_entry_point("cuPointerGetAttribute"));
+  return fn;
+}
+
+// Whether the driver's address range of `addr` is the whole allocation the caller made. True for
+// cudaMalloc memory (legacy-IPC capable). Not for memory mapped with cuMemCreate / cuMemMap
+// (PyTorch's expandable segments, custom pools): there the range is one physical chunk, and a
+// valid tensor may span several, so a short range proves nothing. Nor for stream-ordered pools or
+// managed memory; the extent check trusts the range only when this returns true.
+bool range_is_whole_allocation(unsigned long long addr) {
+  const PointerGetAttributeFn get = pointer_get_attribute();
+  if (get == nullptr) return false;
+  int capable = 0;  // the driver writes a bool into the low byte
+  return get(&capable, kAttributeIsLegacyIpcCapable, addr) == 0 && capable != 0;
 }
 
 const char* memory_type_name(cudaMemoryType type) {
@@ -197,7 +218,7 @@ Status check_device_extents(const TensorExtents& extents) {
       const unsigned long long addr = reinterpret_cast<std::uintptr_t>(e.ptr);
       if (range_of(&base, &size, addr) == 0 && addr >= base) {
         const unsigned long long room = base + size - addr;
-        if (room < e.bytes) {
+        if (room < e.bytes && range_is_whole_allocation(addr)) {
           return Status(StatusCode::kInvalidArgument,
                         std::string(e.name) + " needs " + std::to_string(e.bytes) + " bytes, but its allocation ends " +
                             std::to_string(room) + " bytes after it");
