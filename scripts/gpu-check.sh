@@ -3,11 +3,15 @@
 # dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
 # the benchmark. Logs and tables go to $OUT.
 # Usage: scripts/gpu-check.sh [tests|bench|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
+# ab REV [bench args]: kda-bench of .ab/REV (scripts/ab-prepare.sh REV) and of this tree, run
+# alternately (KDA_AB_ROUNDS rounds, default 3), compared as ratios by scripts/bench-ab.py.
 # sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; parallel, the 2^31-element test serially).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
+ab_rev=
+if [ "$what" = ab ]; then ab_rev=${1:?ab needs a revision (scripts/ab-prepare.sh REV first)}; shift; KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-kda-bench}; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/kda-out}
 mkdir -p "$OUT"
@@ -50,6 +54,23 @@ if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
   run_tool initcheck san-initcheck.log "$t/test_kda_cuda" '-tc=*state combination*'
   run_tool synccheck san-synccheck.log "$t/test_kda_cuda" '-tc=*varlen*'
 fi
+if [ "$what" = ab ]; then
+  src=$root/.ab/$ab_rev
+  [ -d "$src" ] || { echo "no $src: run scripts/ab-prepare.sh $ab_rev here and carry .ab"; exit 1; }
+  abuild=${build}-ab-$ab_rev
+  cmake -S "$src" -B "$abuild" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.gpudeps/usr" \
+    -DKDA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a > "$OUT/configure-ab.log" 2>&1 \
+    && cmake --build "$abuild" -j16 --target kda-bench > "$OUT/build-ab.log" 2>&1 \
+    || { grep -E "error|Error" -A4 "$OUT/build-ab.log" "$OUT/configure-ab.log" | head -60; exit 1; }
+  runs=()
+  for round in $(seq 1 ${KDA_AB_ROUNDS:-3}); do
+    "$abuild/bench/kda-bench" "$@" > /tmp/ab-a-$round.md 2>&1 || rc=1
+    "$build/bench/kda-bench" "$@" > /tmp/ab-b-$round.md 2>&1 || rc=1
+    runs+=(/tmp/ab-a-$round.md /tmp/ab-b-$round.md)
+  done
+  cp /tmp/ab-b-1.md "$OUT/bench.md"
+  python3 "$root/scripts/bench-ab.py" "$ab_rev" "this tree" "${runs[@]}" | tee "$OUT/bench-ab.md"
+fi
 if [ "$what" = sanitize-all ]; then
   t=$build/tests
   logs=/tmp/kda-sanitizer-logs
@@ -68,11 +89,15 @@ if [ "$what" = sanitize-all ]; then
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"
-    # The 2^31-element test needs ~50 GB of device memory: one tool at a time, beside the others.
-    ( for tool in memcheck initcheck synccheck racecheck; do one $tool test_hardening_cuda; done ) &
     for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do echo "$tool $b"; done; done \
       | xargs -P 6 -L 1 bash -c 'one $0 $1'
-    wait
+    # test_hardening_cuda after them, alone: its leak test measures device-wide free memory, which
+    # other processes disturb, and its 2^31-element case needs ~50 GB. racecheck did not survive the
+    # leak test's 3 x 1000 forwards (docs/SANITIZERS.md): 3 x 100 there.
+    for tool in memcheck synccheck racecheck initcheck; do
+      [ $tool = racecheck ] && export KDA_LEAK_FORWARDS=100 || unset KDA_LEAK_FORWARDS
+      one $tool test_hardening_cuda
+    done
   } | tee "$OUT/sanitizers.md"
   grep -q "exit [^0]" "$OUT/sanitizers.md" && rc=1
   tar -czf "$OUT/sanitizer-logs.tar.gz" -C "$logs" .
