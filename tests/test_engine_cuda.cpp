@@ -10,6 +10,7 @@
 
 #include "cuda_test_util.hpp"
 #include "kda/engine/engine.hpp"
+#include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda_reference.hpp"
 
@@ -134,4 +135,48 @@ TEST_CASE("engine on CUDA: run_synthetic with decode steps completes and reports
       break;
     }
   }
+}
+
+TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is refused before any run writes") {
+  if (!kda::test::gpu_or_skip()) return;
+  const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
+  EngineOptions o;
+  o.backend = BackendChoice::kCuda;
+  o.synthetic_tokens = 200;
+  Engine e(spec, o);
+  e.generate_synthetic_inputs(9);
+  const int s0 = e.acquire_slot(), s1 = e.acquire_slot(), s2 = e.acquire_slot();
+  (void)s1;
+  // Slots {s0, s2}: two runs of consecutive slots, so two operator forwards; out holds only the first
+  // sequence and half of the second (no guard bytes: the allocation ends where the buffer does).
+  const std::int64_t H = 4, D = 128;
+  const std::vector<std::int64_t> cu = {0, 40, 80};
+  const std::vector<int> slots = {s0, s2};
+  kda::test::DeviceBuffer out(static_cast<std::size_t>(60 * H * D) * 2, 0);
+  out.fill(0xFF);
+  CHECK_THROWS_WITH_AS(e.prefill(0, e.synthetic_inputs(0), out.get(), slots, cu),
+                       doctest::Contains("out needs"), kda::Error);
+  e.synchronize();
+  for (std::uint16_t x : out.download<std::uint16_t>()) {
+    if (x != 0xFFFF) {
+      FAIL("the first run wrote its output before the second run's buffer was refused");
+      break;
+    }
+  }
+  for (double x : state_of(e, 0, s0)) {
+    if (x != 0.0) {
+      FAIL("the first run updated its state before the second run's buffer was refused");
+      break;
+    }
+  }
+  // A host pointer for beta, in decode.
+  std::vector<std::uint16_t> host_beta(static_cast<std::size_t>(2 * H), 0);
+  kda::engine::LayerInputs in = e.synthetic_inputs(0);
+  in.beta = host_beta.data();
+  CHECK_THROWS_WITH_AS(e.decode(0, in, e.synthetic_output(), slots, 1),
+                       doctest::Contains("beta points to unregistered host memory"), kda::Error);
+  // The same calls with good buffers work, and the engine's status word stays clear.
+  e.prefill(0, e.synthetic_inputs(0), e.synthetic_output(), slots, cu);
+  e.decode(0, e.synthetic_inputs(0), e.synthetic_output(), slots, 1);
+  CHECK_NOTHROW(e.check_device_status());
 }

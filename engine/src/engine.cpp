@@ -191,7 +191,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
       stream_(options.stream),
       arena_(nullptr, ArenaDeleter{backend_}) {
   cpu_.num_threads = options.cpu_threads;
-  cuda_.check_pointers = options.check_pointers;
+  check_pointers_ = options.check_pointers;
+  unchecked_.check_pointers = false;
   const std::string where = spec_.name + " on " + to_string(backend_);
   if (backend_ == Backend::kCuda && cuda_device_count() == 0) {
     fail(where + ": no CUDA device" +
@@ -303,6 +304,20 @@ void Engine::copy_in(void* dst, const void* src, std::size_t bytes) {
 
 void Engine::synchronize() const {
   if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
+}
+
+void Engine::check_caller_buffers(const KdaLayer& layer, const char* what, const LayerInputs& inputs,
+                                  const void* out, std::uint64_t token_bytes, std::uint64_t beta_bytes) const {
+  const struct {
+    const void* ptr;
+    std::uint64_t bytes;
+    const char* name;
+  } buffers[] = {{inputs.q, token_bytes, "q"}, {inputs.k, token_bytes, "k"},       {inputs.v, token_bytes, "v"},
+                 {inputs.g, token_bytes, "g"}, {inputs.beta, beta_bytes, "beta"}, {out, token_bytes, "out"}};
+  for (const auto& b : buffers) {
+    const Status st = check_device_pointer(b.ptr, static_cast<std::size_t>(b.bytes), b.name);
+    if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
+  }
 }
 
 void Engine::check_device_status() {
@@ -421,6 +436,16 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
   }
 
+  // The caller's buffers, checked once for the whole batch before anything is enqueued: the
+  // forwards below (one per run of consecutive slots) then skip the operator's per-call pointer
+  // checks, so that a bad pointer cannot surface after earlier runs have written.
+  const auto H = static_cast<std::uint64_t>(spec_.num_heads);
+  const auto D = static_cast<std::uint64_t>(spec_.head_dim);
+  if (backend_ == Backend::kCuda && check_pointers_) {
+    const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);  // <= max_tokens: sizes fit (spec)
+    check_caller_buffers(layer, "prefill", inputs, out, T * H * D * 2, T * H * 2);
+  }
+
   // Runs of consecutive slots, each with its cu_seqlens rebased to 0.
   runs_.clear();
   cu_staging_.clear();
@@ -438,8 +463,6 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     cu_uploaded_ = cu_staging_;  // capacity reserved: no allocation
   }
 
-  const auto H = static_cast<std::uint64_t>(spec_.num_heads);
-  const auto D = static_cast<std::uint64_t>(spec_.head_dim);
   for (const Run& run : runs_) {
     const std::int64_t token0 = cu_seqlens[static_cast<std::size_t>(run.first_seq)];
     const std::int64_t tokens =
@@ -461,7 +484,7 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     t.initial_state = slot_state(kda_layer, run.first_slot);
     t.final_state = slot_state(kda_layer, run.first_slot);  // in place
     t.device_status = device_status_;
-    layer.forward(layer.prefill_problem(tokens, run.num_seqs), t, cpu_, stream_, cuda_);
+    layer.forward(layer.prefill_problem(tokens, run.num_seqs), t, cpu_, stream_, unchecked_);
   }
 }
 
@@ -499,6 +522,13 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     }
     slots_staging_.push_back(slot < 0 ? -1 : slot);
   }
+  // The caller's buffers, before anything is enqueued (see prefill).
+  if (backend_ == Backend::kCuda && check_pointers_) {
+    const auto rows = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(tokens);
+    const auto H = static_cast<std::uint64_t>(spec_.num_heads);
+    const auto D = static_cast<std::uint64_t>(spec_.head_dim);
+    check_caller_buffers(layer, "decode", inputs, out, rows * H * D * 2, rows * H * 2);
+  }
   if (slots_staging_ != slots_uploaded_) {
     KDA_NVTX_RANGE("decode.stage_slots");
     copy_in(slots_scratch_, slots_staging_.data(), batch * sizeof(std::int32_t));
@@ -514,7 +544,7 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
   t.out = out;
   t.device_status = device_status_;
   layer.decode(layer.decode_problem(static_cast<std::int64_t>(batch), tokens), t, cpu_, stream_,
-               cuda_);
+               unchecked_);
 }
 
 // ---- synthetic inputs ----------------------------------------------------------------------

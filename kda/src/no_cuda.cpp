@@ -32,6 +32,7 @@ Status memset_device(void*, int, std::size_t, void*) { return unavailable(); }
 Status stream_synchronize(void*) { return unavailable(); }
 std::string device_name(int) { return "none"; }
 Status cuda_device_supported() { return unavailable(); }
+Status check_device_pointer(const void*, std::size_t, const char*) { return unavailable(); }
 Status check_device_status(const std::uint32_t*, void*) { return unavailable(); }
 Status clear_device_status(std::uint32_t*, void*) { return unavailable(); }
 

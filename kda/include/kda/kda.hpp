@@ -237,6 +237,11 @@ std::string device_name(int device = 0);
 // Whether the current device can run the CUDA backend (compute capability 9.0: the kernels are
 // built for sm_90a only). kUnsupported names the device and its capability otherwise.
 Status cuda_device_supported();
+// The check CudaOptions::check_pointers makes, for one caller buffer: [ptr, ptr + bytes) is device
+// (or managed) memory of the current device, inside one allocation where the driver can tell.
+// kOk for a null ptr or 0 bytes; kInvalidArgument naming `name` otherwise. For layers above the
+// operator that check their callers' buffers once per batch (the engine does).
+Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name);
 // Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
 // Not for the forward path (it synchronizes): call it where you would read results anyway.
 Status check_device_status(const std::uint32_t* device_status, void* stream);

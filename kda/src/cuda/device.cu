@@ -166,6 +166,12 @@ Status cuda_device_supported() {
   return Status::Ok();
 }
 
+Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name) {
+  detail::TensorExtents one;
+  one.add(name == nullptr ? "buffer" : name, ptr, bytes);
+  return detail::check_device_extents(one);
+}
+
 Status check_device_status(const std::uint32_t* device_status, void* stream) {
   if (device_status == nullptr) {
     return Status(StatusCode::kInvalidArgument, "check_device_status: device_status is null");

@@ -183,12 +183,16 @@ class Engine {
   void zero_slot(int slot);
   void check_layer(int kda_layer) const;
   void copy_in(void* dst, const void* src, std::size_t bytes);  // host -> arena
+  // CUDA: q, k, v, g, beta and out are device memory large enough for the call (throws).
+  void check_caller_buffers(const KdaLayer& layer, const char* what, const LayerInputs& inputs,
+                            const void* out, std::uint64_t token_bytes, std::uint64_t beta_bytes) const;
 
   ModelSpec spec_;
   Backend backend_;
   void* stream_;
   CpuOptions cpu_;
-  CudaOptions cuda_;
+  bool check_pointers_ = true;  // CUDA: the caller's buffers, once per prefill / decode call
+  CudaOptions unchecked_;       // the operator calls: pointers already checked or the arena's own
   std::uint32_t* device_status_ = nullptr;  // CUDA: the engine's device status word (arena)
   std::vector<KdaLayer> layers_;
   planner::MemoryPlan plan_;
