@@ -518,6 +518,36 @@ TEST_CASE("a batch of scattered slots equals each sequence run alone") {
   }
 }
 
+TEST_CASE("an out that overlaps an input only in a later run of slots is refused before any run writes") {
+  EngineOptions options;
+  options.seed = 5;
+  Engine engine(spec_from(kSpec), options);
+  const int s0 = engine.acquire_slot(), s1 = engine.acquire_slot(), s2 = engine.acquire_slot();
+  (void)s1;
+  const std::vector<int> slots = {s0, s2};          // two runs: {s0}, {s2}
+  const std::vector<std::int64_t> cu = {0, 10, 110};
+  // One buffer: q for 110 tokens, then room; out starts 50 tokens into q, so the first run's
+  // 10 output tokens would not touch its 10 input tokens, but the whole batch's do.
+  std::vector<std::uint16_t> buffer(200 * 64, kda::test::kPoisonBf16);
+  const Activations acts(110, 2, 32, 4);
+  std::copy(acts.q.begin(), acts.q.end(), buffer.begin());
+  LayerInputs in = acts.inputs();
+  in.q = buffer.data();
+  const std::vector<std::uint16_t> before = buffer;
+  CHECK_THROWS_WITH_AS(engine.prefill(0, in, buffer.data() + 50 * 64, slots, cu),
+                       doctest::Contains("out overlaps q"), kda::Error);
+  CHECK(buffer == before);
+  for (float x : slot_state(engine, 0, s0)) {
+    if (x != 0.0f) {
+      FAIL("the first run updated its state before the overlap was refused");
+      break;
+    }
+  }
+  // Without the overlap the same batch runs.
+  std::vector<std::uint16_t> out(110 * 64, kda::test::kPoisonBf16);
+  CHECK_NOTHROW(engine.prefill(0, in, out.data(), slots, cu));
+}
+
 TEST_CASE("parameters come from the weights file when the model names one") {
   std::random_device random;
   const fs::path dir = fs::temp_directory_path() / ("kda-test-weights-" + std::to_string(random()));

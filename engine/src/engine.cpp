@@ -318,6 +318,11 @@ void Engine::check_caller_buffers(const KdaLayer& layer, const char* what, const
     const Status st = check_device_pointer(b.ptr, static_cast<std::size_t>(b.bytes), b.name);
     if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
   }
+  // The operator runs with its pointer checks off, so its own check of the arena's buffers (states,
+  // parameters, workspace) is gone too: one query here still catches a call made while another
+  // device is current.
+  const Status st = check_device_pointer(device_status_, sizeof(std::uint32_t), "the engine's arena");
+  if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
 }
 
 void Engine::check_device_status() {
@@ -436,6 +441,31 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
   }
 
+  // out must not overlap an input anywhere in the batch: checked here over all T tokens, because
+  // the operator, called per run, sees only each run's range and a later run's overlap would
+  // surface after earlier runs have written.
+  {
+    const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);
+    const auto Hh = static_cast<std::uint64_t>(spec_.num_heads);
+    const auto Dd = static_cast<std::uint64_t>(spec_.head_dim);
+    const std::uint64_t token_bytes = T * Hh * Dd * 2;
+    const auto begin = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    const struct {
+      const void* ptr;
+      std::uint64_t bytes;
+      const char* name;
+    } ins[] = {{inputs.q, token_bytes, "q"}, {inputs.k, token_bytes, "k"}, {inputs.v, token_bytes, "v"},
+               {inputs.g, token_bytes, "g"}, {inputs.beta, T * Hh * 2, "beta"}};
+    if (out != nullptr && token_bytes > 0) {
+      for (const auto& in : ins) {
+        if (in.ptr == nullptr || in.bytes == 0) continue;
+        if (begin(out) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out) + token_bytes) {
+          throw Error(StatusCode::kInvalidArgument, layer.nvtx_name() + " prefill: out overlaps " +
+                                                        in.name + " (outputs must not alias inputs)");
+        }
+      }
+    }
+  }
   // The caller's buffers, checked once for the whole batch before anything is enqueued: the
   // forwards below (one per run of consecutive slots) then skip the operator's per-call pointer
   // checks, so that a bad pointer cannot surface after earlier runs have written.
