@@ -68,7 +68,9 @@ struct Inputs {
   }
 };
 
-std::vector<double> values(const std::vector<std::uint16_t>& bf16) { return kda::test::to_doubles(bf16); }
+std::vector<double> values(const std::vector<std::uint16_t>& bf16) {
+  return kda::test::to_doubles(bf16);
+}
 
 }  // namespace
 
@@ -96,9 +98,10 @@ TEST_CASE("C API on CUDA: prefill and decode on device pointers agree with the C
   std::vector<std::uint16_t> cout(static_cast<std::size_t>(T * H * D));
   for (int layer = 0; layer < 2; ++layer) {
     dout.fill(0xFF);
-    REQUIRE_MESSAGE(kda_engine_prefill(gpu.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
-                                       in.dbeta.get(), dout.get(), gslots, 3, cu.data()) == KDA_OK,
-                    kda_engine_last_error(gpu.e));
+    REQUIRE_MESSAGE(
+        kda_engine_prefill(gpu.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                           in.dbeta.get(), dout.get(), gslots, 3, cu.data()) == KDA_OK,
+        kda_engine_last_error(gpu.e));
     REQUIRE(kda_engine_prefill(cpu.e, layer, in.q.data(), in.k.data(), in.v.data(), in.g.data(),
                                in.beta.data(), cout.data(), cslots, 3, cu.data()) == KDA_OK);
     REQUIRE(kda_engine_synchronize(gpu.e) == KDA_OK);
@@ -114,11 +117,13 @@ TEST_CASE("C API on CUDA: prefill and decode on device pointers agree with the C
     sout.fill(0);
     std::vector<std::uint16_t> csout(static_cast<std::size_t>(3 * 2 * H * D), 0);
     for (int layer = 0; layer < 2; ++layer) {
-      REQUIRE_MESSAGE(kda_engine_decode(gpu.e, layer, tok.dq.get(), tok.dk.get(), tok.dv.get(), tok.dg.get(),
-                                        tok.dbeta.get(), sout.get(), grows, 3, 2) == KDA_OK,
-                      kda_engine_last_error(gpu.e));
-      REQUIRE(kda_engine_decode(cpu.e, layer, tok.q.data(), tok.k.data(), tok.v.data(), tok.g.data(),
-                                tok.beta.data(), csout.data(), crows, 3, 2) == KDA_OK);
+      REQUIRE_MESSAGE(
+          kda_engine_decode(gpu.e, layer, tok.dq.get(), tok.dk.get(), tok.dv.get(), tok.dg.get(),
+                            tok.dbeta.get(), sout.get(), grows, 3, 2) == KDA_OK,
+          kda_engine_last_error(gpu.e));
+      REQUIRE(kda_engine_decode(cpu.e, layer, tok.q.data(), tok.k.data(), tok.v.data(),
+                                tok.g.data(), tok.beta.data(), csout.data(), crows, 3,
+                                2) == KDA_OK);
     }
     REQUIRE(kda_engine_synchronize(gpu.e) == KDA_OK);
     const double e = kda::test::rel_error_bf16(sout.download<std::uint16_t>(), values(csout));
@@ -128,7 +133,9 @@ TEST_CASE("C API on CUDA: prefill and decode on device pointers agree with the C
   CHECK(kda_engine_check_device_status(cpu.e) == KDA_OK);
 }
 
-TEST_CASE("C API on CUDA: host pointers and short buffers come back as KDA_INVALID_ARGUMENT with a message") {
+TEST_CASE(
+    "C API on CUDA: host pointers and short buffers come back as KDA_INVALID_ARGUMENT with a "
+    "message") {
   if (!kda::test::gpu_or_skip()) return;
   Handle gpu{create(KDA_BACKEND_CUDA)};
   int slot = -1;
@@ -143,19 +150,20 @@ TEST_CASE("C API on CUDA: host pointers and short buffers come back as KDA_INVAL
   kda_status st = kda_engine_prefill(gpu.e, 0, in.q.data(), in.dk.get(), in.dv.get(), in.dg.get(),
                                      in.dbeta.get(), dout.get(), &slot, 1, cu);
   CHECK(st == KDA_INVALID_ARGUMENT);
-  CHECK_MESSAGE(std::string(kda_engine_last_error(gpu.e)).find("q points to unregistered host memory") !=
-                    std::string::npos,
-                kda_engine_last_error(gpu.e));
+  CHECK_MESSAGE(
+      std::string(kda_engine_last_error(gpu.e)).find("q points to unregistered host memory") !=
+          std::string::npos,
+      kda_engine_last_error(gpu.e));
   // out one token short of T.
   kda::test::DeviceBuffer short_out(static_cast<std::size_t>((T - 1) * H * D) * 2, 0);
-  st = kda_engine_prefill(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
-                          short_out.get(), &slot, 1, cu);
+  st = kda_engine_prefill(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                          in.dbeta.get(), short_out.get(), &slot, 1, cu);
   CHECK(st == KDA_INVALID_ARGUMENT);
   CHECK_MESSAGE(std::string(kda_engine_last_error(gpu.e)).find("out needs") != std::string::npos,
                 kda_engine_last_error(gpu.e));
   // Decode with beta on the host.
-  st = kda_engine_decode(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.beta.data(),
-                         dout.get(), &slot, 1, 1);
+  st = kda_engine_decode(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                         in.beta.data(), dout.get(), &slot, 1, 1);
   CHECK(st == KDA_INVALID_ARGUMENT);
   CHECK(std::string(kda_engine_last_error(gpu.e)).find("beta points to") != std::string::npos);
   // Nothing was written, and the engine still works.
@@ -166,8 +174,8 @@ TEST_CASE("C API on CUDA: host pointers and short buffers come back as KDA_INVAL
       break;
     }
   }
-  CHECK(kda_engine_prefill(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
-                           dout.get(), &slot, 1, cu) == KDA_OK);
+  CHECK(kda_engine_prefill(gpu.e, 0, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                           in.dbeta.get(), dout.get(), &slot, 1, cu) == KDA_OK);
   CHECK(kda_engine_check_device_status(gpu.e) == KDA_OK);
   CHECK(std::string(kda_engine_last_error(gpu.e)).empty());
 }
@@ -183,16 +191,17 @@ TEST_CASE("C API on CUDA: check_pointers = 0 gives bitwise the same results as t
     REQUIRE(kda_engine_acquire_slot(unchecked.e, &b[i]) == KDA_OK);
   }
   Inputs in(T, 47);
-  kda::test::DeviceBuffer out_a(static_cast<std::size_t>(T * H * D) * 2), out_b(static_cast<std::size_t>(T * H * D) * 2);
+  kda::test::DeviceBuffer out_a(static_cast<std::size_t>(T * H * D) * 2),
+      out_b(static_cast<std::size_t>(T * H * D) * 2);
   for (int layer = 0; layer < 2; ++layer) {
-    REQUIRE(kda_engine_prefill(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
-                               out_a.get(), a, 2, cu) == KDA_OK);
-    REQUIRE(kda_engine_prefill(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
-                               in.dbeta.get(), out_b.get(), b, 2, cu) == KDA_OK);
-    REQUIRE(kda_engine_decode(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(), in.dbeta.get(),
-                              out_a.get(), a, 2, 1) == KDA_OK);
-    REQUIRE(kda_engine_decode(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
-                              in.dbeta.get(), out_b.get(), b, 2, 1) == KDA_OK);
+    REQUIRE(kda_engine_prefill(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                               in.dbeta.get(), out_a.get(), a, 2, cu) == KDA_OK);
+    REQUIRE(kda_engine_prefill(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(),
+                               in.dg.get(), in.dbeta.get(), out_b.get(), b, 2, cu) == KDA_OK);
+    REQUIRE(kda_engine_decode(checked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(), in.dg.get(),
+                              in.dbeta.get(), out_a.get(), a, 2, 1) == KDA_OK);
+    REQUIRE(kda_engine_decode(unchecked.e, layer, in.dq.get(), in.dk.get(), in.dv.get(),
+                              in.dg.get(), in.dbeta.get(), out_b.get(), b, 2, 1) == KDA_OK);
   }
   REQUIRE(kda_engine_synchronize(checked.e) == KDA_OK);
   REQUIRE(kda_engine_synchronize(unchecked.e) == KDA_OK);

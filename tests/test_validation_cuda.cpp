@@ -71,7 +71,9 @@ struct PrefillRig {
   Status run(const Tensors& t, const CudaOptions& opt = {}) {
     return forward_cuda(c.problem, t, {ws.get(), ws_bytes}, nullptr, opt);
   }
-  Status device_status() { return check_device_status(static_cast<std::uint32_t*>(status.get()), nullptr); }
+  Status device_status() {
+    return check_device_status(static_cast<std::uint32_t*>(status.get()), nullptr);
+  }
   bool untouched() const { return all_bytes(out, 0xFF) && all_bytes(ht, 0xFF); }
 };
 
@@ -85,7 +87,8 @@ TEST_CASE("cuda: the device is one the backend is built for") {
   CHECK(can_implement(c.problem, Backend::kCuda).ok());
 }
 
-TEST_CASE("cuda prefill: host memory / short allocations / the workspace are refused before any launch") {
+TEST_CASE(
+    "cuda prefill: host memory / short allocations / the workspace are refused before any launch") {
   if (!gpu_or_skip()) return;
   PrefillRig rig(make_case(cuda_case(11)));
   const Tensors good = rig.tensors();
@@ -107,7 +110,8 @@ TEST_CASE("cuda prefill: host memory / short allocations / the workspace are ref
       if (which == 2) t.cu_seqlens = rig.c.cu_seqlens.data();
       const Status st = rig.run(t);
       CHECK(st.code() == StatusCode::kInvalidArgument);
-      CHECK_MESSAGE(contains(st, std::string(name) + " points to unregistered host memory"), st.to_string());
+      CHECK_MESSAGE(contains(st, std::string(name) + " points to unregistered host memory"),
+                    st.to_string());
     }
   }
   SUBCASE("v in an allocation one token too short") {
@@ -118,9 +122,10 @@ TEST_CASE("cuda prefill: host memory / short allocations / the workspace are ref
     t.v = short_v.get();
     const Status st = rig.run(t);
     CHECK(st.code() == StatusCode::kInvalidArgument);
-    CHECK_MESSAGE(contains(st, "v needs " + std::to_string(need) + " bytes, but its allocation ends " +
-                                   std::to_string(need - row) + " bytes after it"),
-                  st.to_string());
+    CHECK_MESSAGE(
+        contains(st, "v needs " + std::to_string(need) + " bytes, but its allocation ends " +
+                         std::to_string(need - row) + " bytes after it"),
+        st.to_string());
   }
   SUBCASE("final_state in an allocation too short") {
     DeviceBuffer short_ht(rig.ht.bytes() - 4, 0);
@@ -138,7 +143,8 @@ TEST_CASE("cuda prefill: host memory / short allocations / the workspace are ref
   }
   SUBCASE("an interior pointer of a large allocation is fine") {
     DeviceBuffer big(static_cast<std::size_t>(rig.c.out_elems()) * 2 + 4096, 0);
-    memcpy_to_device(static_cast<unsigned char*>(big.get()) + 4096, rig.c.v.data(), rig.c.v.size() * 2);
+    memcpy_to_device(static_cast<unsigned char*>(big.get()) + 4096, rig.c.v.data(),
+                     rig.c.v.size() * 2);
     Tensors t = good;
     t.v = static_cast<unsigned char*>(big.get()) + 4096;
     const Status st = rig.run(t);
@@ -225,7 +231,9 @@ TEST_CASE("cuda prefill: broken device cu_seqlens are reported through the devic
   }
 }
 
-TEST_CASE("cuda prefill and decode: gate parameters out of range are reported through the device status word") {
+TEST_CASE(
+    "cuda prefill and decode: gate parameters out of range are reported through the device status "
+    "word") {
   if (!gpu_or_skip()) return;
   KdaCase c = make_case(cuda_case(19));
   const float nan = std::numeric_limits<float>::quiet_NaN();
