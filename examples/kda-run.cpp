@@ -332,6 +332,8 @@ int run_model_mode(const Options& o) {
                 step > 0 ? static_cast<double>(o.sequences) / step : 0.0,
                 step * 1e6 / engine.num_layers());
   }
+  // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
+  engine.check_device_status();
   return 0;
 }
 
