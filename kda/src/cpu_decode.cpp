@@ -41,8 +41,7 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots) {
 }
 
 template <typename Real>
-void run_decode(const DecodeProblem& p, const DecodeTensors& t, std::vector<Real>& scratch,
-                std::int64_t workers) {
+void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, std::int64_t workers) {
   const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, n_tok = p.tokens;
   const std::int64_t state_elems = V * K;
   const std::int64_t slot_reals = static_cast<std::int64_t>(
@@ -63,7 +62,7 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, std::vector<Real
     const std::int64_t b = item / H, head = item % H;
     const std::int32_t slot = t.slots[b];
     if (slot < 0) return;  // padding: its out rows stay untouched
-    detail::cpu::Scratch<Real> sc(scratch.data() + worker * slot_reals, K, V);
+    detail::cpu::Scratch<Real> sc(scratch + worker * slot_reals, K, V);
     const std::int64_t state_index = (static_cast<std::int64_t>(slot) * H + head) * state_elems;
     unsigned char* state_mem = static_cast<unsigned char*>(t.state_pool) +
                                state_index * static_cast<std::int64_t>(state_size);
@@ -105,12 +104,20 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptio
         static_cast<std::size_t>(workers) *
         static_cast<std::size_t>(detail::cpu::slot_reals(static_cast<std::uint64_t>(p.head_dim_k),
                                                          static_cast<std::uint64_t>(p.head_dim_v)));
+    // 64-byte aligned slots (Scratch's contract): one alignment's worth of slack, then round up.
+    const auto aligned = [](auto& buffer) {
+      using Real = typename std::decay_t<decltype(buffer)>::value_type;
+      const auto at = reinterpret_cast<std::uintptr_t>(buffer.data());
+      const std::uintptr_t align = detail::cpu::kSlotAlignment;
+      return reinterpret_cast<Real*>((at + align - 1) / align * align);
+    };
+    const std::size_t slack = detail::cpu::kSlotAlignment / sizeof(float);
     if (opt.fp64) {
-      std::vector<double> scratch(reals);
-      run_decode<double>(p, t, scratch, workers);
+      std::vector<double> scratch(reals + slack);
+      run_decode<double>(p, t, aligned(scratch), workers);
     } else {
-      std::vector<float> scratch(reals);
-      run_decode<float>(p, t, scratch, workers);
+      std::vector<float> scratch(reals + slack);
+      run_decode<float>(p, t, aligned(scratch), workers);
     }
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kInternal, "decode_cpu could not allocate its per-thread scratch");

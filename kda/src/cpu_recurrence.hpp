@@ -37,9 +37,21 @@ inline constexpr std::int64_t kMaxThreads = 64;
 // Alignment of each thread's scratch slot inside the caller's workspace.
 inline constexpr std::uint64_t kSlotAlignment = 64;
 
-// Reals of one thread's scratch slot: the V x K state, four K-vectors (a, ak, aq, k^) and o (V).
+// Every array of a slot starts on a 64-byte boundary (16 Reals: 64 bytes of float, 128 of double)
+// and the slot itself is 64-byte aligned. Eigen peels unaligned heads of vectorized loops with
+// scalar code, which rounds differently, so an array's address would otherwise change the result's
+// bits: with AVX (32-byte packets) a 16-byte aligned vector gave other bits than a 32-byte aligned
+// one, and two identical runs could differ.
+inline constexpr std::uint64_t kArrayAlignReals = 16;
+inline std::uint64_t padded_reals(std::uint64_t n) {
+  return (n + kArrayAlignReals - 1) / kArrayAlignReals * kArrayAlignReals;
+}
+
+// Reals of one thread's scratch slot: the V x K state, four K-vectors (a, ak, aq, k^) and o (V),
+// each padded to kArrayAlignReals.
 inline std::uint64_t slot_reals(std::uint64_t head_dim_k, std::uint64_t head_dim_v) {
-  return head_dim_v * head_dim_k + 4 * head_dim_k + head_dim_v;
+  return padded_reals(head_dim_v * head_dim_k) + 4 * padded_reals(head_dim_k) +
+         padded_reals(head_dim_v);
 }
 // Bytes of one slot, sized for double so that one workspace serves both precisions. The caller has
 // bounded K and V (<= 4096), so this cannot overflow.
@@ -94,14 +106,19 @@ struct Scratch {
   TokenVectors<Real> tok;
   Real* o = nullptr;  // [V]
 
+  // `slot` must be 64-byte aligned (see kArrayAlignReals).
   Scratch(Real* slot, std::int64_t head_dim_k, std::int64_t head_dim_v) {
+    const auto pad = [](std::int64_t n) {
+      return static_cast<std::int64_t>(padded_reals(static_cast<std::uint64_t>(n)));
+    };
     state = slot;
-    Real* p = slot + head_dim_v * head_dim_k;
+    Real* p = slot + pad(head_dim_v * head_dim_k);
+    const std::int64_t kp = pad(head_dim_k);
     tok.a = p;
-    tok.ak = p + head_dim_k;
-    tok.aq = p + 2 * head_dim_k;
-    tok.kh = p + 3 * head_dim_k;
-    o = p + 4 * head_dim_k;
+    tok.ak = p + kp;
+    tok.aq = p + 2 * kp;
+    tok.kh = p + 3 * kp;
+    o = p + 4 * kp;
   }
 };
 
