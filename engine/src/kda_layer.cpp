@@ -1,6 +1,7 @@
 // engine/kda_layer.cpp — parameters, buffer declarations and the forward of one KDA layer.
 #include "kda/engine/kda_layer.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -212,9 +213,14 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
   request.bytes = static_cast<std::uint64_t>(max_sequences_) * H * K * K * dtype_size(state_dtype_);
   planner.add(request);
 
-  std::size_t workspace = 0;
-  const Status st = workspace_size(prefill_problem(max_tokens_, max_sequences_), backend, &workspace);
+  // One workspace serves the layer's prefill and its decode (never at the same time): the larger.
+  std::size_t workspace = 0, decode_workspace = 0;
+  Status st = workspace_size(prefill_problem(max_tokens_, max_sequences_), backend, &workspace);
   if (!st.ok()) throw Error(st, nvtx_name_ + ": workspace size on " + to_string(backend));
+  // 16: the most tokens a decode step takes.
+  st = decode_workspace_size(decode_problem(max_sequences_, 16), backend, &decode_workspace);
+  if (!st.ok()) throw Error(st, nvtx_name_ + ": decode workspace size on " + to_string(backend));
+  workspace = std::max(workspace, decode_workspace);
   if (workspace > 0) {
     request.name = workspace_name_;
     request.kind = planner::BufferKind::kWorkspace;
@@ -283,7 +289,7 @@ void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions&
     st = decode_cuda(p, t, stream, cuda);
   } else {
     KDA_NVTX_RANGE("decode.step_cpu");
-    st = decode_cpu(p, t, cpu);
+    st = decode_cpu(p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cpu);
   }
   if (!st.ok()) throw Error(st, nvtx_name_ + " decode");
 }

@@ -3,6 +3,8 @@
 // decode steps computes what one longer prefill computes.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <new>
 #include <string>
 #include <type_traits>
@@ -16,36 +18,37 @@ namespace kda {
 namespace {
 
 // Slot indices: below num_slots, and no slot named twice (two rows would race on one state).
-Status check_slots(const DecodeProblem& p, const std::int32_t* slots) {
-  std::vector<std::pair<std::int32_t, std::int64_t>> named;  // (slot, row)
-  named.reserve(static_cast<std::size_t>(p.batch));
+// `seen`: num_slots bits of caller scratch (the workspace), so that nothing is allocated; the first
+// row naming a slot is found again by a scan, only when there is a duplicate.
+Status check_slots(const DecodeProblem& p, const std::int32_t* slots, unsigned char* seen) {
+  std::memset(seen, 0, static_cast<std::size_t>((p.num_slots + 7) / 8));
   for (std::int64_t b = 0; b < p.batch; ++b) {
-    if (slots[b] < 0) continue;  // padding row
-    if (slots[b] >= p.num_slots) {
+    const std::int32_t s = slots[b];
+    if (s < 0) continue;  // padding row
+    if (s >= p.num_slots) {
       return Status(StatusCode::kInvalidArgument,
-                    "slots[" + std::to_string(b) + "] = " + std::to_string(slots[b]) +
+                    "slots[" + std::to_string(b) + "] = " + std::to_string(s) +
                         " is out of range (num_slots " + std::to_string(p.num_slots) + ")");
     }
-    named.emplace_back(slots[b], b);
-  }
-  std::sort(named.begin(), named.end());
-  for (std::size_t i = 1; i < named.size(); ++i) {
-    if (named[i].first == named[i - 1].first) {
-      return Status(StatusCode::kInvalidArgument,
-                    "slots[" + std::to_string(named[i - 1].second) + "] and slots[" +
-                        std::to_string(named[i].second) + "] both name slot " +
-                        std::to_string(named[i].first));
+    const unsigned char bit = static_cast<unsigned char>(1u << (s % 8));
+    if (seen[s / 8] & bit) {
+      std::int64_t first = 0;
+      while (slots[first] != s) ++first;
+      return Status(StatusCode::kInvalidArgument, "slots[" + std::to_string(first) + "] and slots[" +
+                                                      std::to_string(b) + "] both name slot " +
+                                                      std::to_string(s));
     }
+    seen[s / 8] |= bit;
   }
   return Status::Ok();
 }
 
 template <typename Real>
-void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, std::int64_t workers) {
+void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, std::int64_t workers,
+                std::uint64_t slot_stride_reals) {
   const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, n_tok = p.tokens;
   const std::int64_t state_elems = V * K;
-  const std::int64_t slot_reals = static_cast<std::int64_t>(
-      detail::cpu::slot_reals(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(V)));
+  const auto slot_reals = static_cast<std::int64_t>(slot_stride_reals);
   const std::size_t state_size = dtype_size(p.state_dtype);
   const float scale = p.effective_scale();
   const auto* q = static_cast<const bf16_bits*>(t.q);
@@ -85,44 +88,100 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
 
 }  // namespace
 
-Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt) {
+namespace {
+
+// Worker count and scratch bytes of a decode, from the problem alone (decode_workspace_size and
+// both decode_cpu overloads agree on them).
+std::int64_t decode_workers(const DecodeProblem& p, int requested_threads) {
+  const std::int64_t items = p.batch * p.num_heads;
+  const double updates = static_cast<double>(items) * static_cast<double>(p.tokens) *
+                         static_cast<double>(p.head_dim_v * p.head_dim_k);
+  return detail::cpu::resolve_threads(
+      requested_threads, items, updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
+}
+
+// Checks, then runs on `slots` (64-byte aligned, room for `workers` slots sized for double).
+Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* slots,
+                 std::int64_t workers, const CpuOptions& opt) {
+  if (opt.fp64) {
+    run_decode<double>(p, t, reinterpret_cast<double*>(slots), workers,
+                       detail::cpu::slot_bytes(p.head_dim_k, p.head_dim_v) / sizeof(double));
+  } else {
+    run_decode<float>(p, t, reinterpret_cast<float*>(slots), workers,
+                      detail::cpu::slot_bytes(p.head_dim_k, p.head_dim_v) / sizeof(float));
+  }
+  return Status::Ok();
+}
+
+Status decode_checks(const DecodeProblem& p, const DecodeTensors& t) {
   if (Status st = validate(p, t); !st) return st;
   if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
       !st) {
     return st;
   }
-  if (p.batch == 0) return Status::Ok();
-  try {
-    if (Status st = check_slots(p, t.slots); !st) return st;
-    const std::int64_t items = p.batch * p.num_heads;
-    const double updates = static_cast<double>(items) * static_cast<double>(p.tokens) *
-                           static_cast<double>(p.head_dim_v * p.head_dim_k);
-    const std::int64_t workers = detail::cpu::resolve_threads(
-        opt.num_threads, items,
-        updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
-    const std::size_t reals =
-        static_cast<std::size_t>(workers) *
-        static_cast<std::size_t>(detail::cpu::slot_reals(static_cast<std::uint64_t>(p.head_dim_k),
-                                                         static_cast<std::uint64_t>(p.head_dim_v)));
-    // 64-byte aligned slots (Scratch's contract): one alignment's worth of slack, then round up.
-    const auto aligned = [](auto& buffer) {
-      using Real = typename std::decay_t<decltype(buffer)>::value_type;
-      const auto at = reinterpret_cast<std::uintptr_t>(buffer.data());
-      const std::uintptr_t align = detail::cpu::kSlotAlignment;
-      return reinterpret_cast<Real*>((at + align - 1) / align * align);
-    };
-    const std::size_t slack = detail::cpu::kSlotAlignment / sizeof(float);
-    if (opt.fp64) {
-      std::vector<double> scratch(reals + slack);
-      run_decode<double>(p, t, aligned(scratch), workers);
-    } else {
-      std::vector<float> scratch(reals + slack);
-      run_decode<float>(p, t, aligned(scratch), workers);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status decode_workspace_size(const DecodeProblem& p, Backend backend, std::size_t* bytes) {
+  if (bytes == nullptr) return Status(StatusCode::kInvalidArgument, "bytes is null");
+  if (Status st = can_implement(p, Backend::kCpu); !st) return st;  // shapes and sizes only
+  if (backend != Backend::kCpu && backend != Backend::kCuda) {
+    return Status(StatusCode::kInvalidArgument,
+                  "backend must be cpu or cuda (got " + std::to_string(static_cast<int>(backend)) + ")");
+  }
+  *bytes = 0;
+  if (backend == Backend::kCuda) return Status::Ok();
+  // Scratch for the most threads a call could use, min(batch * H, kMaxThreads), then the slot
+  // bitmap (num_slots bits). validate() bounded every factor, so this cannot overflow.
+  const std::uint64_t items = static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
+  const std::uint64_t slots = std::min<std::uint64_t>(items, detail::cpu::kMaxThreads);
+  if (slots > 0) {
+    const std::uint64_t total =
+        slots * detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
+                                        static_cast<std::uint64_t>(p.head_dim_v)) +
+        detail::cpu::kSlotAlignment + (static_cast<std::uint64_t>(p.num_slots) + 7) / 8;
+    if (total > std::numeric_limits<std::size_t>::max()) {
+      return Status(StatusCode::kOverflow, "decode workspace bytes do not fit size_t");
     }
+    *bytes = static_cast<std::size_t>(total);
+  }
+  return Status::Ok();
+}
+
+Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws, const CpuOptions& opt) {
+  if (Status st = decode_checks(p, t); !st) return st;
+  if (p.batch == 0) return Status::Ok();
+  std::size_t need = 0;
+  if (Status st = decode_workspace_size(p, Backend::kCpu, &need); !st) return st;
+  if (ws.bytes < need) {
+    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
+                                                      " bytes, the CPU decode needs " + std::to_string(need));
+  }
+  if (need > 0 && ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
+  const std::uintptr_t align = detail::cpu::kSlotAlignment;
+  const std::uintptr_t base = (reinterpret_cast<std::uintptr_t>(ws.ptr) + align - 1) / align * align;
+  auto* slots = reinterpret_cast<unsigned char*>(base);
+  const std::uint64_t items = static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
+  const std::uint64_t scratch_bytes =
+      std::min<std::uint64_t>(items, detail::cpu::kMaxThreads) *
+      detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k), static_cast<std::uint64_t>(p.head_dim_v));
+  if (Status st = check_slots(p, t.slots, slots + scratch_bytes); !st) return st;
+  return decode_on(p, t, slots, decode_workers(p, opt.num_threads), opt);
+}
+
+Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt) {
+  if (Status st = decode_checks(p, t); !st) return st;
+  if (p.batch == 0) return Status::Ok();
+  std::size_t need = 0;
+  if (Status st = decode_workspace_size(p, Backend::kCpu, &need); !st) return st;
+  try {
+    std::vector<unsigned char> scratch(need);
+    return decode_cpu(p, t, Workspace{scratch.data(), scratch.size()}, opt);
   } catch (const std::bad_alloc&) {
     return Status(StatusCode::kInternal, "decode_cpu could not allocate its per-thread scratch");
   }
-  return Status::Ok();
 }
 
 }  // namespace kda

@@ -214,7 +214,15 @@ struct DecodeTensors {
 Status validate(const DecodeProblem& p);
 Status validate(const DecodeProblem& p, const DecodeTensors& t);
 Status can_implement(const DecodeProblem& p, Backend backend);
-// CPU: slot indices >= num_slots are an error (checked before anything is written).
+// Bytes of workspace a decode of `p` needs: CPU, one scratch slot per thread (as the prefill's, for
+// min(batch * H, 64) threads) plus alignment slack; CUDA, none. Overflow-checked.
+Status decode_workspace_size(const DecodeProblem& p, Backend backend, std::size_t* bytes);
+// CPU: slot indices >= num_slots are an error (checked before anything is written). Its scratch
+// comes from `ws` (at least decode_workspace_size() bytes): nothing is allocated.
+Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
+                  const CpuOptions& opt = {});
+// The same, allocating its scratch on the heap for the call: for tests and one-off use, not for a
+// runtime's decode loop.
 Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt = {});
 // CUDA: slot indices >= num_slots are skipped on the device (out rows left untouched) and reported
 // through t.device_status (kDeviceStatusSlot), since the host cannot see them without a sync.
