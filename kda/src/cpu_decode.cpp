@@ -100,7 +100,7 @@ std::int64_t decode_workers(const DecodeProblem& p, int requested_threads) {
       requested_threads, items, updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
 }
 
-// Checks, then runs on `slots` (64-byte aligned, room for `workers` slots sized for double).
+// Runs on `slots` (64-byte aligned, room for `workers` slots sized for double); checked before.
 Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* slots,
                  std::int64_t workers, const CpuOptions& opt) {
   if (opt.fp64) {
