@@ -67,7 +67,7 @@ struct Pool {
 Status decode_tokens(const KdaCase& c, std::int64_t t0, std::int64_t tokens,
                      const std::vector<std::int32_t>& slots, Pool* pool,
                      std::vector<std::uint16_t>* out, const CpuOptions& opt = {},
-                     std::int64_t num_slots = -1) {
+                     std::int64_t num_slots = -1, const Workspace* ws = nullptr) {
   const KdaCase step = split_tokens(c, t0, t0 + tokens, DType::kNone, {}, DType::kNone);
   DecodeProblem p;
   p.batch = c.problem.batch;
@@ -98,7 +98,7 @@ Status decode_tokens(const KdaCase& c, std::int64_t t0, std::int64_t tokens,
   t.slots = slots.data();
   t.state_pool = pool->data();
   t.out = out->data();
-  return decode_cpu(p, t, opt);
+  return ws != nullptr ? decode_cpu(p, t, *ws, opt) : decode_cpu(p, t, opt);
 }
 
 CaseOptions small_options(std::uint64_t seed) {
@@ -337,15 +337,13 @@ TEST_CASE("decode with a caller workspace: sized by decode_workspace_size / bitw
   KdaCase c = make_case(small_options(21));  // B = 3 rows, H = 2, K = 32, V = 16
   const std::int64_t per_slot = c.problem.num_heads * c.problem.head_dim_v * c.problem.head_dim_k;
   const std::vector<std::int32_t> slots = {2, -1, 0};
-  DecodeProblem p;
+  DecodeProblem p;  // what decode_tokens(c, 0, 2, slots, <5-slot f32 pool>, ...) runs
   p.batch = c.problem.batch;
   p.tokens = 2;
   p.num_heads = c.problem.num_heads;
   p.head_dim_k = c.problem.head_dim_k;
   p.head_dim_v = c.problem.head_dim_v;
   p.num_slots = 5;
-  p.state_dtype = DType::kF32;
-  p.gate = c.problem.gate;
   std::size_t need = 0;
   REQUIRE(decode_workspace_size(p, Backend::kCpu, &need).ok());
   CHECK(need > 0);
@@ -354,41 +352,25 @@ TEST_CASE("decode with a caller workspace: sized by decode_workspace_size / bitw
   CHECK(cuda_need == 0);
   CHECK(decode_workspace_size(p, Backend::kCpu, nullptr).code() == StatusCode::kInvalidArgument);
 
-  const KdaCase step = split_tokens(c, 0, 2, DType::kNone, {}, DType::kNone);
-  auto run = [&](Pool* pool, std::vector<std::uint16_t>* out, const Workspace* ws) {
-    out->assign(static_cast<std::size_t>(p.batch * p.tokens * p.num_heads * p.head_dim_v), kPoisonBf16);
-    DecodeTensors t;
-    t.q = step.q.data();
-    t.k = step.k.data();
-    t.v = step.v.data();
-    t.g = step.g.data();
-    t.beta = step.beta.data();
-    t.A_log = c.A_log.data();
-    t.dt_bias = c.dt_bias.data();
-    t.slots = slots.data();
-    t.state_pool = pool->f32.data();
-    t.out = out->data();
-    return ws != nullptr ? decode_cpu(p, t, *ws) : decode_cpu(p, t);
-  };
   Pool a(DType::kF32, 5, per_slot, 3), b = a;
   std::vector<std::uint16_t> out_a, out_b;
-  REQUIRE(run(&a, &out_a, nullptr).ok());
+  REQUIRE(decode_tokens(c, 0, 2, slots, &a, &out_a).ok());
   // A workspace at an odd address: decode_cpu aligns inside it (decode_workspace_size has the slack).
   std::vector<unsigned char> bytes(need + 1, 0xCD);
   const Workspace ws{bytes.data() + 1, need};
-  REQUIRE(run(&b, &out_b, &ws).ok());
+  REQUIRE(decode_tokens(c, 0, 2, slots, &b, &out_b, {}, -1, &ws).ok());
   CHECK(out_a == out_b);
   CHECK(a.same_bits(b));
 
-  Pool c_pool(DType::kF32, 5, per_slot, 3);
-  const Pool before = c_pool;
-  std::vector<std::uint16_t> out_c;
+  Pool pool(DType::kF32, 5, per_slot, 3);
+  const Pool before = pool;
+  std::vector<std::uint16_t> out;
   const Workspace small{bytes.data(), need - 1};
-  const Status st = run(&c_pool, &out_c, &small);
+  const Status st = decode_tokens(c, 0, 2, slots, &pool, &out, {}, -1, &small);
   CHECK(st.code() == StatusCode::kWorkspaceTooSmall);
   CHECK(st.message().find("the CPU decode needs " + std::to_string(need)) != std::string::npos);
-  for (std::uint16_t x : out_c) CHECK(x == kPoisonBf16);
-  CHECK(c_pool.same_bits(before));
+  for (std::uint16_t x : out) CHECK(x == kPoisonBf16);
+  CHECK(pool.same_bits(before));
   const Workspace null_ws{nullptr, need};
-  CHECK(run(&c_pool, &out_c, &null_ws).code() == StatusCode::kInvalidArgument);
+  CHECK(decode_tokens(c, 0, 2, slots, &pool, &out, {}, -1, &null_ws).code() == StatusCode::kInvalidArgument);
 }
