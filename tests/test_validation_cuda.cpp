@@ -77,6 +77,20 @@ struct PrefillRig {
   bool untouched() const { return all_bytes(out, 0xFF) && all_bytes(ht, 0xFF); }
 };
 
+// A decode's inputs and parameters from a case's device tensors (its first rows).
+DecodeTensors decode_inputs(const DeviceCase& d) {
+  const Tensors in = d.tensors();
+  DecodeTensors t;
+  t.q = in.q;
+  t.k = in.k;
+  t.v = in.v;
+  t.g = in.g;
+  t.beta = in.beta;
+  t.A_log = in.A_log;
+  t.dt_bias = in.dt_bias;
+  return t;
+}
+
 }  // namespace
 
 TEST_CASE("cuda: the device is one the backend is built for") {
@@ -295,14 +309,7 @@ TEST_CASE(
     DeviceBuffer pool(static_cast<std::size_t>(2 * dp.num_heads * 128 * 128) * 4);
     pool.fill(0);
     DeviceBuffer dout(static_cast<std::size_t>(2 * dp.num_heads * 128) * 2);
-    DecodeTensors dt;
-    dt.q = rig.d.q.get();
-    dt.k = rig.d.k.get();
-    dt.v = rig.d.v.get();
-    dt.g = rig.d.g.get();
-    dt.beta = rig.d.beta.get();
-    dt.A_log = static_cast<const float*>(rig.d.A_log.get());
-    dt.dt_bias = static_cast<const float*>(rig.d.dt_bias.get());
+    DecodeTensors dt = decode_inputs(rig.d);
     dt.slots = static_cast<const std::int32_t*>(slots.get());
     dt.state_pool = pool.get();
     dt.out = dout.get();
@@ -333,14 +340,7 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
   DeviceBuffer status(4);
   std::uint32_t* word = static_cast<std::uint32_t*>(status.get());
   REQUIRE(clear_device_status(word, nullptr).ok());
-  DecodeTensors t;
-  t.q = d.q.get();
-  t.k = d.k.get();
-  t.v = d.v.get();
-  t.g = d.g.get();
-  t.beta = d.beta.get();
-  t.A_log = static_cast<const float*>(d.A_log.get());
-  t.dt_bias = static_cast<const float*>(d.dt_bias.get());
+  DecodeTensors t = decode_inputs(d);
   t.state_pool = pool.get();
   t.out = dout.get();
   t.device_status = word;
