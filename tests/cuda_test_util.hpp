@@ -113,6 +113,19 @@ struct DeviceCase {
     t.initial_state = h0.get();
     return t;
   }
+  // The same inputs and parameters as a decode's (its rows are the case's first tokens).
+  DecodeTensors decode_tensors() const {
+    const Tensors in = tensors();
+    DecodeTensors t;
+    t.q = in.q;
+    t.k = in.k;
+    t.v = in.v;
+    t.g = in.g;
+    t.beta = in.beta;
+    t.A_log = in.A_log;
+    t.dt_bias = in.dt_bias;
+    return t;
+  }
 };
 
 // Outputs of one GPU run, downloaded; plus whether the guards around them survived.

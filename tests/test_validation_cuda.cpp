@@ -77,20 +77,6 @@ struct PrefillRig {
   bool untouched() const { return all_bytes(out, 0xFF) && all_bytes(ht, 0xFF); }
 };
 
-// A decode's inputs and parameters from a case's device tensors (its first rows).
-DecodeTensors decode_inputs(const DeviceCase& d) {
-  const Tensors in = d.tensors();
-  DecodeTensors t;
-  t.q = in.q;
-  t.k = in.k;
-  t.v = in.v;
-  t.g = in.g;
-  t.beta = in.beta;
-  t.A_log = in.A_log;
-  t.dt_bias = in.dt_bias;
-  return t;
-}
-
 }  // namespace
 
 TEST_CASE("cuda: the device is one the backend is built for") {
@@ -309,7 +295,7 @@ TEST_CASE(
     DeviceBuffer pool(static_cast<std::size_t>(2 * dp.num_heads * 128 * 128) * 4);
     pool.fill(0);
     DeviceBuffer dout(static_cast<std::size_t>(2 * dp.num_heads * 128) * 2);
-    DecodeTensors dt = decode_inputs(rig.d);
+    DecodeTensors dt = rig.d.decode_tensors();
     dt.slots = static_cast<const std::int32_t*>(slots.get());
     dt.state_pool = pool.get();
     dt.out = dout.get();
@@ -340,7 +326,7 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
   DeviceBuffer status(4);
   std::uint32_t* word = static_cast<std::uint32_t*>(status.get());
   REQUIRE(clear_device_status(word, nullptr).ok());
-  DecodeTensors t = decode_inputs(d);
+  DecodeTensors t = d.decode_tensors();
   t.state_pool = pool.get();
   t.out = dout.get();
   t.device_status = word;

@@ -306,15 +306,32 @@ void Engine::synchronize() const {
   if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
 }
 
-void Engine::check_caller_buffers(const KdaLayer& layer, const char* what, const LayerInputs& inputs,
-                                  const void* out, std::uint64_t token_bytes, std::uint64_t beta_bytes) const {
-  const struct {
-    const void* ptr;
-    std::uint64_t bytes;
-    const char* name;
-  } buffers[] = {{inputs.q, token_bytes, "q"}, {inputs.k, token_bytes, "k"},       {inputs.v, token_bytes, "v"},
-                 {inputs.g, token_bytes, "g"}, {inputs.beta, beta_bytes, "beta"}, {out, token_bytes, "out"}};
-  for (const auto& b : buffers) {
+Engine::CallerBuffers Engine::caller_buffers(const LayerInputs& inputs, const void* out,
+                                             std::uint64_t token_bytes, std::uint64_t beta_bytes) {
+  return {{{inputs.q, token_bytes, "q"},
+           {inputs.k, token_bytes, "k"},
+           {inputs.v, token_bytes, "v"},
+           {inputs.g, token_bytes, "g"},
+           {inputs.beta, beta_bytes, "beta"},
+           {out, token_bytes, "out"}}};
+}
+
+void Engine::check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffers) {
+  const CallerBuffer& out = buffers.back();
+  const auto begin = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  if (out.ptr == nullptr || out.bytes == 0) return;
+  for (std::size_t i = 0; i + 1 < buffers.size(); ++i) {
+    const CallerBuffer& in = buffers[i];
+    if (in.ptr == nullptr || in.bytes == 0) continue;
+    if (begin(out.ptr) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out.ptr) + out.bytes) {
+      throw Error(StatusCode::kInvalidArgument, layer.nvtx_name() + " prefill: out overlaps " + in.name +
+                                                    " (outputs must not alias inputs)");
+    }
+  }
+}
+
+void Engine::check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const {
+  for (const CallerBuffer& b : buffers) {
     const Status st = check_device_pointer(b.ptr, static_cast<std::size_t>(b.bytes), b.name);
     if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
   }
@@ -441,40 +458,16 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
   }
 
-  // out must not overlap an input anywhere in the batch: checked here over all T tokens, because
-  // the operator, called per run, sees only each run's range and a later run's overlap would
-  // surface after earlier runs have written.
-  {
-    const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);
-    const auto Hh = static_cast<std::uint64_t>(spec_.num_heads);
-    const auto Dd = static_cast<std::uint64_t>(spec_.head_dim);
-    const std::uint64_t token_bytes = T * Hh * Dd * 2;
-    const auto begin = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
-    const struct {
-      const void* ptr;
-      std::uint64_t bytes;
-      const char* name;
-    } ins[] = {{inputs.q, token_bytes, "q"}, {inputs.k, token_bytes, "k"}, {inputs.v, token_bytes, "v"},
-               {inputs.g, token_bytes, "g"}, {inputs.beta, T * Hh * 2, "beta"}};
-    if (out != nullptr && token_bytes > 0) {
-      for (const auto& in : ins) {
-        if (in.ptr == nullptr || in.bytes == 0) continue;
-        if (begin(out) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out) + token_bytes) {
-          throw Error(StatusCode::kInvalidArgument, layer.nvtx_name() + " prefill: out overlaps " +
-                                                        in.name + " (outputs must not alias inputs)");
-        }
-      }
-    }
-  }
-  // The caller's buffers, checked once for the whole batch before anything is enqueued: the
-  // forwards below (one per run of consecutive slots) then skip the operator's per-call pointer
-  // checks, so that a bad pointer cannot surface after earlier runs have written.
+  // The caller's buffers over the whole batch (T tokens), checked before anything is enqueued: the
+  // forwards below (one per run of consecutive slots) see only their run's range, so a later run's
+  // overlap or short buffer would otherwise surface after earlier runs have written. On CUDA the
+  // forwards then skip the operator's per-call pointer checks.
   const auto H = static_cast<std::uint64_t>(spec_.num_heads);
   const auto D = static_cast<std::uint64_t>(spec_.head_dim);
-  if (backend_ == Backend::kCuda && check_pointers_) {
-    const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);  // <= max_tokens: sizes fit (spec)
-    check_caller_buffers(layer, "prefill", inputs, out, T * H * D * 2, T * H * 2);
-  }
+  const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);  // <= max_tokens: sizes fit (spec)
+  const CallerBuffers buffers = caller_buffers(inputs, out, T * H * D * 2, T * H * 2);
+  check_no_overlap(layer, buffers);
+  if (backend_ == Backend::kCuda && check_pointers_) check_on_device(layer, "prefill", buffers);
 
   // Runs of consecutive slots, each with its cu_seqlens rebased to 0.
   runs_.clear();
@@ -557,7 +550,7 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     const auto rows = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(tokens);
     const auto H = static_cast<std::uint64_t>(spec_.num_heads);
     const auto D = static_cast<std::uint64_t>(spec_.head_dim);
-    check_caller_buffers(layer, "decode", inputs, out, rows * H * D * 2, rows * H * 2);
+    check_on_device(layer, "decode", caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
   }
   if (slots_staging_ != slots_uploaded_) {
     KDA_NVTX_RANGE("decode.stage_slots");

@@ -25,6 +25,7 @@
 // (host pointers for CPU, device pointers for CUDA); bf16 layouts as in kda/kda.hpp.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -183,9 +184,20 @@ class Engine {
   void zero_slot(int slot);
   void check_layer(int kda_layer) const;
   void copy_in(void* dst, const void* src, std::size_t bytes);  // host -> arena
-  // CUDA: q, k, v, g, beta and out are device memory large enough for the call (throws).
-  void check_caller_buffers(const KdaLayer& layer, const char* what, const LayerInputs& inputs,
-                            const void* out, std::uint64_t token_bytes, std::uint64_t beta_bytes) const;
+  // A call's q, k, v, g, beta and (last) out, with the bytes the call needs of each.
+  struct CallerBuffer {
+    const void* ptr;
+    std::uint64_t bytes;
+    const char* name;
+  };
+  using CallerBuffers = std::array<CallerBuffer, 6>;
+  static CallerBuffers caller_buffers(const LayerInputs& inputs, const void* out,
+                                      std::uint64_t token_bytes, std::uint64_t beta_bytes);
+  // out overlaps no input (throws, naming the input).
+  static void check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffers);
+  // CUDA: every buffer is device memory of the current device, large enough, and the arena is on
+  // the current device too (throws).
+  void check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const;
 
   ModelSpec spec_;
   Backend backend_;
