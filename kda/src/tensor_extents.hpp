@@ -24,8 +24,9 @@ struct TensorExtents {
   }
 };
 
-// The device-side tensors of a problem that validates (cu_seqlens_host is a host pointer and not
-// listed). Returns validate()'s status otherwise.
+// The device-side tensors of a problem the caller has already validated (validate(p, t)), so that
+// the forward does not validate twice; cu_seqlens_host is a host pointer and not listed. Fails only
+// where the size computation itself does.
 Status prefill_extents(const Problem& p, const Tensors& t, TensorExtents* out);
 Status decode_extents(const DecodeProblem& p, const DecodeTensors& t, TensorExtents* out);
 
