@@ -106,14 +106,21 @@ double measure_copy_bandwidth() {
   return 2.0 * bytes / (ms * 1e-3);  // bytes read + written per second
 }
 
+// How a case addresses its states: [N, H, V, K] blocks, or a pool of 2N + 2 entries through
+// state slot indices (Problem::num_state_slots), reversed or strided as a serving runtime's slots
+// become once sequences come and go.
+enum class Slots { kContiguous, kReversed, kStrided };
+
 struct PrefillCase {
   std::string name;
   int heads;
   std::vector<std::int64_t> lengths;  // one entry: fixed single sequence; several: varlen
   bool fixed_batch;                   // lengths all equal and run as [B, T] rows
   kda::GateMode gate;
-  double flashkda_ms;                 // KDA.md §6, fp32 state; 0 when none
+  double flashkda_ms;                 // KDA.md §6, FlashKDA with the same state dtype; 0 when none
   double fla_ms;                      // fla chunk_kda; 0 when none
+  kda::DType state = kda::DType::kF32;
+  Slots slots = Slots::kContiguous;
 };
 
 struct Prefill {
@@ -153,12 +160,26 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   p.head_dim_k = p.head_dim_v = D;
   p.gate = c.gate;
   p.lower_bound = -5.0f;
-  p.initial_state_dtype = kda::DType::kF32;
-  p.final_state_dtype = kda::DType::kF32;
+  p.initial_state_dtype = c.state;
+  p.final_state_dtype = c.state;
   pf.T = T;
   pf.N = N;
   const std::int64_t tok_elems = T * H * D;
-  const std::size_t state_bytes = static_cast<std::size_t>(N) * H * D * D * 4;
+  const std::size_t state_size = kda::dtype_size(c.state);
+  const std::size_t state_bytes = static_cast<std::size_t>(N) * H * D * D * state_size;
+  // A pool of 2N + 2 states addressed through slot indices, or the [N, H, V, K] blocks.
+  const bool pooled = c.slots != Slots::kContiguous;
+  if (pooled) p.num_state_slots = 2 * N + 2;
+  const std::size_t pool_bytes = pooled ? static_cast<std::size_t>(2 * N + 2) * H * D * D * state_size : state_bytes;
+  std::int32_t* d_slots = nullptr;
+  if (pooled) {
+    std::vector<std::int32_t> slots(N);
+    for (std::int64_t i = 0; i < N; ++i) {
+      slots[i] = static_cast<std::int32_t>(c.slots == Slots::kReversed ? 2 * N + 1 - i : 2 * i + 1);
+    }
+    d_slots = static_cast<std::int32_t*>(dalloc(pf, N * 4));
+    CK(cudaMemcpy(d_slots, slots.data(), N * 4, cudaMemcpyHostToDevice));
+  }
   const double set_bytes = 4.0 * tok_elems * 2 + 2.0 * T * H + tok_elems * 2.0 + 2.0 * state_bytes;
   pf.bytes = set_bytes;
   // Rotate input sets so that one pass over all of them is at least 4x the 60 MB L2.
@@ -190,10 +211,15 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
       t.cu_seqlens = d_cu;
       t.cu_seqlens_host = cu.data();  // validated once; the vector lives in this function only
     }
-    float* h0 = static_cast<float*>(dalloc(pf, state_bytes));
-    fill(h0, static_cast<std::int64_t>(state_bytes / 4), sd + 6, -0.1f, 0.1f);
+    void* h0 = dalloc(pf, pool_bytes);
+    if (c.state == kda::DType::kF32) {
+      fill(static_cast<float*>(h0), static_cast<std::int64_t>(pool_bytes / 4), sd + 6, -0.1f, 0.1f);
+    } else {
+      fill(static_cast<std::uint16_t*>(h0), static_cast<std::int64_t>(pool_bytes / 2), sd + 6, -0.1f, 0.1f);
+    }
     t.initial_state = h0;
-    t.final_state = dalloc(pf, state_bytes);
+    t.final_state = pooled ? h0 : dalloc(pf, state_bytes);  // a pool is updated in place
+    t.state_slots = d_slots;
     t.out = dalloc(pf, tok_elems * 2);
     pf.sets.push_back(t);
   }
@@ -211,6 +237,22 @@ void free_prefill(Prefill& pf) {
   pf.allocations.clear();
 }
 
+bool matches(const std::string& list, const std::string& name) {
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    std::size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    const std::string pat = list.substr(start, end - start);
+    if (!pat.empty() && pat.back() == '*') {
+      if (name.compare(0, pat.size() - 1, pat, 0, pat.size() - 1) == 0) return true;
+    } else if (pat == name) {
+      return true;
+    }
+    start = end + 1;
+  }
+  return false;
+}
+
 std::string lengths_label(const PrefillCase& c) {
   if (c.lengths.size() == 1) return "1 x " + std::to_string(c.lengths[0]);
   bool same = std::all_of(c.lengths.begin(), c.lengths.end(), [&](auto l) { return l == c.lengths[0]; });
@@ -222,9 +264,11 @@ std::string lengths_label(const PrefillCase& c) {
 
 void run_prefill(double bw, int iters, const std::string& only) {
   const std::vector<std::int64_t> varlen = {1300, 547, 2048, 963, 271, 3063};
-  const std::vector<std::int64_t> b8(8, 1024), b16(16, 2048);
+  const std::vector<std::int64_t> ragged16 = {1300, 547, 2048, 963, 271, 3063, 17000, 7000};
+  const std::vector<std::int64_t> b8(8, 1024), b16(16, 2048), b8x4096(8, 4096);
   using G = kda::GateMode;
-  const std::vector<PrefillCase> cases = {
+  constexpr kda::DType F32 = kda::DType::kF32, BF16 = kda::DType::kBF16;
+  std::vector<PrefillCase> cases = {
       {"h96-1seq", 96, {8192}, false, G::kLowerBound, 1.400, 2.626},
       {"h96-varlen", 96, varlen, false, G::kLowerBound, 1.392, 2.670},
       {"h96-8x1024", 96, b8, true, G::kLowerBound, 1.196, 2.642},
@@ -237,12 +281,44 @@ void run_prefill(double bw, int iters, const std::string& only) {
       {"softplus-h32-1seq", 32, {8192}, false, G::kSoftplus, 0, 1.107},
       {"softplus-h96-1seq", 96, {8192}, false, G::kSoftplus, 0, 2.918},
       {"softplus-h32-16x2048", 32, b16, true, G::kSoftplus, 0, 3.848},
+      // Slots through indices (issue: one launch whatever the slots): against the contiguous rows.
+      {"slots-reversed-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32, Slots::kReversed},
+      {"slots-strided-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32, Slots::kStrided},
+      {"slots-reversed-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32, Slots::kReversed},
+      {"slots-strided-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32, Slots::kStrided},
   };
-  std::printf("\n### CUDA prefill (K = V = 128, fp32 state in and out, median of %d)\n\n", iters);
-  std::printf("| case | gate | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | speedup vs FlashKDA | fla ms | speedup vs fla |\n");
-  std::printf("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  // Low-head shapes (tensor-parallel serving, KDA.md §6), fp32 and bf16 state, FlashKDA (serial).
+  const struct {
+    int heads;
+    double fk_f32[3], fk_bf16[3];
+  } low[] = {{4, {0.800, 3.041, 12.268}, {0.821, 3.139, 12.752}},
+             {8, {0.828, 3.220, 12.754}, {0.852, 3.328, 13.212}},
+             {12, {0.860, 3.314, 13.181}, {0.878, 3.427, 13.609}},
+             {16, {0.879, 3.406, 13.583}, {0.902, 3.526, 14.038}}};
+  const std::int64_t low_lengths[3] = {8192, 32768, 131072};
+  for (const auto& l : low) {
+    for (int i = 0; i < 3; ++i) {
+      const std::string base = "h" + std::to_string(l.heads) + "-" + std::to_string(low_lengths[i] / 1024) + "k";
+      cases.push_back({base, l.heads, {low_lengths[i]}, false, G::kLowerBound, l.fk_f32[i], 0, F32});
+      cases.push_back({base + "-bf16", l.heads, {low_lengths[i]}, false, G::kLowerBound, l.fk_bf16[i], 0, BF16});
+    }
+  }
+  cases.push_back({"h12-24k+8k", 12, {24576, 8192}, false, G::kLowerBound, 2.752, 0, F32});
+  cases.push_back({"h12-24k+8k-bf16", 12, {24576, 8192}, false, G::kLowerBound, 2.625, 0, BF16});
+  cases.push_back({"h12-8x4096", 12, b8x4096, true, G::kLowerBound, 0.755, 0, F32});
+  cases.push_back({"h12-8x4096-bf16", 12, b8x4096, true, G::kLowerBound, 0.726, 0, BF16});
+  cases.push_back({"h16-ragged", 16, ragged16, false, G::kLowerBound, 2.117, 0, F32});
+  cases.push_back({"h16-ragged-bf16", 16, ragged16, false, G::kLowerBound, 2.031, 0, BF16});
+  // Softplus twins (the released Kimi-Linear-48B's gate; FlashKDA cannot run it).
+  cases.push_back({"softplus-h4-32k", 4, {32768}, false, G::kSoftplus, 0, 0, F32});
+  cases.push_back({"softplus-h12-8x4096-bf16", 12, b8x4096, true, G::kSoftplus, 0, 0, BF16});
+  cases.push_back({"softplus-h16-ragged", 16, ragged16, false, G::kSoftplus, 0, 0, F32});
+  std::printf("\n### CUDA prefill (K = V = 128, state in and out, median of %d)\n\n", iters);
+  std::printf("| case | gate | state | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | speedup vs FlashKDA | fla ms | speedup vs fla |\n");
+  std::printf("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const auto& c : cases) {
-    if (!only.empty() && c.name != only) continue;
+    // --case: a comma-separated list of names; a trailing '*' matches a prefix.
+    if (!only.empty() && !matches(only, c.name)) continue;
     Prefill pf = make_prefill(c, 1234);
     const kda::Workspace ws{pf.ws, pf.ws_bytes};
     const double ms = median_ms(
@@ -258,8 +334,9 @@ void run_prefill(double bw, int iters, const std::string& only) {
       std::snprintf(fl, sizeof fl, "%.3f", c.fla_ms);
       std::snprintf(fls, sizeof fls, "%.2fx", c.fla_ms / ms);
     }
-    std::printf("| %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n", c.name.c_str(),
-                c.gate == G::kSoftplus ? "softplus" : "lower_bound", c.heads, lengths_label(c).c_str(), ms,
+    std::printf("| %s | %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n", c.name.c_str(),
+                c.gate == G::kSoftplus ? "softplus" : "lower_bound", kda::to_string(c.state), c.heads,
+                lengths_label(c).c_str(), ms,
                 pf.bytes / (ms * 1e-3) / 1e9, floor_ms, ms / floor_ms, fk, fks, fl, fls);
     std::fflush(stdout);
     free_prefill(pf);
@@ -420,6 +497,59 @@ void run_host_overhead() {
   const double p_on = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, on), "forward_cuda"); });
   const double p_off = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, off), "forward_cuda"); });
   std::printf("| forward_cuda T = 64, 1 sequence | 13 | %.2f | %.2f | %.2f |\n", p_on, p_off, p_on - p_off);
+
+  // 64 sequences of 16 tokens on fragmented slots (every other entry of a pool of 128): one call
+  // through state slot indices, against 64 calls of one sequence each (what an engine without
+  // slot indices must do when no two slots are consecutive).
+  {
+    const int n = 64, len = 16, tn = n * len;
+    const std::size_t tk = static_cast<std::size_t>(tn) * H * D;
+    void* q64 = al(tk * 2); void* k64 = al(tk * 2); void* v64 = al(tk * 2); void* g64 = al(tk * 2);
+    void* b64 = al(static_cast<std::size_t>(tn) * H * 2); void* o64 = al(tk * 2);
+    void* pool64 = al(static_cast<std::size_t>(2 * n) * H * D * D * 4);
+    std::vector<std::int64_t> cu64(n + 1);
+    std::vector<std::int32_t> slot64(n);
+    for (int i = 0; i <= n; ++i) cu64[i] = static_cast<std::int64_t>(i) * len;
+    for (int i = 0; i < n; ++i) slot64[i] = 2 * i + 1;
+    auto* d_cu64 = static_cast<std::int64_t*>(al((n + 1) * 8));
+    auto* d_slot64 = static_cast<std::int32_t*>(al(n * 4));
+    CK(cudaMemcpy(d_cu64, cu64.data(), (n + 1) * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_slot64, slot64.data(), n * 4, cudaMemcpyHostToDevice));
+    kda::Problem bp = pp;
+    bp.seq_len = tn;
+    bp.num_seqs = n;
+    bp.num_state_slots = 2 * n;
+    std::size_t ws64 = 0;
+    check(kda::workspace_size(bp, kda::Backend::kCuda, &ws64), "workspace_size");
+    void* w64 = al(ws64);
+    kda::Tensors bt = pt;
+    bt.q = q64; bt.k = k64; bt.v = v64; bt.g = g64; bt.beta = b64; bt.out = o64;
+    bt.cu_seqlens = d_cu64; bt.cu_seqlens_host = cu64.data();
+    bt.initial_state = bt.final_state = pool64; bt.state_slots = d_slot64;
+    const double one = host_us([&] { check(kda::forward_cuda(bp, bt, {w64, ws64}, s, off), "forward_cuda"); });
+    // One sequence per call, each on its own state block (pointer arithmetic into the pool).
+    kda::Problem sp = pp;  // one fixed-length row of 16 tokens
+    sp.seq_len = len;
+    sp.num_seqs = 0;
+    sp.cu_seqlens_dtype = kda::DType::kNone;
+    const std::size_t state1 = static_cast<std::size_t>(H) * D * D * 4;
+    const double many = host_us([&] {
+      for (int i = 0; i < n; i += 1) {
+        kda::Tensors st = pt;
+        const std::size_t off_tok = static_cast<std::size_t>(i) * len * H * D * 2;
+        st.q = static_cast<char*>(q64) + off_tok; st.k = static_cast<char*>(k64) + off_tok;
+        st.v = static_cast<char*>(v64) + off_tok; st.g = static_cast<char*>(g64) + off_tok;
+        st.beta = static_cast<char*>(b64) + static_cast<std::size_t>(i) * len * H * 2;
+        st.out = static_cast<char*>(o64) + off_tok;
+        st.cu_seqlens = nullptr;
+        st.cu_seqlens_host = nullptr;
+        st.initial_state = st.final_state = static_cast<char*>(pool64) + slot64[i] * state1;
+        check(kda::forward_cuda(sp, st, {w64, ws64}, s, off), "forward_cuda");
+      }
+    });
+    std::printf("| forward_cuda 64 x 16 tokens, fragmented slots: one call via state_slots | - | - | %.2f | - |\n", one);
+    std::printf("| the same as 64 calls of one sequence (no slot indices) | - | - | %.2f | - |\n", many);
+  }
   std::fflush(stdout);
   CK(cudaStreamDestroy(s));
   for (void* ptr : allocs) CK(cudaFree(ptr));

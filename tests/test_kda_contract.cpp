@@ -425,7 +425,7 @@ TEST_CASE("describe_device_status: each bit named, zero is ok") {
   const Status all = describe_device_status(kDeviceStatusCuSeqlens | kDeviceStatusGateParams | kDeviceStatusSlot | 0x100u);
   check_fails(all, StatusCode::kInvalidArgument, "gate parameters out of range");
   CHECK(all.message().find("cu_seqlens") != std::string::npos);
-  CHECK(all.message().find("slot index >= num_slots") != std::string::npos);
+  CHECK(all.message().find("slot index >= the pool size") != std::string::npos);
   CHECK(all.message().find("unknown status bits 0x100") != std::string::npos);
 }
 

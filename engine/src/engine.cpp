@@ -100,8 +100,8 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
   const auto seqs = static_cast<std::uint64_t>(spec.runtime.max_sequences);
   // A batch of N sequences splits into at most N runs of consecutive slots; each run's cu_seqlens
   // has (its sequences + 1) entries: at most 2N in all.
-  scratch("prefill.cu_seqlens", (2 * seqs + 2) * sizeof(std::int64_t));
-  scratch("decode.slots", seqs * sizeof(std::int32_t));
+  scratch("prefill.cu_seqlens", (seqs + 1) * sizeof(std::int64_t));
+  scratch("engine.slots", seqs * sizeof(std::int32_t));  // prefill's and decode's slot indices
   if (backend == Backend::kCuda) scratch("engine.device_status", sizeof(std::uint32_t));
 
   if (synthetic_capacity > 0) {
@@ -237,7 +237,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
     return entry == nullptr ? nullptr : base + entry->offset;
   };
   cu_scratch_ = static_cast<std::int64_t*>(locate("prefill.cu_seqlens"));
-  slots_scratch_ = static_cast<std::int32_t*>(locate("decode.slots"));
+  slots_scratch_ = static_cast<std::int32_t*>(locate("engine.slots"));
   device_status_ = static_cast<std::uint32_t*>(locate("engine.device_status"));
   if (device_status_ != nullptr) {
     throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
@@ -261,9 +261,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
   }
 
   // Host staging sized once, so prefill and decode never allocate.
-  cu_staging_.reserve(2 * slots + 2);
-  cu_uploaded_.reserve(2 * slots + 2);
-  runs_.reserve(slots);
+  cu_staging_.reserve(slots + 1);
+  cu_uploaded_.reserve(slots + 1);
   seen_stamp_.assign(slots, 0);
   slots_staging_.reserve(slots);
   slots_uploaded_.reserve(slots);
@@ -458,10 +457,8 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
   }
 
-  // The caller's buffers over the whole batch (T tokens), checked before anything is enqueued: the
-  // forwards below (one per run of consecutive slots) see only their run's range, so a later run's
-  // overlap or short buffer would otherwise surface after earlier runs have written. On CUDA the
-  // forwards then skip the operator's per-call pointer checks.
+  // The caller's buffers over the whole batch (T tokens), checked before anything is enqueued; the
+  // forward then skips the operator's per-call pointer checks on CUDA.
   const auto H = static_cast<std::uint64_t>(spec_.num_heads);
   const auto D = static_cast<std::uint64_t>(spec_.head_dim);
   const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);  // <= max_tokens: sizes fit (spec)
@@ -469,45 +466,39 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
   check_no_overlap(layer, buffers);
   if (backend_ == Backend::kCuda && check_pointers_) check_on_device(layer, "prefill", buffers);
 
-  // Runs of consecutive slots, each with its cu_seqlens rebased to 0.
-  runs_.clear();
-  cu_staging_.clear();
-  for (std::size_t first = 0; first < n;) {
-    std::size_t end = first + 1;
-    while (end < n && slots[end] == slots[end - 1] + 1) ++end;
-    runs_.push_back({static_cast<int>(first), static_cast<int>(end - first), slots[first],
-                     static_cast<std::int64_t>(cu_staging_.size())});
-    for (std::size_t j = first; j <= end; ++j) cu_staging_.push_back(cu_seqlens[j] - cu_seqlens[first]);
-    first = end;
-  }
+  // One forward for the whole batch: each sequence reads and writes its state through its slot
+  // index in the layer's pool (Problem::num_state_slots), whatever the slots are.
+  cu_staging_.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
   if (cu_staging_ != cu_uploaded_) {
     KDA_NVTX_RANGE("prefill.stage_cu_seqlens");
     copy_in(cu_scratch_, cu_staging_.data(), cu_staging_.size() * sizeof(std::int64_t));
-    cu_uploaded_ = cu_staging_;  // capacity reserved: no allocation
+    cu_uploaded_ = cu_staging_;
   }
+  stage_slots(slots);
+  Tensors t;
+  t.q = inputs.q;
+  t.k = inputs.k;
+  t.v = inputs.v;
+  t.g = inputs.g;
+  t.beta = inputs.beta;
+  t.out = out;
+  t.cu_seqlens = cu_scratch_;
+  t.cu_seqlens_host = cu_staging_.data();
+  t.initial_state = layer.state_pool();
+  t.final_state = layer.state_pool();  // in place
+  t.state_slots = slots_scratch_;      // checked above: acquired, no duplicates
+  t.device_status = device_status_;
+  layer.forward(layer.prefill_problem(static_cast<std::int64_t>(T), static_cast<std::int64_t>(n)), t,
+                cpu_, stream_, unchecked_);
+}
 
-  for (const Run& run : runs_) {
-    const std::int64_t token0 = cu_seqlens[static_cast<std::size_t>(run.first_seq)];
-    const std::int64_t tokens =
-        cu_seqlens[static_cast<std::size_t>(run.first_seq + run.num_seqs)] - token0;
-    if (tokens == 0) continue;  // empty sequences leave their states as they are
-    const auto t0 = static_cast<std::uint64_t>(token0);
-    auto at = [](const void* base, std::uint64_t offset_bytes) -> const void* {
-      return base == nullptr ? nullptr : static_cast<const std::uint8_t*>(base) + offset_bytes;
-    };
-    Tensors t;
-    t.q = at(inputs.q, t0 * H * D * 2);
-    t.k = at(inputs.k, t0 * H * D * 2);
-    t.v = at(inputs.v, t0 * H * D * 2);
-    t.g = at(inputs.g, t0 * H * D * 2);
-    t.beta = at(inputs.beta, t0 * H * 2);
-    t.out = out == nullptr ? nullptr : static_cast<std::uint8_t*>(out) + t0 * H * D * 2;
-    t.cu_seqlens = cu_scratch_ + run.cu_offset;
-    t.cu_seqlens_host = cu_staging_.data() + run.cu_offset;
-    t.initial_state = slot_state(kda_layer, run.first_slot);
-    t.final_state = slot_state(kda_layer, run.first_slot);  // in place
-    t.device_status = device_status_;
-    layer.forward(layer.prefill_problem(tokens, run.num_seqs), t, cpu_, stream_, unchecked_);
+void Engine::stage_slots(const std::vector<int>& slots) {
+  slots_staging_.clear();
+  for (const int slot : slots) slots_staging_.push_back(slot < 0 ? -1 : slot);
+  if (slots_staging_ != slots_uploaded_) {
+    KDA_NVTX_RANGE("engine.stage_slots");
+    copy_in(slots_scratch_, slots_staging_.data(), slots_staging_.size() * sizeof(std::int32_t));
+    slots_uploaded_ = slots_staging_;  // capacity reserved: no allocation
   }
 }
 
@@ -530,7 +521,6 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     std::fill(seen_stamp_.begin(), seen_stamp_.end(), 0u);
     stamp_ = 1;
   }
-  slots_staging_.clear();
   for (std::size_t j = 0; j < batch; ++j) {
     const int slot = slots[j];
     if (slot >= 0) {
@@ -543,7 +533,6 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
       }
       seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
     }
-    slots_staging_.push_back(slot < 0 ? -1 : slot);
   }
   // The caller's buffers, before anything is enqueued (see prefill).
   if (backend_ == Backend::kCuda && check_pointers_) {
@@ -552,11 +541,7 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     const auto D = static_cast<std::uint64_t>(spec_.head_dim);
     check_on_device(layer, "decode", caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
   }
-  if (slots_staging_ != slots_uploaded_) {
-    KDA_NVTX_RANGE("decode.stage_slots");
-    copy_in(slots_scratch_, slots_staging_.data(), batch * sizeof(std::int32_t));
-    slots_uploaded_ = slots_staging_;
-  }
+  stage_slots(slots);
   DecodeTensors t;
   t.q = inputs.q;
   t.k = inputs.k;

@@ -174,6 +174,7 @@ Problem KdaLayer::prefill_problem(std::int64_t tokens, std::int64_t sequences) c
   p.lower_bound = lower_bound_;
   p.initial_state_dtype = state_dtype_;
   p.final_state_dtype = state_dtype_;
+  p.num_state_slots = max_sequences_;  // states through slot indices into the layer's pool
   return p;
 }
 

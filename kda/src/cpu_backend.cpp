@@ -9,6 +9,7 @@
 
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
+#include "state_slots.hpp"
 
 namespace kda {
 namespace detail::cpu {
@@ -66,6 +67,10 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
   const auto* g = static_cast<const bf16_bits*>(t.g);
   const auto* beta = static_cast<const bf16_bits*>(t.beta);
   auto* out = static_cast<bf16_bits*>(t.out);
+  // Where sequence seq's state lives: index seq, or its pool entry (-1: padding, no state).
+  auto state_index = [&](std::int64_t seq) -> std::int64_t {
+    return p.num_state_slots > 0 ? std::int64_t{t.state_slots[seq]} : seq;
+  };
   const std::size_t in_size = dtype_size(p.initial_state_dtype);
   const std::size_t fin_size = dtype_size(p.final_state_dtype);
 
@@ -93,9 +98,13 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
         const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
                                                             t.A_log, t.dt_bias, head);
         // The whole state is read before anything is written: final_state may alias initial_state.
+        const std::int64_t state_item = state_index(seq) * H + head;  // negative: padding
+        const bool reads = state_item >= 0 && t.initial_state != nullptr;
         detail::cpu::load_state(
-            p.initial_state_dtype,
-            static_cast<const unsigned char*>(t.initial_state) + item * state_elems * in_size,
+            reads ? p.initial_state_dtype : DType::kNone,
+            reads ? static_cast<const unsigned char*>(t.initial_state) +
+                        state_item * state_elems * in_size
+                  : nullptr,
             state_elems, sc.state);
         for (std::int64_t i = begin; i < end; ++i) {
           const std::int64_t row = i * H + head;
@@ -103,9 +112,11 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
           detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
           detail::cpu::store_out(sc.o, V, out + row * V);
         }
-        detail::cpu::store_state(
-            sc.state, state_elems, p.final_state_dtype,
-            static_cast<unsigned char*>(t.final_state) + item * state_elems * fin_size);
+        if (state_item >= 0 && t.final_state != nullptr) {
+          detail::cpu::store_state(
+              sc.state, state_elems, p.final_state_dtype,
+              static_cast<unsigned char*>(t.final_state) + state_item * state_elems * fin_size);
+        }
       });
 }
 
@@ -137,6 +148,15 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
   auto* slots = reinterpret_cast<unsigned char*>((base + align - 1) / align * align);
+  if (p.num_state_slots > 0) {
+    // The duplicate bitmap follows the thread slots (workspace_size() counted both).
+    const std::uint64_t thread_slots =
+        static_cast<std::uint64_t>(std::min<std::int64_t>(items, detail::cpu::kMaxThreads));
+    auto* seen = reinterpret_cast<std::uint64_t*>(
+        slots + thread_slots * detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
+                                                       static_cast<std::uint64_t>(p.head_dim_v)));
+    if (Status st = detail::check_state_slots(p, t.state_slots, seen); !st) return st;
+  }
   // Tokens x V x K, saturated: only a heuristic for the automatic thread count.
   const double updates = static_cast<double>(p.total_tokens()) * static_cast<double>(p.num_heads) *
                          static_cast<double>(p.head_dim_v * p.head_dim_k);

@@ -13,6 +13,7 @@
 
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
+#include "state_slots.hpp"
 #include "tensor_extents.hpp"
 #include "workspace_layout.hpp"
 
@@ -130,6 +131,7 @@ struct PrefillSizes {
   std::uint64_t cu_bytes = 0;
   std::uint64_t initial_state_bytes = 0;
   std::uint64_t final_state_bytes = 0;
+  std::uint64_t state_slots_bytes = 0;  // int32 [N] with num_state_slots > 0
 };
 
 // Computes the sizes; the problem's shape fields are already known to be in range.
@@ -163,17 +165,25 @@ Status prefill_sizes(const Problem& p, PrefillSizes* s) {
       return st;
     }
   }
+  // States are [N, ...] or, addressed through state_slots, pools of num_state_slots entries.
+  const bool pooled = p.num_state_slots > 0;
+  const std::int64_t states = pooled ? p.num_state_slots : n;
+  if (pooled && !(st = checked_product("state_slots bytes N*4", {n, 4}, &s->state_slots_bytes))) {
+    return st;
+  }
   if (p.initial_state_dtype != DType::kNone) {
-    if (!(st = checked_product("initial_state bytes N*H*V*K*size",
-                               {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+    if (!(st = checked_product(pooled ? "initial_state bytes num_state_slots*H*V*K*size"
+                                      : "initial_state bytes N*H*V*K*size",
+                               {states, p.num_heads, p.head_dim_v, p.head_dim_k,
                                 static_cast<std::int64_t>(dtype_size(p.initial_state_dtype))},
                                &s->initial_state_bytes))) {
       return st;
     }
   }
   if (p.final_state_dtype != DType::kNone) {
-    if (!(st = checked_product("final_state bytes N*H*V*K*size",
-                               {n, p.num_heads, p.head_dim_v, p.head_dim_k,
+    if (!(st = checked_product(pooled ? "final_state bytes num_state_slots*H*V*K*size"
+                                      : "final_state bytes N*H*V*K*size",
+                               {states, p.num_heads, p.head_dim_v, p.head_dim_k,
                                 static_cast<std::int64_t>(dtype_size(p.final_state_dtype))},
                                &s->final_state_bytes))) {
       return st;
@@ -222,6 +232,15 @@ Status validate(const Problem& p) {
     return invalid("final_state_dtype must be none, bf16 or f32 (got " +
                    dtype_name(p.final_state_dtype) + ")");
   }
+  if (p.num_state_slots < 0) {
+    return invalid("num_state_slots must be >= 0 (got " + str(p.num_state_slots) + ")");
+  }
+  if (p.num_state_slots > 0 && p.initial_state_dtype == DType::kNone &&
+      p.final_state_dtype == DType::kNone) {
+    return invalid("num_state_slots is " + str(p.num_state_slots) +
+                   " but neither initial_state_dtype nor final_state_dtype is set (slots address "
+                   "states)");
+  }
   PrefillSizes sizes;
   return prefill_sizes(p, &sizes);
 }
@@ -245,6 +264,14 @@ Status validate(const Problem& p, const Tensors& t) {
     if (Status st = require(t.cu_seqlens, "cu_seqlens"); !st) return st;
   } else if (t.cu_seqlens != nullptr || t.cu_seqlens_host != nullptr) {
     return invalid("cu_seqlens is set but cu_seqlens_dtype is none");
+  }
+
+  if (p.num_state_slots > 0) {
+    if (p.sequences() > 0) {
+      if (Status st = require(t.state_slots, "state_slots"); !st) return st;
+    }
+  } else if (t.state_slots != nullptr || t.state_slots_host != nullptr) {
+    return invalid("state_slots is set but num_state_slots is 0");
   }
 
   // States: a pointer exactly when a dtype is given (null allowed for a zero-sized state).
@@ -271,7 +298,9 @@ Status validate(const Problem& p, const Tensors& t) {
       cu_host{"cu_seqlens_host", t.cu_seqlens_host, s.cu_bytes},
       initial{"initial_state", t.initial_state, s.initial_state_bytes},
       final_state{"final_state", t.final_state, s.final_state_bytes}, out{"out", t.out, s.v_bytes},
-      status{"device_status", t.device_status, sizeof(std::uint32_t)};
+      status{"device_status", t.device_status, sizeof(std::uint32_t)},
+      slots{"state_slots", t.state_slots, s.state_slots_bytes},
+      slots_host{"state_slots_host", t.state_slots_host, s.state_slots_bytes};
 
   // In-place update: final_state may be initial_state itself (same dtype), never a partial overlap.
   if (t.final_state != nullptr && t.final_state == t.initial_state) {
@@ -283,17 +312,18 @@ Status validate(const Problem& p, const Tensors& t) {
   } else if (overlaps(final_state, initial)) {
     return invalid("final_state partially overlaps initial_state (only an exact alias is allowed)");
   }
-  if (Status st = check_no_overlap(
-          out, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial, final_state});
+  if (Status st = check_no_overlap(out, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial,
+                                        final_state, slots, slots_host});
       !st) {
     return st;
   }
-  if (Status st = check_no_overlap(final_state, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host});
+  if (Status st = check_no_overlap(
+          final_state, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, slots, slots_host});
       !st) {
     return st;
   }
   return check_no_overlap(status, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, initial,
-                                   final_state, out});
+                                   final_state, out, slots, slots_host});
 }
 
 namespace detail {
@@ -311,11 +341,61 @@ Status prefill_extents(const Problem& p, const Tensors& t, TensorExtents* out) {
   out->add("cu_seqlens", t.cu_seqlens, s.cu_bytes);
   out->add("initial_state", t.initial_state, s.initial_state_bytes);
   out->add("final_state", t.final_state, s.final_state_bytes);
+  out->add("state_slots", t.state_slots, s.state_slots_bytes);
   out->add("out", t.out, s.v_bytes);
   out->add("device_status", t.device_status, sizeof(std::uint32_t));
   return Status::Ok();
 }
 }  // namespace detail
+
+namespace detail {
+Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint64_t* seen_bits) {
+  const std::int64_t n = p.sequences();
+  const bool writes = p.final_state_dtype != DType::kNone;
+  if (seen_bits != nullptr && writes) {
+    std::fill(seen_bits, seen_bits + (p.num_state_slots + 63) / 64, std::uint64_t{0});
+  }
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::int32_t slot = slots[s];
+    if (slot >= p.num_state_slots) {
+      return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
+                     " is outside the pool of num_state_slots = " + str(p.num_state_slots));
+    }
+    if (slot < 0 || !writes) continue;
+    bool twice = false;
+    std::int64_t first = -1;
+    if (seen_bits != nullptr) {
+      std::uint64_t& word = seen_bits[slot / 64];
+      const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
+      twice = (word & bit) != 0;
+      word |= bit;
+      for (std::int64_t r = 0; twice && r < s && first < 0; ++r) {  // only on the error path
+        if (slots[r] == slot) first = r;
+      }
+    } else {
+      for (std::int64_t r = 0; r < s && !twice; ++r) {
+        if (slots[r] == slot) {
+          twice = true;
+          first = r;
+        }
+      }
+    }
+    if (twice) {
+      return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
+                     (first >= 0 ? " repeats state_slots[" + str(first) + "]" : " appears twice") +
+                     " (two sequences cannot write one state)");
+    }
+  }
+  return Status::Ok();
+}
+}  // namespace detail
+
+Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host) {
+  if (Status st = validate(p); !st) return st;
+  if (p.num_state_slots == 0) return invalid("state_slots given but num_state_slots is 0");
+  if (p.sequences() > 0 && state_slots_host == nullptr) return invalid("state_slots is null");
+  return detail::check_state_slots(p, state_slots_host, nullptr);
+}
 
 Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host) {
   if (Status st = validate(p); !st) return st;
@@ -420,6 +500,8 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
                                               static_cast<std::uint64_t>(p.head_dim_v)) +
               detail::cpu::kSlotAlignment;
     }
+    // The duplicate-slot bitmap sits after the thread slots (validate bounded num_state_slots).
+    total += detail::state_slot_bitmap_bytes(p);
   } else if (!detail::cuda_prefill_workspace_bytes(static_cast<std::uint64_t>(p.total_tokens()),
                                                    static_cast<std::uint64_t>(p.sequences()),
                                                    static_cast<std::uint64_t>(p.num_heads),

@@ -126,7 +126,7 @@ Status describe_device_status(std::uint32_t bits) {
   }
   if (bits & kDeviceStatusSlot) {
     message += sep;
-    message += "a decode slot index >= num_slots (that row was skipped)";
+    message += "a state slot index >= the pool size (decode: that row was skipped; prefill: that sequence ran as padding, from a zero state, with no final state written)";
     sep = "; ";
   }
   const std::uint32_t unknown =

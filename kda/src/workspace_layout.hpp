@@ -60,13 +60,48 @@ inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs, 
   return checked_add((total_tokens + kChunk - 1) / kChunk, num_seqs, out);
 }
 
-// Bytes of the CUDA prefill workspace; false on overflow.
+// ---- Segments (intracard context parallelism) ------------------------------------------------
+// A long sequence is cut into segments of seg_chunks chunks, aligned to its start. Its state map
+// over segment j is affine, S_{j+1} = P_j S_j + H_j (KDA.md §3): phase 2a runs every segment's
+// recurrence at once (segment 0 from the true initial state; the middle ones from 0 for H_j and
+// from the identity, with v = 0, for P_j), a short fp32 scan chains S_{j+1} = S_j P_j^T + H_j^T
+// (in the V-first layout), and phase 2b runs segments 1.. again from their true initial states.
+// Segment slots are handed out like chunk slots: sequence s owns [s + cu[s] / (16 seg_chunks), ...),
+// at most num_seqs + total_tokens / (16 seg_chunks) of them. Each (segment slot, head) has one
+// fp32 [2 * 128][128] block: rows 0..127 hold H_j^T (after the scan: the state at the start of
+// segment j + 1), rows 128..255 P_j^T.
+inline constexpr std::uint64_t kSegmentBlockBytes = 2ull * kHeadDim * kHeadDim * 4;  // 128 KiB
+inline constexpr std::uint64_t kMinSegmentChunks = 8;  // shorter segments cost more than they save
+// Upper bound of segments x heads that any device's plan asks for (the plan scales with the SM
+// count: about two segment-heads per SM), so that the workspace depends on sizes alone.
+inline constexpr std::uint64_t kSegmentBudget = 512;
+
+// Most segments the plan may cut all sequences into, beyond one per sequence: 0 when no split is
+// possible (fewer than two minimal segments of tokens).
+inline std::uint64_t max_extra_segments(std::uint64_t total_tokens, std::uint64_t num_heads) {
+  const std::uint64_t chunks = (total_tokens + kChunk - 1) / kChunk;
+  if (chunks < 2 * kMinSegmentChunks || num_heads == 0) return 0;
+  std::uint64_t by_budget = kSegmentBudget / num_heads;
+  if (by_budget < 2) return 0;
+  const std::uint64_t by_length = chunks / kMinSegmentChunks;
+  return by_budget < by_length ? by_budget : by_length;
+}
+
+// Bytes of the CUDA prefill workspace (chunk records, then the segment blocks); false on overflow.
 inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
                                          std::uint64_t num_heads, std::uint64_t* bytes) {
   std::uint64_t slots = 0, records = 0, total = 0;
   if (!num_chunk_slots(total_tokens, num_seqs, &slots)) return false;
   if (!checked_mul(slots, num_heads, &records)) return false;
   if (!checked_mul(records, ChunkRecord::kBytes, &total)) return false;
+  const std::uint64_t extra = max_extra_segments(total_tokens, num_heads);
+  if (extra > 0) {
+    std::uint64_t seg_slots = 0, seg_heads = 0, seg_bytes = 0;
+    if (!checked_add(num_seqs, extra, &seg_slots)) return false;
+    if (!checked_mul(seg_slots, num_heads, &seg_heads)) return false;
+    if (!checked_mul(seg_heads, kSegmentBlockBytes, &seg_bytes)) return false;
+    if (!checked_add(total, seg_bytes, &total)) return false;  // records end 128-byte aligned
+  }
   // + one alignment unit so an unaligned caller pointer can be rounded up.
   return checked_add(total, kWorkspaceAlignment, bytes);
 }

@@ -83,6 +83,13 @@ struct Problem {
   float scale = 0.0f;            // 0 means K^-0.5; otherwise finite and > 0
   DType initial_state_dtype = DType::kNone;  // kNone | kBF16 | kF32
   DType final_state_dtype = DType::kNone;    // kNone | kBF16 | kF32
+  // State addressing. 0: initial_state / final_state are [N, H, V, K], sequence s at index s.
+  // > 0: they are pools of num_state_slots states [num_state_slots, H, V, K] (typically one pool,
+  // updated in place: final_state == initial_state) and sequence s reads and writes entry
+  // Tensors::state_slots[s]; a negative entry means "start from zero, write no final state"
+  // (padding). A serving runtime's slots fragment as sequences come and go: this keeps a batch of
+  // any slots one launch, with no gather or scatter around it.
+  std::int64_t num_state_slots = 0;
 
   bool varlen() const noexcept { return cu_seqlens_dtype != DType::kNone; }
   std::int64_t total_tokens() const noexcept { return batch * seq_len; }
@@ -106,6 +113,14 @@ struct Tensors {
   const void* cu_seqlens_host = nullptr;
   const void* initial_state = nullptr;
   void* final_state = nullptr;  // may equal initial_state (in-place update) if dtypes match
+  // With Problem::num_state_slots > 0: int32 [N], the pool entry of each sequence (negative: padding).
+  // Device memory for the CUDA backend, host memory for the CPU backend. Entries >= num_state_slots
+  // are refused by the CPU backend; the CUDA kernels treat such a sequence as padding and report
+  // kDeviceStatusSlot. Two sequences may not share an entry while final_state is written.
+  const std::int32_t* state_slots = nullptr;
+  // Optional host copy of state_slots (CUDA backend): when given, its range and duplicates are
+  // checked before anything runs (O(N^2) host time; callers that already checked pass none).
+  const std::int32_t* state_slots_host = nullptr;
   void* out = nullptr;
   // Optional device word (4 bytes of device memory, CUDA only) where the kernels report what only
   // the device can see: they OR in DeviceStatusBit values (broken cu_seqlens contents, gate
@@ -126,6 +141,9 @@ Status validate(const Problem& p);
 Status validate(const Problem& p, const Tensors& t);
 // Checks cu_seqlens contents: [0] == 0, non-decreasing, [N] == T. `cu_seqlens` is a host pointer.
 Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host);
+// Checks state_slots contents (Problem::num_state_slots > 0): every entry < num_state_slots, and no
+// entry >= 0 twice when the problem writes a final state. `state_slots_host` is a host pointer.
+Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host);
 
 // Whether `backend` can run `p` (validate() plus backend restrictions, e.g. K == V == 128 on CUDA,
 // CUDA compiled in and a device present).
@@ -150,7 +168,8 @@ inline constexpr float kMaxAbsALog = 20.0f;
 enum DeviceStatusBit : std::uint32_t {
   kDeviceStatusCuSeqlens = 1u << 0,   // cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T
   kDeviceStatusGateParams = 1u << 1,  // an A_log or dt_bias value not finite or out of range
-  kDeviceStatusSlot = 1u << 2,        // decode: a slot index >= num_slots (that row was skipped)
+  kDeviceStatusSlot = 1u << 2,        // a slot index >= the pool size (decode: that row was
+                                      // skipped; prefill: that sequence ran as padding)
 };
 // kOk for 0; otherwise kInvalidArgument naming every problem in `bits`.
 Status describe_device_status(std::uint32_t bits);

@@ -15,4 +15,7 @@ inline Status cuda_status(cudaError_t err, const char* what) {
                 std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
+// Streaming multiprocessors of the current device, looked up once per device (1 if unknown).
+int current_device_sm_count();
+
 }  // namespace kda::detail

@@ -96,6 +96,32 @@ int device_capability(int device, cudaError_t* err) {
   return capability;
 }
 
+}  // namespace
+
+// SM count per device ordinal, looked up once (0: not yet known).
+std::atomic<int> g_sm_count[kMaxCachedDevices];
+
+int detail::current_device_sm_count() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  if (device >= 0 && device < kMaxCachedDevices) {
+    const int cached = g_sm_count[device].load(std::memory_order_relaxed);
+    if (cached != 0) return cached;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1) {
+    cudaGetLastError();
+    return 1;
+  }
+  if (device >= 0 && device < kMaxCachedDevices) g_sm_count[device].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+namespace {
+
 // cuMemGetAddressRange through the runtime's driver entry point, so that the library needs no
 // link against libcuda. Null when the driver does not offer it (the extent check is then skipped).
 using MemGetAddressRangeFn = int (*)(unsigned long long* base, std::size_t* size, unsigned long long ptr);

@@ -19,12 +19,15 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
 #include "kda/nvtx.hpp"
+#include "state_slots.hpp"
 #include "tensor_extents.hpp"
 #include "workspace_layout.hpp"
 
@@ -55,7 +58,17 @@ struct PrefillParams {
   unsigned char* records;
   std::int64_t num_slots;
   std::uint32_t* status;  // caller's device status word, or null
+  // Pooled states (Problem::num_state_slots > 0): sequence s uses pool entry state_slots[s].
+  const std::int32_t* state_slots;  // null: sequence s uses state s
+  std::int64_t num_state_slots;
+  // Segments (workspace_layout.hpp): chunks per segment (kNoSplit: one segment per sequence) and
+  // the fp32 segment blocks (null without a split).
+  std::int64_t seg_chunks;
+  float* seg_blocks;
 };
+
+// seg_chunks of a plan that does not split: one segment holds any sequence, and seg_slot == s.
+constexpr std::int64_t kNoSplit = std::int64_t{1} << 40;
 
 __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std::int64_t slot, int h) {
   return p.records + (slot * p.num_heads + h) * static_cast<std::int64_t>(ChunkRecord::kBytes);
@@ -176,14 +189,16 @@ struct PrepSmem {
   std::uint64_t inputs_ready;  // mbarrier of the input copies
 };
 
-// Finds the sequence owning chunk slot `slot`: the largest s with s + start(s) / C <= slot.
-__device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std::int64_t slot) {
+// Finds the sequence owning slot `slot` when slots are `width` tokens wide (a chunk: C; a segment:
+// C * seg_chunks): the largest s with s + start(s) / width <= slot.
+__device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std::int64_t slot,
+                                                      std::int64_t width) {
   std::int64_t lo = 0, hi = seqs.num_seqs - 1;
   while (lo < hi) {
     const std::int64_t mid = (lo + hi + 1) / 2;
     std::int64_t b = seqs.start(mid);
     b = b < 0 ? 0 : (b > seqs.total ? seqs.total : b);
-    if (mid + b / C <= slot) lo = mid; else hi = mid - 1;
+    if (mid + b / width <= slot) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -219,7 +234,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   // The first slot's blocks (one per head) check the gate parameters for everyone.
   if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb)) report_status(p.status, kDeviceStatusGateParams);
 
-  const std::int64_t s = owner_of_slot(p.seqs, slot);
+  const std::int64_t s = owner_of_slot(p.seqs, slot, C);
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t j = slot - (s + bos / C);
@@ -427,36 +442,87 @@ __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const un
   }
 }
 
-template <int WARPS>
+// Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
+// every sequence is one segment and kFirst is the whole recurrence.
+enum class RecurrencePass : int {
+  kFirst = 0,   // segment 0 from the true initial state (outputs); middle segments' (H_j, P_j)
+  kSecond = 1,  // segments 1.. from the scanned initial states (outputs, final state)
+};
+
+// Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
+// outside the pool, reported once through the status word).
+__device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s, bool report) {
+  if (p.state_slots == nullptr) return s;
+  const std::int64_t slot = p.state_slots[s];
+  if (slot >= p.num_state_slots) {
+    if (report) report_status(p.status, kDeviceStatusSlot);
+    return -1;
+  }
+  return slot < 0 ? -1 : slot;
+}
+
+__device__ __forceinline__ float* seg_block(const PrefillParams& p, std::int64_t seg_slot, int h) {
+  return p.seg_blocks + (seg_slot * p.num_heads + h) * static_cast<std::int64_t>(2 * D * D);
+}
+
+// Segment j of a sequence with nchunks chunks: the count of its segments (at least one, so that an
+// empty sequence still passes its initial state on).
+__device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::int64_t seg_chunks) {
+  const std::int64_t n = (nchunks + seg_chunks - 1) / seg_chunks;
+  return n < 1 ? 1 : n;
+}
+
+// One block per (segment slot, head, column block). Columns 0..127 are the V columns of S^T; in
+// the first pass a middle segment also carries columns 128..255, the rows of P^T, started from the
+// identity with U0 = 0 (v = 0 for them).
+template <int WARPS, RecurrencePass PASS>
 __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const PrefillParams p) {
   constexpr int THREADS = WARPS * 32;
-  constexpr int VB = WARPS * 16;  // V columns per block
+  constexpr int VB = WARPS * 16;  // columns per block
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
                                                          C * (VB + 8) * sizeof(bf16));
 
-  const std::int64_t s = blockIdx.x;
+  const std::int64_t seg_slot = blockIdx.x;
   const int h = blockIdx.y;
   const int v_block = blockIdx.z * VB;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;  // mma fragment row group / thread-in-group
-  const int v_warp = v_block + warp * 16;   // first V column of this warp
+  const int v_warp = v_block + warp * 16;   // first column of this warp
+
+  const std::int64_t seg_tokens = C * p.seg_chunks;
+  const std::int64_t s = owner_of_slot(p.seqs, seg_slot, seg_tokens);
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t nchunks = (eos - bos + C - 1) / C;
+  const std::int64_t j = seg_slot - (s + bos / seg_tokens);  // segment index in the sequence
+  const std::int64_t nseg = segments_of(nchunks, p.seg_chunks);
+  if (j < 0 || j >= nseg) return;  // a gap slot
+  const bool last = j == nseg - 1;
+  // What this block does: see RecurrencePass.
+  const bool transition = PASS == RecurrencePass::kFirst && j > 0;  // (H_j, P_j) of a middle segment
+  if (PASS == RecurrencePass::kFirst && j > 0 && last) return;    // the last one runs in kSecond
+  if (PASS == RecurrencePass::kSecond && j == 0) return;          // segment 0 ran in kFirst
+  if (!transition && v_block >= D) return;                         // P columns: middle segments only
+  const bool identity_cols = v_warp >= D;                          // warp-uniform
 
   // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
-  if (p.seqs.cu != nullptr && h == 0 && blockIdx.z == 0 && tid == 0) {
+  const bool reporter = PASS == RecurrencePass::kFirst && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
+  if (p.seqs.cu != nullptr && reporter) {
     const std::int64_t b = p.seqs.start(s), e = p.seqs.start(s + 1);
     if (e < b || (s == 0 && b != 0) || (s == p.seqs.num_seqs - 1 && e != p.seqs.total)) {
       report_status(p.status, kDeviceStatusCuSeqlens);
     }
   }
-  std::int64_t bos, eos;
-  p.seqs.bounds(s, &bos, &eos);
-  const std::int64_t nchunks = (eos - bos + C - 1) / C;
-  const std::int64_t slot0 = s + bos / C;
+  const std::int64_t state_idx = state_index(p, s, reporter);
   const std::int64_t H = p.num_heads;
-  const std::int64_t state_base = (s * H + h) * static_cast<std::int64_t>(D) * D;
+  const std::int64_t state_base = (state_idx * H + h) * static_cast<std::int64_t>(D) * D;
+  // Initial state: the caller's (segment 0), the scan's (segment j >= 1, second pass: in the block
+  // of segment j - 1), or zero / identity (transitions).
+  const float* seg_in = PASS == RecurrencePass::kSecond ? seg_block(p, seg_slot - 1, h) : nullptr;
+  const int h0_kind = (j == 0 && state_idx >= 0) ? p.h0_kind : 0;
 
   // S^T slice [v_warp + 0..15][0..127] as 16 n-tiles of m16n8 accumulators:
   // acc[n][0..1] -> (row gq, cols 8n + 2tq + {0,1}); acc[n][2..3] -> row gq + 8.
@@ -465,13 +531,22 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   for (int n = 0; n < 16; ++n) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t off = state_base + static_cast<std::int64_t>(v_warp + gq + 8 * r) * D + 8 * n + 2 * tq;
+      const int row = v_warp + gq + 8 * r;
+      const int col = 8 * n + 2 * tq;
+      const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
       float x0 = 0.f, x1 = 0.f;
-      if (p.h0_kind == 2) {
+      if (PASS == RecurrencePass::kSecond) {
+        const float2 t2 = *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
+        x0 = t2.x;
+        x1 = t2.y;
+      } else if (transition) {
+        x0 = identity_cols && row - D == col ? 1.f : 0.f;
+        x1 = identity_cols && row - D == col + 1 ? 1.f : 0.f;
+      } else if (h0_kind == 2) {
         const float2 t2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.h0) + off);
         x0 = t2.x;
         x1 = t2.y;
-      } else if (p.h0_kind == 1) {
+      } else if (h0_kind == 1) {
         const __nv_bfloat162 t2 = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
         x0 = __bfloat162float(t2.x);
         x1 = __bfloat162float(t2.y);
@@ -481,9 +556,15 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     }
   }
 
-  // One thread drives the copy engine: an mbarrier per stage, the first kStages - 1 chunks now.
-  // Chunks past the workspace's slots (only with broken cu_seqlens) are never fetched or waited on.
-  const std::int64_t nfetch = nchunks < p.num_slots - slot0 ? nchunks : (p.num_slots - slot0 > 0 ? p.num_slots - slot0 : 0);
+  // This segment's chunks [c_begin, c_end) of the sequence. One thread drives the copy engine: an
+  // mbarrier per stage, the first kStages - 1 chunks now. Chunks past the workspace's slots (only
+  // with broken cu_seqlens) are never fetched or waited on.
+  const std::int64_t slot0 = s + bos / C;
+  const std::int64_t c_begin = j * p.seg_chunks;
+  std::int64_t c_end = last ? nchunks : c_begin + p.seg_chunks;
+  if (c_end > p.num_slots - slot0) c_end = p.num_slots - slot0;
+  const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
+  const bool write_out = !transition;
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
@@ -492,7 +573,7 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   if (tid == 0) {
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
-      if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c, h), &full[c]);
+      if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c_begin + c, h), &full[c]);
     }
   }
 
@@ -502,7 +583,9 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     __syncthreads();
     if (tid == 0) {
       const std::int64_t nc = c + kStages - 1;
-      if (nc < nfetch) load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + nc, h), &full[nc % kStages]);
+      if (nc < nfetch) {
+        load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + c_begin + nc, h), &full[nc % kStages]);
+      }
     }
     mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
     const StageSmem& st = stages[c % kStages];
@@ -526,16 +609,23 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     float X[2][2][4] = {};
     state_times_tile(X, sa, st.w, lrow, lcol);
 
-    // U^T = U0^T - X   (row v, col token)
+    // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows.
     float U[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       const int t0 = nt * 8 + 2 * tq;
       const int v0 = v_warp + gq;
-      U[nt][0] = __bfloat162float(st.u[t0][v0]) - (X[0][nt][0] + X[1][nt][0]);
-      U[nt][1] = __bfloat162float(st.u[t0 + 1][v0]) - (X[0][nt][1] + X[1][nt][1]);
-      U[nt][2] = __bfloat162float(st.u[t0][v0 + 8]) - (X[0][nt][2] + X[1][nt][2]);
-      U[nt][3] = __bfloat162float(st.u[t0 + 1][v0 + 8]) - (X[0][nt][3] + X[1][nt][3]);
+      float u00 = 0.f, u01 = 0.f, u10 = 0.f, u11 = 0.f;
+      if (!identity_cols) {
+        u00 = __bfloat162float(st.u[t0][v0]);
+        u01 = __bfloat162float(st.u[t0 + 1][v0]);
+        u10 = __bfloat162float(st.u[t0][v0 + 8]);
+        u11 = __bfloat162float(st.u[t0 + 1][v0 + 8]);
+      }
+      U[nt][0] = u00 - (X[0][nt][0] + X[1][nt][0]);
+      U[nt][1] = u01 - (X[0][nt][1] + X[1][nt][1]);
+      U[nt][2] = u10 - (X[0][nt][2] + X[1][nt][2]);
+      U[nt][3] = u11 - (X[0][nt][3] + X[1][nt][3]);
     }
     unsigned ua[4];
     ua[0] = pack_bf16x2(U[0][0], U[0][1]);
@@ -561,29 +651,29 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       mma_bf16(acc[n + 1], ua, b2, b3);
     }
 
-    // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
-    float Y[2][2][4] = {};
-    state_times_tile(Y, sa, st.qg, lrow, lcol);
-    {
-      unsigned m0, m1, m2, m3;
-      ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
-      mma_bf16(Y[0][0], ua, m0, m1);
-      mma_bf16(Y[0][1], ua, m2, m3);
-    }
+    if (write_out) {
+      // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
+      float Y[2][2][4] = {};
+      state_times_tile(Y, sa, st.qg, lrow, lcol);
+      {
+        unsigned m0, m1, m2, m3;
+        ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
+        mma_bf16(Y[0][0], ua, m0, m1);
+        mma_bf16(Y[0][1], ua, m2, m3);
+      }
 
-    // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
+      // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int t0 = nt * 8 + 2 * tq;
-      const int vl = warp * 16 + gq;
-      so[t0][vl] = __float2bfloat16(Y[0][nt][0] + Y[1][nt][0]);
-      so[t0 + 1][vl] = __float2bfloat16(Y[0][nt][1] + Y[1][nt][1]);
-      so[t0][vl + 8] = __float2bfloat16(Y[0][nt][2] + Y[1][nt][2]);
-      so[t0 + 1][vl + 8] = __float2bfloat16(Y[0][nt][3] + Y[1][nt][3]);
-    }
-    __syncthreads();
-    {
-      const std::int64_t tok0 = bos + c * C;
+      for (int nt = 0; nt < 2; ++nt) {
+        const int t0 = nt * 8 + 2 * tq;
+        const int vl = warp * 16 + gq;
+        so[t0][vl] = __float2bfloat16(Y[0][nt][0] + Y[1][nt][0]);
+        so[t0 + 1][vl] = __float2bfloat16(Y[0][nt][1] + Y[1][nt][1]);
+        so[t0][vl + 8] = __float2bfloat16(Y[0][nt][2] + Y[1][nt][2]);
+        so[t0 + 1][vl + 8] = __float2bfloat16(Y[0][nt][3] + Y[1][nt][3]);
+      }
+      __syncthreads();
+      const std::int64_t tok0 = bos + (c_begin + c) * C;
       const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
       constexpr int kPieces = VB / 8;  // 16-byte pieces per token row
       for (int e = tid; e < nvalid * kPieces; e += THREADS) {
@@ -593,15 +683,29 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       }
     }
   }
-  if (p.ht_kind != 0) {
+  // The end state: the caller's final state (last segment), or this segment's block in the
+  // workspace (segment 0 of a split sequence: S_1; a transition: H_j^T and P^T rows), fp32.
+  float* seg_out = nullptr;
+  int out_kind = 0;
+  if (last) {
+    out_kind = state_idx >= 0 ? p.ht_kind : 0;
+  } else if (PASS == RecurrencePass::kFirst) {
+    seg_out = seg_block(p, seg_slot, h);
+    out_kind = 3;
+  }
+  if (out_kind != 0) {
 #pragma unroll
     for (int n = 0; n < 16; ++n) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const std::int64_t off = state_base + static_cast<std::int64_t>(v_warp + gq + 8 * r) * D + 8 * n + 2 * tq;
-        if (p.ht_kind == 2) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) =
+        const int row = v_warp + gq + 8 * r;
+        const int col = 8 * n + 2 * tq;
+        const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
+        if (out_kind == 3) {
+          *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) =
               make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+        } else if (out_kind == 2) {
+          *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
         } else {
           *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
               __floats2bfloat162_rn(acc[n][2 * r], acc[n][2 * r + 1]);
@@ -616,18 +720,133 @@ constexpr std::size_t recurrence_smem_bytes() {
   return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) + kStages * sizeof(std::uint64_t);
 }
 
-template <int WARPS>
-Status launch_recurrence(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream) {
+template <int WARPS, RecurrencePass PASS>
+Status launch_recurrence(const PrefillParams& prm, std::int64_t seg_slots, int column_blocks,
+                         cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS>();
-  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS>,
+  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), 128 / (WARPS * 16));
+  cfg.gridDim = dim3(static_cast<unsigned>(seg_slots), static_cast<unsigned>(prm.num_heads),
+                     static_cast<unsigned>(column_blocks));
   cfg.blockDim = dim3(WARPS * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS>, prm), "kda_recurrence_kernel");
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS>, prm), "kda_recurrence_kernel");
+}
+
+// The scan between the passes: for each (sequence, head, 16 rows of S^T), S_{j+1}^T = S_j^T P_j^T +
+// H_j^T for j = 1 .. nseg - 2, in fp32, written over H_j^T. S_1^T comes from segment 0's block.
+constexpr int kScanRows = 16;
+constexpr int kScanThreads = 256;
+struct ScanSmem {
+  float pt[D][D + 4];        // P_j^T, rows padded (16-byte aligned rows, fewer bank conflicts)
+  float s[kScanRows][D + 4];  // the running S^T rows
+};
+
+__global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const PrefillParams p) {
+  extern __shared__ __align__(16) unsigned char scan_smem_raw[];
+  ScanSmem& sm = *reinterpret_cast<ScanSmem*>(scan_smem_raw);
+  const std::int64_t s = blockIdx.x;
+  const int h = blockIdx.y;
+  const int row0 = blockIdx.z * kScanRows;
+  const int tid = threadIdx.x;
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t seg_tokens = C * p.seg_chunks;
+  const std::int64_t nseg = segments_of((eos - bos + C - 1) / C, p.seg_chunks);
+  if (nseg < 3) return;  // nothing between segment 0 and the last
+  const std::int64_t base = s + bos / seg_tokens;
+  // Thread tid owns row r = tid / 16 and columns c0 .. c0 + 7 of the output.
+  const int r = tid / 16, c0 = (tid % 16) * 8;
+  {
+    const float* s1 = seg_block(p, base, h) + static_cast<std::int64_t>(row0 + r) * D + c0;
+    const float4 a = *reinterpret_cast<const float4*>(s1), b = *reinterpret_cast<const float4*>(s1 + 4);
+    *reinterpret_cast<float4*>(&sm.s[r][c0]) = a;
+    *reinterpret_cast<float4*>(&sm.s[r][c0 + 4]) = b;
+  }
+  for (std::int64_t jj = 1; jj + 1 < nseg; ++jj) {
+    float* blk = seg_block(p, base + jj, h);
+    const float* pt = blk + static_cast<std::int64_t>(D) * D;
+    for (int e = tid; e < D * D / 4; e += kScanThreads) {
+      const int i = e / (D / 4), c = (e % (D / 4)) * 4;
+      *reinterpret_cast<float4*>(&sm.pt[i][c]) = *reinterpret_cast<const float4*>(pt + i * D + c);
+    }
+    __syncthreads();  // P^T and the S rows of the previous step are in
+    float o[8];
+    float* hrow = blk + static_cast<std::int64_t>(row0 + r) * D + c0;
+    {
+      const float4 a = *reinterpret_cast<const float4*>(hrow), b = *reinterpret_cast<const float4*>(hrow + 4);
+      o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
+    }
+#pragma unroll 4
+    for (int i = 0; i < D; ++i) {
+      const float x = sm.s[r][i];
+      const float4 a = *reinterpret_cast<const float4*>(&sm.pt[i][c0]);
+      const float4 b = *reinterpret_cast<const float4*>(&sm.pt[i][c0 + 4]);
+      o[0] = fmaf(x, a.x, o[0]); o[1] = fmaf(x, a.y, o[1]); o[2] = fmaf(x, a.z, o[2]); o[3] = fmaf(x, a.w, o[3]);
+      o[4] = fmaf(x, b.x, o[4]); o[5] = fmaf(x, b.y, o[5]); o[6] = fmaf(x, b.z, o[6]); o[7] = fmaf(x, b.w, o[7]);
+    }
+    __syncthreads();  // everyone is done reading P^T and the old S rows
+    *reinterpret_cast<float4*>(hrow) = make_float4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<float4*>(hrow + 4) = make_float4(o[4], o[5], o[6], o[7]);
+    *reinterpret_cast<float4*>(&sm.s[r][c0]) = make_float4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<float4*>(&sm.s[r][c0 + 4]) = make_float4(o[4], o[5], o[6], o[7]);
+  }
+}
+
+Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kda_segment_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(sizeof(ScanSmem)));
+  if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_segment_scan_kernel)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), D / kScanRows);
+  cfg.blockDim = dim3(kScanThreads);
+  cfg.dynamicSmemBytes = sizeof(ScanSmem);
+  cfg.stream = stream;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_segment_scan_kernel, prm), "kda_segment_scan_kernel");
+}
+
+// How the recurrence is cut: segments of seg_chunks chunks so that about `factor` segment-heads
+// per SM run at once (bounded by kSegmentBudget so that workspace_size() holds on any device), or
+// no split when the sequences are too short for two segments of kMinSegmentChunks.
+struct SegmentPlan {
+  std::int64_t seg_chunks = kNoSplit;
+  std::int64_t seg_slots = 0;  // grid size of the passes: num_seqs + total_tokens / (16 seg_chunks)
+  bool split = false;
+};
+
+int segment_factor() {
+  // Tuning knob for the benchmark's sweeps (docs/PERFORMANCE-NOTES.md), read once: segment-heads
+  // per SM to aim for; 0 turns the split off.
+  static const int factor = [] {
+    const char* env = std::getenv("KDA_PREFILL_SEGMENT_FACTOR");
+    if (env == nullptr || *env == '\0') return 2;
+    const int v = std::atoi(env);
+    return v < 0 ? 0 : (v > 16 ? 16 : v);
+  }();
+  return factor;
+}
+
+SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms) {
+  SegmentPlan plan;
+  plan.seg_slots = N;
+  const std::uint64_t extra_bound = max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
+  if (extra_bound == 0) return plan;
+  const std::int64_t chunks = (T + C - 1) / C;
+  std::int64_t target = static_cast<std::int64_t>(segment_factor()) * sms / H;
+  const std::int64_t budget = static_cast<std::int64_t>(kSegmentBudget) / H;
+  if (target > budget) target = budget;
+  if (target < 2) return plan;
+  std::int64_t seg_chunks = (chunks + target - 1) / target;
+  if (seg_chunks < static_cast<std::int64_t>(kMinSegmentChunks)) seg_chunks = kMinSegmentChunks;
+  const std::int64_t extra = T / (C * seg_chunks);
+  if (extra == 0) return plan;
+  plan.seg_chunks = seg_chunks;
+  plan.seg_slots = N + extra;
+  plan.split = true;
+  return plan;
 }
 
 int state_kind(DType dt) { return dt == DType::kBF16 ? 1 : dt == DType::kF32 ? 2 : 0; }
@@ -648,6 +867,10 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
     st = validate_cu_seqlens(p, t.cu_seqlens_host);
     if (!st.ok()) return st;
   }
+  if (t.state_slots_host != nullptr) {
+    st = check_state_slots(p, t.state_slots_host, nullptr);
+    if (!st.ok()) return st;
+  }
   // The kernels move q, k, v, g and out in 16-byte pieces (bulk copies, vector stores) and states in
   // 8-byte pieces.
   {
@@ -659,7 +882,7 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
                    {t.initial_state, "initial_state", 8}, {t.final_state, "final_state", 8},
                    {t.beta, "beta", 2}, {t.A_log, "A_log", 4}, {t.dt_bias, "dt_bias", 4},
                    {t.cu_seqlens, "cu_seqlens", p.cu_seqlens_dtype == DType::kI64 ? 8u : 4u},
-                   {t.device_status, "device_status", 4}};
+                   {t.state_slots, "state_slots", 4}, {t.device_status, "device_status", 4}};
     for (const auto& a : aligned) {
       if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.align != 0) {
         return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.align) +
@@ -714,6 +937,14 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   std::uint64_t slots = 0;
   num_chunk_slots(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(N), &slots);
   prm.num_slots = static_cast<std::int64_t>(slots);
+  prm.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
+  prm.num_state_slots = p.num_state_slots;
+  const int sms = current_device_sm_count();
+  const SegmentPlan plan = plan_segments(T, N, p.num_heads, sms);
+  prm.seg_chunks = plan.seg_chunks;
+  prm.seg_blocks = plan.split ? reinterpret_cast<float*>(prm.records + slots * static_cast<std::uint64_t>(p.num_heads) *
+                                                                            ChunkRecord::kBytes)
+                              : nullptr;
 
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (T > 0) {
@@ -730,16 +961,28 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
     st = cuda_status(cudaLaunchKernelEx(&cfg, kda_prepare_kernel, prm), "kda_prepare_kernel");
     if (!st.ok()) return st;
   }
-  {
-    KDA_NVTX_RANGE("kda.prefill.recurrence");
-    // Measured on the H200 (docs/PERFORMANCE-NOTES.md): with at least one (sequence, head) pair per
-    // SM, one 128-column block per pair (the chunk record read once, 8 warps sharing it); with fewer,
-    // two 64-column blocks, and below 33 pairs four 32-column blocks, to keep more SMs busy.
-    const std::int64_t pairs = N * p.num_heads;
-    if (pairs >= 132) return launch_recurrence<8>(prm, N, stream);
-    if (pairs >= 33) return launch_recurrence<4>(prm, N, stream);
-    return launch_recurrence<2>(prm, N, stream);
-  }
+  KDA_NVTX_RANGE("kda.prefill.recurrence");
+  // Block shape, measured on the H200 (docs/PERFORMANCE-NOTES.md): with at least one work item
+  // (segment, head) per SM, one 128-column block per item (the chunk record read once, 8 warps
+  // sharing it); with fewer, two 64-column blocks, and below a quarter of the SMs four 32-column
+  // blocks, to keep more SMs busy.
+  const std::int64_t items = plan.seg_slots * p.num_heads;
+  auto run = [&](auto warps_tag) -> Status {
+    constexpr int kWarps = decltype(warps_tag)::value;
+    constexpr int kColumnBlocks = D / (kWarps * 16);
+    if (!plan.split) return launch_recurrence<kWarps, RecurrencePass::kFirst>(prm, N, kColumnBlocks, stream);
+    Status s1 = launch_recurrence<kWarps, RecurrencePass::kFirst>(prm, plan.seg_slots, 2 * kColumnBlocks, stream);
+    if (!s1.ok()) return s1;
+    {
+      KDA_NVTX_RANGE("kda.prefill.segment_scan");
+      s1 = launch_segment_scan(prm, N, stream);
+      if (!s1.ok()) return s1;
+    }
+    return launch_recurrence<kWarps, RecurrencePass::kSecond>(prm, plan.seg_slots, kColumnBlocks, stream);
+  };
+  if (items >= sms) return run(std::integral_constant<int, 8>{});
+  if (4 * items >= sms) return run(std::integral_constant<int, 4>{});
+  return run(std::integral_constant<int, 2>{});
 }
 
 }  // namespace kda

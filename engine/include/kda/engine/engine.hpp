@@ -14,12 +14,10 @@
 // second prefill on the same slot continues the sequence (chunked prefill) — and leaves the
 // sequence's final state in the slot; decode reads and updates it in place.
 //
-// Batches whose slots are not consecutive. The operator reads and writes states [N, H, V, K] as one
-// contiguous block, so prefill splits a batch into runs of consecutive ascending slots (slots s,
-// s+1, ..., s+n-1 for consecutive sequences) and runs one forward per run, in place on the pool:
-// no gather or scatter copies and no staging memory. acquire_slot() hands out the lowest free slot,
-// so sequences acquired together usually form one run; a runtime that cares about launch count can
-// keep batches sorted by slot. Decode has no such restriction (it addresses slots by index).
+// Any slots, one launch. prefill and decode address each sequence's state by its slot index in the
+// pool (kda::Problem::num_state_slots / kda::Tensors::state_slots): a batch whose slots are
+// fragmented, reversed or strided is still one forward per layer, in place, with no gather or
+// scatter copies.
 //
 // Errors throw kda::Error. Inputs and outputs passed to prefill/decode live on the engine's backend
 // (host pointers for CPU, device pointers for CUDA); bf16 layouts as in kda/kda.hpp.
@@ -198,6 +196,8 @@ class Engine {
   // CUDA: every buffer is device memory of the current device, large enough, and the arena is on
   // the current device too (throws).
   void check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const;
+  // Copies the batch's slot indices to the arena's slot scratch, unless it holds them already.
+  void stage_slots(const std::vector<int>& slots);
 
   ModelSpec spec_;
   Backend backend_;
@@ -212,18 +212,13 @@ class Engine {
   std::uint64_t slot_bytes_ = 0;
   std::vector<char> slot_in_use_;
 
-  // Prefill staging: int64 cu_seqlens of every run of consecutive slots, back to back.
+  // Prefill staging: the batch's int64 cu_seqlens.
   std::int64_t* cu_scratch_ = nullptr;
   std::vector<std::int64_t> cu_staging_;   // host, capacity fixed at construction
   std::vector<std::int64_t> cu_uploaded_;  // what cu_scratch_ holds now (skip repeat uploads)
-  struct Run {
-    int first_seq, num_seqs, first_slot;
-    std::int64_t cu_offset;  // index of its cu_seqlens in cu_staging_
-  };
-  std::vector<Run> runs_;                  // capacity fixed at construction
   std::vector<unsigned> seen_stamp_;       // duplicate-slot detection without clearing
   unsigned stamp_ = 0;
-  // Decode staging: int32 slots.
+  // Slot staging (prefill and decode): int32 slot indices, -1 for padding.
   std::int32_t* slots_scratch_ = nullptr;
   std::vector<std::int32_t> slots_staging_;
   std::vector<std::int32_t> slots_uploaded_;
