@@ -126,12 +126,10 @@ TEST_CASE("cuda prefill through state slots equals the contiguous run bitwise") 
 TEST_CASE("cuda prefill: a slot outside the pool is reported and runs as padding") {
   if (!gpu_or_skip()) return;
   const KdaCase c = make_case(gpu_options(4, {40, 700, 3}, DType::kF32, 7));
-  std::vector<std::int32_t> slots = {2, 5, 0};
-  SlotCase sc = make_slot_case(c, slots, 6);
-  sc.slots[1] =
-      6;  // one past the end; the device sees it, the host check is skipped (no host copy)
-  // The reference: sequence 1 as padding.
+  // The reference: sequence 1 as padding (pool entry 5 keeps its guard).
   const SlotCase padded = make_slot_case(c, {2, -1, 0}, 6);
+  SlotCase sc = padded;
+  sc.slots[1] = 6;  // past the end: the device sees it (no host copy is given to check)
   GpuRun ref = run_cuda(padded.contiguous);
   REQUIRE(ref.status.ok());
   const PooledGpuRun got = run_pooled_cuda(sc);

@@ -337,7 +337,7 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
     REQUIRE(decode_cuda(dp, t, nullptr).ok());
     const Status st = check_device_status(word, nullptr);
     CHECK(st.code() == StatusCode::kInvalidArgument);
-    CHECK_MESSAGE(contains(st, "slot index >= num_slots"), st.to_string());
+    CHECK_MESSAGE(contains(st, "slot index >= the pool size"), st.to_string());
     // Row 1 (slot 9) and row 2 (padding) left their out untouched; row 0 was written.
     const auto out = dout.download<std::uint16_t>();
     const std::size_t row = static_cast<std::size_t>(2 * dp.num_heads * 128);

@@ -1,6 +1,8 @@
 // engine/engine.cpp — planning, the arena, state slots, prefill/decode dispatch, synthetic runs.
 #include "kda/engine/engine.hpp"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -101,7 +103,10 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
   // A batch of N sequences splits into at most N runs of consecutive slots; each run's cu_seqlens
   // has (its sequences + 1) entries: at most 2N in all.
   scratch("prefill.cu_seqlens", (seqs + 1) * sizeof(std::int64_t));
-  scratch("engine.slots", seqs * sizeof(std::int32_t));  // prefill's and decode's slot indices
+  // Slot indices, one buffer per kind of call, so that alternating prefill and decode batches do
+  // not re-upload (and a captured graph replays without host-to-device copies).
+  scratch("prefill.slots", seqs * sizeof(std::int32_t));
+  scratch("decode.slots", seqs * sizeof(std::int32_t));
   if (backend == Backend::kCuda) scratch("engine.device_status", sizeof(std::uint32_t));
 
   if (synthetic_capacity > 0) {
@@ -175,7 +180,7 @@ void Engine::ArenaDeleter::operator()(std::uint8_t* ptr) const noexcept {
   if (backend == Backend::kCuda) {
     (void)device_free(ptr);  // nothing useful to do with a failure in a destructor
   } else {
-    std::free(ptr);
+    (void)munmap(ptr, bytes);
   }
 }
 
@@ -221,13 +226,16 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
                    ("allocating the arena (" + std::to_string(total) + " bytes)").c_str());
     arena_.reset(static_cast<std::uint8_t*>(ptr));
   } else {
-    void* ptr = std::aligned_alloc(static_cast<std::size_t>(plan_.alignment),
-                                   static_cast<std::size_t>(total));
-    if (ptr == nullptr) {
+    // Pages straight from the kernel (page-aligned, beyond any plan alignment): a destroyed engine
+    // gives its arena back to the system at once, whatever malloc's thresholds would do.
+    void* ptr = mmap(nullptr, static_cast<std::size_t>(total), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ptr == MAP_FAILED) {
       fail(where + ": cannot allocate the arena of " + std::to_string(total) + " bytes",
            StatusCode::kInternal);
     }
-    arena_.reset(static_cast<std::uint8_t*>(ptr));
+    arena_ = std::unique_ptr<std::uint8_t, ArenaDeleter>(
+        static_cast<std::uint8_t*>(ptr), ArenaDeleter{backend_, static_cast<std::size_t>(total)});
   }
 
   std::uint8_t* base = arena_.get();
@@ -237,7 +245,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
     return entry == nullptr ? nullptr : base + entry->offset;
   };
   cu_scratch_ = static_cast<std::int64_t*>(locate("prefill.cu_seqlens"));
-  slots_scratch_ = static_cast<std::int32_t*>(locate("engine.slots"));
+  prefill_slots_.device = static_cast<std::int32_t*>(locate("prefill.slots"));
+  decode_slots_.device = static_cast<std::int32_t*>(locate("decode.slots"));
   device_status_ = static_cast<std::uint32_t*>(locate("engine.device_status"));
   if (device_status_ != nullptr) {
     throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
@@ -264,8 +273,10 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
   cu_staging_.reserve(slots + 1);
   cu_uploaded_.reserve(slots + 1);
   seen_stamp_.assign(slots, 0);
-  slots_staging_.reserve(slots);
-  slots_uploaded_.reserve(slots);
+  for (SlotStaging* staging : {&prefill_slots_, &decode_slots_}) {
+    staging->host.reserve(slots);
+    staging->uploaded.reserve(slots);
+  }
   synchronize();
 }
 
@@ -474,7 +485,7 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     copy_in(cu_scratch_, cu_staging_.data(), cu_staging_.size() * sizeof(std::int64_t));
     cu_uploaded_ = cu_staging_;
   }
-  stage_slots(slots);
+  stage_slots(slots, &prefill_slots_);
   Tensors t;
   t.q = inputs.q;
   t.k = inputs.k;
@@ -486,19 +497,19 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
   t.cu_seqlens_host = cu_staging_.data();
   t.initial_state = layer.state_pool();
   t.final_state = layer.state_pool();  // in place
-  t.state_slots = slots_scratch_;      // checked above: acquired, no duplicates
+  t.state_slots = prefill_slots_.device;  // checked above: acquired, no duplicates
   t.device_status = device_status_;
   layer.forward(layer.prefill_problem(static_cast<std::int64_t>(T), static_cast<std::int64_t>(n)), t,
                 cpu_, stream_, unchecked_);
 }
 
-void Engine::stage_slots(const std::vector<int>& slots) {
-  slots_staging_.clear();
-  for (const int slot : slots) slots_staging_.push_back(slot < 0 ? -1 : slot);
-  if (slots_staging_ != slots_uploaded_) {
+void Engine::stage_slots(const std::vector<int>& slots, SlotStaging* staging) {
+  staging->host.clear();
+  for (const int slot : slots) staging->host.push_back(slot < 0 ? -1 : slot);
+  if (staging->host != staging->uploaded) {
     KDA_NVTX_RANGE("engine.stage_slots");
-    copy_in(slots_scratch_, slots_staging_.data(), slots_staging_.size() * sizeof(std::int32_t));
-    slots_uploaded_ = slots_staging_;  // capacity reserved: no allocation
+    copy_in(staging->device, staging->host.data(), staging->host.size() * sizeof(std::int32_t));
+    staging->uploaded = staging->host;  // capacity reserved: no allocation
   }
 }
 
@@ -541,14 +552,14 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     const auto D = static_cast<std::uint64_t>(spec_.head_dim);
     check_on_device(layer, "decode", caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
   }
-  stage_slots(slots);
+  stage_slots(slots, &decode_slots_);
   DecodeTensors t;
   t.q = inputs.q;
   t.k = inputs.k;
   t.v = inputs.v;
   t.g = inputs.g;
   t.beta = inputs.beta;
-  t.slots = slots_scratch_;
+  t.slots = decode_slots_.device;
   t.out = out;
   t.device_status = device_status_;
   layer.decode(layer.decode_problem(static_cast<std::int64_t>(batch), tokens), t, cpu_, stream_,

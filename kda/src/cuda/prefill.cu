@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -736,14 +737,26 @@ Status launch_recurrence(const PrefillParams& prm, std::int64_t seg_slots, int c
   return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS>, prm), "kda_recurrence_kernel");
 }
 
-// The scan between the passes: for each (sequence, head, 16 rows of S^T), S_{j+1}^T = S_j^T P_j^T +
+// The scan between the passes: for each (sequence, head, 4 rows of S^T), S_{j+1}^T = S_j^T P_j^T +
 // H_j^T for j = 1 .. nseg - 2, in fp32, written over H_j^T. S_1^T comes from segment 0's block.
-constexpr int kScanRows = 16;
-constexpr int kScanThreads = 256;
+// Only S carries from step to step: P_{j+1}^T streams into the other shared-memory buffer (cp.async)
+// while step j computes, so a step costs its 4 x 128 x 128 products, not a 64 KiB load. Warp w owns
+// row w, lane l columns 4l .. 4l + 3 (conflict-free 16-byte reads of P^T rows).
+constexpr int kScanRows = 4;
+constexpr int kScanThreads = kScanRows * 32;
 struct ScanSmem {
-  float pt[D][D + 4];        // P_j^T, rows padded (16-byte aligned rows, fewer bank conflicts)
-  float s[kScanRows][D + 4];  // the running S^T rows
+  float pt[2][D][D];         // P_j^T, double-buffered
+  float s[kScanRows][D];     // the running S^T rows
 };
+
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 __global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char scan_smem_raw[];
@@ -751,48 +764,48 @@ __global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const Pr
   const std::int64_t s = blockIdx.x;
   const int h = blockIdx.y;
   const int row0 = blockIdx.z * kScanRows;
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, r = tid >> 5;
+  const int c0 = lane * 4;
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t seg_tokens = C * p.seg_chunks;
   const std::int64_t nseg = segments_of((eos - bos + C - 1) / C, p.seg_chunks);
   if (nseg < 3) return;  // nothing between segment 0 and the last
   const std::int64_t base = s + bos / seg_tokens;
-  // Thread tid owns row r = tid / 16 and columns c0 .. c0 + 7 of the output.
-  const int r = tid / 16, c0 = (tid % 16) * 8;
+  auto prefetch = [&](std::int64_t jj, int buf) {
+    const float* pt = seg_block(p, base + jj, h) + static_cast<std::int64_t>(D) * D;
+    for (int e = tid; e < D * D / 4; e += kScanThreads) cp_async_16(&sm.pt[buf][0][0] + 4 * e, pt + 4 * e);
+    cp_async_commit();
+  };
+  prefetch(1, 1);
   {
     const float* s1 = seg_block(p, base, h) + static_cast<std::int64_t>(row0 + r) * D + c0;
-    const float4 a = *reinterpret_cast<const float4*>(s1), b = *reinterpret_cast<const float4*>(s1 + 4);
-    *reinterpret_cast<float4*>(&sm.s[r][c0]) = a;
-    *reinterpret_cast<float4*>(&sm.s[r][c0 + 4]) = b;
+    *reinterpret_cast<float4*>(&sm.s[r][c0]) = *reinterpret_cast<const float4*>(s1);
   }
   for (std::int64_t jj = 1; jj + 1 < nseg; ++jj) {
-    float* blk = seg_block(p, base + jj, h);
-    const float* pt = blk + static_cast<std::int64_t>(D) * D;
-    for (int e = tid; e < D * D / 4; e += kScanThreads) {
-      const int i = e / (D / 4), c = (e % (D / 4)) * 4;
-      *reinterpret_cast<float4*>(&sm.pt[i][c]) = *reinterpret_cast<const float4*>(pt + i * D + c);
+    const int buf = static_cast<int>(jj & 1);
+    float* hrow = seg_block(p, base + jj, h) + static_cast<std::int64_t>(row0 + r) * D + c0;
+    const float4 hv = *reinterpret_cast<const float4*>(hrow);  // issued before the wait
+    if (jj + 2 < nseg) {
+      prefetch(jj + 1, buf ^ 1);  // its buffer was last read in step jj - 1 (barrier below)
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
-    __syncthreads();  // P^T and the S rows of the previous step are in
-    float o[8];
-    float* hrow = blk + static_cast<std::int64_t>(row0 + r) * D + c0;
-    {
-      const float4 a = *reinterpret_cast<const float4*>(hrow), b = *reinterpret_cast<const float4*>(hrow + 4);
-      o[0] = a.x; o[1] = a.y; o[2] = a.z; o[3] = a.w; o[4] = b.x; o[5] = b.y; o[6] = b.z; o[7] = b.w;
-    }
-#pragma unroll 4
+    __syncthreads();  // P_jj^T and this warp's S row are in
+    float o0 = hv.x, o1 = hv.y, o2 = hv.z, o3 = hv.w;
+#pragma unroll 8
     for (int i = 0; i < D; ++i) {
       const float x = sm.s[r][i];
-      const float4 a = *reinterpret_cast<const float4*>(&sm.pt[i][c0]);
-      const float4 b = *reinterpret_cast<const float4*>(&sm.pt[i][c0 + 4]);
-      o[0] = fmaf(x, a.x, o[0]); o[1] = fmaf(x, a.y, o[1]); o[2] = fmaf(x, a.z, o[2]); o[3] = fmaf(x, a.w, o[3]);
-      o[4] = fmaf(x, b.x, o[4]); o[5] = fmaf(x, b.y, o[5]); o[6] = fmaf(x, b.z, o[6]); o[7] = fmaf(x, b.w, o[7]);
+      const float4 a = *reinterpret_cast<const float4*>(&sm.pt[buf][i][c0]);
+      o0 = fmaf(x, a.x, o0);
+      o1 = fmaf(x, a.y, o1);
+      o2 = fmaf(x, a.z, o2);
+      o3 = fmaf(x, a.w, o3);
     }
-    __syncthreads();  // everyone is done reading P^T and the old S rows
-    *reinterpret_cast<float4*>(hrow) = make_float4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<float4*>(hrow + 4) = make_float4(o[4], o[5], o[6], o[7]);
-    *reinterpret_cast<float4*>(&sm.s[r][c0]) = make_float4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<float4*>(&sm.s[r][c0 + 4]) = make_float4(o[4], o[5], o[6], o[7]);
+    __syncthreads();  // every warp is done with P_jj^T and its old S row
+    *reinterpret_cast<float4*>(hrow) = make_float4(o0, o1, o2, o3);
+    *reinterpret_cast<float4*>(&sm.s[r][c0]) = make_float4(o0, o1, o2, o3);
   }
 }
 
@@ -817,16 +830,24 @@ struct SegmentPlan {
   bool split = false;
 };
 
-int segment_factor() {
-  // Tuning knob for the benchmark's sweeps (docs/PERFORMANCE-NOTES.md), read once: segment-heads
-  // per SM to aim for; 0 turns the split off.
-  static const int factor = [] {
-    const char* env = std::getenv("KDA_PREFILL_SEGMENT_FACTOR");
-    if (env == nullptr || *env == '\0') return 2;
-    const int v = std::atoi(env);
-    return v < 0 ? 0 : (v > 16 ? 16 : v);
-  }();
+// Tuning knobs for the benchmark's sweeps (docs/PERFORMANCE-NOTES.md), read once. Not part of the
+// contract: the workspace bound holds whatever they say (kSegmentBudget caps the plan).
+float env_float(const char* name, float fallback, float lo, float hi) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return fallback;
+  const float v = static_cast<float>(std::atof(env));
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+// Segment-heads per SM to aim for at most (parallelism); 0 turns the split off.
+float segment_factor() {
+  static const float factor = env_float("KDA_PREFILL_SEGMENT_FACTOR", 1.0f, 0.0f, 16.0f);
   return factor;
+}
+// Cost of one scan step in chunk-steps of the recurrence: with n segments over c chunks the split
+// costs about 2 c / n chunk-steps (two passes) plus n scan steps, least at n = sqrt(2 c / ratio).
+float scan_step_ratio() {
+  static const float ratio = env_float("KDA_PREFILL_SCAN_RATIO", 2.0f, 0.05f, 100.0f);
+  return ratio;
 }
 
 SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms) {
@@ -835,10 +856,15 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   const std::uint64_t extra_bound = max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
   if (extra_bound == 0) return plan;
   const std::int64_t chunks = (T + C - 1) / C;
-  std::int64_t target = static_cast<std::int64_t>(segment_factor()) * sms / H;
+  // Segments (over all sequences): enough to fill the GPU, no more than the scan pays for, and
+  // within the workspace's budget.
+  std::int64_t target = static_cast<std::int64_t>(segment_factor() * static_cast<float>(sms) / static_cast<float>(H));
+  const std::int64_t per_seq = static_cast<std::int64_t>(std::sqrt(2.0 * static_cast<double>(chunks) / N / scan_step_ratio()));
+  if (target > per_seq * N) target = per_seq * N;
   const std::int64_t budget = static_cast<std::int64_t>(kSegmentBudget) / H;
   if (target > budget) target = budget;
-  if (target < 2) return plan;
+  // Two segments gain nothing (segment 1 waits for segment 0); three and more save 1 - 2 / n.
+  if (target < 3) return plan;
   std::int64_t seg_chunks = (chunks + target - 1) / target;
   if (seg_chunks < static_cast<std::int64_t>(kMinSegmentChunks)) seg_chunks = kMinSegmentChunks;
   const std::int64_t extra = T / (C * seg_chunks);

@@ -167,6 +167,7 @@ class Engine {
  private:
   struct ArenaDeleter {
     Backend backend;
+    std::size_t bytes = 0;  // CPU: the mapping's length
     void operator()(std::uint8_t* ptr) const noexcept;
   };
   struct SyntheticBuffers {
@@ -196,8 +197,9 @@ class Engine {
   // CUDA: every buffer is device memory of the current device, large enough, and the arena is on
   // the current device too (throws).
   void check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const;
-  // Copies the batch's slot indices to the arena's slot scratch, unless it holds them already.
-  void stage_slots(const std::vector<int>& slots);
+  // Copies the batch's slot indices to `staging`'s device scratch, unless it holds them already.
+  struct SlotStaging;
+  void stage_slots(const std::vector<int>& slots, SlotStaging* staging);
 
   ModelSpec spec_;
   Backend backend_;
@@ -218,10 +220,13 @@ class Engine {
   std::vector<std::int64_t> cu_uploaded_;  // what cu_scratch_ holds now (skip repeat uploads)
   std::vector<unsigned> seen_stamp_;       // duplicate-slot detection without clearing
   unsigned stamp_ = 0;
-  // Slot staging (prefill and decode): int32 slot indices, -1 for padding.
-  std::int32_t* slots_scratch_ = nullptr;
-  std::vector<std::int32_t> slots_staging_;
-  std::vector<std::int32_t> slots_uploaded_;
+  // Slot staging: int32 slot indices (-1 for padding), one per kind of call.
+  struct SlotStaging {
+    std::int32_t* device = nullptr;      // arena scratch
+    std::vector<std::int32_t> host;      // capacity fixed at construction
+    std::vector<std::int32_t> uploaded;  // what `device` holds now (skip repeat uploads)
+  };
+  SlotStaging prefill_slots_, decode_slots_;
 
   std::int64_t synthetic_capacity_ = 0;
   SyntheticBuffers synthetic_;
