@@ -20,23 +20,23 @@ namespace {
 
 // Line numbers matter: tests below point at "m.yaml:LINE:COLUMN".
 const char* const kValid =
-    "name: test-model\n"                         // 1
-    "hidden_size: 256\n"                         // 2
-    "num_hidden_layers: 6\n"                     // 3
-    "linear_attn_config:\n"                      // 4
-    "  num_heads: 4\n"                           // 5
-    "  head_dim: 64\n"                           // 6
-    "  short_conv_kernel_size: 4\n"              // 7
-    "  kda_layers: [1, 2, 4, 5]\n"               // 8
-    "  full_attn_layers: [3, 6]\n"               // 9
-    "  gate: lower_bound\n"                      // 10
-    "  gate_lower_bound: -5.0\n"                 // 11
-    "runtime:\n"                                 // 12
-    "  max_tokens: 4096\n"                       // 13
-    "  max_sequences: 4\n"                       // 14
-    "  state_dtype: bf16\n"                      // 15
-    "  workspace_plan: reuse\n"                  // 16
-    "  backend: cpu\n";                          // 17
+    "name: test-model\n"             // 1
+    "hidden_size: 256\n"             // 2
+    "num_hidden_layers: 6\n"         // 3
+    "linear_attn_config:\n"          // 4
+    "  num_heads: 4\n"               // 5
+    "  head_dim: 64\n"               // 6
+    "  short_conv_kernel_size: 4\n"  // 7
+    "  kda_layers: [1, 2, 4, 5]\n"   // 8
+    "  full_attn_layers: [3, 6]\n"   // 9
+    "  gate: lower_bound\n"          // 10
+    "  gate_lower_bound: -5.0\n"     // 11
+    "runtime:\n"                     // 12
+    "  max_tokens: 4096\n"           // 13
+    "  max_sequences: 4\n"           // 14
+    "  state_dtype: bf16\n"          // 15
+    "  workspace_plan: reuse\n"      // 16
+    "  backend: cpu\n";              // 17
 
 std::string replace(std::string text, const std::string& from, const std::string& to) {
   const auto at = text.find(from);
@@ -76,8 +76,8 @@ std::string error_in(const std::string& source, const std::string& text) {
 
 fs::path temp_dir(const char* tag) {
   std::random_device random;
-  const fs::path dir = fs::temp_directory_path() /
-                       ("kda-test-" + std::string(tag) + "-" + std::to_string(random()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("kda-test-" + std::string(tag) + "-" + std::to_string(random()));
   fs::create_directories(dir);
   return dir;
 }
@@ -174,12 +174,13 @@ TEST_CASE("typos in the engine's sections: a warning with the spelling meant") {
   }
   // A top-level key within a typo of an engine key that is absent warns too; other top-level
   // keys stay silent, and so does a near-miss of an engine key that is present.
-  const ModelSpec top = parse_model_spec(
-      replace(kValid, "runtime:\n", "hidden_sizes: 3\nruntme:\n"), "m.yaml");
+  const ModelSpec top =
+      parse_model_spec(replace(kValid, "runtime:\n", "hidden_sizes: 3\nruntme:\n"), "m.yaml");
   REQUIRE(top.warnings.size() == 1);
   CHECK(top.warnings[0] == "m.yaml:13:1: runtme: unknown key, ignored; did you mean `runtime`?");
   CHECK(top.runtime.max_tokens == 8192);  // the misspelt section is not read
-  const ModelSpec weights = parse_model_spec(std::string(kValid) + "weight: w.safetensors\n", "m.yaml");
+  const ModelSpec weights =
+      parse_model_spec(std::string(kValid) + "weight: w.safetensors\n", "m.yaml");
   REQUIRE(weights.warnings.size() == 1);
   CHECK(weights.warnings[0].find("weight: unknown key, ignored; did you mean `weights`?") !=
         std::string::npos);
@@ -199,9 +200,9 @@ TEST_CASE("strict mode: an unknown key in the engine's sections is an error") {
       doctest::Contains("m.yaml:7:3: linear_attn_config.knob: unknown key; known keys here: "),
       kda::Error);
   // Top-level keys of a Hugging Face config stay silent in strict mode too.
-  const ModelSpec spec = parse_model_spec(
-      replace(kValid, "hidden_size: 256\n", "hidden_size: 256\nrope_theta: 1.0\n"), "m.yaml", "",
-      strict);
+  const ModelSpec spec =
+      parse_model_spec(replace(kValid, "hidden_size: 256\n", "hidden_size: 256\nrope_theta: 1.0\n"),
+                       "m.yaml", "", strict);
   CHECK(spec.warnings.empty());
   CHECK(spec.hidden_size == 256);
   // load_model_spec takes the option too.
@@ -235,9 +236,9 @@ TEST_CASE("a missing required key names the near-miss found in its place, at its
 }
 
 TEST_CASE("gate: kimi_linear defaults to softplus; otherwise a missing gate lists the values") {
-  const std::string no_gate = replace(
-      replace(kValid, "  gate: lower_bound\n  gate_lower_bound: -5.0\n", ""), "name: test-model\n",
-      "name: test-model\nmodel_type: kimi_linear\n");
+  const std::string no_gate =
+      replace(replace(kValid, "  gate: lower_bound\n  gate_lower_bound: -5.0\n", ""),
+              "name: test-model\n", "name: test-model\nmodel_type: kimi_linear\n");
   const ModelSpec kimi = parse_model_spec(no_gate, "m.yaml");
   CHECK(kimi.gate == kda::GateMode::kSoftplus);
   CHECK(kimi.warnings.empty());
@@ -257,8 +258,8 @@ TEST_CASE("gate: kimi_linear defaults to softplus; otherwise a missing gate list
   // kimi_linear with a lower bound but no gate is ambiguous: refused, naming both choices.
   check_error(replace(no_gate, "  full_attn_layers: [3, 6]\n",
                       "  full_attn_layers: [3, 6]\n  gate_lower_bound: -5.0\n"),
-              {"m.yaml:11:21:", "linear_attn_config.gate", "gate_lower_bound is given",
-               "softplus", "lower_bound"});
+              {"m.yaml:11:21:", "linear_attn_config.gate", "gate_lower_bound is given", "softplus",
+               "lower_bound"});
   check_error(replace(no_gate, "model_type: kimi_linear\n", "model_type: [kimi_linear]\n"),
               {"model_type", "expected a string"});
 }
@@ -326,8 +327,8 @@ void check_kimi_linear_48b(const ModelSpec& spec) {
   CHECK(spec.head_dim == 128);  // linear_attn_config.head_dim, not the top-level (MLA) head_dim 72
   CHECK(spec.short_conv_kernel_size == 4);
   CHECK(spec.num_kda_layers() == 20);
-  CHECK(spec.kda_layers == std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19,
-                                            21, 22, 23, 25, 26});
+  CHECK(spec.kda_layers ==
+        std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26});
   CHECK(spec.full_attn_layers == std::vector<int>{4, 8, 12, 16, 20, 24, 27});
   CHECK(spec.gate == kda::GateMode::kSoftplus);  // model_type: kimi_linear, no gate key
   CHECK(spec.runtime.max_tokens == 8192);        // no runtime section: the defaults
@@ -353,8 +354,8 @@ TEST_CASE("the YAML twin of the Hugging Face config loads to the same spec") {
   check_kimi_linear_48b(spec);
   // And the curated example, which writes the gate and a runtime section, describes the same
   // KDA layers.
-  const ModelSpec example = kda::engine::load_model_spec(std::string(KDA_SOURCE_DIR) +
-                                                         "/examples/models/kimi-linear-48b-a3b.yaml");
+  const ModelSpec example = kda::engine::load_model_spec(
+      std::string(KDA_SOURCE_DIR) + "/examples/models/kimi-linear-48b-a3b.yaml");
   CHECK(example.kda_layers == spec.kda_layers);
   CHECK(example.num_heads == spec.num_heads);
   CHECK(example.head_dim == spec.head_dim);
@@ -364,25 +365,25 @@ TEST_CASE("the YAML twin of the Hugging Face config loads to the same spec") {
 
 TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read; syntax errors") {
   const std::string json =
-      "{\n"                                       // 1
-      "  \"hidden_size\": 64,\n"                  // 2
-      "  \"num_hidden_layers\": 2,\n"             // 3
-      "  \"model_type\": \"kimi_linear\",\n"      // 4
-      "  \"linear_attn_config\": {\n"             // 5
-      "    \"num_heads\": 2,\n"                   // 6
-      "    \"head_dim\": 16,\n"                   // 7
-      "    \"kda_layers\": [1, 2]\n"              // 8
-      "  }\n"                                     // 9
-      "}\n";                                      // 10
+      "{\n"                                   // 1
+      "  \"hidden_size\": 64,\n"              // 2
+      "  \"num_hidden_layers\": 2,\n"         // 3
+      "  \"model_type\": \"kimi_linear\",\n"  // 4
+      "  \"linear_attn_config\": {\n"         // 5
+      "    \"num_heads\": 2,\n"               // 6
+      "    \"head_dim\": 16,\n"               // 7
+      "    \"kda_layers\": [1, 2]\n"          // 8
+      "  }\n"                                 // 9
+      "}\n";                                  // 10
   CHECK(parse_model_spec(json, "c.json").gate == kda::GateMode::kSoftplus);
   CHECK(error_in("c.json", replace(json, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
         "c.json:7:17: linear_attn_config.head_dim: expected an integer, got the string '16'");
   CHECK(error_in("c.json", replace(json, "\"num_heads\"", "\"num_head\"")) ==
         "c.json:6:5: linear_attn_config.num_heads: required key is missing; found `num_head` "
         "(line 6): a typo?");
-  const ModelSpec typo =
-      parse_model_spec(replace(json, "    \"head_dim\": 16,\n", "    \"head_dim\": 16,\n    \"gates\": 1,\n"),
-                       "c.json");
+  const ModelSpec typo = parse_model_spec(
+      replace(json, "    \"head_dim\": 16,\n", "    \"head_dim\": 16,\n    \"gates\": 1,\n"),
+      "c.json");
   REQUIRE(typo.warnings.size() == 1);
   CHECK(typo.warnings[0] ==
         "c.json:8:5: linear_attn_config.gates: unknown key, ignored; did you mean `gate`?");
@@ -406,7 +407,8 @@ TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read;
         "c.json: linear_attn_config.head_dim: expected an integer, got the string '16'");
 
   // Not JSON to either parser: the JSON parser's message, at its line.
-  const std::string missing_comma = error_in("c.json", replace(json, "\"num_heads\": 2,", "\"num_heads\": 2"));
+  const std::string missing_comma =
+      error_in("c.json", replace(json, "\"num_heads\": 2,", "\"num_heads\": 2"));
   INFO(missing_comma);
   CHECK(missing_comma.rfind("c.json:7:", 0) == 0);
   CHECK(missing_comma.find("JSON syntax error") != std::string::npos);
@@ -422,8 +424,8 @@ TEST_CASE("the example models parse") {
   CHECK(kimi.num_heads == 32);
   CHECK(kimi.head_dim == 128);
   CHECK(kimi.gate == kda::GateMode::kSoftplus);
-  CHECK(kimi.kda_layers == std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19,
-                                            21, 22, 23, 25, 26});
+  CHECK(kimi.kda_layers ==
+        std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26});
   CHECK(kimi.num_kda_layers() == 20);
   CHECK(kimi.kda_layer_indices.front() == 0);
   CHECK(kimi.kda_layer_indices.back() == 25);
@@ -435,8 +437,8 @@ TEST_CASE("the example models parse") {
 }
 
 TEST_CASE("syntax errors name the file / line and column") {
-  const std::string message = error_of(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n",
-                                               "  kda_layers: [1, 2, 4, 5\n"));
+  const std::string message =
+      error_of(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", "  kda_layers: [1, 2, 4, 5\n"));
   INFO(message);
   CHECK(message.find("YAML syntax error") != std::string::npos);
   // The unterminated list starts on line 8; yaml-cpp reports where it noticed, at or after it.
@@ -452,10 +454,12 @@ TEST_CASE("syntax errors name the file / line and column") {
 }
 
 TEST_CASE("missing required keys are named") {
-  check_error(replace(kValid, "hidden_size: 256\n", ""), {"hidden_size", "required key is missing"});
+  check_error(replace(kValid, "hidden_size: 256\n", ""),
+              {"hidden_size", "required key is missing"});
   check_error(replace(kValid, "  num_heads: 4\n", ""),
               {"m.yaml:5:3:", "linear_attn_config.num_heads", "missing"});
-  check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", ""), {"linear_attn_config.kda_layers"});
+  check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", ""),
+              {"linear_attn_config.kda_layers"});
   check_error(replace(kValid, "  gate: lower_bound\n", ""), {"linear_attn_config.gate", "missing"});
   // A key written with no value is missing too.
   check_error(replace(kValid, "  head_dim: 64\n", "  head_dim:\n"), {"head_dim"});
@@ -483,10 +487,14 @@ TEST_CASE("wrong types are named with their position") {
 }
 
 TEST_CASE("out-of-range and absurd sizes are rejected") {
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: -1\n"), {"num_heads", "out of range"});
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 0\n"), {"num_heads", "out of range"});
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 4096\n"), {"num_heads", "[1, 1024]"});
-  check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 2048\n"), {"head_dim", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: -1\n"),
+              {"num_heads", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 0\n"),
+              {"num_heads", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 4096\n"),
+              {"num_heads", "[1, 1024]"});
+  check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 2048\n"),
+              {"head_dim", "out of range"});
   check_error(replace(kValid, "hidden_size: 256\n", "hidden_size: -256\n"), {"hidden_size"});
   check_error(replace(kValid, "num_hidden_layers: 6\n", "num_hidden_layers: 100000\n"),
               {"num_hidden_layers"});
@@ -505,15 +513,15 @@ TEST_CASE("out-of-range and absurd sizes are rejected") {
 TEST_CASE("byte counts that overflow 64 bits are rejected") {
   kda::StatusCode code = kda::StatusCode::kOk;
   // 2^62 tokens x 4 heads x 64 x 2 bytes overflows.
-  const std::string message =
-      error_of(replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 4611686018427387904\n"), &code);
+  const std::string message = error_of(
+      replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 4611686018427387904\n"), &code);
   INFO(message);
   CHECK(code == kda::StatusCode::kOverflow);
   CHECK(message.find("runtime.max_tokens") != std::string::npos);
   CHECK(message.find("overflows 64 bits") != std::string::npos);
   // Large but representable: accepted (allocation is the engine's problem, not the parser's).
-  CHECK_NOTHROW(parse_model_spec(replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 1000000000000\n"),
-                                 "m.yaml"));
+  CHECK_NOTHROW(parse_model_spec(
+      replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 1000000000000\n"), "m.yaml"));
 }
 
 TEST_CASE("layer indices: range / duplicates / overlap with full attention") {
@@ -582,8 +590,8 @@ TEST_CASE("files: weights resolve against the YAML's directory / unreadable file
     std::ofstream out(yaml);
     out << kValid << "weights: [a]\n";
   }
-  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(yaml.string()),
-                       doctest::Contains("weights"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(yaml.string()), doctest::Contains("weights"),
+                       kda::Error);
 
   const std::string missing = (dir / "nope.yaml").string();
   CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(missing), doctest::Contains("nope.yaml"),

@@ -2,8 +2,8 @@
 // and warnings (with a suggested spelling) for unknown keys in the engine's own sections.
 #include "kda/engine/model_spec.hpp"
 
-#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -74,11 +74,11 @@ class Context {
 
 // The keys the engine reads: at the top level, and in the two sections it owns.
 const std::vector<std::string> kTopLevelKeys = {
-    "name", "model_type", "hidden_size", "num_hidden_layers", "linear_attn_config", "weights",
-    "runtime"};
+    "name",    "model_type", "hidden_size", "num_hidden_layers", "linear_attn_config",
+    "weights", "runtime"};
 const std::vector<std::string> kLinearAttnKeys = {
-    "num_heads", "head_dim",  "short_conv_kernel_size", "kda_layers", "full_attn_layers",
-    "gate",      "gate_lower_bound"};
+    "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
+    "full_attn_layers", "gate",     "gate_lower_bound"};
 const std::vector<std::string> kRuntimeKeys = {"max_tokens", "max_sequences", "state_dtype",
                                                "workspace_plan", "backend"};
 
@@ -147,15 +147,19 @@ std::string join_key(const std::string& parent, const std::string& key) {
 // How a node looks, for "expected X, got Y" messages.
 std::string describe(const YAML::Node& node) {
   switch (node.Type()) {
-    case YAML::NodeType::Null: return "null";
-    case YAML::NodeType::Sequence: return "a list";
-    case YAML::NodeType::Map: return "a map";
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a map";
     case YAML::NodeType::Scalar: {
       std::string text = node.Scalar();
       if (text.size() > 40) text = text.substr(0, 37) + "...";
       return (node.Tag() == "!" ? "the string '" : "'") + text + "'";
     }
-    default: return "nothing";
+    default:
+      return "nothing";
   }
 }
 
@@ -219,8 +223,8 @@ std::string as_string(const Context& ctx, const YAML::Node& node, const std::str
       return YAML::Node();
     }();
     ctx.fail(near_node, join_key(parent, key),
-             "required key is missing" + note + "; found `" + near_miss + "`" +
-                 line_of(near_node) + ": a typo?");
+             "required key is missing" + note + "; found `" + near_miss + "`" + line_of(near_node) +
+                 ": a typo?");
   }
   ctx.fail(map, join_key(parent, key), "required key is missing" + note);
 }
@@ -289,8 +293,10 @@ YAML::Node yaml_from_json(const nlohmann::json& value) {
       scalar.SetTag("!");
       return scalar;
     }
-    case nlohmann::json::value_t::null: return YAML::Node(YAML::NodeType::Null);
-    default: return YAML::Node(value.dump());  // numbers and booleans, as JSON writes them
+    case nlohmann::json::value_t::null:
+      return YAML::Node(YAML::NodeType::Null);
+    default:
+      return YAML::Node(value.dump());  // numbers and booleans, as JSON writes them
   }
 }
 
@@ -326,7 +332,9 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
         const std::size_t colon = what.find(": ");
         if (colon != std::string::npos) what = what.substr(colon + 2);
         const std::size_t at = json_error.byte > 0 ? json_error.byte - 1 : 0;
-        ctx.fail(mark_at(text, at), "", "JSON syntax error: " + what);
+        const bool says_syntax = what.rfind("syntax error", 0) == 0;
+        ctx.fail(mark_at(text, at), "",
+                 says_syntax ? "JSON " + what : "JSON syntax error: " + what);
       }
     }
     if (const auto* parser_error = dynamic_cast<const YAML::ParserException*>(&e)) {
@@ -358,7 +366,8 @@ void require_map(const Context& ctx, const YAML::Node& node, const std::string& 
 // A list of 1-based layer indices, each in [1, num_layers], unique. Sorted on return.
 std::vector<int> layer_list(const Context& ctx, const YAML::Node& node, const std::string& key,
                             std::int64_t num_layers) {
-  if (!node.IsSequence()) ctx.fail(node, key, "expected a list of layer numbers, got " + describe(node));
+  if (!node.IsSequence())
+    ctx.fail(node, key, "expected a list of layer numbers, got " + describe(node));
   std::vector<int> layers;
   std::set<std::int64_t> seen;
   for (std::size_t i = 0; i < node.size(); ++i) {
@@ -440,19 +449,26 @@ void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::No
 
 const char* to_string(BackendChoice choice) noexcept {
   switch (choice) {
-    case BackendChoice::kAuto: return "auto";
-    case BackendChoice::kCpu: return "cpu";
-    case BackendChoice::kCuda: return "cuda";
+    case BackendChoice::kAuto:
+      return "auto";
+    case BackendChoice::kCpu:
+      return "cpu";
+    case BackendChoice::kCuda:
+      return "cuda";
   }
   return "unknown";
 }
 
 bool parse_backend_choice(const std::string& text, BackendChoice* choice) noexcept {
   if (choice == nullptr) return false;
-  if (text == "auto") *choice = BackendChoice::kAuto;
-  else if (text == "cpu") *choice = BackendChoice::kCpu;
-  else if (text == "cuda") *choice = BackendChoice::kCuda;
-  else return false;
+  if (text == "auto")
+    *choice = BackendChoice::kAuto;
+  else if (text == "cpu")
+    *choice = BackendChoice::kCpu;
+  else if (text == "cuda")
+    *choice = BackendChoice::kCuda;
+  else
+    return false;
   return true;
 }
 
@@ -469,7 +485,8 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
   if (!root.IsDefined() || root.IsNull()) {
     ctx.fail(YAML::Mark::null_mark(), "", "empty model description (expected a map of keys)");
   }
-  if (!root.IsMap()) ctx.fail(root, "", "expected a map of keys at the top level, got " + describe(root));
+  if (!root.IsMap())
+    ctx.fail(root, "", "expected a map of keys at the top level, got " + describe(root));
   require_map(ctx, root, "");
 
   spec.source = source_name;
@@ -510,7 +527,8 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
     }
     const YAML::Node kda_node = require(ctx, attn, a, "kda_layers", kLinearAttnKeys);
     spec.kda_layers = layer_list(ctx, kda_node, a + ".kda_layers", spec.num_hidden_layers);
-    if (spec.kda_layers.empty()) ctx.fail(kda_node, a + ".kda_layers", "must name at least one layer");
+    if (spec.kda_layers.empty())
+      ctx.fail(kda_node, a + ".kda_layers", "must name at least one layer");
     for (const int layer : spec.kda_layers) spec.kda_layer_indices.push_back(layer - 1);
 
     if (const YAML::Node full = optional(attn, "full_attn_layers"); full.IsDefined()) {
@@ -538,7 +556,8 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
                  "unknown gate '" + gate + "' (expected softplus or lower_bound)");
       }
     } else if (model_type == "kimi_linear" && !bound_node.IsDefined()) {
-      spec.gate = GateMode::kSoftplus;  // what the released Kimi-Linear checkpoints were trained with
+      spec.gate =
+          GateMode::kSoftplus;  // what the released Kimi-Linear checkpoints were trained with
     } else if (model_type == "kimi_linear") {
       ctx.fail(bound_node, a + ".gate",
                "required key is missing: gate_lower_bound is given, so say which gate it is "
@@ -585,20 +604,26 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
       }
       if (const YAML::Node n = optional(runtime, "state_dtype"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".state_dtype");
-        if (value == "fp32") spec.runtime.state_dtype = DType::kF32;
-        else if (value == "bf16") spec.runtime.state_dtype = DType::kBF16;
-        else ctx.fail(n, r + ".state_dtype", "unknown state dtype '" + value + "' (expected fp32 or bf16)");
+        if (value == "fp32")
+          spec.runtime.state_dtype = DType::kF32;
+        else if (value == "bf16")
+          spec.runtime.state_dtype = DType::kBF16;
+        else
+          ctx.fail(n, r + ".state_dtype",
+                   "unknown state dtype '" + value + "' (expected fp32 or bf16)");
       }
       if (const YAML::Node n = optional(runtime, "workspace_plan"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".workspace_plan");
         if (!planner::parse_plan_mode(value, &spec.runtime.workspace_plan)) {
-          ctx.fail(n, r + ".workspace_plan", "unknown plan '" + value + "' (expected sum or reuse)");
+          ctx.fail(n, r + ".workspace_plan",
+                   "unknown plan '" + value + "' (expected sum or reuse)");
         }
       }
       if (const YAML::Node n = optional(runtime, "backend"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".backend");
         if (!parse_backend_choice(value, &spec.runtime.backend)) {
-          ctx.fail(n, r + ".backend", "unknown backend '" + value + "' (expected auto, cpu or cuda)");
+          ctx.fail(n, r + ".backend",
+                   "unknown backend '" + value + "' (expected auto, cpu or cuda)");
         }
       }
     }

@@ -22,9 +22,9 @@
 //                                    #   defaults to softplus (the released model's gate)
 //     gate_lower_bound: -5.0         # required with gate: lower_bound; finite, in [-5, 0);
 //                                    #   checked the same way when given with softplus (unused)
-//   weights: kda-params.safetensors  # optional; relative paths are relative to the file's directory
+//   weights: kda-params.safetensors  # optional; a relative path is relative to the file's folder
 //   runtime:                         # optional map; every key optional
-//     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences together
+//     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences
 //     max_sequences: 8               # default 8; 1..1048576; sequences per prefill = state slots
 //     state_dtype: fp32              # default fp32; fp32 | bf16
 //     workspace_plan: sum            # default sum; sum | reuse
@@ -40,8 +40,8 @@
 // layer at max_sequences, their sum) must fit in 64 bits; the loader checks them, so every later
 // size computation on a validated spec is overflow-free.
 //
-// Errors throw kda::Error (code kInvalidArgument, or kOverflow for byte counts) whose message starts
-// with "file:line:column:" and names the key, e.g.
+// Errors throw kda::Error (code kInvalidArgument, or kOverflow for byte counts) whose message
+// starts with "file:line:column:" and names the key, e.g.
 //   models/m.yaml:5:14: linear_attn_config.num_heads: expected an integer, got 'many'
 // A missing required key is reported at its enclosing map, or at the near-miss key when there is
 // one ("required key is missing; found `num_head` (line 7): a typo?").
@@ -74,15 +74,15 @@ struct ModelSpec {
   std::string source;  // where it was read from (file path or the caller's source name)
   std::int64_t hidden_size = 0;
   std::int64_t num_hidden_layers = 0;
-  std::int64_t num_heads = 0;               // H
-  std::int64_t head_dim = 0;                // K = V
+  std::int64_t num_heads = 0;  // H
+  std::int64_t head_dim = 0;   // K = V
   std::int64_t short_conv_kernel_size = 4;
-  std::vector<int> kda_layers;              // 1-based, as written in the YAML (sorted ascending)
-  std::vector<int> kda_layer_indices;       // the same, 0-based (model.layers.{i} in checkpoints)
-  std::vector<int> full_attn_layers;        // 1-based, sorted ascending
+  std::vector<int> kda_layers;         // 1-based, as written in the YAML (sorted ascending)
+  std::vector<int> kda_layer_indices;  // the same, 0-based (model.layers.{i} in checkpoints)
+  std::vector<int> full_attn_layers;   // 1-based, sorted ascending
   GateMode gate = GateMode::kSoftplus;
-  float gate_lower_bound = -5.0f;           // meaningful with GateMode::kLowerBound
-  std::string weights;                      // resolved path, or empty when none
+  float gate_lower_bound = -5.0f;  // meaningful with GateMode::kLowerBound
+  std::string weights;             // resolved path, or empty when none
   RuntimeSpec runtime;
   // Unknown keys in the engine's sections, one message each ("file:line:col: key: ..."), in file
   // order; the caller decides whether and where to show them.
