@@ -118,10 +118,12 @@ std::string closest(const std::string& key, const std::vector<std::string>& cand
   std::string best;
   std::size_t best_distance = std::numeric_limits<std::size_t>::max();
   for (const std::string& candidate : candidates) {
+    const std::size_t budget = typo_budget(std::max(key.size(), candidate.size()));
+    const std::size_t length_gap = key.size() > candidate.size() ? key.size() - candidate.size()
+                                                                 : candidate.size() - key.size();
+    if (length_gap > budget) continue;  // too far apart, whatever the letters (and cheap)
     const std::size_t distance = key_distance(key, candidate);
-    if (key == candidate || distance > typo_budget(std::max(key.size(), candidate.size()))) {
-      continue;
-    }
+    if (key == candidate || distance > budget) continue;
     if (distance < best_distance) {
       best = candidate;
       best_distance = distance;
@@ -276,16 +278,23 @@ bool looks_like_json(const std::string& text) {
 
 // A parsed JSON document as a YAML tree (without positions): strings are tagged as quoted, so
 // "32" stays a string, as it does when yaml-cpp reads the JSON itself.
-YAML::Node yaml_from_json(const nlohmann::json& value) {
+YAML::Node yaml_from_json(const Context& ctx, const nlohmann::json& value, int depth = 0) {
+  constexpr int kMaxDepth = 256;  // far beyond any config; bounds the recursion
+  if (depth > kMaxDepth) {
+    ctx.fail(YAML::Mark::null_mark(), "",
+             "JSON nested deeper than " + std::to_string(kMaxDepth) + " levels");
+  }
   switch (value.type()) {
     case nlohmann::json::value_t::object: {
       YAML::Node map(YAML::NodeType::Map);
-      for (auto it = value.begin(); it != value.end(); ++it) map[it.key()] = yaml_from_json(*it);
+      for (auto it = value.begin(); it != value.end(); ++it) {
+        map[it.key()] = yaml_from_json(ctx, *it, depth + 1);
+      }
       return map;
     }
     case nlohmann::json::value_t::array: {
       YAML::Node list(YAML::NodeType::Sequence);
-      for (const auto& element : value) list.push_back(yaml_from_json(element));
+      for (const auto& element : value) list.push_back(yaml_from_json(ctx, element, depth + 1));
       return list;
     }
     case nlohmann::json::value_t::string: {
@@ -325,7 +334,7 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
   } catch (const YAML::Exception& e) {
     if (looks_like_json(text)) {
       try {
-        return yaml_from_json(nlohmann::json::parse(text));
+        return yaml_from_json(ctx, nlohmann::json::parse(text));
       } catch (const nlohmann::json::parse_error& json_error) {
         // what() is "[json.exception.parse_error.101] parse error at line 1, column 12: ...".
         std::string what = json_error.what();
