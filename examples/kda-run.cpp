@@ -249,6 +249,9 @@ int run_case_mode(const Options& o) {
 
 int run_model_mode(const Options& o) {
   const kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
+  for (const std::string& warning : spec.warnings) {
+    std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
+  }
   const std::int64_t tokens = o.tokens.value_or(std::min(kDefaultTokens, spec.runtime.max_tokens));
   if (tokens > spec.runtime.max_tokens) {
     throw UsageError{"--tokens " + std::to_string(tokens) + " exceeds runtime.max_tokens " +

@@ -1,5 +1,6 @@
-// YAML model descriptions: the example models parse; every kind of bad input is an error that
-// names the file, line, column and key.
+// Model descriptions: the example models (YAML, and the Hugging Face config.json as is) parse;
+// every kind of bad input is an error that names the file, line, column and key; unknown keys in
+// the engine's sections are warnings with a suggested spelling, or errors in strict mode.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -19,23 +20,23 @@ namespace {
 
 // Line numbers matter: tests below point at "m.yaml:LINE:COLUMN".
 const char* const kValid =
-    "name: test-model\n"                         // 1
-    "hidden_size: 256\n"                         // 2
-    "num_hidden_layers: 6\n"                     // 3
-    "linear_attn_config:\n"                      // 4
-    "  num_heads: 4\n"                           // 5
-    "  head_dim: 64\n"                           // 6
-    "  short_conv_kernel_size: 4\n"              // 7
-    "  kda_layers: [1, 2, 4, 5]\n"               // 8
-    "  full_attn_layers: [3, 6]\n"               // 9
-    "  gate: lower_bound\n"                      // 10
-    "  gate_lower_bound: -5.0\n"                 // 11
-    "runtime:\n"                                 // 12
-    "  max_tokens: 4096\n"                       // 13
-    "  max_sequences: 4\n"                       // 14
-    "  state_dtype: bf16\n"                      // 15
-    "  workspace_plan: reuse\n"                  // 16
-    "  backend: cpu\n";                          // 17
+    "name: test-model\n"             // 1
+    "hidden_size: 256\n"             // 2
+    "num_hidden_layers: 6\n"         // 3
+    "linear_attn_config:\n"          // 4
+    "  num_heads: 4\n"               // 5
+    "  head_dim: 64\n"               // 6
+    "  short_conv_kernel_size: 4\n"  // 7
+    "  kda_layers: [1, 2, 4, 5]\n"   // 8
+    "  full_attn_layers: [3, 6]\n"   // 9
+    "  gate: lower_bound\n"          // 10
+    "  gate_lower_bound: -5.0\n"     // 11
+    "runtime:\n"                     // 12
+    "  max_tokens: 4096\n"           // 13
+    "  max_sequences: 4\n"           // 14
+    "  state_dtype: bf16\n"          // 15
+    "  workspace_plan: reuse\n"      // 16
+    "  backend: cpu\n";              // 17
 
 std::string replace(std::string text, const std::string& from, const std::string& to) {
   const auto at = text.find(from);
@@ -63,10 +64,20 @@ void check_error(const std::string& text, std::initializer_list<const char*> par
   for (const char* part : parts) CHECK(message.find(part) != std::string::npos);
 }
 
+// The message of the kda::Error that parsing `text` as `source` throws (empty when none is).
+std::string error_in(const std::string& source, const std::string& text) {
+  try {
+    parse_model_spec(text, source);
+  } catch (const kda::Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 fs::path temp_dir(const char* tag) {
   std::random_device random;
-  const fs::path dir = fs::temp_directory_path() /
-                       ("kda-test-" + std::string(tag) + "-" + std::to_string(random()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("kda-test-" + std::string(tag) + "-" + std::to_string(random()));
   fs::create_directories(dir);
   return dir;
 }
@@ -114,16 +125,294 @@ TEST_CASE("defaults: runtime section / name / short conv kernel / full attention
   CHECK(parse_model_spec(text + "runtime:\n", "m.yaml").runtime.max_sequences == 8);
 }
 
-TEST_CASE("extra keys are accepted anywhere (a pasted Hugging Face config)") {
+TEST_CASE("extra keys: silent at the top level, warnings inside the engine's sections") {
   std::string text = kValid;
   text = replace(text, "hidden_size: 256\n",
                  "hidden_size: 256\nmodel_type: kimi_linear\nrope_theta: 10000.0\n"
                  "moe: {num_experts: 256, top_k: 8}\nvocab: [a, b]\n");
+  CHECK(parse_model_spec(text, "m.yaml").warnings.empty());
+
   text = replace(text, "  head_dim: 64\n", "  head_dim: 64\n  unknown_knob: true\n");
   text = replace(text, "  backend: cpu\n", "  backend: cpu\n  comment: hello\n");
   const ModelSpec spec = parse_model_spec(text, "m.yaml");
   CHECK(spec.num_heads == 4);
   CHECK(spec.runtime.backend == kda::engine::BackendChoice::kCpu);
+  REQUIRE(spec.warnings.size() == 2);
+  // Nothing close: the warning lists the keys that section knows.
+  CHECK(spec.warnings[0] ==
+        "m.yaml:11:3: linear_attn_config.unknown_knob: unknown key, ignored; known keys here: "
+        "num_heads, head_dim, short_conv_kernel_size, kda_layers, full_attn_layers, gate, "
+        "gate_lower_bound");
+  CHECK(spec.warnings[1].rfind("m.yaml:23:3: runtime.comment: unknown key, ignored; known keys "
+                               "here: max_tokens,",
+                               0) == 0);
+}
+
+TEST_CASE("typos in the engine's sections: a warning with the spelling meant") {
+  const ModelSpec spec = parse_model_spec(
+      replace(replace(kValid, "  max_sequences: 4\n", "  max_sequences: 4\n  max_token: 16\n"),
+              "  short_conv_kernel_size: 4\n", "  short_conv_kernal_size: 4\n"),
+      "m.yaml");
+  REQUIRE(spec.warnings.size() == 2);
+  CHECK(spec.warnings[0] ==
+        "m.yaml:7:3: linear_attn_config.short_conv_kernal_size: unknown key, ignored; did you "
+        "mean `short_conv_kernel_size`?");
+  CHECK(spec.warnings[1] ==
+        "m.yaml:15:3: runtime.max_token: unknown key, ignored; did you mean `max_tokens`?");
+  // The misspelt values are not used: the defaults and the other values stand.
+  CHECK(spec.short_conv_kernel_size == 4);
+  CHECK(spec.runtime.max_tokens == 4096);
+
+  // Case, '-' for '_' and swapped letters count as one edit each.
+  for (const char* typo : {"Max_Tokens", "max-tokens", "mxa_tokens", "max_tokesn"}) {
+    CAPTURE(typo);
+    const ModelSpec typed = parse_model_spec(
+        replace(kValid, "  max_tokens: 4096\n", std::string("  ") + typo + ": 4096\n"), "m.yaml");
+    REQUIRE(typed.warnings.size() == 1);
+    CHECK(typed.warnings[0].find("did you mean `max_tokens`?") != std::string::npos);
+    CHECK(typed.runtime.max_tokens == 8192);  // the default: the misspelt key is ignored
+  }
+  // A top-level key within a typo of an engine key that is absent warns too; other top-level
+  // keys stay silent, and so does a near-miss of an engine key that is present.
+  const ModelSpec top =
+      parse_model_spec(replace(kValid, "runtime:\n", "hidden_sizes: 3\nruntme:\n"), "m.yaml");
+  REQUIRE(top.warnings.size() == 1);
+  CHECK(top.warnings[0] == "m.yaml:13:1: runtme: unknown key, ignored; did you mean `runtime`?");
+  CHECK(top.runtime.max_tokens == 8192);  // the misspelt section is not read
+  const ModelSpec weights =
+      parse_model_spec(std::string(kValid) + "weight: w.safetensors\n", "m.yaml");
+  REQUIRE(weights.warnings.size() == 1);
+  CHECK(weights.warnings[0].find("weight: unknown key, ignored; did you mean `weights`?") !=
+        std::string::npos);
+}
+
+TEST_CASE("strict mode: an unknown key in the engine's sections is an error") {
+  kda::engine::ModelSpecOptions strict;
+  strict.strict = true;
+  const std::string typo = replace(kValid, "  max_tokens: 4096\n", "  max_token: 4096\n");
+  CHECK_THROWS_WITH_AS(parse_model_spec(typo, "m.yaml", "", strict),
+                       "m.yaml:13:3: runtime.max_token: unknown key; did you mean `max_tokens`? "
+                       "(strict mode: unknown keys are errors)",
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(
+      parse_model_spec(replace(kValid, "  head_dim: 64\n", "  head_dim: 64\n  knob: 1\n"), "m.yaml",
+                       "", strict),
+      doctest::Contains("m.yaml:7:3: linear_attn_config.knob: unknown key; known keys here: "),
+      kda::Error);
+  // Top-level keys of a Hugging Face config stay silent in strict mode too.
+  const ModelSpec spec =
+      parse_model_spec(replace(kValid, "hidden_size: 256\n", "hidden_size: 256\nrope_theta: 1.0\n"),
+                       "m.yaml", "", strict);
+  CHECK(spec.warnings.empty());
+  CHECK(spec.hidden_size == 256);
+  // load_model_spec takes the option too.
+  const fs::path dir = temp_dir("strict");
+  const fs::path yaml = dir / "m.yaml";
+  std::ofstream(yaml) << typo;
+  CHECK(kda::engine::load_model_spec(yaml.string()).warnings.size() == 1);
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(yaml.string(), strict),
+                       doctest::Contains("did you mean `max_tokens`?"), kda::Error);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("a missing required key names the near-miss found in its place, at its line") {
+  // `num_head` for `num_heads`: the error points at the typo, not at the map.
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_head: 4\n"),
+              {"m.yaml:5:3: linear_attn_config.num_heads: required key is missing; found "
+               "`num_head` (line 5): a typo?"});
+  check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", "  kda_layer: [1, 2, 4, 5]\n"),
+              {"m.yaml:8:3: linear_attn_config.kda_layers: required key is missing; found "
+               "`kda_layer` (line 8): a typo?"});
+  check_error(replace(kValid, "num_hidden_layers: 6\n", "num_hidden_layer: 6\n"),
+              {"m.yaml:3:1: num_hidden_layers: required key is missing; found `num_hidden_layer` "
+               "(line 3): a typo?"});
+  check_error(replace(kValid, "  gate_lower_bound: -5.0\n", "  gate_lowerbound: -5.0\n"),
+              {"m.yaml:11:3: linear_attn_config.gate_lower_bound: required key is missing "
+               "(required with gate: lower_bound; a value in [-5, 0)); found `gate_lowerbound` "
+               "(line 11): a typo?"});
+  // Nothing near: the error points at the enclosing map (its first key) and names no candidate.
+  const std::string message = error_of(replace(kValid, "  num_heads: 4\n", "  heads_count: 4\n"));
+  CHECK(message == "m.yaml:5:3: linear_attn_config.num_heads: required key is missing");
+}
+
+TEST_CASE("gate: kimi_linear defaults to softplus; otherwise a missing gate lists the values") {
+  const std::string no_gate =
+      replace(replace(kValid, "  gate: lower_bound\n  gate_lower_bound: -5.0\n", ""),
+              "name: test-model\n", "name: test-model\nmodel_type: kimi_linear\n");
+  const ModelSpec kimi = parse_model_spec(no_gate, "m.yaml");
+  CHECK(kimi.gate == kda::GateMode::kSoftplus);
+  CHECK(kimi.warnings.empty());
+  // An explicit gate wins over the model type's default.
+  const ModelSpec bounded = parse_model_spec(
+      replace(kValid, "name: test-model\n", "name: test-model\nmodel_type: kimi_linear\n"),
+      "m.yaml");
+  CHECK(bounded.gate == kda::GateMode::kLowerBound);
+  CHECK(bounded.gate_lower_bound == -5.0f);
+
+  // No model type (or another one): the gate is required, and the message lists the values.
+  check_error(replace(no_gate, "model_type: kimi_linear\n", ""),
+              {"m.yaml:5:3: linear_attn_config.gate: required key is missing",
+               "allowed values: softplus, lower_bound", "model_type: kimi_linear"});
+  check_error(replace(no_gate, "model_type: kimi_linear\n", "model_type: llama\n"),
+              {"linear_attn_config.gate: required key is missing", "softplus, lower_bound"});
+  // kimi_linear with a lower bound but no gate is ambiguous: refused, naming both choices.
+  check_error(replace(no_gate, "  full_attn_layers: [3, 6]\n",
+                      "  full_attn_layers: [3, 6]\n  gate_lower_bound: -5.0\n"),
+              {"m.yaml:11:21:", "linear_attn_config.gate", "gate_lower_bound is given", "softplus",
+               "lower_bound"});
+  check_error(replace(no_gate, "model_type: kimi_linear\n", "model_type: [kimi_linear]\n"),
+              {"model_type", "expected a string"});
+}
+
+namespace {
+
+// The Hugging Face config.json of moonshotai/Kimi-Linear-48B-A3B-Instruct as YAML (block style):
+// the same keys and values as examples/models/kimi-linear-48b-a3b.json.
+const char* const kKimiConfigYaml = R"(architectures:
+  - KimiLinearForCausalLM
+auto_map:
+  AutoConfig: configuration_kimi.KimiLinearConfig
+  AutoModel: modeling_kimi.KimiLinearModel
+  AutoModelForCausalLM: modeling_kimi.KimiLinearForCausalLM
+bos_token_id: 163584
+dtype: bfloat16
+eos_token_id: 163586
+first_k_dense_replace: 1
+head_dim: 72
+hidden_act: silu
+hidden_size: 2304
+initializer_range: 0.02
+intermediate_size: 9216
+kv_lora_rank: 512
+linear_attn_config:
+  full_attn_layers: [4, 8, 12, 16, 20, 24, 27]
+  head_dim: 128
+  kda_layers: [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]
+  num_heads: 32
+  short_conv_kernel_size: 4
+mla_use_nope: true
+model_max_length: 1048576
+model_type: kimi_linear
+moe_intermediate_size: 1024
+moe_layer_freq: 1
+moe_renormalize: true
+moe_router_activation_func: sigmoid
+num_attention_heads: 32
+num_expert_group: 1
+num_experts: 256
+num_experts_per_token: 8
+num_hidden_layers: 27
+num_key_value_heads: 32
+num_nextn_predict_layers: 0
+num_shared_experts: 1
+pad_token_id: 163839
+q_lora_rank: null
+qk_nope_head_dim: 128
+qk_rope_head_dim: 64
+rms_norm_eps: 1.0e-05
+rope_theta: 10000.0
+routed_scaling_factor: 2.446
+tie_word_embeddings: false
+topk_group: 1
+use_cache: true
+use_grouped_topk: true
+v_head_dim: 128
+vocab_size: 163840
+)";
+
+void check_kimi_linear_48b(const ModelSpec& spec) {
+  CHECK(spec.hidden_size == 2304);
+  CHECK(spec.num_hidden_layers == 27);
+  CHECK(spec.num_heads == 32);
+  CHECK(spec.head_dim == 128);  // linear_attn_config.head_dim, not the top-level (MLA) head_dim 72
+  CHECK(spec.short_conv_kernel_size == 4);
+  CHECK(spec.num_kda_layers() == 20);
+  CHECK(spec.kda_layers ==
+        std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26});
+  CHECK(spec.full_attn_layers == std::vector<int>{4, 8, 12, 16, 20, 24, 27});
+  CHECK(spec.gate == kda::GateMode::kSoftplus);  // model_type: kimi_linear, no gate key
+  CHECK(spec.runtime.max_tokens == 8192);        // no runtime section: the defaults
+  CHECK(spec.warnings.empty());                  // none of the Hugging Face keys is a typo
+}
+
+}  // namespace
+
+TEST_CASE("the Hugging Face config.json of Kimi-Linear-48B-A3B loads as is") {
+  const std::string path =
+      std::string(KDA_SOURCE_DIR) + "/examples/models/kimi-linear-48b-a3b.json";
+  const ModelSpec spec = kda::engine::load_model_spec(path);
+  check_kimi_linear_48b(spec);
+  CHECK(spec.name == "kimi-linear-48b-a3b");  // the file name: config.json carries no name
+  // Strict mode accepts it too: its linear_attn_config holds only keys the engine knows.
+  kda::engine::ModelSpecOptions strict;
+  strict.strict = true;
+  CHECK_NOTHROW(kda::engine::load_model_spec(path, strict));
+}
+
+TEST_CASE("the YAML twin of the Hugging Face config loads to the same spec") {
+  const ModelSpec spec = parse_model_spec(kKimiConfigYaml, "config.yaml");
+  check_kimi_linear_48b(spec);
+  // And the curated example, which writes the gate and a runtime section, describes the same
+  // KDA layers.
+  const ModelSpec example = kda::engine::load_model_spec(
+      std::string(KDA_SOURCE_DIR) + "/examples/models/kimi-linear-48b-a3b.yaml");
+  CHECK(example.kda_layers == spec.kda_layers);
+  CHECK(example.num_heads == spec.num_heads);
+  CHECK(example.head_dim == spec.head_dim);
+  CHECK(example.gate == spec.gate);
+  CHECK(example.warnings.empty());
+}
+
+TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read; syntax errors") {
+  const std::string json =
+      "{\n"                                   // 1
+      "  \"hidden_size\": 64,\n"              // 2
+      "  \"num_hidden_layers\": 2,\n"         // 3
+      "  \"model_type\": \"kimi_linear\",\n"  // 4
+      "  \"linear_attn_config\": {\n"         // 5
+      "    \"num_heads\": 2,\n"               // 6
+      "    \"head_dim\": 16,\n"               // 7
+      "    \"kda_layers\": [1, 2]\n"          // 8
+      "  }\n"                                 // 9
+      "}\n";                                  // 10
+  CHECK(parse_model_spec(json, "c.json").gate == kda::GateMode::kSoftplus);
+  CHECK(error_in("c.json", replace(json, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
+        "c.json:7:17: linear_attn_config.head_dim: expected an integer, got the string '16'");
+  CHECK(error_in("c.json", replace(json, "\"num_heads\"", "\"num_head\"")) ==
+        "c.json:6:5: linear_attn_config.num_heads: required key is missing; found `num_head` "
+        "(line 6): a typo?");
+  const ModelSpec typo = parse_model_spec(
+      replace(json, "    \"head_dim\": 16,\n", "    \"head_dim\": 16,\n    \"gates\": 1,\n"),
+      "c.json");
+  REQUIRE(typo.warnings.size() == 1);
+  CHECK(typo.warnings[0] ==
+        "c.json:8:5: linear_attn_config.gates: unknown key, ignored; did you mean `gate`?");
+
+  // Tabs and a byte order mark, as some editors write JSON, load too.
+  std::string tabbed = json;
+  for (std::size_t at = tabbed.find("  "); at != std::string::npos; at = tabbed.find("  ")) {
+    tabbed.replace(at, 2, "\t");
+  }
+  CHECK(parse_model_spec("\xEF\xBB\xBF" + tabbed, "c.json").num_heads == 2);
+
+  // yaml-cpp rejects a surrogate-pair escape (an emoji) that JSON allows: the JSON parser reads
+  // the file instead; errors then carry no line.
+  const std::string emoji =
+      replace(json, "  \"model_type\"", "  \"comment\": \"\\ud83d\\ude00\",\n  \"model_type\"");
+  const ModelSpec spec = parse_model_spec(emoji, "c.json");
+  CHECK(spec.num_heads == 2);
+  CHECK(spec.kda_layers == std::vector<int>{1, 2});
+  CHECK(spec.gate == kda::GateMode::kSoftplus);
+  CHECK(error_in("c.json", replace(emoji, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
+        "c.json: linear_attn_config.head_dim: expected an integer, got the string '16'");
+
+  // Not JSON to either parser: the JSON parser's message, at its line.
+  const std::string missing_comma =
+      error_in("c.json", replace(json, "\"num_heads\": 2,", "\"num_heads\": 2"));
+  INFO(missing_comma);
+  CHECK(missing_comma.rfind("c.json:7:", 0) == 0);
+  CHECK(missing_comma.find("JSON syntax error") != std::string::npos);
+  CHECK(missing_comma.find("expected '}'") != std::string::npos);
 }
 
 TEST_CASE("the example models parse") {
@@ -135,8 +424,8 @@ TEST_CASE("the example models parse") {
   CHECK(kimi.num_heads == 32);
   CHECK(kimi.head_dim == 128);
   CHECK(kimi.gate == kda::GateMode::kSoftplus);
-  CHECK(kimi.kda_layers == std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19,
-                                            21, 22, 23, 25, 26});
+  CHECK(kimi.kda_layers ==
+        std::vector<int>{1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26});
   CHECK(kimi.num_kda_layers() == 20);
   CHECK(kimi.kda_layer_indices.front() == 0);
   CHECK(kimi.kda_layer_indices.back() == 25);
@@ -148,8 +437,8 @@ TEST_CASE("the example models parse") {
 }
 
 TEST_CASE("syntax errors name the file / line and column") {
-  const std::string message = error_of(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n",
-                                               "  kda_layers: [1, 2, 4, 5\n"));
+  const std::string message =
+      error_of(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", "  kda_layers: [1, 2, 4, 5\n"));
   INFO(message);
   CHECK(message.find("YAML syntax error") != std::string::npos);
   // The unterminated list starts on line 8; yaml-cpp reports where it noticed, at or after it.
@@ -165,10 +454,12 @@ TEST_CASE("syntax errors name the file / line and column") {
 }
 
 TEST_CASE("missing required keys are named") {
-  check_error(replace(kValid, "hidden_size: 256\n", ""), {"hidden_size", "required key is missing"});
+  check_error(replace(kValid, "hidden_size: 256\n", ""),
+              {"hidden_size", "required key is missing"});
   check_error(replace(kValid, "  num_heads: 4\n", ""),
               {"m.yaml:5:3:", "linear_attn_config.num_heads", "missing"});
-  check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", ""), {"linear_attn_config.kda_layers"});
+  check_error(replace(kValid, "  kda_layers: [1, 2, 4, 5]\n", ""),
+              {"linear_attn_config.kda_layers"});
   check_error(replace(kValid, "  gate: lower_bound\n", ""), {"linear_attn_config.gate", "missing"});
   // A key written with no value is missing too.
   check_error(replace(kValid, "  head_dim: 64\n", "  head_dim:\n"), {"head_dim"});
@@ -196,10 +487,14 @@ TEST_CASE("wrong types are named with their position") {
 }
 
 TEST_CASE("out-of-range and absurd sizes are rejected") {
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: -1\n"), {"num_heads", "out of range"});
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 0\n"), {"num_heads", "out of range"});
-  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 4096\n"), {"num_heads", "[1, 1024]"});
-  check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 2048\n"), {"head_dim", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: -1\n"),
+              {"num_heads", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 0\n"),
+              {"num_heads", "out of range"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 4096\n"),
+              {"num_heads", "[1, 1024]"});
+  check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 2048\n"),
+              {"head_dim", "out of range"});
   check_error(replace(kValid, "hidden_size: 256\n", "hidden_size: -256\n"), {"hidden_size"});
   check_error(replace(kValid, "num_hidden_layers: 6\n", "num_hidden_layers: 100000\n"),
               {"num_hidden_layers"});
@@ -218,15 +513,15 @@ TEST_CASE("out-of-range and absurd sizes are rejected") {
 TEST_CASE("byte counts that overflow 64 bits are rejected") {
   kda::StatusCode code = kda::StatusCode::kOk;
   // 2^62 tokens x 4 heads x 64 x 2 bytes overflows.
-  const std::string message =
-      error_of(replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 4611686018427387904\n"), &code);
+  const std::string message = error_of(
+      replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 4611686018427387904\n"), &code);
   INFO(message);
   CHECK(code == kda::StatusCode::kOverflow);
   CHECK(message.find("runtime.max_tokens") != std::string::npos);
   CHECK(message.find("overflows 64 bits") != std::string::npos);
   // Large but representable: accepted (allocation is the engine's problem, not the parser's).
-  CHECK_NOTHROW(parse_model_spec(replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 1000000000000\n"),
-                                 "m.yaml"));
+  CHECK_NOTHROW(parse_model_spec(
+      replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 1000000000000\n"), "m.yaml"));
 }
 
 TEST_CASE("layer indices: range / duplicates / overlap with full attention") {
@@ -295,8 +590,8 @@ TEST_CASE("files: weights resolve against the YAML's directory / unreadable file
     std::ofstream out(yaml);
     out << kValid << "weights: [a]\n";
   }
-  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(yaml.string()),
-                       doctest::Contains("weights"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(yaml.string()), doctest::Contains("weights"),
+                       kda::Error);
 
   const std::string missing = (dir / "nope.yaml").string();
   CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(missing), doctest::Contains("nope.yaml"),

@@ -1,9 +1,12 @@
-// kda/engine/model_spec.hpp — the YAML model description, parsed and validated into a ModelSpec.
+// kda/engine/model_spec.hpp — the model description (YAML, or a Hugging Face config.json as is),
+// parsed and validated into a ModelSpec.
 //
-// Schema (extra keys anywhere are allowed, so a Hugging Face config.json converted to YAML can be
-// pasted in; a key listed here with the wrong type or an out-of-range value is an error):
+// Schema. JSON is read too (YAML 1.2 is a superset of JSON), so a Hugging Face `config.json` loads
+// unchanged; see examples/models/kimi-linear-48b-a3b.json. A key listed here with the wrong type or
+// an out-of-range value is an error.
 //
 //   name: Kimi-Linear-48B-A3B        # optional string; default: the file name without extension
+//   model_type: kimi_linear          # optional (Hugging Face); kimi_linear sets the gate default
 //   hidden_size: 2304                # required, 1..1048576
 //   num_hidden_layers: 27            # required, 1..4096
 //   linear_attn_config:              # required map
@@ -14,24 +17,34 @@
 //                                    #   at least one
 //     full_attn_layers: [4]          # optional (default none), 1-based, same rules, and disjoint
 //                                    #   from kda_layers
-//     gate: softplus                 # required: softplus | lower_bound
+//     gate: softplus                 # softplus | lower_bound; required, except that with
+//                                    #   model_type: kimi_linear and no gate_lower_bound it
+//                                    #   defaults to softplus (the released model's gate)
 //     gate_lower_bound: -5.0         # required with gate: lower_bound; finite, in [-5, 0);
 //                                    #   checked the same way when given with softplus (unused)
-//   weights: kda-params.safetensors  # optional; relative paths are relative to the YAML's directory
+//   weights: kda-params.safetensors  # optional; a relative path is relative to the file's folder
 //   runtime:                         # optional map; every key optional
-//     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences together
+//     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences
 //     max_sequences: 8               # default 8; 1..1048576; sequences per prefill = state slots
 //     state_dtype: fp32              # default fp32; fp32 | bf16
 //     workspace_plan: sum            # default sum; sum | reuse
 //     backend: auto                  # default auto; auto | cpu | cuda
 //
+// Unknown keys. linear_attn_config and runtime are the engine's: a key there that is not listed
+// above is a warning ("did you mean `max_tokens`?"), or an error with ModelSpecOptions::strict.
+// Top-level keys the engine does not read are ignored silently (a Hugging Face config carries
+// dozens), except one within a typo of an absent engine key (`runtme:`), which warns the same way.
+// Warnings are returned in ModelSpec::warnings; the library prints nothing.
+//
 // Byte counts derived from the sizes (inputs and outputs at max_tokens, the state pool of every KDA
 // layer at max_sequences, their sum) must fit in 64 bits; the loader checks them, so every later
 // size computation on a validated spec is overflow-free.
 //
-// Errors throw kda::Error (code kInvalidArgument, or kOverflow for byte counts) whose message starts
-// with "file:line:column:" and names the key, e.g.
+// Errors throw kda::Error (code kInvalidArgument, or kOverflow for byte counts) whose message
+// starts with "file:line:column:" and names the key, e.g.
 //   models/m.yaml:5:14: linear_attn_config.num_heads: expected an integer, got 'many'
+// A missing required key is reported at its enclosing map, or at the near-miss key when there is
+// one ("required key is missing; found `num_head` (line 7): a typo?").
 #pragma once
 
 #include <cstdint>
@@ -61,16 +74,19 @@ struct ModelSpec {
   std::string source;  // where it was read from (file path or the caller's source name)
   std::int64_t hidden_size = 0;
   std::int64_t num_hidden_layers = 0;
-  std::int64_t num_heads = 0;               // H
-  std::int64_t head_dim = 0;                // K = V
+  std::int64_t num_heads = 0;  // H
+  std::int64_t head_dim = 0;   // K = V
   std::int64_t short_conv_kernel_size = 4;
-  std::vector<int> kda_layers;              // 1-based, as written in the YAML (sorted ascending)
-  std::vector<int> kda_layer_indices;       // the same, 0-based (model.layers.{i} in checkpoints)
-  std::vector<int> full_attn_layers;        // 1-based, sorted ascending
+  std::vector<int> kda_layers;         // 1-based, as written in the YAML (sorted ascending)
+  std::vector<int> kda_layer_indices;  // the same, 0-based (model.layers.{i} in checkpoints)
+  std::vector<int> full_attn_layers;   // 1-based, sorted ascending
   GateMode gate = GateMode::kSoftplus;
-  float gate_lower_bound = -5.0f;           // meaningful with GateMode::kLowerBound
-  std::string weights;                      // resolved path, or empty when none
+  float gate_lower_bound = -5.0f;  // meaningful with GateMode::kLowerBound
+  std::string weights;             // resolved path, or empty when none
   RuntimeSpec runtime;
+  // Unknown keys in the engine's sections, one message each ("file:line:col: key: ..."), in file
+  // order; the caller decides whether and where to show them.
+  std::vector<std::string> warnings;
 
   std::int64_t num_kda_layers() const noexcept {
     return static_cast<std::int64_t>(kda_layer_indices.size());
@@ -79,12 +95,18 @@ struct ModelSpec {
   std::uint64_t state_slot_bytes() const noexcept;
 };
 
-// Reads and validates a YAML model description. Throws kda::Error.
-ModelSpec load_model_spec(const std::string& path);
+struct ModelSpecOptions {
+  // Unknown keys in linear_attn_config / runtime (and top-level near-misses of engine keys) are
+  // errors instead of warnings.
+  bool strict = false;
+};
 
-// Parses YAML text. `source_name` prefixes error messages ("file:line:col: ..."); relative
+// Reads and validates a model description (YAML or JSON). Throws kda::Error.
+ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& options = {});
+
+// Parses YAML or JSON text. `source_name` prefixes error messages ("file:line:col: ..."); relative
 // `weights` paths are resolved against `base_dir` (empty: left as written).
 ModelSpec parse_model_spec(const std::string& text, const std::string& source_name,
-                           const std::string& base_dir = {});
+                           const std::string& base_dir = {}, const ModelSpecOptions& options = {});
 
 }  // namespace kda::engine
