@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <sstream>
 
@@ -197,6 +198,7 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   if (!st.ok()) throw Error(st, source);
 
   KdaCase result;
+  result.source = source;
   result.problem = p;
   for (const char* name : kInputNames) {
     auto it = tensors.find(name);
@@ -216,6 +218,12 @@ KdaCase load_case(const std::string& path) {
 
 std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Backend* used) {
   const Problem& p = kda_case.problem;
+  // Every failure names the case it came from: the operator's own messages ("A_log[0] is not
+  // finite") do not know the file.
+  const std::string where = kda_case.source.empty() ? std::string() : kda_case.source + ": ";
+  auto check = [&where](const Status& st, const std::string& what) {
+    if (!st.ok()) throw Error(st, where + what);
+  };
   Backend backend = Backend::kCpu;
   if (choice == BackendChoice::kCuda) {
     backend = Backend::kCuda;
@@ -223,11 +231,9 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
              can_implement(p, Backend::kCuda).ok()) {
     backend = Backend::kCuda;
   }
-  if (const Status st = can_implement(p, backend); !st.ok()) {
-    throw Error(st, std::string("backend ") + to_string(backend));
-  }
+  check(can_implement(p, backend), std::string("backend ") + to_string(backend));
   std::size_t workspace_bytes = 0;
-  throw_if_error(workspace_size(p, backend, &workspace_bytes), "workspace size");
+  check(workspace_size(p, backend, &workspace_bytes), "workspace size");
 
   Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, p.num_heads, p.head_dim_v});
   Tensor final_state;
@@ -251,7 +257,7 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     if (workspace_bytes > 0) {
       const std::size_t rounded = (workspace_bytes + 255) / 256 * 256;
       workspace.reset(std::aligned_alloc(256, rounded));
-      if (!workspace) throw Error(StatusCode::kInternal, "cannot allocate the CPU workspace");
+      if (!workspace) throw Error(StatusCode::kInternal, where + "cannot allocate the CPU workspace");
     }
     t.q = host_ptr(input("q"));
     t.k = host_ptr(input("k"));
@@ -267,19 +273,19 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     t.final_state = has_final ? (final_state.data.empty() ? static_cast<void*>(g_empty)
                                                           : final_state.data.data())
                               : nullptr;
-    throw_if_error(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
+    check(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
   } else {
     std::vector<std::unique_ptr<void, DeviceDeleter>> allocations;
-    auto device_buffer = [&allocations](std::size_t bytes) -> void* {
+    auto device_buffer = [&allocations, &check](std::size_t bytes) -> void* {
       void* ptr = nullptr;
-      throw_if_error(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
+      check(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
       allocations.emplace_back(ptr);
       return ptr;
     };
     auto upload = [&](const Tensor* tensor) -> const void* {
       if (tensor == nullptr) return nullptr;
       void* ptr = device_buffer(tensor->data.size());
-      throw_if_error(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
+      check(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
       return ptr;
     };
     t.q = upload(input("q"));
@@ -295,13 +301,13 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     t.out = device_buffer(out.data.size());
     if (has_final) t.final_state = device_buffer(final_state.data.size());
     void* workspace = workspace_bytes > 0 ? device_buffer(workspace_bytes) : nullptr;
-    throw_if_error(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
-    throw_if_error(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
+    check(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
+    check(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
     if (has_final) {
-      throw_if_error(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
+      check(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
                      "download final_state");
     }
-    throw_if_error(stream_synchronize(nullptr), "CUDA forward");
+    check(stream_synchronize(nullptr), "CUDA forward");
   }
   if (used != nullptr) *used = backend;
   std::vector<Tensor> outputs;
@@ -310,8 +316,30 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
   return outputs;
 }
 
+void check_output_is_not_input(const std::string& input_path, const std::string& output_path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  bool same = false;
+  if (fs::exists(output_path, ec)) {
+    // Same device and inode (what equivalent() compares), through symlinks and hard links.
+    std::error_code equivalent_ec;
+    same = fs::equivalent(input_path, output_path, equivalent_ec);
+  } else {
+    // No file to compare by inode: compare where the two paths lead.
+    std::error_code in_ec, out_ec;
+    const fs::path in = fs::weakly_canonical(input_path, in_ec);
+    const fs::path out = fs::weakly_canonical(output_path, out_ec);
+    same = !in_ec && !out_ec && in == out;
+  }
+  if (same) {
+    fail(output_path, "is the case file '" + input_path +
+                          "' itself (same file); refusing to overwrite the input, nothing written");
+  }
+}
+
 void run_case_file(const std::string& input_path, const std::string& output_path,
                    BackendChoice backend, Backend* used) {
+  check_output_is_not_input(input_path, output_path);
   const KdaCase kda_case = load_case(input_path);
   Backend ran = Backend::kCpu;
   const std::vector<Tensor> outputs = run_case(kda_case, backend, &ran);

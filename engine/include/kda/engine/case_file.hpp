@@ -29,6 +29,7 @@
 namespace kda::engine {
 
 struct KdaCase {
+  std::string source;  // the file (or caller's source name) it came from: prefixes run_case errors
   Problem problem;
   std::map<std::string, Tensor> tensors;  // the inputs named above that are present
 };
@@ -43,7 +44,12 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
 // tensors (out, and final_state unless none) and sets *used to the backend that ran.
 std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice backend, Backend* used = nullptr);
 
-// load_case + run_case + save_safetensors (atomic): nothing is written unless all succeeded.
+// Throws kda::Error when `output_path` is the file `input_path` (same path, or a symlink or hard
+// link to it: same device and inode when the output exists, same canonical path otherwise).
+void check_output_is_not_input(const std::string& input_path, const std::string& output_path);
+
+// check_output_is_not_input + load_case + run_case + save_safetensors (atomic): nothing is written
+// unless all succeeded. Every error names the input or the output file.
 void run_case_file(const std::string& input_path, const std::string& output_path,
                    BackendChoice backend, Backend* used = nullptr);
 
