@@ -535,7 +535,8 @@ TEST_CASE("an out that overlaps an input only in a later run of slots is refused
   in.q = buffer.data();
   const std::vector<std::uint16_t> before = buffer;
   CHECK_THROWS_WITH_AS(engine.prefill(0, in, buffer.data() + 50 * 64, slots, cu),
-                       doctest::Contains("out overlaps q"), kda::Error);
+                       doctest::Contains("layer 1 (KDA index 0) prefill: out overlaps q"),
+                       kda::Error);
   CHECK(buffer == before);
   for (float x : slot_state(engine, 0, s0)) {
     if (x != 0.0f) {
@@ -612,6 +613,9 @@ TEST_CASE("KdaLayer refuses parameters outside the operator's contract, however 
   auto bad = good;
   bad.A_log[1] = -kda::kMaxAbsALog - 1.0f;
   CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[1] = -21"), kda::Error);
+  // Messages name the model layer 1-based, as the YAML does, and the KDA index.
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 2, 3, bad),
+                       doctest::Contains("layer 4 (KDA index 2): A_log[1]"), kda::Error);
   bad = good;
   bad.A_log[0] = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[0]"), kda::Error);
