@@ -1,4 +1,5 @@
-// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case file.
+// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case
+// file.
 //
 // Exit codes: 0 success, 1 runtime error (bad model or case file, backend failure), 2 usage error.
 // Layers are named as the YAML's kda_layers names them (model layer, 1-based), with the KDA index
@@ -190,14 +191,15 @@ Options parse_args(int argc, char** argv) {
   if (!o.case_path.empty()) {
     if (!o.model.empty()) throw UsageError{"--case and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{"--case needs --output OUT.safetensors"};
-    if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given || o.seed_given ||
-        o.threads_given) {
+    if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
+        o.seed_given || o.threads_given) {
       throw UsageError{"--case takes only --output and --backend"};
     }
     return o;
   }
   if (!o.output.empty()) throw UsageError{"--output is only used with --case"};
-  if (o.model.empty()) throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
+  if (o.model.empty())
+    throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
     throw UsageError{"--plan-only takes only --plan, --json, --tokens and --backend"};
@@ -247,9 +249,9 @@ double median(std::vector<double> values) {
 
 std::string describe_model(const kda::engine::ModelSpec& spec) {
   std::string text = spec.name + ": " + std::to_string(spec.num_hidden_layers) + " layers, " +
-                     std::to_string(spec.num_kda_layers()) + " KDA (H=" +
-                     std::to_string(spec.num_heads) + ", D=" + std::to_string(spec.head_dim) +
-                     ", gate " + kda::to_string(spec.gate);
+                     std::to_string(spec.num_kda_layers()) +
+                     " KDA (H=" + std::to_string(spec.num_heads) +
+                     ", D=" + std::to_string(spec.head_dim) + ", gate " + kda::to_string(spec.gate);
   if (spec.gate == kda::GateMode::kLowerBound) {
     char bound[32];
     std::snprintf(bound, sizeof bound, " %g", static_cast<double>(spec.gate_lower_bound));
@@ -292,8 +294,8 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
                      std::to_string(plan.entries.size()) + " buffers, runtime.workspace_plan " +
                      kda::planner::to_string(plan.mode) + "\n";
   char line[160];
-  for (const BufferKind kind : {BufferKind::kParameter, BufferKind::kState, BufferKind::kWorkspace,
-                                BufferKind::kScratch}) {
+  for (const BufferKind kind :
+       {BufferKind::kParameter, BufferKind::kState, BufferKind::kWorkspace, BufferKind::kScratch}) {
     std::uint64_t bytes = 0;
     int count = 0;
     for (const auto& entry : plan.entries) {
@@ -306,8 +308,8 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
                        : kind == BufferKind::kWorkspace ? "one per KDA layer"
                        : kind == BufferKind::kParameter ? "A_log and dt_bias"
                                                         : "engine temporaries and synthetic inputs";
-    std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n", kda::planner::to_string(kind),
-                  count, format_bytes(bytes).c_str(), note);
+    std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
+                  kda::planner::to_string(kind), count, format_bytes(bytes).c_str(), note);
     text += line;
   }
   kda::engine::ModelSpec other = spec;
@@ -395,8 +397,9 @@ int run_model(const Options& o) {
   options.synthetic_tokens = tokens;
   kda::engine::Engine engine(spec, options);
 
-  const int threads = o.threads > 0 ? static_cast<int>(o.threads)
-                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = o.threads > 0
+                          ? static_cast<int>(o.threads)
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::printf("%s\n", describe_model(spec).c_str());
   std::printf("backend: %s", kda::to_string(engine.backend()));
   if (engine.backend() == kda::Backend::kCpu) {
@@ -419,10 +422,11 @@ int run_model(const Options& o) {
   const kda::engine::RunReport report = engine.run_synthetic(run);
   bar.finish();
 
-  std::printf("prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
-              "not timed)\n",
-              static_cast<long long>(tokens), static_cast<long long>(o.sequences),
-              o.sequences == 1 ? "" : "s", report.upload_seconds);
+  std::printf(
+      "prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
+      "not timed)\n",
+      static_cast<long long>(tokens), static_cast<long long>(o.sequences),
+      o.sequences == 1 ? "" : "s", report.upload_seconds);
   std::printf("%8s  %9s  %12s  %12s\n", "layer", "KDA index", "time (ms)", "tokens/s");
   for (int l = 0; l < engine.num_layers(); ++l) {
     const double s = report.layer_seconds[static_cast<std::size_t>(l)];
@@ -430,21 +434,22 @@ int run_model(const Options& o) {
                 s > 0 ? static_cast<double>(tokens) / s : 0.0);
   }
   const double total = report.prefill_seconds;
-  std::printf("total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
-              "%.0f tokens/s per layer\n",
-              engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
-              total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
+  std::printf(
+      "total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
+      "%.0f tokens/s per layer\n",
+      engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+      total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
 
   if (o.decode_steps > 0) {
     const double step = median(report.decode_step_seconds);
-    const double best = *std::min_element(report.decode_step_seconds.begin(),
-                                          report.decode_step_seconds.end());
-    std::printf("decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
-                "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
-                static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
-                o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
-                step > 0 ? static_cast<double>(o.sequences) / step : 0.0,
-                step * 1e6 / engine.num_layers());
+    const double best =
+        *std::min_element(report.decode_step_seconds.begin(), report.decode_step_seconds.end());
+    std::printf(
+        "decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
+        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
+        static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
+        o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
+        step > 0 ? static_cast<double>(o.sequences) / step : 0.0, step * 1e6 / engine.num_layers());
   }
   // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
   engine.check_device_status();

@@ -49,8 +49,10 @@ std::string read_text(const std::string& path) {
 std::string quote(const std::string& arg) {
   std::string quoted = "'";
   for (const char c : arg) {
-    if (c == '\'') quoted += "'\\''";
-    else quoted += c;
+    if (c == '\'')
+      quoted += "'\\''";
+    else
+      quoted += c;
   }
   return quoted + "'";
 }
@@ -114,7 +116,8 @@ struct CaseFile {
 // The case-file form of a reference case.
 CaseFile to_case_file(const kda::test::KdaCase& c) {
   const kda::Problem& p = c.problem;
-  const std::int64_t B = p.batch, T = p.seq_len, H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  const std::int64_t B = p.batch, T = p.seq_len, H = p.num_heads, K = p.head_dim_k,
+                     V = p.head_dim_v;
   const std::int64_t N = p.sequences();
   CaseFile f;
   auto add = [&f](Tensor t) { f.tensors.emplace(t.name, std::move(t)); };
@@ -230,7 +233,9 @@ void check_rejected(const CaseFile* file, const std::string* raw, const std::str
     CHECK(files == (existing ? 2u : 1u));  // the input (and the kept output); no temporaries
   }
 }
-void check_rejected(const CaseFile& file, const std::string& part) { check_rejected(&file, nullptr, part); }
+void check_rejected(const CaseFile& file, const std::string& part) {
+  check_rejected(&file, nullptr, part);
+}
 void check_rejected_bytes(const std::string& raw, const std::string& part) {
   check_rejected(nullptr, &raw, part);
 }
@@ -244,10 +249,16 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   CHECK(r.out.find("--decode-steps") != std::string::npos);
 
   for (const std::vector<std::string>& args :
-       {std::vector<std::string>{}, {"--frobnicate"}, {"--model"}, {"--model", "m.yaml", "--json"},
-        {"--model", "m.yaml", "--tokens", "abc"}, {"--model", "m.yaml", "--tokens", "0"},
-        {"--model", "m.yaml", "--backend", "tpu"}, {"--case", "in.safetensors"},
-        {"--case", "a", "--output", "b", "--model", "m.yaml"}, {"--output", "b"},
+       {std::vector<std::string>{},
+        {"--frobnicate"},
+        {"--model"},
+        {"--model", "m.yaml", "--json"},
+        {"--model", "m.yaml", "--tokens", "abc"},
+        {"--model", "m.yaml", "--tokens", "0"},
+        {"--model", "m.yaml", "--backend", "tpu"},
+        {"--case", "in.safetensors"},
+        {"--case", "a", "--output", "b", "--model", "m.yaml"},
+        {"--output", "b"},
         {"--model", "m.yaml", "--plan-only", "--decode-steps", "3"}}) {
     std::string joined;
     for (const auto& a : args) joined += a + " ";
@@ -300,7 +311,8 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
       }
       CHECK(kinds.count(buffer["kind"].get<std::string>()) == 1);
       CHECK(buffer["offset"].get<std::uint64_t>() % 256 == 0);
-      end = std::max(end, buffer["offset"].get<std::uint64_t>() + buffer["bytes"].get<std::uint64_t>());
+      end = std::max(end,
+                     buffer["offset"].get<std::uint64_t>() + buffer["bytes"].get<std::uint64_t>());
       if (buffer["kind"] == "state") {
         ++states;
         state_layers.insert(buffer["layer"].get<int>());
@@ -325,7 +337,8 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
         std::string::npos);
   for (const char* kind : {"parameter", "state", "workspace", "scratch"}) {
     CAPTURE(kind);
-    CHECK(std::regex_search(summary.out, std::regex(std::string("\n  ") + kind + " +[0-9]+ buffers")));
+    CHECK(std::regex_search(summary.out,
+                            std::regex(std::string("\n  ") + kind + " +[0-9]+ buffers")));
   }
   CHECK(summary.out.find("plan sum: ") != std::string::npos);
   CHECK(summary.out.find("plan reuse: 10.1 MiB") != std::string::npos);  // tiny.yaml plans reuse
@@ -413,9 +426,9 @@ TEST_CASE("kda-run --model: a directory, and a missing weights file, are named")
   const std::string yaml = dir.file("m.yaml");
   std::ofstream(yaml) << read_text(kModels + "tiny.yaml") << "weights: sub/w.safetensors\n";
   const std::string resolved = (fs::path(dir.path) / "sub" / "w.safetensors").string();
-  for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{"--plan-only"}, {"--plan-only", "--json"},
-        {"--tokens", "16", "--backend", "cpu"}}) {
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{"--plan-only"},
+                                                {"--plan-only", "--json"},
+                                                {"--tokens", "16", "--backend", "cpu"}}) {
     std::vector<std::string> args = {"--model", yaml};
     args.insert(args.end(), extra.begin(), extra.end());
     CAPTURE(extra.front());
@@ -458,7 +471,8 @@ TEST_CASE("kda-run --case: varlen / softplus / fp32 initial and final state") {
   check_round_trip(kda::test::make_case(o));
 }
 
-TEST_CASE("kda-run --case: fixed length / lower_bound gate / bf16 state by default / custom scale") {
+TEST_CASE(
+    "kda-run --case: fixed length / lower_bound gate / bf16 state by default / custom scale") {
   kda::test::CaseOptions o;
   o.heads = 3;
   o.head_dim_k = 16;
@@ -568,11 +582,11 @@ TEST_CASE("kda-run --case: an --output that is the case file is refused, the fil
   fs::create_hard_link(in, dir.file("hard.safetensors"));
   fs::create_directory_symlink(dir.path, dir.file("dirlink"));
   const std::vector<std::string> same_file = {
-      in,                                           // the same path
-      dir.file("sub") + "/../in.safetensors",       // spelled differently
-      dir.file("link.safetensors"),                 // a symlink to it
-      dir.file("hard.safetensors"),                 // a hard link to it
-      dir.file("dirlink") + "/in.safetensors",      // through a symlinked directory
+      in,                                       // the same path
+      dir.file("sub") + "/../in.safetensors",   // spelled differently
+      dir.file("link.safetensors"),             // a symlink to it
+      dir.file("hard.safetensors"),             // a hard link to it
+      dir.file("dirlink") + "/in.safetensors",  // through a symlinked directory
   };
   for (const std::string& out : same_file) {
     CAPTURE(out);

@@ -21,8 +21,8 @@ namespace {
 }
 
 // Every tensor the contract names; anything else in the file is ignored.
-const char* const kInputNames[] = {"q", "k", "v", "g", "beta", "A_log", "dt_bias",
-                                   "initial_state", "cu_seqlens"};
+const char* const kInputNames[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"};
 
 // Strict number parsing: the whole string, no trailing garbage.
 bool parse_number(const std::string& text, double* value) {
@@ -48,14 +48,16 @@ const Tensor& require(const std::map<std::string, Tensor>& tensors, const std::s
   return it->second;
 }
 
-void expect_dtype(const Tensor& t, std::initializer_list<DType> allowed, const std::string& source) {
+void expect_dtype(const Tensor& t, std::initializer_list<DType> allowed,
+                  const std::string& source) {
   for (const DType d : allowed) {
     if (t.dtype == d) return;
   }
   std::string names;
-  for (const DType d : allowed) names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
-  fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) + ", expected " +
-                   names);
+  for (const DType d : allowed)
+    names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
+  fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) +
+                   ", expected " + names);
 }
 
 void expect_shape(const Tensor& t, const std::vector<std::int64_t>& shape, const std::string& what,
@@ -95,10 +97,12 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ", expected [B, T, H, K]");
   }
   const std::int64_t B = q.shape[0], T = q.shape[1], H = q.shape[2], K = q.shape[3];
-  if (H < 1 || K < 1) fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ": H and K must be >= 1");
+  if (H < 1 || K < 1)
+    fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ": H and K must be >= 1");
   expect_shape(k, q.shape, "same as q: [B, T, H, K]", source);
   expect_shape(g, q.shape, "same as q: [B, T, H, K]", source);
-  if (v.shape.size() != 4 || v.shape[0] != B || v.shape[1] != T || v.shape[2] != H || v.shape[3] < 1) {
+  if (v.shape.size() != 4 || v.shape[0] != B || v.shape[1] != T || v.shape[2] != H ||
+      v.shape[3] < 1) {
     fail(source, "tensor 'v' has shape " + shape_to_string(v.shape) + ", expected [" +
                      std::to_string(B) + ", " + std::to_string(T) + ", " + std::to_string(H) +
                      ", V] with V >= 1");
@@ -123,10 +127,12 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       fail(source, "tensor 'cu_seqlens' has shape " + shape_to_string(cu.shape) +
                        ", expected [N + 1] with N >= 1");
     }
-    if (B != 1) fail(source, "cu_seqlens is given, so B must be 1, but q has B = " + std::to_string(B));
+    if (B != 1)
+      fail(source, "cu_seqlens is given, so B must be 1, but q has B = " + std::to_string(B));
     N = cu.shape[0] - 1;
     auto at = [&cu](std::int64_t i) -> std::int64_t {
-      return cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i] : cu.data_as<std::int32_t>()[i];
+      return cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i]
+                                     : cu.data_as<std::int32_t>()[i];
     };
     if (at(0) != 0) fail(source, "cu_seqlens[0] is " + std::to_string(at(0)) + ", expected 0");
     for (std::int64_t i = 1; i <= N; ++i) {
@@ -136,7 +142,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       }
     }
     if (at(N) != T) {
-      fail(source, "cu_seqlens ends at " + std::to_string(at(N)) + ", expected T = " + std::to_string(T));
+      fail(source,
+           "cu_seqlens ends at " + std::to_string(at(N)) + ", expected T = " + std::to_string(T));
     }
     p.num_seqs = N;
     p.cu_seqlens_dtype = cu.dtype;
@@ -153,7 +160,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
 
   // Metadata.
   const auto gate_it = metadata.find("gate");
-  if (gate_it == metadata.end()) fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
+  if (gate_it == metadata.end())
+    fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
   if (gate_it->second == "lower_bound") {
     p.gate = GateMode::kLowerBound;
   } else if (gate_it->second == "softplus") {
@@ -171,8 +179,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
     }
     if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
-      fail(source, "metadata 'lower_bound' is " + number_text(bound) +
-                       ", outside [-5, 0) or not finite");
+      fail(source,
+           "metadata 'lower_bound' is " + number_text(bound) + ", outside [-5, 0) or not finite");
     }
     p.lower_bound = static_cast<float>(bound);
   }
@@ -187,10 +195,14 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     p.scale = static_cast<float>(scale);
   }
   if (const auto it = metadata.find("final_state"); it != metadata.end()) {
-    if (it->second == "f32") final_dtype = DType::kF32;
-    else if (it->second == "bf16") final_dtype = DType::kBF16;
-    else if (it->second == "none") final_dtype = DType::kNone;
-    else fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
+    if (it->second == "f32")
+      final_dtype = DType::kF32;
+    else if (it->second == "bf16")
+      final_dtype = DType::kBF16;
+    else if (it->second == "none")
+      final_dtype = DType::kNone;
+    else
+      fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
   }
   p.final_state_dtype = final_dtype;
 
@@ -257,7 +269,8 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     if (workspace_bytes > 0) {
       const std::size_t rounded = (workspace_bytes + 255) / 256 * 256;
       workspace.reset(std::aligned_alloc(256, rounded));
-      if (!workspace) throw Error(StatusCode::kInternal, where + "cannot allocate the CPU workspace");
+      if (!workspace)
+        throw Error(StatusCode::kInternal, where + "cannot allocate the CPU workspace");
     }
     t.q = host_ptr(input("q"));
     t.k = host_ptr(input("k"));
@@ -305,7 +318,7 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     check(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
     if (has_final) {
       check(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
-                     "download final_state");
+            "download final_state");
     }
     check(stream_synchronize(nullptr), "CUDA forward");
   }

@@ -346,8 +346,8 @@ void Engine::check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffer
     const CallerBuffer& in = buffers[i];
     if (in.ptr == nullptr || in.bytes == 0) continue;
     if (begin(out.ptr) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out.ptr) + out.bytes) {
-      throw Error(StatusCode::kInvalidArgument, layer.label() + " prefill: out overlaps " + in.name +
-                                                    " (outputs must not alias inputs)");
+      throw Error(StatusCode::kInvalidArgument, layer.label() + " prefill: out overlaps " +
+                                                    in.name + " (outputs must not alias inputs)");
     }
   }
 }

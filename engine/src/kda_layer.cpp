@@ -147,7 +147,8 @@ KdaLayer::KdaLayer(const ModelSpec& spec, int ordinal, int layer_index, KdaParam
     if (!std::isfinite(a) || std::fabs(a) > kMaxAbsALog) {
       throw Error(StatusCode::kInvalidArgument,
                   label_ + ": A_log[" + std::to_string(h) + "] = " + std::to_string(a) +
-                      " is not finite or outside [-" + std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                      " is not finite or outside [-" +
+                      std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
                       std::to_string(static_cast<int>(kMaxAbsALog)) + "] (parameters from " +
                       parameters_.origin + ")");
     }

@@ -339,7 +339,7 @@ std::string MemoryPlan::to_table(const TableFormat& format) const {
   rows.push_back({"name", "kind", "layer", "offset", "bytes", format.lifetime_heading});
   for (const PlanEntry& entry : entries) {
     rows.push_back({entry.name, to_string(entry.kind),
-                    entry.layer < 0        ? std::string("-")
+                    entry.layer < 0     ? std::string("-")
                     : format.layer_text ? format.layer_text(entry.layer)
                                         : std::to_string(entry.layer),
                     std::to_string(entry.offset),
@@ -362,9 +362,8 @@ std::string MemoryPlan::to_table(const TableFormat& format) const {
     const std::string layer =
         format.layer_text ? pad_right(row.layer, widths[2]) : pad_left(row.layer, widths[2]);
     std::string line = pad_right(row.name, widths[0]) + "  " + pad_right(row.kind, widths[1]) +
-                       "  " + layer + "  " +
-                       pad_left(row.offset, widths[3]) + "  " + pad_left(row.bytes, widths[4]) +
-                       "  " + row.lifetime;
+                       "  " + layer + "  " + pad_left(row.offset, widths[3]) + "  " +
+                       pad_left(row.bytes, widths[4]) + "  " + row.lifetime;
     out += line + "\n";
   }
   out += "mode: " + std::string(to_string(mode)) + "  alignment: " + std::to_string(alignment) +
