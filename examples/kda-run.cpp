@@ -1,6 +1,9 @@
-// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case file.
+// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case
+// file.
 //
 // Exit codes: 0 success, 1 runtime error (bad model or case file, backend failure), 2 usage error.
+// Layers are named as the YAML's kda_layers names them (model layer, 1-based), with the KDA index
+// (0-based position among the KDA layers, what Engine::prefill / decode take) where it helps.
 #include <unistd.h>
 
 #include <algorithm>
@@ -25,21 +28,29 @@
 namespace {
 
 using kda::engine::BackendChoice;
+using kda::planner::MemoryPlan;
+
+#ifndef KDA_VERSION
+#define KDA_VERSION "unknown"  // set from the CMake project version (examples/CMakeLists.txt)
+#endif
 
 constexpr std::int64_t kDefaultTokens = 1024;
 
 const char* const kUsage =
     R"(Usage:
   kda-run --model M.yaml [--tokens T] [--sequences N] [--decode-steps S]
-          [--backend auto|cpu|cuda] [--seed S] [--threads N]
-  kda-run --model M.yaml --plan-only [--json] [--tokens T] [--backend auto|cpu|cuda]
+          [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan]
+  kda-run --model M.yaml --plan-only [--plan | --json] [--tokens T] [--backend auto|cpu|cuda]
   kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
-  kda-run --help
+  kda-run --help | --version
 
 Runs every KDA layer of the model described by M.yaml on synthetic inputs (T tokens split evenly
-over N sequences, each on its own state slot) and prints the memory plan, the time of each layer,
-the total and tokens/s. With --decode-steps S, then runs S decode steps of one token per sequence
-through every KDA layer and prints the median step latency and tokens/s.
+over N sequences, each on its own state slot) and prints a summary of the memory plan, the time of
+each layer, the total and tokens/s. With --decode-steps S, then runs S decode steps of one token per
+sequence through every KDA layer and prints the median step latency and tokens/s.
+
+Layers are numbered as in the YAML's kda_layers (model layer, 1-based); "KDA index" is the 0-based
+position among the KDA layers (the layer argument of Engine::prefill / decode and the C API).
 
 Options:
   --model M.yaml       model description (YAML; see README for the schema)
@@ -50,15 +61,21 @@ Options:
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
   --threads N          CPU backend threads (default 0: all hardware threads)
-  --plan-only          print the memory plan and exit; --json prints it as JSON:
+  --plan-only          print the memory plan and exit (no weights are read, but a missing weights
+                       file is reported); --json prints every buffer as JSON:
                        {"mode", "alignment", "total_bytes", "buffers": [{"name", "kind", "layer",
-                       "offset", "bytes", ...}]}, kind one of workspace, state, scratch, parameter
+                       "offset", "bytes", ...}]}, kind one of workspace, state, scratch, parameter,
+                       layer the model layer (1-based; -1 for buffers of no layer)
+  --plan               print the memory plan as a table of every buffer (default: a summary of
+                       the arena size, the bytes of each kind and the sum and reuse plans)
   --case IN            one KDA forward on the tensors of IN (safetensors case file: q, k, v, g,
                        beta, A_log, dt_bias, optional initial_state and cu_seqlens; metadata gate,
                        lower_bound, scale, final_state); writes out and final_state to --output.
                        A bad case file is reported and nothing is written.
-  --output OUT         where --case writes its result (atomically)
+  --output OUT         where --case writes its result (atomically); must not be IN itself (also
+                       not through a symlink or hard link)
   --help               this text
+  --version            the version and the backends this build has
 
 Exit status: 0 success, 1 runtime error, 2 usage error.
 )";
@@ -79,7 +96,9 @@ struct Options {
   std::int64_t threads = 0;
   bool plan_only = false;
   bool json = false;
+  bool full_plan = false;
   bool help = false;
+  bool version = false;
   bool sequences_given = false;
   bool decode_given = false;
   bool seed_given = false;
@@ -125,6 +144,9 @@ Options parse_args(int argc, char** argv) {
     if (arg == "--help" || arg == "-h") {
       no_value();
       o.help = true;
+    } else if (arg == "--version") {
+      no_value();
+      o.version = true;
     } else if (arg == "--model") {
       o.model = value();
     } else if (arg == "--case") {
@@ -158,25 +180,29 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--json") {
       no_value();
       o.json = true;
+    } else if (arg == "--plan") {
+      no_value();
+      o.full_plan = true;
     } else {
       throw UsageError{"unknown argument '" + std::string(argv[i]) + "'"};
     }
   }
-  if (o.help) return o;
+  if (o.help || o.version) return o;
   if (!o.case_path.empty()) {
     if (!o.model.empty()) throw UsageError{"--case and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{"--case needs --output OUT.safetensors"};
-    if (o.plan_only || o.json || o.tokens || o.sequences_given || o.decode_given || o.seed_given ||
-        o.threads_given) {
+    if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
+        o.seed_given || o.threads_given) {
       throw UsageError{"--case takes only --output and --backend"};
     }
     return o;
   }
   if (!o.output.empty()) throw UsageError{"--output is only used with --case"};
-  if (o.model.empty()) throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
+  if (o.model.empty())
+    throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
-    throw UsageError{"--plan-only takes only --json, --tokens and --backend"};
+    throw UsageError{"--plan-only takes only --plan, --json, --tokens and --backend"};
   }
   return o;
 }
@@ -223,9 +249,9 @@ double median(std::vector<double> values) {
 
 std::string describe_model(const kda::engine::ModelSpec& spec) {
   std::string text = spec.name + ": " + std::to_string(spec.num_hidden_layers) + " layers, " +
-                     std::to_string(spec.num_kda_layers()) + " KDA (H=" +
-                     std::to_string(spec.num_heads) + ", D=" + std::to_string(spec.head_dim) +
-                     ", gate " + kda::to_string(spec.gate);
+                     std::to_string(spec.num_kda_layers()) +
+                     " KDA (H=" + std::to_string(spec.num_heads) +
+                     ", D=" + std::to_string(spec.head_dim) + ", gate " + kda::to_string(spec.gate);
   if (spec.gate == kda::GateMode::kLowerBound) {
     char bound[32];
     std::snprintf(bound, sizeof bound, " %g", static_cast<double>(spec.gate_lower_bound));
@@ -236,10 +262,97 @@ std::string describe_model(const kda::engine::ModelSpec& spec) {
   return text;
 }
 
+// "4 (KDA index 2)" for model layer 4 (1-based), the third KDA layer.
+std::string layer_text(const kda::engine::ModelSpec& spec, int model_layer) {
+  const auto it = std::find(spec.kda_layers.begin(), spec.kda_layers.end(), model_layer);
+  if (it == spec.kda_layers.end()) return std::to_string(model_layer);
+  return std::to_string(model_layer) + " (KDA index " +
+         std::to_string(it - spec.kda_layers.begin()) + ")";
+}
+
+// Every buffer, one per line; layers and lifetimes in the numbering above (the engine runs the KDA
+// layers in order, one planner step each, so a step is a KDA index).
+std::string plan_table(const kda::engine::ModelSpec& spec, const MemoryPlan& plan) {
+  kda::planner::TableFormat format;
+  format.layer_text = [&spec](int layer) { return layer_text(spec, layer); };
+  format.steps_text = [](int first, int last) {
+    return first == last ? "KDA index " + std::to_string(first)
+                         : "KDA index " + std::to_string(first) + "-" + std::to_string(last);
+  };
+  format.lifetime_heading = "live during";
+  return plan.to_table(format);
+}
+
+// The plan in a few lines: the arena, the bytes of each kind of buffer, and what the model would
+// need under each plan mode (runtime.workspace_plan picks one).
+std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& plan,
+                         kda::Backend backend, std::int64_t synthetic_tokens) {
+  using kda::planner::BufferKind;
+  using kda::planner::format_bytes;
+  std::string text = "arena: " + format_bytes(plan.total_bytes) + " (" +
+                     std::to_string(plan.total_bytes) + " bytes) in " +
+                     std::to_string(plan.entries.size()) + " buffers, runtime.workspace_plan " +
+                     kda::planner::to_string(plan.mode) + "\n";
+  char line[160];
+  for (const BufferKind kind :
+       {BufferKind::kParameter, BufferKind::kState, BufferKind::kWorkspace, BufferKind::kScratch}) {
+    std::uint64_t bytes = 0;
+    int count = 0;
+    for (const auto& entry : plan.entries) {
+      if (entry.kind != kind) continue;
+      bytes += entry.bytes;
+      ++count;
+    }
+    if (count == 0) continue;
+    const char* note = kind == BufferKind::kState       ? "max_sequences slots per KDA layer"
+                       : kind == BufferKind::kWorkspace ? "one per KDA layer"
+                       : kind == BufferKind::kParameter ? "A_log and dt_bias"
+                                                        : "engine temporaries and synthetic inputs";
+    std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
+                  kda::planner::to_string(kind), count, format_bytes(bytes).c_str(), note);
+    text += line;
+  }
+  kda::engine::ModelSpec other = spec;
+  other.runtime.workspace_plan = plan.mode == kda::planner::PlanMode::kSum
+                                     ? kda::planner::PlanMode::kReuse
+                                     : kda::planner::PlanMode::kSum;
+  const MemoryPlan other_plan = kda::engine::Engine::plan_for(other, backend, synthetic_tokens);
+  const MemoryPlan& sum = plan.mode == kda::planner::PlanMode::kSum ? plan : other_plan;
+  const MemoryPlan& reuse = plan.mode == kda::planner::PlanMode::kSum ? other_plan : plan;
+  std::snprintf(line, sizeof line,
+                "  plan sum: %s (each buffer its own memory), plan reuse: %s (workspaces and "
+                "scratch share)\n",
+                format_bytes(sum.total_bytes).c_str(), format_bytes(reuse.total_bytes).c_str());
+  text += line;
+  text += "  (--plan prints every buffer)\n";
+  return text;
+}
+
+std::string plan_text(const Options& o, const kda::engine::ModelSpec& spec, const MemoryPlan& plan,
+                      kda::Backend backend, std::int64_t synthetic_tokens) {
+  return o.full_plan ? plan_table(spec, plan) : plan_summary(spec, plan, backend, synthetic_tokens);
+}
+
+// Prefixes `path: ` to an error that does not name the file it concerns yet, so every message of
+// kda-run says which file it is about.
+kda::Error naming(const kda::Error& e, const std::string& path) {
+  const std::string what = e.what();
+  if (what.rfind(path, 0) == 0) return e;
+  return kda::Error(e.code(), path + ": " + what);
+}
+
 int run_case_mode(const Options& o) {
   const auto start = std::chrono::steady_clock::now();
   kda::Backend used = kda::Backend::kCpu;
-  kda::engine::run_case_file(o.case_path, o.output, o.backend.value_or(BackendChoice::kAuto), &used);
+  try {
+    kda::engine::run_case_file(o.case_path, o.output, o.backend.value_or(BackendChoice::kAuto),
+                               &used);
+  } catch (const kda::Error& e) {
+    // run_case_file names the input or the output; anything else is about the input.
+    const std::string what = e.what();
+    if (what.rfind(o.output, 0) == 0) throw;
+    throw naming(e, o.case_path);
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   std::printf("kda-run: %s -> %s on %s in %.3f s\n", o.case_path.c_str(), o.output.c_str(),
@@ -247,7 +360,7 @@ int run_case_mode(const Options& o) {
   return 0;
 }
 
-int run_model_mode(const Options& o) {
+int run_model(const Options& o) {
   const kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
@@ -265,14 +378,17 @@ int run_model_mode(const Options& o) {
   const BackendChoice choice = o.backend.value_or(spec.runtime.backend);
 
   if (o.plan_only) {
+    // Planning reads no weights; a weights file that is not there is still worth knowing now.
+    kda::engine::check_weights_file(spec);
     const kda::Backend backend = kda::engine::resolve_backend(spec, choice);
-    const kda::planner::MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend, tokens);
+    const MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend, tokens);
     if (o.json) {
       std::printf("%s\n", plan.to_json().c_str());
     } else {
       std::printf("%s\nmemory plan on %s (synthetic inputs for %lld tokens):\n%s",
                   describe_model(spec).c_str(), kda::to_string(backend),
-                  static_cast<long long>(tokens), plan.to_table().c_str());
+                  static_cast<long long>(tokens),
+                  plan_text(o, spec, plan, backend, tokens).c_str());
     }
     return 0;
   }
@@ -284,8 +400,9 @@ int run_model_mode(const Options& o) {
   options.synthetic_tokens = tokens;
   kda::engine::Engine engine(spec, options);
 
-  const int threads = o.threads > 0 ? static_cast<int>(o.threads)
-                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads = o.threads > 0
+                          ? static_cast<int>(o.threads)
+                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::printf("%s\n", describe_model(spec).c_str());
   std::printf("backend: %s", kda::to_string(engine.backend()));
   if (engine.backend() == kda::Backend::kCpu) {
@@ -294,7 +411,8 @@ int run_model_mode(const Options& o) {
     std::printf(" (%s)\n", kda::device_name(0).c_str());
   }
   std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
-  std::printf("\nmemory plan:\n%s\n", engine.plan().to_table().c_str());
+  std::printf("\nmemory plan:\n%s\n",
+              plan_text(o, spec, engine.plan(), engine.backend(), tokens).c_str());
   std::fflush(stdout);
 
   ProgressBar bar;
@@ -307,37 +425,50 @@ int run_model_mode(const Options& o) {
   const kda::engine::RunReport report = engine.run_synthetic(run);
   bar.finish();
 
-  std::printf("prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
-              "not timed)\n",
-              static_cast<long long>(tokens), static_cast<long long>(o.sequences),
-              o.sequences == 1 ? "" : "s", report.upload_seconds);
-  // "layer" is the model layer in the YAML's 1-based numbering.
-  std::printf("%8s  %8s  %12s  %12s\n", "kda #", "layer", "time (ms)", "tokens/s");
+  std::printf(
+      "prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
+      "not timed)\n",
+      static_cast<long long>(tokens), static_cast<long long>(o.sequences),
+      o.sequences == 1 ? "" : "s", report.upload_seconds);
+  std::printf("%8s  %9s  %12s  %12s\n", "layer", "KDA index", "time (ms)", "tokens/s");
   for (int l = 0; l < engine.num_layers(); ++l) {
     const double s = report.layer_seconds[static_cast<std::size_t>(l)];
-    std::printf("%8d  %8d  %12.3f  %12.0f\n", l, engine.layer(l).layer_index() + 1, s * 1e3,
+    std::printf("%8d  %9d  %12.3f  %12.0f\n", engine.layer(l).layer_index() + 1, l, s * 1e3,
                 s > 0 ? static_cast<double>(tokens) / s : 0.0);
   }
   const double total = report.prefill_seconds;
-  std::printf("total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
-              "%.0f tokens/s per layer\n",
-              engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
-              total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
+  std::printf(
+      "total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
+      "%.0f tokens/s per layer\n",
+      engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+      total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
 
   if (o.decode_steps > 0) {
     const double step = median(report.decode_step_seconds);
-    const double best = *std::min_element(report.decode_step_seconds.begin(),
-                                          report.decode_step_seconds.end());
-    std::printf("decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
-                "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
-                static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
-                o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
-                step > 0 ? static_cast<double>(o.sequences) / step : 0.0,
-                step * 1e6 / engine.num_layers());
+    const double best =
+        *std::min_element(report.decode_step_seconds.begin(), report.decode_step_seconds.end());
+    std::printf(
+        "decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
+        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
+        static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
+        o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
+        step > 0 ? static_cast<double>(o.sequences) / step : 0.0, step * 1e6 / engine.num_layers());
   }
   // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
   engine.check_device_status();
   return 0;
+}
+
+int run_model_mode(const Options& o) {
+  try {
+    return run_model(o);
+  } catch (const kda::Error& e) {
+    throw naming(e, o.model);
+  }
+}
+
+void print_version() {
+  std::printf("kda-run %s\nbackends: cpu%s\n", KDA_VERSION, kda::cuda_compiled() ? ", cuda" : "");
 }
 
 }  // namespace
@@ -348,6 +479,10 @@ int main(int argc, char** argv) {
     options = parse_args(argc, argv);
     if (options.help) {
       std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (options.version) {
+      print_version();
       return 0;
     }
     return options.case_path.empty() ? run_model_mode(options) : run_case_mode(options);

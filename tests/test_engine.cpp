@@ -127,18 +127,18 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
     if (entry.kind == kda::planner::BufferKind::kState) ++states;
   }
   CHECK(states == 3);
-  for (const int index : {0, 1, 3}) {  // 0-based model layers of YAML layers 1, 2, 4
-    const std::string prefix = "layer" + std::to_string(index);
+  for (const int layer : {1, 2, 4}) {  // buffers carry the model layer, 1-based as in the YAML
+    const std::string prefix = "layer" + std::to_string(layer);
     const auto* state = plan.find(prefix + ".state");
     REQUIRE(state != nullptr);
     CHECK(state->kind == kda::planner::BufferKind::kState);
-    CHECK(state->layer == index);
+    CHECK(state->layer == layer);
     CHECK(state->persistent);
     CHECK(state->bytes == 4u * 2 * 32 * 32 * 4);  // max_sequences x H x V x K x fp32
     CHECK(plan.find(prefix + ".A_log") != nullptr);
     CHECK(plan.find(prefix + ".dt_bias") != nullptr);
   }
-  CHECK(plan.find("layer2.state") == nullptr);  // full attention: no KDA state
+  CHECK(plan.find("layer3.state") == nullptr);  // full attention: no KDA state
   CHECK(plan.find("synthetic.q") != nullptr);
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     for (std::size_t j = i + 1; j < plan.entries.size(); ++j) {
@@ -153,7 +153,7 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
   // bf16 state halves the pools.
   const auto bf16 = Engine::plan_for(spec_from(replace(kSpec, "state_dtype: fp32", "state_dtype: bf16")),
                                      kda::Backend::kCpu);
-  CHECK(bf16.find("layer0.state")->bytes == 4u * 2 * 32 * 32 * 2);
+  CHECK(bf16.find("layer1.state")->bytes == 4u * 2 * 32 * 32 * 2);
 }
 
 TEST_CASE("plan: reuse shares workspaces between layers and is smaller than sum") {
@@ -535,7 +535,8 @@ TEST_CASE("an out that overlaps an input only in a later run of slots is refused
   in.q = buffer.data();
   const std::vector<std::uint16_t> before = buffer;
   CHECK_THROWS_WITH_AS(engine.prefill(0, in, buffer.data() + 50 * 64, slots, cu),
-                       doctest::Contains("out overlaps q"), kda::Error);
+                       doctest::Contains("layer 1 (KDA index 0) prefill: out overlaps q"),
+                       kda::Error);
   CHECK(buffer == before);
   for (float x : slot_state(engine, 0, s0)) {
     if (x != 0.0f) {
@@ -612,6 +613,9 @@ TEST_CASE("KdaLayer refuses parameters outside the operator's contract, however 
   auto bad = good;
   bad.A_log[1] = -kda::kMaxAbsALog - 1.0f;
   CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[1] = -21"), kda::Error);
+  // Messages name the model layer 1-based, as the YAML does, and the KDA index.
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 2, 3, bad),
+                       doctest::Contains("layer 4 (KDA index 2): A_log[1]"), kda::Error);
   bad = good;
   bad.A_log[0] = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[0]"), kda::Error);

@@ -1,6 +1,7 @@
-// kda-run, the binary: usage errors, --plan-only --json, a small synthetic run with decode steps,
-// --case round trips against the fp64 recurrence, and bad case files (message, non-zero exit, no
-// output written).
+// kda-run, the binary: usage errors, --version, --plan-only (summary, --plan table, --json), one
+// layer numbering, a small synthetic run with decode steps, --case round trips against the fp64
+// recurrence, bad case files and bad paths (message naming the file, non-zero exit, nothing
+// written).
 #include <doctest/doctest.h>
 #include <sys/wait.h>
 
@@ -9,15 +10,18 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "kda/engine/error.hpp"
+#include "kda/engine/model_spec.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda_reference.hpp"
 #include "temp_dir.hpp"
@@ -45,8 +49,10 @@ std::string read_text(const std::string& path) {
 std::string quote(const std::string& arg) {
   std::string quoted = "'";
   for (const char c : arg) {
-    if (c == '\'') quoted += "'\\''";
-    else quoted += c;
+    if (c == '\'')
+      quoted += "'\\''";
+    else
+      quoted += c;
   }
   return quoted + "'";
 }
@@ -110,7 +116,8 @@ struct CaseFile {
 // The case-file form of a reference case.
 CaseFile to_case_file(const kda::test::KdaCase& c) {
   const kda::Problem& p = c.problem;
-  const std::int64_t B = p.batch, T = p.seq_len, H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  const std::int64_t B = p.batch, T = p.seq_len, H = p.num_heads, K = p.head_dim_k,
+                     V = p.head_dim_v;
   const std::int64_t N = p.sequences();
   CaseFile f;
   auto add = [&f](Tensor t) { f.tensors.emplace(t.name, std::move(t)); };
@@ -226,7 +233,9 @@ void check_rejected(const CaseFile* file, const std::string* raw, const std::str
     CHECK(files == (existing ? 2u : 1u));  // the input (and the kept output); no temporaries
   }
 }
-void check_rejected(const CaseFile& file, const std::string& part) { check_rejected(&file, nullptr, part); }
+void check_rejected(const CaseFile& file, const std::string& part) {
+  check_rejected(&file, nullptr, part);
+}
 void check_rejected_bytes(const std::string& raw, const std::string& part) {
   check_rejected(nullptr, &raw, part);
 }
@@ -240,10 +249,16 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   CHECK(r.out.find("--decode-steps") != std::string::npos);
 
   for (const std::vector<std::string>& args :
-       {std::vector<std::string>{}, {"--frobnicate"}, {"--model"}, {"--model", "m.yaml", "--json"},
-        {"--model", "m.yaml", "--tokens", "abc"}, {"--model", "m.yaml", "--tokens", "0"},
-        {"--model", "m.yaml", "--backend", "tpu"}, {"--case", "in.safetensors"},
-        {"--case", "a", "--output", "b", "--model", "m.yaml"}, {"--output", "b"},
+       {std::vector<std::string>{},
+        {"--frobnicate"},
+        {"--model"},
+        {"--model", "m.yaml", "--json"},
+        {"--model", "m.yaml", "--tokens", "abc"},
+        {"--model", "m.yaml", "--tokens", "0"},
+        {"--model", "m.yaml", "--backend", "tpu"},
+        {"--case", "in.safetensors"},
+        {"--case", "a", "--output", "b", "--model", "m.yaml"},
+        {"--output", "b"},
         {"--model", "m.yaml", "--plan-only", "--decode-steps", "3"}}) {
     std::string joined;
     for (const auto& a : args) joined += a + " ";
@@ -296,7 +311,8 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
       }
       CHECK(kinds.count(buffer["kind"].get<std::string>()) == 1);
       CHECK(buffer["offset"].get<std::uint64_t>() % 256 == 0);
-      end = std::max(end, buffer["offset"].get<std::uint64_t>() + buffer["bytes"].get<std::uint64_t>());
+      end = std::max(end,
+                     buffer["offset"].get<std::uint64_t>() + buffer["bytes"].get<std::uint64_t>());
       if (buffer["kind"] == "state") {
         ++states;
         state_layers.insert(buffer["layer"].get<int>());
@@ -306,11 +322,127 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
     CHECK(states == static_cast<int>(state_layers.size()));
     CHECK(states == (std::string(model) == "tiny.yaml" ? 3 : 20));
   }
-  // The plain-text plan is a table with a totals line.
-  const Result table = kda_run({"--model", kModels + "tiny.yaml", "--plan-only"});
-  CHECK(table.rc == 0);
-  CHECK(table.out.find("layer0.state") != std::string::npos);
-  CHECK(table.out.find("total:") != std::string::npos);
+}
+
+TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan") {
+  const Result json = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json"});
+  REQUIRE(json.rc == 0);
+  const auto total = nlohmann::json::parse(json.out)["total_bytes"].get<std::uint64_t>();
+
+  const Result summary = kda_run({"--model", kModels + "tiny.yaml", "--plan-only"});
+  INFO("summary:\n" << summary.out);
+  REQUIRE(summary.rc == 0);
+  // The arena in bytes is the JSON's total; one line per kind; both plan modes; no buffer rows.
+  CHECK(summary.out.find("arena: 10.1 MiB (" + std::to_string(total) + " bytes)") !=
+        std::string::npos);
+  for (const char* kind : {"parameter", "state", "workspace", "scratch"}) {
+    CAPTURE(kind);
+    CHECK(std::regex_search(summary.out,
+                            std::regex(std::string("\n  ") + kind + " +[0-9]+ buffers")));
+  }
+  CHECK(summary.out.find("plan sum: ") != std::string::npos);
+  CHECK(summary.out.find("plan reuse: 10.1 MiB") != std::string::npos);  // tiny.yaml plans reuse
+  CHECK(summary.out.find("--plan prints every buffer") != std::string::npos);
+  CHECK(summary.out.find("layer1.state") == std::string::npos);
+  CHECK(std::count(summary.out.begin(), summary.out.end(), '\n') <= 10);
+
+  const Result table = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan"});
+  INFO("table:\n" << table.out);
+  REQUIRE(table.rc == 0);
+  CHECK(table.out.find("layer1.state") != std::string::npos);
+  CHECK(table.out.find("synthetic.q") != std::string::npos);
+  CHECK(table.out.find("total: " + std::to_string(total) + " bytes") != std::string::npos);
+  CHECK(table.out.find("plan sum: ") == std::string::npos);
+
+  // A run prints the summary too, the table with --plan.
+  Result run = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "16", "--backend", "cpu"});
+  REQUIRE(run.rc == 0);
+  CHECK(run.out.find("arena: ") != std::string::npos);
+  CHECK(run.out.find("layer1.state") == std::string::npos);
+  run = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "16", "--backend", "cpu", "--plan"});
+  REQUIRE(run.rc == 0);
+  CHECK(run.out.find("layer1.state") != std::string::npos);
+  // --plan belongs to model runs only.
+  CHECK(kda_run({"--case", "a", "--output", "b", "--plan"}).rc == 2);
+}
+
+TEST_CASE("kda-run: layers are numbered as the YAML's kda_layers, with the KDA index labelled") {
+  // Kimi: kda_layers skip 4, 8, ...; so model layer 5 is KDA index 3.
+  const std::string model = kModels + "kimi-linear-48b-a3b.yaml";
+  const kda::engine::ModelSpec spec = kda::engine::load_model_spec(model);
+  REQUIRE(spec.kda_layers.size() > 3);
+  REQUIRE(spec.kda_layers[3] == 5);
+
+  const Result table = kda_run({"--model", model, "--plan-only", "--plan"});
+  INFO("table:\n" << table.out);
+  REQUIRE(table.rc == 0);
+  CHECK(table.out.find("layer0.") == std::string::npos);  // no 0-based model layers
+  CHECK(table.out.find("layer4.") == std::string::npos);  // 4 is a full-attention layer
+  CHECK(std::regex_search(table.out, std::regex("\nlayer5\\.state +state +5 \\(KDA index 3\\) ")));
+  CHECK(std::regex_search(table.out, std::regex("\nlayer5\\.workspace .* KDA index 3\n")));
+
+  // --json: "layer" is the same model layer, one state per KDA layer.
+  const Result json = kda_run({"--model", model, "--plan-only", "--json"});
+  REQUIRE(json.rc == 0);
+  const nlohmann::json plan = nlohmann::json::parse(json.out);
+  std::vector<int> state_layers;
+  for (const auto& buffer : plan["buffers"]) {
+    if (buffer["kind"] == "state") state_layers.push_back(buffer["layer"].get<int>());
+  }
+  CHECK(state_layers == spec.kda_layers);
+
+  // The timing table of a run: model layer, then KDA index.
+  TempDir dir;
+  const std::string yaml = dir.file("gap.yaml");
+  std::ofstream(yaml) << "hidden_size: 64\nnum_hidden_layers: 3\nlinear_attn_config:\n"
+                         "  num_heads: 1\n  head_dim: 16\n  kda_layers: [1, 3]\n"
+                         "  full_attn_layers: [2]\n  gate: softplus\nruntime:\n  max_tokens: 8\n";
+  const Result run = kda_run({"--model", yaml, "--tokens", "8", "--backend", "cpu"});
+  INFO("run:\n" << run.out << run.err);
+  REQUIRE(run.rc == 0);
+  CHECK(run.out.find("   layer  KDA index") != std::string::npos);
+  CHECK(std::regex_search(run.out, std::regex("\n +1 +0 +[0-9.]+ +[0-9]+\n +3 +1 +[0-9.]+")));
+}
+
+TEST_CASE("kda-run --version: the version and the backends of this build") {
+  const Result r = kda_run({"--version"});
+  REQUIRE(r.rc == 0);
+  CHECK(std::regex_search(r.out, std::regex("^kda-run [0-9]+\\.[0-9]+\\.[0-9]+\n")));
+  CHECK(r.out.find(kda::cuda_compiled() ? "backends: cpu, cuda\n" : "backends: cpu\n") !=
+        std::string::npos);
+  CHECK(r.err.empty());
+  CHECK(kda_run({"--version=1"}).rc == 2);
+}
+
+TEST_CASE("kda-run --model: a directory, and a missing weights file, are named") {
+  TempDir dir;
+  Result r = kda_run({"--model", dir.path.string(), "--plan-only"});
+  CHECK(r.rc == 1);
+  CHECK(r.err == "kda-run: error: " + dir.path.string() +
+                     ": is a directory, expected a YAML/JSON model description\n");
+
+  // weights: resolved against the YAML's directory; reported by --plan-only (which reads no
+  // weights), --json and a run alike, naming the model file, the key and the resolved path.
+  const std::string yaml = dir.file("m.yaml");
+  std::ofstream(yaml) << read_text(kModels + "tiny.yaml") << "weights: sub/w.safetensors\n";
+  const std::string resolved = (fs::path(dir.path) / "sub" / "w.safetensors").string();
+  for (const std::vector<std::string>& extra : {std::vector<std::string>{"--plan-only"},
+                                                {"--plan-only", "--json"},
+                                                {"--tokens", "16", "--backend", "cpu"}}) {
+    std::vector<std::string> args = {"--model", yaml};
+    args.insert(args.end(), extra.begin(), extra.end());
+    CAPTURE(extra.front());
+    r = kda_run(args);
+    CHECK(r.rc == 1);
+    CHECK(r.out.empty());
+    CHECK(r.err.find("kda-run: error: " + yaml + ": weights: '" + resolved + "' does not exist") ==
+          0);
+  }
+  // A directory where the weights file should be.
+  fs::create_directories(resolved);
+  r = kda_run({"--model", yaml, "--plan-only"});
+  CHECK(r.rc == 1);
+  CHECK(r.err.find(resolved + "' is a directory") != std::string::npos);
 }
 
 TEST_CASE("kda-run: a small synthetic run with decode steps reports times and tokens/s") {
@@ -339,7 +471,8 @@ TEST_CASE("kda-run --case: varlen / softplus / fp32 initial and final state") {
   check_round_trip(kda::test::make_case(o));
 }
 
-TEST_CASE("kda-run --case: fixed length / lower_bound gate / bf16 state by default / custom scale") {
+TEST_CASE(
+    "kda-run --case: fixed length / lower_bound gate / bf16 state by default / custom scale") {
   kda::test::CaseOptions o;
   o.heads = 3;
   o.head_dim_k = 16;
@@ -432,4 +565,45 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
   bad.tensors.at("initial_state").shape = {3, 2, 8, 8};
   bad.tensors.at("initial_state").data.resize(3 * 2 * 8 * 8 * 4);
   check_rejected(bad, "initial_state");
+
+  // What only the operator checks (parameter values) still names the case file.
+  bad = good;
+  bad.tensors.at("A_log").data_as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
+  check_rejected(bad, "in.safetensors: CPU forward: A_log[0] is not finite");
+}
+
+TEST_CASE("kda-run --case: an --output that is the case file is refused, the file kept") {
+  TempDir dir;
+  const std::string in = dir.file("in.safetensors");
+  to_case_file(small_case()).save(in);
+  const std::string original = read_text(in);
+  fs::create_directories(dir.file("sub"));
+  fs::create_symlink(in, dir.file("link.safetensors"));
+  fs::create_hard_link(in, dir.file("hard.safetensors"));
+  fs::create_directory_symlink(dir.path, dir.file("dirlink"));
+  const std::vector<std::string> same_file = {
+      in,                                       // the same path
+      dir.file("sub") + "/../in.safetensors",   // spelled differently
+      dir.file("link.safetensors"),             // a symlink to it
+      dir.file("hard.safetensors"),             // a hard link to it
+      dir.file("dirlink") + "/in.safetensors",  // through a symlinked directory
+  };
+  for (const std::string& out : same_file) {
+    CAPTURE(out);
+    const Result r = kda_run({"--case", in, "--output", out, "--backend", "cpu"});
+    CHECK(r.rc == 1);
+    CHECK(r.err == "kda-run: error: " + out + ": is the case file '" + in +
+                       "' itself (same file); refusing to overwrite the input, nothing written\n");
+    CHECK(read_text(in) == original);
+    CHECK(fs::is_symlink(dir.file("link.safetensors")));
+    CHECK(fs::hard_link_count(in) == 2);
+  }
+  CHECK(dir.entries() == 5u);  // in, sub, link, hard, dirlink: no temporaries, no outputs
+
+  // The case file given through the link, written next to it: runs.
+  const Result r = kda_run({"--case", dir.file("link.safetensors"), "--output",
+                            dir.file("sub/out.safetensors"), "--backend", "cpu"});
+  CHECK(r.rc == 0);
+  CHECK(fs::exists(dir.file("sub/out.safetensors")));
+  CHECK(read_text(in) == original);
 }

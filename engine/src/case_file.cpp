@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <memory>
 #include <sstream>
 
@@ -20,8 +21,8 @@ namespace {
 }
 
 // Every tensor the contract names; anything else in the file is ignored.
-const char* const kInputNames[] = {"q", "k", "v", "g", "beta", "A_log", "dt_bias",
-                                   "initial_state", "cu_seqlens"};
+const char* const kInputNames[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"};
 
 // Strict number parsing: the whole string, no trailing garbage.
 bool parse_number(const std::string& text, double* value) {
@@ -47,14 +48,16 @@ const Tensor& require(const std::map<std::string, Tensor>& tensors, const std::s
   return it->second;
 }
 
-void expect_dtype(const Tensor& t, std::initializer_list<DType> allowed, const std::string& source) {
+void expect_dtype(const Tensor& t, std::initializer_list<DType> allowed,
+                  const std::string& source) {
   for (const DType d : allowed) {
     if (t.dtype == d) return;
   }
   std::string names;
-  for (const DType d : allowed) names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
-  fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) + ", expected " +
-                   names);
+  for (const DType d : allowed)
+    names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
+  fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) +
+                   ", expected " + names);
 }
 
 void expect_shape(const Tensor& t, const std::vector<std::int64_t>& shape, const std::string& what,
@@ -94,10 +97,12 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ", expected [B, T, H, K]");
   }
   const std::int64_t B = q.shape[0], T = q.shape[1], H = q.shape[2], K = q.shape[3];
-  if (H < 1 || K < 1) fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ": H and K must be >= 1");
+  if (H < 1 || K < 1)
+    fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) + ": H and K must be >= 1");
   expect_shape(k, q.shape, "same as q: [B, T, H, K]", source);
   expect_shape(g, q.shape, "same as q: [B, T, H, K]", source);
-  if (v.shape.size() != 4 || v.shape[0] != B || v.shape[1] != T || v.shape[2] != H || v.shape[3] < 1) {
+  if (v.shape.size() != 4 || v.shape[0] != B || v.shape[1] != T || v.shape[2] != H ||
+      v.shape[3] < 1) {
     fail(source, "tensor 'v' has shape " + shape_to_string(v.shape) + ", expected [" +
                      std::to_string(B) + ", " + std::to_string(T) + ", " + std::to_string(H) +
                      ", V] with V >= 1");
@@ -122,10 +127,12 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       fail(source, "tensor 'cu_seqlens' has shape " + shape_to_string(cu.shape) +
                        ", expected [N + 1] with N >= 1");
     }
-    if (B != 1) fail(source, "cu_seqlens is given, so B must be 1, but q has B = " + std::to_string(B));
+    if (B != 1)
+      fail(source, "cu_seqlens is given, so B must be 1, but q has B = " + std::to_string(B));
     N = cu.shape[0] - 1;
     auto at = [&cu](std::int64_t i) -> std::int64_t {
-      return cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i] : cu.data_as<std::int32_t>()[i];
+      return cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i]
+                                     : cu.data_as<std::int32_t>()[i];
     };
     if (at(0) != 0) fail(source, "cu_seqlens[0] is " + std::to_string(at(0)) + ", expected 0");
     for (std::int64_t i = 1; i <= N; ++i) {
@@ -135,7 +142,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       }
     }
     if (at(N) != T) {
-      fail(source, "cu_seqlens ends at " + std::to_string(at(N)) + ", expected T = " + std::to_string(T));
+      fail(source,
+           "cu_seqlens ends at " + std::to_string(at(N)) + ", expected T = " + std::to_string(T));
     }
     p.num_seqs = N;
     p.cu_seqlens_dtype = cu.dtype;
@@ -152,7 +160,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
 
   // Metadata.
   const auto gate_it = metadata.find("gate");
-  if (gate_it == metadata.end()) fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
+  if (gate_it == metadata.end())
+    fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
   if (gate_it->second == "lower_bound") {
     p.gate = GateMode::kLowerBound;
   } else if (gate_it->second == "softplus") {
@@ -170,8 +179,8 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
       fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
     }
     if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
-      fail(source, "metadata 'lower_bound' is " + number_text(bound) +
-                       ", outside [-5, 0) or not finite");
+      fail(source,
+           "metadata 'lower_bound' is " + number_text(bound) + ", outside [-5, 0) or not finite");
     }
     p.lower_bound = static_cast<float>(bound);
   }
@@ -186,10 +195,14 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     p.scale = static_cast<float>(scale);
   }
   if (const auto it = metadata.find("final_state"); it != metadata.end()) {
-    if (it->second == "f32") final_dtype = DType::kF32;
-    else if (it->second == "bf16") final_dtype = DType::kBF16;
-    else if (it->second == "none") final_dtype = DType::kNone;
-    else fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
+    if (it->second == "f32")
+      final_dtype = DType::kF32;
+    else if (it->second == "bf16")
+      final_dtype = DType::kBF16;
+    else if (it->second == "none")
+      final_dtype = DType::kNone;
+    else
+      fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
   }
   p.final_state_dtype = final_dtype;
 
@@ -197,6 +210,7 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   if (!st.ok()) throw Error(st, source);
 
   KdaCase result;
+  result.source = source;
   result.problem = p;
   for (const char* name : kInputNames) {
     auto it = tensors.find(name);
@@ -216,6 +230,12 @@ KdaCase load_case(const std::string& path) {
 
 std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Backend* used) {
   const Problem& p = kda_case.problem;
+  // Every failure names the case it came from: the operator's own messages ("A_log[0] is not
+  // finite") do not know the file.
+  const std::string where = kda_case.source.empty() ? std::string() : kda_case.source + ": ";
+  auto check = [&where](const Status& st, const std::string& what) {
+    if (!st.ok()) throw Error(st, where + what);
+  };
   Backend backend = Backend::kCpu;
   if (choice == BackendChoice::kCuda) {
     backend = Backend::kCuda;
@@ -223,11 +243,9 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
              can_implement(p, Backend::kCuda).ok()) {
     backend = Backend::kCuda;
   }
-  if (const Status st = can_implement(p, backend); !st.ok()) {
-    throw Error(st, std::string("backend ") + to_string(backend));
-  }
+  check(can_implement(p, backend), std::string("backend ") + to_string(backend));
   std::size_t workspace_bytes = 0;
-  throw_if_error(workspace_size(p, backend, &workspace_bytes), "workspace size");
+  check(workspace_size(p, backend, &workspace_bytes), "workspace size");
 
   Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, p.num_heads, p.head_dim_v});
   Tensor final_state;
@@ -251,7 +269,8 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     if (workspace_bytes > 0) {
       const std::size_t rounded = (workspace_bytes + 255) / 256 * 256;
       workspace.reset(std::aligned_alloc(256, rounded));
-      if (!workspace) throw Error(StatusCode::kInternal, "cannot allocate the CPU workspace");
+      if (!workspace)
+        throw Error(StatusCode::kInternal, where + "cannot allocate the CPU workspace");
     }
     t.q = host_ptr(input("q"));
     t.k = host_ptr(input("k"));
@@ -267,19 +286,19 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     t.final_state = has_final ? (final_state.data.empty() ? static_cast<void*>(g_empty)
                                                           : final_state.data.data())
                               : nullptr;
-    throw_if_error(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
+    check(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
   } else {
     std::vector<std::unique_ptr<void, DeviceDeleter>> allocations;
-    auto device_buffer = [&allocations](std::size_t bytes) -> void* {
+    auto device_buffer = [&allocations, &check](std::size_t bytes) -> void* {
       void* ptr = nullptr;
-      throw_if_error(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
+      check(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
       allocations.emplace_back(ptr);
       return ptr;
     };
     auto upload = [&](const Tensor* tensor) -> const void* {
       if (tensor == nullptr) return nullptr;
       void* ptr = device_buffer(tensor->data.size());
-      throw_if_error(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
+      check(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
       return ptr;
     };
     t.q = upload(input("q"));
@@ -295,13 +314,13 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     t.out = device_buffer(out.data.size());
     if (has_final) t.final_state = device_buffer(final_state.data.size());
     void* workspace = workspace_bytes > 0 ? device_buffer(workspace_bytes) : nullptr;
-    throw_if_error(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
-    throw_if_error(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
+    check(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
+    check(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
     if (has_final) {
-      throw_if_error(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
-                     "download final_state");
+      check(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
+            "download final_state");
     }
-    throw_if_error(stream_synchronize(nullptr), "CUDA forward");
+    check(stream_synchronize(nullptr), "CUDA forward");
   }
   if (used != nullptr) *used = backend;
   std::vector<Tensor> outputs;
@@ -310,8 +329,30 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
   return outputs;
 }
 
+void check_output_is_not_input(const std::string& input_path, const std::string& output_path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  bool same = false;
+  if (fs::exists(output_path, ec)) {
+    // Same device and inode (what equivalent() compares), through symlinks and hard links.
+    std::error_code equivalent_ec;
+    same = fs::equivalent(input_path, output_path, equivalent_ec);
+  } else {
+    // No file to compare by inode: compare where the two paths lead.
+    std::error_code in_ec, out_ec;
+    const fs::path in = fs::weakly_canonical(input_path, in_ec);
+    const fs::path out = fs::weakly_canonical(output_path, out_ec);
+    same = !in_ec && !out_ec && in == out;
+  }
+  if (same) {
+    fail(output_path, "is the case file '" + input_path +
+                          "' itself (same file); refusing to overwrite the input, nothing written");
+  }
+}
+
 void run_case_file(const std::string& input_path, const std::string& output_path,
                    BackendChoice backend, Backend* used) {
+  check_output_is_not_input(input_path, output_path);
   const KdaCase kda_case = load_case(input_path);
   Backend ran = Backend::kCpu;
   const std::vector<Tensor> outputs = run_case(kda_case, backend, &ran);

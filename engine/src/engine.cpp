@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <limits>
+#include <system_error>
 
 #include "kda/bf16.hpp"
 #include "kda/engine/error.hpp"
@@ -65,6 +67,7 @@ std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, s
   layers.reserve(spec.kda_layer_indices.size());
   std::unique_ptr<SafetensorsFile> weights;
   if (with_parameters && !spec.weights.empty()) {
+    check_weights_file(spec);
     weights = std::make_unique<SafetensorsFile>(SafetensorsFile::open(spec.weights));
   }
   for (std::size_t i = 0; i < spec.kda_layer_indices.size(); ++i) {
@@ -184,6 +187,24 @@ void Engine::ArenaDeleter::operator()(std::uint8_t* ptr) const noexcept {
   }
 }
 
+void check_weights_file(const ModelSpec& spec) {
+  if (spec.weights.empty()) return;
+  std::error_code ec;
+  const auto status = std::filesystem::status(spec.weights, ec);
+  std::string problem;
+  if (status.type() == std::filesystem::file_type::not_found) {
+    problem = "does not exist";
+  } else if (ec) {
+    problem = "cannot be read (" + ec.message() + ")";
+  } else if (status.type() == std::filesystem::file_type::directory) {
+    problem = "is a directory, expected a safetensors file";
+  } else {
+    return;
+  }
+  fail(spec.source + ": weights: '" + spec.weights + "' " + problem +
+       " (a relative path is resolved against the YAML's directory)");
+}
+
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend,
                                      std::int64_t synthetic_tokens) {
   const std::vector<KdaLayer> layers = make_layers(spec, false, 0);
@@ -294,7 +315,8 @@ const KdaLayer& Engine::layer(int kda_layer) const {
 void Engine::check_layer(int kda_layer) const {
   if (kda_layer < 0 || kda_layer >= num_layers()) {
     fail("KDA layer " + std::to_string(kda_layer) + " is out of range [0, " +
-         std::to_string(num_layers()) + ")");
+         std::to_string(num_layers()) +
+         "): the argument is the KDA index (0-based position in kda_layers), not the model layer");
   }
 }
 
@@ -334,8 +356,8 @@ void Engine::check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffer
     const CallerBuffer& in = buffers[i];
     if (in.ptr == nullptr || in.bytes == 0) continue;
     if (begin(out.ptr) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out.ptr) + out.bytes) {
-      throw Error(StatusCode::kInvalidArgument, layer.nvtx_name() + " prefill: out overlaps " + in.name +
-                                                    " (outputs must not alias inputs)");
+      throw Error(StatusCode::kInvalidArgument, layer.label() + " prefill: out overlaps " +
+                                                    in.name + " (outputs must not alias inputs)");
     }
   }
 }
@@ -343,13 +365,13 @@ void Engine::check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffer
 void Engine::check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const {
   for (const CallerBuffer& b : buffers) {
     const Status st = check_device_pointer(b.ptr, static_cast<std::size_t>(b.bytes), b.name);
-    if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
+    if (!st.ok()) throw Error(st, layer.label() + " " + what);
   }
   // The operator runs with its pointer checks off, so its own check of the arena's buffers (states,
   // parameters, workspace) is gone too: one query here still catches a call made while another
   // device is current.
   const Status st = check_device_pointer(device_status_, sizeof(std::uint32_t), "the engine's arena");
-  if (!st.ok()) throw Error(st, layer.nvtx_name() + " " + what);
+  if (!st.ok()) throw Error(st, layer.label() + " " + what);
 }
 
 void Engine::check_device_status() {

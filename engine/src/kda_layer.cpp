@@ -58,8 +58,8 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   for (const std::string& name : {a_name, dt_name}) {
     if (file.find(name) == nullptr) {
       throw Error(StatusCode::kInvalidArgument,
-                  file.path() + ": no tensor '" + name + "' (parameters of KDA layer " +
-                      std::to_string(layer_index + 1) + " in 1-based YAML numbering)");
+                  file.path() + ": no tensor '" + name + "' (parameters of layer " +
+                      std::to_string(layer_index + 1) + ", numbered as in the YAML's kda_layers)");
     }
   }
   const Tensor a_log = file.read(a_name);
@@ -125,11 +125,16 @@ KdaLayer::KdaLayer(const ModelSpec& spec, int ordinal, int layer_index, KdaParam
       gate_(spec.gate),
       lower_bound_(spec.gate_lower_bound),
       parameters_(std::move(parameters)) {
-  const std::string prefix = "layer" + std::to_string(layer_index);
+  // Users see the model layer 1-based, as the YAML's kda_layers lists it (the checkpoint's
+  // model.layers.{i} is 0-based), plus the position among the KDA layers that Engine::prefill /
+  // decode take: "layer 4 (KDA index 2)". Buffer and NVTX names use the same model layer number.
+  const std::string model_layer = std::to_string(layer_index + 1);
+  label_ = "layer " + model_layer + " (KDA index " + std::to_string(ordinal) + ")";
+  const std::string prefix = "layer" + model_layer;
   if (parameters_.A_log.size() != static_cast<std::size_t>(num_heads_) ||
       parameters_.dt_bias.size() != static_cast<std::size_t>(num_heads_ * head_dim_)) {
     throw Error(StatusCode::kInvalidArgument,
-                prefix + ": parameters have " + std::to_string(parameters_.A_log.size()) +
+                label_ + ": parameters have " + std::to_string(parameters_.A_log.size()) +
                     " A_log and " + std::to_string(parameters_.dt_bias.size()) +
                     " dt_bias values, expected " + std::to_string(num_heads_) + " and " +
                     std::to_string(num_heads_ * head_dim_));
@@ -141,20 +146,21 @@ KdaLayer::KdaLayer(const ModelSpec& spec, int ordinal, int layer_index, KdaParam
     const float a = parameters_.A_log[h];
     if (!std::isfinite(a) || std::fabs(a) > kMaxAbsALog) {
       throw Error(StatusCode::kInvalidArgument,
-                  prefix + ": A_log[" + std::to_string(h) + "] = " + std::to_string(a) +
-                      " is not finite or outside [-" + std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                  label_ + ": A_log[" + std::to_string(h) + "] = " + std::to_string(a) +
+                      " is not finite or outside [-" +
+                      std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
                       std::to_string(static_cast<int>(kMaxAbsALog)) + "] (parameters from " +
                       parameters_.origin + ")");
     }
   }
   for (std::size_t i = 0; i < parameters_.dt_bias.size(); ++i) {
     if (!std::isfinite(parameters_.dt_bias[i])) {
-      throw Error(StatusCode::kInvalidArgument, prefix + ": dt_bias[" + std::to_string(i) +
+      throw Error(StatusCode::kInvalidArgument, label_ + ": dt_bias[" + std::to_string(i) +
                                                     "] is not finite (parameters from " +
                                                     parameters_.origin + ")");
     }
   }
-  nvtx_name_ = "kda.layer" + std::to_string(layer_index);
+  nvtx_name_ = "kda.layer" + model_layer;
   a_log_name_ = prefix + ".A_log";
   dt_bias_name_ = prefix + ".dt_bias";
   state_name_ = prefix + ".state";
@@ -196,7 +202,7 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
   const auto H = static_cast<std::uint64_t>(num_heads_);
   const auto K = static_cast<std::uint64_t>(head_dim_);
   planner::BufferRequest request;
-  request.layer = layer_index_;
+  request.layer = layer_index_ + 1;  // the model layer, 1-based as in the YAML
   request.persistent = true;
 
   request.name = a_log_name_;
@@ -217,10 +223,10 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
   // One workspace serves the layer's prefill and its decode (never at the same time): the larger.
   std::size_t workspace = 0, decode_workspace = 0;
   Status st = workspace_size(prefill_problem(max_tokens_, max_sequences_), backend, &workspace);
-  if (!st.ok()) throw Error(st, nvtx_name_ + ": workspace size on " + to_string(backend));
+  if (!st.ok()) throw Error(st, label_ + ": workspace size on " + to_string(backend));
   // 16: the most tokens a decode step takes.
   st = decode_workspace_size(decode_problem(max_sequences_, 16), backend, &decode_workspace);
-  if (!st.ok()) throw Error(st, nvtx_name_ + ": decode workspace size on " + to_string(backend));
+  if (!st.ok()) throw Error(st, label_ + ": decode workspace size on " + to_string(backend));
   workspace = std::max(workspace, decode_workspace);
   if (workspace > 0) {
     request.name = workspace_name_;
@@ -248,7 +254,7 @@ void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Backen
   workspace_bytes_ = 0;
   workspace_ = locate(workspace_name_, &workspace_bytes_);
   if (A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr) {
-    throw Error(StatusCode::kInternal, nvtx_name_ + ": buffers missing from the memory plan");
+    throw Error(StatusCode::kInternal, label_ + ": buffers missing from the memory plan");
   }
   const std::size_t a_bytes = parameters_.A_log.size() * sizeof(float);
   const std::size_t dt_bytes = parameters_.dt_bias.size() * sizeof(float);
@@ -276,7 +282,7 @@ void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void*
     KDA_NVTX_RANGE("prefill.forward_cpu");
     st = forward_cpu(p, t, ws, cpu);
   }
-  if (!st.ok()) throw Error(st, nvtx_name_ + " prefill");
+  if (!st.ok()) throw Error(st, label_ + " prefill");
 }
 
 void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream,
@@ -292,7 +298,7 @@ void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions&
     KDA_NVTX_RANGE("decode.step_cpu");
     st = decode_cpu(p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cpu);
   }
-  if (!st.ok()) throw Error(st, nvtx_name_ + " decode");
+  if (!st.ok()) throw Error(st, label_ + " decode");
 }
 
 }  // namespace kda::engine

@@ -645,6 +645,11 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
 }
 
 ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& options) {
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": is a directory, expected a YAML/JSON model description");
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(StatusCode::kInvalidArgument, path + ": cannot open model description");
   std::ostringstream text;

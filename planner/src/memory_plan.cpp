@@ -262,8 +262,9 @@ void append_json_string(std::string* out, const std::string& text) {
   out->push_back('"');
 }
 
-std::string lifetime_text(const PlanEntry& entry) {
+std::string lifetime_text(const PlanEntry& entry, const TableFormat& format) {
   if (entry.persistent) return "persistent";
+  if (format.steps_text) return format.steps_text(entry.first_step, entry.last_step);
   return "[" + std::to_string(entry.first_step) + ", " + std::to_string(entry.last_step) + "]";
 }
 
@@ -330,18 +331,20 @@ const PlanEntry* MemoryPlan::find(const std::string& name) const noexcept {
   return nullptr;
 }
 
-std::string MemoryPlan::to_table() const {
+std::string MemoryPlan::to_table(const TableFormat& format) const {
   struct Row {
     std::string name, kind, layer, offset, bytes, lifetime;
   };
   std::vector<Row> rows;
-  rows.push_back({"name", "kind", "layer", "offset", "bytes", "lifetime"});
+  rows.push_back({"name", "kind", "layer", "offset", "bytes", format.lifetime_heading});
   for (const PlanEntry& entry : entries) {
     rows.push_back({entry.name, to_string(entry.kind),
-                    entry.layer < 0 ? std::string("-") : std::to_string(entry.layer),
+                    entry.layer < 0     ? std::string("-")
+                    : format.layer_text ? format.layer_text(entry.layer)
+                                        : std::to_string(entry.layer),
                     std::to_string(entry.offset),
                     std::to_string(entry.bytes) + " (" + format_bytes(entry.bytes) + ")",
-                    lifetime_text(entry)});
+                    lifetime_text(entry, format)});
   }
   std::size_t widths[6] = {0, 0, 0, 0, 0, 0};
   for (const Row& row : rows) {
@@ -355,10 +358,12 @@ std::string MemoryPlan::to_table() const {
   std::string out;
   for (const Row& row : rows) {
     // Names and words left-aligned, numbers right-aligned so digits line up.
+    // A custom layer text is words ("4 (KDA index 2)"): left-aligned too.
+    const std::string layer =
+        format.layer_text ? pad_right(row.layer, widths[2]) : pad_left(row.layer, widths[2]);
     std::string line = pad_right(row.name, widths[0]) + "  " + pad_right(row.kind, widths[1]) +
-                       "  " + pad_left(row.layer, widths[2]) + "  " +
-                       pad_left(row.offset, widths[3]) + "  " + pad_left(row.bytes, widths[4]) +
-                       "  " + row.lifetime;
+                       "  " + layer + "  " + pad_left(row.offset, widths[3]) + "  " +
+                       pad_left(row.bytes, widths[4]) + "  " + row.lifetime;
     out += line + "\n";
   }
   out += "mode: " + std::string(to_string(mode)) + "  alignment: " + std::to_string(alignment) +

@@ -88,6 +88,12 @@ struct RunOptions {
 // device is present and the CUDA backend can run the model's problems (K == V == 128), else CPU.
 Backend resolve_backend(const ModelSpec& spec, BackendChoice choice);
 
+// Throws kda::Error naming the model file, its `weights:` key and the resolved path when the spec
+// names a weights file that does not exist or is a directory; nothing when it names none. The
+// Engine constructor checks this; plan_for() reads no files, so callers that only plan (kda-run
+// --plan-only) call it themselves.
+void check_weights_file(const ModelSpec& spec);
+
 class Engine {
  public:
   // Loads parameters, plans, allocates the arena, copies parameters in and zeroes every state

@@ -77,8 +77,11 @@ class KdaLayer {
   const float* device_A_log() const noexcept { return A_log_; }
   const float* device_dt_bias() const noexcept { return dt_bias_; }
 
-  // "kda.layer{i}": the NVTX range the engine opens around everything this layer does.
+  // "kda.layer{n}", n the 1-based model layer: the NVTX range the engine opens around everything
+  // this layer does.
   const std::string& nvtx_name() const noexcept { return nvtx_name_; }
+  // "layer {n} (KDA index {ordinal})", n the 1-based model layer: how messages name the layer.
+  const std::string& label() const noexcept { return label_; }
 
   // One forward on the bound backend, in the NVTX phase range "prefill.forward_cpu|cuda". `t`
   // needs no parameters or workspace: the layer fills them in. Throws kda::Error.
@@ -98,7 +101,7 @@ class KdaLayer {
   GateMode gate_;
   float lower_bound_;
   KdaParameters parameters_;
-  std::string nvtx_name_, a_log_name_, dt_bias_name_, state_name_, workspace_name_;
+  std::string label_, nvtx_name_, a_log_name_, dt_bias_name_, state_name_, workspace_name_;
 
   Backend backend_ = Backend::kCpu;
   float* A_log_ = nullptr;

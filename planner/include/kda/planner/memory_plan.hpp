@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,7 @@ inline constexpr std::uint64_t kDefaultAlignment = 256;
 struct BufferRequest {
   std::string name;            // unique within a plan
   BufferKind kind = BufferKind::kScratch;
-  int layer = -1;              // owning layer index, -1 for none
+  int layer = -1;              // owning layer (the engine: model layer, 1-based), -1 for none
   std::uint64_t bytes = 0;     // must be > 0
   std::uint64_t alignment = 0; // 0: the plan's alignment; otherwise a power of two
   // Lifetime in execution steps (e.g. the index of the layer that runs). persistent = live always.
@@ -57,6 +58,14 @@ struct PlanEntry {
   int last_step = 0;
 };
 
+// How MemoryPlan::to_table() shows layers and lifetimes; unset members print the raw numbers
+// (the layer, "-" for none; "[first_step, last_step]"; "persistent").
+struct TableFormat {
+  std::function<std::string(int layer)> layer_text;  // called for layer >= 0 only
+  std::function<std::string(int first_step, int last_step)> steps_text;  // non-persistent only
+  std::string lifetime_heading = "lifetime";
+};
+
 struct MemoryPlan {
   PlanMode mode = PlanMode::kSum;
   std::uint64_t alignment = kDefaultAlignment;
@@ -66,7 +75,7 @@ struct MemoryPlan {
   // nullptr when absent.
   const PlanEntry* find(const std::string& name) const noexcept;
   // Human-readable table: one line per buffer (name, kind, layer, offset, bytes, lifetime), totals.
-  std::string to_table() const;
+  std::string to_table(const TableFormat& format = {}) const;
   // {"mode", "alignment", "total_bytes", "buffers": [{"name","kind","layer","offset","bytes",...}]}
   std::string to_json() const;
 };
