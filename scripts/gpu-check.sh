@@ -85,7 +85,7 @@ if [ "$what" = sanitize-all ]; then
     echo "| $tool | $bin | exit $r | $summary | $cases | $(( $(date +%s) - s0 )) s |"
   }
   export -f one; export t logs
-  bins="test_kda_cuda test_decode_cuda test_validation_cuda test_c_api_cuda test_engine_cuda"
+  bins="test_kda_cuda test_state_slots_cuda test_decode_cuda test_validation_cuda test_c_api_cuda test_engine_cuda"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"

@@ -476,7 +476,10 @@ __device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::i
 // One block per (segment slot, head, column block). Columns 0..127 are the V columns of S^T; in
 // the first pass a middle segment also carries columns 128..255, the rows of P^T, started from the
 // identity with U0 = 0 (v = 0 for them).
-template <int WARPS, RecurrencePass PASS>
+// SPLIT = false compiles the one-segment-per-sequence case without the segment logic (no
+// transitions, no identity columns, no owner search): its register count and speed stay those of
+// the plain recurrence.
+template <int WARPS, RecurrencePass PASS, bool SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const PrefillParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int VB = WARPS * 16;  // columns per block
@@ -494,20 +497,20 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   const int v_warp = v_block + warp * 16;   // first column of this warp
 
   const std::int64_t seg_tokens = C * p.seg_chunks;
-  const std::int64_t s = owner_of_slot(p.seqs, seg_slot, seg_tokens);
+  const std::int64_t s = SPLIT ? owner_of_slot(p.seqs, seg_slot, seg_tokens) : seg_slot;
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t nchunks = (eos - bos + C - 1) / C;
-  const std::int64_t j = seg_slot - (s + bos / seg_tokens);  // segment index in the sequence
-  const std::int64_t nseg = segments_of(nchunks, p.seg_chunks);
+  const std::int64_t j = SPLIT ? seg_slot - (s + bos / seg_tokens) : 0;  // segment in the sequence
+  const std::int64_t nseg = SPLIT ? segments_of(nchunks, p.seg_chunks) : 1;
   if (j < 0 || j >= nseg) return;  // a gap slot
   const bool last = j == nseg - 1;
   // What this block does: see RecurrencePass.
-  const bool transition = PASS == RecurrencePass::kFirst && j > 0;  // (H_j, P_j) of a middle segment
+  const bool transition = SPLIT && PASS == RecurrencePass::kFirst && j > 0;  // (H_j, P_j), middle
   if (PASS == RecurrencePass::kFirst && j > 0 && last) return;    // the last one runs in kSecond
   if (PASS == RecurrencePass::kSecond && j == 0) return;          // segment 0 ran in kFirst
   if (!transition && v_block >= D) return;                         // P columns: middle segments only
-  const bool identity_cols = v_warp >= D;                          // warp-uniform
+  const bool identity_cols = SPLIT && v_warp >= D;                 // warp-uniform
 
   // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
   const bool reporter = PASS == RecurrencePass::kFirst && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
@@ -688,8 +691,12 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   // workspace (segment 0 of a split sequence: S_1; a transition: H_j^T and P^T rows), fp32.
   float* seg_out = nullptr;
   int out_kind = 0;
+  // The slot is looked up again rather than kept live across the chunk loop (that cost the loop
+  // ~60 registers and 4-9 % of its speed).
+  const std::int64_t end_idx = state_index(p, s, false);
+  const std::int64_t end_base = (end_idx * H + h) * static_cast<std::int64_t>(D) * D;
   if (last) {
-    out_kind = state_idx >= 0 ? p.ht_kind : 0;
+    out_kind = end_idx >= 0 ? p.ht_kind : 0;
   } else if (PASS == RecurrencePass::kFirst) {
     seg_out = seg_block(p, seg_slot, h);
     out_kind = 3;
@@ -701,7 +708,7 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       for (int r = 0; r < 2; ++r) {
         const int row = v_warp + gq + 8 * r;
         const int col = 8 * n + 2 * tq;
-        const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
+        const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
         if (out_kind == 3) {
           *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) =
               make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
@@ -721,11 +728,11 @@ constexpr std::size_t recurrence_smem_bytes() {
   return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) + kStages * sizeof(std::uint64_t);
 }
 
-template <int WARPS, RecurrencePass PASS>
+template <int WARPS, RecurrencePass PASS, bool SPLIT>
 Status launch_recurrence(const PrefillParams& prm, std::int64_t seg_slots, int column_blocks,
                          cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS>();
-  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS>,
+  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS, SPLIT>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
@@ -734,7 +741,8 @@ Status launch_recurrence(const PrefillParams& prm, std::int64_t seg_slots, int c
   cfg.blockDim = dim3(WARPS * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS>, prm), "kda_recurrence_kernel");
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS, SPLIT>, prm),
+                     "kda_recurrence_kernel");
 }
 
 // The scan between the passes: for each (sequence, head, 4 rows of S^T), S_{j+1}^T = S_j^T P_j^T +
@@ -996,15 +1004,15 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
   auto run = [&](auto warps_tag) -> Status {
     constexpr int kWarps = decltype(warps_tag)::value;
     constexpr int kColumnBlocks = D / (kWarps * 16);
-    if (!plan.split) return launch_recurrence<kWarps, RecurrencePass::kFirst>(prm, N, kColumnBlocks, stream);
-    Status s1 = launch_recurrence<kWarps, RecurrencePass::kFirst>(prm, plan.seg_slots, 2 * kColumnBlocks, stream);
+    if (!plan.split) return launch_recurrence<kWarps, RecurrencePass::kFirst, false>(prm, N, kColumnBlocks, stream);
+    Status s1 = launch_recurrence<kWarps, RecurrencePass::kFirst, true>(prm, plan.seg_slots, 2 * kColumnBlocks, stream);
     if (!s1.ok()) return s1;
     {
       KDA_NVTX_RANGE("kda.prefill.segment_scan");
       s1 = launch_segment_scan(prm, N, stream);
       if (!s1.ok()) return s1;
     }
-    return launch_recurrence<kWarps, RecurrencePass::kSecond>(prm, plan.seg_slots, kColumnBlocks, stream);
+    return launch_recurrence<kWarps, RecurrencePass::kSecond, true>(prm, plan.seg_slots, kColumnBlocks, stream);
   };
   if (items >= sms) return run(std::integral_constant<int, 8>{});
   if (4 * items >= sms) return run(std::integral_constant<int, 4>{});
