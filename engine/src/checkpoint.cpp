@@ -43,7 +43,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
     if (fs::exists(dir / "model.safetensors.index.json", ec)) {
       index_path = (dir / "model.safetensors.index.json").string();
     } else if (fs::exists(dir / "model.safetensors", ec)) {
-      Checkpoint checkpoint = from_file(SafetensorsFile::open((dir / "model.safetensors").string()));
+      Checkpoint checkpoint =
+          from_file(SafetensorsFile::open((dir / "model.safetensors").string()));
       checkpoint.path_ = path;
       return checkpoint;
     } else {
@@ -57,7 +58,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (!in) fail(index_path, "cannot open the checkpoint index");
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json index = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json index =
+      nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
   if (index.is_discarded() || !index.is_object()) fail(index_path, "is not a JSON object");
   const auto map_it = index.find("weight_map");
   if (map_it == index.end() || !map_it->is_object()) {
@@ -77,8 +79,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
     if (added) checkpoint.files_.push_back(SafetensorsFile::open((dir / shard).string()));
     const SafetensorsFile& file = checkpoint.files_[position->second];
     if (file.find(it.key()) == nullptr) {
-      fail(index_path, "weight_map puts tensor '" + it.key() + "' in " + shard +
-                           ", which does not hold it");
+      fail(index_path,
+           "weight_map puts tensor '" + it.key() + "' in " + shard + ", which does not hold it");
     }
     checkpoint.weight_map_.emplace_back(it.key(), position->second);
   }
@@ -91,11 +93,9 @@ const TensorInfo* Checkpoint::find(const std::string& name, const SafetensorsFil
   if (weight_map_.empty()) {
     if (!files_.empty()) holder = &files_.front();
   } else {
-    auto it = std::lower_bound(
-        weight_map_.begin(), weight_map_.end(), name,
-        [](const std::pair<std::string, std::size_t>& entry, const std::string& key) {
-          return entry.first < key;
-        });
+    auto it = std::lower_bound(weight_map_.begin(), weight_map_.end(), name,
+                               [](const std::pair<std::string, std::size_t>& entry,
+                                  const std::string& key) { return entry.first < key; });
     if (it != weight_map_.end() && it->first == name) holder = &files_[it->second];
   }
   const TensorInfo* info = holder == nullptr ? nullptr : holder->find(name);

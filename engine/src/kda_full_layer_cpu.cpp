@@ -32,10 +32,11 @@ std::vector<float> widen(const std::vector<bf16_bits>& bits) {
 }
 
 // out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation.
-void project(const float* in, std::int64_t tokens, std::int64_t n_in, const std::vector<float>& weight,
-             std::int64_t n_out, float* out) {
+void project(const float* in, std::int64_t tokens, std::int64_t n_in,
+             const std::vector<float>& weight, std::int64_t n_out, float* out) {
   MatrixMap result(out, tokens, n_out);
-  result.noalias() = ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight.data(), n_out, n_in).transpose();
+  result.noalias() =
+      ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight.data(), n_out, n_in).transpose();
   for (std::int64_t i = 0; i < tokens * n_out; ++i) out[i] = round_bf16(out[i]);
 }
 
@@ -47,11 +48,11 @@ struct Layout {
   std::size_t pre = 0;      // f32 [T, Cl]: a projection before its conv; later the output gate, y
   std::size_t lowrank = 0;  // f32 [T, D]: x·W_faᵀ, then x·W_gaᵀ
   std::size_t q = 0, k = 0, v = 0, g = 0, o = 0;  // bf16 [T, Cl]: the KDA core's inputs, output
-  std::size_t beta = 0;     // bf16 [T, Hl]
-  std::size_t cu = 0;       // i64 [N + 1]: one run's cu_seqlens, rebased to its first token
-  std::size_t core = 0;     // the operator's workspace
+  std::size_t beta = 0;                           // bf16 [T, Hl]
+  std::size_t cu = 0;    // i64 [N + 1]: one run's cu_seqlens, rebased to its first token
+  std::size_t core = 0;  // the operator's workspace
   std::size_t core_bytes = 0;
-  std::size_t total = 0;    // including alignment slack for an unaligned workspace pointer
+  std::size_t total = 0;  // including alignment slack for an unaligned workspace pointer
 };
 
 constexpr std::size_t kAlignment = 64;
@@ -124,7 +125,8 @@ void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std
   for (std::int64_t t = 0; t < length; ++t) {
     for (std::int64_t c = 0; c < channels; ++c) {
       float acc = 0.0f;
-      for (std::int64_t j = 0; j < width; ++j) acc += weight[c * width + j] * input(c, t - history + j);
+      for (std::int64_t j = 0; j < width; ++j)
+        acc += weight[c * width + j] * input(c, t - history + j);
       out[t * channels + c] = float_to_bf16(acc * sigmoid(acc));
     }
   }
@@ -211,8 +213,9 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     if (h_begin < o_begin + bytes && o_begin < h_begin + bytes) invalid("out overlaps hidden");
   }
   if (N > 0) {
-    if (state.recurrent == nullptr || (W > 1 && (state.conv_q == nullptr || state.conv_k == nullptr ||
-                                                 state.conv_v == nullptr))) {
+    if (state.recurrent == nullptr ||
+        (W > 1 &&
+         (state.conv_q == nullptr || state.conv_k == nullptr || state.conv_v == nullptr))) {
       invalid("a state pool is null");
     }
     if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
@@ -246,7 +249,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   if (T == 0) return;  // nothing to compute; every state stays as it is
 
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(workspace.ptr);
-  auto* base = reinterpret_cast<unsigned char*>((address + kAlignment - 1) / kAlignment * kAlignment);
+  auto* base =
+      reinterpret_cast<unsigned char*>((address + kAlignment - 1) / kAlignment * kAlignment);
   auto* xf = reinterpret_cast<float*>(base + layout.hidden);
   auto* pre = reinterpret_cast<float*>(base + layout.pre);
   auto* lowrank = reinterpret_cast<float*>(base + layout.lowrank);
@@ -291,7 +295,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   project(xf, T, E, g_a_proj_, D, lowrank);
   {
     MatrixMap gate(pre, T, Cl);
-    gate.noalias() = ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_.data(), Cl, D).transpose();
+    gate.noalias() =
+        ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_.data(), Cl, D).transpose();
     if (!g_b_bias_.empty()) {
       gate.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_.data(), Cl);
     }
@@ -325,7 +330,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     t.A_log = A_log_.data();
     t.dt_bias = dt_bias_.data();
     t.cu_seqlens = run_cu;
-    t.initial_state = static_cast<unsigned char*>(state.recurrent) + slot_of(first) * state_row_bytes;
+    t.initial_state =
+        static_cast<unsigned char*>(state.recurrent) + slot_of(first) * state_row_bytes;
     t.final_state = const_cast<void*>(t.initial_state);  // in place
     t.out = o + token0 * Cl;
     throw_if_error(forward_cpu(p, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
@@ -345,7 +351,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     }
     const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(D) + c.norm_eps);
     for (std::int64_t d = 0; d < D; ++d) {
-      gate_row[d] = round_bf16(bf16_to_float(o_row[d]) * inv_rms * o_norm_[d] * sigmoid(gate_row[d]));
+      gate_row[d] =
+          round_bf16(bf16_to_float(o_row[d]) * inv_rms * o_norm_[d] * sigmoid(gate_row[d]));
     }
   }
   timer.lap(&FullLayerTimes::norm);

@@ -92,8 +92,8 @@ class LayerTensors {
     }
     for (std::size_t i = 0; i < values.size(); ++i) {
       if (!std::isfinite(values[i])) {
-        invalid(checkpoint_.path() + ": tensor '" + t.name + "' holds a non-finite value at element " +
-                std::to_string(i));
+        invalid(checkpoint_.path() + ": tensor '" + t.name +
+                "' holds a non-finite value at element " + std::to_string(i));
       }
     }
     return values;
@@ -120,13 +120,15 @@ std::vector<T> columns(const std::vector<T>& matrix, std::int64_t cols, std::int
   std::vector<T> out;
   out.reserve(to_size(n_rows * count));
   for (std::int64_t r = 0; r < n_rows; ++r) {
-    out.insert(out.end(), matrix.begin() + r * cols + begin, matrix.begin() + r * cols + begin + count);
+    out.insert(out.end(), matrix.begin() + r * cols + begin,
+               matrix.begin() + r * cols + begin + count);
   }
   return out;
 }
 
 template <typename T>
-Tensor make_tensor(const std::string& name, DType dtype, Shape shape, const std::vector<T>& values) {
+Tensor make_tensor(const std::string& name, DType dtype, Shape shape,
+                   const std::vector<T>& values) {
   Tensor t = Tensor::zeros(name, dtype, std::move(shape));
   std::memcpy(t.data.data(), values.data(), values.size() * sizeof(T));
   return t;
@@ -151,12 +153,12 @@ void validate(const FullLayerConfig& c) {
           "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)");
   require(std::isfinite(c.norm_eps) && c.norm_eps > 0.0f,
           "norm_eps " + std::to_string(c.norm_eps) + " is not finite and > 0");
-  require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0,
-          "tp_size " + std::to_string(c.tp_size) + " does not divide num_heads " +
-              std::to_string(c.num_heads));
-  require(c.tp_rank >= 0 && c.tp_rank < c.tp_size,
-          "tp_rank " + std::to_string(c.tp_rank) + " is not in [0, tp_size " +
-              std::to_string(c.tp_size) + ")");
+  require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0, "tp_size " + std::to_string(c.tp_size) +
+                                                              " does not divide num_heads " +
+                                                              std::to_string(c.num_heads));
+  require(c.tp_rank >= 0 && c.tp_rank < c.tp_size, "tp_rank " + std::to_string(c.tp_rank) +
+                                                       " is not in [0, tp_size " +
+                                                       std::to_string(c.tp_size) + ")");
 }
 
 void check_sizes(const FullLayerWeights& w) {
@@ -280,7 +282,8 @@ FullLayerWeights random_full_layer_weights(const FullLayerConfig& config, std::u
 
 FullLayerWeights shard_full_layer_weights(const FullLayerWeights& full, int tp_size, int tp_rank) {
   check_sizes(full);
-  if (full.config.tp_size != 1) invalid("shard_full_layer_weights: the weights are already a shard");
+  if (full.config.tp_size != 1)
+    invalid("shard_full_layer_weights: the weights are already a shard");
   FullLayerWeights shard;
   shard.config = full.config;
   shard.config.tp_size = tp_size;
@@ -307,12 +310,13 @@ FullLayerWeights shard_full_layer_weights(const FullLayerWeights& full, int tp_s
   shard.dt_bias = rows(full.dt_bias, 1, c0, Cl);
   shard.o_norm = full.o_norm;
   shard.o_proj = columns(full.o_proj, Cl * tp_size, c0, Cl);
-  shard.origin = full.origin + " (tp rank " + std::to_string(tp_rank) + " of " +
-                 std::to_string(tp_size) + ")";
+  shard.origin =
+      full.origin + " (tp rank " + std::to_string(tp_rank) + " of " + std::to_string(tp_size) + ")";
   return shard;
 }
 
-std::vector<Tensor> full_layer_weight_tensors(const FullLayerWeights& w, const std::string& prefix) {
+std::vector<Tensor> full_layer_weight_tensors(const FullLayerWeights& w,
+                                              const std::string& prefix) {
   check_sizes(w);
   if (w.config.tp_size != 1) {
     invalid("full_layer_weight_tensors: weights of tp rank " + std::to_string(w.config.tp_rank) +

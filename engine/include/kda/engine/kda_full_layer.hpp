@@ -39,10 +39,10 @@ namespace kda::engine {
 // Pools of per-sequence state, host memory, read and written in place.
 struct FullLayerState {
   std::int64_t num_slots = 0;
-  bf16_bits* conv_q = nullptr;  // [num_slots, Cl, W-1]
-  bf16_bits* conv_k = nullptr;  // [num_slots, Cl, W-1]
-  bf16_bits* conv_v = nullptr;  // [num_slots, Cl, W-1]
-  void* recurrent = nullptr;    // [num_slots, Hl, D, D] in recurrent_dtype
+  bf16_bits* conv_q = nullptr;          // [num_slots, Cl, W-1]
+  bf16_bits* conv_k = nullptr;          // [num_slots, Cl, W-1]
+  bf16_bits* conv_v = nullptr;          // [num_slots, Cl, W-1]
+  void* recurrent = nullptr;            // [num_slots, Hl, D, D] in recurrent_dtype
   DType recurrent_dtype = DType::kF32;  // kF32 or kBF16
 };
 
@@ -89,8 +89,8 @@ class FullLayerCpu {
  private:
   FullLayerConfig config_;
   // Row-major [out, in], as the checkpoint stores them, widened to fp32.
-  std::vector<float> q_proj_, k_proj_, v_proj_, f_a_proj_, f_b_proj_, b_proj_, g_a_proj_,
-      g_b_proj_, o_proj_;
+  std::vector<float> q_proj_, k_proj_, v_proj_, f_a_proj_, f_b_proj_, b_proj_, g_a_proj_, g_b_proj_,
+      o_proj_;
   std::vector<float> q_conv_, k_conv_, v_conv_;  // [Cl, W]
   std::vector<float> g_b_bias_;                  // [Cl] or empty
   std::vector<float> o_norm_;                    // [D]

@@ -34,15 +34,15 @@ struct Tensor;
 
 // The sizes and settings of one whole KDA layer, and which tensor-parallel shard of it this is.
 struct FullLayerConfig {
-  std::int64_t hidden_size = 0;   // E
-  std::int64_t num_heads = 0;     // H of the whole layer (all ranks together)
-  std::int64_t head_dim = 128;    // D (= K = V)
-  std::int64_t conv_width = 4;    // W, the short convolution's kernel size
+  std::int64_t hidden_size = 0;  // E
+  std::int64_t num_heads = 0;    // H of the whole layer (all ranks together)
+  std::int64_t head_dim = 128;   // D (= K = V)
+  std::int64_t conv_width = 4;   // W, the short convolution's kernel size
   GateMode gate = GateMode::kSoftplus;
-  float lower_bound = -5.0f;      // GateMode::kLowerBound only
-  float norm_eps = 1e-5f;         // the gated RMSNorm's epsilon (Kimi-Linear: rms_norm_eps)
-  int tp_size = 1;                // tensor-parallel ranks; num_heads % tp_size == 0
-  int tp_rank = 0;                // this shard, 0 <= tp_rank < tp_size
+  float lower_bound = -5.0f;  // GateMode::kLowerBound only
+  float norm_eps = 1e-5f;     // the gated RMSNorm's epsilon (Kimi-Linear: rms_norm_eps)
+  int tp_size = 1;            // tensor-parallel ranks; num_heads % tp_size == 0
+  int tp_rank = 0;            // this shard, 0 <= tp_rank < tp_size
 
   std::int64_t local_heads() const noexcept { return num_heads / tp_size; }
   std::int64_t local_channels() const noexcept { return local_heads() * head_dim; }  // C / tp
