@@ -632,3 +632,30 @@ TEST_CASE("bad calls are refused before anything is written") {
   CHECK(std::all_of(pools.recurrent.begin(), pools.recurrent.end(),
                     [](float x) { return x == 0.0f; }));
 }
+
+TEST_CASE("a bf16 recurrent state pool runs the same layer within bf16 accuracy") {
+  const FullLayerConfig config = small_config();
+  const FullLayerCpu layer(kda::engine::random_full_layer_weights(config, 6, 1));
+  const std::vector<std::int64_t> cu = {0, 9, 10, 24};
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(24 * config.hidden_size), 2.0f, 2);
+  Pools f32(config, 3);
+  const std::vector<bf16_bits> expected = run(layer, hidden, cu, &f32);
+
+  Pools conv(config, 3);  // conv pools; the recurrent pool below replaces conv.recurrent
+  std::vector<bf16_bits> recurrent(conv.recurrent.size(), 0);
+  FullLayerState state = conv.view();
+  state.recurrent = recurrent.data();
+  state.recurrent_dtype = DType::kBF16;
+  FullLayerBatch batch;
+  batch.tokens = 24;
+  batch.sequences = 3;
+  batch.cu_seqlens = cu.data();
+  std::vector<unsigned char> workspace(layer.workspace_bytes(24, 3));
+  std::vector<bf16_bits> out(hidden.size());
+  layer.forward(batch, hidden.data(), out.data(), state,
+                kda::Workspace{workspace.data(), workspace.size()});
+  CHECK(relative_error(out, expected) <= 1e-2);
+  CHECK(relative_error(recurrent, f32.recurrent) <= 1e-2);
+  CHECK(conv.conv_k == f32.conv_k);
+}

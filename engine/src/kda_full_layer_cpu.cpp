@@ -330,9 +330,9 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     t.A_log = A_log_.data();
     t.dt_bias = dt_bias_.data();
     t.cu_seqlens = run_cu;
-    t.initial_state =
-        static_cast<unsigned char*>(state.recurrent) + slot_of(first) * state_row_bytes;
-    t.final_state = const_cast<void*>(t.initial_state);  // in place
+    void* states = static_cast<unsigned char*>(state.recurrent) + slot_of(first) * state_row_bytes;
+    t.initial_state = states;
+    t.final_state = states;  // updated in place
     t.out = o + token0 * Cl;
     throw_if_error(forward_cpu(p, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
                    "KDA layer forward: core");
