@@ -116,7 +116,8 @@ std::vector<bf16_bits> run(const FullLayerCpu& layer, const std::vector<bf16_bit
   batch.tokens = cu.back();
   batch.cu_seqlens = cu.data();
   batch.slots = slots.empty() ? nullptr : slots.data();
-  std::vector<unsigned char> workspace(layer.workspace_bytes(batch.tokens, batch.sequences));
+  std::vector<unsigned char> workspace(
+      layer.workspace_bytes(batch.tokens, batch.sequences, pools->slots));
   std::vector<bf16_bits> out(hidden.size(), float_to_bf16(-7.0f));
   layer.forward(batch, hidden.data(), out.data(), pools->view(),
                 kda::Workspace{workspace.data(), workspace.size()});
@@ -584,6 +585,9 @@ TEST_CASE("bad weights: missing, misshapen or wrongly typed tensors are refused 
     FullLayerWeights broken = weights;
     broken.dt_bias.pop_back();
     CHECK(error_of([&] { FullLayerCpu layer(broken); }).find("dt_bias") != std::string::npos);
+    broken = weights;
+    broken.A_log[1] = std::nanf("");
+    CHECK(error_of([&] { FullLayerCpu layer(broken); }).find("A_log[1]") != std::string::npos);
   }
   SUBCASE("tp_size that does not divide the heads") {
     FullLayerConfig three = config;
@@ -601,7 +605,7 @@ TEST_CASE("bad calls are refused before anything is written") {
   Pools pools(config, 2);
   std::vector<std::int64_t> cu = {0, 2, 6};
   std::vector<std::int32_t> slots = {0, 1};
-  std::vector<unsigned char> workspace(layer.workspace_bytes(6, 2));
+  std::vector<unsigned char> workspace(layer.workspace_bytes(6, 2, 2));
   FullLayerBatch batch;
   batch.tokens = 6;
   batch.sequences = 2;
@@ -651,7 +655,7 @@ TEST_CASE("a bf16 recurrent state pool runs the same layer within bf16 accuracy"
   batch.tokens = 24;
   batch.sequences = 3;
   batch.cu_seqlens = cu.data();
-  std::vector<unsigned char> workspace(layer.workspace_bytes(24, 3));
+  std::vector<unsigned char> workspace(layer.workspace_bytes(24, 3, 3));
   std::vector<bf16_bits> out(hidden.size());
   layer.forward(batch, hidden.data(), out.data(), state,
                 kda::Workspace{workspace.data(), workspace.size()});

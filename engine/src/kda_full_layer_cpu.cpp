@@ -49,8 +49,7 @@ struct Layout {
   std::size_t lowrank = 0;  // f32 [T, D]: x·W_faᵀ, then x·W_gaᵀ
   std::size_t q = 0, k = 0, v = 0, g = 0, o = 0;  // bf16 [T, Cl]: the KDA core's inputs, output
   std::size_t beta = 0;                           // bf16 [T, Hl]
-  std::size_t cu = 0;    // i64 [N + 1]: one run's cu_seqlens, rebased to its first token
-  std::size_t core = 0;  // the operator's workspace
+  std::size_t core = 0;                           // the operator's workspace
   std::size_t core_bytes = 0;
   std::size_t total = 0;  // including alignment slack for an unaligned workspace pointer
 };
@@ -61,11 +60,31 @@ bool multiply(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
-Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences) {
+// The core's problem for the batch; sequence n's recurrent state is pool row slots[n] (state_slots)
+// or, without a slot list, row n.
+Problem core_problem(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
+                     std::int64_t num_slots, bool slot_list, DType state_dtype) {
+  Problem p;
+  p.seq_len = tokens;
+  p.num_heads = c.local_heads();
+  p.head_dim_k = p.head_dim_v = c.head_dim;
+  p.num_seqs = sequences;
+  p.cu_seqlens_dtype = DType::kI64;
+  p.gate = c.gate;
+  p.lower_bound = c.lower_bound;
+  p.initial_state_dtype = p.final_state_dtype = state_dtype;
+  p.num_state_slots = slot_list ? num_slots : 0;
+  return p;
+}
+
+Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
+                   std::int64_t num_slots) {
   auto overflow = [] {
     throw Error(StatusCode::kOverflow, "KDA layer workspace size overflows 64 bits");
   };
-  if (tokens < 0 || sequences < 0) invalid("tokens and sequences must be >= 0");
+  if (tokens < 0 || sequences < 0 || num_slots < 0) {
+    invalid("tokens, sequences and num_slots must be >= 0");
+  }
   Layout layout;
   std::uint64_t offset = 0;
   auto take = [&](std::uint64_t elements, std::uint64_t element_bytes) {
@@ -93,17 +112,8 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   layout.g = take(per_token(Cl), sizeof(bf16_bits));
   layout.o = take(per_token(Cl), sizeof(bf16_bits));
   layout.beta = take(per_token(c.local_heads()), sizeof(bf16_bits));
-  layout.cu = take(static_cast<std::uint64_t>(sequences) + 1, sizeof(std::int64_t));
-
-  // The core runs per run of sequences, never more than `sequences` at once.
-  Problem p;
-  p.seq_len = tokens;
-  p.num_heads = c.local_heads();
-  p.head_dim_k = p.head_dim_v = c.head_dim;
-  p.num_seqs = sequences;
-  p.cu_seqlens_dtype = DType::kI64;
-  p.gate = c.gate;
-  p.lower_bound = c.lower_bound;
+  // Sized with a slot list (the larger of the two: it adds the core's duplicate-slot bitmap).
+  const Problem p = core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
   if (Status st = workspace_size(p, Backend::kCpu, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer workspace");
   }
@@ -177,12 +187,26 @@ FullLayerCpu::FullLayerCpu(const FullLayerWeights& w) : config_(w.config) {
   o_norm_ = widen(w.o_norm);
   A_log_ = w.A_log;
   dt_bias_ = w.dt_bias;
+  // The core would refuse these, but only after the conv states were updated: refuse them here.
+  for (std::size_t h = 0; h < A_log_.size(); ++h) {
+    if (!std::isfinite(A_log_[h]) || std::fabs(A_log_[h]) > kMaxAbsALog) {
+      throw Error(StatusCode::kInvalidArgument, "KDA layer weights: A_log[" + std::to_string(h) +
+                                                    "] = " + std::to_string(A_log_[h]) +
+                                                    " is not finite or outside [-20, 20]");
+    }
+  }
+  for (std::size_t i = 0; i < dt_bias_.size(); ++i) {
+    if (!std::isfinite(dt_bias_[i])) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "KDA layer weights: dt_bias[" + std::to_string(i) + "] is not finite");
+    }
+  }
 }
 
 std::size_t FullLayerCpu::workspace_bytes(const FullLayerConfig& config, std::int64_t tokens,
-                                          std::int64_t sequences) {
+                                          std::int64_t sequences, std::int64_t num_slots) {
   validate(config);
-  return make_layout(config, tokens, sequences).total;
+  return make_layout(config, tokens, sequences, num_slots).total;
 }
 
 void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden, bf16_bits* out,
@@ -238,7 +262,10 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
       }
     }
   }
-  const Layout layout = make_layout(c, T, N);
+  const Layout layout = make_layout(c, T, N, state.num_slots);
+  const Problem core =
+      core_problem(c, T, N, state.num_slots, batch.slots != nullptr, state.recurrent_dtype);
+  throw_if_error(validate(core), "KDA layer forward: core problem");
   if (workspace.bytes < layout.total) {
     throw Error(StatusCode::kWorkspaceTooSmall,
                 "KDA layer forward: workspace has " + std::to_string(workspace.bytes) +
@@ -260,7 +287,6 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   auto* g = reinterpret_cast<bf16_bits*>(base + layout.g);
   auto* o = reinterpret_cast<bf16_bits*>(base + layout.o);
   auto* beta = reinterpret_cast<bf16_bits*>(base + layout.beta);
-  auto* run_cu = reinterpret_cast<std::int64_t*>(base + layout.cu);
   PhaseTimer timer(times);
 
   // ---- q, k, v: projection, then conv + SiLU per sequence ------------------------------------
@@ -304,40 +330,22 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   }
   timer.lap(&FullLayerTimes::projections);
 
-  // ---- the KDA core, once per run of sequences on consecutive ascending state rows -----------
-  const std::size_t state_row_bytes =
-      static_cast<std::size_t>(Hl * D * D) * dtype_size(state.recurrent_dtype);
-  for (std::int64_t first = 0; first < N;) {
-    std::int64_t last = first + 1;  // the run is sequences [first, last)
-    while (last < N && slot_of(last) == slot_of(last - 1) + 1) ++last;
-    const std::int64_t token0 = batch.cu_seqlens[first];
-    for (std::int64_t n = first; n <= last; ++n) run_cu[n - first] = batch.cu_seqlens[n] - token0;
-    Problem p;
-    p.seq_len = batch.cu_seqlens[last] - token0;
-    p.num_heads = Hl;
-    p.head_dim_k = p.head_dim_v = D;
-    p.num_seqs = last - first;
-    p.cu_seqlens_dtype = DType::kI64;
-    p.gate = c.gate;
-    p.lower_bound = c.lower_bound;
-    p.initial_state_dtype = p.final_state_dtype = state.recurrent_dtype;
-    Tensors t;
-    t.q = q + token0 * Cl;
-    t.k = k + token0 * Cl;
-    t.v = v + token0 * Cl;
-    t.g = g + token0 * Cl;
-    t.beta = beta + token0 * Hl;
-    t.A_log = A_log_.data();
-    t.dt_bias = dt_bias_.data();
-    t.cu_seqlens = run_cu;
-    void* states = static_cast<unsigned char*>(state.recurrent) + slot_of(first) * state_row_bytes;
-    t.initial_state = states;
-    t.final_state = states;  // updated in place
-    t.out = o + token0 * Cl;
-    throw_if_error(forward_cpu(p, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
-                   "KDA layer forward: core");
-    first = last;
-  }
+  // ---- the KDA core: one call for the batch, states in place in the pool -------------------
+  Tensors t;
+  t.q = q;
+  t.k = k;
+  t.v = v;
+  t.g = g;
+  t.beta = beta;
+  t.A_log = A_log_.data();
+  t.dt_bias = dt_bias_.data();
+  t.cu_seqlens = batch.cu_seqlens;
+  t.initial_state = state.recurrent;
+  t.final_state = state.recurrent;  // updated in place
+  t.state_slots = batch.slots;
+  t.out = o;
+  throw_if_error(forward_cpu(core, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
+                 "KDA layer forward: core");
   timer.lap(&FullLayerTimes::core);
 
   // ---- gated RMSNorm per (token, head), y into `pre` over the gate it reads ------------------

@@ -22,7 +22,8 @@
 // PARTIAL SUM of the layer output (rounded to bf16): the caller all-reduces (sums) `out` over the
 // ranks to get the layer's output.
 //
-// Memory: the caller hands in a workspace of at least workspace_bytes(tokens, sequences) bytes
+// Memory: the caller hands in a workspace of at least workspace_bytes(tokens, sequences,
+// num_slots) bytes
 // (any alignment); a forward allocates nothing and prints nothing. Errors throw kda::Error, and
 // every check runs before the first byte of out or of a state is written.
 #pragma once
@@ -52,7 +53,6 @@ struct FullLayerBatch {
   std::int64_t sequences = 0;                // N
   const std::int64_t* cu_seqlens = nullptr;  // host [N + 1]: 0, non-decreasing, last == T
   // Host [N]: the state row of each sequence, distinct, in [0, num_slots). nullptr: row n.
-  // Sequences on consecutive ascending rows share one call of the KDA core.
   const std::int32_t* slots = nullptr;
 };
 
@@ -73,12 +73,14 @@ class FullLayerCpu {
 
   const FullLayerConfig& config() const noexcept { return config_; }
 
-  // Workspace bytes of a forward of up to `tokens` tokens in up to `sequences` sequences.
-  // Throws kda::Error (kOverflow) when the size does not fit 64 bits.
+  // Workspace bytes of a forward of up to `tokens` tokens in up to `sequences` sequences on state
+  // pools of `num_slots` rows (FullLayerState::num_slots). Throws kda::Error (kOverflow) when the
+  // size does not fit 64 bits.
   static std::size_t workspace_bytes(const FullLayerConfig& config, std::int64_t tokens,
-                                     std::int64_t sequences);
-  std::size_t workspace_bytes(std::int64_t tokens, std::int64_t sequences) const {
-    return workspace_bytes(config_, tokens, sequences);
+                                     std::int64_t sequences, std::int64_t num_slots);
+  std::size_t workspace_bytes(std::int64_t tokens, std::int64_t sequences,
+                              std::int64_t num_slots) const {
+    return workspace_bytes(config_, tokens, sequences, num_slots);
   }
 
   // hidden: host bf16 [T, E]; out: host bf16 [T, E], not overlapping hidden. Throws kda::Error.
