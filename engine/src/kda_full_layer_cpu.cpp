@@ -218,6 +218,7 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
 
   // ---- checks, before anything is written ---------------------------------------------------
   if (T < 0 || N < 0) invalid("tokens and sequences must be >= 0");
+  const Layout layout = make_layout(c, T, N, state.num_slots);  // also: sizes fit 64 bits
   if (batch.cu_seqlens == nullptr) invalid("cu_seqlens is null");
   if (batch.cu_seqlens[0] != 0) invalid("cu_seqlens[0] is not 0");
   for (std::int64_t n = 0; n < N; ++n) {
@@ -262,7 +263,6 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
       }
     }
   }
-  const Layout layout = make_layout(c, T, N, state.num_slots);
   const Problem core =
       core_problem(c, T, N, state.num_slots, batch.slots != nullptr, state.recurrent_dtype);
   throw_if_error(validate(core), "KDA layer forward: core problem");
