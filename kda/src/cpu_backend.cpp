@@ -1,5 +1,7 @@
 // CPU forward: the token-by-token KDA recurrence (cpu_recurrence.hpp), threaded over
 // (sequence, head) pairs. Everything is validated before the first byte of output is written.
+#include <Eigen/Core>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,6 +12,7 @@
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
 #include "state_slots.hpp"
+#include "transition.hpp"
 
 namespace kda {
 namespace detail::cpu {
@@ -120,6 +123,48 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
       });
 }
 
+template <typename Real>
+void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t, unsigned char* slots,
+                    std::int64_t workers) {
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, T = p.seq_len;
+  const std::int64_t Vx = V + K;
+  const std::uint64_t stride = detail::cpu::transition_stride(K, V);
+  const std::uint64_t slot = detail::cpu::slot_bytes(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(Vx));
+  const float scale = p.effective_scale();
+  const auto* q = static_cast<const bf16_bits*>(t.q);
+  const auto* k = static_cast<const bf16_bits*>(t.k);
+  const auto* v = static_cast<const bf16_bits*>(t.v);
+  const auto* g = static_cast<const bf16_bits*>(t.g);
+  const auto* beta = static_cast<const bf16_bits*>(t.beta);
+  detail::cpu::parallel_for(p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
+    const std::int64_t seq = item / H, head = item % H;
+    std::int64_t begin = seq * T, end = begin + T;
+    if (p.cu_seqlens_dtype == DType::kI64) {
+      begin = static_cast<const std::int64_t*>(t.cu_seqlens)[seq];
+      end = static_cast<const std::int64_t*>(t.cu_seqlens)[seq + 1];
+    } else if (p.cu_seqlens_dtype == DType::kI32) {
+      begin = static_cast<const std::int32_t*>(t.cu_seqlens)[seq];
+      end = static_cast<const std::int32_t*>(t.cu_seqlens)[seq + 1];
+    }
+    unsigned char* base = slots + static_cast<std::uint64_t>(worker) * stride;
+    Scratch<Real> sc(reinterpret_cast<Real*>(base), K, Vx);
+    auto* vrow = reinterpret_cast<bf16_bits*>(base + slot);
+    std::fill(vrow + V, vrow + Vx, bf16_bits{0});
+    std::fill(sc.state, sc.state + Vx * K, Real(0));
+    for (std::int64_t i = 0; i < K; ++i) sc.state[(V + i) * K + i] = Real(1);
+    const auto hp = detail::cpu::make_head_params<Real>(K, Vx, p.gate, p.lower_bound, scale,
+                                                        t.A_log, t.dt_bias, head);
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::int64_t row = i * H + head;
+      detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
+      std::copy(v + row * V, v + row * V + V, vrow);
+      detail::cpu::apply_token(sc.state, Vx, K, sc.tok, vrow, sc.o);
+    }
+    for (std::int64_t i = 0; i < V * K; ++i) h_t[item * V * K + i] = static_cast<float>(sc.state[i]);
+    for (std::int64_t i = 0; i < K * K; ++i) p_t[item * K * K + i] = static_cast<float>(sc.state[V * K + i]);
+  });
+}
+
 }  // namespace
 
 Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt) {
@@ -167,6 +212,63 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
     run_prefill<double>(p, t, slots, workers);
   } else {
     run_prefill<float>(p, t, slots, workers);
+  }
+  return Status::Ok();
+}
+
+Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                              Workspace ws, const CpuOptions& opt) {
+  if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;
+  if (p.varlen()) {
+    if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
+  }
+  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
+      !st) {
+    return st;
+  }
+  const std::int64_t items = p.sequences() * p.num_heads;
+  const std::int64_t workers = detail::cpu::resolve_threads(opt.num_threads, items, std::int64_t{1} << 40);
+  // workspace_size counted min(items, kMaxThreads) slots; resolve_threads never exceeds that.
+  const std::uint64_t need = items == 0 ? 0
+                             : static_cast<std::uint64_t>(std::min<std::int64_t>(items, detail::cpu::kMaxThreads)) *
+                                       detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
+                                   detail::cpu::kSlotAlignment;
+  if (ws.bytes < need) {
+    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
+                                                      " bytes, the CPU transition needs " +
+                                                      std::to_string(need));
+  }
+  if (items == 0) return Status::Ok();
+  if (ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
+  const std::uintptr_t align = detail::cpu::kSlotAlignment;
+  auto* slots = reinterpret_cast<unsigned char*>((base + align - 1) / align * align);
+  if (opt.fp64) {
+    run_transition<double>(p, t, p_t, h_t, slots, workers);
+  } else {
+    run_transition<float>(p, t, p_t, h_t, slots, workers);
+  }
+  return Status::Ok();
+}
+
+Status apply_transition_cpu(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
+                            const float* s_in, const float* p_t, const float* h_t, float* s_out) {
+  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out); !st) {
+    return st;
+  }
+  using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  const std::int64_t K = head_dim_k, V = head_dim_v;
+  alignas(64) float row_buffer[4096];  // K <= 4096 (validated): no allocation
+  for (std::int64_t pair = 0; pair < pairs; ++pair) {
+    const Eigen::Map<const RowMajor> pt(p_t + pair * K * K, K, K);
+    for (std::int64_t row = 0; row < V; ++row) {
+      const std::int64_t off = (pair * V + row) * K;
+      // The row is computed into a stack buffer before it is written: s_out may be s_in.
+      Eigen::Map<Eigen::RowVectorXf> next(row_buffer, K);
+      next.noalias() = Eigen::Map<const Eigen::RowVectorXf>(s_in + off, K) * pt;
+      next += Eigen::Map<const Eigen::RowVectorXf>(h_t + off, K);
+      Eigen::Map<Eigen::RowVectorXf>(s_out + off, K) = next;
+    }
   }
   return Status::Ok();
 }

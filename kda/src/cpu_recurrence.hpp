@@ -264,6 +264,15 @@ void store_out(const Real* o, std::int64_t count, bf16_bits* out) {
 Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
                              std::int64_t head_dim_k);
 
+// Bytes of one thread's scratch for a segment transition: a slot whose state is V + K rows tall
+// (rows V.. carry P^T: the same recurrence with v = 0, started from the identity), then the bf16
+// value row extended by K zeros.
+inline std::uint64_t transition_stride(std::int64_t head_dim_k, std::int64_t head_dim_v) {
+  const std::uint64_t rows = static_cast<std::uint64_t>(head_dim_v + head_dim_k);
+  const std::uint64_t vbuf = (rows * 2 + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  return slot_bytes(static_cast<std::uint64_t>(head_dim_k), rows) + vbuf;
+}
+
 // Threads for `items` independent work items that update `state_updates` state elements in all
 // (tokens x V x K summed over items). An explicit request is honoured (up to kMaxThreads and
 // `items`); 0 means the hardware's thread count, but no more threads than the work pays for

@@ -1,6 +1,7 @@
 // The CUDA entry points of a build without the CUDA backend: each validates its arguments (so that
 // callers get the same diagnostics everywhere), then reports kBackendUnavailable.
 #include "kda/kda.hpp"
+#include "transition.hpp"
 
 namespace kda {
 namespace {
@@ -16,6 +17,22 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace, void*, const 
 
 Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*, const CudaOptions&) {
   if (Status st = validate(p, t); !st) return st;
+  return unavailable();
+}
+
+Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace,
+                               void*, const CudaOptions&) {
+  if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;
+  return unavailable();
+}
+
+Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
+                             const float* s_in, const float* p_t, const float* h_t, float* s_out,
+                             void*) {
+  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out);
+      !st) {
+    return st;
+  }
   return unavailable();
 }
 

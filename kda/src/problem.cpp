@@ -14,6 +14,7 @@
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
 #include "state_slots.hpp"
+#include "transition.hpp"
 #include "tensor_extents.hpp"
 #include "workspace_layout.hpp"
 
@@ -390,6 +391,105 @@ Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint6
 }
 }  // namespace detail
 
+namespace detail {
+Status validate_transition(const Problem& p, const Tensors& t, const float* p_t, const float* h_t) {
+  if (Status st = validate(p); !st) return st;
+  if (p.initial_state_dtype != DType::kNone || p.final_state_dtype != DType::kNone ||
+      p.num_state_slots != 0) {
+    return invalid(
+        "a segment transition starts from no state: initial_state_dtype, final_state_dtype and "
+        "num_state_slots must be unset");
+  }
+  if (t.out != nullptr || t.initial_state != nullptr || t.final_state != nullptr ||
+      t.state_slots != nullptr || t.state_slots_host != nullptr) {
+    return invalid(
+        "a segment transition writes p_t and h_t only: out, initial_state, final_state and "
+        "state_slots must be null");
+  }
+  PrefillSizes s;
+  if (Status st = prefill_sizes(p, &s); !st) return st;
+  std::uint64_t p_bytes = 0, h_bytes = 0;
+  const std::int64_t n = p.sequences();
+  if (Status st = checked_product("p_t bytes N*H*K*K*4", {n, p.num_heads, p.head_dim_k, p.head_dim_k, 4},
+                                  &p_bytes);
+      !st) {
+    return st;
+  }
+  if (Status st = checked_product("h_t bytes N*H*V*K*4", {n, p.num_heads, p.head_dim_v, p.head_dim_k, 4},
+                                  &h_bytes);
+      !st) {
+    return st;
+  }
+  if (p.total_tokens() > 0) {
+    for (const Range& r : {Range{"q", t.q, 0}, Range{"k", t.k, 0}, Range{"v", t.v, 0},
+                           Range{"g", t.g, 0}, Range{"beta", t.beta, 0}}) {
+      if (Status st = require(r.ptr, r.name); !st) return st;
+    }
+  }
+  if (Status st = require(t.A_log, "A_log"); !st) return st;
+  if (Status st = require(t.dt_bias, "dt_bias"); !st) return st;
+  if (p.varlen()) {
+    if (Status st = require(t.cu_seqlens, "cu_seqlens"); !st) return st;
+  } else if (t.cu_seqlens != nullptr || t.cu_seqlens_host != nullptr) {
+    return invalid("cu_seqlens is set but cu_seqlens_dtype is none");
+  }
+  if (p_bytes > 0) {
+    if (Status st = require(p_t, "p_t"); !st) return st;
+    if (Status st = require(h_t, "h_t"); !st) return st;
+  }
+  const Range q{"q", t.q, s.qk_bytes}, k{"k", t.k, s.qk_bytes}, v{"v", t.v, s.v_bytes},
+      g{"g", t.g, s.qk_bytes}, beta{"beta", t.beta, s.beta_bytes},
+      a_log{"A_log", t.A_log, s.a_log_bytes}, dt_bias{"dt_bias", t.dt_bias, s.dt_bias_bytes},
+      cu{"cu_seqlens", t.cu_seqlens, s.cu_bytes},
+      cu_host{"cu_seqlens_host", t.cu_seqlens_host, s.cu_bytes}, pt{"p_t", p_t, p_bytes},
+      ht{"h_t", h_t, h_bytes}, status{"device_status", t.device_status, sizeof(std::uint32_t)};
+  if (Status st = check_no_overlap(pt, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, ht}); !st) {
+    return st;
+  }
+  if (Status st = check_no_overlap(ht, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host}); !st) {
+    return st;
+  }
+  return check_no_overlap(status, {q, k, v, g, beta, a_log, dt_bias, cu, cu_host, pt, ht});
+}
+
+Status transition_extents(const Problem& p, const Tensors& t, const float* p_t, const float* h_t,
+                          TensorExtents* out) {
+  if (Status st = prefill_extents(p, t, out); !st) return st;
+  const std::uint64_t pairs =
+      static_cast<std::uint64_t>(p.sequences()) * static_cast<std::uint64_t>(p.num_heads);
+  out->add("p_t", p_t, pairs * static_cast<std::uint64_t>(p.head_dim_k * p.head_dim_k) * 4);
+  out->add("h_t", h_t, pairs * static_cast<std::uint64_t>(p.head_dim_v * p.head_dim_k) * 4);
+  return Status::Ok();
+}
+}  // namespace detail
+
+Status validate_apply_transition(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
+                                 const float* s_in, const float* p_t, const float* h_t,
+                                 const float* s_out) {
+  if (pairs < 0) return invalid("pairs must be >= 0 (got " + str(pairs) + ")");
+  if (Status st = check_head_dims(head_dim_k, head_dim_v); !st) return st;
+  std::uint64_t s_bytes = 0, p_bytes = 0;
+  if (Status st = checked_product("state bytes pairs*V*K*4", {pairs, head_dim_v, head_dim_k, 4}, &s_bytes);
+      !st) {
+    return st;
+  }
+  if (Status st = checked_product("p_t bytes pairs*K*K*4", {pairs, head_dim_k, head_dim_k, 4}, &p_bytes);
+      !st) {
+    return st;
+  }
+  if (pairs == 0) return Status::Ok();
+  for (const Range& r : {Range{"s_in", s_in, 0}, Range{"p_t", p_t, 0}, Range{"h_t", h_t, 0},
+                         Range{"s_out", s_out, 0}}) {
+    if (Status st = require(r.ptr, r.name); !st) return st;
+  }
+  const Range in{"s_in", s_in, s_bytes}, pt{"p_t", p_t, p_bytes}, ht{"h_t", h_t, s_bytes},
+      out{"s_out", s_out, s_bytes};
+  if (s_out != s_in && overlaps(out, in)) {
+    return invalid("s_out partially overlaps s_in (only an exact alias is allowed)");
+  }
+  return check_no_overlap(out, {pt, ht});
+}
+
 Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host) {
   if (Status st = validate(p); !st) return st;
   if (p.num_state_slots == 0) return invalid("state_slots given but num_state_slots is 0");
@@ -508,6 +608,41 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
                                                    &total) ||
              total > kMaxSize) {
     return Status(StatusCode::kOverflow, "CUDA workspace bytes overflow 64-bit sizes");
+  }
+  if (total > std::numeric_limits<std::size_t>::max()) {
+    return Status(StatusCode::kOverflow, "workspace bytes do not fit size_t");
+  }
+  *bytes = static_cast<std::size_t>(total);
+  return Status::Ok();
+}
+
+// CPU: one scratch slot per thread sized for V + K state rows (cpu_recurrence.hpp,
+// transition_stride); CUDA: the chunk records alone (no segment blocks).
+Status transition_workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
+  if (bytes == nullptr) return invalid("bytes is null");
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  std::uint64_t total = 0;
+  if (backend == Backend::kCpu) {
+    // One scratch slot per thread, its state V + K rows tall (the P^T rows ride along as extra
+    // value columns with v = 0).
+    const std::uint64_t items = static_cast<std::uint64_t>(p.sequences()) *
+                                static_cast<std::uint64_t>(p.num_heads);
+    const std::uint64_t slots = std::min<std::uint64_t>(items, detail::cpu::kMaxThreads);
+    if (slots > 0) {
+      total = slots * detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
+              detail::cpu::kSlotAlignment;
+    }
+  } else {
+    // The chunk records only: transitions run one segment per sequence.
+    std::uint64_t slots = 0, records = 0;
+    if (!detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
+                                 static_cast<std::uint64_t>(p.sequences()), &slots) ||
+        !detail::checked_mul(slots, static_cast<std::uint64_t>(p.num_heads), &records) ||
+        !detail::checked_mul(records, detail::ChunkRecord::kBytes, &total) ||
+        !detail::checked_add(total, detail::kWorkspaceAlignment, &total) || total > kMaxSize) {
+      return Status(StatusCode::kOverflow, "CUDA transition workspace bytes overflow 64-bit sizes");
+    }
   }
   if (total > std::numeric_limits<std::size_t>::max()) {
     return Status(StatusCode::kOverflow, "workspace bytes do not fit size_t");

@@ -197,6 +197,35 @@ Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stre
                     const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
+// Segment transitions: the primitive of context parallelism
+// ---------------------------------------------------------------------------------------------
+// A sequence's effect on the recurrent state is affine (docs/KDA.md §3): S_final = P S_0 + H, or in
+// the V-first layout of states, S_final^T = S_0^T P^T + H^T. segment_transition_* computes, for
+// every sequence of `p` and every head, P^T [K, K] and H^T [V, K] in fp32, from the sequence's
+// tokens alone:
+//   p_t: f32 [N, H, K, K]    h_t: f32 [N, H, V, K]
+// `p` must have no states (initial_state_dtype, final_state_dtype none, num_state_slots 0) and `t`
+// no out, states or slots: only the inputs are read. apply_transition_* then maps states through
+// transitions: s_out^T = s_in^T P^T + H^T, per (sequence, head), fp32, s_out may be s_in.
+//
+// Context parallelism over devices: split a long sequence into segments, one per device; each
+// device computes its segment's transition (all in parallel), the transitions are gathered, each
+// device chains the true state at its segment's start by applying the transitions before it, and
+// then runs an ordinary prefill of its segment from that state. The CUDA prefill does the same
+// inside one GPU on its own (intracard segments, workspace_layout.hpp).
+Status transition_workspace_size(const Problem& p, Backend backend, std::size_t* bytes);
+Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                              Workspace ws, const CpuOptions& opt = {});
+Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                               Workspace ws, void* stream, const CudaOptions& opt = {});
+// `pairs` (sequence, head) pairs of states [pairs, V, K], transitions as above.
+Status apply_transition_cpu(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
+                            const float* s_in, const float* p_t, const float* h_t, float* s_out);
+Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
+                             const float* s_in, const float* p_t, const float* h_t, float* s_out,
+                             void* stream);
+
+// ---------------------------------------------------------------------------------------------
 // Decode: a few new tokens per sequence on a pool of state slots, updated in place.
 // ---------------------------------------------------------------------------------------------
 //   q, k, g: bf16 [B, tokens, H, K]   v, out: bf16 [B, tokens, H, V]   beta: bf16 [B, tokens, H]

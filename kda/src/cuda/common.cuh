@@ -19,12 +19,12 @@ __device__ __forceinline__ float softplus_f(float x) {
 }
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
 
-// g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))   (gate_mode 0)
-// g = -exp(A_log) * softplus(g_raw + dt_bias)                  (gate_mode 1)
-__device__ __forceinline__ float gate_activation(int gate_mode, float g_raw, float a_exp,
+// g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))   (GateMode::kLowerBound)
+// g = -exp(A_log) * softplus(g_raw + dt_bias)                  (GateMode::kSoftplus)
+__device__ __forceinline__ float gate_activation(GateMode gate, float g_raw, float a_exp,
                                                  float dt_bias, float lower_bound) {
   const float x = g_raw + dt_bias;
-  return gate_mode == 0 ? lower_bound * sigmoid_f(a_exp * x) : -a_exp * softplus_f(x);
+  return gate == GateMode::kLowerBound ? lower_bound * sigmoid_f(a_exp * x) : -a_exp * softplus_f(x);
 }
 
 // Sequence bounds [bos, eos) of sequence s: from cu_seqlens (int32 or int64) or fixed rows of T.

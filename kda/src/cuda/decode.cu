@@ -36,7 +36,7 @@ struct DecodeParams {
   std::int64_t num_slots;
   int tokens;
   int num_heads;
-  int gate_mode;
+  GateMode gate;
   float lower_bound;
   float scale;
   std::uint32_t* status;  // caller's device status word, or null
@@ -117,10 +117,10 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
     const float4 qh = make_float4(q.x * inv_q, q.y * inv_q, q.z * inv_q, q.w * inv_q);
     const float4 kh = make_float4(k.x * inv_k, k.y * inv_k, k.z * inv_k, k.w * inv_k);
     const float4 alpha = make_float4(
-        __expf(gate_activation(p.gate_mode, g.x, a_exp, dtb.x, p.lower_bound)),
-        __expf(gate_activation(p.gate_mode, g.y, a_exp, dtb.y, p.lower_bound)),
-        __expf(gate_activation(p.gate_mode, g.z, a_exp, dtb.z, p.lower_bound)),
-        __expf(gate_activation(p.gate_mode, g.w, a_exp, dtb.w, p.lower_bound)));
+        __expf(gate_activation(p.gate, g.x, a_exp, dtb.x, p.lower_bound)),
+        __expf(gate_activation(p.gate, g.y, a_exp, dtb.y, p.lower_bound)),
+        __expf(gate_activation(p.gate, g.z, a_exp, dtb.z, p.lower_bound)),
+        __expf(gate_activation(p.gate, g.w, a_exp, dtb.w, p.lower_bound)));
 
     float dot[kRows];
 #pragma unroll
@@ -225,7 +225,7 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.num_slots = p.num_slots;
   prm.tokens = static_cast<int>(p.tokens);
   prm.num_heads = static_cast<int>(p.num_heads);
-  prm.gate_mode = p.gate == GateMode::kLowerBound ? 0 : 1;
+  prm.gate = p.gate;
   prm.lower_bound = p.lower_bound;
   prm.scale = p.effective_scale();
   prm.status = t.device_status;

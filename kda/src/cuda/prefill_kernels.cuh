@@ -1,0 +1,130 @@
+// prefill_kernels.cuh — what the CUDA prefill's kernels share: their parameters, the chunk-record
+// and segment addressing, and the launchers (one .cu file per kernel, like ggml-cuda's one file per
+// op; prefill.cu is the host side that plans and launches them).
+//
+//   prefill_prepare.cu     kda_prepare_kernel: token-parallel, one block per (chunk slot, head):
+//       L2 norms, gate and its in-chunk cumulative sum G, beta, the strictly lower triangular A, the
+//       output mask M and the forward substitution (I + A) X = diag(beta) [K~ | V]. Every exp()
+//       takes a difference G_i - G_j <= 0, so the softplus gate cannot overflow however strong the
+//       decay. One ChunkRecord (workspace_layout.hpp) per (slot, head).
+//   prefill_recurrence.cu  kda_recurrence_kernel: the sequential part, one block per (segment,
+//       head, column block), one warp per 16 columns; S^T in fp32 mma accumulators, per chunk
+//           X = S^T W^T,  Y = S^T Q~^T,  U^T = U0^T - X,  O^T = Y + U^T M^T,
+//           S^T = S^T diag(g_last) + U^T K^,
+//       chunk records streamed through a 5-stage shared-memory ring by the copy engine.
+//   segment_scan.cu        kda_segment_scan_kernel (S_{j+1}^T = S_j^T P_j^T + H_j^T between the
+//       two passes of a split recurrence) and kda_apply_transition_kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/ptx.cuh"
+#include "kda/kda.hpp"
+#include "workspace_layout.hpp"
+
+namespace kda::detail {
+
+constexpr int C = kChunk;      // 16
+constexpr int D = kHeadDim;    // 128
+constexpr int kRowPad = kRowStride;  // bf16 row stride in shared memory (and in the records): 272
+                                     // bytes, so that ldmatrix's 8 row addresses fall in distinct
+                                     // 16-byte bank groups
+constexpr int kMPad = kMStride;      // 48-byte rows for 16 x 16 tiles
+
+// How a state tensor is stored (kNone: absent, zeros in / nothing out).
+enum class StateKind : int { kNone = 0, kBF16 = 1, kF32 = 2 };
+inline StateKind state_kind(DType dt) {
+  return dt == DType::kBF16 ? StateKind::kBF16 : dt == DType::kF32 ? StateKind::kF32 : StateKind::kNone;
+}
+
+struct PrefillParams {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const bf16* g;
+  const bf16* beta;
+  const float* A_log;
+  const float* dt_bias;
+  SeqIndex seqs;
+  int num_heads;
+  GateMode gate;
+  float lower_bound;
+  float scale;
+  const void* h0;
+  StateKind initial_kind;
+  void* ht;
+  StateKind final_kind;
+  bf16* out;
+  unsigned char* records;
+  std::int64_t num_slots;
+  std::uint32_t* status;  // caller's device status word, or null
+  // Pooled states (Problem::num_state_slots > 0): sequence s uses pool entry state_slots[s].
+  const std::int32_t* state_slots;  // null: sequence s uses state s
+  std::int64_t num_state_slots;
+  // Segments (workspace_layout.hpp): chunks per segment (kNoSplit: one segment per sequence) and
+  // the fp32 segment blocks (null without a split).
+  std::int64_t seg_chunks;
+  float* seg_blocks;
+  // segment_transition_cuda: where the transition of each (sequence, head) goes, fp32 P^T [K, K]
+  // and H^T [V, K] per pair (RecurrencePass::kTransition only).
+  float* transition_p;
+  float* transition_h;
+};
+
+// seg_chunks of a plan that does not split: one segment holds any sequence, and seg_slot == s.
+constexpr std::int64_t kNoSplit = std::int64_t{1} << 40;
+
+__device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std::int64_t slot, int h) {
+  return p.records + (slot * p.num_heads + h) * static_cast<std::int64_t>(ChunkRecord::kBytes);
+}
+
+
+// Finds the sequence owning slot `slot` when slots are `width` tokens wide (a chunk: C; a segment:
+// C * seg_chunks): the largest s with s + start(s) / width <= slot.
+__device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std::int64_t slot,
+                                                      std::int64_t width) {
+  std::int64_t lo = 0, hi = seqs.num_seqs - 1;
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi + 1) / 2;
+    std::int64_t b = seqs.start(mid);
+    b = b < 0 ? 0 : (b > seqs.total ? seqs.total : b);
+    if (mid + b / width <= slot) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// 16 x 16 = X Y^T over the 128 channels, X and Y 16 x 128 bf16 tiles in shared memory (one warp).
+
+// Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
+// every sequence is one segment and kFirst is the whole recurrence.
+enum class RecurrencePass : int {
+  kFirst = 0,       // segment 0 from the true initial state (outputs); middle segments' (H_j, P_j)
+  kSecond = 1,      // segments 1.. from the scanned initial states (outputs, final state)
+  kTransition = 2,  // every sequence as one transition (H, P) into transition_h / transition_p
+};
+
+__device__ __forceinline__ float* seg_block(const PrefillParams& p, std::int64_t seg_slot, int h) {
+  return p.seg_blocks + (seg_slot * p.num_heads + h) * static_cast<std::int64_t>(2 * D * D);
+}
+
+// Segment j of a sequence with nchunks chunks: the count of its segments (at least one, so that an
+// empty sequence still passes its initial state on).
+__device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::int64_t seg_chunks) {
+  const std::int64_t n = (nchunks + seg_chunks - 1) / seg_chunks;
+  return n < 1 ? 1 : n;
+}
+
+// Launchers (asynchronous on `stream`; each reports its own launch error).
+Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream);
+// `warps` 2, 4 or 8 (16 columns each); grid (grid_x, heads, column_blocks).
+Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split, int warps,
+                         std::int64_t grid_x, int column_blocks, cudaStream_t stream);
+Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream);
+// s_out^T = s_in^T P^T + H^T for `pairs` (sequence, head) pairs of 128 x 128 fp32 states.
+Status launch_apply_transition(const float* s_in, const float* p_t, const float* h_t, float* s_out,
+                               std::int64_t pairs, cudaStream_t stream);
+
+}  // namespace kda::detail

@@ -1,0 +1,256 @@
+// kda_prepare_kernel: the token-parallel phase of the CUDA prefill (see prefill_kernels.cuh).
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/prefill_kernels.cuh"
+
+namespace kda::detail {
+namespace {
+
+constexpr int kPrepThreads = 128;  // 4 warps; in the elementwise steps one thread per channel d
+constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded against bank conflicts
+// Above this in-chunk decay (-G_last, natural log), exp(-G) could overflow or lose the smallest
+// factors: such chunks take the exact path that exponentiates differences G_i - G_j <= 0 only. The
+// bounded gate (lower_bound >= -5, 16 tokens) always stays below it.
+constexpr float kFactoredRange = 80.0f;
+
+struct PrepSmem {
+  bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero); q and k are reused for the
+  bf16 k[C][kRowPad];   // W and U0 outputs once the last reader (step 4) is done
+  bf16 v[C][kRowPad];
+  union {               // thread d reads g[t][d] for every t before it writes kg[t][d]
+    bf16 g[C][kRowPad];
+    bf16 kg[C][kRowPad];  // k_hat * exp(G)                (K~, feeds A)
+  };
+  bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
+  bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
+  union {
+    bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G)
+    float G[C][kPad];     // exact path: the cumulative gate itself
+  };
+  bf16 m[C][kMPad];     // record: M
+  float A[C][C + 4];     // 16-byte rows: read back as float4
+  float beta[C];
+  float inv_norm[2][C];
+  float range[4];
+  std::uint64_t inputs_ready;  // mbarrier of the input copies
+};
+
+// acc[nt][0..1]: (row gq, cols 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
+__device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*X)[kRowPad],
+                                       const bf16 (*Y)[kRowPad], int lane) {
+  const int lrow = (lane & 7) + ((lane >> 4) << 3);
+  const int lcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+  for (int kt = 0; kt < D / 16; ++kt) {
+    unsigned a[4], b0, b1, b2, b3;
+    ldmatrix_x4(a[0], a[1], a[2], a[3], &X[lane & 15][kt * 16 + (lane >> 4) * 8]);
+    ldmatrix_x4(b0, b1, b2, b3, &Y[lrow][kt * 16 + lcol]);
+    mma_bf16(acc[0], a, b0, b1);
+    mma_bf16(acc[1], a, b2, b3);
+  }
+}
+
+__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
+  extern __shared__ __align__(16) unsigned char prep_smem_raw[];
+  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
+  const std::int64_t slot = blockIdx.x;
+  const int h = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  // The gate parameters first: their latency overlaps the search and the input copies.
+  const float a_log_h = p.A_log[h];
+  const float dtb = p.dt_bias[h * D + tid];
+  // The first slot's blocks (one per head) check the gate parameters for everyone.
+  if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb)) report_status(p.status, kDeviceStatusGateParams);
+
+  const std::int64_t s = owner_of_slot(p.seqs, slot, C);
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t j = slot - (s + bos / C);
+  const std::int64_t nchunks = (eos - bos + C - 1) / C;
+  if (j < 0 || j >= nchunks) return;  // a gap slot: no chunk lives here
+  const std::int64_t tok0 = bos + j * C;
+  const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
+  const std::int64_t H = p.num_heads;
+
+  // 1. The chunk's q, k, v, g rows into shared memory: one 256-byte bulk copy per (tensor, token),
+  //    issued by 4 * nvalid threads, each announcing its own bytes on the mbarrier (so no thread
+  //    waits on another's announcement); padded tokens are zeroed.
+  {
+    if (tid == 0) mbarrier_init(&sm.inputs_ready, static_cast<unsigned>(4 * nvalid));
+    __syncthreads();  // the barrier is initialized before anyone uses it
+    if (tid < 4 * C) {
+      const int tensor = tid / C, row = tid % C;
+      const bf16* src = tensor == 0 ? p.q : tensor == 1 ? p.k : tensor == 2 ? p.v : p.g;
+      bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
+      if (row < nvalid) {
+        mbarrier_expect_tx(&sm.inputs_ready, D * 2);
+        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, &sm.inputs_ready);
+      } else {
+        uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.beta[(tok0 + tid) * H + h])) : 0.f;
+    mbarrier_wait(&sm.inputs_ready, 0);
+    __syncthreads();  // the zeroed rows and beta
+  }
+
+  // 2. Inverse L2 norms of q and k rows: warp w takes rows 4w .. 4w + 3.
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = warp * 4 + r;
+      const bf16* x = which == 0 ? &sm.q[row][4 * lane] : &sm.k[row][4 * lane];
+      const uint2 raw = *reinterpret_cast<const uint2*>(x);
+      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      float ss = a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) sm.inv_norm[which][row] = rsqrtf(ss + 1e-6f);
+    }
+  }
+
+  // 3. Gate, its in-chunk cumulative sum G, and the scaled operands; thread d owns channel d.
+  const int d = tid;
+  float G[C];
+  {
+    const float a_exp = __expf(a_log_h);
+    float acc = 0.f;
+#pragma unroll
+    for (int t = 0; t < C; ++t) {
+      if (t < nvalid) acc += gate_activation(p.gate, __bfloat162float(sm.g[t][d]), a_exp, dtb, p.lower_bound);
+      G[t] = acc;
+    }
+  }
+  const float g_last = G[C - 1];
+  float range = -g_last;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
+  if (lane == 0) sm.range[warp] = range;
+  __syncthreads();  // also publishes inv_norm
+  const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
+
+  unsigned char* rec = record_ptr(p, slot, h);
+  const float gl_d = __expf(g_last);
+  reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = gl_d;
+  float kt[C];  // K~ column d in fp32, for the forward substitution
+#pragma unroll
+  for (int t = 0; t < C; ++t) {
+    const float qh = __bfloat162float(sm.q[t][d]) * sm.inv_norm[0][t];
+    const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
+    const float eg = __expf(G[t]);
+    kt[t] = kh * eg;
+    sm.qg[t][d] = __float2bfloat16(p.scale * qh * eg);
+    sm.kg[t][d] = __float2bfloat16(kt[t]);
+    if (factored) {
+      // exp(-G) is finite here, and exp(G_last - G) = exp(G_last) exp(-G) saves an exp.
+      const float ki = kh * __expf(-G[t]);
+      sm.ki[t][d] = __float2bfloat16(ki);
+      sm.kd[t][d] = __float2bfloat16(ki * gl_d);
+    } else {
+      sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
+      sm.G[t][d] = G[t];
+    }
+  }
+  __syncthreads();
+
+  // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg).
+  if (factored) {
+    // exp(G_i - G_j) = exp(G_i) exp(-G_j): two 16 x 16 x 128 tensor-core products.
+    if (warp < 2) {
+      float acc[2][4] = {};
+      gram16(acc, warp == 0 ? sm.kg : sm.qg, sm.ki, lane);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
+          if (warp == 0) sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
+          else sm.m[i][jj] = __float2bfloat16(i >= jj ? acc[nt][r] : 0.f);
+        }
+      }
+    }
+  } else {
+    // Exact: every exp() of a difference G_i - G_j <= 0. A thread per pair (i, j), i >= j.
+    for (int pidx = tid; pidx < C * C; pidx += kPrepThreads) {
+      const int i = pidx / C, jj = pidx % C;
+      float a = 0.f, m = 0.f;
+      if (i >= jj) {
+#pragma unroll 8
+        for (int c = 0; c < D; ++c) {
+          const float kj = __bfloat162float(sm.k[jj][c]) * __expf(sm.G[i][c] - sm.G[jj][c]);
+          a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
+          m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
+        }
+      }
+      sm.A[i][jj] = i > jj ? sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj] : 0.f;
+      sm.m[i][jj] = __float2bfloat16(i >= jj ? p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj] : 0.f);
+    }
+  }
+  __syncthreads();
+
+  // 5. Forward substitution in fp32, thread d owning column d:
+  //    (I + A) [W | U0] = diag(beta) [K~ | V]. q and k are dead now: W and U0 take their place.
+  {
+    float xk[C], xv[C];
+#pragma unroll
+    for (int i = 0; i < C; ++i) {
+      const float b = sm.beta[i];
+      float rk = b * kt[i];
+      float rv = b * __bfloat162float(sm.v[i][d]);
+#pragma unroll
+      for (int j4 = 0; j4 < i; j4 += 4) {
+        const float4 a4 = *reinterpret_cast<const float4*>(&sm.A[i][j4]);
+        const float arow[4] = {a4.x, a4.y, a4.z, a4.w};
+#pragma unroll
+        for (int jj = j4; jj < j4 + 4 && jj < i; ++jj) {
+          rk = fmaf(-arow[jj - j4], xk[jj], rk);
+          rv = fmaf(-arow[jj - j4], xv[jj], rv);
+        }
+      }
+      xk[i] = rk;
+      xv[i] = rv;
+      sm.q[i][d] = __float2bfloat16(rk);  // W
+      sm.k[i][d] = __float2bfloat16(rv);  // U0
+    }
+  }
+  // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against the
+  //    async proxy, then one thread issues the bulk stores and waits for them before the block ends.
+  fence_proxy_async();
+  __syncthreads();
+  if (tid == 0) {
+    constexpr unsigned kTile = static_cast<unsigned>(ChunkRecord::kTileBytes);
+    bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kKd, sm.kd, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
+    bulk_commit_and_wait_read();
+  }
+}
+
+
+}  // namespace
+
+Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream) {
+  cudaError_t err = cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(sizeof(PrepSmem)));
+  if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
+  cfg.blockDim = dim3(kPrepThreads);
+  cfg.dynamicSmemBytes = sizeof(PrepSmem);
+  cfg.stream = stream;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_prepare_kernel, prm), "kda_prepare_kernel");
+}
+
+}  // namespace kda::detail

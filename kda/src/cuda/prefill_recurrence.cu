@@ -1,0 +1,372 @@
+// kda_recurrence_kernel: the sequential phase of the CUDA prefill (see prefill_kernels.cuh).
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/prefill_kernels.cuh"
+
+namespace kda::detail {
+namespace {
+
+constexpr int kStages = 5;  // deep enough to cover DRAM latency with one or two blocks per SM
+
+// A stage is the byte image of a chunk record (workspace_layout.hpp).
+struct StageSmem {
+  bf16 qg[C][kRowPad];
+  bf16 kd[C][kRowPad];
+  bf16 w[C][kRowPad];
+  bf16 u[C][kRowPad];
+  bf16 m[C][kMPad];
+  float gl[D];
+};
+static_assert(sizeof(StageSmem) == ChunkRecord::kBytes, "a stage is a record's image");
+static_assert(offsetof(StageSmem, m) == ChunkRecord::kM && offsetof(StageSmem, gl) == ChunkRecord::kGl,
+              "a stage is a record's image");
+
+// One record into a stage by the copy engine, completing on `bar`. One thread.
+__device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned char* rec, std::uint64_t* bar) {
+  fence_proxy_async();
+  mbarrier_expect_tx(bar, static_cast<unsigned>(ChunkRecord::kBytes));
+  bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
+}
+
+// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x 128
+// tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the chain.
+__device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
+                                                 const bf16 (*tile)[kRowPad], int lrow, int lcol) {
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    unsigned b0, b1, b2, b3;
+    ldmatrix_x4(b0, b1, b2, b3, &tile[lrow][kt * 16 + lcol]);
+    mma_bf16(out[kt & 1][0], sa[kt], b0, b1);
+    mma_bf16(out[kt & 1][1], sa[kt], b2, b3);
+  }
+}
+
+// Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
+// Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
+// outside the pool, reported once through the status word).
+__device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s, bool report) {
+  if (p.state_slots == nullptr) return s;
+  const std::int64_t slot = p.state_slots[s];
+  if (slot >= p.num_state_slots) {
+    if (report) report_status(p.status, kDeviceStatusSlot);
+    return -1;
+  }
+  return slot < 0 ? -1 : slot;
+}
+
+
+// One block per (segment slot, head, column block). Columns 0..127 are the V columns of S^T; in
+// the first pass a middle segment also carries columns 128..255, the rows of P^T, started from the
+// identity with U0 = 0 (v = 0 for them).
+// SPLIT = false compiles the one-segment-per-sequence case without the segment logic (no
+// transitions, no identity columns, no owner search): its register count and speed stay those of
+// the plain recurrence.
+template <int WARPS, RecurrencePass PASS, bool SPLIT>
+__global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const PrefillParams p) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int VB = WARPS * 16;  // columns per block
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
+  bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
+  std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
+                                                         C * (VB + 8) * sizeof(bf16));
+
+  const std::int64_t seg_slot = blockIdx.x;
+  const int h = blockIdx.y;
+  const int v_block = blockIdx.z * VB;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gq = lane >> 2, tq = lane & 3;  // mma fragment row group / thread-in-group
+  const int v_warp = v_block + warp * 16;   // first column of this warp
+
+  const std::int64_t seg_tokens = C * p.seg_chunks;
+  const std::int64_t s = SPLIT ? owner_of_slot(p.seqs, seg_slot, seg_tokens) : seg_slot;
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t nchunks = (eos - bos + C - 1) / C;
+  const std::int64_t j = SPLIT ? seg_slot - (s + bos / seg_tokens) : 0;  // segment in the sequence
+  const std::int64_t nseg = SPLIT ? segments_of(nchunks, p.seg_chunks) : 1;
+  if (j < 0 || j >= nseg) return;  // a gap slot
+  const bool last = j == nseg - 1;
+  // What this block does: see RecurrencePass.
+  constexpr bool kAllTransitions = PASS == RecurrencePass::kTransition;
+  const bool transition = kAllTransitions || (SPLIT && PASS == RecurrencePass::kFirst && j > 0);
+  if (PASS == RecurrencePass::kFirst && j > 0 && last) return;    // the last one runs in kSecond
+  if (PASS == RecurrencePass::kSecond && j == 0) return;          // segment 0 ran in kFirst
+  if (!transition && v_block >= D) return;                         // P columns: middle segments only
+  const bool identity_cols = (SPLIT || kAllTransitions) && v_warp >= D;  // warp-uniform
+
+  // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
+  const bool reporter = PASS != RecurrencePass::kSecond && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
+  if (p.seqs.cu != nullptr && reporter) {
+    const std::int64_t b = p.seqs.start(s), e = p.seqs.start(s + 1);
+    if (e < b || (s == 0 && b != 0) || (s == p.seqs.num_seqs - 1 && e != p.seqs.total)) {
+      report_status(p.status, kDeviceStatusCuSeqlens);
+    }
+  }
+  const std::int64_t state_idx = state_index(p, s, reporter);
+  const std::int64_t H = p.num_heads;
+  const std::int64_t state_base = (state_idx * H + h) * static_cast<std::int64_t>(D) * D;
+  // Initial state: the caller's (segment 0), the scan's (segment j >= 1, second pass: in the block
+  // of segment j - 1), or zero / identity (transitions).
+  const float* seg_in = PASS == RecurrencePass::kSecond ? seg_block(p, seg_slot - 1, h) : nullptr;
+  const StateKind h0_kind = (j == 0 && state_idx >= 0) ? p.initial_kind : StateKind::kNone;
+
+  // S^T slice [v_warp + 0..15][0..127] as 16 n-tiles of m16n8 accumulators:
+  // acc[n][0..1] -> (row gq, cols 8n + 2tq + {0,1}); acc[n][2..3] -> row gq + 8.
+  float acc[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = v_warp + gq + 8 * r;
+      const int col = 8 * n + 2 * tq;
+      const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
+      float x0 = 0.f, x1 = 0.f;
+      if (PASS == RecurrencePass::kSecond) {
+        const float2 t2 = *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
+        x0 = t2.x;
+        x1 = t2.y;
+      } else if (transition) {
+        x0 = identity_cols && row - D == col ? 1.f : 0.f;
+        x1 = identity_cols && row - D == col + 1 ? 1.f : 0.f;
+      } else if (h0_kind == StateKind::kF32) {
+        const float2 t2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.h0) + off);
+        x0 = t2.x;
+        x1 = t2.y;
+      } else if (h0_kind == StateKind::kBF16) {
+        const __nv_bfloat162 t2 = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
+        x0 = __bfloat162float(t2.x);
+        x1 = __bfloat162float(t2.y);
+      }
+      acc[n][2 * r] = x0;
+      acc[n][2 * r + 1] = x1;
+    }
+  }
+
+  // This segment's chunks [c_begin, c_end) of the sequence. One thread drives the copy engine: an
+  // mbarrier per stage, the first kStages - 1 chunks now. Chunks past the workspace's slots (only
+  // with broken cu_seqlens) are never fetched or waited on.
+  const std::int64_t slot0 = s + bos / C;
+  const std::int64_t c_begin = j * p.seg_chunks;
+  std::int64_t c_end = last ? nchunks : c_begin + p.seg_chunks;
+  if (c_end > p.num_slots - slot0) c_end = p.num_slots - slot0;
+  const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
+  const bool write_out = !transition;
+  if (tid == 0) {
+#pragma unroll
+    for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+  if (tid == 0) {
+#pragma unroll
+    for (int c = 0; c < kStages - 1; ++c) {
+      if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c_begin + c, h), &full[c]);
+    }
+  }
+
+  for (std::int64_t c = 0; c < nfetch; ++c) {
+    // Every warp is done with chunk c - 1 (the barrier before the output stores of c - 1), so its
+    // stage can be refilled; `so` is free once the stores of c - 1 are done (this barrier).
+    __syncthreads();
+    if (tid == 0) {
+      const std::int64_t nc = c + kStages - 1;
+      if (nc < nfetch) {
+        load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + c_begin + nc, h), &full[nc % kStages]);
+      }
+    }
+    mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
+    const StageSmem& st = stages[c % kStages];
+
+    // The chain that carries the state from chunk to chunk is X -> U -> S; Y and O hang off it and
+    // are issued after the state update so that they fill its latency.
+    // S^T (old) as bf16 A fragments: k-tile kt covers state channels [16 kt, 16 kt + 16).
+    unsigned sa[8][4];
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      sa[kt][0] = pack_bf16x2(acc[2 * kt][0], acc[2 * kt][1]);
+      sa[kt][1] = pack_bf16x2(acc[2 * kt][2], acc[2 * kt][3]);
+      sa[kt][2] = pack_bf16x2(acc[2 * kt + 1][0], acc[2 * kt + 1][1]);
+      sa[kt][3] = pack_bf16x2(acc[2 * kt + 1][2], acc[2 * kt + 1][3]);
+    }
+    // ldmatrix addresses: lanes 0-7 rows 0-7 col lo, 8-15 rows 0-7 col hi, 16-23 rows 8-15 lo, 24-31 hi
+    const int lrow = (lane & 7) + ((lane >> 4) << 3);
+    const int lcol = ((lane >> 3) & 1) * 8;
+
+    // X = S^T W^T (16 v x 16 tokens, two n-tiles of 8 tokens).
+    float X[2][2][4] = {};
+    state_times_tile(X, sa, st.w, lrow, lcol);
+
+    // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows.
+    float U[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int t0 = nt * 8 + 2 * tq;
+      const int v0 = v_warp + gq;
+      float u00 = 0.f, u01 = 0.f, u10 = 0.f, u11 = 0.f;
+      if (!identity_cols) {
+        u00 = __bfloat162float(st.u[t0][v0]);
+        u01 = __bfloat162float(st.u[t0 + 1][v0]);
+        u10 = __bfloat162float(st.u[t0][v0 + 8]);
+        u11 = __bfloat162float(st.u[t0 + 1][v0 + 8]);
+      }
+      U[nt][0] = u00 - (X[0][nt][0] + X[1][nt][0]);
+      U[nt][1] = u01 - (X[0][nt][1] + X[1][nt][1]);
+      U[nt][2] = u10 - (X[0][nt][2] + X[1][nt][2]);
+      U[nt][3] = u11 - (X[0][nt][3] + X[1][nt][3]);
+    }
+    unsigned ua[4];
+    ua[0] = pack_bf16x2(U[0][0], U[0][1]);
+    ua[1] = pack_bf16x2(U[0][2], U[0][3]);
+    ua[2] = pack_bf16x2(U[1][0], U[1][1]);
+    ua[3] = pack_bf16x2(U[1][2], U[1][3]);
+
+    // S^T = S^T diag(g_last) + U^T K^
+#pragma unroll
+    for (int n = 0; n < 16; n += 2) {
+      unsigned b0, b1, b2, b3;
+      // trans: lanes 0-7 tokens 0-7 col 8n, 8-15 tokens 8-15 col 8n, 16-23 tokens 0-7 col 8n+8, 24-31
+      ldmatrix_x4_trans(b0, b1, b2, b3, &st.kd[(lane & 15)][8 * n + ((lane >> 4) << 3)]);
+#pragma unroll
+      for (int hn = 0; hn < 2; ++hn) {
+        const float2 gl = *reinterpret_cast<const float2*>(&st.gl[8 * (n + hn) + 2 * tq]);
+        acc[n + hn][0] *= gl.x;
+        acc[n + hn][1] *= gl.y;
+        acc[n + hn][2] *= gl.x;
+        acc[n + hn][3] *= gl.y;
+      }
+      mma_bf16(acc[n], ua, b0, b1);
+      mma_bf16(acc[n + 1], ua, b2, b3);
+    }
+
+    if (write_out) {
+      // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
+      float Y[2][2][4] = {};
+      state_times_tile(Y, sa, st.qg, lrow, lcol);
+      {
+        unsigned m0, m1, m2, m3;
+        ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
+        mma_bf16(Y[0][0], ua, m0, m1);
+        mma_bf16(Y[0][1], ua, m2, m3);
+      }
+
+      // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int t0 = nt * 8 + 2 * tq;
+        const int vl = warp * 16 + gq;
+        so[t0][vl] = __float2bfloat16(Y[0][nt][0] + Y[1][nt][0]);
+        so[t0 + 1][vl] = __float2bfloat16(Y[0][nt][1] + Y[1][nt][1]);
+        so[t0][vl + 8] = __float2bfloat16(Y[0][nt][2] + Y[1][nt][2]);
+        so[t0 + 1][vl + 8] = __float2bfloat16(Y[0][nt][3] + Y[1][nt][3]);
+      }
+      __syncthreads();
+      const std::int64_t tok0 = bos + (c_begin + c) * C;
+      const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
+      constexpr int kPieces = VB / 8;  // 16-byte pieces per token row
+      for (int e = tid; e < nvalid * kPieces; e += THREADS) {
+        const int t = e / kPieces, pc = e % kPieces;
+        const std::int64_t off = ((tok0 + t) * H + h) * D + v_block + pc * 8;
+        *reinterpret_cast<uint4*>(p.out + off) = *reinterpret_cast<const uint4*>(&so[t][pc * 8]);
+      }
+    }
+  }
+  // The end state: the caller's final state (last segment), this segment's block in the workspace
+  // (segment 0 of a split sequence: S_1; a transition: H_j^T and P^T rows), or the caller's
+  // transition buffers (kTransition), fp32 but for a bf16 final state. The slot is looked up again
+  // rather than kept live across the chunk loop (that cost the loop ~60 registers and 4-9 % of its
+  // speed).
+  enum class EndKind { kNone, kFinalF32, kFinalBF16, kSegment, kTransition };
+  EndKind end = EndKind::kNone;
+  const std::int64_t end_idx = state_index(p, s, false);
+  const std::int64_t end_base = (end_idx * H + h) * static_cast<std::int64_t>(D) * D;
+  if (kAllTransitions) {
+    end = EndKind::kTransition;
+  } else if (last) {
+    if (end_idx >= 0 && p.final_kind == StateKind::kF32) end = EndKind::kFinalF32;
+    if (end_idx >= 0 && p.final_kind == StateKind::kBF16) end = EndKind::kFinalBF16;
+  } else if (PASS == RecurrencePass::kFirst) {
+    end = EndKind::kSegment;
+  }
+  float* seg_out = end == EndKind::kSegment ? seg_block(p, seg_slot, h) : nullptr;
+  // kTransition: H^T rows (0..127) and P^T rows (128..255) of pair (s, h).
+  const std::int64_t pair_base = (s * H + h) * static_cast<std::int64_t>(D) * D;
+  if (end != EndKind::kNone) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = v_warp + gq + 8 * r;
+        const int col = 8 * n + 2 * tq;
+        const float2 value = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
+        if (end == EndKind::kSegment) {
+          *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
+        } else if (end == EndKind::kTransition) {
+          float* dst = row < D ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
+                               : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
+          *reinterpret_cast<float2*>(dst + col) = value;
+        } else {
+          const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
+          if (end == EndKind::kFinalF32) {
+            *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
+                __floats2bfloat162_rn(value.x, value.y);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int WARPS>
+constexpr std::size_t recurrence_smem_bytes() {
+  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) + kStages * sizeof(std::uint64_t);
+}
+
+
+template <int WARPS, RecurrencePass PASS, bool SPLIT>
+Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks, cudaStream_t stream) {
+  constexpr std::size_t smem = recurrence_smem_bytes<WARPS>();
+  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS, SPLIT>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(prm.num_heads),
+                     static_cast<unsigned>(column_blocks));
+  cfg.blockDim = dim3(WARPS * 32);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS, SPLIT>, prm),
+                     "kda_recurrence_kernel");
+}
+
+template <int WARPS>
+Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, std::int64_t grid_x,
+                   int column_blocks, cudaStream_t stream) {
+  switch (pass) {
+    case RecurrencePass::kFirst:
+      return split ? launch<WARPS, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks, stream)
+                   : launch<WARPS, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks, stream);
+    case RecurrencePass::kSecond:
+      return launch<WARPS, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
+    case RecurrencePass::kTransition:
+      return launch<WARPS, RecurrencePass::kTransition, false>(prm, grid_x, column_blocks, stream);
+  }
+  return Status(StatusCode::kInternal, "unknown recurrence pass");
+}
+
+}  // namespace
+
+Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split, int warps,
+                         std::int64_t grid_x, int column_blocks, cudaStream_t stream) {
+  if (warps == 8) return launch_pass<8>(prm, pass, split, grid_x, column_blocks, stream);
+  if (warps == 4) return launch_pass<4>(prm, pass, split, grid_x, column_blocks, stream);
+  if (warps == 2) return launch_pass<2>(prm, pass, split, grid_x, column_blocks, stream);
+  return Status(StatusCode::kInternal, "recurrence blocks have 2, 4 or 8 warps");
+}
+
+}  // namespace kda::detail
