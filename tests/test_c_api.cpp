@@ -1,4 +1,4 @@
-// The C API (kda/kda.h) on the CPU backend: every entry point, its errors (null handle and
+// The C API (kda/kda_engine.h) on the CPU backend: every entry point, its errors (null handle and
 // pointers, bad YAML, options, layer and slot out of range, the plan-JSON buffer), and prefill +
 // decode through it equal the same calls on the C++ Engine bitwise.
 #include <doctest/doctest.h>
@@ -9,7 +9,7 @@
 
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
-#include "kda/kda.h"
+#include "kda/kda_engine.h"
 #include "kda_reference.hpp"
 
 using kda::engine::Engine;

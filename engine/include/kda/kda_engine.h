@@ -1,4 +1,4 @@
-/* kda/kda.h — the C API of kda-engine: an opaque engine handle over kda::engine::Engine.
+/* kda/kda_engine.h — the C API of kda-engine: an opaque engine handle over kda::engine::Engine.
  *
  * Plain C (C99) and C++. Link kda::engine (a C++ library: link the program with the C++ compiler,
  * or add the C++ runtime by hand). Every call maps onto the C++ Engine (engine/include/kda/engine/
@@ -40,8 +40,8 @@
  * [T, H, V], with K = V = head_dim and T the tokens of the batch (decode: T = batch * tokens).
  * `slots` and `cu_seqlens` are always host arrays.
  */
-#ifndef KDA_KDA_H_
-#define KDA_KDA_H_
+#ifndef KDA_KDA_ENGINE_H_
+#define KDA_KDA_ENGINE_H_
 
 #include <stddef.h>
 #include <stdint.h>
@@ -163,4 +163,4 @@ kda_status kda_engine_check_device_status(kda_engine* engine);
 } /* extern "C" */
 #endif
 
-#endif /* KDA_KDA_H_ */
+#endif /* KDA_KDA_ENGINE_H_ */
