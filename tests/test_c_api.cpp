@@ -149,7 +149,7 @@ TEST_CASE("create from string and from file, every query") {
   CHECK(free_slots == 4);
   // The C API reports the plan the C++ planner makes for this spec.
   const kda::planner::MemoryPlan plan = Engine::plan_for(spec, kda::Backend::kCpu);
-  CHECK(arena == plan.total_bytes);
+  CHECK(arena == plan.arena_bytes);
   std::size_t length = 0;
   REQUIRE(kda_engine_plan_json(handle, nullptr, 0, &length) == KDA_OK);
   std::vector<char> json(length + 1, 'x');

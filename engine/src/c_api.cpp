@@ -284,7 +284,7 @@ kda_status kda_engine_free_slots(kda_engine* engine, int* out) {
 kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_arena_bytes", "out");
-    *out = e.plan().total_bytes;
+    *out = e.arena_bytes();
   });
 }
 
