@@ -149,6 +149,11 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
   const auto predicted = Engine::plan_for(spec, kda::Backend::kCpu, 64);
   CHECK(predicted.arena_bytes == plan.arena_bytes);
   CHECK(predicted.to_json() == plan.to_json());
+  CHECK(engine.arena_bytes() == plan.arena_bytes);  // the same name as kda_engine_arena_bytes
+  CHECK(plan.to_json().find("\"arena_bytes\": " + std::to_string(plan.arena_bytes)) !=
+        std::string::npos);
+  CHECK(plan.to_table().find("arena_bytes: " + std::to_string(plan.arena_bytes)) !=
+        std::string::npos);
 
   // bf16 state halves the pools.
   const auto bf16 = Engine::plan_for(spec_from(replace(kSpec, "state_dtype: fp32", "state_dtype: bf16")),
