@@ -24,8 +24,9 @@ endforeach()
 
 # Configure arguments of each project, '|'-separated.
 set(kda_consumer_cuda_args "-DKDA_CONSUMER_CONFIGURE_ARGS=-DKDA_EXPECT_CUDA=${KDA_WITH_CUDA}")
-set(kda_readme_configure_args
-  "-DKDA_README=${PROJECT_SOURCE_DIR}/README.md|-DKDA_EXAMPLES_WORKING_DIR=${PROJECT_SOURCE_DIR}")
+set(kda_readme_configure_args "-DKDA_README=${PROJECT_SOURCE_DIR}/README.md")
+string(APPEND kda_readme_configure_args
+  "|-DKDA_EXAMPLES_WORKING_DIR=${PROJECT_SOURCE_DIR}|-DKDA_EXPECT_CUDA=OFF")
 if(KDA_WITH_CUDA)
   # The installed package looks for CUDAToolkit: point it at the toolkit we built with.
   get_filename_component(kda_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)

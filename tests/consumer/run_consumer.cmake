@@ -1,8 +1,9 @@
 # cmake -P script behind the `consumer_find_package` and `readme_examples` tests (arguments: see
 # register.cmake).
 #  1. cmake --install <build> --prefix <fresh dir>/prefix
-#  2. configure KDA_CONSUMER_SOURCE_DIR (tests/consumer, tests/readme) with CMAKE_PREFIX_PATH=<prefix>
-#     (same generator, compilers, flags, CUDA) and the '|'-separated KDA_CONSUMER_CONFIGURE_ARGS
+#  2. configure KDA_CONSUMER_SOURCE_DIR (tests/consumer, tests/readme) with
+#     CMAKE_PREFIX_PATH=<prefix> (same generator, compilers, flags, CUDA) and the '|'-separated
+#     KDA_CONSUMER_CONFIGURE_ARGS
 #  3. build it and run it: its kda_consumer program, or with KDA_CONSUMER_RUN_CTEST its CTest tests.
 # Every step's output is printed when it fails; the work directory is kept then for inspection and
 # removed after a pass.
