@@ -6,7 +6,8 @@
 # They need the whole project built first (the install takes what the build produced).
 # In a CUDA build, consumer_find_package links the CUDA libraries (CUDAToolkit found as in this
 # build) and readme_examples configures with CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit: a consumer
-# without the toolkit gets the CPU-only libraries of the same install.
+# without the toolkit gets the CPU-only libraries of the same install (unless KDA_CPU_LIBRARIES is
+# OFF: then it links the CUDA libraries too).
 
 set(kda_consumer_common_args
   -DKDA_BINARY_DIR=${PROJECT_BINARY_DIR}
@@ -22,18 +23,25 @@ foreach(var CMAKE_PREFIX_PATH CMAKE_CXX_FLAGS CMAKE_C_FLAGS CMAKE_EXE_LINKER_FLA
   list(APPEND kda_consumer_common_args "-DKDA_${var}=${value}")
 endforeach()
 
-# Configure arguments of each project, '|'-separated.
-set(kda_consumer_cuda_args "-DKDA_CONSUMER_CONFIGURE_ARGS=-DKDA_EXPECT_CUDA=${KDA_WITH_CUDA}")
-set(kda_readme_configure_args "-DKDA_README=${PROJECT_SOURCE_DIR}/README.md")
-string(APPEND kda_readme_configure_args
-  "|-DKDA_EXAMPLES_WORKING_DIR=${PROJECT_SOURCE_DIR}|-DKDA_EXPECT_CUDA=OFF")
+# Each test's arguments: the toolkit for the runner, the project's configure arguments ('|'-separated).
+set(kda_cuda_args)
 if(KDA_WITH_CUDA)
   # The installed package looks for CUDAToolkit: point it at the toolkit we built with.
   get_filename_component(kda_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
-  list(APPEND kda_consumer_cuda_args
-    "-DKDA_CUDA_COMPILER=${CMAKE_CUDA_COMPILER}"
-    "-DKDA_CUDAToolkit_ROOT=${kda_cuda_root}")
-  string(APPEND kda_readme_configure_args "|-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON")
+  set(kda_cuda_args
+    "-DKDA_CUDA_COMPILER=${CMAKE_CUDA_COMPILER}" "-DKDA_CUDAToolkit_ROOT=${kda_cuda_root}")
+endif()
+set(kda_consumer_cuda_args ${kda_cuda_args}
+  "-DKDA_CONSUMER_CONFIGURE_ARGS=-DKDA_EXPECT_CUDA=${KDA_WITH_CUDA}")
+set(kda_readme_configure_args "-DKDA_README=${PROJECT_SOURCE_DIR}/README.md")
+string(APPEND kda_readme_configure_args "|-DKDA_EXAMPLES_WORKING_DIR=${PROJECT_SOURCE_DIR}")
+set(kda_readme_cuda_args)
+if(NOT KDA_WITH_CUDA OR TARGET kda_cpu)
+  # Without CUDAToolkit (also in a CUDA build): the CPU-only libraries.
+  string(APPEND kda_readme_configure_args
+    "|-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON|-DKDA_EXPECT_CUDA=OFF")
+else()
+  set(kda_readme_cuda_args ${kda_cuda_args})  # KDA_CPU_LIBRARIES=OFF: the CUDA libraries only
 endif()
 
 add_test(NAME consumer_find_package
@@ -45,7 +53,7 @@ set_tests_properties(consumer_find_package PROPERTIES LABELS cpu TIMEOUT 600)
 
 get_filename_component(kda_readme_project "${CMAKE_CURRENT_LIST_DIR}/../readme" ABSOLUTE)
 add_test(NAME readme_examples
-  COMMAND ${CMAKE_COMMAND} ${kda_consumer_common_args}
+  COMMAND ${CMAKE_COMMAND} ${kda_consumer_common_args} ${kda_readme_cuda_args}
     -DKDA_CONSUMER_SOURCE_DIR=${kda_readme_project}
     -DKDA_CONSUMER_WORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/readme
     -DKDA_CONSUMER_RUN_CTEST=ON
@@ -54,5 +62,7 @@ add_test(NAME readme_examples
 set_tests_properties(readme_examples PROPERTIES LABELS cpu TIMEOUT 600)
 unset(kda_consumer_common_args)
 unset(kda_consumer_cuda_args)
+unset(kda_cuda_args)
+unset(kda_readme_cuda_args)
 unset(kda_readme_configure_args)
 unset(kda_readme_project)
