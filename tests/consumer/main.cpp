@@ -1,12 +1,12 @@
 // A user's program built against the installed kda package (find_package(kda CONFIG)): checks that
 // the public headers compile outside the source tree and that the exported libraries link and run.
 // Exits non-zero, naming the failed check, when something is wrong.
+#include <kda/kda_engine.h>
 #include <kda/bf16.hpp>
 #include <kda/engine/engine.hpp>
 #include <kda/engine/error.hpp>
 #include <kda/engine/model_spec.hpp>
 #include <kda/kda.hpp>
-#include <kda/kda_engine.h>
 #include <kda/planner/memory_plan.hpp>
 
 #include <cmath>
