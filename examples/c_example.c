@@ -1,4 +1,4 @@
-/* c_example.c — embedding kda-engine from plain C99 through kda/kda.h.
+/* c_example.c — embedding kda-engine from plain C99 through kda/kda_engine.h.
  *
  *   kda-c-example MODEL.yaml      (e.g. examples/models/tiny.yaml)
  *
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kda/kda.h"
+#include "kda/kda_engine.h"
 
 enum { kPrefillTokens = 8, kDecodeSteps = 2 };
 

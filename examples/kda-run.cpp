@@ -63,7 +63,7 @@ Options:
   --threads N          CPU backend threads (default 0: all hardware threads)
   --plan-only          print the memory plan and exit (no weights are read, but a missing weights
                        file is reported); --json prints every buffer as JSON:
-                       {"mode", "alignment", "total_bytes", "buffers": [{"name", "kind", "layer",
+                       {"mode", "alignment", "arena_bytes", "buffers": [{"name", "kind", "layer",
                        "offset", "bytes", ...}]}, kind one of workspace, state, scratch, parameter,
                        layer the model layer (1-based; -1 for buffers of no layer)
   --plan               print the memory plan as a table of every buffer (default: a summary of
@@ -289,8 +289,8 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
                          kda::Backend backend, std::int64_t synthetic_tokens) {
   using kda::planner::BufferKind;
   using kda::planner::format_bytes;
-  std::string text = "arena: " + format_bytes(plan.total_bytes) + " (" +
-                     std::to_string(plan.total_bytes) + " bytes) in " +
+  std::string text = "arena: " + format_bytes(plan.arena_bytes) + " (" +
+                     std::to_string(plan.arena_bytes) + " bytes) in " +
                      std::to_string(plan.entries.size()) + " buffers, runtime.workspace_plan " +
                      kda::planner::to_string(plan.mode) + "\n";
   char line[160];
@@ -322,7 +322,7 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
   std::snprintf(line, sizeof line,
                 "  plan sum: %s (each buffer its own memory), plan reuse: %s (workspaces and "
                 "scratch share)\n",
-                format_bytes(sum.total_bytes).c_str(), format_bytes(reuse.total_bytes).c_str());
+                format_bytes(sum.arena_bytes).c_str(), format_bytes(reuse.arena_bytes).c_str());
   text += line;
   text += "  (--plan prints every buffer)\n";
   return text;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kda-engine builds with, when any is missing. Quiet and a no-op when
 # everything is present; runs `apt-get update` once, only when something has to be installed; uses
-# sudo when not root.
+# sudo when not root. Arguments name other packages to check instead (scripts/format-check.sh:
+# `deps.sh clang-format`).
 #   KDA_SKIP_DEPS=1   skip the check (machines without apt, or dependencies from elsewhere)
 set -euo pipefail
 
@@ -10,6 +11,9 @@ if [[ "${KDA_SKIP_DEPS:-0}" == 1 ]]; then
 fi
 
 packages=(cmake ninja-build g++ libeigen3-dev libyaml-cpp-dev doctest-dev nlohmann-json3-dev)
+if [[ $# -gt 0 ]]; then
+  packages=("$@")
+fi
 
 if ! command -v dpkg-query >/dev/null 2>&1; then
   echo "deps.sh: not a Debian system (no dpkg-query); make sure these are installed:" \

@@ -1,4 +1,4 @@
-// The C API (kda/kda.h) on the CPU backend: every entry point, its errors (null handle and
+// The C API (kda/kda_engine.h) on the CPU backend: every entry point, its errors (null handle and
 // pointers, bad YAML, options, layer and slot out of range, the plan-JSON buffer), and prefill +
 // decode through it equal the same calls on the C++ Engine bitwise.
 #include <doctest/doctest.h>
@@ -9,7 +9,7 @@
 
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
-#include "kda/kda.h"
+#include "kda/kda_engine.h"
 #include "kda_reference.hpp"
 
 using kda::engine::Engine;
@@ -149,7 +149,7 @@ TEST_CASE("create from string and from file, every query") {
   CHECK(free_slots == 4);
   // The C API reports the plan the C++ planner makes for this spec.
   const kda::planner::MemoryPlan plan = Engine::plan_for(spec, kda::Backend::kCpu);
-  CHECK(arena == plan.total_bytes);
+  CHECK(arena == plan.arena_bytes);
   std::size_t length = 0;
   REQUIRE(kda_engine_plan_json(handle, nullptr, 0, &length) == KDA_OK);
   std::vector<char> json(length + 1, 'x');

@@ -1,7 +1,8 @@
-// The C API (kda/kda.h) on the CUDA backend (label `gpu`): an engine created from YAML text runs
-// prefill and decode on the caller's device pointers and stream, and agrees with a CPU engine made
-// through the same API from the same YAML and seed; the CUDA-only checks (host pointers, the device
-// status word) come back as status codes and per-handle messages, never as exceptions or faults.
+// The C API (kda/kda_engine.h) on the CUDA backend (label `gpu`): an engine created from YAML text
+// runs prefill and decode on the caller's device pointers and stream, and agrees with a CPU engine
+// made through the same API from the same YAML and seed; the CUDA-only checks (host pointers, the
+// device status word) come back as status codes and per-handle messages, never as exceptions or
+// faults.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -10,7 +11,7 @@
 #include <vector>
 
 #include "cuda_test_util.hpp"
-#include "kda/kda.h"
+#include "kda/kda_engine.h"
 #include "kda_reference.hpp"
 
 namespace {

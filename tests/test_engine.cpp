@@ -123,7 +123,7 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
   int states = 0;
   for (const auto& entry : plan.entries) {
     CHECK(entry.offset % 256 == 0);
-    CHECK(entry.offset + entry.bytes <= plan.total_bytes);
+    CHECK(entry.offset + entry.bytes <= plan.arena_bytes);
     if (entry.kind == kda::planner::BufferKind::kState) ++states;
   }
   CHECK(states == 3);
@@ -147,8 +147,13 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
   }
   // The engine plans exactly what plan_for() predicts.
   const auto predicted = Engine::plan_for(spec, kda::Backend::kCpu, 64);
-  CHECK(predicted.total_bytes == plan.total_bytes);
+  CHECK(predicted.arena_bytes == plan.arena_bytes);
   CHECK(predicted.to_json() == plan.to_json());
+  CHECK(engine.arena_bytes() == plan.arena_bytes);  // the same name as kda_engine_arena_bytes
+  CHECK(plan.to_json().find("\"arena_bytes\": " + std::to_string(plan.arena_bytes)) !=
+        std::string::npos);
+  CHECK(plan.to_table().find("arena_bytes: " + std::to_string(plan.arena_bytes)) !=
+        std::string::npos);
 
   // bf16 state halves the pools.
   const auto bf16 = Engine::plan_for(spec_from(replace(kSpec, "state_dtype: fp32", "state_dtype: bf16")),
@@ -182,8 +187,8 @@ TEST_CASE("plan: reuse shares workspaces between layers and is smaller than sum"
     if (workspaces == 0) continue;  // a backend that needs no workspace has nothing to share
     CHECK(workspaces == 20);
     // Sum gives every layer its own workspace; reuse needs about one.
-    CHECK(reuse.total_bytes < sum.total_bytes);
-    CHECK(sum.total_bytes - reuse.total_bytes >= 19 * workspace_bytes);
+    CHECK(reuse.arena_bytes < sum.arena_bytes);
+    CHECK(sum.arena_bytes - reuse.arena_bytes >= 19 * workspace_bytes);
     for (std::size_t i = 0; i < reuse.entries.size(); ++i) {
       for (std::size_t j = i + 1; j < reuse.entries.size(); ++j) {
         const auto& a = reuse.entries[i];

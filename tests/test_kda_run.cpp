@@ -299,7 +299,7 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
     CHECK(plan["mode"].is_string());
     CHECK((plan["mode"] == "sum" || plan["mode"] == "reuse"));
     CHECK(plan["alignment"] == 256);
-    REQUIRE(plan["total_bytes"].is_number_unsigned());
+    REQUIRE(plan["arena_bytes"].is_number_unsigned());
     REQUIRE(plan["buffers"].is_array());
     const std::set<std::string> kinds = {"workspace", "state", "scratch", "parameter"};
     std::uint64_t end = 0;
@@ -318,7 +318,7 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
         state_layers.insert(buffer["layer"].get<int>());
       }
     }
-    CHECK(end <= plan["total_bytes"].get<std::uint64_t>());
+    CHECK(end <= plan["arena_bytes"].get<std::uint64_t>());
     CHECK(states == static_cast<int>(state_layers.size()));
     CHECK(states == (std::string(model) == "tiny.yaml" ? 3 : 20));
   }
@@ -327,7 +327,7 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
 TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan") {
   const Result json = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json"});
   REQUIRE(json.rc == 0);
-  const auto total = nlohmann::json::parse(json.out)["total_bytes"].get<std::uint64_t>();
+  const auto total = nlohmann::json::parse(json.out)["arena_bytes"].get<std::uint64_t>();
 
   const Result summary = kda_run({"--model", kModels + "tiny.yaml", "--plan-only"});
   INFO("summary:\n" << summary.out);
@@ -351,7 +351,7 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
   REQUIRE(table.rc == 0);
   CHECK(table.out.find("layer1.state") != std::string::npos);
   CHECK(table.out.find("synthetic.q") != std::string::npos);
-  CHECK(table.out.find("total: " + std::to_string(total) + " bytes") != std::string::npos);
+  CHECK(table.out.find("arena_bytes: " + std::to_string(total) + " (") != std::string::npos);
   CHECK(table.out.find("plan sum: ") == std::string::npos);
 
   // A run prints the summary too, the table with --plan.

@@ -99,7 +99,7 @@ void check_common_invariants(const std::vector<BufferRequest>& requests, const P
   const MemoryPlan& plan = result.plan;
   REQUIRE(plan.entries.size() == requests.size());
   CHECK(plan.alignment == plan_alignment);
-  CHECK(plan.total_bytes % plan_alignment == 0);
+  CHECK(plan.arena_bytes % plan_alignment == 0);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const PlanEntry& entry = plan.entries[i];
     CHECK(entry.name == requests[i].name);  // request order
@@ -109,7 +109,7 @@ void check_common_invariants(const std::vector<BufferRequest>& requests, const P
     CHECK(entry.persistent == requests[i].persistent);
     const std::uint64_t alignment = std::max(plan_alignment, requests[i].alignment);
     CHECK(entry.offset % alignment == 0);
-    CHECK(entry.offset + entry.bytes <= plan.total_bytes);
+    CHECK(entry.offset + entry.bytes <= plan.arena_bytes);
   }
 }
 
@@ -164,7 +164,7 @@ TEST_CASE("planner: sum mode / hand-checkable offsets") {
   CHECK(result.plan.entries[0].offset == 0);
   CHECK(result.plan.entries[1].offset == 256);
   CHECK(result.plan.entries[2].offset == 768);
-  CHECK(result.plan.total_bytes == 1024);
+  CHECK(result.plan.arena_bytes == 1024);
 
   // A request alignment above the plan's raises that buffer's offset only.
   std::vector<BufferRequest> aligned = requests;
@@ -172,12 +172,12 @@ TEST_CASE("planner: sum mode / hand-checkable offsets") {
   const PlanResult aligned_result = plan_of(aligned, PlanMode::kSum);
   check_common_invariants(aligned, aligned_result, 256);
   CHECK(aligned_result.plan.entries[2].offset == 4096);
-  CHECK(aligned_result.plan.total_bytes == 4352);
+  CHECK(aligned_result.plan.arena_bytes == 4352);
 
   // An empty plan is valid and empty.
   const PlanResult empty = plan_of({}, PlanMode::kSum);
   CHECK(empty.ok);
-  CHECK(empty.plan.total_bytes == 0);
+  CHECK(empty.plan.arena_bytes == 0);
   CHECK(empty.plan.entries.empty());
 }
 
@@ -203,7 +203,7 @@ TEST_CASE("planner: sum mode never overlaps / aligns / and totals the aligned su
       for (const BufferRequest& request : requests) {
         cursor = align_up(cursor, std::max(plan_alignment, request.alignment)) + request.bytes;
       }
-      CHECK(result.plan.total_bytes == align_up(cursor, plan_alignment));
+      CHECK(result.plan.arena_bytes == align_up(cursor, plan_alignment));
 
       // Without larger per-buffer alignments, the total is exactly the sum of aligned sizes.
       std::uint64_t aligned_sum = 0;
@@ -213,7 +213,7 @@ TEST_CASE("planner: sum mode never overlaps / aligns / and totals the aligned su
       }
       const PlanResult plain = plan_of(requests, PlanMode::kSum, plan_alignment);
       REQUIRE(plain.ok);
-      CHECK(plain.plan.total_bytes == aligned_sum);
+      CHECK(plain.plan.arena_bytes == aligned_sum);
     }
   }
 }
@@ -236,8 +236,8 @@ TEST_CASE("planner: reuse mode shares memory between layers that run one after a
   check_common_invariants(requests, reuse, 256);
   CHECK(reuse.plan.mode == PlanMode::kReuse);
   // Each workspace is live alone, so the arena is the largest one.
-  CHECK(reuse.plan.total_bytes == largest_workspace);
-  CHECK(reuse.plan.total_bytes * 5 < sum.plan.total_bytes);
+  CHECK(reuse.plan.arena_bytes == largest_workspace);
+  CHECK(reuse.plan.arena_bytes * 5 < sum.plan.arena_bytes);
   for (const PlanEntry& entry : reuse.plan.entries) CHECK(entry.offset == 0);
 
   // With a persistent state per layer: the states stack, the workspaces share what is left.
@@ -249,8 +249,8 @@ TEST_CASE("planner: reuse mode shares memory between layers that run one after a
   }
   const PlanResult with_states = plan_of(requests, PlanMode::kReuse);
   check_common_invariants(requests, with_states, 256);
-  CHECK(with_states.plan.total_bytes == state_sum + largest_workspace);
-  CHECK(with_states.plan.total_bytes < plan_of(requests, PlanMode::kSum).plan.total_bytes);
+  CHECK(with_states.plan.arena_bytes == state_sum + largest_workspace);
+  CHECK(with_states.plan.arena_bytes < plan_of(requests, PlanMode::kSum).plan.arena_bytes);
 }
 
 TEST_CASE("planner: reuse mode never overlaps buffers that are live together (random sets)") {
@@ -276,7 +276,7 @@ TEST_CASE("planner: reuse mode never overlaps buffers that are live together (ra
     // busiest step.
     const PlanResult sum = plan_of(requests, PlanMode::kSum, plan_alignment);
     REQUIRE(sum.ok);
-    CHECK(result.plan.total_bytes <= sum.plan.total_bytes);
+    CHECK(result.plan.arena_bytes <= sum.plan.arena_bytes);
     for (int step = 0; step < steps; ++step) {
       std::uint64_t live = 0;
       for (const BufferRequest& request : requests) {
@@ -284,7 +284,7 @@ TEST_CASE("planner: reuse mode never overlaps buffers that are live together (ra
           live += request.bytes;
         }
       }
-      CHECK(result.plan.total_bytes >= live);
+      CHECK(result.plan.arena_bytes >= live);
     }
     // Deterministic: the same requests give the same plan.
     CHECK(plan_of(requests, PlanMode::kReuse, plan_alignment).plan.to_json() ==
@@ -322,7 +322,7 @@ TEST_CASE("planner: reuse mode puts persistent buffers first and never shares th
       if (&a != &b) CHECK_FALSE(memory_overlaps(a, b));
     }
   }
-  CHECK(result.plan.total_bytes == cursor + largest_workspace);
+  CHECK(result.plan.arena_bytes == cursor + largest_workspace);
 }
 
 TEST_CASE("planner: reuse mode best fit picks the smallest adequate gap") {
@@ -343,7 +343,7 @@ TEST_CASE("planner: reuse mode best fit picks the smallest adequate gap") {
   CHECK(result.plan.find("E")->offset == 6 * u);
   CHECK(result.plan.find("F")->offset == 8 * u);
   CHECK(result.plan.find("C")->offset == 6 * u);
-  CHECK(result.plan.total_bytes == 9 * u);
+  CHECK(result.plan.arena_bytes == 9 * u);
 
   CHECK(result.plan.find("nope") == nullptr);
 
@@ -359,7 +359,7 @@ TEST_CASE("planner: reuse mode best fit picks the smallest adequate gap") {
   CHECK(no_fit_result.plan.find("Y")->offset == 4 * u);
   CHECK(no_fit_result.plan.find("W")->offset == 0);
   CHECK(no_fit_result.plan.find("V")->offset == 7 * u);
-  CHECK(no_fit_result.plan.total_bytes == 9 * u);
+  CHECK(no_fit_result.plan.arena_bytes == 9 * u);
 }
 
 TEST_CASE("planner: errors name the buffer and the problem") {
@@ -378,7 +378,7 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     // Right at the limit it fits: UINT64_MAX rounded down to the alignment.
     const PlanResult at_limit = plan_of({make_request("max", kMaxU64 - 255, 0, 0)}, PlanMode::kSum);
     CHECK(at_limit.ok);
-    CHECK(at_limit.plan.total_bytes == kMaxU64 - 255);
+    CHECK(at_limit.plan.arena_bytes == kMaxU64 - 255);
   }
   SUBCASE("many big buffers summing past 2^64") {
     std::vector<BufferRequest> requests;
@@ -391,7 +391,7 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     // One after another, reuse needs only one of them...
     const PlanResult reuse = plan_of(requests, PlanMode::kReuse);
     CHECK(reuse.ok);
-    CHECK(reuse.plan.total_bytes == std::uint64_t{1} << 60);
+    CHECK(reuse.plan.arena_bytes == std::uint64_t{1} << 60);
     // ...but not when they are all live together.
     for (BufferRequest& request : requests) request.last_step = 19;
     const std::string reuse_error = error_of(requests, PlanMode::kReuse);
@@ -443,11 +443,11 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
                                   PlanMode::kSum);
   REQUIRE(tiny.ok);
   CHECK(tiny.plan.to_json() ==
-        "{\"mode\": \"sum\", \"alignment\": 256, \"total_bytes\": 256, \"buffers\": [{\"name\": "
+        "{\"mode\": \"sum\", \"alignment\": 256, \"arena_bytes\": 256, \"buffers\": [{\"name\": "
         "\"ws\", \"kind\": \"workspace\", \"layer\": 0, \"offset\": 0, \"bytes\": 100, "
         "\"persistent\": false, \"first_step\": 0, \"last_step\": 0}]}");
   CHECK(plan_of({}, PlanMode::kReuse).plan.to_json() ==
-        "{\"mode\": \"reuse\", \"alignment\": 256, \"total_bytes\": 0, \"buffers\": []}");
+        "{\"mode\": \"reuse\", \"alignment\": 256, \"arena_bytes\": 0, \"buffers\": []}");
 
   const std::vector<std::string> odd_names = {
       "plain",  "with \"quotes\"", "back\\slash", "line\nbreak\ttab\r",
@@ -469,7 +469,7 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
     const nlohmann::json json = nlohmann::json::parse(result.plan.to_json());
     CHECK(json.at("mode") == to_string(mode));
     CHECK(json.at("alignment") == 512);
-    CHECK(json.at("total_bytes") == result.plan.total_bytes);
+    CHECK(json.at("arena_bytes") == result.plan.arena_bytes);
     REQUIRE(json.at("buffers").size() == requests.size());
     for (std::size_t i = 0; i < requests.size(); ++i) {
       const nlohmann::json& buffer = json.at("buffers")[i];
@@ -492,7 +492,7 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
   const nlohmann::json json = nlohmann::json::parse(broken.plan.to_json());
   CHECK(json.at("buffers")[0].at("name").get<std::string>() ==
         "bad\xef\xbf\xbd\xef\xbf\xbd(");
-  CHECK(json.at("total_bytes").get<std::uint64_t>() == kMaxU64 - 255);
+  CHECK(json.at("arena_bytes").get<std::uint64_t>() == kMaxU64 - 255);
 }
 
 TEST_CASE("planner: to_table lists every buffer / the mode and the total") {
@@ -505,7 +505,7 @@ TEST_CASE("planner: to_table lists every buffer / the mode and the total") {
   REQUIRE(result.ok);
   const std::string table = result.plan.to_table();
   for (const BufferRequest& request : requests) CHECK(contains(table, request.name));
-  CHECK(contains(table, std::to_string(result.plan.total_bytes)));
+  CHECK(contains(table, std::to_string(result.plan.arena_bytes)));
   CHECK(contains(table, "reuse"));
   CHECK(contains(table, "1.5 MiB"));
   CHECK(contains(table, "persistent"));

@@ -1,9 +1,9 @@
-// engine/c_api.cpp — the C API (kda/kda.h) over kda::engine::Engine.
+// engine/c_api.cpp — the C API (kda/kda_engine.h) over kda::engine::Engine.
 //
 // Every entry point is noexcept and funnels its body through guarded(), which turns any exception
 // into a status and a message. The per-handle message lives in a fixed char array, so recording an
 // error never allocates (and so cannot itself fail while reporting out of memory).
-#include "kda/kda.h"
+#include "kda/kda_engine.h"
 
 #include <algorithm>
 #include <cstring>
@@ -31,7 +31,7 @@ static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUn
 static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 
-constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda.h)
+constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda_engine.h)
 
 kda_status to_c(StatusCode code) noexcept {
   const int value = static_cast<int>(code);
@@ -284,7 +284,7 @@ kda_status kda_engine_free_slots(kda_engine* engine, int* out) {
 kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_arena_bytes", "out");
-    *out = e.plan().total_bytes;
+    *out = e.arena_bytes();
   });
 }
 

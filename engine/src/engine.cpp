@@ -237,7 +237,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options)
   plan_ = make_plan(spec_, backend_, layers_, synthetic_capacity_);
 
   // The one allocation.
-  const std::uint64_t total = plan_.total_bytes;
+  const std::uint64_t total = plan_.arena_bytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
     fail(where + ": arena of " + std::to_string(total) + " bytes is too large", StatusCode::kOverflow);
   }

@@ -367,8 +367,8 @@ std::string MemoryPlan::to_table(const TableFormat& format) const {
     out += line + "\n";
   }
   out += "mode: " + std::string(to_string(mode)) + "  alignment: " + std::to_string(alignment) +
-         "  buffers: " + std::to_string(entries.size()) + "  total: " +
-         std::to_string(total_bytes) + " bytes (" + format_bytes(total_bytes) + ")\n";
+         "  buffers: " + std::to_string(entries.size()) +
+         "  arena_bytes: " + std::to_string(arena_bytes) + " (" + format_bytes(arena_bytes) + ")\n";
   return out;
 }
 
@@ -376,7 +376,7 @@ std::string MemoryPlan::to_json() const {
   std::string out = "{\"mode\": ";
   append_json_string(&out, to_string(mode));
   out += ", \"alignment\": " + std::to_string(alignment);
-  out += ", \"total_bytes\": " + std::to_string(total_bytes);
+  out += ", \"arena_bytes\": " + std::to_string(arena_bytes);
   out += ", \"buffers\": [";
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const PlanEntry& entry = entries[i];
@@ -435,7 +435,7 @@ PlanResult MemoryPlanner::plan(PlanMode mode) const {
   }
   if (!result.error.empty()) return result;
   // Cannot overflow: place_after checked that every buffer's end rounds up within 64 bits.
-  checked_align_up(high_water, alignment_, &result.plan.total_bytes);
+  checked_align_up(high_water, alignment_, &result.plan.arena_bytes);
 
   result.plan.entries.reserve(requests_.size());
   for (std::size_t i = 0; i < requests_.size(); ++i) {

@@ -1,6 +1,7 @@
 // A user's program built against the installed kda package (find_package(kda CONFIG)): checks that
 // the public headers compile outside the source tree and that the exported libraries link and run.
 // Exits non-zero, naming the failed check, when something is wrong.
+#include <kda/kda_engine.h>
 #include <kda/bf16.hpp>
 #include <kda/engine/engine.hpp>
 #include <kda/engine/error.hpp>
@@ -112,13 +113,13 @@ void check_planner() {
   if (!result.ok) return;
   const kda::planner::MemoryPlan& plan = result.plan;
   check(plan.entries.size() == 2, "plan has two entries");
-  check(plan.total_bytes >= 1300 && plan.total_bytes % kda::planner::kDefaultAlignment == 0,
+  check(plan.arena_bytes >= 1300 && plan.arena_bytes % kda::planner::kDefaultAlignment == 0,
         "plan total is aligned and covers both buffers");
   for (const kda::planner::PlanEntry& entry : plan.entries) {
     check(entry.offset % kda::planner::kDefaultAlignment == 0, entry.name + " offset aligned");
   }
   check(plan.find("layer0.workspace") != nullptr, "plan.find(layer0.workspace)");
-  check(plan.to_json().find("\"total_bytes\"") != std::string::npos, "plan JSON has total_bytes");
+  check(plan.to_json().find("\"arena_bytes\"") != std::string::npos, "plan JSON has arena_bytes");
 }
 
 // The engine's model description: parsed from YAML text, defaults filled in, errors thrown as
@@ -150,6 +151,19 @@ void check_model_spec() {
     threw = std::string(error.what()).find("bad.yaml") != std::string::npos;
   }
   check(threw, "parse_model_spec rejects a bad description with an error naming the file");
+}
+
+// The installed example model (share/kda/examples/models) loads, and the C header compiles here.
+void check_installed_model() {
+  try {
+    const kda::engine::ModelSpec spec =
+        kda::engine::load_model_spec(std::string(KDA_DATA_DIR) + "/examples/models/tiny.yaml");
+    check(spec.num_kda_layers() > 0, "the installed tiny.yaml has KDA layers");
+  } catch (const kda::Error& error) {
+    check(false, std::string("loading the installed tiny.yaml threw: ") + error.what());
+  }
+  kda_engine_options options;
+  check(kda_engine_options_init(&options) == KDA_OK, "kda_engine_options_init");
 }
 
 // A whole (tiny) engine on the CPU: plan, one arena, a prefill through every KDA layer.
@@ -184,6 +198,7 @@ int main() {
   check_planner();
   check_model_spec();
   check_engine();
+  check_installed_model();
   std::printf("consumer: CUDA compiled in: %s\n", kda::cuda_compiled() ? "yes" : "no");
   if (failures != 0) {
     std::fprintf(stderr, "consumer: %d check(s) failed\n", failures);

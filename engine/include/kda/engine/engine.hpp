@@ -111,6 +111,8 @@ class Engine {
   const ModelSpec& spec() const noexcept { return spec_; }
   Backend backend() const noexcept { return backend_; }
   const planner::MemoryPlan& plan() const noexcept { return plan_; }
+  // Size of the one allocation (= plan().arena_bytes; C: kda_engine_arena_bytes).
+  std::uint64_t arena_bytes() const noexcept { return plan_.arena_bytes; }
   int num_layers() const noexcept { return static_cast<int>(layers_.size()); }  // KDA layers
   const KdaLayer& layer(int kda_layer) const;  // by position among the KDA layers
   void* stream() const noexcept { return stream_; }

@@ -69,14 +69,17 @@ struct TableFormat {
 struct MemoryPlan {
   PlanMode mode = PlanMode::kSum;
   std::uint64_t alignment = kDefaultAlignment;
-  std::uint64_t total_bytes = 0;  // arena size (a multiple of alignment)
+  // The size of the one arena every buffer is placed in (a multiple of alignment). The same name
+  // everywhere: Engine::arena_bytes(), kda_engine_arena_bytes(), the plan's JSON and table.
+  std::uint64_t arena_bytes = 0;
   std::vector<PlanEntry> entries; // in request order
 
   // nullptr when absent.
   const PlanEntry* find(const std::string& name) const noexcept;
-  // Human-readable table: one line per buffer (name, kind, layer, offset, bytes, lifetime), totals.
+  // Human-readable table: one line per buffer (name, kind, layer, offset, bytes, lifetime), then
+  // mode, alignment, buffer count and arena_bytes.
   std::string to_table(const TableFormat& format = {}) const;
-  // {"mode", "alignment", "total_bytes", "buffers": [{"name","kind","layer","offset","bytes",...}]}
+  // {"mode", "alignment", "arena_bytes", "buffers": [{"name","kind","layer","offset","bytes",...}]}
   std::string to_json() const;
 };
 

@@ -1,9 +1,11 @@
-/* kda/kda.h — the C API of kda-engine: an opaque engine handle over kda::engine::Engine.
+/* kda/kda_engine.h — the C API of kda-engine: an opaque engine handle over kda::engine::Engine.
  *
  * Plain C (C99) and C++. Link kda::engine (a C++ library: link the program with the C++ compiler,
- * or add the C++ runtime by hand). Every call maps onto the C++ Engine (engine/include/kda/engine/
- * engine.hpp); what the engine does — one arena allocated at creation, state slots, prefill and
- * decode on the caller's pointers — is described there.
+ * or add the C++ runtime by hand). Every call maps onto the C++ Engine (kda/engine/engine.hpp);
+ * what the engine does — one arena allocated at creation, state slots, prefill and decode on the
+ * caller's pointers — is described there. The README (installed as share/kda/README.md, sections
+ * "C API" and "Model description") has a complete program; share/kda/examples/c_example.c a longer
+ * one, and share/kda/examples/models/ the example model descriptions.
  *
  *   kda_engine_options options;
  *   kda_engine_options_init(&options);
@@ -40,8 +42,8 @@
  * [T, H, V], with K = V = head_dim and T the tokens of the batch (decode: T = batch * tokens).
  * `slots` and `cu_seqlens` are always host arrays.
  */
-#ifndef KDA_KDA_H_
-#define KDA_KDA_H_
+#ifndef KDA_KDA_ENGINE_H_
+#define KDA_KDA_ENGINE_H_
 
 #include <stddef.h>
 #include <stdint.h>
@@ -93,9 +95,10 @@ kda_status kda_engine_options_init(kda_engine_options* options);
 
 typedef struct kda_engine kda_engine; /* opaque */
 
-/* Reads a YAML model description (README.md, "Model description") and creates an engine: loads
- * parameters, plans memory and allocates the one arena. `options` may be NULL (defaults). On
- * success *out_engine is the new handle; on failure it is NULL and `err` holds the message. */
+/* Reads a YAML model description (share/kda/README.md, "Model description") and creates an
+ * engine: loads parameters, plans memory and allocates the one arena. `options` may be NULL
+ * (defaults). On success *out_engine is the new handle; on failure it is NULL and `err` holds the
+ * message. */
 kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,
                                        kda_engine** out_engine, char* err, size_t err_size);
 /* The same from YAML text. Messages name the source "<yaml string>"; a relative `weights` path is
@@ -117,8 +120,9 @@ kda_status kda_engine_backend(kda_engine* engine, kda_backend* out); /* KDA_BACK
 kda_status kda_engine_max_tokens(kda_engine* engine, int64_t* out);  /* tokens per prefill */
 kda_status kda_engine_max_sequences(kda_engine* engine, int64_t* out); /* = state slots */
 kda_status kda_engine_free_slots(kda_engine* engine, int* out);
-kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out); /* the one allocation */
-/* The memory plan as JSON ({"mode", "alignment", "total_bytes", "buffers": [...]}), snprintf-like:
+/* The size of the one allocation (Engine::arena_bytes(), "arena_bytes" in the plan JSON). */
+kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out);
+/* The memory plan as JSON ({"mode", "alignment", "arena_bytes", "buffers": [...]}), snprintf-like:
  * *length (may be NULL) receives the JSON's length without the terminating NUL, always. With
  * buffer == NULL and buffer_size == 0 it only reports the length (KDA_OK). Otherwise the buffer
  * needs length + 1 bytes: when it has them the JSON is copied (NUL-terminated) and KDA_OK returned;
@@ -163,4 +167,4 @@ kda_status kda_engine_check_device_status(kda_engine* engine);
 } /* extern "C" */
 #endif
 
-#endif /* KDA_KDA_H_ */
+#endif /* KDA_KDA_ENGINE_H_ */
