@@ -54,11 +54,17 @@ float scan_step_ratio() {
   return ratio;
 }
 
-SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms) {
+// Fewest segments (over all sequences) worth a split: below this the second pass, the scan and
+// pass 1's doubled columns eat the gain (H200: H = 32, 8k tokens, 4 segments took 0.64 ms against
+// 0.58 unsplit).
+constexpr std::int64_t kMinSplitSegments = 6;
+
+// max_chunks: the longest sequence's chunks, or an upper bound of it (what the host knows).
+SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms, std::int64_t max_chunks) {
   SegmentPlan plan;
   plan.seg_slots = N;
   const std::uint64_t extra_bound = max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
-  if (extra_bound == 0) return plan;
+  if (extra_bound == 0 || N == 0) return plan;
   const std::int64_t chunks = (T + C - 1) / C;
   // Segments (over all sequences): enough to fill the GPU, no more than the scan pays for, and
   // within the workspace's budget.
@@ -67,10 +73,12 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   if (target > per_seq * N) target = per_seq * N;
   const std::int64_t budget = static_cast<std::int64_t>(kSegmentBudget) / H;
   if (target > budget) target = budget;
-  // Two segments gain nothing (segment 1 waits for segment 0); three and more save 1 - 2 / n.
-  if (target < 3) return plan;
+  if (target < kMinSplitSegments) return plan;
   std::int64_t seg_chunks = (chunks + target - 1) / target;
   if (seg_chunks < static_cast<std::int64_t>(kMinSegmentChunks)) seg_chunks = kMinSegmentChunks;
+  // A sequence gains from three segments on (1 - 2 / n of its recurrence); with two, segment 1
+  // only waits for segment 0. No sequence that long: no split.
+  if (max_chunks < 3 * seg_chunks) return plan;
   const std::int64_t extra = T / (C * seg_chunks);
   if (extra == 0) return plan;
   plan.seg_chunks = seg_chunks;
@@ -129,7 +137,7 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
-    plan_ = plan_segments(T_, N_, p.num_heads, sms_);
+    plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t));
     prm_.seg_chunks = plan_.seg_chunks;
     prm_.seg_blocks =
         plan_.split ? reinterpret_cast<float*>(prm_.records + static_cast<std::uint64_t>(chunk_slots_) *
@@ -212,6 +220,23 @@ class PrefillLaunch {
       if (Status st = check_state_slots(p, t.state_slots_host, nullptr); !st) return st;
     }
     return Status::Ok();
+  }
+  // The longest sequence in chunks: exact for fixed-length rows and with a host copy of
+  // cu_seqlens (O(N) host reads), else bounded by all the tokens.
+  static std::int64_t longest_chunks(const Problem& p, const Tensors& t) {
+    std::int64_t longest = p.varlen() ? p.total_tokens() : p.seq_len;
+    if (p.varlen() && t.cu_seqlens_host != nullptr) {
+      longest = 0;
+      for (std::int64_t s = 0; s < p.num_seqs; ++s) {
+        const std::int64_t len = p.cu_seqlens_dtype == DType::kI64
+                                     ? static_cast<const std::int64_t*>(t.cu_seqlens_host)[s + 1] -
+                                           static_cast<const std::int64_t*>(t.cu_seqlens_host)[s]
+                                     : static_cast<const std::int32_t*>(t.cu_seqlens_host)[s + 1] -
+                                           static_cast<const std::int32_t*>(t.cu_seqlens_host)[s];
+        longest = std::max(longest, len);
+      }
+    }
+    return (longest + C - 1) / C;
   }
   static Status check_workspace(Workspace ws, std::size_t need, const char* what) {
     if (ws.bytes < need || (need > 0 && ws.ptr == nullptr)) {
