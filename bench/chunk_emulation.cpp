@@ -1,0 +1,312 @@
+// kda-chunk-emulation: the CUDA prefill's chunk algorithm emulated on the CPU, with a switch per
+// point where the GPU rounds to bf16, to apportion the GPU's error against an fp64 recurrence
+// (issue: accuracy <= 3e-3). It follows prefill_prepare.cu and prefill_recurrence.cu step by step
+// (factored path: every chunk's decay range below 80, as the bounded gate guarantees):
+//
+//   prepare  qg = scale q^ e^G      kg = k^ e^G      ki = k^ e^-G      kd = k^ e^(G_last - G)
+//            A = beta_i (kg_i . ki_j), i > j (fp32 sums of bf16 products)   M = qg_i . ki_j, i >= j
+//            W  = (I + A)^-1 diag(beta) (k^ e^G)   U0 = (I + A)^-1 diag(beta) v   (fp32 substitution)
+//   recur.   X = S^T W^T   U = U0 - X   S^T = S^T diag(e^G_last) + U^T kd   O = S^T qg^T + U^T M^T
+//
+// Rounding points (each on unless switched off; `out` is always rounded to bf16 at the end):
+//   gram   the Gram operands kg, ki, qg as the tensor cores see them (bf16)
+//   M      the output mask M, stored bf16
+//   W      W stored bf16          U0   U0 stored bf16
+//   kd     K^ stored bf16 (the state update's right operand)
+//   S      the state as the left operand of X and O (bf16 copy of the fp32 accumulators)
+//   U      U as the left operand of the state update and of U^T M^T (bf16)
+//   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
+//
+//   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--gate softplus|lower_bound]
+// Prints, for each configuration, the relative L2 error of out and of the final state.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kda/bf16.hpp"
+
+namespace {
+
+constexpr int C = 16;
+constexpr int D = 128;
+
+struct Rounding {
+  bool gram = true, M = true, W = true, U0 = true, kd = true, S = true, U = true, qgY = true;
+};
+
+float r16(float x, bool on) { return on ? kda::round_bf16(x) : x; }
+
+struct Rng {
+  std::uint64_t s;
+  double uniform() {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<double>(s >> 11) * 0x1.0p-53;
+  }
+  double normal() {
+    const double u1 = 1.0 - uniform(), u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+};
+
+struct Head {
+  int T;
+  std::vector<float> q, k, v, g, beta;  // bf16 values as floats, [T, D] / [T]
+  float a_exp, lower_bound;
+  std::vector<float> dt_bias;           // [D]
+  bool softplus;
+  std::vector<float> s0;                // initial state S^T [V][K]
+};
+
+float gate(const Head& h, float graw, int d) {
+  const float x = graw + h.dt_bias[d];
+  if (h.softplus) return -h.a_exp * (std::max(x, 0.f) + std::log1p(std::exp(-std::fabs(x))));
+  return h.lower_bound / (1.f + std::exp(-h.a_exp * x));
+}
+
+// fp64 token-by-token recurrence (KDA.md §1).
+void reference(const Head& h, std::vector<double>* out, std::vector<double>* state) {
+  std::vector<double> S(h.s0.begin(), h.s0.end());  // [V][K]
+  out->assign(static_cast<size_t>(h.T) * D, 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<double> qh(D), kh(D), a(D);
+  for (int t = 0; t < h.T; ++t) {
+    double nq = 0, nk = 0;
+    for (int d = 0; d < D; ++d) {
+      nq += static_cast<double>(h.q[t * D + d]) * h.q[t * D + d];
+      nk += static_cast<double>(h.k[t * D + d]) * h.k[t * D + d];
+    }
+    nq = 1.0 / std::sqrt(nq + 1e-6);
+    nk = 1.0 / std::sqrt(nk + 1e-6);
+    for (int d = 0; d < D; ++d) {
+      qh[d] = h.q[t * D + d] * nq;
+      kh[d] = h.k[t * D + d] * nk;
+      const double x = static_cast<double>(h.g[t * D + d]) + h.dt_bias[d];
+      const double gg = h.softplus ? -static_cast<double>(h.a_exp) * (std::max(x, 0.0) + std::log1p(std::exp(-std::fabs(x))))
+                                   : h.lower_bound / (1.0 + std::exp(-static_cast<double>(h.a_exp) * x));
+      a[d] = std::exp(gg);
+    }
+    const double b = 1.0 / (1.0 + std::exp(-static_cast<double>(h.beta[t])));
+    for (int vv = 0; vv < D; ++vv) {
+      double* row = &S[static_cast<size_t>(vv) * D];
+      double dk = 0;
+      for (int d = 0; d < D; ++d) {
+        row[d] *= a[d];
+        dk += row[d] * kh[d];
+      }
+      const double u = b * (h.v[t * D + vv] - dk);
+      double o = 0;
+      for (int d = 0; d < D; ++d) {
+        row[d] += u * kh[d];
+        o += row[d] * qh[d];
+      }
+      (*out)[static_cast<size_t>(t) * D + vv] = scale * o;
+    }
+  }
+  *state = S;
+}
+
+// The GPU's chunk path with the given roundings.
+void emulate(const Head& h, const Rounding& r, std::vector<double>* out, std::vector<double>* state) {
+  std::vector<float> S(h.s0);  // fp32 accumulators, [V][K]
+  out->assign(static_cast<size_t>(h.T) * D, 0.0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  for (int t0 = 0; t0 < h.T; t0 += C) {
+    const int n = std::min(C, h.T - t0);
+    float G[C][D], qg[C][D], kg[C][D], ki[C][D], kd[C][D], kt[C][D], qgY[C][D];
+    float A[C][C] = {}, M[C][C] = {}, W[C][D], U0[C][D], beta[C] = {};
+    float inq[C] = {}, ink[C] = {};
+    for (int i = 0; i < C; ++i) {
+      if (i >= n) continue;
+      float sq = 0, sk = 0;
+      for (int d = 0; d < D; ++d) {
+        sq += h.q[(t0 + i) * D + d] * h.q[(t0 + i) * D + d];
+        sk += h.k[(t0 + i) * D + d] * h.k[(t0 + i) * D + d];
+      }
+      inq[i] = 1.f / std::sqrt(sq + 1e-6f);
+      ink[i] = 1.f / std::sqrt(sk + 1e-6f);
+      beta[i] = 1.f / (1.f + std::exp(-h.beta[t0 + i]));
+    }
+    for (int d = 0; d < D; ++d) {
+      float acc = 0;
+      for (int i = 0; i < C; ++i) {
+        if (i < n) acc += gate(h, h.g[(t0 + i) * D + d], d);
+        G[i][d] = acc;
+      }
+    }
+    for (int i = 0; i < C; ++i) {
+      for (int d = 0; d < D; ++d) {
+        const float qh = i < n ? h.q[(t0 + i) * D + d] * inq[i] : 0.f;
+        const float kh = i < n ? h.k[(t0 + i) * D + d] * ink[i] : 0.f;
+        const float eg = std::exp(G[i][d]);
+        kt[i][d] = kh * eg;
+        qg[i][d] = r16(scale * qh * eg, r.gram);
+        qgY[i][d] = r16(scale * qh * eg, r.qgY);
+        kg[i][d] = r16(kt[i][d], r.gram);
+        const float kinv = kh * std::exp(-G[i][d]);
+        ki[i][d] = r16(kinv, r.gram);
+        kd[i][d] = r16(kinv * std::exp(G[C - 1][d]), r.kd);
+      }
+    }
+    for (int i = 0; i < C; ++i) {
+      for (int j = 0; j <= i; ++j) {
+        float a = 0, m = 0;
+        for (int d = 0; d < D; ++d) {
+          a += kg[i][d] * ki[j][d];
+          m += qg[i][d] * ki[j][d];
+        }
+        if (i > j) A[i][j] = beta[i] * a;
+        M[i][j] = r16(m, r.M);
+      }
+    }
+    for (int d = 0; d < D; ++d) {
+      float xk[C], xv[C];
+      for (int i = 0; i < C; ++i) {
+        float rk = beta[i] * kt[i][d];
+        float rv = beta[i] * (i < n ? h.v[(t0 + i) * D + d] : 0.f);
+        for (int j = 0; j < i; ++j) {
+          rk -= A[i][j] * xk[j];
+          rv -= A[i][j] * xv[j];
+        }
+        xk[i] = rk;
+        xv[i] = rv;
+        W[i][d] = r16(rk, r.W);
+        U0[i][d] = r16(rv, r.U0);
+      }
+    }
+    // Recurrence, one state row (a V column) at a time.
+    for (int vv = 0; vv < D; ++vv) {
+      float* row = &S[static_cast<size_t>(vv) * D];
+      float sa[D];
+      for (int d = 0; d < D; ++d) sa[d] = r16(row[d], r.S);
+      float U[C], ua[C];
+      for (int i = 0; i < C; ++i) {
+        float x = 0;
+        for (int d = 0; d < D; ++d) x += sa[d] * W[i][d];
+        U[i] = U0[i][vv] - x;
+        ua[i] = r16(U[i], r.U);
+      }
+      for (int i = 0; i < n; ++i) {
+        float y = 0;
+        for (int d = 0; d < D; ++d) y += sa[d] * qgY[i][d];
+        for (int j = 0; j <= i; ++j) y += ua[j] * M[i][j];
+        (*out)[static_cast<size_t>(t0 + i) * D + vv] = kda::round_bf16(y);
+      }
+      for (int d = 0; d < D; ++d) {
+        float acc = row[d] * std::exp(G[C - 1][d]);
+        for (int i = 0; i < C; ++i) acc += ua[i] * kd[i][d];
+        row[d] = acc;
+      }
+    }
+  }
+  state->assign(S.begin(), S.end());
+}
+
+double rel(const std::vector<double>& x, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    num += (x[i] - ref[i]) * (x[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+Head make_head(int T, bool softplus, bool initial, std::uint64_t seed) {
+  Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
+  Head h;
+  h.T = T;
+  h.softplus = softplus;
+  h.lower_bound = -5.f;
+  h.a_exp = static_cast<float>(std::exp(std::log(0.5 + 1.5 * rng.uniform())));
+  auto bf = [&](size_t count, double sd) {
+    std::vector<float> x(count);
+    for (float& e : x) e = kda::round_bf16(static_cast<float>(sd * rng.normal()));
+    return x;
+  };
+  h.q = bf(static_cast<size_t>(T) * D, 1);
+  h.k = bf(static_cast<size_t>(T) * D, 1);
+  h.v = bf(static_cast<size_t>(T) * D, 1);
+  h.g = bf(static_cast<size_t>(T) * D, 1);
+  h.beta = bf(static_cast<size_t>(T), 1);
+  h.dt_bias.resize(D);
+  for (float& e : h.dt_bias) e = static_cast<float>(2 * rng.uniform() - 1);
+  h.s0.assign(static_cast<size_t>(D) * D, 0.f);
+  if (initial) {
+    for (float& e : h.s0) e = static_cast<float>(0.5 * rng.normal());
+  }
+  return h;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int T = 1024, heads = 4;
+  std::uint64_t seed = 1;
+  bool initial = true, softplus = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--tokens" && i + 1 < argc) T = std::atoi(argv[++i]);
+    else if (a == "--heads" && i + 1 < argc) heads = std::atoi(argv[++i]);
+    else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--no-initial-state") initial = false;
+    else if (a == "--gate" && i + 1 < argc) softplus = std::string(argv[++i]) == "softplus";
+    else {
+      std::fprintf(stderr,
+                   "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
+                   "[--gate softplus|lower_bound]\n");
+      return 2;
+    }
+  }
+  if (T < 1 || heads < 1) {
+    std::fprintf(stderr, "kda-chunk-emulation: --tokens and --heads must be >= 1\n");
+    return 2;
+  }
+  struct Config {
+    const char* name;
+    Rounding r;
+  };
+  std::vector<Config> configs;
+  configs.push_back({"GPU (every rounding)", Rounding{}});
+  const char* names[] = {"gram", "M", "W", "U0", "kd", "S", "U", "qgY"};
+  for (int k = 0; k < 8; ++k) {
+    Rounding r;
+    bool* flags[] = {&r.gram, &r.M, &r.W, &r.U0, &r.kd, &r.S, &r.U, &r.qgY};
+    *flags[k] = false;
+    configs.push_back({names[k], r});
+  }
+  {
+    Rounding r;
+    r.gram = r.M = false;
+    configs.push_back({"gram + M", r});
+    r.kd = false;
+    configs.push_back({"gram + M + kd", r});
+    r.S = r.U = false;
+    configs.push_back({"gram + M + kd + S + U", r});
+  }
+  configs.push_back({"none (out rounding only)", Rounding{false, false, false, false, false, false, false, false}});
+  std::printf("T = %d, %d heads, gate %s, initial state %s, fp64 reference\n\n", T, heads,
+              softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero");
+  std::printf("| rounding switched off | out rel error | state rel error |\n|---|---:|---:|\n");
+  std::vector<std::vector<double>> ref_out(heads), ref_state(heads);
+  std::vector<Head> hs;
+  for (int h = 0; h < heads; ++h) {
+    hs.push_back(make_head(T, softplus, initial, seed * 100 + h));
+    reference(hs.back(), &ref_out[h], &ref_state[h]);
+  }
+  for (const Config& c : configs) {
+    std::vector<double> all_out, all_ref_out, all_state, all_ref_state;
+    for (int h = 0; h < heads; ++h) {
+      std::vector<double> o, s;
+      emulate(hs[h], c.r, &o, &s);
+      all_out.insert(all_out.end(), o.begin(), o.end());
+      all_state.insert(all_state.end(), s.begin(), s.end());
+      all_ref_out.insert(all_ref_out.end(), ref_out[h].begin(), ref_out[h].end());
+      all_ref_state.insert(all_ref_state.end(), ref_state[h].begin(), ref_state[h].end());
+    }
+    std::printf("| %s | %.2e | %.2e |\n", c.name, rel(all_out, all_ref_out), rel(all_state, all_ref_state));
+  }
+  return 0;
+}
