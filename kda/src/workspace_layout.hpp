@@ -25,9 +25,13 @@ inline constexpr int kHeadDim = 128; // K == V == 128 on CUDA
 //   u    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) v                (U0)
 //   m    bf16 [kChunk][kMStride]    scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0
 //   gl   f32  [K]                   exp(G_last)                            (chunk decay of the state)
+// M is kept as a bf16 pair m + m_lo (M in bf16 alone costs 1.6e-3 of out error, measured with
+// kda-chunk-emulation); m_lo lives in padding that costs no bytes: columns 0..7 of row i in
+// qg[i][128..135], columns 8..15 in kd[i][128..135] (kMloColumn). Other padding carries nothing.
 // Padding columns carry no meaning.
 inline constexpr int kRowStride = kHeadDim + 8;  // 272-byte rows
 inline constexpr int kMStride = kChunk + 8;      // 48-byte rows
+inline constexpr int kMloColumn = kHeadDim;      // where m_lo sits in the qg and kd rows' padding
 struct ChunkRecord {
   static constexpr std::size_t kTileBytes = kChunk * kRowStride * 2;  // 4,352
   static constexpr std::size_t kQg = 0;

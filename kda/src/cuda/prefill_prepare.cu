@@ -27,10 +27,13 @@ struct PrepSmem {
   bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
-    bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G)
-    float G[C][kPad];     // exact path: the cumulative gate itself
+    struct {
+      bf16 ki[C][kRowPad];     // factored path: k_hat * exp(-G), and what bf16 left of it
+      bf16 ki_lo[C][kRowPad];
+    } fac;
+    float G[C][kPad];          // exact path: the cumulative gate itself
   };
-  bf16 m[C][kMPad];     // record: M
+  bf16 m[C][kMPad];     // record: M (its bf16 remainder m_lo goes into qg's and kd's row padding)
   float A[C][C + 4];     // 16-byte rows: read back as float4
   float beta[C];
   float inv_norm[2][C];
@@ -38,19 +41,33 @@ struct PrepSmem {
   std::uint64_t inputs_ready;  // mbarrier of the input copies
 };
 
-// acc[nt][0..1]: (row gq, cols 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
-__device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*X)[kRowPad],
-                                       const bf16 (*Y)[kRowPad], int lane) {
+// 16 x 16 += X Y^T over the 128 channels, X and Y 16 x 128 tiles in shared memory (one warp), each
+// a bf16 pair (hi + lo): X_hi Y_hi^T + X_hi Y_lo^T + X_lo Y_hi^T (the lo lo term is below fp32's
+// rounding). acc[nt][0..1]: (row gq, cols 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
+__device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_hi)[kRowPad],
+                                            const bf16 (*x_lo)[kRowPad], const bf16 (*y_hi)[kRowPad],
+                                            const bf16 (*y_lo)[kRowPad], int lane) {
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lcol = ((lane >> 3) & 1) * 8;
-#pragma unroll
+#pragma unroll 2
   for (int kt = 0; kt < D / 16; ++kt) {
-    unsigned a[4], b0, b1, b2, b3;
-    ldmatrix_x4(a[0], a[1], a[2], a[3], &X[lane & 15][kt * 16 + (lane >> 4) * 8]);
-    ldmatrix_x4(b0, b1, b2, b3, &Y[lrow][kt * 16 + lcol]);
+    unsigned a[4], a_lo[4], b0, b1, b2, b3;
+    ldmatrix_x4(a[0], a[1], a[2], a[3], &x_hi[lane & 15][kt * 16 + (lane >> 4) * 8]);
+    ldmatrix_x4(a_lo[0], a_lo[1], a_lo[2], a_lo[3], &x_lo[lane & 15][kt * 16 + (lane >> 4) * 8]);
+    ldmatrix_x4(b0, b1, b2, b3, &y_hi[lrow][kt * 16 + lcol]);
+    mma_bf16(acc[0], a, b0, b1);
+    mma_bf16(acc[1], a, b2, b3);
+    mma_bf16(acc[0], a_lo, b0, b1);
+    mma_bf16(acc[1], a_lo, b2, b3);
+    ldmatrix_x4(b0, b1, b2, b3, &y_lo[lrow][kt * 16 + lcol]);
     mma_bf16(acc[0], a, b0, b1);
     mma_bf16(acc[1], a, b2, b3);
   }
+}
+
+// M's bf16 remainder, into the record's padding (workspace_layout.hpp: kMloColumn).
+__device__ __forceinline__ void store_m_lo(PrepSmem& sm, int i, int j, bf16 value) {
+  (j < 8 ? sm.qg[i][kMloColumn + j] : sm.kd[i][kMloColumn + j - 8]) = value;
 }
 
 __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
@@ -149,13 +166,21 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
     const float eg = __expf(G[t]);
     kt[t] = kh * eg;
-    sm.qg[t][d] = __float2bfloat16(p.scale * qh * eg);
-    sm.kg[t][d] = __float2bfloat16(kt[t]);
+    const float qgv = p.scale * qh * eg;
+    const bf16 qg_hi = __float2bfloat16(qgv), kg_hi = __float2bfloat16(kt[t]);
+    sm.qg[t][d] = qg_hi;
+    sm.kg[t][d] = kg_hi;
     if (factored) {
       // exp(-G) is finite here, and exp(G_last - G) = exp(G_last) exp(-G) saves an exp.
       const float ki = kh * __expf(-G[t]);
-      sm.ki[t][d] = __float2bfloat16(ki);
+      const bf16 ki_hi = __float2bfloat16(ki);
+      sm.fac.ki[t][d] = ki_hi;
+      sm.fac.ki_lo[t][d] = __float2bfloat16(ki - __bfloat162float(ki_hi));
       sm.kd[t][d] = __float2bfloat16(ki * gl_d);
+      // What bf16 left of qg and kg, for the Gram products, over this thread's own (already read)
+      // q and k inputs: the factored path reads them no more.
+      sm.q[t][d] = __float2bfloat16(qgv - __bfloat162float(qg_hi));
+      sm.k[t][d] = __float2bfloat16(kt[t] - __bfloat162float(kg_hi));
     } else {
       sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
       sm.G[t][d] = G[t];
@@ -165,17 +190,27 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
 
   // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg).
   if (factored) {
-    // exp(G_i - G_j) = exp(G_i) exp(-G_j): two 16 x 16 x 128 tensor-core products.
+    // exp(G_i - G_j) = exp(G_i) exp(-G_j): two 16 x 16 x 128 Gram products on the tensor cores,
+    // each operand a bf16 pair (hi + lo), hi hi + hi lo + lo hi: fp32-like sums (the bf16
+    // operands alone cost 2.3e-3 of out error, kda-chunk-emulation).
     if (warp < 2) {
       float acc[2][4] = {};
-      gram16(acc, warp == 0 ? sm.kg : sm.qg, sm.ki, lane);
+      const bf16(*x_hi)[kRowPad] = warp == 0 ? sm.kg : sm.qg;
+      const bf16(*x_lo)[kRowPad] = warp == 0 ? sm.k : sm.q;
+      gram16_pair(acc, x_hi, x_lo, sm.fac.ki, sm.fac.ki_lo, lane);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
-          if (warp == 0) sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
-          else sm.m[i][jj] = __float2bfloat16(i >= jj ? acc[nt][r] : 0.f);
+          if (warp == 0) {
+            sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
+          } else {
+            const float mv = i >= jj ? acc[nt][r] : 0.f;
+            const bf16 m_hi = __float2bfloat16(mv);
+            sm.m[i][jj] = m_hi;
+            store_m_lo(sm, i, jj, __float2bfloat16(mv - __bfloat162float(m_hi)));
+          }
         }
       }
     }
@@ -193,7 +228,10 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
         }
       }
       sm.A[i][jj] = i > jj ? sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj] : 0.f;
-      sm.m[i][jj] = __float2bfloat16(i >= jj ? p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj] : 0.f);
+      const float mv = i >= jj ? p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj] : 0.f;
+      const bf16 m_hi = __float2bfloat16(mv);
+      sm.m[i][jj] = m_hi;
+      store_m_lo(sm, i, jj, __float2bfloat16(mv - __bfloat162float(m_hi)));
     }
   }
   __syncthreads();

@@ -251,6 +251,10 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
         ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
         mma_bf16(Y[0][0], ua, m0, m1);
         mma_bf16(Y[0][1], ua, m2, m3);
+        // M = m + m_lo; m_lo's columns 0..7 sit in qg's row padding, 8..15 in kd's.
+        ldmatrix_x4(m0, m1, m2, m3, lcol == 0 ? &st.qg[lrow][kMloColumn] : &st.kd[lrow][kMloColumn]);
+        mma_bf16(Y[1][0], ua, m0, m1);
+        mma_bf16(Y[1][1], ua, m2, m3);
       }
 
       // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
