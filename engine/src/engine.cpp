@@ -55,6 +55,20 @@ DecodeProblem max_decode_problem(const ModelSpec& spec) {
   return p;
 }
 
+// The caller's part of an operator call's tensors (Tensors or DecodeTensors); the engine adds its
+// own (states, slots, cu_seqlens, status word).
+template <typename CallTensors>
+CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
+  CallTensors t;
+  t.q = inputs.q;
+  t.k = inputs.k;
+  t.v = inputs.v;
+  t.g = inputs.g;
+  t.beta = inputs.beta;
+  t.out = out;
+  return t;
+}
+
 std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, std::uint64_t seed) {
   std::vector<KdaLayer> layers;
   layers.reserve(spec.kda_layer_indices.size());
@@ -461,13 +475,7 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
   // device memory large enough, before anything is enqueued, and the forward skips its own
   // per-call pointer checks.
   const Problem problem = layer.prefill_problem(cu_seqlens[n], static_cast<std::int64_t>(n));
-  Tensors t;
-  t.q = inputs.q;
-  t.k = inputs.k;
-  t.v = inputs.v;
-  t.g = inputs.g;
-  t.beta = inputs.beta;
-  t.out = out;
+  Tensors t = caller_tensors<Tensors>(inputs, out);
   if (backend_ == Backend::kCuda && check_pointers_) {
     check_on_device(layer, "prefill", check_device_pointers(problem, t));
   }
@@ -534,13 +542,7 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
   }
   // The caller's buffers, before anything is enqueued (see prefill).
   const DecodeProblem problem = layer.decode_problem(static_cast<std::int64_t>(batch), tokens);
-  DecodeTensors t;
-  t.q = inputs.q;
-  t.k = inputs.k;
-  t.v = inputs.v;
-  t.g = inputs.g;
-  t.beta = inputs.beta;
-  t.out = out;
+  DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
   if (backend_ == Backend::kCuda && check_pointers_) {
     check_on_device(layer, "decode", check_device_pointers(problem, t));
   }

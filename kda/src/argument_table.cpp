@@ -20,8 +20,7 @@ Status checked_size(const char* what, std::initializer_list<std::int64_t> factor
                     std::uint64_t* out) {
   std::uint64_t product = 1;
   for (std::int64_t factor : factors) {
-    if (!checked_mul(product, static_cast<std::uint64_t>(factor), &product) ||
-        product > kMaxSize) {
+    if (!checked_mul(product, static_cast<std::uint64_t>(factor), &product) || product > kMaxSize) {
       return Status(StatusCode::kOverflow, std::string(what) + " overflows 64-bit sizes");
     }
   }
@@ -101,19 +100,19 @@ Status prefill_table(const Problem& p, const Tensors& t, const TransitionOutputs
   const std::int64_t states = pooled ? p.num_state_slots : n;
   if (pooled && !(st = checked_size("state_slots bytes N*4", {n, 4}, &slots))) return st;
   if (p.initial_state_dtype != DType::kNone &&
-      !(st = checked_size(pooled ? "initial_state bytes num_state_slots*H*V*K*size"
-                                 : "initial_state bytes N*H*V*K*size",
-                          {states, p.num_heads, p.head_dim_v, p.head_dim_k,
-                           size_of(p.initial_state_dtype)},
-                          &initial))) {
+      !(st = checked_size(
+            pooled ? "initial_state bytes num_state_slots*H*V*K*size"
+                   : "initial_state bytes N*H*V*K*size",
+            {states, p.num_heads, p.head_dim_v, p.head_dim_k, size_of(p.initial_state_dtype)},
+            &initial))) {
     return st;
   }
   if (p.final_state_dtype != DType::kNone &&
-      !(st = checked_size(pooled ? "final_state bytes num_state_slots*H*V*K*size"
-                                 : "final_state bytes N*H*V*K*size",
-                          {states, p.num_heads, p.head_dim_v, p.head_dim_k,
-                           size_of(p.final_state_dtype)},
-                          &final_bytes))) {
+      !(st = checked_size(
+            pooled ? "final_state bytes num_state_slots*H*V*K*size"
+                   : "final_state bytes N*H*V*K*size",
+            {states, p.num_heads, p.head_dim_v, p.head_dim_k, size_of(p.final_state_dtype)},
+            &final_bytes))) {
     return st;
   }
   if (transition != nullptr &&
@@ -242,8 +241,7 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
                           {p.batch, p.tokens, p.num_heads, p.head_dim_v, 2}, &v))) {
     return st;
   }
-  if (!(st = checked_size("beta bytes B*tokens*H*2", {p.batch, p.tokens, p.num_heads, 2},
-                          &beta))) {
+  if (!(st = checked_size("beta bytes B*tokens*H*2", {p.batch, p.tokens, p.num_heads, 2}, &beta))) {
     return st;
   }
   if (!(st = checked_size("A_log bytes H*4", {p.num_heads, 4}, &a_log))) return st;
@@ -251,10 +249,10 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
     return st;
   }
   if (!(st = checked_size("slots bytes B*4", {p.batch, 4}, &slots))) return st;
-  if (!(st = checked_size("state_pool bytes num_slots*H*V*K*size",
-                          {p.num_slots, p.num_heads, p.head_dim_v, p.head_dim_k,
-                           size_of(p.state_dtype)},
-                          &pool))) {
+  if (!(st = checked_size(
+            "state_pool bytes num_slots*H*V*K*size",
+            {p.num_slots, p.num_heads, p.head_dim_v, p.head_dim_k, size_of(p.state_dtype)},
+            &pool))) {
     return st;
   }
 
