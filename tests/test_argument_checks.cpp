@@ -19,6 +19,19 @@ namespace {
 
 std::string message_of(const Status& st) { return st.ok() ? "ok" : st.message(); }
 
+// Points the token tensors and gate parameters of `t` (Tensors or DecodeTensors) at the
+// fixture's buffers of the same names.
+template <typename Fixture, typename CallTensors>
+void point_inputs(Fixture* f, CallTensors* t) {
+  t->q = f->at("q");
+  t->k = f->at("k");
+  t->v = f->at("v");
+  t->g = f->at("g");
+  t->beta = f->at("beta");
+  t->A_log = static_cast<const float*>(f->at("A_log"));
+  t->dt_bias = static_cast<const float*>(f->at("dt_bias"));
+}
+
 // A varlen prefill with pooled states and every optional tensor set, each in its own buffer:
 // T = 6 tokens in 2 sequences, H = 2, K = V = 4, a pool of 3 f32 states in and another out.
 struct Prefill {
@@ -40,13 +53,8 @@ struct Prefill {
                              "final_state", "out", "device_status"}) {
       buffers[name].assign(64, 0);  // 512 bytes: larger than any tensor here
     }
-    t.q = at("q");
-    t.k = at("k");
-    t.v = at("v");
-    t.g = at("g");
-    t.beta = at("beta");
-    t.A_log = static_cast<const float*>(at("A_log"));
-    t.dt_bias = static_cast<const float*>(at("dt_bias"));
+    for (const char* cu : {"cu_seqlens", "cu_seqlens_host"}) buffers[cu] = {0, 2, 6};  // i64
+    point_inputs(this, &t);
     t.cu_seqlens = at("cu_seqlens");
     t.cu_seqlens_host = at("cu_seqlens_host");
     t.state_slots = static_cast<const std::int32_t*>(at("state_slots"));
@@ -74,13 +82,7 @@ struct Decode {
                              "out", "device_status"}) {
       buffers[name].assign(64, 0);
     }
-    t.q = at("q");
-    t.k = at("k");
-    t.v = at("v");
-    t.g = at("g");
-    t.beta = at("beta");
-    t.A_log = static_cast<const float*>(at("A_log"));
-    t.dt_bias = static_cast<const float*>(at("dt_bias"));
+    point_inputs(this, &t);
     t.slots = static_cast<const std::int32_t*>(at("slots"));
     t.state_pool = at("state_pool");
     t.out = at("out");
@@ -190,6 +192,37 @@ TEST_CASE("decode: every tensor is in the aliasing checks under its own name") {
   CHECK(validate(f.p).ok());
   f.p.tokens = kMaxDecodeTokens + 1;
   CHECK(message_of(validate(f.p)) == "tokens must be in [1, 16] (got 17)");
+}
+
+TEST_CASE("segment transitions: p_t, h_t and s_out are in the aliasing checks") {
+  Prefill f;
+  f.p.num_state_slots = 0;
+  f.p.initial_state_dtype = f.p.final_state_dtype = DType::kNone;
+  f.t.out = f.t.final_state = nullptr;
+  f.t.initial_state = nullptr;
+  f.t.state_slots = f.t.state_slots_host = nullptr;
+  float* p_t = static_cast<float*>(f.at("initial_state"));  // N*H*K*K*4 = 256 bytes
+  float* h_t = static_cast<float*>(f.at("final_state"));
+  std::vector<unsigned char> ws(1 << 16);
+  const Workspace workspace{ws.data(), ws.size()};
+  CHECK(segment_transition_cpu(f.p, f.t, p_t, h_t, workspace).ok());
+  for (const char* input :
+       {"q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_host"}) {
+    CAPTURE(input);
+    CHECK(message_of(
+              segment_transition_cpu(f.p, f.t, static_cast<float*>(f.at(input)), h_t, workspace)) ==
+          "p_t overlaps " + std::string(input) + " (outputs must not alias inputs)");
+    CHECK(message_of(
+              segment_transition_cpu(f.p, f.t, p_t, static_cast<float*>(f.at(input)), workspace)) ==
+          "h_t overlaps " + std::string(input) + " (outputs must not alias inputs)");
+  }
+  // apply: s_out is s_in exactly or disjoint from it, and disjoint from the transition.
+  std::vector<float> s(16), pt(16), ht(16);
+  CHECK(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), s.data()).ok());
+  CHECK(message_of(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), ht.data())) ==
+        "s_out overlaps h_t (outputs must not alias inputs)");
+  CHECK(message_of(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), nullptr)) ==
+        "s_out is null");
 }
 
 TEST_CASE("check_device_pointers: the problem first, then the device") {

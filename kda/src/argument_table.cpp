@@ -116,10 +116,10 @@ Status prefill_table(const Problem& p, const Tensors& t, const TransitionOutputs
     return st;
   }
   if (transition != nullptr &&
-      (!(st = checked_size("p_t bytes N*H*K*K*4",
-                           {n, p.num_heads, p.head_dim_k, p.head_dim_k, 4}, &p_bytes)) ||
-       !(st = checked_size("h_t bytes N*H*V*K*4",
-                           {n, p.num_heads, p.head_dim_v, p.head_dim_k, 4}, &h_bytes)))) {
+      (!(st = checked_size("p_t bytes N*H*K*K*4", {n, p.num_heads, p.head_dim_k, p.head_dim_k, 4},
+                           &p_bytes)) ||
+       !(st = checked_size("h_t bytes N*H*V*K*4", {n, p.num_heads, p.head_dim_v, p.head_dim_k, 4},
+                           &h_bytes)))) {
     return st;
   }
 
@@ -199,8 +199,8 @@ Status prefill_arguments(const Problem& p, const Tensors& t, ArgumentTable* tabl
   return prefill_table(p, t, nullptr, table);
 }
 
-Status transition_arguments(const Problem& p, const Tensors& t, const float* p_t,
-                            const float* h_t, ArgumentTable* table) {
+Status transition_arguments(const Problem& p, const Tensors& t, const float* p_t, const float* h_t,
+                            ArgumentTable* table) {
   const TransitionOutputs outputs{p_t, h_t};
   return prefill_table(p, t, &outputs, table);
 }

@@ -111,8 +111,8 @@ struct ArgumentTable {
 Status prefill_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
 Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);
 // A segment transition (kda.hpp): the prefill's inputs, p_t and h_t in place of out and states.
-Status transition_arguments(const Problem& p, const Tensors& t, const float* p_t,
-                            const float* h_t, ArgumentTable* table);
+Status transition_arguments(const Problem& p, const Tensors& t, const float* p_t, const float* h_t,
+                            ArgumentTable* table);
 // apply_transition_*: s_in, p_t, h_t and s_out (an exact alias of s_in or disjoint from it).
 Status apply_transition_arguments(std::int64_t pairs, std::int64_t head_dim_k,
                                   std::int64_t head_dim_v, const float* s_in, const float* p_t,
