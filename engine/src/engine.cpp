@@ -12,6 +12,7 @@
 #include <system_error>
 
 #include "kda/bf16.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda/nvtx.hpp"
@@ -19,8 +20,6 @@
 namespace kda::engine {
 
 namespace {
-
-constexpr int kMaxDecodeTokens = 16;
 
 [[noreturn]] void fail(const std::string& what, StatusCode code = StatusCode::kInvalidArgument) {
   throw Error(code, what);
@@ -56,10 +55,18 @@ DecodeProblem max_decode_problem(const ModelSpec& spec) {
   return p;
 }
 
-bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
-  *out = a * b;
-  return true;
+// The caller's part of an operator call's tensors (Tensors or DecodeTensors); the engine adds its
+// own (states, slots, cu_seqlens, status word).
+template <typename CallTensors>
+CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
+  CallTensors t;
+  t.q = inputs.q;
+  t.k = inputs.k;
+  t.v = inputs.v;
+  t.g = inputs.g;
+  t.beta = inputs.beta;
+  t.out = out;
+  return t;
 }
 
 std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, std::uint64_t seed) {
@@ -117,8 +124,8 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
     const auto H = static_cast<std::uint64_t>(spec.num_heads);
     const auto D = static_cast<std::uint64_t>(spec.head_dim);
     std::uint64_t per_token = 0, qkvg = 0, beta = 0;
-    if (!checked_mul(H, D * 2, &per_token) || !checked_mul(tokens, per_token, &qkvg) ||
-        !checked_mul(tokens, H * 2, &beta)) {
+    if (!detail::checked_mul(H, D * 2, &per_token) ||
+        !detail::checked_mul(tokens, per_token, &qkvg) || !detail::checked_mul(tokens, H * 2, &beta)) {
       fail("synthetic inputs of " + std::to_string(tokens) + " tokens: byte count overflows 64 bits",
            StatusCode::kOverflow);
     }
@@ -338,35 +345,8 @@ void Engine::synchronize() const {
   if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
 }
 
-Engine::CallerBuffers Engine::caller_buffers(const LayerInputs& inputs, const void* out,
-                                             std::uint64_t token_bytes, std::uint64_t beta_bytes) {
-  return {{{inputs.q, token_bytes, "q"},
-           {inputs.k, token_bytes, "k"},
-           {inputs.v, token_bytes, "v"},
-           {inputs.g, token_bytes, "g"},
-           {inputs.beta, beta_bytes, "beta"},
-           {out, token_bytes, "out"}}};
-}
-
-void Engine::check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffers) {
-  const CallerBuffer& out = buffers.back();
-  const auto begin = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
-  if (out.ptr == nullptr || out.bytes == 0) return;
-  for (std::size_t i = 0; i + 1 < buffers.size(); ++i) {
-    const CallerBuffer& in = buffers[i];
-    if (in.ptr == nullptr || in.bytes == 0) continue;
-    if (begin(out.ptr) < begin(in.ptr) + in.bytes && begin(in.ptr) < begin(out.ptr) + out.bytes) {
-      throw Error(StatusCode::kInvalidArgument, layer.label() + " prefill: out overlaps " +
-                                                    in.name + " (outputs must not alias inputs)");
-    }
-  }
-}
-
-void Engine::check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const {
-  for (const CallerBuffer& b : buffers) {
-    const Status st = check_device_pointer(b.ptr, static_cast<std::size_t>(b.bytes), b.name);
-    if (!st.ok()) throw Error(st, layer.label() + " " + what);
-  }
+void Engine::check_on_device(const KdaLayer& layer, const char* what, const Status& callers) const {
+  if (!callers.ok()) throw Error(callers, layer.label() + " " + what);
   // The operator runs with its pointer checks off, so its own check of the arena's buffers (states,
   // parameters, workspace) is gone too: one query here still catches a call made while another
   // device is current.
@@ -490,14 +470,15 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
   }
 
-  // The caller's buffers over the whole batch (T tokens), checked before anything is enqueued; the
-  // forward then skips the operator's per-call pointer checks on CUDA.
-  const auto H = static_cast<std::uint64_t>(spec_.num_heads);
-  const auto D = static_cast<std::uint64_t>(spec_.head_dim);
-  const auto T = static_cast<std::uint64_t>(cu_seqlens[n]);  // <= max_tokens: sizes fit (spec)
-  const CallerBuffers buffers = caller_buffers(inputs, out, T * H * D * 2, T * H * 2);
-  check_no_overlap(layer, buffers);
-  if (backend_ == Backend::kCuda && check_pointers_) check_on_device(layer, "prefill", buffers);
+  // The caller's buffers over the whole batch (T tokens). The operator's forward refuses an out
+  // that overlaps an input before it writes anything; on CUDA they are checked here, once, for
+  // device memory large enough, before anything is enqueued, and the forward skips its own
+  // per-call pointer checks.
+  const Problem problem = layer.prefill_problem(cu_seqlens[n], static_cast<std::int64_t>(n));
+  Tensors t = caller_tensors<Tensors>(inputs, out);
+  if (backend_ == Backend::kCuda && check_pointers_) {
+    check_on_device(layer, "prefill", check_device_pointers(problem, t));
+  }
 
   // One forward for the whole batch: each sequence reads and writes its state through its slot
   // index in the layer's pool (Problem::num_state_slots), whatever the slots are.
@@ -508,21 +489,13 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
     cu_uploaded_ = cu_staging_;
   }
   stage_slots(slots, &prefill_slots_);
-  Tensors t;
-  t.q = inputs.q;
-  t.k = inputs.k;
-  t.v = inputs.v;
-  t.g = inputs.g;
-  t.beta = inputs.beta;
-  t.out = out;
   t.cu_seqlens = cu_scratch_;
   t.cu_seqlens_host = cu_staging_.data();
   t.initial_state = layer.state_pool();
   t.final_state = layer.state_pool();  // in place
   t.state_slots = prefill_slots_.device;  // checked above: acquired, no duplicates
   t.device_status = device_status_;
-  layer.forward(layer.prefill_problem(static_cast<std::int64_t>(T), static_cast<std::int64_t>(n)), t,
-                cpu_, stream_, unchecked_);
+  layer.forward(problem, t, cpu_, stream_, unchecked_);
 }
 
 void Engine::stage_slots(const std::vector<int>& slots, SlotStaging* staging) {
@@ -546,9 +519,9 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     fail("decode: batch of " + std::to_string(batch) + " rows, expected 1.." +
          std::to_string(num_slots()) + " (runtime.max_sequences)");
   }
-  if (tokens < 1 || tokens > kMaxDecodeTokens) {
+  if (tokens < 1 || tokens > kda::kMaxDecodeTokens) {
     fail("decode: tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
-         std::to_string(kMaxDecodeTokens));
+         std::to_string(kda::kMaxDecodeTokens));
   }
   if (++stamp_ == 0) {
     std::fill(seen_stamp_.begin(), seen_stamp_.end(), 0u);
@@ -568,24 +541,15 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     }
   }
   // The caller's buffers, before anything is enqueued (see prefill).
+  const DecodeProblem problem = layer.decode_problem(static_cast<std::int64_t>(batch), tokens);
+  DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
   if (backend_ == Backend::kCuda && check_pointers_) {
-    const auto rows = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(tokens);
-    const auto H = static_cast<std::uint64_t>(spec_.num_heads);
-    const auto D = static_cast<std::uint64_t>(spec_.head_dim);
-    check_on_device(layer, "decode", caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
+    check_on_device(layer, "decode", check_device_pointers(problem, t));
   }
   stage_slots(slots, &decode_slots_);
-  DecodeTensors t;
-  t.q = inputs.q;
-  t.k = inputs.k;
-  t.v = inputs.v;
-  t.g = inputs.g;
-  t.beta = inputs.beta;
   t.slots = decode_slots_.device;
-  t.out = out;
   t.device_status = device_status_;
-  layer.decode(layer.decode_problem(static_cast<std::int64_t>(batch), tokens), t, cpu_, stream_,
-               unchecked_);
+  layer.decode(problem, t, cpu_, stream_, unchecked_);
 }
 
 // ---- synthetic inputs ----------------------------------------------------------------------

@@ -192,7 +192,7 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   // Slots start at the first aligned address; workspace_size() added the slack for it.
   const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
-  auto* slots = reinterpret_cast<unsigned char*>((base + align - 1) / align * align);
+  auto* slots = reinterpret_cast<unsigned char*>(detail::align_up(base, align));
   if (p.num_state_slots > 0) {
     // The duplicate bitmap follows the thread slots (workspace_size() counted both).
     const std::uint64_t thread_slots =
@@ -242,7 +242,7 @@ Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, fl
   if (ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
   const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
-  auto* slots = reinterpret_cast<unsigned char*>((base + align - 1) / align * align);
+  auto* slots = reinterpret_cast<unsigned char*>(detail::align_up(base, align));
   if (opt.fp64) {
     run_transition<double>(p, t, p_t, h_t, slots, workers);
   } else {

@@ -161,7 +161,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws, 
   }
   if (need > 0 && ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
-  const std::uintptr_t base = (reinterpret_cast<std::uintptr_t>(ws.ptr) + align - 1) / align * align;
+  const std::uintptr_t base = detail::align_up(reinterpret_cast<std::uintptr_t>(ws.ptr), align);
   auto* slots = reinterpret_cast<unsigned char*>(base);
   const std::uint64_t items = static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
   const std::uint64_t scratch_bytes =

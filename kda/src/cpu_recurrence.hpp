@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "kda/bf16.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/kda.hpp"
 
 namespace kda::detail::cpu {
@@ -44,7 +45,7 @@ inline constexpr std::uint64_t kSlotAlignment = 64;
 // one, and two identical runs could differ.
 inline constexpr std::uint64_t kArrayAlignReals = 16;
 inline std::uint64_t padded_reals(std::uint64_t n) {
-  return (n + kArrayAlignReals - 1) / kArrayAlignReals * kArrayAlignReals;
+  return align_up(n, kArrayAlignReals);
 }
 
 // Reals of one thread's scratch slot: the V x K state, four K-vectors (a, ak, aq, k^) and o (V),
@@ -57,7 +58,7 @@ inline std::uint64_t slot_reals(std::uint64_t head_dim_k, std::uint64_t head_dim
 // bounded K and V (<= 4096), so this cannot overflow.
 inline std::uint64_t slot_bytes(std::uint64_t head_dim_k, std::uint64_t head_dim_v) {
   const std::uint64_t bytes = slot_reals(head_dim_k, head_dim_v) * sizeof(double);
-  return (bytes + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  return align_up(bytes, kSlotAlignment);
 }
 
 // One head's gate parameters and scale, converted to Real once per (sequence, head).
@@ -269,7 +270,7 @@ Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int6
 // value row extended by K zeros.
 inline std::uint64_t transition_stride(std::int64_t head_dim_k, std::int64_t head_dim_v) {
   const std::uint64_t rows = static_cast<std::uint64_t>(head_dim_v + head_dim_k);
-  const std::uint64_t vbuf = (rows * 2 + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  const std::uint64_t vbuf = align_up<std::uint64_t>(rows * 2, kSlotAlignment);
   return slot_bytes(static_cast<std::uint64_t>(head_dim_k), rows) + vbuf;
 }
 

@@ -1,5 +1,6 @@
 // The CUDA entry points of a build without the CUDA backend: each validates its arguments (so that
 // callers get the same diagnostics everywhere), then reports kBackendUnavailable.
+#include "argument_table.hpp"
 #include "kda/kda.hpp"
 #include "transition.hpp"
 
@@ -52,5 +53,9 @@ Status cuda_device_supported() { return unavailable(); }
 Status check_device_pointer(const void*, std::size_t, const char*) { return unavailable(); }
 Status check_device_status(const std::uint32_t*, void*) { return unavailable(); }
 Status clear_device_status(std::uint32_t*, void*) { return unavailable(); }
+
+namespace detail {
+Status check_device_arguments(const ArgumentTable&) { return unavailable(); }
+}  // namespace detail
 
 }  // namespace kda

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kda/detail/checked_math.hpp"
+
 namespace kda::detail {
 
 inline constexpr int kChunk = 16;    // tokens per chunk
@@ -46,18 +48,6 @@ static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
 
 // Alignment of the record array inside the caller's workspace.
 inline constexpr std::size_t kWorkspaceAlignment = 256;
-
-// Overflow-checked helpers: return false on overflow.
-inline bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (a != 0 && b > UINT64_MAX / a) return false;
-  *out = a * b;
-  return true;
-}
-inline bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (b > UINT64_MAX - a) return false;
-  *out = a + b;
-  return true;
-}
 
 // Number of chunk slots for total_tokens tokens split into num_seqs sequences.
 inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs, std::uint64_t* out) {

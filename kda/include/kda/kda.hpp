@@ -231,9 +231,13 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 //   q, k, g: bf16 [B, tokens, H, K]   v, out: bf16 [B, tokens, H, V]   beta: bf16 [B, tokens, H]
 //   slots: int32 [B], index into the pool, negative = padding (row skipped, its out left untouched)
 //   state_pool: [num_slots, H, V, K] bf16 or f32, read and written in place
+// Most new tokens per sequence in one decode call (speculative or multi-token steps); longer
+// continuations are prefills. The engine's decode checks against the same constant.
+inline constexpr std::int64_t kMaxDecodeTokens = 16;
+
 struct DecodeProblem {
   std::int64_t batch = 0;        // B sequences in this step
-  std::int64_t tokens = 1;       // new tokens per sequence, 1..16
+  std::int64_t tokens = 1;       // new tokens per sequence, 1..kMaxDecodeTokens
   std::int64_t num_heads = 0;
   std::int64_t head_dim_k = 128;
   std::int64_t head_dim_v = 128;
@@ -295,9 +299,14 @@ std::string device_name(int device = 0);
 Status cuda_device_supported();
 // The check CudaOptions::check_pointers makes, for one caller buffer: [ptr, ptr + bytes) is device
 // (or managed) memory of the current device, inside one allocation where the driver can tell.
-// kOk for a null ptr or 0 bytes; kInvalidArgument naming `name` otherwise. For layers above the
-// operator that check their callers' buffers once per batch (the engine does).
+// kOk for a null ptr or 0 bytes; kInvalidArgument naming `name` otherwise.
 Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name);
+// The same check for every non-null tensor of a call, each over the bytes `p` implies (the
+// workspace aside): the check CudaOptions::check_pointers makes, on its own. For layers above the
+// operator that check their callers' tensors once and run the operator with check_pointers off
+// (the engine passes only its caller's q, k, v, g, beta and out). Validates `p` first.
+Status check_device_pointers(const Problem& p, const Tensors& t);
+Status check_device_pointers(const DecodeProblem& p, const DecodeTensors& t);
 // Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
 // Not for the forward path (it synchronizes): call it where you would read results anyway.
 Status check_device_status(const std::uint32_t* device_status, void* stream);

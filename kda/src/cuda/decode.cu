@@ -9,11 +9,11 @@
 #include <cstdint>
 #include <string>
 
+#include "argument_table.hpp"
 #include "cuda/common.cuh"
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
 #include "kda/nvtx.hpp"
-#include "tensor_extents.hpp"
 
 namespace kda::detail {
 namespace {
@@ -181,33 +181,13 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   KDA_NVTX_RANGE("kda.decode");
   Status st = can_implement(p, Backend::kCuda);
   if (!st.ok()) return st;
-  st = validate(p, t);
+  ArgumentTable args;
+  st = validate_arguments(p, t, &args);
   if (!st.ok()) return st;
-  // The kernel loads q, k, g and a bf16 pool in 8-byte pieces, v, dt_bias and an f32 pool in 16.
-  {
-    const bool f32_pool = p.state_dtype == DType::kF32;
-    const struct {
-      const void* ptr;
-      const char* name;
-      std::uintptr_t align;
-    } aligned[] = {{t.q, "q", 8},       {t.k, "k", 8},
-                   {t.g, "g", 8},       {t.v, "v", 16},
-                   {t.out, "out", 2},   {t.beta, "beta", 2},
-                   {t.A_log, "A_log", 4}, {t.dt_bias, "dt_bias", 16},
-                   {t.slots, "slots", 4}, {t.state_pool, "state_pool", f32_pool ? 16u : 8u},
-                   {t.device_status, "device_status", 4}};
-    for (const auto& a : aligned) {
-      if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.align != 0) {
-        return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.align) +
-                                                        "-byte aligned for the CUDA decode");
-      }
-    }
-  }
+  st = check_cuda_alignment(args, "the CUDA decode");
+  if (!st.ok()) return st;
   if (opt.check_pointers) {
-    TensorExtents extents;
-    st = decode_extents(p, t, &extents);
-    if (!st.ok()) return st;
-    st = check_device_extents(extents);
+    st = check_device_arguments(args);
     if (!st.ok()) return st;
   }
   if (p.batch == 0) return Status::Ok();

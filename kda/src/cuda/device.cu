@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
+#include "argument_table.hpp"
 #include "cuda/cuda_check.hpp"
 #include "kda/kda.hpp"
-#include "tensor_extents.hpp"
 
 namespace kda {
 
@@ -193,9 +193,9 @@ Status cuda_device_supported() {
 }
 
 Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name) {
-  detail::TensorExtents one;
-  one.add(name == nullptr ? "buffer" : name, ptr, bytes);
-  return detail::check_device_extents(one);
+  detail::ArgumentTable one;
+  one.add(name == nullptr ? "buffer" : name, ptr, bytes, DType::kNone, detail::ArgumentRole::kInput);
+  return detail::check_device_arguments(one);
 }
 
 Status check_device_status(const std::uint32_t* device_status, void* stream) {
@@ -217,7 +217,7 @@ Status clear_device_status(std::uint32_t* device_status, void* stream) {
 
 namespace detail {
 
-Status check_device_extents(const TensorExtents& extents) {
+Status check_device_arguments(const ArgumentTable& table) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
@@ -225,9 +225,8 @@ Status check_device_extents(const TensorExtents& extents) {
     return cuda_status(err, "cudaGetDevice");
   }
   const MemGetAddressRangeFn range_of = mem_get_address_range();
-  for (int i = 0; i < extents.count; ++i) {
-    const TensorExtent& e = extents.items[i];
-    if (e.ptr == nullptr || e.bytes == 0) continue;
+  for (const Argument& e : table) {
+    if (e.space != MemorySpace::kBackend || e.ptr == nullptr || e.bytes == 0) continue;
     cudaPointerAttributes attr{};
     err = cudaPointerGetAttributes(&attr, e.ptr);
     if (err != cudaSuccess) {

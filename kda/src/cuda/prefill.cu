@@ -9,16 +9,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <initializer_list>
 #include <string>
-#include <utility>
 
+#include "argument_table.hpp"
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
 #include "kda/kda.hpp"
 #include "kda/nvtx.hpp"
 #include "state_slots.hpp"
-#include "tensor_extents.hpp"
 #include "transition.hpp"
 #include "workspace_layout.hpp"
 
@@ -87,23 +85,6 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   return plan;
 }
 
-// Alignment the kernels need: q, k, v, g and out move in 16-byte pieces (bulk copies, vector
-// stores), states in 8-byte pieces.
-struct Alignment {
-  const void* ptr;
-  const char* name;
-  std::uintptr_t bytes;
-};
-Status check_alignment(std::initializer_list<Alignment> list) {
-  for (const Alignment& a : list) {
-    if (reinterpret_cast<std::uintptr_t>(a.ptr) % a.bytes != 0) {
-      return Status(StatusCode::kInvalidArgument, std::string(a.name) + " must be " + std::to_string(a.bytes) +
-                                                      "-byte aligned for the CUDA backend");
-    }
-  }
-  return Status::Ok();
-}
-
 // One prefill (or segment transition) on the device: initialize() checks and plans, run() launches.
 class PrefillLaunch {
  public:
@@ -111,24 +92,14 @@ class PrefillLaunch {
   Status initialize(const Problem& p, const Tensors& t, Workspace ws, const CudaOptions& opt) {
     Status st = can_implement(p, Backend::kCuda);
     if (!st.ok()) return st;
-    if (!(st = validate(p, t))) return st;
+    ArgumentTable args;
+    if (!(st = validate_arguments(p, t, &args))) return st;
     if (!(st = check_host_copies(p, t))) return st;
-    if (!(st = check_alignment({{t.q, "q", 16}, {t.k, "k", 16}, {t.v, "v", 16}, {t.g, "g", 16}, {t.out, "out", 16},
-                                {t.initial_state, "initial_state", 8}, {t.final_state, "final_state", 8},
-                                {t.beta, "beta", 2}, {t.A_log, "A_log", 4}, {t.dt_bias, "dt_bias", 4},
-                                {t.cu_seqlens, "cu_seqlens", p.cu_seqlens_dtype == DType::kI64 ? 8u : 4u},
-                                {t.state_slots, "state_slots", 4}, {t.device_status, "device_status", 4}}))) {
-      return st;
-    }
+    if (!(st = check_cuda_alignment(args, "the CUDA backend"))) return st;
     std::size_t need = 0;
     if (!(st = workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA prefill"))) return st;
-    if (opt.check_pointers) {
-      TensorExtents extents;
-      if (!(st = prefill_extents(p, t, &extents))) return st;
-      extents.add("workspace", ws.ptr, need);
-      if (!(st = check_device_extents(extents))) return st;
-    }
+    if (opt.check_pointers && !(st = check_device_arguments(args, ws.ptr, need))) return st;
     fill_params(p, t, ws);
     prm_.h0 = t.initial_state;
     prm_.initial_kind = t.initial_state ? state_kind(p.initial_state_dtype) : StateKind::kNone;
@@ -158,24 +129,14 @@ class PrefillLaunch {
                                const CudaOptions& opt) {
     Status st = can_implement(p, Backend::kCuda);
     if (!st.ok()) return st;
-    if (!(st = validate_transition(p, t, p_t, h_t))) return st;
+    ArgumentTable args;
+    if (!(st = validate_transition(p, t, p_t, h_t, &args))) return st;
     if (!(st = check_host_copies(p, t))) return st;
-    if (!(st = check_alignment({{t.q, "q", 16}, {t.k, "k", 16}, {t.v, "v", 16}, {t.g, "g", 16}, {p_t, "p_t", 8},
-                                {h_t, "h_t", 8}, {t.beta, "beta", 2}, {t.A_log, "A_log", 4},
-                                {t.dt_bias, "dt_bias", 4},
-                                {t.cu_seqlens, "cu_seqlens", p.cu_seqlens_dtype == DType::kI64 ? 8u : 4u},
-                                {t.device_status, "device_status", 4}}))) {
-      return st;
-    }
+    if (!(st = check_cuda_alignment(args, "the CUDA backend"))) return st;
     std::size_t need = 0;
     if (!(st = transition_workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA segment transition"))) return st;
-    if (opt.check_pointers) {
-      TensorExtents extents;
-      if (!(st = transition_extents(p, t, p_t, h_t, &extents))) return st;
-      extents.add("workspace", ws.ptr, need);
-      if (!(st = check_device_extents(extents))) return st;
-    }
+    if (opt.check_pointers && !(st = check_device_arguments(args, ws.ptr, need))) return st;
     fill_params(p, t, ws);
     prm_.transition_p = p_t;
     prm_.transition_h = h_t;
@@ -270,7 +231,7 @@ class PrefillLaunch {
     prm_.status = t.device_status;
     prm_.seg_chunks = kNoSplit;
     const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
-    prm_.records = reinterpret_cast<unsigned char*>((base + kWorkspaceAlignment - 1) & ~(kWorkspaceAlignment - 1));
+    prm_.records = reinterpret_cast<unsigned char*>(align_up<std::uintptr_t>(base, kWorkspaceAlignment));
     std::uint64_t slots = 0;
     num_chunk_slots(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_), &slots);
     chunk_slots_ = static_cast<std::int64_t>(slots);
@@ -308,19 +269,17 @@ Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, f
 Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
                              const float* s_in, const float* p_t, const float* h_t, float* s_out, void* stream) {
   KDA_NVTX_RANGE("kda.apply_transition");
-  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out); !st) return st;
+  detail::ArgumentTable args;
+  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out, &args); !st) {
+    return st;
+  }
   if (head_dim_k != detail::D || head_dim_v != detail::D) {
     return Status(StatusCode::kUnsupported, "the CUDA backend needs head_dim_k == head_dim_v == 128 (got K = " +
                                                 std::to_string(head_dim_k) + ", V = " + std::to_string(head_dim_v) +
                                                 ")");
   }
   if (Status st = cuda_device_supported(); !st) return st;
-  for (const auto& a : {std::pair<const void*, const char*>{s_in, "s_in"}, {p_t, "p_t"}, {h_t, "h_t"}, {s_out, "s_out"}}) {
-    if (reinterpret_cast<std::uintptr_t>(a.first) % 16 != 0) {
-      return Status(StatusCode::kInvalidArgument,
-                    std::string(a.second) + " must be 16-byte aligned for the CUDA backend");
-    }
-  }
+  if (Status st = detail::check_cuda_alignment(args, "the CUDA backend"); !st) return st;
   return detail::launch_apply_transition(s_in, p_t, h_t, s_out, pairs, static_cast<cudaStream_t>(stream));
 }
 

@@ -23,7 +23,6 @@
 // (host pointers for CPU, device pointers for CUDA); bf16 layouts as in kda/kda.hpp.
 #pragma once
 
-#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -191,20 +190,9 @@ class Engine {
   void zero_slot(int slot);
   void check_layer(int kda_layer) const;
   void copy_in(void* dst, const void* src, std::size_t bytes);  // host -> arena
-  // A call's q, k, v, g, beta and (last) out, with the bytes the call needs of each.
-  struct CallerBuffer {
-    const void* ptr;
-    std::uint64_t bytes;
-    const char* name;
-  };
-  using CallerBuffers = std::array<CallerBuffer, 6>;
-  static CallerBuffers caller_buffers(const LayerInputs& inputs, const void* out,
-                                      std::uint64_t token_bytes, std::uint64_t beta_bytes);
-  // out overlaps no input (throws, naming the input).
-  static void check_no_overlap(const KdaLayer& layer, const CallerBuffers& buffers);
-  // CUDA: every buffer is device memory of the current device, large enough, and the arena is on
-  // the current device too (throws).
-  void check_on_device(const KdaLayer& layer, const char* what, const CallerBuffers& buffers) const;
+  // CUDA: `callers` is kda::check_device_pointers() of the call's q, k, v, g, beta and out (throws
+  // it, labelled), and the arena is on the current device too (throws).
+  void check_on_device(const KdaLayer& layer, const char* what, const Status& callers) const;
   // Copies the batch's slot indices to `staging`'s device scratch, unless it holds them already.
   struct SlotStaging;
   void stage_slots(const std::vector<int>& slots, SlotStaging* staging);

@@ -1,0 +1,140 @@
+// The argument table of a prefill or decode call: one row per tensor the call touches.
+//
+// Why one table: the operator checks its tensors in several ways (non-null where needed, no output
+// aliasing an input, the CUDA kernels' alignment, device memory large enough for the problem) and
+// the engine checks its callers' tensors the same way. Each check used to carry its own list of
+// the tensors, with the name, size and rules written again each time; a tensor added to one list
+// and forgotten in another went unchecked. Here each tensor is described once, from the problem,
+// with everything any check needs:
+//
+//   name            as messages spell it (the Tensors / DecodeTensors field)
+//   ptr, bytes      the byte range the problem reads or writes (0 bytes: nothing to check)
+//   cuda_alignment  what the CUDA kernels' vector loads and stores need of the pointer
+//   role            what the call does with it; the aliasing rules follow from the role
+//   space           backend memory (device for CUDA, host for CPU) or host memory always
+//   dtype           element type (the state aliasing rule compares them)
+//   presence        whether it must be set, may be null, or must be null for this problem
+//
+// and every check is a walk over the table (below). Building it allocates nothing, so the forward
+// paths build it on every call.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "kda/kda.hpp"
+
+namespace kda::detail {
+
+// Every size of a valid problem stays below 2^63: the backends index with signed 64-bit integers.
+inline constexpr std::uint64_t kMaxSize =
+    static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+
+// What the call does with an argument.
+enum class ArgumentRole : std::uint8_t {
+  kInput,     // read: token tensors, gate parameters
+  kIndex,     // read: cu_seqlens, slot indices (and their host copies)
+  kStateIn,   // read: the prefill's initial_state
+  kStateOut,  // written: the prefill's final_state; may be its kStateIn exactly (in-place update)
+  kInOut,     // read and written in place: the decode's state_pool
+  kOutput,    // written: out
+  kStatus,    // written (bits ORed in): the device status word
+  kScratch,   // written: the workspace (appended by the CUDA prefill for its device check)
+};
+
+// Whether the call writes the argument, so that it must overlap no other argument.
+constexpr bool writes(ArgumentRole role) {
+  return role == ArgumentRole::kStateOut || role == ArgumentRole::kInOut ||
+         role == ArgumentRole::kOutput || role == ArgumentRole::kStatus ||
+         role == ArgumentRole::kScratch;
+}
+
+enum class MemorySpace : std::uint8_t {
+  kBackend,  // memory of the backend that runs the call: device memory for CUDA, host for CPU
+  kHost,     // host memory whatever the backend (cu_seqlens_host, state_slots_host)
+};
+
+enum class Presence : std::uint8_t {
+  kOptional,  // may be null
+  kRequired,  // must be set: "<name> is null" (+ " but <why> is <dtype>" when why is given)
+  kUnused,    // must be null for this problem: "<name> is set but <why>"
+};
+
+struct Argument {
+  const char* name = nullptr;
+  const void* ptr = nullptr;
+  std::uint64_t bytes = 0;
+  std::uint32_t cuda_alignment = 1;
+  ArgumentRole role = ArgumentRole::kInput;
+  MemorySpace space = MemorySpace::kBackend;
+  DType dtype = DType::kNone;
+  Presence presence = Presence::kOptional;
+  const char* why = nullptr;  // see Presence
+
+  // Setters for the builders' one-line rows.
+  Argument& cuda(std::uint32_t alignment) {
+    cuda_alignment = alignment;
+    return *this;
+  }
+  Argument& host() {
+    space = MemorySpace::kHost;
+    return *this;
+  }
+  Argument& required_if(bool required, const char* dtype_field = nullptr) {
+    if (required) {
+      presence = Presence::kRequired;
+      why = dtype_field;
+    }
+    return *this;
+  }
+  Argument& unused_because(const char* reason) {
+    presence = Presence::kUnused;
+    why = reason;
+    return *this;
+  }
+};
+
+// Fixed capacity, so that building a table allocates nothing.
+struct ArgumentTable {
+  static constexpr int kCapacity = 20;
+  Argument items[kCapacity];
+  int count = 0;
+
+  Argument& add(const char* name, const void* ptr, std::uint64_t bytes, DType dtype,
+                ArgumentRole role);
+  const Argument* begin() const { return items; }
+  const Argument* end() const { return items + count; }
+};
+
+// The table of a problem. Fails only where a size overflows 64-bit signed sizes (kOverflow naming
+// it), so validate(p) is the field checks plus building the table with no tensors.
+Status prefill_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
+Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);
+// A segment transition (kda.hpp): the prefill's inputs, p_t and h_t in place of out and states.
+Status transition_arguments(const Problem& p, const Tensors& t, const float* p_t, const float* h_t,
+                            ArgumentTable* table);
+// apply_transition_*: s_in, p_t, h_t and s_out (an exact alias of s_in or disjoint from it).
+Status apply_transition_arguments(std::int64_t pairs, std::int64_t head_dim_k,
+                                  std::int64_t head_dim_v, const float* s_in, const float* p_t,
+                                  const float* h_t, const float* s_out, ArgumentTable* table);
+
+// validate(p, t) that also hands back the table, for the backends' further walks.
+Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
+Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);
+
+// ---- The walks. Each returns the first failing row's kInvalidArgument, in table order. ----------
+// Presence: required rows set, unused rows null.
+Status check_presence(const ArgumentTable& table);
+// Aliasing: a kStateOut row equals its kStateIn row exactly (same dtype) or overlaps it not at all;
+// every other written row overlaps no other row.
+Status check_no_overlap(const ArgumentTable& table);
+// CUDA: every backend row's pointer is a multiple of its cuda_alignment; `user` ends the message
+// ("q must be 16-byte aligned for <user>").
+Status check_cuda_alignment(const ArgumentTable& table, const char* user);
+// CUDA builds: every backend row lies in device (or managed) memory of the current device, inside
+// one allocation that holds its bytes (kda/src/cuda/device.cu). Without CUDA: kBackendUnavailable.
+Status check_device_arguments(const ArgumentTable& table);
+// The same with the call's workspace as one more row (the prefill's and the transition's).
+Status check_device_arguments(ArgumentTable table, const void* workspace, std::uint64_t bytes);
+
+}  // namespace kda::detail

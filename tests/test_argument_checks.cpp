@@ -1,0 +1,279 @@
+// The operator's argument table (kda/src/argument_table.hpp) seen through the public API: every
+// tensor of a prefill and of a decode takes part in the aliasing checks under its own name, the
+// host copies are named in their own messages, check_device_pointers() validates the problem
+// first, and the shared checked arithmetic (kda/detail/checked_math.hpp) holds at its edges.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kda/detail/checked_math.hpp"
+#include "kda/kda.hpp"
+
+using namespace kda;
+
+namespace {
+
+std::string message_of(const Status& st) { return st.ok() ? "ok" : st.message(); }
+
+// Points the token tensors and gate parameters of `t` (Tensors or DecodeTensors) at the
+// fixture's buffers of the same names.
+template <typename Fixture, typename CallTensors>
+void point_inputs(Fixture* f, CallTensors* t) {
+  t->q = f->at("q");
+  t->k = f->at("k");
+  t->v = f->at("v");
+  t->g = f->at("g");
+  t->beta = f->at("beta");
+  t->A_log = static_cast<const float*>(f->at("A_log"));
+  t->dt_bias = static_cast<const float*>(f->at("dt_bias"));
+}
+
+// A varlen prefill with pooled states and every optional tensor set, each in its own buffer:
+// T = 6 tokens in 2 sequences, H = 2, K = V = 4, a pool of 3 f32 states in and another out.
+struct Prefill {
+  Problem p;
+  std::map<std::string, std::vector<std::uint64_t>> buffers;  // 8-byte aligned storage by name
+  Tensors t;
+
+  Prefill() {
+    p.batch = 1;
+    p.seq_len = 6;
+    p.num_seqs = 2;
+    p.num_heads = 2;
+    p.head_dim_k = p.head_dim_v = 4;
+    p.cu_seqlens_dtype = DType::kI64;
+    p.num_state_slots = 3;
+    p.initial_state_dtype = p.final_state_dtype = DType::kF32;
+    for (const char* name : {"q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens",
+                             "cu_seqlens_host", "state_slots", "state_slots_host", "initial_state",
+                             "final_state", "out", "device_status"}) {
+      buffers[name].assign(64, 0);  // 512 bytes: larger than any tensor here
+    }
+    for (const char* cu : {"cu_seqlens", "cu_seqlens_host"}) buffers[cu] = {0, 2, 6};  // i64
+    point_inputs(this, &t);
+    t.cu_seqlens = at("cu_seqlens");
+    t.cu_seqlens_host = at("cu_seqlens_host");
+    t.state_slots = static_cast<const std::int32_t*>(at("state_slots"));
+    t.state_slots_host = static_cast<const std::int32_t*>(at("state_slots_host"));
+    t.initial_state = at("initial_state");
+    t.final_state = at("final_state");
+    t.out = at("out");
+    t.device_status = static_cast<std::uint32_t*>(at("device_status"));
+  }
+  void* at(const std::string& name) { return buffers.at(name).data(); }
+};
+
+struct Decode {
+  DecodeProblem p;
+  std::map<std::string, std::vector<std::uint64_t>> buffers;
+  DecodeTensors t;
+
+  Decode() {
+    p.batch = 2;
+    p.tokens = 2;
+    p.num_heads = 2;
+    p.head_dim_k = p.head_dim_v = 4;
+    p.num_slots = 3;
+    for (const char* name : {"q", "k", "v", "g", "beta", "A_log", "dt_bias", "slots", "state_pool",
+                             "out", "device_status"}) {
+      buffers[name].assign(64, 0);
+    }
+    point_inputs(this, &t);
+    t.slots = static_cast<const std::int32_t*>(at("slots"));
+    t.state_pool = at("state_pool");
+    t.out = at("out");
+    t.device_status = static_cast<std::uint32_t*>(at("device_status"));
+  }
+  void* at(const std::string& name) { return buffers.at(name).data(); }
+};
+
+const std::vector<const char*> kPrefillInputs = {"q",
+                                                 "k",
+                                                 "v",
+                                                 "g",
+                                                 "beta",
+                                                 "A_log",
+                                                 "dt_bias",
+                                                 "cu_seqlens",
+                                                 "cu_seqlens_host",
+                                                 "state_slots",
+                                                 "state_slots_host"};
+const std::vector<const char*> kDecodeInputs = {"q",    "k",     "v",       "g",
+                                                "beta", "A_log", "dt_bias", "slots"};
+
+// Places the written tensor `written` (through `place`) over each of `inputs` in turn: validate()
+// names the pair.
+template <typename Fixture, typename Place>
+void check_over_each(Fixture& f, const std::vector<const char*>& inputs, const std::string& written,
+                     Place place) {
+  for (const char* input : inputs) {
+    CAPTURE(input);
+    auto t = f.t;
+    place(t, f.at(input));
+    CHECK(message_of(validate(f.p, t)) ==
+          written + " overlaps " + input + " (outputs must not alias inputs)");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("prefill: every tensor is in the aliasing checks under its own name") {
+  Prefill f;
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  check_over_each(f, kPrefillInputs, "out", [](Tensors& t, void* at) { t.out = at; });
+  check_over_each(f, kPrefillInputs, "final_state",
+                  [](Tensors& t, void* at) { t.final_state = at; });
+  check_over_each(f, kPrefillInputs, "device_status",
+                  [](Tensors& t, void* at) { t.device_status = static_cast<std::uint32_t*>(at); });
+  Tensors t = f.t;
+  t.out = f.at("initial_state");
+  CHECK(message_of(validate(f.p, t)) ==
+        "out overlaps initial_state (outputs must not alias inputs)");
+  t = f.t;
+  t.out = f.at("final_state");
+  CHECK(message_of(validate(f.p, t)) == "out overlaps final_state (outputs must not alias inputs)");
+  // Two written tensors are one pair, named by the first in the table.
+  t = f.t;
+  t.device_status = static_cast<std::uint32_t*>(f.at("out"));
+  CHECK(message_of(validate(f.p, t)) ==
+        "out overlaps device_status (outputs must not alias inputs)");
+  t = f.t;
+  t.device_status = static_cast<std::uint32_t*>(f.at("final_state"));
+  CHECK(message_of(validate(f.p, t)) ==
+        "final_state overlaps device_status (outputs must not alias inputs)");
+  // The state pair: an exact alias is an in-place update, anything else partial.
+  t = f.t;
+  t.final_state = f.at("initial_state");
+  CHECK(validate(f.p, t).ok());
+  t.final_state = static_cast<unsigned char*>(f.at("initial_state")) + 4;
+  CHECK(message_of(validate(f.p, t)) ==
+        "final_state partially overlaps initial_state (only an exact alias is allowed)");
+}
+
+TEST_CASE("prefill: host copies are named in their own messages") {
+  Prefill f;
+  f.p.cu_seqlens_dtype = DType::kNone;
+  f.p.batch = 2;
+  f.p.seq_len = 3;
+  Tensors t = f.t;
+  t.cu_seqlens = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "cu_seqlens_host is set but cu_seqlens_dtype is none");
+  t.cu_seqlens_host = nullptr;
+  f.p.num_state_slots = 0;
+  t.state_slots = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "state_slots_host is set but num_state_slots is 0");
+  t.state_slots_host = nullptr;
+  t.initial_state = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "initial_state is null but initial_state_dtype is f32");
+}
+
+TEST_CASE("decode: every tensor is in the aliasing checks under its own name") {
+  Decode f;
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  check_over_each(f, kDecodeInputs, "out", [](DecodeTensors& t, void* at) { t.out = at; });
+  check_over_each(f, kDecodeInputs, "state_pool",
+                  [](DecodeTensors& t, void* at) { t.state_pool = at; });
+  check_over_each(f, kDecodeInputs, "device_status", [](DecodeTensors& t, void* at) {
+    t.device_status = static_cast<std::uint32_t*>(at);
+  });
+  DecodeTensors t = f.t;
+  t.out = f.at("state_pool");
+  CHECK(message_of(validate(f.p, t)) == "out overlaps state_pool (outputs must not alias inputs)");
+  t = f.t;
+  t.device_status = static_cast<std::uint32_t*>(f.at("state_pool"));
+  CHECK(message_of(validate(f.p, t)) ==
+        "state_pool overlaps device_status (outputs must not alias inputs)");
+  // One token past the limit is refused; the limit itself is fine.
+  f.p.tokens = kMaxDecodeTokens;
+  CHECK(validate(f.p).ok());
+  f.p.tokens = kMaxDecodeTokens + 1;
+  CHECK(message_of(validate(f.p)) == "tokens must be in [1, 16] (got 17)");
+}
+
+TEST_CASE("segment transitions: p_t, h_t and s_out are in the aliasing checks") {
+  Prefill f;
+  f.p.num_state_slots = 0;
+  f.p.initial_state_dtype = f.p.final_state_dtype = DType::kNone;
+  f.t.out = f.t.final_state = nullptr;
+  f.t.initial_state = nullptr;
+  f.t.state_slots = f.t.state_slots_host = nullptr;
+  float* p_t = static_cast<float*>(f.at("initial_state"));  // N*H*K*K*4 = 256 bytes
+  float* h_t = static_cast<float*>(f.at("final_state"));
+  std::vector<unsigned char> ws(1 << 16);
+  const Workspace workspace{ws.data(), ws.size()};
+  CHECK(segment_transition_cpu(f.p, f.t, p_t, h_t, workspace).ok());
+  for (const char* input :
+       {"q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "cu_seqlens_host"}) {
+    CAPTURE(input);
+    CHECK(message_of(
+              segment_transition_cpu(f.p, f.t, static_cast<float*>(f.at(input)), h_t, workspace)) ==
+          "p_t overlaps " + std::string(input) + " (outputs must not alias inputs)");
+    CHECK(message_of(
+              segment_transition_cpu(f.p, f.t, p_t, static_cast<float*>(f.at(input)), workspace)) ==
+          "h_t overlaps " + std::string(input) + " (outputs must not alias inputs)");
+  }
+  // apply: s_out is s_in exactly or disjoint from it, and disjoint from the transition.
+  std::vector<float> s(16), pt(16), ht(16);
+  CHECK(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), s.data()).ok());
+  CHECK(message_of(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), ht.data())) ==
+        "s_out overlaps h_t (outputs must not alias inputs)");
+  CHECK(message_of(apply_transition_cpu(1, 4, 4, s.data(), pt.data(), ht.data(), nullptr)) ==
+        "s_out is null");
+}
+
+TEST_CASE("check_device_pointers: the problem first, then the device") {
+  Prefill f;
+  Decode d;
+  Problem bad = f.p;
+  bad.num_heads = 0;
+  CHECK(message_of(check_device_pointers(bad, f.t)) == "num_heads must be >= 1 (got 0)");
+  DecodeProblem bad_decode = d.p;
+  bad_decode.tokens = 0;
+  CHECK(check_device_pointers(bad_decode, d.t).code() == StatusCode::kInvalidArgument);
+  const Status prefill = check_device_pointers(f.p, f.t);
+  const Status decode = check_device_pointers(d.p, d.t);
+  if (!cuda_compiled()) {
+    CHECK(prefill.code() == StatusCode::kBackendUnavailable);
+    CHECK(decode.code() == StatusCode::kBackendUnavailable);
+  } else if (cuda_device_count() > 0) {
+    // Host vectors: the first backend tensor of the table is named.
+    CHECK(prefill.code() == StatusCode::kInvalidArgument);
+    CHECK(prefill.message().rfind("q ", 0) == 0);
+    CHECK(decode.message().rfind("q ", 0) == 0);
+    // The host copies are host memory by contract: only they set, nothing to refuse.
+    Tensors host_only;
+    host_only.cu_seqlens_host = f.t.cu_seqlens_host;
+    host_only.state_slots_host = f.t.state_slots_host;
+    CHECK(check_device_pointers(f.p, host_only).ok());
+  }
+}
+
+TEST_CASE("checked arithmetic and align-up at their edges") {
+  using namespace kda::detail;
+  constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();
+  std::uint64_t out = 7;
+  CHECK(checked_mul(std::uint64_t{1} << 32, std::uint64_t{1} << 31, &out));
+  CHECK(out == std::uint64_t{1} << 63);
+  out = 7;
+  CHECK_FALSE(checked_mul(std::uint64_t{1} << 32, std::uint64_t{1} << 32, &out));
+  CHECK(out == 7);  // untouched on overflow
+  CHECK(checked_mul(0, kMax, &out));
+  CHECK(out == 0);
+  CHECK(checked_add(kMax - 1, 1, &out));
+  CHECK(out == kMax);
+  CHECK_FALSE(checked_add(kMax, 1, &out));
+  CHECK(checked_product({3, 5, 7}, &out));
+  CHECK(out == 105);
+  CHECK_FALSE(checked_product({std::uint64_t{1} << 40, std::uint64_t{1} << 30, 0}, &out));
+  static_assert(align_up<std::uint64_t>(13, 8) == 16);
+  static_assert(align_up<std::uint64_t>(16, 8) == 16);
+  static_assert(align_up<std::uint64_t>(0, 64) == 0);
+  static_assert(align_up<std::uint64_t>(10, 6) == 12);  // any alignment, not only powers of two
+  CHECK(checked_align_up(kMax - 7, 8, &out));
+  CHECK(out == kMax - 7);
+  CHECK_FALSE(checked_align_up(kMax - 6, 8, &out));
+}
