@@ -89,10 +89,6 @@ kda_status guarded(char* dst, std::size_t size, Body&& body) noexcept {
 struct kda_engine {
   std::unique_ptr<kda::engine::Engine> engine;
   std::string plan_json;  // the plan never changes after creation: rendered once
-  // Host copies of the caller's arrays, reserved for max_sequences + 1 entries at creation, so
-  // prefill and decode do not allocate here either.
-  std::vector<int> slots;
-  std::vector<std::int64_t> cu_seqlens;
   char last_error[kMessageCapacity] = {};
 };
 
@@ -156,17 +152,8 @@ kda_status create(const char* function, bool from_file, const char* yaml,
     auto handle = std::make_unique<kda_engine>();
     handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
     handle->plan_json = handle->engine->plan().to_json();
-    const auto capacity = static_cast<std::size_t>(handle->engine->num_slots()) + 1;
-    handle->slots.reserve(capacity);
-    handle->cu_seqlens.reserve(capacity);
     *out_engine = handle.release();
   });
-}
-
-// Copies a host array of `count` entries (already checked against the capacity) into `dst`.
-template <typename T>
-void copy_array(std::vector<T>* dst, const T* src, std::size_t count) {
-  dst->assign(src, src + count);
 }
 
 void check_count(int count, const kda::engine::Engine& engine, const char* function,
@@ -331,10 +318,9 @@ kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, cons
     require(cu_seqlens, function, "cu_seqlens");
     check_count(num_sequences, e, function, "num_sequences");
     const auto n = static_cast<std::size_t>(num_sequences);
-    copy_array(&engine->slots, slots, n);
-    copy_array(&engine->cu_seqlens, cu_seqlens, n + 1);
-    e.prefill(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, engine->slots,
-              engine->cu_seqlens);
+    // The caller's arrays as they are: the engine reads them through spans, without a copy.
+    e.prefill(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, {slots, n},
+              {cu_seqlens, n + 1});
   });
 }
 
@@ -346,8 +332,8 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
     require_tensors(function, q, k, v, g, beta, out);
     require(slots, function, "slots");
     check_count(batch, e, function, "batch");
-    copy_array(&engine->slots, slots, static_cast<std::size_t>(batch));
-    e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, engine->slots, tokens);
+    e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out,
+             {slots, static_cast<std::size_t>(batch)}, tokens);
   });
 }
 
