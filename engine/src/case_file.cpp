@@ -1,6 +1,8 @@
 // engine/case_file.cpp — validate a case file completely, run one forward, write the result.
 #include "kda/engine/case_file.hpp"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -288,7 +290,9 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
   t.out = buffer(out.data.size(), "out");
   if (has_final) t.final_state = buffer(final_state.data.size(), "final_state");
   void* workspace = workspace_bytes > 0 ? buffer(workspace_bytes, "the workspace") : nullptr;
-  const std::string forward = std::string(to_string(backend)) + " forward";
+  std::string forward = std::string(to_string(backend)) + " forward";  // "CPU forward"
+  std::transform(forward.begin(), forward.begin() + static_cast<std::ptrdiff_t>(forward.find(' ')),
+                 forward.begin(), [](char c) { return static_cast<char>(std::toupper(c)); });
   check(b.prefill(p, t, Workspace{workspace, workspace_bytes}, CudaOptions{}), forward);
   try {
     b.copy_to_host(out.data.data(), t.out, out.data.size());
