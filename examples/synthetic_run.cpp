@@ -117,7 +117,8 @@ void SyntheticInputs::generate(std::uint64_t seed) {
     const std::size_t bytes = src.size() * sizeof(std::uint16_t);
     if (bytes == 0) return;
     if (backend_ == Backend::kCuda) {
-      throw_if_error(memcpy_to_device(dst, src.data(), bytes, stream_), "uploading synthetic inputs");
+      throw_if_error(memcpy_to_device(dst, src.data(), bytes, stream_),
+                     "uploading synthetic inputs");
     } else {
       std::memcpy(dst, src.data(), bytes);
     }

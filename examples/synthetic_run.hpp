@@ -1,6 +1,6 @@
-// examples/synthetic_run.hpp — random inputs and timed runs over a kda::engine::Engine: what kda-run
-// measures, and what tests use for inputs. Not part of the engine (the engine is the runtime only):
-// it uses the engine's public API, as any integrator would.
+// examples/synthetic_run.hpp — random inputs and timed runs over a kda::engine::Engine: what
+// kda-run measures, and what tests use for inputs. Not part of the engine (the engine is the
+// runtime only): it uses the engine's public API, as any integrator would.
 //
 //   kda::engine::Engine engine(spec);
 //   kda::examples::SyntheticInputs inputs(engine, 1024);  // memory of the engine's backend
@@ -29,7 +29,7 @@ class SyntheticInputs {
   SyntheticInputs& operator=(const SyntheticInputs&) = delete;
 
   std::int64_t capacity() const noexcept { return capacity_; }  // tokens
-  std::uint64_t bytes() const noexcept { return bytes_; }        // all six buffers
+  std::uint64_t bytes() const noexcept { return bytes_; }       // all six buffers
   // Generates the inputs on the host (seeded; one stream per tensor, so changing the capacity does
   // not reshuffle the others) and copies them in. Synchronous.
   void generate(std::uint64_t seed);
@@ -69,9 +69,9 @@ struct RunReport {
 struct RunOptions {
   std::int64_t tokens = 1024;  // total prefill tokens, split evenly over the sequences
   std::int64_t sequences = 1;
-  int decode_steps = 0;        // after the prefill: steps of one token per sequence
-  std::uint64_t seed = 0;      // synthetic inputs
-  bool release_slots = true;   // false: leave the slots acquired (tests inspect their state)
+  int decode_steps = 0;       // after the prefill: steps of one token per sequence
+  std::uint64_t seed = 0;     // synthetic inputs
+  bool release_slots = true;  // false: leave the slots acquired (tests inspect their state)
   // Called after every layer of the prefill and after every decode step: (done, total).
   std::function<void(int, int)> progress;
 };

@@ -120,8 +120,7 @@ class CudaBackend final : public EngineBackend {
   Status check_device_status(const std::uint32_t* word) override {
     return kda::check_device_status(word, stream());
   }
-  Status check_caller_buffer(const void* ptr, std::size_t bytes,
-                             const char* name) const override {
+  Status check_caller_buffer(const void* ptr, std::size_t bytes, const char* name) const override {
     return check_pointers_ ? check_device_pointer(ptr, bytes, name) : Status();
   }
 
@@ -146,9 +145,12 @@ bool backend_has_device_status(Backend kind) noexcept { return kind == Backend::
 
 Backend choose_backend(BackendChoice choice, const std::function<bool()>& cuda_can_run) {
   switch (choice) {
-    case BackendChoice::kCpu: return Backend::kCpu;
-    case BackendChoice::kCuda: return Backend::kCuda;
-    case BackendChoice::kAuto: break;
+    case BackendChoice::kCpu:
+      return Backend::kCpu;
+    case BackendChoice::kCuda:
+      return Backend::kCuda;
+    case BackendChoice::kAuto:
+      break;
   }
   return cuda_device_count() > 0 && cuda_can_run() ? Backend::kCuda : Backend::kCpu;
 }

@@ -2,8 +2,8 @@
 //
 // The engine talks to one EngineBackend (as ggml talks to a ggml_backend) instead of branching on
 // kda::Backend: a host implementation (mmap'd memory, memcpy, kda::forward_cpu / decode_cpu) and a
-// CUDA one. The CUDA implementation uses only kda's public device helpers (kda/kda.hpp), which exist
-// in every build and return kBackendUnavailable without CUDA, so the engine compiles the same
+// CUDA one. The CUDA implementation uses only kda's public device helpers (kda/kda.hpp), which
+// exist in every build and return kBackendUnavailable without CUDA, so the engine compiles the same
 // everywhere. Not installed: the public API stays kda::Backend.
 #pragma once
 

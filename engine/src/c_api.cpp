@@ -243,7 +243,10 @@ kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out) {
 kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_backend", "out");
-    *out = e.backend() == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
+    switch (e.backend()) {  // the C names of kda::Backend
+      case kda::Backend::kCpu: *out = KDA_BACKEND_CPU; break;
+      case kda::Backend::kCuda: *out = KDA_BACKEND_CUDA; break;
+    }
   });
 }
 

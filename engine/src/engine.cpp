@@ -321,7 +321,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   // The one allocation.
   const std::uint64_t total = m.plan.arena_bytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
-    fail(where + ": arena of " + std::to_string(total) + " bytes is too large", StatusCode::kOverflow);
+    fail(where + ": arena of " + std::to_string(total) + " bytes is too large",
+         StatusCode::kOverflow);
   }
   try {
     m.arena = BackendBuffer(*m.backend, static_cast<std::size_t>(total), "the arena");
@@ -458,14 +459,15 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<c
 
   const std::size_t n = slots.size();
   if (n == 0 || n > static_cast<std::size_t>(num_slots())) {
-    fail("prefill: " + std::to_string(n) + " sequences, expected 1.." + std::to_string(num_slots()) +
-         " (runtime.max_sequences)");
+    fail("prefill: " + std::to_string(n) + " sequences, expected 1.." +
+         std::to_string(num_slots()) + " (runtime.max_sequences)");
   }
   if (cu_seqlens.size() != n + 1) {
     fail("prefill: cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
          std::to_string(n + 1) + " (sequences + 1)");
   }
-  if (cu_seqlens[0] != 0) fail("prefill: cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
+  if (cu_seqlens[0] != 0)
+    fail("prefill: cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
   for (std::size_t j = 0; j < n; ++j) {
     if (cu_seqlens[j + 1] < cu_seqlens[j]) {
       fail("prefill: cu_seqlens decreases at index " + std::to_string(j + 1) + " (" +
@@ -518,7 +520,7 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<c
   t.cu_seqlens = m.cu_scratch;
   t.cu_seqlens_host = m.cu_staging.data();
   t.initial_state = layer.state_pool();
-  t.final_state = layer.state_pool();        // in place
+  t.final_state = layer.state_pool();      // in place
   t.state_slots = m.prefill_slots.device;  // checked above: acquired, no duplicates
   t.device_status = m.device_status;
   layer.forward(layer.prefill_problem(static_cast<std::int64_t>(T), static_cast<std::int64_t>(n)),
@@ -559,7 +561,8 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out, Span<co
   const auto rows = static_cast<std::uint64_t>(batch) * static_cast<std::uint64_t>(tokens);
   const auto H = static_cast<std::uint64_t>(m.spec.num_heads);
   const auto D = static_cast<std::uint64_t>(m.spec.head_dim);
-  m.check_caller_buffers(layer, "decode", caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
+  m.check_caller_buffers(layer, "decode",
+                         caller_buffers(inputs, out, rows * H * D * 2, rows * H * 2));
   m.stage_slots(slots, &m.decode_slots);
   DecodeTensors t;
   t.q = inputs.q;

@@ -1,15 +1,15 @@
 // kda/engine/engine.hpp — the KDA layers of a model, one memory arena, and a pool of state slots.
 //
-// An Engine plans its memory once (the spec's runtime.workspace_plan), allocates ONE arena (256-byte
-// aligned host memory on the CPU backend, one kda::device_malloc on CUDA) and never allocates again:
-// prefill and decode only enqueue work on buffers that already exist.
+// An Engine plans its memory once (the spec's runtime.workspace_plan), allocates ONE arena
+// (256-byte aligned host memory on the CPU backend, one kda::device_malloc on CUDA) and never
+// allocates again: prefill and decode only enqueue work on buffers that already exist.
 //
 // State slots. Each KDA layer keeps a pool of runtime.max_sequences recurrent states [H, V, K] in
 // the arena. A runtime gives each live sequence a slot:
-//   int slot = engine.acquire_slot();            // lowest free slot, its state zeroed in every layer
-//   engine.prefill(layer, inputs, out, {slot}, {0, n});   // per KDA layer, in order
-//   engine.decode(layer, inputs, out, {slot}, 1);         // per KDA layer, each step
-//   engine.release_slot(slot);                   // or reset_slot(slot) to start over
+//   int slot = engine.acquire_slot();              // lowest free slot, zeroed in every layer
+//   engine.prefill(layer, inputs, out, {slot}, {0, n});  // per KDA layer, in order
+//   engine.decode(layer, inputs, out, {slot}, 1);        // per KDA layer, each step
+//   engine.release_slot(slot);                     // or reset_slot(slot) to start over
 // prefill starts from the slot's current state — zero for a freshly acquired or reset slot, so a
 // second prefill on the same slot continues the sequence (chunked prefill) — and leaves the
 // sequence's final state in the slot; decode reads and updates it in place.
@@ -74,9 +74,9 @@ class Span {
 struct EngineOptions {
   // Unset: the spec's runtime.backend. See resolve_backend().
   std::optional<BackendChoice> backend;
-  std::uint64_t seed = 0;        // random parameters (when the spec names no weights file)
-  int cpu_threads = 0;           // CPU backend threads; 0: all hardware threads
-  void* stream = nullptr;        // CUDA stream (cudaStream_t) for everything; nullptr: default
+  std::uint64_t seed = 0;  // random parameters (when the spec names no weights file)
+  int cpu_threads = 0;     // CPU backend threads; 0: all hardware threads
+  void* stream = nullptr;  // CUDA stream (cudaStream_t) for everything; nullptr: default
   // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
@@ -146,9 +146,10 @@ class Engine {
   // [T, H, V]. Asynchronous on CUDA (synchronize() to wait).
   void prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<const int> slots,
                Span<const std::int64_t> cu_seqlens);
-  // Decode of one KDA layer: `tokens` (1..16) new tokens for each of slots.size() (1..max_sequences)
-  // rows; inputs [B, tokens, ...], out bf16 [B, tokens, H, V]. A negative slot marks a padding row
-  // (skipped, its out left untouched); the others must be distinct acquired slots.
+  // Decode of one KDA layer: `tokens` (1..16) new tokens for each of slots.size()
+  // (1..max_sequences) rows; inputs [B, tokens, ...], out bf16 [B, tokens, H, V]. A negative slot
+  // marks a padding row (skipped, its out left untouched); the others must be distinct acquired
+  // slots.
   void decode(int kda_layer, const LayerInputs& inputs, void* out, Span<const int> slots,
               int tokens);
   // Waits for everything enqueued (CUDA); no-op on the CPU.
