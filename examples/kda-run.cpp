@@ -386,10 +386,11 @@ int run_model(const Options& o) {
     if (o.json) {
       std::printf("%s\n", plan.to_json().c_str());
     } else {
-      std::printf("%s\nmemory plan on %s (the engine's arena; a run's synthetic inputs come on "
-                  "top):\n%s",
-                  describe_model(spec).c_str(), kda::to_string(backend),
-                  plan_text(o, spec, plan, backend).c_str());
+      std::printf(
+          "%s\nmemory plan on %s (the engine's arena; a run's synthetic inputs come on "
+          "top):\n%s",
+          describe_model(spec).c_str(), kda::to_string(backend),
+          plan_text(o, spec, plan, backend).c_str());
     }
     return 0;
   }

@@ -11,8 +11,8 @@
 #include <memory>
 #include <sstream>
 
-#include "kda/engine/error.hpp"
 #include "backend.hpp"
+#include "kda/engine/error.hpp"
 
 namespace kda::engine {
 

@@ -6,10 +6,10 @@
 #include <cstring>
 #include <random>
 
+#include "backend.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
-#include "backend.hpp"
 
 namespace kda::engine {
 
@@ -64,10 +64,10 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   }
   const Tensor a_log = file.read(a_name);
   if (!shape_is(a_log.shape, {num_heads}) && !shape_is(a_log.shape, {1, 1, num_heads, 1})) {
-    throw Error(StatusCode::kInvalidArgument,
-                file.path() + ": tensor '" + a_name + "' has shape " +
-                    shape_to_string(a_log.shape) + ", expected [" + std::to_string(num_heads) +
-                    "] or [1, 1, " + std::to_string(num_heads) + ", 1]");
+    throw Error(StatusCode::kInvalidArgument, file.path() + ": tensor '" + a_name + "' has shape " +
+                                                  shape_to_string(a_log.shape) + ", expected [" +
+                                                  std::to_string(num_heads) + "] or [1, 1, " +
+                                                  std::to_string(num_heads) + ", 1]");
   }
   const Tensor dt_bias = file.read(dt_name);
   if (!shape_is(dt_bias.shape, {num_heads * head_dim}) &&
@@ -84,9 +84,9 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   for (std::size_t h = 0; h < parameters.A_log.size(); ++h) {
     if (std::fabs(parameters.A_log[h]) > kMaxAbsALog) {
       throw Error(StatusCode::kInvalidArgument,
-                  file.path() + ": tensor '" + a_log.name + "' value " + std::to_string(parameters.A_log[h]) +
-                      " at element " + std::to_string(h) + " is outside [-" +
-                      std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                  file.path() + ": tensor '" + a_log.name + "' value " +
+                      std::to_string(parameters.A_log[h]) + " at element " + std::to_string(h) +
+                      " is outside [-" + std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
                       std::to_string(static_cast<int>(kMaxAbsALog)) + "] (kda::kMaxAbsALog)");
     }
   }
@@ -255,7 +255,8 @@ void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Engine
   if (A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr) {
     throw Error(StatusCode::kInternal, label_ + ": buffers missing from the memory plan");
   }
-  backend.copy_to_device(A_log_, parameters_.A_log.data(), parameters_.A_log.size() * sizeof(float));
+  backend.copy_to_device(A_log_, parameters_.A_log.data(),
+                         parameters_.A_log.size() * sizeof(float));
   backend.copy_to_device(dt_bias_, parameters_.dt_bias.data(),
                          parameters_.dt_bias.size() * sizeof(float));
   backend_ = &backend;
@@ -265,8 +266,8 @@ void KdaLayer::forward(const Problem& p, Tensors t, const CudaOptions& cuda) con
   if (backend_ == nullptr) throw Error(StatusCode::kInternal, label_ + " prefill: not bound");
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
-  const Status st =
-      backend_->prefill(p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
+  const Status st = backend_->prefill(
+      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
   if (!st.ok()) throw Error(st, label_ + " prefill");
 }
 
@@ -275,8 +276,8 @@ void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CudaOptions
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   t.state_pool = state_pool_;
-  const Status st =
-      backend_->decode(p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
+  const Status st = backend_->decode(
+      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
   if (!st.ok()) throw Error(st, label_ + " decode");
 }
 

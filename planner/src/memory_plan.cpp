@@ -442,8 +442,8 @@ std::string MemoryPlan::to_table(const TableFormat& format) const {
     out += line + "\n";
   }
   out += "mode: " + std::string(to_string(mode)) + "  alignment: " + std::to_string(alignment) +
-         "  buffers: " + std::to_string(entries.size()) + "  arena_bytes: " +
-         std::to_string(arena_bytes) + " (" + format_bytes(arena_bytes) + ")\n";
+         "  buffers: " + std::to_string(entries.size()) +
+         "  arena_bytes: " + std::to_string(arena_bytes) + " (" + format_bytes(arena_bytes) + ")\n";
   return out;
 }
 
