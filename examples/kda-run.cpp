@@ -24,6 +24,7 @@
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
+#include "synthetic_run.hpp"
 
 namespace {
 
@@ -286,7 +287,7 @@ std::string plan_table(const kda::engine::ModelSpec& spec, const MemoryPlan& pla
 // The plan in a few lines: the arena, the bytes of each kind of buffer, and what the model would
 // need under each plan mode (runtime.workspace_plan picks one).
 std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& plan,
-                         kda::Backend backend, std::int64_t synthetic_tokens) {
+                         kda::Backend backend) {
   using kda::planner::BufferKind;
   using kda::planner::format_bytes;
   std::string text = "arena: " + format_bytes(plan.arena_bytes) + " (" +
@@ -307,7 +308,7 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
     const char* note = kind == BufferKind::kState       ? "max_sequences slots per KDA layer"
                        : kind == BufferKind::kWorkspace ? "one per KDA layer"
                        : kind == BufferKind::kParameter ? "A_log and dt_bias"
-                                                        : "engine temporaries and synthetic inputs";
+                                                        : "engine temporaries";
     std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
                   kda::planner::to_string(kind), count, format_bytes(bytes).c_str(), note);
     text += line;
@@ -316,7 +317,7 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
   other.runtime.workspace_plan = plan.mode == kda::planner::PlanMode::kSum
                                      ? kda::planner::PlanMode::kReuse
                                      : kda::planner::PlanMode::kSum;
-  const MemoryPlan other_plan = kda::engine::Engine::plan_for(other, backend, synthetic_tokens);
+  const MemoryPlan other_plan = kda::engine::Engine::plan_for(other, backend);
   const MemoryPlan& sum = plan.mode == kda::planner::PlanMode::kSum ? plan : other_plan;
   const MemoryPlan& reuse = plan.mode == kda::planner::PlanMode::kSum ? other_plan : plan;
   std::snprintf(line, sizeof line,
@@ -329,8 +330,8 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
 }
 
 std::string plan_text(const Options& o, const kda::engine::ModelSpec& spec, const MemoryPlan& plan,
-                      kda::Backend backend, std::int64_t synthetic_tokens) {
-  return o.full_plan ? plan_table(spec, plan) : plan_summary(spec, plan, backend, synthetic_tokens);
+                      kda::Backend backend) {
+  return o.full_plan ? plan_table(spec, plan) : plan_summary(spec, plan, backend);
 }
 
 // Prefixes `path: ` to an error that does not name the file it concerns yet, so every message of
@@ -381,14 +382,15 @@ int run_model(const Options& o) {
     // Planning reads no weights; a weights file that is not there is still worth knowing now.
     kda::engine::check_weights_file(spec);
     const kda::Backend backend = kda::engine::resolve_backend(spec, choice);
-    const MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend, tokens);
+    const MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend);
     if (o.json) {
       std::printf("%s\n", plan.to_json().c_str());
     } else {
-      std::printf("%s\nmemory plan on %s (synthetic inputs for %lld tokens):\n%s",
-                  describe_model(spec).c_str(), kda::to_string(backend),
-                  static_cast<long long>(tokens),
-                  plan_text(o, spec, plan, backend, tokens).c_str());
+      std::printf(
+          "%s\nmemory plan on %s (the engine's arena; a run's synthetic inputs come on "
+          "top):\n%s",
+          describe_model(spec).c_str(), kda::to_string(backend),
+          plan_text(o, spec, plan, backend).c_str());
     }
     return 0;
   }
@@ -397,8 +399,8 @@ int run_model(const Options& o) {
   options.backend = choice;
   options.seed = o.seed;
   options.cpu_threads = static_cast<int>(o.threads);
-  options.synthetic_tokens = tokens;
   kda::engine::Engine engine(spec, options);
+  kda::examples::SyntheticInputs inputs(engine, tokens);
 
   const int threads = o.threads > 0
                           ? static_cast<int>(o.threads)
@@ -411,18 +413,20 @@ int run_model(const Options& o) {
     std::printf(" (%s)\n", kda::device_name(0).c_str());
   }
   std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
-  std::printf("\nmemory plan:\n%s\n",
-              plan_text(o, spec, engine.plan(), engine.backend(), tokens).c_str());
+  std::printf("\nmemory plan:\n%s", plan_text(o, spec, engine.plan(), engine.backend()).c_str());
+  std::printf("synthetic inputs: %s for %lld tokens (outside the arena)\n\n",
+              kda::planner::format_bytes(inputs.bytes()).c_str(),
+              static_cast<long long>(inputs.capacity()));
   std::fflush(stdout);
 
   ProgressBar bar;
-  kda::engine::RunOptions run;
+  kda::examples::RunOptions run;
   run.tokens = tokens;
   run.sequences = o.sequences;
   run.decode_steps = static_cast<int>(o.decode_steps);
   run.seed = o.seed;
   run.progress = [&bar](int done, int total) { bar.update(done, total); };
-  const kda::engine::RunReport report = engine.run_synthetic(run);
+  const kda::examples::RunReport report = kda::examples::run_synthetic(engine, inputs, run);
   bar.finish();
 
   std::printf(

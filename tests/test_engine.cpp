@@ -15,6 +15,7 @@
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda_reference.hpp"
+#include "synthetic_run.hpp"
 
 namespace fs = std::filesystem;
 using kda::engine::Engine;
@@ -112,9 +113,7 @@ bool lifetimes_overlap(const kda::planner::PlanEntry& a, const kda::planner::Pla
 
 TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / aligned / no overlap in sum") {
   const ModelSpec spec = spec_from(kSpec);
-  EngineOptions options;
-  options.synthetic_tokens = 64;
-  const Engine engine(spec, options);
+  const Engine engine(spec);
   CHECK(engine.backend() == kda::Backend::kCpu);
   CHECK(engine.num_layers() == 3);
   const kda::planner::MemoryPlan& plan = engine.plan();
@@ -139,14 +138,17 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
     CHECK(plan.find(prefix + ".dt_bias") != nullptr);
   }
   CHECK(plan.find("layer3.state") == nullptr);  // full attention: no KDA state
-  CHECK(plan.find("synthetic.q") != nullptr);
+  // The engine plans only what it runs: inputs and outputs are the caller's.
+  CHECK(plan.find("synthetic.q") == nullptr);
+  CHECK(plan.find("prefill.cu_seqlens") != nullptr);
+  CHECK(plan.find("engine.device_status") == nullptr);  // the CPU reports at once
   for (std::size_t i = 0; i < plan.entries.size(); ++i) {
     for (std::size_t j = i + 1; j < plan.entries.size(); ++j) {
       CHECK_FALSE(entries_overlap(plan.entries[i], plan.entries[j]));
     }
   }
   // The engine plans exactly what plan_for() predicts.
-  const auto predicted = Engine::plan_for(spec, kda::Backend::kCpu, 64);
+  const auto predicted = Engine::plan_for(spec, kda::Backend::kCpu);
   CHECK(predicted.arena_bytes == plan.arena_bytes);
   CHECK(predicted.to_json() == plan.to_json());
   CHECK(engine.arena_bytes() == plan.arena_bytes);  // the same name as kda_engine_arena_bytes
@@ -202,11 +204,11 @@ TEST_CASE("plan: reuse shares workspaces between layers and is smaller than sum"
 TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly (bitwise)") {
   const ModelSpec spec = spec_from(kSpec);
   EngineOptions options;
-  options.synthetic_tokens = 100;
   options.seed = 11;
   Engine engine(spec, options);
-  engine.generate_synthetic_inputs(5);
-  const auto& host = engine.synthetic_host();
+  kda::examples::SyntheticInputs synthetic(engine, 100);
+  synthetic.generate(5);
+  const auto& host = synthetic.host();
 
   const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot(), engine.acquire_slot()};
   CHECK(slots == std::vector<int>{0, 1, 2});
@@ -214,9 +216,9 @@ TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly (bitwise)
   const std::int64_t H = 2, D = 32, T = 100;
   for (int l = 0; l < engine.num_layers(); ++l) {
     CAPTURE(l);
-    engine.prefill(l, engine.synthetic_inputs(0), engine.synthetic_output(), slots, cu);
+    engine.prefill(l, synthetic.inputs(0), synthetic.output(), slots, cu);
     std::vector<std::uint16_t> engine_out(static_cast<std::size_t>(T * H * D));
-    std::memcpy(engine_out.data(), engine.synthetic_output(), engine_out.size() * 2);
+    std::memcpy(engine_out.data(), synthetic.output(), engine_out.size() * 2);
 
     kda::Problem p;
     p.batch = 1;
@@ -258,10 +260,10 @@ TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly (bitwise)
 }
 
 TEST_CASE("run_synthetic: every layer timed / slots acquired and released / decode steps") {
-  EngineOptions options;
-  options.synthetic_tokens = 64;
-  Engine engine(spec_from(kSpec), options);
-  kda::engine::RunOptions run;
+  Engine engine(spec_from(kSpec));
+  kda::examples::SyntheticInputs synthetic(engine, 64);
+  CHECK(synthetic.capacity() == 64);
+  kda::examples::RunOptions run;
   run.tokens = 64;
   run.sequences = 3;
   run.decode_steps = 4;
@@ -271,7 +273,7 @@ TEST_CASE("run_synthetic: every layer timed / slots acquired and released / deco
     CHECK(done == calls);
     last_total = total;
   };
-  const kda::engine::RunReport report = engine.run_synthetic(run);
+  const kda::examples::RunReport report = kda::examples::run_synthetic(engine, synthetic, run);
   CHECK(report.layer_seconds.size() == 3);
   CHECK(report.decode_step_seconds.size() == 4);
   CHECK(report.slots.size() == 3);
@@ -279,10 +281,14 @@ TEST_CASE("run_synthetic: every layer timed / slots acquired and released / deco
   CHECK(last_total == 7);
   CHECK(engine.free_slots() == 4);
   run.sequences = 5;  // more than max_sequences
-  CHECK_THROWS_AS(engine.run_synthetic(run), kda::Error);
+  CHECK_THROWS_AS(kda::examples::run_synthetic(engine, synthetic, run), kda::Error);
   run.sequences = 1;
-  run.tokens = 65;  // more than planned
-  CHECK_THROWS_AS(engine.run_synthetic(run), kda::Error);
+  run.tokens = 65;  // more than the inputs hold
+  CHECK_THROWS_AS(kda::examples::run_synthetic(engine, synthetic, run), kda::Error);
+  // Fewer tokens than sequences still leave room for a decode step of every slot.
+  CHECK(kda::examples::SyntheticInputs(engine, 1).capacity() == 4);
+  CHECK_THROWS_WITH_AS(kda::examples::SyntheticInputs(engine, -1),
+                       doctest::Contains("tokens must be >= 0"), kda::Error);
 }
 
 // Prefill n tokens then m decode steps of one token equals one prefill of n + m tokens; and m

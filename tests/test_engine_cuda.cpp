@@ -13,10 +13,12 @@
 #include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda_reference.hpp"
+#include "synthetic_run.hpp"
 
 using kda::engine::BackendChoice;
 using kda::engine::Engine;
 using kda::engine::EngineOptions;
+using kda::examples::SyntheticInputs;
 
 namespace {
 
@@ -36,12 +38,13 @@ const char* const kSpec =
     "  state_dtype: fp32\n"
     "  workspace_plan: reuse\n";
 
-std::vector<std::uint16_t> output_of(const Engine& e, std::size_t elems) {
+std::vector<std::uint16_t> output_of(const Engine& e, const SyntheticInputs& s,
+                                     std::size_t elems) {
   std::vector<std::uint16_t> host(elems);
   if (e.backend() == kda::Backend::kCuda) {
-    REQUIRE(kda::memcpy_to_host(host.data(), e.synthetic_output(), elems * 2, e.stream()).ok());
+    REQUIRE(kda::memcpy_to_host(host.data(), s.output(), elems * 2, e.stream()).ok());
   } else {
-    std::memcpy(host.data(), e.synthetic_output(), elems * 2);
+    std::memcpy(host.data(), s.output(), elems * 2);
   }
   return host;
 }
@@ -61,11 +64,11 @@ TEST_CASE("engine on CUDA equals the engine on the CPU: prefill on slots then de
   go.backend = BackendChoice::kCuda;
   co.backend = BackendChoice::kCpu;
   go.seed = co.seed = 17;
-  go.synthetic_tokens = co.synthetic_tokens = 300;
   Engine gpu(spec, go), cpu(spec, co);
   REQUIRE(gpu.backend() == kda::Backend::kCuda);
-  gpu.generate_synthetic_inputs(5);
-  cpu.generate_synthetic_inputs(5);
+  SyntheticInputs gin(gpu, 300), cin(cpu, 300);
+  gin.generate(5);
+  cin.generate(5);
   const std::vector<std::int64_t> cu = {0, 100, 101, 300};
   std::vector<int> gs, cs;
   for (int i = 0; i < 3; ++i) {
@@ -74,11 +77,12 @@ TEST_CASE("engine on CUDA equals the engine on the CPU: prefill on slots then de
   }
   const std::int64_t H = 4, D = 128;
   for (int l = 0; l < gpu.num_layers(); ++l) {
-    gpu.prefill(l, gpu.synthetic_inputs(0), gpu.synthetic_output(), gs, cu);
-    cpu.prefill(l, cpu.synthetic_inputs(0), cpu.synthetic_output(), cs, cu);
+    gpu.prefill(l, gin.inputs(0), gin.output(), gs, cu);
+    cpu.prefill(l, cin.inputs(0), cin.output(), cs, cu);
     gpu.synchronize();
     const std::size_t n = static_cast<std::size_t>(300 * H * D);
-    const double e_out = kda::test::rel_error_bf16(output_of(gpu, n), kda::test::to_doubles(output_of(cpu, n)));
+    const double e_out = kda::test::rel_error_bf16(output_of(gpu, gin, n),
+                                                  kda::test::to_doubles(output_of(cpu, cin, n)));
     std::printf("engine layer %d prefill: out %.2e\n", l, e_out);
     CHECK(e_out <= 5e-3);
     for (int s = 0; s < 3; ++s) {
@@ -90,11 +94,11 @@ TEST_CASE("engine on CUDA equals the engine on the CPU: prefill on slots then de
   for (int step = 0; step < 2; ++step) {
     std::vector<int> gslots = {gs[0], -1, gs[1], gs[2]}, cslots = {cs[0], -1, cs[1], cs[2]};
     for (int l = 0; l < gpu.num_layers(); ++l) {
-      gpu.decode(l, gpu.synthetic_inputs(4 * step), gpu.synthetic_output(), gslots, 1);
-      cpu.decode(l, cpu.synthetic_inputs(4 * step), cpu.synthetic_output(), cslots, 1);
+      gpu.decode(l, gin.inputs(4 * step), gin.output(), gslots, 1);
+      cpu.decode(l, cin.inputs(4 * step), cin.output(), cslots, 1);
       gpu.synchronize();
-      std::vector<std::uint16_t> g = output_of(gpu, static_cast<std::size_t>(4 * H * D));
-      std::vector<std::uint16_t> c = output_of(cpu, static_cast<std::size_t>(4 * H * D));
+      std::vector<std::uint16_t> g = output_of(gpu, gin, static_cast<std::size_t>(4 * H * D));
+      std::vector<std::uint16_t> c = output_of(cpu, cin, static_cast<std::size_t>(4 * H * D));
       // Row 1 is padding: compare rows 0, 2, 3.
       std::vector<double> gr, cr;
       for (int r : {0, 2, 3}) {
@@ -117,19 +121,19 @@ TEST_CASE("engine on CUDA: run_synthetic with decode steps completes and reports
   const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
   EngineOptions o;
   o.backend = BackendChoice::kAuto;
-  o.synthetic_tokens = 512;
   Engine e(spec, o);
   CHECK(e.backend() == kda::Backend::kCuda);
-  kda::engine::RunOptions r;
+  SyntheticInputs inputs(e, 512);
+  kda::examples::RunOptions r;
   r.tokens = 512;
   r.sequences = 4;
   r.decode_steps = 3;
-  const kda::engine::RunReport rep = e.run_synthetic(r);
+  const kda::examples::RunReport rep = kda::examples::run_synthetic(e, inputs, r);
   CHECK(rep.layer_seconds.size() == 2);
   CHECK(rep.decode_step_seconds.size() == 3);
   CHECK(rep.prefill_seconds > 0);
   const std::size_t n = static_cast<std::size_t>(4 * 4 * 128);
-  for (std::uint16_t x : output_of(e, n)) {
+  for (std::uint16_t x : output_of(e, inputs, n)) {
     if (!std::isfinite(kda::bf16_to_float(x))) {
       FAIL("non-finite output after run_synthetic");
       break;
@@ -142,9 +146,9 @@ TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is
   const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
   EngineOptions o;
   o.backend = BackendChoice::kCuda;
-  o.synthetic_tokens = 200;
   Engine e(spec, o);
-  e.generate_synthetic_inputs(9);
+  SyntheticInputs synthetic(e, 200);
+  synthetic.generate(9);
   const int s0 = e.acquire_slot(), s1 = e.acquire_slot(), s2 = e.acquire_slot();
   (void)s1;
   // Slots {s0, s2}: two runs of consecutive slots, so two operator forwards; out holds only the first
@@ -154,7 +158,7 @@ TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is
   const std::vector<int> slots = {s0, s2};
   kda::test::DeviceBuffer out(static_cast<std::size_t>(60 * H * D) * 2, 0);
   out.fill(0xFF);
-  CHECK_THROWS_WITH_AS(e.prefill(0, e.synthetic_inputs(0), out.get(), slots, cu),
+  CHECK_THROWS_WITH_AS(e.prefill(0, synthetic.inputs(0), out.get(), slots, cu),
                        doctest::Contains("out needs"), kda::Error);
   e.synchronize();
   for (std::uint16_t x : out.download<std::uint16_t>()) {
@@ -171,12 +175,12 @@ TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is
   }
   // A host pointer for beta, in decode.
   std::vector<std::uint16_t> host_beta(static_cast<std::size_t>(2 * H), 0);
-  kda::engine::LayerInputs in = e.synthetic_inputs(0);
+  kda::engine::LayerInputs in = synthetic.inputs(0);
   in.beta = host_beta.data();
-  CHECK_THROWS_WITH_AS(e.decode(0, in, e.synthetic_output(), slots, 1),
+  CHECK_THROWS_WITH_AS(e.decode(0, in, synthetic.output(), slots, 1),
                        doctest::Contains("beta points to unregistered host memory"), kda::Error);
   // The same calls with good buffers work, and the engine's status word stays clear.
-  e.prefill(0, e.synthetic_inputs(0), e.synthetic_output(), slots, cu);
-  e.decode(0, e.synthetic_inputs(0), e.synthetic_output(), slots, 1);
+  e.prefill(0, synthetic.inputs(0), synthetic.output(), slots, cu);
+  e.decode(0, synthetic.inputs(0), synthetic.output(), slots, 1);
   CHECK_NOTHROW(e.check_device_status());
 }

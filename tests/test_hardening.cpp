@@ -18,6 +18,7 @@
 #include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda_reference.hpp"
+#include "synthetic_run.hpp"
 
 using kda::engine::BackendChoice;
 using kda::engine::Engine;
@@ -45,7 +46,7 @@ constexpr int kDecodeRows = 4;  // three sequences and one padding row
 // Acquires three slots, prefills every layer on the synthetic inputs, runs kDecodeSteps decode
 // steps of one token (rows: slot, padding, slot, slot) through every layer, records everything and
 // releases the slots. Throws kda::Error on failure (it runs on worker threads: no doctest macros).
-WorkResult work(Engine& engine) {
+WorkResult work(Engine& engine, const kda::examples::SyntheticInputs& synthetic) {
   const std::int64_t H = engine.spec().num_heads, D = engine.spec().head_dim;
   const std::size_t prefill_elems = static_cast<std::size_t>(kPrefillTokens * H * D);
   const std::size_t row_elems = static_cast<std::size_t>(kDecodeRows * H * D);
@@ -57,12 +58,12 @@ WorkResult work(Engine& engine) {
   std::vector<int> slots;
   for (int j = 0; j < 3; ++j) slots.push_back(engine.acquire_slot());
   for (int l = 0; l < layers; ++l) {
-    engine.prefill(l, engine.synthetic_inputs(0), r.prefill_out.data() + prefill_elems * l, slots,
+    engine.prefill(l, synthetic.inputs(0), r.prefill_out.data() + prefill_elems * l, slots,
                    kCuSeqlens);
   }
   const std::vector<int> rows = {slots[0], -1, slots[1], slots[2]};
   for (int step = 0; step < kDecodeSteps; ++step) {
-    const LayerInputs inputs = engine.synthetic_inputs(kPrefillTokens + kDecodeRows * step);
+    const LayerInputs inputs = synthetic.inputs(kPrefillTokens + kDecodeRows * step);
     for (int l = 0; l < layers; ++l) {
       engine.decode(l, inputs, r.decode_out.data() + row_elems * (step * layers + l), rows, 1);
     }
@@ -83,9 +84,10 @@ EngineOptions cpu_options(std::uint64_t seed) {
   o.backend = BackendChoice::kCpu;
   o.seed = seed;
   o.cpu_threads = 2;  // each engine threads internally too, so the threads really interleave
-  o.synthetic_tokens = kPrefillTokens + kDecodeRows * kDecodeSteps;
   return o;
 }
+
+constexpr std::int64_t kSyntheticTokens = kPrefillTokens + kDecodeRows * kDecodeSteps;
 
 void check_same(const WorkResult& got, const WorkResult& want) {
   CHECK(got.prefill_out == want.prefill_out);
@@ -148,11 +150,12 @@ std::string tiny_yaml() {
 TEST_CASE("two CPU engines in two threads equal the same work run serially (bitwise)") {
   const ModelSpec spec = kda::engine::load_model_spec(tiny_path());
   Engine a(spec, cpu_options(31)), b(spec, cpu_options(32));
-  a.generate_synthetic_inputs(7);
-  b.generate_synthetic_inputs(8);
+  kda::examples::SyntheticInputs sa(a, kSyntheticTokens), sb(b, kSyntheticTokens);
+  sa.generate(7);
+  sb.generate(8);
 
-  const WorkResult serial_a = work(a);
-  const WorkResult serial_b = work(b);
+  const WorkResult serial_a = work(a, sa);
+  const WorkResult serial_b = work(b, sb);
   // Every output of a real row was written; the two engines really compute different things.
   CHECK(kda::test::all_finite(serial_a.prefill_out));
   CHECK(serial_a.prefill_out != serial_b.prefill_out);
@@ -163,17 +166,17 @@ TEST_CASE("two CPU engines in two threads equal the same work run serially (bitw
     WorkResult got[2];
     std::exception_ptr failure[2];
     std::atomic<int> ready{0};
-    auto drive = [&](int i, Engine& engine) {
+    auto drive = [&](int i, Engine& engine, const kda::examples::SyntheticInputs& synthetic) {
       ready.fetch_add(1);
       while (ready.load() < 2) std::this_thread::yield();  // start together
       try {
-        got[i] = work(engine);
+        got[i] = work(engine, synthetic);
       } catch (...) {
         failure[i] = std::current_exception();
       }
     };
-    std::thread ta(drive, 0, std::ref(a));
-    std::thread tb(drive, 1, std::ref(b));
+    std::thread ta(drive, 0, std::ref(a), std::cref(sa));
+    std::thread tb(drive, 1, std::ref(b), std::cref(sb));
     ta.join();
     tb.join();
     for (const std::exception_ptr& f : failure) {
@@ -241,11 +244,11 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
     CHECK(message.find("tiny-kda on cpu") != std::string::npos);
     CHECK(message.find("overflows 64-bit sizes") != std::string::npos);
   }
-  {  // Synthetic scratch buffers for 2^60 tokens.
-    EngineOptions synthetic = options;
-    synthetic.synthetic_tokens = std::int64_t{1} << 60;
-    const std::string message =
-        expect_error([&] { Engine e(tiny, synthetic); }, kda::StatusCode::kOverflow);
+  {  // Synthetic inputs (examples/synthetic_run.hpp) for 2^60 tokens.
+    const Engine engine(tiny, options);
+    const std::string message = expect_error(
+        [&] { kda::examples::SyntheticInputs inputs(engine, std::int64_t{1} << 60); },
+        kda::StatusCode::kOverflow);
     CHECK(message.find("synthetic inputs") != std::string::npos);
   }
   {  // Valid for the loader (inputs fit in 64 bits) but the CUDA workspace at max_tokens does not:

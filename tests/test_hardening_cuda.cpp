@@ -24,6 +24,7 @@
 #include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda_reference.hpp"
+#include "synthetic_run.hpp"
 
 #ifdef KDA_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -34,6 +35,7 @@ using kda::engine::Engine;
 using kda::engine::EngineOptions;
 using kda::engine::LayerInputs;
 using kda::engine::ModelSpec;
+using kda::examples::SyntheticInputs;
 
 #ifdef KDA_HAVE_CUDA
 namespace {
@@ -84,12 +86,11 @@ const char* const kSpec =
 
 ModelSpec cuda_spec() { return kda::engine::parse_model_spec(kSpec, "hardening-cuda.yaml"); }
 
-EngineOptions cuda_options(std::uint64_t seed, std::int64_t synthetic_tokens, void* stream) {
+EngineOptions cuda_options(std::uint64_t seed, void* stream) {
   EngineOptions o;
   o.backend = BackendChoice::kCuda;
   o.seed = seed;
   o.stream = stream;
-  o.synthetic_tokens = synthetic_tokens;
   return o;
 }
 
@@ -131,7 +132,7 @@ struct WorkBuffers {
 // kDecodeSteps steps of one token through every layer (rows: slot, padding, slot, slot), downloads
 // every output and the slots' states, releases the slots. Outputs are poisoned first (0xFF) on the
 // engine's stream. Throws on failure; no doctest macros (it runs on worker threads).
-WorkResult work(Engine& engine, WorkBuffers& buffers) {
+WorkResult work(Engine& engine, const SyntheticInputs& synthetic, WorkBuffers& buffers) {
   void* stream = engine.stream();
   const std::int64_t H = engine.spec().num_heads, D = engine.spec().head_dim;
   const std::size_t prefill_bytes = static_cast<std::size_t>(kPrefillTokens * H * D * 2);
@@ -145,12 +146,12 @@ WorkResult work(Engine& engine, WorkBuffers& buffers) {
   std::vector<int> slots;
   for (int j = 0; j < 3; ++j) slots.push_back(engine.acquire_slot());
   for (int l = 0; l < layers; ++l) {
-    engine.prefill(l, engine.synthetic_inputs(0), byte_ptr(buffers.prefill_out.get(), prefill_bytes * l),
+    engine.prefill(l, synthetic.inputs(0), byte_ptr(buffers.prefill_out.get(), prefill_bytes * l),
                    slots, kCuSeqlens);
   }
   const std::vector<int> rows = {slots[0], -1, slots[1], slots[2]};
   for (int step = 0; step < kDecodeSteps; ++step) {
-    const LayerInputs inputs = engine.synthetic_inputs(kPrefillTokens + kDecodeRows * step);
+    const LayerInputs inputs = synthetic.inputs(kPrefillTokens + kDecodeRows * step);
     for (int l = 0; l < layers; ++l) {
       engine.decode(l, inputs, byte_ptr(buffers.decode_out.get(), row_bytes * (step * layers + l)),
                     rows, 1);
@@ -182,17 +183,18 @@ TEST_CASE("two CUDA engines on two streams in two threads equal the same work ru
   REQUIRE(sb.stream != nullptr);
   const ModelSpec spec = cuda_spec();
   const std::int64_t synthetic = kPrefillTokens + kDecodeRows * kDecodeSteps;
-  Engine a(spec, cuda_options(51, synthetic, sa.stream));
-  Engine b(spec, cuda_options(52, synthetic, sb.stream));
+  Engine a(spec, cuda_options(51, sa.stream));
+  Engine b(spec, cuda_options(52, sb.stream));
   REQUIRE(a.backend() == kda::Backend::kCuda);
-  a.generate_synthetic_inputs(1);
-  b.generate_synthetic_inputs(2);
+  SyntheticInputs ia(a, synthetic), ib(b, synthetic);
+  ia.generate(1);
+  ib.generate(2);
   WorkBuffers ba(spec, a.num_layers()), bb(spec, b.num_layers());
   // The buffers were set up on the legacy default stream, which non-blocking streams do not wait for.
   CUDA_REQUIRE(cudaDeviceSynchronize());
 
-  const WorkResult serial_a = work(a, ba);
-  const WorkResult serial_b = work(b, bb);
+  const WorkResult serial_a = work(a, ia, ba);
+  const WorkResult serial_b = work(b, ib, bb);
   // Sanity: every prefill output was written, and the two engines compute different things.
   CHECK(kda::test::all_finite(serial_a.prefill_out));
   CHECK(kda::test::all_finite(serial_b.prefill_out));
@@ -204,17 +206,17 @@ TEST_CASE("two CUDA engines on two streams in two threads equal the same work ru
     WorkResult got[2];
     std::exception_ptr failure[2];
     std::atomic<int> ready{0};
-    auto drive = [&](int i, Engine& engine, WorkBuffers& buffers) {
+    auto drive = [&](int i, Engine& engine, const SyntheticInputs& inputs, WorkBuffers& buffers) {
       ready.fetch_add(1);
       while (ready.load() < 2) std::this_thread::yield();  // start together
       try {
-        got[i] = work(engine, buffers);
+        got[i] = work(engine, inputs, buffers);
       } catch (...) {
         failure[i] = std::current_exception();
       }
     };
-    std::thread ta(drive, 0, std::ref(a), std::ref(ba));
-    std::thread tb(drive, 1, std::ref(b), std::ref(bb));
+    std::thread ta(drive, 0, std::ref(a), std::cref(ia), std::ref(ba));
+    std::thread tb(drive, 1, std::ref(b), std::cref(ib), std::ref(bb));
     ta.join();
     tb.join();
     for (const std::exception_ptr& f : failure) {
@@ -261,7 +263,8 @@ class GraphFixture {
  public:
   GraphFixture()
       : spec_(cuda_spec()),
-        engine_(spec_, cuda_options(61, kGraphTokens + 3, stream_.stream)),
+        engine_(spec_, cuda_options(61, stream_.stream)),
+        synthetic_(engine_, kGraphTokens + 3),
         prefill_out_(static_cast<std::size_t>(kGraphTokens * spec_.num_heads * spec_.head_dim * 2)),
         decode_out_(static_cast<std::size_t>(3 * spec_.num_heads * spec_.head_dim * 2)) {
     slots_ = {engine_.acquire_slot(), engine_.acquire_slot()};
@@ -272,13 +275,13 @@ class GraphFixture {
 
   // The captured work: only engine calls.
   void forward() {
-    engine_.prefill(kGraphLayer, engine_.synthetic_inputs(0), prefill_out_.get(), slots_, kGraphCu);
-    engine_.decode(kGraphLayer, engine_.synthetic_inputs(kGraphTokens), decode_out_.get(), rows_, 1);
+    engine_.prefill(kGraphLayer, synthetic_.inputs(0), prefill_out_.get(), slots_, kGraphCu);
+    engine_.decode(kGraphLayer, synthetic_.inputs(kGraphTokens), decode_out_.get(), rows_, 1);
   }
   // Fresh slot states, new input contents in the same buffers, poisoned outputs.
   void prepare(std::uint64_t input_seed) {
     for (const int slot : slots_) engine_.reset_slot(slot);
-    engine_.generate_synthetic_inputs(input_seed);
+    synthetic_.generate(input_seed);
     ok_or_throw(kda::memset_device(prefill_out_.get(), 0xFF, prefill_out_.bytes(), stream_.stream),
                 "poison");
     ok_or_throw(kda::memset_device(decode_out_.get(), 0xFF, decode_out_.bytes(), stream_.stream),
@@ -301,6 +304,7 @@ class GraphFixture {
   Stream stream_;  // first member: destroyed after the engine
   ModelSpec spec_;
   Engine engine_;
+  SyntheticInputs synthetic_;
   kda::test::DeviceBuffer prefill_out_, decode_out_;
   std::vector<int> slots_, rows_;
 };
@@ -431,13 +435,14 @@ TEST_CASE("engine create then 1000 forwards then destroy three times: device mem
   // One cycle: an engine (arena allocated), `forwards` prefills of one layer (two sequences of 40
   // and 24 tokens) each followed by a decode step of that layer, then the engine destroyed.
   auto cycle = [&](int forwards) {
-    Engine e(spec, cuda_options(71, kTokens + 2, nullptr));
-    e.generate_synthetic_inputs(3);
+    Engine e(spec, cuda_options(71, nullptr));
+    SyntheticInputs synthetic(e, kTokens + 2);
+    synthetic.generate(3);
     const std::vector<int> slots = {e.acquire_slot(), e.acquire_slot()};
     for (int i = 0; i < forwards; ++i) {
       const int layer = i % e.num_layers();
-      e.prefill(layer, e.synthetic_inputs(0), e.synthetic_output(), slots, cu);
-      e.decode(layer, e.synthetic_inputs(kTokens), e.synthetic_output(), slots, 1);
+      e.prefill(layer, synthetic.inputs(0), synthetic.output(), slots, cu);
+      e.decode(layer, synthetic.inputs(kTokens), synthetic.output(), slots, 1);
     }
     e.synchronize();
     for (const int slot : slots) e.release_slot(slot);

@@ -7,6 +7,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,7 @@
 
 namespace {
 
+using kda::planner::BufferHandle;
 using kda::planner::BufferKind;
 using kda::planner::BufferRequest;
 using kda::planner::MemoryPlan;
@@ -22,6 +24,7 @@ using kda::planner::MemoryPlanner;
 using kda::planner::PlanEntry;
 using kda::planner::PlanMode;
 using kda::planner::PlanResult;
+using kda::planner::PlanStatus;
 
 constexpr std::uint64_t kMaxU64 = std::numeric_limits<std::uint64_t>::max();
 
@@ -71,9 +74,9 @@ std::vector<BufferRequest> random_requests(std::mt19937_64& rng, std::size_t cou
     int first = step_dist(rng);
     int last = step_dist(rng);
     if (first > last) std::swap(first, last);
-    BufferRequest request = make_request("buf" + std::to_string(i), bytes, first, last,
-                                         static_cast<BufferKind>(kind_choice(rng)),
-                                         static_cast<int>(i % 7) - 1);
+    BufferRequest request =
+        make_request("buf" + std::to_string(i), bytes, first, last,
+                     static_cast<BufferKind>(kind_choice(rng)), static_cast<int>(i % 7) - 1);
     const int choice = alignment_choice(rng);
     // 0 (the plan's) most of the time; sometimes smaller or larger than the plan's.
     if (choice == 5) request.alignment = 16;
@@ -120,6 +123,11 @@ std::string error_of(const std::vector<BufferRequest>& requests, PlanMode mode,
   return result.error;
 }
 
+PlanStatus status_of(const std::vector<BufferRequest>& requests, PlanMode mode,
+                     std::uint64_t alignment = kda::planner::kDefaultAlignment) {
+  return plan_of(requests, mode, alignment).status;
+}
+
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -155,9 +163,8 @@ TEST_CASE("planner: names of kinds and modes / parse_plan_mode / format_bytes") 
 }
 
 TEST_CASE("planner: sum mode / hand-checkable offsets") {
-  const std::vector<BufferRequest> requests = {make_request("a", 100, 0, 0),
-                                               make_request("b", 300, 1, 1),
-                                               make_request("c", 1, 2, 2)};
+  const std::vector<BufferRequest> requests = {
+      make_request("a", 100, 0, 0), make_request("b", 300, 1, 1), make_request("c", 1, 2, 2)};
   const PlanResult result = plan_of(requests, PlanMode::kSum);
   check_common_invariants(requests, result, 256);
   CHECK(result.plan.mode == PlanMode::kSum);
@@ -182,8 +189,8 @@ TEST_CASE("planner: sum mode / hand-checkable offsets") {
 }
 
 TEST_CASE("planner: sum mode never overlaps / aligns / and totals the aligned sum") {
-  for (const std::uint64_t plan_alignment : {std::uint64_t{1}, std::uint64_t{64},
-                                             std::uint64_t{256}, std::uint64_t{4096}}) {
+  for (const std::uint64_t plan_alignment :
+       {std::uint64_t{1}, std::uint64_t{64}, std::uint64_t{256}, std::uint64_t{4096}}) {
     for (std::uint64_t seed = 0; seed < 40; ++seed) {
       CAPTURE(plan_alignment);
       CAPTURE(seed);
@@ -368,12 +375,14 @@ TEST_CASE("planner: errors name the buffer and the problem") {
         error_of({make_request("ok", 10, 0, 0), make_request("empty_ws", 0, 0, 0)}, PlanMode::kSum);
     CHECK(contains(error, "empty_ws"));
     CHECK(contains(error, "bytes"));
+    CHECK(status_of({make_request("empty_ws", 0, 0, 0)}, PlanMode::kSum) == PlanStatus::kZeroBytes);
   }
   SUBCASE("size whose aligned size overflows") {
     for (const PlanMode mode : {PlanMode::kSum, PlanMode::kReuse}) {
       const std::string error = error_of({make_request("huge", kMaxU64 - 3, 0, 0)}, mode);
       CHECK(contains(error, "huge"));
       CHECK(contains(error, "overflow"));
+      CHECK(status_of({make_request("huge", kMaxU64 - 3, 0, 0)}, mode) == PlanStatus::kOverflow);
     }
     // Right at the limit it fits: UINT64_MAX rounded down to the alignment.
     const PlanResult at_limit = plan_of({make_request("max", kMaxU64 - 255, 0, 0)}, PlanMode::kSum);
@@ -388,6 +397,7 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     const std::string sum_error = error_of(requests, PlanMode::kSum);
     CHECK(contains(sum_error, "big15"));  // it would end at 16 * 2^60 = 2^64
     CHECK(contains(sum_error, "overflow"));
+    CHECK(status_of(requests, PlanMode::kSum) == PlanStatus::kOverflow);
     // One after another, reuse needs only one of them...
     const PlanResult reuse = plan_of(requests, PlanMode::kReuse);
     CHECK(reuse.ok);
@@ -397,6 +407,7 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     const std::string reuse_error = error_of(requests, PlanMode::kReuse);
     CHECK(contains(reuse_error, "big15"));
     CHECK(contains(reuse_error, "overflow"));
+    CHECK(status_of(requests, PlanMode::kReuse) == PlanStatus::kOverflow);
   }
   SUBCASE("alignment not a power of two") {
     BufferRequest request = make_request("odd_align", 100, 0, 0);
@@ -404,6 +415,7 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     const std::string error = error_of({request}, PlanMode::kSum);
     CHECK(contains(error, "odd_align"));
     CHECK(contains(error, "384"));
+    CHECK(status_of({request}, PlanMode::kSum) == PlanStatus::kBadAlignment);
     CHECK(contains(error_of({make_request("x", 1, 0, 0)}, PlanMode::kSum, 384), "384"));
     CHECK(contains(error_of({make_request("x", 1, 0, 0)}, PlanMode::kReuse, 0), "alignment"));
   }
@@ -414,10 +426,20 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     CHECK(contains(error, "'ws'"));
     CHECK(contains(error, "duplicate"));
     CHECK(contains(error, "#2"));
-    const std::string empty = error_of({make_request("a", 1, 0, 0), make_request("", 1, 0, 0)},
-                                       PlanMode::kSum);
+    // Reported as a duplicate even when the buffers would also overflow the arena together.
+    const std::vector<BufferRequest> huge_twins = {make_request("twin", kMaxU64 / 2, 0, 0),
+                                                   make_request("twin", kMaxU64 / 2, 0, 0)};
+    for (const PlanMode mode : {PlanMode::kSum, PlanMode::kReuse}) {
+      const PlanResult twins = plan_of(huge_twins, mode);
+      CHECK(twins.status == PlanStatus::kDuplicateName);
+      CHECK(contains(twins.error, "duplicate"));
+      CHECK_FALSE(contains(twins.error, "overflow"));
+    }
+    const std::string empty =
+        error_of({make_request("a", 1, 0, 0), make_request("", 1, 0, 0)}, PlanMode::kSum);
     CHECK(contains(empty, "#1"));
     CHECK(contains(empty, "empty"));
+    CHECK(status_of({make_request("", 1, 0, 0)}, PlanMode::kSum) == PlanStatus::kEmptyName);
   }
   SUBCASE("bad lifetimes") {
     const std::string reversed = error_of({make_request("backwards", 1, 3, 2)}, PlanMode::kReuse);
@@ -426,6 +448,8 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     const std::string negative = error_of({make_request("before_start", 1, -1, 2)}, PlanMode::kSum);
     CHECK(contains(negative, "before_start"));
     CHECK(contains(negative, "negative"));
+    CHECK(status_of({make_request("backwards", 1, 3, 2)}, PlanMode::kSum) ==
+          PlanStatus::kBadLifetime);
     // A persistent buffer's steps do not matter.
     BufferRequest persistent = make_persistent("state", 1);
     persistent.first_step = 5;
@@ -434,13 +458,44 @@ TEST_CASE("planner: errors name the buffer and the problem") {
   }
   SUBCASE("unknown mode") {
     CHECK(contains(error_of({make_request("a", 1, 0, 0)}, static_cast<PlanMode>(7)), "mode"));
+    CHECK(status_of({make_request("a", 1, 0, 0)}, static_cast<PlanMode>(7)) ==
+          PlanStatus::kBadMode);
   }
+}
+
+TEST_CASE("planner: add() returns handles that resolve to their entries / ok and status agree") {
+  for (const PlanMode mode : {PlanMode::kSum, PlanMode::kReuse}) {
+    MemoryPlanner planner;
+    const BufferHandle a = planner.add(make_persistent("a", 100));
+    const BufferHandle b = planner.add(make_request("b", 300, 0, 0));
+    const BufferHandle c = planner.add(make_request("c", 200, 1, 1));
+    CHECK(a.valid());
+    CHECK(a.index == 0);
+    CHECK(b.index == 1);
+    CHECK(c.index == 2);
+    const PlanResult result = planner.plan(mode);
+    REQUIRE(result.ok);
+    CHECK(result.status == PlanStatus::kOk);
+    CHECK(result.error.empty());
+    for (const auto& [handle, name] :
+         {std::pair<BufferHandle, const char*>{a, "a"}, {b, "b"}, {c, "c"}}) {
+      const PlanEntry* entry = result.plan.entry(handle);
+      REQUIRE(entry != nullptr);
+      CHECK(entry->name == name);
+      CHECK(entry == result.plan.find(name));
+    }
+    CHECK(result.plan.entry(BufferHandle{}) == nullptr);   // default: invalid
+    CHECK(result.plan.entry(BufferHandle{3}) == nullptr);  // beyond this plan
+    CHECK(result.plan.entry(BufferHandle{-5}) == nullptr);
+  }
+  CHECK(std::string(kda::planner::to_string(PlanStatus::kDuplicateName)) == "duplicate name");
+  CHECK(std::string(kda::planner::to_string(PlanStatus::kOk)) == "ok");
 }
 
 TEST_CASE("planner: to_json has the documented shape and parses back") {
   // The exact text of a tiny plan.
-  const PlanResult tiny = plan_of({make_request("ws", 100, 0, 0, BufferKind::kWorkspace, 0)},
-                                  PlanMode::kSum);
+  const PlanResult tiny =
+      plan_of({make_request("ws", 100, 0, 0, BufferKind::kWorkspace, 0)}, PlanMode::kSum);
   REQUIRE(tiny.ok);
   CHECK(tiny.plan.to_json() ==
         "{\"mode\": \"sum\", \"alignment\": 256, \"arena_bytes\": 256, \"buffers\": [{\"name\": "
@@ -449,17 +504,20 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
   CHECK(plan_of({}, PlanMode::kReuse).plan.to_json() ==
         "{\"mode\": \"reuse\", \"alignment\": 256, \"arena_bytes\": 0, \"buffers\": []}");
 
-  const std::vector<std::string> odd_names = {
-      "plain",  "with \"quotes\"", "back\\slash", "line\nbreak\ttab\r",
-      std::string("nul\0byte", 8), "ctrl\x01\x1f", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x99\x82",
-      "/slash"};
+  const std::vector<std::string> odd_names = {"plain",
+                                              "with \"quotes\"",
+                                              "back\\slash",
+                                              "line\nbreak\ttab\r",
+                                              std::string("nul\0byte", 8),
+                                              "ctrl\x01\x1f",
+                                              "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x99\x82",
+                                              "/slash"};
   std::mt19937_64 rng(9);
   std::vector<BufferRequest> requests;
   for (std::size_t i = 0; i < odd_names.size(); ++i) {
-    BufferRequest request =
-        make_request(odd_names[i], 1 + rng() % 100000, static_cast<int>(i % 3),
-                     static_cast<int>(i % 3) + 1, static_cast<BufferKind>(i % 4),
-                     static_cast<int>(i) - 1);
+    BufferRequest request = make_request(odd_names[i], 1 + rng() % 100000, static_cast<int>(i % 3),
+                                         static_cast<int>(i % 3) + 1,
+                                         static_cast<BufferKind>(i % 4), static_cast<int>(i) - 1);
     request.persistent = i % 4 == 3;
     requests.push_back(request);
   }
@@ -490,8 +548,7 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
       plan_of({make_request("bad\xff\xc3(", kMaxU64 - 255, 0, 0)}, PlanMode::kSum);
   REQUIRE(broken.ok);
   const nlohmann::json json = nlohmann::json::parse(broken.plan.to_json());
-  CHECK(json.at("buffers")[0].at("name").get<std::string>() ==
-        "bad\xef\xbf\xbd\xef\xbf\xbd(");
+  CHECK(json.at("buffers")[0].at("name").get<std::string>() == "bad\xef\xbf\xbd\xef\xbf\xbd(");
   CHECK(json.at("arena_bytes").get<std::uint64_t>() == kMaxU64 - 255);
 }
 

@@ -89,10 +89,6 @@ kda_status guarded(char* dst, std::size_t size, Body&& body) noexcept {
 struct kda_engine {
   std::unique_ptr<kda::engine::Engine> engine;
   std::string plan_json;  // the plan never changes after creation: rendered once
-  // Host copies of the caller's arrays, reserved for max_sequences + 1 entries at creation, so
-  // prefill and decode do not allocate here either.
-  std::vector<int> slots;
-  std::vector<std::int64_t> cu_seqlens;
   char last_error[kMessageCapacity] = {};
 };
 
@@ -105,8 +101,7 @@ const char kNullHandle[] = "the kda_engine handle is null";
 template <typename Body>
 kda_status on_handle(kda_engine* handle, Body&& body) noexcept {
   if (handle == nullptr || !handle->engine) return KDA_INVALID_ARGUMENT;
-  return guarded(handle->last_error, sizeof handle->last_error,
-                 [&] { body(*handle->engine); });
+  return guarded(handle->last_error, sizeof handle->last_error, [&] { body(*handle->engine); });
 }
 
 kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
@@ -119,10 +114,17 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                           " (initialise options with kda_engine_options_init)");
   }
   switch (options->backend) {
-    case KDA_BACKEND_DEFAULT: break;
-    case KDA_BACKEND_AUTO: result.backend = kda::engine::BackendChoice::kAuto; break;
-    case KDA_BACKEND_CPU: result.backend = kda::engine::BackendChoice::kCpu; break;
-    case KDA_BACKEND_CUDA: result.backend = kda::engine::BackendChoice::kCuda; break;
+    case KDA_BACKEND_DEFAULT:
+      break;
+    case KDA_BACKEND_AUTO:
+      result.backend = kda::engine::BackendChoice::kAuto;
+      break;
+    case KDA_BACKEND_CPU:
+      result.backend = kda::engine::BackendChoice::kCpu;
+      break;
+    case KDA_BACKEND_CUDA:
+      result.backend = kda::engine::BackendChoice::kCuda;
+      break;
     default:
       invalid(function, "options.backend is " + std::to_string(static_cast<int>(options->backend)) +
                             ", expected KDA_BACKEND_DEFAULT, _AUTO, _CPU or _CUDA");
@@ -150,23 +152,13 @@ kda_status create(const char* function, bool from_file, const char* yaml,
     require(out_engine, function, "out_engine");
     require(yaml, function, from_file ? "yaml_path" : "yaml_text");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    kda::engine::ModelSpec spec = from_file
-                                      ? kda::engine::load_model_spec(yaml)
-                                      : kda::engine::parse_model_spec(yaml, "<yaml string>");
+    kda::engine::ModelSpec spec = from_file ? kda::engine::load_model_spec(yaml)
+                                            : kda::engine::parse_model_spec(yaml, "<yaml string>");
     auto handle = std::make_unique<kda_engine>();
     handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
     handle->plan_json = handle->engine->plan().to_json();
-    const auto capacity = static_cast<std::size_t>(handle->engine->num_slots()) + 1;
-    handle->slots.reserve(capacity);
-    handle->cu_seqlens.reserve(capacity);
     *out_engine = handle.release();
   });
-}
-
-// Copies a host array of `count` entries (already checked against the capacity) into `dst`.
-template <typename T>
-void copy_array(std::vector<T>* dst, const T* src, std::size_t count) {
-  dst->assign(src, src + count);
 }
 
 void check_count(int count, const kda::engine::Engine& engine, const char* function,
@@ -211,8 +203,7 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
 
 kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,
                                        kda_engine** out_engine, char* err, size_t err_size) {
-  return create("kda_engine_create_from_file", true, yaml_path, options, out_engine, err,
-                err_size);
+  return create("kda_engine_create_from_file", true, yaml_path, options, out_engine, err, err_size);
 }
 
 kda_status kda_engine_create_from_string(const char* yaml_text, const kda_engine_options* options,
@@ -256,7 +247,14 @@ kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out) {
 kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_backend", "out");
-    *out = e.backend() == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
+    switch (e.backend()) {  // the C names of kda::Backend
+      case kda::Backend::kCpu:
+        *out = KDA_BACKEND_CPU;
+        break;
+      case kda::Backend::kCuda:
+        *out = KDA_BACKEND_CUDA;
+        break;
+    }
   });
 }
 
@@ -297,10 +295,10 @@ kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_
     require(buffer, "kda_engine_plan_json", "buffer (with buffer_size > 0)");
     if (buffer_size < json.size() + 1) {
       buffer[0] = '\0';
-      invalid("kda_engine_plan_json",
-              "buffer of " + std::to_string(buffer_size) +
-                  " bytes is too small: the plan JSON needs " + std::to_string(json.size() + 1) +
-                  " bytes (its length + 1)");
+      invalid("kda_engine_plan_json", "buffer of " + std::to_string(buffer_size) +
+                                          " bytes is too small: the plan JSON needs " +
+                                          std::to_string(json.size() + 1) +
+                                          " bytes (its length + 1)");
     }
     std::memcpy(buffer, json.c_str(), json.size() + 1);
   });
@@ -331,10 +329,9 @@ kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, cons
     require(cu_seqlens, function, "cu_seqlens");
     check_count(num_sequences, e, function, "num_sequences");
     const auto n = static_cast<std::size_t>(num_sequences);
-    copy_array(&engine->slots, slots, n);
-    copy_array(&engine->cu_seqlens, cu_seqlens, n + 1);
-    e.prefill(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, engine->slots,
-              engine->cu_seqlens);
+    // The caller's arrays as they are: the engine reads them through spans, without a copy.
+    e.prefill(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, {slots, n},
+              {cu_seqlens, n + 1});
   });
 }
 
@@ -346,8 +343,8 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
     require_tensors(function, q, k, v, g, beta, out);
     require(slots, function, "slots");
     check_count(batch, e, function, "batch");
-    copy_array(&engine->slots, slots, static_cast<std::size_t>(batch));
-    e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, engine->slots, tokens);
+    e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out,
+             {slots, static_cast<std::size_t>(batch)}, tokens);
   });
 }
 

@@ -1,6 +1,8 @@
 // engine/case_file.cpp — validate a case file completely, run one forward, write the result.
 #include "kda/engine/case_file.hpp"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -9,6 +11,7 @@
 #include <memory>
 #include <sstream>
 
+#include "backend.hpp"
 #include "kda/engine/error.hpp"
 
 namespace kda::engine {
@@ -68,15 +71,7 @@ void expect_shape(const Tensor& t, const std::vector<std::int64_t>& shape, const
   }
 }
 
-// Deleters for host and device buffers used by run_case.
-struct FreeDeleter {
-  void operator()(void* p) const noexcept { std::free(p); }
-};
-struct DeviceDeleter {
-  void operator()(void* p) const noexcept { (void)device_free(p); }
-};
-
-// A non-null stand-in for pointers to empty tensors (length-0 problems still pass pointer checks).
+// A non-null stand-in for the host copy of an empty cu_seqlens.
 alignas(256) unsigned char g_empty[256];
 
 }  // namespace
@@ -236,16 +231,18 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
   auto check = [&where](const Status& st, const std::string& what) {
     if (!st.ok()) throw Error(st, where + what);
   };
-  Backend backend = Backend::kCpu;
-  if (choice == BackendChoice::kCuda) {
-    backend = Backend::kCuda;
-  } else if (choice == BackendChoice::kAuto && cuda_device_count() > 0 &&
-             can_implement(p, Backend::kCuda).ok()) {
-    backend = Backend::kCuda;
-  }
+  const Backend backend =
+      choose_backend(choice, [&p] { return can_implement(p, Backend::kCuda).ok(); });
   check(can_implement(p, backend), std::string("backend ") + to_string(backend));
   std::size_t workspace_bytes = 0;
   check(workspace_size(p, backend, &workspace_bytes), "workspace size");
+  std::unique_ptr<EngineBackend> engine_backend;
+  try {
+    engine_backend = make_engine_backend(backend, BackendOptions{}, where + "backend");
+  } catch (const Error& e) {
+    throw Error(e.code(), where.empty() ? e.what() : where + e.what());
+  }
+  EngineBackend& b = *engine_backend;
 
   Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, p.num_heads, p.head_dim_v});
   Tensor final_state;
@@ -258,69 +255,51 @@ std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Back
     const auto it = kda_case.tensors.find(name);
     return it == kda_case.tensors.end() ? nullptr : &it->second;
   };
-  auto host_ptr = [](const Tensor* t) -> const void* {
-    if (t == nullptr) return nullptr;
-    return t->data.empty() ? static_cast<const void*>(g_empty) : t->data.data();
-  };
 
+  // Every tensor in the backend's memory (0 bytes still get a valid pointer, so length-0
+  // problems pass the pointer checks), freed after the backend is done with it.
+  std::vector<BackendBuffer> allocations;
+  auto buffer = [&](std::size_t bytes, const char* what) -> void* {
+    try {
+      allocations.emplace_back(b, bytes, what);
+    } catch (const Error& e) {
+      throw Error(e.code(), where + e.what());
+    }
+    return allocations.back().get();
+  };
+  auto upload = [&](const char* name) -> const void* {
+    const Tensor* tensor = input(name);
+    if (tensor == nullptr) return nullptr;
+    void* ptr = buffer(tensor->data.size(), name);
+    b.copy_to_device(ptr, tensor->data.data(), tensor->data.size());
+    return ptr;
+  };
   Tensors t;
-  if (backend == Backend::kCpu) {
-    std::unique_ptr<void, FreeDeleter> workspace;
-    if (workspace_bytes > 0) {
-      const std::size_t rounded = (workspace_bytes + 255) / 256 * 256;
-      workspace.reset(std::aligned_alloc(256, rounded));
-      if (!workspace)
-        throw Error(StatusCode::kInternal, where + "cannot allocate the CPU workspace");
-    }
-    t.q = host_ptr(input("q"));
-    t.k = host_ptr(input("k"));
-    t.v = host_ptr(input("v"));
-    t.g = host_ptr(input("g"));
-    t.beta = host_ptr(input("beta"));
-    t.A_log = static_cast<const float*>(host_ptr(input("A_log")));
-    t.dt_bias = static_cast<const float*>(host_ptr(input("dt_bias")));
-    t.cu_seqlens = host_ptr(input("cu_seqlens"));
-    t.cu_seqlens_host = t.cu_seqlens;
-    t.initial_state = host_ptr(input("initial_state"));
-    t.out = out.data.empty() ? static_cast<void*>(g_empty) : out.data.data();
-    t.final_state = has_final ? (final_state.data.empty() ? static_cast<void*>(g_empty)
-                                                          : final_state.data.data())
-                              : nullptr;
-    check(forward_cpu(p, t, Workspace{workspace.get(), workspace_bytes}), "CPU forward");
-  } else {
-    std::vector<std::unique_ptr<void, DeviceDeleter>> allocations;
-    auto device_buffer = [&allocations, &check](std::size_t bytes) -> void* {
-      void* ptr = nullptr;
-      check(device_malloc(&ptr, bytes == 0 ? 256 : bytes), "device allocation");
-      allocations.emplace_back(ptr);
-      return ptr;
-    };
-    auto upload = [&](const Tensor* tensor) -> const void* {
-      if (tensor == nullptr) return nullptr;
-      void* ptr = device_buffer(tensor->data.size());
-      check(memcpy_to_device(ptr, tensor->data.data(), tensor->data.size()), "upload");
-      return ptr;
-    };
-    t.q = upload(input("q"));
-    t.k = upload(input("k"));
-    t.v = upload(input("v"));
-    t.g = upload(input("g"));
-    t.beta = upload(input("beta"));
-    t.A_log = static_cast<const float*>(upload(input("A_log")));
-    t.dt_bias = static_cast<const float*>(upload(input("dt_bias")));
-    t.cu_seqlens = upload(input("cu_seqlens"));
-    t.cu_seqlens_host = host_ptr(input("cu_seqlens"));
-    t.initial_state = upload(input("initial_state"));
-    t.out = device_buffer(out.data.size());
-    if (has_final) t.final_state = device_buffer(final_state.data.size());
-    void* workspace = workspace_bytes > 0 ? device_buffer(workspace_bytes) : nullptr;
-    check(forward_cuda(p, t, Workspace{workspace, workspace_bytes}, nullptr), "CUDA forward");
-    check(memcpy_to_host(out.data.data(), t.out, out.data.size()), "download out");
-    if (has_final) {
-      check(memcpy_to_host(final_state.data.data(), t.final_state, final_state.data.size()),
-            "download final_state");
-    }
-    check(stream_synchronize(nullptr), "CUDA forward");
+  t.q = upload("q");
+  t.k = upload("k");
+  t.v = upload("v");
+  t.g = upload("g");
+  t.beta = upload("beta");
+  t.A_log = static_cast<const float*>(upload("A_log"));
+  t.dt_bias = static_cast<const float*>(upload("dt_bias"));
+  t.cu_seqlens = upload("cu_seqlens");
+  if (const Tensor* cu = input("cu_seqlens")) {
+    t.cu_seqlens_host = cu->data.empty() ? static_cast<const void*>(g_empty) : cu->data.data();
+  }
+  t.initial_state = upload("initial_state");
+  t.out = buffer(out.data.size(), "out");
+  if (has_final) t.final_state = buffer(final_state.data.size(), "final_state");
+  void* workspace = workspace_bytes > 0 ? buffer(workspace_bytes, "the workspace") : nullptr;
+  std::string forward = std::string(to_string(backend)) + " forward";  // "CPU forward"
+  std::transform(forward.begin(), forward.begin() + static_cast<std::ptrdiff_t>(forward.find(' ')),
+                 forward.begin(), [](char c) { return static_cast<char>(std::toupper(c)); });
+  check(b.prefill(p, t, Workspace{workspace, workspace_bytes}, CudaOptions{}), forward);
+  try {
+    b.copy_to_host(out.data.data(), t.out, out.data.size());
+    if (has_final) b.copy_to_host(final_state.data.data(), t.final_state, final_state.data.size());
+    b.synchronize();
+  } catch (const Error& e) {
+    throw Error(e.code(), where + forward + ": " + e.what());
   }
   if (used != nullptr) *used = backend;
   std::vector<Tensor> outputs;

@@ -1,18 +1,19 @@
-// engine/engine.cpp — planning, the arena, state slots, prefill/decode dispatch, synthetic runs.
+// engine/engine.cpp — planning, the arena, state slots, prefill/decode dispatch.
+//
+// Everything backend-specific (memory, copies, the operator's entry points, the device status
+// word, pointer checks) goes through one EngineBackend (backend.hpp); this file never asks which
+// backend it runs on.
 #include "kda/engine/engine.hpp"
 
-#include <sys/mman.h>
-
 #include <algorithm>
-#include <chrono>
-#include <cstdlib>
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <string>
 #include <system_error>
 
-#include "kda/bf16.hpp"
-#include "kda/detail/checked_math.hpp"
+#include "backend.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda/nvtx.hpp"
@@ -20,6 +21,8 @@
 namespace kda::engine {
 
 namespace {
+
+constexpr int kMaxDecodeTokens = 16;
 
 [[noreturn]] void fail(const std::string& what, StatusCode code = StatusCode::kInvalidArgument) {
   throw Error(code, what);
@@ -55,20 +58,6 @@ DecodeProblem max_decode_problem(const ModelSpec& spec) {
   return p;
 }
 
-// The caller's part of an operator call's tensors (Tensors or DecodeTensors); the engine adds its
-// own (states, slots, cu_seqlens, status word).
-template <typename CallTensors>
-CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
-  CallTensors t;
-  t.q = inputs.q;
-  t.k = inputs.k;
-  t.v = inputs.v;
-  t.g = inputs.g;
-  t.beta = inputs.beta;
-  t.out = out;
-  return t;
-}
-
 std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, std::uint64_t seed) {
   std::vector<KdaLayer> layers;
   layers.reserve(spec.kda_layer_indices.size());
@@ -93,105 +82,173 @@ std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, s
   return layers;
 }
 
-// Every buffer of an engine, in the order the arena lays them out in `sum` mode.
-planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
-                              const std::vector<KdaLayer>& layers, std::int64_t synthetic_capacity) {
-  planner::MemoryPlanner planner;
-  for (const KdaLayer& layer : layers) layer.declare_buffers(planner, backend);
+// The engine's own buffers besides the layers': handles into the plan.
+struct EngineBuffers {
+  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, device_status;
+};
 
+// Every buffer of an engine, in the order the arena lays them out in `sum` mode. The layers keep
+// their handles; the engine's come back in `buffers`.
+planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend, std::vector<KdaLayer>& layers,
+                              EngineBuffers* buffers) {
+  planner::MemoryPlanner planner;
+  for (KdaLayer& layer : layers) layer.declare_buffers(planner, backend);
   const int last_step = std::max(0, static_cast<int>(layers.size()) - 1);
-  auto scratch = [&](const std::string& name, std::uint64_t bytes) {
+  auto scratch = [&](const char* name, std::uint64_t bytes) {
     planner::BufferRequest request;
     request.name = name;
     request.kind = planner::BufferKind::kScratch;
     request.bytes = bytes;
     request.first_step = 0;  // live while any layer runs
     request.last_step = last_step;
-    planner.add(request);
+    return planner.add(request);
   };
   const auto seqs = static_cast<std::uint64_t>(spec.runtime.max_sequences);
-  // A batch of N sequences splits into at most N runs of consecutive slots; each run's cu_seqlens
-  // has (its sequences + 1) entries: at most 2N in all.
-  scratch("prefill.cu_seqlens", (seqs + 1) * sizeof(std::int64_t));
+  // The batch's cu_seqlens: one entry per sequence and one more.
+  buffers->cu_seqlens = scratch("prefill.cu_seqlens", (seqs + 1) * sizeof(std::int64_t));
   // Slot indices, one buffer per kind of call, so that alternating prefill and decode batches do
   // not re-upload (and a captured graph replays without host-to-device copies).
-  scratch("prefill.slots", seqs * sizeof(std::int32_t));
-  scratch("decode.slots", seqs * sizeof(std::int32_t));
-  if (backend == Backend::kCuda) scratch("engine.device_status", sizeof(std::uint32_t));
+  buffers->prefill_slots = scratch("prefill.slots", seqs * sizeof(std::int32_t));
+  buffers->decode_slots = scratch("decode.slots", seqs * sizeof(std::int32_t));
+  buffers->device_status = backend_has_device_status(backend)
+                               ? scratch("engine.device_status", sizeof(std::uint32_t))
+                               : planner::BufferHandle{};
 
-  if (synthetic_capacity > 0) {
-    const auto tokens = static_cast<std::uint64_t>(synthetic_capacity);
-    const auto H = static_cast<std::uint64_t>(spec.num_heads);
-    const auto D = static_cast<std::uint64_t>(spec.head_dim);
-    std::uint64_t per_token = 0, qkvg = 0, beta = 0;
-    if (!detail::checked_mul(H, D * 2, &per_token) ||
-        !detail::checked_mul(tokens, per_token, &qkvg) || !detail::checked_mul(tokens, H * 2, &beta)) {
-      fail("synthetic inputs of " + std::to_string(tokens) + " tokens: byte count overflows 64 bits",
-           StatusCode::kOverflow);
-    }
-    scratch("synthetic.q", qkvg);
-    scratch("synthetic.k", qkvg);
-    scratch("synthetic.v", qkvg);
-    scratch("synthetic.g", qkvg);
-    scratch("synthetic.beta", beta);
-    scratch("synthetic.out", qkvg);
-  }
   planner::PlanResult result = planner.plan(spec.runtime.workspace_plan);
-  if (!result.ok) fail("memory plan for " + spec.name + ": " + result.error, StatusCode::kOverflow);
+  if (!result.ok) {
+    // Sizes that do not fit are the model's (kOverflow); anything else is the engine's mistake.
+    throw Error(result.status == planner::PlanStatus::kOverflow ? StatusCode::kOverflow
+                                                                : StatusCode::kInternal,
+                "memory plan for " + spec.name + ": " + result.error + " (" +
+                    planner::to_string(result.status) + ")");
+  }
   return std::move(result.plan);
 }
 
-std::int64_t synthetic_capacity_for(const ModelSpec& spec, std::int64_t synthetic_tokens) {
-  if (synthetic_tokens < 0) fail("synthetic_tokens must be >= 0, got " + std::to_string(synthetic_tokens));
-  if (synthetic_tokens == 0) return 0;
-  return std::max(synthetic_tokens, spec.runtime.max_sequences);
-}
-
-// splitmix64: fast, seedable, good enough for synthetic activations.
-struct SplitMix {
-  std::uint64_t state;
-  std::uint64_t next() {
-    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-1, 1).
-  float symmetric() { return static_cast<float>((next() >> 40) * (2.0 / 16777216.0) - 1.0); }
-};
-
-void fill_random(std::vector<std::uint16_t>* values, std::size_t count, std::uint64_t seed) {
-  values->resize(count);
-  SplitMix generator{seed};
-  for (std::uint16_t& v : *values) v = float_to_bf16(generator.symmetric());
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+// The caller's part of an operator call's tensors (Tensors or DecodeTensors); the engine adds its
+// own (states, slots, cu_seqlens, status word).
+template <typename CallTensors>
+CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
+  CallTensors t;
+  t.q = inputs.q;
+  t.k = inputs.k;
+  t.v = inputs.v;
+  t.g = inputs.g;
+  t.beta = inputs.beta;
+  t.out = out;
+  return t;
 }
 
 }  // namespace
 
-Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
-  switch (choice) {
-    case BackendChoice::kCpu: return Backend::kCpu;
-    case BackendChoice::kCuda: return Backend::kCuda;
-    case BackendChoice::kAuto: break;
-  }
-  if (cuda_device_count() > 0 && can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
-      can_implement(max_decode_problem(spec), Backend::kCuda).ok()) {
-    return Backend::kCuda;
-  }
-  return Backend::kCpu;
-}
+// ---- the engine's state ----------------------------------------------------------------------
 
-void Engine::ArenaDeleter::operator()(std::uint8_t* ptr) const noexcept {
-  if (ptr == nullptr) return;
-  if (backend == Backend::kCuda) {
-    (void)device_free(ptr);  // nothing useful to do with a failure in a destructor
-  } else {
-    (void)munmap(ptr, bytes);
+struct Engine::Impl {
+  // Slot indices staged for the operator (int32, -1 for padding), one per kind of call.
+  struct SlotStaging {
+    std::int32_t* device = nullptr;      // arena scratch
+    std::vector<std::int32_t> host;      // capacity fixed at construction
+    std::vector<std::int32_t> uploaded;  // what `device` holds now (skip repeat uploads)
+  };
+
+  ModelSpec spec;
+  std::unique_ptr<EngineBackend> backend;
+  CudaOptions unchecked;  // the operator calls: pointers already checked or the arena's own
+  std::uint32_t* device_status = nullptr;  // the backend's device status word (arena), if any
+  std::vector<KdaLayer> layers;
+  planner::MemoryPlan plan;
+  BackendBuffer arena;
+  std::uint64_t slot_bytes = 0;
+  std::vector<char> slot_in_use;
+
+  // Prefill staging: the batch's int64 cu_seqlens.
+  std::int64_t* cu_scratch = nullptr;
+  std::vector<std::int64_t> cu_staging;   // host, capacity fixed at construction
+  std::vector<std::int64_t> cu_uploaded;  // what cu_scratch holds now (skip repeat uploads)
+  std::vector<unsigned> seen_stamp;       // duplicate-slot detection without clearing
+  unsigned stamp = 0;
+  SlotStaging prefill_slots, decode_slots;
+
+  ~Impl() {
+    // Kernels may still use the arena; freeing it must wait for them (nothing to do with a
+    // failure in a destructor).
+    if (arena && backend) {
+      try {
+        backend->synchronize();
+      } catch (const Error&) {
+      }
+    }
+    arena.reset();
   }
+
+  int num_layers() const noexcept { return static_cast<int>(layers.size()); }
+  int num_slots() const noexcept { return static_cast<int>(slot_in_use.size()); }
+  bool in_use(int slot) const noexcept {
+    return slot >= 0 && slot < num_slots() && slot_in_use[static_cast<std::size_t>(slot)] != 0;
+  }
+
+  void check_layer(int kda_layer) const {
+    if (kda_layer < 0 || kda_layer >= num_layers()) {
+      fail("KDA layer " + std::to_string(kda_layer) + " is out of range [0, " +
+           std::to_string(num_layers()) +
+           "): the argument is the KDA index (0-based position in kda_layers), not the model "
+           "layer");
+    }
+  }
+
+  std::uint8_t* slot_state(int kda_layer, int slot) const noexcept {
+    return static_cast<std::uint8_t*>(layers[static_cast<std::size_t>(kda_layer)].state_pool()) +
+           static_cast<std::uint64_t>(slot) * slot_bytes;
+  }
+
+  void zero_slot(int slot) {
+    for (int l = 0; l < num_layers(); ++l) {
+      backend->memset(slot_state(l, slot), 0, static_cast<std::size_t>(slot_bytes));
+    }
+  }
+
+  // A new stamp for one batch's duplicate-slot check.
+  void next_stamp() {
+    if (++stamp == 0) {  // wrapped: restart the stamps
+      std::fill(seen_stamp.begin(), seen_stamp.end(), 0u);
+      stamp = 1;
+    }
+  }
+
+  // The caller's tensors usable by the backend (CUDA: device memory of the current device, large
+  // enough for the call), and the arena reachable too (throws). The operator then runs with its
+  // own pointer checks off.
+  template <typename CallProblem, typename CallTensors>
+  void check_caller_tensors(const KdaLayer& layer, const char* what, const CallProblem& p,
+                            const CallTensors& t) const {
+    Status st = backend->check_caller_tensors(p, t);
+    if (!st.ok()) throw Error(st, layer.label() + " " + what);
+    // The operator's own check of the arena's buffers (states, parameters, workspace) is off too:
+    // one query here still catches a call made while another device is current.
+    st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
+    if (!st.ok()) throw Error(st, layer.label() + " " + what);
+  }
+
+  // Copies the batch's slot indices to `staging`'s scratch, unless it holds them already.
+  void stage_slots(Span<const int> slots, SlotStaging* staging) {
+    staging->host.clear();
+    for (const int slot : slots) staging->host.push_back(slot < 0 ? -1 : slot);
+    if (staging->host != staging->uploaded) {
+      KDA_NVTX_RANGE("engine.stage_slots");
+      backend->copy_to_device(staging->device, staging->host.data(),
+                              staging->host.size() * sizeof(std::int32_t));
+      staging->uploaded = staging->host;  // capacity reserved: no allocation
+    }
+  }
+};
+
+// ---- construction ----------------------------------------------------------------------------
+
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
+  return choose_backend(choice, [&spec] {
+    return can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
+           can_implement(max_decode_problem(spec), Backend::kCuda).ok();
+  });
 }
 
 void check_weights_file(const ModelSpec& spec) {
@@ -212,306 +269,237 @@ void check_weights_file(const ModelSpec& spec) {
        " (a relative path is resolved against the YAML's directory)");
 }
 
-planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend,
-                                     std::int64_t synthetic_tokens) {
-  const std::vector<KdaLayer> layers = make_layers(spec, false, 0);
-  return make_plan(spec, backend, layers, synthetic_capacity_for(spec, synthetic_tokens));
+planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
+  std::vector<KdaLayer> layers = make_layers(spec, false, 0);
+  EngineBuffers buffers;
+  return make_plan(spec, backend, layers, &buffers);
 }
 
-Engine::Engine(ModelSpec spec, const EngineOptions& options)
-    : spec_(std::move(spec)),
-      backend_(resolve_backend(spec_, options.backend.value_or(spec_.runtime.backend))),
-      stream_(options.stream),
-      arena_(nullptr, ArenaDeleter{backend_}) {
-  cpu_.num_threads = options.cpu_threads;
-  check_pointers_ = options.check_pointers;
-  unchecked_.check_pointers = false;
-  const std::string where = spec_.name + " on " + to_string(backend_);
-  if (backend_ == Backend::kCuda && cuda_device_count() == 0) {
-    fail(where + ": no CUDA device" +
-             (cuda_compiled() ? std::string() : std::string(" (built without CUDA)")),
-         StatusCode::kBackendUnavailable);
-  }
-  if (const Status st = can_implement(max_prefill_problem(spec_), backend_); !st.ok()) {
+Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.spec = std::move(spec);
+  const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
+  const std::string where = m.spec.name + " on " + to_string(kind);
+  BackendOptions backend_options;
+  backend_options.cpu_threads = options.cpu_threads;
+  backend_options.stream = options.stream;
+  backend_options.check_pointers = options.check_pointers;
+  m.backend = make_engine_backend(kind, backend_options, where);
+  m.unchecked.check_pointers = false;
+  if (const Status st = can_implement(max_prefill_problem(m.spec), kind); !st.ok()) {
     throw Error(st, where + ": prefill");
   }
-  if (const Status st = can_implement(max_decode_problem(spec_), backend_); !st.ok()) {
+  if (const Status st = can_implement(max_decode_problem(m.spec), kind); !st.ok()) {
     throw Error(st, where + ": decode");
   }
 
-  layers_ = make_layers(spec_, true, options.seed);
-  synthetic_capacity_ = synthetic_capacity_for(spec_, options.synthetic_tokens);
-  plan_ = make_plan(spec_, backend_, layers_, synthetic_capacity_);
+  m.layers = make_layers(m.spec, true, options.seed);
+  EngineBuffers buffers;
+  m.plan = make_plan(m.spec, kind, m.layers, &buffers);
 
   // The one allocation.
-  const std::uint64_t total = plan_.arena_bytes;
+  const std::uint64_t total = m.plan.arena_bytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
-    fail(where + ": arena of " + std::to_string(total) + " bytes is too large", StatusCode::kOverflow);
+    fail(where + ": arena of " + std::to_string(total) + " bytes is too large",
+         StatusCode::kOverflow);
   }
-  if (backend_ == Backend::kCuda) {
-    void* ptr = nullptr;
-    throw_if_error(device_malloc(&ptr, static_cast<std::size_t>(total)),
-                   ("allocating the arena (" + std::to_string(total) + " bytes)").c_str());
-    arena_.reset(static_cast<std::uint8_t*>(ptr));
-  } else {
-    // Pages straight from the kernel (page-aligned, beyond any plan alignment): a destroyed engine
-    // gives its arena back to the system at once, whatever malloc's thresholds would do.
-    void* ptr = mmap(nullptr, static_cast<std::size_t>(total), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (ptr == MAP_FAILED) {
-      fail(where + ": cannot allocate the arena of " + std::to_string(total) + " bytes",
-           StatusCode::kInternal);
-    }
-    arena_ = std::unique_ptr<std::uint8_t, ArenaDeleter>(
-        static_cast<std::uint8_t*>(ptr), ArenaDeleter{backend_, static_cast<std::size_t>(total)});
+  try {
+    m.arena = BackendBuffer(*m.backend, static_cast<std::size_t>(total), "the arena");
+  } catch (const Error& e) {
+    throw Error(e.code(), where + ": " + e.what());
   }
 
-  std::uint8_t* base = arena_.get();
-  for (KdaLayer& layer : layers_) layer.bind(base, plan_, backend_, stream_);
-  auto locate = [&](const char* name) -> void* {
-    const planner::PlanEntry* entry = plan_.find(name);
+  std::uint8_t* base = m.arena.get();
+  for (KdaLayer& layer : m.layers) layer.bind(base, m.plan, *m.backend);
+  auto locate = [&](planner::BufferHandle handle) -> void* {
+    const planner::PlanEntry* entry = m.plan.entry(handle);
     return entry == nullptr ? nullptr : base + entry->offset;
   };
-  cu_scratch_ = static_cast<std::int64_t*>(locate("prefill.cu_seqlens"));
-  prefill_slots_.device = static_cast<std::int32_t*>(locate("prefill.slots"));
-  decode_slots_.device = static_cast<std::int32_t*>(locate("decode.slots"));
-  device_status_ = static_cast<std::uint32_t*>(locate("engine.device_status"));
-  if (device_status_ != nullptr) {
-    throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
-  }
-  if (synthetic_capacity_ > 0) {
-    synthetic_ = {locate("synthetic.q"), locate("synthetic.k"),    locate("synthetic.v"),
-                  locate("synthetic.g"), locate("synthetic.beta"), locate("synthetic.out")};
+  m.cu_scratch = static_cast<std::int64_t*>(locate(buffers.cu_seqlens));
+  m.prefill_slots.device = static_cast<std::int32_t*>(locate(buffers.prefill_slots));
+  m.decode_slots.device = static_cast<std::int32_t*>(locate(buffers.decode_slots));
+  m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
+  if (m.device_status != nullptr) {
+    throw_if_error(m.backend->clear_device_status(m.device_status),
+                   "clearing the device status word");
   }
 
-  slot_bytes_ = spec_.state_slot_bytes();
-  const auto slots = static_cast<std::size_t>(spec_.runtime.max_sequences);
-  slot_in_use_.assign(slots, 0);
+  m.slot_bytes = m.spec.state_slot_bytes();
+  const auto slots = static_cast<std::size_t>(m.spec.runtime.max_sequences);
+  m.slot_in_use.assign(slots, 0);
   // Fresh slots start from zero: clear every pool once here, then per slot on acquire / reset.
-  for (const KdaLayer& layer : layers_) {
-    if (backend_ == Backend::kCuda) {
-      throw_if_error(memset_device(layer.state_pool(), 0, layer.state_pool_bytes(), stream_),
-                     "zeroing the state pools");
-    } else {
-      std::memset(layer.state_pool(), 0, static_cast<std::size_t>(layer.state_pool_bytes()));
-    }
+  for (const KdaLayer& layer : m.layers) {
+    m.backend->memset(layer.state_pool(), 0, static_cast<std::size_t>(layer.state_pool_bytes()));
   }
 
   // Host staging sized once, so prefill and decode never allocate.
-  cu_staging_.reserve(slots + 1);
-  cu_uploaded_.reserve(slots + 1);
-  seen_stamp_.assign(slots, 0);
-  for (SlotStaging* staging : {&prefill_slots_, &decode_slots_}) {
+  m.cu_staging.reserve(slots + 1);
+  m.cu_uploaded.reserve(slots + 1);
+  m.seen_stamp.assign(slots, 0);
+  for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots}) {
     staging->host.reserve(slots);
     staging->uploaded.reserve(slots);
   }
   synchronize();
 }
 
-Engine::~Engine() {
-  if (backend_ == Backend::kCuda && arena_) {
-    (void)stream_synchronize(stream_);  // kernels may still use the arena
-  }
-}
+Engine::~Engine() = default;
+
+const ModelSpec& Engine::spec() const noexcept { return impl_->spec; }
+Backend Engine::backend() const noexcept { return impl_->backend->kind(); }
+const planner::MemoryPlan& Engine::plan() const noexcept { return impl_->plan; }
+std::uint64_t Engine::arena_bytes() const noexcept { return impl_->plan.arena_bytes; }
+int Engine::num_layers() const noexcept { return impl_->num_layers(); }
+void* Engine::stream() const noexcept { return impl_->backend->stream(); }
 
 const KdaLayer& Engine::layer(int kda_layer) const {
-  check_layer(kda_layer);
-  return layers_[static_cast<std::size_t>(kda_layer)];
+  impl_->check_layer(kda_layer);
+  return impl_->layers[static_cast<std::size_t>(kda_layer)];
 }
 
-void Engine::check_layer(int kda_layer) const {
-  if (kda_layer < 0 || kda_layer >= num_layers()) {
-    fail("KDA layer " + std::to_string(kda_layer) + " is out of range [0, " +
-         std::to_string(num_layers()) +
-         "): the argument is the KDA index (0-based position in kda_layers), not the model layer");
-  }
-}
-
-std::uint8_t* Engine::slot_state(int kda_layer, int slot) const noexcept {
-  return static_cast<std::uint8_t*>(layers_[static_cast<std::size_t>(kda_layer)].state_pool()) +
-         static_cast<std::uint64_t>(slot) * slot_bytes_;
-}
-
-void Engine::copy_in(void* dst, const void* src, std::size_t bytes) {
-  if (bytes == 0) return;
-  if (backend_ == Backend::kCuda) {
-    throw_if_error(memcpy_to_device(dst, src, bytes, stream_), "copying to the device");
-  } else {
-    std::memcpy(dst, src, bytes);
-  }
-}
-
-void Engine::synchronize() const {
-  if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
-}
-
-void Engine::check_on_device(const KdaLayer& layer, const char* what, const Status& callers) const {
-  if (!callers.ok()) throw Error(callers, layer.label() + " " + what);
-  // The operator runs with its pointer checks off, so its own check of the arena's buffers (states,
-  // parameters, workspace) is gone too: one query here still catches a call made while another
-  // device is current.
-  const Status st = check_device_pointer(device_status_, sizeof(std::uint32_t), "the engine's arena");
-  if (!st.ok()) throw Error(st, layer.label() + " " + what);
-}
+void Engine::synchronize() const { impl_->backend->synchronize(); }
 
 void Engine::check_device_status() {
-  if (device_status_ == nullptr) return;
-  const Status st = kda::check_device_status(device_status_, stream_);
+  Impl& m = *impl_;
+  if (m.device_status == nullptr) return;
+  const Status st = m.backend->check_device_status(m.device_status);
   if (st.ok()) return;
   if (st.code() == StatusCode::kInvalidArgument) {  // bits were set: clear them for the next check
-    throw_if_error(clear_device_status(device_status_, stream_), "clearing the device status word");
+    throw_if_error(m.backend->clear_device_status(m.device_status),
+                   "clearing the device status word");
   }
-  throw Error(st, spec_.name + ": device status");
+  throw Error(st, m.spec.name + ": device status");
 }
 
 // ---- state slots ---------------------------------------------------------------------------
 
+int Engine::num_slots() const noexcept { return impl_->num_slots(); }
+std::uint64_t Engine::state_slot_bytes() const noexcept { return impl_->slot_bytes; }
+
 int Engine::free_slots() const noexcept {
-  return static_cast<int>(std::count(slot_in_use_.begin(), slot_in_use_.end(), 0));
+  return static_cast<int>(std::count(impl_->slot_in_use.begin(), impl_->slot_in_use.end(), 0));
 }
 
-bool Engine::slot_in_use(int slot) const noexcept {
-  return slot >= 0 && slot < num_slots() && slot_in_use_[static_cast<std::size_t>(slot)] != 0;
-}
-
-void Engine::zero_slot(int slot) {
-  for (int l = 0; l < num_layers(); ++l) {
-    if (backend_ == Backend::kCuda) {
-      throw_if_error(memset_device(slot_state(l, slot), 0, slot_bytes_, stream_), "zeroing a slot");
-    } else {
-      std::memset(slot_state(l, slot), 0, static_cast<std::size_t>(slot_bytes_));
-    }
-  }
-}
+bool Engine::slot_in_use(int slot) const noexcept { return impl_->in_use(slot); }
 
 int Engine::acquire_slot() {
-  for (int slot = 0; slot < num_slots(); ++slot) {
-    if (slot_in_use_[static_cast<std::size_t>(slot)] == 0) {
-      zero_slot(slot);
-      slot_in_use_[static_cast<std::size_t>(slot)] = 1;
+  Impl& m = *impl_;
+  for (int slot = 0; slot < m.num_slots(); ++slot) {
+    if (m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
+      m.zero_slot(slot);
+      m.slot_in_use[static_cast<std::size_t>(slot)] = 1;
       return slot;
     }
   }
-  fail("all " + std::to_string(num_slots()) +
+  fail("all " + std::to_string(m.num_slots()) +
            " state slots are in use (runtime.max_sequences); release one first",
        StatusCode::kInvalidArgument);
 }
 
 void Engine::release_slot(int slot) {
   if (!slot_in_use(slot)) fail("release_slot: slot " + std::to_string(slot) + " is not acquired");
-  slot_in_use_[static_cast<std::size_t>(slot)] = 0;
+  impl_->slot_in_use[static_cast<std::size_t>(slot)] = 0;
 }
 
 void Engine::reset_slot(int slot) {
   if (!slot_in_use(slot)) fail("reset_slot: slot " + std::to_string(slot) + " is not acquired");
-  zero_slot(slot);
+  impl_->zero_slot(slot);
 }
 
 void Engine::read_slot_state(int kda_layer, int slot, void* host_dst) const {
-  check_layer(kda_layer);
-  if (slot < 0 || slot >= num_slots()) fail("read_slot_state: slot " + std::to_string(slot) + " out of range");
-  if (backend_ == Backend::kCuda) {
-    throw_if_error(memcpy_to_host(host_dst, slot_state(kda_layer, slot), slot_bytes_, stream_),
-                   "reading a slot");
-    synchronize();
-  } else {
-    std::memcpy(host_dst, slot_state(kda_layer, slot), static_cast<std::size_t>(slot_bytes_));
+  const Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("read_slot_state: slot " + std::to_string(slot) + " out of range");
   }
+  m.backend->copy_to_host(host_dst, m.slot_state(kda_layer, slot),
+                          static_cast<std::size_t>(m.slot_bytes));
 }
 
 void Engine::write_slot_state(int kda_layer, int slot, const void* host_src) {
-  check_layer(kda_layer);
-  if (slot < 0 || slot >= num_slots()) fail("write_slot_state: slot " + std::to_string(slot) + " out of range");
-  copy_in(slot_state(kda_layer, slot), host_src, static_cast<std::size_t>(slot_bytes_));
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("write_slot_state: slot " + std::to_string(slot) + " out of range");
+  }
+  m.backend->copy_to_device(m.slot_state(kda_layer, slot), host_src,
+                            static_cast<std::size_t>(m.slot_bytes));
   synchronize();
 }
 
 // ---- forward -------------------------------------------------------------------------------
 
-void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out,
-                     const std::vector<int>& slots, const std::vector<std::int64_t>& cu_seqlens) {
-  check_layer(kda_layer);
-  const KdaLayer& layer = layers_[static_cast<std::size_t>(kda_layer)];
+void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<const int> slots,
+                     Span<const std::int64_t> cu_seqlens) {
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
   KDA_NVTX_RANGE(layer.nvtx_name().c_str());
 
   const std::size_t n = slots.size();
   if (n == 0 || n > static_cast<std::size_t>(num_slots())) {
-    fail("prefill: " + std::to_string(n) + " sequences, expected 1.." + std::to_string(num_slots()) +
-         " (runtime.max_sequences)");
+    fail("prefill: " + std::to_string(n) + " sequences, expected 1.." +
+         std::to_string(num_slots()) + " (runtime.max_sequences)");
   }
   if (cu_seqlens.size() != n + 1) {
     fail("prefill: cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
          std::to_string(n + 1) + " (sequences + 1)");
   }
-  if (cu_seqlens[0] != 0) fail("prefill: cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
+  if (cu_seqlens[0] != 0)
+    fail("prefill: cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
   for (std::size_t j = 0; j < n; ++j) {
     if (cu_seqlens[j + 1] < cu_seqlens[j]) {
       fail("prefill: cu_seqlens decreases at index " + std::to_string(j + 1) + " (" +
            std::to_string(cu_seqlens[j]) + " then " + std::to_string(cu_seqlens[j + 1]) + ")");
     }
   }
-  if (cu_seqlens[n] > spec_.runtime.max_tokens) {
+  if (cu_seqlens[n] > m.spec.runtime.max_tokens) {
     fail("prefill: " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
-         std::to_string(spec_.runtime.max_tokens));
+         std::to_string(m.spec.runtime.max_tokens));
   }
-  if (++stamp_ == 0) {  // wrapped: restart the stamps
-    std::fill(seen_stamp_.begin(), seen_stamp_.end(), 0u);
-    stamp_ = 1;
-  }
+  m.next_stamp();
   for (std::size_t j = 0; j < n; ++j) {
     const int slot = slots[j];
     if (!slot_in_use(slot)) {
       fail("prefill: sequence " + std::to_string(j) + " uses slot " + std::to_string(slot) +
            ", which is not an acquired slot");
     }
-    if (seen_stamp_[static_cast<std::size_t>(slot)] == stamp_) {
+    if (m.seen_stamp[static_cast<std::size_t>(slot)] == m.stamp) {
       fail("prefill: slot " + std::to_string(slot) + " appears twice in the batch");
     }
-    seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
+    m.seen_stamp[static_cast<std::size_t>(slot)] = m.stamp;
   }
 
-  // The caller's buffers over the whole batch (T tokens). The operator's forward refuses an out
-  // that overlaps an input before it writes anything; on CUDA they are checked here, once, for
-  // device memory large enough, before anything is enqueued, and the forward skips its own
-  // per-call pointer checks.
+  // The caller's tensors over the whole batch, checked before anything is enqueued (the operator's
+  // forward refuses an out that overlaps an input before it writes anything).
   const Problem problem = layer.prefill_problem(cu_seqlens[n], static_cast<std::int64_t>(n));
   Tensors t = caller_tensors<Tensors>(inputs, out);
-  if (backend_ == Backend::kCuda && check_pointers_) {
-    check_on_device(layer, "prefill", check_device_pointers(problem, t));
-  }
+  m.check_caller_tensors(layer, "prefill", problem, t);
 
   // One forward for the whole batch: each sequence reads and writes its state through its slot
   // index in the layer's pool (Problem::num_state_slots), whatever the slots are.
-  cu_staging_.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
-  if (cu_staging_ != cu_uploaded_) {
+  m.cu_staging.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
+  if (m.cu_staging != m.cu_uploaded) {
     KDA_NVTX_RANGE("prefill.stage_cu_seqlens");
-    copy_in(cu_scratch_, cu_staging_.data(), cu_staging_.size() * sizeof(std::int64_t));
-    cu_uploaded_ = cu_staging_;
+    m.backend->copy_to_device(m.cu_scratch, m.cu_staging.data(),
+                              m.cu_staging.size() * sizeof(std::int64_t));
+    m.cu_uploaded = m.cu_staging;
   }
-  stage_slots(slots, &prefill_slots_);
-  t.cu_seqlens = cu_scratch_;
-  t.cu_seqlens_host = cu_staging_.data();
+  m.stage_slots(slots, &m.prefill_slots);
+  t.cu_seqlens = m.cu_scratch;
+  t.cu_seqlens_host = m.cu_staging.data();
   t.initial_state = layer.state_pool();
-  t.final_state = layer.state_pool();  // in place
-  t.state_slots = prefill_slots_.device;  // checked above: acquired, no duplicates
-  t.device_status = device_status_;
-  layer.forward(problem, t, cpu_, stream_, unchecked_);
+  t.final_state = layer.state_pool();      // in place
+  t.state_slots = m.prefill_slots.device;  // checked above: acquired, no duplicates
+  t.device_status = m.device_status;
+  layer.forward(problem, t, m.unchecked);
 }
 
-void Engine::stage_slots(const std::vector<int>& slots, SlotStaging* staging) {
-  staging->host.clear();
-  for (const int slot : slots) staging->host.push_back(slot < 0 ? -1 : slot);
-  if (staging->host != staging->uploaded) {
-    KDA_NVTX_RANGE("engine.stage_slots");
-    copy_in(staging->device, staging->host.data(), staging->host.size() * sizeof(std::int32_t));
-    staging->uploaded = staging->host;  // capacity reserved: no allocation
-  }
-}
-
-void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
-                    const std::vector<int>& slots, int tokens) {
-  check_layer(kda_layer);
-  const KdaLayer& layer = layers_[static_cast<std::size_t>(kda_layer)];
+void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out, Span<const int> slots,
+                    int tokens) {
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
   KDA_NVTX_RANGE(layer.nvtx_name().c_str());
 
   const std::size_t batch = slots.size();
@@ -519,14 +507,11 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
     fail("decode: batch of " + std::to_string(batch) + " rows, expected 1.." +
          std::to_string(num_slots()) + " (runtime.max_sequences)");
   }
-  if (tokens < 1 || tokens > kda::kMaxDecodeTokens) {
+  if (tokens < 1 || tokens > kMaxDecodeTokens) {
     fail("decode: tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
-         std::to_string(kda::kMaxDecodeTokens));
+         std::to_string(kMaxDecodeTokens));
   }
-  if (++stamp_ == 0) {
-    std::fill(seen_stamp_.begin(), seen_stamp_.end(), 0u);
-    stamp_ = 1;
-  }
+  m.next_stamp();
   for (std::size_t j = 0; j < batch; ++j) {
     const int slot = slots[j];
     if (slot >= 0) {
@@ -534,129 +519,21 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out,
         fail("decode: row " + std::to_string(j) + " uses slot " + std::to_string(slot) +
              ", which is not an acquired slot");
       }
-      if (seen_stamp_[static_cast<std::size_t>(slot)] == stamp_) {
+      if (m.seen_stamp[static_cast<std::size_t>(slot)] == m.stamp) {
         fail("decode: slot " + std::to_string(slot) + " appears twice in the batch");
       }
-      seen_stamp_[static_cast<std::size_t>(slot)] = stamp_;
+      m.seen_stamp[static_cast<std::size_t>(slot)] = m.stamp;
     }
   }
-  // The caller's buffers, before anything is enqueued (see prefill).
+  // The caller's tensors, before anything is enqueued (see prefill).
   const DecodeProblem problem = layer.decode_problem(static_cast<std::int64_t>(batch), tokens);
   DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
-  if (backend_ == Backend::kCuda && check_pointers_) {
-    check_on_device(layer, "decode", check_device_pointers(problem, t));
-  }
-  stage_slots(slots, &decode_slots_);
-  t.slots = decode_slots_.device;
-  t.device_status = device_status_;
-  layer.decode(problem, t, cpu_, stream_, unchecked_);
-}
-
-// ---- synthetic inputs ----------------------------------------------------------------------
-
-void Engine::generate_synthetic_inputs(std::uint64_t seed) {
-  if (synthetic_capacity_ == 0) {
-    fail("synthetic inputs were not planned (EngineOptions::synthetic_tokens is 0)");
-  }
-  const auto tokens = static_cast<std::size_t>(synthetic_capacity_);
-  const auto H = static_cast<std::size_t>(spec_.num_heads);
-  const auto D = static_cast<std::size_t>(spec_.head_dim);
-  // One stream per tensor, so changing the capacity does not reshuffle the others.
-  fill_random(&synthetic_host_.q, tokens * H * D, seed * 8 + 1);
-  fill_random(&synthetic_host_.k, tokens * H * D, seed * 8 + 2);
-  fill_random(&synthetic_host_.v, tokens * H * D, seed * 8 + 3);
-  fill_random(&synthetic_host_.g, tokens * H * D, seed * 8 + 4);
-  fill_random(&synthetic_host_.beta, tokens * H, seed * 8 + 5);
-  auto upload = [&](void* dst, const std::vector<std::uint16_t>& src) {
-    copy_in(dst, src.data(), src.size() * sizeof(std::uint16_t));
-  };
-  upload(synthetic_.q, synthetic_host_.q);
-  upload(synthetic_.k, synthetic_host_.k);
-  upload(synthetic_.v, synthetic_host_.v);
-  upload(synthetic_.g, synthetic_host_.g);
-  upload(synthetic_.beta, synthetic_host_.beta);
-  synchronize();
-}
-
-LayerInputs Engine::synthetic_inputs(std::int64_t token_offset) const {
-  if (synthetic_capacity_ == 0) fail("synthetic inputs were not planned");
-  if (token_offset < 0 || token_offset > synthetic_capacity_) {
-    fail("synthetic token offset " + std::to_string(token_offset) + " is out of range [0, " +
-         std::to_string(synthetic_capacity_) + "]");
-  }
-  const auto t0 = static_cast<std::uint64_t>(token_offset);
-  const auto H = static_cast<std::uint64_t>(spec_.num_heads);
-  const auto D = static_cast<std::uint64_t>(spec_.head_dim);
-  auto at = [](void* base, std::uint64_t bytes) -> const void* {
-    return static_cast<const std::uint8_t*>(base) + bytes;
-  };
-  return {at(synthetic_.q, t0 * H * D * 2), at(synthetic_.k, t0 * H * D * 2),
-          at(synthetic_.v, t0 * H * D * 2), at(synthetic_.g, t0 * H * D * 2),
-          at(synthetic_.beta, t0 * H * 2)};
-}
-
-RunReport Engine::run_synthetic(const RunOptions& options) {
-  if (synthetic_capacity_ == 0) fail("run_synthetic: synthetic inputs were not planned");
-  if (options.sequences < 1 || options.sequences > free_slots()) {
-    fail("run_synthetic: " + std::to_string(options.sequences) + " sequences, but " +
-         std::to_string(free_slots()) + " of " + std::to_string(num_slots()) +
-         " state slots are free (runtime.max_sequences)");
-  }
-  const std::int64_t token_limit = std::min(synthetic_capacity_, spec_.runtime.max_tokens);
-  if (options.tokens < 0 || options.tokens > token_limit) {
-    fail("run_synthetic: " + std::to_string(options.tokens) + " tokens, expected 0.." +
-         std::to_string(token_limit));
-  }
-  if (options.decode_steps < 0) fail("run_synthetic: negative decode_steps");
-
-  RunReport report;
-  report.backend = backend_;
-  report.tokens = options.tokens;
-  report.sequences = options.sequences;
-
-  const auto upload_start = std::chrono::steady_clock::now();
-  generate_synthetic_inputs(options.seed);
-  report.upload_seconds = seconds_since(upload_start);
-
-  const auto n = static_cast<std::size_t>(options.sequences);
-  std::vector<std::int64_t> cu(n + 1, 0);
-  for (std::size_t j = 0; j < n; ++j) {
-    const std::int64_t length = options.tokens / options.sequences +
-                                (static_cast<std::int64_t>(j) < options.tokens % options.sequences);
-    cu[j + 1] = cu[j] + length;
-  }
-  try {
-    for (std::size_t j = 0; j < n; ++j) report.slots.push_back(acquire_slot());
-    synchronize();
-    const int total_steps = num_layers() + options.decode_steps;
-    int done = 0;
-    for (int l = 0; l < num_layers(); ++l) {
-      const auto start = std::chrono::steady_clock::now();
-      prefill(l, synthetic_inputs(0), synthetic_.out, report.slots, cu);
-      synchronize();
-      report.layer_seconds.push_back(seconds_since(start));
-      report.prefill_seconds += report.layer_seconds.back();
-      if (options.progress) options.progress(++done, total_steps);
-    }
-    // Each step reads the next window of `n` synthetic tokens, wrapping around.
-    const std::int64_t windows = synthetic_capacity_ - options.sequences + 1;
-    for (int step = 0; step < options.decode_steps; ++step) {
-      const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
-      const LayerInputs inputs = synthetic_inputs(offset);
-      const auto start = std::chrono::steady_clock::now();
-      for (int l = 0; l < num_layers(); ++l) decode(l, inputs, synthetic_.out, report.slots, 1);
-      synchronize();
-      report.decode_step_seconds.push_back(seconds_since(start));
-      if (options.progress) options.progress(++done, total_steps);
-    }
-  } catch (...) {
-    for (const int slot : report.slots) release_slot(slot);
-    throw;
-  }
-  if (options.release_slots) {
-    for (const int slot : report.slots) release_slot(slot);
-  }
-  return report;
+  m.check_caller_tensors(layer, "decode", problem, t);
+  m.stage_slots(slots, &m.decode_slots);
+  t.slots = m.decode_slots.device;
+  t.out = out;
+  t.device_status = m.device_status;
+  layer.decode(problem, t, m.unchecked);
 }
 
 }  // namespace kda::engine

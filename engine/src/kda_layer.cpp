@@ -6,10 +6,10 @@
 #include <cstring>
 #include <random>
 
+#include "backend.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
-#include "kda/nvtx.hpp"
 
 namespace kda::engine {
 
@@ -64,10 +64,10 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   }
   const Tensor a_log = file.read(a_name);
   if (!shape_is(a_log.shape, {num_heads}) && !shape_is(a_log.shape, {1, 1, num_heads, 1})) {
-    throw Error(StatusCode::kInvalidArgument,
-                file.path() + ": tensor '" + a_name + "' has shape " +
-                    shape_to_string(a_log.shape) + ", expected [" + std::to_string(num_heads) +
-                    "] or [1, 1, " + std::to_string(num_heads) + ", 1]");
+    throw Error(StatusCode::kInvalidArgument, file.path() + ": tensor '" + a_name + "' has shape " +
+                                                  shape_to_string(a_log.shape) + ", expected [" +
+                                                  std::to_string(num_heads) + "] or [1, 1, " +
+                                                  std::to_string(num_heads) + ", 1]");
   }
   const Tensor dt_bias = file.read(dt_name);
   if (!shape_is(dt_bias.shape, {num_heads * head_dim}) &&
@@ -84,9 +84,9 @@ KdaParameters load_kda_parameters(const SafetensorsFile& file, int layer_index,
   for (std::size_t h = 0; h < parameters.A_log.size(); ++h) {
     if (std::fabs(parameters.A_log[h]) > kMaxAbsALog) {
       throw Error(StatusCode::kInvalidArgument,
-                  file.path() + ": tensor '" + a_log.name + "' value " + std::to_string(parameters.A_log[h]) +
-                      " at element " + std::to_string(h) + " is outside [-" +
-                      std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
+                  file.path() + ": tensor '" + a_log.name + "' value " +
+                      std::to_string(parameters.A_log[h]) + " at element " + std::to_string(h) +
+                      " is outside [-" + std::to_string(static_cast<int>(kMaxAbsALog)) + ", " +
                       std::to_string(static_cast<int>(kMaxAbsALog)) + "] (kda::kMaxAbsALog)");
     }
   }
@@ -198,7 +198,7 @@ DecodeProblem KdaLayer::decode_problem(std::int64_t batch, std::int64_t tokens) 
   return p;
 }
 
-void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend) const {
+void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend) {
   const auto H = static_cast<std::uint64_t>(num_heads_);
   const auto K = static_cast<std::uint64_t>(head_dim_);
   planner::BufferRequest request;
@@ -208,17 +208,17 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
   request.name = a_log_name_;
   request.kind = planner::BufferKind::kParameter;
   request.bytes = H * sizeof(float);
-  planner.add(request);
+  a_log_buffer_ = planner.add(request);
 
   request.name = dt_bias_name_;
   request.bytes = H * K * sizeof(float);
-  planner.add(request);
+  dt_bias_buffer_ = planner.add(request);
 
   // The spec loader checked that this product fits in 64 bits.
   request.name = state_name_;
   request.kind = planner::BufferKind::kState;
   request.bytes = static_cast<std::uint64_t>(max_sequences_) * H * K * K * dtype_size(state_dtype_);
-  planner.add(request);
+  state_buffer_ = planner.add(request);
 
   // One workspace serves the layer's prefill and its decode (never at the same time): the larger.
   std::size_t workspace = 0, decode_workspace = 0;
@@ -228,6 +228,7 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
   st = decode_workspace_size(decode_problem(max_sequences_, 16), backend, &decode_workspace);
   if (!st.ok()) throw Error(st, label_ + ": decode workspace size on " + to_string(backend));
   workspace = std::max(workspace, decode_workspace);
+  workspace_buffer_ = planner::BufferHandle{};
   if (workspace > 0) {
     request.name = workspace_name_;
     request.kind = planner::BufferKind::kWorkspace;
@@ -235,69 +236,48 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend)
     request.persistent = false;
     request.first_step = ordinal_;
     request.last_step = ordinal_;
-    planner.add(request);
+    workspace_buffer_ = planner.add(request);
   }
 }
 
-void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Backend backend,
-                    void* stream) {
-  auto locate = [&](const std::string& name, std::uint64_t* bytes) -> std::uint8_t* {
-    const planner::PlanEntry* entry = plan.find(name);
+void KdaLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, EngineBackend& backend) {
+  auto locate = [&](planner::BufferHandle handle, std::uint64_t* bytes) -> std::uint8_t* {
+    const planner::PlanEntry* entry = plan.entry(handle);
     if (entry == nullptr) return nullptr;
     if (bytes != nullptr) *bytes = entry->bytes;
     return arena + entry->offset;
   };
-  backend_ = backend;
-  A_log_ = reinterpret_cast<float*>(locate(a_log_name_, nullptr));
-  dt_bias_ = reinterpret_cast<float*>(locate(dt_bias_name_, nullptr));
-  state_pool_ = locate(state_name_, &state_pool_bytes_);
+  A_log_ = reinterpret_cast<float*>(locate(a_log_buffer_, nullptr));
+  dt_bias_ = reinterpret_cast<float*>(locate(dt_bias_buffer_, nullptr));
+  state_pool_ = locate(state_buffer_, &state_pool_bytes_);
   workspace_bytes_ = 0;
-  workspace_ = locate(workspace_name_, &workspace_bytes_);
+  workspace_ = locate(workspace_buffer_, &workspace_bytes_);
   if (A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr) {
     throw Error(StatusCode::kInternal, label_ + ": buffers missing from the memory plan");
   }
-  const std::size_t a_bytes = parameters_.A_log.size() * sizeof(float);
-  const std::size_t dt_bytes = parameters_.dt_bias.size() * sizeof(float);
-  if (backend == Backend::kCuda) {
-    throw_if_error(memcpy_to_device(A_log_, parameters_.A_log.data(), a_bytes, stream),
-                   "uploading A_log");
-    throw_if_error(memcpy_to_device(dt_bias_, parameters_.dt_bias.data(), dt_bytes, stream),
-                   "uploading dt_bias");
-  } else {
-    std::memcpy(A_log_, parameters_.A_log.data(), a_bytes);
-    std::memcpy(dt_bias_, parameters_.dt_bias.data(), dt_bytes);
-  }
+  backend.copy_to_device(A_log_, parameters_.A_log.data(),
+                         parameters_.A_log.size() * sizeof(float));
+  backend.copy_to_device(dt_bias_, parameters_.dt_bias.data(),
+                         parameters_.dt_bias.size() * sizeof(float));
+  backend_ = &backend;
 }
 
-void KdaLayer::forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream,
-                       const CudaOptions& cuda) const {
-  Workspace ws{workspace_, static_cast<std::size_t>(workspace_bytes_)};
+void KdaLayer::forward(const Problem& p, Tensors t, const CudaOptions& cuda) const {
+  if (backend_ == nullptr) throw Error(StatusCode::kInternal, label_ + " prefill: not bound");
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
-  Status st;
-  if (backend_ == Backend::kCuda) {
-    KDA_NVTX_RANGE("prefill.forward_cuda");
-    st = forward_cuda(p, t, ws, stream, cuda);
-  } else {
-    KDA_NVTX_RANGE("prefill.forward_cpu");
-    st = forward_cpu(p, t, ws, cpu);
-  }
+  const Status st = backend_->prefill(
+      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
   if (!st.ok()) throw Error(st, label_ + " prefill");
 }
 
-void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream,
-                      const CudaOptions& cuda) const {
+void KdaLayer::decode(const DecodeProblem& p, DecodeTensors t, const CudaOptions& cuda) const {
+  if (backend_ == nullptr) throw Error(StatusCode::kInternal, label_ + " decode: not bound");
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   t.state_pool = state_pool_;
-  Status st;
-  if (backend_ == Backend::kCuda) {
-    KDA_NVTX_RANGE("decode.step_cuda");
-    st = decode_cuda(p, t, stream, cuda);
-  } else {
-    KDA_NVTX_RANGE("decode.step_cpu");
-    st = decode_cpu(p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cpu);
-  }
+  const Status st = backend_->decode(
+      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
   if (!st.ok()) throw Error(st, label_ + " decode");
 }
 

@@ -40,46 +40,65 @@ std::string describe(const BufferRequest& request, std::size_t index) {
   return "buffer '" + request.name + "'";
 }
 
+// A planning error: its code and a message naming the buffer. status kOk: no error.
+struct Failure {
+  PlanStatus status = PlanStatus::kOk;
+  std::string message;
+  bool failed() const noexcept { return status != PlanStatus::kOk; }
+};
+
+Failure failure(PlanStatus status, std::string message) { return {status, std::move(message)}; }
+
 bool lifetimes_overlap(const BufferRequest& a, const BufferRequest& b) {
   if (a.persistent || b.persistent) return true;
   return a.first_step <= b.last_step && b.first_step <= a.last_step;
 }
 
-// Checks everything that does not depend on the layout; returns an empty string when all is well.
-std::string validate(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment) {
+// Checks everything that does not depend on the layout.
+Failure validate(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment) {
   if (!is_power_of_two(plan_alignment)) {
-    return "plan alignment " + std::to_string(plan_alignment) + " is not a power of two";
+    return failure(PlanStatus::kBadAlignment,
+                   "plan alignment " + std::to_string(plan_alignment) + " is not a power of two");
+  }
+  if (requests.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) {
+    return failure(PlanStatus::kOverflow, std::to_string(requests.size()) +
+                                              " buffer requests: more than a BufferHandle holds");
   }
   std::unordered_map<std::string, std::size_t> first_index_by_name;
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const BufferRequest& request = requests[i];
     const std::string who = describe(request, i);
-    if (request.name.empty()) return who + ": name is empty";
+    if (request.name.empty()) return failure(PlanStatus::kEmptyName, who + ": name is empty");
     const auto inserted = first_index_by_name.emplace(request.name, i);
     if (!inserted.second) {
-      return who + " (request #" + std::to_string(i) +
-             "): duplicate name, first used by request #" +
-             std::to_string(inserted.first->second);
+      return failure(PlanStatus::kDuplicateName, who + " (request #" + std::to_string(i) +
+                                                     "): duplicate name, first used by request #" +
+                                                     std::to_string(inserted.first->second));
     }
-    if (request.bytes == 0) return who + ": bytes must be > 0";
+    if (request.bytes == 0) return failure(PlanStatus::kZeroBytes, who + ": bytes must be > 0");
     if (request.alignment != 0 && !is_power_of_two(request.alignment)) {
-      return who + ": alignment " + std::to_string(request.alignment) + " is not a power of two";
+      return failure(
+          PlanStatus::kBadAlignment,
+          who + ": alignment " + std::to_string(request.alignment) + " is not a power of two");
     }
     if (!request.persistent) {
       if (request.first_step < 0 || request.last_step < 0) {
-        return who + ": lifetime [" + std::to_string(request.first_step) + ", " +
-               std::to_string(request.last_step) + "] has a negative step";
+        return failure(PlanStatus::kBadLifetime,
+                       who + ": lifetime [" + std::to_string(request.first_step) + ", " +
+                           std::to_string(request.last_step) + "] has a negative step");
       }
       if (request.first_step > request.last_step) {
-        return who + ": lifetime first_step " + std::to_string(request.first_step) +
-               " is after last_step " + std::to_string(request.last_step);
+        return failure(PlanStatus::kBadLifetime,
+                       who + ": lifetime first_step " + std::to_string(request.first_step) +
+                           " is after last_step " + std::to_string(request.last_step));
       }
     }
     const std::uint64_t alignment = std::max(plan_alignment, request.alignment);
     std::uint64_t aligned_bytes = 0;
     if (!checked_align_up(request.bytes, alignment, &aligned_bytes)) {
-      return who + ": bytes " + std::to_string(request.bytes) + " rounded up to alignment " +
-             std::to_string(alignment) + " overflows 64 bits";
+      return failure(PlanStatus::kOverflow, who + ": bytes " + std::to_string(request.bytes) +
+                                                " rounded up to alignment " +
+                                                std::to_string(alignment) + " overflows 64 bits");
     }
   }
   return {};
@@ -102,14 +121,15 @@ bool place_after(std::uint64_t cursor, std::uint64_t bytes, std::uint64_t alignm
          checked_align_up(*end, alignment, &aligned_end);
 }
 
-std::string overflow_error(const BufferRequest& request, std::size_t index) {
-  return describe(request, index) + ": arena offset overflows 64 bits (bytes " +
-         std::to_string(request.bytes) + " placed after the buffers before it)";
+Failure overflow_error(const BufferRequest& request, std::size_t index) {
+  return failure(PlanStatus::kOverflow,
+                 describe(request, index) + ": arena offset overflows 64 bits (bytes " +
+                     std::to_string(request.bytes) + " placed after the buffers before it)");
 }
 
 // kSum: each buffer after the previous one, in request order.
-std::string layout_sum(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment,
-                       std::vector<std::uint64_t>* offsets, std::uint64_t* high_water) {
+Failure layout_sum(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment,
+                   std::vector<std::uint64_t>* offsets, std::uint64_t* high_water) {
   std::uint64_t cursor = 0;
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const std::uint64_t alignment = std::max(plan_alignment, requests[i].alignment);
@@ -124,8 +144,8 @@ std::string layout_sum(const std::vector<BufferRequest>& requests, std::uint64_t
 }
 
 // kReuse: persistent buffers stacked first, then the rest by best fit, largest first.
-std::string layout_reuse(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment,
-                         std::vector<std::uint64_t>* offsets, std::uint64_t* high_water) {
+Failure layout_reuse(const std::vector<BufferRequest>& requests, std::uint64_t plan_alignment,
+                     std::vector<std::uint64_t>* offsets, std::uint64_t* high_water) {
   std::vector<Placement> placed;  // kept sorted by offset (ties by placement order)
   placed.reserve(requests.size());
   std::uint64_t arena_end = 0;
@@ -202,14 +222,36 @@ void append_json_string(std::string* out, const std::string& text) {
   for (std::size_t i = 0; i < size;) {
     const unsigned char c = static_cast<unsigned char>(text[i]);
     switch (c) {
-      case '"': *out += "\\\""; ++i; continue;
-      case '\\': *out += "\\\\"; ++i; continue;
-      case '\b': *out += "\\b"; ++i; continue;
-      case '\f': *out += "\\f"; ++i; continue;
-      case '\n': *out += "\\n"; ++i; continue;
-      case '\r': *out += "\\r"; ++i; continue;
-      case '\t': *out += "\\t"; ++i; continue;
-      default: break;
+      case '"':
+        *out += "\\\"";
+        ++i;
+        continue;
+      case '\\':
+        *out += "\\\\";
+        ++i;
+        continue;
+      case '\b':
+        *out += "\\b";
+        ++i;
+        continue;
+      case '\f':
+        *out += "\\f";
+        ++i;
+        continue;
+      case '\n':
+        *out += "\\n";
+        ++i;
+        continue;
+      case '\r':
+        *out += "\\r";
+        ++i;
+        continue;
+      case '\t':
+        *out += "\\t";
+        ++i;
+        continue;
+      default:
+        break;
     }
     if (c < 0x20) {
       *out += "\\u00";
@@ -280,18 +322,46 @@ std::string pad_left(const std::string& text, std::size_t width) {
 
 const char* to_string(BufferKind kind) noexcept {
   switch (kind) {
-    case BufferKind::kWorkspace: return "workspace";
-    case BufferKind::kState: return "state";
-    case BufferKind::kScratch: return "scratch";
-    case BufferKind::kParameter: return "parameter";
+    case BufferKind::kWorkspace:
+      return "workspace";
+    case BufferKind::kState:
+      return "state";
+    case BufferKind::kScratch:
+      return "scratch";
+    case BufferKind::kParameter:
+      return "parameter";
+  }
+  return "unknown";
+}
+
+const char* to_string(PlanStatus status) noexcept {
+  switch (status) {
+    case PlanStatus::kOk:
+      return "ok";
+    case PlanStatus::kBadAlignment:
+      return "bad alignment";
+    case PlanStatus::kEmptyName:
+      return "empty name";
+    case PlanStatus::kDuplicateName:
+      return "duplicate name";
+    case PlanStatus::kZeroBytes:
+      return "zero bytes";
+    case PlanStatus::kBadLifetime:
+      return "bad lifetime";
+    case PlanStatus::kOverflow:
+      return "overflow";
+    case PlanStatus::kBadMode:
+      return "bad mode";
   }
   return "unknown";
 }
 
 const char* to_string(PlanMode mode) noexcept {
   switch (mode) {
-    case PlanMode::kSum: return "sum";
-    case PlanMode::kReuse: return "reuse";
+    case PlanMode::kSum:
+      return "sum";
+    case PlanMode::kReuse:
+      return "reuse";
   }
   return "unknown";
 }
@@ -322,6 +392,11 @@ std::string format_bytes(std::uint64_t bytes) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f %s", value, kUnits[unit]);
   return text;
+}
+
+const PlanEntry* MemoryPlan::entry(BufferHandle handle) const noexcept {
+  if (!handle.valid() || static_cast<std::size_t>(handle.index) >= entries.size()) return nullptr;
+  return &entries[static_cast<std::size_t>(handle.index)];
 }
 
 const PlanEntry* MemoryPlan::find(const std::string& name) const noexcept {
@@ -402,38 +477,38 @@ PlanResult MemoryPlanner::plan(PlanMode mode) const {
   PlanResult result;
   result.plan.mode = mode;
   result.plan.alignment = alignment_;
+  auto fail = [&result](Failure f) {
+    result.status = f.status;
+    result.error = std::move(f.message);
+    return std::move(result);
+  };
   if (mode != PlanMode::kSum && mode != PlanMode::kReuse) {
-    result.error = "unknown plan mode " + std::to_string(static_cast<int>(mode));
-    return result;
+    return fail(failure(PlanStatus::kBadMode,
+                        "unknown plan mode " + std::to_string(static_cast<int>(mode))));
   }
-  result.error = validate(requests_, alignment_);
-  if (!result.error.empty()) return result;
+  if (Failure f = validate(requests_, alignment_); f.failed()) return fail(std::move(f));
 
   std::vector<std::uint64_t> offsets(requests_.size(), 0);
   std::uint64_t high_water = 0;
-  result.error = layout_sum(requests_, alignment_, &offsets, &high_water);
+  Failure sum_failure = layout_sum(requests_, alignment_, &offsets, &high_water);
   if (mode == PlanMode::kReuse) {
     // Best fit is greedy: with mixed per-buffer alignments its padding can exceed the sum layout's
     // by a little. The sum layout is also a valid reuse layout, so keep whichever is smaller.
     // (A sum layout that overflows does not stop reuse, which may need far less.)
     std::vector<std::uint64_t> reuse_offsets(requests_.size(), 0);
     std::uint64_t reuse_high_water = 0;
-    const std::string reuse_error =
-        layout_reuse(requests_, alignment_, &reuse_offsets, &reuse_high_water);
-    if (!reuse_error.empty()) {
-      result.error = reuse_error;
-      return result;
-    }
+    Failure reuse_failure = layout_reuse(requests_, alignment_, &reuse_offsets, &reuse_high_water);
+    if (reuse_failure.failed()) return fail(std::move(reuse_failure));
     std::uint64_t sum_total = 0, reuse_total = 0;
     checked_align_up(high_water, alignment_, &sum_total);  // place_after made these safe
     checked_align_up(reuse_high_water, alignment_, &reuse_total);
-    if (!result.error.empty() || reuse_total <= sum_total) {
-      result.error.clear();
+    if (sum_failure.failed() || reuse_total <= sum_total) {
+      sum_failure = {};
       offsets.swap(reuse_offsets);
       high_water = reuse_high_water;
     }
   }
-  if (!result.error.empty()) return result;
+  if (sum_failure.failed()) return fail(std::move(sum_failure));
   // Cannot overflow: place_after checked that every buffer's end rounds up within 64 bits.
   checked_align_up(high_water, alignment_, &result.plan.arena_bytes);
 

@@ -175,17 +175,28 @@ void check_engine() {
       "runtime: {max_tokens: 32, max_sequences: 2, backend: cpu}\n";
   try {
     kda::engine::EngineOptions options;
-    options.synthetic_tokens = 32;
     options.cpu_threads = 1;
     kda::engine::Engine engine(kda::engine::parse_model_spec(yaml, "engine.yaml"), options);
     check(engine.backend() == kda::Backend::kCpu, "engine runs on the CPU");
     check(engine.num_layers() == 2, "engine has two KDA layers");
-    kda::engine::RunOptions run;
-    run.tokens = 32;
-    run.sequences = 2;
-    kda::engine::RunReport report = engine.run_synthetic(run);
-    check(report.tokens == 32 && report.layer_seconds.size() == 2,
-          "run_synthetic reports 2 layers");
+    // Two sequences of 20 and 12 tokens through both layers, then one decode step of each.
+    const std::size_t T = 32, H = 2, D = 16;
+    std::vector<std::uint16_t> qkvg(T * H * D), beta(T * H, kda::float_to_bf16(0.5f));
+    std::vector<std::uint16_t> out(T * H * D, 0);
+    for (std::size_t i = 0; i < qkvg.size(); ++i) {
+      qkvg[i] = kda::float_to_bf16(static_cast<float>(i % 7) / 7.0f - 0.4f);
+    }
+    const kda::engine::LayerInputs in{qkvg.data(), qkvg.data(), qkvg.data(), qkvg.data(),
+                                      beta.data()};
+    const int a = engine.acquire_slot(), b = engine.acquire_slot();
+    for (int l = 0; l < engine.num_layers(); ++l) engine.prefill(l, in, out.data(), {a, b}, {0, 20, 32});
+    bool finite = true;
+    for (const std::uint16_t x : out) finite = finite && std::isfinite(kda::bf16_to_float(x));
+    check(finite, "prefill writes finite outputs");
+    for (int l = 0; l < engine.num_layers(); ++l) engine.decode(l, in, out.data(), {a, b}, 1);
+    check(engine.free_slots() == 0, "both slots acquired");
+    engine.release_slot(a);
+    engine.release_slot(b);
   } catch (const kda::Error& error) {
     check(false, std::string("engine threw: ") + error.what());
   }

@@ -29,6 +29,7 @@
 namespace kda::engine {
 
 class SafetensorsFile;
+class EngineBackend;  // engine-internal (engine/src/backend.hpp)
 
 struct KdaParameters {
   std::vector<float> A_log;    // [H]
@@ -65,12 +66,14 @@ class KdaLayer {
   Problem prefill_problem(std::int64_t tokens, std::int64_t sequences) const noexcept;
   DecodeProblem decode_problem(std::int64_t batch, std::int64_t tokens) const noexcept;
 
-  // Adds this layer's buffers to `planner`. Throws kda::Error when workspace_size() fails.
-  void declare_buffers(planner::MemoryPlanner& planner, Backend backend) const;
+  // Adds this layer's buffers to `planner` and keeps their handles for bind(). Throws kda::Error
+  // when workspace_size() fails.
+  void declare_buffers(planner::MemoryPlanner& planner, Backend backend);
 
-  // Points the layer at its buffers inside an arena laid out by `plan` and copies the parameters
-  // in (device memory for kCuda, enqueued on `stream`). Throws kda::Error.
-  void bind(std::uint8_t* arena, const planner::MemoryPlan& plan, Backend backend, void* stream);
+  // Engine-internal: points the layer at its buffers inside an arena laid out by `plan` (the plan
+  // of the planner declare_buffers() last added to), copies the parameters in through `backend`
+  // (enqueued in its stream order) and runs forward/decode there from now on. Throws kda::Error.
+  void bind(std::uint8_t* arena, const planner::MemoryPlan& plan, EngineBackend& backend);
 
   void* state_pool() const noexcept { return state_pool_; }
   std::uint64_t state_pool_bytes() const noexcept { return state_pool_bytes_; }
@@ -85,12 +88,10 @@ class KdaLayer {
 
   // One forward on the bound backend, in the NVTX phase range "prefill.forward_cpu|cuda". `t`
   // needs no parameters or workspace: the layer fills them in. Throws kda::Error.
-  void forward(const Problem& p, Tensors t, const CpuOptions& cpu, void* stream,
-               const CudaOptions& cuda = {}) const;
+  void forward(const Problem& p, Tensors t, const CudaOptions& cuda = {}) const;
   // One decode step on the layer's state pool, in the NVTX phase range "decode.step_cpu|cuda";
   // `t` needs no parameters or pool. Throws kda::Error.
-  void decode(const DecodeProblem& p, DecodeTensors t, const CpuOptions& cpu, void* stream,
-              const CudaOptions& cuda = {}) const;
+  void decode(const DecodeProblem& p, DecodeTensors t, const CudaOptions& cuda = {}) const;
 
  private:
   int ordinal_;
@@ -102,8 +103,9 @@ class KdaLayer {
   float lower_bound_;
   KdaParameters parameters_;
   std::string label_, nvtx_name_, a_log_name_, dt_bias_name_, state_name_, workspace_name_;
+  planner::BufferHandle a_log_buffer_, dt_bias_buffer_, state_buffer_, workspace_buffer_;
 
-  Backend backend_ = Backend::kCpu;
+  const EngineBackend* backend_ = nullptr;
   float* A_log_ = nullptr;
   float* dt_bias_ = nullptr;
   void* state_pool_ = nullptr;

@@ -1,0 +1,216 @@
+// examples/synthetic_run.cpp — synthetic inputs in the engine's backend memory, and timed runs.
+#include "synthetic_run.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "kda/bf16.hpp"
+#include "kda/engine/error.hpp"
+
+namespace kda::examples {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what, StatusCode code = StatusCode::kInvalidArgument) {
+  throw Error(code, what);
+}
+
+bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
+  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
+  *out = a * b;
+  return true;
+}
+
+// splitmix64: fast, seedable, good enough for synthetic activations.
+struct SplitMix {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float symmetric() { return static_cast<float>((next() >> 40) * (2.0 / 16777216.0) - 1.0); }
+};
+
+void fill_random(std::vector<std::uint16_t>* values, std::size_t count, std::uint64_t seed) {
+  values->resize(count);
+  SplitMix generator{seed};
+  for (std::uint16_t& v : *values) v = float_to_bf16(generator.symmetric());
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+constexpr std::uint64_t kAlignment = 256;
+
+}  // namespace
+
+SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t tokens)
+    : backend_(engine.backend()),
+      stream_(engine.stream()),
+      heads_(engine.spec().num_heads),
+      head_dim_(engine.spec().head_dim) {
+  if (tokens < 0) fail("synthetic inputs: tokens must be >= 0, got " + std::to_string(tokens));
+  capacity_ = std::max(tokens, engine.spec().runtime.max_sequences);
+  // Six buffers, each rounded up to 256 bytes, back to back in one allocation.
+  const auto t = static_cast<std::uint64_t>(capacity_);
+  const auto H = static_cast<std::uint64_t>(heads_);
+  const auto D = static_cast<std::uint64_t>(head_dim_);
+  std::uint64_t per_token = 0, qkvg = 0, beta = 0, total = 0;
+  const std::uint64_t round = kAlignment - 1;
+  if (!checked_mul(H, D * 2, &per_token) || !checked_mul(t, per_token, &qkvg) ||
+      !checked_mul(t, H * 2, &beta) || qkvg > std::numeric_limits<std::uint64_t>::max() / 8 ||
+      !checked_mul((qkvg + round) & ~round, 5, &total) ||
+      total > std::numeric_limits<std::uint64_t>::max() - beta - kAlignment ||
+      total + beta + kAlignment > std::numeric_limits<std::size_t>::max()) {
+    fail("synthetic inputs of " + std::to_string(capacity_) +
+             " tokens: byte count overflows 64 bits",
+         StatusCode::kOverflow);
+  }
+  const std::uint64_t qkvg_stride = (qkvg + round) & ~round;
+  bytes_ = total + ((beta + round) & ~round);
+  const auto size = static_cast<std::size_t>(bytes_);
+  if (backend_ == Backend::kCuda) {
+    throw_if_error(device_malloc(&memory_, size), "allocating the synthetic inputs");
+  } else {
+    memory_ = std::aligned_alloc(kAlignment, std::max<std::size_t>(size, kAlignment));
+    if (memory_ == nullptr) {
+      fail("cannot allocate the synthetic inputs (" + std::to_string(bytes_) + " bytes)",
+           StatusCode::kInternal);
+    }
+  }
+  auto* base = static_cast<std::uint8_t*>(memory_);
+  q_ = base;
+  k_ = base + qkvg_stride;
+  v_ = base + 2 * qkvg_stride;
+  g_ = base + 3 * qkvg_stride;
+  out_ = base + 4 * qkvg_stride;
+  beta_ = base + 5 * qkvg_stride;
+}
+
+SyntheticInputs::~SyntheticInputs() {
+  if (backend_ == Backend::kCuda) {
+    (void)stream_synchronize(stream_);  // kernels may still read the inputs
+    (void)device_free(memory_);
+  } else {
+    std::free(memory_);
+  }
+}
+
+void SyntheticInputs::generate(std::uint64_t seed) {
+  const auto tokens = static_cast<std::size_t>(capacity_);
+  const auto H = static_cast<std::size_t>(heads_);
+  const auto D = static_cast<std::size_t>(head_dim_);
+  fill_random(&host_.q, tokens * H * D, seed * 8 + 1);
+  fill_random(&host_.k, tokens * H * D, seed * 8 + 2);
+  fill_random(&host_.v, tokens * H * D, seed * 8 + 3);
+  fill_random(&host_.g, tokens * H * D, seed * 8 + 4);
+  fill_random(&host_.beta, tokens * H, seed * 8 + 5);
+  auto upload = [&](void* dst, const std::vector<std::uint16_t>& src) {
+    const std::size_t bytes = src.size() * sizeof(std::uint16_t);
+    if (bytes == 0) return;
+    if (backend_ == Backend::kCuda) {
+      throw_if_error(memcpy_to_device(dst, src.data(), bytes, stream_),
+                     "uploading synthetic inputs");
+    } else {
+      std::memcpy(dst, src.data(), bytes);
+    }
+  };
+  upload(q_, host_.q);
+  upload(k_, host_.k);
+  upload(v_, host_.v);
+  upload(g_, host_.g);
+  upload(beta_, host_.beta);
+  if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
+}
+
+engine::LayerInputs SyntheticInputs::inputs(std::int64_t token_offset) const {
+  if (token_offset < 0 || token_offset > capacity_) {
+    fail("synthetic token offset " + std::to_string(token_offset) + " is out of range [0, " +
+         std::to_string(capacity_) + "]");
+  }
+  const auto t0 = static_cast<std::uint64_t>(token_offset);
+  const auto H = static_cast<std::uint64_t>(heads_);
+  const auto D = static_cast<std::uint64_t>(head_dim_);
+  auto at = [](void* base, std::uint64_t bytes) -> const void* {
+    return static_cast<const std::uint8_t*>(base) + bytes;
+  };
+  return {at(q_, t0 * H * D * 2), at(k_, t0 * H * D * 2), at(v_, t0 * H * D * 2),
+          at(g_, t0 * H * D * 2), at(beta_, t0 * H * 2)};
+}
+
+RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
+                        const RunOptions& options) {
+  if (options.sequences < 1 || options.sequences > engine.free_slots()) {
+    fail("run_synthetic: " + std::to_string(options.sequences) + " sequences, but " +
+         std::to_string(engine.free_slots()) + " of " + std::to_string(engine.num_slots()) +
+         " state slots are free (runtime.max_sequences)");
+  }
+  const std::int64_t token_limit = std::min(inputs.capacity(), engine.spec().runtime.max_tokens);
+  if (options.tokens < 0 || options.tokens > token_limit) {
+    fail("run_synthetic: " + std::to_string(options.tokens) + " tokens, expected 0.." +
+         std::to_string(token_limit));
+  }
+  if (options.decode_steps < 0) fail("run_synthetic: negative decode_steps");
+
+  RunReport report;
+  report.backend = engine.backend();
+  report.tokens = options.tokens;
+  report.sequences = options.sequences;
+
+  const auto upload_start = std::chrono::steady_clock::now();
+  inputs.generate(options.seed);
+  report.upload_seconds = seconds_since(upload_start);
+
+  const auto n = static_cast<std::size_t>(options.sequences);
+  std::vector<std::int64_t> cu(n + 1, 0);
+  for (std::size_t j = 0; j < n; ++j) {
+    const std::int64_t length = options.tokens / options.sequences +
+                                (static_cast<std::int64_t>(j) < options.tokens % options.sequences);
+    cu[j + 1] = cu[j] + length;
+  }
+  try {
+    for (std::size_t j = 0; j < n; ++j) report.slots.push_back(engine.acquire_slot());
+    engine.synchronize();
+    const int layers = engine.num_layers();
+    const int total_steps = layers + options.decode_steps;
+    int done = 0;
+    for (int l = 0; l < layers; ++l) {
+      const auto start = std::chrono::steady_clock::now();
+      engine.prefill(l, inputs.inputs(0), inputs.output(), report.slots, cu);
+      engine.synchronize();
+      report.layer_seconds.push_back(seconds_since(start));
+      report.prefill_seconds += report.layer_seconds.back();
+      if (options.progress) options.progress(++done, total_steps);
+    }
+    // Each step reads the next window of `n` synthetic tokens, wrapping around.
+    const std::int64_t windows = inputs.capacity() - options.sequences + 1;
+    for (int step = 0; step < options.decode_steps; ++step) {
+      const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
+      const engine::LayerInputs step_inputs = inputs.inputs(offset);
+      const auto start = std::chrono::steady_clock::now();
+      for (int l = 0; l < layers; ++l) {
+        engine.decode(l, step_inputs, inputs.output(), report.slots, 1);
+      }
+      engine.synchronize();
+      report.decode_step_seconds.push_back(seconds_since(start));
+      if (options.progress) options.progress(++done, total_steps);
+    }
+  } catch (...) {
+    for (const int slot : report.slots) engine.release_slot(slot);
+    throw;
+  }
+  if (options.release_slots) {
+    for (const int slot : report.slots) engine.release_slot(slot);
+  }
+  return report;
+}
+
+}  // namespace kda::examples

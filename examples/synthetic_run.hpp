@@ -1,0 +1,84 @@
+// examples/synthetic_run.hpp — random inputs and timed runs over a kda::engine::Engine: what
+// kda-run measures, and what tests use for inputs. Not part of the engine (the engine is the
+// runtime only): it uses the engine's public API, as any integrator would.
+//
+//   kda::engine::Engine engine(spec);
+//   kda::examples::SyntheticInputs inputs(engine, 1024);  // memory of the engine's backend
+//   const kda::examples::RunReport report = kda::examples::run_synthetic(engine, inputs, {});
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "kda/engine/engine.hpp"
+
+namespace kda::examples {
+
+// Random bf16 inputs q, k, g [capacity, H, K], v [capacity, H, V], beta [capacity, H] and an output
+// [capacity, H, V], in memory of the engine's backend (host memory on the CPU, device memory on
+// CUDA), outside the engine's arena. capacity = max(tokens, max_sequences), so that a decode step
+// of every sequence fits too.
+class SyntheticInputs {
+ public:
+  // Allocates (nothing generated yet). Throws kda::Error: negative tokens, byte counts that
+  // overflow 64 bits, allocation failures.
+  SyntheticInputs(const engine::Engine& engine, std::int64_t tokens);
+  ~SyntheticInputs();
+  SyntheticInputs(const SyntheticInputs&) = delete;
+  SyntheticInputs& operator=(const SyntheticInputs&) = delete;
+
+  std::int64_t capacity() const noexcept { return capacity_; }  // tokens
+  std::uint64_t bytes() const noexcept { return bytes_; }       // all six buffers
+  // Generates the inputs on the host (seeded; one stream per tensor, so changing the capacity does
+  // not reshuffle the others) and copies them in. Synchronous.
+  void generate(std::uint64_t seed);
+  // Inputs starting at token `token_offset` (0..capacity).
+  engine::LayerInputs inputs(std::int64_t token_offset = 0) const;
+  void* output() const noexcept { return out_; }
+  // Host copies of the generated inputs.
+  struct Host {
+    std::vector<std::uint16_t> q, k, v, g, beta;
+  };
+  const Host& host() const noexcept { return host_; }
+
+ private:
+  Backend backend_;
+  void* stream_;
+  std::int64_t capacity_ = 0;
+  std::int64_t heads_ = 0, head_dim_ = 0;
+  std::uint64_t bytes_ = 0;
+  void* memory_ = nullptr;  // one allocation holding the six buffers
+  void *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *g_ = nullptr, *beta_ = nullptr;
+  void* out_ = nullptr;
+  Host host_;
+};
+
+// Timings of run_synthetic().
+struct RunReport {
+  Backend backend = Backend::kCpu;
+  std::int64_t tokens = 0;
+  std::int64_t sequences = 0;
+  std::vector<int> slots;                   // the slots the run used
+  std::vector<double> layer_seconds;        // prefill, per KDA layer (in order)
+  double prefill_seconds = 0.0;             // sum of layer_seconds
+  double upload_seconds = 0.0;              // generating + uploading inputs (not in the above)
+  std::vector<double> decode_step_seconds;  // one entry per step: every KDA layer, 1 token/seq
+};
+
+struct RunOptions {
+  std::int64_t tokens = 1024;  // total prefill tokens, split evenly over the sequences
+  std::int64_t sequences = 1;
+  int decode_steps = 0;       // after the prefill: steps of one token per sequence
+  std::uint64_t seed = 0;     // synthetic inputs
+  bool release_slots = true;  // false: leave the slots acquired (tests inspect their state)
+  // Called after every layer of the prefill and after every decode step: (done, total).
+  std::function<void(int, int)> progress;
+};
+
+// Generates `inputs` (seeded, timed separately), acquires `sequences` slots, prefills every KDA
+// layer (tokens split as evenly as possible, earlier sequences one longer), then runs
+// `decode_steps` steps of one token per sequence over every layer. Throws kda::Error.
+RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs, const RunOptions& options);
+
+}  // namespace kda::examples
