@@ -326,7 +326,7 @@ std::size_t FullLayerCuda::weight_bytes() const noexcept { return impl_->weight_
 
 void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hidden,
                             bf16_bits* out, const FullLayerState& state, Workspace workspace,
-                            void* stream_ptr, const CudaOptions& cuda,
+                            void* stream_ptr, const CudaOptions& options,
                             const FullLayerCudaEvents* events) const {
   const FullLayerConfig& c = config_;
   const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
@@ -420,7 +420,7 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
                     std::to_string(N) + " sequences needs " + std::to_string(layout.total));
   }
   if (workspace.ptr == nullptr) invalid("workspace.ptr is null");
-  if (cuda.check_pointers && N > 0) {
+  if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
         static_cast<std::size_t>(state.num_slots * Hl * D * D) * dtype_size(state.recurrent_dtype);
@@ -535,7 +535,7 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
       t.state_pool = state.recurrent;
       t.out = o;
       t.device_status = batch.device_status;
-      throw_if_error(decode_cuda(step, t, stream, cuda), "KDA layer forward (CUDA): core");
+      throw_if_error(decode_cuda(step, t, stream, options), "KDA layer forward (CUDA): core");
     } else {
       Tensors t;
       t.q = q;
@@ -552,7 +552,7 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
       t.out = o;
       t.device_status = batch.device_status;
       throw_if_error(
-          forward_cuda(core, t, Workspace{base + layout.proj, layout.core_bytes}, stream, cuda),
+          forward_cuda(core, t, Workspace{base + layout.proj, layout.core_bytes}, stream, options),
           "KDA layer forward (CUDA): core");
     }
   }
