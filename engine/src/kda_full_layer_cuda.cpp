@@ -546,6 +546,8 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
       t.A_log = m.A_log;
       t.dt_bias = m.dt_bias;
       t.cu_seqlens = batch.cu_seqlens;
+      // Checked above already (O(N) again); the core also plans its segments from it.
+      t.cu_seqlens_host = batch.cu_seqlens_host;
       t.initial_state = state.recurrent;
       t.final_state = state.recurrent;  // updated in place
       t.state_slots = batch.slots;
