@@ -1,0 +1,177 @@
+// kda-layer-bench — one whole Kimi-Linear-48B KDA layer on CUDA (FullLayerCuda): hidden 2304,
+// H = 32, D = 128, conv width 4, softplus gate, random weights; the whole layer and its TP8 shard
+// (H = 4 of 32), prefill T = 8192 (one sequence) and decode steps of B = 1, 64, 256 sequences (one
+// token each, f32 recurrent state). Each phase (projections, conv, core, norm, o_proj) is timed
+// with CUDA events that the forward records at its boundaries; the table shows the median over the
+// timed runs, after warm-up, in microseconds. The floor column is the projections' and o_proj's
+// lower bound: max(GEMM FLOPs / 790 TFLOP/s, weight bytes / 4.8 TB/s) (H200 bf16 dense peak and
+// HBM bandwidth).
+//
+// Usage: kda-layer-bench [--iters N] [--warmup N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kda/bf16.hpp"
+#include "kda/engine/error.hpp"
+#include "kda/engine/kda_full_layer_cuda.hpp"
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+
+struct DeviceMemory {
+  void* ptr = nullptr;
+  explicit DeviceMemory(std::size_t bytes) {
+    check(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
+    check(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)), "cudaMemset");
+  }
+  ~DeviceMemory() { cudaFree(ptr); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+struct Case {
+  std::string name;
+  std::int64_t sequences;
+  std::int64_t tokens_per_sequence;
+  bool decode;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = 20, warmup = 5;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+      iters = std::max(1, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
+      warmup = std::max(0, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    std::printf(
+        "kda-layer-bench on %s: Kimi-Linear-48B KDA layer (hidden 2304, H 32, D 128, W 4),"
+        " median of %d runs after %d warm-up, microseconds\n\n",
+        prop.name, iters, warmup);
+    std::printf(
+        "| layer | case | total | projections | conv | core | norm | o_proj | GEMM floor |\n");
+    std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    cudaEvent_t events[6];
+    for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
+    kda::engine::FullLayerCudaEvents marks;
+    for (int i = 0; i < 6; ++i) marks.boundary[i] = events[i];
+
+    for (int tp_size : {1, 8}) {
+      kda::engine::FullLayerConfig config;
+      config.hidden_size = 2304;
+      config.num_heads = 32;
+      config.head_dim = 128;
+      config.conv_width = 4;
+      config.gate = kda::GateMode::kSoftplus;
+      config.tp_size = tp_size;
+      config.tp_rank = 0;
+      const kda::engine::FullLayerCuda layer(kda::engine::random_full_layer_weights(config, 42, 0));
+      const std::int64_t E = config.hidden_size, Cl = config.local_channels();
+      const std::int64_t Hl = config.local_heads(), D = config.head_dim;
+      const std::string layer_name =
+          tp_size == 1 ? "H = 32" : "TP8 shard (H = " + std::to_string(Hl) + ")";
+      for (const Case& c :
+           {Case{"prefill T = 8192", 1, 8192, false}, Case{"decode B = 1", 1, 1, true},
+            Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
+        const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
+        const std::int64_t slots = N;
+        std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(T * E));
+        std::mt19937 rng(7);
+        std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+        for (kda::bf16_bits& h : hidden) h = kda::float_to_bf16(dist(rng));
+        std::vector<std::int64_t> cu(static_cast<std::size_t>(N + 1));
+        for (std::int64_t n = 0; n <= N; ++n) cu[n] = n * c.tokens_per_sequence;
+
+        DeviceMemory d_hidden(hidden.size() * 2), d_out(hidden.size() * 2);
+        DeviceMemory d_cu(cu.size() * 8);
+        DeviceMemory conv_q(slots * Cl * 3 * 2), conv_k(slots * Cl * 3 * 2),
+            conv_v(slots * Cl * 3 * 2), recurrent(slots * Hl * D * D * 4);
+        const std::size_t ws_bytes = layer.workspace_bytes(T, N, slots);
+        DeviceMemory workspace(ws_bytes);
+        check(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice),
+              "upload hidden");
+        check(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice),
+              "upload cu_seqlens");
+
+        kda::engine::FullLayerCudaBatch batch;
+        batch.tokens = T;
+        batch.sequences = N;
+        batch.decode_tokens = c.decode ? c.tokens_per_sequence : 0;
+        batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr);
+        batch.cu_seqlens_host = cu.data();
+        kda::engine::FullLayerState state;
+        state.num_slots = slots;
+        state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
+        state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
+        state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
+        state.recurrent = recurrent.ptr;
+        state.recurrent_dtype = kda::DType::kF32;
+        kda::CudaOptions options;
+        options.check_pointers = false;  // checked once by the first (warm-up) call below
+
+        std::vector<double> phase[5], total;
+        for (int it = 0; it < warmup + iters; ++it) {
+          options.check_pointers = it == 0;
+          layer.forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                        static_cast<kda::bf16_bits*>(d_out.ptr), state,
+                        kda::Workspace{workspace.ptr, ws_bytes}, stream, options, &marks);
+          check(cudaStreamSynchronize(stream), "forward");
+          if (it < warmup) continue;
+          for (int p = 0; p < 5; ++p) {
+            float ms = 0.0f;
+            check(cudaEventElapsedTime(&ms, events[p], events[p + 1]), "cudaEventElapsedTime");
+            phase[p].push_back(ms * 1e3);
+          }
+          float ms = 0.0f;
+          check(cudaEventElapsedTime(&ms, events[0], events[5]), "cudaEventElapsedTime");
+          total.push_back(ms * 1e3);
+        }
+        // GEMM floor: projections (x·W_inᵀ, the two low-rank second factors) and o_proj.
+        const double flops =
+            2.0 * T * E * (3 * Cl + 2 * D + Hl) + 2.0 * 2 * T * D * Cl + 2.0 * T * Cl * E;
+        const double floor_us =
+            std::max(flops / 790e12, static_cast<double>(layer.weight_bytes()) / 4.8e12) * 1e6;
+        std::printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
+                    layer_name.c_str(), c.name.c_str(), median(total), median(phase[0]),
+                    median(phase[1]), median(phase[2]), median(phase[3]), median(phase[4]),
+                    floor_us);
+        std::fflush(stdout);
+      }
+    }
+    for (cudaEvent_t& e : events) cudaEventDestroy(e);
+    cudaStreamDestroy(stream);
+  } catch (const kda::Error& e) {
+    std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

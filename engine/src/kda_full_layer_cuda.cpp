@@ -1,0 +1,585 @@
+// engine/kda_full_layer_cuda.cpp — the whole KDA layer on CUDA: cuBLAS projections, the fused conv
+// and gated-norm kernels (engine/src/cuda/), the operator's CUDA core. The workspace layout is
+// plain C++ and built everywhere; the rest needs KDA_HAVE_CUDA (a CPU-only build gets a
+// constructor that says so).
+#include "kda/engine/kda_full_layer_cuda.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "kda/engine/error.hpp"
+#include "kda/nvtx.hpp"
+
+#ifdef KDA_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "cuda/full_layer_kernels.hpp"
+#endif
+
+namespace kda::engine {
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& message) {
+  throw Error(StatusCode::kInvalidArgument, "KDA layer forward (CUDA): " + message);
+}
+
+constexpr std::size_t kAlignment = 256;  // cuBLAS wants its workspace 256-byte aligned
+
+// Columns of the fused input projection x·W_inᵀ [T, proj_stride]: q | k | v | f_a | g_a | b | pad.
+struct ProjColumns {
+  std::int64_t q = 0, k = 0, v = 0, f_a = 0, g_a = 0, b = 0;
+  std::int64_t stride = 0;  // rounded up to 8 columns: 16-byte rows for cuBLAS and the conv
+};
+
+ProjColumns proj_columns(const FullLayerConfig& c) {
+  const std::int64_t Cl = c.local_channels(), D = c.head_dim;
+  ProjColumns p;
+  p.q = 0;
+  p.k = Cl;
+  p.v = 2 * Cl;
+  p.f_a = 3 * Cl;
+  p.g_a = 3 * Cl + D;
+  p.b = 3 * Cl + 2 * D;
+  p.stride = (p.b + c.local_heads() + 7) / 8 * 8;
+  return p;
+}
+
+// The core's prefill problem for the batch (also sizes its workspace).
+Problem core_problem(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
+                     std::int64_t num_slots, bool slot_list, DType state_dtype) {
+  Problem p;
+  p.seq_len = tokens;
+  p.num_heads = c.local_heads();
+  p.head_dim_k = p.head_dim_v = c.head_dim;
+  p.num_seqs = sequences;
+  p.cu_seqlens_dtype = DType::kI64;
+  p.gate = c.gate;
+  p.lower_bound = c.lower_bound;
+  p.initial_state_dtype = p.final_state_dtype = state_dtype;
+  p.num_state_slots = slot_list ? num_slots : 0;
+  return p;
+}
+
+// Byte offsets from the 256-byte aligned workspace base. The core's workspace shares its region
+// with `proj`: the projections are consumed (second GEMMs, conv, beta copy) before the core runs.
+struct Layout {
+  std::size_t cublas = 0;
+  std::size_t proj = 0;  // bf16 [T, proj_stride]; then the core's workspace
+  std::size_t core_bytes = 0;
+  std::size_t q = 0, k = 0, v = 0, g = 0, o = 0;  // bf16 [T, Cl]; q later holds y
+  std::size_t gate = 0;                           // f32 [T, Cl]
+  std::size_t beta = 0;                           // bf16 [T, Hl]
+  std::size_t identity_slots = 0;                 // i32 [N]
+  std::size_t total = 0;  // including slack for an unaligned workspace pointer
+};
+
+Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
+                   std::int64_t num_slots) {
+  auto overflow = [] {
+    throw Error(StatusCode::kOverflow, "KDA layer (CUDA) workspace size overflows 64 bits");
+  };
+  if (tokens < 0 || sequences < 0 || num_slots < 0) {
+    invalid("tokens, sequences and num_slots must be >= 0");
+  }
+  constexpr std::uint64_t kLimit = std::uint64_t{1} << 62;
+  std::uint64_t offset = 0;
+  auto take = [&](std::uint64_t bytes) {
+    if (bytes > kLimit) overflow();
+    const std::uint64_t at = offset;
+    offset = (offset + bytes + kAlignment - 1) / kAlignment * kAlignment;
+    if (offset > kLimit) overflow();
+    return static_cast<std::size_t>(at);
+  };
+  auto bytes_of = [&](std::int64_t rows, std::int64_t width, std::uint64_t element) {
+    std::uint64_t n = 0, bytes = 0;
+    if (__builtin_mul_overflow(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width),
+                               &n) ||
+        __builtin_mul_overflow(n, element, &bytes)) {
+      overflow();
+    }
+    return bytes;
+  };
+  const std::int64_t Cl = c.local_channels();
+  Layout layout;
+  layout.cublas = take(FullLayerCuda::kCublasWorkspaceBytes);
+  const Problem core = core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
+  if (Status st = workspace_size(core, Backend::kCuda, &layout.core_bytes); !st) {
+    throw Error(st, "KDA layer (CUDA) workspace");
+  }
+  const std::uint64_t proj_bytes = bytes_of(tokens, proj_columns(c).stride, 2);
+  layout.proj = take(std::max<std::uint64_t>(proj_bytes, layout.core_bytes));
+  layout.q = take(bytes_of(tokens, Cl, 2));
+  layout.k = take(bytes_of(tokens, Cl, 2));
+  layout.v = take(bytes_of(tokens, Cl, 2));
+  layout.g = take(bytes_of(tokens, Cl, 2));
+  layout.o = take(bytes_of(tokens, Cl, 2));
+  layout.gate = take(bytes_of(tokens, Cl, 4));
+  layout.beta = take(bytes_of(tokens, c.local_heads(), 2));
+  layout.identity_slots = take(bytes_of(sequences, 1, 4));
+  if (offset + kAlignment > kLimit) overflow();
+  layout.total = static_cast<std::size_t>(offset + kAlignment);
+  return layout;
+}
+
+// The checks FullLayerCpu's constructor makes on the weights, plus the CUDA path's limits.
+void check_weights(const FullLayerWeights& w) {
+  check_sizes(w);
+  const FullLayerConfig& c = w.config;
+  if (c.head_dim != 128) {
+    throw Error(StatusCode::kUnsupported,
+                "KDA layer (CUDA): head_dim " + std::to_string(c.head_dim) +
+                    " is not 128 (the CUDA core and the gated-norm kernel run D = 128)");
+  }
+  if (c.conv_width < 2 || c.conv_width > 4) {
+    throw Error(StatusCode::kUnsupported, "KDA layer (CUDA): conv_width " +
+                                              std::to_string(c.conv_width) +
+                                              " is not in [2, 4] (the conv kernels' widths)");
+  }
+  for (std::size_t h = 0; h < w.A_log.size(); ++h) {
+    if (!std::isfinite(w.A_log[h]) || std::fabs(w.A_log[h]) > kMaxAbsALog) {
+      throw Error(StatusCode::kInvalidArgument, "KDA layer weights: A_log[" + std::to_string(h) +
+                                                    "] = " + std::to_string(w.A_log[h]) +
+                                                    " is not finite or outside [-20, 20]");
+    }
+  }
+  for (std::size_t i = 0; i < w.dt_bias.size(); ++i) {
+    if (!std::isfinite(w.dt_bias[i])) {
+      throw Error(StatusCode::kInvalidArgument,
+                  "KDA layer weights: dt_bias[" + std::to_string(i) + "] is not finite");
+    }
+  }
+}
+
+}  // namespace
+
+std::size_t FullLayerCuda::workspace_bytes(const FullLayerConfig& config, std::int64_t tokens,
+                                           std::int64_t sequences, std::int64_t num_slots) {
+  validate(config);
+  return make_layout(config, tokens, sequences, num_slots).total;
+}
+
+#ifndef KDA_HAVE_CUDA
+
+struct FullLayerCuda::Impl {};
+
+FullLayerCuda::FullLayerCuda(const FullLayerWeights& weights) : config_(weights.config) {
+  check_weights(weights);
+  throw Error(StatusCode::kBackendUnavailable,
+              "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
+}
+FullLayerCuda::~FullLayerCuda() = default;
+std::size_t FullLayerCuda::weight_bytes() const noexcept { return 0; }
+void FullLayerCuda::forward(const FullLayerCudaBatch&, const bf16_bits*, bf16_bits*,
+                            const FullLayerState&, Workspace, void*, const CudaOptions&,
+                            const FullLayerCudaEvents*) const {
+  throw Error(StatusCode::kBackendUnavailable,
+              "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
+}
+
+#else  // KDA_HAVE_CUDA
+
+namespace {
+
+DecodeProblem decode_problem(const FullLayerConfig& c, std::int64_t sequences,
+                             std::int64_t decode_tokens, std::int64_t num_slots,
+                             DType state_dtype) {
+  DecodeProblem p;
+  p.batch = sequences;
+  p.tokens = decode_tokens;
+  p.num_heads = c.local_heads();
+  p.head_dim_k = p.head_dim_v = c.head_dim;
+  p.num_slots = num_slots;
+  p.state_dtype = state_dtype;
+  p.gate = c.gate;
+  p.lower_bound = c.lower_bound;
+  return p;
+}
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw Error(StatusCode::kCudaError, std::string("KDA layer (CUDA): ") + what + ": " +
+                                            cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                                            ")");
+  }
+}
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw Error(StatusCode::kCudaError,
+                std::string("KDA layer (CUDA): ") + what + ": " + cublasGetStatusString(status));
+  }
+}
+
+// out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
+// bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
+// outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
+void gemm(cublasHandle_t handle, const void* in, std::int64_t ldi, std::int64_t rows,
+          std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+          cudaDataType out_type, std::int64_t ldo, const char* what) {
+  const float one = 1.0f, zero = 0.0f;
+  check_cublas(
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
+                   static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
+                   static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
+                   out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      what);
+}
+
+}  // namespace
+
+struct FullLayerCuda::Impl {
+  cublasHandle_t handle = nullptr;
+  unsigned char* weights = nullptr;  // one device allocation
+  std::size_t weight_bytes = 0;
+  const bf16_bits* w_in = nullptr;    // [proj_stride, E]: q | k | v | f_a | g_a | b | zeros
+  const bf16_bits* w_fb = nullptr;    // [Cl, D]
+  const bf16_bits* w_gb = nullptr;    // [Cl, D]
+  const bf16_bits* g_bias = nullptr;  // [Cl] or null
+  const float* conv = nullptr;        // [3 Cl, W]: q | k | v
+  const float* A_log = nullptr;       // [Hl]
+  const float* dt_bias = nullptr;     // [Cl]
+  const float* o_norm = nullptr;      // [D], widened
+  const bf16_bits* w_o = nullptr;     // [E, Cl]
+
+  ~Impl() {
+    if (handle != nullptr) cublasDestroy(handle);
+    if (weights != nullptr) cudaFree(weights);
+  }
+};
+
+FullLayerCuda::FullLayerCuda(const FullLayerWeights& w)
+    : config_(w.config), impl_(std::make_unique<Impl>()) {
+  check_weights(w);
+  if (cuda_device_count() <= 0) {
+    throw Error(StatusCode::kBackendUnavailable, "KDA layer (CUDA): no CUDA device is present");
+  }
+  throw_if_error(cuda_device_supported(), "KDA layer (CUDA)");
+  const FullLayerConfig& c = config_;
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Cl = c.local_channels();
+  const ProjColumns cols = proj_columns(c);
+
+  // Host image of the device weights, each tensor at a 256-byte aligned offset.
+  std::vector<unsigned char> image;
+  auto place = [&](const void* data, std::size_t bytes) {
+    const std::size_t at = (image.size() + kAlignment - 1) / kAlignment * kAlignment;
+    image.resize(at + bytes, 0);
+    if (bytes > 0) std::memcpy(image.data() + at, data, bytes);
+    return at;
+  };
+  std::vector<bf16_bits> w_in(static_cast<std::size_t>(cols.stride * E), 0);
+  auto put_rows = [&](const std::vector<bf16_bits>& m, std::int64_t first_row) {
+    std::copy(m.begin(), m.end(), w_in.begin() + first_row * E);
+  };
+  put_rows(w.q_proj, cols.q);
+  put_rows(w.k_proj, cols.k);
+  put_rows(w.v_proj, cols.v);
+  put_rows(w.f_a_proj, cols.f_a);
+  put_rows(w.g_a_proj, cols.g_a);
+  put_rows(w.b_proj, cols.b);
+  std::vector<float> conv;
+  conv.reserve(static_cast<std::size_t>(3 * Cl * W));
+  for (const std::vector<float>* branch : {&w.q_conv, &w.k_conv, &w.v_conv}) {
+    conv.insert(conv.end(), branch->begin(), branch->end());
+  }
+  std::vector<float> o_norm(static_cast<std::size_t>(D));
+  for (std::int64_t d = 0; d < D; ++d) o_norm[d] = bf16_to_float(w.o_norm[d]);
+  auto bytes = [](const auto& v) { return v.size() * sizeof(v[0]); };
+  const std::size_t at_in = place(w_in.data(), bytes(w_in));
+  const std::size_t at_fb = place(w.f_b_proj.data(), bytes(w.f_b_proj));
+  const std::size_t at_gb = place(w.g_b_proj.data(), bytes(w.g_b_proj));
+  const std::size_t at_bias = place(w.g_b_bias.data(), bytes(w.g_b_bias));
+  const std::size_t at_conv = place(conv.data(), bytes(conv));
+  const std::size_t at_a_log = place(w.A_log.data(), bytes(w.A_log));
+  const std::size_t at_dt = place(w.dt_bias.data(), bytes(w.dt_bias));
+  const std::size_t at_norm = place(o_norm.data(), bytes(o_norm));
+  const std::size_t at_o = place(w.o_proj.data(), bytes(w.o_proj));
+
+  impl_->weight_bytes = image.size();
+  void* device = nullptr;
+  check_cuda(cudaMalloc(&device, image.size()), "cudaMalloc(weights)");
+  impl_->weights = static_cast<unsigned char*>(device);
+  check_cuda(cudaMemcpy(device, image.data(), image.size(), cudaMemcpyHostToDevice),
+             "cudaMemcpy(weights)");
+  unsigned char* base = impl_->weights;
+  impl_->w_in = reinterpret_cast<const bf16_bits*>(base + at_in);
+  impl_->w_fb = reinterpret_cast<const bf16_bits*>(base + at_fb);
+  impl_->w_gb = reinterpret_cast<const bf16_bits*>(base + at_gb);
+  impl_->g_bias = w.g_b_bias.empty() ? nullptr : reinterpret_cast<const bf16_bits*>(base + at_bias);
+  impl_->conv = reinterpret_cast<const float*>(base + at_conv);
+  impl_->A_log = reinterpret_cast<const float*>(base + at_a_log);
+  impl_->dt_bias = reinterpret_cast<const float*>(base + at_dt);
+  impl_->o_norm = reinterpret_cast<const float*>(base + at_norm);
+  impl_->w_o = reinterpret_cast<const bf16_bits*>(base + at_o);
+  check_cublas(cublasCreate(&impl_->handle), "cublasCreate");
+}
+
+FullLayerCuda::~FullLayerCuda() = default;
+
+std::size_t FullLayerCuda::weight_bytes() const noexcept { return impl_->weight_bytes; }
+
+void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hidden,
+                            bf16_bits* out, const FullLayerState& state, Workspace workspace,
+                            void* stream_ptr, const CudaOptions& options,
+                            const FullLayerCudaEvents* events) const {
+  const FullLayerConfig& c = config_;
+  const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
+  const std::int64_t W = c.conv_width, Hl = c.local_heads(), Cl = c.local_channels();
+  const bool decode = batch.decode_tokens > 0;
+
+  // ---- checks, before anything is enqueued ---------------------------------------------------
+  if (T < 0 || N < 0) invalid("tokens and sequences must be >= 0");
+  if (batch.decode_tokens < 0 || batch.decode_tokens > 16) {
+    invalid("decode_tokens " + std::to_string(batch.decode_tokens) + " is not in [0, 16]");
+  }
+  const Layout layout = make_layout(c, T, N, state.num_slots);  // also: sizes fit 64 bits
+  constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
+  if (T > kMaxInt || (T + 15) / 16 + N > kMaxInt) {
+    throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
+                                              " tokens in " + std::to_string(N) +
+                                              " sequences exceed one launch (2^31 - 1 rows)");
+  }
+  if (decode) {
+    if (T != N * batch.decode_tokens) {
+      invalid("decode: tokens " + std::to_string(T) + " is not sequences " + std::to_string(N) +
+              " x decode_tokens " + std::to_string(batch.decode_tokens));
+    }
+  } else {
+    if (N == 0 && T > 0) invalid(std::to_string(T) + " tokens but no sequence");
+    if (N > 0 && batch.cu_seqlens == nullptr) invalid("cu_seqlens is null");
+    if (const std::int64_t* cu = batch.cu_seqlens_host; cu != nullptr) {
+      if (cu[0] != 0) invalid("cu_seqlens[0] is not 0");
+      for (std::int64_t n = 0; n < N; ++n) {
+        if (cu[n + 1] < cu[n]) invalid("cu_seqlens decreases at entry " + std::to_string(n + 1));
+      }
+      if (cu[N] != T) {
+        invalid("cu_seqlens[" + std::to_string(N) + "] = " + std::to_string(cu[N]) +
+                " is not tokens = " + std::to_string(T));
+      }
+    }
+  }
+  if (batch.slots == nullptr && N > state.num_slots) {
+    invalid(std::to_string(N) +
+            " sequences on rows 0..N-1 but num_slots = " + std::to_string(state.num_slots));
+  }
+  if (batch.slots == nullptr && batch.slots_host != nullptr) {
+    invalid("slots_host is given but slots (the device list) is null");
+  }
+  if (const std::int32_t* slots = batch.slots_host; slots != nullptr) {
+    for (std::int64_t n = 0; n < N; ++n) {
+      if (slots[n] >= state.num_slots) {
+        invalid("sequence " + std::to_string(n) + " has slot " + std::to_string(slots[n]) +
+                ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
+      }
+      for (std::int64_t m = 0; m < n && slots[n] >= 0; ++m) {
+        if (slots[m] == slots[n]) {
+          invalid("sequences " + std::to_string(m) + " and " + std::to_string(n) + " share slot " +
+                  std::to_string(slots[n]));
+        }
+      }
+    }
+  }
+  if (N > 0) {
+    if (state.recurrent == nullptr || state.conv_q == nullptr || state.conv_k == nullptr ||
+        state.conv_v == nullptr) {
+      invalid("a state pool is null");
+    }
+    if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
+      invalid(std::string("recurrent state dtype ") + to_string(state.recurrent_dtype) +
+              " is not f32 or bf16");
+    }
+  }
+  const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
+  if (T > 0) {
+    if (hidden == nullptr || out == nullptr) invalid("hidden or out is null");
+    const auto* h_begin = reinterpret_cast<const unsigned char*>(hidden);
+    const auto* o_begin = reinterpret_cast<const unsigned char*>(out);
+    if (h_begin < o_begin + hidden_bytes && o_begin < h_begin + hidden_bytes) {
+      invalid("out overlaps hidden");
+    }
+  }
+  const Problem core =
+      core_problem(c, T, N, state.num_slots, batch.slots != nullptr, state.recurrent_dtype);
+  const DecodeProblem step = decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
+                                            state.num_slots, state.recurrent_dtype);
+  if (decode) {
+    throw_if_error(validate(step), "KDA layer forward (CUDA): decode core problem");
+  } else {
+    throw_if_error(validate(core), "KDA layer forward (CUDA): core problem");
+  }
+  if (workspace.bytes < layout.total) {
+    throw Error(StatusCode::kWorkspaceTooSmall,
+                "KDA layer forward (CUDA): workspace has " + std::to_string(workspace.bytes) +
+                    " bytes, a forward of " + std::to_string(T) + " tokens in " +
+                    std::to_string(N) + " sequences needs " + std::to_string(layout.total));
+  }
+  if (workspace.ptr == nullptr) invalid("workspace.ptr is null");
+  if (options.check_pointers && N > 0) {
+    const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
+    const std::size_t recurrent_pool =
+        static_cast<std::size_t>(state.num_slots * Hl * D * D) * dtype_size(state.recurrent_dtype);
+    const struct {
+      const void* ptr;
+      std::size_t bytes;
+      const char* name;
+    } buffers[] = {
+        {hidden, hidden_bytes, "hidden"},
+        {out, hidden_bytes, "out"},
+        {workspace.ptr, workspace.bytes, "workspace"},
+        {state.conv_q, conv_pool, "conv_q pool"},
+        {state.conv_k, conv_pool, "conv_k pool"},
+        {state.conv_v, conv_pool, "conv_v pool"},
+        {state.recurrent, recurrent_pool, "recurrent pool"},
+        {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
+        {batch.slots, static_cast<std::size_t>(N) * 4, "slots"},
+        {batch.device_status, 4, "device_status"},
+    };
+    for (const auto& b : buffers) {
+      throw_if_error(check_device_pointer(b.ptr, b.bytes, b.name), "KDA layer forward (CUDA)");
+    }
+  }
+  if (T == 0) return;  // nothing to compute; every state stays as it is
+
+  // ---- enqueue -----------------------------------------------------------------------------
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(workspace.ptr);
+  auto* base =
+      reinterpret_cast<unsigned char*>((address + kAlignment - 1) / kAlignment * kAlignment);
+  auto* proj = reinterpret_cast<bf16_bits*>(base + layout.proj);
+  auto* q = reinterpret_cast<bf16_bits*>(base + layout.q);
+  auto* k = reinterpret_cast<bf16_bits*>(base + layout.k);
+  auto* v = reinterpret_cast<bf16_bits*>(base + layout.v);
+  auto* g = reinterpret_cast<bf16_bits*>(base + layout.g);
+  auto* o = reinterpret_cast<bf16_bits*>(base + layout.o);
+  auto* gate = reinterpret_cast<float*>(base + layout.gate);
+  auto* beta = reinterpret_cast<bf16_bits*>(base + layout.beta);
+  auto* identity = reinterpret_cast<std::int32_t*>(base + layout.identity_slots);
+  bf16_bits* y = q;  // q is dead once the core has run
+  const ProjColumns cols = proj_columns(c);
+  auto mark = [&](int boundary) {
+    if (events != nullptr && events->boundary[boundary] != nullptr) {
+      check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(events->boundary[boundary]), stream),
+                 "cudaEventRecord");
+    }
+  };
+  const Impl& m = *impl_;
+
+  mark(0);
+  {
+    KDA_NVTX_RANGE("projections");
+    // cublasSetStream resets the workspace to cuBLAS's own pool: set the workspace after it.
+    check_cublas(cublasSetStream(m.handle, stream), "cublasSetStream");
+    check_cublas(cublasSetWorkspace(m.handle, base + layout.cublas, kCublasWorkspaceBytes),
+                 "cublasSetWorkspace");
+    gemm(m.handle, hidden, E, T, E, m.w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
+         "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
+    gemm(m.handle, proj + cols.f_a, cols.stride, T, D, m.w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
+    gemm(m.handle, proj + cols.g_a, cols.stride, T, D, m.w_gb, Cl, gate, CUDA_R_32F, Cl,
+         "g_a·W_gbᵀ");
+  }
+  mark(1);
+  {
+    KDA_NVTX_RANGE("conv");
+    cuda::ConvParams p;
+    p.proj = proj;
+    p.proj_stride = cols.stride;
+    p.tokens = T;
+    p.sequences = N;
+    p.channels = Cl;
+    p.width = static_cast<int>(W);
+    p.conv_weight = m.conv;
+    p.pools[0] = state.conv_q;
+    p.pools[1] = state.conv_k;
+    p.pools[2] = state.conv_v;
+    p.out[0] = q;
+    p.out[1] = k;
+    p.out[2] = v;
+    p.beta_col = cols.b;
+    p.heads = Hl;
+    p.beta = beta;
+    p.slots = batch.slots;
+    p.num_slots = state.num_slots;
+    p.status = batch.device_status;
+    if (decode) {
+      p.decode_tokens = batch.decode_tokens;
+      p.identity_slots = batch.slots == nullptr ? identity : nullptr;
+      check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
+    } else {
+      p.cu_seqlens = batch.cu_seqlens;
+      check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
+    }
+  }
+  mark(2);
+  {
+    KDA_NVTX_RANGE("core");
+    if (decode) {
+      // Padding rows (negative slots) are skipped by the core: zero them so that their y and out
+      // are zeros rather than stale workspace.
+      check_cuda(cudaMemsetAsync(o, 0, static_cast<std::size_t>(T * Cl) * 2, stream),
+                 "cudaMemsetAsync(o)");
+      DecodeTensors t;
+      t.q = q;
+      t.k = k;
+      t.v = v;
+      t.g = g;
+      t.beta = beta;
+      t.A_log = m.A_log;
+      t.dt_bias = m.dt_bias;
+      t.slots = batch.slots != nullptr ? batch.slots : identity;
+      t.state_pool = state.recurrent;
+      t.out = o;
+      t.device_status = batch.device_status;
+      throw_if_error(decode_cuda(step, t, stream, options), "KDA layer forward (CUDA): core");
+    } else {
+      Tensors t;
+      t.q = q;
+      t.k = k;
+      t.v = v;
+      t.g = g;
+      t.beta = beta;
+      t.A_log = m.A_log;
+      t.dt_bias = m.dt_bias;
+      t.cu_seqlens = batch.cu_seqlens;
+      // Checked above already (O(N) again); the core also plans its segments from it.
+      t.cu_seqlens_host = batch.cu_seqlens_host;
+      t.initial_state = state.recurrent;
+      t.final_state = state.recurrent;  // updated in place
+      t.state_slots = batch.slots;
+      t.out = o;
+      t.device_status = batch.device_status;
+      throw_if_error(
+          forward_cuda(core, t, Workspace{base + layout.proj, layout.core_bytes}, stream, options),
+          "KDA layer forward (CUDA): core");
+    }
+  }
+  mark(3);
+  {
+    KDA_NVTX_RANGE("norm");
+    cuda::GatedNormParams p;
+    p.o = o;
+    p.gate = gate;
+    p.bias = m.g_bias;
+    p.o_norm = m.o_norm;
+    p.y = y;
+    p.rows = T * Hl;
+    p.heads = Hl;
+    p.eps = c.norm_eps;
+    check_cuda(cuda::launch_gated_rmsnorm(p, stream), "gated_rmsnorm_kernel");
+  }
+  mark(4);
+  {
+    KDA_NVTX_RANGE("o_proj");
+    gemm(m.handle, y, Cl, T, Cl, m.w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ");
+  }
+  mark(5);
+}
+
+#endif  // KDA_HAVE_CUDA
+
+}  // namespace kda::engine
