@@ -43,12 +43,15 @@ struct PrepSmem {
 
 // 16 x 16 += X Y^T over the 128 channels, X and Y 16 x 128 tiles in shared memory (one warp), each
 // a bf16 pair (hi + lo): X_hi Y_hi^T + X_hi Y_lo^T + X_lo Y_hi^T (the lo lo term is below fp32's
-// rounding). acc[nt][0..1]: (row gq, cols 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
+// rounding). The three products accumulate apart, so each mma chain is 8 deep as with one product
+// (the warp's latency, not its issue rate, bounds this step). acc[nt][0..1]: (row gq, cols
+// 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
 __device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_hi)[kRowPad],
                                             const bf16 (*x_lo)[kRowPad], const bf16 (*y_hi)[kRowPad],
                                             const bf16 (*y_lo)[kRowPad], int lane) {
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lcol = ((lane >> 3) & 1) * 8;
+  float hl[2][4] = {}, lh[2][4] = {};
 #pragma unroll 2
   for (int kt = 0; kt < D / 16; ++kt) {
     unsigned a[4], a_lo[4], b0, b1, b2, b3;
@@ -57,11 +60,16 @@ __device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_h
     ldmatrix_x4(b0, b1, b2, b3, &y_hi[lrow][kt * 16 + lcol]);
     mma_bf16(acc[0], a, b0, b1);
     mma_bf16(acc[1], a, b2, b3);
-    mma_bf16(acc[0], a_lo, b0, b1);
-    mma_bf16(acc[1], a_lo, b2, b3);
+    mma_bf16(lh[0], a_lo, b0, b1);
+    mma_bf16(lh[1], a_lo, b2, b3);
     ldmatrix_x4(b0, b1, b2, b3, &y_lo[lrow][kt * 16 + lcol]);
-    mma_bf16(acc[0], a, b0, b1);
-    mma_bf16(acc[1], a, b2, b3);
+    mma_bf16(hl[0], a, b0, b1);
+    mma_bf16(hl[1], a, b2, b3);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[nt][r] += hl[nt][r] + lh[nt][r];
   }
 }
 
