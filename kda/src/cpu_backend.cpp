@@ -60,15 +60,11 @@ using detail::cpu::Scratch;
 
 template <typename Real>
 void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::int64_t workers) {
-  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, T = p.seq_len;
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
   const std::int64_t state_elems = V * K;
   const std::uint64_t slot_stride = detail::cpu::slot_bytes(K, V);
   const float scale = p.effective_scale();
-  const auto* q = static_cast<const bf16_bits*>(t.q);
-  const auto* k = static_cast<const bf16_bits*>(t.k);
-  const auto* v = static_cast<const bf16_bits*>(t.v);
-  const auto* g = static_cast<const bf16_bits*>(t.g);
-  const auto* beta = static_cast<const bf16_bits*>(t.beta);
+  const detail::cpu::TokenInputs in(t);
   auto* out = static_cast<bf16_bits*>(t.out);
   // Where sequence seq's state lives: index seq, or its pool entry (-1: padding, no state).
   auto state_index = [&](std::int64_t seq) -> std::int64_t {
@@ -77,26 +73,12 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
   const std::size_t in_size = dtype_size(p.initial_state_dtype);
   const std::size_t fin_size = dtype_size(p.final_state_dtype);
 
-  auto seq_bounds = [&](std::int64_t seq, std::int64_t* begin, std::int64_t* end) {
-    if (p.cu_seqlens_dtype == DType::kI64) {
-      const auto* cu = static_cast<const std::int64_t*>(t.cu_seqlens);
-      *begin = cu[seq];
-      *end = cu[seq + 1];
-    } else if (p.cu_seqlens_dtype == DType::kI32) {
-      const auto* cu = static_cast<const std::int32_t*>(t.cu_seqlens);
-      *begin = cu[seq];
-      *end = cu[seq + 1];
-    } else {
-      *begin = seq * T;
-      *end = *begin + T;
-    }
-  };
 
   detail::cpu::parallel_for(
       p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
         const std::int64_t seq = item / H, head = item % H;  // item == seq * H + head
         std::int64_t begin = 0, end = 0;
-        seq_bounds(seq, &begin, &end);
+        detail::cpu::sequence_bounds(p, t.cu_seqlens, seq, &begin, &end);
         Scratch<Real> sc(reinterpret_cast<Real*>(slots + worker * slot_stride), K, V);
         const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale,
                                                             t.A_log, t.dt_bias, head);
@@ -111,8 +93,8 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
             state_elems, sc.state);
         for (std::int64_t i = begin; i < end; ++i) {
           const std::int64_t row = i * H + head;
-          detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
-          detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
+          detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row], &sc.tok);
+          detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
           detail::cpu::store_out(sc.o, V, out + row * V);
         }
         if (state_item >= 0 && t.final_state != nullptr) {
@@ -126,26 +108,16 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
 template <typename Real>
 void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t, unsigned char* slots,
                     std::int64_t workers) {
-  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v, T = p.seq_len;
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
   const std::int64_t Vx = V + K;
   const std::uint64_t stride = detail::cpu::transition_stride(K, V);
   const std::uint64_t slot = detail::cpu::slot_bytes(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(Vx));
   const float scale = p.effective_scale();
-  const auto* q = static_cast<const bf16_bits*>(t.q);
-  const auto* k = static_cast<const bf16_bits*>(t.k);
-  const auto* v = static_cast<const bf16_bits*>(t.v);
-  const auto* g = static_cast<const bf16_bits*>(t.g);
-  const auto* beta = static_cast<const bf16_bits*>(t.beta);
+  const detail::cpu::TokenInputs in(t);
   detail::cpu::parallel_for(p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
     const std::int64_t seq = item / H, head = item % H;
-    std::int64_t begin = seq * T, end = begin + T;
-    if (p.cu_seqlens_dtype == DType::kI64) {
-      begin = static_cast<const std::int64_t*>(t.cu_seqlens)[seq];
-      end = static_cast<const std::int64_t*>(t.cu_seqlens)[seq + 1];
-    } else if (p.cu_seqlens_dtype == DType::kI32) {
-      begin = static_cast<const std::int32_t*>(t.cu_seqlens)[seq];
-      end = static_cast<const std::int32_t*>(t.cu_seqlens)[seq + 1];
-    }
+    std::int64_t begin = 0, end = 0;
+    detail::cpu::sequence_bounds(p, t.cu_seqlens, seq, &begin, &end);
     unsigned char* base = slots + static_cast<std::uint64_t>(worker) * stride;
     Scratch<Real> sc(reinterpret_cast<Real*>(base), K, Vx);
     auto* vrow = reinterpret_cast<bf16_bits*>(base + slot);
@@ -156,8 +128,8 @@ void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t, 
                                                         t.A_log, t.dt_bias, head);
     for (std::int64_t i = begin; i < end; ++i) {
       const std::int64_t row = i * H + head;
-      detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
-      std::copy(v + row * V, v + row * V + V, vrow);
+      detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row], &sc.tok);
+      std::copy(in.v + row * V, in.v + row * V + V, vrow);
       detail::cpu::apply_token(sc.state, Vx, K, sc.tok, vrow, sc.o);
     }
     for (std::int64_t i = 0; i < V * K; ++i) h_t[item * V * K + i] = static_cast<float>(sc.state[i]);

@@ -51,11 +51,7 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
   const auto slot_reals = static_cast<std::int64_t>(slot_stride_reals);
   const std::size_t state_size = dtype_size(p.state_dtype);
   const float scale = p.effective_scale();
-  const auto* q = static_cast<const bf16_bits*>(t.q);
-  const auto* k = static_cast<const bf16_bits*>(t.k);
-  const auto* v = static_cast<const bf16_bits*>(t.v);
-  const auto* g = static_cast<const bf16_bits*>(t.g);
-  const auto* beta = static_cast<const bf16_bits*>(t.beta);
+  const detail::cpu::TokenInputs in(t);
   auto* out = static_cast<bf16_bits*>(t.out);
   // fp32 accumulation on an f32 pool works on the pool itself; otherwise on a scratch copy.
   constexpr bool kIsFloat = std::is_same<Real, float>::value;
@@ -78,8 +74,9 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
                                                         t.dt_bias, head);
     for (std::int64_t j = 0; j < n_tok; ++j) {
       const std::int64_t row = (b * n_tok + j) * H + head;
-      detail::cpu::prepare_token(hp, q + row * K, k + row * K, g + row * K, beta[row], &sc.tok);
-      detail::cpu::apply_token(sc.state, V, K, sc.tok, v + row * V, sc.o);
+      detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row],
+                                 &sc.tok);
+      detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
       detail::cpu::store_out(sc.o, V, out + row * V);
     }
     if (!in_place) detail::cpu::store_state(sc.state, state_elems, p.state_dtype, state_mem);

@@ -265,6 +265,38 @@ void store_out(const Real* o, std::int64_t count, bf16_bits* out) {
 Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
                              std::int64_t head_dim_k);
 
+// A call's token inputs as bf16 bits (prefill and decode alike).
+struct TokenInputs {
+  const bf16_bits* q;
+  const bf16_bits* k;
+  const bf16_bits* v;
+  const bf16_bits* g;
+  const bf16_bits* beta;
+  template <typename CallTensors>
+  explicit TokenInputs(const CallTensors& t)
+      : q(static_cast<const bf16_bits*>(t.q)),
+        k(static_cast<const bf16_bits*>(t.k)),
+        v(static_cast<const bf16_bits*>(t.v)),
+        g(static_cast<const bf16_bits*>(t.g)),
+        beta(static_cast<const bf16_bits*>(t.beta)) {}
+};
+
+// Token range [*begin, *end) of sequence `seq`: from cu_seqlens (host memory, validated) or the
+// fixed-length rows.
+inline void sequence_bounds(const Problem& p, const void* cu_seqlens, std::int64_t seq,
+                            std::int64_t* begin, std::int64_t* end) {
+  if (p.cu_seqlens_dtype == DType::kI64) {
+    *begin = static_cast<const std::int64_t*>(cu_seqlens)[seq];
+    *end = static_cast<const std::int64_t*>(cu_seqlens)[seq + 1];
+  } else if (p.cu_seqlens_dtype == DType::kI32) {
+    *begin = static_cast<const std::int32_t*>(cu_seqlens)[seq];
+    *end = static_cast<const std::int32_t*>(cu_seqlens)[seq + 1];
+  } else {
+    *begin = seq * p.seq_len;
+    *end = *begin + p.seq_len;
+  }
+}
+
 // Bytes of one thread's scratch for a segment transition: a slot whose state is V + K rows tall
 // (rows V.. carry P^T: the same recurrence with v = 0, started from the identity), then the bf16
 // value row extended by K zeros.

@@ -27,6 +27,26 @@ __device__ __forceinline__ float gate_activation(GateMode gate, float g_raw, flo
   return gate == GateMode::kLowerBound ? lower_bound * sigmoid_f(a_exp * x) : -a_exp * softplus_f(x);
 }
 
+// A forward's token inputs and gate parameters on the device, as the kernels read them (prefill
+// and decode alike); from_tensors() takes them from a Tensors or DecodeTensors.
+struct InputPointers {
+  const bf16* q;
+  const bf16* k;
+  const bf16* v;
+  const bf16* g;
+  const bf16* beta;
+  const float* A_log;
+  const float* dt_bias;
+
+  template <typename CallTensors>
+  static InputPointers from_tensors(const CallTensors& t) {
+    return {static_cast<const bf16*>(t.q),    static_cast<const bf16*>(t.k),
+            static_cast<const bf16*>(t.v),    static_cast<const bf16*>(t.g),
+            static_cast<const bf16*>(t.beta), t.A_log,
+            t.dt_bias};
+  }
+};
+
 // Sequence bounds [bos, eos) of sequence s: from cu_seqlens (int32 or int64) or fixed rows of T.
 struct SeqIndex {
   const void* cu;    // nullptr: fixed-length rows

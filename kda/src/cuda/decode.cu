@@ -23,13 +23,7 @@ constexpr int kWarps = 8;
 constexpr int kRows = D / kWarps;  // 16 rows of S^T per warp
 
 struct DecodeParams {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  const bf16* g;
-  const bf16* beta;
-  const float* A_log;
-  const float* dt_bias;
+  InputPointers in;
   const std::int32_t* slots;
   void* pool;
   bf16* out;
@@ -64,7 +58,7 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
   const std::int32_t slot = p.slots[b];
   if (b == 0) {  // the first row's blocks (one per head) check the gate parameters for everyone
     const int k = threadIdx.x & (D - 1);
-    if (gate_params_bad(threadIdx.x == 0 ? p.A_log[h] : 0.f, p.dt_bias[h * D + k])) {
+    if (gate_params_bad(threadIdx.x == 0 ? p.in.A_log[h] : 0.f, p.in.dt_bias[h * D + k])) {
       report_status(p.status, kDeviceStatusGateParams);
     }
   }
@@ -87,20 +81,20 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
     }
   }
 
-  const float a_exp = __expf(p.A_log[h]);
-  const float4 dtb = *reinterpret_cast<const float4*>(p.dt_bias + h * D + k0);
+  const float a_exp = __expf(p.in.A_log[h]);
+  const float4 dtb = *reinterpret_cast<const float4*>(p.in.dt_bias + h * D + k0);
 
   for (int t = 0; t < p.tokens; ++t) {
     const std::int64_t tok = b * p.tokens + t;
     const std::int64_t qk_off = (tok * H + h) * D;
-    const float4 q = load_bf16x4(p.q + qk_off + k0);
-    const float4 k = load_bf16x4(p.k + qk_off + k0);
-    const float4 g = load_bf16x4(p.g + qk_off + k0);
-    const float beta = sigmoid_f(__bfloat162float(p.beta[tok * H + h]));
+    const float4 q = load_bf16x4(p.in.q + qk_off + k0);
+    const float4 k = load_bf16x4(p.in.k + qk_off + k0);
+    const float4 g = load_bf16x4(p.in.g + qk_off + k0);
+    const float beta = sigmoid_f(__bfloat162float(p.in.beta[tok * H + h]));
     // This warp's 16 values of v (a broadcast load).
     float vr[kRows];
     {
-      const uint4* vp = reinterpret_cast<const uint4*>(p.v + qk_off + v_row0);
+      const uint4* vp = reinterpret_cast<const uint4*>(p.in.v + qk_off + v_row0);
       const uint4 r0 = vp[0], r1 = vp[1];
       const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&r0);
       const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&r1);
@@ -192,13 +186,7 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   }
   if (p.batch == 0) return Status::Ok();
   DecodeParams prm{};
-  prm.q = static_cast<const bf16*>(t.q);
-  prm.k = static_cast<const bf16*>(t.k);
-  prm.v = static_cast<const bf16*>(t.v);
-  prm.g = static_cast<const bf16*>(t.g);
-  prm.beta = static_cast<const bf16*>(t.beta);
-  prm.A_log = t.A_log;
-  prm.dt_bias = t.dt_bias;
+  prm.in = InputPointers::from_tensors(t);
   prm.slots = t.slots;
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);

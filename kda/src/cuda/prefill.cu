@@ -214,13 +214,7 @@ class PrefillLaunch {
     T_ = p.total_tokens();
     sms_ = current_device_sm_count();
     prm_ = PrefillParams{};
-    prm_.q = static_cast<const bf16*>(t.q);
-    prm_.k = static_cast<const bf16*>(t.k);
-    prm_.v = static_cast<const bf16*>(t.v);
-    prm_.g = static_cast<const bf16*>(t.g);
-    prm_.beta = static_cast<const bf16*>(t.beta);
-    prm_.A_log = t.A_log;
-    prm_.dt_bias = t.dt_bias;
+    prm_.in = InputPointers::from_tensors(t);
     prm_.seqs.cu = p.varlen() ? t.cu_seqlens : nullptr;
     prm_.seqs.cu_is_64 = p.cu_seqlens_dtype == DType::kI64;
     prm_.seqs.row_len = p.seq_len;

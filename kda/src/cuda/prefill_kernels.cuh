@@ -41,13 +41,7 @@ inline StateKind state_kind(DType dt) {
 }
 
 struct PrefillParams {
-  const bf16* q;
-  const bf16* k;
-  const bf16* v;
-  const bf16* g;
-  const bf16* beta;
-  const float* A_log;
-  const float* dt_bias;
+  InputPointers in;
   SeqIndex seqs;
   int num_heads;
   GateMode gate;

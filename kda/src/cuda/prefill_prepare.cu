@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const int gq = lane >> 2, tq = lane & 3;
 
   // The gate parameters first: their latency overlaps the search and the input copies.
-  const float a_log_h = p.A_log[h];
-  const float dtb = p.dt_bias[h * D + tid];
+  const float a_log_h = p.in.A_log[h];
+  const float dtb = p.in.dt_bias[h * D + tid];
   // The first slot's blocks (one per head) check the gate parameters for everyone.
   if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb)) report_status(p.status, kDeviceStatusGateParams);
 
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     __syncthreads();  // the barrier is initialized before anyone uses it
     if (tid < 4 * C) {
       const int tensor = tid / C, row = tid % C;
-      const bf16* src = tensor == 0 ? p.q : tensor == 1 ? p.k : tensor == 2 ? p.v : p.g;
+      const bf16* src = tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : tensor == 2 ? p.in.v : p.in.g;
       bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
       if (row < nvalid) {
         mbarrier_expect_tx(&sm.inputs_ready, D * 2);
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
         for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
       }
     }
-    if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.beta[(tok0 + tid) * H + h])) : 0.f;
+    if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
     mbarrier_wait(&sm.inputs_ready, 0);
     __syncthreads();  // the zeroed rows and beta
   }
