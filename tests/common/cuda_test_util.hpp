@@ -1,5 +1,7 @@
-// cuda_test_util.hpp — device buffers and "run this case on the GPU" for the GPU tests, through the
-// kda device helpers only (no CUDA headers), so that the tests build — and skip — without CUDA.
+// cuda_test_util.hpp — buffers with guard bytes (device: DeviceBuffer; host: HostBuffer, the same
+// interface), a case's inputs uploaded into them (CaseBuffers<Buffer>, DeviceCase) and "run this case
+// on the GPU" (run_cuda), through the kda device helpers only (no CUDA headers), so that the tests
+// build — and skip — without CUDA. tests/kda/backend_matrix.hpp builds its backend runners on these.
 #pragma once
 
 #include <cstdio>
@@ -61,6 +63,7 @@ class DeviceBuffer {
     return host;
   }
   void fill(unsigned char byte) { memset_device(get(), byte, bytes_); }
+  static Status synchronize() { return stream_synchronize(nullptr); }
   // Whether both guard regions still hold the pattern.
   bool guards_intact() const {
     if (guard_ == 0) return true;
@@ -81,24 +84,71 @@ class DeviceBuffer {
   std::size_t guard_ = 0;
 };
 
-// A case's inputs on the device.
-struct DeviceCase {
-  DeviceBuffer q, k, v, g, beta, A_log, dt_bias, cu, h0;
-  explicit DeviceCase(const KdaCase& c)
-      : q(DeviceBuffer::from(c.q)),
-        k(DeviceBuffer::from(c.k)),
-        v(DeviceBuffer::from(c.v)),
-        g(DeviceBuffer::from(c.g)),
-        beta(DeviceBuffer::from(c.beta)),
-        A_log(DeviceBuffer::from(c.A_log)),
-        dt_bias(DeviceBuffer::from(c.dt_bias)) {
-    if (c.problem.varlen()) {
-      cu = c.problem.cu_seqlens_dtype == DType::kI32 ? DeviceBuffer::from(c.cu_seqlens_i32)
-                                                       : DeviceBuffer::from(c.cu_seqlens);
+// Host memory with the same interface and the same guard bytes as DeviceBuffer (the CPU backend's
+// side of the backend matrix). The payload starts `guard` bytes into a 64-byte aligned block.
+class HostBuffer {
+ public:
+  static constexpr unsigned char kGuardByte = DeviceBuffer::kGuardByte;
+  HostBuffer() = default;
+  explicit HostBuffer(std::size_t bytes, std::size_t guard = 256)
+      : bytes_(bytes), guard_(guard), block_((bytes + 2 * guard + 63) / 64 + 1) {
+    unsigned char* base = this->base();
+    std::memset(base, kGuardByte, guard);
+    std::memset(base + guard + bytes, kGuardByte, guard);
+  }
+  void* get() const { return block_.empty() ? nullptr : base() + guard_; }
+  std::size_t bytes() const { return bytes_; }
+  template <typename T>
+  static HostBuffer from(const std::vector<T>& host) {
+    HostBuffer b(host.size() * sizeof(T));
+    if (!host.empty()) std::memcpy(b.get(), host.data(), b.bytes());
+    return b;
+  }
+  template <typename T>
+  std::vector<T> download() const {
+    std::vector<T> host(bytes_ / sizeof(T));
+    if (!host.empty()) std::memcpy(host.data(), get(), bytes_);
+    return host;
+  }
+  void fill(unsigned char byte) { std::memset(get(), byte, bytes_); }
+  bool guards_intact() const {
+    const unsigned char* base = this->base();
+    for (std::size_t i = 0; i < guard_; ++i) {
+      if (base[i] != kGuardByte || base[guard_ + bytes_ + i] != kGuardByte) return false;
     }
-    if (c.problem.initial_state_dtype == DType::kF32) h0 = DeviceBuffer::from(c.initial_state);
-    if (c.problem.initial_state_dtype == DType::kBF16) h0 = DeviceBuffer::from(c.initial_state_bf16);
-    stream_synchronize(nullptr);  // uploads done before work on any other stream starts
+    return true;
+  }
+  static Status synchronize() { return Status(); }  // host work is done when the call returns
+
+ private:
+  struct alignas(64) Line {
+    unsigned char bytes[64];
+  };
+  unsigned char* base() const { return const_cast<unsigned char*>(block_.data()->bytes); }
+  std::size_t bytes_ = 0;
+  std::size_t guard_ = 0;
+  std::vector<Line> block_;
+};
+
+// A case's inputs in buffers of one kind (DeviceBuffer: on the device; HostBuffer: on the host).
+template <class Buffer>
+struct CaseBuffers {
+  Buffer q, k, v, g, beta, A_log, dt_bias, cu, h0;
+  explicit CaseBuffers(const KdaCase& c)
+      : q(Buffer::from(c.q)),
+        k(Buffer::from(c.k)),
+        v(Buffer::from(c.v)),
+        g(Buffer::from(c.g)),
+        beta(Buffer::from(c.beta)),
+        A_log(Buffer::from(c.A_log)),
+        dt_bias(Buffer::from(c.dt_bias)) {
+    if (c.problem.varlen()) {
+      cu = c.problem.cu_seqlens_dtype == DType::kI32 ? Buffer::from(c.cu_seqlens_i32)
+                                                       : Buffer::from(c.cu_seqlens);
+    }
+    if (c.problem.initial_state_dtype == DType::kF32) h0 = Buffer::from(c.initial_state);
+    if (c.problem.initial_state_dtype == DType::kBF16) h0 = Buffer::from(c.initial_state_bf16);
+    Buffer::synchronize();  // uploads done before work on any other stream starts
   }
   Tensors tensors() const {
     Tensors t;
@@ -127,6 +177,9 @@ struct DeviceCase {
     return t;
   }
 };
+
+// A case's inputs on the device.
+using DeviceCase = CaseBuffers<DeviceBuffer>;
 
 // Outputs of one GPU run, downloaded; plus whether the guards around them survived.
 struct GpuRun {

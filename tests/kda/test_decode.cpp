@@ -1,15 +1,19 @@
-// decode_cpu: a prefill followed by decode steps equals one longer prefill; multi-token steps equal
-// single-token steps; slots not named and padding rows stay untouched; bad slots write nothing.
+// Decode: a prefill followed by decode steps equals one longer prefill; multi-token steps equal
+// single-token steps; slots not named and padding rows stay untouched and every backend's decode
+// equals the CPU decode (cases.cpp decode_shapes); bad slots write nothing; the CPU decode's
+// workspace, fp64 mode and thread counts.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
-#include "kda_reference.hpp"
+#include "backend_matrix.hpp"
+#include "cases.hpp"
 
 using namespace kda;
 using namespace kda::test;
@@ -128,7 +132,7 @@ std::vector<Element> out_tokens(const KdaCase& c, const std::vector<Element>& ou
 
 }  // namespace
 
-TEST_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
+KDA_CPU_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
   for (DType pool_dtype : {DType::kF32, DType::kBF16}) {
     for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
       CAPTURE(std::string(to_string(pool_dtype)));
@@ -190,7 +194,7 @@ TEST_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
   }
 }
 
-TEST_CASE("a 4-token step equals the same tokens one at a time") {
+KDA_CPU_CASE("a 4-token step equals the same tokens one at a time") {
   for (DType pool_dtype : {DType::kF32, DType::kBF16}) {
     for (bool fp64 : {false, true}) {
       CAPTURE(std::string(to_string(pool_dtype)));
@@ -227,7 +231,7 @@ TEST_CASE("a 4-token step equals the same tokens one at a time") {
   }
 }
 
-TEST_CASE("padding rows (negative slots) are skipped: out rows and all other slots untouched") {
+KDA_CPU_CASE("padding rows (negative slots) are skipped: out rows and all other slots untouched") {
   const KdaCase c = make_case(small_options(7));
   const std::int64_t per_slot = 2 * 16 * 32;
   Pool pool(DType::kF32, 4, per_slot, 29);
@@ -248,7 +252,7 @@ TEST_CASE("padding rows (negative slots) are skipped: out rows and all other slo
   CHECK(pool.slot(2) != before.slot(2));
 }
 
-TEST_CASE("bad slots and bad parameters are errors that write nothing") {
+KDA_CPU_CASE("bad slots and bad parameters are errors that write nothing") {
   KdaCase c = make_case(small_options(9));
   const std::int64_t per_slot = 2 * 16 * 32;
   Pool pool(DType::kBF16, 4, per_slot, 31);
@@ -278,7 +282,7 @@ TEST_CASE("bad slots and bad parameters are errors that write nothing") {
   CHECK(decode_tokens(c, 0, 2, {-1, -1, 0}, &pool, &out).ok());
 }
 
-TEST_CASE("decode: empty batch / fp64 mode against the reference / thread counts") {
+KDA_CPU_CASE("decode: empty batch / fp64 mode against the reference / thread counts") {
   SUBCASE("batch 0 is a no-op") {
     DecodeProblem p;
     p.batch = 0;
@@ -333,7 +337,7 @@ TEST_CASE("decode: empty batch / fp64 mode against the reference / thread counts
   }
 }
 
-TEST_CASE("decode with a caller workspace: sized by decode_workspace_size / bitwise equal to the allocating call / too small writes nothing") {
+KDA_CPU_CASE("decode with a caller workspace: sized by decode_workspace_size / bitwise equal to the allocating call / too small writes nothing") {
   KdaCase c = make_case(small_options(21));  // B = 3 rows, H = 2, K = 32, V = 16
   const std::int64_t per_slot = c.problem.num_heads * c.problem.head_dim_v * c.problem.head_dim_k;
   const std::vector<std::int32_t> slots = {2, -1, 0};
@@ -373,4 +377,119 @@ TEST_CASE("decode with a caller workspace: sized by decode_workspace_size / bitw
   CHECK(pool.same_bits(before));
   const Workspace null_ws{nullptr, need};
   CHECK(decode_tokens(c, 0, 2, slots, &pool, &out, {}, -1, &null_ws).code() == StatusCode::kInvalidArgument);
+}
+
+KDA_MATRIX_CASE("decode matches the CPU decode / and unnamed slots and padding rows stay untouched") {
+  for (const DecodeShape& shape : decode_shapes()) {
+    if (!runs_on(shape.backends, runner)) continue;
+    const std::int64_t B = shape.batch, tokens = shape.tokens, H = shape.heads;
+    const std::int64_t slots = shape.num_slots;
+    const DType dt = shape.state;
+    const DecodeCase d = make_decode_case(B, tokens, H, slots, dt, shape.gate, shape.seed);
+    const std::string label = shape.name();
+    const DecodeRun got = runner.decode(d);
+    REQUIRE_MESSAGE(got.status.ok(), label << ": " << got.status.to_string());
+    CHECK_MESSAGE(got.guards_intact, label << ": guard bytes changed");
+    const std::size_t row = static_cast<std::size_t>(tokens * H * 128);
+    if (runner.backend() != Backend::kCpu) {
+      const DecodeRun cpu = cpu_runner().decode(d);
+      REQUIRE_MESSAGE(cpu.status.ok(), cpu.status.to_string());
+      const double e_pool = rel_error(pool_values(got.pool, dt), pool_values(cpu.pool, dt));
+      // Padding rows keep their poison on both backends: compare the written rows only.
+      std::vector<double> g_rows, c_rows;
+      for (std::int64_t b = 0; b < B; ++b) {
+        if (d.slots[static_cast<std::size_t>(b)] < 0) continue;
+        for (std::size_t i = b * row; i < (b + 1) * row; ++i) {
+          g_rows.push_back(bf16_to_float(got.out[i]));
+          c_rows.push_back(bf16_to_float(cpu.out[i]));
+        }
+      }
+      const double e_out = rel_error(g_rows, c_rows);
+      std::printf("%-40s out %.2e  pool %.2e\n", label.c_str(), e_out, e_pool);
+      CHECK(e_pool <= kGpuTol);
+      CHECK(e_out <= kGpuTol);
+    }
+    // Slots not named in the step are bitwise what they were.
+    const std::vector<unsigned char> before = pool_bytes(d);
+    const std::size_t slot_bytes = before.size() / static_cast<std::size_t>(slots);
+    std::vector<bool> named(static_cast<std::size_t>(slots), false);
+    for (auto s : d.slots) {
+      if (s >= 0) named[static_cast<std::size_t>(s)] = true;
+    }
+    for (std::int64_t s = 0; s < slots; ++s) {
+      if (named[static_cast<std::size_t>(s)]) continue;
+      CHECK_MESSAGE(std::memcmp(got.pool.data() + s * slot_bytes, before.data() + s * slot_bytes,
+                                slot_bytes) == 0,
+                    label << ": slot " << s << " changed");
+    }
+    // Padding rows of out keep their poison; named rows are all written.
+    for (std::int64_t b = 0; b < B; ++b) {
+      const bool pad = d.slots[static_cast<std::size_t>(b)] < 0;
+      bool poisoned = true, finite = true;
+      for (std::size_t i = b * row; i < (b + 1) * row; ++i) {
+        poisoned = poisoned && got.out[i] == 0xFFFF;
+        finite = finite && std::isfinite(bf16_to_float(got.out[i]));
+      }
+      if (pad) {
+        CHECK_MESSAGE(poisoned, label << ": padding row " << b << " written");
+      } else {
+        CHECK_MESSAGE(finite, label << ": row " << b << " not fully written");
+      }
+    }
+  }
+}
+
+KDA_CUDA_CASE("prefill n tokens then m decode steps equals one prefill of n + m") {
+  const std::int64_t n = 77, m = 5, H = 4;
+  CaseOptions o = cuda_options(H, 2000);
+  o.batch = 3;
+  o.seq_len = n + m;
+  const KdaCase whole = make_case(o);
+  const PrefillRun full = cuda.prefill(whole);
+  REQUIRE(full.status.ok());
+  const KdaCase head = split_tokens(whole, 0, n, DType::kF32, whole.initial_state, DType::kF32);
+  const PrefillRun pre = cuda.prefill(head);
+  REQUIRE(pre.status.ok());
+  // The prefill's final states become slots 0..2 of a pool; decode one token at a time.
+  std::vector<float> pool = pre.out.final_f32;
+  const std::int64_t row = H * 128;
+  std::vector<double> stitched_tail;
+  for (std::int64_t step = 0; step < m; ++step) {
+    const KdaCase tok = split_tokens(whole, n + step, n + step + 1, DType::kNone, {}, DType::kNone);
+    DecodeCase d;
+    d.tokens = tok;
+    d.problem.batch = 3;
+    d.problem.tokens = 1;
+    d.problem.num_heads = H;
+    d.problem.num_slots = 3;
+    d.problem.state_dtype = DType::kF32;
+    d.problem.gate = whole.problem.gate;
+    d.slots = {0, 1, 2};
+    d.pool = pool;
+    const DecodeRun r = cuda.decode(d);
+    REQUIRE(r.status.ok());
+    REQUIRE(r.guards_intact);
+    std::vector<double> pv = pool_values(r.pool, DType::kF32);
+    pool.assign(pv.begin(), pv.end());
+    for (std::int64_t b = 0; b < 3; ++b) {
+      for (std::int64_t i = 0; i < row; ++i) {
+        stitched_tail.push_back(bf16_to_float(r.out[b * row + i]));
+      }
+    }
+  }
+  // The whole prefill's last m tokens of every row, in the same (step, row) order.
+  std::vector<double> ref_tail;
+  for (std::int64_t step = 0; step < m; ++step) {
+    for (std::int64_t b = 0; b < 3; ++b) {
+      for (std::int64_t i = 0; i < row; ++i) {
+        ref_tail.push_back(bf16_to_float(full.out.out[(b * (n + m) + n + step) * row + i]));
+      }
+    }
+  }
+  const double e_out = rel_error(stitched_tail, ref_tail);
+  const double e_state = rel_error(to_doubles(pool), full.out.final_state());
+  std::printf("prefill %lld + %lld decode steps vs prefill %lld: out %.2e state %.2e\n",
+              (long long)n, (long long)m, (long long)(n + m), e_out, e_state);
+  CHECK(e_out <= kGpuTol);
+  CHECK(e_state <= kGpuTol);
 }

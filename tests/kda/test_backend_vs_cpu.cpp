@@ -1,0 +1,63 @@
+// Every other backend against the CPU backend (the CPU itself is the reference here, so these are
+// CUDA cases): the registry's against == kCpu prefill cases (cases.cpp: lengths, head counts, gates,
+// varlen layouts, strong decay and long memory, state dtypes, split sequences), each also checked for
+// poison left in its outputs, changed guard bytes and a written unused state row.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "backend_matrix.hpp"
+#include "cases.hpp"
+
+using namespace kda;
+using namespace kda::test;
+
+KDA_CUDA_CASE("prefill matches the CPU backend") {
+  for (const PrefillCase& pc : prefill_cases()) {
+    if (pc.against != Against::kCpu || !runs_on(pc.backends, cuda)) continue;
+    const std::string& label = pc.name;
+    const KdaCase c = make_case(pc.options);
+    PrefillOptions opt;
+    opt.extra_state_rows = 1;
+    const PrefillRun gpu = cuda.prefill(c, opt);
+    REQUIRE_MESSAGE(gpu.status.ok(), label << ": " << gpu.status.to_string());
+    const PrefillRun cpu = cpu_runner().prefill(c);
+    REQUIRE(cpu.status.ok());
+    const double e_out = rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out));
+    double e_state = 0;
+    if (c.problem.final_state_dtype != DType::kNone) {
+      e_state = rel_error(gpu.out.final_state(), cpu.out.final_state());
+    }
+    std::printf("%-58s out %.2e  state %.2e\n", label.c_str(), e_out, e_state);
+    CHECK_MESSAGE(all_finite(gpu.out.out),
+                  label << ": an output element was not written (poison left)");
+    if (!gpu.out.final_f32.empty()) {
+      CHECK_MESSAGE(all_finite(gpu.out.final_f32), label << ": state poison left");
+    }
+    if (!gpu.out.final_bf16.empty()) {
+      CHECK_MESSAGE(all_finite(gpu.out.final_bf16), label << ": state poison left");
+    }
+    CHECK_MESSAGE(gpu.guards_intact,
+                  label << ": bytes outside the outputs (or unused state rows) changed");
+    CHECK_MESSAGE(e_out <= pc.out_tol, label << ": out rel error " << e_out);
+    CHECK_MESSAGE(e_state <= pc.state_tol, label << ": state rel error " << e_state);
+  }
+}
+
+KDA_CUDA_CASE("prefill: a decay far below e^-88 inside a chunk stays finite") {
+  // The softplus gate with dt_bias + 6 decays by far more than e^-88 inside a chunk: any exp(-G)
+  // would overflow. Check no NaN or Inf appears and the state stays bounded.
+  CaseOptions o = cuda_options(4, 310);
+  o.seq_len = 64;
+  o.dt_bias_shift = 6.0f;
+  const KdaCase c = make_case(o);
+  const PrefillRun gpu = cuda.prefill(c);
+  REQUIRE(gpu.status.ok());
+  CHECK(all_finite(gpu.out.out));
+  CHECK(all_finite(gpu.out.final_f32));
+  const PrefillRun cpu = cpu_runner().prefill(c);
+  REQUIRE(cpu.status.ok());
+  CHECK(rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out)) <= kGpuOutTol);
+}
