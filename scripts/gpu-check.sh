@@ -32,7 +32,8 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   ctest --test-dir "$build" -L gpu --output-on-failure -j4 --timeout 300 > "$OUT/ctest-gpu.log" 2>&1 || rc=1
   grep -E "tests passed|tests failed|Failed|\*\*\*|Exception|SKIP" "$OUT/ctest-gpu.log" | tail -40
   # The measured errors of every case, for the record (ctest shows output only on failure).
-  for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done > "$OUT/gpu-test-output.log"
+  { for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done
+    "$build/tests/test_kda_operator" '-tc=*[cuda]' 2>&1; } > "$OUT/gpu-test-output.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   "$build/bench/kda-bench" "$@" 2>&1 | tee "$OUT/bench.md" || rc=1
@@ -48,11 +49,17 @@ if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
     echo "compute-sanitizer $tool $(basename "$1") ${*:2}: exit $r, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$log" | tail -1)"
     [ $r -eq 0 ] || rc=1
   }
-  run_tool memcheck san-memcheck-prefill.log "$t/test_kda_cuda" '-tc=*varlen*,*state combination*,*bad input*'
-  run_tool memcheck san-memcheck-decode.log "$t/test_decode_cuda"
-  run_tool racecheck san-racecheck.log "$t/test_kda_cuda" '-tc=*varlen*'
-  run_tool initcheck san-initcheck.log "$t/test_kda_cuda" '-tc=*state combination*'
-  run_tool synccheck san-synccheck.log "$t/test_kda_cuda" '-tc=*varlen*'
+  # test_kda_operator's CUDA cases ("[cuda]"); registry entries are subcases, picked with -sc.
+  op=$t/test_kda_operator
+  varlen='-tc=*matches the CPU backend [cuda],*zero sequences*[cuda]'
+  run_tool memcheck san-memcheck-prefill.log "$op" \
+    '-tc=*matches the CPU backend [cuda],*zero sequences*[cuda],*in-place state*[cuda],*bad input*[cuda]' \
+    '-sc=*varlen*,state in *'
+  run_tool memcheck san-memcheck-decode.log "$op" '-tc=*decode*[cuda]'
+  run_tool racecheck san-racecheck.log "$op" "$varlen" '-sc=*varlen*'
+  run_tool initcheck san-initcheck.log "$op" '-tc=*matches the CPU backend [cuda],*in-place state*[cuda]' \
+    '-sc=state in *'
+  run_tool synccheck san-synccheck.log "$op" "$varlen" '-sc=*varlen*'
 fi
 if [ "$what" = ab ]; then
   src=$root/.ab/$ab_rev
@@ -77,15 +84,17 @@ if [ "$what" = sanitize-all ]; then
   rm -rf "$logs"; mkdir -p "$logs"
   one() {  # tool binary
     local tool=$1 bin=$2 s0=$(date +%s)
+    local args=()
+    [ "$bin" = test_kda_operator ] && args=('-tc=*[cuda]')  # its CPU cases need no sanitizer
     timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      "$t/$bin" > "$logs/$tool-$bin.log" 2>&1
+      "$t/$bin" "${args[@]}" > "$logs/$tool-$bin.log" 2>&1
     local r=$?
     local summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$tool-$bin.log" | tail -1)
     local cases=$(grep -E '^\[doctest\] test cases:' "$logs/$tool-$bin.log" | tail -1)
     echo "| $tool | $bin | exit $r | $summary | $cases | $(( $(date +%s) - s0 )) s |"
   }
   export -f one; export t logs
-  bins="test_kda_cuda test_state_slots_cuda test_decode_cuda test_validation_cuda test_c_api_cuda test_engine_cuda"
+  bins="test_kda_operator test_validation_cuda test_c_api_cuda test_engine_cuda"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"

@@ -1,7 +1,8 @@
 // cuda_test_util.hpp — buffers with guard bytes (device: DeviceBuffer; host: HostBuffer, the same
-// interface), a case's inputs uploaded into them (CaseBuffers<Buffer>, DeviceCase) and "run this case
-// on the GPU" (run_cuda), through the kda device helpers only (no CUDA headers), so that the tests
-// build — and skip — without CUDA. tests/kda/backend_matrix.hpp builds its backend runners on these.
+// interface), a case's inputs uploaded into them (CaseBuffers<Buffer>, DeviceCase) and "run this
+// case on the GPU" (run_cuda), through the kda device helpers only (no CUDA headers), so that the
+// tests build — and skip — without CUDA. tests/kda/backend_matrix.hpp builds its backend runners on
+// these.
 #pragma once
 
 #include <cstdio>
@@ -69,7 +70,8 @@ class DeviceBuffer {
     if (guard_ == 0) return true;
     std::vector<unsigned char> g(guard_);
     for (int side = 0; side < 2; ++side) {
-      const unsigned char* p = static_cast<const unsigned char*>(base_) + (side ? guard_ + bytes_ : 0);
+      const unsigned char* p =
+          static_cast<const unsigned char*>(base_) + (side ? guard_ + bytes_ : 0);
       memcpy_to_host(g.data(), p, guard_);
       for (unsigned char x : g) {
         if (x != kGuardByte) return false;
@@ -144,7 +146,7 @@ struct CaseBuffers {
         dt_bias(Buffer::from(c.dt_bias)) {
     if (c.problem.varlen()) {
       cu = c.problem.cu_seqlens_dtype == DType::kI32 ? Buffer::from(c.cu_seqlens_i32)
-                                                       : Buffer::from(c.cu_seqlens);
+                                                     : Buffer::from(c.cu_seqlens);
     }
     if (c.problem.initial_state_dtype == DType::kF32) h0 = Buffer::from(c.initial_state);
     if (c.problem.initial_state_dtype == DType::kBF16) h0 = Buffer::from(c.initial_state_bf16);
@@ -189,8 +191,8 @@ struct GpuRun {
 };
 
 // Runs forward_cuda on case c with device outputs poisoned with 0xFF bytes (NaN in bf16 and f32).
-// `extra_state_rows`: the final-state buffer gets that many more [H, V, K] rows than the problem has
-// sequences; they are poisoned and checked to stay untouched (reported through guards_intact).
+// `extra_state_rows`: the final-state buffer gets that many more [H, V, K] rows than the problem
+// has sequences; they are poisoned and checked to stay untouched (reported through guards_intact).
 inline GpuRun run_cuda(const KdaCase& c, int extra_state_rows = 0, void* stream = nullptr) {
   GpuRun r;
   DeviceCase d(c);
@@ -198,8 +200,10 @@ inline GpuRun run_cuda(const KdaCase& c, int extra_state_rows = 0, void* stream 
   DeviceBuffer out(static_cast<std::size_t>(c.out_elems()) * 2);
   out.fill(0xFF);
   const std::size_t row = static_cast<std::size_t>(p.num_heads * p.head_dim_v * p.head_dim_k);
-  const std::size_t state_elems = static_cast<std::size_t>(c.state_elems()) + extra_state_rows * row;
-  DeviceBuffer ht(p.final_state_dtype == DType::kNone ? 0 : state_elems * dtype_size(p.final_state_dtype));
+  const std::size_t state_elems =
+      static_cast<std::size_t>(c.state_elems()) + extra_state_rows * row;
+  DeviceBuffer ht(
+      p.final_state_dtype == DType::kNone ? 0 : state_elems * dtype_size(p.final_state_dtype));
   ht.fill(0xFF);
   std::size_t ws_bytes = 0;
   r.status = workspace_size(p, Backend::kCuda, &ws_bytes);

@@ -15,7 +15,9 @@
 // Declaring cases (the backend is the last word of the case's name):
 //   KDA_MATRIX_CASE("name") { ... runner ... }   once per backend: "name [cpu]", "name [cuda]"
 //   KDA_CPU_CASE("name") { ... }                  the CPU backend only: "name [cpu]"
-//   KDA_CUDA_CASE("name") { ... }                 CUDA only, skipped without a device: "name [cuda]"
+//   KDA_CUDA_CASE("name") { ... cuda ... }        CUDA only, skipped without a device: "name
+//   [cuda]"
+//                                                 (`cuda` is the CUDA runner)
 // tests/CMakeLists.txt registers the "[cpu]" cases of an executable with the CTest label `cpu` and
 // its "[cuda]" cases with `gpu` (so `ctest -L gpu` runs every CUDA case, and CI without a device
 // reports them skipped). A case's data (shapes, gates, varlen lengths, state dtypes in and out,

@@ -135,8 +135,7 @@ void add_cuda_fp64_cases(std::vector<PrefillCase>* cases) {
   }
   // One long sequence at H = 4: the split (segments, context parallel) path.
   for (GateMode gate : {GateMode::kLowerBound, GateMode::kSoftplus}) {
-    CaseOptions o =
-        cuda_varlen(4, {2048}, DType::kF32, gate == GateMode::kSoftplus ? 401 : 402);
+    CaseOptions o = cuda_varlen(4, {2048}, DType::kF32, gate == GateMode::kSoftplus ? 401 : 402);
     o.gate = gate;
     cases->push_back(
         {"split H4 T2048 " + gate_name(gate), o, kOnCuda, Against::kFp64, kGpuTol, kGpuTol});
@@ -175,7 +174,7 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
     CaseOptions o = cuda_options(4, 23);
     Rng rng(99);
     for (int i = 0; i < 64; ++i) o.lengths.push_back(static_cast<std::int64_t>(rng.uniform(0, 6)));
-    add("64 tiny sequences (0..5 tokens)", o);
+    add("varlen 64 tiny sequences (0..5 tokens)", o);
   }
   {
     CaseOptions o = cuda_options(32, 24);
@@ -355,8 +354,8 @@ const std::vector<TransitionCase>& transition_cases() {
       c.push_back({"H2 K16 V24 " + gate_name(gate), o, kOnCpu, Against::kFp64, 1e-5});
     }
     for (GateMode gate : {GateMode::kLowerBound, GateMode::kSoftplus}) {
-      CaseOptions o = cuda_varlen(3, {0, 1, 77, 1000}, DType::kF32,
-                                  gate == GateMode::kSoftplus ? 11 : 12);
+      CaseOptions o =
+          cuda_varlen(3, {0, 1, 77, 1000}, DType::kF32, gate == GateMode::kSoftplus ? 11 : 12);
       o.gate = gate;
       c.push_back({"H3 " + gate_name(gate), o, kOnCuda, Against::kCpu, kGpuTol});
     }

@@ -1,7 +1,7 @@
 // cases.hpp — the registry of operator test cases (cases.cpp), read by the backend-matrix tests
-// (backend_matrix.hpp). Each entry names its shape, gate, varlen lengths, state dtypes, state slots,
-// tolerances and the backends it runs on; a test walks the entries of its kind and runs those meant
-// for its runner's backend. Adding a case here adds it to every test of that kind.
+// (backend_matrix.hpp). Each entry names its shape, gate, varlen lengths, state dtypes, state
+// slots, tolerances and the backends it runs on; a test walks the entries of its kind and runs
+// those meant for its runner's backend. Adding a case here adds it to every test of that kind.
 #pragma once
 
 #include <cstdint>
@@ -85,9 +85,9 @@ struct SplitCase {
   double tol;
   bool vs_fp64 = false;  // compared with the fp64 reference instead of the backend's one call
 };
-const std::vector<SplitCase>& split_cases();            // prefill chained through the state
-const std::vector<SplitCase>& pooled_split_cases();     // through state slots of one pool
-const std::vector<SplitCase>& transition_split_cases(); // through two transitions
+const std::vector<SplitCase>& split_cases();             // prefill chained through the state
+const std::vector<SplitCase>& pooled_split_cases();      // through state slots of one pool
+const std::vector<SplitCase>& transition_split_cases();  // through two transitions
 
 // Cases whose repeated runs must be bitwise equal.
 struct RepeatCase {

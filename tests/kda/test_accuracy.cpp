@@ -32,7 +32,7 @@ void check_against_fp64(Runner& runner, const PrefillCase& pc, const KdaCase& c,
   if (c.problem.final_state_dtype == DType::kNone) return;
   const std::vector<double> state = got.out.final_state();
   CHECK(state.size() == ref.final_state.size());
-  const double state_tol = runner.backend() != Backend::kCpu               ? pc.state_tol
+  const double state_tol = runner.backend() != Backend::kCpu             ? pc.state_tol
                            : c.problem.final_state_dtype == DType::kBF16 ? kBf16Tol
                            : fp64                                        ? kFp64Tol
                                                                          : pc.state_tol;
@@ -48,13 +48,14 @@ void check_against_fp64(Runner& runner, const PrefillCase& pc, const KdaCase& c,
 KDA_MATRIX_CASE("prefill matches the fp64 reference") {
   for (const PrefillCase& pc : prefill_cases()) {
     if (pc.against != Against::kFp64 || !runs_on(pc.backends, runner)) continue;
-    CAPTURE(pc.name);
-    const KdaCase c = make_case(pc.options);
-    const Reference ref = reference_forward(c);
-    if (runner.backend() == Backend::kCpu) {
-      for (bool fp64 : {false, true}) check_against_fp64(runner, pc, c, ref, CpuOptions{2, fp64});
-    } else {
-      check_against_fp64(runner, pc, c, ref, {});
+    SUBCASE(pc.name.c_str()) {  // one per entry: `-sc=NAME` runs a few
+      const KdaCase c = make_case(pc.options);
+      const Reference ref = reference_forward(c);
+      if (runner.backend() == Backend::kCpu) {
+        for (bool fp64 : {false, true}) check_against_fp64(runner, pc, c, ref, CpuOptions{2, fp64});
+      } else {
+        check_against_fp64(runner, pc, c, ref, {});
+      }
     }
   }
 }

@@ -1,7 +1,7 @@
 // Every other backend against the CPU backend (the CPU itself is the reference here, so these are
-// CUDA cases): the registry's against == kCpu prefill cases (cases.cpp: lengths, head counts, gates,
-// varlen layouts, strong decay and long memory, state dtypes, split sequences), each also checked for
-// poison left in its outputs, changed guard bytes and a written unused state row.
+// CUDA cases): the registry's against == kCpu prefill cases (cases.cpp: lengths, head counts,
+// gates, varlen layouts, strong decay and long memory, state dtypes, split sequences), each also
+// checked for poison left in its outputs, changed guard bytes and a written unused state row.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -17,32 +17,35 @@ using namespace kda::test;
 KDA_CUDA_CASE("prefill matches the CPU backend") {
   for (const PrefillCase& pc : prefill_cases()) {
     if (pc.against != Against::kCpu || !runs_on(pc.backends, cuda)) continue;
-    const std::string& label = pc.name;
-    const KdaCase c = make_case(pc.options);
-    PrefillOptions opt;
-    opt.extra_state_rows = 1;
-    const PrefillRun gpu = cuda.prefill(c, opt);
-    REQUIRE_MESSAGE(gpu.status.ok(), label << ": " << gpu.status.to_string());
-    const PrefillRun cpu = cpu_runner().prefill(c);
-    REQUIRE(cpu.status.ok());
-    const double e_out = rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out));
-    double e_state = 0;
-    if (c.problem.final_state_dtype != DType::kNone) {
-      e_state = rel_error(gpu.out.final_state(), cpu.out.final_state());
+    // One subcase per entry: `-sc=*varlen*` picks entries by name (the sanitizer runs do).
+    SUBCASE(pc.name.c_str()) {
+      const std::string& label = pc.name;
+      const KdaCase c = make_case(pc.options);
+      PrefillOptions opt;
+      opt.extra_state_rows = 1;
+      const PrefillRun gpu = cuda.prefill(c, opt);
+      REQUIRE_MESSAGE(gpu.status.ok(), label << ": " << gpu.status.to_string());
+      const PrefillRun cpu = cpu_runner().prefill(c);
+      REQUIRE(cpu.status.ok());
+      const double e_out = rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out));
+      double e_state = 0;
+      if (c.problem.final_state_dtype != DType::kNone) {
+        e_state = rel_error(gpu.out.final_state(), cpu.out.final_state());
+      }
+      std::printf("%-58s out %.2e  state %.2e\n", label.c_str(), e_out, e_state);
+      CHECK_MESSAGE(all_finite(gpu.out.out),
+                    label << ": an output element was not written (poison left)");
+      if (!gpu.out.final_f32.empty()) {
+        CHECK_MESSAGE(all_finite(gpu.out.final_f32), label << ": state poison left");
+      }
+      if (!gpu.out.final_bf16.empty()) {
+        CHECK_MESSAGE(all_finite(gpu.out.final_bf16), label << ": state poison left");
+      }
+      CHECK_MESSAGE(gpu.guards_intact,
+                    label << ": bytes outside the outputs (or unused state rows) changed");
+      CHECK_MESSAGE(e_out <= pc.out_tol, label << ": out rel error " << e_out);
+      CHECK_MESSAGE(e_state <= pc.state_tol, label << ": state rel error " << e_state);
     }
-    std::printf("%-58s out %.2e  state %.2e\n", label.c_str(), e_out, e_state);
-    CHECK_MESSAGE(all_finite(gpu.out.out),
-                  label << ": an output element was not written (poison left)");
-    if (!gpu.out.final_f32.empty()) {
-      CHECK_MESSAGE(all_finite(gpu.out.final_f32), label << ": state poison left");
-    }
-    if (!gpu.out.final_bf16.empty()) {
-      CHECK_MESSAGE(all_finite(gpu.out.final_bf16), label << ": state poison left");
-    }
-    CHECK_MESSAGE(gpu.guards_intact,
-                  label << ": bytes outside the outputs (or unused state rows) changed");
-    CHECK_MESSAGE(e_out <= pc.out_tol, label << ": out rel error " << e_out);
-    CHECK_MESSAGE(e_state <= pc.state_tol, label << ": state rel error " << e_state);
   }
 }
 

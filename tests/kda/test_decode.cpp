@@ -337,7 +337,9 @@ KDA_CPU_CASE("decode: empty batch / fp64 mode against the reference / thread cou
   }
 }
 
-KDA_CPU_CASE("decode with a caller workspace: sized by decode_workspace_size / bitwise equal to the allocating call / too small writes nothing") {
+KDA_CPU_CASE(
+    "decode with a caller workspace: sized by decode_workspace_size / bitwise equal to the "
+    "allocating call / too small writes nothing") {
   KdaCase c = make_case(small_options(21));  // B = 3 rows, H = 2, K = 32, V = 16
   const std::int64_t per_slot = c.problem.num_heads * c.problem.head_dim_v * c.problem.head_dim_k;
   const std::vector<std::int32_t> slots = {2, -1, 0};
@@ -359,7 +361,8 @@ KDA_CPU_CASE("decode with a caller workspace: sized by decode_workspace_size / b
   Pool a(DType::kF32, 5, per_slot, 3), b = a;
   std::vector<std::uint16_t> out_a, out_b;
   REQUIRE(decode_tokens(c, 0, 2, slots, &a, &out_a).ok());
-  // A workspace at an odd address: decode_cpu aligns inside it (decode_workspace_size has the slack).
+  // A workspace at an odd address: decode_cpu aligns inside it (decode_workspace_size has the
+  // slack).
   std::vector<unsigned char> bytes(need + 1, 0xCD);
   const Workspace ws{bytes.data() + 1, need};
   REQUIRE(decode_tokens(c, 0, 2, slots, &b, &out_b, {}, -1, &ws).ok());
@@ -376,10 +379,12 @@ KDA_CPU_CASE("decode with a caller workspace: sized by decode_workspace_size / b
   for (std::uint16_t x : out) CHECK(x == kPoisonBf16);
   CHECK(pool.same_bits(before));
   const Workspace null_ws{nullptr, need};
-  CHECK(decode_tokens(c, 0, 2, slots, &pool, &out, {}, -1, &null_ws).code() == StatusCode::kInvalidArgument);
+  CHECK(decode_tokens(c, 0, 2, slots, &pool, &out, {}, -1, &null_ws).code() ==
+        StatusCode::kInvalidArgument);
 }
 
-KDA_MATRIX_CASE("decode matches the CPU decode / and unnamed slots and padding rows stay untouched") {
+KDA_MATRIX_CASE(
+    "decode matches the CPU decode / and unnamed slots and padding rows stay untouched") {
   for (const DecodeShape& shape : decode_shapes()) {
     if (!runs_on(shape.backends, runner)) continue;
     const std::int64_t B = shape.batch, tokens = shape.tokens, H = shape.heads;

@@ -48,7 +48,8 @@ KDA_MATRIX_CASE("prefill through state slots: two chained calls equal one") {
     const PooledRun one = runner.prefill_pooled(make_slot_case(whole, slots, 6));
     REQUIRE(one.status.ok());
     // The same tokens in two calls [0, cut) and [cut, T), the pool carried between them.
-    const KdaCase first = split_tokens(whole, 0, cut, DType::kF32, whole.initial_state, DType::kF32);
+    const KdaCase first =
+        split_tokens(whole, 0, cut, DType::kF32, whole.initial_state, DType::kF32);
     const KdaCase second =
         split_tokens(whole, cut, T, DType::kF32, whole.initial_state, DType::kF32);
     const PooledRun a = runner.prefill_pooled(make_slot_case(first, slots, 6));
@@ -59,18 +60,18 @@ KDA_MATRIX_CASE("prefill through state slots: two chained calls equal one") {
     REQUIRE(b.status.ok());
     if (split.tol == 0.0) {  // bitwise, out token by token too
       CHECK(b.pool == one.pool);
-      const std::size_t row = static_cast<std::size_t>(whole.problem.num_heads *
-                                                       whole.problem.head_dim_v);
+      const std::size_t row =
+          static_cast<std::size_t>(whole.problem.num_heads * whole.problem.head_dim_v);
       for (std::int64_t s = 0; s < whole.problem.batch; ++s) {
         for (std::int64_t t = 0; t < T; ++t) {
-          const std::uint16_t* got = t < cut ? &a.out[(s * cut + t) * row]
-                                             : &b.out[(s * (T - cut) + t - cut) * row];
+          const std::uint16_t* got =
+              t < cut ? &a.out[(s * cut + t) * row] : &b.out[(s * (T - cut) + t - cut) * row];
           CHECK(std::memcmp(got, &one.out[(s * T + t) * row], row * 2) == 0);
         }
       }
     } else {
-      const double e = rel_error(pool_values(b.pool, DType::kF32),
-                                 pool_values(one.pool, DType::kF32));
+      const double e =
+          rel_error(pool_values(b.pool, DType::kF32), pool_values(one.pool, DType::kF32));
       std::printf("chained vs one call: pool rel error %.2e\n", e);
       CHECK(e <= split.tol);
     }
@@ -148,8 +149,7 @@ KDA_CPU_CASE("prefill refuses bad state slots before writing anything") {
     sc.slots = bad.slots;
     const PooledRun got = cpu_runner().prefill_pooled(sc);
     CHECK(got.status.code() == StatusCode::kInvalidArgument);
-    CHECK_MESSAGE(got.status.message().find(bad.needle) != std::string::npos,
-                  got.status.message());
+    CHECK_MESSAGE(got.status.message().find(bad.needle) != std::string::npos, got.status.message());
     CHECK(got.pool == sc.pool);
     CHECK(got.out == cpu_runner().poisoned_out(c));
     CHECK(got.guards_intact);

@@ -35,7 +35,8 @@ KDA_MATRIX_CASE("segment transitions give the prefill's final state") {
       CHECK(e <= tc.tol);
       // An empty sequence's transition is the identity map (P = I, H = 0).
       REQUIRE(c.seq_end(0) == c.seq_begin(0));
-      for (std::int64_t i = 0; i < K; ++i) CHECK(tr.p_t[static_cast<std::size_t>(i * K + i)] == 1.0f);
+      for (std::int64_t i = 0; i < K; ++i)
+        CHECK(tr.p_t[static_cast<std::size_t>(i * K + i)] == 1.0f);
     } else {
       const TransitionRun got = runner.transition(c), cpu = cpu_runner().transition(c);
       REQUIRE(got.status.ok());
@@ -109,7 +110,7 @@ KDA_CPU_CASE("segment transitions refuse what they cannot do") {
   CaseOptions o = transition_cases().front().options;  // H = 2, K = 16, V = 24, four sequences
   o.seed = 4;
   const KdaCase c = make_case(o);
-  Problem p = c.problem;  // has states: refused
+  Problem p = c.problem;                                // has states: refused
   std::vector<float> pt(8 * 16 * 16), ht(8 * 24 * 16);  // 4 sequences x 2 heads
   std::vector<unsigned char> ws(1 << 20);
   Tensors t = c.inputs();
