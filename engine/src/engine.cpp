@@ -14,9 +14,11 @@
 #include <system_error>
 
 #include "backend.hpp"
+#include "kda/engine/checkpoint.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda/nvtx.hpp"
+#include "whole_layer.hpp"
 
 namespace kda::engine {
 
@@ -32,7 +34,7 @@ Problem max_prefill_problem(const ModelSpec& spec) {
   Problem p;
   p.batch = 1;
   p.seq_len = spec.runtime.max_tokens;
-  p.num_heads = spec.num_heads;
+  p.num_heads = spec.local_heads();
   p.head_dim_k = spec.head_dim;
   p.head_dim_v = spec.head_dim;
   p.num_seqs = spec.runtime.max_sequences;
@@ -48,7 +50,7 @@ DecodeProblem max_decode_problem(const ModelSpec& spec) {
   DecodeProblem p;
   p.batch = spec.runtime.max_sequences;
   p.tokens = 1;
-  p.num_heads = spec.num_heads;
+  p.num_heads = spec.local_heads();
   p.head_dim_k = spec.head_dim;
   p.head_dim_v = spec.head_dim;
   p.num_slots = spec.runtime.max_sequences;
@@ -56,6 +58,64 @@ DecodeProblem max_decode_problem(const ModelSpec& spec) {
   p.gate = spec.gate;
   p.lower_bound = spec.gate_lower_bound;
   return p;
+}
+
+// Whole layers: the spec the cores see, with this rank's heads.
+ModelSpec core_spec(const ModelSpec& spec) {
+  ModelSpec local = spec;
+  local.num_heads = spec.local_heads();
+  local.runtime.tp_size = 1;
+  local.runtime.tp_rank = 0;
+  return local;
+}
+
+void check_layer_mode(const ModelSpec& spec) {
+  if (spec.runtime.layer_mode == LayerMode::kCoreOnly && spec.runtime.tp_size != 1) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": runtime.tp_size " + std::to_string(spec.runtime.tp_size) +
+                    " needs whole layers (runtime.layers: whole): a core-only engine holds every "
+                    "head");
+  }
+}
+
+// Whole layers: the cores (KdaLayer, parameters taken from the whole layer's weights, so both
+// calls run the same layer) and their whole-layer side. Without parameters: sizes only (planning).
+std::vector<KdaLayer> make_whole_layers(const ModelSpec& spec, bool with_parameters,
+                                        std::uint64_t seed, Backend backend,
+                                        std::vector<std::unique_ptr<WholeLayer>>* whole) {
+  const ModelSpec local = core_spec(spec);
+  std::vector<KdaLayer> layers;
+  layers.reserve(spec.kda_layer_indices.size());
+  std::unique_ptr<Checkpoint> checkpoint;
+  if (with_parameters && !spec.weights.empty()) {
+    check_weights_file(spec);
+    checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(spec.weights));
+  }
+  for (std::size_t i = 0; i < spec.kda_layer_indices.size(); ++i) {
+    const int index = spec.kda_layer_indices[i];
+    auto layer = std::make_unique<WholeLayer>(spec, static_cast<int>(i), index);
+    KdaParameters parameters;
+    if (with_parameters) {
+      FullLayerWeights weights;
+      try {
+        weights = checkpoint ? load_full_layer_weights(*checkpoint, index, layer->config())
+                             : random_full_layer_weights(layer->config(), seed, index);
+      } catch (const Error& e) {
+        throw Error(e.code(), spec.source + ": weights of layer " + std::to_string(index + 1) +
+                                  ": " + e.what());
+      }
+      layer->set_weights(weights, backend);
+      parameters.A_log = std::move(weights.A_log);
+      parameters.dt_bias = std::move(weights.dt_bias);
+      parameters.origin = weights.origin;
+    } else {
+      parameters.A_log.assign(static_cast<std::size_t>(local.num_heads), 0.0f);
+      parameters.dt_bias.assign(static_cast<std::size_t>(local.num_heads * local.head_dim), 0.0f);
+    }
+    layers.emplace_back(local, static_cast<int>(i), index, std::move(parameters));
+    whole->push_back(std::move(layer));
+  }
+  return layers;
 }
 
 std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, std::uint64_t seed) {
@@ -90,9 +150,16 @@ struct EngineBuffers {
 // Every buffer of an engine, in the order the arena lays them out in `sum` mode. The layers keep
 // their handles; the engine's come back in `buffers`.
 planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend, std::vector<KdaLayer>& layers,
+                              const std::vector<std::unique_ptr<WholeLayer>>& whole,
                               EngineBuffers* buffers) {
   planner::MemoryPlanner planner;
-  for (KdaLayer& layer : layers) layer.declare_buffers(planner, backend);
+  // Whole layers run in their core's workspace, sized for every intermediate of the layer: live
+  // during that layer only, so `reuse` lays all layers' over the same bytes.
+  const std::uint64_t whole_workspace = whole.empty() ? 0 : whole_workspace_bytes(spec, backend);
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    layers[i].declare_buffers(planner, backend, whole_workspace);
+    if (!whole.empty()) whole[i]->declare_buffers(planner);
+  }
   const int last_step = std::max(0, static_cast<int>(layers.size()) - 1);
   auto scratch = [&](const char* name, std::uint64_t bytes) {
     planner::BufferRequest request;
@@ -156,10 +223,16 @@ struct Engine::Impl {
   CudaOptions unchecked;  // the operator calls: pointers already checked or the arena's own
   std::uint32_t* device_status = nullptr;  // the backend's device status word (arena), if any
   std::vector<KdaLayer> layers;
+  std::vector<std::unique_ptr<WholeLayer>> whole;  // whole layers: one per KdaLayer; else empty
+  std::string weights_origin;
+  std::uint64_t weight_bytes = 0;
+  int cpu_threads = 0;
   planner::MemoryPlan plan;
   BackendBuffer arena;
   std::uint64_t slot_bytes = 0;
+  std::uint64_t conv_slot_bytes = 0;  // whole layers: one projection's conv state of one slot
   std::vector<char> slot_in_use;
+  std::vector<std::int64_t> decode_cu;  // whole-layer decode: 0, t, 2t, ... (capacity reserved)
 
   // Prefill staging: the batch's int64 cu_seqlens.
   std::int64_t* cu_scratch = nullptr;
@@ -201,9 +274,126 @@ struct Engine::Impl {
            static_cast<std::uint64_t>(slot) * slot_bytes;
   }
 
+  std::uint8_t* slot_conv_state(int kda_layer, int slot, int projection) const noexcept {
+    return static_cast<std::uint8_t*>(
+               whole[static_cast<std::size_t>(kda_layer)]->conv_pool(projection)) +
+           static_cast<std::uint64_t>(slot) * conv_slot_bytes;
+  }
+
   void zero_slot(int slot) {
     for (int l = 0; l < num_layers(); ++l) {
       backend->memset(slot_state(l, slot), 0, static_cast<std::size_t>(slot_bytes));
+      if (whole.empty()) continue;
+      for (int projection = 0; projection < 3; ++projection) {
+        backend->memset(slot_conv_state(l, slot, projection), 0,
+                        static_cast<std::size_t>(conv_slot_bytes));
+      }
+    }
+  }
+
+  void check_whole(const char* what) const {
+    if (whole.empty()) {
+      fail(std::string(what) + ": " + spec.name +
+           " runs the KDA core only (runtime.layers: core); hidden states need whole layers "
+           "(runtime.layers: whole, the default)");
+    }
+  }
+
+  // A prefill batch: 1..max_sequences sequences on distinct acquired slots, cu_seqlens 0,
+  // non-decreasing, at most max_tokens.
+  void check_prefill_batch(const char* what, Span<const int> slots,
+                           Span<const std::int64_t> cu_seqlens) {
+    const std::string call = what;
+    const std::size_t n = slots.size();
+    if (n == 0 || n > static_cast<std::size_t>(num_slots())) {
+      fail(call + ": " + std::to_string(n) + " sequences, expected 1.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+    if (cu_seqlens.size() != n + 1) {
+      fail(call + ": cu_seqlens has " + std::to_string(cu_seqlens.size()) +
+           " entries, expected " + std::to_string(n + 1) + " (sequences + 1)");
+    }
+    if (cu_seqlens[0] != 0)
+      fail(call + ": cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
+    for (std::size_t j = 0; j < n; ++j) {
+      if (cu_seqlens[j + 1] < cu_seqlens[j]) {
+        fail(call + ": cu_seqlens decreases at index " + std::to_string(j + 1) + " (" +
+             std::to_string(cu_seqlens[j]) + " then " + std::to_string(cu_seqlens[j + 1]) + ")");
+      }
+    }
+    if (cu_seqlens[n] > spec.runtime.max_tokens) {
+      fail(call + ": " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
+           std::to_string(spec.runtime.max_tokens));
+    }
+    next_stamp();
+    for (std::size_t j = 0; j < n; ++j) {
+      const int slot = slots[j];
+      if (!in_use(slot)) {
+        fail(call + ": sequence " + std::to_string(j) + " uses slot " + std::to_string(slot) +
+             ", which is not an acquired slot");
+      }
+      if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
+        fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
+      }
+      seen_stamp[static_cast<std::size_t>(slot)] = stamp;
+    }
+  }
+
+  // A decode batch: 1..max_sequences rows of 1..16 tokens; negative slots are padding, the others
+  // distinct acquired slots.
+  void check_decode_batch(const char* what, Span<const int> slots, int tokens) {
+    const std::string call = what;
+    const std::size_t batch = slots.size();
+    if (batch == 0 || batch > static_cast<std::size_t>(num_slots())) {
+      fail(call + ": batch of " + std::to_string(batch) + " rows, expected 1.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+    if (tokens < 1 || tokens > kMaxDecodeTokens) {
+      fail(call + ": tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
+           std::to_string(kMaxDecodeTokens));
+    }
+    next_stamp();
+    for (std::size_t j = 0; j < batch; ++j) {
+      const int slot = slots[j];
+      if (slot < 0) continue;
+      if (!in_use(slot)) {
+        fail(call + ": row " + std::to_string(j) + " uses slot " + std::to_string(slot) +
+             ", which is not an acquired slot");
+      }
+      if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
+        fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
+      }
+      seen_stamp[static_cast<std::size_t>(slot)] = stamp;
+    }
+  }
+
+  // The caller's hidden states and out of a whole-layer call ([tokens, hidden_size] bf16), and
+  // the arena, usable by the backend (CUDA: device memory of the current device; throws).
+  void check_hidden(const KdaLayer& layer, const char* what, const void* hidden, const void* out,
+                    std::int64_t tokens) const {
+    const std::string call = layer.label() + " " + what;
+    if (tokens == 0) return;
+    if (hidden == nullptr) fail(call + ": hidden is null");
+    if (out == nullptr) fail(call + ": out is null");
+    const auto bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(spec.hidden_size) *
+                       sizeof(std::uint16_t);
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{hidden, "hidden"},
+                                    std::pair<const void*, const char*>{out, "out"}}) {
+      const Status st = backend->check_caller_buffer(ptr, bytes, name);
+      if (!st.ok()) throw Error(st, call);
+    }
+    const Status st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
+    if (!st.ok()) throw Error(st, call);
+  }
+
+  // Copies the batch's cu_seqlens to the arena, unless it holds them already.
+  void stage_cu_seqlens(Span<const std::int64_t> cu_seqlens) {
+    cu_staging.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
+    if (cu_staging != cu_uploaded) {
+      KDA_NVTX_RANGE("prefill.stage_cu_seqlens");
+      backend->copy_to_device(cu_scratch, cu_staging.data(),
+                              cu_staging.size() * sizeof(std::int64_t));
+      cu_uploaded = cu_staging;
     }
   }
 
@@ -246,6 +436,12 @@ struct Engine::Impl {
 
 Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
   return choose_backend(choice, [&spec] {
+    // Whole layers on CUDA: FullLayerCuda's limits (head_dim 128, conv width 2..4).
+    if (spec.runtime.layer_mode == LayerMode::kWhole &&
+        (spec.head_dim != 128 || spec.short_conv_kernel_size < 2 ||
+         spec.short_conv_kernel_size > 4)) {
+      return false;
+    }
     return can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
            can_implement(max_decode_problem(spec), Backend::kCuda).ok();
   });
@@ -261,7 +457,18 @@ void check_weights_file(const ModelSpec& spec) {
   } else if (ec) {
     problem = "cannot be read (" + ec.message() + ")";
   } else if (status.type() == std::filesystem::file_type::directory) {
-    problem = "is a directory, expected a safetensors file";
+    // Whole layers read a Hugging Face checkpoint folder too (checkpoint.hpp).
+    const std::filesystem::path dir(spec.weights);
+    std::error_code exists_ec;
+    if (spec.runtime.layer_mode == LayerMode::kWhole &&
+        (std::filesystem::exists(dir / "model.safetensors.index.json", exists_ec) ||
+         std::filesystem::exists(dir / "model.safetensors", exists_ec))) {
+      return;
+    }
+    problem = spec.runtime.layer_mode == LayerMode::kWhole
+                  ? "is a directory holding neither model.safetensors.index.json nor "
+                    "model.safetensors"
+                  : "is a directory, expected a safetensors file";
   } else {
     return;
   }
@@ -270,14 +477,21 @@ void check_weights_file(const ModelSpec& spec) {
 }
 
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
-  std::vector<KdaLayer> layers = make_layers(spec, false, 0);
+  check_layer_mode(spec);
+  std::vector<std::unique_ptr<WholeLayer>> whole;
+  std::vector<KdaLayer> layers = spec.runtime.layer_mode == LayerMode::kWhole
+                                     ? make_whole_layers(spec, false, 0, backend, &whole)
+                                     : make_layers(spec, false, 0);
   EngineBuffers buffers;
-  return make_plan(spec, backend, layers, &buffers);
+  return make_plan(spec, backend, layers, whole, &buffers);
 }
 
 Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
   Impl& m = *impl_;
   m.spec = std::move(spec);
+  if (options.layer_mode) m.spec.runtime.layer_mode = *options.layer_mode;
+  check_layer_mode(m.spec);
+  m.cpu_threads = options.cpu_threads;
   const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
   const std::string where = m.spec.name + " on " + to_string(kind);
   BackendOptions backend_options;
@@ -293,9 +507,15 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     throw Error(st, where + ": decode");
   }
 
-  m.layers = make_layers(m.spec, true, options.seed);
+  if (m.spec.runtime.layer_mode == LayerMode::kWhole) {
+    m.layers = make_whole_layers(m.spec, true, options.seed, kind, &m.whole);
+    m.weights_origin = m.layers.empty() ? std::string() : m.layers[0].parameters().origin;
+    for (const auto& layer : m.whole) m.weight_bytes += layer->weight_bytes();
+  } else {
+    m.layers = make_layers(m.spec, true, options.seed);
+  }
   EngineBuffers buffers;
-  m.plan = make_plan(m.spec, kind, m.layers, &buffers);
+  m.plan = make_plan(m.spec, kind, m.layers, m.whole, &buffers);
 
   // The one allocation.
   const std::uint64_t total = m.plan.arena_bytes;
@@ -311,6 +531,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
 
   std::uint8_t* base = m.arena.get();
   for (KdaLayer& layer : m.layers) layer.bind(base, m.plan, *m.backend);
+  for (std::size_t i = 0; i < m.whole.size(); ++i) m.whole[i]->bind(base, m.plan, m.layers[i]);
   auto locate = [&](planner::BufferHandle handle) -> void* {
     const planner::PlanEntry* entry = m.plan.entry(handle);
     return entry == nullptr ? nullptr : base + entry->offset;
@@ -325,12 +546,20 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   }
 
   m.slot_bytes = m.spec.state_slot_bytes();
+  m.conv_slot_bytes = m.whole.empty() ? 0 : m.spec.conv_state_slot_bytes();
   const auto slots = static_cast<std::size_t>(m.spec.runtime.max_sequences);
   m.slot_in_use.assign(slots, 0);
   // Fresh slots start from zero: clear every pool once here, then per slot on acquire / reset.
   for (const KdaLayer& layer : m.layers) {
     m.backend->memset(layer.state_pool(), 0, static_cast<std::size_t>(layer.state_pool_bytes()));
   }
+  for (const auto& layer : m.whole) {
+    for (int projection = 0; projection < 3; ++projection) {
+      m.backend->memset(layer->conv_pool(projection), 0,
+                        static_cast<std::size_t>(layer->conv_pool_bytes()));
+    }
+  }
+  m.decode_cu.reserve(slots + 1);
 
   // Host staging sized once, so prefill and decode never allocate.
   m.cu_staging.reserve(slots + 1);
@@ -356,6 +585,10 @@ const KdaLayer& Engine::layer(int kda_layer) const {
   impl_->check_layer(kda_layer);
   return impl_->layers[static_cast<std::size_t>(kda_layer)];
 }
+
+LayerMode Engine::layer_mode() const noexcept { return impl_->spec.runtime.layer_mode; }
+const std::string& Engine::weights_origin() const noexcept { return impl_->weights_origin; }
+std::uint64_t Engine::weight_bytes() const noexcept { return impl_->weight_bytes; }
 
 void Engine::synchronize() const { impl_->backend->synchronize(); }
 
@@ -436,39 +669,8 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<c
   const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
   KDA_NVTX_RANGE(layer.nvtx_name().c_str());
 
+  m.check_prefill_batch("prefill", slots, cu_seqlens);
   const std::size_t n = slots.size();
-  if (n == 0 || n > static_cast<std::size_t>(num_slots())) {
-    fail("prefill: " + std::to_string(n) + " sequences, expected 1.." +
-         std::to_string(num_slots()) + " (runtime.max_sequences)");
-  }
-  if (cu_seqlens.size() != n + 1) {
-    fail("prefill: cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
-         std::to_string(n + 1) + " (sequences + 1)");
-  }
-  if (cu_seqlens[0] != 0)
-    fail("prefill: cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
-  for (std::size_t j = 0; j < n; ++j) {
-    if (cu_seqlens[j + 1] < cu_seqlens[j]) {
-      fail("prefill: cu_seqlens decreases at index " + std::to_string(j + 1) + " (" +
-           std::to_string(cu_seqlens[j]) + " then " + std::to_string(cu_seqlens[j + 1]) + ")");
-    }
-  }
-  if (cu_seqlens[n] > m.spec.runtime.max_tokens) {
-    fail("prefill: " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
-         std::to_string(m.spec.runtime.max_tokens));
-  }
-  m.next_stamp();
-  for (std::size_t j = 0; j < n; ++j) {
-    const int slot = slots[j];
-    if (!slot_in_use(slot)) {
-      fail("prefill: sequence " + std::to_string(j) + " uses slot " + std::to_string(slot) +
-           ", which is not an acquired slot");
-    }
-    if (m.seen_stamp[static_cast<std::size_t>(slot)] == m.stamp) {
-      fail("prefill: slot " + std::to_string(slot) + " appears twice in the batch");
-    }
-    m.seen_stamp[static_cast<std::size_t>(slot)] = m.stamp;
-  }
 
   // The caller's tensors over the whole batch, checked before anything is enqueued (the operator's
   // forward refuses an out that overlaps an input before it writes anything).
@@ -478,13 +680,7 @@ void Engine::prefill(int kda_layer, const LayerInputs& inputs, void* out, Span<c
 
   // One forward for the whole batch: each sequence reads and writes its state through its slot
   // index in the layer's pool (Problem::num_state_slots), whatever the slots are.
-  m.cu_staging.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
-  if (m.cu_staging != m.cu_uploaded) {
-    KDA_NVTX_RANGE("prefill.stage_cu_seqlens");
-    m.backend->copy_to_device(m.cu_scratch, m.cu_staging.data(),
-                              m.cu_staging.size() * sizeof(std::int64_t));
-    m.cu_uploaded = m.cu_staging;
-  }
+  m.stage_cu_seqlens(cu_seqlens);
   m.stage_slots(slots, &m.prefill_slots);
   t.cu_seqlens = m.cu_scratch;
   t.cu_seqlens_host = m.cu_staging.data();
@@ -502,29 +698,8 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out, Span<co
   const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
   KDA_NVTX_RANGE(layer.nvtx_name().c_str());
 
+  m.check_decode_batch("decode", slots, tokens);
   const std::size_t batch = slots.size();
-  if (batch == 0 || batch > static_cast<std::size_t>(num_slots())) {
-    fail("decode: batch of " + std::to_string(batch) + " rows, expected 1.." +
-         std::to_string(num_slots()) + " (runtime.max_sequences)");
-  }
-  if (tokens < 1 || tokens > kMaxDecodeTokens) {
-    fail("decode: tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
-         std::to_string(kMaxDecodeTokens));
-  }
-  m.next_stamp();
-  for (std::size_t j = 0; j < batch; ++j) {
-    const int slot = slots[j];
-    if (slot >= 0) {
-      if (!slot_in_use(slot)) {
-        fail("decode: row " + std::to_string(j) + " uses slot " + std::to_string(slot) +
-             ", which is not an acquired slot");
-      }
-      if (m.seen_stamp[static_cast<std::size_t>(slot)] == m.stamp) {
-        fail("decode: slot " + std::to_string(slot) + " appears twice in the batch");
-      }
-      m.seen_stamp[static_cast<std::size_t>(slot)] = m.stamp;
-    }
-  }
   // The caller's tensors, before anything is enqueued (see prefill).
   const DecodeProblem problem = layer.decode_problem(static_cast<std::int64_t>(batch), tokens);
   DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
@@ -534,6 +709,101 @@ void Engine::decode(int kda_layer, const LayerInputs& inputs, void* out, Span<co
   t.out = out;
   t.device_status = m.device_status;
   layer.decode(problem, t, m.unchecked);
+}
+
+// ---- whole layers ----------------------------------------------------------------------------
+
+std::uint64_t Engine::conv_state_slot_bytes() const noexcept { return impl_->conv_slot_bytes; }
+
+void Engine::read_slot_conv_state(int kda_layer, int slot, int projection, void* host_dst) const {
+  const Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  m.check_whole("read_slot_conv_state");
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("read_slot_conv_state: slot " + std::to_string(slot) + " out of range");
+  }
+  if (projection < 0 || projection > 2) {
+    fail("read_slot_conv_state: projection " + std::to_string(projection) +
+         " is not 0 (q), 1 (k) or 2 (v)");
+  }
+  m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_layer, slot, projection),
+                          static_cast<std::size_t>(m.conv_slot_bytes));
+}
+
+void Engine::write_slot_conv_state(int kda_layer, int slot, int projection,
+                                   const void* host_src) {
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  m.check_whole("write_slot_conv_state");
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("write_slot_conv_state: slot " + std::to_string(slot) + " out of range");
+  }
+  if (projection < 0 || projection > 2) {
+    fail("write_slot_conv_state: projection " + std::to_string(projection) +
+         " is not 0 (q), 1 (k) or 2 (v)");
+  }
+  m.backend->copy_to_device(m.slot_conv_state(kda_layer, slot, projection), host_src,
+                            static_cast<std::size_t>(m.conv_slot_bytes));
+  synchronize();
+}
+
+void Engine::prefill_hidden(int kda_layer, const void* hidden, void* out, Span<const int> slots,
+                            Span<const std::int64_t> cu_seqlens, FullLayerTimes* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  m.check_whole("prefill_hidden");
+  const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
+  KDA_NVTX_RANGE(layer.nvtx_name().c_str());
+  m.check_prefill_batch("prefill_hidden", slots, cu_seqlens);
+  const std::int64_t tokens = cu_seqlens[slots.size()];
+  m.check_hidden(layer, "prefill_hidden", hidden, out, tokens);
+
+  m.stage_cu_seqlens(cu_seqlens);
+  m.stage_slots(slots, &m.prefill_slots);
+  WholeLayer::Call call;
+  call.tokens = tokens;
+  call.sequences = static_cast<std::int64_t>(slots.size());
+  call.cu_host = m.cu_staging.data();
+  call.cu_device = m.cu_scratch;
+  call.slots_host = m.prefill_slots.host.data();
+  call.slots_device = m.prefill_slots.device;  // checked above: acquired, no duplicates
+  call.device_status = m.device_status;
+  call.hidden = hidden;
+  call.out = out;
+  call.stream = m.backend->stream();
+  call.cpu_threads = m.cpu_threads;
+  call.times = times;
+  m.whole[static_cast<std::size_t>(kda_layer)]->forward(call);
+}
+
+void Engine::decode_hidden(int kda_layer, const void* hidden, void* out, Span<const int> slots,
+                           int tokens, FullLayerTimes* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_layer);
+  m.check_whole("decode_hidden");
+  const KdaLayer& layer = m.layers[static_cast<std::size_t>(kda_layer)];
+  KDA_NVTX_RANGE(layer.nvtx_name().c_str());
+  m.check_decode_batch("decode_hidden", slots, tokens);
+  const auto batch = static_cast<std::int64_t>(slots.size());
+  m.check_hidden(layer, "decode_hidden", hidden, out, batch * tokens);
+
+  m.stage_slots(slots, &m.decode_slots);
+  m.decode_cu.clear();  // capacity reserved: no allocation
+  for (std::int64_t j = 0; j <= batch; ++j) m.decode_cu.push_back(j * tokens);
+  WholeLayer::Call call;
+  call.tokens = batch * tokens;
+  call.sequences = batch;
+  call.decode_tokens = tokens;
+  call.cu_host = m.decode_cu.data();
+  call.slots_host = m.decode_slots.host.data();
+  call.slots_device = m.decode_slots.device;
+  call.device_status = m.device_status;
+  call.hidden = hidden;
+  call.out = out;
+  call.stream = m.backend->stream();
+  call.cpu_threads = m.cpu_threads;
+  call.times = times;
+  m.whole[static_cast<std::size_t>(kda_layer)]->forward(call);
 }
 
 }  // namespace kda::engine

@@ -74,13 +74,14 @@ class Context {
 
 // The keys the engine reads: at the top level, and in the two sections it owns.
 const std::vector<std::string> kTopLevelKeys = {
-    "name",    "model_type", "hidden_size", "num_hidden_layers", "linear_attn_config",
-    "weights", "runtime"};
+    "name",    "model_type", "hidden_size",  "num_hidden_layers", "linear_attn_config",
+    "weights", "runtime",    "rms_norm_eps"};
 const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
     "full_attn_layers", "gate",     "gate_lower_bound"};
-const std::vector<std::string> kRuntimeKeys = {"max_tokens", "max_sequences", "state_dtype",
-                                               "workspace_plan", "backend"};
+const std::vector<std::string> kRuntimeKeys = {
+    "max_tokens", "max_sequences", "state_dtype", "workspace_plan",
+    "backend",    "layers",        "tp_size",     "tp_rank"};
 
 bool contains(const std::vector<std::string>& keys, const std::string& key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -481,9 +482,29 @@ bool parse_backend_choice(const std::string& text, BackendChoice* choice) noexce
   return true;
 }
 
+const char* to_string(LayerMode mode) noexcept {
+  return mode == LayerMode::kWhole ? "whole" : mode == LayerMode::kCoreOnly ? "core" : "unknown";
+}
+
+bool parse_layer_mode(const std::string& text, LayerMode* mode) noexcept {
+  if (mode == nullptr) return false;
+  if (text == "whole")
+    *mode = LayerMode::kWhole;
+  else if (text == "core")
+    *mode = LayerMode::kCoreOnly;
+  else
+    return false;
+  return true;
+}
+
 std::uint64_t ModelSpec::state_slot_bytes() const noexcept {
-  return static_cast<std::uint64_t>(num_heads) * static_cast<std::uint64_t>(head_dim) *
+  return static_cast<std::uint64_t>(local_heads()) * static_cast<std::uint64_t>(head_dim) *
          static_cast<std::uint64_t>(head_dim) * dtype_size(runtime.state_dtype);
+}
+
+std::uint64_t ModelSpec::conv_state_slot_bytes() const noexcept {
+  return static_cast<std::uint64_t>(local_heads()) * static_cast<std::uint64_t>(head_dim) *
+         static_cast<std::uint64_t>(short_conv_kernel_size - 1) * sizeof(std::uint16_t);
 }
 
 ModelSpec parse_model_spec(const std::string& text, const std::string& source_name,
@@ -591,6 +612,17 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
       spec.gate_lower_bound = static_cast<float>(bound);
     }
 
+    if (const YAML::Node eps = optional(root, "rms_norm_eps"); eps.IsDefined()) {
+      const double value = as_double(ctx, eps, "rms_norm_eps");
+      if (!std::isfinite(value) || value <= 0.0 || !std::isfinite(static_cast<float>(value)) ||
+          static_cast<float>(value) <= 0.0f) {
+        std::ostringstream shown;
+        shown << value;
+        ctx.fail(eps, "rms_norm_eps", "value " + shown.str() + " is not a finite number > 0");
+      }
+      spec.rms_norm_eps = static_cast<float>(value);
+    }
+
     if (const YAML::Node weights = optional(root, "weights"); weights.IsDefined()) {
       const std::string path = as_string(ctx, weights, "weights");
       if (path.empty()) ctx.fail(weights, "weights", "must not be empty");
@@ -634,6 +666,26 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
           ctx.fail(n, r + ".backend",
                    "unknown backend '" + value + "' (expected auto, cpu or cuda)");
         }
+      }
+      if (const YAML::Node n = optional(runtime, "layers"); n.IsDefined()) {
+        const std::string value = as_string(ctx, n, r + ".layers");
+        if (!parse_layer_mode(value, &spec.runtime.layer_mode)) {
+          ctx.fail(n, r + ".layers", "unknown layer mode '" + value + "' (expected whole or core)");
+        }
+      }
+      const YAML::Node tp_size = optional(runtime, "tp_size");
+      if (tp_size.IsDefined()) {
+        spec.runtime.tp_size = static_cast<int>(as_int_in(ctx, tp_size, r + ".tp_size", 1, kMaxHeads));
+        if (spec.num_heads % spec.runtime.tp_size != 0) {
+          ctx.fail(tp_size, r + ".tp_size",
+                   "tp_size " + std::to_string(spec.runtime.tp_size) +
+                       " does not divide linear_attn_config.num_heads " +
+                       std::to_string(spec.num_heads) + " (each rank holds num_heads / tp_size heads)");
+        }
+      }
+      if (const YAML::Node n = optional(runtime, "tp_rank"); n.IsDefined()) {
+        spec.runtime.tp_rank =
+            static_cast<int>(as_int_in(ctx, n, r + ".tp_rank", 0, spec.runtime.tp_size - 1));
       }
     }
     check_byte_counts(ctx, spec, runtime, root);

@@ -19,6 +19,23 @@
 // fragmented, reversed or strided is still one forward per layer, in place, with no gather or
 // scatter copies.
 //
+// Whole layers. By default (runtime.layers: whole) each KDA layer is the whole Kimi Delta Attention
+// layer (kda_full_layer.hpp): hidden states [T, hidden_size] in, hidden states out, through the
+// projections, the short convolutions, the KDA core, the gated RMSNorm and the output projection.
+// A slot then holds a sequence's whole state in every layer: its conv states (q, k, v; the last
+// W-1 pre-conv inputs of each channel) and its recurrent state, all zeroed on acquire / reset:
+//   int slot = engine.acquire_slot();
+//   for (int l = 0; l < engine.num_layers(); ++l)       // x: [T, hidden] in, [T, hidden] out
+//     engine.prefill_hidden(l, x, y, {slot}, {0, T});  // (the host runs the other layers between)
+//   engine.decode_hidden(l, x1, y1, {slot}, 1);        // per layer, each step
+// Weights come from the YAML's `weights:` checkpoint by their Hugging Face names
+// (load_full_layer_weights), or are seeded random. With runtime.tp_size > 1 the engine holds its
+// rank's heads of every layer and prefill_hidden / decode_hidden write this rank's PARTIAL SUM of
+// the layer output: the host runtime all-reduces (sums) `out` over the ranks. The core-only calls
+// (prefill / decode) work on a whole-layer engine too, on the same recurrent states (q, k, v, g,
+// beta then have the engine's local heads); runtime.layers: core (or EngineOptions::layer_mode)
+// makes an engine of cores only, which plans no conv states and a smaller workspace.
+//
 // The engine is the runtime only: synthetic inputs and timed runs live in examples/ (kda-run's
 // synthetic_run.hpp). Its state is private (a pimpl), so this header shows only the API.
 //
@@ -34,6 +51,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kda/engine/kda_full_layer.hpp"
 #include "kda/engine/kda_layer.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/kda.hpp"
@@ -80,6 +98,8 @@ struct EngineOptions {
   // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
+  // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
+  std::optional<LayerMode> layer_mode;
 };
 
 // Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
@@ -111,8 +131,8 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // The memory plan an engine for `spec` would use on `backend`, without allocating anything (so
-  // a CPU-only machine can print a CUDA plan). Throws kda::Error.
+  // The memory plan an engine for `spec` would use on `backend` (with spec.runtime.layer_mode),
+  // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error.
   static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend);
 
   const ModelSpec& spec() const noexcept;
@@ -121,7 +141,13 @@ class Engine {
   // Size of the one allocation (= plan().arena_bytes; C: kda_engine_arena_bytes).
   std::uint64_t arena_bytes() const noexcept;
   int num_layers() const noexcept;             // KDA layers
-  const KdaLayer& layer(int kda_layer) const;  // by position among the KDA layers
+  const KdaLayer& layer(int kda_layer) const;  // by position among the KDA layers (its core)
+  LayerMode layer_mode() const noexcept;
+  // Whole layers: where their weights came from ("random (seed S)" or the checkpoint), and the
+  // bytes they take outside the arena (FullLayerCpu's fp32 copies in host memory; on CUDA the
+  // device memory FullLayerCuda allocates for them at construction). Empty / 0 for core layers.
+  const std::string& weights_origin() const noexcept;
+  std::uint64_t weight_bytes() const noexcept;
   void* stream() const noexcept;
 
   // ---- state slots ------------------------------------------------------------------------
@@ -131,13 +157,18 @@ class Engine {
   // Lowest free slot, its state zeroed in every layer. Throws when all slots are in use.
   int acquire_slot();
   void release_slot(int slot);
-  // Zeroes the slot's state in every layer (the slot stays acquired).
+  // Zeroes the slot's state in every layer, conv states included (the slot stays acquired).
   void reset_slot(int slot);
   std::uint64_t state_slot_bytes() const noexcept;
   // Copies one slot's state of one layer ([H, V, K] in the state dtype) to / from host memory
   // (synchronous). For tests, checkpoints and moving sequences between engines.
   void read_slot_state(int kda_layer, int slot, void* host_dst) const;
   void write_slot_state(int kda_layer, int slot, const void* host_src);
+  // Whole layers: one slot's conv state of one layer and projection (0 q, 1 k, 2 v), bf16
+  // [local_heads * head_dim, W - 1] (oldest input first), to / from host memory (synchronous).
+  std::uint64_t conv_state_slot_bytes() const noexcept;
+  void read_slot_conv_state(int kda_layer, int slot, int projection, void* host_dst) const;
+  void write_slot_conv_state(int kda_layer, int slot, int projection, const void* host_src);
 
   // ---- forward ----------------------------------------------------------------------------
   // Prefill of one KDA layer for a batch: sequence j (tokens cu_seqlens[j] .. cu_seqlens[j+1]) uses
@@ -152,6 +183,18 @@ class Engine {
   // slots.
   void decode(int kda_layer, const LayerInputs& inputs, void* out, Span<const int> slots,
               int tokens);
+  // Whole layers (runtime.layers: whole): prefill of one KDA layer on hidden states, bf16
+  // [T, hidden_size] in and out (out not overlapping hidden; with tp_size > 1 a partial sum to
+  // all-reduce). Slots and cu_seqlens as prefill(): each sequence starts from its slot's conv and
+  // recurrent states and leaves its new ones there. `times` (optional) gets the seconds of each
+  // phase added (on CUDA measured with events, which makes the call wait for the layer).
+  void prefill_hidden(int kda_layer, const void* hidden, void* out, Span<const int> slots,
+                      Span<const std::int64_t> cu_seqlens, FullLayerTimes* times = nullptr);
+  // Decode of one whole layer: `tokens` (1..16) new tokens for each of slots.size() rows, hidden
+  // and out [B * tokens, hidden_size]. A negative slot marks a padding row (its out unspecified, no
+  // state touched); the others are distinct acquired slots.
+  void decode_hidden(int kda_layer, const void* hidden, void* out, Span<const int> slots,
+                     int tokens, FullLayerTimes* times = nullptr);
   // Waits for everything enqueued (CUDA); no-op on the CPU.
   void synchronize() const;
   // What the kernels found that the host could not see (CUDA): broken cu_seqlens on the device or

@@ -14,8 +14,9 @@
 //   layer{i}.state                     state, persistent: [max_sequences, H, V, K] slots
 //   layer{i}.workspace                 workspace, live while the layer runs (step = its position
 //                                      among the KDA layers); sized by kda::workspace_size() for
-//                                      max_tokens tokens in max_sequences sequences; omitted when
-//                                      the backend needs none
+//                                      max_tokens tokens in max_sequences sequences, or for a whole
+//                                      layer (every intermediate of it too) when the engine runs
+//                                      whole layers; omitted when the backend needs none
 #pragma once
 
 #include <cstdint>
@@ -66,9 +67,11 @@ class KdaLayer {
   Problem prefill_problem(std::int64_t tokens, std::int64_t sequences) const noexcept;
   DecodeProblem decode_problem(std::int64_t batch, std::int64_t tokens) const noexcept;
 
-  // Adds this layer's buffers to `planner` and keeps their handles for bind(). Throws kda::Error
+  // Adds this layer's buffers to `planner` and keeps their handles for bind(). The workspace is at
+  // least `min_workspace_bytes` (an engine of whole layers runs them in it too). Throws kda::Error
   // when workspace_size() fails.
-  void declare_buffers(planner::MemoryPlanner& planner, Backend backend);
+  void declare_buffers(planner::MemoryPlanner& planner, Backend backend,
+                       std::uint64_t min_workspace_bytes = 0);
 
   // Engine-internal: points the layer at its buffers inside an arena laid out by `plan` (the plan
   // of the planner declare_buffers() last added to), copies the parameters in through `backend`
@@ -79,6 +82,8 @@ class KdaLayer {
   std::uint64_t state_pool_bytes() const noexcept { return state_pool_bytes_; }
   const float* device_A_log() const noexcept { return A_log_; }
   const float* device_dt_bias() const noexcept { return dt_bias_; }
+  void* workspace() const noexcept { return workspace_; }
+  std::uint64_t workspace_bytes() const noexcept { return workspace_bytes_; }
 
   // "kda.layer{n}", n the 1-based model layer: the NVTX range the engine opens around everything
   // this layer does.

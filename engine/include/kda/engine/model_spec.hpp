@@ -12,7 +12,8 @@
 //   linear_attn_config:              # required map
 //     num_heads: 32                  # required, 1..1024 (H)
 //     head_dim: 128                  # required, 1..1024 (K = V)
-//     short_conv_kernel_size: 4      # optional, 1..64, default 4 (not used by the KDA operator)
+//     short_conv_kernel_size: 4      # optional, 1..64, default 4 (W: the whole layer's short
+//                                    #   convolution; not used by the KDA core alone)
 //     kda_layers: [1, 2, 3, 5]       # required, 1-based, each in [1, num_hidden_layers], unique,
 //                                    #   at least one
 //     full_attn_layers: [4]          # optional (default none), 1-based, same rules, and disjoint
@@ -22,13 +23,22 @@
 //                                    #   defaults to softplus (the released model's gate)
 //     gate_lower_bound: -5.0         # required with gate: lower_bound; finite, in [-5, 0);
 //                                    #   checked the same way when given with softplus (unused)
-//   weights: kda-params.safetensors  # optional; a relative path is relative to the file's folder
+//   rms_norm_eps: 1.0e-5             # optional (Hugging Face), finite, > 0, default 1e-5: the
+//                                    #   epsilon of the whole layer's gated RMSNorm
+//   weights: kda-params.safetensors  # optional; a relative path is relative to the file's folder;
+//                                    #   a safetensors file, a sharded checkpoint's
+//                                    #   model.safetensors.index.json, or a folder holding either
 //   runtime:                         # optional map; every key optional
 //     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences
 //     max_sequences: 8               # default 8; 1..1048576; sequences per prefill = state slots
 //     state_dtype: fp32              # default fp32; fp32 | bf16
 //     workspace_plan: sum            # default sum; sum | reuse
 //     backend: auto                  # default auto; auto | cpu | cuda
+//     layers: whole                  # default whole; whole | core (what a KDA layer of the engine
+//                                    #   is: the whole layer, hidden states in and out, or the
+//                                    #   KDA core alone, q/k/v/g/beta in; see engine.hpp)
+//     tp_size: 1                     # default 1; tensor-parallel ranks, dividing num_heads
+//     tp_rank: 0                     # default 0; this engine's rank, in [0, tp_size)
 //
 // Unknown keys. linear_attn_config and runtime are the engine's: a key there that is not listed
 // above is a warning ("did you mean `max_tokens`?"), or an error with ModelSpecOptions::strict.
@@ -61,12 +71,26 @@ const char* to_string(BackendChoice choice) noexcept;
 // Parses "auto" / "cpu" / "cuda"; false on anything else.
 bool parse_backend_choice(const std::string& text, BackendChoice* choice) noexcept;
 
+// What each KDA layer of an engine is (runtime.layers): the whole layer (projections, short
+// convolutions, the KDA core, gated norm, output projection: hidden states in, hidden states out)
+// or the KDA core alone (q, k, v, g, beta in).
+enum class LayerMode : int { kWhole = 0, kCoreOnly = 1 };
+const char* to_string(LayerMode mode) noexcept;  // "whole" / "core"
+// Parses "whole" / "core"; false on anything else.
+bool parse_layer_mode(const std::string& text, LayerMode* mode) noexcept;
+
 struct RuntimeSpec {
   std::int64_t max_tokens = 8192;
   std::int64_t max_sequences = 8;
   DType state_dtype = DType::kF32;  // kF32 or kBF16
   planner::PlanMode workspace_plan = planner::PlanMode::kSum;
   BackendChoice backend = BackendChoice::kAuto;
+  LayerMode layer_mode = LayerMode::kWhole;
+  // Tensor parallelism (whole layers): this engine holds heads [tp_rank·H/tp_size,
+  // (tp_rank+1)·H/tp_size) of every KDA layer, and its whole-layer outputs are partial sums that
+  // the host runtime all-reduces over the ranks. The loader checks tp_size divides num_heads.
+  int tp_size = 1;
+  int tp_rank = 0;
 };
 
 struct ModelSpec {
@@ -77,6 +101,7 @@ struct ModelSpec {
   std::int64_t num_heads = 0;  // H
   std::int64_t head_dim = 0;   // K = V
   std::int64_t short_conv_kernel_size = 4;
+  float rms_norm_eps = 1e-5f;  // the whole layer's gated RMSNorm epsilon
   std::vector<int> kda_layers;         // 1-based, as written in the YAML (sorted ascending)
   std::vector<int> kda_layer_indices;  // the same, 0-based (model.layers.{i} in checkpoints)
   std::vector<int> full_attn_layers;   // 1-based, sorted ascending
@@ -91,8 +116,13 @@ struct ModelSpec {
   std::int64_t num_kda_layers() const noexcept {
     return static_cast<std::int64_t>(kda_layer_indices.size());
   }
-  // Bytes of one state slot of one layer: H * V * K * sizeof(state dtype).
+  // Heads of each KDA layer this engine holds: num_heads / runtime.tp_size.
+  std::int64_t local_heads() const noexcept { return num_heads / runtime.tp_size; }
+  // Bytes of one recurrent state slot of one layer: local_heads * V * K * sizeof(state dtype).
   std::uint64_t state_slot_bytes() const noexcept;
+  // Bytes of one conv state slot of one layer and one projection (q, k or v), whole layers only:
+  // bf16 [local_heads * head_dim, short_conv_kernel_size - 1].
+  std::uint64_t conv_state_slot_bytes() const noexcept;
 };
 
 struct ModelSpecOptions {
