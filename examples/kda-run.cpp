@@ -1,5 +1,6 @@
-// kda-run — run a model's KDA layers on synthetic inputs, print its memory plan, or run one case
-// file.
+// kda-run — run a model's KDA layers (whole layers, or their cores with --core-only) on synthetic
+// inputs, print its memory plan, or run one case file (--case: the KDA core; --layer-case: one
+// whole layer).
 //
 // Exit codes: 0 success, 1 runtime error (bad model or case file, backend failure), 2 usage error.
 // Layers are named as the YAML's kda_layers names them (model layer, 1-based), with the KDA index
@@ -39,16 +40,21 @@ constexpr std::int64_t kDefaultTokens = 1024;
 
 const char* const kUsage =
     R"(Usage:
-  kda-run --model M.yaml [--tokens T] [--sequences N] [--decode-steps S]
+  kda-run --model M.yaml [--core-only] [--tokens T] [--sequences N] [--decode-steps S]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan]
-  kda-run --model M.yaml --plan-only [--plan | --json] [--tokens T] [--backend auto|cpu|cuda]
+  kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
+          [--backend auto|cpu|cuda]
   kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
+  kda-run --layer-case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --help | --version
 
 Runs every KDA layer of the model described by M.yaml on synthetic inputs (T tokens split evenly
 over N sequences, each on its own state slot) and prints a summary of the memory plan, the time of
-each layer, the total and tokens/s. With --decode-steps S, then runs S decode steps of one token per
-sequence through every KDA layer and prints the median step latency and tokens/s.
+each layer, the total and tokens/s. A KDA layer is the whole layer (hidden states in and out:
+projections, short convolutions, the KDA core, gated RMSNorm, output projection; its time split
+into those phases) unless --core-only or the model's runtime.layers: core asks for the KDA core
+alone. With --decode-steps S, then runs S decode steps of one token per sequence through every KDA
+layer and prints the median step latency and tokens/s.
 
 Layers are numbered as in the YAML's kda_layers (model layer, 1-based); "KDA index" is the 0-based
 position among the KDA layers (the layer argument of Engine::prefill / decode and the C API).
@@ -73,8 +79,14 @@ Options:
                        beta, A_log, dt_bias, optional initial_state and cu_seqlens; metadata gate,
                        lower_bound, scale, final_state); writes out and final_state to --output.
                        A bad case file is reported and nothing is written.
-  --output OUT         where --case writes its result (atomically); must not be IN itself (also
-                       not through a symlink or hard link)
+  --layer-case IN      one whole KDA layer on the tensors of IN (safetensors: hidden_states, the
+                       layer's weights by their checkpoint names, optional cu_seqlens, conv_state_q,
+                       conv_state_k, conv_state_v and recurrent_state; metadata gate, lower_bound,
+                       norm_eps, final_state); writes out and the final states to --output
+  --core-only          run the KDA core of each layer only (q, k, v, g, beta in), as before whole
+                       layers
+  --output OUT         where --case / --layer-case writes its result (atomically); must not be IN
+                       itself (also not through a symlink or hard link)
   --help               this text
   --version            the version and the backends this build has
 
@@ -88,6 +100,8 @@ struct UsageError {
 struct Options {
   std::string model;
   std::string case_path;
+  bool layer_case = false;  // case_path is a --layer-case file
+  bool core_only = false;
   std::string output;
   std::optional<std::int64_t> tokens;
   std::int64_t sequences = 1;
@@ -150,8 +164,13 @@ Options parse_args(int argc, char** argv) {
       o.version = true;
     } else if (arg == "--model") {
       o.model = value();
-    } else if (arg == "--case") {
+    } else if (arg == "--case" || arg == "--layer-case") {
+      if (!o.case_path.empty()) throw UsageError{"give one --case or --layer-case"};
       o.case_path = value();
+      o.layer_case = arg == "--layer-case";
+    } else if (arg == "--core-only") {
+      no_value();
+      o.core_only = true;
     } else if (arg == "--output") {
       o.output = value();
     } else if (arg == "--tokens") {
@@ -190,20 +209,22 @@ Options parse_args(int argc, char** argv) {
   }
   if (o.help || o.version) return o;
   if (!o.case_path.empty()) {
-    if (!o.model.empty()) throw UsageError{"--case and --model cannot be used together"};
-    if (o.output.empty()) throw UsageError{"--case needs --output OUT.safetensors"};
+    const std::string flag = o.layer_case ? "--layer-case" : "--case";
+    if (!o.model.empty()) throw UsageError{flag + " and --model cannot be used together"};
+    if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given) {
-      throw UsageError{"--case takes only --output and --backend"};
+        o.seed_given || o.threads_given || o.core_only) {
+      throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
   }
-  if (!o.output.empty()) throw UsageError{"--output is only used with --case"};
+  if (!o.output.empty()) throw UsageError{"--output is only used with --case or --layer-case"};
   if (o.model.empty())
     throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
-    throw UsageError{"--plan-only takes only --plan, --json, --tokens and --backend"};
+    throw UsageError{
+        "--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
   }
   return o;
 }
@@ -260,6 +281,18 @@ std::string describe_model(const kda::engine::ModelSpec& spec) {
   }
   text += ", state " + std::string(spec.runtime.state_dtype == kda::DType::kF32 ? "fp32" : "bf16") +
           ", plan " + kda::planner::to_string(spec.runtime.workspace_plan) + ")";
+  if (spec.runtime.layer_mode == kda::engine::LayerMode::kWhole) {
+    text += "\nlayers: whole (hidden " + std::to_string(spec.hidden_size) + ", conv width " +
+            std::to_string(spec.short_conv_kernel_size);
+    if (spec.runtime.tp_size > 1) {
+      text += ", tensor-parallel rank " + std::to_string(spec.runtime.tp_rank) + " of " +
+              std::to_string(spec.runtime.tp_size) + ": " + std::to_string(spec.local_heads()) +
+              " heads, outputs are partial sums";
+    }
+    text += ")";
+  } else {
+    text += "\nlayers: KDA core only (q, k, v, g, beta in)";
+  }
   return text;
 }
 
@@ -305,8 +338,14 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
       ++count;
     }
     if (count == 0) continue;
-    const char* note = kind == BufferKind::kState       ? "max_sequences slots per KDA layer"
-                       : kind == BufferKind::kWorkspace ? "one per KDA layer"
+    const bool whole = spec.runtime.layer_mode == kda::engine::LayerMode::kWhole;
+    const char* note = kind == BufferKind::kState
+                           ? (whole ? "max_sequences slots per KDA layer: recurrent, conv q/k/v"
+                                    : "max_sequences slots per KDA layer")
+                       : kind == BufferKind::kWorkspace
+                           ? (whole ? "one per KDA layer, live while it runs: projections, conv "
+                                      "outputs, gates, core output, the core's workspace"
+                                    : "one per KDA layer")
                        : kind == BufferKind::kParameter ? "A_log and dt_bias"
                                                         : "engine temporaries";
     std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
@@ -346,8 +385,13 @@ int run_case_mode(const Options& o) {
   const auto start = std::chrono::steady_clock::now();
   kda::Backend used = kda::Backend::kCpu;
   try {
-    kda::engine::run_case_file(o.case_path, o.output, o.backend.value_or(BackendChoice::kAuto),
-                               &used);
+    if (o.layer_case) {
+      kda::engine::run_layer_case_file(o.case_path, o.output,
+                                       o.backend.value_or(BackendChoice::kAuto), &used);
+    } else {
+      kda::engine::run_case_file(o.case_path, o.output, o.backend.value_or(BackendChoice::kAuto),
+                                 &used);
+    }
   } catch (const kda::Error& e) {
     // run_case_file names the input or the output; anything else is about the input.
     const std::string what = e.what();
@@ -362,7 +406,8 @@ int run_case_mode(const Options& o) {
 }
 
 int run_model(const Options& o) {
-  const kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
+  kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
+  if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
   }
@@ -401,6 +446,7 @@ int run_model(const Options& o) {
   options.cpu_threads = static_cast<int>(o.threads);
   kda::engine::Engine engine(spec, options);
   kda::examples::SyntheticInputs inputs(engine, tokens);
+  const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
 
   const int threads = o.threads > 0
                           ? static_cast<int>(o.threads)
@@ -412,7 +458,13 @@ int run_model(const Options& o) {
   } else {
     std::printf(" (%s)\n", kda::device_name(0).c_str());
   }
-  std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
+  if (whole) {
+    std::printf("weights: %s (%s held by the layers, outside the arena)\n",
+                engine.weights_origin().c_str(),
+                kda::planner::format_bytes(engine.weight_bytes()).c_str());
+  } else {
+    std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
+  }
   std::printf("\nmemory plan:\n%s", plan_text(o, spec, engine.plan(), engine.backend()).c_str());
   std::printf("synthetic inputs: %s for %lld tokens (outside the arena)\n\n",
               kda::planner::format_bytes(inputs.bytes()).c_str(),
@@ -434,11 +486,22 @@ int run_model(const Options& o) {
       "not timed)\n",
       static_cast<long long>(tokens), static_cast<long long>(o.sequences),
       o.sequences == 1 ? "" : "s", report.upload_seconds);
-  std::printf("%8s  %9s  %12s  %12s\n", "layer", "KDA index", "time (ms)", "tokens/s");
+  std::printf("%8s  %9s  %12s  %12s", "layer", "KDA index", "time (ms)", "tokens/s");
+  if (whole) {
+    std::printf("  %11s  %9s  %9s  %9s  %9s  (ms)", "projections", "conv", "core", "norm",
+                "o_proj");
+  }
+  std::printf("\n");
   for (int l = 0; l < engine.num_layers(); ++l) {
     const double s = report.layer_seconds[static_cast<std::size_t>(l)];
-    std::printf("%8d  %9d  %12.3f  %12.0f\n", engine.layer(l).layer_index() + 1, l, s * 1e3,
+    std::printf("%8d  %9d  %12.3f  %12.0f", engine.layer(l).layer_index() + 1, l, s * 1e3,
                 s > 0 ? static_cast<double>(tokens) / s : 0.0);
+    if (whole) {
+      const kda::engine::FullLayerTimes& t = report.layer_phases[static_cast<std::size_t>(l)];
+      std::printf("  %11.3f  %9.3f  %9.3f  %9.3f  %9.3f", t.projections * 1e3, t.conv * 1e3,
+                  t.core * 1e3, t.norm * 1e3, t.o_proj * 1e3);
+    }
+    std::printf("\n");
   }
   const double total = report.prefill_seconds;
   std::printf(

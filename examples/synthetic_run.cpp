@@ -55,8 +55,10 @@ constexpr std::uint64_t kAlignment = 256;
 SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t tokens)
     : backend_(engine.backend()),
       stream_(engine.stream()),
-      heads_(engine.spec().num_heads),
-      head_dim_(engine.spec().head_dim) {
+      heads_(engine.spec().local_heads()),
+      head_dim_(engine.spec().head_dim),
+      hidden_size_(engine.layer_mode() == engine::LayerMode::kWhole ? engine.spec().hidden_size
+                                                                     : 0) {
   if (tokens < 0) fail("synthetic inputs: tokens must be >= 0, got " + std::to_string(tokens));
   capacity_ = std::max(tokens, engine.spec().runtime.max_sequences);
   // Six buffers, each rounded up to 256 bytes, back to back in one allocation.
@@ -75,7 +77,21 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
          StatusCode::kOverflow);
   }
   const std::uint64_t qkvg_stride = (qkvg + round) & ~round;
+  // Whole layers: hidden states and their output, [capacity, hidden_size] each.
+  std::uint64_t hidden = 0;
+  if (!checked_mul(t, static_cast<std::uint64_t>(hidden_size_) * 2, &hidden) ||
+      hidden > std::numeric_limits<std::uint64_t>::max() / 4) {
+    fail("synthetic hidden states of " + std::to_string(capacity_) +
+             " tokens: byte count overflows 64 bits",
+         StatusCode::kOverflow);
+  }
+  const std::uint64_t hidden_stride = (hidden + round) & ~round;
   bytes_ = total + ((beta + round) & ~round);
+  const std::uint64_t beta_end = bytes_;
+  if (bytes_ > std::numeric_limits<std::uint64_t>::max() - 2 * hidden_stride) {
+    fail("synthetic inputs: byte count overflows 64 bits", StatusCode::kOverflow);
+  }
+  bytes_ += 2 * hidden_stride;
   const auto size = static_cast<std::size_t>(bytes_);
   if (backend_ == Backend::kCuda) {
     throw_if_error(device_malloc(&memory_, size), "allocating the synthetic inputs");
@@ -93,6 +109,10 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
   g_ = base + 3 * qkvg_stride;
   out_ = base + 4 * qkvg_stride;
   beta_ = base + 5 * qkvg_stride;
+  if (hidden_size_ > 0) {
+    hidden_ = base + beta_end;
+    hidden_out_ = base + beta_end + hidden_stride;
+  }
 }
 
 SyntheticInputs::~SyntheticInputs() {
@@ -113,6 +133,7 @@ void SyntheticInputs::generate(std::uint64_t seed) {
   fill_random(&host_.v, tokens * H * D, seed * 8 + 3);
   fill_random(&host_.g, tokens * H * D, seed * 8 + 4);
   fill_random(&host_.beta, tokens * H, seed * 8 + 5);
+  fill_random(&host_.hidden, tokens * static_cast<std::size_t>(hidden_size_), seed * 8 + 6);
   auto upload = [&](void* dst, const std::vector<std::uint16_t>& src) {
     const std::size_t bytes = src.size() * sizeof(std::uint16_t);
     if (bytes == 0) return;
@@ -128,6 +149,7 @@ void SyntheticInputs::generate(std::uint64_t seed) {
   upload(v_, host_.v);
   upload(g_, host_.g);
   upload(beta_, host_.beta);
+  if (hidden_ != nullptr) upload(hidden_, host_.hidden);
   if (backend_ == Backend::kCuda) throw_if_error(stream_synchronize(stream_), "synchronizing");
 }
 
@@ -144,6 +166,16 @@ engine::LayerInputs SyntheticInputs::inputs(std::int64_t token_offset) const {
   };
   return {at(q_, t0 * H * D * 2), at(k_, t0 * H * D * 2), at(v_, t0 * H * D * 2),
           at(g_, t0 * H * D * 2), at(beta_, t0 * H * 2)};
+}
+
+const void* SyntheticInputs::hidden(std::int64_t token_offset) const {
+  if (hidden_ == nullptr) return nullptr;
+  if (token_offset < 0 || token_offset > capacity_) {
+    fail("synthetic token offset " + std::to_string(token_offset) + " is out of range [0, " +
+         std::to_string(capacity_) + "]");
+  }
+  return static_cast<const std::uint8_t*>(hidden_) +
+         static_cast<std::uint64_t>(token_offset) * static_cast<std::uint64_t>(hidden_size_) * 2;
 }
 
 RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
@@ -164,6 +196,7 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
   report.backend = engine.backend();
   report.tokens = options.tokens;
   report.sequences = options.sequences;
+  report.whole_layers = engine.layer_mode() == engine::LayerMode::kWhole;
 
   const auto upload_start = std::chrono::steady_clock::now();
   inputs.generate(options.seed);
@@ -184,7 +217,13 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
     int done = 0;
     for (int l = 0; l < layers; ++l) {
       const auto start = std::chrono::steady_clock::now();
-      engine.prefill(l, inputs.inputs(0), inputs.output(), report.slots, cu);
+      if (report.whole_layers) {
+        report.layer_phases.emplace_back();
+        engine.prefill_hidden(l, inputs.hidden(0), inputs.hidden_output(), report.slots, cu,
+                              &report.layer_phases.back());
+      } else {
+        engine.prefill(l, inputs.inputs(0), inputs.output(), report.slots, cu);
+      }
       engine.synchronize();
       report.layer_seconds.push_back(seconds_since(start));
       report.prefill_seconds += report.layer_seconds.back();
@@ -197,7 +236,11 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
       const engine::LayerInputs step_inputs = inputs.inputs(offset);
       const auto start = std::chrono::steady_clock::now();
       for (int l = 0; l < layers; ++l) {
-        engine.decode(l, step_inputs, inputs.output(), report.slots, 1);
+        if (report.whole_layers) {
+          engine.decode_hidden(l, inputs.hidden(offset), inputs.hidden_output(), report.slots, 1);
+        } else {
+          engine.decode(l, step_inputs, inputs.output(), report.slots, 1);
+        }
       }
       engine.synchronize();
       report.decode_step_seconds.push_back(seconds_since(start));

@@ -16,9 +16,10 @@
 namespace kda::examples {
 
 // Random bf16 inputs q, k, g [capacity, H, K], v [capacity, H, V], beta [capacity, H] and an output
-// [capacity, H, V], in memory of the engine's backend (host memory on the CPU, device memory on
-// CUDA), outside the engine's arena. capacity = max(tokens, max_sequences), so that a decode step
-// of every sequence fits too.
+// [capacity, H, V] (H: the engine's local heads), and for an engine of whole layers also hidden
+// states [capacity, hidden_size] and their output, in memory of the engine's backend (host memory
+// on the CPU, device memory on CUDA), outside the engine's arena. capacity = max(tokens,
+// max_sequences), so that a decode step of every sequence fits too.
 class SyntheticInputs {
  public:
   // Allocates (nothing generated yet). Throws kda::Error: negative tokens, byte counts that
@@ -36,9 +37,13 @@ class SyntheticInputs {
   // Inputs starting at token `token_offset` (0..capacity).
   engine::LayerInputs inputs(std::int64_t token_offset = 0) const;
   void* output() const noexcept { return out_; }
+  // Whole layers: hidden states from token `token_offset` (nullptr for a core-only engine), and
+  // the layer output [capacity, hidden_size].
+  const void* hidden(std::int64_t token_offset = 0) const;
+  void* hidden_output() const noexcept { return hidden_out_; }
   // Host copies of the generated inputs.
   struct Host {
-    std::vector<std::uint16_t> q, k, v, g, beta;
+    std::vector<std::uint16_t> q, k, v, g, beta, hidden;
   };
   const Host& host() const noexcept { return host_; }
 
@@ -46,11 +51,12 @@ class SyntheticInputs {
   Backend backend_;
   void* stream_;
   std::int64_t capacity_ = 0;
-  std::int64_t heads_ = 0, head_dim_ = 0;
+  std::int64_t heads_ = 0, head_dim_ = 0, hidden_size_ = 0;  // hidden_size_ 0: core only
   std::uint64_t bytes_ = 0;
   void* memory_ = nullptr;  // one allocation holding the six buffers
   void *q_ = nullptr, *k_ = nullptr, *v_ = nullptr, *g_ = nullptr, *beta_ = nullptr;
   void* out_ = nullptr;
+  void *hidden_ = nullptr, *hidden_out_ = nullptr;
   Host host_;
 };
 
@@ -60,7 +66,10 @@ struct RunReport {
   std::int64_t tokens = 0;
   std::int64_t sequences = 0;
   std::vector<int> slots;                   // the slots the run used
+  bool whole_layers = false;                // hidden states through whole layers
   std::vector<double> layer_seconds;        // prefill, per KDA layer (in order)
+  // Whole layers: each layer's prefill time by phase (FullLayerTimes; empty for core layers).
+  std::vector<engine::FullLayerTimes> layer_phases;
   double prefill_seconds = 0.0;             // sum of layer_seconds
   double upload_seconds = 0.0;              // generating + uploading inputs (not in the above)
   std::vector<double> decode_step_seconds;  // one entry per step: every KDA layer, 1 token/seq
@@ -78,7 +87,9 @@ struct RunOptions {
 
 // Generates `inputs` (seeded, timed separately), acquires `sequences` slots, prefills every KDA
 // layer (tokens split as evenly as possible, earlier sequences one longer), then runs
-// `decode_steps` steps of one token per sequence over every layer. Throws kda::Error.
+// `decode_steps` steps of one token per sequence over every layer. An engine of whole layers runs
+// prefill_hidden / decode_hidden on the synthetic hidden states (every layer reads the same ones)
+// and reports each layer's phases; a core-only engine prefill / decode. Throws kda::Error.
 RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs, const RunOptions& options);
 
 }  // namespace kda::examples
