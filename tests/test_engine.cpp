@@ -40,7 +40,8 @@ const char* const kSpec =
     "  max_sequences: 4\n"
     "  state_dtype: fp32\n"
     "  workspace_plan: sum\n"
-    "  backend: cpu\n";
+    "  backend: cpu\n"
+    "  layers: core\n";  // these tests are of the core-only engine; whole layers: test_engine_whole
 
 std::string replace(std::string text, const std::string& from, const std::string& to) {
   const auto at = text.find(from);
@@ -166,6 +167,7 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
 TEST_CASE("plan: reuse shares workspaces between layers and is smaller than sum") {
   const std::string dir = std::string(KDA_SOURCE_DIR) + "/examples/models/";
   ModelSpec kimi = kda::engine::load_model_spec(dir + "kimi-linear-48b-a3b.yaml");
+  kimi.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;  // whole layers: test_engine_whole
   for (const kda::Backend backend : {kda::Backend::kCpu, kda::Backend::kCuda}) {
     CAPTURE(kda::to_string(backend));
     kimi.runtime.workspace_plan = kda::planner::PlanMode::kSum;

@@ -319,17 +319,29 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
       }
     }
     CHECK(end <= plan["arena_bytes"].get<std::uint64_t>());
-    CHECK(states == static_cast<int>(state_layers.size()));
-    CHECK(states == (std::string(model) == "tiny.yaml" ? 3 : 20));
+    // Whole layers: a recurrent state and three conv states (q, k, v) per KDA layer.
+    CHECK(states == 4 * static_cast<int>(state_layers.size()));
+    CHECK(state_layers.size() == (std::string(model) == "tiny.yaml" ? 3u : 20u));
+    // --core-only: the recurrent state only.
+    const Result core = kda_run({"--model", kModels + model, "--plan-only", "--json", "--core-only"});
+    REQUIRE(core.rc == 0);
+    int core_states = 0;
+    const nlohmann::json core_plan = nlohmann::json::parse(core.out);
+    for (const auto& buffer : core_plan["buffers"]) {
+      core_states += buffer["kind"] == "state";
+    }
+    CHECK(core_states == static_cast<int>(state_layers.size()));
   }
 }
 
 TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan") {
-  const Result json = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json"});
+  // The KDA cores' plan (sizes known to this test); whole layers add conv states and workspace.
+  const Result json =
+      kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json", "--core-only"});
   REQUIRE(json.rc == 0);
   const auto total = nlohmann::json::parse(json.out)["arena_bytes"].get<std::uint64_t>();
 
-  const Result summary = kda_run({"--model", kModels + "tiny.yaml", "--plan-only"});
+  const Result summary = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--core-only"});
   INFO("summary:\n" << summary.out);
   REQUIRE(summary.rc == 0);
   // The arena in bytes is the JSON's total; one line per kind; both plan modes; no buffer rows.
@@ -346,7 +358,8 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
   CHECK(summary.out.find("layer1.state") == std::string::npos);
   CHECK(std::count(summary.out.begin(), summary.out.end(), '\n') <= 10);
 
-  const Result table = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan"});
+  const Result table =
+      kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan", "--core-only"});
   INFO("table:\n" << table.out);
   REQUIRE(table.rc == 0);
   CHECK(table.out.find("layer1.state") != std::string::npos);
@@ -388,7 +401,10 @@ TEST_CASE("kda-run: layers are numbered as the YAML's kda_layers, with the KDA i
   const nlohmann::json plan = nlohmann::json::parse(json.out);
   std::vector<int> state_layers;
   for (const auto& buffer : plan["buffers"]) {
-    if (buffer["kind"] == "state") state_layers.push_back(buffer["layer"].get<int>());
+    const std::string name = buffer["name"];
+    if (buffer["kind"] == "state" && name.size() > 6 && name.substr(name.size() - 6) == ".state") {
+      state_layers.push_back(buffer["layer"].get<int>());
+    }
   }
   CHECK(state_layers == spec.kda_layers);
 
@@ -402,7 +418,9 @@ TEST_CASE("kda-run: layers are numbered as the YAML's kda_layers, with the KDA i
   INFO("run:\n" << run.out << run.err);
   REQUIRE(run.rc == 0);
   CHECK(run.out.find("   layer  KDA index") != std::string::npos);
-  CHECK(std::regex_search(run.out, std::regex("\n +1 +0 +[0-9.]+ +[0-9]+\n +3 +1 +[0-9.]+")));
+  // (then each phase's time: projections, conv, core, norm, o_proj)
+  CHECK(std::regex_search(run.out,
+                          std::regex("\n +1 +0 +[0-9.]+ +[0-9]+( +[0-9.]+){5}\n +3 +1 +[0-9.]+")));
 }
 
 TEST_CASE("kda-run --version: the version and the backends of this build") {

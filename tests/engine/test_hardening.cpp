@@ -261,8 +261,14 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
     const std::string message = expect_error(
         [&] { Engine::plan_for(spec, kda::Backend::kCuda); }, kda::StatusCode::kOverflow);
     CHECK(message.find("workspace") != std::string::npos);
-    // The CPU backend's workspace does not grow with the tokens: the same spec plans there.
-    CHECK(Engine::plan_for(spec, kda::Backend::kCpu).arena_bytes > 0);
+    // The CPU core's workspace does not grow with the tokens: the same spec plans there with
+    // core-only layers; a whole layer's intermediates do grow, and overflow the same way.
+    ModelSpec core = spec;
+    core.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
+    CHECK(Engine::plan_for(core, kda::Backend::kCpu).arena_bytes > 0);
+    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                       kda::StatusCode::kOverflow)
+              .find("workspace") != std::string::npos);
   }
 }
 
