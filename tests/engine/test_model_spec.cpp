@@ -598,3 +598,51 @@ TEST_CASE("files: weights resolve against the YAML's directory / unreadable file
                        kda::Error);
   fs::remove_all(dir);
 }
+
+TEST_CASE("whole-layer keys: runtime.layers / tp_size / tp_rank and rms_norm_eps") {
+  const ModelSpec defaults = parse_model_spec(kValid, "m.yaml");
+  CHECK(defaults.runtime.layer_mode == kda::engine::LayerMode::kWhole);
+  CHECK(defaults.runtime.tp_size == 1);
+  CHECK(defaults.runtime.tp_rank == 0);
+  CHECK(defaults.rms_norm_eps == doctest::Approx(1e-5));
+  CHECK(defaults.local_heads() == 4);
+
+  const std::string text = replace(kValid, "  backend: cpu\n",
+                                   "  backend: cpu\n  layers: core\n  tp_size: 2\n  tp_rank: 1\n") +
+                           "rms_norm_eps: 1.0e-6\n";
+  const ModelSpec spec = parse_model_spec(text, "m.yaml");
+  CHECK(spec.warnings.empty());
+  CHECK(spec.runtime.layer_mode == kda::engine::LayerMode::kCoreOnly);
+  CHECK(spec.runtime.tp_size == 2);
+  CHECK(spec.runtime.tp_rank == 1);
+  CHECK(spec.local_heads() == 2);
+  CHECK(spec.rms_norm_eps == doctest::Approx(1e-6));
+  CHECK(spec.state_slot_bytes() == 2u * 64 * 64 * 2);  // this rank's heads, bf16
+  CHECK(spec.conv_state_slot_bytes() == 2u * 64 * 3 * 2);
+
+  // The Hugging Face config's rms_norm_eps is read.
+  const ModelSpec kimi = kda::engine::load_model_spec(std::string(KDA_SOURCE_DIR) +
+                                                      "/examples/models/kimi-linear-48b-a3b.json");
+  CHECK(kimi.rms_norm_eps == doctest::Approx(1e-5));
+
+  // Bad values name the key and the problem.
+  check_error(replace(kValid, "  backend: cpu\n", "  backend: cpu\n  tp_size: 3\n"),
+              {"m.yaml:18:", "runtime.tp_size", "does not divide linear_attn_config.num_heads 4"});
+  check_error(replace(kValid, "  backend: cpu\n", "  backend: cpu\n  tp_size: 2\n  tp_rank: 2\n"),
+              {"m.yaml:19:", "runtime.tp_rank", "out of range [0, 1]"});
+  check_error(replace(kValid, "  backend: cpu\n", "  backend: cpu\n  layers: half\n"),
+              {"runtime.layers", "unknown layer mode 'half' (expected whole or core)"});
+  check_error(std::string(kValid) + "rms_norm_eps: -1\n",
+              {"m.yaml:18:", "rms_norm_eps", "not a finite number > 0"});
+  check_error(std::string(kValid) + "rms_norm_eps: small\n", {"rms_norm_eps", "expected a number"});
+
+  // Typos of the new keys warn with the spelling meant.
+  const ModelSpec typo = parse_model_spec(
+      replace(kValid, "  backend: cpu\n", "  backend: cpu\n  tp_sise: 2\n") + "rms_norm_esp: 1\n",
+      "m.yaml");
+  REQUIRE(typo.warnings.size() == 2);  // top-level keys are checked first
+  CHECK(typo.warnings[0].find("rms_norm_esp: unknown key, ignored; did you mean `rms_norm_eps`?") !=
+        std::string::npos);
+  CHECK(typo.warnings[1].find("runtime.tp_sise: unknown key, ignored; did you mean `tp_size`?") !=
+        std::string::npos);
+}
