@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kda/engine/error.hpp"
+#include "kda/engine/kda_full_layer.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda_reference.hpp"
@@ -206,7 +207,8 @@ kda::test::KdaCase small_case() {
 
 // Saves `file` (or raw bytes), runs kda-run --case on it, expects failure with `part` in the
 // message and no output: an absent output stays absent, an existing one keeps its contents.
-void check_rejected(const CaseFile* file, const std::string* raw, const std::string& part) {
+void check_rejected(const CaseFile* file, const std::string* raw, const std::string& part,
+                    const std::string& flag = "--case") {
   TempDir dir;
   const std::string in = dir.file("in.safetensors");
   if (file != nullptr) file->save(in);
@@ -216,7 +218,7 @@ void check_rejected(const CaseFile* file, const std::string* raw, const std::str
   for (const bool existing : {false, true}) {
     const std::string out = dir.file(existing ? "existing.safetensors" : "out.safetensors");
     if (existing) std::ofstream(out) << "keep me";
-    const Result r = kda_run({"--case", in, "--output", out, "--backend", "cpu"});
+    const Result r = kda_run({flag, in, "--output", out, "--backend", "cpu"});
     INFO("stderr: " << r.err);
     CHECK(r.rc == 1);
     CHECK(r.err.find(part) != std::string::npos);
@@ -238,6 +240,9 @@ void check_rejected(const CaseFile& file, const std::string& part) {
 }
 void check_rejected_bytes(const std::string& raw, const std::string& part) {
   check_rejected(nullptr, &raw, part);
+}
+void check_layer_rejected(const CaseFile& file, const std::string& part) {
+  check_rejected(&file, nullptr, part, "--layer-case");
 }
 
 }  // namespace
@@ -625,4 +630,224 @@ TEST_CASE("kda-run --case: an --output that is the case file is refused, the fil
   CHECK(r.rc == 0);
   CHECK(fs::exists(dir.file("sub/out.safetensors")));
   CHECK(read_text(in) == original);
+}
+
+// ---- whole layers ----------------------------------------------------------------------------
+
+TEST_CASE("kda-run: whole layers by default, split into phases; --core-only runs the cores") {
+  const Result whole = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "24", "--sequences",
+                                "2", "--decode-steps", "2", "--backend", "cpu", "--threads", "2"});
+  INFO("whole:\n" << whole.out << whole.err);
+  REQUIRE(whole.rc == 0);
+  CHECK(whole.out.find("layers: whole (hidden 512, conv width 4)") != std::string::npos);
+  CHECK(whole.out.find("weights: random (seed 0)") != std::string::npos);
+  CHECK(whole.out.find("projections       conv       core       norm     o_proj  (ms)") !=
+        std::string::npos);
+  CHECK(std::regex_search(whole.out, std::regex("plan sum: [0-9.]+ [KMG]iB .*plan reuse: ")));
+  CHECK(whole.out.find("decode: 2 steps") != std::string::npos);
+
+  const Result core = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "24", "--backend",
+                               "cpu", "--threads", "2", "--core-only"});
+  INFO("core:\n" << core.out << core.err);
+  REQUIRE(core.rc == 0);
+  CHECK(core.out.find("layers: KDA core only") != std::string::npos);
+  CHECK(core.out.find("projections") == std::string::npos);
+  CHECK(core.out.find("parameters: random (seed 0)") != std::string::npos);
+  CHECK(kda_run({"--layer-case", "a", "--output", "b", "--core-only"}).rc == 2);
+}
+
+namespace {
+
+constexpr std::int64_t kLayerE = 48, kLayerH = 4, kLayerD = 16, kLayerW = 4;
+
+kda::engine::FullLayerConfig layer_config() {
+  kda::engine::FullLayerConfig c;
+  c.hidden_size = kLayerE;
+  c.num_heads = kLayerH;
+  c.head_dim = kLayerD;
+  c.conv_width = kLayerW;
+  c.gate = kda::GateMode::kSoftplus;
+  c.norm_eps = 1e-5f;
+  return c;
+}
+
+std::vector<std::uint16_t> random_bits(std::size_t count, float amplitude, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-amplitude, amplitude);
+  std::vector<std::uint16_t> bits(count);
+  for (auto& b : bits) b = kda::float_to_bf16(dist(rng));
+  return bits;
+}
+
+// A layer case: weights (bare names), `tokens` hidden states, optional cu_seqlens and states.
+CaseFile layer_case(const kda::engine::FullLayerWeights& weights,
+                    const std::vector<std::uint16_t>& hidden) {
+  CaseFile f;
+  for (const Tensor& t : kda::engine::full_layer_weight_tensors(weights)) f.tensors.emplace(t.name, t);
+  const auto T = static_cast<std::int64_t>(hidden.size()) / kLayerE;
+  f.tensors.emplace("hidden_states", bf16_tensor("hidden_states", hidden, {T, kLayerE}));
+  f.metadata["gate"] = "softplus";
+  return f;
+}
+
+// FullLayerCpu on `hidden` with `n` sequences, from states `init` (rows 0..n-1) when given.
+struct LayerRun {
+  std::vector<std::uint16_t> out;
+  std::vector<std::uint16_t> conv[3];
+  std::vector<float> recurrent;
+};
+LayerRun run_direct(const kda::engine::FullLayerWeights& weights,
+                    const std::vector<std::uint16_t>& hidden, const std::vector<std::int64_t>& cu,
+                    const LayerRun* init = nullptr) {
+  const kda::engine::FullLayerCpu layer(weights);
+  const auto N = static_cast<std::int64_t>(cu.size()) - 1;
+  LayerRun r;
+  r.out.assign(hidden.size(), 0);
+  for (int p = 0; p < 3; ++p) {
+    r.conv[p] = init ? init->conv[p]
+                     : std::vector<std::uint16_t>(
+                           static_cast<std::size_t>(N * kLayerH * kLayerD * (kLayerW - 1)), 0);
+  }
+  r.recurrent = init ? init->recurrent
+                     : std::vector<float>(static_cast<std::size_t>(N * kLayerH * kLayerD * kLayerD));
+  std::vector<std::uint8_t> ws(layer.workspace_bytes(cu.back(), N, N));
+  kda::engine::FullLayerState state{N, r.conv[0].data(), r.conv[1].data(), r.conv[2].data(),
+                                    r.recurrent.data(), DType::kF32};
+  layer.forward({cu.back(), N, cu.data(), nullptr}, hidden.data(), r.out.data(), state,
+                kda::Workspace{ws.data(), ws.size()});
+  return r;
+}
+
+template <typename T>
+std::vector<T> values_of(const Tensor& t) {
+  std::vector<T> v(t.data.size() / sizeof(T));
+  std::memcpy(v.data(), t.data.data(), t.data.size());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu; chunks chain") {
+  const auto weights = kda::engine::random_full_layer_weights(layer_config(), 3, 0);
+  const std::vector<std::uint16_t> hidden = random_bits(12 * kLayerE, 1.0f, 11);
+  TempDir dir;
+  {  // Three sequences (one empty), int32 cu_seqlens, random initial conv and recurrent states.
+    CaseFile f = layer_case(weights, hidden);
+    const std::vector<std::int32_t> cu32 = {0, 5, 5, 12};
+    f.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI32, cu32, {4}));
+    LayerRun init;
+    const char* names[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
+    for (int p = 0; p < 3; ++p) {
+      init.conv[p] = random_bits(3 * kLayerH * kLayerD * (kLayerW - 1), 1.0f, 20 + p);
+      f.tensors.emplace(names[p], bf16_tensor(names[p], init.conv[p],
+                                              {3, kLayerH * kLayerD, kLayerW - 1}));
+    }
+    for (const std::uint16_t b : random_bits(3 * kLayerH * kLayerD * kLayerD, 0.2f, 30)) {
+      init.recurrent.push_back(kda::bf16_to_float(b));
+    }
+    f.tensors.emplace("recurrent_state", typed_tensor("recurrent_state", DType::kF32,
+                                                      init.recurrent, {3, kLayerH, kLayerD, kLayerD}));
+    f.metadata["norm_eps"] = "1e-5";
+    f.save(dir.file("in.safetensors"));
+    const Result r = kda_run({"--layer-case", dir.file("in.safetensors"), "--output",
+                              dir.file("out.safetensors"), "--backend", "cpu"});
+    INFO(r.err);
+    REQUIRE(r.rc == 0);
+    const auto out = kda::engine::SafetensorsFile::open(dir.file("out.safetensors"));
+    const LayerRun expected = run_direct(weights, hidden, {0, 5, 5, 12}, &init);
+    CHECK(out.read("out").shape == std::vector<std::int64_t>{12, kLayerE});
+    CHECK(values_of<std::uint16_t>(out.read("out")) == expected.out);
+    for (int p = 0; p < 3; ++p) {
+      CHECK(values_of<std::uint16_t>(out.read(names[p])) == expected.conv[p]);
+    }
+    CHECK(values_of<float>(out.read("recurrent_state")) == expected.recurrent);
+    CHECK(out.metadata().at("backend") == "cpu");
+  }
+  {  // One sequence in two chunks: the first output's states are the second input's.
+    const std::vector<std::uint16_t> first(hidden.begin(), hidden.begin() + 7 * kLayerE);
+    const std::vector<std::uint16_t> second(hidden.begin() + 7 * kLayerE, hidden.end());
+    layer_case(weights, first).save(dir.file("a.safetensors"));
+    REQUIRE(kda_run({"--layer-case", dir.file("a.safetensors"), "--output",
+                     dir.file("a-out.safetensors")}).rc == 0);
+    CaseFile b = layer_case(weights, second);
+    const auto a_out = kda::engine::SafetensorsFile::open(dir.file("a-out.safetensors"));
+    for (const char* name : {"conv_state_q", "conv_state_k", "conv_state_v", "recurrent_state"}) {
+      b.tensors.emplace(name, a_out.read(name));
+    }
+    b.save(dir.file("b.safetensors"));
+    REQUIRE(kda_run({"--layer-case", dir.file("b.safetensors"), "--output",
+                     dir.file("b-out.safetensors"), "--backend", "cpu"}).rc == 0);
+    const auto b_out = kda::engine::SafetensorsFile::open(dir.file("b-out.safetensors"));
+    const LayerRun whole = run_direct(weights, hidden, {0, 12});
+    const std::vector<std::uint16_t> tail(whole.out.begin() + 7 * kLayerE, whole.out.end());
+    const auto chained = values_of<std::uint16_t>(b_out.read("out"));
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < tail.size(); ++i) {
+      const double x = kda::bf16_to_float(chained[i]), y = kda::bf16_to_float(tail[i]);
+      diff += (x - y) * (x - y);
+      norm += y * y;
+    }
+    CHECK(std::sqrt(diff / norm) <= 1e-3);
+    CHECK(values_of<std::uint16_t>(b_out.read("conv_state_v")) == whole.conv[2]);
+  }
+  {  // final_state none: out only.
+    CaseFile f = layer_case(weights, hidden);
+    f.metadata["final_state"] = "none";
+    f.save(dir.file("n.safetensors"));
+    REQUIRE(kda_run({"--layer-case", dir.file("n.safetensors"), "--output",
+                     dir.file("n-out.safetensors")}).rc == 0);
+    const auto out = kda::engine::SafetensorsFile::open(dir.file("n-out.safetensors"));
+    CHECK(out.find("out") != nullptr);
+    CHECK(out.find("recurrent_state") == nullptr);
+  }
+}
+
+TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write nothing") {
+  const auto weights = kda::engine::random_full_layer_weights(layer_config(), 3, 0);
+  const CaseFile good = layer_case(weights, random_bits(6 * kLayerE, 1.0f, 12));
+  CaseFile bad = good;
+  bad.tensors.erase("hidden_states");
+  check_layer_rejected(bad, "missing tensor 'hidden_states'");
+  bad = good;
+  bad.tensors.erase("hidden_states");
+  bad.tensors.emplace("hidden_states", Tensor::zeros("hidden_states", DType::kF32, {6, kLayerE}));
+  check_layer_rejected(bad, "tensor 'hidden_states' has dtype F32, expected BF16");
+  bad = good;
+  bad.tensors.erase("k_proj.weight");
+  check_layer_rejected(bad, "no tensor 'k_proj.weight'");
+  bad = good;
+  bad.tensors.erase("v_proj.weight");
+  bad.tensors.emplace("v_proj.weight",
+                      Tensor::zeros("v_proj.weight", DType::kBF16, {kLayerH * kLayerD, 40}));
+  check_layer_rejected(bad, "v_proj.weight");
+  bad = good;
+  bad.tensors.emplace("conv_state_k", Tensor::zeros("conv_state_k", DType::kBF16, {1, 64, 2}));
+  check_layer_rejected(bad, "tensor 'conv_state_k' has shape [1, 64, 2], expected [1, 64, 3]");
+  bad = good;
+  bad.tensors.emplace("recurrent_state",
+                      Tensor::zeros("recurrent_state", DType::kI32, {1, 4, 16, 16}));
+  check_layer_rejected(bad, "tensor 'recurrent_state' has dtype I32");
+  bad = good;
+  bad.tensors.emplace("cu_seqlens",
+                      typed_tensor("cu_seqlens", DType::kI64, std::vector<std::int64_t>{0, 2, 5}, {3}));
+  check_layer_rejected(bad, "cu_seqlens ends at 5, expected T = 6");
+  bad = good;
+  bad.metadata.erase("gate");
+  check_layer_rejected(bad, "metadata 'gate' is missing");
+  bad = good;
+  bad.metadata["norm_eps"] = "-1";
+  check_layer_rejected(bad, "metadata 'norm_eps' is '-1'");
+  bad = good;
+  bad.metadata["final_state"] = "f16";
+  check_layer_rejected(bad, "metadata 'final_state' is 'f16'");
+
+  // The output must not be the input.
+  TempDir dir;
+  good.save(dir.file("in.safetensors"));
+  const std::string before = read_text(dir.file("in.safetensors"));
+  const Result r = kda_run(
+      {"--layer-case", dir.file("in.safetensors"), "--output", dir.file("in.safetensors")});
+  CHECK(r.rc == 1);
+  CHECK(r.err.find("refusing to overwrite the input") != std::string::npos);
+  CHECK(read_text(dir.file("in.safetensors")) == before);
 }
