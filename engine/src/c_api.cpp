@@ -348,6 +348,46 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
   });
 }
 
+kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_hidden_size", "out");
+    *out = e.spec().hidden_size;
+  });
+}
+
+kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_whole_layers", "out");
+    *out = e.layer_mode() == kda::engine::LayerMode::kWhole ? 1 : 0;
+  });
+}
+
+kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                     const int* slots, int num_sequences,
+                                     const int64_t* cu_seqlens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_prefill_hidden";
+    require(slots, function, "slots");
+    require(cu_seqlens, function, "cu_seqlens");
+    check_count(num_sequences, e, function, "num_sequences");
+    const auto n = static_cast<std::size_t>(num_sequences);
+    // hidden / out may be NULL only for a batch of no tokens (the engine checks).
+    e.prefill_hidden(layer, hidden, out, {slots, n}, {cu_seqlens, n + 1});
+  });
+}
+
+kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                    const int* slots, int batch, int tokens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_decode_hidden";
+    require(hidden, function, "hidden");
+    require(out, function, "out");
+    require(slots, function, "slots");
+    check_count(batch, e, function, "batch");
+    e.decode_hidden(layer, hidden, out, {slots, static_cast<std::size_t>(batch)}, tokens);
+  });
+}
+
 kda_status kda_engine_synchronize(kda_engine* engine) {
   return on_handle(engine, [&](kda::engine::Engine& e) { e.synchronize(); });
 }

@@ -515,3 +515,62 @@ TEST_CASE("prefill + decode through the C API equal the C++ Engine bitwise") {
   CHECK(kda_engine_free_slots(handle, &free_slots) == KDA_OK);
   CHECK(free_slots == 4);
 }
+
+TEST_CASE("whole layers through the C API: prefill_hidden + decode_hidden equal the C++ Engine") {
+  const std::uint64_t seed = 31;
+  Handle handle;
+  create(&handle, kSpec, seed);
+  EngineOptions cpp_options;
+  cpp_options.backend = kda::engine::BackendChoice::kCpu;
+  cpp_options.cpu_threads = 2;
+  cpp_options.seed = seed;
+  Engine engine(kda::engine::parse_model_spec(kSpec, "t.yaml"), cpp_options);
+  int whole = -1;
+  std::int64_t E = 0;
+  REQUIRE(kda_engine_whole_layers(handle, &whole) == KDA_OK);
+  REQUIRE(kda_engine_hidden_size(handle, &E) == KDA_OK);
+  CHECK(whole == 1);
+  CHECK(E == 64);
+
+  int c_slots[2];
+  for (int& slot : c_slots) REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+  const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot()};
+  const std::vector<std::int64_t> cu = {0, 9, 20};
+  kda::test::Rng rng(seed);
+  const std::vector<std::uint16_t> x = kda::test::random_bf16(rng, 20 * E, 1.0);
+  for (int layer = 0; layer < engine.num_layers(); ++layer) {
+    CAPTURE(layer);
+    std::vector<std::uint16_t> out_c(x.size(), 0), out_cpp(x.size(), 1);
+    REQUIRE(kda_engine_prefill_hidden(handle, layer, x.data(), out_c.data(), c_slots, 2,
+                                      cu.data()) == KDA_OK);
+    engine.prefill_hidden(layer, x.data(), out_cpp.data(), slots, cu);
+    CHECK(out_c == out_cpp);
+    // A decode step of two tokens on rows {slot 1, padding, slot 0}.
+    const int c_rows[3] = {c_slots[1], -1, c_slots[0]};
+    std::vector<std::uint16_t> step_c(6 * E, 0), step_cpp(6 * E, 0);
+    REQUIRE(kda_engine_decode_hidden(handle, layer, x.data(), step_c.data(), c_rows, 3, 2) ==
+            KDA_OK);
+    engine.decode_hidden(layer, x.data(), step_cpp.data(), {slots[1], -1, slots[0]}, 2);
+    CHECK(std::equal(step_c.begin(), step_c.begin() + 2 * E, step_cpp.begin()));
+    CHECK(std::equal(step_c.begin() + 4 * E, step_c.end(), step_cpp.begin() + 4 * E));
+  }
+
+  // Errors: a NULL hidden, too many tokens per decode row; a core-only engine has no hidden calls.
+  std::vector<std::uint16_t> out(20 * E);
+  CHECK(kda_engine_decode_hidden(handle, 0, nullptr, out.data(), c_slots, 1, 1) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(handle), "hidden"));
+  CHECK(kda_engine_decode_hidden(handle, 0, x.data(), out.data(), c_slots, 1, 17) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(handle), "tokens 17"));
+  const std::string core_yaml = std::string(kSpec) + "  layers: core\n";
+  Handle core;
+  create(&core, core_yaml.c_str(), seed);
+  REQUIRE(kda_engine_whole_layers(core, &whole) == KDA_OK);
+  CHECK(whole == 0);
+  int slot = -1;
+  REQUIRE(kda_engine_acquire_slot(core, &slot) == KDA_OK);
+  CHECK(kda_engine_prefill_hidden(core, 0, x.data(), out.data(), &slot, 1, cu.data()) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(core), "runtime.layers: core"));
+}

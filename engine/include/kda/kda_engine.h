@@ -17,7 +17,8 @@
  *   }
  *   int slot;
  *   kda_engine_acquire_slot(engine, &slot);
- *   kda_engine_prefill(engine, layer, q, k, v, g, beta, out, &slot, 1, cu_seqlens);
+ *   kda_engine_prefill_hidden(engine, layer, hidden, out, &slot, 1, cu_seqlens);  (whole layers)
+ *   kda_engine_prefill(engine, layer, q, k, v, g, beta, out, &slot, 1, cu_seqlens);  (KDA core)
  *   ...
  *   kda_engine_destroy(engine);
  *
@@ -155,6 +156,28 @@ kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, cons
 kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const void* k,
                              const void* v, const void* g, const void* beta, void* out,
                              const int* slots, int batch, int tokens);
+/* ---- whole layers ---------------------------------------------------------------------------
+ * By default (YAML runtime.layers: whole) each KDA layer is the whole Kimi Delta Attention layer:
+ * hidden states in, hidden states out (projections, short convolutions, the KDA core, gated
+ * RMSNorm, output projection), bf16 [T, hidden_size] both, on the engine's backend. A slot then
+ * holds the sequence's whole state in every layer (conv states and recurrent state), zeroed by
+ * acquire / reset. With runtime.tp_size > 1, `out` is this rank's PARTIAL SUM of the layer output:
+ * the host runtime all-reduces it over the ranks. kda_engine_prefill / kda_engine_decode still run
+ * the KDA core alone on the same recurrent states. */
+kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out);
+/* *out = 1 when the engine runs whole layers, 0 when KDA cores only (runtime.layers: core). */
+kda_status kda_engine_whole_layers(kda_engine* engine, int* out);
+/* Prefill of whole layer `layer` on hidden states [T, hidden_size] (T = cu_seqlens[num_sequences]);
+ * slots and cu_seqlens as kda_engine_prefill. KDA_INVALID_ARGUMENT on a core-only engine. */
+kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                     const int* slots, int num_sequences,
+                                     const int64_t* cu_seqlens);
+/* Decode of whole layer `layer`: `tokens` (1..16) new tokens for each of `batch` rows, hidden and
+ * out [batch * tokens, hidden_size]. slots[b] < 0 marks a padding row (its out unspecified, no
+ * state touched). */
+kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                    const int* slots, int batch, int tokens);
+
 /* Waits for everything the engine enqueued (CUDA); a no-op on the CPU. */
 kda_status kda_engine_synchronize(kda_engine* engine);
 /* What the kernels found that the host could not see, over every call since the last check: gate
