@@ -223,8 +223,7 @@ Options parse_args(int argc, char** argv) {
     throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
-    throw UsageError{
-        "--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
+    throw UsageError{"--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
   }
   return o;
 }

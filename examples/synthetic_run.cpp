@@ -58,7 +58,7 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
       heads_(engine.spec().local_heads()),
       head_dim_(engine.spec().head_dim),
       hidden_size_(engine.layer_mode() == engine::LayerMode::kWhole ? engine.spec().hidden_size
-                                                                     : 0) {
+                                                                    : 0) {
   if (tokens < 0) fail("synthetic inputs: tokens must be >= 0, got " + std::to_string(tokens));
   capacity_ = std::max(tokens, engine.spec().runtime.max_sequences);
   // Six buffers, each rounded up to 256 bytes, back to back in one allocation.

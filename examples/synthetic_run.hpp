@@ -65,9 +65,9 @@ struct RunReport {
   Backend backend = Backend::kCpu;
   std::int64_t tokens = 0;
   std::int64_t sequences = 0;
-  std::vector<int> slots;                   // the slots the run used
-  bool whole_layers = false;                // hidden states through whole layers
-  std::vector<double> layer_seconds;        // prefill, per KDA layer (in order)
+  std::vector<int> slots;             // the slots the run used
+  bool whole_layers = false;          // hidden states through whole layers
+  std::vector<double> layer_seconds;  // prefill, per KDA layer (in order)
   // Whole layers: each layer's prefill time by phase (FullLayerTimes; empty for core layers).
   std::vector<engine::FullLayerTimes> layer_phases;
   double prefill_seconds = 0.0;             // sum of layer_seconds

@@ -51,7 +51,9 @@ constexpr std::int64_t E = 48, H = 4, D = 16, W = 4;
 constexpr std::uint64_t kSeed = 7;
 constexpr int kThreads = 2;
 
-ModelSpec spec_from(const std::string& text) { return kda::engine::parse_model_spec(text, "w.yaml"); }
+ModelSpec spec_from(const std::string& text) {
+  return kda::engine::parse_model_spec(text, "w.yaml");
+}
 
 ModelSpec spec_with(const std::string& runtime_lines) {
   return spec_from(std::string(kSpec) + runtime_lines);
@@ -150,14 +152,14 @@ struct Direct {
     for (auto& pool : conv) {
       pool.assign(static_cast<std::size_t>(num_slots * c.local_channels() * (c.conv_width - 1)), 0);
     }
-    recurrent.assign(static_cast<std::size_t>(num_slots * c.local_heads() * c.head_dim * c.head_dim),
-                     0.0f);
+    recurrent.assign(
+        static_cast<std::size_t>(num_slots * c.local_heads() * c.head_dim * c.head_dim), 0.0f);
     workspace.resize(layer.workspace_bytes(64, num_slots, num_slots));
   }
   void forward(const std::vector<std::int64_t>& cu, const std::vector<std::int32_t>& slot_list,
                const std::vector<bf16_bits>& x, std::vector<bf16_bits>* out) {
-    FullLayerState state{slots, conv[0].data(), conv[1].data(), conv[2].data(), recurrent.data(),
-                         kda::DType::kF32};
+    FullLayerState state{slots,          conv[0].data(),   conv[1].data(),
+                         conv[2].data(), recurrent.data(), kda::DType::kF32};
     kda::engine::FullLayerBatch batch{cu.back(), static_cast<std::int64_t>(cu.size()) - 1,
                                       cu.data(), slot_list.data()};
     kda::CpuOptions cpu;

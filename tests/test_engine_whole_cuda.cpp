@@ -141,9 +141,9 @@ TEST_CASE("whole layers on CUDA: the tp_size = 2 engines' outputs, summed, equal
   const auto cuda = on(kda::engine::BackendChoice::kCuda);
   Engine full(kda::engine::parse_model_spec(kSpec, "w.yaml"), cuda);
   Engine r0(kda::engine::parse_model_spec(std::string(kSpec) + "  tp_size: 2\n", "w.yaml"), cuda);
-  Engine r1(kda::engine::parse_model_spec(std::string(kSpec) + "  tp_size: 2\n  tp_rank: 1\n",
-                                          "w.yaml"),
-            cuda);
+  Engine r1(
+      kda::engine::parse_model_spec(std::string(kSpec) + "  tp_size: 2\n  tp_rank: 1\n", "w.yaml"),
+      cuda);
   const std::vector<bf16_bits> x = random_hidden(40, 2);
   DeviceBuffer hidden = DeviceBuffer::from(x), o_full(x.size() * 2), o0(x.size() * 2),
                o1(x.size() * 2);

@@ -328,7 +328,8 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
     CHECK(states == 4 * static_cast<int>(state_layers.size()));
     CHECK(state_layers.size() == (std::string(model) == "tiny.yaml" ? 3u : 20u));
     // --core-only: the recurrent state only.
-    const Result core = kda_run({"--model", kModels + model, "--plan-only", "--json", "--core-only"});
+    const Result core =
+        kda_run({"--model", kModels + model, "--plan-only", "--json", "--core-only"});
     REQUIRE(core.rc == 0);
     int core_states = 0;
     const nlohmann::json core_plan = nlohmann::json::parse(core.out);
@@ -683,7 +684,8 @@ std::vector<std::uint16_t> random_bits(std::size_t count, float amplitude, std::
 CaseFile layer_case(const kda::engine::FullLayerWeights& weights,
                     const std::vector<std::uint16_t>& hidden) {
   CaseFile f;
-  for (const Tensor& t : kda::engine::full_layer_weight_tensors(weights)) f.tensors.emplace(t.name, t);
+  for (const Tensor& t : kda::engine::full_layer_weight_tensors(weights))
+    f.tensors.emplace(t.name, t);
   const auto T = static_cast<std::int64_t>(hidden.size()) / kLayerE;
   f.tensors.emplace("hidden_states", bf16_tensor("hidden_states", hidden, {T, kLayerE}));
   f.metadata["gate"] = "softplus";
@@ -708,11 +710,12 @@ LayerRun run_direct(const kda::engine::FullLayerWeights& weights,
                      : std::vector<std::uint16_t>(
                            static_cast<std::size_t>(N * kLayerH * kLayerD * (kLayerW - 1)), 0);
   }
-  r.recurrent = init ? init->recurrent
-                     : std::vector<float>(static_cast<std::size_t>(N * kLayerH * kLayerD * kLayerD));
+  r.recurrent = init
+                    ? init->recurrent
+                    : std::vector<float>(static_cast<std::size_t>(N * kLayerH * kLayerD * kLayerD));
   std::vector<std::uint8_t> ws(layer.workspace_bytes(cu.back(), N, N));
-  kda::engine::FullLayerState state{N, r.conv[0].data(), r.conv[1].data(), r.conv[2].data(),
-                                    r.recurrent.data(), DType::kF32};
+  kda::engine::FullLayerState state{
+      N, r.conv[0].data(), r.conv[1].data(), r.conv[2].data(), r.recurrent.data(), DType::kF32};
   layer.forward({cu.back(), N, cu.data(), nullptr}, hidden.data(), r.out.data(), state,
                 kda::Workspace{ws.data(), ws.size()});
   return r;
@@ -739,14 +742,15 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu;
     const char* names[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
     for (int p = 0; p < 3; ++p) {
       init.conv[p] = random_bits(3 * kLayerH * kLayerD * (kLayerW - 1), 1.0f, 20 + p);
-      f.tensors.emplace(names[p], bf16_tensor(names[p], init.conv[p],
-                                              {3, kLayerH * kLayerD, kLayerW - 1}));
+      f.tensors.emplace(names[p],
+                        bf16_tensor(names[p], init.conv[p], {3, kLayerH * kLayerD, kLayerW - 1}));
     }
     for (const std::uint16_t b : random_bits(3 * kLayerH * kLayerD * kLayerD, 0.2f, 30)) {
       init.recurrent.push_back(kda::bf16_to_float(b));
     }
-    f.tensors.emplace("recurrent_state", typed_tensor("recurrent_state", DType::kF32,
-                                                      init.recurrent, {3, kLayerH, kLayerD, kLayerD}));
+    f.tensors.emplace("recurrent_state",
+                      typed_tensor("recurrent_state", DType::kF32, init.recurrent,
+                                   {3, kLayerH, kLayerD, kLayerD}));
     f.metadata["norm_eps"] = "1e-5";
     f.save(dir.file("in.safetensors"));
     const Result r = kda_run({"--layer-case", dir.file("in.safetensors"), "--output",
@@ -768,7 +772,8 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu;
     const std::vector<std::uint16_t> second(hidden.begin() + 7 * kLayerE, hidden.end());
     layer_case(weights, first).save(dir.file("a.safetensors"));
     REQUIRE(kda_run({"--layer-case", dir.file("a.safetensors"), "--output",
-                     dir.file("a-out.safetensors")}).rc == 0);
+                     dir.file("a-out.safetensors")})
+                .rc == 0);
     CaseFile b = layer_case(weights, second);
     const auto a_out = kda::engine::SafetensorsFile::open(dir.file("a-out.safetensors"));
     for (const char* name : {"conv_state_q", "conv_state_k", "conv_state_v", "recurrent_state"}) {
@@ -776,7 +781,8 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu;
     }
     b.save(dir.file("b.safetensors"));
     REQUIRE(kda_run({"--layer-case", dir.file("b.safetensors"), "--output",
-                     dir.file("b-out.safetensors"), "--backend", "cpu"}).rc == 0);
+                     dir.file("b-out.safetensors"), "--backend", "cpu"})
+                .rc == 0);
     const auto b_out = kda::engine::SafetensorsFile::open(dir.file("b-out.safetensors"));
     const LayerRun whole = run_direct(weights, hidden, {0, 12});
     const std::vector<std::uint16_t> tail(whole.out.begin() + 7 * kLayerE, whole.out.end());
@@ -795,7 +801,8 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu;
     f.metadata["final_state"] = "none";
     f.save(dir.file("n.safetensors"));
     REQUIRE(kda_run({"--layer-case", dir.file("n.safetensors"), "--output",
-                     dir.file("n-out.safetensors")}).rc == 0);
+                     dir.file("n-out.safetensors")})
+                .rc == 0);
     const auto out = kda::engine::SafetensorsFile::open(dir.file("n-out.safetensors"));
     CHECK(out.find("out") != nullptr);
     CHECK(out.find("recurrent_state") == nullptr);
@@ -828,8 +835,8 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
                       Tensor::zeros("recurrent_state", DType::kI32, {1, 4, 16, 16}));
   check_layer_rejected(bad, "tensor 'recurrent_state' has dtype I32");
   bad = good;
-  bad.tensors.emplace("cu_seqlens",
-                      typed_tensor("cu_seqlens", DType::kI64, std::vector<std::int64_t>{0, 2, 5}, {3}));
+  bad.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI64,
+                                                 std::vector<std::int64_t>{0, 2, 5}, {3}));
   check_layer_rejected(bad, "cu_seqlens ends at 5, expected T = 6");
   bad = good;
   bad.metadata.erase("gate");
@@ -845,8 +852,8 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   TempDir dir;
   good.save(dir.file("in.safetensors"));
   const std::string before = read_text(dir.file("in.safetensors"));
-  const Result r = kda_run(
-      {"--layer-case", dir.file("in.safetensors"), "--output", dir.file("in.safetensors")});
+  const Result r =
+      kda_run({"--layer-case", dir.file("in.safetensors"), "--output", dir.file("in.safetensors")});
   CHECK(r.rc == 1);
   CHECK(r.err.find("refusing to overwrite the input") != std::string::npos);
   CHECK(read_text(dir.file("in.safetensors")) == before);

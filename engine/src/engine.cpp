@@ -310,8 +310,8 @@ struct Engine::Impl {
            std::to_string(num_slots()) + " (runtime.max_sequences)");
     }
     if (cu_seqlens.size() != n + 1) {
-      fail(call + ": cu_seqlens has " + std::to_string(cu_seqlens.size()) +
-           " entries, expected " + std::to_string(n + 1) + " (sequences + 1)");
+      fail(call + ": cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
+           std::to_string(n + 1) + " (sequences + 1)");
     }
     if (cu_seqlens[0] != 0)
       fail(call + ": cu_seqlens[0] is " + std::to_string(cu_seqlens[0]) + ", expected 0");
@@ -375,8 +375,8 @@ struct Engine::Impl {
     if (tokens == 0) return;
     if (hidden == nullptr) fail(call + ": hidden is null");
     if (out == nullptr) fail(call + ": out is null");
-    const auto bytes = static_cast<std::size_t>(tokens) * static_cast<std::size_t>(spec.hidden_size) *
-                       sizeof(std::uint16_t);
+    const auto bytes = static_cast<std::size_t>(tokens) *
+                       static_cast<std::size_t>(spec.hidden_size) * sizeof(std::uint16_t);
     for (const auto& [ptr, name] : {std::pair<const void*, const char*>{hidden, "hidden"},
                                     std::pair<const void*, const char*>{out, "out"}}) {
       const Status st = backend->check_caller_buffer(ptr, bytes, name);
@@ -730,8 +730,7 @@ void Engine::read_slot_conv_state(int kda_layer, int slot, int projection, void*
                           static_cast<std::size_t>(m.conv_slot_bytes));
 }
 
-void Engine::write_slot_conv_state(int kda_layer, int slot, int projection,
-                                   const void* host_src) {
+void Engine::write_slot_conv_state(int kda_layer, int slot, int projection, const void* host_src) {
   Impl& m = *impl_;
   m.check_layer(kda_layer);
   m.check_whole("write_slot_conv_state");

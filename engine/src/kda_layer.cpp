@@ -199,7 +199,7 @@ DecodeProblem KdaLayer::decode_problem(std::int64_t batch, std::int64_t tokens) 
 }
 
 void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend,
-                              std::uint64_t min_workspace_bytes) {
+                               std::uint64_t min_workspace_bytes) {
   const auto H = static_cast<std::uint64_t>(num_heads_);
   const auto K = static_cast<std::uint64_t>(head_dim_);
   planner::BufferRequest request;
@@ -228,7 +228,8 @@ void KdaLayer::declare_buffers(planner::MemoryPlanner& planner, Backend backend,
   // 16: the most tokens a decode step takes.
   st = decode_workspace_size(decode_problem(max_sequences_, 16), backend, &decode_workspace);
   if (!st.ok()) throw Error(st, label_ + ": decode workspace size on " + to_string(backend));
-  workspace = std::max({workspace, decode_workspace, static_cast<std::size_t>(min_workspace_bytes)});
+  workspace =
+      std::max({workspace, decode_workspace, static_cast<std::size_t>(min_workspace_bytes)});
   workspace_buffer_ = planner::BufferHandle{};
   if (workspace > 0) {
     request.name = workspace_name_;

@@ -109,8 +109,7 @@ LayerCase load_layer_case(const std::string& path) {
     fail(path, "tensor 'b_proj.weight' has shape " + shape_to_string(beta.shape) +
                    ", expected [heads, hidden]");
   }
-  const TensorInfo& conv =
-      require(file, "q_conv1d.weight", "[H*D, 1, W]: gives the conv width W");
+  const TensorInfo& conv = require(file, "q_conv1d.weight", "[H*D, 1, W]: gives the conv width W");
   if ((conv.shape.size() != 3 && conv.shape.size() != 2) || conv.shape.back() < 1) {
     fail(path, "tensor 'q_conv1d.weight' has shape " + shape_to_string(conv.shape) +
                    ", expected [H*D, 1, W]");
@@ -186,8 +185,8 @@ LayerCase load_layer_case(const std::string& path) {
       }
     }
     if (c.cu_seqlens[N] != T) {
-      fail(path, "cu_seqlens ends at " + std::to_string(c.cu_seqlens[N]) + ", expected T = " +
-                     std::to_string(T) + " (the rows of hidden_states)");
+      fail(path, "cu_seqlens ends at " + std::to_string(c.cu_seqlens[N]) +
+                     ", expected T = " + std::to_string(T) + " (the rows of hidden_states)");
     }
   } else {
     c.cu_seqlens = {0, T};
@@ -257,8 +256,8 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
     if (backend == Backend::kCpu) {
       const FullLayerCpu layer(lc.weights);
       std::vector<std::uint8_t> workspace(layer.workspace_bytes(T, N, N));
-      FullLayerState state{N, conv[0].data(), conv[1].data(), conv[2].data(), recurrent.data(),
-                           pool_dtype};
+      FullLayerState state{
+          N, conv[0].data(), conv[1].data(), conv[2].data(), recurrent.data(), pool_dtype};
       const FullLayerBatch batch{T, N, lc.cu_seqlens.data(), nullptr};
       layer.forward(batch, lc.hidden.data_as<bf16_bits>(), out.data_as<bf16_bits>(), state,
                     Workspace{workspace.data(), workspace.size()});
@@ -277,8 +276,8 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
         conv_device[i] = upload(conv[i].data(), conv_count * sizeof(bf16_bits), kConvNames[i]);
       }
       void* state_device = upload(recurrent.data(), recurrent.size(), "recurrent_state");
-      auto* cu = upload(lc.cu_seqlens.data(), lc.cu_seqlens.size() * sizeof(std::int64_t),
-                        "cu_seqlens");
+      auto* cu =
+          upload(lc.cu_seqlens.data(), lc.cu_seqlens.size() * sizeof(std::int64_t), "cu_seqlens");
       buffers.emplace_back(*b, out.data.size(), "out");
       void* out_device = buffers.back().get();
       const std::size_t workspace_bytes = layer.workspace_bytes(T, N, N);
@@ -296,8 +295,8 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
       batch.cu_seqlens = reinterpret_cast<const std::int64_t*>(cu);
       batch.cu_seqlens_host = lc.cu_seqlens.data();
       layer.forward(batch, reinterpret_cast<const bf16_bits*>(hidden),
-                    static_cast<bf16_bits*>(out_device), state, Workspace{workspace, workspace_bytes},
-                    b->stream());
+                    static_cast<bf16_bits*>(out_device), state,
+                    Workspace{workspace, workspace_bytes}, b->stream());
       b->copy_to_host(out.data.data(), out_device, out.data.size());
       for (int i = 0; i < 3; ++i) {
         b->copy_to_host(conv[i].data(), conv_device[i], conv_count * sizeof(bf16_bits));

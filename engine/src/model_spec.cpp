@@ -74,14 +74,14 @@ class Context {
 
 // The keys the engine reads: at the top level, and in the two sections it owns.
 const std::vector<std::string> kTopLevelKeys = {
-    "name",    "model_type", "hidden_size",  "num_hidden_layers", "linear_attn_config",
+    "name",    "model_type", "hidden_size", "num_hidden_layers", "linear_attn_config",
     "weights", "runtime",    "rms_norm_eps"};
 const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
     "full_attn_layers", "gate",     "gate_lower_bound"};
-const std::vector<std::string> kRuntimeKeys = {
-    "max_tokens", "max_sequences", "state_dtype", "workspace_plan",
-    "backend",    "layers",        "tp_size",     "tp_rank"};
+const std::vector<std::string> kRuntimeKeys = {"max_tokens",     "max_sequences", "state_dtype",
+                                               "workspace_plan", "backend",       "layers",
+                                               "tp_size",        "tp_rank"};
 
 bool contains(const std::vector<std::string>& keys, const std::string& key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -675,12 +675,14 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
       }
       const YAML::Node tp_size = optional(runtime, "tp_size");
       if (tp_size.IsDefined()) {
-        spec.runtime.tp_size = static_cast<int>(as_int_in(ctx, tp_size, r + ".tp_size", 1, kMaxHeads));
+        spec.runtime.tp_size =
+            static_cast<int>(as_int_in(ctx, tp_size, r + ".tp_size", 1, kMaxHeads));
         if (spec.num_heads % spec.runtime.tp_size != 0) {
           ctx.fail(tp_size, r + ".tp_size",
                    "tp_size " + std::to_string(spec.runtime.tp_size) +
                        " does not divide linear_attn_config.num_heads " +
-                       std::to_string(spec.num_heads) + " (each rank holds num_heads / tp_size heads)");
+                       std::to_string(spec.num_heads) +
+                       " (each rank holds num_heads / tp_size heads)");
         }
       }
       if (const YAML::Node n = optional(runtime, "tp_rank"); n.IsDefined()) {

@@ -115,14 +115,14 @@ void WholeLayer::set_weights(const FullLayerWeights& weights, Backend backend) {
     } else {
       cpu_ = std::make_unique<FullLayerCpu>(weights);
       weight_bytes_ = 0;
-      for (const auto* m : {&weights.q_proj, &weights.k_proj, &weights.v_proj, &weights.f_a_proj,
-                            &weights.f_b_proj, &weights.b_proj, &weights.g_a_proj,
-                            &weights.g_b_proj, &weights.g_b_bias, &weights.o_norm,
-                            &weights.o_proj}) {
+      for (const auto* m :
+           {&weights.q_proj, &weights.k_proj, &weights.v_proj, &weights.f_a_proj, &weights.f_b_proj,
+            &weights.b_proj, &weights.g_a_proj, &weights.g_b_proj, &weights.g_b_bias,
+            &weights.o_norm, &weights.o_proj}) {
         weight_bytes_ += m->size() * sizeof(float);  // FullLayerCpu keeps them widened to fp32
       }
-      for (const auto* v : {&weights.q_conv, &weights.k_conv, &weights.v_conv, &weights.A_log,
-                            &weights.dt_bias}) {
+      for (const auto* v :
+           {&weights.q_conv, &weights.k_conv, &weights.v_conv, &weights.A_log, &weights.dt_bias}) {
         weight_bytes_ += v->size() * sizeof(float);
       }
     }
@@ -135,7 +135,8 @@ void WholeLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, cons
   for (int i = 0; i < 3; ++i) {
     const planner::PlanEntry* entry = plan.entry(conv_buffers_[i]);
     if (entry == nullptr) {
-      throw Error(StatusCode::kInternal, label_ + ": conv state pools missing from the memory plan");
+      throw Error(StatusCode::kInternal,
+                  label_ + ": conv state pools missing from the memory plan");
     }
     conv_pool_[i] = arena + entry->offset;
   }

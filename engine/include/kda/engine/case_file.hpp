@@ -90,8 +90,8 @@ struct LayerCase {
 
 // Reads and validates a layer case file. Throws kda::Error.
 LayerCase load_layer_case(const std::string& path);
-// Runs the layer on `backend` (kAuto: CUDA when present and able, else CPU). Returns out and, unless
-// final_dtype is kNone, the final states; sets *used to the backend that ran.
+// Runs the layer on `backend` (kAuto: CUDA when present and able, else CPU). Returns out and,
+// unless final_dtype is kNone, the final states; sets *used to the backend that ran.
 std::vector<Tensor> run_layer_case(const LayerCase& layer_case, BackendChoice backend,
                                    Backend* used = nullptr);
 // check_output_is_not_input + load_layer_case + run_layer_case + save_safetensors (atomic).

@@ -101,7 +101,7 @@ struct ModelSpec {
   std::int64_t num_heads = 0;  // H
   std::int64_t head_dim = 0;   // K = V
   std::int64_t short_conv_kernel_size = 4;
-  float rms_norm_eps = 1e-5f;  // the whole layer's gated RMSNorm epsilon
+  float rms_norm_eps = 1e-5f;          // the whole layer's gated RMSNorm epsilon
   std::vector<int> kda_layers;         // 1-based, as written in the YAML (sorted ascending)
   std::vector<int> kda_layer_indices;  // the same, 0-based (model.layers.{i} in checkpoints)
   std::vector<int> full_attn_layers;   // 1-based, sorted ascending
