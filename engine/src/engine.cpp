@@ -507,16 +507,16 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     throw Error(st, where + ": decode");
   }
 
-  if (m.spec.runtime.layer_mode == LayerMode::kWhole) {
-    m.layers = make_whole_layers(m.spec, true, options.seed, kind, &m.whole);
-    m.weights_origin = m.layers.empty() ? std::string() : m.layers[0].parameters().origin;
-    for (const auto& layer : m.whole) m.weight_bytes += layer->weight_bytes();
-  } else {
-    m.layers = make_layers(m.spec, true, options.seed);
+  // Plan from the sizes alone and allocate the arena first: an arena that cannot be had fails
+  // before any weights are read or generated (seconds, gigabytes for a large model).
+  const bool whole = m.spec.runtime.layer_mode == LayerMode::kWhole;
+  {
+    std::vector<std::unique_ptr<WholeLayer>> sizes_only;
+    std::vector<KdaLayer> layers = whole ? make_whole_layers(m.spec, false, 0, kind, &sizes_only)
+                                         : make_layers(m.spec, false, 0);
+    EngineBuffers unused;
+    m.plan = make_plan(m.spec, kind, layers, sizes_only, &unused);
   }
-  EngineBuffers buffers;
-  m.plan = make_plan(m.spec, kind, m.layers, m.whole, &buffers);
-
   // The one allocation.
   const std::uint64_t total = m.plan.arena_bytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
@@ -527,6 +527,20 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     m.arena = BackendBuffer(*m.backend, static_cast<std::size_t>(total), "the arena");
   } catch (const Error& e) {
     throw Error(e.code(), where + ": " + e.what());
+  }
+
+  if (whole) {
+    m.layers = make_whole_layers(m.spec, true, options.seed, kind, &m.whole);
+    m.weights_origin = m.layers.empty() ? std::string() : m.layers[0].parameters().origin;
+    for (const auto& layer : m.whole) m.weight_bytes += layer->weight_bytes();
+  } else {
+    m.layers = make_layers(m.spec, true, options.seed);
+  }
+  EngineBuffers buffers;
+  // The same declarations as above: the same plan, now with the layers' handles.
+  m.plan = make_plan(m.spec, kind, m.layers, m.whole, &buffers);
+  if (m.plan.arena_bytes != total) {
+    throw Error(StatusCode::kInternal, where + ": the plan changed once the weights were loaded");
   }
 
   std::uint8_t* base = m.arena.get();
