@@ -655,6 +655,9 @@ TEST_CASE("kda-run: whole layers by default, split into phases; --core-only runs
   CHECK(core.out.find("projections") == std::string::npos);
   CHECK(core.out.find("parameters: random (seed 0)") != std::string::npos);
   CHECK(kda_run({"--layer-case", "a", "--output", "b", "--core-only"}).rc == 2);
+  CHECK(kda_run({"--layer-case", "a"}).rc == 2);  // no --output
+  CHECK(kda_run({"--case", "a", "--layer-case", "b", "--output", "c"}).rc == 2);
+  CHECK(kda_run({"--layer-case", "a", "--output", "b", "--model", "m.yaml"}).rc == 2);
 }
 
 namespace {
