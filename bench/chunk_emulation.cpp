@@ -5,7 +5,8 @@
 //
 //   prepare  qg = scale q^ e^G      kg = k^ e^G      ki = k^ e^-G      kd = k^ e^(G_last - G)
 //            A = beta_i (kg_i . ki_j), i > j (fp32 sums of bf16 products)   M = qg_i . ki_j, i >= j
-//            W  = (I + A)^-1 diag(beta) (k^ e^G)   U0 = (I + A)^-1 diag(beta) v   (fp32 substitution)
+//            W  = (I + A)^-1 diag(beta) (k^ e^G)   U0 = (I + A)^-1 diag(beta) v   (fp32
+//            substitution)
 //   recur.   X = S^T W^T   U = U0 - X   S^T = S^T diag(e^G_last) + U^T kd   O = S^T qg^T + U^T M^T
 //
 // Rounding points (each on unless switched off; `out` is always rounded to bf16 at the end):
@@ -17,7 +18,8 @@
 //   U      U as the left operand of the state update and of U^T M^T (bf16)
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
-//   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--gate softplus|lower_bound]
+//   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--gate
+//   softplus|lower_bound]
 // Prints, for each configuration, the relative L2 error of out and of the final state.
 #include <cmath>
 #include <cstdint>
@@ -56,9 +58,9 @@ struct Head {
   int T;
   std::vector<float> q, k, v, g, beta;  // bf16 values as floats, [T, D] / [T]
   float a_exp, lower_bound;
-  std::vector<float> dt_bias;           // [D]
+  std::vector<float> dt_bias;  // [D]
   bool softplus;
-  std::vector<float> s0;                // initial state S^T [V][K]
+  std::vector<float> s0;  // initial state S^T [V][K]
 };
 
 float gate(const Head& h, float graw, int d) {
@@ -85,8 +87,10 @@ void reference(const Head& h, std::vector<double>* out, std::vector<double>* sta
       qh[d] = h.q[t * D + d] * nq;
       kh[d] = h.k[t * D + d] * nk;
       const double x = static_cast<double>(h.g[t * D + d]) + h.dt_bias[d];
-      const double gg = h.softplus ? -static_cast<double>(h.a_exp) * (std::max(x, 0.0) + std::log1p(std::exp(-std::fabs(x))))
-                                   : h.lower_bound / (1.0 + std::exp(-static_cast<double>(h.a_exp) * x));
+      const double gg = h.softplus
+                            ? -static_cast<double>(h.a_exp) *
+                                  (std::max(x, 0.0) + std::log1p(std::exp(-std::fabs(x))))
+                            : h.lower_bound / (1.0 + std::exp(-static_cast<double>(h.a_exp) * x));
       a[d] = std::exp(gg);
     }
     const double b = 1.0 / (1.0 + std::exp(-static_cast<double>(h.beta[t])));
@@ -110,7 +114,8 @@ void reference(const Head& h, std::vector<double>* out, std::vector<double>* sta
 }
 
 // The GPU's chunk path with the given roundings.
-void emulate(const Head& h, const Rounding& r, std::vector<double>* out, std::vector<double>* state) {
+void emulate(const Head& h, const Rounding& r, std::vector<double>* out,
+             std::vector<double>* state) {
   std::vector<float> S(h.s0);  // fp32 accumulators, [V][K]
   out->assign(static_cast<size_t>(h.T) * D, 0.0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -248,15 +253,21 @@ int main(int argc, char** argv) {
   bool initial = true, softplus = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--tokens" && i + 1 < argc) T = std::atoi(argv[++i]);
-    else if (a == "--heads" && i + 1 < argc) heads = std::atoi(argv[++i]);
-    else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
-    else if (a == "--no-initial-state") initial = false;
-    else if (a == "--gate" && i + 1 < argc) softplus = std::string(argv[++i]) == "softplus";
+    if (a == "--tokens" && i + 1 < argc)
+      T = std::atoi(argv[++i]);
+    else if (a == "--heads" && i + 1 < argc)
+      heads = std::atoi(argv[++i]);
+    else if (a == "--seed" && i + 1 < argc)
+      seed = std::strtoull(argv[++i], nullptr, 10);
+    else if (a == "--no-initial-state")
+      initial = false;
+    else if (a == "--gate" && i + 1 < argc)
+      softplus = std::string(argv[++i]) == "softplus";
     else {
-      std::fprintf(stderr,
-                   "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
-                   "[--gate softplus|lower_bound]\n");
+      std::fprintf(
+          stderr,
+          "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
+          "[--gate softplus|lower_bound]\n");
       return 2;
     }
   }
@@ -286,7 +297,8 @@ int main(int argc, char** argv) {
     r.S = r.U = false;
     configs.push_back({"gram + M + kd + S + U", r});
   }
-  configs.push_back({"none (out rounding only)", Rounding{false, false, false, false, false, false, false, false}});
+  configs.push_back({"none (out rounding only)",
+                     Rounding{false, false, false, false, false, false, false, false}});
   std::printf("T = %d, %d heads, gate %s, initial state %s, fp64 reference\n\n", T, heads,
               softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero");
   std::printf("| rounding switched off | out rel error | state rel error |\n|---|---:|---:|\n");
@@ -306,7 +318,8 @@ int main(int argc, char** argv) {
       all_ref_out.insert(all_ref_out.end(), ref_out[h].begin(), ref_out[h].end());
       all_ref_state.insert(all_ref_state.end(), ref_state[h].begin(), ref_state[h].end());
     }
-    std::printf("| %s | %.2e | %.2e |\n", c.name, rel(all_out, all_ref_out), rel(all_state, all_ref_state));
+    std::printf("| %s | %.2e | %.2e |\n", c.name, rel(all_out, all_ref_out),
+                rel(all_state, all_ref_state));
   }
   return 0;
 }

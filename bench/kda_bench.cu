@@ -21,14 +21,14 @@
 
 namespace {
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
+#define CK(x)                                                                                \
+  do {                                                                                       \
+    cudaError_t e_ = (x);                                                                    \
+    if (e_ != cudaSuccess) {                                                                 \
       std::fprintf(stderr, "kda-bench: %s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), \
-                   __FILE__, __LINE__);                                                       \
-      std::exit(1);                                                                           \
-    }                                                                                         \
+                   __FILE__, __LINE__);                                                      \
+      std::exit(1);                                                                          \
+    }                                                                                        \
   } while (0)
 
 void check(const kda::Status& st, const char* what) {
@@ -39,7 +39,8 @@ void check(const kda::Status& st, const char* what) {
 }
 
 // Uniform values in [lo, hi) as bf16, from a counter-based hash (fast to fill gigabytes).
-__global__ void fill_bf16(std::uint16_t* dst, std::int64_t n, std::uint64_t seed, float lo, float hi) {
+__global__ void fill_bf16(std::uint16_t* dst, std::int64_t n, std::uint64_t seed, float lo,
+                          float hi) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     std::uint64_t x = (static_cast<std::uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
@@ -100,7 +101,8 @@ double measure_copy_bandwidth() {
   CK(cudaMalloc(&a, bytes));
   CK(cudaMalloc(&b, bytes));
   CK(cudaMemset(a, 1, bytes));
-  const double ms = median_ms([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, 15);
+  const double ms =
+      median_ms([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, 15);
   CK(cudaFree(a));
   CK(cudaFree(b));
   return 2.0 * bytes / (ms * 1e-3);  // bytes read + written per second
@@ -117,8 +119,8 @@ struct PrefillCase {
   std::vector<std::int64_t> lengths;  // one entry: fixed single sequence; several: varlen
   bool fixed_batch;                   // lengths all equal and run as [B, T] rows
   kda::GateMode gate;
-  double flashkda_ms;                 // KDA.md §6, FlashKDA with the same state dtype; 0 when none
-  double fla_ms;                      // fla chunk_kda; 0 when none
+  double flashkda_ms;  // KDA.md §6, FlashKDA with the same state dtype; 0 when none
+  double fla_ms;       // fla chunk_kda; 0 when none
   kda::DType state = kda::DType::kF32;
   Slots slots = Slots::kContiguous;
 };
@@ -170,7 +172,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   // A pool of 2N + 2 states addressed through slot indices, or the [N, H, V, K] blocks.
   const bool pooled = c.slots != Slots::kContiguous;
   if (pooled) p.num_state_slots = 2 * N + 2;
-  const std::size_t pool_bytes = pooled ? static_cast<std::size_t>(2 * N + 2) * H * D * D * state_size : state_bytes;
+  const std::size_t pool_bytes =
+      pooled ? static_cast<std::size_t>(2 * N + 2) * H * D * D * state_size : state_bytes;
   std::int32_t* d_slots = nullptr;
   if (pooled) {
     std::vector<std::int32_t> slots(N);
@@ -183,7 +186,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   const double set_bytes = 4.0 * tok_elems * 2 + 2.0 * T * H + tok_elems * 2.0 + 2.0 * state_bytes;
   pf.bytes = set_bytes;
   // Rotate input sets so that one pass over all of them is at least 4x the 60 MB L2.
-  const int nsets = static_cast<int>(std::min<double>(8, std::max<double>(2, 240e6 / set_bytes + 1)));
+  const int nsets =
+      static_cast<int>(std::min<double>(8, std::max<double>(2, 240e6 / set_bytes + 1)));
   std::vector<std::int64_t> cu(N + 1, 0);
   for (std::int64_t i = 0; i < N; ++i) cu[i + 1] = cu[i] + c.lengths[i];
   void* d_cu = dalloc(pf, (N + 1) * 8);
@@ -215,7 +219,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
     if (c.state == kda::DType::kF32) {
       fill(static_cast<float*>(h0), static_cast<std::int64_t>(pool_bytes / 4), sd + 6, -0.1f, 0.1f);
     } else {
-      fill(static_cast<std::uint16_t*>(h0), static_cast<std::int64_t>(pool_bytes / 2), sd + 6, -0.1f, 0.1f);
+      fill(static_cast<std::uint16_t*>(h0), static_cast<std::int64_t>(pool_bytes / 2), sd + 6,
+           -0.1f, 0.1f);
     }
     t.initial_state = h0;
     t.final_state = pooled ? h0 : dalloc(pf, state_bytes);  // a pool is updated in place
@@ -226,7 +231,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   check(kda::workspace_size(p, kda::Backend::kCuda, &pf.ws_bytes), "workspace_size");
   pf.ws = dalloc(pf, pf.ws_bytes);
   // Validate cu_seqlens once through the host copy, then drop the pointer (it dies with `cu`).
-  check(kda::forward_cuda(p, pf.sets[0], {pf.ws, pf.ws_bytes}, nullptr), "forward_cuda (first run)");
+  check(kda::forward_cuda(p, pf.sets[0], {pf.ws, pf.ws_bytes}, nullptr),
+        "forward_cuda (first run)");
   for (auto& t : pf.sets) t.cu_seqlens_host = nullptr;
   CK(cudaDeviceSynchronize());
   return pf;
@@ -255,10 +261,12 @@ bool matches(const std::string& list, const std::string& name) {
 
 std::string lengths_label(const PrefillCase& c) {
   if (c.lengths.size() == 1) return "1 x " + std::to_string(c.lengths[0]);
-  bool same = std::all_of(c.lengths.begin(), c.lengths.end(), [&](auto l) { return l == c.lengths[0]; });
+  bool same =
+      std::all_of(c.lengths.begin(), c.lengths.end(), [&](auto l) { return l == c.lengths[0]; });
   if (same) return std::to_string(c.lengths.size()) + " x " + std::to_string(c.lengths[0]);
   std::string s = "varlen ";
-  for (std::size_t i = 0; i < c.lengths.size(); ++i) s += (i ? "," : "") + std::to_string(c.lengths[i]);
+  for (std::size_t i = 0; i < c.lengths.size(); ++i)
+    s += (i ? "," : "") + std::to_string(c.lengths[i]);
   return s;
 }
 
@@ -282,10 +290,14 @@ void run_prefill(double bw, int iters, const std::string& only) {
       {"softplus-h96-1seq", 96, {8192}, false, G::kSoftplus, 0, 2.918},
       {"softplus-h32-16x2048", 32, b16, true, G::kSoftplus, 0, 3.848},
       // Slots through indices (issue: one launch whatever the slots): against the contiguous rows.
-      {"slots-reversed-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32, Slots::kReversed},
-      {"slots-strided-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32, Slots::kStrided},
-      {"slots-reversed-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32, Slots::kReversed},
-      {"slots-strided-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32, Slots::kStrided},
+      {"slots-reversed-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32,
+       Slots::kReversed},
+      {"slots-strided-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32,
+       Slots::kStrided},
+      {"slots-reversed-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32,
+       Slots::kReversed},
+      {"slots-strided-h64-8x1024", 64, b8, true, G::kLowerBound, 0.812, 2.003, F32,
+       Slots::kStrided},
   };
   // Low-head shapes (tensor-parallel serving, KDA.md §6), fp32 and bf16 state, FlashKDA (serial).
   const struct {
@@ -298,9 +310,18 @@ void run_prefill(double bw, int iters, const std::string& only) {
   const std::int64_t low_lengths[3] = {8192, 32768, 131072};
   for (const auto& l : low) {
     for (int i = 0; i < 3; ++i) {
-      const std::string base = "h" + std::to_string(l.heads) + "-" + std::to_string(low_lengths[i] / 1024) + "k";
-      cases.push_back({base, l.heads, {low_lengths[i]}, false, G::kLowerBound, l.fk_f32[i], 0, F32});
-      cases.push_back({base + "-bf16", l.heads, {low_lengths[i]}, false, G::kLowerBound, l.fk_bf16[i], 0, BF16});
+      const std::string base =
+          "h" + std::to_string(l.heads) + "-" + std::to_string(low_lengths[i] / 1024) + "k";
+      cases.push_back(
+          {base, l.heads, {low_lengths[i]}, false, G::kLowerBound, l.fk_f32[i], 0, F32});
+      cases.push_back({base + "-bf16",
+                       l.heads,
+                       {low_lengths[i]},
+                       false,
+                       G::kLowerBound,
+                       l.fk_bf16[i],
+                       0,
+                       BF16});
     }
   }
   cases.push_back({"h12-24k+8k", 12, {24576, 8192}, false, G::kLowerBound, 2.752, 0, F32});
@@ -314,7 +335,9 @@ void run_prefill(double bw, int iters, const std::string& only) {
   cases.push_back({"softplus-h12-8x4096-bf16", 12, b8x4096, true, G::kSoftplus, 0, 0, BF16});
   cases.push_back({"softplus-h16-ragged", 16, ragged16, false, G::kSoftplus, 0, 0, F32});
   std::printf("\n### CUDA prefill (K = V = 128, state in and out, median of %d)\n\n", iters);
-  std::printf("| case | gate | state | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | speedup vs FlashKDA | fla ms | speedup vs fla |\n");
+  std::printf(
+      "| case | gate | state | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | "
+      "speedup vs FlashKDA | fla ms | speedup vs fla |\n");
   std::printf("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const auto& c : cases) {
     // --case: a comma-separated list of names; a trailing '*' matches a prefix.
@@ -322,7 +345,9 @@ void run_prefill(double bw, int iters, const std::string& only) {
     Prefill pf = make_prefill(c, 1234);
     const kda::Workspace ws{pf.ws, pf.ws_bytes};
     const double ms = median_ms(
-        [&](int i) { check(kda::forward_cuda(pf.p, pf.sets[i % pf.sets.size()], ws, nullptr), "forward_cuda"); },
+        [&](int i) {
+          check(kda::forward_cuda(pf.p, pf.sets[i % pf.sets.size()], ws, nullptr), "forward_cuda");
+        },
         5, iters);
     const double floor_ms = pf.bytes / bw * 1e3;
     char fk[32] = "-", fks[32] = "-", fl[32] = "-", fls[32] = "-";
@@ -334,9 +359,9 @@ void run_prefill(double bw, int iters, const std::string& only) {
       std::snprintf(fl, sizeof fl, "%.3f", c.fla_ms);
       std::snprintf(fls, sizeof fls, "%.2fx", c.fla_ms / ms);
     }
-    std::printf("| %s | %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n", c.name.c_str(),
-                c.gate == G::kSoftplus ? "softplus" : "lower_bound", kda::to_string(c.state), c.heads,
-                lengths_label(c).c_str(), ms,
+    std::printf("| %s | %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n",
+                c.name.c_str(), c.gate == G::kSoftplus ? "softplus" : "lower_bound",
+                kda::to_string(c.state), c.heads, lengths_label(c).c_str(), ms,
                 pf.bytes / (ms * 1e-3) / 1e9, floor_ms, ms / floor_ms, fk, fks, fl, fls);
     std::fflush(stdout);
     free_prefill(pf);
@@ -347,8 +372,11 @@ void run_decode(double bw, int iters) {
   const int H = 32, D = 128;
   const double fla_ms[] = {0, 0.061, 0.094, 0.379};
   const int batches[] = {1, 16, 64, 256};
-  std::printf("\n### CUDA decode (one token per sequence, H = 32, K = V = 128, fp32 state in place)\n\n");
-  std::printf("| B | us per step | GB moved | GB/s | %% of copy bw | floor us | fla fused_recurrent us |\n");
+  std::printf(
+      "\n### CUDA decode (one token per sequence, H = 32, K = V = 128, fp32 state in place)\n\n");
+  std::printf(
+      "| B | us per step | GB moved | GB/s | %% of copy bw | floor us | fla fused_recurrent us "
+      "|\n");
   std::printf("|---:|---:|---:|---:|---:|---:|---:|\n");
   for (int bi = 0; bi < 4; ++bi) {
     const int B = batches[bi];
@@ -389,8 +417,16 @@ void run_decode(double bw, int iters) {
     for (int b = 0; b < B; ++b) slots[b] = 2 * b;  // every other slot: a gappy pool as in serving
     auto* d_slots = static_cast<std::int32_t*>(al(B * 4));
     CK(cudaMemcpy(d_slots, slots.data(), B * 4, cudaMemcpyHostToDevice));
-    t.q = q; t.k = k; t.v = v; t.g = g; t.beta = beta; t.A_log = A_log; t.dt_bias = dt_bias;
-    t.slots = d_slots; t.state_pool = pool; t.out = al(tok * 2);
+    t.q = q;
+    t.k = k;
+    t.v = v;
+    t.g = g;
+    t.beta = beta;
+    t.A_log = A_log;
+    t.dt_bias = dt_bias;
+    t.slots = d_slots;
+    t.state_pool = pool;
+    t.out = al(tok * 2);
     // A graph of `steps` decode steps, replayed: per-step time without launch gaps.
     const int steps = 50;
     cudaStream_t s;
@@ -417,9 +453,10 @@ void run_decode(double bw, int iters) {
     const double step_us = ms[iters / 2] * 1e3 / steps;
     const double bytes = 2.0 * B * H * D * D * 4 + 5.0 * tok * 2 + B * H * 2 + B * 4;
     const double gbps = bytes / (step_us * 1e-6) / 1e9;
-    std::printf("| %d | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B, step_us, bytes / 1e9, gbps,
-                100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
-                fla_ms[bi] > 0 ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
+    std::printf(
+        "| %d | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B, step_us, bytes / 1e9, gbps,
+        100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
+        fla_ms[bi] > 0 ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
     std::fflush(stdout);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
@@ -444,8 +481,12 @@ void run_host_overhead() {
     return ptr;
   };
   const std::size_t tok = static_cast<std::size_t>(T) * H * D;
-  void* q = al(tok * 2); void* k = al(tok * 2); void* v = al(tok * 2); void* g = al(tok * 2);
-  void* beta = al(T * H * 2); void* out = al(tok * 2);
+  void* q = al(tok * 2);
+  void* k = al(tok * 2);
+  void* v = al(tok * 2);
+  void* g = al(tok * 2);
+  void* beta = al(T * H * 2);
+  void* out = al(tok * 2);
   auto* A_log = static_cast<float*>(al(H * 4));
   auto* dt_bias = static_cast<float*>(al(H * D * 4));
   void* pool = al(static_cast<std::size_t>(2) * H * D * D * 4);
@@ -456,21 +497,47 @@ void run_host_overhead() {
   CK(cudaMemcpy(cu, cu_host, 16, cudaMemcpyHostToDevice));
 
   kda::Problem pp;
-  pp.seq_len = T; pp.num_heads = H; pp.num_seqs = 1; pp.cu_seqlens_dtype = kda::DType::kI64;
+  pp.seq_len = T;
+  pp.num_heads = H;
+  pp.num_seqs = 1;
+  pp.cu_seqlens_dtype = kda::DType::kI64;
   pp.initial_state_dtype = pp.final_state_dtype = kda::DType::kF32;
   std::size_t ws_bytes = 0;
   check(kda::workspace_size(pp, kda::Backend::kCuda, &ws_bytes), "workspace_size");
   void* ws = al(ws_bytes);
   kda::Tensors pt;
-  pt.q = q; pt.k = k; pt.v = v; pt.g = g; pt.beta = beta; pt.A_log = A_log; pt.dt_bias = dt_bias;
-  pt.cu_seqlens = cu; pt.cu_seqlens_host = cu_host; pt.initial_state = pool; pt.final_state = pool;
-  pt.out = out; pt.device_status = status;
+  pt.q = q;
+  pt.k = k;
+  pt.v = v;
+  pt.g = g;
+  pt.beta = beta;
+  pt.A_log = A_log;
+  pt.dt_bias = dt_bias;
+  pt.cu_seqlens = cu;
+  pt.cu_seqlens_host = cu_host;
+  pt.initial_state = pool;
+  pt.final_state = pool;
+  pt.out = out;
+  pt.device_status = status;
 
   kda::DecodeProblem dp;
-  dp.batch = 1; dp.tokens = 1; dp.num_heads = H; dp.num_slots = 2; dp.state_dtype = kda::DType::kF32;
+  dp.batch = 1;
+  dp.tokens = 1;
+  dp.num_heads = H;
+  dp.num_slots = 2;
+  dp.state_dtype = kda::DType::kF32;
   kda::DecodeTensors dt;
-  dt.q = q; dt.k = k; dt.v = v; dt.g = g; dt.beta = beta; dt.A_log = A_log; dt.dt_bias = dt_bias;
-  dt.slots = slots; dt.state_pool = pool; dt.out = out; dt.device_status = status;
+  dt.q = q;
+  dt.k = k;
+  dt.v = v;
+  dt.g = g;
+  dt.beta = beta;
+  dt.A_log = A_log;
+  dt.dt_bias = dt_bias;
+  dt.slots = slots;
+  dt.state_pool = pool;
+  dt.out = out;
+  dt.device_status = status;
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -481,7 +548,8 @@ void run_host_overhead() {
       for (int i = 0; i < 100; ++i) call();
       const auto t1 = std::chrono::steady_clock::now();
       CK(cudaStreamSynchronize(s));
-      if (rep >= 5) per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 100);
+      if (rep >= 5)
+        per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 100);
     }
     std::sort(per_call.begin(), per_call.end());
     return per_call[per_call.size() / 2];
@@ -494,9 +562,14 @@ void run_host_overhead() {
   const double d_on = host_us([&] { check(kda::decode_cuda(dp, dt, s, on), "decode_cuda"); });
   const double d_off = host_us([&] { check(kda::decode_cuda(dp, dt, s, off), "decode_cuda"); });
   std::printf("| decode_cuda B = 1 | 11 | %.2f | %.2f | %.2f |\n", d_on, d_off, d_on - d_off);
-  const double p_on = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, on), "forward_cuda"); });
-  const double p_off = host_us([&] { check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, off), "forward_cuda"); });
-  std::printf("| forward_cuda T = 64, 1 sequence | 13 | %.2f | %.2f | %.2f |\n", p_on, p_off, p_on - p_off);
+  const double p_on = host_us([&] {
+    check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, on), "forward_cuda");
+  });
+  const double p_off = host_us([&] {
+    check(kda::forward_cuda(pp, pt, {ws, ws_bytes}, s, off), "forward_cuda");
+  });
+  std::printf("| forward_cuda T = 64, 1 sequence | 13 | %.2f | %.2f | %.2f |\n", p_on, p_off,
+              p_on - p_off);
 
   // 64 sequences of 16 tokens on fragmented slots (every other entry of a pool of 128): one call
   // through state slot indices, against 64 calls of one sequence each (what an engine without
@@ -504,8 +577,12 @@ void run_host_overhead() {
   {
     const int n = 64, len = 16, tn = n * len;
     const std::size_t tk = static_cast<std::size_t>(tn) * H * D;
-    void* q64 = al(tk * 2); void* k64 = al(tk * 2); void* v64 = al(tk * 2); void* g64 = al(tk * 2);
-    void* b64 = al(static_cast<std::size_t>(tn) * H * 2); void* o64 = al(tk * 2);
+    void* q64 = al(tk * 2);
+    void* k64 = al(tk * 2);
+    void* v64 = al(tk * 2);
+    void* g64 = al(tk * 2);
+    void* b64 = al(static_cast<std::size_t>(tn) * H * 2);
+    void* o64 = al(tk * 2);
     void* pool64 = al(static_cast<std::size_t>(2 * n) * H * D * D * 4);
     std::vector<std::int64_t> cu64(n + 1);
     std::vector<std::int32_t> slot64(n);
@@ -523,10 +600,19 @@ void run_host_overhead() {
     check(kda::workspace_size(bp, kda::Backend::kCuda, &ws64), "workspace_size");
     void* w64 = al(ws64);
     kda::Tensors bt = pt;
-    bt.q = q64; bt.k = k64; bt.v = v64; bt.g = g64; bt.beta = b64; bt.out = o64;
-    bt.cu_seqlens = d_cu64; bt.cu_seqlens_host = cu64.data();
-    bt.initial_state = bt.final_state = pool64; bt.state_slots = d_slot64;
-    const double one = host_us([&] { check(kda::forward_cuda(bp, bt, {w64, ws64}, s, off), "forward_cuda"); });
+    bt.q = q64;
+    bt.k = k64;
+    bt.v = v64;
+    bt.g = g64;
+    bt.beta = b64;
+    bt.out = o64;
+    bt.cu_seqlens = d_cu64;
+    bt.cu_seqlens_host = cu64.data();
+    bt.initial_state = bt.final_state = pool64;
+    bt.state_slots = d_slot64;
+    const double one = host_us([&] {
+      check(kda::forward_cuda(bp, bt, {w64, ws64}, s, off), "forward_cuda");
+    });
     // One sequence per call, each on its own state block (pointer arithmetic into the pool).
     kda::Problem sp = pp;  // one fixed-length row of 16 tokens
     sp.seq_len = len;
@@ -537,8 +623,10 @@ void run_host_overhead() {
       for (int i = 0; i < n; i += 1) {
         kda::Tensors st = pt;
         const std::size_t off_tok = static_cast<std::size_t>(i) * len * H * D * 2;
-        st.q = static_cast<char*>(q64) + off_tok; st.k = static_cast<char*>(k64) + off_tok;
-        st.v = static_cast<char*>(v64) + off_tok; st.g = static_cast<char*>(g64) + off_tok;
+        st.q = static_cast<char*>(q64) + off_tok;
+        st.k = static_cast<char*>(k64) + off_tok;
+        st.v = static_cast<char*>(v64) + off_tok;
+        st.g = static_cast<char*>(g64) + off_tok;
         st.beta = static_cast<char*>(b64) + static_cast<std::size_t>(i) * len * H * 2;
         st.out = static_cast<char*>(o64) + off_tok;
         st.cu_seqlens = nullptr;
@@ -547,8 +635,12 @@ void run_host_overhead() {
         check(kda::forward_cuda(sp, st, {w64, ws64}, s, off), "forward_cuda");
       }
     });
-    std::printf("| forward_cuda 64 x 16 tokens, fragmented slots: one call via state_slots | - | - | %.2f | - |\n", one);
-    std::printf("| the same as 64 calls of one sequence (no slot indices) | - | - | %.2f | - |\n", many);
+    std::printf(
+        "| forward_cuda 64 x 16 tokens, fragmented slots: one call via state_slots | - | - | %.2f "
+        "| - |\n",
+        one);
+    std::printf("| the same as 64 calls of one sequence (no slot indices) | - | - | %.2f | - |\n",
+                many);
   }
   std::fflush(stdout);
   CK(cudaStreamDestroy(s));
@@ -563,13 +655,19 @@ int main(int argc, char** argv) {
   std::string only;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--prefill") prefill = true;
-    else if (a == "--decode") decode = true;
-    else if (a == "--host") host = true;
-    else if (a == "--iters" && i + 1 < argc) iters = std::max(3, std::atoi(argv[++i]));
-    else if (a == "--case" && i + 1 < argc) only = argv[++i];
+    if (a == "--prefill")
+      prefill = true;
+    else if (a == "--decode")
+      decode = true;
+    else if (a == "--host")
+      host = true;
+    else if (a == "--iters" && i + 1 < argc)
+      iters = std::max(3, std::atoi(argv[++i]));
+    else if (a == "--case" && i + 1 < argc)
+      only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]\n");
+      std::fprintf(stderr,
+                   "usage: kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]\n");
       return 2;
     }
   }

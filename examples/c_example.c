@@ -16,14 +16,14 @@
 enum { kPrefillTokens = 8, kDecodeSteps = 2 };
 
 /* Prints the failure and jumps to cleanup; `engine` may be NULL. */
-#define CHECK(call)                                                                          \
-  do {                                                                                       \
-    kda_status check_status_ = (call);                                                       \
-    if (check_status_ != KDA_OK) {                                                           \
-      fprintf(stderr, "kda-c-example: %s failed: %s: %s\n", #call,                           \
-              kda_status_string(check_status_), kda_engine_last_error(engine));              \
-      goto done;                                                                             \
-    }                                                                                        \
+#define CHECK(call)                                                             \
+  do {                                                                          \
+    kda_status check_status_ = (call);                                          \
+    if (check_status_ != KDA_OK) {                                              \
+      fprintf(stderr, "kda-c-example: %s failed: %s: %s\n", #call,              \
+              kda_status_string(check_status_), kda_engine_last_error(engine)); \
+      goto done;                                                                \
+    }                                                                           \
   } while (0)
 
 /* float -> bf16 bits, round to nearest even (the inputs here are finite). */
@@ -78,7 +78,8 @@ int main(int argc, char** argv) {
 
   /* An error before there is a handle: the message comes back in `err`. */
   if (kda_engine_create_from_string("hidden_size: [not, a, number]\n", NULL, &engine, err,
-                                    sizeof err) == KDA_OK || engine != NULL) {
+                                    sizeof err) == KDA_OK ||
+      engine != NULL) {
     fprintf(stderr, "kda-c-example: a bad YAML string was accepted\n");
     goto done;
   }
@@ -135,8 +136,10 @@ int main(int argc, char** argv) {
     }
     checksum += fabs(value);
   }
-  printf("prefill of %d tokens + %d decode steps on slot %d: sum |out| of the last decode step = %.6f\n",
-         kPrefillTokens, kDecodeSteps, slot, checksum);
+  printf(
+      "prefill of %d tokens + %d decode steps on slot %d: sum |out| of the last decode step = "
+      "%.6f\n",
+      kPrefillTokens, kDecodeSteps, slot, checksum);
 
   /* An error on a handle: the status says what kind, kda_engine_last_error() says what. */
   if (kda_engine_decode(engine, num_layers, q, k, v, g, beta, out, &slot, 1, 1) !=

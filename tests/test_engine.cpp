@@ -50,7 +50,9 @@ std::string replace(std::string text, const std::string& from, const std::string
   return text;
 }
 
-ModelSpec spec_from(const std::string& text) { return kda::engine::parse_model_spec(text, "t.yaml"); }
+ModelSpec spec_from(const std::string& text) {
+  return kda::engine::parse_model_spec(text, "t.yaml");
+}
 
 // bf16 activations for `tokens` tokens, laid out [tokens, H, D] (beta [tokens, H]).
 struct Activations {
@@ -107,12 +109,15 @@ bool entries_overlap(const kda::planner::PlanEntry& a, const kda::planner::PlanE
   return a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
 }
 bool lifetimes_overlap(const kda::planner::PlanEntry& a, const kda::planner::PlanEntry& b) {
-  return a.persistent || b.persistent || (a.first_step <= b.last_step && b.first_step <= a.last_step);
+  return a.persistent || b.persistent ||
+         (a.first_step <= b.last_step && b.first_step <= a.last_step);
 }
 
 }  // namespace
 
-TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / aligned / no overlap in sum") {
+TEST_CASE(
+    "plan: one state buffer per KDA layer / parameters / workspaces / aligned / no overlap in "
+    "sum") {
   const ModelSpec spec = spec_from(kSpec);
   const Engine engine(spec);
   CHECK(engine.backend() == kda::Backend::kCpu);
@@ -159,8 +164,8 @@ TEST_CASE("plan: one state buffer per KDA layer / parameters / workspaces / alig
         std::string::npos);
 
   // bf16 state halves the pools.
-  const auto bf16 = Engine::plan_for(spec_from(replace(kSpec, "state_dtype: fp32", "state_dtype: bf16")),
-                                     kda::Backend::kCpu);
+  const auto bf16 = Engine::plan_for(
+      spec_from(replace(kSpec, "state_dtype: fp32", "state_dtype: bf16")), kda::Backend::kCpu);
   CHECK(bf16.find("layer1.state")->bytes == 4u * 2 * 32 * 32 * 2);
 }
 
@@ -212,7 +217,8 @@ TEST_CASE("prefill on the CPU equals calling kda::forward_cpu directly (bitwise)
   synthetic.generate(5);
   const auto& host = synthetic.host();
 
-  const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot(), engine.acquire_slot()};
+  const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot(),
+                                  engine.acquire_slot()};
   CHECK(slots == std::vector<int>{0, 1, 2});
   const std::vector<std::int64_t> cu = {0, 34, 67, 100};
   const std::int64_t H = 2, D = 32, T = 100;
@@ -323,7 +329,8 @@ void check_prefill_then_decode(const std::string& yaml, kda::DType state_dtype) 
       Activations step(H, D);  // [B = 2, tokens = 1, H, D]
       step.append(seq0, t, t + 1);
       step.append(seq1, t, t + 1);
-      std::vector<std::uint16_t> out_step(static_cast<std::size_t>(2 * H * D), kda::test::kPoisonBf16);
+      std::vector<std::uint16_t> out_step(static_cast<std::size_t>(2 * H * D),
+                                          kda::test::kPoisonBf16);
       engine.decode(l, step.inputs(), out_step.data(), {b0, b1}, 1);
       out_steps_b.insert(out_steps_b.end(), out_step.begin(), out_step.end());
       for (std::int64_t s = 0; s < 2; ++s) {
@@ -385,7 +392,8 @@ TEST_CASE("slots: prefill n + decode m equals prefill n + m (softplus / fp32 sta
 }
 
 TEST_CASE("slots: prefill n + decode m equals prefill n + m (lower_bound gate / bf16 state)") {
-  std::string yaml = replace(kSpec, "gate: softplus", "gate: lower_bound\n  gate_lower_bound: -3.0");
+  std::string yaml =
+      replace(kSpec, "gate: softplus", "gate: lower_bound\n  gate_lower_bound: -3.0");
   yaml = replace(yaml, "state_dtype: fp32", "state_dtype: bf16");
   check_prefill_then_decode(yaml, kda::DType::kBF16);
 }
@@ -416,7 +424,8 @@ TEST_CASE("slots: slots not named in a step stay bitwise untouched / padding row
     for (const int slot : {2, 3}) {
       std::vector<std::uint8_t> bytes(engine.state_slot_bytes());
       for (auto& b : bytes) b = static_cast<std::uint8_t>(rng());
-      for (std::size_t i = 0; i < bytes.size(); i += 64) std::memcpy(&bytes[i], "\xc1\xff\xff\x7f", 4);
+      for (std::size_t i = 0; i < bytes.size(); i += 64)
+        std::memcpy(&bytes[i], "\xc1\xff\xff\x7f", 4);
       engine.write_slot_state(l, slot, bytes.data());
       poison.push_back(bytes);
     }
@@ -531,13 +540,14 @@ TEST_CASE("a batch of scattered slots equals each sequence run alone") {
   }
 }
 
-TEST_CASE("an out that overlaps an input only in a later run of slots is refused before any run writes") {
+TEST_CASE(
+    "an out that overlaps an input only in a later run of slots is refused before any run writes") {
   EngineOptions options;
   options.seed = 5;
   Engine engine(spec_from(kSpec), options);
   const int s0 = engine.acquire_slot(), s1 = engine.acquire_slot(), s2 = engine.acquire_slot();
   (void)s1;
-  const std::vector<int> slots = {s0, s2};          // two runs: {s0}, {s2}
+  const std::vector<int> slots = {s0, s2};  // two runs: {s0}, {s2}
   const std::vector<std::int64_t> cu = {0, 10, 110};
   // One buffer: q for 110 tokens, then room; out starts 50 tokens into q, so the first run's
   // 10 output tokens would not touch its 10 input tokens, but the whole batch's do.
@@ -573,7 +583,8 @@ TEST_CASE("parameters come from the weights file when the model names one") {
     // A_log as Hugging Face stores it, [1, 1, H, 1] F32; dt_bias flat [H * K] in BF16.
     auto a_log = kda::engine::Tensor::zeros(kda::engine::a_log_tensor_name(index), kda::DType::kF32,
                                             {1, 1, H, 1});
-    for (std::int64_t h = 0; h < H; ++h) a_log.data_as<float>()[h] = static_cast<float>(rng.uniform(0, 2));
+    for (std::int64_t h = 0; h < H; ++h)
+      a_log.data_as<float>()[h] = static_cast<float>(rng.uniform(0, 2));
     auto dt = kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(index), kda::DType::kBF16,
                                          {H * K});
     for (std::int64_t i = 0; i < H * K; ++i) {
@@ -603,46 +614,53 @@ TEST_CASE("parameters come from the weights file when the model names one") {
   kda::engine::save_safetensors((dir / "w.safetensors").string(), tensors);
   CHECK_THROWS_WITH_AS(Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
                        doctest::Contains("model.layers.3.self_attn.dt_bias"), kda::Error);
-  tensors.push_back(kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(3), kda::DType::kF32,
-                                               {K, H + 1}));
+  tensors.push_back(kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(3),
+                                               kda::DType::kF32, {K, H + 1}));
   kda::engine::save_safetensors((dir / "w.safetensors").string(), tensors);
   CHECK_THROWS_WITH_AS(Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
                        doctest::Contains("expected [64] or [2, 32]"), kda::Error);
   // A_log outside the operator's range (kda::kMaxAbsALog) is refused at load, naming the tensor.
   tensors.pop_back();
-  tensors.push_back(kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(3), kda::DType::kF32, {H * K}));
+  tensors.push_back(
+      kda::engine::Tensor::zeros(kda::engine::dt_bias_tensor_name(3), kda::DType::kF32, {H * K}));
   tensors[2].data_as<float>()[1] = kda::kMaxAbsALog + 5.0f;  // layer 1's A_log, head 1
   kda::engine::save_safetensors((dir / "w.safetensors").string(), tensors);
-  CHECK_THROWS_WITH_AS(Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
-                       doctest::Contains("model.layers.1.self_attn.A_log' value 25.000000 at element 1 is outside [-20, 20]"),
-                       kda::Error);
+  CHECK_THROWS_WITH_AS(
+      Engine(kda::engine::load_model_spec((dir / "m.yaml").string())),
+      doctest::Contains(
+          "model.layers.1.self_attn.A_log' value 25.000000 at element 1 is outside [-20, 20]"),
+      kda::Error);
   fs::remove_all(dir);
 }
 
 TEST_CASE("KdaLayer refuses parameters outside the operator's contract, however they were made") {
   const ModelSpec spec = spec_from(kSpec);
-  kda::engine::KdaParameters good = kda::engine::random_kda_parameters(1, 0, spec.num_heads, spec.head_dim);
+  kda::engine::KdaParameters good =
+      kda::engine::random_kda_parameters(1, 0, spec.num_heads, spec.head_dim);
   CHECK_NOTHROW(kda::engine::KdaLayer(spec, 0, 0, good));
   auto bad = good;
   bad.A_log[1] = -kda::kMaxAbsALog - 1.0f;
-  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[1] = -21"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[1] = -21"),
+                       kda::Error);
   // Messages name the model layer 1-based, as the YAML does, and the KDA index.
   CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 2, 3, bad),
                        doctest::Contains("layer 4 (KDA index 2): A_log[1]"), kda::Error);
   bad = good;
   bad.A_log[0] = std::numeric_limits<float>::quiet_NaN();
-  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[0]"), kda::Error);
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("A_log[0]"),
+                       kda::Error);
   bad = good;
   bad.dt_bias[5] = std::numeric_limits<float>::infinity();
-  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad), doctest::Contains("dt_bias[5] is not finite"),
-                       kda::Error);
+  CHECK_THROWS_WITH_AS(kda::engine::KdaLayer(spec, 0, 0, bad),
+                       doctest::Contains("dt_bias[5] is not finite"), kda::Error);
 }
 
 TEST_CASE("backends: cpu always works / cuda without a device is kBackendUnavailable") {
   ModelSpec spec = spec_from(kSpec);
   spec.runtime.backend = kda::engine::BackendChoice::kAuto;
   if (kda::cuda_device_count() == 0) {
-    CHECK(kda::engine::resolve_backend(spec, kda::engine::BackendChoice::kAuto) == kda::Backend::kCpu);
+    CHECK(kda::engine::resolve_backend(spec, kda::engine::BackendChoice::kAuto) ==
+          kda::Backend::kCpu);
     EngineOptions options;
     options.backend = kda::engine::BackendChoice::kCuda;
     try {
@@ -653,6 +671,7 @@ TEST_CASE("backends: cpu always works / cuda without a device is kBackendUnavail
     }
   }
   // head_dim 32 is not a CUDA problem, so auto stays on the CPU even with a GPU present.
-  CHECK(kda::engine::resolve_backend(spec, kda::engine::BackendChoice::kAuto) == kda::Backend::kCpu);
+  CHECK(kda::engine::resolve_backend(spec, kda::engine::BackendChoice::kAuto) ==
+        kda::Backend::kCpu);
   CHECK(Engine(spec).backend() == kda::Backend::kCpu);
 }

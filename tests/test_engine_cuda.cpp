@@ -1,6 +1,7 @@
-// GPU tests of the engine (label `gpu`): an engine on the CUDA backend against the same engine on the
-// CPU backend (same seeded parameters and synthetic inputs): prefill of a batch on state slots, then
-// decode steps, per layer; and run_synthetic end to end. Prints "KDA_SKIP: ..." without a device.
+// GPU tests of the engine (label `gpu`): an engine on the CUDA backend against the same engine on
+// the CPU backend (same seeded parameters and synthetic inputs): prefill of a batch on state slots,
+// then decode steps, per layer; and run_synthetic end to end. Prints "KDA_SKIP: ..." without a
+// device.
 #include <doctest/doctest.h>
 
 #include <cstdio>
@@ -38,8 +39,7 @@ const char* const kSpec =
     "  state_dtype: fp32\n"
     "  workspace_plan: reuse\n";
 
-std::vector<std::uint16_t> output_of(const Engine& e, const SyntheticInputs& s,
-                                     std::size_t elems) {
+std::vector<std::uint16_t> output_of(const Engine& e, const SyntheticInputs& s, std::size_t elems) {
   std::vector<std::uint16_t> host(elems);
   if (e.backend() == kda::Backend::kCuda) {
     REQUIRE(kda::memcpy_to_host(host.data(), s.output(), elems * 2, e.stream()).ok());
@@ -82,7 +82,7 @@ TEST_CASE("engine on CUDA equals the engine on the CPU: prefill on slots then de
     gpu.synchronize();
     const std::size_t n = static_cast<std::size_t>(300 * H * D);
     const double e_out = kda::test::rel_error_bf16(output_of(gpu, gin, n),
-                                                  kda::test::to_doubles(output_of(cpu, cin, n)));
+                                                   kda::test::to_doubles(output_of(cpu, cin, n)));
     std::printf("engine layer %d prefill: out %.2e\n", l, e_out);
     CHECK(e_out <= 5e-3);
     for (int s = 0; s < 3; ++s) {
@@ -141,7 +141,9 @@ TEST_CASE("engine on CUDA: run_synthetic with decode steps completes and reports
   }
 }
 
-TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is refused before any run writes") {
+TEST_CASE(
+    "engine on CUDA: a caller buffer too short for a later run of slots is refused before any run "
+    "writes") {
   if (!kda::test::gpu_or_skip()) return;
   const kda::engine::ModelSpec spec = kda::engine::parse_model_spec(kSpec, "engine-cuda.yaml");
   EngineOptions o;
@@ -151,8 +153,9 @@ TEST_CASE("engine on CUDA: a caller buffer too short for a later run of slots is
   synthetic.generate(9);
   const int s0 = e.acquire_slot(), s1 = e.acquire_slot(), s2 = e.acquire_slot();
   (void)s1;
-  // Slots {s0, s2}: two runs of consecutive slots, so two operator forwards; out holds only the first
-  // sequence and half of the second (no guard bytes: the allocation ends where the buffer does).
+  // Slots {s0, s2}: two runs of consecutive slots, so two operator forwards; out holds only the
+  // first sequence and half of the second (no guard bytes: the allocation ends where the buffer
+  // does).
   const std::int64_t H = 4, D = 128;
   const std::vector<std::int64_t> cu = {0, 40, 80};
   const std::vector<int> slots = {s0, s2};

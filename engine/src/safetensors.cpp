@@ -35,10 +35,9 @@ constexpr std::uint64_t kMaxU64 = std::numeric_limits<std::uint64_t>::max();
 std::string in_quotes(const std::string& name) { return "'" + name + "'"; }
 
 bool is_known_unsupported_dtype(const std::string& text) {
-  static const std::set<std::string> kNames = {"F16",  "F64",  "I8",     "U8",     "I16",
-                                               "U16",  "U32",  "U64",    "BOOL",   "F8_E4M3",
-                                               "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2",
-                                               "C64"};
+  static const std::set<std::string> kNames = {
+      "F16",  "F64",     "I8",      "U8",      "I16", "U16",     "U32",     "U64",
+      "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4",  "F6_E2M3", "F6_E3M2", "C64"};
   return kNames.count(text) != 0;
 }
 
@@ -69,21 +68,31 @@ std::string range_text(const TensorInfo& t) {
 
 bool parse_safetensors_dtype(const std::string& text, DType* dtype) noexcept {
   if (dtype == nullptr) return false;
-  if (text == "BF16") *dtype = DType::kBF16;
-  else if (text == "F32") *dtype = DType::kF32;
-  else if (text == "I32") *dtype = DType::kI32;
-  else if (text == "I64") *dtype = DType::kI64;
-  else return false;
+  if (text == "BF16")
+    *dtype = DType::kBF16;
+  else if (text == "F32")
+    *dtype = DType::kF32;
+  else if (text == "I32")
+    *dtype = DType::kI32;
+  else if (text == "I64")
+    *dtype = DType::kI64;
+  else
+    return false;
   return true;
 }
 
 const char* safetensors_dtype_name(DType dtype) noexcept {
   switch (dtype) {
-    case DType::kBF16: return "BF16";
-    case DType::kF32: return "F32";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
-    default: return "NONE";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF32:
+      return "F32";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    default:
+      return "NONE";
   }
 }
 
@@ -110,13 +119,13 @@ std::string shape_to_string(const std::vector<std::int64_t>& shape) {
 Tensor Tensor::zeros(std::string name, DType dtype, std::vector<std::int64_t> shape) {
   std::int64_t numel = 0;
   const std::uint64_t size = dtype_size(dtype);
-  if (size == 0) throw Error(StatusCode::kInvalidArgument, "tensor " + in_quotes(name) + ": no dtype");
-  if (!shape_numel(shape, &numel) ||
-      static_cast<std::uint64_t>(numel) > kMaxU64 / size ||
+  if (size == 0)
+    throw Error(StatusCode::kInvalidArgument, "tensor " + in_quotes(name) + ": no dtype");
+  if (!shape_numel(shape, &numel) || static_cast<std::uint64_t>(numel) > kMaxU64 / size ||
       static_cast<std::uint64_t>(numel) * size > std::numeric_limits<std::size_t>::max()) {
-    throw Error(StatusCode::kOverflow,
-                "tensor " + in_quotes(name) + ": shape " + shape_to_string(shape) +
-                    " is negative or its byte count overflows");
+    throw Error(StatusCode::kOverflow, "tensor " + in_quotes(name) + ": shape " +
+                                           shape_to_string(shape) +
+                                           " is negative or its byte count overflows");
   }
   Tensor tensor;
   tensor.name = std::move(name);
@@ -166,8 +175,9 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
     if (dtype_it == entry.end() || !dtype_it->is_string()) fail(source, who + ": missing dtype");
     const std::string dtype_text = dtype_it->get<std::string>();
     if (!parse_safetensors_dtype(dtype_text, &info.dtype)) {
-      fail(source, who + (is_known_unsupported_dtype(dtype_text) ? ": unsupported dtype "
-                                                                  : ": unknown dtype ") +
+      fail(source, who +
+                       (is_known_unsupported_dtype(dtype_text) ? ": unsupported dtype "
+                                                               : ": unknown dtype ") +
                        in_quotes(dtype_text) + " (supported: BF16, F32, I32, I64)");
     }
 
@@ -177,8 +187,9 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
       std::uint64_t value = 0;
       if (!as_u64(dim, &value) ||
           value > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-        fail(source, who + ": shape " + shape_it->dump() + " has an entry that is not a "
-                                                               "non-negative 64-bit integer");
+        fail(source, who + ": shape " + shape_it->dump() +
+                         " has an entry that is not a "
+                         "non-negative 64-bit integer");
       }
       info.shape.push_back(static_cast<std::int64_t>(value));
     }
@@ -203,8 +214,7 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 
     std::int64_t numel = 0;
     const std::uint64_t element = dtype_size(info.dtype);
-    if (!shape_numel(info.shape, &numel) ||
-        static_cast<std::uint64_t>(numel) > kMaxU64 / element) {
+    if (!shape_numel(info.shape, &numel) || static_cast<std::uint64_t>(numel) > kMaxU64 / element) {
       fail(source, who + ": shape " + shape_to_string(info.shape) + " overflows 64 bits",
            StatusCode::kOverflow);
     }
@@ -281,8 +291,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile file;
   file.path_ = path;
   file.data_start_ = 8 + header_len;
-  file.tensors_ = parse_safetensors_header(header, file_size - file.data_start_, path,
-                                           &file.metadata_);
+  file.tensors_ =
+      parse_safetensors_header(header, file_size - file.data_start_, path, &file.metadata_);
   return file;
 }
 
@@ -301,7 +311,8 @@ Tensor SafetensorsFile::read(const std::string& name) const {
   tensor.dtype = info->dtype;
   tensor.shape = info->shape;
   if (info->bytes > std::numeric_limits<std::size_t>::max()) {
-    fail(path_, "tensor " + in_quotes(name) + " is too large for this machine", StatusCode::kOverflow);
+    fail(path_, "tensor " + in_quotes(name) + " is too large for this machine",
+         StatusCode::kOverflow);
   }
   tensor.data.resize(static_cast<std::size_t>(info->bytes));
   if (info->bytes == 0) return tensor;
@@ -322,8 +333,8 @@ std::vector<Tensor> SafetensorsFile::read_all() const {
   return all;
 }
 
-std::vector<std::uint8_t> serialize_safetensors(const std::vector<Tensor>& tensors,
-                                                const std::map<std::string, std::string>& metadata) {
+std::vector<std::uint8_t> serialize_safetensors(
+    const std::vector<Tensor>& tensors, const std::map<std::string, std::string>& metadata) {
   // ordered_json keeps the tensors in the order given, which is also their data order.
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
@@ -349,9 +360,10 @@ std::vector<std::uint8_t> serialize_safetensors(const std::vector<Tensor>& tenso
     }
     if (!shape_numel(t.shape, &numel) || static_cast<std::uint64_t>(numel) > kMaxU64 / element ||
         static_cast<std::uint64_t>(numel) * element != t.data.size()) {
-      throw Error(StatusCode::kInvalidArgument,
-                  who + ": " + std::to_string(t.data.size()) + " bytes of data do not match shape " +
-                      shape_to_string(t.shape) + " of " + safetensors_dtype_name(t.dtype));
+      throw Error(StatusCode::kInvalidArgument, who + ": " + std::to_string(t.data.size()) +
+                                                    " bytes of data do not match shape " +
+                                                    shape_to_string(t.shape) + " of " +
+                                                    safetensors_dtype_name(t.dtype));
     }
     nlohmann::ordered_json entry;
     entry["dtype"] = safetensors_dtype_name(t.dtype);
@@ -385,7 +397,8 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
     if (!out) fail(path, std::string("cannot create output (") + std::strerror(errno) + ")");
-    out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+    out.write(reinterpret_cast<const char*>(bytes.data()),
+              static_cast<std::streamsize>(bytes.size()));
     out.flush();
     if (!out) {
       const int saved = errno;

@@ -73,7 +73,6 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
   const std::size_t in_size = dtype_size(p.initial_state_dtype);
   const std::size_t fin_size = dtype_size(p.final_state_dtype);
 
-
   detail::cpu::parallel_for(
       p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
         const std::int64_t seq = item / H, head = item % H;  // item == seq * H + head
@@ -85,15 +84,15 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
         // The whole state is read before anything is written: final_state may alias initial_state.
         const std::int64_t state_item = state_index(seq) * H + head;  // negative: padding
         const bool reads = state_item >= 0 && t.initial_state != nullptr;
-        detail::cpu::load_state(
-            reads ? p.initial_state_dtype : DType::kNone,
-            reads ? static_cast<const unsigned char*>(t.initial_state) +
-                        state_item * state_elems * in_size
-                  : nullptr,
-            state_elems, sc.state);
+        detail::cpu::load_state(reads ? p.initial_state_dtype : DType::kNone,
+                                reads ? static_cast<const unsigned char*>(t.initial_state) +
+                                            state_item * state_elems * in_size
+                                      : nullptr,
+                                state_elems, sc.state);
         for (std::int64_t i = begin; i < end; ++i) {
           const std::int64_t row = i * H + head;
-          detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row], &sc.tok);
+          detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K,
+                                     in.beta[row], &sc.tok);
           detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
           detail::cpu::store_out(sc.o, V, out + row * V);
         }
@@ -106,35 +105,40 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
 }
 
 template <typename Real>
-void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t, unsigned char* slots,
-                    std::int64_t workers) {
+void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                    unsigned char* slots, std::int64_t workers) {
   const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
   const std::int64_t Vx = V + K;
   const std::uint64_t stride = detail::cpu::transition_stride(K, V);
-  const std::uint64_t slot = detail::cpu::slot_bytes(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(Vx));
+  const std::uint64_t slot =
+      detail::cpu::slot_bytes(static_cast<std::uint64_t>(K), static_cast<std::uint64_t>(Vx));
   const float scale = p.effective_scale();
   const detail::cpu::TokenInputs in(t);
-  detail::cpu::parallel_for(p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
-    const std::int64_t seq = item / H, head = item % H;
-    std::int64_t begin = 0, end = 0;
-    detail::cpu::sequence_bounds(p, t.cu_seqlens, seq, &begin, &end);
-    unsigned char* base = slots + static_cast<std::uint64_t>(worker) * stride;
-    Scratch<Real> sc(reinterpret_cast<Real*>(base), K, Vx);
-    auto* vrow = reinterpret_cast<bf16_bits*>(base + slot);
-    std::fill(vrow + V, vrow + Vx, bf16_bits{0});
-    std::fill(sc.state, sc.state + Vx * K, Real(0));
-    for (std::int64_t i = 0; i < K; ++i) sc.state[(V + i) * K + i] = Real(1);
-    const auto hp = detail::cpu::make_head_params<Real>(K, Vx, p.gate, p.lower_bound, scale,
-                                                        t.A_log, t.dt_bias, head);
-    for (std::int64_t i = begin; i < end; ++i) {
-      const std::int64_t row = i * H + head;
-      detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row], &sc.tok);
-      std::copy(in.v + row * V, in.v + row * V + V, vrow);
-      detail::cpu::apply_token(sc.state, Vx, K, sc.tok, vrow, sc.o);
-    }
-    for (std::int64_t i = 0; i < V * K; ++i) h_t[item * V * K + i] = static_cast<float>(sc.state[i]);
-    for (std::int64_t i = 0; i < K * K; ++i) p_t[item * K * K + i] = static_cast<float>(sc.state[V * K + i]);
-  });
+  detail::cpu::parallel_for(
+      p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
+        const std::int64_t seq = item / H, head = item % H;
+        std::int64_t begin = 0, end = 0;
+        detail::cpu::sequence_bounds(p, t.cu_seqlens, seq, &begin, &end);
+        unsigned char* base = slots + static_cast<std::uint64_t>(worker) * stride;
+        Scratch<Real> sc(reinterpret_cast<Real*>(base), K, Vx);
+        auto* vrow = reinterpret_cast<bf16_bits*>(base + slot);
+        std::fill(vrow + V, vrow + Vx, bf16_bits{0});
+        std::fill(sc.state, sc.state + Vx * K, Real(0));
+        for (std::int64_t i = 0; i < K; ++i) sc.state[(V + i) * K + i] = Real(1);
+        const auto hp = detail::cpu::make_head_params<Real>(K, Vx, p.gate, p.lower_bound, scale,
+                                                            t.A_log, t.dt_bias, head);
+        for (std::int64_t i = begin; i < end; ++i) {
+          const std::int64_t row = i * H + head;
+          detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K,
+                                     in.beta[row], &sc.tok);
+          std::copy(in.v + row * V, in.v + row * V + V, vrow);
+          detail::cpu::apply_token(sc.state, Vx, K, sc.tok, vrow, sc.o);
+        }
+        for (std::int64_t i = 0; i < V * K; ++i)
+          h_t[item * V * K + i] = static_cast<float>(sc.state[i]);
+        for (std::int64_t i = 0; i < K * K; ++i)
+          p_t[item * K * K + i] = static_cast<float>(sc.state[V * K + i]);
+      });
 }
 
 }  // namespace
@@ -199,12 +203,15 @@ Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, fl
     return st;
   }
   const std::int64_t items = p.sequences() * p.num_heads;
-  const std::int64_t workers = detail::cpu::resolve_threads(opt.num_threads, items, std::int64_t{1} << 40);
+  const std::int64_t workers =
+      detail::cpu::resolve_threads(opt.num_threads, items, std::int64_t{1} << 40);
   // workspace_size counted min(items, kMaxThreads) slots; resolve_threads never exceeds that.
-  const std::uint64_t need = items == 0 ? 0
-                             : static_cast<std::uint64_t>(std::min<std::int64_t>(items, detail::cpu::kMaxThreads)) *
-                                       detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
-                                   detail::cpu::kSlotAlignment;
+  const std::uint64_t need =
+      items == 0
+          ? 0
+          : static_cast<std::uint64_t>(std::min<std::int64_t>(items, detail::cpu::kMaxThreads)) *
+                    detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
+                detail::cpu::kSlotAlignment;
   if (ws.bytes < need) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
                                                       " bytes, the CPU transition needs " +
@@ -225,7 +232,8 @@ Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, fl
 
 Status apply_transition_cpu(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
                             const float* s_in, const float* p_t, const float* h_t, float* s_out) {
-  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out); !st) {
+  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out);
+      !st) {
     return st;
   }
   using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;

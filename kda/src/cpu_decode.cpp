@@ -34,9 +34,9 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots, unsigned c
     if (seen[s / 8] & bit) {
       std::int64_t first = 0;
       while (slots[first] != s) ++first;
-      return Status(StatusCode::kInvalidArgument, "slots[" + std::to_string(first) + "] and slots[" +
-                                                      std::to_string(b) + "] both name slot " +
-                                                      std::to_string(s));
+      return Status(StatusCode::kInvalidArgument, "slots[" + std::to_string(first) +
+                                                      "] and slots[" + std::to_string(b) +
+                                                      "] both name slot " + std::to_string(s));
     }
     seen[s / 8] |= bit;
   }
@@ -94,7 +94,8 @@ std::int64_t decode_workers(const DecodeProblem& p, int requested_threads) {
   const double updates = static_cast<double>(items) * static_cast<double>(p.tokens) *
                          static_cast<double>(p.head_dim_v * p.head_dim_k);
   return detail::cpu::resolve_threads(
-      requested_threads, items, updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
+      requested_threads, items,
+      updates > 1e18 ? std::int64_t{1} << 60 : static_cast<std::int64_t>(updates));
 }
 
 // Runs on `slots` (64-byte aligned, room for `workers` slots sized for double); checked before.
@@ -125,14 +126,16 @@ Status decode_workspace_size(const DecodeProblem& p, Backend backend, std::size_
   if (bytes == nullptr) return Status(StatusCode::kInvalidArgument, "bytes is null");
   if (Status st = can_implement(p, Backend::kCpu); !st) return st;  // shapes and sizes only
   if (backend != Backend::kCpu && backend != Backend::kCuda) {
-    return Status(StatusCode::kInvalidArgument,
-                  "backend must be cpu or cuda (got " + std::to_string(static_cast<int>(backend)) + ")");
+    return Status(
+        StatusCode::kInvalidArgument,
+        "backend must be cpu or cuda (got " + std::to_string(static_cast<int>(backend)) + ")");
   }
   *bytes = 0;
   if (backend == Backend::kCuda) return Status::Ok();
   // Scratch for the most threads a call could use, min(batch * H, kMaxThreads), then the slot
   // bitmap (num_slots bits). validate() bounded every factor, so this cannot overflow.
-  const std::uint64_t items = static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
+  const std::uint64_t items =
+      static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
   const std::uint64_t slots = std::min<std::uint64_t>(items, detail::cpu::kMaxThreads);
   if (slots > 0) {
     const std::uint64_t total =
@@ -147,23 +150,28 @@ Status decode_workspace_size(const DecodeProblem& p, Backend backend, std::size_
   return Status::Ok();
 }
 
-Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws, const CpuOptions& opt) {
+Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
+                  const CpuOptions& opt) {
   if (Status st = decode_checks(p, t); !st) return st;
   if (p.batch == 0) return Status::Ok();
   std::size_t need = 0;
   if (Status st = decode_workspace_size(p, Backend::kCpu, &need); !st) return st;
   if (ws.bytes < need) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
-                                                      " bytes, the CPU decode needs " + std::to_string(need));
+                                                      " bytes, the CPU decode needs " +
+                                                      std::to_string(need));
   }
-  if (need > 0 && ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
+  if (need > 0 && ws.ptr == nullptr)
+    return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
   const std::uintptr_t base = detail::align_up(reinterpret_cast<std::uintptr_t>(ws.ptr), align);
   auto* slots = reinterpret_cast<unsigned char*>(base);
-  const std::uint64_t items = static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
+  const std::uint64_t items =
+      static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(p.num_heads);
   const std::uint64_t scratch_bytes =
       std::min<std::uint64_t>(items, detail::cpu::kMaxThreads) *
-      detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k), static_cast<std::uint64_t>(p.head_dim_v));
+      detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
+                              static_cast<std::uint64_t>(p.head_dim_v));
   if (Status st = check_slots(p, t.slots, slots + scratch_bytes); !st) return st;
   return decode_on(p, t, slots, decode_workers(p, opt.num_threads), opt);
 }

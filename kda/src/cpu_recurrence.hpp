@@ -44,9 +44,7 @@ inline constexpr std::uint64_t kSlotAlignment = 64;
 // bits: with AVX (32-byte packets) a 16-byte aligned vector gave other bits than a 32-byte aligned
 // one, and two identical runs could differ.
 inline constexpr std::uint64_t kArrayAlignReals = 16;
-inline std::uint64_t padded_reals(std::uint64_t n) {
-  return align_up(n, kArrayAlignReals);
-}
+inline std::uint64_t padded_reals(std::uint64_t n) { return align_up(n, kArrayAlignReals); }
 
 // Reals of one thread's scratch slot: the V x K state, four K-vectors (a, ak, aq, k^) and o (V),
 // each padded to kArrayAlignReals.

@@ -21,8 +21,8 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*, const 
   return unavailable();
 }
 
-Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace,
-                               void*, const CudaOptions&) {
+Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                               Workspace, void*, const CudaOptions&) {
   if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;
   return unavailable();
 }

@@ -200,9 +200,10 @@ Status validate_transition(const Problem& p, const Tensors& t, const float* p_t,
 }
 }  // namespace detail
 
-Status validate_apply_transition(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
-                                 const float* s_in, const float* p_t, const float* h_t,
-                                 const float* s_out, detail::ArgumentTable* table) {
+Status validate_apply_transition(std::int64_t pairs, std::int64_t head_dim_k,
+                                 std::int64_t head_dim_v, const float* s_in, const float* p_t,
+                                 const float* h_t, const float* s_out,
+                                 detail::ArgumentTable* table) {
   if (pairs < 0) return invalid("pairs must be >= 0 (got " + str(pairs) + ")");
   if (Status st = check_head_dims(head_dim_k, head_dim_v); !st) return st;
   detail::ArgumentTable local;
@@ -296,11 +297,13 @@ Status can_implement(const Problem& p, Backend backend) {
     std::uint64_t slots = 0;
     detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
                             static_cast<std::uint64_t>(p.sequences()), &slots);
-    if (Status st = check_cuda_grid(p.num_heads, "sequences", static_cast<std::uint64_t>(p.sequences()));
+    if (Status st =
+            check_cuda_grid(p.num_heads, "sequences", static_cast<std::uint64_t>(p.sequences()));
         !st) {
       return st;
     }
-    if (Status st = check_cuda_grid(p.num_heads, "16-token chunk slots (tokens / 16 + sequences)", slots);
+    if (Status st =
+            check_cuda_grid(p.num_heads, "16-token chunk slots (tokens / 16 + sequences)", slots);
         !st) {
       return st;
     }
@@ -352,8 +355,8 @@ Status transition_workspace_size(const Problem& p, Backend backend, std::size_t*
   if (backend == Backend::kCpu) {
     // One scratch slot per thread, its state V + K rows tall (the P^T rows ride along as extra
     // value columns with v = 0).
-    const std::uint64_t items = static_cast<std::uint64_t>(p.sequences()) *
-                                static_cast<std::uint64_t>(p.num_heads);
+    const std::uint64_t items =
+        static_cast<std::uint64_t>(p.sequences()) * static_cast<std::uint64_t>(p.num_heads);
     const std::uint64_t slots = std::min<std::uint64_t>(items, detail::cpu::kMaxThreads);
     if (slots > 0) {
       total = slots * detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
@@ -366,7 +369,8 @@ Status transition_workspace_size(const Problem& p, Backend backend, std::size_t*
                                  static_cast<std::uint64_t>(p.sequences()), &slots) ||
         !detail::checked_mul(slots, static_cast<std::uint64_t>(p.num_heads), &records) ||
         !detail::checked_mul(records, detail::ChunkRecord::kBytes, &total) ||
-        !detail::checked_add(total, detail::kWorkspaceAlignment, &total) || total > detail::kMaxSize) {
+        !detail::checked_add(total, detail::kWorkspaceAlignment, &total) ||
+        total > detail::kMaxSize) {
       return Status(StatusCode::kOverflow, "CUDA transition workspace bytes overflow 64-bit sizes");
     }
   }
@@ -406,7 +410,8 @@ Status can_implement(const DecodeProblem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
   if (backend == Backend::kCuda) {
-    if (Status st = check_cuda_grid(p.num_heads, "decode rows", static_cast<std::uint64_t>(p.batch));
+    if (Status st =
+            check_cuda_grid(p.num_heads, "decode rows", static_cast<std::uint64_t>(p.batch));
         !st) {
       return st;
     }

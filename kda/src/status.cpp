@@ -126,11 +126,14 @@ Status describe_device_status(std::uint32_t bits) {
   }
   if (bits & kDeviceStatusSlot) {
     message += sep;
-    message += "a state slot index >= the pool size (decode: that row was skipped; prefill: that sequence ran as padding, from a zero state, with no final state written)";
+    message +=
+        "a state slot index >= the pool size (decode: that row was skipped; prefill: that sequence "
+        "ran as padding, from a zero state, with no final state written)";
     sep = "; ";
   }
   const std::uint32_t unknown =
-      bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams | kDeviceStatusSlot);
+      bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams |
+                                         kDeviceStatusSlot);
   if (unknown != 0) {
     message += sep;
     message += "unknown status bits 0x" + [&] {

@@ -1,11 +1,13 @@
 // Workspace layout of the CUDA prefill, in plain C++ so that workspace_size() works in every build
-// (a CPU-only build can still plan a CUDA arena) and the kernels and the planner agree on one formula.
+// (a CPU-only build can still plan a CUDA arena) and the kernels and the planner agree on one
+// formula.
 //
-// The prefill runs in two phases. Phase 1 (token-parallel) turns each chunk of kChunk tokens of each
-// head into the operands of the sequential recurrence and stores them in the workspace; phase 2 walks
-// the chunks of each (sequence, head) in order. A sequence s that starts at token cu[s] owns chunk slots
-// [s + cu[s] / kChunk, s + cu[s] / kChunk + ceil(len_s / kChunk)): disjoint across sequences and all
-// below num_chunk_slots(T, N) = ceil(T / kChunk) + N, so the workspace depends on sizes alone.
+// The prefill runs in two phases. Phase 1 (token-parallel) turns each chunk of kChunk tokens of
+// each head into the operands of the sequential recurrence and stores them in the workspace; phase
+// 2 walks the chunks of each (sequence, head) in order. A sequence s that starts at token cu[s]
+// owns chunk slots [s + cu[s] / kChunk, s + cu[s] / kChunk + ceil(len_s / kChunk)): disjoint across
+// sequences and all below num_chunk_slots(T, N) = ceil(T / kChunk) + N, so the workspace depends on
+// sizes alone.
 #pragma once
 
 #include <cstddef>
@@ -15,18 +17,18 @@
 
 namespace kda::detail {
 
-inline constexpr int kChunk = 16;    // tokens per chunk
-inline constexpr int kHeadDim = 128; // K == V == 128 on CUDA
+inline constexpr int kChunk = 16;     // tokens per chunk
+inline constexpr int kHeadDim = 128;  // K == V == 128 on CUDA
 
 // One (chunk slot, head) record. Rows are padded (kRowStride bf16 for 128-wide tiles, kMStride for
 // M) so that the record is byte for byte the shared-memory image the recurrence kernel works on:
 // one bulk copy brings it in, and ldmatrix on 272-byte rows is free of bank conflicts.
 //   qg   bf16 [kChunk][kRowStride]  scale * q_hat * exp(G_i)               (Q~)
-//   kd   bf16 [kChunk][kRowStride]  k_hat * exp(G_last - G_i)              (K^, feeds the state update)
-//   w    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W)
-//   u    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) v                (U0)
-//   m    bf16 [kChunk][kMStride]    scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0
-//   gl   f32  [K]                   exp(G_last)                            (chunk decay of the state)
+//   kd   bf16 [kChunk][kRowStride]  k_hat * exp(G_last - G_i)              (K^, feeds the state
+//   update) w    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W) u    bf16
+//   [kChunk][kRowStride]  (I + A)^-1 diag(beta) v                (U0) m    bf16 [kChunk][kMStride]
+//   scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0 gl   f32  [K] exp(G_last) (chunk
+//   decay of the state)
 // M is kept as a bf16 pair m + m_lo (M in bf16 alone costs 1.6e-3 of out error, measured with
 // kda-chunk-emulation); m_lo lives in padding that costs no bytes: columns 0..7 of row i in
 // qg[i][128..135], columns 8..15 in kd[i][128..135] (kMloColumn). Other padding carries nothing.
@@ -50,7 +52,8 @@ static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
 inline constexpr std::size_t kWorkspaceAlignment = 256;
 
 // Number of chunk slots for total_tokens tokens split into num_seqs sequences.
-inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs, std::uint64_t* out) {
+inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                            std::uint64_t* out) {
   return checked_add((total_tokens + kChunk - 1) / kChunk, num_seqs, out);
 }
 
@@ -60,9 +63,9 @@ inline bool num_chunk_slots(std::uint64_t total_tokens, std::uint64_t num_seqs, 
 // recurrence at once (segment 0 from the true initial state; the middle ones from 0 for H_j and
 // from the identity, with v = 0, for P_j), a short fp32 scan chains S_{j+1} = S_j P_j^T + H_j^T
 // (in the V-first layout), and phase 2b runs segments 1.. again from their true initial states.
-// Segment slots are handed out like chunk slots: sequence s owns [s + cu[s] / (16 seg_chunks), ...),
-// at most num_seqs + total_tokens / (16 seg_chunks) of them. Each (segment slot, head) has one
-// fp32 [2 * 128][128] block: rows 0..127 hold H_j^T (after the scan: the state at the start of
+// Segment slots are handed out like chunk slots: sequence s owns [s + cu[s] / (16 seg_chunks),
+// ...), at most num_seqs + total_tokens / (16 seg_chunks) of them. Each (segment slot, head) has
+// one fp32 [2 * 128][128] block: rows 0..127 hold H_j^T (after the scan: the state at the start of
 // segment j + 1), rows 128..255 P_j^T.
 inline constexpr std::uint64_t kSegmentBlockBytes = 2ull * kHeadDim * kHeadDim * 4;  // 128 KiB
 inline constexpr std::uint64_t kMinSegmentChunks = 8;  // shorter segments cost more than they save

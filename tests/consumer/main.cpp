@@ -189,7 +189,8 @@ void check_engine() {
     const kda::engine::LayerInputs in{qkvg.data(), qkvg.data(), qkvg.data(), qkvg.data(),
                                       beta.data()};
     const int a = engine.acquire_slot(), b = engine.acquire_slot();
-    for (int l = 0; l < engine.num_layers(); ++l) engine.prefill(l, in, out.data(), {a, b}, {0, 20, 32});
+    for (int l = 0; l < engine.num_layers(); ++l)
+      engine.prefill(l, in, out.data(), {a, b}, {0, 20, 32});
     bool finite = true;
     for (const std::uint16_t x : out) finite = finite && std::isfinite(kda::bf16_to_float(x));
     check(finite, "prefill writes finite outputs");

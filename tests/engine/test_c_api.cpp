@@ -186,8 +186,8 @@ TEST_CASE("creation errors: message in the caller's buffer, no handle") {
   kda_engine* engine = reinterpret_cast<kda_engine*>(0x1);  // must be reset to NULL on failure
 
   SUBCASE("bad YAML string") {
-    const std::string bad = std::string(kSpec).replace(std::string(kSpec).find("num_heads: 2"),
-                                                       12, "num_heads: many");
+    const std::string bad =
+        std::string(kSpec).replace(std::string(kSpec).find("num_heads: 2"), 12, "num_heads: many");
     CHECK(kda_engine_create_from_string(bad.c_str(), &options, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
     CHECK(contains(err, "<yaml string>:5:"));

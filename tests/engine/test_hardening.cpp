@@ -1,8 +1,8 @@
 // Hardening of the engine on the CPU backend (label `cpu`): two engines driven from two threads
-// equal the same work run serially, bitwise; byte counts that overflow 64 bits are a kda::Error (from
-// the YAML loader, the engine constructor and the planner), never a crash or a huge allocation; a
-// prefill or decode that breaks the runtime limits (max_tokens, max_sequences, tokens per step)
-// throws before writing anything. docs/VALIDATION.md lists every check.
+// equal the same work run serially, bitwise; byte counts that overflow 64 bits are a kda::Error
+// (from the YAML loader, the engine constructor and the planner), never a crash or a huge
+// allocation; a prefill or decode that breaks the runtime limits (max_tokens, max_sequences, tokens
+// per step) throws before writing anything. docs/VALIDATION.md lists every check.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -192,10 +192,10 @@ TEST_CASE("two CPU engines in two threads equal the same work run serially (bitw
   }
 }
 
-TEST_CASE("overflow: YAML sizes whose byte counts overflow 64 bits are a kda::Error naming the key") {
+TEST_CASE(
+    "overflow: YAML sizes whose byte counts overflow 64 bits are a kda::Error naming the key") {
   {  // Inputs at max_tokens: 2^62 x 4 heads x 128 x 2 bytes.
-    const std::string yaml =
-        with_runtime_value(tiny_yaml(), "max_tokens", "4611686018427387904");
+    const std::string yaml = with_runtime_value(tiny_yaml(), "max_tokens", "4611686018427387904");
     const std::string message = expect_error(
         [&] { kda::engine::parse_model_spec(yaml, "huge.yaml"); }, kda::StatusCode::kOverflow);
     CHECK(message.find("huge.yaml:") == 0);
@@ -205,16 +205,19 @@ TEST_CASE("overflow: YAML sizes whose byte counts overflow 64 bits are a kda::Er
   {  // State pools: 2^20 slots x 1024 heads x 1024^2 x 4 bytes x 4096 layers = 2^64.
     std::string layers;
     for (int i = 1; i <= 4096; ++i) layers += (i == 1 ? "" : ", ") + std::to_string(i);
-    const std::string yaml = "hidden_size: 4096\n"
-                             "num_hidden_layers: 4096\n"
-                             "linear_attn_config:\n"
-                             "  num_heads: 1024\n"
-                             "  head_dim: 1024\n"
-                             "  kda_layers: [" + layers + "]\n"
-                             "  gate: softplus\n"
-                             "runtime:\n"
-                             "  max_tokens: 1\n"
-                             "  max_sequences: 1048576\n";
+    const std::string yaml =
+        "hidden_size: 4096\n"
+        "num_hidden_layers: 4096\n"
+        "linear_attn_config:\n"
+        "  num_heads: 1024\n"
+        "  head_dim: 1024\n"
+        "  kda_layers: [" +
+        layers +
+        "]\n"
+        "  gate: softplus\n"
+        "runtime:\n"
+        "  max_tokens: 1\n"
+        "  max_sequences: 1048576\n";
     const std::string message = expect_error(
         [&] { kda::engine::parse_model_spec(yaml, "pools.yaml"); }, kda::StatusCode::kOverflow);
     CHECK(message.find("runtime.max_sequences") != std::string::npos);
@@ -225,10 +228,12 @@ TEST_CASE("overflow: YAML sizes whose byte counts overflow 64 bits are a kda::Er
     // T = 3002399751579818 and not for one token more.
     CHECK_NOTHROW(kda::engine::parse_model_spec(
         with_runtime_value(tiny_yaml(), "max_tokens", "3002399751579818"), "edge.yaml"));
-    expect_error([&] {
-      kda::engine::parse_model_spec(
-          with_runtime_value(tiny_yaml(), "max_tokens", "3002399751579819"), "edge.yaml");
-    }, kda::StatusCode::kOverflow);
+    expect_error(
+        [&] {
+          kda::engine::parse_model_spec(
+              with_runtime_value(tiny_yaml(), "max_tokens", "3002399751579819"), "edge.yaml");
+        },
+        kda::StatusCode::kOverflow);
   }
 }
 
@@ -246,9 +251,9 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
   }
   {  // Synthetic inputs (examples/synthetic_run.hpp) for 2^60 tokens.
     const Engine engine(tiny, options);
-    const std::string message = expect_error(
-        [&] { kda::examples::SyntheticInputs inputs(engine, std::int64_t{1} << 60); },
-        kda::StatusCode::kOverflow);
+    const std::string message =
+        expect_error([&] { kda::examples::SyntheticInputs inputs(engine, std::int64_t{1} << 60); },
+                     kda::StatusCode::kOverflow);
     CHECK(message.find("synthetic inputs") != std::string::npos);
   }
   {  // Valid for the loader (inputs fit in 64 bits) but the CUDA workspace at max_tokens does not:
@@ -258,8 +263,8 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
     std::string wide = yaml;
     wide.replace(wide.find("num_heads: 4"), 12, "num_heads: 1024");
     const ModelSpec spec = kda::engine::parse_model_spec(wide, "wide.yaml");
-    const std::string message = expect_error(
-        [&] { Engine::plan_for(spec, kda::Backend::kCuda); }, kda::StatusCode::kOverflow);
+    const std::string message = expect_error([&] { Engine::plan_for(spec, kda::Backend::kCuda); },
+                                             kda::StatusCode::kOverflow);
     CHECK(message.find("workspace") != std::string::npos);
     // The CPU core's workspace does not grow with the tokens: the same spec plans there with
     // core-only layers; a whole layer's intermediates do grow, and overflow the same way.
@@ -295,7 +300,8 @@ TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and 
   // Two slots with a non-zero state, so that "untouched" means something.
   const std::vector<int> slots = {engine.acquire_slot(), engine.acquire_slot()};
   std::vector<std::uint16_t> warm(static_cast<std::size_t>(64 * H * D));
-  for (int l = 0; l < engine.num_layers(); ++l) engine.prefill(l, in, warm.data(), slots, {0, 30, 64});
+  for (int l = 0; l < engine.num_layers(); ++l)
+    engine.prefill(l, in, warm.data(), slots, {0, 30, 64});
   const std::vector<std::uint8_t> state0 = all_layer_states(engine, slots[0]);
   const std::vector<std::uint8_t> state1 = all_layer_states(engine, slots[1]);
 
@@ -310,30 +316,45 @@ TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and 
 
   {  // One sequence of max_tokens + 1 tokens.
     const std::string message = expect_error(
-        [&] { engine.prefill(0, in, out.data(), {slots[0]}, {0, T}); },
+        [&] {
+          engine.prefill(0, in, out.data(), {slots[0]}, {0, T});
+        },
         kda::StatusCode::kInvalidArgument);
     CHECK(message.find("2049 tokens exceed runtime.max_tokens 2048") != std::string::npos);
   }
   {  // Two sequences that together exceed max_tokens, on the last layer.
     const std::string message = expect_error(
-        [&] { engine.prefill(engine.num_layers() - 1, in, out.data(), slots, {0, 1500, T}); },
+        [&] {
+          engine.prefill(engine.num_layers() - 1, in, out.data(), slots, {0, 1500, T});
+        },
         kda::StatusCode::kInvalidArgument);
     CHECK(message.find("max_tokens") != std::string::npos);
   }
   // More sequences than max_sequences.
-  expect_error([&] { engine.prefill(0, in, out.data(), {0, 1, 2, 3, 0}, {0, 1, 2, 3, 4, 5}); },
-               kda::StatusCode::kInvalidArgument);
+  expect_error(
+      [&] {
+        engine.prefill(0, in, out.data(), {0, 1, 2, 3, 0}, {0, 1, 2, 3, 4, 5});
+      },
+      kda::StatusCode::kInvalidArgument);
   // Decode: 17 tokens per step, 5 rows, an unacquired slot, a slot named twice.
   const std::string m17 = expect_error([&] { engine.decode(0, in, out.data(), slots, 17); },
                                        kda::StatusCode::kInvalidArgument);
   CHECK(m17.find("tokens 17") != std::string::npos);
-  expect_error([&] { engine.decode(0, in, out.data(), {slots[0], -1, -1, -1, -1}, 1); },
-               kda::StatusCode::kInvalidArgument);
+  expect_error(
+      [&] {
+        engine.decode(0, in, out.data(), {slots[0], -1, -1, -1, -1}, 1);
+      },
+      kda::StatusCode::kInvalidArgument);
   const std::string free_slot = expect_error(
-      [&] { engine.decode(0, in, out.data(), {slots[0], 3}, 1); }, kda::StatusCode::kInvalidArgument);
+      [&] {
+        engine.decode(0, in, out.data(), {slots[0], 3}, 1);
+      },
+      kda::StatusCode::kInvalidArgument);
   CHECK(free_slot.find("not an acquired slot") != std::string::npos);
   const std::string twice = expect_error(
-      [&] { engine.decode(0, in, out.data(), {slots[1], slots[1]}, 1); },
+      [&] {
+        engine.decode(0, in, out.data(), {slots[1], slots[1]}, 1);
+      },
       kda::StatusCode::kInvalidArgument);
   CHECK(twice.find("appears twice") != std::string::npos);
   CHECK(untouched());

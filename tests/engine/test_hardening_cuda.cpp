@@ -1,15 +1,16 @@
-// Hardening of the CUDA path (label `gpu`): two engines on two streams driven from two threads equal
-// the same work run serially, bitwise; an engine's prefill and decode captured in a CUDA graph and
-// replayed with new input contents equal eager runs, bitwise; create -> 1000 forwards -> destroy,
-// three times, gives device memory back; a prefill of T*H*K > 2^31 elements (H = 128, T = 150,000)
-// agrees with the CPU backend on sampled heads. Every case prints "KDA_SKIP: ..." without a device.
+// Hardening of the CUDA path (label `gpu`): two engines on two streams driven from two threads
+// equal the same work run serially, bitwise; an engine's prefill and decode captured in a CUDA
+// graph and replayed with new input contents equal eager runs, bitwise; create -> 1000 forwards ->
+// destroy, three times, gives device memory back; a prefill of T*H*K > 2^31 elements (H = 128, T =
+// 150,000) agrees with the CPU backend on sampled heads. Every case prints "KDA_SKIP: ..." without
+// a device.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -40,12 +41,12 @@ using kda::examples::SyntheticInputs;
 #ifdef KDA_HAVE_CUDA
 namespace {
 
-#define CUDA_REQUIRE(call)                                                                 \
-  do {                                                                                     \
-    const cudaError_t cuda_require_err_ = (call);                                          \
-    REQUIRE_MESSAGE(cuda_require_err_ == cudaSuccess,                                      \
-                    #call << ": " << cudaGetErrorName(cuda_require_err_) << " ("          \
-                          << cudaGetErrorString(cuda_require_err_) << ")");                \
+#define CUDA_REQUIRE(call)                                                       \
+  do {                                                                           \
+    const cudaError_t cuda_require_err_ = (call);                                \
+    REQUIRE_MESSAGE(cuda_require_err_ == cudaSuccess,                            \
+                    #call << ": " << cudaGetErrorName(cuda_require_err_) << " (" \
+                          << cudaGetErrorString(cuda_require_err_) << ")");      \
   } while (0)
 
 // Throws std::runtime_error on a failed status (for code running on worker threads, where doctest
@@ -102,7 +103,9 @@ std::vector<T> download(const void* device, std::size_t count, void* stream) {
   return host;
 }
 
-std::uint8_t* byte_ptr(void* p, std::size_t offset) { return static_cast<std::uint8_t*>(p) + offset; }
+std::uint8_t* byte_ptr(void* p, std::size_t offset) {
+  return static_cast<std::uint8_t*>(p) + offset;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Concurrency
@@ -122,8 +125,8 @@ struct WorkResult {
 struct WorkBuffers {
   kda::test::DeviceBuffer prefill_out, decode_out;
   WorkBuffers(const ModelSpec& spec, int layers)
-      : prefill_out(static_cast<std::size_t>(kPrefillTokens * spec.num_heads * spec.head_dim * 2 *
-                                             layers)),
+      : prefill_out(
+            static_cast<std::size_t>(kPrefillTokens * spec.num_heads * spec.head_dim * 2 * layers)),
         decode_out(static_cast<std::size_t>(kDecodeRows * spec.num_heads * spec.head_dim * 2 *
                                             layers * kDecodeSteps)) {}
 };
@@ -138,10 +141,12 @@ WorkResult work(Engine& engine, const SyntheticInputs& synthetic, WorkBuffers& b
   const std::size_t prefill_bytes = static_cast<std::size_t>(kPrefillTokens * H * D * 2);
   const std::size_t row_bytes = static_cast<std::size_t>(kDecodeRows * H * D * 2);
   const int layers = engine.num_layers();
-  ok_or_throw(kda::memset_device(buffers.prefill_out.get(), 0xFF, buffers.prefill_out.bytes(), stream),
-              "poison");
-  ok_or_throw(kda::memset_device(buffers.decode_out.get(), 0xFF, buffers.decode_out.bytes(), stream),
-              "poison");
+  ok_or_throw(
+      kda::memset_device(buffers.prefill_out.get(), 0xFF, buffers.prefill_out.bytes(), stream),
+      "poison");
+  ok_or_throw(
+      kda::memset_device(buffers.decode_out.get(), 0xFF, buffers.decode_out.bytes(), stream),
+      "poison");
 
   std::vector<int> slots;
   for (int j = 0; j < 3; ++j) slots.push_back(engine.acquire_slot());
@@ -159,8 +164,10 @@ WorkResult work(Engine& engine, const SyntheticInputs& synthetic, WorkBuffers& b
   }
   engine.synchronize();
   WorkResult r;
-  r.prefill_out = download<std::uint16_t>(buffers.prefill_out.get(), buffers.prefill_out.bytes() / 2, stream);
-  r.decode_out = download<std::uint16_t>(buffers.decode_out.get(), buffers.decode_out.bytes() / 2, stream);
+  r.prefill_out =
+      download<std::uint16_t>(buffers.prefill_out.get(), buffers.prefill_out.bytes() / 2, stream);
+  r.decode_out =
+      download<std::uint16_t>(buffers.decode_out.get(), buffers.decode_out.bytes() / 2, stream);
   const std::size_t slot_bytes = static_cast<std::size_t>(engine.state_slot_bytes());
   r.states.resize(slot_bytes * slots.size() * layers);
   for (int l = 0; l < layers; ++l) {
@@ -175,7 +182,8 @@ WorkResult work(Engine& engine, const SyntheticInputs& synthetic, WorkBuffers& b
 }  // namespace
 #endif  // KDA_HAVE_CUDA
 
-TEST_CASE("two CUDA engines on two streams in two threads equal the same work run serially (bitwise)") {
+TEST_CASE(
+    "two CUDA engines on two streams in two threads equal the same work run serially (bitwise)") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
   Stream sa, sb;  // before the engines: destroyed after them
@@ -190,7 +198,8 @@ TEST_CASE("two CUDA engines on two streams in two threads equal the same work ru
   ia.generate(1);
   ib.generate(2);
   WorkBuffers ba(spec, a.num_layers()), bb(spec, b.num_layers());
-  // The buffers were set up on the legacy default stream, which non-blocking streams do not wait for.
+  // The buffers were set up on the legacy default stream, which non-blocking streams do not wait
+  // for.
   CUDA_REQUIRE(cudaDeviceSynchronize());
 
   const WorkResult serial_a = work(a, ia, ba);
@@ -248,8 +257,9 @@ TEST_CASE("two CUDA engines on two streams in two threads equal the same work ru
 namespace {
 
 constexpr std::int64_t kGraphTokens = 512;
-const std::vector<std::int64_t> kGraphCu = {0, 200, kGraphTokens};  // two sequences, one run of slots
-constexpr int kGraphLayer = 1;                                      // the middle KDA layer
+const std::vector<std::int64_t> kGraphCu = {0, 200,
+                                            kGraphTokens};  // two sequences, one run of slots
+constexpr int kGraphLayer = 1;                              // the middle KDA layer
 
 struct Snapshot {
   std::vector<std::uint16_t> prefill_out, decode_out;
@@ -290,8 +300,10 @@ class GraphFixture {
   Snapshot collect() {
     engine_.synchronize();
     Snapshot s;
-    s.prefill_out = download<std::uint16_t>(prefill_out_.get(), prefill_out_.bytes() / 2, stream_.stream);
-    s.decode_out = download<std::uint16_t>(decode_out_.get(), decode_out_.bytes() / 2, stream_.stream);
+    s.prefill_out =
+        download<std::uint16_t>(prefill_out_.get(), prefill_out_.bytes() / 2, stream_.stream);
+    s.decode_out =
+        download<std::uint16_t>(decode_out_.get(), decode_out_.bytes() / 2, stream_.stream);
     const std::size_t slot_bytes = static_cast<std::size_t>(engine_.state_slot_bytes());
     s.states.resize(slot_bytes * slots_.size());
     for (std::size_t j = 0; j < slots_.size(); ++j) {
@@ -323,7 +335,8 @@ struct Graph {
 // error text, or "" with g->graph set. The capture is always ended, whatever happened.
 std::string capture_forward(GraphFixture& f, Graph* g) {
   const cudaError_t begin = cudaStreamBeginCapture(f.stream(), cudaStreamCaptureModeThreadLocal);
-  if (begin != cudaSuccess) return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(begin);
+  if (begin != cudaSuccess)
+    return std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(begin);
   std::string error;
   try {
     f.forward();
@@ -347,7 +360,9 @@ void check_same(const Snapshot& got, const Snapshot& want) {
 }  // namespace
 #endif  // KDA_HAVE_CUDA
 
-TEST_CASE("engine prefill and decode captured in a CUDA graph and replayed with new inputs equal eager runs (bitwise)") {
+TEST_CASE(
+    "engine prefill and decode captured in a CUDA graph and replayed with new inputs equal eager "
+    "runs (bitwise)") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
   GraphFixture f;
@@ -426,7 +441,9 @@ TEST_CASE("engine forward captured as the first call after construction (no eage
 // ---------------------------------------------------------------------------------------------
 // Leaks
 // ---------------------------------------------------------------------------------------------
-TEST_CASE("engine create then 1000 forwards then destroy three times: device memory back to its baseline") {
+TEST_CASE(
+    "engine create then 1000 forwards then destroy three times: device memory back to its "
+    "baseline") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
   const ModelSpec spec = cuda_spec();
@@ -510,7 +527,9 @@ enum TensorId : std::uint64_t { kQ = 1, kK = 2, kV = 3, kG = 4, kBeta = 5, kALog
 }  // namespace
 #endif  // KDA_HAVE_CUDA
 
-TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU backend on sampled heads") {
+TEST_CASE(
+    "cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU backend on sampled "
+    "heads") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
   constexpr std::int64_t T = 150000, H = 128, D = 128;
@@ -530,7 +549,7 @@ TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU
   std::size_t ws_bytes = 0;
   REQUIRE(kda::workspace_size(p, kda::Backend::kCuda, &ws_bytes).ok());
 
-  const std::size_t elems = static_cast<std::size_t>(T * H * D);   // q, k, v, g, out each
+  const std::size_t elems = static_cast<std::size_t>(T * H * D);  // q, k, v, g, out each
   const std::size_t state_elems = static_cast<std::size_t>(H * D * D);
   const std::size_t need = 5 * elems * 2 + static_cast<std::size_t>(T * H) * 2 + ws_bytes +
                            state_elems * 4 + (64u << 20);
@@ -562,7 +581,8 @@ TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU
         const std::size_t n = std::min(kChunk, count - first);
         parallel_ranges(static_cast<std::int64_t>(n), [&](std::int64_t b, std::int64_t e) {
           for (std::int64_t i = b; i < e; ++i) {
-            staging[static_cast<std::size_t>(i)] = hashed_bf16(tensor, first + static_cast<std::size_t>(i));
+            staging[static_cast<std::size_t>(i)] =
+                hashed_bf16(tensor, first + static_cast<std::size_t>(i));
           }
         });
         CUDA_REQUIRE(cudaMemcpy(static_cast<std::uint16_t*>(device) + first, staging.data(), n * 2,
@@ -576,7 +596,8 @@ TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU
     fill(beta.get(), kBeta, static_cast<std::size_t>(T * H));
   }
   CUDA_REQUIRE(cudaMemcpy(a_log_d.get(), A_log.data(), A_log.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_REQUIRE(cudaMemcpy(dt_bias_d.get(), dt_bias.data(), dt_bias.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_REQUIRE(
+      cudaMemcpy(dt_bias_d.get(), dt_bias.data(), dt_bias.size() * 4, cudaMemcpyHostToDevice));
   CUDA_REQUIRE(cudaMemset(out.get(), 0xFF, out.bytes()));
   CUDA_REQUIRE(cudaMemset(final_state.get(), 0xFF, final_state.bytes()));
   CUDA_REQUIRE(cudaDeviceSynchronize());
@@ -601,8 +622,8 @@ TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU
   for (int j = 0; j < 2; ++j) {
     gpu_out[j].resize(static_cast<std::size_t>(T * D));
     CUDA_REQUIRE(cudaMemcpy2D(gpu_out[j].data(), D * 2,
-                              static_cast<const std::uint16_t*>(out.get()) + sampled[j] * D, H * D * 2,
-                              D * 2, T, cudaMemcpyDeviceToHost));
+                              static_cast<const std::uint16_t*>(out.get()) + sampled[j] * D,
+                              H * D * 2, D * 2, T, cudaMemcpyDeviceToHost));
     gpu_state[j].resize(static_cast<std::size_t>(D * D));
     CUDA_REQUIRE(cudaMemcpy(gpu_state[j].data(),
                             static_cast<const float*>(final_state.get()) + sampled[j] * D * D,
@@ -658,7 +679,8 @@ TEST_CASE("cuda prefill beyond 2^31 elements: H 128 T 150000 agrees with the CPU
 
   for (int j = 0; j < 2; ++j) {
     CAPTURE(sampled[j]);
-    std::vector<double> cpu_out(static_cast<std::size_t>(T * D)), cpu_state(static_cast<std::size_t>(D * D));
+    std::vector<double> cpu_out(static_cast<std::size_t>(T * D)),
+        cpu_state(static_cast<std::size_t>(D * D));
     for (std::int64_t tok = 0; tok < T; ++tok) {
       for (std::int64_t d = 0; d < D; ++d) {
         cpu_out[static_cast<std::size_t>(tok * D + d)] =

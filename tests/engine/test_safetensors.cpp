@@ -37,7 +37,8 @@ void write_bytes(const std::string& path, const std::string& bytes) {
 
 std::string le64(std::uint64_t value) {
   std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) bytes[static_cast<std::size_t>(i)] = static_cast<char>(value >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    bytes[static_cast<std::size_t>(i)] = static_cast<char>(value >> (8 * i));
   return bytes;
 }
 
@@ -57,7 +58,8 @@ std::string open_error(const std::string& path, kda::StatusCode* code = nullptr)
   return {};
 }
 
-void check_bad(const TempDir& dir, const std::string& bytes, std::initializer_list<const char*> parts) {
+void check_bad(const TempDir& dir, const std::string& bytes,
+               std::initializer_list<const char*> parts) {
   const std::string path = dir.file("bad.safetensors");
   write_bytes(path, bytes);
   const std::string message = open_error(path);
@@ -174,12 +176,16 @@ TEST_CASE("malformed files: header garbage") {
             {"tensor 't'", "missing shape"});
   check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1]}})", 4),
             {"tensor 't'", "data_offsets"});
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", 4),
+  check_bad(dir,
+            file_with_header(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", 4),
             {"data_offsets must be [begin, end]"});
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4),
-            {"tensor 't'", "non-negative"});
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4),
-            {"tensor 't'", "non-negative"});
+  check_bad(
+      dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", 4),
+      {"tensor 't'", "non-negative"});
+  check_bad(
+      dir,
+      file_with_header(R"({"t": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", 4),
+      {"tensor 't'", "non-negative"});
   check_bad(dir, file_with_header(R"({"__metadata__": {"gate": 3}})", 0),
             {"__metadata__", "'gate'", "not a string"});
   check_bad(dir, file_with_header(R"({"__metadata__": [1]})", 0), {"__metadata__"});
@@ -187,20 +193,26 @@ TEST_CASE("malformed files: header garbage") {
 
 TEST_CASE("malformed files: dtypes") {
   TempDir dir;
-  check_bad(dir, file_with_header(R"({"h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", 4),
+  check_bad(dir,
+            file_with_header(R"({"h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", 4),
             {"tensor 'h'", "unsupported dtype 'F16'", "BF16, F32, I32, I64"});
-  check_bad(dir, file_with_header(R"({"h": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8),
+  check_bad(dir,
+            file_with_header(R"({"h": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8),
             {"unsupported dtype 'F64'"});
-  check_bad(dir, file_with_header(R"({"h": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}})", 1),
+  check_bad(dir,
+            file_with_header(R"({"h": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}})", 1),
             {"unknown dtype 'Q4'"});
 }
 
 TEST_CASE("malformed files: data offsets past the end / reversed / overlapping / shape mismatch") {
   TempDir dir;
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 12),
-            {"tensor 't'", "run past the end of the data section (12 bytes"});
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})", 12),
-            {"tensor 't'", "reversed"});
+  check_bad(
+      dir,
+      file_with_header(R"({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}})", 12),
+      {"tensor 't'", "run past the end of the data section (12 bytes"});
+  check_bad(
+      dir, file_with_header(R"({"t": {"dtype": "F32", "shape": [0], "data_offsets": [8, 4]}})", 12),
+      {"tensor 't'", "reversed"});
   check_bad(dir,
             file_with_header(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},)"
                              R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}})",
@@ -213,22 +225,27 @@ TEST_CASE("malformed files: data offsets past the end / reversed / overlapping /
                              R"( "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
                              16),
             {"overlaps"});
-  check_bad(dir, file_with_header(R"({"t": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})", 10),
-            {"tensor 't'", "shape [2, 3] of BF16 needs 12 bytes but data_offsets hold 10"});
+  check_bad(
+      dir,
+      file_with_header(R"({"t": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})", 10),
+      {"tensor 't'", "shape [2, 3] of BF16 needs 12 bytes but data_offsets hold 10"});
 
   const std::string path = dir.file("overflow.safetensors");
-  write_bytes(path, file_with_header(
-                        R"({"t": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 4]}})",
-                        4));
+  write_bytes(
+      path,
+      file_with_header(
+          R"({"t": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 4]}})",
+          4));
   kda::StatusCode code = kda::StatusCode::kOk;
   const std::string message = open_error(path, &code);
   CHECK(message.find("overflows 64 bits") != std::string::npos);
   CHECK(code == kda::StatusCode::kOverflow);
 
   // Gaps are tolerated, and tensors may be listed out of data order.
-  write_bytes(path, file_with_header(R"({"b": {"dtype": "I32", "shape": [1], "data_offsets": [8, 12]},)"
-                                     R"( "a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}})",
-                                     12));
+  write_bytes(path,
+              file_with_header(R"({"b": {"dtype": "I32", "shape": [1], "data_offsets": [8, 12]},)"
+                               R"( "a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}})",
+                               12));
   const SafetensorsFile file = SafetensorsFile::open(path);
   REQUIRE(file.tensors().size() == 2);
   CHECK(file.tensors()[0].name == "a");

@@ -422,7 +422,8 @@ TEST_CASE("describe_device_status: each bit named, zero is ok") {
   const Status cu = describe_device_status(kDeviceStatusCuSeqlens);
   check_fails(cu, StatusCode::kInvalidArgument, "broken cu_seqlens");
   CHECK(cu.message().find("gate") == std::string::npos);
-  const Status all = describe_device_status(kDeviceStatusCuSeqlens | kDeviceStatusGateParams | kDeviceStatusSlot | 0x100u);
+  const Status all = describe_device_status(kDeviceStatusCuSeqlens | kDeviceStatusGateParams |
+                                            kDeviceStatusSlot | 0x100u);
   check_fails(all, StatusCode::kInvalidArgument, "gate parameters out of range");
   CHECK(all.message().find("cu_seqlens") != std::string::npos);
   CHECK(all.message().find("slot index >= the pool size") != std::string::npos);

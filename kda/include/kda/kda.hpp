@@ -1,10 +1,11 @@
 // kda/kda.hpp — the Kimi Delta Attention operator contract.
 //
-// One header describes the problem (shapes, layouts, gate, state dtypes), the tensors (raw pointers,
-// caller-owned), the workspace (caller-owned scratch, sized by workspace_size()) and the backends
-// (CPU: Eigen, exact reference and fallback; CUDA: sm_90a). The contract follows CUTLASS's operator
-// sequence: can_implement -> workspace_size -> forward. Nothing here throws: every entry point returns a
-// Status that names the problem. Nothing in a forward allocates, synchronizes or prints.
+// One header describes the problem (shapes, layouts, gate, state dtypes), the tensors (raw
+// pointers, caller-owned), the workspace (caller-owned scratch, sized by workspace_size()) and the
+// backends (CPU: Eigen, exact reference and fallback; CUDA: sm_90a). The contract follows CUTLASS's
+// operator sequence: can_implement -> workspace_size -> forward. Nothing here throws: every entry
+// point returns a Status that names the problem. Nothing in a forward allocates, synchronizes or
+// prints.
 //
 // Math, layouts and numerics: see docs/KDA.md (mirrors the project's shared KDA reference).
 #pragma once
@@ -71,16 +72,16 @@ const char* to_string(Backend backend) noexcept;
 //   cu_seqlens: i32 or i64 [N + 1] (then B == 1; T is the total token count)
 //   initial_state, final_state: [N, H, V, K] ("V-first", i.e. S^T), bf16 or f32, each optional.
 struct Problem {
-  std::int64_t batch = 1;        // B. Must be 1 when cu_seqlens is used.
-  std::int64_t seq_len = 0;      // T: tokens per row (with cu_seqlens: all tokens together)
-  std::int64_t num_heads = 0;    // H
-  std::int64_t head_dim_k = 128; // K
-  std::int64_t head_dim_v = 128; // V
-  std::int64_t num_seqs = 0;     // N with cu_seqlens (cu_seqlens has N + 1 entries); ignored otherwise
+  std::int64_t batch = 1;         // B. Must be 1 when cu_seqlens is used.
+  std::int64_t seq_len = 0;       // T: tokens per row (with cu_seqlens: all tokens together)
+  std::int64_t num_heads = 0;     // H
+  std::int64_t head_dim_k = 128;  // K
+  std::int64_t head_dim_v = 128;  // V
+  std::int64_t num_seqs = 0;  // N with cu_seqlens (cu_seqlens has N + 1 entries); ignored otherwise
   DType cu_seqlens_dtype = DType::kNone;  // kNone: fixed-length rows; kI32 or kI64: varlen
   GateMode gate = GateMode::kSoftplus;
-  float lower_bound = -5.0f;     // kLowerBound only; must be finite and in [-5, 0)
-  float scale = 0.0f;            // 0 means K^-0.5; otherwise finite and > 0
+  float lower_bound = -5.0f;                 // kLowerBound only; must be finite and in [-5, 0)
+  float scale = 0.0f;                        // 0 means K^-0.5; otherwise finite and > 0
   DType initial_state_dtype = DType::kNone;  // kNone | kBF16 | kF32
   DType final_state_dtype = DType::kNone;    // kNone | kBF16 | kF32
   // State addressing. 0: initial_state / final_state are [N, H, V, K], sequence s at index s.
@@ -103,8 +104,8 @@ struct Tensors {
   const void* q = nullptr;
   const void* k = nullptr;
   const void* v = nullptr;
-  const void* g = nullptr;      // raw gate input, activated inside the operator
-  const void* beta = nullptr;   // raw beta, sigmoid inside the operator
+  const void* g = nullptr;     // raw gate input, activated inside the operator
+  const void* beta = nullptr;  // raw beta, sigmoid inside the operator
   const float* A_log = nullptr;
   const float* dt_bias = nullptr;
   const void* cu_seqlens = nullptr;
@@ -113,10 +114,11 @@ struct Tensors {
   const void* cu_seqlens_host = nullptr;
   const void* initial_state = nullptr;
   void* final_state = nullptr;  // may equal initial_state (in-place update) if dtypes match
-  // With Problem::num_state_slots > 0: int32 [N], the pool entry of each sequence (negative: padding).
-  // Device memory for the CUDA backend, host memory for the CPU backend. Entries >= num_state_slots
-  // are refused by the CPU backend; the CUDA kernels treat such a sequence as padding and report
-  // kDeviceStatusSlot. Two sequences may not share an entry while final_state is written.
+  // With Problem::num_state_slots > 0: int32 [N], the pool entry of each sequence (negative:
+  // padding). Device memory for the CUDA backend, host memory for the CPU backend. Entries >=
+  // num_state_slots are refused by the CPU backend; the CUDA kernels treat such a sequence as
+  // padding and report kDeviceStatusSlot. Two sequences may not share an entry while final_state is
+  // written.
   const std::int32_t* state_slots = nullptr;
   // Optional host copy of state_slots (CUDA backend): when given, its range and duplicates are
   // checked before anything runs (O(N^2) host time; callers that already checked pass none).
@@ -175,8 +177,8 @@ enum DeviceStatusBit : std::uint32_t {
 Status describe_device_status(std::uint32_t bits);
 
 struct CpuOptions {
-  int num_threads = 0;   // 0: std::thread::hardware_concurrency()
-  bool fp64 = false;     // accumulate in double (tests); default fp32 accumulation
+  int num_threads = 0;  // 0: std::thread::hardware_concurrency()
+  bool fp64 = false;    // accumulate in double (tests); default fp32 accumulation
 };
 
 // CPU forward (Eigen). Validates, then computes; writes nothing when validation fails.
@@ -191,8 +193,8 @@ struct CudaOptions {
   bool check_pointers = true;
 };
 
-// CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once the
-// kernels are enqueued. No allocation, no synchronization; capturable in a CUDA graph.
+// CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once
+// the kernels are enqueued. No allocation, no synchronization; capturable in a CUDA graph.
 Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream,
                     const CudaOptions& opt = {});
 
@@ -236,8 +238,8 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 inline constexpr std::int64_t kMaxDecodeTokens = 16;
 
 struct DecodeProblem {
-  std::int64_t batch = 0;        // B sequences in this step
-  std::int64_t tokens = 1;       // new tokens per sequence, 1..kMaxDecodeTokens
+  std::int64_t batch = 0;   // B sequences in this step
+  std::int64_t tokens = 1;  // new tokens per sequence, 1..kMaxDecodeTokens
   std::int64_t num_heads = 0;
   std::int64_t head_dim_k = 128;
   std::int64_t head_dim_v = 128;
@@ -285,8 +287,8 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream,
 // Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a
 // build without CUDA.
 // ---------------------------------------------------------------------------------------------
-bool cuda_compiled() noexcept;          // built with the CUDA backend
-int cuda_device_count() noexcept;       // 0 when not compiled in or no device
+bool cuda_compiled() noexcept;     // built with the CUDA backend
+int cuda_device_count() noexcept;  // 0 when not compiled in or no device
 Status device_malloc(void** ptr, std::size_t bytes);
 Status device_free(void* ptr);
 Status memcpy_to_device(void* dst, const void* src, std::size_t bytes, void* stream = nullptr);

@@ -1,5 +1,5 @@
-// kda/nvtx.hpp — NVTX3 ranges in the `kda` domain, so a user profiling with Nsight Systems sees every
-// layer and kernel. Compiled out when the NVTX3 headers are absent (CPU-only build) or when
+// kda/nvtx.hpp — NVTX3 ranges in the `kda` domain, so a user profiling with Nsight Systems sees
+// every layer and kernel. Compiled out when the NVTX3 headers are absent (CPU-only build) or when
 // NVTX_DISABLE is defined.
 #pragma once
 

@@ -24,7 +24,8 @@ __device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf
 __device__ __forceinline__ float gate_activation(GateMode gate, float g_raw, float a_exp,
                                                  float dt_bias, float lower_bound) {
   const float x = g_raw + dt_bias;
-  return gate == GateMode::kLowerBound ? lower_bound * sigmoid_f(a_exp * x) : -a_exp * softplus_f(x);
+  return gate == GateMode::kLowerBound ? lower_bound * sigmoid_f(a_exp * x)
+                                       : -a_exp * softplus_f(x);
 }
 
 // A forward's token inputs and gate parameters on the device, as the kernels read them (prefill
@@ -40,16 +41,19 @@ struct InputPointers {
 
   template <typename CallTensors>
   static InputPointers from_tensors(const CallTensors& t) {
-    return {static_cast<const bf16*>(t.q),    static_cast<const bf16*>(t.k),
-            static_cast<const bf16*>(t.v),    static_cast<const bf16*>(t.g),
-            static_cast<const bf16*>(t.beta), t.A_log,
+    return {static_cast<const bf16*>(t.q),
+            static_cast<const bf16*>(t.k),
+            static_cast<const bf16*>(t.v),
+            static_cast<const bf16*>(t.g),
+            static_cast<const bf16*>(t.beta),
+            t.A_log,
             t.dt_bias};
   }
 };
 
 // Sequence bounds [bos, eos) of sequence s: from cu_seqlens (int32 or int64) or fixed rows of T.
 struct SeqIndex {
-  const void* cu;    // nullptr: fixed-length rows
+  const void* cu;  // nullptr: fixed-length rows
   int cu_is_64;
   std::int64_t row_len;  // T per row (fixed length)
   std::int64_t total;    // all tokens
@@ -62,7 +66,8 @@ struct SeqIndex {
   }
   // Bounds clamped to [0, total] so that broken cu_seqlens on the device can never index out of
   // range (the host validates them when it has a copy).
-  __device__ __forceinline__ void bounds(std::int64_t s, std::int64_t* bos, std::int64_t* eos) const {
+  __device__ __forceinline__ void bounds(std::int64_t s, std::int64_t* bos,
+                                         std::int64_t* eos) const {
     std::int64_t b = start(s), e = start(s + 1);
     b = b < 0 ? 0 : (b > total ? total : b);
     e = e < b ? b : (e > total ? total : e);

@@ -11,8 +11,8 @@ namespace kda::detail {
 
 inline Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
-  return Status(StatusCode::kCudaError,
-                std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  return Status(StatusCode::kCudaError, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
+                                            cudaGetErrorString(err) + ")");
 }
 
 // Streaming multiprocessors of the current device, looked up once per device (1 if unknown).

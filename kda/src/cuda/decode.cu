@@ -1,9 +1,10 @@
 // CUDA decode of KDA: 1..16 new tokens per sequence on a pool of state slots, updated in place.
 //
-// One block per (sequence, head), 8 warps; warp w owns rows v in [16w, 16w + 16) of S^T (V-first state)
-// and each lane 4 consecutive channels of K, so a row is one coalesced 512-byte access and the state
-// stays in registers (64 floats a thread) across the step's tokens. The kernel is bound by moving the
-// state (read and written once per step): the dot products are warp-shuffle reductions.
+// One block per (sequence, head), 8 warps; warp w owns rows v in [16w, 16w + 16) of S^T (V-first
+// state) and each lane 4 consecutive channels of K, so a row is one coalesced 512-byte access and
+// the state stays in registers (64 floats a thread) across the step's tokens. The kernel is bound
+// by moving the state (read and written once per step): the dot products are warp-shuffle
+// reductions.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -106,15 +107,16 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
         vr[8 + 2 * i + 1] = __bfloat162float(h1[i].y);
       }
     }
-    const float inv_q = rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f) * p.scale;
+    const float inv_q =
+        rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f) * p.scale;
     const float inv_k = rsqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
     const float4 qh = make_float4(q.x * inv_q, q.y * inv_q, q.z * inv_q, q.w * inv_q);
     const float4 kh = make_float4(k.x * inv_k, k.y * inv_k, k.z * inv_k, k.w * inv_k);
-    const float4 alpha = make_float4(
-        __expf(gate_activation(p.gate, g.x, a_exp, dtb.x, p.lower_bound)),
-        __expf(gate_activation(p.gate, g.y, a_exp, dtb.y, p.lower_bound)),
-        __expf(gate_activation(p.gate, g.z, a_exp, dtb.z, p.lower_bound)),
-        __expf(gate_activation(p.gate, g.w, a_exp, dtb.w, p.lower_bound)));
+    const float4 alpha =
+        make_float4(__expf(gate_activation(p.gate, g.x, a_exp, dtb.x, p.lower_bound)),
+                    __expf(gate_activation(p.gate, g.y, a_exp, dtb.y, p.lower_bound)),
+                    __expf(gate_activation(p.gate, g.z, a_exp, dtb.z, p.lower_bound)),
+                    __expf(gate_activation(p.gate, g.w, a_exp, dtb.w, p.lower_bound)));
 
     float dot[kRows];
 #pragma unroll
@@ -170,7 +172,8 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
 
 namespace kda {
 
-Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr, const CudaOptions& opt) {
+Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr,
+                   const CudaOptions& opt) {
   using namespace detail;
   KDA_NVTX_RANGE("kda.decode");
   Status st = can_implement(p, Backend::kCuda);
@@ -201,8 +204,9 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
-  const cudaError_t err = p.state_dtype == DType::kF32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true>, prm)
-                                                       : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false>, prm);
+  const cudaError_t err = p.state_dtype == DType::kF32
+                              ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true>, prm)
+                              : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false>, prm);
   return cuda_status(err, "kda_decode_kernel");
 }
 

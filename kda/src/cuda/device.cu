@@ -38,19 +38,20 @@ Status device_free(void* ptr) {
 
 Status memcpy_to_device(void* dst, const void* src, std::size_t bytes, void* stream) {
   if (bytes == 0) return Status::Ok();
-  return cuda_status(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice,
-                                     static_cast<cudaStream_t>(stream)),
-                     "cudaMemcpyAsync(host to device)");
+  return cuda_status(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, static_cast<cudaStream_t>(stream)),
+      "cudaMemcpyAsync(host to device)");
 }
 
 Status memcpy_to_host(void* dst, const void* src, std::size_t bytes, void* stream) {
   if (bytes == 0) return Status::Ok();
-  Status st = cuda_status(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost,
-                                          static_cast<cudaStream_t>(stream)),
-                          "cudaMemcpyAsync(device to host)");
+  Status st = cuda_status(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)),
+      "cudaMemcpyAsync(device to host)");
   if (!st.ok()) return st;
   // The host buffer is only meaningful once the copy is done.
-  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+                     "cudaStreamSynchronize");
 }
 
 Status memset_device(void* dst, int value, std::size_t bytes, void* stream) {
@@ -60,7 +61,8 @@ Status memset_device(void* dst, int value, std::size_t bytes, void* stream) {
 }
 
 Status stream_synchronize(void* stream) {
-  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+  return cuda_status(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+                     "cudaStreamSynchronize");
 }
 
 std::string device_name(int device) {
@@ -86,13 +88,15 @@ int device_capability(int device, cudaError_t* err) {
   }
   int major = 0, minor = 0;
   *err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (*err == cudaSuccess) *err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (*err == cudaSuccess)
+    *err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
   if (*err != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   const int capability = major * 10 + minor;
-  if (device >= 0 && device < kMaxCachedDevices) g_capability[device].store(capability, std::memory_order_relaxed);
+  if (device >= 0 && device < kMaxCachedDevices)
+    g_capability[device].store(capability, std::memory_order_relaxed);
   return capability;
 }
 
@@ -112,11 +116,13 @@ int detail::current_device_sm_count() {
     if (cached != 0) return cached;
   }
   int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1) {
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      sms < 1) {
     cudaGetLastError();
     return 1;
   }
-  if (device >= 0 && device < kMaxCachedDevices) g_sm_count[device].store(sms, std::memory_order_relaxed);
+  if (device >= 0 && device < kMaxCachedDevices)
+    g_sm_count[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
@@ -124,7 +130,8 @@ namespace {
 
 // cuMemGetAddressRange through the runtime's driver entry point, so that the library needs no
 // link against libcuda. Null when the driver does not offer it (the extent check is then skipped).
-using MemGetAddressRangeFn = int (*)(unsigned long long* base, std::size_t* size, unsigned long long ptr);
+using MemGetAddressRangeFn = int (*)(unsigned long long* base, std::size_t* size,
+                                     unsigned long long ptr);
 
 using PointerGetAttributeFn = int (*)(void* data, int attribute, unsigned long long ptr);
 constexpr int kAttributeIsLegacyIpcCapable = 10;  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
@@ -132,7 +139,8 @@ constexpr int kAttributeIsLegacyIpcCapable = 10;  // CU_POINTER_ATTRIBUTE_IS_LEG
 void* driver_entry_point(const char* symbol) {
   void* ptr = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+  if (cudaGetDriverEntryPointByVersion(symbol, &ptr, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
       found != cudaDriverEntryPointSuccess) {
     cudaGetLastError();
     return nullptr;
@@ -141,12 +149,14 @@ void* driver_entry_point(const char* symbol) {
 }
 
 MemGetAddressRangeFn mem_get_address_range() {
-  static const auto fn = reinterpret_cast<MemGetAddressRangeFn>(driver_entry_point("cuMemGetAddressRange"));
+  static const auto fn =
+      reinterpret_cast<MemGetAddressRangeFn>(driver_entry_point("cuMemGetAddressRange"));
   return fn;
 }
 
 PointerGetAttributeFn pointer_get_attribute() {
-  static const auto fn = reinterpret_cast<PointerGetAttributeFn>(driver_entry_point("cuPointerGetAttribute"));
+  static const auto fn =
+      reinterpret_cast<PointerGetAttributeFn>(driver_entry_point("cuPointerGetAttribute"));
   return fn;
 }
 
@@ -164,10 +174,14 @@ bool range_is_whole_allocation(unsigned long long addr) {
 
 const char* memory_type_name(cudaMemoryType type) {
   switch (type) {
-    case cudaMemoryTypeUnregistered: return "unregistered host memory";
-    case cudaMemoryTypeHost: return "pinned host memory";
-    case cudaMemoryTypeDevice: return "device memory";
-    case cudaMemoryTypeManaged: return "managed memory";
+    case cudaMemoryTypeUnregistered:
+      return "unregistered host memory";
+    case cudaMemoryTypeHost:
+      return "pinned host memory";
+    case cudaMemoryTypeDevice:
+      return "device memory";
+    case cudaMemoryTypeManaged:
+      return "managed memory";
   }
   return "memory of an unknown kind";
 }
@@ -186,15 +200,17 @@ Status cuda_device_supported() {
   if (capability != 90) {
     return Status(StatusCode::kUnsupported,
                   "the CUDA backend is built for sm_90a (Hopper, compute capability 9.0); device " +
-                      std::to_string(device) + " (" + device_name(device) + ") has compute capability " +
-                      std::to_string(capability / 10) + "." + std::to_string(capability % 10));
+                      std::to_string(device) + " (" + device_name(device) +
+                      ") has compute capability " + std::to_string(capability / 10) + "." +
+                      std::to_string(capability % 10));
   }
   return Status::Ok();
 }
 
 Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name) {
   detail::ArgumentTable one;
-  one.add(name == nullptr ? "buffer" : name, ptr, bytes, DType::kNone, detail::ArgumentRole::kInput);
+  one.add(name == nullptr ? "buffer" : name, ptr, bytes, DType::kNone,
+          detail::ArgumentRole::kInput);
   return detail::check_device_arguments(one);
 }
 
@@ -231,17 +247,19 @@ Status check_device_arguments(const ArgumentTable& table) {
     err = cudaPointerGetAttributes(&attr, e.ptr);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      return Status(StatusCode::kInvalidArgument,
-                    std::string(e.name) + " is not a pointer the CUDA runtime knows (" + cudaGetErrorName(err) + ")");
+      return Status(StatusCode::kInvalidArgument, std::string(e.name) +
+                                                      " is not a pointer the CUDA runtime knows (" +
+                                                      cudaGetErrorName(err) + ")");
     }
     if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) {
-      return Status(StatusCode::kInvalidArgument, std::string(e.name) + " points to " + memory_type_name(attr.type) +
-                                                      "; the CUDA backend needs device or managed memory");
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(e.name) + " points to " + memory_type_name(attr.type) +
+                        "; the CUDA backend needs device or managed memory");
     }
     if (attr.type == cudaMemoryTypeDevice && attr.device != device) {
-      return Status(StatusCode::kInvalidArgument, std::string(e.name) + " is memory of device " +
-                                                      std::to_string(attr.device) + ", but the current device is " +
-                                                      std::to_string(device));
+      return Status(StatusCode::kInvalidArgument,
+                    std::string(e.name) + " is memory of device " + std::to_string(attr.device) +
+                        ", but the current device is " + std::to_string(device));
     }
     if (range_of != nullptr) {
       unsigned long long base = 0;
@@ -250,9 +268,10 @@ Status check_device_arguments(const ArgumentTable& table) {
       if (range_of(&base, &size, addr) == 0 && addr >= base) {
         const unsigned long long room = base + size - addr;
         if (room < e.bytes && range_is_whole_allocation(addr)) {
-          return Status(StatusCode::kInvalidArgument,
-                        std::string(e.name) + " needs " + std::to_string(e.bytes) + " bytes, but its allocation ends " +
-                            std::to_string(room) + " bytes after it");
+          return Status(StatusCode::kInvalidArgument, std::string(e.name) + " needs " +
+                                                          std::to_string(e.bytes) +
+                                                          " bytes, but its allocation ends " +
+                                                          std::to_string(room) + " bytes after it");
         }
       }
     }

@@ -60,16 +60,20 @@ constexpr std::int64_t kMinSplitSegments = 6;
 constexpr std::int64_t kLongSequenceChunks = 1024;  // 16k tokens: three segments pay already
 
 // max_chunks: the longest sequence's chunks, or an upper bound of it (what the host knows).
-SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms, std::int64_t max_chunks) {
+SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms,
+                          std::int64_t max_chunks) {
   SegmentPlan plan;
   plan.seg_slots = N;
-  const std::uint64_t extra_bound = max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
+  const std::uint64_t extra_bound =
+      max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
   if (extra_bound == 0 || N == 0) return plan;
   const std::int64_t chunks = (T + C - 1) / C;
   // Segments (over all sequences): enough to fill the GPU, no more than the scan pays for, and
   // within the workspace's budget.
-  std::int64_t target = static_cast<std::int64_t>(segment_factor() * static_cast<float>(sms) / static_cast<float>(H));
-  const std::int64_t per_seq = static_cast<std::int64_t>(std::sqrt(2.0 * static_cast<double>(chunks) / N / scan_step_ratio()));
+  std::int64_t target =
+      static_cast<std::int64_t>(segment_factor() * static_cast<float>(sms) / static_cast<float>(H));
+  const std::int64_t per_seq = static_cast<std::int64_t>(
+      std::sqrt(2.0 * static_cast<double>(chunks) / N / scan_step_ratio()));
   if (target > per_seq * N) target = per_seq * N;
   const std::int64_t budget = static_cast<std::int64_t>(kSegmentBudget) / H;
   if (target > budget) target = budget;
@@ -113,10 +117,11 @@ class PrefillLaunch {
     plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t));
     prm_.seg_chunks = plan_.seg_chunks;
     prm_.seg_blocks =
-        plan_.split ? reinterpret_cast<float*>(prm_.records + static_cast<std::uint64_t>(chunk_slots_) *
-                                                                  static_cast<std::uint64_t>(p.num_heads) *
-                                                                  ChunkRecord::kBytes)
-                    : nullptr;
+        plan_.split
+            ? reinterpret_cast<float*>(prm_.records + static_cast<std::uint64_t>(chunk_slots_) *
+                                                          static_cast<std::uint64_t>(p.num_heads) *
+                                                          ChunkRecord::kBytes)
+            : nullptr;
     // Block shape, measured on the H200 (docs/PERFORMANCE-NOTES.md): with at least one work item
     // (segment, head) per SM, one 128-column block per item (the chunk record read once, 8 warps
     // sharing it); with fewer, two 64-column blocks, and below a quarter of the SMs four 32-column
@@ -127,8 +132,8 @@ class PrefillLaunch {
   }
 
   // A segment transition: p_t and h_t; no out, no states.
-  Status initialize_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace ws,
-                               const CudaOptions& opt) {
+  Status initialize_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                               Workspace ws, const CudaOptions& opt) {
     Status st = can_implement(p, Backend::kCuda);
     if (!st.ok()) return st;
     ArgumentTable args;
@@ -160,18 +165,22 @@ class PrefillLaunch {
     KDA_NVTX_RANGE("kda.prefill.recurrence");
     const int column_blocks = D / (warps_ * 16);
     if (transition_) {
-      return launch_recurrence(prm_, RecurrencePass::kTransition, false, warps_, N_, 2 * column_blocks, stream);
+      return launch_recurrence(prm_, RecurrencePass::kTransition, false, warps_, N_,
+                               2 * column_blocks, stream);
     }
-    if (!plan_.split) return launch_recurrence(prm_, RecurrencePass::kFirst, false, warps_, N_, column_blocks, stream);
-    Status st =
-        launch_recurrence(prm_, RecurrencePass::kFirst, true, warps_, plan_.seg_slots, 2 * column_blocks, stream);
+    if (!plan_.split)
+      return launch_recurrence(prm_, RecurrencePass::kFirst, false, warps_, N_, column_blocks,
+                               stream);
+    Status st = launch_recurrence(prm_, RecurrencePass::kFirst, true, warps_, plan_.seg_slots,
+                                  2 * column_blocks, stream);
     if (!st.ok()) return st;
     {
       KDA_NVTX_RANGE("kda.prefill.segment_scan");
       st = launch_segment_scan(prm_, N_, stream);
       if (!st.ok()) return st;
     }
-    return launch_recurrence(prm_, RecurrencePass::kSecond, true, warps_, plan_.seg_slots, column_blocks, stream);
+    return launch_recurrence(prm_, RecurrencePass::kSecond, true, warps_, plan_.seg_slots,
+                             column_blocks, stream);
   }
 
  private:
@@ -203,8 +212,9 @@ class PrefillLaunch {
   }
   static Status check_workspace(Workspace ws, std::size_t need, const char* what) {
     if (ws.bytes < need || (need > 0 && ws.ptr == nullptr)) {
-      return Status(StatusCode::kWorkspaceTooSmall,
-                    "workspace holds " + std::to_string(ws.bytes) + " bytes; " + what + " needs " + std::to_string(need));
+      return Status(StatusCode::kWorkspaceTooSmall, "workspace holds " + std::to_string(ws.bytes) +
+                                                        " bytes; " + what + " needs " +
+                                                        std::to_string(need));
     }
     return Status::Ok();
   }
@@ -227,7 +237,8 @@ class PrefillLaunch {
     prm_.status = t.device_status;
     prm_.seg_chunks = kNoSplit;
     const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
-    prm_.records = reinterpret_cast<unsigned char*>(align_up<std::uintptr_t>(base, kWorkspaceAlignment));
+    prm_.records =
+        reinterpret_cast<unsigned char*>(align_up<std::uintptr_t>(base, kWorkspaceAlignment));
     std::uint64_t slots = 0;
     num_chunk_slots(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_), &slots);
     chunk_slots_ = static_cast<std::int64_t>(slots);
@@ -247,15 +258,16 @@ class PrefillLaunch {
 
 namespace kda {
 
-Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream, const CudaOptions& opt) {
+Status forward_cuda(const Problem& p, const Tensors& t, Workspace ws, void* stream,
+                    const CudaOptions& opt) {
   KDA_NVTX_RANGE("kda.prefill");
   detail::PrefillLaunch launch;
   if (Status st = launch.initialize(p, t, ws, opt); !st) return st;
   return launch.run(static_cast<cudaStream_t>(stream));
 }
 
-Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace ws,
-                               void* stream, const CudaOptions& opt) {
+Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                               Workspace ws, void* stream, const CudaOptions& opt) {
   KDA_NVTX_RANGE("kda.segment_transition");
   detail::PrefillLaunch launch;
   if (Status st = launch.initialize_transition(p, t, p_t, h_t, ws, opt); !st) return st;
@@ -263,20 +275,24 @@ Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, f
 }
 
 Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::int64_t head_dim_v,
-                             const float* s_in, const float* p_t, const float* h_t, float* s_out, void* stream) {
+                             const float* s_in, const float* p_t, const float* h_t, float* s_out,
+                             void* stream) {
   KDA_NVTX_RANGE("kda.apply_transition");
   detail::ArgumentTable args;
-  if (Status st = validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out, &args); !st) {
+  if (Status st =
+          validate_apply_transition(pairs, head_dim_k, head_dim_v, s_in, p_t, h_t, s_out, &args);
+      !st) {
     return st;
   }
   if (head_dim_k != detail::D || head_dim_v != detail::D) {
-    return Status(StatusCode::kUnsupported, "the CUDA backend needs head_dim_k == head_dim_v == 128 (got K = " +
-                                                std::to_string(head_dim_k) + ", V = " + std::to_string(head_dim_v) +
-                                                ")");
+    return Status(StatusCode::kUnsupported,
+                  "the CUDA backend needs head_dim_k == head_dim_v == 128 (got K = " +
+                      std::to_string(head_dim_k) + ", V = " + std::to_string(head_dim_v) + ")");
   }
   if (Status st = cuda_device_supported(); !st) return st;
   if (Status st = detail::check_cuda_alignment(args, "the CUDA backend"); !st) return st;
-  return detail::launch_apply_transition(s_in, p_t, h_t, s_out, pairs, static_cast<cudaStream_t>(stream));
+  return detail::launch_apply_transition(s_in, p_t, h_t, s_out, pairs,
+                                         static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace kda

@@ -3,8 +3,8 @@
 // op; prefill.cu is the host side that plans and launches them).
 //
 //   prefill_prepare.cu     kda_prepare_kernel: token-parallel, one block per (chunk slot, head):
-//       L2 norms, gate and its in-chunk cumulative sum G, beta, the strictly lower triangular A, the
-//       output mask M and the forward substitution (I + A) X = diag(beta) [K~ | V]. Every exp()
+//       L2 norms, gate and its in-chunk cumulative sum G, beta, the strictly lower triangular A,
+//       the output mask M and the forward substitution (I + A) X = diag(beta) [K~ | V]. Every exp()
 //       takes a difference G_i - G_j <= 0, so the softplus gate cannot overflow however strong the
 //       decay. One ChunkRecord (workspace_layout.hpp) per (slot, head).
 //   prefill_recurrence.cu  kda_recurrence_kernel: the sequential part, one block per (segment,
@@ -27,8 +27,8 @@
 
 namespace kda::detail {
 
-constexpr int C = kChunk;      // 16
-constexpr int D = kHeadDim;    // 128
+constexpr int C = kChunk;            // 16
+constexpr int D = kHeadDim;          // 128
 constexpr int kRowPad = kRowStride;  // bf16 row stride in shared memory (and in the records): 272
                                      // bytes, so that ldmatrix's 8 row addresses fall in distinct
                                      // 16-byte bank groups
@@ -37,7 +37,9 @@ constexpr int kMPad = kMStride;      // 48-byte rows for 16 x 16 tiles
 // How a state tensor is stored (kNone: absent, zeros in / nothing out).
 enum class StateKind : int { kNone = 0, kBF16 = 1, kF32 = 2 };
 inline StateKind state_kind(DType dt) {
-  return dt == DType::kBF16 ? StateKind::kBF16 : dt == DType::kF32 ? StateKind::kF32 : StateKind::kNone;
+  return dt == DType::kBF16  ? StateKind::kBF16
+         : dt == DType::kF32 ? StateKind::kF32
+                             : StateKind::kNone;
 }
 
 struct PrefillParams {
@@ -71,10 +73,10 @@ struct PrefillParams {
 // seg_chunks of a plan that does not split: one segment holds any sequence, and seg_slot == s.
 constexpr std::int64_t kNoSplit = std::int64_t{1} << 40;
 
-__device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std::int64_t slot, int h) {
+__device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std::int64_t slot,
+                                                     int h) {
   return p.records + (slot * p.num_heads + h) * static_cast<std::int64_t>(ChunkRecord::kBytes);
 }
-
 
 // Finds the sequence owning slot `slot` when slots are `width` tokens wide (a chunk: C; a segment:
 // C * seg_chunks): the largest s with s + start(s) / width <= slot.
@@ -85,7 +87,10 @@ __device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std:
     const std::int64_t mid = (lo + hi + 1) / 2;
     std::int64_t b = seqs.start(mid);
     b = b < 0 ? 0 : (b > seqs.total ? seqs.total : b);
-    if (mid + b / width <= slot) lo = mid; else hi = mid - 1;
+    if (mid + b / width <= slot)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }

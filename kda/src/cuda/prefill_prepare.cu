@@ -17,10 +17,10 @@ constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded agains
 constexpr float kFactoredRange = 80.0f;
 
 struct PrepSmem {
-  bf16 q[C][kRowPad];   // raw inputs of the chunk (padded tokens zero); q and k are reused for the
-  bf16 k[C][kRowPad];   // W and U0 outputs once the last reader (step 4) is done
+  bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k are reused for the
+  bf16 k[C][kRowPad];  // W and U0 outputs once the last reader (step 4) is done
   bf16 v[C][kRowPad];
-  union {               // thread d reads g[t][d] for every t before it writes kg[t][d]
+  union {  // thread d reads g[t][d] for every t before it writes kg[t][d]
     bf16 g[C][kRowPad];
     bf16 kg[C][kRowPad];  // k_hat * exp(G)                (K~, feeds A)
   };
@@ -28,13 +28,13 @@ struct PrepSmem {
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
     struct {
-      bf16 ki[C][kRowPad];     // factored path: k_hat * exp(-G), and what bf16 left of it
+      bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G), and what bf16 left of it
       bf16 ki_lo[C][kRowPad];
     } fac;
-    float G[C][kPad];          // exact path: the cumulative gate itself
+    float G[C][kPad];  // exact path: the cumulative gate itself
   };
-  bf16 m[C][kMPad];     // record: M (its bf16 remainder m_lo goes into qg's and kd's row padding)
-  float A[C][C + 4];     // 16-byte rows: read back as float4
+  bf16 m[C][kMPad];   // record: M (its bf16 remainder m_lo goes into qg's and kd's row padding)
+  float A[C][C + 4];  // 16-byte rows: read back as float4
   float beta[C];
   float inv_norm[2][C];
   float range[4];
@@ -47,7 +47,8 @@ struct PrepSmem {
 // (the warp's latency, not its issue rate, bounds this step). acc[nt][0..1]: (row gq, cols
 // 8 nt + 2 tq + {0,1}); acc[nt][2..3]: row gq + 8.
 __device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_hi)[kRowPad],
-                                            const bf16 (*x_lo)[kRowPad], const bf16 (*y_hi)[kRowPad],
+                                            const bf16 (*x_lo)[kRowPad],
+                                            const bf16 (*y_hi)[kRowPad],
                                             const bf16 (*y_lo)[kRowPad], int lane) {
   const int lrow = (lane & 7) + ((lane >> 4) << 3);
   const int lcol = ((lane >> 3) & 1) * 8;
@@ -91,7 +92,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   const float a_log_h = p.in.A_log[h];
   const float dtb = p.in.dt_bias[h * D + tid];
   // The first slot's blocks (one per head) check the gate parameters for everyone.
-  if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb)) report_status(p.status, kDeviceStatusGateParams);
+  if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb))
+    report_status(p.status, kDeviceStatusGateParams);
 
   const std::int64_t s = owner_of_slot(p.seqs, slot, C);
   std::int64_t bos, eos;
@@ -115,14 +117,17 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
       if (row < nvalid) {
         mbarrier_expect_tx(&sm.inputs_ready, D * 2);
-        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, &sm.inputs_ready);
+        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2,
+                            &sm.inputs_ready);
       } else {
         uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
       }
     }
-    if (tid < C) sm.beta[tid] = tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
+    if (tid < C)
+      sm.beta[tid] =
+          tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
     mbarrier_wait(&sm.inputs_ready, 0);
     __syncthreads();  // the zeroed rows and beta
   }
@@ -152,7 +157,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     float acc = 0.f;
 #pragma unroll
     for (int t = 0; t < C; ++t) {
-      if (t < nvalid) acc += gate_activation(p.gate, __bfloat162float(sm.g[t][d]), a_exp, dtb, p.lower_bound);
+      if (t < nvalid)
+        acc += gate_activation(p.gate, __bfloat162float(sm.g[t][d]), a_exp, dtb, p.lower_bound);
       G[t] = acc;
     }
   }
@@ -162,7 +168,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
   if (lane == 0) sm.range[warp] = range;
   __syncthreads();  // also publishes inv_norm
-  const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
+  const bool factored =
+      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
 
   unsigned char* rec = record_ptr(p, slot, h);
   const float gl_d = __expf(g_last);
@@ -269,8 +276,10 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       sm.k[i][d] = __float2bfloat16(rv);  // U0
     }
   }
-  // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against the
-  //    async proxy, then one thread issues the bulk stores and waits for them before the block ends.
+  // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against
+  // the
+  //    async proxy, then one thread issues the bulk stores and waits for them before the block
+  //    ends.
   fence_proxy_async();
   __syncthreads();
   if (tid == 0) {
@@ -284,12 +293,12 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   }
 }
 
-
 }  // namespace
 
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(sizeof(PrepSmem)));
+  cudaError_t err =
+      cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(sizeof(PrepSmem)));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));

@@ -22,18 +22,21 @@ struct StageSmem {
   float gl[D];
 };
 static_assert(sizeof(StageSmem) == ChunkRecord::kBytes, "a stage is a record's image");
-static_assert(offsetof(StageSmem, m) == ChunkRecord::kM && offsetof(StageSmem, gl) == ChunkRecord::kGl,
+static_assert(offsetof(StageSmem, m) == ChunkRecord::kM &&
+                  offsetof(StageSmem, gl) == ChunkRecord::kGl,
               "a stage is a record's image");
 
 // One record into a stage by the copy engine, completing on `bar`. One thread.
-__device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned char* rec, std::uint64_t* bar) {
+__device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned char* rec,
+                                                std::uint64_t* bar) {
   fence_proxy_async();
   mbarrier_expect_tx(bar, static_cast<unsigned>(ChunkRecord::kBytes));
   bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
 }
 
-// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x 128
-// tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the chain.
+// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x
+// 128 tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the
+// chain.
 __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
                                                  const bf16 (*tile)[kRowPad], int lrow, int lcol) {
 #pragma unroll
@@ -48,7 +51,8 @@ __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const un
 // Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
 // Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
 // outside the pool, reported once through the status word).
-__device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s, bool report) {
+__device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s,
+                                                    bool report) {
   if (p.state_slots == nullptr) return s;
   const std::int64_t slot = p.state_slots[s];
   if (slot >= p.num_state_slots) {
@@ -57,7 +61,6 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
   }
   return slot < 0 ? -1 : slot;
 }
-
 
 // One block per (segment slot, head, column block). Columns 0..127 are the V columns of S^T; in
 // the first pass a middle segment also carries columns 128..255, the rows of P^T, started from the
@@ -94,13 +97,14 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   // What this block does: see RecurrencePass.
   constexpr bool kAllTransitions = PASS == RecurrencePass::kTransition;
   const bool transition = kAllTransitions || (SPLIT && PASS == RecurrencePass::kFirst && j > 0);
-  if (PASS == RecurrencePass::kFirst && j > 0 && last) return;    // the last one runs in kSecond
-  if (PASS == RecurrencePass::kSecond && j == 0) return;          // segment 0 ran in kFirst
-  if (!transition && v_block >= D) return;                         // P columns: middle segments only
+  if (PASS == RecurrencePass::kFirst && j > 0 && last) return;  // the last one runs in kSecond
+  if (PASS == RecurrencePass::kSecond && j == 0) return;        // segment 0 ran in kFirst
+  if (!transition && v_block >= D) return;                      // P columns: middle segments only
   const bool identity_cols = (SPLIT || kAllTransitions) && v_warp >= D;  // warp-uniform
 
   // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
-  const bool reporter = PASS != RecurrencePass::kSecond && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
+  const bool reporter =
+      PASS != RecurrencePass::kSecond && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
   if (p.seqs.cu != nullptr && reporter) {
     const std::int64_t b = p.seqs.start(s), e = p.seqs.start(s + 1);
     if (e < b || (s == 0 && b != 0) || (s == p.seqs.num_seqs - 1 && e != p.seqs.total)) {
@@ -127,7 +131,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
       float x0 = 0.f, x1 = 0.f;
       if (PASS == RecurrencePass::kSecond) {
-        const float2 t2 = *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
+        const float2 t2 =
+            *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
         x0 = t2.x;
         x1 = t2.y;
       } else if (transition) {
@@ -138,7 +143,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
         x0 = t2.x;
         x1 = t2.y;
       } else if (h0_kind == StateKind::kBF16) {
-        const __nv_bfloat162 t2 = *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
+        const __nv_bfloat162 t2 =
+            *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
         x0 = __bfloat162float(t2.x);
         x1 = __bfloat162float(t2.y);
       }
@@ -175,7 +181,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     if (tid == 0) {
       const std::int64_t nc = c + kStages - 1;
       if (nc < nfetch) {
-        load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + c_begin + nc, h), &full[nc % kStages]);
+        load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + c_begin + nc, h),
+                        &full[nc % kStages]);
       }
     }
     mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
@@ -192,7 +199,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
       sa[kt][2] = pack_bf16x2(acc[2 * kt + 1][0], acc[2 * kt + 1][1]);
       sa[kt][3] = pack_bf16x2(acc[2 * kt + 1][2], acc[2 * kt + 1][3]);
     }
-    // ldmatrix addresses: lanes 0-7 rows 0-7 col lo, 8-15 rows 0-7 col hi, 16-23 rows 8-15 lo, 24-31 hi
+    // ldmatrix addresses: lanes 0-7 rows 0-7 col lo, 8-15 rows 0-7 col hi, 16-23 rows 8-15 lo,
+    // 24-31 hi
     const int lrow = (lane & 7) + ((lane >> 4) << 3);
     const int lcol = ((lane >> 3) & 1) * 8;
 
@@ -228,7 +236,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
 #pragma unroll
     for (int n = 0; n < 16; n += 2) {
       unsigned b0, b1, b2, b3;
-      // trans: lanes 0-7 tokens 0-7 col 8n, 8-15 tokens 8-15 col 8n, 16-23 tokens 0-7 col 8n+8, 24-31
+      // trans: lanes 0-7 tokens 0-7 col 8n, 8-15 tokens 8-15 col 8n, 16-23 tokens 0-7 col 8n+8,
+      // 24-31
       ldmatrix_x4_trans(b0, b1, b2, b3, &st.kd[(lane & 15)][8 * n + ((lane >> 4) << 3)]);
 #pragma unroll
       for (int hn = 0; hn < 2; ++hn) {
@@ -252,7 +261,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
         mma_bf16(Y[0][0], ua, m0, m1);
         mma_bf16(Y[0][1], ua, m2, m3);
         // M = m + m_lo; m_lo's columns 0..7 sit in qg's row padding, 8..15 in kd's.
-        ldmatrix_x4(m0, m1, m2, m3, lcol == 0 ? &st.qg[lrow][kMloColumn] : &st.kd[lrow][kMloColumn]);
+        ldmatrix_x4(m0, m1, m2, m3,
+                    lcol == 0 ? &st.qg[lrow][kMloColumn] : &st.kd[lrow][kMloColumn]);
         mma_bf16(Y[1][0], ua, m0, m1);
         mma_bf16(Y[1][1], ua, m2, m3);
       }
@@ -309,8 +319,9 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
         if (end == EndKind::kSegment) {
           *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
         } else if (end == EndKind::kTransition) {
-          float* dst = row < D ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
-                               : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
+          float* dst = row < D
+                           ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
+                           : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
           *reinterpret_cast<float2*>(dst + col) = value;
         } else {
           const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
@@ -328,15 +339,17 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
 
 template <int WARPS>
 constexpr std::size_t recurrence_smem_bytes() {
-  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) + kStages * sizeof(std::uint64_t);
+  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) +
+         kStages * sizeof(std::uint64_t);
 }
 
-
 template <int WARPS, RecurrencePass PASS, bool SPLIT>
-Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks, cudaStream_t stream) {
+Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
+              cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS>();
-  cudaError_t err = cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS, SPLIT>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaError_t err =
+      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS, SPLIT>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(prm.num_heads),
@@ -353,8 +366,9 @@ Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, st
                    int column_blocks, cudaStream_t stream) {
   switch (pass) {
     case RecurrencePass::kFirst:
-      return split ? launch<WARPS, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks, stream)
-                   : launch<WARPS, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks, stream);
+      return split
+                 ? launch<WARPS, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks, stream)
+                 : launch<WARPS, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks, stream);
     case RecurrencePass::kSecond:
       return launch<WARPS, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
     case RecurrencePass::kTransition:

@@ -12,14 +12,14 @@ namespace {
 
 // The scan between the passes: for each (sequence, head, 4 rows of S^T), S_{j+1}^T = S_j^T P_j^T +
 // H_j^T for j = 1 .. nseg - 2, in fp32, written over H_j^T. S_1^T comes from segment 0's block.
-// Only S carries from step to step: P_{j+1}^T streams into the other shared-memory buffer (cp.async)
-// while step j computes, so a step costs its 4 x 128 x 128 products, not a 64 KiB load. Warp w owns
-// row w, lane l columns 4l .. 4l + 3 (conflict-free 16-byte reads of P^T rows).
+// Only S carries from step to step: P_{j+1}^T streams into the other shared-memory buffer
+// (cp.async) while step j computes, so a step costs its 4 x 128 x 128 products, not a 64 KiB load.
+// Warp w owns row w, lane l columns 4l .. 4l + 3 (conflict-free 16-byte reads of P^T rows).
 constexpr int kScanRows = 4;
 constexpr int kScanThreads = kScanRows * 32;
 struct ScanSmem {
-  float pt[2][D][D];         // P_j^T, double-buffered
-  float s[kScanRows][D];     // the running S^T rows
+  float pt[2][D][D];      // P_j^T, double-buffered
+  float s[kScanRows][D];  // the running S^T rows
 };
 
 __global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const PrefillParams p) {
@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const Pr
   const std::int64_t base = s + bos / seg_tokens;
   auto prefetch = [&](std::int64_t jj, int buf) {
     const float* pt = seg_block(p, base + jj, h) + static_cast<std::int64_t>(D) * D;
-    for (int e = tid; e < D * D / 4; e += kScanThreads) cp_async_16(&sm.pt[buf][0][0] + 4 * e, pt + 4 * e);
+    for (int e = tid; e < D * D / 4; e += kScanThreads)
+      cp_async_16(&sm.pt[buf][0][0] + 4 * e, pt + 4 * e);
     cp_async_commit();
   };
   prefetch(1, 1);
@@ -73,24 +74,26 @@ __global__ void __launch_bounds__(kScanThreads) kda_segment_scan_kernel(const Pr
   }
 }
 
-
 // s_out^T = s_in^T P^T + H^T for one (sequence, head) pair per blockIdx.x and 4 rows of S^T per
 // blockIdx.y (warp w: row w; lane l: columns 4l .. 4l + 3). Each warp reads its whole row before
 // writing it, so s_out may be s_in (in place).
-__global__ void __launch_bounds__(kScanThreads) kda_apply_transition_kernel(const float* s_in, const float* p_t,
-                                                                          const float* h_t, float* s_out) {
+__global__ void __launch_bounds__(kScanThreads)
+    kda_apply_transition_kernel(const float* s_in, const float* p_t, const float* h_t,
+                                float* s_out) {
   __shared__ float row_in[kScanRows][D];
   const std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * D * D;
   const int lane = threadIdx.x & 31, r = threadIdx.x >> 5;
   const int row = blockIdx.y * kScanRows + r, c0 = 4 * lane;
   const std::int64_t row_off = base + static_cast<std::int64_t>(row) * D;
-  *reinterpret_cast<float4*>(&row_in[r][c0]) = *reinterpret_cast<const float4*>(s_in + row_off + c0);
+  *reinterpret_cast<float4*>(&row_in[r][c0]) =
+      *reinterpret_cast<const float4*>(s_in + row_off + c0);
   __syncwarp();
   float4 o = *reinterpret_cast<const float4*>(h_t + row_off + c0);
 #pragma unroll 8
   for (int i = 0; i < D; ++i) {
     const float x = row_in[r][i];
-    const float4 a = *reinterpret_cast<const float4*>(p_t + base + static_cast<std::int64_t>(i) * D + c0);
+    const float4 a =
+        *reinterpret_cast<const float4*>(p_t + base + static_cast<std::int64_t>(i) * D + c0);
     o.x = fmaf(x, a.x, o.x);
     o.y = fmaf(x, a.y, o.y);
     o.z = fmaf(x, a.z, o.z);
@@ -113,15 +116,18 @@ Status launch_apply_transition(const float* s_in, const float* p_t, const float*
 }
 
 Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream) {
-  cudaError_t err = cudaFuncSetAttribute(kda_segment_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(sizeof(ScanSmem)));
+  cudaError_t err =
+      cudaFuncSetAttribute(kda_segment_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(sizeof(ScanSmem)));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_segment_scan_kernel)");
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), D / kScanRows);
+  cfg.gridDim =
+      dim3(static_cast<unsigned>(num_seqs), static_cast<unsigned>(prm.num_heads), D / kScanRows);
   cfg.blockDim = dim3(kScanThreads);
   cfg.dynamicSmemBytes = sizeof(ScanSmem);
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_segment_scan_kernel, prm), "kda_segment_scan_kernel");
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_segment_scan_kernel, prm),
+                     "kda_segment_scan_kernel");
 }
 
 // How the recurrence is cut: segments of seg_chunks chunks so that about `factor` segment-heads

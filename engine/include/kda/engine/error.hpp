@@ -20,8 +20,7 @@ class Error : public std::runtime_error {
   // From a failed status: the message is the status message, prefixed by `context` when given
   // ("layer 3 prefill: workspace too small ...").
   explicit Error(const Status& status, const std::string& context = {})
-      : std::runtime_error(context.empty() ? status.message()
-                                           : context + ": " + status.message()),
+      : std::runtime_error(context.empty() ? status.message() : context + ": " + status.message()),
         code_(status.code()) {}
 
   StatusCode code() const noexcept { return code_; }

@@ -1,16 +1,17 @@
 // kda/engine/safetensors.hpp — reading and writing safetensors files (weights and case files).
 //
 // Format: 8-byte little-endian header length N, N bytes of JSON header, then the data section.
-// The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (offsets relative
-// to the data section) plus an optional "__metadata__" map of strings to strings.
+// The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (offsets
+// relative to the data section) plus an optional "__metadata__" map of strings to strings.
 //
 // Supported dtypes: BF16, F32, I32, I64. Anything else (F16, F64, U8, BOOL, ...) is rejected with a
 // message naming the tensor. The reader validates the whole header against the file size before any
-// tensor is read: empty or truncated files, header lengths past the end of the file or above 100 MB,
-// JSON that does not parse or is not an object, malformed entries, reversed offsets, offsets past the
-// end of the data, overlapping tensors, shapes whose element or byte count overflows 64 bits or does
-// not match the offsets — each throws kda::Error (kInvalidArgument; kOverflow for overflows) whose
-// message starts with the file path and names the tensor. Gaps between tensors are tolerated.
+// tensor is read: empty or truncated files, header lengths past the end of the file or above 100
+// MB, JSON that does not parse or is not an object, malformed entries, reversed offsets, offsets
+// past the end of the data, overlapping tensors, shapes whose element or byte count overflows 64
+// bits or does not match the offsets — each throws kda::Error (kInvalidArgument; kOverflow for
+// overflows) whose message starts with the file path and names the tensor. Gaps between tensors are
+// tolerated.
 //
 // The writer lays tensors out in the order given, 8-byte aligned header, and writes atomically:
 // a temporary file in the destination directory, renamed over the destination only once complete,
@@ -56,9 +57,13 @@ struct Tensor {
   std::int64_t numel() const noexcept;
 
   template <typename T>
-  T* data_as() noexcept { return reinterpret_cast<T*>(data.data()); }
+  T* data_as() noexcept {
+    return reinterpret_cast<T*>(data.data());
+  }
   template <typename T>
-  const T* data_as() const noexcept { return reinterpret_cast<const T*>(data.data()); }
+  const T* data_as() const noexcept {
+    return reinterpret_cast<const T*>(data.data());
+  }
 };
 
 // A safetensors file whose header has been read and validated; tensor data is read on demand, so
@@ -97,11 +102,11 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 // The bytes of a safetensors file holding `tensors` (in that order) and `metadata`. Throws
 // kda::Error on duplicate or empty names, a name "__metadata__", or a data size that does not match
 // the shape and dtype.
-std::vector<std::uint8_t> serialize_safetensors(const std::vector<Tensor>& tensors,
-                                                const std::map<std::string, std::string>& metadata = {});
+std::vector<std::uint8_t> serialize_safetensors(
+    const std::vector<Tensor>& tensors, const std::map<std::string, std::string>& metadata = {});
 
-// serialize_safetensors() written atomically to `path` (temporary file + rename). Throws kda::Error;
-// on failure `path` is left as it was and no temporary file remains.
+// serialize_safetensors() written atomically to `path` (temporary file + rename). Throws
+// kda::Error; on failure `path` is left as it was and no temporary file remains.
 void save_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
