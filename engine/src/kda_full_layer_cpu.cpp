@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 
+#include "full_layer_checks.hpp"
 #include "kda/engine/error.hpp"
 
 namespace kda::engine {
@@ -60,22 +61,7 @@ bool multiply(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
   return !__builtin_mul_overflow(a, b, out);
 }
 
-// The core's problem for the batch; sequence n's recurrent state is pool row slots[n] (state_slots)
-// or, without a slot list, row n.
-Problem core_problem(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
-                     std::int64_t num_slots, bool slot_list, DType state_dtype) {
-  Problem p;
-  p.seq_len = tokens;
-  p.num_heads = c.local_heads();
-  p.head_dim_k = p.head_dim_v = c.head_dim;
-  p.num_seqs = sequences;
-  p.cu_seqlens_dtype = DType::kI64;
-  p.gate = c.gate;
-  p.lower_bound = c.lower_bound;
-  p.initial_state_dtype = p.final_state_dtype = state_dtype;
-  p.num_state_slots = slot_list ? num_slots : 0;
-  return p;
-}
+using detail::full_layer_core_problem;
 
 Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
                    std::int64_t num_slots) {
@@ -113,7 +99,7 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   layout.o = take(per_token(Cl), sizeof(bf16_bits));
   layout.beta = take(per_token(c.local_heads()), sizeof(bf16_bits));
   // Sized with a slot list (the larger of the two: it adds the core's duplicate-slot bitmap).
-  const Problem p = core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
+  const Problem p = full_layer_core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
   if (Status st = workspace_size(p, Backend::kCpu, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer workspace");
   }
@@ -187,20 +173,7 @@ FullLayerCpu::FullLayerCpu(const FullLayerWeights& w) : config_(w.config) {
   o_norm_ = widen(w.o_norm);
   A_log_ = w.A_log;
   dt_bias_ = w.dt_bias;
-  // The core would refuse these, but only after the conv states were updated: refuse them here.
-  for (std::size_t h = 0; h < A_log_.size(); ++h) {
-    if (!std::isfinite(A_log_[h]) || std::fabs(A_log_[h]) > kMaxAbsALog) {
-      throw Error(StatusCode::kInvalidArgument, "KDA layer weights: A_log[" + std::to_string(h) +
-                                                    "] = " + std::to_string(A_log_[h]) +
-                                                    " is not finite or outside [-20, 20]");
-    }
-  }
-  for (std::size_t i = 0; i < dt_bias_.size(); ++i) {
-    if (!std::isfinite(dt_bias_[i])) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "KDA layer weights: dt_bias[" + std::to_string(i) + "] is not finite");
-    }
-  }
+  detail::check_gate_weights(A_log_, dt_bias_);
 }
 
 std::size_t FullLayerCpu::workspace_bytes(const FullLayerConfig& config, std::int64_t tokens,
@@ -230,24 +203,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     invalid("cu_seqlens[" + std::to_string(N) + "] = " + std::to_string(batch.cu_seqlens[N]) +
             " is not tokens = " + std::to_string(T));
   }
-  if (T > 0 && (hidden == nullptr || out == nullptr)) invalid("hidden or out is null");
-  if (T > 0) {
-    const auto* h_begin = reinterpret_cast<const unsigned char*>(hidden);
-    const auto* o_begin = reinterpret_cast<const unsigned char*>(out);
-    const std::size_t bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
-    if (h_begin < o_begin + bytes && o_begin < h_begin + bytes) invalid("out overlaps hidden");
-  }
-  if (N > 0) {
-    if (state.recurrent == nullptr ||
-        (W > 1 &&
-         (state.conv_q == nullptr || state.conv_k == nullptr || state.conv_v == nullptr))) {
-      invalid("a state pool is null");
-    }
-    if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
-      invalid(std::string("recurrent state dtype ") + to_string(state.recurrent_dtype) +
-              " is not f32 or bf16");
-    }
-  }
+  detail::check_hidden_and_out(hidden, out, T, E, "KDA layer forward");
+  detail::check_state_pools(state, N, W, "KDA layer forward");
   auto slot_of = [&](std::int64_t n) -> std::int64_t {
     return batch.slots == nullptr ? n : batch.slots[n];
   };
@@ -263,8 +220,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
       }
     }
   }
-  const Problem core =
-      core_problem(c, T, N, state.num_slots, batch.slots != nullptr, state.recurrent_dtype);
+  const Problem core = full_layer_core_problem(c, T, N, state.num_slots, batch.slots != nullptr,
+                                               state.recurrent_dtype);
   throw_if_error(validate(core), "KDA layer forward: core problem");
   if (workspace.bytes < layout.total) {
     throw Error(StatusCode::kWorkspaceTooSmall,

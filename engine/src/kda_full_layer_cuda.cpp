@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "full_layer_checks.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/nvtx.hpp"
 
@@ -50,21 +51,7 @@ ProjColumns proj_columns(const FullLayerConfig& c) {
   return p;
 }
 
-// The core's prefill problem for the batch (also sizes its workspace).
-Problem core_problem(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
-                     std::int64_t num_slots, bool slot_list, DType state_dtype) {
-  Problem p;
-  p.seq_len = tokens;
-  p.num_heads = c.local_heads();
-  p.head_dim_k = p.head_dim_v = c.head_dim;
-  p.num_seqs = sequences;
-  p.cu_seqlens_dtype = DType::kI64;
-  p.gate = c.gate;
-  p.lower_bound = c.lower_bound;
-  p.initial_state_dtype = p.final_state_dtype = state_dtype;
-  p.num_state_slots = slot_list ? num_slots : 0;
-  return p;
-}
+using detail::full_layer_core_problem;
 
 // Byte offsets from the 256-byte aligned workspace base. The core's workspace shares its region
 // with `proj`: the projections are consumed (second GEMMs, conv, beta copy) before the core runs.
@@ -108,7 +95,7 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   const std::int64_t Cl = c.local_channels();
   Layout layout;
   layout.cublas = take(FullLayerCuda::kCublasWorkspaceBytes);
-  const Problem core = core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
+  const Problem core = full_layer_core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
   if (Status st = workspace_size(core, Backend::kCuda, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer (CUDA) workspace");
   }
@@ -141,19 +128,7 @@ void check_weights(const FullLayerWeights& w) {
                                               std::to_string(c.conv_width) +
                                               " is not in [2, 4] (the conv kernels' widths)");
   }
-  for (std::size_t h = 0; h < w.A_log.size(); ++h) {
-    if (!std::isfinite(w.A_log[h]) || std::fabs(w.A_log[h]) > kMaxAbsALog) {
-      throw Error(StatusCode::kInvalidArgument, "KDA layer weights: A_log[" + std::to_string(h) +
-                                                    "] = " + std::to_string(w.A_log[h]) +
-                                                    " is not finite or outside [-20, 20]");
-    }
-  }
-  for (std::size_t i = 0; i < w.dt_bias.size(); ++i) {
-    if (!std::isfinite(w.dt_bias[i])) {
-      throw Error(StatusCode::kInvalidArgument,
-                  "KDA layer weights: dt_bias[" + std::to_string(i) + "] is not finite");
-    }
-  }
+  detail::check_gate_weights(w.A_log, w.dt_bias);
 }
 
 }  // namespace
@@ -385,27 +360,11 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
       }
     }
   }
-  if (N > 0) {
-    if (state.recurrent == nullptr || state.conv_q == nullptr || state.conv_k == nullptr ||
-        state.conv_v == nullptr) {
-      invalid("a state pool is null");
-    }
-    if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
-      invalid(std::string("recurrent state dtype ") + to_string(state.recurrent_dtype) +
-              " is not f32 or bf16");
-    }
-  }
+  detail::check_state_pools(state, N, c.conv_width, "KDA layer forward (CUDA)");
+  detail::check_hidden_and_out(hidden, out, T, E, "KDA layer forward (CUDA)");
   const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
-  if (T > 0) {
-    if (hidden == nullptr || out == nullptr) invalid("hidden or out is null");
-    const auto* h_begin = reinterpret_cast<const unsigned char*>(hidden);
-    const auto* o_begin = reinterpret_cast<const unsigned char*>(out);
-    if (h_begin < o_begin + hidden_bytes && o_begin < h_begin + hidden_bytes) {
-      invalid("out overlaps hidden");
-    }
-  }
-  const Problem core =
-      core_problem(c, T, N, state.num_slots, batch.slots != nullptr, state.recurrent_dtype);
+  const Problem core = full_layer_core_problem(c, T, N, state.num_slots, batch.slots != nullptr,
+                                               state.recurrent_dtype);
   const DecodeProblem step = decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
                                             state.num_slots, state.recurrent_dtype);
   if (decode) {
