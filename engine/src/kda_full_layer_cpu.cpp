@@ -13,6 +13,7 @@
 
 #include "full_layer_checks.hpp"
 #include "kda/engine/error.hpp"
+#include "kda/nvtx.hpp"
 
 namespace kda::engine {
 
@@ -258,32 +259,41 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   for (const ConvBranch& branch : {ConvBranch{q_proj_, q_conv_, state.conv_q, q},
                                    ConvBranch{k_proj_, k_conv_, state.conv_k, k},
                                    ConvBranch{v_proj_, v_conv_, state.conv_v, v}}) {
-    project(xf, T, E, branch.proj, Cl, pre);
+    {
+      KDA_NVTX_RANGE("projections");  // the same range names as the CUDA layer's
+      project(xf, T, E, branch.proj, Cl, pre);
+    }
     timer.lap(&FullLayerTimes::projections);
-    for (std::int64_t n = 0; n < N; ++n) {
-      const std::int64_t begin = batch.cu_seqlens[n], length = batch.cu_seqlens[n + 1] - begin;
-      conv_silu(pre + begin * Cl, length, Cl, W, branch.conv.data(),
-                branch.pool + slot_of(n) * conv_row, branch.out + begin * Cl);
+    {
+      KDA_NVTX_RANGE("conv");
+      for (std::int64_t n = 0; n < N; ++n) {
+        const std::int64_t begin = batch.cu_seqlens[n], length = batch.cu_seqlens[n + 1] - begin;
+        conv_silu(pre + begin * Cl, length, Cl, W, branch.conv.data(),
+                  branch.pool + slot_of(n) * conv_row, branch.out + begin * Cl);
+      }
     }
     timer.lap(&FullLayerTimes::conv);
   }
 
   // ---- forget gate g_raw = (x·W_faᵀ)·W_fbᵀ and beta_raw = x·W_bᵀ (activated inside the core) ---
-  project(xf, T, E, f_a_proj_, D, lowrank);
-  project(lowrank, T, D, f_b_proj_, Cl, pre);
-  for (std::int64_t i = 0; i < T * Cl; ++i) g[i] = float_to_bf16(pre[i]);
-  project(xf, T, E, b_proj_, Hl, pre);
-  for (std::int64_t i = 0; i < T * Hl; ++i) beta[i] = float_to_bf16(pre[i]);
-  // Output gate (x·W_gaᵀ)·W_gbᵀ [+ bias] into `pre`, for the norm.
-  project(xf, T, E, g_a_proj_, D, lowrank);
   {
-    MatrixMap gate(pre, T, Cl);
-    gate.noalias() =
-        ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_.data(), Cl, D).transpose();
-    if (!g_b_bias_.empty()) {
-      gate.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_.data(), Cl);
+    KDA_NVTX_RANGE("projections");
+    project(xf, T, E, f_a_proj_, D, lowrank);
+    project(lowrank, T, D, f_b_proj_, Cl, pre);
+    for (std::int64_t i = 0; i < T * Cl; ++i) g[i] = float_to_bf16(pre[i]);
+    project(xf, T, E, b_proj_, Hl, pre);
+    for (std::int64_t i = 0; i < T * Hl; ++i) beta[i] = float_to_bf16(pre[i]);
+    // Output gate (x·W_gaᵀ)·W_gbᵀ [+ bias] into `pre`, for the norm.
+    project(xf, T, E, g_a_proj_, D, lowrank);
+    {
+      MatrixMap gate(pre, T, Cl);
+      gate.noalias() =
+          ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_.data(), Cl, D).transpose();
+      if (!g_b_bias_.empty()) {
+        gate.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_.data(), Cl);
+      }
+      for (std::int64_t i = 0; i < T * Cl; ++i) pre[i] = round_bf16(pre[i]);
     }
-    for (std::int64_t i = 0; i < T * Cl; ++i) pre[i] = round_bf16(pre[i]);
   }
   timer.lap(&FullLayerTimes::projections);
 
@@ -301,30 +311,39 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   t.final_state = state.recurrent;  // updated in place
   t.state_slots = batch.slots;
   t.out = o;
-  throw_if_error(forward_cpu(core, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
-                 "KDA layer forward: core");
+  {
+    KDA_NVTX_RANGE("core");
+    throw_if_error(forward_cpu(core, t, Workspace{base + layout.core, layout.core_bytes}, cpu),
+                   "KDA layer forward: core");
+  }
   timer.lap(&FullLayerTimes::core);
 
   // ---- gated RMSNorm per (token, head), y into `pre` over the gate it reads ------------------
-  for (std::int64_t row = 0; row < T * Hl; ++row) {
-    const bf16_bits* o_row = o + row * D;
-    float* gate_row = pre + row * D;
-    float sum_squares = 0.0f;
-    for (std::int64_t d = 0; d < D; ++d) {
-      const float value = bf16_to_float(o_row[d]);
-      sum_squares += value * value;
-    }
-    const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(D) + c.norm_eps);
-    for (std::int64_t d = 0; d < D; ++d) {
-      gate_row[d] =
-          round_bf16(bf16_to_float(o_row[d]) * inv_rms * o_norm_[d] * sigmoid(gate_row[d]));
+  {
+    KDA_NVTX_RANGE("norm");
+    for (std::int64_t row = 0; row < T * Hl; ++row) {
+      const bf16_bits* o_row = o + row * D;
+      float* gate_row = pre + row * D;
+      float sum_squares = 0.0f;
+      for (std::int64_t d = 0; d < D; ++d) {
+        const float value = bf16_to_float(o_row[d]);
+        sum_squares += value * value;
+      }
+      const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(D) + c.norm_eps);
+      for (std::int64_t d = 0; d < D; ++d) {
+        gate_row[d] =
+            round_bf16(bf16_to_float(o_row[d]) * inv_rms * o_norm_[d] * sigmoid(gate_row[d]));
+      }
     }
   }
   timer.lap(&FullLayerTimes::norm);
 
   // ---- out = y·W_oᵀ (a partial sum over tensor-parallel ranks) -------------------------------
-  project(pre, T, Cl, o_proj_, E, xf);
-  for (std::int64_t i = 0; i < T * E; ++i) out[i] = float_to_bf16(xf[i]);
+  {
+    KDA_NVTX_RANGE("o_proj");
+    project(pre, T, Cl, o_proj_, E, xf);
+    for (std::int64_t i = 0; i < T * E; ++i) out[i] = float_to_bf16(xf[i]);
+  }
   timer.lap(&FullLayerTimes::o_proj);
 }
 
