@@ -40,7 +40,7 @@ constexpr std::int64_t kDefaultTokens = 1024;
 
 const char* const kUsage =
     R"(Usage:
-  kda-run --model M.yaml [--core-only] [--tokens T] [--sequences N] [--decode-steps S]
+  kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
           [--backend auto|cpu|cuda]
@@ -85,6 +85,8 @@ Options:
                        norm_eps, final_state); writes out and the final states to --output
   --core-only          run the KDA core of each layer only (q, k, v, g, beta in), as before whole
                        layers
+  --strict-config      unknown keys in runtime / linear_attn_config (typos) are errors, not
+                       warnings
   --output OUT         where --case / --layer-case writes its result (atomically); must not be IN
                        itself (also not through a symlink or hard link)
   --help               this text
@@ -102,6 +104,7 @@ struct Options {
   std::string case_path;
   bool layer_case = false;  // case_path is a --layer-case file
   bool core_only = false;
+  bool strict_config = false;  // unknown keys in the engine's sections are errors
   std::string output;
   std::optional<std::int64_t> tokens;
   std::int64_t sequences = 1;
@@ -171,6 +174,9 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--core-only") {
       no_value();
       o.core_only = true;
+    } else if (arg == "--strict-config") {
+      no_value();
+      o.strict_config = true;
     } else if (arg == "--output") {
       o.output = value();
     } else if (arg == "--tokens") {
@@ -213,7 +219,7 @@ Options parse_args(int argc, char** argv) {
     if (!o.model.empty()) throw UsageError{flag + " and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given || o.core_only) {
+        o.seed_given || o.threads_given || o.core_only || o.strict_config) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -405,7 +411,9 @@ int run_case_mode(const Options& o) {
 }
 
 int run_model(const Options& o) {
-  kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model);
+  kda::engine::ModelSpecOptions spec_options;
+  spec_options.strict = o.strict_config;
+  kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model, spec_options);
   if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());

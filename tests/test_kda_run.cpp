@@ -861,3 +861,24 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   CHECK(r.err.find("refusing to overwrite the input") != std::string::npos);
   CHECK(read_text(dir.file("in.safetensors")) == before);
 }
+
+TEST_CASE("kda-run: a typo in runtime is a warning, and an error with --strict-config") {
+  TempDir dir;
+  std::string yaml = read_text(kModels + "tiny.yaml");
+  const std::string key = "  max_tokens: 2048\n";
+  REQUIRE(yaml.find(key) != std::string::npos);
+  yaml.replace(yaml.find(key), key.size(), "  max_tokens: 2048\n  max_token: 64\n");
+  {
+    std::ofstream out(dir.file("typo.yaml"));
+    out << yaml;
+  }
+  Result r = kda_run({"--model", dir.file("typo.yaml"), "--plan-only", "--core-only"});
+  INFO("stderr: " << r.err);
+  CHECK(r.rc == 0);
+  CHECK(r.err.find("warning") != std::string::npos);
+  CHECK(r.err.find("did you mean `max_tokens`?") != std::string::npos);
+  r = kda_run({"--model", dir.file("typo.yaml"), "--plan-only", "--core-only", "--strict-config"});
+  CHECK(r.rc == 1);
+  CHECK(r.err.find("max_token") != std::string::npos);
+  CHECK(r.err.find("warning") == std::string::npos);
+}
