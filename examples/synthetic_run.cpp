@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kda/bf16.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/engine/error.hpp"
 
 namespace kda::examples {
@@ -19,11 +20,8 @@ namespace {
   throw Error(code, what);
 }
 
-bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
-  *out = a * b;
-  return true;
-}
+using kda::detail::align_up;
+using kda::detail::checked_mul;
 
 // splitmix64: fast, seedable, good enough for synthetic activations.
 struct SplitMix {
@@ -66,17 +64,16 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
   const auto H = static_cast<std::uint64_t>(heads_);
   const auto D = static_cast<std::uint64_t>(head_dim_);
   std::uint64_t per_token = 0, qkvg = 0, beta = 0, total = 0;
-  const std::uint64_t round = kAlignment - 1;
   if (!checked_mul(H, D * 2, &per_token) || !checked_mul(t, per_token, &qkvg) ||
       !checked_mul(t, H * 2, &beta) || qkvg > std::numeric_limits<std::uint64_t>::max() / 8 ||
-      !checked_mul((qkvg + round) & ~round, 5, &total) ||
+      !checked_mul(align_up(qkvg, kAlignment), 5, &total) ||
       total > std::numeric_limits<std::uint64_t>::max() - beta - kAlignment ||
       total + beta + kAlignment > std::numeric_limits<std::size_t>::max()) {
     fail("synthetic inputs of " + std::to_string(capacity_) +
              " tokens: byte count overflows 64 bits",
          StatusCode::kOverflow);
   }
-  const std::uint64_t qkvg_stride = (qkvg + round) & ~round;
+  const std::uint64_t qkvg_stride = align_up(qkvg, kAlignment);
   // Whole layers: hidden states and their output, [capacity, hidden_size] each.
   std::uint64_t hidden = 0;
   if (!checked_mul(t, static_cast<std::uint64_t>(hidden_size_) * 2, &hidden) ||
@@ -85,8 +82,8 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
              " tokens: byte count overflows 64 bits",
          StatusCode::kOverflow);
   }
-  const std::uint64_t hidden_stride = (hidden + round) & ~round;
-  bytes_ = total + ((beta + round) & ~round);
+  const std::uint64_t hidden_stride = align_up(hidden, kAlignment);
+  bytes_ = total + align_up(beta, kAlignment);
   const std::uint64_t beta_end = bytes_;
   if (bytes_ > std::numeric_limits<std::uint64_t>::max() - 2 * hidden_stride) {
     fail("synthetic inputs: byte count overflows 64 bits", StatusCode::kOverflow);

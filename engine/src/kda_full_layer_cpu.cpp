@@ -1,5 +1,6 @@
 // engine/kda_full_layer_cpu.cpp — the whole KDA layer on the CPU (Eigen projections, fp32
 // accumulation, bf16 between the steps), around the operator's CPU backend.
+#include "kda/detail/checked_math.hpp"
 #include "kda/engine/kda_full_layer.hpp"
 
 #include <Eigen/Core>
@@ -58,9 +59,8 @@ struct Layout {
 
 constexpr std::size_t kAlignment = 64;
 
-bool multiply(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  return !__builtin_mul_overflow(a, b, out);
-}
+using kda::detail::align_up;
+using kda::detail::checked_mul;
 
 using detail::full_layer_core_problem;
 
@@ -76,15 +76,16 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   std::uint64_t offset = 0;
   auto take = [&](std::uint64_t elements, std::uint64_t element_bytes) {
     std::uint64_t bytes = 0;
-    if (!multiply(elements, element_bytes, &bytes) || bytes > (std::uint64_t{1} << 62)) overflow();
+    if (!checked_mul(elements, element_bytes, &bytes) || bytes > (std::uint64_t{1} << 62))
+      overflow();
     const std::uint64_t at = offset;
-    offset = (offset + bytes + kAlignment - 1) / kAlignment * kAlignment;
+    offset = align_up<std::uint64_t>(offset + bytes, kAlignment);
     if (offset > (std::uint64_t{1} << 62)) overflow();
     return static_cast<std::size_t>(at);
   };
   auto per_token = [&](std::int64_t width) {
     std::uint64_t n = 0;
-    if (!multiply(static_cast<std::uint64_t>(tokens), static_cast<std::uint64_t>(width), &n)) {
+    if (!checked_mul(static_cast<std::uint64_t>(tokens), static_cast<std::uint64_t>(width), &n)) {
       overflow();
     }
     return n;
@@ -234,8 +235,7 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   if (T == 0) return;  // nothing to compute; every state stays as it is
 
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(workspace.ptr);
-  auto* base =
-      reinterpret_cast<unsigned char*>((address + kAlignment - 1) / kAlignment * kAlignment);
+  auto* base = reinterpret_cast<unsigned char*>(align_up<std::uintptr_t>(address, kAlignment));
   auto* xf = reinterpret_cast<float*>(base + layout.hidden);
   auto* pre = reinterpret_cast<float*>(base + layout.pre);
   auto* lowrank = reinterpret_cast<float*>(base + layout.lowrank);

@@ -3,6 +3,7 @@
 // plain C++ and built everywhere; the rest needs KDA_HAVE_CUDA (a CPU-only build gets a
 // constructor that says so).
 #include "kda/engine/kda_full_layer_cuda.hpp"
+#include "kda/detail/checked_math.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +32,9 @@ namespace {
 }
 
 constexpr std::size_t kAlignment = 256;  // cuBLAS wants its workspace 256-byte aligned
+
+using kda::detail::align_up;
+using kda::detail::checked_mul;
 
 // Columns of the fused input projection x·W_inᵀ [T, proj_stride]: q | k | v | f_a | g_a | b | pad.
 struct ProjColumns {
@@ -79,15 +83,14 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   auto take = [&](std::uint64_t bytes) {
     if (bytes > kLimit) overflow();
     const std::uint64_t at = offset;
-    offset = (offset + bytes + kAlignment - 1) / kAlignment * kAlignment;
+    offset = align_up<std::uint64_t>(offset + bytes, kAlignment);
     if (offset > kLimit) overflow();
     return static_cast<std::size_t>(at);
   };
   auto bytes_of = [&](std::int64_t rows, std::int64_t width, std::uint64_t element) {
     std::uint64_t n = 0, bytes = 0;
-    if (__builtin_mul_overflow(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width),
-                               &n) ||
-        __builtin_mul_overflow(n, element, &bytes)) {
+    if (!checked_mul(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width), &n) ||
+        !checked_mul(n, element, &bytes)) {
       overflow();
     }
     return bytes;
@@ -243,7 +246,7 @@ FullLayerCuda::FullLayerCuda(const FullLayerWeights& w)
   // Host image of the device weights, each tensor at a 256-byte aligned offset.
   std::vector<unsigned char> image;
   auto place = [&](const void* data, std::size_t bytes) {
-    const std::size_t at = (image.size() + kAlignment - 1) / kAlignment * kAlignment;
+    const std::size_t at = align_up<std::size_t>(image.size(), kAlignment);
     image.resize(at + bytes, 0);
     if (bytes > 0) std::memcpy(image.data() + at, data, bytes);
     return at;
@@ -408,8 +411,7 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
   // ---- enqueue -----------------------------------------------------------------------------
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const std::uintptr_t address = reinterpret_cast<std::uintptr_t>(workspace.ptr);
-  auto* base =
-      reinterpret_cast<unsigned char*>((address + kAlignment - 1) / kAlignment * kAlignment);
+  auto* base = reinterpret_cast<unsigned char*>(align_up<std::uintptr_t>(address, kAlignment));
   auto* proj = reinterpret_cast<bf16_bits*>(base + layout.proj);
   auto* q = reinterpret_cast<bf16_bits*>(base + layout.q);
   auto* k = reinterpret_cast<bf16_bits*>(base + layout.k);

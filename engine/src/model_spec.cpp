@@ -1,6 +1,7 @@
 // engine/model_spec.cpp — YAML or JSON → ModelSpec with file:line:column errors that name the key,
 // and warnings (with a suggested spelling) for unknown keys in the engine's own sections.
 #include "kda/engine/model_spec.hpp"
+#include "kda/detail/checked_math.hpp"
 
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
@@ -398,24 +399,9 @@ std::vector<int> layer_list(const Context& ctx, const YAML::Node& node, const st
   return layers;
 }
 
-bool checked_mul(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) return false;
-  *out = a * b;
-  return true;
-}
-bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
-  if (b > std::numeric_limits<std::uint64_t>::max() - a) return false;
-  *out = a + b;
-  return true;
-}
-bool checked_product(std::initializer_list<std::uint64_t> factors, std::uint64_t* out) {
-  std::uint64_t product = 1;
-  for (const std::uint64_t factor : factors) {
-    if (!checked_mul(product, factor, &product)) return false;
-  }
-  *out = product;
-  return true;
-}
+using kda::detail::checked_add;
+using kda::detail::checked_mul;
+using kda::detail::checked_product;
 
 // The byte counts an engine for this spec will plan; each, and their sum, must fit in 64 bits.
 void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::Node& runtime_node,
