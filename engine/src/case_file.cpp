@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "backend.hpp"
+#include "case_metadata.hpp"
 #include "kda/engine/error.hpp"
 
 namespace kda::engine {
@@ -27,22 +28,8 @@ namespace {
 const char* const kInputNames[] = {
     "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"};
 
-// Strict number parsing: the whole string, no trailing garbage.
-bool parse_number(const std::string& text, double* value) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const double parsed = std::strtod(text.c_str(), &end);
-  if (end != text.c_str() + text.size()) return false;
-  *value = parsed;
-  return true;
-}
-
-std::string number_text(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
-}
+using detail::case_number_text;
+using detail::parse_case_number;
 
 const Tensor& require(const std::map<std::string, Tensor>& tensors, const std::string& name,
                       const std::string& source) {
@@ -154,52 +141,19 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   }
 
   // Metadata.
-  const auto gate_it = metadata.find("gate");
-  if (gate_it == metadata.end())
-    fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
-  if (gate_it->second == "lower_bound") {
-    p.gate = GateMode::kLowerBound;
-  } else if (gate_it->second == "softplus") {
-    p.gate = GateMode::kSoftplus;
-  } else {
-    fail(source, "metadata 'gate' is '" + gate_it->second + "', expected lower_bound or softplus");
-  }
-  const auto bound_it = metadata.find("lower_bound");
-  if (p.gate == GateMode::kLowerBound && bound_it == metadata.end()) {
-    fail(source, "metadata 'lower_bound' is required with gate lower_bound");
-  }
-  if (bound_it != metadata.end()) {
-    double bound = 0.0;
-    if (!parse_number(bound_it->second, &bound)) {
-      fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
-    }
-    if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
-      fail(source,
-           "metadata 'lower_bound' is " + number_text(bound) + ", outside [-5, 0) or not finite");
-    }
-    p.lower_bound = static_cast<float>(bound);
-  }
+  detail::read_case_gate(metadata, source, &p.gate, &p.lower_bound);
   if (const auto it = metadata.find("scale"); it != metadata.end()) {
     double scale = 0.0;
-    if (!parse_number(it->second, &scale)) {
+    if (!parse_case_number(it->second, &scale)) {
       fail(source, "metadata 'scale' is '" + it->second + "', not a number");
     }
     if (!std::isfinite(scale) || scale <= 0.0 || !std::isfinite(static_cast<float>(scale))) {
-      fail(source, "metadata 'scale' is " + number_text(scale) + ", expected a finite value > 0");
+      fail(source,
+           "metadata 'scale' is " + case_number_text(scale) + ", expected a finite value > 0");
     }
     p.scale = static_cast<float>(scale);
   }
-  if (const auto it = metadata.find("final_state"); it != metadata.end()) {
-    if (it->second == "f32")
-      final_dtype = DType::kF32;
-    else if (it->second == "bf16")
-      final_dtype = DType::kBF16;
-    else if (it->second == "none")
-      final_dtype = DType::kNone;
-    else
-      fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
-  }
-  p.final_state_dtype = final_dtype;
+  p.final_state_dtype = detail::read_case_final_state(metadata, source, final_dtype);
 
   const Status st = validate(p);
   if (!st.ok()) throw Error(st, source);

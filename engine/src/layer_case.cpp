@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "backend.hpp"
+#include "case_metadata.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/case_file.hpp"
 #include "kda/engine/checkpoint.hpp"
@@ -32,15 +33,7 @@ Error naming(const Error& e, const std::string& source) {
   return Error(e.code(), source + ": " + what);
 }
 
-bool parse_number(const std::string& text, double* value) {
-  if (text.empty()) return false;
-  errno = 0;
-  char* end = nullptr;
-  const double parsed = std::strtod(text.c_str(), &end);
-  if (end != text.c_str() + text.size()) return false;
-  *value = parsed;
-  return true;
-}
+using detail::parse_case_number;
 
 const TensorInfo& require(const SafetensorsFile& file, const std::string& name,
                           const std::string& why) {
@@ -121,31 +114,10 @@ LayerCase load_layer_case(const std::string& path) {
   config.conv_width = conv.shape.back();
 
   // Metadata.
-  const auto gate = metadata.find("gate");
-  if (gate == metadata.end()) fail(path, "metadata 'gate' is missing (lower_bound or softplus)");
-  if (gate->second == "lower_bound") {
-    config.gate = GateMode::kLowerBound;
-  } else if (gate->second == "softplus") {
-    config.gate = GateMode::kSoftplus;
-  } else {
-    fail(path, "metadata 'gate' is '" + gate->second + "', expected lower_bound or softplus");
-  }
-  const auto bound = metadata.find("lower_bound");
-  if (config.gate == GateMode::kLowerBound && bound == metadata.end()) {
-    fail(path, "metadata 'lower_bound' is required with gate lower_bound");
-  }
-  if (bound != metadata.end()) {
-    double value = 0.0;
-    if (!parse_number(bound->second, &value) || !std::isfinite(value) || value < -5.0 ||
-        value >= 0.0) {
-      fail(path, "metadata 'lower_bound' is '" + bound->second +
-                     "', expected a finite number in [-5, 0)");
-    }
-    config.lower_bound = static_cast<float>(value);
-  }
+  detail::read_case_gate(metadata, path, &config.gate, &config.lower_bound);
   if (const auto eps = metadata.find("norm_eps"); eps != metadata.end()) {
     double value = 0.0;
-    if (!parse_number(eps->second, &value) || !std::isfinite(value) || value <= 0.0 ||
+    if (!parse_case_number(eps->second, &value) || !std::isfinite(value) || value <= 0.0 ||
         !(static_cast<float>(value) > 0.0f)) {
       fail(path, "metadata 'norm_eps' is '" + eps->second + "', expected a finite number > 0");
     }
@@ -204,16 +176,7 @@ LayerCase load_layer_case(const std::string& path) {
     expect(path, c.recurrent_state, {DType::kF32, DType::kBF16}, {N, H, D, D}, "[N, H, V, K]");
     c.final_dtype = c.recurrent_state.dtype;
   }
-  if (const auto it = metadata.find("final_state"); it != metadata.end()) {
-    if (it->second == "f32")
-      c.final_dtype = DType::kF32;
-    else if (it->second == "bf16")
-      c.final_dtype = DType::kBF16;
-    else if (it->second == "none")
-      c.final_dtype = DType::kNone;
-    else
-      fail(path, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
-  }
+  c.final_dtype = detail::read_case_final_state(metadata, path, c.final_dtype);
 
   // The weights, by their checkpoint names (messages name the file and the tensor).
   const Checkpoint checkpoint = Checkpoint::from_file(std::move(file));
