@@ -1,8 +1,7 @@
 // cuda_test_util.hpp — buffers with guard bytes (device: DeviceBuffer; host: HostBuffer, the same
-// interface), a case's inputs uploaded into them (CaseBuffers<Buffer>, DeviceCase) and "run this
-// case on the GPU" (run_cuda), through the kda device helpers only (no CUDA headers), so that the
-// tests build — and skip — without CUDA. tests/kda/backend_matrix.hpp builds its backend runners on
-// these.
+// interface) and a case's inputs uploaded into them (CaseBuffers<Buffer>, DeviceCase), through the
+// kda device helpers only (no CUDA headers), so that the tests build — and skip — without CUDA.
+// tests/kda/backend_matrix.hpp builds its backend runners (which run the cases) on these.
 #pragma once
 
 #include <cstdio>
@@ -182,60 +181,5 @@ struct CaseBuffers {
 
 // A case's inputs on the device.
 using DeviceCase = CaseBuffers<DeviceBuffer>;
-
-// Outputs of one GPU run, downloaded; plus whether the guards around them survived.
-struct GpuRun {
-  Status status;
-  Outputs out;
-  bool guards_intact = true;
-};
-
-// Runs forward_cuda on case c with device outputs poisoned with 0xFF bytes (NaN in bf16 and f32).
-// `extra_state_rows`: the final-state buffer gets that many more [H, V, K] rows than the problem
-// has sequences; they are poisoned and checked to stay untouched (reported through guards_intact).
-inline GpuRun run_cuda(const KdaCase& c, int extra_state_rows = 0, void* stream = nullptr) {
-  GpuRun r;
-  DeviceCase d(c);
-  const Problem& p = c.problem;
-  DeviceBuffer out(static_cast<std::size_t>(c.out_elems()) * 2);
-  out.fill(0xFF);
-  const std::size_t row = static_cast<std::size_t>(p.num_heads * p.head_dim_v * p.head_dim_k);
-  const std::size_t state_elems =
-      static_cast<std::size_t>(c.state_elems()) + extra_state_rows * row;
-  DeviceBuffer ht(
-      p.final_state_dtype == DType::kNone ? 0 : state_elems * dtype_size(p.final_state_dtype));
-  ht.fill(0xFF);
-  std::size_t ws_bytes = 0;
-  r.status = workspace_size(p, Backend::kCuda, &ws_bytes);
-  if (!r.status.ok()) return r;
-  DeviceBuffer ws(ws_bytes);
-  Tensors t = d.tensors();
-  t.out = out.get();
-  t.final_state = p.final_state_dtype == DType::kNone ? nullptr : ht.get();
-  t.cu_seqlens_host = c.cu_seqlens_ptr();
-  r.status = forward_cuda(p, t, Workspace{ws.get(), ws.bytes()}, stream);
-  if (r.status.ok()) r.status = stream_synchronize(stream);
-  r.out.out = out.download<std::uint16_t>();
-  if (p.final_state_dtype == DType::kF32) r.out.final_f32 = ht.download<float>();
-  if (p.final_state_dtype == DType::kBF16) r.out.final_bf16 = ht.download<std::uint16_t>();
-  r.guards_intact = out.guards_intact() && ht.guards_intact() && ws.guards_intact();
-  // The extra rows must still hold the poison; then drop them so that sizes match the case.
-  const std::size_t n = static_cast<std::size_t>(c.state_elems());
-  if (!r.out.final_f32.empty()) {
-    for (std::size_t i = n; i < r.out.final_f32.size(); ++i) {
-      std::uint32_t bits;
-      std::memcpy(&bits, &r.out.final_f32[i], 4);
-      if (bits != 0xFFFFFFFFu) r.guards_intact = false;
-    }
-    r.out.final_f32.resize(n);
-  }
-  if (!r.out.final_bf16.empty()) {
-    for (std::size_t i = n; i < r.out.final_bf16.size(); ++i) {
-      if (r.out.final_bf16[i] != 0xFFFF) r.guards_intact = false;
-    }
-    r.out.final_bf16.resize(n);
-  }
-  return r;
-}
 
 }  // namespace kda::test
