@@ -78,6 +78,14 @@ void check_layer_mode(const ModelSpec& spec) {
   }
 }
 
+// Parameters of a layer that is only planned: sizes matter, values do not.
+KdaParameters planning_parameters(const ModelSpec& spec) {
+  KdaParameters parameters;
+  parameters.A_log.assign(static_cast<std::size_t>(spec.num_heads), 0.0f);
+  parameters.dt_bias.assign(static_cast<std::size_t>(spec.num_heads * spec.head_dim), 0.0f);
+  return parameters;
+}
+
 // Whole layers: the cores (KdaLayer, parameters taken from the whole layer's weights, so both
 // calls run the same layer) and their whole-layer side. Without parameters: sizes only (planning).
 std::vector<KdaLayer> make_whole_layers(const ModelSpec& spec, bool with_parameters,
@@ -109,8 +117,7 @@ std::vector<KdaLayer> make_whole_layers(const ModelSpec& spec, bool with_paramet
       parameters.dt_bias = std::move(weights.dt_bias);
       parameters.origin = weights.origin;
     } else {
-      parameters.A_log.assign(static_cast<std::size_t>(local.num_heads), 0.0f);
-      parameters.dt_bias.assign(static_cast<std::size_t>(local.num_heads * local.head_dim), 0.0f);
+      parameters = planning_parameters(local);
     }
     layers.emplace_back(local, static_cast<int>(i), index, std::move(parameters));
     whole->push_back(std::move(layer));
@@ -133,9 +140,8 @@ std::vector<KdaLayer> make_layers(const ModelSpec& spec, bool with_parameters, s
       parameters = load_kda_parameters(*weights, index, spec.num_heads, spec.head_dim);
     } else if (with_parameters) {
       parameters = random_kda_parameters(seed, index, spec.num_heads, spec.head_dim);
-    } else {  // planning only: sizes matter, values do not
-      parameters.A_log.assign(static_cast<std::size_t>(spec.num_heads), 0.0f);
-      parameters.dt_bias.assign(static_cast<std::size_t>(spec.num_heads * spec.head_dim), 0.0f);
+    } else {
+      parameters = planning_parameters(spec);
     }
     layers.emplace_back(spec, static_cast<int>(i), index, std::move(parameters));
   }
