@@ -91,6 +91,14 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   return plan;
 }
 
+// Warps per recurrence block for `items` (segment, head) work items, measured on the H200
+// (docs/PERFORMANCE-NOTES.md): with at least one item per SM, one 128-column block per item (the
+// chunk record read once, 8 warps sharing it); with fewer, two 64-column blocks, and below a
+// quarter of the SMs four 32-column blocks, to keep more SMs busy.
+int recurrence_warps(std::int64_t items, int sms) {
+  return items >= sms ? 8 : 4 * items >= sms ? 4 : 2;
+}
+
 // One prefill (or segment transition) on the device: initialize() checks and plans, run() launches.
 class PrefillLaunch {
  public:
@@ -122,12 +130,7 @@ class PrefillLaunch {
                                                           static_cast<std::uint64_t>(p.num_heads) *
                                                           ChunkRecord::kBytes)
             : nullptr;
-    // Block shape, measured on the H200 (docs/PERFORMANCE-NOTES.md): with at least one work item
-    // (segment, head) per SM, one 128-column block per item (the chunk record read once, 8 warps
-    // sharing it); with fewer, two 64-column blocks, and below a quarter of the SMs four 32-column
-    // blocks, to keep more SMs busy.
-    const std::int64_t items = plan_.seg_slots * p.num_heads;
-    warps_ = items >= sms_ ? 8 : 4 * items >= sms_ ? 4 : 2;
+    warps_ = recurrence_warps(plan_.seg_slots * p.num_heads, sms_);
     return Status::Ok();
   }
 
@@ -149,9 +152,8 @@ class PrefillLaunch {
     prm_.transition_h = h_t;
     transition_ = true;
     plan_.seg_slots = N_;
-    // 256 columns (H^T and P^T rows) per pair: twice the blocks of a forward's pair.
-    const std::int64_t items = 2 * N_ * p.num_heads;
-    warps_ = items >= sms_ ? 8 : 4 * items >= sms_ ? 4 : 2;
+    // 256 columns (H^T and P^T rows) per pair: twice the work items of a forward's pair.
+    warps_ = recurrence_warps(2 * N_ * p.num_heads, sms_);
     return Status::Ok();
   }
 
