@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "full_layer_test_util.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/error.hpp"
@@ -33,6 +34,11 @@ using kda::engine::FullLayerWeights;
 using kda::engine::Tensor;
 using kda::test::TempDir;
 
+using kda::test::error_of;
+using kda::test::random_bf16;
+using kda::test::relative_error;
+using kda::test::with_bias_and_norm;
+
 namespace {
 
 FullLayerConfig small_config(GateMode gate = GateMode::kSoftplus) {
@@ -45,33 +51,6 @@ FullLayerConfig small_config(GateMode gate = GateMode::kSoftplus) {
   c.lower_bound = -5.0f;
   c.norm_eps = 1e-5f;
   return c;
-}
-
-std::vector<bf16_bits> random_bf16(std::size_t count, float amplitude, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(-amplitude, amplitude);
-  std::vector<bf16_bits> values(count);
-  for (bf16_bits& v : values) v = float_to_bf16(dist(rng));
-  return values;
-}
-
-// Relative L2 error ||a - b|| / ||b||.
-template <typename A, typename B>
-double relative_error(const std::vector<A>& a, const std::vector<B>& b) {
-  REQUIRE(a.size() == b.size());
-  auto value = [](auto x) {
-    if constexpr (std::is_same_v<decltype(x), bf16_bits>) {
-      return static_cast<double>(bf16_to_float(x));
-    } else {
-      return static_cast<double>(x);
-    }
-  };
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff += (value(a[i]) - value(b[i])) * (value(a[i]) - value(b[i]));
-    norm += value(b[i]) * value(b[i]);
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
 // State pools of one layer (conv states bf16, recurrent state f32) and the view the layer takes.
@@ -258,23 +237,6 @@ Reference reference_layer(const FullLayerWeights& w, const std::vector<bf16_bits
     }
   }
   return ref;
-}
-
-// Random weights leave out the g_b bias and set o_norm to ones; tests want both to matter.
-FullLayerWeights with_bias_and_norm(FullLayerWeights w) {
-  w.g_b_bias = random_bf16(static_cast<std::size_t>(w.config.local_channels()), 1.0f, 99);
-  w.o_norm = random_bf16(static_cast<std::size_t>(w.config.head_dim), 1.0f, 98);
-  for (bf16_bits& x : w.o_norm) x = float_to_bf16(1.0f + 0.5f * bf16_to_float(x));
-  return w;
-}
-
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const kda::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cuda_test_util.hpp"
+#include "full_layer_test_util.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/kda_full_layer.hpp"
@@ -39,6 +40,11 @@ using kda::engine::FullLayerWeights;
 using kda::test::DeviceBuffer;
 using kda::test::gpu_or_skip;
 
+using kda::test::error_of;
+using kda::test::random_bf16;
+using kda::test::relative_error;
+using kda::test::with_bias_and_norm;
+
 namespace {
 
 // The CUDA path runs D = 128 only.
@@ -52,39 +58,6 @@ FullLayerConfig cuda_config(GateMode gate = GateMode::kSoftplus) {
   c.lower_bound = -5.0f;
   c.norm_eps = 1e-5f;
   return c;
-}
-
-std::vector<bf16_bits> random_bf16(std::size_t count, float amplitude, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(-amplitude, amplitude);
-  std::vector<bf16_bits> values(count);
-  for (bf16_bits& v : values) v = float_to_bf16(dist(rng));
-  return values;
-}
-
-double value_of(bf16_bits x) { return bf16_to_float(x); }
-double value_of(float x) { return x; }
-double value_of(double x) { return x; }
-
-// Relative L2 error ||a - b|| / ||b||.
-template <typename A, typename B>
-double relative_error(const std::vector<A>& a, const std::vector<B>& b) {
-  REQUIRE(a.size() == b.size());
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const double d = value_of(a[i]) - value_of(b[i]);
-    diff += d * d;
-    norm += value_of(b[i]) * value_of(b[i]);
-  }
-  return std::sqrt(diff / std::max(norm, 1e-300));
-}
-
-// Random weights leave out the g_b bias and set o_norm to ones; tests want both to matter.
-FullLayerWeights with_bias_and_norm(FullLayerWeights w) {
-  w.g_b_bias = random_bf16(static_cast<std::size_t>(w.config.local_channels()), 1.0f, 99);
-  w.o_norm = random_bf16(static_cast<std::size_t>(w.config.head_dim), 1.0f, 98);
-  for (bf16_bits& x : w.o_norm) x = float_to_bf16(1.0f + 0.5f * bf16_to_float(x));
-  return w;
 }
 
 // State pools on the host: the CPU layer's, and the image uploaded to / downloaded from the GPU.
@@ -256,15 +229,6 @@ void check_pools(const HostPools& gpu, const HostPools& cpu, double tolerance) {
   CHECK(conv_k <= tolerance);
   CHECK(conv_v <= tolerance);
   CHECK(recurrent <= tolerance);
-}
-
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const kda::Error& e) {
-    return e.what();
-  }
-  return "(no error)";
 }
 
 constexpr double kTolerance = 1e-2;
