@@ -141,34 +141,43 @@ void run_transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
       });
 }
 
-}  // namespace
-
-Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt) {
-  if (Status st = validate(p, t); !st) return st;
+// What the CPU reads from host memory that validate() cannot see: cu_seqlens contents and the gate
+// parameters' values.
+Status check_host_inputs(const Problem& p, const Tensors& t) {
   if (p.varlen()) {
     if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
   }
-  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
-      !st) {
-    return st;
-  }
-  std::size_t needed = 0;
-  if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;
+  return detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
+}
+
+// The workspace holds `needed` bytes; *slots is its first slot-aligned address (the size functions
+// added the slack for it).
+Status workspace_slots(Workspace ws, std::size_t needed, const char* what, unsigned char** slots) {
   if (ws.bytes < needed) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
-                                                      " bytes, the CPU backend needs " +
+                                                      " bytes, " + what + " needs " +
                                                       std::to_string(needed));
   }
   if (needed > 0 && ws.ptr == nullptr) {
     return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
   }
+  *slots = reinterpret_cast<unsigned char*>(detail::align_up(
+      reinterpret_cast<std::uintptr_t>(ws.ptr), std::uintptr_t{detail::cpu::kSlotAlignment}));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt) {
+  if (Status st = validate(p, t); !st) return st;
+  if (Status st = check_host_inputs(p, t); !st) return st;
+  std::size_t needed = 0;
+  if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;
+  unsigned char* slots = nullptr;
+  if (Status st = workspace_slots(ws, needed, "the CPU backend", &slots); !st) return st;
   const std::int64_t items = p.sequences() * p.num_heads;
   if (items == 0) return Status::Ok();
 
-  // Slots start at the first aligned address; workspace_size() added the slack for it.
-  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
-  const std::uintptr_t align = detail::cpu::kSlotAlignment;
-  auto* slots = reinterpret_cast<unsigned char*>(detail::align_up(base, align));
   if (p.num_state_slots > 0) {
     // The duplicate bitmap follows the thread slots (workspace_size() counted both).
     const std::uint64_t thread_slots =
@@ -195,33 +204,17 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
 Status segment_transition_cpu(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                               Workspace ws, const CpuOptions& opt) {
   if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;
-  if (p.varlen()) {
-    if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
-  }
-  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
-      !st) {
-    return st;
-  }
+  if (Status st = check_host_inputs(p, t); !st) return st;
+  std::size_t needed = 0;
+  if (Status st = transition_workspace_size(p, Backend::kCpu, &needed); !st) return st;
+  unsigned char* slots = nullptr;
+  if (Status st = workspace_slots(ws, needed, "the CPU transition", &slots); !st) return st;
   const std::int64_t items = p.sequences() * p.num_heads;
+  if (items == 0) return Status::Ok();
+  // transition_workspace_size() counted min(items, kMaxThreads) slots; resolve_threads never
+  // exceeds that.
   const std::int64_t workers =
       detail::cpu::resolve_threads(opt.num_threads, items, std::int64_t{1} << 40);
-  // workspace_size counted min(items, kMaxThreads) slots; resolve_threads never exceeds that.
-  const std::uint64_t need =
-      items == 0
-          ? 0
-          : static_cast<std::uint64_t>(std::min<std::int64_t>(items, detail::cpu::kMaxThreads)) *
-                    detail::cpu::transition_stride(p.head_dim_k, p.head_dim_v) +
-                detail::cpu::kSlotAlignment;
-  if (ws.bytes < need) {
-    return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
-                                                      " bytes, the CPU transition needs " +
-                                                      std::to_string(need));
-  }
-  if (items == 0) return Status::Ok();
-  if (ws.ptr == nullptr) return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
-  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(ws.ptr);
-  const std::uintptr_t align = detail::cpu::kSlotAlignment;
-  auto* slots = reinterpret_cast<unsigned char*>(detail::align_up(base, align));
   if (opt.fp64) {
     run_transition<double>(p, t, p_t, h_t, slots, workers);
   } else {
