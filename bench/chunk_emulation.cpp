@@ -1,9 +1,11 @@
 // kda-chunk-emulation: the CUDA prefill's chunk algorithm emulated on the CPU, with a switch per
 // point where the GPU rounds to bf16, to apportion the GPU's error against an fp64 recurrence
 // (issue: accuracy <= 3e-3). It follows prefill_prepare.cu and prefill_recurrence.cu step by step
-// (factored path: every chunk's decay range below 80, as the bounded gate guarantees):
+// (factored path: every chunk's half decay range below 80, as the bounded gate guarantees):
 //
-//   prepare  qg = scale q^ e^G      kg = k^ e^G      ki = k^ e^-G      kd = k^ e^(G_last - G)
+//   prepare  r = (G_0 + G_last) / 2 per channel (the reference in the middle of the decay range)
+//            qg = scale q^ e^(G - r)    kg = k^ e^(G - r)    ki = k^ e^(r - G)
+//            kd = k^ e^(G_last - G)     qgY = scale q^ e^G (the record's Q~)
 //            A = beta_i (kg_i . ki_j), i > j (fp32 sums of bf16 products)   M = qg_i . ki_j, i >= j
 //            W  = (I + A)^-1 diag(beta) (k^ e^G)   U0 = (I + A)^-1 diag(beta) v   (fp32
 //            substitution)
@@ -147,13 +149,15 @@ void emulate(const Head& h, const Rounding& r, std::vector<double>* out,
         const float qh = i < n ? h.q[(t0 + i) * D + d] * inq[i] : 0.f;
         const float kh = i < n ? h.k[(t0 + i) * D + d] * ink[i] : 0.f;
         const float eg = std::exp(G[i][d]);
+        const float half = 0.5f * (G[0][d] - G[C - 1][d]), ref = G[C - 1][d] + half;
+        const float e_fwd = std::exp(G[i][d] - ref), e_back = std::exp(ref - G[i][d]);
         kt[i][d] = kh * eg;
-        qg[i][d] = r16(scale * qh * eg, r.gram);
+        qg[i][d] = r16(scale * qh * e_fwd, r.gram);
         qgY[i][d] = r16(scale * qh * eg, r.qgY);
-        kg[i][d] = r16(kt[i][d], r.gram);
-        const float kinv = kh * std::exp(-G[i][d]);
+        kg[i][d] = r16(kh * e_fwd, r.gram);
+        const float kinv = kh * e_back;
         ki[i][d] = r16(kinv, r.gram);
-        kd[i][d] = r16(kinv * std::exp(G[C - 1][d]), r.kd);
+        kd[i][d] = r16(kinv * std::exp(-half), r.kd);
       }
     }
     for (int i = 0; i < C; ++i) {

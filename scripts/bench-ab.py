@@ -14,6 +14,7 @@ def parse(path):
     """{(table, key): time} from one kda-bench output."""
     times = {}
     table = None
+    ms_column = None  # the prefill table's "ms" column, from its header row
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.startswith("### "):
@@ -22,9 +23,12 @@ def parse(path):
             if not line.startswith("|") or line.startswith("|---") or table is None:
                 continue
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if table == "prefill" and "ms" in cells:
+                ms_column = cells.index("ms")
+                continue
             try:
-                if table == "prefill" and len(cells) >= 5:
-                    times[(table, cells[0])] = float(cells[4])
+                if table == "prefill" and ms_column is not None and len(cells) > ms_column:
+                    times[(table, cells[0])] = float(cells[ms_column])
                 elif table == "decode" and len(cells) >= 2:
                     times[(table, "B=" + str(int(cells[0])))] = float(cells[1])
                 elif table == "host" and len(cells) >= 4:

@@ -76,6 +76,7 @@ if [ "$what" = ab ]; then
     runs+=(/tmp/ab-a-$round.md /tmp/ab-b-$round.md)
   done
   cp /tmp/ab-b-1.md "$OUT/bench.md"
+  tar -C /tmp -cf "$OUT/ab-runs.tar" "${runs[@]#/tmp/}"  # every run, for a later look
   python3 "$root/scripts/bench-ab.py" "$ab_rev" "this tree" "${runs[@]}" | tee "$OUT/bench-ab.md"
 fi
 if [ "$what" = sanitize-all ]; then

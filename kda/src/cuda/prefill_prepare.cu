@@ -11,10 +11,14 @@ namespace {
 
 constexpr int kPrepThreads = 128;  // 4 warps; in the elementwise steps one thread per channel d
 constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded against bank conflicts
-// Above this in-chunk decay (-G_last, natural log), exp(-G) could overflow or lose the smallest
-// factors: such chunks take the exact path that exponentiates differences G_i - G_j <= 0 only. The
-// bounded gate (lower_bound >= -5, 16 tokens) always stays below it.
-constexpr float kFactoredRange = 80.0f;
+// The factored path splits exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) around a per-channel
+// reference r = (G_0 + G_last) / 2, the middle of the chunk's decay range: every factor then lies
+// in [exp(-half), exp(half)], half = (G_0 - G_last) / 2. Above this half range (natural log) a
+// factor could overflow or lose the smallest terms: such chunks take the exact path that
+// exponentiates differences G_i - G_j <= 0 only. The bounded gate (lower_bound >= -5, 16 tokens:
+// half <= 40) always stays below it; the softplus gate passes it only above ~10 nats of decay per
+// token.
+constexpr float kFactoredHalfRange = 80.0f;
 
 struct PrepSmem {
   bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k are reused for the
@@ -22,13 +26,15 @@ struct PrepSmem {
   bf16 v[C][kRowPad];
   union {  // thread d reads g[t][d] for every t before it writes kg[t][d]
     bf16 g[C][kRowPad];
-    bf16 kg[C][kRowPad];  // k_hat * exp(G)                (K~, feeds A)
+    bf16 kg[C][kRowPad];  // factored path: k_hat * exp(G - r)  (feeds A)
   };
-  bf16 qg[C][kRowPad];  // scale * q_hat * exp(G)          (record: Q~)
+  // scale * q_hat * exp(G) (record: Q~); in the factored path it first holds the Gram operand
+  // scale * q_hat * exp(G - r) (feeds M) and takes Q~ once the Gram products are done.
+  bf16 qg[C][kRowPad];
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
     struct {
-      bf16 ki[C][kRowPad];  // factored path: k_hat * exp(-G), and what bf16 left of it
+      bf16 ki[C][kRowPad];  // factored path: k_hat * exp(r - G), and what bf16 left of it
       bf16 ki_lo[C][kRowPad];
     } fac;
     float G[C][kPad];  // exact path: the cumulative gate itself
@@ -163,40 +169,47 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     }
   }
   const float g_last = G[C - 1];
-  float range = -g_last;
+  const float half_range = 0.5f * (G[0] - g_last);  // G_0 - r = r - G_last
+  float range = half_range;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
   if (lane == 0) sm.range[warp] = range;
   __syncthreads();  // also publishes inv_norm
   const bool factored =
-      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange;
+      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredHalfRange;
 
   unsigned char* rec = record_ptr(p, slot, h);
   const float gl_d = __expf(g_last);
   reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = gl_d;
-  float kt[C];  // K~ column d in fp32, for the forward substitution
+  const float ref = g_last + half_range;          // r, this channel's reference
+  const float ref_to_last = __expf(-half_range);  // exp(G_last - r)
+  float kt[C];   // K~ column d in fp32, for the forward substitution
+  float qgv[C];  // Q~ column d in fp32: the record's, stored after the Gram products
 #pragma unroll
   for (int t = 0; t < C; ++t) {
     const float qh = __bfloat162float(sm.q[t][d]) * sm.inv_norm[0][t];
     const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
     const float eg = __expf(G[t]);
     kt[t] = kh * eg;
-    const float qgv = p.scale * qh * eg;
-    const bf16 qg_hi = __float2bfloat16(qgv), kg_hi = __float2bfloat16(kt[t]);
-    sm.qg[t][d] = qg_hi;
-    sm.kg[t][d] = kg_hi;
+    qgv[t] = p.scale * qh * eg;
     if (factored) {
-      // exp(-G) is finite here, and exp(G_last - G) = exp(G_last) exp(-G) saves an exp.
-      const float ki = kh * __expf(-G[t]);
+      // The Gram operands around the reference, each a bf16 pair; exp(G_last - G) =
+      // exp(G_last - r) exp(r - G) saves an exp.
+      const float e_fwd = __expf(G[t] - ref), e_back = __expf(ref - G[t]);
+      const float kg = kh * e_fwd, qg = p.scale * qh * e_fwd, ki = kh * e_back;
+      const bf16 kg_hi = __float2bfloat16(kg), qg_hi = __float2bfloat16(qg);
       const bf16 ki_hi = __float2bfloat16(ki);
+      sm.kg[t][d] = kg_hi;
+      sm.qg[t][d] = qg_hi;
       sm.fac.ki[t][d] = ki_hi;
       sm.fac.ki_lo[t][d] = __float2bfloat16(ki - __bfloat162float(ki_hi));
-      sm.kd[t][d] = __float2bfloat16(ki * gl_d);
-      // What bf16 left of qg and kg, for the Gram products, over this thread's own (already read)
-      // q and k inputs: the factored path reads them no more.
-      sm.q[t][d] = __float2bfloat16(qgv - __bfloat162float(qg_hi));
-      sm.k[t][d] = __float2bfloat16(kt[t] - __bfloat162float(kg_hi));
+      sm.kd[t][d] = __float2bfloat16(ki * ref_to_last);
+      // What bf16 left of qg and kg, over this thread's own (already read) q and k inputs: the
+      // factored path reads them no more.
+      sm.q[t][d] = __float2bfloat16(qg - __bfloat162float(qg_hi));
+      sm.k[t][d] = __float2bfloat16(kg - __bfloat162float(kg_hi));
     } else {
+      sm.qg[t][d] = __float2bfloat16(qgv[t]);
       sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
       sm.G[t][d] = G[t];
     }
@@ -205,9 +218,10 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
 
   // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg).
   if (factored) {
-    // exp(G_i - G_j) = exp(G_i) exp(-G_j): two 16 x 16 x 128 Gram products on the tensor cores,
-    // each operand a bf16 pair (hi + lo), hi hi + hi lo + lo hi: fp32-like sums (the bf16
-    // operands alone cost 2.3e-3 of out error, kda-chunk-emulation).
+    // exp(G_i - G_j) = exp(G_i - r) exp(r - G_j): two 16 x 16 x 128 Gram products on the tensor
+    // cores, each operand a bf16 pair (hi + lo), hi hi + hi lo + lo hi: fp32-like sums (the bf16
+    // operands alone cost 2.3e-3 of out error, kda-chunk-emulation). Entries above the diagonal
+    // (i < j, up to exp(2 half)) may overflow; they are discarded, never multiplied.
     if (warp < 2) {
       float acc[2][4] = {};
       const bf16(*x_hi)[kRowPad] = warp == 0 ? sm.kg : sm.qg;
@@ -252,8 +266,13 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   __syncthreads();
 
   // 5. Forward substitution in fp32, thread d owning column d:
-  //    (I + A) [W | U0] = diag(beta) [K~ | V]. q and k are dead now: W and U0 take their place.
+  //    (I + A) [W | U0] = diag(beta) [K~ | V]. q and k are dead now: W and U0 take their place,
+  //    and the factored path's Gram operand in qg gives way to the record's Q~.
   {
+    if (factored) {
+#pragma unroll
+      for (int t = 0; t < C; ++t) sm.qg[t][d] = __float2bfloat16(qgv[t]);
+    }
     float xk[C], xv[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) {
@@ -277,9 +296,8 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     }
   }
   // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against
-  // the
-  //    async proxy, then one thread issues the bulk stores and waits for them before the block
-  //    ends.
+  //    the async proxy, then one thread issues the bulk stores and waits for them before the
+  //    block ends.
   fence_proxy_async();
   __syncthreads();
   if (tid == 0) {
