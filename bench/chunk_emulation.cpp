@@ -21,7 +21,8 @@
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
 //   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--gate
-//   softplus|lower_bound]
+//   softplus|lower_bound] [--dt-shift X]   (X added to every dt_bias: -4 long memory, +3 strong
+//   decay, as the operator tests' regimes)
 // Prints, for each configuration, the relative L2 error of out and of the final state.
 #include <cmath>
 #include <cstdint>
@@ -223,7 +224,7 @@ double rel(const std::vector<double>& x, const std::vector<double>& ref) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-Head make_head(int T, bool softplus, bool initial, std::uint64_t seed) {
+Head make_head(int T, bool softplus, bool initial, float dt_shift, std::uint64_t seed) {
   Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
   Head h;
   h.T = T;
@@ -241,7 +242,7 @@ Head make_head(int T, bool softplus, bool initial, std::uint64_t seed) {
   h.g = bf(static_cast<size_t>(T) * D, 1);
   h.beta = bf(static_cast<size_t>(T), 1);
   h.dt_bias.resize(D);
-  for (float& e : h.dt_bias) e = static_cast<float>(2 * rng.uniform() - 1);
+  for (float& e : h.dt_bias) e = static_cast<float>(2 * rng.uniform() - 1) + dt_shift;
   h.s0.assign(static_cast<size_t>(D) * D, 0.f);
   if (initial) {
     for (float& e : h.s0) e = static_cast<float>(0.5 * rng.normal());
@@ -255,6 +256,7 @@ int main(int argc, char** argv) {
   int T = 1024, heads = 4;
   std::uint64_t seed = 1;
   bool initial = true, softplus = false;
+  float dt_shift = 0.f;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc)
@@ -265,13 +267,15 @@ int main(int argc, char** argv) {
       seed = std::strtoull(argv[++i], nullptr, 10);
     else if (a == "--no-initial-state")
       initial = false;
+    else if (a == "--dt-shift" && i + 1 < argc)
+      dt_shift = static_cast<float>(std::atof(argv[++i]));
     else if (a == "--gate" && i + 1 < argc)
       softplus = std::string(argv[++i]) == "softplus";
     else {
       std::fprintf(
           stderr,
           "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
-          "[--gate softplus|lower_bound]\n");
+          "[--gate softplus|lower_bound] [--dt-shift X]\n");
       return 2;
     }
   }
@@ -303,13 +307,14 @@ int main(int argc, char** argv) {
   }
   configs.push_back({"none (out rounding only)",
                      Rounding{false, false, false, false, false, false, false, false}});
-  std::printf("T = %d, %d heads, gate %s, initial state %s, fp64 reference\n\n", T, heads,
-              softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero");
+  std::printf("T = %d, %d heads, gate %s, initial state %s, dt_bias shift %g, fp64 reference\n\n",
+              T, heads, softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero",
+              static_cast<double>(dt_shift));
   std::printf("| rounding switched off | out rel error | state rel error |\n|---|---:|---:|\n");
   std::vector<std::vector<double>> ref_out(heads), ref_state(heads);
   std::vector<Head> hs;
   for (int h = 0; h < heads; ++h) {
-    hs.push_back(make_head(T, softplus, initial, seed * 100 + h));
+    hs.push_back(make_head(T, softplus, initial, dt_shift, seed * 100 + h));
     reference(hs.back(), &ref_out[h], &ref_state[h]);
   }
   for (const Config& c : configs) {
