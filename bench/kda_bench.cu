@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_floors.hpp"
 #include "kda/kda.hpp"
 
 namespace {
@@ -95,19 +96,6 @@ double median_ms(F&& run, int warmup, int iters) {
   return ms[iters / 2];
 }
 
-double measure_copy_bandwidth() {
-  const std::size_t bytes = std::size_t(2) << 30;  // 2 GiB
-  void *a, *b;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMemset(a, 1, bytes));
-  const double ms =
-      median_ms([&](int) { CK(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice)); }, 3, 15);
-  CK(cudaFree(a));
-  CK(cudaFree(b));
-  return 2.0 * bytes / (ms * 1e-3);  // bytes read + written per second
-}
-
 // How a case addresses its states: [N, H, V, K] blocks, or a pool of 2N + 2 entries through
 // state slot indices (Problem::num_state_slots), reversed or strided as a serving runtime's slots
 // become once sequences come and go.
@@ -183,7 +171,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
     d_slots = static_cast<std::int32_t*>(dalloc(pf, N * 4));
     CK(cudaMemcpy(d_slots, slots.data(), N * 4, cudaMemcpyHostToDevice));
   }
-  const double set_bytes = 4.0 * tok_elems * 2 + 2.0 * T * H + tok_elems * 2.0 + 2.0 * state_bytes;
+  const double set_bytes = kda::bench::kda_core_bytes(
+      static_cast<double>(T), static_cast<double>(N), H, D, static_cast<double>(state_size), false);
   pf.bytes = set_bytes;
   // Rotate input sets so that one pass over all of them is at least 4x the 60 MB L2.
   const int nsets =
@@ -451,7 +440,7 @@ void run_decode(double bw, int iters) {
     }
     std::sort(ms.begin(), ms.end());
     const double step_us = ms[iters / 2] * 1e3 / steps;
-    const double bytes = 2.0 * B * H * D * D * 4 + 5.0 * tok * 2 + B * H * 2 + B * 4;
+    const double bytes = kda::bench::kda_core_bytes(B, B, H, D, 4, true);
     const double gbps = bytes / (step_us * 1e-6) / 1e9;
     std::printf(
         "| %d | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B, step_us, bytes / 1e9, gbps,
@@ -676,7 +665,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "kda-bench: no CUDA device\n");
     return 1;
   }
-  const double bw = measure_copy_bandwidth();
+  const double bw = kda::bench::measure_copy_bandwidth();
   std::printf("device: %s; device-to-device copy: %.2f TB/s (bytes read + written)\n",
               kda::device_name(0).c_str(), bw / 1e12);
   if (prefill) run_prefill(bw, iters, only);

@@ -3,9 +3,17 @@
 // (H = 4 of 32), prefill T = 8192 (one sequence) and decode steps of B = 1, 64, 256 sequences (one
 // token each, f32 recurrent state). Each phase (projections, conv, core, norm, o_proj) is timed
 // with CUDA events that the forward records at its boundaries; the table shows the median over the
-// timed runs, after warm-up, in microseconds. The floor column is the projections' and o_proj's
-// lower bound: max(GEMM FLOPs / 790 TFLOP/s, weight bytes / 4.8 TB/s) (H200 bf16 dense peak and
-// HBM bandwidth).
+// timed runs, after warm-up, in microseconds, each phase as "time (floor)", then the whole layer's
+// total against the sum of the phase floors. Floors (bench_floors.hpp; bw = the device-to-device
+// copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16 spec):
+//   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors;
+//                bytes = their weights, hidden read, proj, g and the f32 gate written, f_a|g_a read
+//   conv         bytes / bw: q|k|v read and written (bf16), beta read and written, conv states
+//                read and written, taps
+//   core         bytes / bw: the KDA core's bytes as kda-bench counts them (q, k, v, g, beta read,
+//                out written, f32 states read and written, the slot list in decode)
+//   norm         bytes / bw: o read (bf16), gate read (f32), y written (bf16)
+//   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N]
 #include <cuda_runtime.h>
@@ -18,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_floors.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/kda_full_layer_cuda.hpp"
@@ -71,13 +80,18 @@ int main(int argc, char** argv) {
   try {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    const double bw = kda::bench::measure_copy_bandwidth();
+    const double peak = kda::bench::kPeakBf16Flops;
     std::printf(
         "kda-layer-bench on %s: Kimi-Linear-48B KDA layer (hidden 2304, H 32, D 128, W 4),"
-        " median of %d runs after %d warm-up, microseconds\n\n",
-        prop.name, iters, warmup);
+        " median of %d runs after %d warm-up, microseconds; each phase \"time (floor)\"; floors"
+        " from device-to-device copy %.2f TB/s (measured, bytes read + written) and %.0f"
+        " TFLOP/s bf16 (H200 dense spec)\n\n",
+        prop.name, iters, warmup, bw / 1e12, peak / 1e12);
     std::printf(
-        "| layer | case | total | projections | conv | core | norm | o_proj | GEMM floor |\n");
-    std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        "| layer | case | total | floor sum | x floor | projections | conv | core | norm |"
+        " o_proj |\n");
+    std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     cudaEvent_t events[6];
@@ -155,15 +169,32 @@ int main(int argc, char** argv) {
           check(cudaEventElapsedTime(&ms, events[0], events[5]), "cudaEventElapsedTime");
           total.push_back(ms * 1e3);
         }
-        // GEMM floor: projections (x·W_inᵀ, the two low-rank second factors) and o_proj.
-        const double flops =
-            2.0 * T * E * (3 * Cl + 2 * D + Hl) + 2.0 * 2 * T * D * Cl + 2.0 * T * Cl * E;
-        const double floor_us =
-            std::max(flops / 790e12, static_cast<double>(layer.weight_bytes()) / 4.8e12) * 1e6;
-        std::printf("| %s | %s | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |\n",
-                    layer_name.c_str(), c.name.c_str(), median(total), median(phase[0]),
-                    median(phase[1]), median(phase[2]), median(phase[3]), median(phase[4]),
-                    floor_us);
+        // Floors per phase, microseconds (see the top of this file).
+        const std::int64_t W = config.conv_width;
+        const double t = static_cast<double>(T), n = static_cast<double>(N);
+        const double in_cols = static_cast<double>(3 * Cl + 2 * D + Hl);
+        const double stride = static_cast<double>((3 * Cl + 2 * D + Hl + 7) / 8 * 8);
+        auto us = [](double seconds) { return seconds * 1e6; };
+        const double proj_flops = 2.0 * t * E * in_cols + 2.0 * 2 * t * D * Cl;
+        // Weights; hidden read and proj written; f_a|g_a read, g (bf16) and gate (f32) written.
+        const double proj_bytes = 2.0 * (stride * E + 2.0 * Cl * D) + 2.0 * t * (E + stride) +
+                                  2.0 * t * 2 * D + 2.0 * t * Cl + 4.0 * t * Cl;
+        const double conv_bytes = 2.0 * 2 * 3 * t * Cl + 2.0 * 2 * t * Hl +
+                                  2.0 * 2 * 3 * n * Cl * (W - 1) + 4.0 * 3 * Cl * W;
+        const double core_bytes = kda::bench::kda_core_bytes(t, n, static_cast<double>(Hl),
+                                                             static_cast<double>(D), 4, c.decode);
+        const double norm_bytes = (2.0 + 4.0 + 2.0) * t * Cl;
+        const double o_flops = 2.0 * t * Cl * E;
+        const double o_bytes = 2.0 * E * Cl + 2.0 * t * Cl + 2.0 * t * E;
+        const double floors[5] = {us(std::max(proj_flops / peak, proj_bytes / bw)),
+                                  us(conv_bytes / bw), us(core_bytes / bw), us(norm_bytes / bw),
+                                  us(std::max(o_flops / peak, o_bytes / bw))};
+        double floor_sum = 0.0;
+        for (double f : floors) floor_sum += f;
+        std::printf("| %s | %s | %.1f | %.1f | %.2fx |", layer_name.c_str(), c.name.c_str(),
+                    median(total), floor_sum, median(total) / floor_sum);
+        for (int p = 0; p < 5; ++p) std::printf(" %.1f (%.1f) |", median(phase[p]), floors[p]);
+        std::printf("\n");
         std::fflush(stdout);
       }
     }

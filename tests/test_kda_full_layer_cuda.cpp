@@ -1,9 +1,10 @@
 // The whole KDA layer on CUDA (kda_full_layer_cuda.hpp) against the CPU layer (FullLayerCpu, itself
 // tested against an fp64 reference in test_kda_full_layer.cpp): varlen batches with empty, 1- and
 // 2-token sequences (shorter than the conv history), both gates, f32 and bf16 recurrent states,
-// scattered slots; prefill then decode steps (with a padding row); tensor-parallel ranks summing to
-// the whole layer; every output written; host checks refusing bad calls before anything is
-// written; a graph-captured forward equal to the eager one. Tolerance: 1e-2 relative L2 error on
+// scattered slots; prefill then decode steps (with a padding row); conv chunk edges with widths 2-4
+// and padding prefill sequences; tensor-parallel ranks summing to the whole layer; every output
+// written; host checks refusing bad calls before anything is written; a graph-captured forward
+// equal to the eager one. Tolerance: 1e-2 relative L2 error on
 // out and states (issue 11). Cases print the errors they measure.
 #include <doctest/doctest.h>
 
@@ -233,6 +234,15 @@ void check_pools(const HostPools& gpu, const HostPools& cpu, double tolerance) {
 
 constexpr double kTolerance = 1e-2;
 
+// A forward's out against the CPU layer's: every value written, guards intact, within tolerance.
+void check_out(const CudaRun& run, const std::vector<bf16_bits>& expected) {
+  const double out_error = relative_error(run.out, expected);
+  MESSAGE("out relative error " << out_error);
+  CHECK(run.all_written);
+  CHECK(run.guards_intact);
+  CHECK(out_error <= kTolerance);
+}
+
 }  // namespace
 
 TEST_CASE("CUDA layer: workspace_bytes works in every build and grows with the batch") {
@@ -279,11 +289,7 @@ TEST_CASE("CUDA layer matches the CPU layer (varlen with empty, 1- and 2-token s
       const std::vector<bf16_bits> expected = run_cpu(cpu, hidden, cu, &cpu_pools, slots);
       const CudaRun run = run_cuda(gpu, hidden, cu, &gpu_pools, slots);
 
-      const double out_error = relative_error(run.out, expected);
-      MESSAGE("out relative error " << out_error);
-      CHECK(run.all_written);
-      CHECK(run.guards_intact);
-      CHECK(out_error <= kTolerance);
+      check_out(run, expected);
       check_pools(gpu_pools, cpu_pools, kTolerance);
       // The empty sequence's row (slot 0) and the unused rows 4 and 7 keep their states bit for
       // bit.
@@ -295,6 +301,81 @@ TEST_CASE("CUDA layer matches the CPU layer (varlen with empty, 1- and 2-token s
                              HostPools::row(initial.recurrent(), 8, r)) == 0.0);
       }
     }
+  }
+}
+
+// The prefill conv kernel hands each thread a chunk of 32 tokens of one sequence (kConvChunk in
+// engine/src/cuda/full_layer_kernels.hpp; it was 16): lengths around the chunk and the conv history
+// (1, W-2, W-1, 15..17, 31..33, several chunks plus a tail), conv widths 2, 3, 4, scattered slots,
+// an unused row and two padding sequences (negative slots: zero state in, nothing written back).
+// The CPU layer has no padding: it runs those two from zeroed scratch rows instead.
+TEST_CASE("CUDA layer: conv chunk edges, widths 2-4 and padding sequences match the CPU layer") {
+  if (!gpu_or_skip()) return;
+  for (int width : {2, 3, 4}) {
+    CAPTURE(width);
+    FullLayerConfig config = cuda_config(GateMode::kSoftplus);
+    config.conv_width = width;
+    const FullLayerWeights weights = kda::engine::random_full_layer_weights(config, 13, 2);
+    const FullLayerCpu cpu(weights);
+    const FullLayerCuda gpu(weights);
+    const std::int64_t W = width;
+    const std::vector<std::int64_t> lengths = {1, W - 2, W - 1, 15, 16, 17, 31, 32, 33, 101, 33, 2};
+    // Rows 0..9 for the real sequences (scattered), row 10 unused, rows 11 and 12: the CPU's
+    // scratch rows for the two padding sequences (the last two).
+    const std::vector<std::int32_t> cpu_slots = {7, 0, 9, 2, 4, 1, 8, 3, 6, 5, 11, 12};
+    std::vector<std::int32_t> gpu_slots = cpu_slots;
+    gpu_slots[10] = -1;
+    gpu_slots[11] = -3;
+    constexpr std::int64_t kRows = 13;
+    std::vector<std::int64_t> cu = {0};
+    for (std::int64_t len : lengths) cu.push_back(cu.back() + len);
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(cu.back() * config.hidden_size), 2.0f, 17);
+
+    HostPools cpu_pools(config, kRows, DType::kF32);
+    cpu_pools.randomize(31);
+    auto zero_row = [](auto& pool, std::int64_t r) {
+      const std::size_t n = pool.size() / static_cast<std::size_t>(kRows);
+      std::fill(pool.begin() + r * n, pool.begin() + (r + 1) * n, 0);
+    };
+    auto zero_scratch = [&](HostPools* pools) {
+      for (std::int64_t r : {11, 12}) {
+        zero_row(pools->conv_q, r);
+        zero_row(pools->conv_k, r);
+        zero_row(pools->conv_v, r);
+        zero_row(pools->rec_f32, r);
+      }
+    };
+    zero_scratch(&cpu_pools);
+    HostPools gpu_pools = cpu_pools;
+    const HostPools initial = cpu_pools;
+    const std::vector<bf16_bits> expected = run_cpu(cpu, hidden, cu, &cpu_pools, cpu_slots);
+    const CudaRun run = run_cuda(gpu, hidden, cu, &gpu_pools, gpu_slots);
+
+    check_out(run, expected);
+    // Each sequence on its own too (a short one's error would vanish in the batch's norm).
+    const std::int64_t E = config.hidden_size;
+    for (std::size_t n = 0; n < lengths.size(); ++n) {
+      if (lengths[n] == 0) continue;
+      CAPTURE(n);
+      const std::vector<bf16_bits> got(run.out.begin() + cu[n] * E,
+                                       run.out.begin() + cu[n + 1] * E);
+      const std::vector<bf16_bits> want(expected.begin() + cu[n] * E,
+                                        expected.begin() + cu[n + 1] * E);
+      CHECK(relative_error(got, want) <= kTolerance);
+    }
+    // The padding sequences wrote nothing: rows 11 and 12 are still zeros on the GPU, as is the
+    // unused row 10 unchanged; the CPU's scratch rows are reset before comparing the rest.
+    for (std::int64_t r : {10, 11, 12}) {
+      CAPTURE(r);
+      CHECK(HostPools::row(gpu_pools.conv_q, kRows, r) == HostPools::row(initial.conv_q, kRows, r));
+      CHECK(HostPools::row(gpu_pools.conv_k, kRows, r) == HostPools::row(initial.conv_k, kRows, r));
+      CHECK(HostPools::row(gpu_pools.conv_v, kRows, r) == HostPools::row(initial.conv_v, kRows, r));
+      CHECK(HostPools::row(gpu_pools.rec_f32, kRows, r) ==
+            HostPools::row(initial.rec_f32, kRows, r));
+    }
+    zero_scratch(&cpu_pools);
+    check_pools(gpu_pools, cpu_pools, kTolerance);
   }
 }
 

@@ -318,7 +318,7 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
   }
   const Layout layout = make_layout(c, T, N, state.num_slots);  // also: sizes fit 64 bits
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
-  if (T > kMaxInt || (T + 15) / 16 + N > kMaxInt) {
+  if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
     throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
                                               " tokens in " + std::to_string(N) +
                                               " sequences exceed one launch (2^31 - 1 rows)");

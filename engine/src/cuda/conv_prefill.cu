@@ -1,6 +1,7 @@
 // engine/src/cuda/conv_prefill.cu — the short convolutions (+ SiLU) of q, k and v over a varlen
 // prefill batch, from and to each sequence's conv state, fused with the copy of beta into the
-// core's layout. One thread: two channels x one chunk of up to kConvChunk tokens of one sequence.
+// core's layout. One thread: eight channels (16-byte loads and stores) x one chunk of up to
+// kConvChunk tokens of one sequence; one block: one chunk x a tile of channels.
 #include "cuda/conv_silu.cuh"
 
 namespace kda::engine::cuda {
@@ -17,8 +18,11 @@ __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int
   return n + clamped_cu(p, n) / kConvChunk;
 }
 
+// (kConvThreads, 4): at most 128 registers (W = 4 needs ~145 unbounded, no spills at 128), so 16
+// warps per SM keep 8 row loads of 512 bytes each in flight.
 template <int W>
-__global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(ConvParams p) {
+__global__ void __launch_bounds__(kConvThreads, 4)
+    conv_prefill_kernel(ConvParams p, bool vector_state) {
   const std::int64_t s = blockIdx.x;
   // The sequence owning slot s: the last n with first_slot(n) <= s (first_slot(0) == 0 <= s).
   // Broken cu_seqlens contents (the core reports them) only change which in-range rows are used.
@@ -41,30 +45,32 @@ __global__ void __launch_bounds__(kConvThreads) conv_prefill_kernel(ConvParams p
   const std::int64_t t_end = t_begin + kConvChunk < eos ? t_begin + kConvChunk : eos;
 
   if (blockIdx.y == 0) copy_beta(p, t_begin, t_end);
-  const std::int64_t c = 2 * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  const std::int64_t c =
+      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
   if (c >= 3 * p.channels) return;
   const bool first_chunk = chunk == 0;
   const std::int64_t slot = first_chunk ? state_row(p, n, c == 0) : -1;
-  conv_pair<W>(p, c, bos, eos, t_begin, t_end, first_chunk, slot);
+  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot);
 }
 
 }  // namespace
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   if (p.tokens == 0 || p.sequences == 0) return cudaSuccess;
+  bool vector_state = false;
+  if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   const std::int64_t chunk_slots = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
-  const std::int64_t pairs = 3 * p.channels / 2;
-  const dim3 grid(static_cast<unsigned>(chunk_slots),
-                  static_cast<unsigned>((pairs + kConvThreads - 1) / kConvThreads));
+  const ConvShape shape = conv_shape(p.channels);
+  const dim3 grid(static_cast<unsigned>(chunk_slots), shape.tiles);
   switch (p.width) {
     case 2:
-      conv_prefill_kernel<2><<<grid, kConvThreads, 0, stream>>>(p);
+      conv_prefill_kernel<2><<<grid, shape.threads, 0, stream>>>(p, vector_state);
       break;
     case 3:
-      conv_prefill_kernel<3><<<grid, kConvThreads, 0, stream>>>(p);
+      conv_prefill_kernel<3><<<grid, shape.threads, 0, stream>>>(p, vector_state);
       break;
     case 4:
-      conv_prefill_kernel<4><<<grid, kConvThreads, 0, stream>>>(p);
+      conv_prefill_kernel<4><<<grid, shape.threads, 0, stream>>>(p, vector_state);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -23,7 +23,7 @@ struct ConvParams {
   std::int64_t proj_stride = 0;
   std::int64_t tokens = 0;
   std::int64_t sequences = 0;
-  std::int64_t channels = 0;  // Cl, even
+  std::int64_t channels = 0;  // Cl, a multiple of 8
   int width = 4;              // W, 2..4
   const float* conv_weight = nullptr;
   std::uint16_t* pools[3] = {nullptr, nullptr, nullptr};
@@ -45,8 +45,17 @@ struct ConvParams {
   std::int32_t* identity_slots = nullptr;
 };
 
-// Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1).
-inline constexpr std::int64_t kConvChunk = 16;
+// Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1). A thread
+// re-reads the W - 1 rows before its chunk, so longer chunks read less twice; the grid has
+// ceil(tokens / kConvChunk) + sequences rows of blocks.
+inline constexpr std::int64_t kConvChunk = 32;
+
+// Both conv launchers need: channels a multiple of 8, proj_stride a multiple of 8 and proj, out[b]
+// and conv_weight 16-byte aligned (each thread moves eight channels with one 16-byte access); they
+// return cudaErrorInvalidValue otherwise. FullLayerCuda guarantees it: channels = Hl * 128, the
+// stride is rounded up to 8 columns, the q | k | v columns start at 0, Cl and 2 Cl, and every
+// buffer sits at a 256-byte aligned offset. The pools may have any 2-byte alignment (16-byte
+// aligned pools get 16-byte state accesses).
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream);
 cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream);
