@@ -351,8 +351,11 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
                            ? (whole ? "one per KDA layer, live while it runs: projections, conv "
                                       "outputs, gates, core output, the core's workspace"
                                     : "one per KDA layer")
-                       : kind == BufferKind::kParameter ? "A_log and dt_bias"
-                                                        : "engine temporaries";
+                       : kind == BufferKind::kParameter
+                           ? (whole && backend == kda::Backend::kCuda
+                                  ? "A_log and dt_bias, and each KDA layer's weights"
+                                  : "A_log and dt_bias")
+                           : "engine temporaries";
     std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
                   kda::planner::to_string(kind), count, format_bytes(bytes).c_str(), note);
     text += line;
@@ -466,9 +469,12 @@ int run_model(const Options& o) {
     std::printf(" (%s)\n", kda::device_name(0).c_str());
   }
   if (whole) {
-    std::printf("weights: %s (%s held by the layers, outside the arena)\n",
-                engine.weights_origin().c_str(),
-                kda::planner::format_bytes(engine.weight_bytes()).c_str());
+    // CUDA layers hold their weights in the arena (layer{n}.weights); CPU layers keep fp32 copies.
+    std::printf("weights: %s (%s %s)\n", engine.weights_origin().c_str(),
+                kda::planner::format_bytes(engine.weight_bytes()).c_str(),
+                engine.backend() == kda::Backend::kCuda
+                    ? "in the arena"
+                    : "held by the CPU layers in fp32, outside the arena");
   } else {
     std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
   }

@@ -4,8 +4,9 @@
 // scattered slots; prefill then decode steps (with a padding row); conv chunk edges with widths 2-4
 // and padding prefill sequences; tensor-parallel ranks summing to the whole layer; every output
 // written; host checks refusing bad calls before anything is written; a graph-captured forward
-// equal to the eager one. Tolerance: 1e-2 relative L2 error on
-// out and states (issue 11). Cases print the errors they measure.
+// equal to the eager one; weights placed in caller-provided device memory (an engine's arena)
+// equal to self-allocated ones. Tolerance: 1e-2 relative L2 error on out and states (issue 11).
+// Cases print the errors they measure.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -261,6 +262,44 @@ TEST_CASE("CUDA layer: workspace_bytes works in every build and grows with the b
       CHECK(e.code() == kda::StatusCode::kBackendUnavailable);
     }
   }
+}
+
+TEST_CASE("CUDA layer: weights placed in the caller's device memory run as self-allocated ones") {
+  if (!gpu_or_skip()) return;
+  const FullLayerConfig config = cuda_config(GateMode::kLowerBound);
+  // A g_b bias and a non-trivial o_norm: every tensor of the image is used.
+  const FullLayerWeights weights =
+      with_bias_and_norm(kda::engine::random_full_layer_weights(config, 5, 1));
+  const std::size_t image_bytes = FullLayerCuda::weight_image_bytes(config);
+  DeviceBuffer region(image_bytes);  // 256-byte aligned, guard bytes on both sides
+  const FullLayerCuda placed(weights, region.get(), region.bytes());
+  const FullLayerCuda owning(weights);
+  CHECK(placed.weight_bytes() == image_bytes);
+  CHECK(owning.weight_bytes() == image_bytes);
+  CHECK(region.guards_intact());
+
+  const std::vector<std::int64_t> cu = {0, 3, 3, 20};
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 17);
+  HostPools placed_pools(config, 4, DType::kF32);
+  placed_pools.randomize(3);
+  HostPools owning_pools = placed_pools;
+  const CudaRun a = run_cuda(placed, hidden, cu, &placed_pools);
+  const CudaRun b = run_cuda(owning, hidden, cu, &owning_pools);
+  CHECK(a.all_written);
+  CHECK(a.out == b.out);  // the same image, the same kernels: bit for bit
+  CHECK(relative_error(placed_pools.recurrent(), owning_pools.recurrent()) == 0.0);
+  CHECK(region.guards_intact());
+
+  // Host memory is not device memory: refused once a device is there to ask.
+  std::vector<unsigned char> host(image_bytes + 256);
+  void* host_region = host.data() + (256 - reinterpret_cast<std::uintptr_t>(host.data()) % 256);
+  CHECK(error_of([&] {
+          FullLayerCuda layer(weights, host_region, image_bytes);
+        }).find("weight image") != std::string::npos);
+  CHECK(error_of([&] {
+          FullLayerCuda layer(weights, region.get(), image_bytes - 256);
+        }).find("too small") != std::string::npos);
 }
 
 TEST_CASE("CUDA layer matches the CPU layer (varlen with empty, 1- and 2-token sequences)") {

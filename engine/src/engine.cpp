@@ -86,33 +86,54 @@ KdaParameters planning_parameters(const ModelSpec& spec) {
   return parameters;
 }
 
-// Whole layers: the cores (KdaLayer, parameters taken from the whole layer's weights, so both
-// calls run the same layer) and their whole-layer side. Without parameters: sizes only (planning).
-std::vector<KdaLayer> make_whole_layers(const ModelSpec& spec, bool with_parameters,
-                                        std::uint64_t seed, Backend backend,
-                                        std::vector<std::unique_ptr<WholeLayer>>* whole) {
+// Whole layers of `spec` on `backend`, without weights: what the plan needs. Their weights come
+// once the arena exists (make_whole_cores with a WeightPlacement).
+std::vector<std::unique_ptr<WholeLayer>> make_whole_layers(const ModelSpec& spec, Backend backend) {
+  std::vector<std::unique_ptr<WholeLayer>> whole;
+  whole.reserve(spec.kda_layer_indices.size());
+  for (std::size_t i = 0; i < spec.kda_layer_indices.size(); ++i) {
+    whole.push_back(std::make_unique<WholeLayer>(spec, static_cast<int>(i),
+                                                 spec.kda_layer_indices[i], backend));
+  }
+  return whole;
+}
+
+// Where whole layers' weights go: `arena`, laid out by `plan` (the plan the layers declared to).
+struct WeightPlacement {
+  std::uint64_t seed = 0;  // random weights when the spec names no checkpoint
+  std::uint8_t* arena = nullptr;
+  const planner::MemoryPlan* plan = nullptr;
+};
+
+// The cores (KdaLayer) of `whole`. Without `placement`: planning parameters (sizes only). With it:
+// each layer's weights are read from the checkpoint (or seeded random) one layer at a time, placed
+// by its WholeLayer (into the arena on CUDA) and dropped; the core keeps their A_log and dt_bias,
+// so both calls run the same layer.
+std::vector<KdaLayer> make_whole_cores(const ModelSpec& spec,
+                                       const std::vector<std::unique_ptr<WholeLayer>>& whole,
+                                       const WeightPlacement* placement) {
   const ModelSpec local = core_spec(spec);
   std::vector<KdaLayer> layers;
-  layers.reserve(spec.kda_layer_indices.size());
+  layers.reserve(whole.size());
   std::unique_ptr<Checkpoint> checkpoint;
-  if (with_parameters && !spec.weights.empty()) {
+  if (placement != nullptr && !spec.weights.empty()) {
     check_weights_file(spec);
     checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(spec.weights));
   }
-  for (std::size_t i = 0; i < spec.kda_layer_indices.size(); ++i) {
+  for (std::size_t i = 0; i < whole.size(); ++i) {
     const int index = spec.kda_layer_indices[i];
-    auto layer = std::make_unique<WholeLayer>(spec, static_cast<int>(i), index);
+    WholeLayer& layer = *whole[i];
     KdaParameters parameters;
-    if (with_parameters) {
+    if (placement != nullptr) {
       FullLayerWeights weights;
       try {
-        weights = checkpoint ? load_full_layer_weights(*checkpoint, index, layer->config())
-                             : random_full_layer_weights(layer->config(), seed, index);
+        weights = checkpoint ? load_full_layer_weights(*checkpoint, index, layer.config())
+                             : random_full_layer_weights(layer.config(), placement->seed, index);
       } catch (const Error& e) {
         throw Error(e.code(), spec.source + ": weights of layer " + std::to_string(index + 1) +
                                   ": " + e.what());
       }
-      layer->set_weights(weights, backend);
+      layer.set_weights(weights, placement->arena, *placement->plan);
       parameters.A_log = std::move(weights.A_log);
       parameters.dt_bias = std::move(weights.dt_bias);
       parameters.origin = weights.origin;
@@ -120,7 +141,6 @@ std::vector<KdaLayer> make_whole_layers(const ModelSpec& spec, bool with_paramet
       parameters = planning_parameters(local);
     }
     layers.emplace_back(local, static_cast<int>(i), index, std::move(parameters));
-    whole->push_back(std::move(layer));
   }
   return layers;
 }
@@ -484,10 +504,11 @@ void check_weights_file(const ModelSpec& spec) {
 
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
   check_layer_mode(spec);
+  const bool whole_layers = spec.runtime.layer_mode == LayerMode::kWhole;
   std::vector<std::unique_ptr<WholeLayer>> whole;
-  std::vector<KdaLayer> layers = spec.runtime.layer_mode == LayerMode::kWhole
-                                     ? make_whole_layers(spec, false, 0, backend, &whole)
-                                     : make_layers(spec, false, 0);
+  if (whole_layers) whole = make_whole_layers(spec, backend);
+  std::vector<KdaLayer> layers =
+      whole_layers ? make_whole_cores(spec, whole, nullptr) : make_layers(spec, false, 0);
   EngineBuffers buffers;
   return make_plan(spec, backend, layers, whole, &buffers);
 }
@@ -514,14 +535,16 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   }
 
   // Plan from the sizes alone and allocate the arena first: an arena that cannot be had fails
-  // before any weights are read or generated (seconds, gigabytes for a large model).
+  // before any weights are read or generated (seconds, gigabytes for a large model). The whole
+  // layers declared here are the engine's own: their weights then go straight into this plan's
+  // buffers, one layer at a time.
   const bool whole = m.spec.runtime.layer_mode == LayerMode::kWhole;
+  if (whole) m.whole = make_whole_layers(m.spec, kind);
   {
-    std::vector<std::unique_ptr<WholeLayer>> sizes_only;
-    std::vector<KdaLayer> layers = whole ? make_whole_layers(m.spec, false, 0, kind, &sizes_only)
-                                         : make_layers(m.spec, false, 0);
+    std::vector<KdaLayer> sizes_only =
+        whole ? make_whole_cores(m.spec, m.whole, nullptr) : make_layers(m.spec, false, 0);
     EngineBuffers unused;
-    m.plan = make_plan(m.spec, kind, layers, sizes_only, &unused);
+    m.plan = make_plan(m.spec, kind, sizes_only, m.whole, &unused);
   }
   // The one allocation.
   const std::uint64_t total = m.plan.arena_bytes;
@@ -536,16 +559,19 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   }
 
   if (whole) {
-    m.layers = make_whole_layers(m.spec, true, options.seed, kind, &m.whole);
+    const WeightPlacement placement{options.seed, m.arena.get(), &m.plan};
+    m.layers = make_whole_cores(m.spec, m.whole, &placement);
     m.weights_origin = m.layers.empty() ? std::string() : m.layers[0].parameters().origin;
     for (const auto& layer : m.whole) m.weight_bytes += layer->weight_bytes();
   } else {
     m.layers = make_layers(m.spec, true, options.seed);
   }
   EngineBuffers buffers;
-  // The same declarations as above: the same plan, now with the layers' handles.
+  // The same declarations as above: the same plan, now with the cores' handles. The weights were
+  // placed by the first one, so every offset must stay where it was.
+  const std::string sized_plan = m.plan.to_json();
   m.plan = make_plan(m.spec, kind, m.layers, m.whole, &buffers);
-  if (m.plan.arena_bytes != total) {
+  if (m.plan.to_json() != sized_plan) {
     throw Error(StatusCode::kInternal, where + ": the plan changed once the weights were loaded");
   }
 

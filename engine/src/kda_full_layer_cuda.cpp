@@ -1,7 +1,7 @@
 // engine/kda_full_layer_cuda.cpp — the whole KDA layer on CUDA: cuBLAS projections, the fused conv
-// and gated-norm kernels (engine/src/cuda/), the operator's CUDA core. The workspace layout is
-// plain C++ and built everywhere; the rest needs KDA_HAVE_CUDA (a CPU-only build gets a
-// constructor that says so).
+// and gated-norm kernels (engine/src/cuda/), the operator's CUDA core. The workspace and weight
+// image layouts and every check that needs no device are plain C++ and built everywhere; the rest
+// needs KDA_HAVE_CUDA (a CPU-only build gets constructors that say so).
 #include "kda/engine/kda_full_layer_cuda.hpp"
 #include "kda/detail/checked_math.hpp"
 
@@ -31,10 +31,46 @@ namespace {
   throw Error(StatusCode::kInvalidArgument, "KDA layer forward (CUDA): " + message);
 }
 
-constexpr std::size_t kAlignment = 256;  // cuBLAS wants its workspace 256-byte aligned
+// cuBLAS wants its workspace and its matrices 256-byte aligned; so do the weight image's tensors.
+constexpr std::size_t kAlignment = FullLayerCuda::kWeightImageAlignment;
 
 using kda::detail::align_up;
 using kda::detail::checked_mul;
+
+// Regions laid one after another from offset 0, each at a kAlignment-aligned offset: the layouts of
+// the workspace and of the weight image. Sizes and offsets are checked (kOverflow, `what`).
+class AlignedRegions {
+ public:
+  explicit AlignedRegions(const char* what) : what_(what) {}
+
+  // Bytes of `rows` x `width` elements of `element` bytes each.
+  std::uint64_t bytes_of(std::int64_t rows, std::int64_t width, std::uint64_t element) const {
+    std::uint64_t n = 0, bytes = 0;
+    if (!checked_mul(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width), &n) ||
+        !checked_mul(n, element, &bytes)) {
+      overflow();
+    }
+    return bytes;
+  }
+  // The offset of a new region of `bytes`.
+  std::size_t take(std::uint64_t bytes) {
+    if (bytes > kLimit) overflow();
+    const std::uint64_t at = offset_;
+    offset_ = align_up<std::uint64_t>(offset_ + bytes, kAlignment);
+    if (offset_ > kLimit) overflow();
+    return static_cast<std::size_t>(at);
+  }
+  // Where the next region would start: the bytes of every region so far.
+  std::size_t end() const noexcept { return static_cast<std::size_t>(offset_); }
+
+ private:
+  static constexpr std::uint64_t kLimit = std::uint64_t{1} << 62;
+  [[noreturn]] void overflow() const {
+    throw Error(StatusCode::kOverflow, std::string(what_) + " overflows 64 bits");
+  }
+  const char* what_;
+  std::uint64_t offset_ = 0;
+};
 
 // Columns of the fused input projection x·W_inᵀ [T, proj_stride]: q | k | v | f_a | g_a | b | pad.
 struct ProjColumns {
@@ -72,49 +108,78 @@ struct Layout {
 
 Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
                    std::int64_t num_slots) {
-  auto overflow = [] {
-    throw Error(StatusCode::kOverflow, "KDA layer (CUDA) workspace size overflows 64 bits");
-  };
   if (tokens < 0 || sequences < 0 || num_slots < 0) {
     invalid("tokens, sequences and num_slots must be >= 0");
   }
-  constexpr std::uint64_t kLimit = std::uint64_t{1} << 62;
-  std::uint64_t offset = 0;
-  auto take = [&](std::uint64_t bytes) {
-    if (bytes > kLimit) overflow();
-    const std::uint64_t at = offset;
-    offset = align_up<std::uint64_t>(offset + bytes, kAlignment);
-    if (offset > kLimit) overflow();
-    return static_cast<std::size_t>(at);
-  };
-  auto bytes_of = [&](std::int64_t rows, std::int64_t width, std::uint64_t element) {
-    std::uint64_t n = 0, bytes = 0;
-    if (!checked_mul(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width), &n) ||
-        !checked_mul(n, element, &bytes)) {
-      overflow();
-    }
-    return bytes;
-  };
+  AlignedRegions regions("KDA layer (CUDA) workspace size");
   const std::int64_t Cl = c.local_channels();
   Layout layout;
-  layout.cublas = take(FullLayerCuda::kCublasWorkspaceBytes);
+  layout.cublas = regions.take(FullLayerCuda::kCublasWorkspaceBytes);
   const Problem core = full_layer_core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
   if (Status st = workspace_size(core, Backend::kCuda, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer (CUDA) workspace");
   }
-  const std::uint64_t proj_bytes = bytes_of(tokens, proj_columns(c).stride, 2);
-  layout.proj = take(std::max<std::uint64_t>(proj_bytes, layout.core_bytes));
-  layout.q = take(bytes_of(tokens, Cl, 2));
-  layout.k = take(bytes_of(tokens, Cl, 2));
-  layout.v = take(bytes_of(tokens, Cl, 2));
-  layout.g = take(bytes_of(tokens, Cl, 2));
-  layout.o = take(bytes_of(tokens, Cl, 2));
-  layout.gate = take(bytes_of(tokens, Cl, 4));
-  layout.beta = take(bytes_of(tokens, c.local_heads(), 2));
-  layout.identity_slots = take(bytes_of(sequences, 1, 4));
-  if (offset + kAlignment > kLimit) overflow();
-  layout.total = static_cast<std::size_t>(offset + kAlignment);
+  const std::uint64_t proj_bytes = regions.bytes_of(tokens, proj_columns(c).stride, 2);
+  layout.proj = regions.take(std::max<std::uint64_t>(proj_bytes, layout.core_bytes));
+  layout.q = regions.take(regions.bytes_of(tokens, Cl, 2));
+  layout.k = regions.take(regions.bytes_of(tokens, Cl, 2));
+  layout.v = regions.take(regions.bytes_of(tokens, Cl, 2));
+  layout.g = regions.take(regions.bytes_of(tokens, Cl, 2));
+  layout.o = regions.take(regions.bytes_of(tokens, Cl, 2));
+  layout.gate = regions.take(regions.bytes_of(tokens, Cl, 4));
+  layout.beta = regions.take(regions.bytes_of(tokens, c.local_heads(), 2));
+  layout.identity_slots = regions.take(regions.bytes_of(sequences, 1, 4));
+  // Slack for an unaligned workspace pointer: one alignment past the last region.
+  layout.total = regions.take(kAlignment) + kAlignment;
   return layout;
+}
+
+// Byte offsets of the weight image's tensors from its kAlignment-aligned base: the one layout that
+// weight_image_bytes() sizes and the constructors fill.
+struct WeightLayout {
+  std::size_t w_in = 0;     // bf16 [proj_stride, E]: q | k | v | f_a | g_a | b | zero rows
+  std::size_t w_fb = 0;     // bf16 [Cl, D]
+  std::size_t w_gb = 0;     // bf16 [Cl, D]
+  std::size_t g_bias = 0;   // bf16 [Cl]; its place is kept when the layer has no bias
+  std::size_t conv = 0;     // f32 [3 Cl, W]: q | k | v
+  std::size_t A_log = 0;    // f32 [Hl]
+  std::size_t dt_bias = 0;  // f32 [Cl]
+  std::size_t o_norm = 0;   // f32 [D], widened
+  std::size_t w_o = 0;      // bf16 [E, Cl]
+  std::size_t total = 0;
+};
+
+WeightLayout make_weight_layout(const FullLayerConfig& c) {
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Cl = c.local_channels();
+  AlignedRegions regions("KDA layer (CUDA) weight image size");
+  WeightLayout layout;
+  layout.w_in = regions.take(regions.bytes_of(proj_columns(c).stride, E, 2));
+  layout.w_fb = regions.take(regions.bytes_of(Cl, D, 2));
+  layout.w_gb = regions.take(regions.bytes_of(Cl, D, 2));
+  layout.g_bias = regions.take(regions.bytes_of(Cl, 1, 2));
+  layout.conv = regions.take(regions.bytes_of(3 * Cl, W, 4));
+  layout.A_log = regions.take(regions.bytes_of(c.local_heads(), 1, 4));
+  layout.dt_bias = regions.take(regions.bytes_of(Cl, 1, 4));
+  layout.o_norm = regions.take(regions.bytes_of(D, 1, 4));
+  layout.w_o = regions.take(regions.bytes_of(E, Cl, 2));
+  layout.total = regions.end();
+  return layout;
+}
+
+// The caller's region for the weight image, checked before the device is touched.
+void check_weight_region(const void* image, std::size_t bytes, std::size_t needed) {
+  const std::string what = "KDA layer (CUDA): the weight image region ";
+  if (image == nullptr) throw Error(StatusCode::kInvalidArgument, what + "is null");
+  if (reinterpret_cast<std::uintptr_t>(image) % kAlignment != 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                what + "is not " + std::to_string(kAlignment) + "-byte aligned");
+  }
+  if (bytes < needed) {
+    throw Error(StatusCode::kInvalidArgument, what + "is too small: " + std::to_string(bytes) +
+                                                  " bytes, the layer's weights need " +
+                                                  std::to_string(needed) + " (weight_image_bytes)");
+  }
 }
 
 // The checks FullLayerCpu's constructor makes on the weights, plus the CUDA path's limits.
@@ -142,22 +207,27 @@ std::size_t FullLayerCuda::workspace_bytes(const FullLayerConfig& config, std::i
   return make_layout(config, tokens, sequences, num_slots).total;
 }
 
+std::size_t FullLayerCuda::weight_image_bytes(const FullLayerConfig& config) {
+  validate(config);
+  return make_weight_layout(config).total;
+}
+
 #ifndef KDA_HAVE_CUDA
 
-struct FullLayerCuda::Impl {};
+struct FullLayerCuda::Impl {
+  [[noreturn]] static void unavailable() {
+    throw Error(StatusCode::kBackendUnavailable,
+                "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
+  }
+  unsigned char* allocate_weight_image(std::size_t) { unavailable(); }
+  void initialize(const FullLayerWeights&, unsigned char*) { unavailable(); }
+};
 
-FullLayerCuda::FullLayerCuda(const FullLayerWeights& weights) : config_(weights.config) {
-  check_weights(weights);
-  throw Error(StatusCode::kBackendUnavailable,
-              "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
-}
 FullLayerCuda::~FullLayerCuda() = default;
-std::size_t FullLayerCuda::weight_bytes() const noexcept { return 0; }
 void FullLayerCuda::forward(const FullLayerCudaBatch&, const bf16_bits*, bf16_bits*,
                             const FullLayerState&, Workspace, void*, const CudaOptions&,
                             const FullLayerCudaEvents*) const {
-  throw Error(StatusCode::kBackendUnavailable,
-              "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
+  Impl::unavailable();
 }
 
 #else  // KDA_HAVE_CUDA
@@ -209,98 +279,98 @@ void gemm(cublasHandle_t handle, const void* in, std::int64_t ldi, std::int64_t 
       what);
 }
 
-}  // namespace
-
-struct FullLayerCuda::Impl {
-  cublasHandle_t handle = nullptr;
-  unsigned char* weights = nullptr;  // one device allocation
-  std::size_t weight_bytes = 0;
-  const bf16_bits* w_in = nullptr;    // [proj_stride, E]: q | k | v | f_a | g_a | b | zeros
-  const bf16_bits* w_fb = nullptr;    // [Cl, D]
-  const bf16_bits* w_gb = nullptr;    // [Cl, D]
-  const bf16_bits* g_bias = nullptr;  // [Cl] or null
-  const float* conv = nullptr;        // [3 Cl, W]: q | k | v
-  const float* A_log = nullptr;       // [Hl]
-  const float* dt_bias = nullptr;     // [Cl]
-  const float* o_norm = nullptr;      // [D], widened
-  const bf16_bits* w_o = nullptr;     // [E, Cl]
-
-  ~Impl() {
-    if (handle != nullptr) cublasDestroy(handle);
-    if (weights != nullptr) cudaFree(weights);
-  }
-};
-
-FullLayerCuda::FullLayerCuda(const FullLayerWeights& w)
-    : config_(w.config), impl_(std::make_unique<Impl>()) {
-  check_weights(w);
+// A CUDA device is present and one the operator supports.
+void require_device() {
   if (cuda_device_count() <= 0) {
     throw Error(StatusCode::kBackendUnavailable, "KDA layer (CUDA): no CUDA device is present");
   }
   throw_if_error(cuda_device_supported(), "KDA layer (CUDA)");
-  const FullLayerConfig& c = config_;
-  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
-  const std::int64_t Cl = c.local_channels();
-  const ProjColumns cols = proj_columns(c);
-
-  // Host image of the device weights, each tensor at a 256-byte aligned offset.
-  std::vector<unsigned char> image;
-  auto place = [&](const void* data, std::size_t bytes) {
-    const std::size_t at = align_up<std::size_t>(image.size(), kAlignment);
-    image.resize(at + bytes, 0);
-    if (bytes > 0) std::memcpy(image.data() + at, data, bytes);
-    return at;
-  };
-  std::vector<bf16_bits> w_in(static_cast<std::size_t>(cols.stride * E), 0);
-  auto put_rows = [&](const std::vector<bf16_bits>& m, std::int64_t first_row) {
-    std::copy(m.begin(), m.end(), w_in.begin() + first_row * E);
-  };
-  put_rows(w.q_proj, cols.q);
-  put_rows(w.k_proj, cols.k);
-  put_rows(w.v_proj, cols.v);
-  put_rows(w.f_a_proj, cols.f_a);
-  put_rows(w.g_a_proj, cols.g_a);
-  put_rows(w.b_proj, cols.b);
-  std::vector<float> conv;
-  conv.reserve(static_cast<std::size_t>(3 * Cl * W));
-  for (const std::vector<float>* branch : {&w.q_conv, &w.k_conv, &w.v_conv}) {
-    conv.insert(conv.end(), branch->begin(), branch->end());
-  }
-  std::vector<float> o_norm(static_cast<std::size_t>(D));
-  for (std::int64_t d = 0; d < D; ++d) o_norm[d] = bf16_to_float(w.o_norm[d]);
-  auto bytes = [](const auto& v) { return v.size() * sizeof(v[0]); };
-  const std::size_t at_in = place(w_in.data(), bytes(w_in));
-  const std::size_t at_fb = place(w.f_b_proj.data(), bytes(w.f_b_proj));
-  const std::size_t at_gb = place(w.g_b_proj.data(), bytes(w.g_b_proj));
-  const std::size_t at_bias = place(w.g_b_bias.data(), bytes(w.g_b_bias));
-  const std::size_t at_conv = place(conv.data(), bytes(conv));
-  const std::size_t at_a_log = place(w.A_log.data(), bytes(w.A_log));
-  const std::size_t at_dt = place(w.dt_bias.data(), bytes(w.dt_bias));
-  const std::size_t at_norm = place(o_norm.data(), bytes(o_norm));
-  const std::size_t at_o = place(w.o_proj.data(), bytes(w.o_proj));
-
-  impl_->weight_bytes = image.size();
-  void* device = nullptr;
-  check_cuda(cudaMalloc(&device, image.size()), "cudaMalloc(weights)");
-  impl_->weights = static_cast<unsigned char*>(device);
-  check_cuda(cudaMemcpy(device, image.data(), image.size(), cudaMemcpyHostToDevice),
-             "cudaMemcpy(weights)");
-  unsigned char* base = impl_->weights;
-  impl_->w_in = reinterpret_cast<const bf16_bits*>(base + at_in);
-  impl_->w_fb = reinterpret_cast<const bf16_bits*>(base + at_fb);
-  impl_->w_gb = reinterpret_cast<const bf16_bits*>(base + at_gb);
-  impl_->g_bias = w.g_b_bias.empty() ? nullptr : reinterpret_cast<const bf16_bits*>(base + at_bias);
-  impl_->conv = reinterpret_cast<const float*>(base + at_conv);
-  impl_->A_log = reinterpret_cast<const float*>(base + at_a_log);
-  impl_->dt_bias = reinterpret_cast<const float*>(base + at_dt);
-  impl_->o_norm = reinterpret_cast<const float*>(base + at_norm);
-  impl_->w_o = reinterpret_cast<const bf16_bits*>(base + at_o);
-  check_cublas(cublasCreate(&impl_->handle), "cublasCreate");
 }
 
-FullLayerCuda::~FullLayerCuda() = default;
+}  // namespace
 
-std::size_t FullLayerCuda::weight_bytes() const noexcept { return impl_->weight_bytes; }
+struct FullLayerCuda::Impl {
+  cublasHandle_t handle = nullptr;
+  unsigned char* owned_image = nullptr;  // the one-argument constructor's allocation, else null
+  const bf16_bits* w_in = nullptr;       // WeightLayout says what each points at
+  const bf16_bits* w_fb = nullptr;
+  const bf16_bits* w_gb = nullptr;
+  const bf16_bits* g_bias = nullptr;  // null without a bias
+  const float* conv = nullptr;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  const float* o_norm = nullptr;
+  const bf16_bits* w_o = nullptr;
+
+  ~Impl() {
+    if (handle != nullptr) cublasDestroy(handle);
+    if (owned_image != nullptr) cudaFree(owned_image);
+  }
+
+  unsigned char* allocate_weight_image(std::size_t bytes) {
+    require_device();
+    void* device = nullptr;
+    check_cuda(cudaMalloc(&device, bytes), "cudaMalloc(weights)");
+    owned_image = static_cast<unsigned char*>(device);
+    return owned_image;
+  }
+
+  // Builds the weight image on the host in make_weight_layout's layout, copies it to `image`
+  // (device memory of at least its size, checked by the caller), points the layer at its tensors
+  // there and creates the cuBLAS handle.
+  void initialize(const FullLayerWeights& w, unsigned char* image) {
+    require_device();
+    const FullLayerConfig& c = w.config;
+    const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+    const std::int64_t Cl = c.local_channels();
+    const WeightLayout layout = make_weight_layout(c);
+    throw_if_error(check_device_pointer(image, layout.total, "weight image"), "KDA layer (CUDA)");
+
+    std::vector<unsigned char> host(layout.total, 0);  // zeros: w_in's padding rows
+    auto put = [&](std::size_t at, const auto& values) {
+      if (!values.empty()) {
+        std::memcpy(host.data() + at, values.data(), values.size() * sizeof(values[0]));
+      }
+    };
+    const ProjColumns cols = proj_columns(c);
+    const std::size_t row_bytes = static_cast<std::size_t>(E) * sizeof(bf16_bits);
+    put(layout.w_in + cols.q * row_bytes, w.q_proj);
+    put(layout.w_in + cols.k * row_bytes, w.k_proj);
+    put(layout.w_in + cols.v * row_bytes, w.v_proj);
+    put(layout.w_in + cols.f_a * row_bytes, w.f_a_proj);
+    put(layout.w_in + cols.g_a * row_bytes, w.g_a_proj);
+    put(layout.w_in + cols.b * row_bytes, w.b_proj);
+    put(layout.w_fb, w.f_b_proj);
+    put(layout.w_gb, w.g_b_proj);
+    put(layout.g_bias, w.g_b_bias);
+    const std::size_t branch_bytes = static_cast<std::size_t>(Cl * W) * sizeof(float);
+    put(layout.conv, w.q_conv);
+    put(layout.conv + branch_bytes, w.k_conv);
+    put(layout.conv + 2 * branch_bytes, w.v_conv);
+    put(layout.A_log, w.A_log);
+    put(layout.dt_bias, w.dt_bias);
+    std::vector<float> o_norm_widened(static_cast<std::size_t>(D));
+    for (std::int64_t d = 0; d < D; ++d) o_norm_widened[d] = bf16_to_float(w.o_norm[d]);
+    put(layout.o_norm, o_norm_widened);
+    put(layout.w_o, w.o_proj);
+    check_cuda(cudaMemcpy(image, host.data(), host.size(), cudaMemcpyHostToDevice),
+               "cudaMemcpy(weights)");
+
+    w_in = reinterpret_cast<const bf16_bits*>(image + layout.w_in);
+    w_fb = reinterpret_cast<const bf16_bits*>(image + layout.w_fb);
+    w_gb = reinterpret_cast<const bf16_bits*>(image + layout.w_gb);
+    g_bias =
+        w.g_b_bias.empty() ? nullptr : reinterpret_cast<const bf16_bits*>(image + layout.g_bias);
+    conv = reinterpret_cast<const float*>(image + layout.conv);
+    A_log = reinterpret_cast<const float*>(image + layout.A_log);
+    dt_bias = reinterpret_cast<const float*>(image + layout.dt_bias);
+    o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
+    w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
+    check_cublas(cublasCreate(&handle), "cublasCreate");
+  }
+};
+
+FullLayerCuda::~FullLayerCuda() = default;
 
 void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hidden,
                             bf16_bits* out, const FullLayerState& state, Workspace workspace,
@@ -542,5 +612,22 @@ void FullLayerCuda::forward(const FullLayerCudaBatch& batch, const bf16_bits* hi
 }
 
 #endif  // KDA_HAVE_CUDA
+
+// Both constructors check everything that needs no device first, then hand the image's memory
+// (the caller's, or the layer's own from allocate_weight_image) to the one Impl::initialize.
+FullLayerCuda::FullLayerCuda(const FullLayerWeights& weights, void* weight_image, std::size_t bytes)
+    : config_(weights.config), impl_(std::make_unique<Impl>()) {
+  check_weights(weights);
+  weight_image_bytes_ = weight_image_bytes(config_);
+  check_weight_region(weight_image, bytes, weight_image_bytes_);
+  impl_->initialize(weights, static_cast<unsigned char*>(weight_image));
+}
+
+FullLayerCuda::FullLayerCuda(const FullLayerWeights& weights)
+    : config_(weights.config), impl_(std::make_unique<Impl>()) {
+  check_weights(weights);
+  weight_image_bytes_ = weight_image_bytes(config_);
+  impl_->initialize(weights, impl_->allocate_weight_image(weight_image_bytes_));
+}
 
 }  // namespace kda::engine

@@ -80,15 +80,17 @@ struct WholeLayer::CudaTimer {
 #endif
 };
 
-WholeLayer::WholeLayer(const ModelSpec& spec, int ordinal, int layer_index)
+WholeLayer::WholeLayer(const ModelSpec& spec, int ordinal, int layer_index, Backend backend)
     : config_(whole_layer_config(spec)),
       max_sequences_(spec.runtime.max_sequences),
-      state_dtype_(spec.runtime.state_dtype) {
+      state_dtype_(spec.runtime.state_dtype),
+      backend_(backend) {
   validate(config_);
   model_layer_ = layer_index + 1;
   const std::string model_layer = std::to_string(model_layer_);
   label_ = "layer " + model_layer + " (KDA index " + std::to_string(ordinal) + ")";
   for (int i = 0; i < 3; ++i) conv_names_[i] = "layer" + model_layer + "." + kConvNames[i];
+  weights_name_ = "layer" + model_layer + ".weights";
   conv_pool_bytes_ = static_cast<std::uint64_t>(max_sequences_) * spec.conv_state_slot_bytes();
 }
 
@@ -104,13 +106,27 @@ void WholeLayer::declare_buffers(planner::MemoryPlanner& planner) {
     request.name = conv_names_[i];
     conv_buffers_[i] = planner.add(request);
   }
+  weights_buffer_ = planner::BufferHandle{};
+  if (backend_ == Backend::kCuda) {
+    request.name = weights_name_;
+    request.kind = planner::BufferKind::kParameter;
+    request.bytes = FullLayerCuda::weight_image_bytes(config_);
+    request.alignment = FullLayerCuda::kWeightImageAlignment;  // FullLayerCuda checks it
+    weights_buffer_ = planner.add(request);
+  }
 }
 
-void WholeLayer::set_weights(const FullLayerWeights& weights, Backend backend) {
+void WholeLayer::set_weights(const FullLayerWeights& weights, std::uint8_t* arena,
+                             const planner::MemoryPlan& plan) {
   try {
-    if (backend == Backend::kCuda) {
-      cuda_ = std::make_unique<FullLayerCuda>(weights);
-      weight_bytes_ = cuda_->weight_bytes();
+    if (backend_ == Backend::kCuda) {
+      const planner::PlanEntry* entry = plan.entry(weights_buffer_);
+      if (entry == nullptr) {
+        throw Error(StatusCode::kInternal, weights_name_ + " is missing from the memory plan");
+      }
+      cuda_ = std::make_unique<FullLayerCuda>(weights, arena + entry->offset,
+                                              static_cast<std::size_t>(entry->bytes));
+      weight_bytes_ = entry->bytes;
       timer_ = std::make_unique<CudaTimer>();
     } else {
       cpu_ = std::make_unique<FullLayerCpu>(weights);

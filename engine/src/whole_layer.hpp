@@ -6,6 +6,9 @@
 // Buffers it declares to the planner (i the 1-based model layer, as KdaLayer's):
 //   layer{i}.conv_q, layer{i}.conv_k, layer{i}.conv_v   state, persistent: bf16
 //       [max_sequences, local_heads * head_dim, W - 1], one row per slot
+//   layer{i}.weights   parameter, persistent, CUDA only: FullLayerCuda's weight image
+//       (FullLayerCuda::weight_image_bytes). The CPU layer keeps its fp32 weights in host vectors
+//       of its own (FullLayerCpu), outside the arena, and declares nothing for them.
 // and the size its forward needs from the KdaLayer's workspace (whole_workspace_bytes): every
 // intermediate of the layer (projections, conv outputs, gates, core output) and the core's own
 // workspace, live while the layer runs only, so the `reuse` plan lays every layer's over the same
@@ -36,7 +39,9 @@ std::uint64_t whole_workspace_bytes(const ModelSpec& spec, Backend backend);
 
 class WholeLayer {
  public:
-  WholeLayer(const ModelSpec& spec, int ordinal, int layer_index);
+  // The layer of `spec` at model layer `layer_index` (0-based), the `ordinal`-th KDA layer, run on
+  // `backend` (which decides what declare_buffers() plans for the weights).
+  WholeLayer(const ModelSpec& spec, int ordinal, int layer_index, Backend backend);
   ~WholeLayer();
   WholeLayer(const WholeLayer&) = delete;
   WholeLayer& operator=(const WholeLayer&) = delete;
@@ -44,10 +49,14 @@ class WholeLayer {
   const FullLayerConfig& config() const noexcept { return config_; }
   void declare_buffers(planner::MemoryPlanner& planner);
 
-  // Builds the layer's implementation on `backend` from `weights` (copies them: device memory of
-  // the layer's own on CUDA, FullLayerCuda::weight_bytes()). Throws kda::Error.
-  void set_weights(const FullLayerWeights& weights, Backend backend);
-  // Bytes of the weights the implementation holds outside the arena.
+  // Builds the layer's implementation from `weights`, which the caller may drop afterwards: on
+  // CUDA it copies them into its `layer{i}.weights` buffer of `arena`, laid out by `plan` (the
+  // plan of the planner declare_buffers() last added to); on the CPU into FullLayerCpu's fp32
+  // host copies. Throws kda::Error.
+  void set_weights(const FullLayerWeights& weights, std::uint8_t* arena,
+                   const planner::MemoryPlan& plan);
+  // Bytes of the weights: on CUDA their planned arena buffer, on the CPU the host copies outside
+  // it.
   std::uint64_t weight_bytes() const noexcept { return weight_bytes_; }
 
   // Points the layer at its conv pools in `arena` (laid out by `plan`), and at `core`'s recurrent
@@ -80,10 +89,13 @@ class WholeLayer {
   FullLayerConfig config_;
   std::int64_t max_sequences_;
   DType state_dtype_;
+  Backend backend_;
   int model_layer_ = 0;
   std::string label_;
   std::string conv_names_[3];
+  std::string weights_name_;
   planner::BufferHandle conv_buffers_[3];
+  planner::BufferHandle weights_buffer_;  // CUDA only
   std::unique_ptr<FullLayerCpu> cpu_;
   std::unique_ptr<FullLayerCuda> cuda_;
   std::unique_ptr<CudaTimer> timer_;

@@ -2,7 +2,8 @@
 // FullLayerCpu called directly on the same weights, state round trips through the slots (prefill
 // then decode = one longer prefill), fragmented slots and padding rows, conv states zeroed on
 // acquire / reset, tensor-parallel engines summing to the whole layer, weights from a checkpoint by
-// their Hugging Face names, the memory plan (reuse much smaller than sum) and the errors.
+// their Hugging Face names, the memory plan (reuse much smaller than sum; on CUDA each layer's
+// weights a persistent buffer of it, planned without a device) and the errors.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/kda_full_layer.hpp"
+#include "kda/engine/kda_full_layer_cuda.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "temp_dir.hpp"
 
@@ -24,30 +26,36 @@ using kda::engine::Engine;
 using kda::engine::EngineOptions;
 using kda::engine::FullLayerConfig;
 using kda::engine::FullLayerCpu;
+using kda::engine::FullLayerCuda;
 using kda::engine::FullLayerState;
 using kda::engine::FullLayerWeights;
 using kda::engine::ModelSpec;
 
 namespace {
 
-// Two KDA layers (model layers 1 and 3) of 4 heads of 16, hidden 48, conv width 4.
-const char* const kSpec =
-    "name: whole-test\n"
-    "hidden_size: 48\n"
-    "num_hidden_layers: 3\n"
-    "rms_norm_eps: 1.0e-6\n"
-    "linear_attn_config:\n"
-    "  num_heads: 4\n"
-    "  head_dim: 16\n"
-    "  short_conv_kernel_size: 4\n"
-    "  kda_layers: [1, 3]\n"
-    "  full_attn_layers: [2]\n"
-    "  gate: softplus\n"
-    "runtime:\n"
-    "  max_tokens: 64\n"
-    "  max_sequences: 4\n"
-    "  backend: cpu\n";
+// Two KDA layers (model layers 1 and 3) of `heads` heads of `head_dim`, conv width 4.
+std::string two_layer_spec(std::int64_t hidden, std::int64_t heads, std::int64_t head_dim) {
+  auto line = [](const char* key, std::int64_t value) {
+    return key + std::to_string(value) + "\n";
+  };
+  return "name: whole-test\n" + line("hidden_size: ", hidden) +
+         "num_hidden_layers: 3\n"
+         "rms_norm_eps: 1.0e-6\n"
+         "linear_attn_config:\n" +
+         line("  num_heads: ", heads) + line("  head_dim: ", head_dim) +
+         "  short_conv_kernel_size: 4\n"
+         "  kda_layers: [1, 3]\n"
+         "  full_attn_layers: [2]\n"
+         "  gate: softplus\n"
+         "runtime:\n"
+         "  max_tokens: 64\n"
+         "  max_sequences: 4\n"
+         "  backend: cpu\n";
+}
 constexpr std::int64_t E = 48, H = 4, D = 16, W = 4;
+const std::string kSpec = two_layer_spec(E, H, D);
+// The same two layers at head_dim 128 (what the CUDA layer runs): for CUDA plans.
+const std::string kCudaSpec = two_layer_spec(64, 2, 128);
 constexpr std::uint64_t kSeed = 7;
 constexpr int kThreads = 2;
 
@@ -55,9 +63,7 @@ ModelSpec spec_from(const std::string& text) {
   return kda::engine::parse_model_spec(text, "w.yaml");
 }
 
-ModelSpec spec_with(const std::string& runtime_lines) {
-  return spec_from(std::string(kSpec) + runtime_lines);
-}
+ModelSpec spec_with(const std::string& runtime_lines) { return spec_from(kSpec + runtime_lines); }
 
 EngineOptions options() {
   EngineOptions o;
@@ -86,6 +92,19 @@ std::vector<bf16_bits> random_hidden(std::int64_t tokens, std::uint64_t seed) {
   std::vector<bf16_bits> x(static_cast<std::size_t>(tokens * E));
   for (bf16_bits& v : x) v = kda::float_to_bf16(dist(rng));
   return x;
+}
+
+// Bytes of the plan's whole-layer weight images (layer{i}.weights).
+std::uint64_t planned_weight_bytes(const kda::planner::MemoryPlan& plan) {
+  const std::string suffix = ".weights";
+  std::uint64_t bytes = 0;
+  for (const auto& entry : plan.entries) {
+    if (entry.name.size() > suffix.size() &&
+        entry.name.compare(entry.name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      bytes += entry.bytes;
+    }
+  }
+  return bytes;
 }
 
 double relative_error(const std::vector<bf16_bits>& a, const std::vector<bf16_bits>& b) {
@@ -385,10 +404,90 @@ TEST_CASE("whole layers: the plan holds conv states, and reuse is much smaller t
     }
     CHECK(states == 80);  // 20 layers: recurrent, conv q, k, v
     CHECK(workspaces == 20);
+    // The weights (CUDA: in the arena) are persistent: reuse cannot share them, only the rest.
+    const std::uint64_t weights = planned_weight_bytes(sum);
+    CHECK(weights == planned_weight_bytes(reuse));
     MESSAGE("kimi-linear-48b whole layers on " << std::string(kda::to_string(backend)) << ": sum "
                                                << sum.arena_bytes << " bytes, reuse "
-                                               << reuse.arena_bytes << " bytes");
-    CHECK(reuse.arena_bytes * 8 < sum.arena_bytes);
+                                               << reuse.arena_bytes << " bytes, weights " << weights
+                                               << " bytes of both");
+    CHECK((reuse.arena_bytes - weights) * 8 < sum.arena_bytes - weights);
+  }
+}
+
+TEST_CASE("whole layers on CUDA: each layer's weights are a persistent buffer of the plan") {
+  // Planned without a device, as kda-run --plan-only does. head_dim 128: the CUDA layer's.
+  for (const char* runtime : {"  workspace_plan: sum\n", "  workspace_plan: reuse\n",
+                              "  workspace_plan: reuse\n  tp_size: 2\n  tp_rank: 1\n"}) {
+    CAPTURE(runtime);
+    const ModelSpec spec = spec_from(kCudaSpec + std::string(runtime));
+    const kda::planner::MemoryPlan plan = Engine::plan_for(spec, kda::Backend::kCuda);
+    const std::uint64_t image = FullLayerCuda::weight_image_bytes(config_of(spec));
+    for (const char* name : {"layer1.weights", "layer3.weights"}) {
+      CAPTURE(name);
+      const kda::planner::PlanEntry* weights = plan.find(name);
+      REQUIRE(weights != nullptr);
+      CHECK(weights->kind == kda::planner::BufferKind::kParameter);
+      CHECK(weights->persistent);
+      CHECK(weights->bytes == image);
+      CHECK(weights->offset % FullLayerCuda::kWeightImageAlignment == 0);
+      CHECK(weights->offset + weights->bytes <= plan.arena_bytes);
+      for (const auto& other : plan.entries) {  // in reuse mode too: never shared
+        if (other.name == weights->name) continue;
+        CAPTURE(other.name);
+        CHECK((other.offset + other.bytes <= weights->offset ||
+               weights->offset + weights->bytes <= other.offset));
+      }
+    }
+    CHECK(planned_weight_bytes(plan) == 2 * image);
+  }
+  // A tensor-parallel rank holds its heads only: a smaller image.
+  FullLayerConfig shard = config_of(spec_from(kCudaSpec));
+  const std::size_t whole_image = FullLayerCuda::weight_image_bytes(shard);
+  shard.tp_size = 2;
+  CHECK(FullLayerCuda::weight_image_bytes(shard) < whole_image);
+
+  // The CPU layers keep their fp32 weights in host memory of their own, outside the arena.
+  const ModelSpec cpu_spec = spec_from(kSpec);
+  CHECK(planned_weight_bytes(Engine::plan_for(cpu_spec, kda::Backend::kCpu)) == 0);
+  const Engine cpu(cpu_spec, options());
+  CHECK(cpu.plan().find("layer1.weights") == nullptr);
+  CHECK(cpu.weight_bytes() > 0);
+}
+
+TEST_CASE("FullLayerCuda refuses a weight image region that is null, misaligned or too small") {
+  // The region is checked before the device is touched: this runs without one (host memory stands
+  // in for the device memory it would be).
+  const FullLayerConfig config = config_of(spec_from(kCudaSpec));
+  const FullLayerWeights weights = kda::engine::random_full_layer_weights(config, 1, 0);
+  const std::size_t needed = FullLayerCuda::weight_image_bytes(config);
+  CHECK(needed % FullLayerCuda::kWeightImageAlignment == 0);
+  const std::size_t alignment = FullLayerCuda::kWeightImageAlignment;
+  std::vector<unsigned char> memory(needed + alignment);
+  auto* aligned = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(memory.data()) + alignment - 1) / alignment * alignment);
+  auto refusal = [&](void* region, std::size_t bytes) {
+    try {
+      FullLayerCuda layer(weights, region, bytes);
+      FAIL("FullLayerCuda accepted the region");
+    } catch (const kda::Error& e) {
+      CHECK(e.code() == kda::StatusCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(refusal(aligned, needed - 1) ==
+        "KDA layer (CUDA): the weight image region is too small: " + std::to_string(needed - 1) +
+            " bytes, the layer's weights need " + std::to_string(needed) + " (weight_image_bytes)");
+  CHECK(refusal(aligned + 16, needed).find("is not 256-byte aligned") != std::string::npos);
+  CHECK(refusal(nullptr, needed).find("the weight image region is null") != std::string::npos);
+  if (kda::cuda_device_count() == 0) {  // a good region: then the device is what is missing
+    try {
+      FullLayerCuda layer(weights, aligned, needed);
+      FAIL("FullLayerCuda constructed without a device");
+    } catch (const kda::Error& e) {
+      CHECK(e.code() == kda::StatusCode::kBackendUnavailable);
+    }
   }
 }
 

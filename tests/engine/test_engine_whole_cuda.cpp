@@ -1,7 +1,7 @@
 // The Engine's whole layers on CUDA (FullLayerCuda under the engine): against the CPU engine of the
 // same seed (<= 1e-2 relative L2 on out and on every state), prefill then decode steps with padding
-// rows, the tp_size = 2 engines' sum, phase times, and a layer case on both backends. Label `gpu`:
-// prints "KDA_SKIP: ..." without a device.
+// rows, the tp_size = 2 engines' sum, phase times, the weights in the arena's planned buffers, and
+// a layer case on both backends. Label `gpu`: prints "KDA_SKIP: ..." without a device.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -95,7 +95,13 @@ TEST_CASE("whole layers on CUDA: prefill and decode match the CPU engine, phases
   Engine gpu(spec, on(kda::engine::BackendChoice::kCuda));
   Engine cpu(spec, on(kda::engine::BackendChoice::kCpu));
   REQUIRE(gpu.backend() == kda::Backend::kCuda);
-  CHECK(gpu.weight_bytes() > 0);
+  // The weights are the arena's: one planned buffer per layer, all of weight_bytes().
+  const kda::planner::PlanEntry* weights[2] = {gpu.plan().find("layer1.weights"),
+                                               gpu.plan().find("layer2.weights")};
+  REQUIRE(weights[0] != nullptr);
+  REQUIRE(weights[1] != nullptr);
+  CHECK(gpu.weight_bytes() == weights[0]->bytes + weights[1]->bytes);
+  CHECK(gpu.plan().to_json() == Engine::plan_for(spec, kda::Backend::kCuda).to_json());
   for (Engine* e : {&gpu, &cpu}) {
     for (int i = 0; i < 4; ++i) e->acquire_slot();
   }

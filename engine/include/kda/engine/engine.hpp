@@ -2,7 +2,9 @@
 //
 // An Engine plans its memory once (the spec's runtime.workspace_plan), allocates ONE arena
 // (256-byte aligned host memory on the CPU backend, one kda::device_malloc on CUDA) and never
-// allocates again: prefill and decode only enqueue work on buffers that already exist.
+// allocates again: prefill and decode only enqueue work on buffers that already exist. On CUDA
+// everything the engine keeps on the device is in the arena, the whole layers' weights included
+// (weight_bytes()).
 //
 // State slots. Each KDA layer keeps a pool of runtime.max_sequences recurrent states [H, V, K] in
 // the arena. A runtime gives each live sequence a slot:
@@ -144,8 +146,10 @@ class Engine {
   const KdaLayer& layer(int kda_layer) const;  // by position among the KDA layers (its core)
   LayerMode layer_mode() const noexcept;
   // Whole layers: where their weights came from ("random (seed S)" or the checkpoint), and the
-  // bytes they take outside the arena (FullLayerCpu's fp32 copies in host memory; on CUDA the
-  // device memory FullLayerCuda allocates for them at construction). Empty / 0 for core layers.
+  // bytes they take. On CUDA those are in the arena: each layer's persistent `layer{n}.weights`
+  // buffer of the plan (FullLayerCuda's weight image). On the CPU they are FullLayerCpu's fp32
+  // copies in host memory, outside the arena (the plan has no buffer for them). Empty / 0 for
+  // core layers.
   const std::string& weights_origin() const noexcept;
   std::uint64_t weight_bytes() const noexcept;
   void* stream() const noexcept;

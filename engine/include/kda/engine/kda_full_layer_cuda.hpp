@@ -9,12 +9,15 @@
 //   norm         one fused kernel: gated RMSNorm
 //   o_proj       cuBLAS
 //
-// Memory. Weights live in device memory the layer allocates once, at construction (weight_bytes()).
-// Hidden states, out, the state pools, cu_seqlens, slots and the workspace are the caller's device
-// memory. The workspace (at least workspace_bytes(...) bytes, any alignment) also holds cuBLAS's
-// workspace (cublasSetWorkspace), so a forward allocates nothing, synchronizes nothing and prints
-// nothing: it enqueues work on `stream` and returns, and it can be captured in a CUDA graph (pass
-// CudaOptions{.check_pointers = false} while capturing; see kda::CudaOptions).
+// Memory. The weights live in one device image of weight_image_bytes(config) bytes (every tensor
+// at a 256-byte aligned offset), copied there once, at construction: into device memory the caller
+// hands in (an engine's arena, laid out by its memory plan) or, with the one-argument constructor,
+// into memory the layer allocates itself. Hidden states, out, the state pools, cu_seqlens, slots
+// and the workspace are the caller's device memory. The workspace (at least workspace_bytes(...)
+// bytes, any alignment) also holds cuBLAS's workspace (cublasSetWorkspace), so a forward allocates
+// nothing, synchronizes nothing and prints nothing: it enqueues work on `stream` and returns, and
+// it can be captured in a CUDA graph (pass CudaOptions{.check_pointers = false} while capturing;
+// see kda::CudaOptions).
 //
 // States. The pools are FullLayerState's, in device memory: conv states bf16 [num_slots, Cl, W-1]
 // (q, k, v) and the recurrent state [num_slots, Hl, D, D] bf16 or f32. Sequence n uses row slots[n]
@@ -25,8 +28,9 @@
 // Threads. The layer owns one cuBLAS handle: one forward at a time per FullLayerCuda object
 // (different objects may run concurrently on different streams).
 //
-// In a build without CUDA the constructor throws kda::Error (kBackendUnavailable);
-// workspace_bytes() works in every build, so a planner can size a CUDA arena anywhere.
+// In a build without CUDA the constructors throw kda::Error (kBackendUnavailable);
+// workspace_bytes() and weight_image_bytes() work in every build, so a planner can size a CUDA
+// arena anywhere.
 #pragma once
 
 #include <cstddef>
@@ -72,8 +76,13 @@ struct FullLayerCudaEvents {
 class FullLayerCuda {
  public:
   // Checks the weights (as FullLayerCpu) and the CUDA path's limits (head_dim 128, conv width
-  // 2..4), copies the weights to the current device and creates the cuBLAS handle. Throws
-  // kda::Error (kBackendUnavailable without CUDA or a device; kUnsupported; kCudaError).
+  // 2..4), copies the weights' image into `weight_image` (device memory of the current device,
+  // kWeightImageAlignment-aligned, at least weight_image_bytes(weights.config) of `bytes`; the
+  // caller keeps it, untouched, for the layer's life) and creates the cuBLAS handle. The region is
+  // checked before the device is touched. Throws kda::Error (kInvalidArgument: a null, misaligned
+  // or too small region; kBackendUnavailable without CUDA or a device; kUnsupported; kCudaError).
+  FullLayerCuda(const FullLayerWeights& weights, void* weight_image, std::size_t bytes);
+  // The same into device memory the layer allocates (and frees) itself.
   explicit FullLayerCuda(const FullLayerWeights& weights);
   ~FullLayerCuda();
   FullLayerCuda(const FullLayerCuda&) = delete;
@@ -93,8 +102,14 @@ class FullLayerCuda {
   // cuBLAS's share of the workspace (32 MiB, NVIDIA's recommendation for Hopper).
   static constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
 
-  // Device bytes of the layer's weights.
-  std::size_t weight_bytes() const noexcept;
+  // Device bytes of the weight image of a layer of `config`, whatever its weights' values (a
+  // g_b bias always has its place). Throws kda::Error (kInvalidArgument) for a bad config.
+  static std::size_t weight_image_bytes(const FullLayerConfig& config);
+  // The image's (and each of its tensors') alignment: cuBLAS's and the vector loads' wish.
+  static constexpr std::size_t kWeightImageAlignment = 256;
+
+  // Device bytes of this layer's weights (= weight_image_bytes(config())).
+  std::size_t weight_bytes() const noexcept { return weight_image_bytes_; }
 
   // hidden: device bf16 [T, E]; out: device bf16 [T, E], not overlapping hidden. `stream` is a
   // cudaStream_t (nullptr: the default stream). `cuda.check_pointers` checks every caller buffer
@@ -108,6 +123,7 @@ class FullLayerCuda {
  private:
   struct Impl;
   FullLayerConfig config_;
+  std::size_t weight_image_bytes_ = 0;
   std::unique_ptr<Impl> impl_;
 };
 
