@@ -104,7 +104,7 @@ __device__ __forceinline__ void store_state(std::uint16_t* state, bool vector,
 // and writes never race. Later chunks (t_begin >= bos + W - 1) take their history from `proj`.
 //
 // Rows are loaded kConvGroup at a time (all loads of a group issued before its math; a partial
-// group re-reads its last row instead of branching), each output is
+// group re-reads its last row instead of branching, and computes only its own rows), each output is
 //   silu(((0 + w[0] h[0]) + w[1] h[1]) + ... + w[W-1] x)   in fp32, taps in this order,
 // the same operations as the CPU layer and the kernel before this one, so results are bitwise
 // unchanged.
@@ -185,6 +185,9 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
     }
 #pragma unroll
     for (int r = 0; r < kConvGroup; ++r) {
+      // A partial group (the last one; a decode step of fewer than kConvGroup tokens) stops at
+      // t_end: the math of the rows past it would be thrown away (it made decode 2x slower).
+      if (t0 + r >= t_end) break;
       float x[kConvVec], y[kConvVec];
       unpack8(rows[r], x);
 #pragma unroll
@@ -198,7 +201,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
         for (int j = 0; j + 1 < kHist; ++j) h[i][j] = h[i][j + 1];
         h[i][kHist - 1] = x[i];
       }
-      if (t0 + r < t_end) out[(t0 + r) * out_stride] = pack8(y);
+      out[(t0 + r) * out_stride] = pack8(y);
     }
   }
 
