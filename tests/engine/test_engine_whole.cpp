@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "full_layer_test_util.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
@@ -464,17 +465,9 @@ TEST_CASE("FullLayerCuda refuses a weight image region that is null, misaligned 
   CHECK(needed % FullLayerCuda::kWeightImageAlignment == 0);
   const std::size_t alignment = FullLayerCuda::kWeightImageAlignment;
   std::vector<unsigned char> memory(needed + alignment);
-  auto* aligned = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(memory.data()) + alignment - 1) / alignment * alignment);
+  unsigned char* aligned = kda::test::first_aligned(memory, alignment);
   auto refusal = [&](void* region, std::size_t bytes) {
-    try {
-      FullLayerCuda layer(weights, region, bytes);
-      FAIL("FullLayerCuda accepted the region");
-    } catch (const kda::Error& e) {
-      CHECK(e.code() == kda::StatusCode::kInvalidArgument);
-      return std::string(e.what());
-    }
-    return std::string();
+    return kda::test::weight_region_refusal<FullLayerCuda>(weights, region, bytes);
   };
   CHECK(refusal(aligned, needed - 1) ==
         "KDA layer (CUDA): the weight image region is too small: " + std::to_string(needed - 1) +
