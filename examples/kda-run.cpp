@@ -344,18 +344,17 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
     }
     if (count == 0) continue;
     const bool whole = spec.runtime.layer_mode == kda::engine::LayerMode::kWhole;
-    const char* note = kind == BufferKind::kState
-                           ? (whole ? "max_sequences slots per KDA layer: recurrent, conv q/k/v"
-                                    : "max_sequences slots per KDA layer")
-                       : kind == BufferKind::kWorkspace
-                           ? (whole ? "one per KDA layer, live while it runs: projections, conv "
-                                      "outputs, gates, core output, the core's workspace"
-                                    : "one per KDA layer")
-                       : kind == BufferKind::kParameter
-                           ? (whole && backend == kda::Backend::kCuda
-                                  ? "A_log and dt_bias, and each KDA layer's weights"
-                                  : "A_log and dt_bias")
-                           : "engine temporaries";
+    const char* note =
+        kind == BufferKind::kState
+            ? (whole ? "max_sequences slots per KDA layer: recurrent, conv q/k/v"
+                     : "max_sequences slots per KDA layer")
+        : kind == BufferKind::kWorkspace
+            ? (whole ? "one per KDA layer, live while it runs: projections, conv "
+                       "outputs, gates, core output, the core's workspace"
+                     : "one per KDA layer")
+        : kind == BufferKind::kParameter
+            ? (whole ? "A_log and dt_bias, and each KDA layer's weights" : "A_log and dt_bias")
+            : "engine temporaries";
     std::snprintf(line, sizeof line, "  %-10s %3d buffers  %10s  %s\n",
                   kda::planner::to_string(kind), count, format_bytes(bytes).c_str(), note);
     text += line;
@@ -469,12 +468,10 @@ int run_model(const Options& o) {
     std::printf(" (%s)\n", kda::device_name(0).c_str());
   }
   if (whole) {
-    // CUDA layers hold their weights in the arena (layer{n}.weights); CPU layers keep fp32 copies.
-    std::printf("weights: %s (%s %s)\n", engine.weights_origin().c_str(),
+    // Each layer's weight image is its arena buffer layer{n}.weights (CPU: widened to fp32).
+    std::printf("weights: %s (%s in the arena%s)\n", engine.weights_origin().c_str(),
                 kda::planner::format_bytes(engine.weight_bytes()).c_str(),
-                engine.backend() == kda::Backend::kCuda
-                    ? "in the arena"
-                    : "held by the CPU layers in fp32, outside the arena");
+                engine.backend() == kda::Backend::kCuda ? "" : ", widened to fp32");
   } else {
     std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
   }

@@ -1,12 +1,15 @@
 // The whole KDA layer on the CPU (kda_full_layer.hpp): against an fp64 token-by-token reference
 // written here, state round trips (chained prefills, prefill + decode steps), varlen with empty and
 // one-token sequences, tensor-parallel shards summing to the whole layer, weights by checkpoint
-// name (prefixed, bare, sharded index) and the errors for bad weights and bad calls.
+// name (prefixed, bare, sharded index), the weight image in caller memory, and the errors for bad
+// weights and bad calls.
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
 #include <random>
 #include <string>
@@ -380,6 +383,73 @@ TEST_CASE("a batch of empty sequences writes nothing and keeps every state") {
   CHECK(out.empty());
   CHECK(pools.conv_k == before.conv_k);
   CHECK(pools.recurrent == before.recurrent);
+}
+
+TEST_CASE("a layer whose weight image is in caller memory equals a self-owned one bit for bit") {
+  constexpr std::size_t kAlign = FullLayerCpu::kWeightImageAlignment;
+  for (const bool bias : {false, true}) {
+    CAPTURE(bias);
+    const FullLayerConfig config = small_config(bias ? GateMode::kLowerBound : GateMode::kSoftplus);
+    FullLayerWeights weights = kda::engine::random_full_layer_weights(config, 6, 3);
+    if (bias) weights = with_bias_and_norm(weights);
+    const std::size_t needed = FullLayerCpu::weight_image_bytes(config);
+    CHECK(needed % kAlign == 0);
+    // Every tensor widened to fp32, each at an aligned offset: at least 4 bytes per element.
+    const std::size_t elements =
+        weights.q_proj.size() + weights.k_proj.size() + weights.v_proj.size() +
+        weights.f_a_proj.size() + weights.f_b_proj.size() + weights.b_proj.size() +
+        weights.g_a_proj.size() + weights.g_b_proj.size() + weights.o_proj.size() +
+        weights.q_conv.size() + weights.k_conv.size() + weights.v_conv.size() +
+        static_cast<std::size_t>(config.local_channels()) /* g_b bias, kept without one */ +
+        weights.o_norm.size() + weights.A_log.size() + weights.dt_bias.size();
+    CHECK(needed >= 4 * elements);
+    CHECK(needed < 4 * elements + 16 * kAlign);
+
+    // The region sits inside a larger one filled with a pattern: the layer writes its image only.
+    std::vector<unsigned char> memory(needed + 3 * kAlign, 0xA5);
+    unsigned char* region = kda::test::first_aligned(memory, kAlign) + kAlign;
+    const std::vector<std::int64_t> cu = {0, 7, 8, 20};
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 12);
+    Pools own_pools(config, 3), placed_pools(config, 3);
+    own_pools.randomize(13);
+    placed_pools.randomize(13);
+    const FullLayerCpu own(weights);
+    const FullLayerCpu placed(weights, region, needed + kAlign);  // a larger region is fine
+    CHECK(own.weight_bytes() == needed);
+    CHECK(placed.weight_bytes() == needed);
+    const std::vector<bf16_bits> expected = run(own, hidden, cu, &own_pools);
+    CHECK(run(placed, hidden, cu, &placed_pools) == expected);
+    CHECK(placed_pools.conv_q == own_pools.conv_q);
+    CHECK(placed_pools.conv_v == own_pools.conv_v);
+    CHECK(placed_pools.recurrent == own_pools.recurrent);
+    CHECK(std::all_of(memory.data(), region, [](unsigned char b) { return b == 0xA5; }));
+    CHECK(std::all_of(region + needed, memory.data() + memory.size(),
+                      [](unsigned char b) { return b == 0xA5; }));
+
+    // Refused before a byte is written, naming the numbers.
+    std::vector<unsigned char> other(needed + 2 * kAlign, 0x5A);
+    unsigned char* aligned = kda::test::first_aligned(other, kAlign);
+    auto refusal = [&](void* at, std::size_t bytes) {
+      return kda::test::weight_region_refusal<FullLayerCpu>(weights, at, bytes);
+    };
+    CHECK(refusal(aligned, needed - 1) ==
+          "KDA layer: the weight image region is too small: " + std::to_string(needed - 1) +
+              " bytes, the layer's weights need " + std::to_string(needed) +
+              " (weight_image_bytes)");
+    CHECK(refusal(aligned + 4, needed) ==
+          "KDA layer: the weight image region is not " + std::to_string(kAlign) + "-byte aligned");
+    CHECK(refusal(nullptr, needed) == "KDA layer: the weight image region is null");
+    CHECK(std::all_of(other.begin(), other.end(), [](unsigned char b) { return b == 0x5A; }));
+  }
+  // A tensor-parallel rank holds its heads only: a smaller image.
+  FullLayerConfig shard = small_config();
+  const std::size_t whole_image = FullLayerCpu::weight_image_bytes(shard);
+  shard.tp_size = 2;
+  CHECK(FullLayerCpu::weight_image_bytes(shard) < whole_image);
+  shard.tp_size = 3;  // does not divide the heads
+  CHECK(error_of([&] { FullLayerCpu::weight_image_bytes(shard); }).find("tp_size 3") !=
+        std::string::npos);
 }
 
 TEST_CASE("tensor parallel: the tp_size = 2 ranks' partial outputs sum to the whole layer") {

@@ -642,6 +642,8 @@ TEST_CASE("kda-run: whole layers by default, split into phases; --core-only runs
   REQUIRE(whole.rc == 0);
   CHECK(whole.out.find("layers: whole (hidden 512, conv width 4)") != std::string::npos);
   CHECK(whole.out.find("weights: random (seed 0)") != std::string::npos);
+  CHECK(whole.out.find(" in the arena, widened to fp32)") != std::string::npos);
+  CHECK(whole.out.find("A_log and dt_bias, and each KDA layer's weights") != std::string::npos);
   CHECK(whole.out.find("projections       conv       core       norm     o_proj  (ms)") !=
         std::string::npos);
   CHECK(std::regex_search(whole.out, std::regex("plan sum: [0-9.]+ [KMG]iB .*plan reuse: ")));

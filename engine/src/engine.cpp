@@ -107,7 +107,7 @@ struct WeightPlacement {
 
 // The cores (KdaLayer) of `whole`. Without `placement`: planning parameters (sizes only). With it:
 // each layer's weights are read from the checkpoint (or seeded random) one layer at a time, placed
-// by its WholeLayer (into the arena on CUDA) and dropped; the core keeps their A_log and dt_bias,
+// by its WholeLayer (into its arena buffer) and dropped; the core keeps their A_log and dt_bias,
 // so both calls run the same layer.
 std::vector<KdaLayer> make_whole_cores(const ModelSpec& spec,
                                        const std::vector<std::unique_ptr<WholeLayer>>& whole,

@@ -68,4 +68,19 @@ void check_hidden_and_out(const void* hidden, const void* out, std::int64_t toke
   }
 }
 
+void check_weight_region(const void* image, std::size_t bytes, std::size_t needed,
+                         std::size_t alignment, const char* what) {
+  const std::string region = std::string(what) + ": the weight image region ";
+  if (image == nullptr) throw Error(StatusCode::kInvalidArgument, region + "is null");
+  if (reinterpret_cast<std::uintptr_t>(image) % alignment != 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                region + "is not " + std::to_string(alignment) + "-byte aligned");
+  }
+  if (bytes < needed) {
+    throw Error(StatusCode::kInvalidArgument, region + "is too small: " + std::to_string(bytes) +
+                                                  " bytes, the layer's weights need " +
+                                                  std::to_string(needed) + " (weight_image_bytes)");
+  }
+}
+
 }  // namespace kda::engine::detail

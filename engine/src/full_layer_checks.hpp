@@ -3,6 +3,7 @@
 // ("KDA layer forward", "KDA layer forward (CUDA)") in front of the message.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -30,5 +31,11 @@ void check_state_pools(const FullLayerState& state, std::int64_t sequences, std:
 // With tokens: hidden and out non-null and disjoint ([T, hidden_size] bf16 each).
 void check_hidden_and_out(const void* hidden, const void* out, std::int64_t tokens,
                           std::int64_t hidden_size, const char* what);
+
+// The caller's region for a layer's weight image: not null, `alignment`-aligned, at least `needed`
+// bytes (weight_image_bytes). Throws kda::Error (kInvalidArgument) naming the numbers, with `what`
+// ("KDA layer", "KDA layer (CUDA)") in front.
+void check_weight_region(const void* image, std::size_t bytes, std::size_t needed,
+                         std::size_t alignment, const char* what);
 
 }  // namespace kda::engine::detail

@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 
+#include "aligned_regions.hpp"
 #include "full_layer_checks.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/nvtx.hpp"
@@ -28,18 +29,12 @@ using MatrixMap = Eigen::Map<RowMajor>;
   throw Error(StatusCode::kInvalidArgument, "KDA layer forward: " + message);
 }
 
-std::vector<float> widen(const std::vector<bf16_bits>& bits) {
-  std::vector<float> values(bits.size());
-  for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
-  return values;
-}
-
 // out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation.
-void project(const float* in, std::int64_t tokens, std::int64_t n_in,
-             const std::vector<float>& weight, std::int64_t n_out, float* out) {
+void project(const float* in, std::int64_t tokens, std::int64_t n_in, const float* weight,
+             std::int64_t n_out, float* out) {
   MatrixMap result(out, tokens, n_out);
   result.noalias() =
-      ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight.data(), n_out, n_in).transpose();
+      ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight, n_out, n_in).transpose();
   for (std::int64_t i = 0; i < tokens * n_out; ++i) out[i] = round_bf16(out[i]);
 }
 
@@ -60,53 +55,36 @@ struct Layout {
 constexpr std::size_t kAlignment = 64;
 
 using kda::detail::align_up;
-using kda::detail::checked_mul;
 
 using detail::full_layer_core_problem;
 
 Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t sequences,
                    std::int64_t num_slots) {
-  auto overflow = [] {
-    throw Error(StatusCode::kOverflow, "KDA layer workspace size overflows 64 bits");
-  };
   if (tokens < 0 || sequences < 0 || num_slots < 0) {
     invalid("tokens, sequences and num_slots must be >= 0");
   }
-  Layout layout;
-  std::uint64_t offset = 0;
-  auto take = [&](std::uint64_t elements, std::uint64_t element_bytes) {
-    std::uint64_t bytes = 0;
-    if (!checked_mul(elements, element_bytes, &bytes) || bytes > (std::uint64_t{1} << 62))
-      overflow();
-    const std::uint64_t at = offset;
-    offset = align_up<std::uint64_t>(offset + bytes, kAlignment);
-    if (offset > (std::uint64_t{1} << 62)) overflow();
-    return static_cast<std::size_t>(at);
-  };
-  auto per_token = [&](std::int64_t width) {
-    std::uint64_t n = 0;
-    if (!checked_mul(static_cast<std::uint64_t>(tokens), static_cast<std::uint64_t>(width), &n)) {
-      overflow();
-    }
-    return n;
+  detail::AlignedRegions regions("KDA layer workspace size", kAlignment);
+  auto per_token = [&](std::int64_t width, std::uint64_t element_bytes) {
+    return regions.take(regions.bytes_of(tokens, width, element_bytes));
   };
   const std::int64_t Cl = c.local_channels();
-  layout.hidden = take(per_token(c.hidden_size), sizeof(float));
-  layout.pre = take(per_token(Cl), sizeof(float));
-  layout.lowrank = take(per_token(c.head_dim), sizeof(float));
-  layout.q = take(per_token(Cl), sizeof(bf16_bits));
-  layout.k = take(per_token(Cl), sizeof(bf16_bits));
-  layout.v = take(per_token(Cl), sizeof(bf16_bits));
-  layout.g = take(per_token(Cl), sizeof(bf16_bits));
-  layout.o = take(per_token(Cl), sizeof(bf16_bits));
-  layout.beta = take(per_token(c.local_heads()), sizeof(bf16_bits));
+  Layout layout;
+  layout.hidden = per_token(c.hidden_size, sizeof(float));
+  layout.pre = per_token(Cl, sizeof(float));
+  layout.lowrank = per_token(c.head_dim, sizeof(float));
+  layout.q = per_token(Cl, sizeof(bf16_bits));
+  layout.k = per_token(Cl, sizeof(bf16_bits));
+  layout.v = per_token(Cl, sizeof(bf16_bits));
+  layout.g = per_token(Cl, sizeof(bf16_bits));
+  layout.o = per_token(Cl, sizeof(bf16_bits));
+  layout.beta = per_token(c.local_heads(), sizeof(bf16_bits));
   // Sized with a slot list (the larger of the two: it adds the core's duplicate-slot bitmap).
   const Problem p = full_layer_core_problem(c, tokens, sequences, num_slots, true, DType::kF32);
   if (Status st = workspace_size(p, Backend::kCpu, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer workspace");
   }
-  layout.core = take(layout.core_bytes, 1);
-  layout.total = static_cast<std::size_t>(offset + kAlignment);
+  layout.core = regions.take(layout.core_bytes);
+  layout.total = regions.end() + kAlignment;  // slack for an unaligned workspace pointer
   return layout;
 }
 
@@ -138,6 +116,50 @@ void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std
   }
 }
 
+// Byte offsets of the fp32 weight image's tensors from its kWeightImageAlignment-aligned base:
+// the one layout that weight_image_bytes() sizes and place() fills.
+struct WeightLayout {
+  std::size_t q_proj = 0, k_proj = 0, v_proj = 0;  // [Cl, E]
+  std::size_t f_a_proj = 0, f_b_proj = 0;          // [D, E], [Cl, D]
+  std::size_t b_proj = 0;                          // [Hl, E]
+  std::size_t g_a_proj = 0, g_b_proj = 0;          // [D, E], [Cl, D]
+  std::size_t o_proj = 0;                          // [E, Cl]
+  std::size_t q_conv = 0, k_conv = 0, v_conv = 0;  // [Cl, W]
+  std::size_t g_b_bias = 0;                        // [Cl]; its place is kept without a bias
+  std::size_t o_norm = 0;                          // [D]
+  std::size_t A_log = 0, dt_bias = 0;              // [Hl], [Cl]
+  std::size_t total = 0;
+};
+
+WeightLayout make_weight_layout(const FullLayerConfig& c) {
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Hl = c.local_heads(), Cl = c.local_channels();
+  detail::AlignedRegions regions("KDA layer weight image size",
+                                 FullLayerCpu::kWeightImageAlignment);
+  auto matrix = [&](std::int64_t rows, std::int64_t columns) {
+    return regions.take(regions.bytes_of(rows, columns, sizeof(float)));
+  };
+  WeightLayout layout;
+  layout.q_proj = matrix(Cl, E);
+  layout.k_proj = matrix(Cl, E);
+  layout.v_proj = matrix(Cl, E);
+  layout.f_a_proj = matrix(D, E);
+  layout.f_b_proj = matrix(Cl, D);
+  layout.b_proj = matrix(Hl, E);
+  layout.g_a_proj = matrix(D, E);
+  layout.g_b_proj = matrix(Cl, D);
+  layout.o_proj = matrix(E, Cl);
+  layout.q_conv = matrix(Cl, W);
+  layout.k_conv = matrix(Cl, W);
+  layout.v_conv = matrix(Cl, W);
+  layout.g_b_bias = matrix(Cl, 1);
+  layout.o_norm = matrix(D, 1);
+  layout.A_log = matrix(Hl, 1);
+  layout.dt_bias = matrix(Cl, 1);
+  layout.total = regions.end();
+  return layout;
+}
+
 class PhaseTimer {
  public:
   explicit PhaseTimer(FullLayerTimes* times) : times_(times) { start_ = Clock::now(); }
@@ -157,25 +179,63 @@ class PhaseTimer {
 
 }  // namespace
 
+// Both constructors check the weights first, then hand the image's memory (the caller's, or the
+// layer's own) to the one place().
+FullLayerCpu::FullLayerCpu(const FullLayerWeights& w, void* weight_image, std::size_t bytes)
+    : config_(w.config) {
+  place(w, weight_image, bytes);
+}
+
 FullLayerCpu::FullLayerCpu(const FullLayerWeights& w) : config_(w.config) {
+  check_sizes(w);  // before sizing the allocation from the config
+  const std::size_t bytes = weight_image_bytes(config_);
+  // Over-allocated by one alignment: operator new[] guarantees less than the image wants.
+  owned_image_.reset(new unsigned char[bytes + kWeightImageAlignment]);
+  const auto address = reinterpret_cast<std::uintptr_t>(owned_image_.get());
+  place(w, reinterpret_cast<void*>(align_up<std::uintptr_t>(address, kWeightImageAlignment)),
+        bytes);
+}
+
+void FullLayerCpu::place(const FullLayerWeights& w, void* weight_image, std::size_t bytes) {
   check_sizes(w);
-  q_proj_ = widen(w.q_proj);
-  k_proj_ = widen(w.k_proj);
-  v_proj_ = widen(w.v_proj);
-  f_a_proj_ = widen(w.f_a_proj);
-  f_b_proj_ = widen(w.f_b_proj);
-  b_proj_ = widen(w.b_proj);
-  g_a_proj_ = widen(w.g_a_proj);
-  g_b_proj_ = widen(w.g_b_proj);
-  o_proj_ = widen(w.o_proj);
-  q_conv_ = w.q_conv;
-  k_conv_ = w.k_conv;
-  v_conv_ = w.v_conv;
-  g_b_bias_ = widen(w.g_b_bias);
-  o_norm_ = widen(w.o_norm);
-  A_log_ = w.A_log;
-  dt_bias_ = w.dt_bias;
-  detail::check_gate_weights(A_log_, dt_bias_);
+  detail::check_gate_weights(w.A_log, w.dt_bias);
+  const WeightLayout layout = make_weight_layout(config_);
+  weight_image_bytes_ = layout.total;
+  detail::check_weight_region(weight_image, bytes, layout.total, kWeightImageAlignment,
+                              "KDA layer");
+
+  auto* image = static_cast<unsigned char*>(weight_image);
+  std::memset(image, 0, layout.total);  // alignment padding, and the bias's place without one
+  auto widen = [&](std::size_t at, const std::vector<bf16_bits>& bits) {
+    auto* values = reinterpret_cast<float*>(image + at);
+    for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
+    return static_cast<const float*>(values);
+  };
+  auto copy = [&](std::size_t at, const std::vector<float>& values) {
+    if (!values.empty()) std::memcpy(image + at, values.data(), values.size() * sizeof(float));
+    return reinterpret_cast<const float*>(image + at);
+  };
+  q_proj_ = widen(layout.q_proj, w.q_proj);
+  k_proj_ = widen(layout.k_proj, w.k_proj);
+  v_proj_ = widen(layout.v_proj, w.v_proj);
+  f_a_proj_ = widen(layout.f_a_proj, w.f_a_proj);
+  f_b_proj_ = widen(layout.f_b_proj, w.f_b_proj);
+  b_proj_ = widen(layout.b_proj, w.b_proj);
+  g_a_proj_ = widen(layout.g_a_proj, w.g_a_proj);
+  g_b_proj_ = widen(layout.g_b_proj, w.g_b_proj);
+  o_proj_ = widen(layout.o_proj, w.o_proj);
+  q_conv_ = copy(layout.q_conv, w.q_conv);
+  k_conv_ = copy(layout.k_conv, w.k_conv);
+  v_conv_ = copy(layout.v_conv, w.v_conv);
+  g_b_bias_ = w.g_b_bias.empty() ? nullptr : widen(layout.g_b_bias, w.g_b_bias);
+  o_norm_ = widen(layout.o_norm, w.o_norm);
+  A_log_ = copy(layout.A_log, w.A_log);
+  dt_bias_ = copy(layout.dt_bias, w.dt_bias);
+}
+
+std::size_t FullLayerCpu::weight_image_bytes(const FullLayerConfig& config) {
+  validate(config);
+  return make_weight_layout(config).total;
 }
 
 std::size_t FullLayerCpu::workspace_bytes(const FullLayerConfig& config, std::int64_t tokens,
@@ -251,8 +311,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   for (std::int64_t i = 0; i < T * E; ++i) xf[i] = bf16_to_float(hidden[i]);
   const std::int64_t conv_row = Cl * (W - 1);  // one sequence's conv state, in elements
   struct ConvBranch {
-    const std::vector<float>& proj;
-    const std::vector<float>& conv;
+    const float* proj;
+    const float* conv;
     bf16_bits* pool;
     bf16_bits* out;
   };
@@ -268,8 +328,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
       KDA_NVTX_RANGE("conv");
       for (std::int64_t n = 0; n < N; ++n) {
         const std::int64_t begin = batch.cu_seqlens[n], length = batch.cu_seqlens[n + 1] - begin;
-        conv_silu(pre + begin * Cl, length, Cl, W, branch.conv.data(),
-                  branch.pool + slot_of(n) * conv_row, branch.out + begin * Cl);
+        conv_silu(pre + begin * Cl, length, Cl, W, branch.conv, branch.pool + slot_of(n) * conv_row,
+                  branch.out + begin * Cl);
       }
     }
     timer.lap(&FullLayerTimes::conv);
@@ -287,10 +347,9 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
     project(xf, T, E, g_a_proj_, D, lowrank);
     {
       MatrixMap gate(pre, T, Cl);
-      gate.noalias() =
-          ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_.data(), Cl, D).transpose();
-      if (!g_b_bias_.empty()) {
-        gate.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_.data(), Cl);
+      gate.noalias() = ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_, Cl, D).transpose();
+      if (g_b_bias_ != nullptr) {
+        gate.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_, Cl);
       }
       for (std::int64_t i = 0; i < T * Cl; ++i) pre[i] = round_bf16(pre[i]);
     }
@@ -304,8 +363,8 @@ void FullLayerCpu::forward(const FullLayerBatch& batch, const bf16_bits* hidden,
   t.v = v;
   t.g = g;
   t.beta = beta;
-  t.A_log = A_log_.data();
-  t.dt_bias = dt_bias_.data();
+  t.A_log = A_log_;
+  t.dt_bias = dt_bias_;
   t.cu_seqlens = batch.cu_seqlens;
   t.initial_state = state.recurrent;
   t.final_state = state.recurrent;  // updated in place

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "aligned_regions.hpp"
 #include "full_layer_checks.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/nvtx.hpp"
@@ -34,43 +35,8 @@ namespace {
 // cuBLAS wants its workspace and its matrices 256-byte aligned; so do the weight image's tensors.
 constexpr std::size_t kAlignment = FullLayerCuda::kWeightImageAlignment;
 
+using detail::AlignedRegions;
 using kda::detail::align_up;
-using kda::detail::checked_mul;
-
-// Regions laid one after another from offset 0, each at a kAlignment-aligned offset: the layouts of
-// the workspace and of the weight image. Sizes and offsets are checked (kOverflow, `what`).
-class AlignedRegions {
- public:
-  explicit AlignedRegions(const char* what) : what_(what) {}
-
-  // Bytes of `rows` x `width` elements of `element` bytes each.
-  std::uint64_t bytes_of(std::int64_t rows, std::int64_t width, std::uint64_t element) const {
-    std::uint64_t n = 0, bytes = 0;
-    if (!checked_mul(static_cast<std::uint64_t>(rows), static_cast<std::uint64_t>(width), &n) ||
-        !checked_mul(n, element, &bytes)) {
-      overflow();
-    }
-    return bytes;
-  }
-  // The offset of a new region of `bytes`.
-  std::size_t take(std::uint64_t bytes) {
-    if (bytes > kLimit) overflow();
-    const std::uint64_t at = offset_;
-    offset_ = align_up<std::uint64_t>(offset_ + bytes, kAlignment);
-    if (offset_ > kLimit) overflow();
-    return static_cast<std::size_t>(at);
-  }
-  // Where the next region would start: the bytes of every region so far.
-  std::size_t end() const noexcept { return static_cast<std::size_t>(offset_); }
-
- private:
-  static constexpr std::uint64_t kLimit = std::uint64_t{1} << 62;
-  [[noreturn]] void overflow() const {
-    throw Error(StatusCode::kOverflow, std::string(what_) + " overflows 64 bits");
-  }
-  const char* what_;
-  std::uint64_t offset_ = 0;
-};
 
 // Columns of the fused input projection x·W_inᵀ [T, proj_stride]: q | k | v | f_a | g_a | b | pad.
 struct ProjColumns {
@@ -111,7 +77,7 @@ Layout make_layout(const FullLayerConfig& c, std::int64_t tokens, std::int64_t s
   if (tokens < 0 || sequences < 0 || num_slots < 0) {
     invalid("tokens, sequences and num_slots must be >= 0");
   }
-  AlignedRegions regions("KDA layer (CUDA) workspace size");
+  AlignedRegions regions("KDA layer (CUDA) workspace size", kAlignment);
   const std::int64_t Cl = c.local_channels();
   Layout layout;
   layout.cublas = regions.take(FullLayerCuda::kCublasWorkspaceBytes);
@@ -152,7 +118,7 @@ struct WeightLayout {
 WeightLayout make_weight_layout(const FullLayerConfig& c) {
   const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
   const std::int64_t Cl = c.local_channels();
-  AlignedRegions regions("KDA layer (CUDA) weight image size");
+  AlignedRegions regions("KDA layer (CUDA) weight image size", kAlignment);
   WeightLayout layout;
   layout.w_in = regions.take(regions.bytes_of(proj_columns(c).stride, E, 2));
   layout.w_fb = regions.take(regions.bytes_of(Cl, D, 2));
@@ -165,21 +131,6 @@ WeightLayout make_weight_layout(const FullLayerConfig& c) {
   layout.w_o = regions.take(regions.bytes_of(E, Cl, 2));
   layout.total = regions.end();
   return layout;
-}
-
-// The caller's region for the weight image, checked before the device is touched.
-void check_weight_region(const void* image, std::size_t bytes, std::size_t needed) {
-  const std::string what = "KDA layer (CUDA): the weight image region ";
-  if (image == nullptr) throw Error(StatusCode::kInvalidArgument, what + "is null");
-  if (reinterpret_cast<std::uintptr_t>(image) % kAlignment != 0) {
-    throw Error(StatusCode::kInvalidArgument,
-                what + "is not " + std::to_string(kAlignment) + "-byte aligned");
-  }
-  if (bytes < needed) {
-    throw Error(StatusCode::kInvalidArgument, what + "is too small: " + std::to_string(bytes) +
-                                                  " bytes, the layer's weights need " +
-                                                  std::to_string(needed) + " (weight_image_bytes)");
-  }
 }
 
 // The checks FullLayerCpu's constructor makes on the weights, plus the CUDA path's limits.
@@ -619,7 +570,8 @@ FullLayerCuda::FullLayerCuda(const FullLayerWeights& weights, void* weight_image
     : config_(weights.config), impl_(std::make_unique<Impl>()) {
   check_weights(weights);
   weight_image_bytes_ = weight_image_bytes(config_);
-  check_weight_region(weight_image, bytes, weight_image_bytes_);
+  detail::check_weight_region(weight_image, bytes, weight_image_bytes_, kAlignment,
+                              "KDA layer (CUDA)");
   impl_->initialize(weights, static_cast<unsigned char*>(weight_image));
 }
 

@@ -106,42 +106,35 @@ void WholeLayer::declare_buffers(planner::MemoryPlanner& planner) {
     request.name = conv_names_[i];
     conv_buffers_[i] = planner.add(request);
   }
-  weights_buffer_ = planner::BufferHandle{};
+  request.name = weights_name_;
+  request.kind = planner::BufferKind::kParameter;
+  // The layer checks the region's alignment (FullLayerCuda / FullLayerCpu::kWeightImageAlignment).
   if (backend_ == Backend::kCuda) {
-    request.name = weights_name_;
-    request.kind = planner::BufferKind::kParameter;
     request.bytes = FullLayerCuda::weight_image_bytes(config_);
-    request.alignment = FullLayerCuda::kWeightImageAlignment;  // FullLayerCuda checks it
-    weights_buffer_ = planner.add(request);
+    request.alignment = FullLayerCuda::kWeightImageAlignment;
+  } else {
+    request.bytes = FullLayerCpu::weight_image_bytes(config_);
+    request.alignment = FullLayerCpu::kWeightImageAlignment;
   }
+  weights_buffer_ = planner.add(request);
 }
 
 void WholeLayer::set_weights(const FullLayerWeights& weights, std::uint8_t* arena,
                              const planner::MemoryPlan& plan) {
   try {
+    const planner::PlanEntry* entry = plan.entry(weights_buffer_);
+    if (entry == nullptr) {
+      throw Error(StatusCode::kInternal, weights_name_ + " is missing from the memory plan");
+    }
+    void* region = arena + entry->offset;
+    const auto bytes = static_cast<std::size_t>(entry->bytes);
     if (backend_ == Backend::kCuda) {
-      const planner::PlanEntry* entry = plan.entry(weights_buffer_);
-      if (entry == nullptr) {
-        throw Error(StatusCode::kInternal, weights_name_ + " is missing from the memory plan");
-      }
-      cuda_ = std::make_unique<FullLayerCuda>(weights, arena + entry->offset,
-                                              static_cast<std::size_t>(entry->bytes));
-      weight_bytes_ = entry->bytes;
+      cuda_ = std::make_unique<FullLayerCuda>(weights, region, bytes);
       timer_ = std::make_unique<CudaTimer>();
     } else {
-      cpu_ = std::make_unique<FullLayerCpu>(weights);
-      weight_bytes_ = 0;
-      for (const auto* m :
-           {&weights.q_proj, &weights.k_proj, &weights.v_proj, &weights.f_a_proj, &weights.f_b_proj,
-            &weights.b_proj, &weights.g_a_proj, &weights.g_b_proj, &weights.g_b_bias,
-            &weights.o_norm, &weights.o_proj}) {
-        weight_bytes_ += m->size() * sizeof(float);  // FullLayerCpu keeps them widened to fp32
-      }
-      for (const auto* v :
-           {&weights.q_conv, &weights.k_conv, &weights.v_conv, &weights.A_log, &weights.dt_bias}) {
-        weight_bytes_ += v->size() * sizeof(float);
-      }
+      cpu_ = std::make_unique<FullLayerCpu>(weights, region, bytes);
     }
+    weight_bytes_ = entry->bytes;
   } catch (const Error& e) {
     throw Error(e.code(), label_ + ": " + e.what() + " (weights from " + weights.origin + ")");
   }

@@ -6,9 +6,9 @@
 // Buffers it declares to the planner (i the 1-based model layer, as KdaLayer's):
 //   layer{i}.conv_q, layer{i}.conv_k, layer{i}.conv_v   state, persistent: bf16
 //       [max_sequences, local_heads * head_dim, W - 1], one row per slot
-//   layer{i}.weights   parameter, persistent, CUDA only: FullLayerCuda's weight image
-//       (FullLayerCuda::weight_image_bytes). The CPU layer keeps its fp32 weights in host vectors
-//       of its own (FullLayerCpu), outside the arena, and declares nothing for them.
+//   layer{i}.weights   parameter, persistent: the layer's weight image, FullLayerCuda's
+//       (FullLayerCuda::weight_image_bytes, bf16 GEMM operands) on CUDA, FullLayerCpu's
+//       (FullLayerCpu::weight_image_bytes, every tensor widened to fp32) on the CPU.
 // and the size its forward needs from the KdaLayer's workspace (whole_workspace_bytes): every
 // intermediate of the layer (projections, conv outputs, gates, core output) and the core's own
 // workspace, live while the layer runs only, so the `reuse` plan lays every layer's over the same
@@ -49,14 +49,13 @@ class WholeLayer {
   const FullLayerConfig& config() const noexcept { return config_; }
   void declare_buffers(planner::MemoryPlanner& planner);
 
-  // Builds the layer's implementation from `weights`, which the caller may drop afterwards: on
-  // CUDA it copies them into its `layer{i}.weights` buffer of `arena`, laid out by `plan` (the
-  // plan of the planner declare_buffers() last added to); on the CPU into FullLayerCpu's fp32
-  // host copies. Throws kda::Error.
+  // Builds the layer's implementation from `weights`, which the caller may drop afterwards: it
+  // writes their image (FullLayerCuda's or FullLayerCpu's) into its `layer{i}.weights` buffer of
+  // `arena`, laid out by `plan` (the plan of the planner declare_buffers() last added to).
+  // Throws kda::Error.
   void set_weights(const FullLayerWeights& weights, std::uint8_t* arena,
                    const planner::MemoryPlan& plan);
-  // Bytes of the weights: on CUDA their planned arena buffer, on the CPU the host copies outside
-  // it.
+  // Bytes of the weights: their planned arena buffer.
   std::uint64_t weight_bytes() const noexcept { return weight_bytes_; }
 
   // Points the layer at its conv pools in `arena` (laid out by `plan`), and at `core`'s recurrent
@@ -95,7 +94,7 @@ class WholeLayer {
   std::string conv_names_[3];
   std::string weights_name_;
   planner::BufferHandle conv_buffers_[3];
-  planner::BufferHandle weights_buffer_;  // CUDA only
+  planner::BufferHandle weights_buffer_;
   std::unique_ptr<FullLayerCpu> cpu_;
   std::unique_ptr<FullLayerCuda> cuda_;
   std::unique_ptr<CudaTimer> timer_;

@@ -1,6 +1,6 @@
 // full_layer_test_util.hpp — what the whole-layer tests (CPU and CUDA) share: seeded random bf16
 // values, the relative L2 error of bf16 / float / double vectors, weights whose g_b bias and o_norm
-// matter, and the message of a call that throws.
+// matter, the message of a call that throws, and the refusal of a weight image region.
 #pragma once
 
 #include <doctest/doctest.h>
@@ -64,6 +64,27 @@ inline std::string error_of(const std::function<void()>& call) {
     return e.what();
   }
   return "(no error)";
+}
+
+// The first `alignment`-aligned byte of `memory` (alignment - 1 bytes longer than what goes there).
+inline unsigned char* first_aligned(std::vector<unsigned char>& memory, std::size_t alignment) {
+  const auto address = reinterpret_cast<std::uintptr_t>(memory.data());
+  return memory.data() + ((address + alignment - 1) / alignment * alignment - address);
+}
+
+// The message of the kInvalidArgument error a Layer (FullLayerCpu, FullLayerCuda) throws when its
+// weight image is to go into `region` of `bytes`.
+template <typename Layer>
+std::string weight_region_refusal(const engine::FullLayerWeights& weights, void* region,
+                                  std::size_t bytes) {
+  try {
+    Layer layer(weights, region, bytes);
+    FAIL("the layer accepted the weight image region");
+  } catch (const Error& e) {
+    CHECK(e.code() == StatusCode::kInvalidArgument);
+    return e.what();
+  }
+  return {};
 }
 
 }  // namespace kda::test

@@ -2,8 +2,8 @@
 // FullLayerCpu called directly on the same weights, state round trips through the slots (prefill
 // then decode = one longer prefill), fragmented slots and padding rows, conv states zeroed on
 // acquire / reset, tensor-parallel engines summing to the whole layer, weights from a checkpoint by
-// their Hugging Face names, the memory plan (reuse much smaller than sum; on CUDA each layer's
-// weights a persistent buffer of it, planned without a device) and the errors.
+// their Hugging Face names, the memory plan (reuse much smaller than sum; on the CPU and on CUDA
+// each layer's weights a persistent buffer of it, planned without a device) and the errors.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "full_layer_test_util.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
@@ -404,7 +405,7 @@ TEST_CASE("whole layers: the plan holds conv states, and reuse is much smaller t
     }
     CHECK(states == 80);  // 20 layers: recurrent, conv q, k, v
     CHECK(workspaces == 20);
-    // The weights (CUDA: in the arena) are persistent: reuse cannot share them, only the rest.
+    // The weights are persistent: reuse cannot share them, only the rest.
     const std::uint64_t weights = planned_weight_bytes(sum);
     CHECK(weights == planned_weight_bytes(reuse));
     MESSAGE("kimi-linear-48b whole layers on " << std::string(kda::to_string(backend)) << ": sum "
@@ -415,31 +416,38 @@ TEST_CASE("whole layers: the plan holds conv states, and reuse is much smaller t
   }
 }
 
-TEST_CASE("whole layers on CUDA: each layer's weights are a persistent buffer of the plan") {
+TEST_CASE("whole layers: each layer's weights are a persistent buffer of the plan, CPU and CUDA") {
   // Planned without a device, as kda-run --plan-only does. head_dim 128: the CUDA layer's.
-  for (const char* runtime : {"  workspace_plan: sum\n", "  workspace_plan: reuse\n",
-                              "  workspace_plan: reuse\n  tp_size: 2\n  tp_rank: 1\n"}) {
-    CAPTURE(runtime);
-    const ModelSpec spec = spec_from(kCudaSpec + std::string(runtime));
-    const kda::planner::MemoryPlan plan = Engine::plan_for(spec, kda::Backend::kCuda);
-    const std::uint64_t image = FullLayerCuda::weight_image_bytes(config_of(spec));
-    for (const char* name : {"layer1.weights", "layer3.weights"}) {
-      CAPTURE(name);
-      const kda::planner::PlanEntry* weights = plan.find(name);
-      REQUIRE(weights != nullptr);
-      CHECK(weights->kind == kda::planner::BufferKind::kParameter);
-      CHECK(weights->persistent);
-      CHECK(weights->bytes == image);
-      CHECK(weights->offset % FullLayerCuda::kWeightImageAlignment == 0);
-      CHECK(weights->offset + weights->bytes <= plan.arena_bytes);
-      for (const auto& other : plan.entries) {  // in reuse mode too: never shared
-        if (other.name == weights->name) continue;
-        CAPTURE(other.name);
-        CHECK((other.offset + other.bytes <= weights->offset ||
-               weights->offset + weights->bytes <= other.offset));
+  for (const kda::Backend backend : {kda::Backend::kCpu, kda::Backend::kCuda}) {
+    const bool cuda = backend == kda::Backend::kCuda;
+    for (const char* runtime : {"  workspace_plan: sum\n", "  workspace_plan: reuse\n",
+                                "  workspace_plan: reuse\n  tp_size: 2\n  tp_rank: 1\n"}) {
+      CAPTURE(kda::to_string(backend));
+      CAPTURE(runtime);
+      const ModelSpec spec = spec_from(kCudaSpec + std::string(runtime));
+      const kda::planner::MemoryPlan plan = Engine::plan_for(spec, backend);
+      const std::uint64_t image = cuda ? FullLayerCuda::weight_image_bytes(config_of(spec))
+                                       : FullLayerCpu::weight_image_bytes(config_of(spec));
+      const std::uint64_t alignment =
+          cuda ? FullLayerCuda::kWeightImageAlignment : FullLayerCpu::kWeightImageAlignment;
+      for (const char* name : {"layer1.weights", "layer3.weights"}) {
+        CAPTURE(name);
+        const kda::planner::PlanEntry* weights = plan.find(name);
+        REQUIRE(weights != nullptr);
+        CHECK(weights->kind == kda::planner::BufferKind::kParameter);
+        CHECK(weights->persistent);
+        CHECK(weights->bytes == image);
+        CHECK(weights->offset % alignment == 0);
+        CHECK(weights->offset + weights->bytes <= plan.arena_bytes);
+        for (const auto& other : plan.entries) {  // in reuse mode too: never shared
+          if (other.name == weights->name) continue;
+          CAPTURE(other.name);
+          CHECK((other.offset + other.bytes <= weights->offset ||
+                 weights->offset + weights->bytes <= other.offset));
+        }
       }
+      CHECK(planned_weight_bytes(plan) == 2 * image);
     }
-    CHECK(planned_weight_bytes(plan) == 2 * image);
   }
   // A tensor-parallel rank holds its heads only: a smaller image.
   FullLayerConfig shard = config_of(spec_from(kCudaSpec));
@@ -447,12 +455,14 @@ TEST_CASE("whole layers on CUDA: each layer's weights are a persistent buffer of
   shard.tp_size = 2;
   CHECK(FullLayerCuda::weight_image_bytes(shard) < whole_image);
 
-  // The CPU layers keep their fp32 weights in host memory of their own, outside the arena.
+  // A CPU engine holds its layers' fp32 weights in those buffers of its arena.
   const ModelSpec cpu_spec = spec_from(kSpec);
-  CHECK(planned_weight_bytes(Engine::plan_for(cpu_spec, kda::Backend::kCpu)) == 0);
   const Engine cpu(cpu_spec, options());
-  CHECK(cpu.plan().find("layer1.weights") == nullptr);
-  CHECK(cpu.weight_bytes() > 0);
+  const kda::planner::PlanEntry* weights = cpu.plan().find("layer1.weights");
+  REQUIRE(weights != nullptr);
+  CHECK(weights->bytes == FullLayerCpu::weight_image_bytes(config_of(cpu_spec)));
+  CHECK(cpu.weight_bytes() == planned_weight_bytes(cpu.plan()));
+  CHECK(cpu.weight_bytes() == 2 * weights->bytes);
 }
 
 TEST_CASE("FullLayerCuda refuses a weight image region that is null, misaligned or too small") {
@@ -464,17 +474,9 @@ TEST_CASE("FullLayerCuda refuses a weight image region that is null, misaligned 
   CHECK(needed % FullLayerCuda::kWeightImageAlignment == 0);
   const std::size_t alignment = FullLayerCuda::kWeightImageAlignment;
   std::vector<unsigned char> memory(needed + alignment);
-  auto* aligned = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<std::uintptr_t>(memory.data()) + alignment - 1) / alignment * alignment);
+  unsigned char* aligned = kda::test::first_aligned(memory, alignment);
   auto refusal = [&](void* region, std::size_t bytes) {
-    try {
-      FullLayerCuda layer(weights, region, bytes);
-      FAIL("FullLayerCuda accepted the region");
-    } catch (const kda::Error& e) {
-      CHECK(e.code() == kda::StatusCode::kInvalidArgument);
-      return std::string(e.what());
-    }
-    return std::string();
+    return kda::test::weight_region_refusal<FullLayerCuda>(weights, region, bytes);
   };
   CHECK(refusal(aligned, needed - 1) ==
         "KDA layer (CUDA): the weight image region is too small: " + std::to_string(needed - 1) +

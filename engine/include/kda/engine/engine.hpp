@@ -2,9 +2,9 @@
 //
 // An Engine plans its memory once (the spec's runtime.workspace_plan), allocates ONE arena
 // (256-byte aligned host memory on the CPU backend, one kda::device_malloc on CUDA) and never
-// allocates again: prefill and decode only enqueue work on buffers that already exist. On CUDA
-// everything the engine keeps on the device is in the arena, the whole layers' weights included
-// (weight_bytes()).
+// allocates again: prefill and decode only enqueue work on buffers that already exist. Everything
+// the engine keeps for its layers is in the arena, the whole layers' weights included
+// (weight_bytes()): on CUDA all of its device memory, on the CPU the fp32 weights too.
 //
 // State slots. Each KDA layer keeps a pool of runtime.max_sequences recurrent states [H, V, K] in
 // the arena. A runtime gives each live sequence a slot:
@@ -146,10 +146,9 @@ class Engine {
   const KdaLayer& layer(int kda_layer) const;  // by position among the KDA layers (its core)
   LayerMode layer_mode() const noexcept;
   // Whole layers: where their weights came from ("random (seed S)" or the checkpoint), and the
-  // bytes they take. On CUDA those are in the arena: each layer's persistent `layer{n}.weights`
-  // buffer of the plan (FullLayerCuda's weight image). On the CPU they are FullLayerCpu's fp32
-  // copies in host memory, outside the arena (the plan has no buffer for them). Empty / 0 for
-  // core layers.
+  // bytes they take in the arena: each layer's persistent `layer{n}.weights` buffer of the plan,
+  // FullLayerCuda's weight image on CUDA, FullLayerCpu's fp32 image on the CPU. Empty / 0 for core
+  // layers.
   const std::string& weights_origin() const noexcept;
   std::uint64_t weight_bytes() const noexcept;
   void* stream() const noexcept;

@@ -22,15 +22,18 @@
 // PARTIAL SUM of the layer output (rounded to bf16): the caller all-reduces (sums) `out` over the
 // ranks to get the layer's output.
 //
-// Memory: the caller hands in a workspace of at least workspace_bytes(tokens, sequences,
-// num_slots) bytes
-// (any alignment); a forward allocates nothing and prints nothing. Errors throw kda::Error, and
-// every check runs before the first byte of out or of a state is written.
+// Memory. The weights, widened to fp32, live in one host image of weight_image_bytes(config) bytes
+// (every tensor at a kWeightImageAlignment-aligned offset), written once, at construction: into
+// host memory the caller hands in (an engine's arena, laid out by its memory plan) or, with the
+// one-argument constructor, into memory the layer allocates itself. The caller also hands in a
+// workspace of at least workspace_bytes(tokens, sequences, num_slots) bytes (any alignment); a
+// forward allocates nothing and prints nothing. Errors throw kda::Error, and every check runs
+// before the first byte of out or of a state is written.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "kda/engine/kda_full_layer_weights.hpp"
 #include "kda/kda.hpp"
@@ -67,9 +70,16 @@ struct FullLayerTimes {
 
 class FullLayerCpu {
  public:
-  // Checks the weights' sizes against their config and keeps fp32 copies of them (exact: the
-  // matrices are bf16). Throws kda::Error.
+  // Checks the weights' sizes against their config and copies them, widened to fp32 (exact: the
+  // matrices are bf16), into `weight_image`: host memory, kWeightImageAlignment-aligned, at least
+  // weight_image_bytes(weights.config) of `bytes`, that the caller keeps, untouched, for the
+  // layer's life. The region is checked before it is written. Throws kda::Error
+  // (kInvalidArgument: bad weights, or a null, misaligned or too small region).
+  FullLayerCpu(const FullLayerWeights& weights, void* weight_image, std::size_t bytes);
+  // The same into host memory the layer allocates (and frees) itself.
   explicit FullLayerCpu(const FullLayerWeights& weights);
+  FullLayerCpu(const FullLayerCpu&) = delete;
+  FullLayerCpu& operator=(const FullLayerCpu&) = delete;
 
   const FullLayerConfig& config() const noexcept { return config_; }
 
@@ -83,20 +93,37 @@ class FullLayerCpu {
     return workspace_bytes(config_, tokens, sequences, num_slots);
   }
 
+  // Host bytes of the fp32 weight image of a layer of `config`, whatever its weights' values (a
+  // g_b bias always has its place). Throws kda::Error (kInvalidArgument) for a bad config,
+  // (kOverflow) when the size does not fit 64 bits.
+  static std::size_t weight_image_bytes(const FullLayerConfig& config);
+  // The image's (and each of its tensors') alignment: a cache line.
+  static constexpr std::size_t kWeightImageAlignment = 64;
+
+  // Host bytes of this layer's weights (= weight_image_bytes(config())).
+  std::size_t weight_bytes() const noexcept { return weight_image_bytes_; }
+
   // hidden: host bf16 [T, E]; out: host bf16 [T, E], not overlapping hidden. Throws kda::Error.
   void forward(const FullLayerBatch& batch, const bf16_bits* hidden, bf16_bits* out,
                const FullLayerState& state, Workspace workspace, const CpuOptions& cpu = {},
                FullLayerTimes* times = nullptr) const;
 
  private:
+  // Checks `weight_image` (as the first constructor says), writes the image there and points the
+  // layer at its tensors. Both constructors end here.
+  void place(const FullLayerWeights& weights, void* weight_image, std::size_t bytes);
+
   FullLayerConfig config_;
-  // Row-major [out, in], as the checkpoint stores them, widened to fp32.
-  std::vector<float> q_proj_, k_proj_, v_proj_, f_a_proj_, f_b_proj_, b_proj_, g_a_proj_, g_b_proj_,
-      o_proj_;
-  std::vector<float> q_conv_, k_conv_, v_conv_;  // [Cl, W]
-  std::vector<float> g_b_bias_;                  // [Cl] or empty
-  std::vector<float> o_norm_;                    // [D]
-  std::vector<float> A_log_, dt_bias_;           // [Hl], [Cl]
+  std::size_t weight_image_bytes_ = 0;
+  std::unique_ptr<unsigned char[]> owned_image_;  // the one-argument constructor's, else null
+  // In the image, fp32. Row-major [out, in], as the checkpoint stores them:
+  const float *q_proj_ = nullptr, *k_proj_ = nullptr, *v_proj_ = nullptr, *f_a_proj_ = nullptr,
+              *f_b_proj_ = nullptr, *b_proj_ = nullptr, *g_a_proj_ = nullptr, *g_b_proj_ = nullptr,
+              *o_proj_ = nullptr;
+  const float *q_conv_ = nullptr, *k_conv_ = nullptr, *v_conv_ = nullptr;  // [Cl, W]
+  const float* g_b_bias_ = nullptr;                                        // [Cl], null: none
+  const float* o_norm_ = nullptr;                                          // [D]
+  const float *A_log_ = nullptr, *dt_bias_ = nullptr;                      // [Hl], [Cl]
 };
 
 }  // namespace kda::engine
