@@ -20,7 +20,7 @@
 //   U      U as the left operand of the state update and of U^T M^T (bf16)
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
-//   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--gate
+//   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--chunk C] [--gate
 //   softplus|lower_bound] [--dt-shift X]   (X added to every dt_bias: -4 long memory, +3 strong
 //   decay, as the operator tests' regimes)
 // Prints, for each configuration, the relative L2 error of out and of the final state.
@@ -36,7 +36,6 @@
 
 namespace {
 
-constexpr int C = 16;
 constexpr int D = 128;
 
 struct Rounding {
@@ -116,9 +115,13 @@ void reference(const Head& h, std::vector<double>* out, std::vector<double>* sta
   *state = S;
 }
 
-// The GPU's chunk path with the given roundings.
-void emulate(const Head& h, const Rounding& r, std::vector<double>* out,
-             std::vector<double>* state) {
+// The GPU's chunk path with the given roundings, in chunks of C tokens (the GPU's: 16; 32 and 64
+// to judge longer chunks). Counts in *wide the (chunk, channel) pairs whose half decay range
+// reaches the factored path's bound (80): the GPU takes its exact path there, and the factors
+// emulated here may overflow.
+template <int C>
+void emulate(const Head& h, const Rounding& r, std::vector<double>* out, std::vector<double>* state,
+             long* wide) {
   std::vector<float> S(h.s0);  // fp32 accumulators, [V][K]
   out->assign(static_cast<size_t>(h.T) * D, 0.0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
@@ -151,6 +154,7 @@ void emulate(const Head& h, const Rounding& r, std::vector<double>* out,
         const float kh = i < n ? h.k[(t0 + i) * D + d] * ink[i] : 0.f;
         const float eg = std::exp(G[i][d]);
         const float half = 0.5f * (G[0][d] - G[C - 1][d]), ref = G[C - 1][d] + half;
+        if (i == 0 && half >= 80.f) ++*wide;
         const float e_fwd = std::exp(G[i][d] - ref), e_back = std::exp(ref - G[i][d]);
         kt[i][d] = kh * eg;
         qg[i][d] = r16(scale * qh * e_fwd, r.gram);
@@ -253,7 +257,7 @@ Head make_head(int T, bool softplus, bool initial, float dt_shift, std::uint64_t
 }  // namespace
 
 int main(int argc, char** argv) {
-  int T = 1024, heads = 4;
+  int T = 1024, heads = 4, chunk = 16;
   std::uint64_t seed = 1;
   bool initial = true, softplus = false;
   float dt_shift = 0.f;
@@ -267,6 +271,8 @@ int main(int argc, char** argv) {
       seed = std::strtoull(argv[++i], nullptr, 10);
     else if (a == "--no-initial-state")
       initial = false;
+    else if (a == "--chunk" && i + 1 < argc)
+      chunk = std::atoi(argv[++i]);
     else if (a == "--dt-shift" && i + 1 < argc)
       dt_shift = static_cast<float>(std::atof(argv[++i]));
     else if (a == "--gate" && i + 1 < argc)
@@ -275,12 +281,16 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
-          "[--gate softplus|lower_bound] [--dt-shift X]\n");
+          "[--gate softplus|lower_bound] [--dt-shift X] [--chunk 16|32|64]\n");
       return 2;
     }
   }
   if (T < 1 || heads < 1) {
     std::fprintf(stderr, "kda-chunk-emulation: --tokens and --heads must be >= 1\n");
+    return 2;
+  }
+  if (chunk != 16 && chunk != 32 && chunk != 64) {
+    std::fprintf(stderr, "kda-chunk-emulation: --chunk must be 16, 32 or 64\n");
     return 2;
   }
   struct Config {
@@ -307,9 +317,11 @@ int main(int argc, char** argv) {
   }
   configs.push_back({"none (out rounding only)",
                      Rounding{false, false, false, false, false, false, false, false}});
-  std::printf("T = %d, %d heads, gate %s, initial state %s, dt_bias shift %g, fp64 reference\n\n",
-              T, heads, softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero",
-              static_cast<double>(dt_shift));
+  std::printf(
+      "T = %d, %d heads, gate %s, initial state %s, dt_bias shift %g, chunks of %d, fp64 "
+      "reference\n\n",
+      T, heads, softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero",
+      static_cast<double>(dt_shift), chunk);
   std::printf("| rounding switched off | out rel error | state rel error |\n|---|---:|---:|\n");
   std::vector<std::vector<double>> ref_out(heads), ref_state(heads);
   std::vector<Head> hs;
@@ -317,11 +329,15 @@ int main(int argc, char** argv) {
     hs.push_back(make_head(T, softplus, initial, dt_shift, seed * 100 + h));
     reference(hs.back(), &ref_out[h], &ref_state[h]);
   }
+  long wide = 0, pairs = 0;  // (chunk, channel) pairs past the factored bound, of all
   for (const Config& c : configs) {
+    wide = 0;
     std::vector<double> all_out, all_ref_out, all_state, all_ref_state;
     for (int h = 0; h < heads; ++h) {
       std::vector<double> o, s;
-      emulate(hs[h], c.r, &o, &s);
+      if (chunk == 16) emulate<16>(hs[h], c.r, &o, &s, &wide);
+      if (chunk == 32) emulate<32>(hs[h], c.r, &o, &s, &wide);
+      if (chunk == 64) emulate<64>(hs[h], c.r, &o, &s, &wide);
       all_out.insert(all_out.end(), o.begin(), o.end());
       all_state.insert(all_state.end(), s.begin(), s.end());
       all_ref_out.insert(all_ref_out.end(), ref_out[h].begin(), ref_out[h].end());
@@ -330,5 +346,8 @@ int main(int argc, char** argv) {
     std::printf("| %s | %.2e | %.2e |\n", c.name, rel(all_out, all_ref_out),
                 rel(all_state, all_ref_state));
   }
+  pairs = static_cast<long>(heads) * ((T + chunk - 1) / chunk) * D;
+  std::printf("\n%ld of %ld (chunk, channel) pairs reach the factored path's half range of 80%s\n",
+              wide, pairs, wide > 0 ? " (the GPU would take its exact path there)" : "");
   return 0;
 }
