@@ -352,17 +352,7 @@ struct Engine::Impl {
            std::to_string(spec.runtime.max_tokens));
     }
     next_stamp();
-    for (std::size_t j = 0; j < n; ++j) {
-      const int slot = slots[j];
-      if (!in_use(slot)) {
-        fail(call + ": sequence " + std::to_string(j) + " uses slot " + std::to_string(slot) +
-             ", which is not an acquired slot");
-      }
-      if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
-        fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
-      }
-      seen_stamp[static_cast<std::size_t>(slot)] = stamp;
-    }
+    for (std::size_t j = 0; j < n; ++j) claim_slot(call, "sequence", j, slots[j]);
   }
 
   // A decode batch: 1..max_sequences rows of 1..16 tokens; negative slots are padding, the others
@@ -380,17 +370,21 @@ struct Engine::Impl {
     }
     next_stamp();
     for (std::size_t j = 0; j < batch; ++j) {
-      const int slot = slots[j];
-      if (slot < 0) continue;
-      if (!in_use(slot)) {
-        fail(call + ": row " + std::to_string(j) + " uses slot " + std::to_string(slot) +
-             ", which is not an acquired slot");
-      }
-      if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
-        fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
-      }
-      seen_stamp[static_cast<std::size_t>(slot)] = stamp;
+      if (slots[j] >= 0) claim_slot(call, "row", j, slots[j]);  // negative: a padding row
     }
+  }
+
+  // Batch entry j (a "sequence" or a "row") uses `slot`: an acquired slot, not yet seen in this
+  // batch (since the last next_stamp()).
+  void claim_slot(const std::string& call, const char* entry, std::size_t j, int slot) {
+    if (!in_use(slot)) {
+      fail(call + ": " + entry + " " + std::to_string(j) + " uses slot " + std::to_string(slot) +
+           ", which is not an acquired slot");
+    }
+    if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
+      fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
+    }
+    seen_stamp[static_cast<std::size_t>(slot)] = stamp;
   }
 
   // The caller's hidden states and out of a whole-layer call ([tokens, hidden_size] bf16), and
