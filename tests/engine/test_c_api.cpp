@@ -445,15 +445,20 @@ TEST_CASE("plan JSON: size query, buffer too small reports the size needed, exac
   CHECK(last_error(handle).empty());
 }
 
+// The C++ Engine the C API's handle must match: kSpec on the CPU, two threads, the same seed.
+Engine cpp_twin(std::uint64_t seed) {
+  EngineOptions options;
+  options.backend = kda::engine::BackendChoice::kCpu;
+  options.cpu_threads = 2;
+  options.seed = seed;
+  return Engine(kda::engine::parse_model_spec(kSpec, "t.yaml"), options);
+}
+
 TEST_CASE("prefill + decode through the C API equal the C++ Engine bitwise") {
   const std::uint64_t seed = 23;
   Handle handle;
   create(&handle, kSpec, seed);
-  EngineOptions cpp_options;
-  cpp_options.backend = kda::engine::BackendChoice::kCpu;
-  cpp_options.cpu_threads = 2;
-  cpp_options.seed = seed;
-  Engine engine(kda::engine::parse_model_spec(kSpec, "t.yaml"), cpp_options);
+  Engine engine = cpp_twin(seed);
   const std::int64_t H = 2, D = 32;
 
   // Two sequences of 37 and 21 tokens on slots 0 and 1, both engines.
@@ -520,11 +525,7 @@ TEST_CASE("whole layers through the C API: prefill_hidden + decode_hidden equal 
   const std::uint64_t seed = 31;
   Handle handle;
   create(&handle, kSpec, seed);
-  EngineOptions cpp_options;
-  cpp_options.backend = kda::engine::BackendChoice::kCpu;
-  cpp_options.cpu_threads = 2;
-  cpp_options.seed = seed;
-  Engine engine(kda::engine::parse_model_spec(kSpec, "t.yaml"), cpp_options);
+  Engine engine = cpp_twin(seed);
   int whole = -1;
   std::int64_t E = 0;
   REQUIRE(kda_engine_whole_layers(handle, &whole) == KDA_OK);
