@@ -4,9 +4,10 @@
 //
 //   prefill_prepare.cu     kda_prepare_kernel: token-parallel, one block per (chunk slot, head):
 //       L2 norms, gate and its in-chunk cumulative sum G, beta, the strictly lower triangular A,
-//       the output mask M and the forward substitution (I + A) X = diag(beta) [K~ | V]. Every exp()
-//       takes a difference G_i - G_j <= 0, so the softplus gate cannot overflow however strong the
-//       decay. One ChunkRecord (workspace_layout.hpp) per (slot, head).
+//       the output mask M, T' = (I + A)^-1 diag(beta) and [W | U0] = T' [K~ | V] on the tensor
+//       cores. Every exp() of the exact path takes a difference G_i - G_j <= 0, so the softplus
+//       gate cannot overflow however strong the decay. One ChunkRecord (workspace_layout.hpp) per
+//       (slot, head).
 //   prefill_recurrence.cu  kda_recurrence_kernel: the sequential part, one block per (segment,
 //       head, column block), one warp per 16 columns; S^T in fp32 mma accumulators, per chunk
 //           X = S^T W^T,  Y = S^T Q~^T,  U^T = U0^T - X,  O^T = Y + U^T M^T,

@@ -9,22 +9,27 @@
 namespace kda::detail {
 namespace {
 
-constexpr int kPrepThreads = 128;  // 4 warps; in the elementwise steps one thread per channel d
-constexpr int kPad = D + 1;        // fp32 rows of the exact path, padded against bank conflicts
+constexpr int kPrepThreads = 128;  // 4 warps
+// The elementwise steps give each thread a pair of adjacent channels (bf16x2 loads, conversions
+// and stores) and half of the chunk's tokens: thread t owns channels 2 (t % 64) + {0, 1} of tokens
+// 8 (t / 64) .. 8 (t / 64) + 7.
+constexpr int kHalf = C / 2;
+constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, distinct banks per row
+constexpr float kLog2e = 1.4426950408889634f;
 // The factored path splits exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) around a per-channel
 // reference r = (G_0 + G_last) / 2, the middle of the chunk's decay range: every factor then lies
-// in [exp(-half), exp(half)], half = (G_0 - G_last) / 2. Above this half range (natural log) a
-// factor could overflow or lose the smallest terms: such chunks take the exact path that
-// exponentiates differences G_i - G_j <= 0 only. The bounded gate (lower_bound >= -5, 16 tokens:
-// half <= 40) always stays below it; the softplus gate passes it only above ~10 nats of decay per
-// token.
-constexpr float kFactoredHalfRange = 80.0f;
+// in [exp(-half), exp(half)], half = (G_0 - G_last) / 2. Above this half range (80 nats, in the
+// kernel's log2 units) a factor could overflow or lose the smallest terms: such chunks take the
+// exact path that exponentiates differences G_i - G_j <= 0 only. The bounded gate (lower_bound >=
+// -5, 16 tokens: half <= 40 nats) always stays below it; the softplus gate passes it only above ~10
+// nats of decay per token.
+constexpr float kFactoredHalfRange2 = 80.0f * kLog2e;
 
 struct PrepSmem {
-  bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k are reused for the
-  bf16 k[C][kRowPad];  // W and U0 outputs once the last reader (step 4) is done
+  bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram
+  bf16 k[C][kRowPad];  // operands' remainders, and finally the W and U0 outputs
   bf16 v[C][kRowPad];
-  union {  // thread d reads g[t][d] for every t before it writes kg[t][d]
+  union {  // a thread reads its g elements before it writes the same elements of kg
     bf16 g[C][kRowPad];
     bf16 kg[C][kRowPad];  // factored path: k_hat * exp(G - r)  (feeds A)
   };
@@ -34,18 +39,44 @@ struct PrepSmem {
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
     struct {
-      bf16 ki[C][kRowPad];  // factored path: k_hat * exp(r - G), and what bf16 left of it
+      // factored path: k_hat * exp(r - G) and what bf16 left of it (feeds A and M); after the
+      // Gram products (both paths) K~ = k_hat * exp(G) as a bf16 pair, the operand of W.
+      bf16 ki[C][kRowPad];
       bf16 ki_lo[C][kRowPad];
     } fac;
-    float G[C][kPad];  // exact path: the cumulative gate itself
+    float G[C][kPad];  // exact path: the cumulative gate itself (log2 units)
   };
-  bf16 m[C][kMPad];   // record: M (its bf16 remainder m_lo goes into qg's and kd's row padding)
-  float A[C][C + 4];  // 16-byte rows: read back as float4
+  union {
+    struct {
+      bf16 m[C][kMPad];   // record: M (its bf16 remainder m_lo goes into qg's and kd's padding)
+      float A[C][C + 4];  // 16-byte rows: read back as float4; then T' = (I + A)^-1 diag(beta)
+    };
+    struct {  // step 2's exchange between the two token halves, dead before A and M are written
+      float4 first_half[D / 2];   // per channel pair: G at token 0 and the sum of tokens 0..7
+      float2 second_half[D / 2];  // the sum of tokens 8..15
+    };
+  };
   float beta[C];
   float inv_norm[2][C];
   float range[4];
   std::uint64_t inputs_ready;  // mbarrier of the input copies
 };
+
+// acc (16 x 16, as in gram16_pair) += X Y^T over the 128 channels, X and Y bf16 16 x 128 tiles in
+// shared memory (one warp).
+__device__ __forceinline__ void gram16(float (&acc)[2][4], const bf16 (*x)[kRowPad],
+                                       const bf16 (*y)[kRowPad], int lane) {
+  const int lrow = (lane & 7) + ((lane >> 4) << 3);
+  const int lcol = ((lane >> 3) & 1) * 8;
+#pragma unroll 2
+  for (int kt = 0; kt < D / 16; ++kt) {
+    unsigned a[4], b0, b1, b2, b3;
+    ldmatrix_x4(a[0], a[1], a[2], a[3], &x[lane & 15][kt * 16 + (lane >> 4) * 8]);
+    ldmatrix_x4(b0, b1, b2, b3, &y[lrow][kt * 16 + lcol]);
+    mma_bf16(acc[0], a, b0, b1);
+    mma_bf16(acc[1], a, b2, b3);
+  }
+}
 
 // 16 x 16 += X Y^T over the 128 channels, X and Y 16 x 128 tiles in shared memory (one warp), each
 // a bf16 pair (hi + lo): X_hi Y_hi^T + X_hi Y_lo^T + X_lo Y_hi^T (the lo lo term is below fp32's
@@ -85,20 +116,39 @@ __device__ __forceinline__ void store_m_lo(PrepSmem& sm, int i, int j, bf16 valu
   (j < 8 ? sm.qg[i][kMloColumn + j] : sm.kd[i][kMloColumn + j - 8]) = value;
 }
 
-__global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const PrefillParams p) {
+__device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+}
+__device__ __forceinline__ std::uint32_t lds32(const bf16* p) {
+  return *reinterpret_cast<const std::uint32_t*>(p);
+}
+__device__ __forceinline__ void sts32(bf16* p, std::uint32_t v) {
+  *reinterpret_cast<std::uint32_t*>(p) = v;
+}
+// x as a bf16 pair: hi = bf16(x), lo = bf16(x - hi), two channels at once.
+__device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uint32_t* lo) {
+  *hi = pack_bf16x2(x.x, x.y);
+  const float2 h = unpack_bf16x2(*hi);
+  *lo = pack_bf16x2(x.x - h.x, x.y - h.y);
+}
+
+__global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char prep_smem_raw[];
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
+  static_assert(sizeof(PrepSmem) + 1024 <= 228 * 1024 / 6, "six blocks per SM");
   const std::int64_t slot = blockIdx.x;
   const int h = blockIdx.y;
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
+  const int pc = tid % (D / 2), c0 = 2 * pc;  // this thread's channels c0, c0 + 1
+  const int hf = tid / (D / 2), t0 = kHalf * hf;  // and tokens t0 .. t0 + 7
 
   // The gate parameters first: their latency overlaps the search and the input copies.
   const float a_log_h = p.in.A_log[h];
-  const float dtb = p.in.dt_bias[h * D + tid];
+  const float2 dtb = make_float2(p.in.dt_bias[h * D + c0], p.in.dt_bias[h * D + c0 + 1]);
   // The first slot's blocks (one per head) check the gate parameters for everyone.
-  if (slot == 0 && gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb))
+  if (slot == 0 && (gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb.x) || !isfinite(dtb.y)))
     report_status(p.status, kDeviceStatusGateParams);
 
   const std::int64_t s = owner_of_slot(p.seqs, slot, C);
@@ -138,80 +188,117 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
     __syncthreads();  // the zeroed rows and beta
   }
 
-  // 2. Inverse L2 norms of q and k rows: warp w takes rows 4w .. 4w + 3.
-#pragma unroll
-  for (int which = 0; which < 2; ++which) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = warp * 4 + r;
-      const bf16* x = which == 0 ? &sm.q[row][4 * lane] : &sm.k[row][4 * lane];
-      const uint2 raw = *reinterpret_cast<const uint2*>(x);
-      const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-      float ss = a.x * a.x + a.y * a.y + b.x * b.x + b.y * b.y;
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) sm.inv_norm[which][row] = rsqrtf(ss + 1e-6f);
-    }
-  }
-
-  // 3. Gate, its in-chunk cumulative sum G, and the scaled operands; thread d owns channel d.
-  const int d = tid;
-  float G[C];
+  // 2. The gate and its cumulative sum over this thread's 8 tokens, in log2 units (every exp of
+  //    the kernel is then one ex2); the two halves exchange their sums below. Meanwhile warps 0
+  //    and 1 take the inverse L2 norms of the q and k rows from the diagonals of q q^T and k k^T
+  //    (tensor cores: bf16 products are exact in fp32).
+  float Gx[kHalf], Gy[kHalf];
   {
     const float a_exp = __expf(a_log_h);
-    float acc = 0.f;
+    const bool bounded = p.gate == GateMode::kLowerBound;
+    // The gate times log2(e): bounded, lower_bound log2(e) sigmoid(a_exp x); softplus,
+    // -(a_exp log2(e)) softplus(x).
+    const float a_arg = bounded ? a_exp : a_exp * kLog2e;
+    const float lb = p.lower_bound * kLog2e;
+    float ax = 0.f, ay = 0.f;
 #pragma unroll
-    for (int t = 0; t < C; ++t) {
-      if (t < nvalid)
-        acc += gate_activation(p.gate, __bfloat162float(sm.g[t][d]), a_exp, dtb, p.lower_bound);
-      G[t] = acc;
+    for (int i = 0; i < kHalf; ++i) {
+      if (t0 + i < nvalid) {
+        const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
+        ax += gate_activation(p.gate, g.x, a_arg, dtb.x, lb);
+        ay += gate_activation(p.gate, g.y, a_arg, dtb.y, lb);
+      }
+      Gx[i] = ax;
+      Gy[i] = ay;
+    }
+    if (hf == 0)
+      sm.first_half[pc] = make_float4(Gx[0], Gy[0], ax, ay);
+    else
+      sm.second_half[pc] = make_float2(ax, ay);
+  }
+  if (warp < 2) {
+    float acc[2][4] = {};
+    const bf16(*x)[kRowPad] = warp == 0 ? sm.q : sm.k;
+    gram16(acc, x, x, lane);
+    // Diagonal (i, i): rows gq and gq + 8 sit with the lanes whose tq == gq / 2.
+    if ((gq >> 1) == tq) {
+      const bool odd = gq & 1;
+      sm.inv_norm[warp][gq] = rsqrtf((odd ? acc[0][1] : acc[0][0]) + 1e-6f);
+      sm.inv_norm[warp][gq + 8] = rsqrtf((odd ? acc[1][3] : acc[1][2]) + 1e-6f);
     }
   }
-  const float g_last = G[C - 1];
-  const float half_range = 0.5f * (G[0] - g_last);  // G_0 - r = r - G_last
-  float range = half_range;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
-  if (lane == 0) sm.range[warp] = range;
-  __syncthreads();  // also publishes inv_norm
-  const bool factored =
-      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredHalfRange;
+  __syncthreads();  // the half sums and the norms
 
-  unsigned char* rec = record_ptr(p, slot, h);
-  const float gl_d = __expf(g_last);
-  reinterpret_cast<float*>(rec + ChunkRecord::kGl)[d] = gl_d;
-  const float ref = g_last + half_range;          // r, this channel's reference
-  const float ref_to_last = __expf(-half_range);  // exp(G_last - r)
-  float kt[C];   // K~ column d in fp32, for the forward substitution
-  float qgv[C];  // Q~ column d in fp32: the record's, stored after the Gram products
+  const float4 fh = sm.first_half[pc];
+  const float2 sh = sm.second_half[pc];
+  if (hf == 1) {
 #pragma unroll
-  for (int t = 0; t < C; ++t) {
-    const float qh = __bfloat162float(sm.q[t][d]) * sm.inv_norm[0][t];
-    const float kh = __bfloat162float(sm.k[t][d]) * sm.inv_norm[1][t];
-    const float eg = __expf(G[t]);
-    kt[t] = kh * eg;
-    qgv[t] = p.scale * qh * eg;
-    if (factored) {
-      // The Gram operands around the reference, each a bf16 pair; exp(G_last - G) =
-      // exp(G_last - r) exp(r - G) saves an exp.
-      const float e_fwd = __expf(G[t] - ref), e_back = __expf(ref - G[t]);
-      const float kg = kh * e_fwd, qg = p.scale * qh * e_fwd, ki = kh * e_back;
-      const bf16 kg_hi = __float2bfloat16(kg), qg_hi = __float2bfloat16(qg);
-      const bf16 ki_hi = __float2bfloat16(ki);
-      sm.kg[t][d] = kg_hi;
-      sm.qg[t][d] = qg_hi;
-      sm.fac.ki[t][d] = ki_hi;
-      sm.fac.ki_lo[t][d] = __float2bfloat16(ki - __bfloat162float(ki_hi));
-      sm.kd[t][d] = __float2bfloat16(ki * ref_to_last);
-      // What bf16 left of qg and kg, over this thread's own (already read) q and k inputs: the
-      // factored path reads them no more.
-      sm.q[t][d] = __float2bfloat16(qg - __bfloat162float(qg_hi));
-      sm.k[t][d] = __float2bfloat16(kg - __bfloat162float(kg_hi));
-    } else {
-      sm.qg[t][d] = __float2bfloat16(qgv[t]);
-      sm.kd[t][d] = __float2bfloat16(kh * __expf(g_last - G[t]));
-      sm.G[t][d] = G[t];
+    for (int i = 0; i < kHalf; ++i) {
+      Gx[i] += fh.z;
+      Gy[i] += fh.w;
+    }
+  }
+  const float2 g_last = make_float2(fh.z + sh.x, fh.w + sh.y);
+  const float2 half_range = make_float2(0.5f * (fh.x - g_last.x), 0.5f * (fh.y - g_last.y));
+  {
+    float range = fmaxf(half_range.x, half_range.y);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
+    if (lane == 0) sm.range[warp] = range;
+  }
+  unsigned char* rec = record_ptr(p, slot, h);
+  if (hf == 0) {
+    reinterpret_cast<float2*>(rec + ChunkRecord::kGl)[pc] =
+        make_float2(fast_exp2(g_last.x), fast_exp2(g_last.y));
+  }
+  __syncthreads();  // the ranges
+  const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) <
+                        kFactoredHalfRange2;
+
+  // 3. The scaled operands of this thread's 8 tokens x 2 channels.
+  const float2 ref = make_float2(g_last.x + half_range.x, g_last.y + half_range.y);  // r
+  float2 kt[kHalf];  // exact path: K~ = k_hat exp(G), the operand of W (stored after step 4)
+  if (factored) {
+    // The Gram operands around the reference, each a bf16 pair; exp(G_last - G) =
+    // exp(G_last - r) exp(r - G) saves an exp. Q~ and K~ are the operands times exp(r), taken
+    // from the pairs after the Gram products (fewer registers live across them).
+    const float2 ref_to_last = make_float2(fast_exp2(-half_range.x), fast_exp2(-half_range.y));
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int t = t0 + i;
+      const float iq = sm.inv_norm[0][t] * p.scale, ik = sm.inv_norm[1][t];
+      const float2 q = unpack_bf16x2(lds32(&sm.q[t][c0]));
+      const float2 k = unpack_bf16x2(lds32(&sm.k[t][c0]));
+      const float2 e_fwd = make_float2(fast_exp2(Gx[i] - ref.x), fast_exp2(Gy[i] - ref.y));
+      const float2 e_back = make_float2(fast_exp2(ref.x - Gx[i]), fast_exp2(ref.y - Gy[i]));
+      const float2 kh = make_float2(k.x * ik, k.y * ik);
+      const float2 ki = make_float2(kh.x * e_back.x, kh.y * e_back.y);
+      std::uint32_t hi, lo;
+      split_pair(make_float2(kh.x * e_fwd.x, kh.y * e_fwd.y), &hi, &lo);
+      sts32(&sm.kg[t][c0], hi);
+      sts32(&sm.k[t][c0], lo);  // over this thread's own, already read, k elements
+      split_pair(make_float2(q.x * iq * e_fwd.x, q.y * iq * e_fwd.y), &hi, &lo);
+      sts32(&sm.qg[t][c0], hi);
+      sts32(&sm.q[t][c0], lo);
+      split_pair(ki, &hi, &lo);
+      sts32(&sm.fac.ki[t][c0], hi);
+      sts32(&sm.fac.ki_lo[t][c0], lo);
+      sts32(&sm.kd[t][c0], pack_bf16x2(ki.x * ref_to_last.x, ki.y * ref_to_last.y));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int t = t0 + i;
+      const float iq = sm.inv_norm[0][t] * p.scale, ik = sm.inv_norm[1][t];
+      const float2 q = unpack_bf16x2(lds32(&sm.q[t][c0]));
+      const float2 k = unpack_bf16x2(lds32(&sm.k[t][c0]));
+      const float2 kh = make_float2(k.x * ik, k.y * ik);
+      const float2 eg = make_float2(fast_exp2(Gx[i]), fast_exp2(Gy[i]));
+      kt[i] = make_float2(kh.x * eg.x, kh.y * eg.y);
+      sts32(&sm.qg[t][c0], pack_bf16x2(q.x * iq * eg.x, q.y * iq * eg.y));
+      sts32(&sm.kd[t][c0], pack_bf16x2(kh.x * fast_exp2(g_last.x - Gx[i]),
+                                       kh.y * fast_exp2(g_last.y - Gy[i])));
+      *reinterpret_cast<float2*>(&sm.G[t][c0]) = make_float2(Gx[i], Gy[i]);
     }
   }
   __syncthreads();
@@ -251,7 +338,7 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
       if (i >= jj) {
 #pragma unroll 8
         for (int c = 0; c < D; ++c) {
-          const float kj = __bfloat162float(sm.k[jj][c]) * __expf(sm.G[i][c] - sm.G[jj][c]);
+          const float kj = __bfloat162float(sm.k[jj][c]) * fast_exp2(sm.G[i][c] - sm.G[jj][c]);
           a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
           m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
         }
@@ -265,37 +352,99 @@ __global__ void __launch_bounds__(kPrepThreads) kda_prepare_kernel(const Prefill
   }
   __syncthreads();
 
-  // 5. Forward substitution in fp32, thread d owning column d:
-  //    (I + A) [W | U0] = diag(beta) [K~ | V]. q and k are dead now: W and U0 take their place,
-  //    and the factored path's Gram operand in qg gives way to the record's Q~.
-  {
-    if (factored) {
+  // 5. Everyone stores Q~ (the record's) and K~ as a bf16 pair over the dead Gram operands, then
+  //    warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
+  //    substitution).
+  if (factored) {
+    // Q~ = (Gram operand) exp(r) and K~ likewise, from their pairs (relative error ~2^-17).
+    const float2 er = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
 #pragma unroll
-      for (int t = 0; t < C; ++t) sm.qg[t][d] = __float2bfloat16(qgv[t]);
+    for (int i = 0; i < kHalf; ++i) {
+      const int t = t0 + i;
+      const float2 qh = unpack_bf16x2(lds32(&sm.qg[t][c0]));
+      const float2 ql = unpack_bf16x2(lds32(&sm.q[t][c0]));
+      sts32(&sm.qg[t][c0], pack_bf16x2((qh.x + ql.x) * er.x, (qh.y + ql.y) * er.y));
+      const float2 kh = unpack_bf16x2(lds32(&sm.kg[t][c0]));
+      const float2 kl = unpack_bf16x2(lds32(&sm.k[t][c0]));
+      std::uint32_t hi, lo;
+      split_pair(make_float2((kh.x + kl.x) * er.x, (kh.y + kl.y) * er.y), &hi, &lo);
+      sts32(&sm.fac.ki[t][c0], hi);
+      sts32(&sm.fac.ki_lo[t][c0], lo);
     }
-    float xk[C], xv[C];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const int t = t0 + i;
+      std::uint32_t hi, lo;
+      split_pair(kt[i], &hi, &lo);
+      sts32(&sm.fac.ki[t][c0], hi);
+      sts32(&sm.fac.ki_lo[t][c0], lo);
+    }
+  }
+  if (warp == 0) {
+    float tcol[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) {
-      const float b = sm.beta[i];
-      float rk = b * kt[i];
-      float rv = b * __bfloat162float(sm.v[i][d]);
+      float x = i == lane ? 1.f : 0.f;
 #pragma unroll
       for (int j4 = 0; j4 < i; j4 += 4) {
         const float4 a4 = *reinterpret_cast<const float4*>(&sm.A[i][j4]);
         const float arow[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
-        for (int jj = j4; jj < j4 + 4 && jj < i; ++jj) {
-          rk = fmaf(-arow[jj - j4], xk[jj], rk);
-          rv = fmaf(-arow[jj - j4], xv[jj], rv);
-        }
+        for (int jj = j4; jj < j4 + 4 && jj < i; ++jj) x = fmaf(-arow[jj - j4], tcol[jj], x);
       }
-      xk[i] = rk;
-      xv[i] = rv;
-      sm.q[i][d] = __float2bfloat16(rk);  // W
-      sm.k[i][d] = __float2bfloat16(rv);  // U0
+      tcol[i] = x;
+    }
+    __syncwarp();  // A is read by this warp only
+    if (lane < C) {
+      const float b = sm.beta[lane];
+#pragma unroll
+      for (int i = 0; i < C; ++i) sm.A[i][lane] = tcol[i] * b;
     }
   }
-  // 6. The tiles go out by the copy engine: every writer fences its shared-memory stores against
+  __syncthreads();
+
+  // 6. [W | U0] = T' [K~ | V] on the tensor cores: T' and K~ as bf16 pairs (hi hi + hi lo + lo hi),
+  //    V exact in bf16 (T'_hi V + T'_lo V); warp w takes channels 32 w .. 32 w + 31 of both.
+  //    W goes over q, U0 over k.
+  {
+    unsigned th[4], tl[4];
+    const int rr[4] = {gq, gq + 8, gq, gq + 8}, cc[4] = {2 * tq, 2 * tq, 2 * tq + 8, 2 * tq + 8};
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 t2 = *reinterpret_cast<const float2*>(&sm.A[rr[r]][cc[r]]);
+      split_pair(t2, &th[r], &tl[r]);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int cb = 32 * warp + 16 * half;
+      const int lr = lane & 15, lc = cb + ((lane >> 4) << 3);
+      float w[2][4] = {}, u[2][4] = {};
+      unsigned b0, b1, b2, b3;
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.fac.ki[lr][lc]);
+      mma_bf16(w[0], th, b0, b1);
+      mma_bf16(w[1], th, b2, b3);
+      mma_bf16(w[0], tl, b0, b1);
+      mma_bf16(w[1], tl, b2, b3);
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.fac.ki_lo[lr][lc]);
+      mma_bf16(w[0], th, b0, b1);
+      mma_bf16(w[1], th, b2, b3);
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.v[lr][lc]);
+      mma_bf16(u[0], th, b0, b1);
+      mma_bf16(u[1], th, b2, b3);
+      mma_bf16(u[0], tl, b0, b1);
+      mma_bf16(u[1], tl, b2, b3);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int c = cb + 8 * nt + 2 * tq;
+        sts32(&sm.q[gq][c], pack_bf16x2(w[nt][0], w[nt][1]));
+        sts32(&sm.q[gq + 8][c], pack_bf16x2(w[nt][2], w[nt][3]));
+        sts32(&sm.k[gq][c], pack_bf16x2(u[nt][0], u[nt][1]));
+        sts32(&sm.k[gq + 8][c], pack_bf16x2(u[nt][2], u[nt][3]));
+      }
+    }
+  }
+  // 7. The tiles go out by the copy engine: every writer fences its shared-memory stores against
   //    the async proxy, then one thread issues the bulk stores and waits for them before the
   //    block ends.
   fence_proxy_async();
