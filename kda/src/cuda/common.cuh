@@ -17,7 +17,9 @@ using bf16 = __nv_bfloat16;
 __device__ __forceinline__ float softplus_f(float x) {
   return fmaxf(x, 0.f) + __logf(1.f + __expf(-fabsf(x)));
 }
-__device__ __forceinline__ float sigmoid_f(float x) { return 1.f / (1.f + __expf(-x)); }
+// __fdividef: the SFU reciprocal (2 ulp), not IEEE division's instruction sequence; it gives 0 when
+// 1 + exp(-x) overflows, which is sigmoid's value there too.
+__device__ __forceinline__ float sigmoid_f(float x) { return __fdividef(1.f, 1.f + __expf(-x)); }
 
 // g = lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))   (GateMode::kLowerBound)
 // g = -exp(A_log) * softplus(g_raw + dt_bias)                  (GateMode::kSoftplus)

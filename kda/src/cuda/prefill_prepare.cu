@@ -17,13 +17,17 @@ constexpr int kHalf = C / 2;
 constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, distinct banks per row
 constexpr float kLog2e = 1.4426950408889634f;
 // The factored path splits exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) around a per-channel
-// reference r = (G_0 + G_last) / 2, the middle of the chunk's decay range: every factor then lies
-// in [exp(-half), exp(half)], half = (G_0 - G_last) / 2. Above this half range (80 nats, in the
-// kernel's log2 units) a factor could overflow or lose the smallest terms: such chunks take the
-// exact path that exponentiates differences G_i - G_j <= 0 only. The bounded gate (lower_bound >=
-// -5, 16 tokens: half <= 40 nats) always stays below it; the softplus gate passes it only above ~10
-// nats of decay per token.
-constexpr float kFactoredHalfRange2 = 80.0f * kLog2e;
+// reference r, so that A and M are Gram products on the tensor cores. Two references:
+// - r = 0 (the chunk start) while every channel's decay over the chunk stays below 80 nats: the
+//   factors exp(G) and exp(-G) are then normal fp32 (and bf16) numbers, and the operands k_hat
+//   exp(G) = K~ and scale q_hat exp(G) = Q~ are the record's Q~ and W's operand themselves. The
+//   bounded gate (lower_bound >= -5, 16 tokens: at most 80 nats) always takes it.
+// - r = (G_0 + G_last) / 2, the middle of the channel's decay range, while that half range stays
+//   below 80 nats: every factor lies within exp(+-half); Q~ and K~ are taken from the operands
+//   afterwards. The softplus gate needs it above ~5 nats of decay per token.
+// Above that, chunks take the exact path that exponentiates differences G_i - G_j <= 0 only. The
+// kernel works in log2 units (G times log2(e)), so that every exp is one ex2.
+constexpr float kFactoredRange2 = 80.0f * kLog2e;
 
 struct PrepSmem {
   bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram
@@ -31,7 +35,7 @@ struct PrepSmem {
   bf16 v[C][kRowPad];
   union {  // a thread reads its g elements before it writes the same elements of kg
     bf16 g[C][kRowPad];
-    bf16 kg[C][kRowPad];  // factored path: k_hat * exp(G - r)  (feeds A)
+    bf16 kg[C][kRowPad];  // factored paths: k_hat * exp(G - r)  (feeds A; K~ when r = 0)
   };
   // scale * q_hat * exp(G) (record: Q~); in the factored path it first holds the Gram operand
   // scale * q_hat * exp(G - r) (feeds M) and takes Q~ once the Gram products are done.
@@ -58,7 +62,8 @@ struct PrepSmem {
   };
   float beta[C];
   float inv_norm[2][C];
-  float range[4];
+  float range[4];  // per warp: the largest half range and the largest decay
+  float decay[4];
   std::uint64_t inputs_ready;  // mbarrier of the input copies
 };
 
@@ -241,10 +246,16 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   const float2 g_last = make_float2(fh.z + sh.x, fh.w + sh.y);
   const float2 half_range = make_float2(0.5f * (fh.x - g_last.x), 0.5f * (fh.y - g_last.y));
   {
-    float range = fmaxf(half_range.x, half_range.y);
+    float range = fmaxf(half_range.x, half_range.y), decay = -fminf(g_last.x, g_last.y);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
-    if (lane == 0) sm.range[warp] = range;
+    for (int o = 16; o > 0; o >>= 1) {
+      range = fmaxf(range, __shfl_xor_sync(0xffffffffu, range, o));
+      decay = fmaxf(decay, __shfl_xor_sync(0xffffffffu, decay, o));
+    }
+    if (lane == 0) {
+      sm.range[warp] = range;
+      sm.decay[warp] = decay;
+    }
   }
   unsigned char* rec = record_ptr(p, slot, h);
   if (hf == 0) {
@@ -252,17 +263,22 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         make_float2(fast_exp2(g_last.x), fast_exp2(g_last.y));
   }
   __syncthreads();  // the ranges
-  const bool factored = fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) <
-                        kFactoredHalfRange2;
+  const bool zero_ref = fmaxf(fmaxf(sm.decay[0], sm.decay[1]), fmaxf(sm.decay[2], sm.decay[3])) <
+                        kFactoredRange2;
+  const bool factored =
+      zero_ref ||
+      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
 
   // 3. The scaled operands of this thread's 8 tokens x 2 channels.
-  const float2 ref = make_float2(g_last.x + half_range.x, g_last.y + half_range.y);  // r
+  const float2 ref = zero_ref ? make_float2(0.f, 0.f)
+                              : make_float2(g_last.x + half_range.x, g_last.y + half_range.y);
   float2 kt[kHalf];  // exact path: K~ = k_hat exp(G), the operand of W (stored after step 4)
   if (factored) {
     // The Gram operands around the reference, each a bf16 pair; exp(G_last - G) =
-    // exp(G_last - r) exp(r - G) saves an exp. Q~ and K~ are the operands times exp(r), taken
-    // from the pairs after the Gram products (fewer registers live across them).
-    const float2 ref_to_last = make_float2(fast_exp2(-half_range.x), fast_exp2(-half_range.y));
+    // exp(G_last - r) exp(r - G) saves an exp. With r = 0 the operands are Q~ and K~; otherwise
+    // Q~ and K~ are taken from them after the Gram products (fewer registers live across them).
+    const float2 ref_to_last =
+        make_float2(fast_exp2(g_last.x - ref.x), fast_exp2(g_last.y - ref.y));  // exp(G_last - r)
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       const int t = t0 + i;
@@ -355,7 +371,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   // 5. Everyone stores Q~ (the record's) and K~ as a bf16 pair over the dead Gram operands, then
   //    warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
   //    substitution).
-  if (factored) {
+  if (zero_ref) {
+    // Q~ is the Gram operand (its hi part already in qg), K~ the pair in kg and k.
+  } else if (factored) {
     // Q~ = (Gram operand) exp(r) and K~ likewise, from their pairs (relative error ~2^-17).
     const float2 er = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
 #pragma unroll
@@ -421,12 +439,12 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const int lr = lane & 15, lc = cb + ((lane >> 4) << 3);
       float w[2][4] = {}, u[2][4] = {};
       unsigned b0, b1, b2, b3;
-      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.fac.ki[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, zero_ref ? &sm.kg[lr][lc] : &sm.fac.ki[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       mma_bf16(w[0], tl, b0, b1);
       mma_bf16(w[1], tl, b2, b3);
-      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.fac.ki_lo[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, zero_ref ? &sm.k[lr][lc] : &sm.fac.ki_lo[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       ldmatrix_x4_trans(b0, b1, b2, b3, &sm.v[lr][lc]);
