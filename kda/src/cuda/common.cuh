@@ -6,11 +6,14 @@
 
 #include <cstdint>
 
+#include "cuda/ptx.cuh"
 #include "kda/kda.hpp"
 
 namespace kda::detail {
 
 using bf16 = __nv_bfloat16;
+
+constexpr float kLog2e = 1.4426950408889634f;
 
 // Gate activations (KDA.md §1), fp32. softplus(x) = max(x, 0) + log(1 + exp(-|x|)): stable for
 // any x, with fast intrinsics (absolute error ~1e-7, far below the bf16 inputs' rounding).
@@ -29,6 +32,31 @@ __device__ __forceinline__ float gate_activation(GateMode gate, float g_raw, flo
   return gate == GateMode::kLowerBound ? lower_bound * sigmoid_f(a_exp * x)
                                        : -a_exp * softplus_f(x);
 }
+
+// The same gates times log2(e) (the prefill's cumulative sums are in log2 units), on the SFU's
+// ex2 / lg2 / rcp alone (flushing denormals, which the gates' ranges never need). The per-channel
+// constants: GateLog2::make(gate, exp(A_log), dt_bias, lower_bound).
+struct GateLog2 {
+  float mul, add, scale;  // bounded: z = mul g + add = -(a log2e) x; softplus: x = g + add
+  bool bounded;
+  __device__ __forceinline__ static GateLog2 make(GateMode gate, float a_exp, float dt_bias,
+                                                  float lower_bound) {
+    const bool b = gate == GateMode::kLowerBound;
+    const float m = -a_exp * kLog2e;
+    return b ? GateLog2{m, m * dt_bias, lower_bound * kLog2e, true}
+             : GateLog2{1.f, dt_bias, -a_exp, false};
+  }
+  __device__ __forceinline__ float operator()(float g_raw) const {
+    if (bounded) {  // lower_bound log2e / (1 + 2^z)
+      const float e = fast_exp2(fmaf(mul, g_raw, add));
+      return scale * fast_rcp(1.f + e);
+    }
+    // -a (max(x, 0) log2e + log2(1 + 2^(-|x| log2e))) = -a log2e softplus(x)
+    const float x = g_raw + add;
+    const float l = fast_log2(1.f + fast_exp2(-fabsf(x) * kLog2e));
+    return scale * fmaf(fmaxf(x, 0.f), kLog2e, l);
+  }
+};
 
 // A forward's token inputs and gate parameters on the device, as the kernels read them (prefill
 // and decode alike); from_tensors() takes them from a Tensors or DecodeTensors.

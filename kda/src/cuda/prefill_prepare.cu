@@ -15,7 +15,6 @@ constexpr int kPrepThreads = 128;  // 4 warps
 // 8 (t / 64) .. 8 (t / 64) + 7.
 constexpr int kHalf = C / 2;
 constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, distinct banks per row
-constexpr float kLog2e = 1.4426950408889634f;
 // The factored path splits exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) around a per-channel
 // reference r, so that A and M are Gram products on the tensor cores. Two references:
 // - r = 0 (the chunk start) while every channel's decay over the chunk stays below 80 nats: the
@@ -200,18 +199,15 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   float Gx[kHalf], Gy[kHalf];
   {
     const float a_exp = __expf(a_log_h);
-    const bool bounded = p.gate == GateMode::kLowerBound;
-    // The gate times log2(e): bounded, lower_bound log2(e) sigmoid(a_exp x); softplus,
-    // -(a_exp log2(e)) softplus(x).
-    const float a_arg = bounded ? a_exp : a_exp * kLog2e;
-    const float lb = p.lower_bound * kLog2e;
+    const GateLog2 gx = GateLog2::make(p.gate, a_exp, dtb.x, p.lower_bound);
+    const GateLog2 gy = GateLog2::make(p.gate, a_exp, dtb.y, p.lower_bound);
     float ax = 0.f, ay = 0.f;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       if (t0 + i < nvalid) {
         const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
-        ax += gate_activation(p.gate, g.x, a_arg, dtb.x, lb);
-        ay += gate_activation(p.gate, g.y, a_arg, dtb.y, lb);
+        ax += gx(g.x);
+        ay += gy(g.y);
       }
       Gx[i] = ax;
       Gy[i] = ay;
