@@ -42,8 +42,9 @@ struct PrepSmem {
   bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
   union {
     struct {
-      // factored path: k_hat * exp(r - G) and what bf16 left of it (feeds A and M); after the
-      // Gram products (both paths) K~ = k_hat * exp(G) as a bf16 pair, the operand of W.
+      // factored paths: k_hat * exp(r - G) and what bf16 left of it (feeds A and M); exact
+      // path, after A and M: K~ = k_hat * exp(G) as a bf16 pair, the operand of W (the factored
+      // paths take kg and k for it).
       bf16 ki[C][kRowPad];
       bf16 ki_lo[C][kRowPad];
     } fac;
@@ -59,6 +60,7 @@ struct PrepSmem {
       float2 second_half[D / 2];  // the sum of tokens 8..15
     };
   };
+  float er[D];  // middle-reference path: exp(r) per channel, the scale of W's columns
   float beta[C];
   float inv_norm[2][C];
   float range[4];  // per warp: the largest half range and the largest decay
@@ -145,7 +147,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
-  const int pc = tid % (D / 2), c0 = 2 * pc;  // this thread's channels c0, c0 + 1
+  const int pc = tid % (D / 2), c0 = 2 * pc;      // this thread's channels c0, c0 + 1
   const int hf = tid / (D / 2), t0 = kHalf * hf;  // and tokens t0 .. t0 + 7
 
   // The gate parameters first: their latency overlaps the search and the input copies.
@@ -259,11 +261,10 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         make_float2(fast_exp2(g_last.x), fast_exp2(g_last.y));
   }
   __syncthreads();  // the ranges
-  const bool zero_ref = fmaxf(fmaxf(sm.decay[0], sm.decay[1]), fmaxf(sm.decay[2], sm.decay[3])) <
-                        kFactoredRange2;
-  const bool factored =
-      zero_ref ||
-      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
+  const bool zero_ref =
+      fmaxf(fmaxf(sm.decay[0], sm.decay[1]), fmaxf(sm.decay[2], sm.decay[3])) < kFactoredRange2;
+  const bool factored = zero_ref || fmaxf(fmaxf(sm.range[0], sm.range[1]),
+                                          fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
 
   // 3. The scaled operands of this thread's 8 tokens x 2 channels.
   const float2 ref = zero_ref ? make_float2(0.f, 0.f)
@@ -275,6 +276,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     // Q~ and K~ are taken from them after the Gram products (fewer registers live across them).
     const float2 ref_to_last =
         make_float2(fast_exp2(g_last.x - ref.x), fast_exp2(g_last.y - ref.y));  // exp(G_last - r)
+    if (!zero_ref && hf == 0)
+      *reinterpret_cast<float2*>(&sm.er[c0]) = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       const int t = t0 + i;
@@ -308,8 +311,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const float2 eg = make_float2(fast_exp2(Gx[i]), fast_exp2(Gy[i]));
       kt[i] = make_float2(kh.x * eg.x, kh.y * eg.y);
       sts32(&sm.qg[t][c0], pack_bf16x2(q.x * iq * eg.x, q.y * iq * eg.y));
-      sts32(&sm.kd[t][c0], pack_bf16x2(kh.x * fast_exp2(g_last.x - Gx[i]),
-                                       kh.y * fast_exp2(g_last.y - Gy[i])));
+      sts32(&sm.kd[t][c0],
+            pack_bf16x2(kh.x * fast_exp2(g_last.x - Gx[i]), kh.y * fast_exp2(g_last.y - Gy[i])));
       *reinterpret_cast<float2*>(&sm.G[t][c0]) = make_float2(Gx[i], Gy[i]);
     }
   }
@@ -364,26 +367,20 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   }
   __syncthreads();
 
-  // 5. Everyone stores Q~ (the record's) and K~ as a bf16 pair over the dead Gram operands, then
-  //    warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
-  //    substitution).
+  // 5. Q~ (the record's) and, on the exact path, K~ as a bf16 pair over the dead G; then warp 0
+  //    turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward substitution).
   if (zero_ref) {
     // Q~ is the Gram operand (its hi part already in qg), K~ the pair in kg and k.
   } else if (factored) {
-    // Q~ = (Gram operand) exp(r) and K~ likewise, from their pairs (relative error ~2^-17).
-    const float2 er = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
+    // Q~ = (Gram operand) exp(r), from its pair (relative error ~2^-17); W takes the factor
+    // exp(r) per column after its product with the operand K~ exp(-r).
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       const int t = t0 + i;
+      const float2 er = *reinterpret_cast<const float2*>(&sm.er[c0]);
       const float2 qh = unpack_bf16x2(lds32(&sm.qg[t][c0]));
       const float2 ql = unpack_bf16x2(lds32(&sm.q[t][c0]));
       sts32(&sm.qg[t][c0], pack_bf16x2((qh.x + ql.x) * er.x, (qh.y + ql.y) * er.y));
-      const float2 kh = unpack_bf16x2(lds32(&sm.kg[t][c0]));
-      const float2 kl = unpack_bf16x2(lds32(&sm.k[t][c0]));
-      std::uint32_t hi, lo;
-      split_pair(make_float2((kh.x + kl.x) * er.x, (kh.y + kl.y) * er.y), &hi, &lo);
-      sts32(&sm.fac.ki[t][c0], hi);
-      sts32(&sm.fac.ki_lo[t][c0], lo);
     }
   } else {
 #pragma unroll
@@ -435,12 +432,12 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const int lr = lane & 15, lc = cb + ((lane >> 4) << 3);
       float w[2][4] = {}, u[2][4] = {};
       unsigned b0, b1, b2, b3;
-      ldmatrix_x4_trans(b0, b1, b2, b3, zero_ref ? &sm.kg[lr][lc] : &sm.fac.ki[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, factored ? &sm.kg[lr][lc] : &sm.fac.ki[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       mma_bf16(w[0], tl, b0, b1);
       mma_bf16(w[1], tl, b2, b3);
-      ldmatrix_x4_trans(b0, b1, b2, b3, zero_ref ? &sm.k[lr][lc] : &sm.fac.ki_lo[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, factored ? &sm.k[lr][lc] : &sm.fac.ki_lo[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       ldmatrix_x4_trans(b0, b1, b2, b3, &sm.v[lr][lc]);
@@ -448,9 +445,19 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       mma_bf16(u[1], th, b2, b3);
       mma_bf16(u[0], tl, b0, b1);
       mma_bf16(u[1], tl, b2, b3);
+      // k held K~'s remainder (factored paths) for this warp's own columns: every lane's
+      // ldmatrix above is done before any lane overwrites them with U0.
+      __syncwarp();
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int c = cb + 8 * nt + 2 * tq;
+        if (factored && !zero_ref) {
+          const float2 er = *reinterpret_cast<const float2*>(&sm.er[c]);
+          w[nt][0] *= er.x;
+          w[nt][1] *= er.y;
+          w[nt][2] *= er.x;
+          w[nt][3] *= er.y;
+        }
         sts32(&sm.q[gq][c], pack_bf16x2(w[nt][0], w[nt][1]));
         sts32(&sm.q[gq + 8][c], pack_bf16x2(w[nt][2], w[nt][3]));
         sts32(&sm.k[gq][c], pack_bf16x2(u[nt][0], u[nt][1]));
