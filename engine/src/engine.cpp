@@ -325,6 +325,19 @@ struct Engine::Impl {
     }
   }
 
+  // The checks of read_slot_conv_state / write_slot_conv_state, one message each.
+  void check_conv_state_access(const char* what, int kda_layer, int slot, int projection) const {
+    check_layer(kda_layer);
+    check_whole(what);
+    if (slot < 0 || slot >= num_slots()) {
+      fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
+    }
+    if (projection < 0 || projection > 2) {
+      fail(std::string(what) + ": projection " + std::to_string(projection) +
+           " is not 0 (q), 1 (k) or 2 (v)");
+    }
+  }
+
   // A prefill batch: 1..max_sequences sequences on distinct acquired slots, cu_seqlens 0,
   // non-decreasing, at most max_tokens.
   void check_prefill_batch(const char* what, Span<const int> slots,
@@ -757,30 +770,14 @@ std::uint64_t Engine::conv_state_slot_bytes() const noexcept { return impl_->con
 
 void Engine::read_slot_conv_state(int kda_layer, int slot, int projection, void* host_dst) const {
   const Impl& m = *impl_;
-  m.check_layer(kda_layer);
-  m.check_whole("read_slot_conv_state");
-  if (slot < 0 || slot >= m.num_slots()) {
-    fail("read_slot_conv_state: slot " + std::to_string(slot) + " out of range");
-  }
-  if (projection < 0 || projection > 2) {
-    fail("read_slot_conv_state: projection " + std::to_string(projection) +
-         " is not 0 (q), 1 (k) or 2 (v)");
-  }
+  m.check_conv_state_access("read_slot_conv_state", kda_layer, slot, projection);
   m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_layer, slot, projection),
                           static_cast<std::size_t>(m.conv_slot_bytes));
 }
 
 void Engine::write_slot_conv_state(int kda_layer, int slot, int projection, const void* host_src) {
   Impl& m = *impl_;
-  m.check_layer(kda_layer);
-  m.check_whole("write_slot_conv_state");
-  if (slot < 0 || slot >= m.num_slots()) {
-    fail("write_slot_conv_state: slot " + std::to_string(slot) + " out of range");
-  }
-  if (projection < 0 || projection > 2) {
-    fail("write_slot_conv_state: projection " + std::to_string(projection) +
-         " is not 0 (q), 1 (k) or 2 (v)");
-  }
+  m.check_conv_state_access("write_slot_conv_state", kda_layer, slot, projection);
   m.backend->copy_to_device(m.slot_conv_state(kda_layer, slot, projection), host_src,
                             static_cast<std::size_t>(m.conv_slot_bytes));
   synchronize();
