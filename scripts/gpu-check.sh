@@ -44,7 +44,7 @@ if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
   t=$build/tests
   run_tool() {  # tool log binary [doctest args]
     local tool=$1 log=$2; shift 2
-    timeout ${KDA_SANITIZER_TIMEOUT:-40} compute-sanitizer --tool "$tool" --error-exitcode 1 "$@" > "$OUT/$log" 2>&1
+    timeout ${KDA_SANITIZER_TIMEOUT:-40} compute-sanitizer --tool "$tool" --nvtx yes --error-exitcode 1 "$@" > "$OUT/$log" 2>&1
     local r=$?
     echo "compute-sanitizer $tool $(basename "$1") ${*:2}: exit $r, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$log" | tail -1)"
     [ $r -eq 0 ] || rc=1
@@ -87,7 +87,7 @@ if [ "$what" = sanitize-all ]; then
     local tool=$1 bin=$2 s0=$(date +%s)
     local args=()
     [ "$bin" = test_kda_operator ] && args=('-tc=*[cuda]')  # its CPU cases need no sanitizer
-    timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --error-exitcode 1 \
+    timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --nvtx yes --error-exitcode 1 \
       "$t/$bin" "${args[@]}" > "$logs/$tool-$bin.log" 2>&1
     local r=$?
     local summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$logs/$tool-$bin.log" | tail -1)

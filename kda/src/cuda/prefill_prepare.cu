@@ -14,6 +14,8 @@ constexpr int kPrepThreads = 128;  // 4 warps
 // and stores) and half of the chunk's tokens: thread t owns channels 2 (t % 64) + {0, 1} of tokens
 // 8 (t / 64) .. 8 (t / 64) + 7.
 constexpr int kHalf = C / 2;
+constexpr int kLowerPairs = C * (C - 1) / 2;  // 120 strictly lower (i, j) of a chunk
+static_assert(kLowerPairs + C / 2 == kPrepThreads, "exact path: a pair or two diagonals a thread");
 constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, distinct banks per row
 // The factored path splits exp(G_i - G_j) = exp(G_i - r) exp(r - G_j) around a per-channel
 // reference r, so that A and M are Gram products on the tensor cores. Two references:
@@ -65,7 +67,9 @@ struct PrepSmem {
   float inv_norm[2][C];
   float range[4];  // per warp: the largest half range and the largest decay
   float decay[4];
-  std::uint64_t inputs_ready;  // mbarrier of the input copies
+  // mbarriers of the input copies: q, k and g (steps 2 to 5), and v, which only step 6 reads
+  // (waiting for it there lets steps 2 to 5 overlap its copies)
+  std::uint64_t qkg_ready, v_ready;
 };
 
 // acc (16 x 16, as in gram16_pair) += X Y^T over the 128 channels, X and Y bf16 16 x 128 tiles in
@@ -168,19 +172,22 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   const std::int64_t H = p.num_heads;
 
   // 1. The chunk's q, k, v, g rows into shared memory: one 256-byte bulk copy per (tensor, token),
-  //    issued by 4 * nvalid threads, each announcing its own bytes on the mbarrier (so no thread
-  //    waits on another's announcement); padded tokens are zeroed.
+  //    issued by 4 * nvalid threads, each announcing its own bytes on its tensor's mbarrier (so no
+  //    thread waits on another's announcement); padded tokens are zeroed.
   {
-    if (tid == 0) mbarrier_init(&sm.inputs_ready, static_cast<unsigned>(4 * nvalid));
-    __syncthreads();  // the barrier is initialized before anyone uses it
+    if (tid == 0) {
+      mbarrier_init(&sm.qkg_ready, static_cast<unsigned>(3 * nvalid));
+      mbarrier_init(&sm.v_ready, static_cast<unsigned>(nvalid));
+    }
+    __syncthreads();  // the barriers are initialized before anyone uses them
     if (tid < 4 * C) {
       const int tensor = tid / C, row = tid % C;
       const bf16* src = tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : tensor == 2 ? p.in.v : p.in.g;
       bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
+      std::uint64_t* ready = tensor == 2 ? &sm.v_ready : &sm.qkg_ready;
       if (row < nvalid) {
-        mbarrier_expect_tx(&sm.inputs_ready, D * 2);
-        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2,
-                            &sm.inputs_ready);
+        mbarrier_expect_tx(ready, D * 2);
+        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, ready);
       } else {
         uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
 #pragma unroll
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     if (tid < C)
       sm.beta[tid] =
           tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
-    mbarrier_wait(&sm.inputs_ready, 0);
+    mbarrier_wait(&sm.qkg_ready, 0);
     __syncthreads();  // the zeroed rows and beta
   }
 
@@ -346,23 +353,57 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       }
     }
   } else {
-    // Exact: every exp() of a difference G_i - G_j <= 0. A thread per pair (i, j), i >= j.
-    for (int pidx = tid; pidx < C * C; pidx += kPrepThreads) {
-      const int i = pidx / C, jj = pidx % C;
+    // Exact: every exp() of a difference G_i - G_j <= 0, over channel pairs (bf16x2 and float2
+    // loads). Threads 0..119 take one strictly lower pair (i, j) each, A and M, and zero M's
+    // mirror entry (j, i); threads 120..127 take two diagonal entries of M each (exp(0) = 1, A's
+    // diagonal is 0). Per channel the sums run in the order of channels as before.
+    if (tid < kLowerPairs) {
+      int i = static_cast<int>((1.f + sqrtf(1.f + 8.f * static_cast<float>(tid))) * 0.5f);
+      i -= i * (i - 1) / 2 > tid ? 1 : 0;
+      i += (i + 1) * i / 2 <= tid ? 1 : 0;
+      const int jj = tid - i * (i - 1) / 2;
       float a = 0.f, m = 0.f;
-      if (i >= jj) {
 #pragma unroll 8
-        for (int c = 0; c < D; ++c) {
-          const float kj = __bfloat162float(sm.k[jj][c]) * fast_exp2(sm.G[i][c] - sm.G[jj][c]);
-          a = fmaf(__bfloat162float(sm.k[i][c]), kj, a);
-          m = fmaf(__bfloat162float(sm.q[i][c]), kj, m);
-        }
+      for (int c = 0; c < D; c += 2) {
+        const float2 gi = *reinterpret_cast<const float2*>(&sm.G[i][c]);
+        const float2 gj = *reinterpret_cast<const float2*>(&sm.G[jj][c]);
+        const float2 kj = unpack_bf16x2(lds32(&sm.k[jj][c]));
+        const float2 ki = unpack_bf16x2(lds32(&sm.k[i][c]));
+        const float2 qi = unpack_bf16x2(lds32(&sm.q[i][c]));
+        const float kjx = kj.x * fast_exp2(gi.x - gj.x), kjy = kj.y * fast_exp2(gi.y - gj.y);
+        a = fmaf(ki.x, kjx, a);
+        m = fmaf(qi.x, kjx, m);
+        a = fmaf(ki.y, kjy, a);
+        m = fmaf(qi.y, kjy, m);
       }
-      sm.A[i][jj] = i > jj ? sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj] : 0.f;
-      const float mv = i >= jj ? p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj] : 0.f;
+      sm.A[i][jj] = sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj];
+      const float mv = p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj];
       const bf16 m_hi = __float2bfloat16(mv);
       sm.m[i][jj] = m_hi;
       store_m_lo(sm, i, jj, __float2bfloat16(mv - __bfloat162float(m_hi)));
+      sm.m[jj][i] = __float2bfloat16(0.f);
+      store_m_lo(sm, jj, i, __float2bfloat16(0.f));
+    } else {
+      const int d0 = 2 * (tid - kLowerPairs);
+      float m0 = 0.f, m1 = 0.f;
+#pragma unroll 8
+      for (int c = 0; c < D; c += 2) {
+        const float2 k0 = unpack_bf16x2(lds32(&sm.k[d0][c]));
+        const float2 q0 = unpack_bf16x2(lds32(&sm.q[d0][c]));
+        const float2 k1 = unpack_bf16x2(lds32(&sm.k[d0 + 1][c]));
+        const float2 q1 = unpack_bf16x2(lds32(&sm.q[d0 + 1][c]));
+        m0 = fmaf(q0.y, k0.y, fmaf(q0.x, k0.x, m0));
+        m1 = fmaf(q1.y, k1.y, fmaf(q1.x, k1.x, m1));
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = d0 + e;
+        const float mv = p.scale * (e == 0 ? m0 : m1) * sm.inv_norm[0][d] * sm.inv_norm[1][d];
+        const bf16 m_hi = __float2bfloat16(mv);
+        sm.A[d][d] = 0.f;
+        sm.m[d][d] = m_hi;
+        store_m_lo(sm, d, d, __float2bfloat16(mv - __bfloat162float(m_hi)));
+      }
     }
   }
   __syncthreads();
@@ -414,6 +455,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     }
   }
   __syncthreads();
+
+  mbarrier_wait(&sm.v_ready, 0);  // every thread: the copies' writes are visible to waiters
 
   // 6. [W | U0] = T' [K~ | V] on the tensor cores: T' and K~ as bf16 pairs (hi hi + hi lo + lo hi),
   //    V exact in bf16 (T'_hi V + T'_lo V); warp w takes channels 32 w .. 32 w + 31 of both.
