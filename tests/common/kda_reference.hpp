@@ -196,6 +196,15 @@ inline std::vector<std::uint16_t> random_bf16(Rng& rng, std::int64_t count, doub
   return out;
 }
 
+// The log decay g of one element (KDA.md §1), in fp64: element `index` of c.g, channel `channel`
+// (h * K + i) of dt_bias, a = exp(A_log[h]).
+inline double log_decay(const KdaCase& c, double a, std::int64_t index, std::int64_t channel) {
+  const double x = static_cast<double>(bf16_to_float(c.g[static_cast<std::size_t>(index)])) +
+                   static_cast<double>(c.dt_bias[static_cast<std::size_t>(channel)]);
+  if (c.problem.gate == GateMode::kSoftplus) return -a * (x > 30.0 ? x : std::log1p(std::exp(x)));
+  return static_cast<double>(c.problem.lower_bound) / (1.0 + std::exp(-a * x));
+}
+
 // Draws a case. Distributions: q, k, g_raw, beta_raw ~ N(0, 1); v ~ N(0, value_scale^2);
 // A_log = log(U(0.5, 2)); dt_bias ~ U(-1, 1) + dt_bias_shift; initial state ~ N(0, 0.25).
 inline KdaCase make_case(const CaseOptions& o) {
@@ -324,15 +333,7 @@ inline Reference reference_forward(const KdaCase& c) {
         for (std::int64_t i = 0; i < K; ++i) {
           qn[i] = at(c.q, row * K + i) / std::sqrt(qq + 1e-6);
           kn[i] = at(c.k, row * K + i) / std::sqrt(kk + 1e-6);
-          const double x = at(c.g, row * K + i) + static_cast<double>(c.dt_bias[h * K + i]);
-          double gate;
-          if (p.gate == GateMode::kSoftplus) {
-            const double softplus = x > 30.0 ? x : std::log1p(std::exp(x));
-            gate = -a * softplus;
-          } else {
-            gate = static_cast<double>(p.lower_bound) / (1.0 + std::exp(-a * x));
-          }
-          decay[i] = std::exp(gate);
+          decay[i] = std::exp(log_decay(c, a, row * K + i, h * K + i));
         }
         const double beta = 1.0 / (1.0 + std::exp(-at(c.beta, row)));
         for (std::int64_t i = 0; i < K; ++i) {

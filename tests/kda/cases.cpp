@@ -2,6 +2,8 @@
 // changed seed is a different case.
 #include "cases.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -194,6 +196,15 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
           shift > 0 ? kGpuOutTol : kGpuTol);
     }
   }
+  // Softplus decay strong enough for the prepare kernel's exact path (~10 to ~50 nats per token;
+  // prepare_paths, and the test "the CUDA cases reach every prepare path").
+  for (float shift : {15.0f, 25.0f}) {
+    CaseOptions o = cuda_options(8, ++seed);
+    o.seq_len = 300;
+    o.gate = GateMode::kSoftplus;
+    o.dt_bias_shift = shift;
+    add("very strong decay softplus dt_bias shift " + std::to_string(static_cast<int>(shift)), o);
+  }
   // Every state combination.
   seed = 400;
   for (DType in : {DType::kNone, DType::kBF16, DType::kF32}) {
@@ -252,6 +263,39 @@ const std::vector<PrefillCase>& prefill_cases() {
     return c;
   }();
   return cases;
+}
+
+PreparePaths prepare_paths(const CaseOptions& options) {
+  const KdaCase c = make_case(options);
+  const Problem& p = c.problem;
+  const std::int64_t H = p.num_heads, K = p.head_dim_k;
+  constexpr int kChunk = 16;
+  constexpr double kBound = 80.0;
+  PreparePaths paths;
+  std::vector<double> G(kChunk);
+  for (std::int64_t s = 0; s < c.num_seqs(); ++s) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const double a = std::exp(static_cast<double>(c.A_log[static_cast<std::size_t>(h)]));
+      for (std::int64_t t0 = c.seq_begin(s); t0 < c.seq_end(s); t0 += kChunk) {
+        double decay = 0, range = 0;
+        for (std::int64_t i = 0; i < K; ++i) {
+          double sum = 0;
+          for (int t = 0; t < kChunk; ++t) {  // padded tokens decay by nothing
+            if (t0 + t < c.seq_end(s))
+              sum += log_decay(c, a, ((t0 + t) * H + h) * K + i, h * K + i);
+            G[static_cast<std::size_t>(t)] = sum;
+          }
+          decay = std::max(decay, -G[kChunk - 1]);
+          range = std::max(range, 0.5 * (G[0] - G[kChunk - 1]));
+        }
+        std::int64_t& count = decay < kBound   ? paths.zero_ref
+                              : range < kBound ? paths.middle_ref
+                                               : paths.exact;
+        ++count;
+      }
+    }
+  }
+  return paths;
 }
 
 const std::vector<SlotShape>& slot_shapes() {

@@ -40,6 +40,16 @@ struct PrefillCase {
 // their backends (the CPU in fp32 and fp64 mode), kCpu ones by "prefill matches the CPU backend".
 const std::vector<PrefillCase>& prefill_cases();
 
+// How the CUDA prepare kernel (kda/src/cuda/prefill_prepare.cu) treats a case's 16-token chunks,
+// by its rule: reference 0 while every channel decays < 80 nats over the chunk, else the middle
+// reference while every half range is < 80, else the exact path. In fp64 here (the kernel: fp32,
+// log2 units), so a chunk right at a bound may count on the other side; the counts show which
+// paths the CUDA cases reach.
+struct PreparePaths {
+  std::int64_t zero_ref = 0, middle_ref = 0, exact = 0;
+};
+PreparePaths prepare_paths(const CaseOptions& options);
+
 // Prefill through state slots: the case's sequences are run through each of slot_lists() in a
 // pool of 2N + 3 entries, and must equal the contiguous run bitwise.
 struct SlotShape {

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdio>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -63,4 +64,26 @@ KDA_CUDA_CASE("prefill: a decay far below e^-88 inside a chunk stays finite") {
   const PrefillRun cpu = cpu_runner().prefill(c);
   REQUIRE(cpu.status.ok());
   CHECK(rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out)) <= kGpuOutTol);
+}
+
+// Without a device too: the CUDA cases above must reach each of the prepare kernel's four paths
+// (a gate regime the registry lost would leave a path untested without any failure).
+TEST_CASE("the CUDA cases reach every prepare path (reference 0, middle, exact)") {
+  PreparePaths total;
+  for (const PrefillCase& pc : prefill_cases()) {
+    // The large shapes repeat the small ones' gate regimes; skipping them keeps this test fast.
+    const CaseOptions& o = pc.options;
+    std::int64_t tokens = o.seq_len * o.batch;
+    if (!o.lengths.empty()) tokens = std::accumulate(o.lengths.begin(), o.lengths.end(), 0LL);
+    if ((pc.backends & kOnCuda) == 0 || o.head_dim_k != 128 || tokens * o.heads > 8192) continue;
+    const PreparePaths p = prepare_paths(pc.options);
+    total.zero_ref += p.zero_ref;
+    total.middle_ref += p.middle_ref;
+    total.exact += p.exact;
+  }
+  MESSAGE("chunk-heads by path: reference 0 " << total.zero_ref << ", middle " << total.middle_ref
+                                              << ", exact " << total.exact);
+  CHECK(total.zero_ref > 0);
+  CHECK(total.middle_ref > 0);
+  CHECK(total.exact > 0);
 }
