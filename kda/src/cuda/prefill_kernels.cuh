@@ -96,8 +96,6 @@ __device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std:
   return lo;
 }
 
-// 16 x 16 = X Y^T over the 128 channels, X and Y 16 x 128 bf16 tiles in shared memory (one warp).
-
 // Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
 // every sequence is one segment and kFirst is the whole recurrence.
 enum class RecurrencePass : int {

@@ -48,7 +48,6 @@ __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const un
   }
 }
 
-// Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
 // Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
 // outside the pool, reported once through the status word).
 __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s,
