@@ -15,6 +15,7 @@ def parse(path):
     times = {}
     table = None
     ms_column = None  # the prefill table's "ms" column, from its header row
+    us_column, state_column = 1, None  # the decode table's; older outputs have no state column
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.startswith("### "):
@@ -26,11 +27,16 @@ def parse(path):
             if table == "prefill" and "ms" in cells:
                 ms_column = cells.index("ms")
                 continue
+            if table == "decode" and "us per step" in cells:
+                us_column = cells.index("us per step")
+                state_column = cells.index("state") if "state" in cells else None
+                continue
             try:
                 if table == "prefill" and ms_column is not None and len(cells) > ms_column:
                     times[(table, cells[0])] = float(cells[ms_column])
-                elif table == "decode" and len(cells) >= 2:
-                    times[(table, "B=" + str(int(cells[0])))] = float(cells[1])
+                elif table == "decode" and len(cells) > us_column:
+                    state = cells[state_column] if state_column is not None else "f32"
+                    times[(table, f"B={int(cells[0])} {state}")] = float(cells[us_column])
                 elif table == "host" and len(cells) >= 4:
                     times[(table, cells[0] + " (checks on)")] = float(cells[2])
                     times[(table, cells[0] + " (checks off)")] = float(cells[3])

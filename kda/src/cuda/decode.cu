@@ -1,13 +1,15 @@
 // CUDA decode of KDA: 1..16 new tokens per sequence on a pool of state slots, updated in place.
 //
 // One block per (sequence, head), 8 warps; warp w owns rows v in [16w, 16w + 16) of S^T (V-first
-// state) and each lane 4 consecutive channels of K, so a row is one coalesced 512-byte access and
-// the state stays in registers (64 floats a thread) across the step's tokens. The kernel is bound
-// by moving the state (read and written once per step): the dot products are warp-shuffle
-// reductions.
+// state) and each lane 4 consecutive channels of K of every row (fp32 state: a row is one
+// 512-byte warp access), or 8 of every other row (bf16 state: a half-warp per row, one warp access
+// covers two rows, fewer instructions per state byte); the state stays in registers (64 floats a
+// thread) across the step's tokens. The kernel is meant to be bound by moving the state (read and
+// written once per step); the dot products are shuffle reductions (DecodeLanes).
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "argument_table.hpp"
@@ -37,22 +39,42 @@ struct DecodeParams {
   std::uint32_t* status;  // caller's device status word, or null
 };
 
-__device__ __forceinline__ float4 load_bf16x4(const bf16* p) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  return make_float4(__bfloat162float(lo.x), __bfloat162float(lo.y), __bfloat162float(hi.x),
-                     __bfloat162float(hi.y));
-}
+// kVec consecutive channels of K per lane: 4 (a row is one warp-wide access; 5 shuffle steps per
+// reduction of 16 rows) or 8 (a warp access covers two rows, one per half-warp; 4 shuffle steps,
+// each reducing two rows at once: fewer instructions per state byte, which a bf16 state needs).
+template <int kVec>
+struct DecodeLanes {
+  static_assert(kVec == 4 || kVec == 8, "4 or 8 channels per lane");
+  static constexpr int kLanesPerRow = D / kVec;           // 32 or 16
+  static constexpr int kRowsPerStep = 32 / kLanesPerRow;  // rows one warp access covers: 1 or 2
+  static constexpr int kSteps = kRows / kRowsPerStep;     // 16 or 8 row groups per warp
+};
 
-__device__ __forceinline__ float warp_sum(float x) {
+// kVec bf16 values at p as floats (8- or 16-byte load).
+template <int kVec>
+__device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
+  std::uint32_t w[kVec / 2];
+  if constexpr (kVec == 4) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    w[0] = raw.x;
+    w[1] = raw.y;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    w[0] = raw.x;
+    w[1] = raw.y;
+    w[2] = raw.z;
+    w[3] = raw.w;
+  }
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
+  for (int i = 0; i < kVec / 2; ++i) {
+    x[2 * i] = __uint_as_float(w[i] << 16);
+    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
 }
 
-template <bool kF32State>
-__global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodeParams p) {
+template <bool kF32State, int kVec>
+__global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const DecodeParams p) {
+  using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -68,103 +90,167 @@ __global__ void __launch_bounds__(kWarps * 32) kda_decode_kernel(const DecodePar
 
   const std::int64_t H = p.num_heads;
   const std::int64_t state_base = (static_cast<std::int64_t>(slot) * H + h) * D * D;
-  const int k0 = 4 * lane;
+  const int k0 = kVec * (lane % L::kLanesPerRow);
+  const int sub = lane / L::kLanesPerRow;  // which row of a step's group this lane holds
   const int v_row0 = warp * kRows;
+  auto row_of = [&](int i) { return v_row0 + L::kRowsPerStep * i + sub; };
 
-  float4 S[kRows];
+  float S[L::kSteps][kVec];  // S^T[row_of(i)][k0 .. k0 + kVec)
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const std::int64_t off = state_base + static_cast<std::int64_t>(v_row0 + r) * D + k0;
+  for (int i = 0; i < L::kSteps; ++i) {
+    const std::int64_t off = state_base + static_cast<std::int64_t>(row_of(i)) * D + k0;
     if constexpr (kF32State) {
-      S[r] = *reinterpret_cast<const float4*>(static_cast<const float*>(p.pool) + off);
+#pragma unroll
+      for (int j = 0; j < kVec; j += 4) {
+        const float4 f =
+            *reinterpret_cast<const float4*>(static_cast<const float*>(p.pool) + off + j);
+        S[i][j] = f.x;
+        S[i][j + 1] = f.y;
+        S[i][j + 2] = f.z;
+        S[i][j + 3] = f.w;
+      }
     } else {
-      S[r] = load_bf16x4(static_cast<const bf16*>(p.pool) + off);
+      load_bf16<kVec>(static_cast<const bf16*>(p.pool) + off, S[i]);
     }
   }
 
   const float a_exp = __expf(p.in.A_log[h]);
-  const float4 dtb = *reinterpret_cast<const float4*>(p.in.dt_bias + h * D + k0);
+  // Sum over the lanes that share a row (all 32, or each half-warp).
+  auto row_sum = [](float x) {
+#pragma unroll
+    for (int o = L::kLanesPerRow / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+  };
 
   for (int t = 0; t < p.tokens; ++t) {
     const std::int64_t tok = b * p.tokens + t;
     const std::int64_t qk_off = (tok * H + h) * D;
-    const float4 q = load_bf16x4(p.in.q + qk_off + k0);
-    const float4 k = load_bf16x4(p.in.k + qk_off + k0);
-    const float4 g = load_bf16x4(p.in.g + qk_off + k0);
+    float q[kVec], k[kVec], g[kVec];
+    load_bf16<kVec>(p.in.q + qk_off + k0, q);
+    load_bf16<kVec>(p.in.k + qk_off + k0, k);
+    load_bf16<kVec>(p.in.g + qk_off + k0, g);
     const float beta = sigmoid_f(__bfloat162float(p.in.beta[tok * H + h]));
-    // This warp's 16 values of v (a broadcast load).
-    float vr[kRows];
+    float vr[L::kSteps];  // v of this lane's rows row_of(i)
     {
       const uint4* vp = reinterpret_cast<const uint4*>(p.in.v + qk_off + v_row0);
       const uint4 r0 = vp[0], r1 = vp[1];
+      float v16[kRows];
       const __nv_bfloat162* h0 = reinterpret_cast<const __nv_bfloat162*>(&r0);
       const __nv_bfloat162* h1 = reinterpret_cast<const __nv_bfloat162*>(&r1);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        vr[2 * i] = __bfloat162float(h0[i].x);
-        vr[2 * i + 1] = __bfloat162float(h0[i].y);
-        vr[8 + 2 * i] = __bfloat162float(h1[i].x);
-        vr[8 + 2 * i + 1] = __bfloat162float(h1[i].y);
+        v16[2 * i] = __bfloat162float(h0[i].x);
+        v16[2 * i + 1] = __bfloat162float(h0[i].y);
+        v16[8 + 2 * i] = __bfloat162float(h1[i].x);
+        v16[8 + 2 * i + 1] = __bfloat162float(h1[i].y);
+      }
+      // (by a select: a run-time index would put the array in local memory)
+#pragma unroll
+      for (int i = 0; i < L::kSteps; ++i) {
+        vr[i] = L::kRowsPerStep == 1 ? v16[i] : (sub ? v16[2 * i + 1] : v16[2 * i]);
       }
     }
-    const float inv_q =
-        rsqrtf(warp_sum(q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w) + 1e-6f) * p.scale;
-    const float inv_k = rsqrtf(warp_sum(k.x * k.x + k.y * k.y + k.z * k.z + k.w * k.w) + 1e-6f);
-    const float4 qh = make_float4(q.x * inv_q, q.y * inv_q, q.z * inv_q, q.w * inv_q);
-    const float4 kh = make_float4(k.x * inv_k, k.y * inv_k, k.z * inv_k, k.w * inv_k);
-    const float4 alpha =
-        make_float4(__expf(gate_activation(p.gate, g.x, a_exp, dtb.x, p.lower_bound)),
-                    __expf(gate_activation(p.gate, g.y, a_exp, dtb.y, p.lower_bound)),
-                    __expf(gate_activation(p.gate, g.z, a_exp, dtb.z, p.lower_bound)),
-                    __expf(gate_activation(p.gate, g.w, a_exp, dtb.w, p.lower_bound)));
+    float qq = 0.f, kk = 0.f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      qq += q[j] * q[j];
+      kk += k[j] * k[j];
+    }
+    const float inv_q = rsqrtf(row_sum(qq) + 1e-6f) * p.scale;
+    const float inv_k = rsqrtf(row_sum(kk) + 1e-6f);
+    float qh[kVec], kh[kVec], alpha[kVec], dtb[kVec];
+    // dt_bias again for each token (an L1 hit) rather than kVec registers held across the loop.
+#pragma unroll
+    for (int j = 0; j < kVec; j += 4) {
+      const float4 f = *reinterpret_cast<const float4*>(p.in.dt_bias + h * D + k0 + j);
+      dtb[j] = f.x;
+      dtb[j + 1] = f.y;
+      dtb[j + 2] = f.z;
+      dtb[j + 3] = f.w;
+    }
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      qh[j] = q[j] * inv_q;
+      kh[j] = k[j] * inv_k;
+      alpha[j] = __expf(gate_activation(p.gate, g[j], a_exp, dtb[j], p.lower_bound));
+    }
 
-    float dot[kRows];
+    float dot[L::kSteps];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      S[r].x *= alpha.x;
-      S[r].y *= alpha.y;
-      S[r].z *= alpha.z;
-      S[r].w *= alpha.w;
-      dot[r] = S[r].x * kh.x + S[r].y * kh.y + S[r].z * kh.z + S[r].w * kh.w;
+    for (int i = 0; i < L::kSteps; ++i) {
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        S[i][j] *= alpha[j];
+        d += S[i][j] * kh[j];
+      }
+      dot[i] = d;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
+    for (int o = L::kLanesPerRow / 2; o > 0; o >>= 1) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], o);
+      for (int i = 0; i < L::kSteps; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float delta = beta * (vr[r] - dot[r]);
-      S[r].x = fmaf(delta, kh.x, S[r].x);
-      S[r].y = fmaf(delta, kh.y, S[r].y);
-      S[r].z = fmaf(delta, kh.z, S[r].z);
-      S[r].w = fmaf(delta, kh.w, S[r].w);
-      dot[r] = S[r].x * qh.x + S[r].y * qh.y + S[r].z * qh.z + S[r].w * qh.w;
+    for (int i = 0; i < L::kSteps; ++i) {
+      const float delta = beta * (vr[i] - dot[i]);
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        S[i][j] = fmaf(delta, kh[j], S[i][j]);
+        d += S[i][j] * qh[j];
+      }
+      dot[i] = d;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
+    for (int o = L::kLanesPerRow / 2; o > 0; o >>= 1) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) dot[r] += __shfl_xor_sync(0xffffffffu, dot[r], o);
+      for (int i = 0; i < L::kSteps; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
     }
-    // Lane r writes row r's output: 16 lanes, 32 contiguous bytes.
+    // Lane (sub, i) of its row group writes row row_of(i): every lane of the group holds the sum.
+    const int i_mine = lane % L::kLanesPerRow;
     float mine = 0.f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) mine = lane == r ? dot[r] : mine;
-    if (lane < kRows) p.out[(tok * H + h) * D + v_row0 + lane] = __float2bfloat16(mine);
+    for (int i = 0; i < L::kSteps; ++i) mine = i_mine == i ? dot[i] : mine;
+    if (i_mine < L::kSteps) {
+      p.out[(tok * H + h) * D + row_of(i_mine)] = __float2bfloat16(mine);
+    }
   }
 
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const std::int64_t off = state_base + static_cast<std::int64_t>(v_row0 + r) * D + k0;
+  for (int i = 0; i < L::kSteps; ++i) {
+    const std::int64_t off = state_base + static_cast<std::int64_t>(row_of(i)) * D + k0;
     if constexpr (kF32State) {
-      *reinterpret_cast<float4*>(static_cast<float*>(p.pool) + off) = S[r];
+#pragma unroll
+      for (int j = 0; j < kVec; j += 4) {
+        *reinterpret_cast<float4*>(static_cast<float*>(p.pool) + off + j) =
+            make_float4(S[i][j], S[i][j + 1], S[i][j + 2], S[i][j + 3]);
+      }
     } else {
-      uint2 raw;
-      raw.x = pack_bf16x2(S[r].x, S[r].y);
-      raw.y = pack_bf16x2(S[r].z, S[r].w);
-      *reinterpret_cast<uint2*>(static_cast<bf16*>(p.pool) + off) = raw;
+      std::uint32_t w[kVec / 2];
+#pragma unroll
+      for (int j = 0; j < kVec / 2; ++j) w[j] = pack_bf16x2(S[i][2 * j], S[i][2 * j + 1]);
+      if constexpr (kVec == 4) {
+        *reinterpret_cast<uint2*>(static_cast<bf16*>(p.pool) + off) = make_uint2(w[0], w[1]);
+      } else {
+        *reinterpret_cast<uint4*>(static_cast<bf16*>(p.pool) + off) =
+            make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
   }
+}
+
+// Channels per lane (DecodeLanes), measured on the H200 (same run, 3 rounds, B = 1..256): 4 for an
+// fp32 state (8 took 1.06-1.42x the time: 64 more bytes of state a lane, spills at 128 registers)
+// and 8 for a bf16 state (0.92-0.97x of 4's time). KDA_DECODE_VEC=4 or 8 forces one for both (a
+// tuning knob for the benchmark's sweeps, read once; not part of the contract).
+int decode_vec(bool f32_state) {
+  static const int forced = [] {
+    const char* env = std::getenv("KDA_DECODE_VEC");
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v == 4 || v == 8 ? v : 0;
+  }();
+  return forced != 0 ? forced : f32_state ? 4 : 8;
 }
 
 }  // namespace
@@ -204,9 +290,12 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
-  const cudaError_t err = p.state_dtype == DType::kF32
-                              ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true>, prm)
-                              : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false>, prm);
+  const bool f32 = p.state_dtype == DType::kF32;
+  const cudaError_t err = decode_vec(f32) == 4
+                              ? (f32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4>, prm)
+                                     : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4>, prm))
+                              : (f32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 8>, prm)
+                                     : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8>, prm));
   return cuda_status(err, "kda_decode_kernel");
 }
 

@@ -76,8 +76,17 @@ class Span {
   template <typename A>
   Span(const std::vector<value_type, A>& values) noexcept  // NOLINT: implicit by design
       : data_(values.data()), size_(values.size()) {}
+// GCC warns that the view does not extend the braced list's lifetime: it is not meant to (see
+// above), and the warning would reach every user of this header.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"
+#endif
   constexpr Span(std::initializer_list<value_type> values) noexcept  // NOLINT: implicit by design
       : data_(values.begin()), size_(values.size()) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
   constexpr T* data() const noexcept { return data_; }
   constexpr std::size_t size() const noexcept { return size_; }
