@@ -20,15 +20,19 @@
 //   U      U as the left operand of the state update and of U^T M^T (bf16)
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
+//   B      --pair only: B = W_b K^_a^T (16 x 16) stored bf16
+//
 //   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--chunk C] [--gate
-//   softplus|lower_bound] [--dt-shift X]   (X added to every dt_bias: -4 long memory, +3 strong
-//   decay, as the operator tests' regimes)
+//   softplus|lower_bound] [--dt-shift X] [--pair]   (X added to every dt_bias: -4 long memory, +3
+//   strong decay, as the operator tests' regimes; --pair: the recurrence two chunks a step,
+//   recur_pair, a design for a shorter state chain)
 // Prints, for each configuration, the relative L2 error of out and of the final state.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +44,7 @@ constexpr int D = 128;
 
 struct Rounding {
   bool gram = true, M = true, W = true, U0 = true, kd = true, S = true, U = true, qgY = true;
+  bool B = true;  // --pair only: B = W_b K^_a^T stored bf16
 };
 
 float r16(float x, bool on) { return on ? kda::round_bf16(x) : x; }
@@ -115,104 +120,189 @@ void reference(const Head& h, std::vector<double>* out, std::vector<double>* sta
   *state = S;
 }
 
-// The GPU's chunk path with the given roundings, in chunks of C tokens (the GPU's: 16; 32 and 64
-// to judge longer chunks). Counts in *wide the (chunk, channel) pairs whose half decay range
-// reaches the factored path's bound (80): the GPU takes its exact path there, and the factors
-// emulated here may overflow.
+// One chunk's record as the prepare kernel leaves it (rounded as `r` says).
 template <int C>
-void emulate(const Head& h, const Rounding& r, std::vector<double>* out, std::vector<double>* state,
-             long* wide) {
+struct Record {
+  int t0 = 0, n = 0;  // first token, valid tokens
+  float W[C][D], U0[C][D], kd[C][D], qgY[C][D], M[C][C] = {}, gl[D];
+};
+
+// The prepare kernel's work for chunk [t0, t0 + C), with the given roundings. Counts in *wide the
+// (chunk, channel) pairs whose half decay range reaches the factored path's bound (80): the GPU
+// takes its exact path there, and the factors emulated here may overflow.
+template <int C>
+void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wide) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const int n = std::min(C, h.T - t0);
+  rec->t0 = t0;
+  rec->n = n;
+  float G[C][D], qg[C][D], kg[C][D], ki[C][D], kt[C][D];
+  float A[C][C] = {}, beta[C] = {};
+  float inq[C] = {}, ink[C] = {};
+  for (int i = 0; i < C; ++i) {
+    if (i >= n) continue;
+    float sq = 0, sk = 0;
+    for (int d = 0; d < D; ++d) {
+      sq += h.q[(t0 + i) * D + d] * h.q[(t0 + i) * D + d];
+      sk += h.k[(t0 + i) * D + d] * h.k[(t0 + i) * D + d];
+    }
+    inq[i] = 1.f / std::sqrt(sq + 1e-6f);
+    ink[i] = 1.f / std::sqrt(sk + 1e-6f);
+    beta[i] = 1.f / (1.f + std::exp(-h.beta[t0 + i]));
+  }
+  for (int d = 0; d < D; ++d) {
+    float acc = 0;
+    for (int i = 0; i < C; ++i) {
+      if (i < n) acc += gate(h, h.g[(t0 + i) * D + d], d);
+      G[i][d] = acc;
+    }
+    rec->gl[d] = std::exp(G[C - 1][d]);
+  }
+  for (int i = 0; i < C; ++i) {
+    for (int d = 0; d < D; ++d) {
+      const float qh = i < n ? h.q[(t0 + i) * D + d] * inq[i] : 0.f;
+      const float kh = i < n ? h.k[(t0 + i) * D + d] * ink[i] : 0.f;
+      const float eg = std::exp(G[i][d]);
+      const float half = 0.5f * (G[0][d] - G[C - 1][d]), ref = G[C - 1][d] + half;
+      if (i == 0 && half >= 80.f) ++*wide;
+      const float e_fwd = std::exp(G[i][d] - ref), e_back = std::exp(ref - G[i][d]);
+      kt[i][d] = kh * eg;
+      qg[i][d] = r16(scale * qh * e_fwd, r.gram);
+      rec->qgY[i][d] = r16(scale * qh * eg, r.qgY);
+      kg[i][d] = r16(kh * e_fwd, r.gram);
+      const float kinv = kh * e_back;
+      ki[i][d] = r16(kinv, r.gram);
+      rec->kd[i][d] = r16(kinv * std::exp(-half), r.kd);
+    }
+  }
+  for (int i = 0; i < C; ++i) {
+    for (int j = 0; j <= i; ++j) {
+      float a = 0, m = 0;
+      for (int d = 0; d < D; ++d) {
+        a += kg[i][d] * ki[j][d];
+        m += qg[i][d] * ki[j][d];
+      }
+      if (i > j) A[i][j] = beta[i] * a;
+      rec->M[i][j] = r16(m, r.M);
+    }
+  }
+  for (int d = 0; d < D; ++d) {
+    float xk[C], xv[C];
+    for (int i = 0; i < C; ++i) {
+      float rk = beta[i] * kt[i][d];
+      float rv = beta[i] * (i < n ? h.v[(t0 + i) * D + d] : 0.f);
+      for (int j = 0; j < i; ++j) {
+        rk -= A[i][j] * xk[j];
+        rv -= A[i][j] * xv[j];
+      }
+      xk[i] = rk;
+      xv[i] = rv;
+      rec->W[i][d] = r16(rk, r.W);
+      rec->U0[i][d] = r16(rv, r.U0);
+    }
+  }
+}
+
+// The recurrence kernel's step over one chunk, for state row (V column) vv: row is S^T[vv][*].
+template <int C>
+void recur_one(const Record<C>& c, const Rounding& r, int vv, float* row,
+               std::vector<double>* out) {
+  float sa[D];
+  for (int d = 0; d < D; ++d) sa[d] = r16(row[d], r.S);
+  float ua[C];
+  for (int i = 0; i < C; ++i) {
+    float x = 0;
+    for (int d = 0; d < D; ++d) x += sa[d] * c.W[i][d];
+    ua[i] = r16(c.U0[i][vv] - x, r.U);
+  }
+  for (int i = 0; i < c.n; ++i) {
+    float y = 0;
+    for (int d = 0; d < D; ++d) y += sa[d] * c.qgY[i][d];
+    for (int j = 0; j <= i; ++j) y += ua[j] * c.M[i][j];
+    (*out)[static_cast<size_t>(c.t0 + i) * D + vv] = kda::round_bf16(y);
+  }
+  for (int d = 0; d < D; ++d) {
+    float acc = row[d] * c.gl[d];
+    for (int i = 0; i < C; ++i) acc += ua[i] * c.kd[i][d];
+    row[d] = acc;
+  }
+}
+
+// Two chunks a, b in one step whose state chain is one chunk's plus a 16 x 16 product: with
+// S_a = S^T diag(gl_a) (the decayed state) and B = W_b K^_a^T (16 x 16, from the two records, off
+// the chain),
+//   U_a = U0_a - S W_a^T                 S_1 = S_a + U_a K^_a
+//   U_b = U0_b - S_a W_b^T - U_a B^T     S_2 = S_1 diag(gl_b) + U_b K^_b
+//   O_a = S Q~_a^T + U_a M_a^T           O_b = S_1 Q~_b^T + U_b M_b^T
+// (U_b as the one-chunk step computes it from S_1 = S_a + U_a K^_a, regrouped.) X_a and S_a W_b^T
+// both start from S, so the chunk b no longer waits for chunk a's state update. Rounded as the
+// GPU would: S, S_a and S_1 as bf16 operands (`S`), B stored bf16 (`B`), U_a, U_b (`U`).
+template <int C>
+void recur_pair(const Record<C>& a, const Record<C>& b, const Rounding& r, int vv, float* row,
+                std::vector<double>* out) {
+  float sa[D], sd[D], s1[D];
+  for (int d = 0; d < D; ++d) {
+    sa[d] = r16(row[d], r.S);
+    sd[d] = row[d] * a.gl[d];  // S_a, fp32
+  }
+  float ua[C], ub[C];
+  for (int i = 0; i < C; ++i) {
+    float x = 0;
+    for (int d = 0; d < D; ++d) x += sa[d] * a.W[i][d];
+    ua[i] = r16(a.U0[i][vv] - x, r.U);
+  }
+  for (int i = 0; i < C; ++i) {
+    float x = 0;
+    for (int d = 0; d < D; ++d) x += r16(sd[d], r.S) * b.W[i][d];
+    for (int j = 0; j < C; ++j) {
+      float bij = 0;  // B[i][j] = W_b[i] . K^_a[j]
+      for (int d = 0; d < D; ++d) bij += b.W[i][d] * a.kd[j][d];
+      x += r16(bij, r.B) * ua[j];
+    }
+    ub[i] = r16(b.U0[i][vv] - x, r.U);
+  }
+  for (int d = 0; d < D; ++d) {
+    float acc = sd[d];
+    for (int i = 0; i < C; ++i) acc += ua[i] * a.kd[i][d];
+    s1[d] = acc;  // S_1, fp32
+  }
+  for (int i = 0; i < a.n; ++i) {
+    float y = 0;
+    for (int d = 0; d < D; ++d) y += sa[d] * a.qgY[i][d];
+    for (int j = 0; j <= i; ++j) y += ua[j] * a.M[i][j];
+    (*out)[static_cast<size_t>(a.t0 + i) * D + vv] = kda::round_bf16(y);
+  }
+  for (int i = 0; i < b.n; ++i) {
+    float y = 0;
+    for (int d = 0; d < D; ++d) y += r16(s1[d], r.S) * b.qgY[i][d];
+    for (int j = 0; j <= i; ++j) y += ub[j] * b.M[i][j];
+    (*out)[static_cast<size_t>(b.t0 + i) * D + vv] = kda::round_bf16(y);
+  }
+  for (int d = 0; d < D; ++d) {
+    float acc = s1[d] * b.gl[d];
+    for (int i = 0; i < C; ++i) acc += ub[i] * b.kd[i][d];
+    row[d] = acc;
+  }
+}
+
+// The GPU's chunk path with the given roundings, in chunks of C tokens (the GPU's: 16; 32 and 64
+// to judge longer chunks); `pairs`: the recurrence takes two chunks a step (recur_pair).
+template <int C>
+void emulate(const Head& h, const Rounding& r, bool pairs, std::vector<double>* out,
+             std::vector<double>* state, long* wide) {
   std::vector<float> S(h.s0);  // fp32 accumulators, [V][K]
   out->assign(static_cast<size_t>(h.T) * D, 0.0);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  for (int t0 = 0; t0 < h.T; t0 += C) {
-    const int n = std::min(C, h.T - t0);
-    float G[C][D], qg[C][D], kg[C][D], ki[C][D], kd[C][D], kt[C][D], qgY[C][D];
-    float A[C][C] = {}, M[C][C] = {}, W[C][D], U0[C][D], beta[C] = {};
-    float inq[C] = {}, ink[C] = {};
-    for (int i = 0; i < C; ++i) {
-      if (i >= n) continue;
-      float sq = 0, sk = 0;
-      for (int d = 0; d < D; ++d) {
-        sq += h.q[(t0 + i) * D + d] * h.q[(t0 + i) * D + d];
-        sk += h.k[(t0 + i) * D + d] * h.k[(t0 + i) * D + d];
-      }
-      inq[i] = 1.f / std::sqrt(sq + 1e-6f);
-      ink[i] = 1.f / std::sqrt(sk + 1e-6f);
-      beta[i] = 1.f / (1.f + std::exp(-h.beta[t0 + i]));
-    }
-    for (int d = 0; d < D; ++d) {
-      float acc = 0;
-      for (int i = 0; i < C; ++i) {
-        if (i < n) acc += gate(h, h.g[(t0 + i) * D + d], d);
-        G[i][d] = acc;
-      }
-    }
-    for (int i = 0; i < C; ++i) {
-      for (int d = 0; d < D; ++d) {
-        const float qh = i < n ? h.q[(t0 + i) * D + d] * inq[i] : 0.f;
-        const float kh = i < n ? h.k[(t0 + i) * D + d] * ink[i] : 0.f;
-        const float eg = std::exp(G[i][d]);
-        const float half = 0.5f * (G[0][d] - G[C - 1][d]), ref = G[C - 1][d] + half;
-        if (i == 0 && half >= 80.f) ++*wide;
-        const float e_fwd = std::exp(G[i][d] - ref), e_back = std::exp(ref - G[i][d]);
-        kt[i][d] = kh * eg;
-        qg[i][d] = r16(scale * qh * e_fwd, r.gram);
-        qgY[i][d] = r16(scale * qh * eg, r.qgY);
-        kg[i][d] = r16(kh * e_fwd, r.gram);
-        const float kinv = kh * e_back;
-        ki[i][d] = r16(kinv, r.gram);
-        kd[i][d] = r16(kinv * std::exp(-half), r.kd);
-      }
-    }
-    for (int i = 0; i < C; ++i) {
-      for (int j = 0; j <= i; ++j) {
-        float a = 0, m = 0;
-        for (int d = 0; d < D; ++d) {
-          a += kg[i][d] * ki[j][d];
-          m += qg[i][d] * ki[j][d];
-        }
-        if (i > j) A[i][j] = beta[i] * a;
-        M[i][j] = r16(m, r.M);
-      }
-    }
-    for (int d = 0; d < D; ++d) {
-      float xk[C], xv[C];
-      for (int i = 0; i < C; ++i) {
-        float rk = beta[i] * kt[i][d];
-        float rv = beta[i] * (i < n ? h.v[(t0 + i) * D + d] : 0.f);
-        for (int j = 0; j < i; ++j) {
-          rk -= A[i][j] * xk[j];
-          rv -= A[i][j] * xv[j];
-        }
-        xk[i] = rk;
-        xv[i] = rv;
-        W[i][d] = r16(rk, r.W);
-        U0[i][d] = r16(rv, r.U0);
-      }
-    }
-    // Recurrence, one state row (a V column) at a time.
+  auto a = std::make_unique<Record<C>>(), b = std::make_unique<Record<C>>();
+  for (int t0 = 0; t0 < h.T; t0 += (pairs ? 2 : 1) * C) {
+    prepare<C>(h, r, t0, a.get(), wide);
+    const bool two = pairs && t0 + C < h.T;
+    if (two) prepare<C>(h, r, t0 + C, b.get(), wide);
     for (int vv = 0; vv < D; ++vv) {
       float* row = &S[static_cast<size_t>(vv) * D];
-      float sa[D];
-      for (int d = 0; d < D; ++d) sa[d] = r16(row[d], r.S);
-      float U[C], ua[C];
-      for (int i = 0; i < C; ++i) {
-        float x = 0;
-        for (int d = 0; d < D; ++d) x += sa[d] * W[i][d];
-        U[i] = U0[i][vv] - x;
-        ua[i] = r16(U[i], r.U);
-      }
-      for (int i = 0; i < n; ++i) {
-        float y = 0;
-        for (int d = 0; d < D; ++d) y += sa[d] * qgY[i][d];
-        for (int j = 0; j <= i; ++j) y += ua[j] * M[i][j];
-        (*out)[static_cast<size_t>(t0 + i) * D + vv] = kda::round_bf16(y);
-      }
-      for (int d = 0; d < D; ++d) {
-        float acc = row[d] * std::exp(G[C - 1][d]);
-        for (int i = 0; i < C; ++i) acc += ua[i] * kd[i][d];
-        row[d] = acc;
+      if (two) {
+        recur_pair<C>(*a, *b, r, vv, row, out);
+      } else {
+        recur_one<C>(*a, r, vv, row, out);
       }
     }
   }
@@ -261,6 +351,7 @@ int main(int argc, char** argv) {
   std::uint64_t seed = 1;
   bool initial = true, softplus = false;
   float dt_shift = 0.f;
+  bool pair = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--tokens" && i + 1 < argc)
@@ -277,11 +368,13 @@ int main(int argc, char** argv) {
       dt_shift = static_cast<float>(std::atof(argv[++i]));
     else if (a == "--gate" && i + 1 < argc)
       softplus = std::string(argv[++i]) == "softplus";
+    else if (a == "--pair")
+      pair = true;
     else {
       std::fprintf(
           stderr,
           "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
-          "[--gate softplus|lower_bound] [--dt-shift X] [--chunk 16|32|64]\n");
+          "[--gate softplus|lower_bound] [--dt-shift X] [--chunk 16|32|64] [--pair]\n");
       return 2;
     }
   }
@@ -299,10 +392,10 @@ int main(int argc, char** argv) {
   };
   std::vector<Config> configs;
   configs.push_back({"GPU (every rounding)", Rounding{}});
-  const char* names[] = {"gram", "M", "W", "U0", "kd", "S", "U", "qgY"};
-  for (int k = 0; k < 8; ++k) {
+  const char* names[] = {"gram", "M", "W", "U0", "kd", "S", "U", "qgY", "B"};
+  for (int k = 0; k < (pair ? 9 : 8); ++k) {
     Rounding r;
-    bool* flags[] = {&r.gram, &r.M, &r.W, &r.U0, &r.kd, &r.S, &r.U, &r.qgY};
+    bool* flags[] = {&r.gram, &r.M, &r.W, &r.U0, &r.kd, &r.S, &r.U, &r.qgY, &r.B};
     *flags[k] = false;
     configs.push_back({names[k], r});
   }
@@ -316,12 +409,12 @@ int main(int argc, char** argv) {
     configs.push_back({"gram + M + kd + S + U", r});
   }
   configs.push_back({"none (out rounding only)",
-                     Rounding{false, false, false, false, false, false, false, false}});
+                     Rounding{false, false, false, false, false, false, false, false, false}});
   std::printf(
-      "T = %d, %d heads, gate %s, initial state %s, dt_bias shift %g, chunks of %d, fp64 "
+      "T = %d, %d heads, gate %s, initial state %s, dt_bias shift %g, chunks of %d%s, fp64 "
       "reference\n\n",
       T, heads, softplus ? "softplus" : "lower_bound", initial ? "N(0, 0.25)" : "zero",
-      static_cast<double>(dt_shift), chunk);
+      static_cast<double>(dt_shift), chunk, pair ? " (the recurrence in pairs of chunks)" : "");
   std::printf("| rounding switched off | out rel error | state rel error |\n|---|---:|---:|\n");
   std::vector<std::vector<double>> ref_out(heads), ref_state(heads);
   std::vector<Head> hs;
@@ -335,9 +428,9 @@ int main(int argc, char** argv) {
     std::vector<double> all_out, all_ref_out, all_state, all_ref_state;
     for (int h = 0; h < heads; ++h) {
       std::vector<double> o, s;
-      if (chunk == 16) emulate<16>(hs[h], c.r, &o, &s, &wide);
-      if (chunk == 32) emulate<32>(hs[h], c.r, &o, &s, &wide);
-      if (chunk == 64) emulate<64>(hs[h], c.r, &o, &s, &wide);
+      if (chunk == 16) emulate<16>(hs[h], c.r, pair, &o, &s, &wide);
+      if (chunk == 32) emulate<32>(hs[h], c.r, pair, &o, &s, &wide);
+      if (chunk == 64) emulate<64>(hs[h], c.r, pair, &o, &s, &wide);
       all_out.insert(all_out.end(), o.begin(), o.end());
       all_state.insert(all_state.end(), s.begin(), s.end());
       all_ref_out.insert(all_ref_out.end(), ref_out[h].begin(), ref_out[h].end());
