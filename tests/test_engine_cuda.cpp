@@ -129,12 +129,13 @@ TEST_CASE("engine on CUDA: run_synthetic with decode steps completes and reports
   r.tokens = 512;
   r.sequences = 4;
   r.decode_steps = 3;
-  // The last decode step writes rows 0..3 of the layer output: the hidden-state output for whole
-  // layers (this spec), the core's output otherwise. Poisoned first (bf16 0xffff is a NaN), so
-  // that the check below sees what the run wrote.
+  // The run writes rows 0..3 of the layer output (its prefill, then each decode step): the
+  // hidden-state output for whole layers (this spec), the core's output otherwise. Poisoned first
+  // (bf16 0xffff is a NaN), so that the check below sees values the run wrote.
   const bool whole = e.layer_mode() == kda::engine::LayerMode::kWhole;
   void* written = whole ? inputs.hidden_output() : inputs.output();
-  const std::size_t n = static_cast<std::size_t>(4 * (whole ? spec.hidden_size : 4 * 128));
+  const std::size_t n =
+      static_cast<std::size_t>(4 * (whole ? spec.hidden_size : spec.local_heads() * spec.head_dim));
   REQUIRE(written != nullptr);
   REQUIRE(kda::memset_device(written, 0xff, n * 2, e.stream()).ok());
   const kda::examples::RunReport rep = kda::examples::run_synthetic(e, inputs, r);

@@ -66,7 +66,7 @@ KDA_CUDA_CASE("prefill: a decay far below e^-88 inside a chunk stays finite") {
   CHECK(rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out)) <= kGpuOutTol);
 }
 
-// Without a device too: the CUDA cases above must reach each of the prepare kernel's four paths
+// Without a device too: the CUDA cases above must reach each of the prepare kernel's three paths
 // (a gate regime the registry lost would leave a path untested without any failure).
 TEST_CASE("the CUDA cases reach every prepare path (reference 0, middle, exact)") {
   PreparePaths total;

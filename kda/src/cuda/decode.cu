@@ -9,7 +9,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "argument_table.hpp"
@@ -242,15 +241,16 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
 
 // Channels per lane (DecodeLanes), measured on the H200 (same run, 3 rounds, B = 1..256): 4 for an
 // fp32 state (8 took 1.06-1.42x the time: 64 more bytes of state a lane, spills at 128 registers)
-// and 8 for a bf16 state (0.92-0.97x of 4's time). KDA_DECODE_VEC=4 or 8 forces one for both (a
-// tuning knob for the benchmark's sweeps, read once; not part of the contract).
-int decode_vec(bool f32_state) {
-  static const int forced = [] {
-    const char* env = std::getenv("KDA_DECODE_VEC");
-    const int v = env != nullptr ? std::atoi(env) : 0;
-    return v == 4 || v == 8 ? v : 0;
-  }();
-  return forced != 0 ? forced : f32_state ? 4 : 8;
+// and 8 for a bf16 state (0.92-0.97x of 4's time), which needs q, k, g and the pool 16-byte
+// aligned: the contract asks 8 of them (argument_table.cpp), so a pointer that is only 8-byte
+// aligned takes 4.
+int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
+  auto aligned16 = [](const void* ptr) {
+    return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0;
+  };
+  const bool wide = p.state_dtype == DType::kBF16 && aligned16(t.q) && aligned16(t.k) &&
+                    aligned16(t.g) && aligned16(t.state_pool);
+  return wide ? 8 : 4;
 }
 
 }  // namespace
@@ -290,12 +290,10 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
-  const bool f32 = p.state_dtype == DType::kF32;
-  const cudaError_t err = decode_vec(f32) == 4
-                              ? (f32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4>, prm)
-                                     : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4>, prm))
-                              : (f32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 8>, prm)
-                                     : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8>, prm));
+  const cudaError_t err =
+      p.state_dtype == DType::kF32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4>, prm)
+      : decode_vec(p, t) == 8      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8>, prm)
+                                   : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4>, prm);
   return cuda_status(err, "kda_decode_kernel");
 }
 
