@@ -346,6 +346,20 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
         const bool says_syntax = what.rfind("syntax error", 0) == 0;
         ctx.fail(mark_at(text, at), "",
                  says_syntax ? "JSON " + what : "JSON syntax error: " + what);
+      } catch (const nlohmann::json::exception& json_error) {
+        // Not a syntax error: a number too large for a double ("[json.exception.out_of_range.406]
+        // number overflow parsing '1e705'"), ... . Reported at the quoted text when it is found.
+        std::string what = json_error.what();
+        const std::size_t bracket = what.find("] ");
+        if (bracket != std::string::npos) what = what.substr(bracket + 2);
+        std::size_t at = 0;
+        const std::size_t open = what.find('\'');
+        const std::size_t close = open == std::string::npos ? open : what.find('\'', open + 1);
+        if (close != std::string::npos && close > open + 1) {
+          const std::size_t found = text.find(what.substr(open + 1, close - open - 1));
+          if (found != std::string::npos) at = found;
+        }
+        ctx.fail(mark_at(text, at), "", "JSON: " + what);
       }
     }
     if (const auto* parser_error = dynamic_cast<const YAML::ParserException*>(&e)) {

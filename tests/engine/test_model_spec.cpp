@@ -406,6 +406,14 @@ TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read;
   CHECK(error_in("c.json", replace(emoji, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
         "c.json: linear_attn_config.head_dim: expected an integer, got the string '16'");
 
+  // A number no double holds, in a file only the JSON parser reads: an error naming it, at its
+  // line (the parser's out_of_range exception, not a parse_error, once escaped as itself).
+  const std::string huge =
+      error_in("c.json", replace(emoji, "\"head_dim\": 16", "\"head_dim\": 1e705"));
+  INFO(huge);
+  CHECK(huge.rfind("c.json:", 0) == 0);
+  CHECK(huge.find("number overflow parsing '1e705'") != std::string::npos);
+
   // Not JSON to either parser: the JSON parser's message, at its line.
   const std::string missing_comma =
       error_in("c.json", replace(json, "\"num_heads\": 2,", "\"num_heads\": 2"));
