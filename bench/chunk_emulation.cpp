@@ -203,29 +203,46 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
   }
 }
 
+// The pieces of the recurrence kernel's step over chunk c for state row (V column) vv, S^T[vv][*]:
+// U = U0 - S W^T from the state operand s (already rounded as `S` says),
+template <int C>
+void chunk_u(const Record<C>& c, const Rounding& r, int vv, const float* s, float* u) {
+  for (int i = 0; i < C; ++i) {
+    float x = 0;
+    for (int d = 0; d < D; ++d) x += s[d] * c.W[i][d];
+    u[i] = r16(c.U0[i][vv] - x, r.U);
+  }
+}
+// O = S Q~^T + U M^T of the chunk's valid tokens, into out,
+template <int C>
+void chunk_out(const Record<C>& c, int vv, const float* s, const float* u,
+               std::vector<double>* out) {
+  for (int i = 0; i < c.n; ++i) {
+    float y = 0;
+    for (int d = 0; d < D; ++d) y += s[d] * c.qgY[i][d];
+    for (int j = 0; j <= i; ++j) y += u[j] * c.M[i][j];
+    (*out)[static_cast<size_t>(c.t0 + i) * D + vv] = kda::round_bf16(y);
+  }
+}
+// and the next state S' = S diag(gl) + U K^ (fp32; s_out may be s_in).
+template <int C>
+void chunk_state(const Record<C>& c, const float* u, const float* s_in, float* s_out) {
+  for (int d = 0; d < D; ++d) {
+    float acc = s_in[d] * c.gl[d];
+    for (int i = 0; i < C; ++i) acc += u[i] * c.kd[i][d];
+    s_out[d] = acc;
+  }
+}
+
 // The recurrence kernel's step over one chunk, for state row (V column) vv: row is S^T[vv][*].
 template <int C>
 void recur_one(const Record<C>& c, const Rounding& r, int vv, float* row,
                std::vector<double>* out) {
-  float sa[D];
+  float sa[D], ua[C];
   for (int d = 0; d < D; ++d) sa[d] = r16(row[d], r.S);
-  float ua[C];
-  for (int i = 0; i < C; ++i) {
-    float x = 0;
-    for (int d = 0; d < D; ++d) x += sa[d] * c.W[i][d];
-    ua[i] = r16(c.U0[i][vv] - x, r.U);
-  }
-  for (int i = 0; i < c.n; ++i) {
-    float y = 0;
-    for (int d = 0; d < D; ++d) y += sa[d] * c.qgY[i][d];
-    for (int j = 0; j <= i; ++j) y += ua[j] * c.M[i][j];
-    (*out)[static_cast<size_t>(c.t0 + i) * D + vv] = kda::round_bf16(y);
-  }
-  for (int d = 0; d < D; ++d) {
-    float acc = row[d] * c.gl[d];
-    for (int i = 0; i < C; ++i) acc += ua[i] * c.kd[i][d];
-    row[d] = acc;
-  }
+  chunk_u(c, r, vv, sa, ua);
+  chunk_out(c, vv, sa, ua, out);
+  chunk_state(c, ua, row, row);
 }
 
 // Two chunks a, b in one step whose state chain is one chunk's plus a 16 x 16 product: with
@@ -240,20 +257,15 @@ void recur_one(const Record<C>& c, const Rounding& r, int vv, float* row,
 template <int C>
 void recur_pair(const Record<C>& a, const Record<C>& b, const Rounding& r, int vv, float* row,
                 std::vector<double>* out) {
-  float sa[D], sd[D], s1[D];
+  float sa[D], sd[D], s1[D], s1r[D], ua[C], ub[C];
   for (int d = 0; d < D; ++d) {
     sa[d] = r16(row[d], r.S);
-    sd[d] = row[d] * a.gl[d];  // S_a, fp32
+    sd[d] = r16(row[d] * a.gl[d], r.S);  // S_a as the operand of S_a W_b^T
   }
-  float ua[C], ub[C];
+  chunk_u(a, r, vv, sa, ua);
   for (int i = 0; i < C; ++i) {
     float x = 0;
-    for (int d = 0; d < D; ++d) x += sa[d] * a.W[i][d];
-    ua[i] = r16(a.U0[i][vv] - x, r.U);
-  }
-  for (int i = 0; i < C; ++i) {
-    float x = 0;
-    for (int d = 0; d < D; ++d) x += r16(sd[d], r.S) * b.W[i][d];
+    for (int d = 0; d < D; ++d) x += sd[d] * b.W[i][d];
     for (int j = 0; j < C; ++j) {
       float bij = 0;  // B[i][j] = W_b[i] . K^_a[j]
       for (int d = 0; d < D; ++d) bij += b.W[i][d] * a.kd[j][d];
@@ -261,28 +273,11 @@ void recur_pair(const Record<C>& a, const Record<C>& b, const Rounding& r, int v
     }
     ub[i] = r16(b.U0[i][vv] - x, r.U);
   }
-  for (int d = 0; d < D; ++d) {
-    float acc = sd[d];
-    for (int i = 0; i < C; ++i) acc += ua[i] * a.kd[i][d];
-    s1[d] = acc;  // S_1, fp32
-  }
-  for (int i = 0; i < a.n; ++i) {
-    float y = 0;
-    for (int d = 0; d < D; ++d) y += sa[d] * a.qgY[i][d];
-    for (int j = 0; j <= i; ++j) y += ua[j] * a.M[i][j];
-    (*out)[static_cast<size_t>(a.t0 + i) * D + vv] = kda::round_bf16(y);
-  }
-  for (int i = 0; i < b.n; ++i) {
-    float y = 0;
-    for (int d = 0; d < D; ++d) y += r16(s1[d], r.S) * b.qgY[i][d];
-    for (int j = 0; j <= i; ++j) y += ub[j] * b.M[i][j];
-    (*out)[static_cast<size_t>(b.t0 + i) * D + vv] = kda::round_bf16(y);
-  }
-  for (int d = 0; d < D; ++d) {
-    float acc = s1[d] * b.gl[d];
-    for (int i = 0; i < C; ++i) acc += ub[i] * b.kd[i][d];
-    row[d] = acc;
-  }
+  chunk_state(a, ua, row, s1);  // S_1, fp32
+  for (int d = 0; d < D; ++d) s1r[d] = r16(s1[d], r.S);
+  chunk_out(a, vv, sa, ua, out);
+  chunk_out(b, vv, s1r, ub, out);
+  chunk_state(b, ub, s1, row);
 }
 
 // The GPU's chunk path with the given roundings, in chunks of C tokens (the GPU's: 16; 32 and 64
