@@ -144,6 +144,13 @@ void add_cuda_fp64_cases(std::vector<PrefillCase>* cases) {
   }
 }
 
+// Twenty 300-token sequences and one of 20000.
+std::vector<std::int64_t> many_and_one_long() {
+  std::vector<std::int64_t> lengths(20, 300);
+  lengths.push_back(20000);
+  return lengths;
+}
+
 void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
   auto add = [&](std::string name, const CaseOptions& o, double out_tol = kGpuOutTol) {
     cases->push_back({std::move(name), o, kOnCuda, Against::kCpu, out_tol, kGpuTol});
@@ -229,6 +236,10 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       {8, {4096, 129, 2047}, GateMode::kLowerBound, DType::kBF16},
       {16, {4096}, GateMode::kSoftplus, DType::kBF16},
       {12, {2570, 255, 2561}, GateMode::kLowerBound, DType::kF32},  // a short one beside split ones
+      // Many sequences and a long one: split, and more (segment, head) items than twice the SMs of
+      // an H200 (28 x 16 = 448): the paired recurrence blocks (RecurrenceShape::kCols128Paired) in
+      // both passes.
+      {16, many_and_one_long(), GateMode::kSoftplus, DType::kF32},
   };
   seed = 300;
   for (const Split& s : splits) {
@@ -402,6 +413,12 @@ const std::vector<TransitionCase>& transition_cases() {
           cuda_varlen(3, {0, 1, 77, 1000}, DType::kF32, gate == GateMode::kSoftplus ? 11 : 12);
       o.gate = gate;
       c.push_back({"H3 " + gate_name(gate), o, kOnCuda, Against::kCpu, kGpuTol});
+    }
+    {
+      // 2 x 12 x 12 = 288 work items (H^T and P^T columns per pair): the paired recurrence blocks.
+      CaseOptions o =
+          cuda_varlen(12, {0, 1, 300, 17, 40, 129, 64, 5, 200, 33, 16, 90}, DType::kF32, 13);
+      c.push_back({"H12 N12", o, kOnCuda, Against::kCpu, kGpuTol});
     }
     return c;
   }();

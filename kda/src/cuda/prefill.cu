@@ -91,12 +91,16 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   return plan;
 }
 
-// Warps per recurrence block for `items` (segment, head) work items, measured on the H200
-// (docs/PERFORMANCE-NOTES.md): with at least one item per SM, one 128-column block per item (the
-// chunk record read once, 8 warps sharing it); with fewer, two 64-column blocks, and below a
-// quarter of the SMs four 32-column blocks, to keep more SMs busy.
-int recurrence_warps(std::int64_t items, int sms) {
-  return items >= sms ? 8 : 4 * items >= sms ? 4 : 2;
+// The recurrence's block shape for `items` (segment, head) work items, measured on the H200
+// (docs/PERFORMANCE-NOTES.md): with two items or more per SM, one 128-column block of four warps
+// with two m-tiles each per item, two blocks sharing an SM (half the shared-memory reads of eight
+// warps); with one or more, eight warps of one m-tile (shorter steps, which is what counts when
+// each SM has one item); with fewer, two 64-column blocks, and below a quarter of the SMs four
+// 32-column blocks, to keep more SMs busy.
+RecurrenceShape recurrence_shape(std::int64_t items, int sms) {
+  if (items >= 2 * static_cast<std::int64_t>(sms)) return RecurrenceShape::kCols128Paired;
+  if (items >= sms) return RecurrenceShape::kCols128;
+  return 4 * items >= sms ? RecurrenceShape::kCols64 : RecurrenceShape::kCols32;
 }
 
 // One prefill (or segment transition) on the device: initialize() checks and plans, run() launches.
@@ -130,7 +134,7 @@ class PrefillLaunch {
                                                           static_cast<std::uint64_t>(p.num_heads) *
                                                           ChunkRecord::kBytes)
             : nullptr;
-    warps_ = recurrence_warps(plan_.seg_slots * p.num_heads, sms_);
+    shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
     return Status::Ok();
   }
 
@@ -153,7 +157,7 @@ class PrefillLaunch {
     transition_ = true;
     plan_.seg_slots = N_;
     // 256 columns (H^T and P^T rows) per pair: twice the work items of a forward's pair.
-    warps_ = recurrence_warps(2 * N_ * p.num_heads, sms_);
+    shape_ = recurrence_shape(2 * N_ * p.num_heads, sms_);
     return Status::Ok();
   }
 
@@ -165,15 +169,15 @@ class PrefillLaunch {
       if (!st.ok()) return st;
     }
     KDA_NVTX_RANGE("kda.prefill.recurrence");
-    const int column_blocks = D / (warps_ * 16);
+    const int column_blocks = D / recurrence_columns(shape_);
     if (transition_) {
-      return launch_recurrence(prm_, RecurrencePass::kTransition, false, warps_, N_,
+      return launch_recurrence(prm_, RecurrencePass::kTransition, false, shape_, N_,
                                2 * column_blocks, stream);
     }
     if (!plan_.split)
-      return launch_recurrence(prm_, RecurrencePass::kFirst, false, warps_, N_, column_blocks,
+      return launch_recurrence(prm_, RecurrencePass::kFirst, false, shape_, N_, column_blocks,
                                stream);
-    Status st = launch_recurrence(prm_, RecurrencePass::kFirst, true, warps_, plan_.seg_slots,
+    Status st = launch_recurrence(prm_, RecurrencePass::kFirst, true, shape_, plan_.seg_slots,
                                   2 * column_blocks, stream);
     if (!st.ok()) return st;
     {
@@ -181,7 +185,7 @@ class PrefillLaunch {
       st = launch_segment_scan(prm_, N_, stream);
       if (!st.ok()) return st;
     }
-    return launch_recurrence(prm_, RecurrencePass::kSecond, true, warps_, plan_.seg_slots,
+    return launch_recurrence(prm_, RecurrencePass::kSecond, true, shape_, plan_.seg_slots,
                              column_blocks, stream);
   }
 
@@ -251,7 +255,7 @@ class PrefillLaunch {
   SegmentPlan plan_{};
   std::int64_t N_ = 0, T_ = 0, chunk_slots_ = 0;
   int sms_ = 1;
-  int warps_ = 8;
+  RecurrenceShape shape_ = RecurrenceShape::kCols128;
   bool transition_ = false;
 };
 

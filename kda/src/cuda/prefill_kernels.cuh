@@ -117,9 +117,23 @@ __device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::i
 
 // Launchers (asynchronous on `stream`; each reports its own launch error).
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream);
-// `warps` 2, 4 or 8 (16 columns each); grid (grid_x, heads, column_blocks).
-Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split, int warps,
-                         std::int64_t grid_x, int column_blocks, cudaStream_t stream);
+// Recurrence block shapes: the V columns a block carries, its warps, and the 16-column m-tiles per
+// warp. Two m-tiles a warp share every fragment the warp loads from the stage, which halves the
+// shared-memory reads per column (the limit of the eight-warp shape, ~70 % of the bandwidth), at
+// twice the work per warp and chunk step: the better shape when two blocks share each SM.
+enum class RecurrenceShape : int {
+  kCols32,         // 2 warps x 1 m-tile
+  kCols64,         // 4 warps x 1 m-tile
+  kCols128,        // 8 warps x 1 m-tile
+  kCols128Paired,  // 4 warps x 2 m-tiles
+};
+constexpr int recurrence_columns(RecurrenceShape shape) {
+  return shape == RecurrenceShape::kCols32 ? 32 : shape == RecurrenceShape::kCols64 ? 64 : 128;
+}
+// Grid (grid_x, heads, column_blocks).
+Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split,
+                         RecurrenceShape shape, std::int64_t grid_x, int column_blocks,
+                         cudaStream_t stream);
 Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream);
 // s_out^T = s_in^T P^T + H^T for `pairs` (sequence, head) pairs of 128 x 128 fp32 states.
 Status launch_apply_transition(const float* s_in, const float* p_t, const float* h_t, float* s_out,

@@ -34,20 +34,6 @@ __device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned ch
   bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
 }
 
-// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x
-// 128 tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the
-// chain.
-__device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
-                                                 const bf16 (*tile)[kRowPad], int lrow, int lcol) {
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    unsigned b0, b1, b2, b3;
-    ldmatrix_x4(b0, b1, b2, b3, &tile[lrow][kt * 16 + lcol]);
-    mma_bf16(out[kt & 1][0], sa[kt], b0, b1);
-    mma_bf16(out[kt & 1][1], sa[kt], b2, b3);
-  }
-}
-
 // Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
 // outside the pool, reported once through the status word).
 __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s,
@@ -67,10 +53,13 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
 // SPLIT = false compiles the one-segment-per-sequence case without the segment logic (no
 // transitions, no identity columns, no owner search): its register count and speed stay those of
 // the plain recurrence.
-template <int WARPS, RecurrencePass PASS, bool SPLIT>
+// MT: m-tiles (16 columns each) per warp. Two m-tiles share every B fragment a warp loads from the
+// stage (W, Q~, K^, M) and the decay factors, which halves the block's shared-memory traffic per
+// column: that traffic, ~70 % of the shared-memory bandwidth at one m-tile, bounds the kernel.
+template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
 __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const PrefillParams p) {
   constexpr int THREADS = WARPS * 32;
-  constexpr int VB = WARPS * 16;  // columns per block
+  constexpr int VB = WARPS * 16 * MT;  // columns per block
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
@@ -81,8 +70,8 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   const int h = blockIdx.y;
   const int v_block = blockIdx.z * VB;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gq = lane >> 2, tq = lane & 3;  // mma fragment row group / thread-in-group
-  const int v_warp = v_block + warp * 16;   // first column of this warp
+  const int gq = lane >> 2, tq = lane & 3;      // mma fragment row group / thread-in-group
+  const int v_warp = v_block + warp * 16 * MT;  // first column of this warp
 
   const std::int64_t seg_tokens = C * p.seg_chunks;
   const std::int64_t s = SPLIT ? owner_of_slot(p.seqs, seg_slot, seg_tokens) : seg_slot;
@@ -118,37 +107,40 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   const float* seg_in = PASS == RecurrencePass::kSecond ? seg_block(p, seg_slot - 1, h) : nullptr;
   const StateKind h0_kind = (j == 0 && state_idx >= 0) ? p.initial_kind : StateKind::kNone;
 
-  // S^T slice [v_warp + 0..15][0..127] as 16 n-tiles of m16n8 accumulators:
-  // acc[n][0..1] -> (row gq, cols 8n + 2tq + {0,1}); acc[n][2..3] -> row gq + 8.
-  float acc[16][4];
+  // S^T slice [v_warp + 0..16 MT - 1][0..127] as MT x 16 n-tiles of m16n8 accumulators:
+  // acc[mt][n][0..1] -> (row 16 mt + gq, cols 8n + 2tq + {0,1}); acc[mt][n][2..3] -> row + 8.
+  float acc[MT][16][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = v_warp + gq + 8 * r;
-      const int col = 8 * n + 2 * tq;
-      const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
-      float x0 = 0.f, x1 = 0.f;
-      if (PASS == RecurrencePass::kSecond) {
-        const float2 t2 =
-            *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
-        x0 = t2.x;
-        x1 = t2.y;
-      } else if (transition) {
-        x0 = identity_cols && row - D == col ? 1.f : 0.f;
-        x1 = identity_cols && row - D == col + 1 ? 1.f : 0.f;
-      } else if (h0_kind == StateKind::kF32) {
-        const float2 t2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.h0) + off);
-        x0 = t2.x;
-        x1 = t2.y;
-      } else if (h0_kind == StateKind::kBF16) {
-        const __nv_bfloat162 t2 =
-            *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
-        x0 = __bfloat162float(t2.x);
-        x1 = __bfloat162float(t2.y);
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = v_warp + 16 * mt + gq + 8 * r;
+        const int col = 8 * n + 2 * tq;
+        const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
+        float x0 = 0.f, x1 = 0.f;
+        if (PASS == RecurrencePass::kSecond) {
+          const float2 t2 =
+              *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
+          x0 = t2.x;
+          x1 = t2.y;
+        } else if (transition) {
+          x0 = identity_cols && row - D == col ? 1.f : 0.f;
+          x1 = identity_cols && row - D == col + 1 ? 1.f : 0.f;
+        } else if (h0_kind == StateKind::kF32) {
+          const float2 t2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.h0) + off);
+          x0 = t2.x;
+          x1 = t2.y;
+        } else if (h0_kind == StateKind::kBF16) {
+          const __nv_bfloat162 t2 =
+              *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(p.h0) + off);
+          x0 = __bfloat162float(t2.x);
+          x1 = __bfloat162float(t2.y);
+        }
+        acc[mt][n][2 * r] = x0;
+        acc[mt][n][2 * r + 1] = x1;
       }
-      acc[n][2 * r] = x0;
-      acc[n][2 * r + 1] = x1;
     }
   }
 
@@ -187,49 +179,74 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
     const StageSmem& st = stages[c % kStages];
 
-    // The chain that carries the state from chunk to chunk is X -> U -> S; Y and O hang off it and
-    // are issued after the state update so that they fill its latency.
-    // S^T (old) as bf16 A fragments: k-tile kt covers state channels [16 kt, 16 kt + 16).
-    unsigned sa[8][4];
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      sa[kt][0] = pack_bf16x2(acc[2 * kt][0], acc[2 * kt][1]);
-      sa[kt][1] = pack_bf16x2(acc[2 * kt][2], acc[2 * kt][3]);
-      sa[kt][2] = pack_bf16x2(acc[2 * kt + 1][0], acc[2 * kt + 1][1]);
-      sa[kt][3] = pack_bf16x2(acc[2 * kt + 1][2], acc[2 * kt + 1][3]);
-    }
+    // The chain that carries the state from chunk to chunk is X -> U -> S; Y hangs off the old
+    // state. With one m-tile, Y is issued after the state update (it fills the update's latency)
+    // from the old state's fragments kept in registers; with two there is no room for them, and Y
+    // shares X's k-tile loop and fragments.
+    constexpr bool kYWithX = MT > 1;
     // ldmatrix addresses: lanes 0-7 rows 0-7 col lo, 8-15 rows 0-7 col hi, 16-23 rows 8-15 lo,
     // 24-31 hi
     const int lrow = (lane & 7) + ((lane >> 4) << 3);
     const int lcol = ((lane >> 3) & 1) * 8;
 
-    // X = S^T W^T (16 v x 16 tokens, two n-tiles of 8 tokens).
-    float X[2][2][4] = {};
-    state_times_tile(X, sa, st.w, lrow, lcol);
+    // X = S^T W^T and Y = S^T Q~^T (16 v x 16 tokens per m-tile, two n-tiles of 8 tokens), S^T
+    // packed to bf16 A fragments one k-tile (16 state channels) at a time; even and odd k-tiles
+    // accumulate apart to halve the chains.
+    float X[MT][2][2][4] = {};
+    float Y[MT][2][2][4] = {};
+    unsigned kept[kYWithX ? 1 : 8][4];  // MT == 1: the old state's fragments, for Y
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      unsigned w0, w1, w2, w3, q0, q1, q2, q3;
+      ldmatrix_x4(w0, w1, w2, w3, &st.w[lrow][kt * 16 + lcol]);
+      if (kYWithX && write_out) ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        unsigned sa[4];
+        sa[0] = pack_bf16x2(acc[mt][2 * kt][0], acc[mt][2 * kt][1]);
+        sa[1] = pack_bf16x2(acc[mt][2 * kt][2], acc[mt][2 * kt][3]);
+        sa[2] = pack_bf16x2(acc[mt][2 * kt + 1][0], acc[mt][2 * kt + 1][1]);
+        sa[3] = pack_bf16x2(acc[mt][2 * kt + 1][2], acc[mt][2 * kt + 1][3]);
+        mma_bf16(X[mt][kt & 1][0], sa, w0, w1);
+        mma_bf16(X[mt][kt & 1][1], sa, w2, w3);
+        if constexpr (kYWithX) {
+          if (write_out) {
+            mma_bf16(Y[mt][kt & 1][0], sa, q0, q1);
+            mma_bf16(Y[mt][kt & 1][1], sa, q2, q3);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) kept[kt][i] = sa[i];
+        }
+      }
+    }
 
     // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows.
-    float U[2][4];
+    unsigned ua[MT][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int t0 = nt * 8 + 2 * tq;
-      const int v0 = v_warp + gq;
-      float u00 = 0.f, u01 = 0.f, u10 = 0.f, u11 = 0.f;
-      if (!identity_cols) {
-        u00 = __bfloat162float(st.u[t0][v0]);
-        u01 = __bfloat162float(st.u[t0 + 1][v0]);
-        u10 = __bfloat162float(st.u[t0][v0 + 8]);
-        u11 = __bfloat162float(st.u[t0 + 1][v0 + 8]);
+    for (int mt = 0; mt < MT; ++mt) {
+      float U[2][4];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int t0 = nt * 8 + 2 * tq;
+        const int v0 = v_warp + 16 * mt + gq;
+        float u00 = 0.f, u01 = 0.f, u10 = 0.f, u11 = 0.f;
+        if (!identity_cols) {
+          u00 = __bfloat162float(st.u[t0][v0]);
+          u01 = __bfloat162float(st.u[t0 + 1][v0]);
+          u10 = __bfloat162float(st.u[t0][v0 + 8]);
+          u11 = __bfloat162float(st.u[t0 + 1][v0 + 8]);
+        }
+        U[nt][0] = u00 - (X[mt][0][nt][0] + X[mt][1][nt][0]);
+        U[nt][1] = u01 - (X[mt][0][nt][1] + X[mt][1][nt][1]);
+        U[nt][2] = u10 - (X[mt][0][nt][2] + X[mt][1][nt][2]);
+        U[nt][3] = u11 - (X[mt][0][nt][3] + X[mt][1][nt][3]);
       }
-      U[nt][0] = u00 - (X[0][nt][0] + X[1][nt][0]);
-      U[nt][1] = u01 - (X[0][nt][1] + X[1][nt][1]);
-      U[nt][2] = u10 - (X[0][nt][2] + X[1][nt][2]);
-      U[nt][3] = u11 - (X[0][nt][3] + X[1][nt][3]);
+      ua[mt][0] = pack_bf16x2(U[0][0], U[0][1]);
+      ua[mt][1] = pack_bf16x2(U[0][2], U[0][3]);
+      ua[mt][2] = pack_bf16x2(U[1][0], U[1][1]);
+      ua[mt][3] = pack_bf16x2(U[1][2], U[1][3]);
     }
-    unsigned ua[4];
-    ua[0] = pack_bf16x2(U[0][0], U[0][1]);
-    ua[1] = pack_bf16x2(U[0][2], U[0][3]);
-    ua[2] = pack_bf16x2(U[1][0], U[1][1]);
-    ua[3] = pack_bf16x2(U[1][2], U[1][3]);
 
     // S^T = S^T diag(g_last) + U^T K^
 #pragma unroll
@@ -241,40 +258,59 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
 #pragma unroll
       for (int hn = 0; hn < 2; ++hn) {
         const float2 gl = *reinterpret_cast<const float2*>(&st.gl[8 * (n + hn) + 2 * tq]);
-        acc[n + hn][0] *= gl.x;
-        acc[n + hn][1] *= gl.y;
-        acc[n + hn][2] *= gl.x;
-        acc[n + hn][3] *= gl.y;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          acc[mt][n + hn][0] *= gl.x;
+          acc[mt][n + hn][1] *= gl.y;
+          acc[mt][n + hn][2] *= gl.x;
+          acc[mt][n + hn][3] *= gl.y;
+        }
       }
-      mma_bf16(acc[n], ua, b0, b1);
-      mma_bf16(acc[n + 1], ua, b2, b3);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(acc[mt][n], ua[mt], b0, b1);
+        mma_bf16(acc[mt][n + 1], ua[mt], b2, b3);
+      }
     }
 
     if (write_out) {
-      // O^T = S^T Q~^T + U^T M^T, from the old state's fragments.
-      float Y[2][2][4] = {};
-      state_times_tile(Y, sa, st.qg, lrow, lcol);
+      // O^T = S^T Q~^T + U^T M^T.
+      if constexpr (!kYWithX) {
+#pragma unroll
+        for (int kt = 0; kt < 8; ++kt) {
+          unsigned q0, q1, q2, q3;
+          ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
+          mma_bf16(Y[0][kt & 1][0], kept[kt], q0, q1);
+          mma_bf16(Y[0][kt & 1][1], kept[kt], q2, q3);
+        }
+      }
       {
-        unsigned m0, m1, m2, m3;
+        unsigned m0, m1, m2, m3, l0, l1, l2, l3;
         ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
-        mma_bf16(Y[0][0], ua, m0, m1);
-        mma_bf16(Y[0][1], ua, m2, m3);
         // M = m + m_lo; m_lo's columns 0..7 sit in qg's row padding, 8..15 in kd's.
-        ldmatrix_x4(m0, m1, m2, m3,
+        ldmatrix_x4(l0, l1, l2, l3,
                     lcol == 0 ? &st.qg[lrow][kMloColumn] : &st.kd[lrow][kMloColumn]);
-        mma_bf16(Y[1][0], ua, m0, m1);
-        mma_bf16(Y[1][1], ua, m2, m3);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_bf16(Y[mt][0][0], ua[mt], m0, m1);
+          mma_bf16(Y[mt][0][1], ua[mt], m2, m3);
+          mma_bf16(Y[mt][1][0], ua[mt], l0, l1);
+          mma_bf16(Y[mt][1][1], ua[mt], l2, l3);
+        }
       }
 
       // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int t0 = nt * 8 + 2 * tq;
-        const int vl = warp * 16 + gq;
-        so[t0][vl] = __float2bfloat16(Y[0][nt][0] + Y[1][nt][0]);
-        so[t0 + 1][vl] = __float2bfloat16(Y[0][nt][1] + Y[1][nt][1]);
-        so[t0][vl + 8] = __float2bfloat16(Y[0][nt][2] + Y[1][nt][2]);
-        so[t0 + 1][vl + 8] = __float2bfloat16(Y[0][nt][3] + Y[1][nt][3]);
+      for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          const int t0 = nt * 8 + 2 * tq;
+          const int vl = warp * 16 * MT + 16 * mt + gq;
+          so[t0][vl] = __float2bfloat16(Y[mt][0][nt][0] + Y[mt][1][nt][0]);
+          so[t0 + 1][vl] = __float2bfloat16(Y[mt][0][nt][1] + Y[mt][1][nt][1]);
+          so[t0][vl + 8] = __float2bfloat16(Y[mt][0][nt][2] + Y[mt][1][nt][2]);
+          so[t0 + 1][vl + 8] = __float2bfloat16(Y[mt][0][nt][3] + Y[mt][1][nt][3]);
+        }
       }
       __syncthreads();
       const std::int64_t tok0 = bos + (c_begin + c) * C;
@@ -309,26 +345,29 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   const std::int64_t pair_base = (s * H + h) * static_cast<std::int64_t>(D) * D;
   if (end != EndKind::kNone) {
 #pragma unroll
-    for (int n = 0; n < 16; ++n) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = v_warp + gq + 8 * r;
-        const int col = 8 * n + 2 * tq;
-        const float2 value = make_float2(acc[n][2 * r], acc[n][2 * r + 1]);
-        if (end == EndKind::kSegment) {
-          *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
-        } else if (end == EndKind::kTransition) {
-          float* dst = row < D
-                           ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
-                           : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
-          *reinterpret_cast<float2*>(dst + col) = value;
-        } else {
-          const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
-          if (end == EndKind::kFinalF32) {
-            *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
+      for (int n = 0; n < 16; ++n) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = v_warp + 16 * mt + gq + 8 * r;
+          const int col = 8 * n + 2 * tq;
+          const float2 value = make_float2(acc[mt][n][2 * r], acc[mt][n][2 * r + 1]);
+          if (end == EndKind::kSegment) {
+            *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
+          } else if (end == EndKind::kTransition) {
+            float* dst = row < D
+                             ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
+                             : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
+            *reinterpret_cast<float2*>(dst + col) = value;
           } else {
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
-                __floats2bfloat162_rn(value.x, value.y);
+            const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
+            if (end == EndKind::kFinalF32) {
+              *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
+            } else {
+              *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
+                  __floats2bfloat162_rn(value.x, value.y);
+            }
           }
         }
       }
@@ -336,18 +375,18 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
   }
 }
 
-template <int WARPS>
+template <int WARPS, int MT>
 constexpr std::size_t recurrence_smem_bytes() {
-  return kStages * sizeof(StageSmem) + C * (WARPS * 16 + 8) * sizeof(bf16) +
+  return kStages * sizeof(StageSmem) + C * (WARPS * 16 * MT + 8) * sizeof(bf16) +
          kStages * sizeof(std::uint64_t);
 }
 
-template <int WARPS, RecurrencePass PASS, bool SPLIT>
+template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
 Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
               cudaStream_t stream) {
-  constexpr std::size_t smem = recurrence_smem_bytes<WARPS>();
+  constexpr std::size_t smem = recurrence_smem_bytes<WARPS, MT>();
   cudaError_t err =
-      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, PASS, SPLIT>,
+      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
@@ -356,34 +395,44 @@ Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
   cfg.blockDim = dim3(WARPS * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, PASS, SPLIT>, prm),
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>, prm),
                      "kda_recurrence_kernel");
 }
 
-template <int WARPS>
+template <int WARPS, int MT>
 Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, std::int64_t grid_x,
                    int column_blocks, cudaStream_t stream) {
   switch (pass) {
     case RecurrencePass::kFirst:
-      return split
-                 ? launch<WARPS, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks, stream)
-                 : launch<WARPS, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks, stream);
+      return split ? launch<WARPS, MT, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks,
+                                                                     stream)
+                   : launch<WARPS, MT, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks,
+                                                                      stream);
     case RecurrencePass::kSecond:
-      return launch<WARPS, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
+      return launch<WARPS, MT, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
     case RecurrencePass::kTransition:
-      return launch<WARPS, RecurrencePass::kTransition, false>(prm, grid_x, column_blocks, stream);
+      return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, column_blocks,
+                                                                   stream);
   }
   return Status(StatusCode::kInternal, "unknown recurrence pass");
 }
 
 }  // namespace
 
-Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split, int warps,
-                         std::int64_t grid_x, int column_blocks, cudaStream_t stream) {
-  if (warps == 8) return launch_pass<8>(prm, pass, split, grid_x, column_blocks, stream);
-  if (warps == 4) return launch_pass<4>(prm, pass, split, grid_x, column_blocks, stream);
-  if (warps == 2) return launch_pass<2>(prm, pass, split, grid_x, column_blocks, stream);
-  return Status(StatusCode::kInternal, "recurrence blocks have 2, 4 or 8 warps");
+Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split,
+                         RecurrenceShape shape, std::int64_t grid_x, int column_blocks,
+                         cudaStream_t stream) {
+  switch (shape) {
+    case RecurrenceShape::kCols32:
+      return launch_pass<2, 1>(prm, pass, split, grid_x, column_blocks, stream);
+    case RecurrenceShape::kCols64:
+      return launch_pass<4, 1>(prm, pass, split, grid_x, column_blocks, stream);
+    case RecurrenceShape::kCols128:
+      return launch_pass<8, 1>(prm, pass, split, grid_x, column_blocks, stream);
+    case RecurrenceShape::kCols128Paired:
+      return launch_pass<4, 2>(prm, pass, split, grid_x, column_blocks, stream);
+  }
+  return Status(StatusCode::kInternal, "unknown recurrence block shape");
 }
 
 }  // namespace kda::detail
