@@ -507,9 +507,13 @@ KDA_CUDA_CASE("decode: 8-byte aligned q/k/g and bf16 pool match the aligned run"
   const DecodeCase d = make_decode_case(5, 2, 4, 12, DType::kBF16, GateMode::kSoftplus, 3100);
   const DecodeRun aligned = cuda.decode(d);
   REQUIRE(aligned.status.ok());
-  // Device copies that start 8 bytes past a 16-byte boundary (DeviceBuffer's are 256-aligned).
+  // Device copies that start 8 bytes past a 16-byte boundary (DeviceBuffer's are 256-aligned);
+  // the 8 bytes before them hold a pattern (initialized, so that compute-sanitizer's initcheck does
+  // not flag the download below, and checked: decode must not write there).
+  constexpr unsigned char kLead = 0x5A;
   auto shifted = [](const void* host, std::size_t bytes) {
     auto b = std::make_unique<DeviceBuffer>(bytes + 8);
+    b->fill(kLead);
     REQUIRE(memcpy_to_device(static_cast<unsigned char*>(b->get()) + 8, host, bytes).ok());
     return b;
   };
@@ -536,6 +540,7 @@ KDA_CUDA_CASE("decode: 8-byte aligned q/k/g and bf16 pool match the aligned run"
   const std::vector<unsigned char> pool_all = pool->download<unsigned char>();
   const std::vector<unsigned char> pool_out(pool_all.begin() + 8, pool_all.end());
   CHECK(pool->guards_intact());
+  for (int i = 0; i < 8; ++i) CHECK(pool_all[static_cast<std::size_t>(i)] == kLead);
   const std::vector<std::uint16_t> o = out.download<std::uint16_t>();
   std::vector<std::uint16_t> o_rows, a_rows;  // rows of sequences with a slot (others: padding)
   const std::int64_t row = d.problem.num_heads * 128;
