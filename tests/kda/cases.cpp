@@ -223,6 +223,15 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       add(std::string("state in ") + to_string(in) + " out " + to_string(out), o);
     }
   }
+  // The paired recurrence block (>= 2 items per SM: 5 x 96 = 480) with a bf16 state in and out,
+  // and with no initial state.
+  for (DType in : {DType::kBF16, DType::kNone}) {
+    CaseOptions o = cuda_options(96, ++seed);
+    o.lengths = {37, 0, 64, 5, 300};
+    o.initial_state_dtype = in;
+    o.final_state_dtype = in == DType::kBF16 ? DType::kBF16 : DType::kF32;
+    add(std::string("H96 state in ") + to_string(in) + " out " + to_string(o.final_state_dtype), o);
+  }
   // Split sequences (intracard context parallelism): long ones at low head counts.
   struct Split {
     std::int64_t heads;
@@ -322,9 +331,12 @@ const std::vector<SlotShape>& slot_shapes() {
       o.seed = state == DType::kF32 ? 11 : 12;
       s.push_back({std::string("H2 K=V=32 ") + to_string(state), o, kOnCpu});
     }
-    // H = 4 with long sequences: the split (segments) path; H = 32, short ones: one segment each.
+    // H = 4 with long sequences: the split (segments) path; H = 32, short ones: one segment each;
+    // H = 64: the paired recurrence block.
     const std::vector<std::pair<std::int64_t, std::vector<std::int64_t>>> cuda_shapes = {
-        {4, {300, 0, 1, 1000, 16, 2100}}, {32, {37, 0, 1, 100, 16, 63}}};
+        {4, {300, 0, 1, 1000, 16, 2100}},
+        {32, {37, 0, 1, 100, 16, 63}},
+        {64, {37, 0, 1, 100, 16, 63}}};  // 6 x 64 = 384 items: the paired recurrence block
     for (const auto& [heads, lengths] : cuda_shapes) {
       for (DType state : {DType::kF32, DType::kBF16}) {
         s.push_back({"H" + std::to_string(heads) + " " + to_string(state),

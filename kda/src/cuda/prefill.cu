@@ -94,7 +94,7 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
 // The recurrence's block shape for `items` (segment, head) work items, measured on the H200
 // (docs/PERFORMANCE-NOTES.md): with two items or more per SM, one 128-column block of four warps
 // with two m-tiles each per item, two blocks sharing an SM (half the shared-memory reads of eight
-// warps); with one or more, eight warps of one m-tile (shorter steps, which is what counts when
+// warps); with one to two, eight warps of one m-tile (shorter steps, which is what counts when
 // each SM has one item); with fewer, two 64-column blocks, and below a quarter of the SMs four
 // 32-column blocks, to keep more SMs busy.
 RecurrenceShape recurrence_shape(std::int64_t items, int sms) {
@@ -185,8 +185,12 @@ class PrefillLaunch {
       st = launch_segment_scan(prm_, N_, stream);
       if (!st.ok()) return st;
     }
-    return launch_recurrence(prm_, RecurrencePass::kSecond, true, shape_, plan_.seg_slots,
-                             column_blocks, stream);
+    // The second pass runs segments 1.. alone: about one item per SM at most (their count is
+    // bounded by the plan's target, ~sms / H), where the shorter steps of one-tile warps win.
+    const RecurrenceShape second =
+        shape_ == RecurrenceShape::kCols128Paired ? RecurrenceShape::kCols128 : shape_;
+    return launch_recurrence(prm_, RecurrencePass::kSecond, true, second, plan_.seg_slots,
+                             D / recurrence_columns(second), stream);
   }
 
  private:

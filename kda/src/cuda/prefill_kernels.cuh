@@ -118,9 +118,10 @@ __device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::i
 // Launchers (asynchronous on `stream`; each reports its own launch error).
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream);
 // Recurrence block shapes: the V columns a block carries, its warps, and the 16-column m-tiles per
-// warp. Two m-tiles a warp share every fragment the warp loads from the stage, which halves the
-// shared-memory reads per column (the limit of the eight-warp shape, ~70 % of the bandwidth), at
-// twice the work per warp and chunk step: the better shape when two blocks share each SM.
+// warp. Two m-tiles a warp share every fragment the warp loads from the stage (W, Q~, K^, M) and
+// the decay factors (each m-tile reads its own U0 columns), which halves the shared-memory reads
+// per column (the limit of the eight-warp shape, ~70 % of the bandwidth), at twice the work per
+// warp and chunk step: the better shape when two blocks share each SM.
 enum class RecurrenceShape : int {
   kCols32,         // 2 warps x 1 m-tile
   kCols64,         // 4 warps x 1 m-tile

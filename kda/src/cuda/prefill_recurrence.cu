@@ -189,9 +189,9 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
     const int lrow = (lane & 7) + ((lane >> 4) << 3);
     const int lcol = ((lane >> 3) & 1) * 8;
 
-    // X = S^T W^T and Y = S^T Q~^T (16 v x 16 tokens per m-tile, two n-tiles of 8 tokens), S^T
-    // packed to bf16 A fragments one k-tile (16 state channels) at a time; even and odd k-tiles
-    // accumulate apart to halve the chains.
+    // X = S^T W^T (and Y = S^T Q~^T with two m-tiles; 16 v x 16 tokens per m-tile, two n-tiles of
+    // 8 tokens), S^T packed to bf16 A fragments one k-tile (16 state channels) at a time; even and
+    // odd k-tiles accumulate apart to halve the chains.
     float X[MT][2][2][4] = {};
     float Y[MT][2][2][4] = {};
     unsigned kept[kYWithX ? 1 : 8][4];  // MT == 1: the old state's fragments, for Y
@@ -409,7 +409,12 @@ Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, st
                    : launch<WARPS, MT, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks,
                                                                       stream);
     case RecurrencePass::kSecond:
-      return launch<WARPS, MT, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
+      // The launcher never runs the second pass with the paired shape (prefill.cu).
+      if constexpr (MT == 1) {
+        return launch<WARPS, MT, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
+      } else {
+        return Status(StatusCode::kInternal, "the paired recurrence shape has no second pass");
+      }
     case RecurrencePass::kTransition:
       return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, column_blocks,
                                                                    stream);
