@@ -319,6 +319,11 @@ void run_prefill(double bw, int iters, const std::string& only) {
   cases.push_back({"h12-8x4096-bf16", 12, b8x4096, true, G::kLowerBound, 0.726, 0, BF16});
   cases.push_back({"h16-ragged", 16, ragged16, false, G::kLowerBound, 2.117, 0, F32});
   cases.push_back({"h16-ragged-bf16", 16, ragged16, false, G::kLowerBound, 2.031, 0, BF16});
+  // Many short sequences beside a long one (no anchor): a split plan with more than two (segment,
+  // head) items per SM, the paired recurrence block in its first pass.
+  std::vector<std::int64_t> many_and_long(20, 300);
+  many_and_long.push_back(20000);
+  cases.push_back({"h16-20x300+20k", 16, many_and_long, false, G::kLowerBound, 0, 0, F32});
   // Softplus twins (the released Kimi-Linear-48B's gate; FlashKDA cannot run it).
   cases.push_back({"softplus-h4-32k", 4, {32768}, false, G::kSoftplus, 0, 0, F32});
   cases.push_back({"softplus-h12-8x4096-bf16", 12, b8x4096, true, G::kSoftplus, 0, 0, BF16});
