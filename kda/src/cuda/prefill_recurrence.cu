@@ -34,6 +34,20 @@ __device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned ch
   bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
 }
 
+// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x
+// 128 tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the
+// chain.
+__device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
+                                                 const bf16 (*tile)[kRowPad], int lrow, int lcol) {
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    unsigned b0, b1, b2, b3;
+    ldmatrix_x4(b0, b1, b2, b3, &tile[lrow][kt * 16 + lcol]);
+    mma_bf16(out[kt & 1][0], sa[kt], b0, b1);
+    mma_bf16(out[kt & 1][1], sa[kt], b2, b3);
+  }
+}
+
 // Where a sequence's state lives: index s, its pool entry, or nowhere (-1: padding, or an entry
 // outside the pool, reported once through the status word).
 __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std::int64_t s,
@@ -275,15 +289,7 @@ __global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const Prefil
 
     if (write_out) {
       // O^T = S^T Q~^T + U^T M^T.
-      if constexpr (!kYWithX) {
-#pragma unroll
-        for (int kt = 0; kt < 8; ++kt) {
-          unsigned q0, q1, q2, q3;
-          ldmatrix_x4(q0, q1, q2, q3, &st.qg[lrow][kt * 16 + lcol]);
-          mma_bf16(Y[0][kt & 1][0], kept[kt], q0, q1);
-          mma_bf16(Y[0][kt & 1][1], kept[kt], q2, q3);
-        }
-      }
+      if constexpr (!kYWithX) state_times_tile(Y[0], kept, st.qg, lrow, lcol);
       {
         unsigned m0, m1, m2, m3, l0, l1, l2, l3;
         ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
