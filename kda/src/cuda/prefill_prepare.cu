@@ -121,9 +121,13 @@ __device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_h
   }
 }
 
-// M's bf16 remainder, into the record's padding (workspace_layout.hpp: kMloColumn).
-__device__ __forceinline__ void store_m_lo(PrepSmem& sm, int i, int j, bf16 value) {
-  (j < 8 ? sm.qg[i][kMloColumn + j] : sm.kd[i][kMloColumn + j - 8]) = value;
+// M[i][j] = mv as a bf16 pair: m and its remainder m_lo, the latter in the record's padding
+// (workspace_layout.hpp: kMloColumn).
+__device__ __forceinline__ void store_m(PrepSmem& sm, int i, int j, float mv) {
+  const bf16 hi = __float2bfloat16(mv);
+  sm.m[i][j] = hi;
+  (j < 8 ? sm.qg[i][kMloColumn + j] : sm.kd[i][kMloColumn + j - 8]) =
+      __float2bfloat16(mv - __bfloat162float(hi));
 }
 
 __device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
@@ -344,10 +348,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
           if (warp == 0) {
             sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
           } else {
-            const float mv = i >= jj ? acc[nt][r] : 0.f;
-            const bf16 m_hi = __float2bfloat16(mv);
-            sm.m[i][jj] = m_hi;
-            store_m_lo(sm, i, jj, __float2bfloat16(mv - __bfloat162float(m_hi)));
+            store_m(sm, i, jj, i >= jj ? acc[nt][r] : 0.f);
           }
         }
       }
@@ -377,12 +378,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         m = fmaf(qi.y, kjy, m);
       }
       sm.A[i][jj] = sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj];
-      const float mv = p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj];
-      const bf16 m_hi = __float2bfloat16(mv);
-      sm.m[i][jj] = m_hi;
-      store_m_lo(sm, i, jj, __float2bfloat16(mv - __bfloat162float(m_hi)));
-      sm.m[jj][i] = __float2bfloat16(0.f);
-      store_m_lo(sm, jj, i, __float2bfloat16(0.f));
+      store_m(sm, i, jj, p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj]);
+      store_m(sm, jj, i, 0.f);
     } else {
       const int d0 = 2 * (tid - kLowerPairs);
       float m0 = 0.f, m1 = 0.f;
@@ -398,11 +395,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int d = d0 + e;
-        const float mv = p.scale * (e == 0 ? m0 : m1) * sm.inv_norm[0][d] * sm.inv_norm[1][d];
-        const bf16 m_hi = __float2bfloat16(mv);
         sm.A[d][d] = 0.f;
-        sm.m[d][d] = m_hi;
-        store_m_lo(sm, d, d, __float2bfloat16(mv - __bfloat162float(m_hi)));
+        store_m(sm, d, d, p.scale * (e == 0 ? m0 : m1) * sm.inv_norm[0][d] * sm.inv_norm[1][d]);
       }
     }
   }
