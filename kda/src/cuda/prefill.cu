@@ -169,16 +169,13 @@ class PrefillLaunch {
       if (!st.ok()) return st;
     }
     KDA_NVTX_RANGE("kda.prefill.recurrence");
-    const int column_blocks = D / recurrence_columns(shape_);
     if (transition_) {
-      return launch_recurrence(prm_, RecurrencePass::kTransition, false, shape_, N_,
-                               2 * column_blocks, stream);
+      return launch_recurrence(prm_, RecurrencePass::kTransition, false, shape_, N_, 2 * D, stream);
     }
     if (!plan_.split)
-      return launch_recurrence(prm_, RecurrencePass::kFirst, false, shape_, N_, column_blocks,
-                               stream);
+      return launch_recurrence(prm_, RecurrencePass::kFirst, false, shape_, N_, D, stream);
     Status st = launch_recurrence(prm_, RecurrencePass::kFirst, true, shape_, plan_.seg_slots,
-                                  2 * column_blocks, stream);
+                                  2 * D, stream);
     if (!st.ok()) return st;
     {
       KDA_NVTX_RANGE("kda.prefill.segment_scan");
@@ -189,8 +186,8 @@ class PrefillLaunch {
     // bounded by the plan's target, ~sms / H), where the shorter steps of one-tile warps win.
     const RecurrenceShape second =
         shape_ == RecurrenceShape::kCols128Paired ? RecurrenceShape::kCols128 : shape_;
-    return launch_recurrence(prm_, RecurrencePass::kSecond, true, second, plan_.seg_slots,
-                             D / recurrence_columns(second), stream);
+    return launch_recurrence(prm_, RecurrencePass::kSecond, true, second, plan_.seg_slots, D,
+                             stream);
   }
 
  private:

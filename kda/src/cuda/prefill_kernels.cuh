@@ -128,12 +128,10 @@ enum class RecurrenceShape : int {
   kCols128,        // 8 warps x 1 m-tile
   kCols128Paired,  // 4 warps x 2 m-tiles
 };
-constexpr int recurrence_columns(RecurrenceShape shape) {
-  return shape == RecurrenceShape::kCols32 ? 32 : shape == RecurrenceShape::kCols64 ? 64 : 128;
-}
-// Grid (grid_x, heads, column_blocks).
+// Grid (grid_x, heads, columns / the shape's columns): `columns` D, or 2 D where a block also
+// carries the P^T rows of a transition.
 Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split,
-                         RecurrenceShape shape, std::int64_t grid_x, int column_blocks,
+                         RecurrenceShape shape, std::int64_t grid_x, int columns,
                          cudaStream_t stream);
 Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream);
 // s_out^T = s_in^T P^T + H^T for `pairs` (sequence, head) pairs of 128 x 128 fp32 states.

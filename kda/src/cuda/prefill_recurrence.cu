@@ -388,8 +388,7 @@ constexpr std::size_t recurrence_smem_bytes() {
 }
 
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
-Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
-              cudaStream_t stream) {
+Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS, MT>();
   cudaError_t err =
       cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>,
@@ -397,7 +396,7 @@ Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(prm.num_heads),
-                     static_cast<unsigned>(column_blocks));
+                     static_cast<unsigned>(columns / (WARPS * 16 * MT)));
   cfg.blockDim = dim3(WARPS * 32);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
@@ -407,23 +406,20 @@ Status launch(const PrefillParams& prm, std::int64_t grid_x, int column_blocks,
 
 template <int WARPS, int MT>
 Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, std::int64_t grid_x,
-                   int column_blocks, cudaStream_t stream) {
+                   int columns, cudaStream_t stream) {
   switch (pass) {
     case RecurrencePass::kFirst:
-      return split ? launch<WARPS, MT, RecurrencePass::kFirst, true>(prm, grid_x, column_blocks,
-                                                                     stream)
-                   : launch<WARPS, MT, RecurrencePass::kFirst, false>(prm, grid_x, column_blocks,
-                                                                      stream);
+      return split ? launch<WARPS, MT, RecurrencePass::kFirst, true>(prm, grid_x, columns, stream)
+                   : launch<WARPS, MT, RecurrencePass::kFirst, false>(prm, grid_x, columns, stream);
     case RecurrencePass::kSecond:
       // The launcher never runs the second pass with the paired shape (prefill.cu).
       if constexpr (MT == 1) {
-        return launch<WARPS, MT, RecurrencePass::kSecond, true>(prm, grid_x, column_blocks, stream);
+        return launch<WARPS, MT, RecurrencePass::kSecond, true>(prm, grid_x, columns, stream);
       } else {
         return Status(StatusCode::kInternal, "the paired recurrence shape has no second pass");
       }
     case RecurrencePass::kTransition:
-      return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, column_blocks,
-                                                                   stream);
+      return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, columns, stream);
   }
   return Status(StatusCode::kInternal, "unknown recurrence pass");
 }
@@ -431,17 +427,17 @@ Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, st
 }  // namespace
 
 Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split,
-                         RecurrenceShape shape, std::int64_t grid_x, int column_blocks,
+                         RecurrenceShape shape, std::int64_t grid_x, int columns,
                          cudaStream_t stream) {
   switch (shape) {
     case RecurrenceShape::kCols32:
-      return launch_pass<2, 1>(prm, pass, split, grid_x, column_blocks, stream);
+      return launch_pass<2, 1>(prm, pass, split, grid_x, columns, stream);
     case RecurrenceShape::kCols64:
-      return launch_pass<4, 1>(prm, pass, split, grid_x, column_blocks, stream);
+      return launch_pass<4, 1>(prm, pass, split, grid_x, columns, stream);
     case RecurrenceShape::kCols128:
-      return launch_pass<8, 1>(prm, pass, split, grid_x, column_blocks, stream);
+      return launch_pass<8, 1>(prm, pass, split, grid_x, columns, stream);
     case RecurrenceShape::kCols128Paired:
-      return launch_pass<4, 2>(prm, pass, split, grid_x, column_blocks, stream);
+      return launch_pass<4, 2>(prm, pass, split, grid_x, columns, stream);
   }
   return Status(StatusCode::kInternal, "unknown recurrence block shape");
 }
