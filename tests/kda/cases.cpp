@@ -247,7 +247,7 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       {12, {2570, 255, 2561}, GateMode::kLowerBound, DType::kF32},  // a short one beside split ones
       // Many sequences and a long one: split, and more (segment, head) items than twice the SMs of
       // an H200 (28 x 16 = 448): the paired recurrence blocks (RecurrenceShape::kCols128Paired) in
-      // both passes.
+      // the first pass (the second pass keeps eight one-tile warps).
       {16, many_and_one_long(), GateMode::kSoftplus, DType::kF32},
   };
   seed = 300;
