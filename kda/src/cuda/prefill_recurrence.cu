@@ -71,7 +71,7 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
 // stage (W, Q~, K^, M) and the decay factors, which halves the block's shared-memory traffic per
 // column: that traffic, ~70 % of the shared-memory bandwidth at one m-tile, bounds the kernel.
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
-__global__ void __launch_bounds__(WARPS * 32) kda_recurrence_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const PrefillParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int VB = WARPS * 16 * MT;  // columns per block
   extern __shared__ __align__(16) unsigned char smem_raw[];
