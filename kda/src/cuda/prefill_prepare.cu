@@ -130,8 +130,10 @@ __device__ __forceinline__ void store_m(PrepSmem& sm, int i, int j, float mv) {
       __float2bfloat16(mv - __bfloat162float(hi));
 }
 
+// bf16 -> fp32 is exact: the bf16 bits are the float's upper half. Two integer operations a pair
+// (cvt.f32.bf16 took about two a value here).
 __device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+  return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
 }
 __device__ __forceinline__ std::uint32_t lds32(const bf16* p) {
   return *reinterpret_cast<const std::uint32_t*>(p);
@@ -146,6 +148,8 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
   *lo = pack_bf16x2(x.x - h.x, x.y - h.y);
 }
 
+// GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
+template <GateMode GATE>
 __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char prep_smem_raw[];
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
@@ -165,7 +169,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   if (slot == 0 && (gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb.x) || !isfinite(dtb.y)))
     report_status(p.status, kDeviceStatusGateParams);
 
-  const std::int64_t s = owner_of_slot(p.seqs, slot, C);
+  const std::int64_t s = owner_of_slot(p.seqs, slot, C, lane);
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t j = slot - (s + bos / C);
@@ -212,16 +216,16 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   float Gx[kHalf], Gy[kHalf];
   {
     const float a_exp = __expf(a_log_h);
-    const GateLog2 gx = GateLog2::make(p.gate, a_exp, dtb.x, p.lower_bound);
-    const GateLog2 gy = GateLog2::make(p.gate, a_exp, dtb.y, p.lower_bound);
+    const GateLog2 gx = GateLog2::make(GATE, a_exp, dtb.x, p.lower_bound);
+    const GateLog2 gy = GateLog2::make(GATE, a_exp, dtb.y, p.lower_bound);
     float ax = 0.f, ay = 0.f;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
-      if (t0 + i < nvalid) {
-        const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
-        ax += gx(g.x);
-        ay += gy(g.y);
-      }
+      // A padded token's gate (of a zeroed g) is computed and dropped: a select, not a branch.
+      const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
+      const bool valid = t0 + i < nvalid;
+      ax += valid ? gx(g.x) : 0.f;
+      ay += valid ? gy(g.y) : 0.f;
       Gx[i] = ax;
       Gy[i] = ay;
     }
@@ -521,16 +525,18 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
 }  // namespace
 
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream) {
-  cudaError_t err =
-      cudaFuncSetAttribute(kda_prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(sizeof(PrepSmem)));
+  void (*kernel)(PrefillParams) = prm.gate == GateMode::kLowerBound
+                                      ? kda_prepare_kernel<GateMode::kLowerBound>
+                                      : kda_prepare_kernel<GateMode::kSoftplus>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(sizeof(PrepSmem)));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
   cfg.blockDim = dim3(kPrepThreads);
   cfg.dynamicSmemBytes = sizeof(PrepSmem);
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_prepare_kernel, prm), "kda_prepare_kernel");
+  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, prm), "kda_prepare_kernel");
 }
 
 }  // namespace kda::detail

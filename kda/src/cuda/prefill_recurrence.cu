@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   const int v_warp = v_block + warp * 16 * MT;  // first column of this warp
 
   const std::int64_t seg_tokens = C * p.seg_chunks;
-  const std::int64_t s = SPLIT ? owner_of_slot(p.seqs, seg_slot, seg_tokens) : seg_slot;
+  const std::int64_t s = SPLIT ? owner_of_slot(p.seqs, seg_slot, seg_tokens, lane) : seg_slot;
   std::int64_t bos, eos;
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t nchunks = (eos - bos + C - 1) / C;
