@@ -116,6 +116,12 @@ __device__ __forceinline__ void report_status(std::uint32_t* status, std::uint32
   if (status != nullptr && bits != 0) atomicOr(status, bits);
 }
 
+// A bf16 pair (lo in the low half) as floats. bf16 -> fp32 is exact (the bf16 bits are the float's
+// upper half): two integer operations a pair, where cvt.f32.bf16 cost about two a value.
+__device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
+  return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
+}
+
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<std::uint32_t*>(&v);

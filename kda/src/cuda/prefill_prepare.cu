@@ -130,11 +130,6 @@ __device__ __forceinline__ void store_m(PrepSmem& sm, int i, int j, float mv) {
       __float2bfloat16(mv - __bfloat162float(hi));
 }
 
-// bf16 -> fp32 is exact: the bf16 bits are the float's upper half. Two integer operations a pair
-// (cvt.f32.bf16 took about two a value here).
-__device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
-  return make_float2(__uint_as_float(raw << 16), __uint_as_float(raw & 0xffff0000u));
-}
 __device__ __forceinline__ std::uint32_t lds32(const bf16* p) {
   return *reinterpret_cast<const std::uint32_t*>(p);
 }

@@ -239,22 +239,21 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     unsigned ua[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
+      // U0^T in the accumulators' layout, straight from the token-major tile: ldmatrix.trans of
+      // its four 8 x 8 blocks (tokens 0-7 / 8-15 x columns +0 / +8) gives lane (gq, tq) the pair
+      // of tokens 8 nt + 2 tq + {0, 1} at column gq (+ 8) -- one load for eight 2-byte ones.
+      std::uint32_t u0[4] = {0, 0, 0, 0};
+      if (!identity_cols) {  // warp-uniform
+        ldmatrix_x4_trans(u0[0], u0[1], u0[2], u0[3], &st.u[lrow][v_warp + 16 * mt + lcol]);
+      }
       float U[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const int t0 = nt * 8 + 2 * tq;
-        const int v0 = v_warp + 16 * mt + gq;
-        float u00 = 0.f, u01 = 0.f, u10 = 0.f, u11 = 0.f;
-        if (!identity_cols) {
-          u00 = __bfloat162float(st.u[t0][v0]);
-          u01 = __bfloat162float(st.u[t0 + 1][v0]);
-          u10 = __bfloat162float(st.u[t0][v0 + 8]);
-          u11 = __bfloat162float(st.u[t0 + 1][v0 + 8]);
-        }
-        U[nt][0] = u00 - (X[mt][0][nt][0] + X[mt][1][nt][0]);
-        U[nt][1] = u01 - (X[mt][0][nt][1] + X[mt][1][nt][1]);
-        U[nt][2] = u10 - (X[mt][0][nt][2] + X[mt][1][nt][2]);
-        U[nt][3] = u11 - (X[mt][0][nt][3] + X[mt][1][nt][3]);
+        const float2 lo = unpack_bf16x2(u0[2 * nt]), hi = unpack_bf16x2(u0[2 * nt + 1]);
+        U[nt][0] = lo.x - (X[mt][0][nt][0] + X[mt][1][nt][0]);
+        U[nt][1] = lo.y - (X[mt][0][nt][1] + X[mt][1][nt][1]);
+        U[nt][2] = hi.x - (X[mt][0][nt][2] + X[mt][1][nt][2]);
+        U[nt][3] = hi.y - (X[mt][0][nt][3] + X[mt][1][nt][3]);
       }
       ua[mt][0] = pack_bf16x2(U[0][0], U[0][1]);
       ua[mt][1] = pack_bf16x2(U[0][2], U[0][3]);
