@@ -72,7 +72,6 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
 // column: that traffic, ~70 % of the shared-memory bandwidth at one m-tile, bounds the kernel.
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
 __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const PrefillParams p) {
-  constexpr int THREADS = WARPS * 32;
   constexpr int VB = WARPS * 16 * MT;  // columns per block
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
@@ -304,27 +303,30 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         }
       }
 
-      // Output: stage O^T through shared memory, then coalesced 16-byte stores of the valid tokens.
+      // Output: O^T goes through shared memory as token rows, each warp its own columns (stmatrix
+      // .trans: the accumulator pairs (column gq, tokens 2 tq + {0, 1}) of the four 8 x 8 blocks
+      // of an m-tile land as rows), then 16-byte stores of the valid tokens' pieces of those
+      // columns. No other warp touches them: a warp barrier, not a block one.
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
+        float o[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          const int t0 = nt * 8 + 2 * tq;
-          const int vl = warp * 16 * MT + 16 * mt + gq;
-          so[t0][vl] = __float2bfloat16(Y[mt][0][nt][0] + Y[mt][1][nt][0]);
-          so[t0 + 1][vl] = __float2bfloat16(Y[mt][0][nt][1] + Y[mt][1][nt][1]);
-          so[t0][vl + 8] = __float2bfloat16(Y[mt][0][nt][2] + Y[mt][1][nt][2]);
-          so[t0 + 1][vl + 8] = __float2bfloat16(Y[mt][0][nt][3] + Y[mt][1][nt][3]);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) o[nt][r] = Y[mt][0][nt][r] + Y[mt][1][nt][r];
         }
+        stmatrix_x4_trans(&so[lrow][warp * 16 * MT + 16 * mt + lcol],
+                          pack_bf16x2(o[0][0], o[0][1]), pack_bf16x2(o[0][2], o[0][3]),
+                          pack_bf16x2(o[1][0], o[1][1]), pack_bf16x2(o[1][2], o[1][3]));
       }
-      __syncthreads();
+      __syncwarp();
       const std::int64_t tok0 = bos + (c_begin + c) * C;
       const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
-      constexpr int kPieces = VB / 8;  // 16-byte pieces per token row
-      for (int e = tid; e < nvalid * kPieces; e += THREADS) {
-        const int t = e / kPieces, pc = e % kPieces;
-        const std::int64_t off = ((tok0 + t) * H + h) * D + v_block + pc * 8;
-        *reinterpret_cast<uint4*>(p.out + off) = *reinterpret_cast<const uint4*>(&so[t][pc * 8]);
+      constexpr int kPieces = 2 * MT;  // 16-byte pieces of a token row in a warp's columns
+      for (int e = lane; e < nvalid * kPieces; e += 32) {
+        const int t = e / kPieces, col = warp * 16 * MT + (e % kPieces) * 8;
+        const std::int64_t off = ((tok0 + t) * H + h) * D + v_block + col;
+        *reinterpret_cast<uint4*>(p.out + off) = *reinterpret_cast<const uint4*>(&so[t][col]);
       }
     }
   }

@@ -79,6 +79,17 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned& r0, unsigned& r1, un
                : "r"(s));
 }
 
+// The transposes of four 8 x 8 bf16 matrices into shared memory: lane l gives the address of row
+// l % 8 of matrix l / 8, and r0..r3 hold the lane's pair of each matrix in the mma fragment layout
+// (row l / 4, columns 2 (l % 4) + {0, 1}), which lands at column l / 4 of rows 2 (l % 4) + {0, 1}.
+__device__ __forceinline__ void stmatrix_x4_trans(void* smem, unsigned r0, unsigned r1, unsigned r2,
+                                                  unsigned r3) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(s),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // D = A * B + D, m16n8k16, bf16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const unsigned (&a)[4], unsigned b0,
                                          unsigned b1) {
