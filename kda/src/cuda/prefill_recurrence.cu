@@ -315,9 +315,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
 #pragma unroll
           for (int r = 0; r < 4; ++r) o[nt][r] = Y[mt][0][nt][r] + Y[mt][1][nt][r];
         }
-        stmatrix_x4_trans(&so[lrow][warp * 16 * MT + 16 * mt + lcol],
-                          pack_bf16x2(o[0][0], o[0][1]), pack_bf16x2(o[0][2], o[0][3]),
-                          pack_bf16x2(o[1][0], o[1][1]), pack_bf16x2(o[1][2], o[1][3]));
+        stmatrix_x4_trans(&so[lrow][warp * 16 * MT + 16 * mt + lcol], pack_bf16x2(o[0][0], o[0][1]),
+                          pack_bf16x2(o[0][2], o[0][3]), pack_bf16x2(o[1][0], o[1][1]),
+                          pack_bf16x2(o[1][2], o[1][3]));
       }
       __syncwarp();
       const std::int64_t tok0 = bos + (c_begin + c) * C;
