@@ -179,8 +179,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   }
 
   for (std::int64_t c = 0; c < nfetch; ++c) {
-    // Every warp is done with chunk c - 1 (the barrier before the output stores of c - 1), so its
-    // stage can be refilled; `so` is free once the stores of c - 1 are done (this barrier).
+    // This barrier is the only one a chunk step: past it every warp is done with chunk c - 1, so
+    // its stage can be refilled, and has read its columns of `so` for the stores of c - 1.
     __syncthreads();
     if (tid == 0) {
       const std::int64_t nc = c + kStages - 1;

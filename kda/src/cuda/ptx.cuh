@@ -1,6 +1,7 @@
 // ptx.cuh — the PTX the CUDA kernels use, each behind one small wrapper (as ggml-cuda keeps its
-// mma.cuh / cp-async.cuh): the copy engine (cp.async.bulk) and its mbarriers, cp.async, ldmatrix
-// and the bf16 tensor-core mma. sm_90a. Kernels include this and never write asm themselves.
+// mma.cuh / cp-async.cuh): the copy engine (cp.async.bulk) and its mbarriers, cp.async, ldmatrix,
+// stmatrix and the bf16 tensor-core mma. sm_90a. Kernels include this and never write asm
+// themselves.
 #pragma once
 
 #include <cuda_runtime.h>
