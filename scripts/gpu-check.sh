@@ -102,16 +102,22 @@ if [ "$what" = sanitize-all ]; then
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"
-    # racecheck of the operator in five shards (together its CUDA test cases, each once): in one
+    # racecheck of the operator in nine shards (together its CUDA test cases, each once): in one
     # run it did not finish within 480 s; the CPU-backend comparison alone takes ~600 s (seventh
-    # session), so its subcases are split in two (by name: "T=..." and the rest).
+    # session), so its subcases are split in four by name, and the state-slot tests in two (eighth
+    # session, eleven processes at once: the old "long, very, state, split, H96" shard and the
+    # slot tests with the segment ones each ran past 315 s; the others took 65-295 s).
     { for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do
         [ $tool = racecheck ] && [ $b = test_kda_operator ] || echo "$tool $b"; done; done
       for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \
-        'prefill?matches?the?CPU?backend?[cuda]|varlen*,KDA*,strong*,long*,very*,state*,H96*,split*' \
+        'prefill?matches?the?CPU?backend?[cuda]|varlen*,KDA*,strong*' \
+        'prefill?matches?the?CPU?backend?[cuda]|long*,very*,state*' \
+        'prefill?matches?the?CPU?backend?[cuda]|H96*,split*' \
         'prefill?matches?the?fp64*[cuda],prefill:?a?decay*[cuda],decode?matches*[cuda],decode:?8-byte*[cuda]' \
         'prefill?n?tokens*[cuda],prefill?is?bitwise*[cuda],split?round*[cuda],in-place*[cuda]' \
-        'prefill?through?state?slots*[cuda],prefill:?a?slot*[cuda],prefill:?the?host?copy*[cuda],segment*[cuda],transitions*[cuda],apply_transition*[cuda],*zero?sequences*[cuda],*graph*[cuda],prefill?reports*[cuda]'; do
+        'prefill?through?state?slots*[cuda]' \
+        'prefill:?a?slot*[cuda],prefill:?the?host?copy*[cuda]' \
+        'segment*[cuda],transitions*[cuda],apply_transition*[cuda],*zero?sequences*[cuda],*graph*[cuda],prefill?reports*[cuda]'; do
         echo "racecheck test_kda_operator $shard"; done; } \
       | xargs -P 8 -L 1 bash -c 'one "$0" "$1" "$2"'
     # test_hardening_cuda after them, alone: its leak test measures device-wide free memory, which
