@@ -66,8 +66,9 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
   }
 #pragma unroll
   for (int i = 0; i < kVec / 2; ++i) {
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    const float2 pair = unpack_bf16x2(w[i]);
+    x[2 * i] = pair.x;
+    x[2 * i + 1] = pair.y;
   }
 }
 
