@@ -218,6 +218,24 @@ TEST_CASE("cuda prefill: broken device cu_seqlens are reported through the devic
     REQUIRE(rig.run(t).ok());
     CHECK(rig.device_status().code() == StatusCode::kInvalidArgument);
   }
+  SUBCASE("a list long enough for a split plan, one entry decreasing") {
+    // 8192 tokens in three sequences at H = 3: on an H200 (132 SMs) the plan cuts them into
+    // segments of 14 chunks (224 tokens). With the entries 0, 3000, 2000, 8192 the owner search
+    // maps no segment slot to sequence 1's first segment (1 + 3000 / 224 = 14 > 2 + 2000 / 224 =
+    // 10), where the recurrence checks a sequence's entries; the prepare kernel's block (1, 0)
+    // checks them whatever the search says.
+    CaseOptions o = cuda_case(23);
+    o.lengths = {2730, 2730, 2732};
+    PrefillRig rig(make_case(o));
+    DeviceBuffer dcu = DeviceBuffer::from(std::vector<std::int64_t>{0, 3000, 2000, 8192});
+    Tensors t = rig.tensors();
+    t.cu_seqlens = dcu.get();
+    REQUIRE(rig.run(t).ok());
+    const Status dev = rig.device_status();
+    CHECK_MESSAGE(contains(dev, "broken cu_seqlens"), dev.to_string());
+    CHECK(rig.out.guards_intact());
+    CHECK(rig.ht.guards_intact());
+  }
   SUBCASE("valid lists leave the word at zero, int64 and int32") {
     PrefillRig rig(c);
     REQUIRE(rig.run(rig.tensors()).ok());

@@ -107,6 +107,20 @@ __device__ __forceinline__ std::int64_t owner_of_slot(const SeqIndex& seqs, std:
   return lo;
 }
 
+// Reports sequence s's cu_seqlens entries if they are broken: decreasing, the first not 0, the
+// last not T. One thread calls it per sequence: block (s, head 0) of the prepare kernel for every
+// s < N (whatever the owner search makes of broken entries: a split plan's search seldom maps a
+// decreasing entry's sequence to its first segment), and the recurrence's first block of each
+// sequence (which also covers T = 0, where the prepare kernel does not run).
+__device__ __forceinline__ void check_sequence_bounds(const SeqIndex& seqs, std::int64_t s,
+                                                      std::uint32_t* status) {
+  if (seqs.cu == nullptr) return;
+  const std::int64_t b = seqs.start(s), e = seqs.start(s + 1);
+  if (e < b || (s == 0 && b != 0) || (s == seqs.num_seqs - 1 && e != seqs.total)) {
+    report_status(status, kDeviceStatusCuSeqlens);
+  }
+}
+
 // Which pass of the recurrence a launch is (see workspace_layout.hpp, "Segments"). Without a split
 // every sequence is one segment and kFirst is the whole recurrence.
 enum class RecurrencePass : int {

@@ -163,6 +163,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   // The first slot's blocks (one per head) check the gate parameters for everyone.
   if (slot == 0 && (gate_params_bad(tid == 0 ? a_log_h : 0.f, dtb.x) || !isfinite(dtb.y)))
     report_status(p.status, kDeviceStatusGateParams);
+  // Block (s, head 0) checks sequence s's cu_seqlens entries (slot used as a sequence index here;
+  // there are at least N slots).
+  if (h == 0 && tid == 0 && slot < p.seqs.num_seqs) check_sequence_bounds(p.seqs, slot, p.status);
 
   const std::int64_t s = owner_of_slot(p.seqs, slot, C, lane);
   std::int64_t bos, eos;

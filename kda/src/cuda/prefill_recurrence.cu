@@ -106,12 +106,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   // One block per sequence checks its cu_seqlens entries (the first and last also the ends).
   const bool reporter =
       PASS != RecurrencePass::kSecond && j == 0 && h == 0 && blockIdx.z == 0 && tid == 0;
-  if (p.seqs.cu != nullptr && reporter) {
-    const std::int64_t b = p.seqs.start(s), e = p.seqs.start(s + 1);
-    if (e < b || (s == 0 && b != 0) || (s == p.seqs.num_seqs - 1 && e != p.seqs.total)) {
-      report_status(p.status, kDeviceStatusCuSeqlens);
-    }
-  }
+  if (reporter) check_sequence_bounds(p.seqs, s, p.status);
   const std::int64_t state_idx = state_index(p, s, reporter);
   const std::int64_t H = p.num_heads;
   const std::int64_t state_base = (state_idx * H + h) * static_cast<std::int64_t>(D) * D;
