@@ -44,7 +44,8 @@ constexpr int D = 128;
 
 struct Rounding {
   bool gram = true, M = true, W = true, U0 = true, kd = true, S = true, U = true, qgY = true;
-  bool B = true;  // --pair only: B = W_b K^_a^T stored bf16
+  bool B = true;   // --pair only: B = W_b K^_a^T stored bf16
+  bool SY = true;  // S as the bf16 operand of Y = S Q~^T (off: a bf16 pair there, X keeps `S`)
 };
 
 float r16(float x, bool on) { return on ? kda::round_bf16(x) : x; }
@@ -239,9 +240,11 @@ template <int C>
 void recur_one(const Record<C>& c, const Rounding& r, int vv, float* row,
                std::vector<double>* out) {
   float sa[D], ua[C];
+  float sy[D];
   for (int d = 0; d < D; ++d) sa[d] = r16(row[d], r.S);
+  for (int d = 0; d < D; ++d) sy[d] = r.SY ? sa[d] : row[d];
   chunk_u(c, r, vv, sa, ua);
-  chunk_out(c, vv, sa, ua, out);
+  chunk_out(c, vv, sy, ua, out);
   chunk_state(c, ua, row, row);
 }
 
@@ -402,6 +405,13 @@ int main(int argc, char** argv) {
     configs.push_back({"gram + M + kd", r});
     r.S = r.U = false;
     configs.push_back({"gram + M + kd + S + U", r});
+  }
+  {
+    Rounding r;
+    r.gram = r.M = r.SY = false;
+    configs.push_back({"gram + M + S in Y", r});
+    r.qgY = false;
+    configs.push_back({"gram + M + S in Y + qgY", r});
   }
   configs.push_back({"none (out rounding only)",
                      Rounding{false, false, false, false, false, false, false, false, false}});
