@@ -27,11 +27,14 @@
 //   CHECK(kda::test::rel_error(got.final_state(), ref.final_state) <= 1e-3);
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "kda/bf16.hpp"
@@ -310,57 +313,69 @@ inline Reference reference_forward(const KdaCase& c) {
   auto at = [](const std::vector<std::uint16_t>& x, std::int64_t i) {
     return static_cast<double>(bf16_to_float(x[static_cast<std::size_t>(i)]));
   };
-  std::vector<double> S(static_cast<std::size_t>(K * V));  // S[i * V + j], i < K, j < V
-  std::vector<double> qn(K), kn(K), decay(K), w(V);
-  for (std::int64_t s = 0; s < c.num_seqs(); ++s) {
-    for (std::int64_t h = 0; h < H; ++h) {
-      const std::int64_t state_base = (s * H + h) * V * K;
-      for (std::int64_t i = 0; i < K; ++i) {
-        for (std::int64_t j = 0; j < V; ++j) {
-          S[i * V + j] = c.initial_state.empty()
-                             ? 0.0
-                             : c.initial_state[static_cast<std::size_t>(state_base + j * K + i)];
-        }
-      }
-      const double a = std::exp(static_cast<double>(c.A_log[h]));
-      for (std::int64_t t = c.seq_begin(s); t < c.seq_end(s); ++t) {
-        const std::int64_t row = t * H + h;
-        double qq = 0, kk = 0;
-        for (std::int64_t i = 0; i < K; ++i) {
-          qq += at(c.q, row * K + i) * at(c.q, row * K + i);
-          kk += at(c.k, row * K + i) * at(c.k, row * K + i);
-        }
-        for (std::int64_t i = 0; i < K; ++i) {
-          qn[i] = at(c.q, row * K + i) / std::sqrt(qq + 1e-6);
-          kn[i] = at(c.k, row * K + i) / std::sqrt(kk + 1e-6);
-          decay[i] = std::exp(log_decay(c, a, row * K + i, h * K + i));
-        }
-        const double beta = 1.0 / (1.0 + std::exp(-at(c.beta, row)));
-        for (std::int64_t i = 0; i < K; ++i) {
-          for (std::int64_t j = 0; j < V; ++j) S[i * V + j] *= decay[i];
-        }
-        for (std::int64_t j = 0; j < V; ++j) {  // w = S^T k^
-          w[j] = 0;
-          for (std::int64_t i = 0; i < K; ++i) w[j] += S[i * V + j] * kn[i];
-        }
-        for (std::int64_t i = 0; i < K; ++i) {
-          for (std::int64_t j = 0; j < V; ++j) {
-            S[i * V + j] += beta * kn[i] * (at(c.v, row * V + j) - w[j]);
-          }
-        }
-        for (std::int64_t j = 0; j < V; ++j) {
-          double o = 0;
-          for (std::int64_t i = 0; i < K; ++i) o += S[i * V + j] * qn[i];
-          r.out[static_cast<std::size_t>(row * V + j)] = scale * o;
-        }
-      }
-      for (std::int64_t i = 0; i < K; ++i) {
-        for (std::int64_t j = 0; j < V; ++j) {
-          r.final_state[static_cast<std::size_t>(state_base + j * K + i)] = S[i * V + j];
-        }
+  // One (sequence, head) pair at a time, pairs spread over the host's threads (the pairs write
+  // disjoint outputs; the GPU tests compare cases of up to ~400 k token-heads with it).
+  auto one_pair = [&](std::int64_t s, std::int64_t h) {
+    std::vector<double> S(static_cast<std::size_t>(K * V));  // S[i * V + j], i < K, j < V
+    std::vector<double> qn(K), kn(K), decay(K), w(V);
+    const std::int64_t state_base = (s * H + h) * V * K;
+    for (std::int64_t i = 0; i < K; ++i) {
+      for (std::int64_t j = 0; j < V; ++j) {
+        S[i * V + j] = c.initial_state.empty()
+                           ? 0.0
+                           : c.initial_state[static_cast<std::size_t>(state_base + j * K + i)];
       }
     }
-  }
+    const double a = std::exp(static_cast<double>(c.A_log[h]));
+    for (std::int64_t t = c.seq_begin(s); t < c.seq_end(s); ++t) {
+      const std::int64_t row = t * H + h;
+      double qq = 0, kk = 0;
+      for (std::int64_t i = 0; i < K; ++i) {
+        qq += at(c.q, row * K + i) * at(c.q, row * K + i);
+        kk += at(c.k, row * K + i) * at(c.k, row * K + i);
+      }
+      for (std::int64_t i = 0; i < K; ++i) {
+        qn[i] = at(c.q, row * K + i) / std::sqrt(qq + 1e-6);
+        kn[i] = at(c.k, row * K + i) / std::sqrt(kk + 1e-6);
+        decay[i] = std::exp(log_decay(c, a, row * K + i, h * K + i));
+      }
+      const double beta = 1.0 / (1.0 + std::exp(-at(c.beta, row)));
+      for (std::int64_t i = 0; i < K; ++i) {
+        for (std::int64_t j = 0; j < V; ++j) S[i * V + j] *= decay[i];
+      }
+      for (std::int64_t j = 0; j < V; ++j) {  // w = S^T k^
+        w[j] = 0;
+        for (std::int64_t i = 0; i < K; ++i) w[j] += S[i * V + j] * kn[i];
+      }
+      for (std::int64_t i = 0; i < K; ++i) {
+        for (std::int64_t j = 0; j < V; ++j) {
+          S[i * V + j] += beta * kn[i] * (at(c.v, row * V + j) - w[j]);
+        }
+      }
+      for (std::int64_t j = 0; j < V; ++j) {
+        double o = 0;
+        for (std::int64_t i = 0; i < K; ++i) o += S[i * V + j] * qn[i];
+        r.out[static_cast<std::size_t>(row * V + j)] = scale * o;
+      }
+    }
+    for (std::int64_t i = 0; i < K; ++i) {
+      for (std::int64_t j = 0; j < V; ++j) {
+        r.final_state[static_cast<std::size_t>(state_base + j * K + i)] = S[i * V + j];
+      }
+    }
+  };
+  const std::int64_t pairs = c.num_seqs() * H;
+  std::atomic<std::int64_t> next{0};
+  auto worker = [&] {
+    for (std::int64_t i = next++; i < pairs; i = next++) one_pair(i / H, i % H);
+  };
+  const std::int64_t threads = std::min<std::int64_t>(
+      pairs,
+      std::max<std::int64_t>(1, static_cast<std::int64_t>(std::thread::hardware_concurrency())));
+  std::vector<std::thread> pool;
+  for (std::int64_t i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
   return r;
 }
 
