@@ -127,4 +127,12 @@ __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   return *reinterpret_cast<std::uint32_t*>(&v);
 }
 
+// What bf16 left of two floats whose packed bf16 pair is `hi` (x - hi is exact in fp32), as a bf16
+// pair: hi + lo carries x to ~2^-17 relative, an fp32-like operand in two bf16 mma.
+__device__ __forceinline__ std::uint32_t bf16x2_remainder(float x_lo, float x_hi,
+                                                          std::uint32_t hi) {
+  const float2 h = unpack_bf16x2(hi);
+  return pack_bf16x2(x_lo - h.x, x_hi - h.y);
+}
+
 }  // namespace kda::detail

@@ -139,8 +139,7 @@ __device__ __forceinline__ void sts32(bf16* p, std::uint32_t v) {
 // x as a bf16 pair: hi = bf16(x), lo = bf16(x - hi), two channels at once.
 __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uint32_t* lo) {
   *hi = pack_bf16x2(x.x, x.y);
-  const float2 h = unpack_bf16x2(*hi);
-  *lo = pack_bf16x2(x.x - h.x, x.y - h.y);
+  *lo = bf16x2_remainder(x.x, x.y, *hi);
 }
 
 // GATE: p.gate as a template argument, so that the gate's per-element code has no branch.

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
@@ -34,10 +35,12 @@ __device__ __forceinline__ void load_stage_bulk(StageSmem& st, const unsigned ch
   bulk_copy_to_shared(&st, rec, static_cast<unsigned>(ChunkRecord::kBytes), bar);
 }
 
-// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), T a 16 x
-// 128 tile of the stage (tokens x channels); even and odd k-tiles accumulate apart to halve the
-// chain.
+// out[kt & 1][nt] += S^T T^T over the 128 channels: S^T as bf16 A fragments (8 k-tiles), with
+// their remainders sa_lo too where WITH_LO (a bf16 pair, fp32-like), T a 16 x 128 tile of the stage
+// (tokens x channels); even and odd k-tiles accumulate apart to halve the chain.
+template <bool WITH_LO, int LO_TILES>
 __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const unsigned (&sa)[8][4],
+                                                 const unsigned (&sa_lo)[LO_TILES][4],
                                                  const bf16 (*tile)[kRowPad], int lrow, int lcol) {
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
@@ -45,6 +48,10 @@ __device__ __forceinline__ void state_times_tile(float (&out)[2][2][4], const un
     ldmatrix_x4(b0, b1, b2, b3, &tile[lrow][kt * 16 + lcol]);
     mma_bf16(out[kt & 1][0], sa[kt], b0, b1);
     mma_bf16(out[kt & 1][1], sa[kt], b2, b3);
+    if constexpr (WITH_LO) {
+      mma_bf16(out[kt & 1][0], sa_lo[kt], b0, b1);
+      mma_bf16(out[kt & 1][1], sa_lo[kt], b2, b3);
+    }
   }
 }
 
@@ -114,6 +121,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   // of segment j - 1), or zero / identity (transitions).
   const float* seg_in = PASS == RecurrencePass::kSecond ? seg_block(p, seg_slot - 1, h) : nullptr;
   const StateKind h0_kind = (j == 0 && state_idx >= 0) ? p.initial_kind : StateKind::kNone;
+  const bool h0_f32 = h0_kind == StateKind::kF32;
 
   // S^T slice [v_warp + 0..16 MT - 1][0..127] as MT x 16 n-tiles of m16n8 accumulators:
   // acc[mt][n][0..1] -> (row 16 mt + gq, cols 8n + 2tq + {0,1}); acc[mt][n][2..3] -> row + 8.
@@ -173,7 +181,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     }
   }
 
-  for (std::int64_t c = 0; c < nfetch; ++c) {
+  // One chunk step. Y_PAIR (the first step from an fp32 initial state only): Y takes the state
+  // as a bf16 pair. The step is a lambda so that the loop below compiles without that case:
+  // with it as a runtime branch inside the loop, the loop lost 4-27 % (H200), the pair or not.
+  auto step = [&](std::int64_t c, auto y_pair_tag) {
+    constexpr bool y_pair = decltype(y_pair_tag)::value;
     // This barrier is the only one a chunk step: past it every warp is done with chunk c - 1, so
     // its stage can be refilled, and has read its columns of `so` for the stores of c - 1.
     __syncthreads();
@@ -200,9 +212,17 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     // X = S^T W^T (and Y = S^T Q~^T with two m-tiles; 16 v x 16 tokens per m-tile, two n-tiles of
     // 8 tokens), S^T packed to bf16 A fragments one k-tile (16 state channels) at a time; even and
     // odd k-tiles accumulate apart to halve the chains.
+    // In the first chunk from an fp32 initial state, Y takes the state as a bf16 pair (hi + lo):
+    // there the caller's state, which bf16 cannot hold, is all of Y's state term (at T = 1 all of
+    // out but one token's U M^T), and its rounding was the largest term of out's error: T = 1
+    // against fp64 3.23e-3 with it, 2.81e-3 without (H200). In later chunks the state is itself
+    // made of the chunk's bf16 operands and its rounding one term of five (kda-chunk-emulation):
+    // the pair in every step cost 9-22 % of the prefill for <= 0.3e-3, so only the first step
+    // takes it. X, on the chain, keeps the bf16 state.
     float X[MT][2][2][4] = {};
     float Y[MT][2][2][4] = {};
     unsigned kept[kYWithX ? 1 : 8][4];  // MT == 1: the old state's fragments, for Y
+    unsigned kept_lo[kYWithX || !y_pair ? 1 : 8][4];
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
       unsigned w0, w1, w2, w3, q0, q1, q2, q3;
@@ -217,14 +237,28 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         sa[3] = pack_bf16x2(acc[mt][2 * kt + 1][2], acc[mt][2 * kt + 1][3]);
         mma_bf16(X[mt][kt & 1][0], sa, w0, w1);
         mma_bf16(X[mt][kt & 1][1], sa, w2, w3);
+        unsigned sl[4] = {0, 0, 0, 0};
+        if constexpr (y_pair) {
+          sl[0] = bf16x2_remainder(acc[mt][2 * kt][0], acc[mt][2 * kt][1], sa[0]);
+          sl[1] = bf16x2_remainder(acc[mt][2 * kt][2], acc[mt][2 * kt][3], sa[1]);
+          sl[2] = bf16x2_remainder(acc[mt][2 * kt + 1][0], acc[mt][2 * kt + 1][1], sa[2]);
+          sl[3] = bf16x2_remainder(acc[mt][2 * kt + 1][2], acc[mt][2 * kt + 1][3], sa[3]);
+        }
         if constexpr (kYWithX) {
           if (write_out) {
             mma_bf16(Y[mt][kt & 1][0], sa, q0, q1);
             mma_bf16(Y[mt][kt & 1][1], sa, q2, q3);
           }
+          if constexpr (y_pair) {
+            mma_bf16(Y[mt][kt & 1][0], sl, q0, q1);
+            mma_bf16(Y[mt][kt & 1][1], sl, q2, q3);
+          }
         } else {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) kept[kt][i] = sa[i];
+          for (int i = 0; i < 4; ++i) {
+            kept[kt][i] = sa[i];
+            if constexpr (y_pair) kept_lo[kt][i] = sl[i];
+          }
         }
       }
     }
@@ -282,7 +316,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
 
     if (write_out) {
       // O^T = S^T Q~^T + U^T M^T.
-      if constexpr (!kYWithX) state_times_tile(Y[0], kept, st.qg, lrow, lcol);
+      if constexpr (!kYWithX) state_times_tile<y_pair>(Y[0], kept, kept_lo, st.qg, lrow, lcol);
       {
         unsigned m0, m1, m2, m3, l0, l1, l2, l3;
         ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
@@ -324,7 +358,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         *reinterpret_cast<uint4*>(p.out + off) = *reinterpret_cast<const uint4*>(&so[t][col]);
       }
     }
+  };
+  std::int64_t c_first = 0;
+  // (A second pass never starts from the caller's state: its loop alone is compiled.)
+  if (PASS != RecurrencePass::kSecond && nfetch > 0 && write_out && h0_f32) {
+    step(std::int64_t{0}, std::true_type{});
+    c_first = 1;
   }
+  for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
   // The end state: the caller's final state (last segment), this segment's block in the workspace
   // (segment 0 of a split sequence: S_1; a transition: H_j^T and P^T rows), or the caller's
   // transition buffers (kTransition), fp32 but for a bf16 final state. The slot is looked up again
