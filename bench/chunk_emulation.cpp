@@ -385,7 +385,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   struct Config {
-    const char* name;
+    std::string name;
     Rounding r;
   };
   std::vector<Config> configs;
@@ -406,12 +406,29 @@ int main(int argc, char** argv) {
     r.S = r.U = false;
     configs.push_back({"gram + M + kd + S + U", r});
   }
+  {  // each other rounding off on top of the GPU's pairs (gram and M)
+    const char* more[] = {"W", "U0", "kd", "S", "U", "qgY"};
+    for (int k = 0; k < 6; ++k) {
+      Rounding r;
+      r.gram = r.M = false;
+      bool* flags[] = {&r.W, &r.U0, &r.kd, &r.S, &r.U, &r.qgY};
+      *flags[k] = false;
+      configs.push_back({std::string("gram + M + ") + more[k], r});
+    }
+  }
   {
     Rounding r;
     r.gram = r.M = r.SY = false;
     configs.push_back({"gram + M + S in Y", r});
     r.qgY = false;
     configs.push_back({"gram + M + S in Y + qgY", r});
+  }
+  {
+    Rounding r;
+    r.gram = r.M = r.U0 = r.U = false;
+    configs.push_back({"gram + M + U0 + U", r});
+    r.kd = false;
+    configs.push_back({"gram + M + U0 + U + kd", r});
   }
   configs.push_back({"none (out rounding only)",
                      Rounding{false, false, false, false, false, false, false, false, false}});
@@ -441,7 +458,7 @@ int main(int argc, char** argv) {
       all_ref_out.insert(all_ref_out.end(), ref_out[h].begin(), ref_out[h].end());
       all_ref_state.insert(all_ref_state.end(), ref_state[h].begin(), ref_state[h].end());
     }
-    std::printf("| %s | %.2e | %.2e |\n", c.name, rel(all_out, all_ref_out),
+    std::printf("| %s | %.2e | %.2e |\n", c.name.c_str(), rel(all_out, all_ref_out),
                 rel(all_state, all_ref_state));
   }
   pairs = static_cast<long>(heads) * ((T + chunk - 1) / chunk) * D;
