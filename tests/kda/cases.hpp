@@ -24,6 +24,10 @@ inline constexpr double kBf16Tol = 2.5e-3;    // CPU bf16 out or bf16 state
 inline constexpr double kFp64Tol = 2e-7;      // CPU fp64 mode: only the final rounding to f32
 inline constexpr double kGpuOutTol = 4e-3;    // CUDA out vs the CPU backend (measured 2.8-3.2e-3)
 inline constexpr double kGpuTol = 5e-3;       // CUDA state vs CPU, CUDA vs fp64, CUDA vs CUDA
+// CUDA against the fp64 recurrence, issue 9's bar (measured 2.3-2.8e-3 but on long memory), and
+// a bf16 final state, whose storage adds its own rounding (measured 2.9-3.0e-3).
+inline constexpr double kGpuFp64Tol = 3e-3;
+inline constexpr double kGpuFp64Bf16StateTol = 3.5e-3;
 
 // What a prefill case's results are compared with.
 enum class Against { kFp64, kCpu };
@@ -35,6 +39,10 @@ struct PrefillCase {
   Against against;
   double out_tol;
   double state_tol;  // an f32 final state (the CPU: bf16 states kBf16Tol, fp64 mode kFp64Tol)
+  // CUDA cases against the CPU: also against the fp64 recurrence (a bf16 final state at least
+  // kGpuFp64Bf16StateTol).
+  double fp64_out_tol = kGpuFp64Tol;
+  double fp64_state_tol = kGpuFp64Tol;
 };
 // Every prefill case: against == kFp64 ones are run by "prefill matches the fp64 reference" on
 // their backends (the CPU in fp32 and fp64 mode), kCpu ones by "prefill matches the CPU backend".
