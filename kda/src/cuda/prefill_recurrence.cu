@@ -221,8 +221,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     // takes it. X, on the chain, keeps the bf16 state.
     float X[MT][2][2][4] = {};
     float Y[MT][2][2][4] = {};
-    [[maybe_unused]] unsigned kept[kYWithX ? 1 : 8]
-                                  [4];  // MT == 1: the old state's fragments, for Y
+    // MT == 1: the old state's fragments (and their remainders, first step), for Y.
+    [[maybe_unused]] unsigned kept[kYWithX ? 1 : 8][4];
     [[maybe_unused]] unsigned kept_lo[kYWithX || !y_pair ? 1 : 8][4];
 #pragma unroll
     for (int kt = 0; kt < 8; ++kt) {
