@@ -6,7 +6,9 @@
 # ab REV [bench args]: kda-bench of .ab/REV (scripts/ab-prepare.sh REV) and of this tree, run
 # alternately (KDA_AB_ROUNDS rounds, default 3), compared as ratios by scripts/bench-ab.py.
 # sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
-# (KDA_SANITIZER_TIMEOUT seconds each, default 480; parallel, the 2^31-element test serially).
+# (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
+# 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
+# (the other binaries) runs half of it, for device calls shorter than the whole (~15 minutes).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -90,6 +92,11 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [[ "$filter" == *"|"* ]] && args+=("-sc=${filter#*|}")
+    # Under racecheck and initcheck the 2^31-element case never completed (~50 GB tracked) and the
+    # leak test measures the tool's own device memory (docs/SANITIZERS.md): memcheck and
+    # synccheck run them.
+    [ "$bin" = test_hardening_cuda ] && { [ "$tool" = racecheck ] || [ "$tool" = initcheck ]; } \
+      && args=("-tce=cuda prefill beyond 2^31*,*device memory back to its baseline")
     timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --nvtx yes --error-exitcode 1 \
       "$t/$bin" "${args[@]}" > "$log" 2>&1
     local r=$?
@@ -98,7 +105,13 @@ if [ "$what" = sanitize-all ]; then
     echo "| $tool | $bin $filter | exit $r | $summary | $cases | $(( $(date +%s) - s0 )) s |"
   }
   export -f one; export t logs
-  bins="test_kda_operator test_validation_cuda test_c_api_cuda test_engine_cuda"
+  part=${KDA_SANITIZE_PART:-all}
+  op_part=false; others_part=false
+  [ "$part" = operator ] || [ "$part" = all ] && op_part=true
+  [ "$part" = others ] || [ "$part" = all ] && others_part=true
+  bins=
+  $op_part && bins="test_kda_operator"
+  $others_part && bins="$bins test_validation_cuda test_c_api_cuda test_engine_cuda test_engine_whole_cuda test_kda_full_layer_cuda"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"
@@ -109,7 +122,7 @@ if [ "$what" = sanitize-all ]; then
     # slot tests with the segment ones each ran past 315 s; the others took 65-295 s).
     { for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do
         [ $tool = racecheck ] && [ $b = test_kda_operator ] || echo "$tool $b"; done; done
-      for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \
+      $op_part && for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \
         'prefill?matches?the?CPU?backend?[cuda]|varlen*,KDA*,strong*' \
         'prefill?matches?the?CPU?backend?[cuda]|long*,very*,state*' \
         'prefill?matches?the?CPU?backend?[cuda]|H96*,split*' \
@@ -119,12 +132,10 @@ if [ "$what" = sanitize-all ]; then
         'prefill:?a?slot*[cuda],prefill:?the?host?copy*[cuda]' \
         'segment*[cuda],transitions*[cuda],apply_transition*[cuda],*zero?sequences*[cuda],*graph*[cuda],prefill?reports*[cuda]'; do
         echo "racecheck test_kda_operator $shard"; done; } \
-      | xargs -P 8 -L 1 bash -c 'one "$0" "$1" "$2"'
+      | xargs -P ${KDA_SANITIZER_JOBS:-8} -L 1 bash -c 'one "$0" "$1" "$2"'
     # test_hardening_cuda after them, alone: its leak test measures device-wide free memory, which
-    # other processes disturb, and its 2^31-element case needs ~50 GB. racecheck did not survive the
-    # leak test's 3 x 1000 forwards (docs/SANITIZERS.md): 3 x 100 there.
-    for tool in memcheck synccheck racecheck initcheck; do
-      [ $tool = racecheck ] && export KDA_LEAK_FORWARDS=100 || unset KDA_LEAK_FORWARDS
+    # other processes disturb, and its 2^31-element case needs ~50 GB.
+    $others_part && for tool in memcheck synccheck racecheck initcheck; do
       one $tool test_hardening_cuda
     done
   } | tee "$OUT/sanitizers.md"
