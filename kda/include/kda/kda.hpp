@@ -128,7 +128,10 @@ struct Tensors {
   // the device can see: they OR in DeviceStatusBit values (broken cu_seqlens contents, gate
   // parameters out of range) and never clear it. Read it after your own synchronization with
   // check_device_status(); clear it with clear_device_status(). Ignored by the CPU backend, which
-  // reports the same problems in its returned Status.
+  // reports the same problems in its returned Status. After a reported problem the call's out and
+  // final states hold unspecified values (every access stays inside its tensor or the
+  // workspace); host copies (cu_seqlens_host, state_slots_host) have such input refused before
+  // anything runs.
   std::uint32_t* device_status = nullptr;
 };
 
