@@ -23,16 +23,15 @@ inline constexpr int kHeadDim = 128;  // K == V == 128 on CUDA
 // One (chunk slot, head) record. Rows are padded (kRowStride bf16 for 128-wide tiles, kMStride for
 // M) so that the record is byte for byte the shared-memory image the recurrence kernel works on:
 // one bulk copy brings it in, and ldmatrix on 272-byte rows is free of bank conflicts.
-//   qg   bf16 [kChunk][kRowStride]  scale * q_hat * exp(G_i)               (Q~)
-//   kd   bf16 [kChunk][kRowStride]  k_hat * exp(G_last - G_i)              (K^, feeds the state
-//   update) w    bf16 [kChunk][kRowStride]  (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W) u    bf16
-//   [kChunk][kRowStride]  (I + A)^-1 diag(beta) v                (U0) m    bf16 [kChunk][kMStride]
-//   scale * q_hat_i . (k_hat_j * exp(G_i - G_j)), i >= j, else 0 gl   f32  [K] exp(G_last) (chunk
-//   decay of the state)
+// - qg: bf16 [kChunk][kRowStride], scale * q_hat * exp(G_i) (Q~)
+// - kd: bf16 [kChunk][kRowStride], k_hat * exp(G_last - G_i) (K^, feeds the state update)
+// - w:  bf16 [kChunk][kRowStride], (I + A)^-1 diag(beta) (k_hat * exp(G_i)) (W)
+// - u:  bf16 [kChunk][kRowStride], (I + A)^-1 diag(beta) v (U0)
+// - m:  bf16 [kChunk][kMStride], scale * q_hat_i . (k_hat_j * exp(G_i - G_j)) for i >= j, else 0
+// - gl: f32 [K], exp(G_last) (the chunk's decay of the state)
 // M is kept as a bf16 pair m + m_lo (M in bf16 alone costs 1.6e-3 of out error, measured with
 // kda-chunk-emulation); m_lo lives in padding that costs no bytes: columns 0..7 of row i in
 // qg[i][128..135], columns 8..15 in kd[i][128..135] (kMloColumn). Other padding carries nothing.
-// Padding columns carry no meaning.
 inline constexpr int kRowStride = kHeadDim + 8;  // 272-byte rows
 inline constexpr int kMStride = kChunk + 8;      // 48-byte rows
 inline constexpr int kMloColumn = kHeadDim;      // where m_lo sits in the qg and kd rows' padding
