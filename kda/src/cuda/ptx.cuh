@@ -1,6 +1,6 @@
 // ptx.cuh — the PTX the CUDA kernels use, each behind one small wrapper (as ggml-cuda keeps its
 // mma.cuh / cp-async.cuh): the copy engine (cp.async.bulk) and its mbarriers, cp.async, ldmatrix,
-// stmatrix and the bf16 tensor-core mma. sm_90a. Kernels include this and never write asm
+// stmatrix, the bf16 tensor-core mma and wgmma. sm_90a. Kernels include this and never write asm
 // themselves.
 #pragma once
 
@@ -131,6 +131,83 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- wgmma (warpgroup MMA, sm_90a): so far used by bench/wgmma_probe.cu only -------------------
+// The design they serve: docs/PERFORMANCE-NOTES.md, "Design: the recurrence on wgmma". A warpgroup
+// is four consecutive warps starting at a multiple of four; every call below is warpgroup-wide.
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in
+// bits 0-13, leading byte offset >> 4 in 16-29, stride byte offset >> 4 in 32-45, base offset 0,
+// swizzle in 62-63.
+enum class WgmmaSwizzle : std::uint64_t { kNone = 0, k128B = 1, k64B = 2, k32B = 3 };
+__device__ __forceinline__ std::uint64_t wgmma_desc(const void* smem, unsigned lbo, unsigned sbo,
+                                                    WgmmaSwizzle swizzle) {
+  return static_cast<std::uint64_t>((smem_addr(smem) & 0x3FFFFu) >> 4) |
+         static_cast<std::uint64_t>(lbo >> 4) << 16 | static_cast<std::uint64_t>(sbo >> 4) << 32 |
+         static_cast<std::uint64_t>(swizzle) << 62;
+}
+// Before the first wgmma, and between any register access and a wgmma that uses those registers.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N committed groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accesses to these registers across a wgmma fence or wait.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(unsigned (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+// d (64 x 16 per warpgroup, this warp's 16 rows in mma.sync's m16n8 C layout, two n-tiles) +=
+// SCALE_A * A B: A (16 x 16 per warp, mma.sync's m16k16 A layout) from registers, B (16 x 16)
+// K-major in shared memory through `desc`. SCALE_A: 1 or -1.
+template <int SCALE_A>
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], const unsigned (&a)[4],
+                                                std::uint64_t desc) {
+  static_assert(SCALE_A == 1 || SCALE_A == -1, "scale-a is 1 or -1");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, %13, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SCALE_A));
+}
+// d (64 x 128: this warp's 16 rows, sixteen m16n8 n-tiles) += A B with B (16 x 128) read
+// MN-major (trans-b 1) through `desc`: the state update S^T += U^T K^ with K^ token-major.
+__device__ __forceinline__ void wgmma_m64n128k16_trans_b(float (&d)[64], const unsigned (&a)[4],
+                                                         std::uint64_t desc) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
 }  // namespace kda::detail
