@@ -8,10 +8,12 @@
 //      should be ~1e-7 (fp32 sums); a wrong descriptor gives O(1).
 //   2. Latency of the state chain (pack S, X, U, decay, update) per step, wgmma against today's
 //      mma.sync + ldmatrix chain (the one-m-tile recurrence's), for one and two warpgroups per
-//      block at 1, 132, 264 and 528 blocks. The design's go: wgmma >= ~1.3x faster at one block.
-// Exit status 1 if the layout check fails (relative error above 1e-5) or a launch fails.
+//      block at 1, 132, 264 and 528 blocks, shared memory pinning both kernels to two blocks (128
+//      threads) or one (256) per SM. The design's go: wgmma >= ~1.3x faster at one block.
+// Exit status 1 if the layout check fails (relative error above 1e-3) or a launch fails.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -246,7 +248,8 @@ bool check_layout() {
   cudaMalloc(&dO, U0.size() * 4);
   const int smem = 2 * kTile + kMTile + 1024;
   check_kernel<<<1, 128, smem>>>(dS, dW, dK, dM, dU0, dg, dU, dSo, dO);
-  const cudaError_t err = cudaDeviceSynchronize();
+  cudaError_t err = cudaGetLastError();  // a launch error (cudaDeviceSynchronize misses those)
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
   std::vector<float> U(U0.size()), So(S.size()), O(U0.size());
   cudaMemcpy(U.data(), dU, U.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(So.data(), dSo, So.size() * 4, cudaMemcpyDeviceToHost);
@@ -280,7 +283,9 @@ bool check_layout() {
     }
   }
   const double eu = rel_error(U, U_ref), es = rel_error(So, S_ref), eo = rel_error(O, O_ref);
-  const bool ok = eu <= 1e-5 && es <= 1e-5 && eo <= 1e-5;
+  // fp32 sums give ~1e-7 to 1e-6 (the tensor core's accumulator rounding is not measured); a
+  // wrong layout or descriptor gives O(1).
+  const bool ok = eu <= 1e-3 && es <= 1e-3 && eo <= 1e-3;
   std::printf(
       "| layout check | X (U = U0 - S W^T) | update (S diag(g) + U K^) | U M^T | verdict |\n");
   std::printf("|---|---:|---:|---:|---|\n");
@@ -290,36 +295,42 @@ bool check_layout() {
 }
 
 bool time_chains() {
-  const int steps = 4000, smem = 2 * kGroupBytes + 1024;
+  // Shared memory pins the blocks per SM alike for both kernels (their register counts differ:
+  // 96 and 130), as in the recurrence: two blocks of 128 threads per SM, one of 256.
+  const int steps = 4000, max_smem = 128 * 1024;
   float* sink = nullptr;
-  cudaMalloc(&sink, 528 * 256 * sizeof(float));
-  cudaFuncSetAttribute(chain_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  cudaFuncSetAttribute(chain_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (cudaMalloc(&sink, 528 * 256 * sizeof(float)) != cudaSuccess) return false;
+  cudaFuncSetAttribute(chain_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
+  cudaFuncSetAttribute(chain_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem);
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   bool ok = true;
+  std::printf("ns per step: kernel time / steps, whatever the number of waves; best of three\n\n");
   std::printf(
       "| threads per block | blocks | mma.sync ns per step | wgmma ns per step | ratio |\n");
   std::printf("|---:|---:|---:|---:|---:|\n");
   for (int threads : {128, 256}) {
+    const int smem = threads == 128 ? 96 * 1024 : 128 * 1024;
     for (int blocks : {1, 132, 264, 528}) {
-      float ns[2];
-      for (int wg = 0; wg < 2; ++wg) {
-        void (*kernel)(int, float*) = wg ? chain_kernel<true> : chain_kernel<false>;
-        kernel<<<blocks, threads, smem>>>(10, sink);  // warm-up
-        cudaEventRecord(start);
-        kernel<<<blocks, threads, smem>>>(steps, sink);
-        cudaEventRecord(stop);
-        cudaEventSynchronize(stop);
-        const cudaError_t err = cudaGetLastError();
-        if (err != cudaSuccess) {
-          std::printf("launch failed: %s\n", cudaGetErrorString(err));
-          ok = false;
+      float ns[2] = {1e30f, 1e30f};
+      for (int round = 0; round < 3; ++round) {  // the two kernels alternating
+        for (int wg = 0; wg < 2; ++wg) {
+          void (*kernel)(int, float*) = wg ? chain_kernel<true> : chain_kernel<false>;
+          kernel<<<blocks, threads, smem>>>(10, sink);  // warm-up
+          cudaEventRecord(start);
+          kernel<<<blocks, threads, smem>>>(steps, sink);
+          cudaEventRecord(stop);
+          cudaEventSynchronize(stop);
+          const cudaError_t err = cudaGetLastError();
+          if (err != cudaSuccess) {
+            std::printf("launch failed: %s\n", cudaGetErrorString(err));
+            ok = false;
+          }
+          float ms = 0.f;
+          cudaEventElapsedTime(&ms, start, stop);
+          ns[wg] = std::min(ns[wg], ms * 1e6f / steps);
         }
-        float ms = 0.f;
-        cudaEventElapsedTime(&ms, start, stop);
-        ns[wg] = ms * 1e6f / steps;
       }
       std::printf("| %d | %d | %.1f | %.1f | %.2fx |\n", threads, blocks, ns[0], ns[1],
                   ns[0] / ns[1]);
