@@ -217,8 +217,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     // out but one token's U M^T), and its rounding was the largest term of out's error: T = 1
     // against fp64 3.23e-3 with it, 2.81e-3 without (H200). In later chunks the state is itself
     // made of the chunk's bf16 operands and its rounding one term of five (kda-chunk-emulation):
-    // the pair in every step cost 9-22 % of the prefill for <= 0.3e-3, so only the first step
-    // takes it. X, on the chain, keeps the bf16 state.
+    // the pair in every step cost 9-22 % of the prefill for <= 0.3e-3 more than the first step's
+    // pair alone gives, so only the first step takes it. X, on the chain, keeps the bf16 state.
     float X[MT][2][2][4] = {};
     float Y[MT][2][2][4] = {};
     // MT == 1: the old state's fragments (and their remainders, first step), for Y.
