@@ -49,6 +49,21 @@ struct Rounding {
 };
 
 float r16(float x, bool on) { return on ? kda::round_bf16(x) : x; }
+// IEEE half rounding (round to nearest even, subnormals; no overflow handling: the values here are
+// far below 65504).
+float rh(float x) {
+  const float ax = std::fabs(x);
+  if (ax == 0.f) return x;
+  int e;
+  std::frexp(ax, &e);                       // ax in [2^(e-1), 2^e)
+  const int q = std::max(e - 1 - 10, -24);  // quantum exponent
+  return static_cast<float>(std::nearbyint(static_cast<double>(x) * std::ldexp(1.0, -q)) *
+                            std::ldexp(1.0, q));
+}
+bool g_f16_u = false, g_f16_u0 = false, g_f16_kd = false;
+float r16u(float x, bool on) { return on ? (g_f16_u ? rh(x) : kda::round_bf16(x)) : x; }
+float r16u0(float x, bool on) { return on ? (g_f16_u0 ? rh(x) : kda::round_bf16(x)) : x; }
+float r16kd(float x, bool on) { return on ? (g_f16_kd ? rh(x) : kda::round_bf16(x)) : x; }
 
 struct Rng {
   std::uint64_t s;
@@ -173,7 +188,7 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
       kg[i][d] = r16(kh * e_fwd, r.gram);
       const float kinv = kh * e_back;
       ki[i][d] = r16(kinv, r.gram);
-      rec->kd[i][d] = r16(kinv * std::exp(-half), r.kd);
+      rec->kd[i][d] = r16kd(kinv * std::exp(-half), r.kd);
     }
   }
   for (int i = 0; i < C; ++i) {
@@ -199,7 +214,7 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
       xk[i] = rk;
       xv[i] = rv;
       rec->W[i][d] = r16(rk, r.W);
-      rec->U0[i][d] = r16(rv, r.U0);
+      rec->U0[i][d] = r16u0(rv, r.U0);
     }
   }
 }
@@ -211,7 +226,7 @@ void chunk_u(const Record<C>& c, const Rounding& r, int vv, const float* s, floa
   for (int i = 0; i < C; ++i) {
     float x = 0;
     for (int d = 0; d < D; ++d) x += s[d] * c.W[i][d];
-    u[i] = r16(c.U0[i][vv] - x, r.U);
+    u[i] = r16u(c.U0[i][vv] - x, r.U);
   }
 }
 // O = S Q~^T + U M^T of the chunk's valid tokens, into out,
@@ -389,6 +404,11 @@ int main(int argc, char** argv) {
     Rounding r;
   };
   std::vector<Config> configs;
+  if (const char* f = std::getenv("KDA_EMU_F16")) {
+    g_f16_u = std::strchr(f, 'u') != nullptr;
+    g_f16_u0 = std::strchr(f, '0') != nullptr;
+    g_f16_kd = std::strchr(f, 'k') != nullptr;
+  }
   configs.push_back({"GPU (every rounding)", Rounding{}});
   const char* names[] = {"gram", "M", "W", "U0", "kd", "S", "U", "qgY", "B"};
   for (int k = 0; k < (pair ? 9 : 8); ++k) {

@@ -132,6 +132,7 @@ struct CaseOptions {
   // Added to every dt_bias: +3 gives strong decay (exp(g) near 0), -4 long memory (near 1).
   float dt_bias_shift = 0.0f;
   float value_scale = 1.0f;  // standard deviation of v
+  float state_scale = 0.5f;  // standard deviation of the initial state
 
   DType initial_state_dtype = DType::kNone;  // kNone, kBF16 (values rounded to bf16) or kF32
   DType final_state_dtype = DType::kF32;
@@ -209,7 +210,7 @@ inline double log_decay(const KdaCase& c, double a, std::int64_t index, std::int
 }
 
 // Draws a case. Distributions: q, k, g_raw, beta_raw ~ N(0, 1); v ~ N(0, value_scale^2);
-// A_log = log(U(0.5, 2)); dt_bias ~ U(-1, 1) + dt_bias_shift; initial state ~ N(0, 0.25).
+// A_log = log(U(0.5, 2)); dt_bias ~ U(-1, 1) + dt_bias_shift; initial state ~ N(0, state_scale^2).
 inline KdaCase make_case(const CaseOptions& o) {
   KdaCase c;
   Rng rng(o.seed);
@@ -250,7 +251,7 @@ inline KdaCase make_case(const CaseOptions& o) {
   }
   if (p.initial_state_dtype != DType::kNone) {
     c.initial_state.resize(static_cast<std::size_t>(c.state_elems()));
-    for (auto& x : c.initial_state) x = static_cast<float>(0.5 * rng.normal());
+    for (auto& x : c.initial_state) x = static_cast<float>(o.state_scale * rng.normal());
     if (p.initial_state_dtype == DType::kBF16) {
       c.initial_state_bf16 = to_bf16(c.initial_state);
       c.initial_state = to_floats(c.initial_state_bf16);

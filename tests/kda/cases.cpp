@@ -219,6 +219,30 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
     o.dt_bias_shift = shift;
     add("very strong decay softplus dt_bias shift " + std::to_string(static_cast<int>(shift)), o);
   }
+  // Value and state scales far from 1: the CUDA state update and U M^T take U in fp16 (3 more
+  // mantissa bits than bf16, 2^-24..65504), brought there by a power-of-two unit per block from
+  // the largest U0 and initial state entry (prefill_recurrence.cu). v beyond fp16's range, v and
+  // the state far below its normal range, and a state 10^4 times the values (U = U0 - S W^T then
+  // mostly the state's prediction).
+  seed = 350;
+  {
+    struct Scales {
+      const char* name;
+      float value, state;
+    };
+    const Scales scales[] = {{"v x 3e4 (beyond fp16)", 3e4f, 0.5f},
+                             {"v and state x 1e-6", 1e-6f, 1e-6f},
+                             {"state 1e4 x v", 1.0f, 1e4f},
+                             {"v x 1e-5, state x 1", 1e-5f, 1.0f}};
+    for (const Scales& sc : scales) {
+      CaseOptions o = cuda_options(4, ++seed);
+      o.lengths = {300, 1, 77};
+      o.gate = GateMode::kLowerBound;
+      o.value_scale = sc.value;
+      o.state_scale = sc.state;
+      add(std::string("scale: ") + sc.name, o);
+    }
+  }
   // Every state combination.
   seed = 400;
   for (DType in : {DType::kNone, DType::kBF16, DType::kF32}) {

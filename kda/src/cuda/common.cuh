@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -125,6 +126,28 @@ __device__ __forceinline__ float2 unpack_bf16x2(std::uint32_t raw) {
 __device__ __forceinline__ std::uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<std::uint32_t*>(&v);
+}
+
+// An fp16 pair (lo in the low half), round to nearest, and back.
+__device__ __forceinline__ std::uint32_t pack_f16x2(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<std::uint32_t*>(&v);
+}
+__device__ __forceinline__ float2 unpack_f16x2(std::uint32_t raw) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&raw));
+}
+
+// 2^e as a float, e clamped to [-kMaxScaleExp, kMaxScaleExp] (normal either way, exact inverse).
+inline constexpr int kMaxScaleExp = 100;
+__device__ __forceinline__ float pow2f(int e) {
+  e = e < -kMaxScaleExp ? -kMaxScaleExp : e > kMaxScaleExp ? kMaxScaleExp : e;
+  return __uint_as_float(static_cast<std::uint32_t>(127 + e) << 23);
+}
+// The power-of-two exponent that brings m (>= 0) into [1, 2); 0 for 0 and for inf / NaN.
+__device__ __forceinline__ int scale_exponent(float m) {
+  if (!(m > 0.f) || !isfinite(m)) return 0;
+  const int e = ilogbf(m);
+  return e < -kMaxScaleExp ? -kMaxScaleExp : e > kMaxScaleExp ? kMaxScaleExp : e;
 }
 
 // What bf16 left of two floats whose packed bf16 pair is `hi` (x - hi is exact in fp32), as a bf16

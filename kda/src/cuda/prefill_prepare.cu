@@ -32,7 +32,7 @@ constexpr float kFactoredRange2 = 80.0f * kLog2e;
 
 struct PrepSmem {
   bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram
-  bf16 k[C][kRowPad];  // operands' remainders, and finally the W and U0 outputs
+  bf16 k[C][kRowPad];  // operands' remainders, and finally the W and U0 (fp16 bits) outputs
   bf16 v[C][kRowPad];
   union {  // a thread reads its g elements before it writes the same elements of kg
     bf16 g[C][kRowPad];
@@ -41,7 +41,7 @@ struct PrepSmem {
   // scale * q_hat * exp(G) (record: Q~); in the factored path it first holds the Gram operand
   // scale * q_hat * exp(G - r) (feeds M) and takes Q~ once the Gram products are done.
   bf16 qg[C][kRowPad];
-  bf16 kd[C][kRowPad];  // k_hat * exp(G_last - G)         (record: K^)
+  __half kd[C][kRowPad];  // k_hat * exp(G_last - G)       (record: K^, fp16)
   union {
     struct {
       // factored paths: k_hat * exp(r - G) and what bf16 left of it (feeds A and M); exact
@@ -54,8 +54,8 @@ struct PrepSmem {
   };
   union {
     struct {
-      bf16 m[C][kMPad];   // record: M (its bf16 remainder m_lo goes into qg's and kd's padding)
-      float A[C][C + 4];  // 16-byte rows: read back as float4; then T' = (I + A)^-1 diag(beta)
+      __half m[C][kMPad];  // record: M (fp16)
+      float A[C][C + 4];   // 16-byte rows: read back as float4; then T' = (I + A)^-1 diag(beta)
     };
     struct {  // step 2's exchange between the two token halves, dead before A and M are written
       float4 first_half[D / 2];   // per channel pair: G at token 0 and the sum of tokens 0..7
@@ -121,19 +121,19 @@ __device__ __forceinline__ void gram16_pair(float (&acc)[2][4], const bf16 (*x_h
   }
 }
 
-// M[i][j] = mv as a bf16 pair: m and its remainder m_lo, the latter in the record's padding
-// (workspace_layout.hpp: kMloColumn).
+// M[i][j] = mv in fp16 (|M| <= scale: unit q_hat and k_hat, decay factors <= 1). As a bf16 pair
+// before it cost two more mma a step in the recurrence; fp16 alone errs 2^-12, below the pair's
+// gain at three digits (kda-chunk-emulation).
 __device__ __forceinline__ void store_m(PrepSmem& sm, int i, int j, float mv) {
-  const bf16 hi = __float2bfloat16(mv);
-  sm.m[i][j] = hi;
-  (j < 8 ? sm.qg[i][kMloColumn + j] : sm.kd[i][kMloColumn + j - 8]) =
-      __float2bfloat16(mv - __bfloat162float(hi));
+  sm.m[i][j] = __float2half_rn(mv);
 }
 
 __device__ __forceinline__ std::uint32_t lds32(const bf16* p) {
   return *reinterpret_cast<const std::uint32_t*>(p);
 }
-__device__ __forceinline__ void sts32(bf16* p, std::uint32_t v) {
+template <typename T16>
+__device__ __forceinline__ void sts32(T16* p, std::uint32_t v) {
+  static_assert(sizeof(T16) == 2, "two 16-bit elements");
   *reinterpret_cast<std::uint32_t*>(p) = v;
 }
 // x as a bf16 pair: hi = bf16(x), lo = bf16(x - hi), two channels at once.
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       split_pair(ki, &hi, &lo);
       sts32(&sm.fac.ki[t][c0], hi);
       sts32(&sm.fac.ki_lo[t][c0], lo);
-      sts32(&sm.kd[t][c0], pack_bf16x2(ki.x * ref_to_last.x, ki.y * ref_to_last.y));
+      sts32(&sm.kd[t][c0], pack_f16x2(ki.x * ref_to_last.x, ki.y * ref_to_last.y));
     }
   } else {
 #pragma unroll
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       kt[i] = make_float2(kh.x * eg.x, kh.y * eg.y);
       sts32(&sm.qg[t][c0], pack_bf16x2(q.x * iq * eg.x, q.y * iq * eg.y));
       sts32(&sm.kd[t][c0],
-            pack_bf16x2(kh.x * fast_exp2(g_last.x - Gx[i]), kh.y * fast_exp2(g_last.y - Gy[i])));
+            pack_f16x2(kh.x * fast_exp2(g_last.x - Gx[i]), kh.y * fast_exp2(g_last.y - Gy[i])));
       *reinterpret_cast<float2*>(&sm.G[t][c0]) = make_float2(Gx[i], Gy[i]);
     }
   }
@@ -455,7 +455,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
 
   // 6. [W | U0] = T' [K~ | V] on the tensor cores: T' and K~ as bf16 pairs (hi hi + hi lo + lo hi),
   //    V exact in bf16 (T'_hi V + T'_lo V); warp w takes channels 32 w .. 32 w + 31 of both.
-  //    W goes over q, U0 over k.
+  //    W goes over q, U0 over k: in fp16, scaled by 2^-e into [-2, 2) by the largest magnitude
+  //    of the warp's 32 columns (2^e into qg's row 0 padding, workspace_layout.hpp), so that
+  //    fp16 holds U0 whatever the scale of v.
   {
     unsigned th[4], tl[4];
     const int rr[4] = {gq, gq + 8, gq, gq + 8}, cc[4] = {2 * tq, 2 * tq, 2 * tq + 8, 2 * tq + 8};
@@ -464,6 +466,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const float2 t2 = *reinterpret_cast<const float2*>(&sm.A[rr[r]][cc[r]]);
       split_pair(t2, &th[r], &tl[r]);
     }
+    float u_first[2][4];  // U0 of the first half's columns, stored with the second's (one scale)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int cb = 32 * warp + 16 * half;
@@ -498,8 +501,35 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         }
         sts32(&sm.q[gq][c], pack_bf16x2(w[nt][0], w[nt][1]));
         sts32(&sm.q[gq + 8][c], pack_bf16x2(w[nt][2], w[nt][3]));
-        sts32(&sm.k[gq][c], pack_bf16x2(u[nt][0], u[nt][1]));
-        sts32(&sm.k[gq + 8][c], pack_bf16x2(u[nt][2], u[nt][3]));
+      }
+      if (half == 0) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) u_first[nt][r] = u[nt][r];
+        }
+      } else {
+        // The scale of the warp's 32 U0 columns (both halves): |x| as bits orders like x.
+        float mx = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) mx = fmaxf(mx, fmaxf(fabsf(u[nt][r]), fabsf(u_first[nt][r])));
+        }
+        mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
+        const int e = scale_exponent(mx);
+        const float inv = pow2f(-e);
+        if (lane == 0) reinterpret_cast<float*>(&sm.qg[0][kScaleColumn])[warp] = pow2f(e);
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            const int c = 32 * warp + 16 * hh + 8 * nt + 2 * tq;
+            const float(&uu)[4] = hh == 0 ? u_first[nt] : u[nt];
+            sts32(&sm.k[gq][c], pack_f16x2(uu[0] * inv, uu[1] * inv));
+            sts32(&sm.k[gq + 8][c], pack_f16x2(uu[2] * inv, uu[3] * inv));
+          }
+        }
       }
     }
   }

@@ -15,11 +15,11 @@ constexpr int kStages = 5;  // deep enough to cover DRAM latency with one or two
 
 // A stage is the byte image of a chunk record (workspace_layout.hpp).
 struct StageSmem {
-  bf16 qg[C][kRowPad];
-  bf16 kd[C][kRowPad];
+  bf16 qg[C][kRowPad];  // row 0's padding: U0's group scales (f32)
+  __half kd[C][kRowPad];
   bf16 w[C][kRowPad];
-  bf16 u[C][kRowPad];
-  bf16 m[C][kMPad];
+  __half u[C][kRowPad];
+  __half m[C][kMPad];
   float gl[D];
 };
 static_assert(sizeof(StageSmem) == ChunkRecord::kBytes, "a stage is a record's image");
@@ -169,11 +169,53 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   if (c_end > p.num_slots - slot0) c_end = p.num_slots - slot0;
   const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
   const bool write_out = !transition;
+
+  // The block's power-of-two unit 2^E: U goes to fp16 as U 2^-E, so E must bound every U of the
+  // segment. U = U0 - S W^T is a chunk's new values less the state's prediction of them, so E
+  // comes from the largest U0 (the records' group scales) and the largest initial state entry;
+  // the state is kept in units of 2^E (exact: powers of two), out and the end state are scaled
+  // back. The scan reads 16 bytes a chunk (~1-2 us at 8,192 chunks, once per block).
+  __shared__ unsigned block_max[WARPS];
+  {
+    float mx = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int n = 0; n < 16; ++n) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) mx = fmaxf(mx, fabsf(acc[mt][n][r]));
+      }
+    }
+    for (std::int64_t c = tid; c < nfetch; c += WARPS * 32) {
+      const float4 sc = *reinterpret_cast<const float4*>(
+          record_ptr(p, slot0 + c_begin + c, h) + ChunkRecord::kQg + kScaleColumn * sizeof(bf16));
+      mx = fmaxf(mx, fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
+    }
+    const unsigned wmax = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
+    if (lane == 0) block_max[warp] = wmax;
+  }
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
   }
-  __syncthreads();  // the barriers are initialized before anyone uses them
+  __syncthreads();  // the barriers are initialized before anyone uses them; block_max is complete
+  float unit_inv, unit;  // 2^-E, 2^E
+  {
+    unsigned m = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = m > block_max[w] ? m : block_max[w];
+    const int e = scale_exponent(__uint_as_float(m));
+    unit_inv = pow2f(-e);
+    unit = pow2f(e);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][n][r] *= unit_inv;
+    }
+  }
   if (tid == 0) {
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
@@ -264,8 +306,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       }
     }
 
-    // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows.
+    // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows. In units of 2^E, as fp16: U0
+    // was stored as U0 2^-e_g (its group's scale), so it takes 2^(e_g - E).
     unsigned ua[MT][4];
+    const float u0_unit =
+        identity_cols
+            ? 0.f
+            : reinterpret_cast<const float*>(&st.qg[0][kScaleColumn])[v_warp / kScaleGroup] *
+                  unit_inv;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // U0^T in the accumulators' layout, straight from the token-major tile: ldmatrix.trans of
@@ -278,16 +326,16 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       float U[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const float2 lo = unpack_bf16x2(u0[2 * nt]), hi = unpack_bf16x2(u0[2 * nt + 1]);
-        U[nt][0] = lo.x - (X[mt][0][nt][0] + X[mt][1][nt][0]);
-        U[nt][1] = lo.y - (X[mt][0][nt][1] + X[mt][1][nt][1]);
-        U[nt][2] = hi.x - (X[mt][0][nt][2] + X[mt][1][nt][2]);
-        U[nt][3] = hi.y - (X[mt][0][nt][3] + X[mt][1][nt][3]);
+        const float2 lo = unpack_f16x2(u0[2 * nt]), hi = unpack_f16x2(u0[2 * nt + 1]);
+        U[nt][0] = fmaf(lo.x, u0_unit, -(X[mt][0][nt][0] + X[mt][1][nt][0]));
+        U[nt][1] = fmaf(lo.y, u0_unit, -(X[mt][0][nt][1] + X[mt][1][nt][1]));
+        U[nt][2] = fmaf(hi.x, u0_unit, -(X[mt][0][nt][2] + X[mt][1][nt][2]));
+        U[nt][3] = fmaf(hi.y, u0_unit, -(X[mt][0][nt][3] + X[mt][1][nt][3]));
       }
-      ua[mt][0] = pack_bf16x2(U[0][0], U[0][1]);
-      ua[mt][1] = pack_bf16x2(U[0][2], U[0][3]);
-      ua[mt][2] = pack_bf16x2(U[1][0], U[1][1]);
-      ua[mt][3] = pack_bf16x2(U[1][2], U[1][3]);
+      ua[mt][0] = pack_f16x2(U[0][0], U[0][1]);
+      ua[mt][1] = pack_f16x2(U[0][2], U[0][3]);
+      ua[mt][2] = pack_f16x2(U[1][0], U[1][1]);
+      ua[mt][3] = pack_f16x2(U[1][2], U[1][3]);
     }
 
     // S^T = S^T diag(g_last) + U^T K^
@@ -310,8 +358,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        mma_bf16(acc[mt][n], ua[mt], b0, b1);
-        mma_bf16(acc[mt][n + 1], ua[mt], b2, b3);
+        mma_f16(acc[mt][n], ua[mt], b0, b1);
+        mma_f16(acc[mt][n + 1], ua[mt], b2, b3);
       }
     }
 
@@ -319,17 +367,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       // O^T = S^T Q~^T + U^T M^T.
       if constexpr (!kYWithX) state_times_tile<y_pair>(Y[0], kept, kept_lo, st.qg, lrow, lcol);
       {
-        unsigned m0, m1, m2, m3, l0, l1, l2, l3;
+        unsigned m0, m1, m2, m3;
         ldmatrix_x4(m0, m1, m2, m3, &st.m[lrow][lcol]);
-        // M = m + m_lo; m_lo's columns 0..7 sit in qg's row padding, 8..15 in kd's.
-        ldmatrix_x4(l0, l1, l2, l3,
-                    lcol == 0 ? &st.qg[lrow][kMloColumn] : &st.kd[lrow][kMloColumn]);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          mma_bf16(Y[mt][0][0], ua[mt], m0, m1);
-          mma_bf16(Y[mt][0][1], ua[mt], m2, m3);
-          mma_bf16(Y[mt][1][0], ua[mt], l0, l1);
-          mma_bf16(Y[mt][1][1], ua[mt], l2, l3);
+          mma_f16(Y[mt][1][0], ua[mt], m0, m1);
+          mma_f16(Y[mt][1][1], ua[mt], m2, m3);
         }
       }
 
@@ -343,7 +386,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) o[nt][r] = Y[mt][0][nt][r] + Y[mt][1][nt][r];
+          for (int r = 0; r < 4; ++r) o[nt][r] = (Y[mt][0][nt][r] + Y[mt][1][nt][r]) * unit;
         }
         stmatrix_x4_trans(&so[lrow][warp * 16 * MT + 16 * mt + lcol], pack_bf16x2(o[0][0], o[0][1]),
                           pack_bf16x2(o[0][2], o[0][3]), pack_bf16x2(o[1][0], o[1][1]),
@@ -396,7 +439,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         for (int r = 0; r < 2; ++r) {
           const int row = v_warp + 16 * mt + gq + 8 * r;
           const int col = 8 * n + 2 * tq;
-          const float2 value = make_float2(acc[mt][n][2 * r], acc[mt][n][2 * r + 1]);
+          const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
           if (end == EndKind::kSegment) {
             *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
           } else if (end == EndKind::kTransition) {
