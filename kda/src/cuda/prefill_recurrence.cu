@@ -174,8 +174,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   // segment. U = U0 - S W^T is a chunk's new values less the state's prediction of them, so E
   // comes from the largest U0 (the records' group scales) and the largest initial state entry;
   // the state is kept in units of 2^E (exact: powers of two), out and the end state are scaled
-  // back. The scan reads 16 bytes a chunk (~1-2 us at 8,192 chunks, once per block).
-  __shared__ unsigned block_max[WARPS];
+  // back. The scan reads 16 bytes a chunk (~1-2 us at 8,192 chunks, once per block). The warps'
+  // maxima meet in `so`, free until the first chunk step's barrier (a static __shared__ array
+  // would move the stages off their alignment).
+  unsigned* block_max = reinterpret_cast<unsigned*>(&so[0][0]);
   {
     float mx = 0.f;
 #pragma unroll
@@ -186,6 +188,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         for (int r = 0; r < 4; ++r) mx = fmaxf(mx, fabsf(acc[mt][n][r]));
       }
     }
+#pragma unroll 4
     for (std::int64_t c = tid; c < nfetch; c += WARPS * 32) {
       const float4 sc = *reinterpret_cast<const float4*>(
           record_ptr(p, slot0 + c_begin + c, h) + ChunkRecord::kQg + kScaleColumn * sizeof(bf16));
