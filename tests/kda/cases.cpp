@@ -191,10 +191,9 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
     o.gate = GateMode::kLowerBound;
     add("KDA.md varlen 1300,547,2048,963,271,3063 H=32", o);
   }
-  // Strong decay and long memory, both gates. Long memory's out errs most: 4.1e-3 against the
-  // CPU, 3.7-3.8e-3 against fp64 (state 3.0-3.1e-3), from five comparable bf16 roundings
-  // (kda-chunk-emulation; U0 and U as pairs would take it to ~2.9e-3): the one case issue 9's
-  // 3e-3 does not hold for yet.
+  // Strong decay and long memory, both gates. Long memory's out erred most (3.7-3.8e-3 against
+  // fp64 with U, U0 and K^ in bf16: their roundings pile up in a state that barely decays); with
+  // the state update and U M^T in fp16, 2.6-2.7e-3 (H200), within issue 9's 3e-3 like every case.
   seed = 300;
   for (float shift : {3.0f, -4.0f}) {
     for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
@@ -204,10 +203,6 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       o.dt_bias_shift = shift;
       add(std::string(shift > 0 ? "strong decay " : "long memory ") + gate_name(gate), o,
           shift > 0 ? kGpuOutTol : kGpuTol);
-      if (shift < 0) {
-        cases->back().fp64_out_tol = 4.5e-3;
-        cases->back().fp64_state_tol = 3.5e-3;
-      }
     }
   }
   // Softplus decay strong enough for the prepare kernel's exact path (~10 to ~50 nats per token;

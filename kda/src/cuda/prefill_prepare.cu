@@ -467,6 +467,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       split_pair(t2, &th[r], &tl[r]);
     }
     float u_first[2][4];  // U0 of the first half's columns, stored with the second's (one scale)
+    static_assert(kScaleGroup == 32, "a warp's 32 U0 columns share a scale");
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int cb = 32 * warp + 16 * half;
@@ -519,7 +520,14 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         mx = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(mx)));
         const int e = scale_exponent(mx);
         const float inv = pow2f(-e);
-        if (lane == 0) reinterpret_cast<float*>(&sm.qg[0][kScaleColumn])[warp] = pow2f(e);
+        // The scale goes to the record by a plain store, not through the qg tile's bulk copy
+        // (which skips those bytes): the recurrence reads it with plain loads too, and a
+        // copy-engine write is only known to be complete, and is only seen as a write by
+        // compute-sanitizer's initcheck, through the async proxy.
+        if (lane == 0) {
+          reinterpret_cast<float*>(rec + ChunkRecord::kQg + kScaleColumn * sizeof(bf16))[warp] =
+              pow2f(e);
+        }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
 #pragma unroll
@@ -540,7 +548,10 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   __syncthreads();
   if (tid == 0) {
     constexpr unsigned kTile = static_cast<unsigned>(ChunkRecord::kTileBytes);
-    bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kTile);
+    // qg without row 0's padding (U0's group scales, stored above).
+    constexpr unsigned kRow0 = kScaleColumn * sizeof(bf16), kRowBytes = kRowPad * sizeof(bf16);
+    bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kRow0);
+    bulk_copy_to_global(rec + ChunkRecord::kQg + kRowBytes, &sm.qg[1][0], kTile - kRowBytes);
     bulk_copy_to_global(rec + ChunkRecord::kKd, sm.kd, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
