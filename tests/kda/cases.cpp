@@ -237,6 +237,16 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       o.state_scale = sc.state;
       add(std::string("scale: ") + sc.name, o);
     }
+    // A split plan (H = 4, one 2,048-token sequence: ~10 segments), whose transitions carry P^T
+    // rows of order 1 beside H^T rows of v's scale.
+    for (float value : {1e-6f, 3e4f}) {
+      CaseOptions o = cuda_options(4, ++seed);
+      o.seq_len = 2048;
+      o.gate = GateMode::kSoftplus;
+      o.value_scale = value;
+      o.state_scale = value;
+      add(std::string("scale: split, v and state x ") + (value < 1.f ? "1e-6" : "3e4"), o);
+    }
   }
   // Every state combination.
   seed = 400;

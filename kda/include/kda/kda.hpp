@@ -110,7 +110,9 @@ struct Tensors {
   const float* dt_bias = nullptr;
   const void* cu_seqlens = nullptr;
   // Optional host copy of cu_seqlens. When given, its contents are validated before anything runs
-  // (CUDA backend; the CPU backend always validates cu_seqlens itself).
+  // (CUDA backend; the CPU backend always validates cu_seqlens itself), and the CUDA backend plans
+  // the split of long sequences from the real lengths instead of the total: a call with it and one
+  // without may take different plans, whose results agree to rounding, not bitwise.
   const void* cu_seqlens_host = nullptr;
   const void* initial_state = nullptr;
   void* final_state = nullptr;  // may equal initial_state (in-place update) if dtypes match

@@ -170,22 +170,28 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
   const bool write_out = !transition;
 
-  // The block's power-of-two unit 2^E: U goes to fp16 as U 2^-E, so E must bound every U of the
-  // segment. U = U0 - S W^T is a chunk's new values less the state's prediction of them, so E
-  // comes from the largest U0 (the records' group scales) and the largest initial state entry;
-  // the state is kept in units of 2^E (exact: powers of two), out and the end state are scaled
-  // back. The scan reads 16 bytes a chunk (~1-2 us at 8,192 chunks, once per block). The warps'
-  // maxima meet in `so`, free until the first chunk step's barrier (a static __shared__ array
-  // would move the stages off their alignment).
+  // The power-of-two unit 2^E of the state rows: U goes to fp16 as U 2^-E, so E must bound every
+  // U of the segment. U = U0 - S W^T is a chunk's new values less the state's prediction of them,
+  // so E comes from the largest U0 (the records' group scales) and the largest initial state
+  // entry of the block's rows; the state is kept in units of 2^E (exact: powers of two), out and
+  // the end state are scaled back. The P^T rows of a transition (identity start, U0 = 0, values
+  // of order 1 whatever v's scale) keep E = 0 and stay out of the others' maximum. E depends on
+  // the block's rows and chunks, so a plan that cuts the work differently (block width, segments)
+  // may differ from another in the last bits; the same call always gives the same bits.
+  // The scan reads 16 bytes a chunk (~1-2 us at 8,192 chunks, once per block). The warps' maxima
+  // meet in `so`, free until the first chunk step's barrier (a static __shared__ array would move
+  // the stages off their alignment).
   unsigned* block_max = reinterpret_cast<unsigned*>(&so[0][0]);
   {
     float mx = 0.f;
+    if (!identity_cols) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int n = 0; n < 16; ++n) {
+        for (int n = 0; n < 16; ++n) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) mx = fmaxf(mx, fabsf(acc[mt][n][r]));
+          for (int r = 0; r < 4; ++r) mx = fmaxf(mx, fabsf(acc[mt][n][r]));
+        }
       }
     }
 #pragma unroll 4
@@ -207,7 +213,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     unsigned m = 0;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) m = m > block_max[w] ? m : block_max[w];
-    const int e = scale_exponent(__uint_as_float(m));
+    const int e = identity_cols ? 0 : scale_exponent(__uint_as_float(m));
     unit_inv = pow2f(-e);
     unit = pow2f(e);
   }
