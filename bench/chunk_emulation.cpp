@@ -13,19 +13,22 @@
 //
 // Rounding points (each on unless switched off; `out` is always rounded to bf16 at the end):
 //   gram   the Gram operands kg, ki, qg as the tensor cores see them (bf16)
-//   M      the output mask M, stored bf16
-//   W      W stored bf16          U0   U0 stored bf16
-//   kd     K^ stored bf16 (the state update's right operand)
+//   M      the output mask M, stored fp16 (bf16 with --bf16-update)
+//   W      W stored bf16          U0   U0 stored fp16 (bf16 with --bf16-update)
+//   kd     K^ stored fp16 (the state update's right operand; bf16 with --bf16-update)
 //   S      the state as the left operand of X and O (bf16 copy of the fp32 accumulators)
-//   U      U as the left operand of the state update and of U^T M^T (bf16)
+//   U      U as the left operand of the state update and of U^T M^T (fp16; bf16 with
+//          --bf16-update)
+// The GPU today switches off `gram` (bf16 pairs); before the tenth session also `M` (a pair).
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
 //   B      --pair only: B = W_b K^_a^T (16 x 16) stored bf16
 //
 //   kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--initial-state] [--chunk C] [--gate
-//   softplus|lower_bound] [--dt-shift X] [--pair]   (X added to every dt_bias: -4 long memory, +3
-//   strong decay, as the operator tests' regimes; --pair: the recurrence two chunks a step,
-//   recur_pair, a design for a shorter state chain)
+//   softplus|lower_bound] [--dt-shift X] [--pair] [--bf16-update]   (X added to every dt_bias: -4
+//   long memory, +3 strong decay, as the operator tests' regimes; --pair: the recurrence two
+//   chunks a step, recur_pair, a design for a shorter state chain; --bf16-update: the kernels
+//   before the tenth session)
 // Prints, for each configuration, the relative L2 error of out and of the final state.
 #include <cmath>
 #include <cstdint>
@@ -60,10 +63,14 @@ float rh(float x) {
   return static_cast<float>(std::nearbyint(static_cast<double>(x) * std::ldexp(1.0, -q)) *
                             std::ldexp(1.0, q));
 }
-bool g_f16_u = false, g_f16_u0 = false, g_f16_kd = false;
-float r16u(float x, bool on) { return on ? (g_f16_u ? rh(x) : kda::round_bf16(x)) : x; }
-float r16u0(float x, bool on) { return on ? (g_f16_u0 ? rh(x) : kda::round_bf16(x)) : x; }
-float r16kd(float x, bool on) { return on ? (g_f16_kd ? rh(x) : kda::round_bf16(x)) : x; }
+// The GPU (tenth session on) rounds U, U0, K^ and M to fp16, not bf16 (U and U0 scaled by powers
+// of two into fp16's range first: exact, so not modelled); --bf16-update emulates the kernels
+// before, with M then taken as the bf16 pair they stored (the `M` switch off).
+bool g_f16 = true;
+float r16h(float x, bool on) { return on ? (g_f16 ? rh(x) : kda::round_bf16(x)) : x; }
+float r16u(float x, bool on) { return r16h(x, on); }
+float r16u0(float x, bool on) { return r16h(x, on); }
+float r16kd(float x, bool on) { return r16h(x, on); }
 
 struct Rng {
   std::uint64_t s;
@@ -199,7 +206,7 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
         m += qg[i][d] * ki[j][d];
       }
       if (i > j) A[i][j] = beta[i] * a;
-      rec->M[i][j] = r16(m, r.M);
+      rec->M[i][j] = r16h(m, r.M);
     }
   }
   for (int d = 0; d < D; ++d) {
@@ -383,11 +390,14 @@ int main(int argc, char** argv) {
       softplus = std::string(argv[++i]) == "softplus";
     else if (a == "--pair")
       pair = true;
+    else if (a == "--bf16-update")
+      g_f16 = false;
     else {
       std::fprintf(
           stderr,
           "usage: kda-chunk-emulation [--tokens T] [--heads H] [--seed N] [--no-initial-state] "
-          "[--gate softplus|lower_bound] [--dt-shift X] [--chunk 16|32|64] [--pair]\n");
+          "[--gate softplus|lower_bound] [--dt-shift X] [--chunk 16|32|64] [--pair] "
+          "[--bf16-update]\n");
       return 2;
     }
   }
@@ -404,11 +414,6 @@ int main(int argc, char** argv) {
     Rounding r;
   };
   std::vector<Config> configs;
-  if (const char* f = std::getenv("KDA_EMU_F16")) {
-    g_f16_u = std::strchr(f, 'u') != nullptr;
-    g_f16_u0 = std::strchr(f, '0') != nullptr;
-    g_f16_kd = std::strchr(f, 'k') != nullptr;
-  }
   configs.push_back({"GPU (every rounding)", Rounding{}});
   const char* names[] = {"gram", "M", "W", "U0", "kd", "S", "U", "qgY", "B"};
   for (int k = 0; k < (pair ? 9 : 8); ++k) {
