@@ -68,9 +68,6 @@ float rh(float x) {
 // before, with M then taken as the bf16 pair they stored (the `M` switch off).
 bool g_f16 = true;
 float r16h(float x, bool on) { return on ? (g_f16 ? rh(x) : kda::round_bf16(x)) : x; }
-float r16u(float x, bool on) { return r16h(x, on); }
-float r16u0(float x, bool on) { return r16h(x, on); }
-float r16kd(float x, bool on) { return r16h(x, on); }
 
 struct Rng {
   std::uint64_t s;
@@ -195,7 +192,7 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
       kg[i][d] = r16(kh * e_fwd, r.gram);
       const float kinv = kh * e_back;
       ki[i][d] = r16(kinv, r.gram);
-      rec->kd[i][d] = r16kd(kinv * std::exp(-half), r.kd);
+      rec->kd[i][d] = r16h(kinv * std::exp(-half), r.kd);
     }
   }
   for (int i = 0; i < C; ++i) {
@@ -221,7 +218,7 @@ void prepare(const Head& h, const Rounding& r, int t0, Record<C>* rec, long* wid
       xk[i] = rk;
       xv[i] = rv;
       rec->W[i][d] = r16(rk, r.W);
-      rec->U0[i][d] = r16u0(rv, r.U0);
+      rec->U0[i][d] = r16h(rv, r.U0);
     }
   }
 }
@@ -233,7 +230,7 @@ void chunk_u(const Record<C>& c, const Rounding& r, int vv, const float* s, floa
   for (int i = 0; i < C; ++i) {
     float x = 0;
     for (int d = 0; d < D; ++d) x += s[d] * c.W[i][d];
-    u[i] = r16u(c.U0[i][vv] - x, r.U);
+    u[i] = r16h(c.U0[i][vv] - x, r.U);
   }
 }
 // O = S Q~^T + U M^T of the chunk's valid tokens, into out,

@@ -48,7 +48,8 @@ struct ChunkRecord {
   static constexpr std::size_t kU = kW + kTileBytes;
   static constexpr std::size_t kM = kU + kTileBytes;
   static constexpr std::size_t kGl = kM + kChunk * kMStride * 2;
-  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;  // 18,688
+  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;       // 18,688
+  static constexpr std::size_t kScales = kQg + kScaleColumn * 2;  // U0's four group scales (f32)
 };
 static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
 

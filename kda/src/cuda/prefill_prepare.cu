@@ -525,8 +525,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         // copy-engine write is only known to be complete, and is only seen as a write by
         // compute-sanitizer's initcheck, through the async proxy.
         if (lane == 0) {
-          reinterpret_cast<float*>(rec + ChunkRecord::kQg + kScaleColumn * sizeof(bf16))[warp] =
-              pow2f(e);
+          reinterpret_cast<float*>(rec + ChunkRecord::kScales)[warp] = pow2f(e);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -549,7 +548,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   if (tid == 0) {
     constexpr unsigned kTile = static_cast<unsigned>(ChunkRecord::kTileBytes);
     // qg without row 0's padding (U0's group scales, stored above).
-    constexpr unsigned kRow0 = kScaleColumn * sizeof(bf16), kRowBytes = kRowPad * sizeof(bf16);
+    constexpr unsigned kRow0 = ChunkRecord::kScales - ChunkRecord::kQg;
+    constexpr unsigned kRowBytes = kRowPad * sizeof(bf16);
     bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kRow0);
     bulk_copy_to_global(rec + ChunkRecord::kQg + kRowBytes, &sm.qg[1][0], kTile - kRowBytes);
     bulk_copy_to_global(rec + ChunkRecord::kKd, sm.kd, kTile);
