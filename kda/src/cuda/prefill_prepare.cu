@@ -30,39 +30,44 @@ constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, dis
 // kernel works in log2 units (G times log2(e)), so that every exp is one ex2.
 constexpr float kFactoredRange2 = 80.0f * kLog2e;
 
+// Blocks per SM: the kernel is bound by the latency of its inputs and of its one-warp steps (the
+// Gram products, the substitution), which more resident blocks hide; the shared memory below and
+// 72 registers a thread fit seven.
+constexpr int kPrepBlocksPerSm = 7;
+
 struct PrepSmem {
   bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram
-  bf16 k[C][kRowPad];  // operands' remainders, and finally the W and U0 (fp16 bits) outputs
-  bf16 v[C][kRowPad];
-  union {  // a thread reads its g elements before it writes the same elements of kg
+  bf16 k[C][kRowPad];  // operands' remainders (k: K~'s, W's operand), finally the W and U0 (fp16
+  bf16 v[C][kRowPad];  // bits) outputs
+  union {  // a thread reads its g elements before anyone writes kg (a block barrier between)
     bf16 g[C][kRowPad];
-    bf16 kg[C][kRowPad];  // factored paths: k_hat * exp(G - r)  (feeds A; K~ when r = 0)
+    bf16 kg[C][kRowPad];  // k_hat * exp(G - r) (feeds A and W; K~ when r = 0 and on the exact path)
   };
   // scale * q_hat * exp(G) (record: Q~); in the factored path it first holds the Gram operand
   // scale * q_hat * exp(G - r) (feeds M) and takes Q~ once the Gram products are done.
   bf16 qg[C][kRowPad];
-  __half kd[C][kRowPad];  // k_hat * exp(G_last - G)       (record: K^, fp16)
+  // Three lives, one after the other (a block barrier between): the Gram products' operands (steps
+  // 3 and 4), then what steps 5 to 7 keep. Sharing it is what fits kPrepBlocksPerSm blocks.
   union {
     struct {
-      // factored paths: k_hat * exp(r - G) and what bf16 left of it (feeds A and M); exact
-      // path, after A and M: K~ = k_hat * exp(G) as a bf16 pair, the operand of W (the factored
-      // paths take kg and k for it).
+      // factored paths: k_hat * exp(r - G) and what bf16 left of it (feeds A and M)
       bf16 ki[C][kRowPad];
       bf16 ki_lo[C][kRowPad];
     } fac;
     float G[C][kPad];  // exact path: the cumulative gate itself (log2 units)
+    struct {
+      __half kd[C][kRowPad];  // k_hat * exp(G_last - G)  (record: K^, fp16)
+      float A[C][C + 4];      // 16-byte rows: read back as float4; then T' = (I + A)^-1 diag(beta)
+      float er[D];            // middle-reference path: exp(r) per channel, the scale of W's columns
+    } late;
   };
   union {
-    struct {
-      __half m[C][kMPad];  // record: M (fp16)
-      float A[C][C + 4];   // 16-byte rows: read back as float4; then T' = (I + A)^-1 diag(beta)
-    };
-    struct {  // step 2's exchange between the two token halves, dead before A and M are written
+    __half m[C][kMPad];  // record: M (fp16)
+    struct {  // step 2's exchange between the two token halves, dead before M is written
       float4 first_half[D / 2];   // per channel pair: G at token 0 and the sum of tokens 0..7
       float2 second_half[D / 2];  // the sum of tokens 8..15
     };
   };
-  float er[D];  // middle-reference path: exp(r) per channel, the scale of W's columns
   float beta[C];
   float inv_norm[2][C];
   float range[4];  // per warp: the largest half range and the largest decay
@@ -144,10 +149,11 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
 
 // GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
 template <GateMode GATE>
-__global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char prep_smem_raw[];
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
-  static_assert(sizeof(PrepSmem) + 1024 <= 228 * 1024 / 6, "six blocks per SM");
+  // 228 KB of shared memory per SM, 1 KB of it reserved per block
+  static_assert(kPrepBlocksPerSm * (sizeof(PrepSmem) + 1024) <= 228 * 1024, "blocks per SM");
   const std::int64_t slot = blockIdx.x;
   const int h = blockIdx.y;
   const int tid = threadIdx.x;
@@ -278,18 +284,18 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
   const bool factored = zero_ref || fmaxf(fmaxf(sm.range[0], sm.range[1]),
                                           fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
 
-  // 3. The scaled operands of this thread's 8 tokens x 2 channels.
+  // 3. The scaled operands of this thread's 8 tokens x 2 channels. K^ waits in registers until
+  //    step 5: its tile shares memory with the Gram operands.
   const float2 ref = zero_ref ? make_float2(0.f, 0.f)
                               : make_float2(g_last.x + half_range.x, g_last.y + half_range.y);
-  float2 kt[kHalf];  // exact path: K~ = k_hat exp(G), the operand of W (stored after step 4)
+  std::uint32_t kt_lo[kHalf];   // exact path: K~'s bf16 remainder (over the raw k in step 5)
+  std::uint32_t kd_f16[kHalf];  // K^ = k_hat exp(G_last - G), two channels in fp16
   if (factored) {
     // The Gram operands around the reference, each a bf16 pair; exp(G_last - G) =
     // exp(G_last - r) exp(r - G) saves an exp. With r = 0 the operands are Q~ and K~; otherwise
     // Q~ and K~ are taken from them after the Gram products (fewer registers live across them).
     const float2 ref_to_last =
         make_float2(fast_exp2(g_last.x - ref.x), fast_exp2(g_last.y - ref.y));  // exp(G_last - r)
-    if (!zero_ref && hf == 0)
-      *reinterpret_cast<float2*>(&sm.er[c0]) = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       const int t = t0 + i;
@@ -310,7 +316,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       split_pair(ki, &hi, &lo);
       sts32(&sm.fac.ki[t][c0], hi);
       sts32(&sm.fac.ki_lo[t][c0], lo);
-      sts32(&sm.kd[t][c0], pack_f16x2(ki.x * ref_to_last.x, ki.y * ref_to_last.y));
+      kd_f16[i] = pack_f16x2(ki.x * ref_to_last.x, ki.y * ref_to_last.y);
     }
   } else {
 #pragma unroll
@@ -321,35 +327,38 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const float2 k = unpack_bf16x2(lds32(&sm.k[t][c0]));
       const float2 kh = make_float2(k.x * ik, k.y * ik);
       const float2 eg = make_float2(fast_exp2(Gx[i]), fast_exp2(Gy[i]));
-      kt[i] = make_float2(kh.x * eg.x, kh.y * eg.y);
+      std::uint32_t hi;  // K~ = k_hat exp(G), W's operand, as a bf16 pair
+      split_pair(make_float2(kh.x * eg.x, kh.y * eg.y), &hi, &kt_lo[i]);
+      sts32(&sm.kg[t][c0], hi);
       sts32(&sm.qg[t][c0], pack_bf16x2(q.x * iq * eg.x, q.y * iq * eg.y));
-      sts32(&sm.kd[t][c0],
-            pack_f16x2(kh.x * fast_exp2(g_last.x - Gx[i]), kh.y * fast_exp2(g_last.y - Gy[i])));
+      kd_f16[i] =
+          pack_f16x2(kh.x * fast_exp2(g_last.x - Gx[i]), kh.y * fast_exp2(g_last.y - Gy[i]));
       *reinterpret_cast<float2*>(&sm.G[t][c0]) = make_float2(Gx[i], Gy[i]);
     }
   }
   __syncthreads();
 
-  // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg).
+  // 4. A (strictly lower, times beta_i) and M (lower with diagonal, scale inside qg). A stays in
+  //    registers until step 5 (its rows share memory with the operands read here).
+  float gram[2][4] = {};  // factored paths, warp 0: A's 16 x 16 Gram product (as in gram16_pair)
+  float a_exact = 0.f;    // exact path: the pair (i, j) of this thread, times beta_i
+  int ai = 0, aj = 0;
   if (factored) {
     // exp(G_i - G_j) = exp(G_i - r) exp(r - G_j): two 16 x 16 x 128 Gram products on the tensor
     // cores, each operand a bf16 pair (hi + lo), hi hi + hi lo + lo hi: fp32-like sums (the bf16
     // operands alone cost 2.3e-3 of out error, kda-chunk-emulation). Entries above the diagonal
     // (i < j, up to exp(2 half)) may overflow; they are discarded, never multiplied.
     if (warp < 2) {
-      float acc[2][4] = {};
       const bf16(*x_hi)[kRowPad] = warp == 0 ? sm.kg : sm.qg;
       const bf16(*x_lo)[kRowPad] = warp == 0 ? sm.k : sm.q;
-      gram16_pair(acc, x_hi, x_lo, sm.fac.ki, sm.fac.ki_lo, lane);
+      gram16_pair(gram, x_hi, x_lo, sm.fac.ki, sm.fac.ki_lo, lane);
+      if (warp == 1) {
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
+        for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
-          if (warp == 0) {
-            sm.A[i][jj] = i > jj ? sm.beta[i] * acc[nt][r] : 0.f;
-          } else {
-            store_m(sm, i, jj, i >= jj ? acc[nt][r] : 0.f);
+          for (int r = 0; r < 4; ++r) {
+            const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
+            store_m(sm, i, jj, i >= jj ? gram[nt][r] : 0.f);
           }
         }
       }
@@ -378,7 +387,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
         a = fmaf(ki.y, kjy, a);
         m = fmaf(qi.y, kjy, m);
       }
-      sm.A[i][jj] = sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj];
+      ai = i;
+      aj = jj;
+      a_exact = sm.beta[i] * a * sm.inv_norm[1][i] * sm.inv_norm[1][jj];
       store_m(sm, i, jj, p.scale * m * sm.inv_norm[0][i] * sm.inv_norm[1][jj]);
       store_m(sm, jj, i, 0.f);
     } else {
@@ -396,46 +407,64 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int d = d0 + e;
-        sm.A[d][d] = 0.f;
         store_m(sm, d, d, p.scale * (e == 0 ? m0 : m1) * sm.inv_norm[0][d] * sm.inv_norm[1][d]);
       }
     }
   }
   __syncthreads();
 
-  // 5. Q~ (the record's) and, on the exact path, K~ as a bf16 pair over the dead G; then warp 0
-  //    turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward substitution).
+  // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
+  //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k;
+  //    then warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
+  //    substitution).
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) sts32(&sm.late.kd[t0 + i][c0], kd_f16[i]);
   if (zero_ref) {
     // Q~ is the Gram operand (its hi part already in qg), K~ the pair in kg and k.
   } else if (factored) {
     // Q~ = (Gram operand) exp(r), from its pair (relative error ~2^-17); W takes the factor
     // exp(r) per column after its product with the operand K~ exp(-r).
+    const float2 er = make_float2(fast_exp2(ref.x), fast_exp2(ref.y));
+    if (hf == 0) *reinterpret_cast<float2*>(&sm.late.er[c0]) = er;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
       const int t = t0 + i;
-      const float2 er = *reinterpret_cast<const float2*>(&sm.er[c0]);
       const float2 qh = unpack_bf16x2(lds32(&sm.qg[t][c0]));
       const float2 ql = unpack_bf16x2(lds32(&sm.q[t][c0]));
       sts32(&sm.qg[t][c0], pack_bf16x2((qh.x + ql.x) * er.x, (qh.y + ql.y) * er.y));
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      const int t = t0 + i;
-      std::uint32_t hi, lo;
-      split_pair(kt[i], &hi, &lo);
-      sts32(&sm.fac.ki[t][c0], hi);
-      sts32(&sm.fac.ki_lo[t][c0], lo);
+    for (int i = 0; i < kHalf; ++i) sts32(&sm.k[t0 + i][c0], kt_lo[i]);
+    if (tid < kLowerPairs) {
+      sm.late.A[ai][aj] = a_exact;
+      sm.late.A[aj][ai] = 0.f;
+    } else {
+      const int d0 = 2 * (tid - kLowerPairs);
+      sm.late.A[d0][d0] = 0.f;
+      sm.late.A[d0 + 1][d0 + 1] = 0.f;
     }
+    __syncthreads();  // A, written by every thread, before warp 0's substitution
   }
   if (warp == 0) {
+    if (factored) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = gq + (r >> 1) * 8, jj = nt * 8 + 2 * tq + (r & 1);
+          sm.late.A[i][jj] = i > jj ? sm.beta[i] * gram[nt][r] : 0.f;
+        }
+      }
+      __syncwarp();
+    }
     float tcol[C];
 #pragma unroll
     for (int i = 0; i < C; ++i) {
       float x = i == lane ? 1.f : 0.f;
 #pragma unroll
       for (int j4 = 0; j4 < i; j4 += 4) {
-        const float4 a4 = *reinterpret_cast<const float4*>(&sm.A[i][j4]);
+        const float4 a4 = *reinterpret_cast<const float4*>(&sm.late.A[i][j4]);
         const float arow[4] = {a4.x, a4.y, a4.z, a4.w};
 #pragma unroll
         for (int jj = j4; jj < j4 + 4 && jj < i; ++jj) x = fmaf(-arow[jj - j4], tcol[jj], x);
@@ -446,7 +475,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     if (lane < C) {
       const float b = sm.beta[lane];
 #pragma unroll
-      for (int i = 0; i < C; ++i) sm.A[i][lane] = tcol[i] * b;
+      for (int i = 0; i < C; ++i) sm.late.A[i][lane] = tcol[i] * b;
     }
   }
   __syncthreads();
@@ -463,7 +492,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     const int rr[4] = {gq, gq + 8, gq, gq + 8}, cc[4] = {2 * tq, 2 * tq, 2 * tq + 8, 2 * tq + 8};
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float2 t2 = *reinterpret_cast<const float2*>(&sm.A[rr[r]][cc[r]]);
+      const float2 t2 = *reinterpret_cast<const float2*>(&sm.late.A[rr[r]][cc[r]]);
       split_pair(t2, &th[r], &tl[r]);
     }
     float u_first[2][4];  // U0 of the first half's columns, stored with the second's (one scale)
@@ -474,12 +503,12 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       const int lr = lane & 15, lc = cb + ((lane >> 4) << 3);
       float w[2][4] = {}, u[2][4] = {};
       unsigned b0, b1, b2, b3;
-      ldmatrix_x4_trans(b0, b1, b2, b3, factored ? &sm.kg[lr][lc] : &sm.fac.ki[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.kg[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       mma_bf16(w[0], tl, b0, b1);
       mma_bf16(w[1], tl, b2, b3);
-      ldmatrix_x4_trans(b0, b1, b2, b3, factored ? &sm.k[lr][lc] : &sm.fac.ki_lo[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.k[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
       ldmatrix_x4_trans(b0, b1, b2, b3, &sm.v[lr][lc]);
@@ -487,14 +516,14 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
       mma_bf16(u[1], th, b2, b3);
       mma_bf16(u[0], tl, b0, b1);
       mma_bf16(u[1], tl, b2, b3);
-      // k held K~'s remainder (factored paths) for this warp's own columns: every lane's
+      // k held K~'s remainder for this warp's own columns: every lane's
       // ldmatrix above is done before any lane overwrites them with U0.
       __syncwarp();
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int c = cb + 8 * nt + 2 * tq;
         if (factored && !zero_ref) {
-          const float2 er = *reinterpret_cast<const float2*>(&sm.er[c]);
+          const float2 er = *reinterpret_cast<const float2*>(&sm.late.er[c]);
           w[nt][0] *= er.x;
           w[nt][1] *= er.y;
           w[nt][2] *= er.x;
@@ -552,7 +581,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) kda_prepare_kernel(const Pref
     constexpr unsigned kRowBytes = kRowPad * sizeof(bf16);
     bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kRow0);
     bulk_copy_to_global(rec + ChunkRecord::kQg + kRowBytes, &sm.qg[1][0], kTile - kRowBytes);
-    bulk_copy_to_global(rec + ChunkRecord::kKd, sm.kd, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kKd, sm.late.kd, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
@@ -568,6 +597,10 @@ Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaSt
                                       : kda_prepare_kernel<GateMode::kSoftplus>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(sizeof(PrepSmem)));
+  if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
+  // All of the SM's unified memory as shared memory, or kPrepBlocksPerSm blocks do not fit.
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
