@@ -32,16 +32,19 @@ constexpr float kFactoredRange2 = 80.0f * kLog2e;
 
 // Blocks per SM: the kernel is bound by the latency of its inputs and of its one-warp steps (the
 // Gram products, the substitution), which more resident blocks hide; the shared memory below and
-// 72 registers a thread fit seven.
-constexpr int kPrepBlocksPerSm = 7;
+// 64 registers a thread fit eight.
+constexpr int kPrepBlocksPerSm = 8;
 
 struct PrepSmem {
-  bf16 q[C][kRowPad];  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram
-  bf16 k[C][kRowPad];  // operands' remainders (k: K~'s, W's operand), finally the W and U0 (fp16
-  bf16 v[C][kRowPad];  // bits) outputs
+  // raw inputs of the chunk (padded tokens zero); q and k then hold the Gram operands' remainders
+  // (k: K~'s, W's operand); v arrives over q once the Gram products are done; k takes U0 (fp16
+  // bits) at the end
+  bf16 q[C][kRowPad];
+  bf16 k[C][kRowPad];
   union {  // a thread reads its g elements before anyone writes kg (a block barrier between)
     bf16 g[C][kRowPad];
     bf16 kg[C][kRowPad];  // k_hat * exp(G - r) (feeds A and W; K~ when r = 0 and on the exact path)
+                          // and finally the W output
   };
   // scale * q_hat * exp(G) (record: Q~); in the factored path it first holds the Gram operand
   // scale * q_hat * exp(G - r) (feeds M) and takes Q~ once the Gram products are done.
@@ -73,7 +76,7 @@ struct PrepSmem {
   float range[4];  // per warp: the largest half range and the largest decay
   float decay[4];
   // mbarriers of the input copies: q, k and g (steps 2 to 5), and v, which only step 6 reads
-  // (waiting for it there lets steps 2 to 5 overlap its copies)
+  // (copied once q's tile is free, so that step 5 overlaps the copies)
   std::uint64_t qkg_ready, v_ready;
 };
 
@@ -180,30 +183,31 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
   if (j < 0 || j >= nchunks) return;  // a gap slot: no chunk lives here
   const std::int64_t tok0 = bos + j * C;
   const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
-  const std::int64_t H = p.num_heads;
 
-  // 1. The chunk's q, k, v, g rows into shared memory: one 256-byte bulk copy per (tensor, token),
-  //    issued by 4 * nvalid threads, each announcing its own bytes on its tensor's mbarrier (so no
-  //    thread waits on another's announcement); padded tokens are zeroed.
+  // 1. The chunk's q, k, g rows (v's come in step 5) into shared memory: one 256-byte bulk copy
+  //    per (tensor, token), issued by 3 * nvalid threads, each announcing its own bytes on its
+  //    tensor's mbarrier (so no thread waits on another's announcement); padded tokens are zeroed.
+  const std::int64_t H = p.num_heads;
+  auto copy_rows = [&](bf16(*dst)[kRowPad], const bf16* src, int row, std::uint64_t* ready) {
+    if (row < nvalid) {
+      mbarrier_expect_tx(ready, D * 2);
+      bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, ready);
+    } else {
+      uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
+    }
+  };
   {
     if (tid == 0) {
       mbarrier_init(&sm.qkg_ready, static_cast<unsigned>(3 * nvalid));
       mbarrier_init(&sm.v_ready, static_cast<unsigned>(nvalid));
     }
     __syncthreads();  // the barriers are initialized before anyone uses them
-    if (tid < 4 * C) {
-      const int tensor = tid / C, row = tid % C;
-      const bf16* src = tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : tensor == 2 ? p.in.v : p.in.g;
-      bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : tensor == 2 ? sm.v : sm.g;
-      std::uint64_t* ready = tensor == 2 ? &sm.v_ready : &sm.qkg_ready;
-      if (row < nvalid) {
-        mbarrier_expect_tx(ready, D * 2);
-        bulk_copy_to_shared(&dst[row][0], src + ((tok0 + row) * H + h) * D, D * 2, ready);
-      } else {
-        uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
-#pragma unroll
-        for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
-      }
+    if (tid < 3 * C) {
+      const int tensor = tid / C;
+      copy_rows(tensor == 0 ? sm.q : tensor == 1 ? sm.k : sm.g,
+                tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : p.in.g, tid % C, &sm.qkg_ready);
     }
     if (tid < C)
       sm.beta[tid] =
@@ -411,7 +415,13 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
       }
     }
   }
+  // v's rows go over q, dead now but on the middle-reference path (step 5 reads Q~'s remainder):
+  // every thread orders its accesses to q before the copy engine's writes, the barrier orders
+  // them all before the copies; the zeroed padding rows are ordered by step 5's barrier.
+  const bool v_after_step5 = factored && !zero_ref;
+  fence_proxy_async();
   __syncthreads();
+  if (!v_after_step5 && tid < C) copy_rows(sm.q, p.in.v, tid, &sm.v_ready);
 
   // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
   //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k;
@@ -478,13 +488,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
       for (int i = 0; i < C; ++i) sm.late.A[i][lane] = tcol[i] * b;
     }
   }
-  __syncthreads();
+  if (v_after_step5) {
+    fence_proxy_async();
+    __syncthreads();
+    if (tid < C) copy_rows(sm.q, p.in.v, tid, &sm.v_ready);
+  }
+  __syncthreads();  // T' (and v's zeroed padding rows)
 
   mbarrier_wait(&sm.v_ready, 0);  // every thread: the copies' writes are visible to waiters
 
   // 6. [W | U0] = T' [K~ | V] on the tensor cores: T' and K~ as bf16 pairs (hi hi + hi lo + lo hi),
   //    V exact in bf16 (T'_hi V + T'_lo V); warp w takes channels 32 w .. 32 w + 31 of both.
-  //    W goes over q, U0 over k: in fp16, scaled by 2^-e into [-2, 2) by the largest magnitude
+  //    W goes over kg, U0 over k; U0 in fp16, scaled by 2^-e into [-2, 2) by the largest magnitude
   //    of the warp's 32 columns (2^e into qg's row 0 padding, workspace_layout.hpp), so that
   //    fp16 holds U0 whatever the scale of v.
   {
@@ -511,13 +526,13 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
       ldmatrix_x4_trans(b0, b1, b2, b3, &sm.k[lr][lc]);
       mma_bf16(w[0], th, b0, b1);
       mma_bf16(w[1], th, b2, b3);
-      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.v[lr][lc]);
+      ldmatrix_x4_trans(b0, b1, b2, b3, &sm.q[lr][lc]);  // v
       mma_bf16(u[0], th, b0, b1);
       mma_bf16(u[1], th, b2, b3);
       mma_bf16(u[0], tl, b0, b1);
       mma_bf16(u[1], tl, b2, b3);
-      // k held K~'s remainder for this warp's own columns: every lane's
-      // ldmatrix above is done before any lane overwrites them with U0.
+      // kg and k held K~'s pair for this warp's own columns: every lane's ldmatrix above is done
+      // before any lane overwrites them with W and U0.
       __syncwarp();
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
@@ -529,8 +544,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
           w[nt][2] *= er.x;
           w[nt][3] *= er.y;
         }
-        sts32(&sm.q[gq][c], pack_bf16x2(w[nt][0], w[nt][1]));
-        sts32(&sm.q[gq + 8][c], pack_bf16x2(w[nt][2], w[nt][3]));
+        sts32(&sm.kg[gq][c], pack_bf16x2(w[nt][0], w[nt][1]));
+        sts32(&sm.kg[gq + 8][c], pack_bf16x2(w[nt][2], w[nt][3]));
       }
       if (half == 0) {
 #pragma unroll
@@ -582,7 +597,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
     bulk_copy_to_global(rec + ChunkRecord::kQg, sm.qg, kRow0);
     bulk_copy_to_global(rec + ChunkRecord::kQg + kRowBytes, &sm.qg[1][0], kTile - kRowBytes);
     bulk_copy_to_global(rec + ChunkRecord::kKd, sm.late.kd, kTile);
-    bulk_copy_to_global(rec + ChunkRecord::kW, sm.q, kTile);
+    bulk_copy_to_global(rec + ChunkRecord::kW, sm.kg, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
     bulk_commit_and_wait_read();
