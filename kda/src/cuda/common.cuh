@@ -38,24 +38,20 @@ __device__ __forceinline__ float gate_activation(GateMode gate, float g_raw, flo
 // ex2 / lg2 / rcp alone (flushing denormals, which the gates' ranges never need). The per-channel
 // constants: GateLog2::make(gate, exp(A_log), dt_bias, lower_bound).
 struct GateLog2 {
-  float mul, add, scale;  // bounded: z = mul g + add = -(a log2e) x; softplus: x = g + add
+  // z = mul g + add: bounded -(a log2e) x, softplus x log2e (x = g + dt_bias; one FFMA either way)
+  float mul, add, scale;
   bool bounded;
   __device__ __forceinline__ static GateLog2 make(GateMode gate, float a_exp, float dt_bias,
                                                   float lower_bound) {
     const bool b = gate == GateMode::kLowerBound;
-    const float m = -a_exp * kLog2e;
-    return b ? GateLog2{m, m * dt_bias, lower_bound * kLog2e, true}
-             : GateLog2{1.f, dt_bias, -a_exp, false};
+    const float m = b ? -a_exp * kLog2e : kLog2e;
+    return GateLog2{m, m * dt_bias, b ? lower_bound * kLog2e : -a_exp, b};
   }
   __device__ __forceinline__ float operator()(float g_raw) const {
-    if (bounded) {  // lower_bound log2e / (1 + 2^z)
-      const float e = fast_exp2(fmaf(mul, g_raw, add));
-      return scale * fast_rcp(1.f + e);
-    }
-    // -a (max(x, 0) log2e + log2(1 + 2^(-|x| log2e))) = -a log2e softplus(x)
-    const float x = g_raw + add;
-    const float l = fast_log2(1.f + fast_exp2(-fabsf(x) * kLog2e));
-    return scale * fmaf(fmaxf(x, 0.f), kLog2e, l);
+    const float z = fmaf(mul, g_raw, add);
+    if (bounded) return scale * fast_rcp(1.f + fast_exp2(z));  // lower_bound log2e / (1 + 2^z)
+    // -a (max(z, 0) + log2(1 + 2^-|z|)) = -a log2e softplus(x)
+    return scale * (fmaxf(z, 0.f) + fast_log2(1.f + fast_exp2(-fabsf(z))));
   }
 };
 

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
@@ -66,7 +67,7 @@ struct PrepSmem {
   };
   union {
     __half m[C][kMPad];  // record: M (fp16)
-    struct {  // step 2's exchange between the two token halves, dead before M is written
+    struct {             // step 2's exchange between the two token halves, dead before M is written
       float4 first_half[D / 2];   // per channel pair: G at token 0 and the sum of tokens 0..7
       float2 second_half[D / 2];  // the sum of tokens 8..15
     };
@@ -152,7 +153,8 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
 
 // GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
 template <GateMode GATE>
-__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
+    kda_prepare_kernel(const PrefillParams p) {
   extern __shared__ __align__(16) unsigned char prep_smem_raw[];
   PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
   // 228 KB of shared memory per SM, 1 KB of it reserved per block
@@ -206,8 +208,13 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
     __syncthreads();  // the barriers are initialized before anyone uses them
     if (tid < 3 * C) {
       const int tensor = tid / C;
-      copy_rows(tensor == 0 ? sm.q : tensor == 1 ? sm.k : sm.g,
-                tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : p.in.g, tid % C, &sm.qkg_ready);
+      copy_rows(tensor == 0   ? sm.q
+                : tensor == 1 ? sm.k
+                              : sm.g,
+                tensor == 0   ? p.in.q
+                : tensor == 1 ? p.in.k
+                              : p.in.g,
+                tid % C, &sm.qkg_ready);
     }
     if (tid < C)
       sm.beta[tid] =
@@ -225,17 +232,26 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
     const float a_exp = __expf(a_log_h);
     const GateLog2 gx = GateLog2::make(GATE, a_exp, dtb.x, p.lower_bound);
     const GateLog2 gy = GateLog2::make(GATE, a_exp, dtb.y, p.lower_bound);
-    float ax = 0.f, ay = 0.f;
+    // FULL: every token of the chunk valid (all but a sequence's last chunk); otherwise a padded
+    // token's gate (of a zeroed g) is computed and dropped, a select, not a branch.
+    auto cumulate = [&](auto full_tag) {
+      constexpr bool kFull = decltype(full_tag)::value;
+      float ax = 0.f, ay = 0.f;
 #pragma unroll
-    for (int i = 0; i < kHalf; ++i) {
-      // A padded token's gate (of a zeroed g) is computed and dropped: a select, not a branch.
-      const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
-      const bool valid = t0 + i < nvalid;
-      ax += valid ? gx(g.x) : 0.f;
-      ay += valid ? gy(g.y) : 0.f;
-      Gx[i] = ax;
-      Gy[i] = ay;
-    }
+      for (int i = 0; i < kHalf; ++i) {
+        const float2 g = unpack_bf16x2(lds32(&sm.g[t0 + i][c0]));
+        const bool valid = kFull || t0 + i < nvalid;
+        ax += valid ? gx(g.x) : 0.f;
+        ay += valid ? gy(g.y) : 0.f;
+        Gx[i] = ax;
+        Gy[i] = ay;
+      }
+    };
+    if (nvalid == C)
+      cumulate(std::true_type{});
+    else
+      cumulate(std::false_type{});
+    const float ax = Gx[kHalf - 1], ay = Gy[kHalf - 1];
     if (hf == 0)
       sm.first_half[pc] = make_float4(Gx[0], Gy[0], ax, ay);
     else
@@ -423,10 +439,10 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm) kda_prepare_ke
   __syncthreads();
   if (!v_after_step5 && tid < C) copy_rows(sm.q, p.in.v, tid, &sm.v_ready);
 
-  // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
-  //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k;
-  //    then warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
-  //    substitution).
+    // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
+    //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k;
+    //    then warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
+    //    substitution).
 #pragma unroll
   for (int i = 0; i < kHalf; ++i) sts32(&sm.late.kd[t0 + i][c0], kd_f16[i]);
   if (zero_ref) {
