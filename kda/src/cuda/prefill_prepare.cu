@@ -208,13 +208,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
     __syncthreads();  // the barriers are initialized before anyone uses them
     if (tid < 3 * C) {
       const int tensor = tid / C;
-      copy_rows(tensor == 0   ? sm.q
-                : tensor == 1 ? sm.k
-                              : sm.g,
-                tensor == 0   ? p.in.q
-                : tensor == 1 ? p.in.k
-                              : p.in.g,
-                tid % C, &sm.qkg_ready);
+      bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : sm.g;
+      const bf16* src = tensor == 0 ? p.in.q : tensor == 1 ? p.in.k : p.in.g;
+      copy_rows(dst, src, tid % C, &sm.qkg_ready);
     }
     if (tid < C)
       sm.beta[tid] =
@@ -439,11 +435,9 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
   __syncthreads();
   if (!v_after_step5 && tid < C) copy_rows(sm.q, p.in.v, tid, &sm.v_ready);
 
-    // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
-    //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k;
-    //    then warp 0 turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward
-    //    substitution).
-#pragma unroll
+  // 5. Over the dead operands: K^ and A from registers (and exp(r) on the middle-reference path);
+  //    Q~ (the record's) and, on the exact path, K~'s remainder over the dead raw k; then warp 0
+  //    turns A into T' = (I + A)^-1 diag(beta), fp32 (lane j: column j, forward substitution).
   for (int i = 0; i < kHalf; ++i) sts32(&sm.late.kd[t0 + i][c0], kd_f16[i]);
   if (zero_ref) {
     // Q~ is the Gram operand (its hi part already in qg), K~ the pair in kg and k.
