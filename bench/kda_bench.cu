@@ -17,62 +17,19 @@
 #include <string>
 #include <vector>
 
+#include "bench_device.cuh"
 #include "bench_floors.hpp"
 #include "kda/kda.hpp"
 
 namespace {
 
-#define CK(x)                                                                                \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "kda-bench: %s failed: %s (%s:%d)\n", #x, cudaGetErrorString(e_), \
-                   __FILE__, __LINE__);                                                      \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+using kda_bench::fill;
 
 void check(const kda::Status& st, const char* what) {
   if (!st.ok()) {
     std::fprintf(stderr, "kda-bench: %s: %s\n", what, st.to_string().c_str());
     std::exit(1);
   }
-}
-
-// Uniform values in [lo, hi) as bf16, from a counter-based hash (fast to fill gigabytes).
-__global__ void fill_bf16(std::uint16_t* dst, std::int64_t n, std::uint64_t seed, float lo,
-                          float hi) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint64_t x = (static_cast<std::uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
-    const float f = lo + (hi - lo) * u;
-    std::uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    dst[i] = static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
-}
-__global__ void fill_f32(float* dst, std::int64_t n, std::uint64_t seed, float lo, float hi) {
-  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint64_t x = (static_cast<std::uint64_t>(i) + 7) * 0xD6E8FEB86659FD93ull ^ seed;
-    x ^= x >> 32;
-    x *= 0x9E3779B97F4A7C15ull;
-    x ^= x >> 29;
-    dst[i] = lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
-  }
-}
-
-void fill(std::uint16_t* p, std::int64_t n, std::uint64_t seed, float lo, float hi) {
-  if (n > 0) fill_bf16<<<1024, 256>>>(p, n, seed, lo, hi);
-  CK(cudaGetLastError());
-}
-void fill(float* p, std::int64_t n, std::uint64_t seed, float lo, float hi) {
-  if (n > 0) fill_f32<<<1024, 256>>>(p, n, seed, lo, hi);
-  CK(cudaGetLastError());
 }
 
 template <typename F>
