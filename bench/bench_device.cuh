@@ -4,10 +4,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 // Exits with a message naming the call, its error and where it is, when a CUDA call fails.
 #define CK(x)                                                                               \
@@ -56,6 +58,29 @@ inline void fill(std::uint16_t* p, std::int64_t n, std::uint64_t seed, float lo,
 inline void fill(float* p, std::int64_t n, std::uint64_t seed, float lo, float hi) {
   if (n > 0) fill_f32<<<1024, 256>>>(p, n, seed, lo, hi);
   CK(cudaGetLastError());
+}
+
+// Median milliseconds of `iters` timed calls run(i) after `warmup` untimed ones, CUDA events
+// recorded on `stream` around each call (run may fork work to other streams if it joins it back).
+template <typename F>
+double median_ms(F&& run, int warmup, int iters, cudaStream_t stream = nullptr) {
+  cudaEvent_t a, b;
+  CK(cudaEventCreate(&a));
+  CK(cudaEventCreate(&b));
+  for (int i = 0; i < warmup; ++i) run(i);
+  CK(cudaDeviceSynchronize());
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(a, stream));
+    run(i);
+    CK(cudaEventRecord(b, stream));
+    CK(cudaEventSynchronize(b));
+    CK(cudaEventElapsedTime(&ms[i], a, b));
+  }
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
+  std::sort(ms.begin(), ms.end());
+  return ms[iters / 2];
 }
 
 }  // namespace kda_bench

@@ -24,33 +24,13 @@
 namespace {
 
 using kda_bench::fill;
+using kda_bench::median_ms;
 
 void check(const kda::Status& st, const char* what) {
   if (!st.ok()) {
     std::fprintf(stderr, "kda-bench: %s: %s\n", what, st.to_string().c_str());
     std::exit(1);
   }
-}
-
-template <typename F>
-double median_ms(F&& run, int warmup, int iters) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  for (int i = 0; i < warmup; ++i) run(i);
-  CK(cudaDeviceSynchronize());
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(a));
-    run(i);
-    CK(cudaEventRecord(b));
-    CK(cudaEventSynchronize(b));
-    CK(cudaEventElapsedTime(&ms[i], a, b));
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[iters / 2];
 }
 
 // How a case addresses its states: [N, H, V, K] blocks, or a pool of 2N + 2 entries through

@@ -28,6 +28,7 @@
 
 namespace d = kda::detail;
 using kda_bench::fill;
+using kda_bench::median_ms;
 
 namespace {
 
@@ -116,28 +117,6 @@ const char* shape_name(d::RecurrenceShape s) {
   return "?";
 }
 
-// Median of 9 timed runs (after 2) of `run`, which enqueues on s1 (and may fork to s2 and join).
-template <typename F>
-double median_ms(cudaStream_t s1, F&& run) {
-  cudaEvent_t a, b;
-  CK(cudaEventCreate(&a));
-  CK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 11; ++i) {
-    CK(cudaEventRecord(a, s1));
-    run();
-    CK(cudaEventRecord(b, s1));
-    CK(cudaEventSynchronize(b));
-    float t = 0;
-    CK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 2) ms.push_back(t);
-  }
-  CK(cudaEventDestroy(a));
-  CK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 struct Case {
   const char* name;
   int heads;
@@ -205,14 +184,16 @@ int main(int argc, char** argv) {
         CK(cudaEventRecord(join, s2));
         CK(cudaStreamWaitEvent(s1, join, 0));
       };
-      const double p = median_ms(s1, [&] { prep(s1); });
-      const double r = median_ms(s1, [&] { rec(s1); });
-      const double seq = median_ms(s1, [&] {
+      // Median of 9 timed runs after 2, each enqueued on s1 (`both` forks to s2 and joins).
+      auto timed = [&](auto&& run) { return median_ms([&](int) { run(); }, 2, 9, s1); };
+      const double p = timed([&] { prep(s1); });
+      const double r = timed([&] { rec(s1); });
+      const double seq = timed([&] {
         prep(s1);
         rec(s1);
       });
-      const double par_r = median_ms(s1, [&] { both(true); });
-      const double par_p = median_ms(s1, [&] { both(false); });
+      const double par_r = timed([&] { both(true); });
+      const double par_p = timed([&] { both(false); });
       const double par = std::min(par_r, par_p);
       std::printf("| %s | %s | %.3f | %.3f | %.3f | %.3f | %.3f | %.2f |\n", c.name,
                   shape_name(shape), p, r, seq, par_r, par_p, (seq - par) / std::min(p, r));
