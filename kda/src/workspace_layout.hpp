@@ -89,9 +89,18 @@ inline std::uint64_t max_extra_segments(std::uint64_t total_tokens, std::uint64_
   return by_budget < by_length ? by_budget : by_length;
 }
 
-// Bytes of the CUDA prefill workspace (chunk records, then the segment blocks); false on overflow.
-inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
-                                         std::uint64_t num_heads, std::uint64_t* bytes) {
+// ---- Ready flags (the pipelined prefill)
+// --------------------------------------------------------- One 32-bit flag per (chunk slot, head),
+// after the records and segment blocks: the prepare kernel sets it once the chunk's record is in
+// memory, the recurrence waits for it before copying the record in; zeroed at the start of each
+// call.
+inline constexpr std::uint64_t kReadyFlagBytes = 4;
+
+// Offsets in the CUDA prefill workspace (from its 256-byte aligned start): the flags after the
+// chunk records and the segment blocks; and the workspace's size (+ one alignment unit so that an
+// unaligned caller pointer can be rounded up). false on overflow.
+inline bool cuda_prefill_flags_offset(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                                      std::uint64_t num_heads, std::uint64_t* offset) {
   std::uint64_t slots = 0, records = 0, total = 0;
   if (!num_chunk_slots(total_tokens, num_seqs, &slots)) return false;
   if (!checked_mul(slots, num_heads, &records)) return false;
@@ -104,7 +113,17 @@ inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64
     if (!checked_mul(seg_heads, kSegmentBlockBytes, &seg_bytes)) return false;
     if (!checked_add(total, seg_bytes, &total)) return false;  // records end 128-byte aligned
   }
-  // + one alignment unit so an unaligned caller pointer can be rounded up.
+  *offset = total;
+  return true;
+}
+inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                                         std::uint64_t num_heads, std::uint64_t* bytes) {
+  std::uint64_t flags_at = 0, slots = 0, flags = 0, flag_bytes = 0, total = 0;
+  if (!cuda_prefill_flags_offset(total_tokens, num_seqs, num_heads, &flags_at)) return false;
+  if (!num_chunk_slots(total_tokens, num_seqs, &slots)) return false;
+  if (!checked_mul(slots, num_heads, &flags)) return false;
+  if (!checked_mul(flags, kReadyFlagBytes, &flag_bytes)) return false;
+  if (!checked_add(flags_at, flag_bytes, &total)) return false;
   return checked_add(total, kWorkspaceAlignment, bytes);
 }
 

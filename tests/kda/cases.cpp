@@ -247,6 +247,47 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       o.state_scale = value;
       add(std::string("scale: split, v and state x ") + (value < 1.f ? "1e-6" : "3e4"), o);
     }
+    // One unsplit 1,024-token sequence of 32 heads without an initial state (the pipelined
+    // prefill on 128 SMs or more: its state unit starts at its least and grows with the chunks):
+    // v far from 1.
+    for (float value : {1e-6f, 3e4f}) {
+      CaseOptions o = cuda_options(32, ++seed);
+      o.seq_len = 1024;
+      o.gate = GateMode::kLowerBound;
+      o.value_scale = value;
+      o.initial_state_dtype = DType::kNone;
+      add(std::string("scale: no initial state, v x ") + (value < 1.f ? "1e-6" : "3e4"), o);
+    }
+  }
+  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, the bounded gate, too
+  // few heads to split and four 32-column recurrence blocks per head within the SMs (H <= 33 on
+  // the H200's 132). A tail that is not a multiple of the chunk, states in and out of either
+  // dtype or none, 24 heads, and a longer sequence.
+  seed = 380;
+  {
+    struct Pipelined {
+      const char* name;
+      std::int64_t heads, len;
+      DType in, out;
+    };
+    const Pipelined shapes[] = {{"H32 T1000 f32 -> f32", 32, 1000, DType::kF32, DType::kF32},
+                                {"H32 T1024 bf16 -> bf16", 32, 1024, DType::kBF16, DType::kBF16},
+                                {"H32 T777 none -> f32", 32, 777, DType::kNone, DType::kF32},
+                                {"H24 T4099 f32 -> none", 24, 4099, DType::kF32, DType::kNone},
+                                {"H32 T512 none -> none", 32, 512, DType::kNone, DType::kNone}};
+    for (const Pipelined& sh : shapes) {
+      CaseOptions o = cuda_options(sh.heads, ++seed);
+      o.seq_len = sh.len;
+      o.gate = GateMode::kLowerBound;
+      o.initial_state_dtype = sh.in;
+      o.final_state_dtype = sh.out;
+      add(std::string("pipelined: ") + sh.name, o);
+    }
+    CaseOptions o = cuda_options(32, ++seed);
+    o.lengths = {1500};
+    o.cu_seqlens_dtype = DType::kI32;
+    o.gate = GateMode::kLowerBound;
+    add("pipelined: H32 varlen 1500 (int32 cu_seqlens)", o);
   }
   // Every state combination.
   seed = 400;
@@ -542,10 +583,14 @@ const std::vector<RepeatCase>& repeat_cases() {
     cpu.seed = 101;
     CaseOptions cuda = cuda_options(32, 600);
     cuda.lengths = {1000, 3, 0, 517, 2048};
+    CaseOptions pipelined = cuda_options(32, 601);  // prefill.cu's pipelined path (H200)
+    pipelined.seq_len = 2000;
+    pipelined.gate = GateMode::kLowerBound;
     return std::vector<RepeatCase>{
         {"varlen H3 K=V=32", cpu, kOnCpu},
         {"varlen H32 1000,3,0,517,2048", cuda, kOnCuda},
-        {"split sequences H4 5000,300", cuda_varlen(4, {5000, 300}, DType::kF32, 501), kOnCuda}};
+        {"split sequences H4 5000,300", cuda_varlen(4, {5000, 300}, DType::kF32, 501), kOnCuda},
+        {"pipelined H32 T2000", pipelined, kOnCuda}};
   }();
   return cases;
 }

@@ -443,8 +443,9 @@ TEST_CASE("workspace_size: CPU and CUDA formulas / errors") {
   REQUIRE(workspace_size(f.p, Backend::kCpu, &cpu).ok());
   CHECK(cpu > 0);
   REQUIRE(workspace_size(f.p, Backend::kCuda, &cuda).ok());
-  // CUDA: (ceil(T_total / 16) + N) * H records of 18,688 bytes, plus 256 bytes of alignment slack.
-  CHECK(cuda == (1 + 2) * 2 * 18688 + 256);
+  // CUDA: (ceil(T_total / 16) + N) * H records of 18,688 bytes and as many 4-byte ready flags,
+  // plus 256 bytes of alignment slack.
+  CHECK(cuda == (1 + 2) * 2 * (18688 + 4) + 256);
   // Depends on sizes only, grows with tokens on CUDA, never with tokens on the CPU.
   Problem longer = f.p;
   longer.seq_len = 1000;

@@ -52,6 +52,15 @@ float scan_step_ratio() {
   return ratio;
 }
 
+// The pipelined prefill (PERFORMANCE-NOTES.md v19): KDA_PREFILL_PIPELINE=0 turns it off.
+bool pipeline_enabled() {
+  static const bool on = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
+  return on;
+}
+// Shortest sequence (in chunks) worth pipelining: below it the recurrence is too short to hide
+// the prepare kernel behind.
+constexpr std::int64_t kMinPipelineChunks = 32;
+
 // Fewest segments (over all sequences) worth a split: below this the second pass, the scan and
 // pass 1's doubled columns eat the gain (H200: H = 32, 8k tokens, 4 segments took 0.64 ms against
 // 0.58 unsplit), unless the sequence is long enough for the fixed costs to vanish (H = 32, 32k
@@ -135,6 +144,19 @@ class PrefillLaunch {
                                                           ChunkRecord::kBytes)
             : nullptr;
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
+    // Pipelined (v19): one unsplit sequence whose 32-column recurrence blocks (four per head)
+    // leave every SM room for the persistent prepare grid beside them, which feeds them chunk by
+    // chunk. Measured faster only there (H200: h32-1seq 0.92x); the softplus gate's prepare is
+    // slower and its twin lost 1 %; 64-column blocks (h64-1seq) lost 38 %.
+    pipelined_ = !plan_.split && pipeline_enabled() && N_ == 1 && p.gate == GateMode::kLowerBound &&
+                 4 * static_cast<std::int64_t>(p.num_heads) <= sms_ && T_ >= kMinPipelineChunks * C;
+    if (pipelined_) {
+      std::uint64_t flags_at = 0;
+      cuda_prefill_flags_offset(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),
+                                static_cast<std::uint64_t>(p.num_heads), &flags_at);
+      prm_.ready = reinterpret_cast<std::uint32_t*>(prm_.records + flags_at);
+      shape_ = RecurrenceShape::kCols32;
+    }
     return Status::Ok();
   }
 
@@ -163,6 +185,18 @@ class PrefillLaunch {
 
   Status run(cudaStream_t stream) const {
     if (N_ == 0) return Status::Ok();
+    if (pipelined_) {
+      KDA_NVTX_RANGE("kda.prefill.pipelined");
+      const std::size_t flag_bytes = static_cast<std::size_t>(chunk_slots_) *
+                                     static_cast<std::size_t>(prm_.num_heads) * kReadyFlagBytes;
+      if (const cudaError_t err = cudaMemsetAsync(prm_.ready, 0, flag_bytes, stream);
+          err != cudaSuccess) {
+        return cuda_status(err, "cudaMemsetAsync(ready flags)");
+      }
+      Status st = launch_prepare(prm_, chunk_slots_, stream);
+      if (!st.ok()) return st;
+      return launch_recurrence(prm_, RecurrencePass::kPipelined, false, shape_, N_, D, stream);
+    }
     if (T_ > 0) {
       KDA_NVTX_RANGE("kda.prefill.prepare");
       Status st = launch_prepare(prm_, chunk_slots_, stream);
@@ -258,6 +292,7 @@ class PrefillLaunch {
   int sms_ = 1;
   RecurrenceShape shape_ = RecurrenceShape::kCols128;
   bool transition_ = false;
+  bool pipelined_ = false;
 };
 
 }  // namespace

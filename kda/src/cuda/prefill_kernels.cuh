@@ -69,6 +69,9 @@ struct PrefillParams {
   // and H^T [V, K] per pair (RecurrencePass::kTransition only).
   float* transition_p;
   float* transition_h;
+  // The pipelined prefill (prefill.cu): one flag per (chunk slot, head), set by the prepare kernel
+  // once the record is in memory; null otherwise (the recurrence then runs after the prepare).
+  std::uint32_t* ready;
 };
 
 // seg_chunks of a plan that does not split: one segment holds any sequence, and seg_slot == s.
@@ -127,6 +130,8 @@ enum class RecurrencePass : int {
   kFirst = 0,       // segment 0 from the true initial state (outputs); middle segments' (H_j, P_j)
   kSecond = 1,      // segments 1.. from the scanned initial states (outputs, final state)
   kTransition = 2,  // every sequence as one transition (H, P) into transition_h / transition_p
+  kPipelined = 3,   // kFirst without a split, beside the prepare kernel: waits for each record's
+                    // ready flag (PrefillParams::ready) and grows its state unit chunk by chunk
 };
 
 __device__ __forceinline__ float* seg_block(const PrefillParams& p, std::int64_t seg_slot, int h) {
@@ -141,6 +146,11 @@ __device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::i
 }
 
 // Launchers (asynchronous on `stream`; each reports its own launch error).
+// With prm.ready, the prepare kernel runs as a persistent grid of kPrepPipelinedBlocksPerSm blocks
+// per SM (room for a recurrence block beside them) taking (slot, head) items slot by slot, and
+// lets the recurrence, launched next as RecurrencePass::kPipelined, start at once (programmatic
+// dependent launch).
+inline constexpr int kPrepPipelinedBlocksPerSm = 3;
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream);
 // Recurrence block shapes: the V columns a block carries, its warps, and the 16-column m-tiles per
 // warp. Two m-tiles a warp share every fragment the warp loads from the stage (W, Q~, K^, M) and

@@ -151,16 +151,11 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
   *lo = bf16x2_remainder(x.x, x.y, *hi);
 }
 
-// GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
-template <GateMode GATE>
-__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
-    kda_prepare_kernel(const PrefillParams p) {
-  extern __shared__ __align__(16) unsigned char prep_smem_raw[];
-  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
-  // 228 KB of shared memory per SM, 1 KB of it reserved per block
-  static_assert(kPrepBlocksPerSm * (sizeof(PrepSmem) + 1024) <= 228 * 1024, "blocks per SM");
-  const std::int64_t slot = blockIdx.x;
-  const int h = blockIdx.y;
+// One (chunk slot, head) item. GATE: p.gate as a template argument, so that the gate's
+// per-element code has no branch.
+template <GateMode GATE, bool PIPELINED>
+__device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& sm,
+                                             const std::int64_t slot, const int h) {
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
@@ -182,7 +177,15 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
   p.seqs.bounds(s, &bos, &eos);
   const std::int64_t j = slot - (s + bos / C);
   const std::int64_t nchunks = (eos - bos + C - 1) / C;
-  if (j < 0 || j >= nchunks) return;  // a gap slot: no chunk lives here
+  if (j < 0 || j >= nchunks) {  // a gap slot: no chunk lives here
+    // Pipelined: its flag is set all the same, so that no recurrence block can wait for it forever
+    // (with broken cu_seqlens on the device the two kernels' owner searches may disagree; the
+    // status word reports those, the outputs are then unspecified).
+    if constexpr (PIPELINED) {
+      if (tid == 0) store_release_gpu(&p.ready[slot * p.num_heads + h], 1u);
+    }
+    return;
+  }
   const std::int64_t tok0 = bos + j * C;
   const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
 
@@ -597,7 +600,13 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
   // 7. The tiles go out by the copy engine: every writer fences its shared-memory stores against
   //    the async proxy, then one thread issues the bulk stores and waits for them before the
   //    block ends.
-  fence_proxy_async();
+  // Pipelined: the fence covers the generic global stores too (g_last's factors, U0's scales),
+  // which the flag publishes along with the bulk stores.
+  if constexpr (PIPELINED) {
+    fence_proxy_async_all();
+  } else {
+    fence_proxy_async();
+  }
   __syncthreads();
   if (tid == 0) {
     constexpr unsigned kTile = static_cast<unsigned>(ChunkRecord::kTileBytes);
@@ -611,15 +620,53 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
     bulk_commit_and_wait_read();
+    if constexpr (PIPELINED) {
+      // The record (its tiles by the copy engine, the scales by plain stores before the barrier
+      // above) is in memory before the flag says so.
+      bulk_wait_all();
+      fence_proxy_async_global();
+      store_release_gpu(&p.ready[slot * H + h], 1u);
+      // This block takes another item: its input barriers start afresh.
+      mbarrier_inval(&sm.qkg_ready);
+      mbarrier_inval(&sm.v_ready);
+    }
+  }
+}
+
+// PIPELINED: a persistent grid over the items (prm.ready set), else one block per item.
+template <GateMode GATE, bool PIPELINED>
+__global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
+    kda_prepare_kernel(const PrefillParams p) {
+  extern __shared__ __align__(16) unsigned char prep_smem_raw[];
+  PrepSmem& sm = *reinterpret_cast<PrepSmem*>(prep_smem_raw);
+  // 228 KB of shared memory per SM, 1 KB of it reserved per block
+  static_assert(kPrepBlocksPerSm * (sizeof(PrepSmem) + 1024) <= 228 * 1024, "blocks per SM");
+  static_assert(kPrepPipelinedBlocksPerSm <= kPrepBlocksPerSm, "the persistent grid is resident");
+  if constexpr (!PIPELINED) {
+    prepare_item<GATE, false>(p, sm, blockIdx.x, static_cast<int>(blockIdx.y));
+    return;
+  }
+  // Pipelined: a resident grid; the recurrence may start now (it waits for each record's flag).
+  // Items slot by slot, the heads of a slot side by side, so that every head's chunks become
+  // ready in order as the recurrence consumes them.
+  griddep_launch_dependents();
+  const std::int64_t H = p.num_heads, items = p.num_slots * H;
+  for (std::int64_t w = blockIdx.x; w < items; w += gridDim.x) {
+    prepare_item<GATE, true>(p, sm, w / H, static_cast<int>(w % H));
+    __syncthreads();  // the item's shared memory (read by its bulk stores) before the next one's
   }
 }
 
 }  // namespace
 
 Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream) {
-  void (*kernel)(PrefillParams) = prm.gate == GateMode::kLowerBound
-                                      ? kda_prepare_kernel<GateMode::kLowerBound>
-                                      : kda_prepare_kernel<GateMode::kSoftplus>;
+  const bool pipelined = prm.ready != nullptr;
+  void (*kernel)(PrefillParams) =
+      prm.gate == GateMode::kLowerBound
+          ? (pipelined ? kda_prepare_kernel<GateMode::kLowerBound, true>
+                       : kda_prepare_kernel<GateMode::kLowerBound, false>)
+          : (pipelined ? kda_prepare_kernel<GateMode::kSoftplus, true>
+                       : kda_prepare_kernel<GateMode::kSoftplus, false>);
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(sizeof(PrepSmem)));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
@@ -629,6 +676,12 @@ Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaSt
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
+  if (pipelined) {
+    const std::int64_t items = chunk_slots * prm.num_heads;
+    const std::int64_t grid =
+        static_cast<std::int64_t>(kPrepPipelinedBlocksPerSm) * current_device_sm_count();
+    cfg.gridDim = dim3(static_cast<unsigned>(items < grid ? items : grid));
+  }
   cfg.blockDim = dim3(kPrepThreads);
   cfg.dynamicSmemBytes = sizeof(PrepSmem);
   cfg.stream = stream;

@@ -77,14 +77,22 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
 // MT: m-tiles (16 columns each) per warp. Two m-tiles share every B fragment a warp loads from the
 // stage (W, Q~, K^, M) and the decay factors, which halves the block's shared-memory traffic per
 // column: that traffic, ~70 % of the shared-memory bandwidth at one m-tile, bounds the kernel.
+// Threads of a block: the pipelined pass adds a feeder warp (below).
+template <int WARPS, RecurrencePass PASS>
+constexpr int recurrence_threads() {
+  return (WARPS + (PASS == RecurrencePass::kPipelined ? 1 : 0)) * 32;
+}
+
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
-__global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
+    kda_recurrence_kernel(const PrefillParams p) {
   constexpr int VB = WARPS * 16 * MT;  // columns per block
   extern __shared__ __align__(16) unsigned char smem_raw[];
   StageSmem* stages = reinterpret_cast<StageSmem*>(smem_raw);
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
                                                          C * (VB + 8) * sizeof(bf16));
+  std::uint64_t* empty = full + kStages;  // pipelined: a stage's chunk is done (feeder may refill)
 
   const std::int64_t seg_slot = blockIdx.x;
   const int h = blockIdx.y;
@@ -104,6 +112,12 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   const bool last = j == nseg - 1;
   // What this block does: see RecurrencePass.
   constexpr bool kAllTransitions = PASS == RecurrencePass::kTransition;
+  constexpr bool kPipelined = PASS == RecurrencePass::kPipelined;  // kFirst's work, no split
+  static_assert(!(kPipelined && SPLIT), "the pipelined pass does not split");
+  // Pipelined: warp WARPS is the feeder. It waits for each record's ready flag and issues its copy,
+  // so that the flag's round trip to L2 stays off the chain (on warp 0, the first version lost
+  // ~1.8 us a chunk to it: H200, h32-1seq 0.79 ms against 0.32). It owns no columns.
+  const bool feeder = kPipelined && warp == WARPS;
   const bool transition = kAllTransitions || (SPLIT && PASS == RecurrencePass::kFirst && j > 0);
   if (PASS == RecurrencePass::kFirst && j > 0 && last) return;  // the last one runs in kSecond
   if (PASS == RecurrencePass::kSecond && j == 0) return;        // segment 0 ran in kFirst
@@ -136,7 +150,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         const int col = 8 * n + 2 * tq;
         const std::int64_t off = state_base + static_cast<std::int64_t>(row) * D + col;
         float x0 = 0.f, x1 = 0.f;
-        if (PASS == RecurrencePass::kSecond) {
+        if (feeder) {
+          // no columns
+        } else if (PASS == RecurrencePass::kSecond) {
           const float2 t2 =
               *reinterpret_cast<const float2*>(seg_in + static_cast<std::int64_t>(row) * D + col);
           x0 = t2.x;
@@ -194,8 +210,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
         }
       }
     }
+    // Pipelined: the records are not all written yet; the unit grows during the loop instead.
 #pragma unroll 4
-    for (std::int64_t c = tid; c < nfetch; c += WARPS * 32) {
+    for (std::int64_t c = kPipelined ? nfetch : tid; c < nfetch; c += WARPS * 32) {
       const float4 sc = *reinterpret_cast<const float4*>(record_ptr(p, slot0 + c_begin + c, h) +
                                                          ChunkRecord::kScales);
       mx = fmaxf(mx, fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
@@ -206,16 +223,25 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
+    if constexpr (kPipelined) {
+#pragma unroll
+      for (int i = 0; i < kStages; ++i) mbarrier_init(&empty[i], 1);
+    }
   }
   __syncthreads();  // the barriers are initialized before anyone uses them; block_max is complete
   float unit_inv, unit;  // 2^-E, 2^E
+  int unit_exp;          // E
   {
     unsigned m = 0;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) m = m > block_max[w] ? m : block_max[w];
-    const int e = identity_cols ? 0 : scale_exponent(__uint_as_float(m));
-    unit_inv = pow2f(-e);
-    unit = pow2f(e);
+    // Pipelined without an initial state: the unit starts at its least, the chunks raise it (at
+    // 2^0 small values would lose U's bits to fp16's subnormals where main's E would not).
+    unit_exp = identity_cols                             ? 0
+               : kPipelined && __uint_as_float(m) == 0.f ? -kMaxScaleExp
+                                                         : scale_exponent(__uint_as_float(m));
+    unit_inv = pow2f(-unit_exp);
+    unit = pow2f(unit_exp);
   }
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -225,7 +251,39 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       for (int r = 0; r < 4; ++r) acc[mt][n][r] *= unit_inv;
     }
   }
-  if (tid == 0) {
+  if constexpr (kPipelined) {
+    if (feeder) {
+      // Every chunk in order: its record ready (the prepare kernel's flag), its stage free (the
+      // consumers arrive on `empty` once past the chunk that used it), then the copy. The flags
+      // are polled 32 chunks at a time, a lane each, so that one round trip to L2 covers up to 32
+      // chunks (one flag per chunk held the feeder to ~1.6 us a chunk: H200, 0.41 ms at h32-1seq
+      // where the consumers need 0.32).
+      std::int64_t ready_end = 0;  // chunks [0, ready_end) are known ready
+      for (std::int64_t n = 0; n < nfetch; ++n) {
+        if (n == ready_end) {
+          for (;;) {
+            const std::int64_t m = n + lane;
+            const bool ok =
+                m >= nfetch || load_acquire_gpu(p.ready + (slot0 + c_begin + m) * H + h);
+            const unsigned ready = __ballot_sync(0xffffffffu, ok);
+            if (ready & 1u) {  // chunks n .. n + run - 1 are ready
+              ready_end = n + (ready == 0xffffffffu ? 32 : __ffs(~ready) - 1);
+              break;
+            }
+            __nanosleep(64);
+          }
+          __syncwarp();                               // every lane's acquire before lane 0's copies
+          if (lane == 0) fence_proxy_async_global();  // the flags before the copy engine's reads
+        }
+        if (lane == 0) {
+          const int st = static_cast<int>(n % kStages);
+          if (n >= kStages) mbarrier_wait(&empty[st], static_cast<unsigned>((n / kStages - 1) & 1));
+          load_stage_bulk(stages[st], record_ptr(p, slot0 + c_begin + n, h), &full[st]);
+        }
+      }
+      return;  // the consumers' barriers below are named ones that leave this warp out
+    }
+  } else if (tid == 0) {
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
       if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c_begin + c, h), &full[c]);
@@ -239,8 +297,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     constexpr bool y_pair = decltype(y_pair_tag)::value;
     // This barrier is the only one a chunk step: past it every warp is done with chunk c - 1, so
     // its stage can be refilled, and has read its columns of `so` for the stores of c - 1.
-    __syncthreads();
-    if (tid == 0) {
+    if constexpr (kPipelined) {
+      named_barrier_sync(1, WARPS * 32);  // the consumers only
+      if (tid == 0 && c > 0) mbarrier_arrive(&empty[(c - 1) % kStages]);
+    } else {
+      __syncthreads();
+    }
+    if (!kPipelined && tid == 0) {
       const std::int64_t nc = c + kStages - 1;
       if (nc < nfetch) {
         load_stage_bulk(stages[nc % kStages], record_ptr(p, slot0 + c_begin + nc, h),
@@ -249,6 +312,28 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
     }
     mbarrier_wait(&full[c % kStages], static_cast<unsigned>((c / kStages) & 1));
     const StageSmem& st = stages[c % kStages];
+    if (kPipelined && !identity_cols) {
+      // Pipelined: the unit grows to this chunk's U0 scales before anything uses it (the state
+      // rescaled by a power of two, in two steps so that a factor below 2^-100 stays exact).
+      const float4 sc = *reinterpret_cast<const float4*>(
+          reinterpret_cast<const unsigned char*>(&st) + ChunkRecord::kScales);
+      const int e = scale_exponent(fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
+      if (e > unit_exp) {  // block-uniform: every warp reads the same scales
+        const int d = unit_exp - e;
+        const float f1 = pow2f(d / 2), f2 = pow2f(d - d / 2);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int n = 0; n < 16; ++n) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[mt][n][r] = acc[mt][n][r] * f1 * f2;
+          }
+        }
+        unit_exp = e;
+        unit_inv = pow2f(-e);
+        unit = pow2f(e);
+      }
+    }
 
     // The chain that carries the state from chunk to chunk is X -> U -> S; Y hangs off the old
     // state. With one m-tile, Y is issued after the state update (it fills the update's latency)
@@ -469,12 +554,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) kda_recurrence_kernel(const Pre
       }
     }
   }
+  // Pipelined: this grid ends after the prepare kernel it overlapped (a programmatic dependent
+  // of the recurrence may rely on both being complete, and on the status bits both report).
+  if constexpr (kPipelined) griddep_wait();
 }
 
 template <int WARPS, int MT>
 constexpr std::size_t recurrence_smem_bytes() {
   return kStages * sizeof(StageSmem) + C * (WARPS * 16 * MT + 8) * sizeof(bf16) +
-         kStages * sizeof(std::uint64_t);
+         2 * kStages * sizeof(std::uint64_t);  // full (and the pipelined pass's empty) barriers
 }
 
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
@@ -487,9 +575,17 @@ Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaSt
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(prm.num_heads),
                      static_cast<unsigned>(columns / (WARPS * 16 * MT)));
-  cfg.blockDim = dim3(WARPS * 32);
+  cfg.blockDim = dim3(recurrence_threads<WARPS, PASS>());
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
+  // Pipelined: may start while the prepare kernel before it runs (it waits on the ready flags).
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  if constexpr (PASS == RecurrencePass::kPipelined) {
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
   return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>, prm),
                      "kda_recurrence_kernel");
 }
@@ -510,6 +606,12 @@ Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, st
       }
     case RecurrencePass::kTransition:
       return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, columns, stream);
+    case RecurrencePass::kPipelined:
+      if constexpr (MT == 1) {  // the launcher pipelines 32- and 64-column blocks only
+        return launch<WARPS, MT, RecurrencePass::kPipelined, false>(prm, grid_x, columns, stream);
+      } else {
+        return Status(StatusCode::kInternal, "the paired recurrence shape is not pipelined");
+      }
   }
   return Status(StatusCode::kInternal, "unknown recurrence pass");
 }

@@ -52,6 +52,53 @@ __device__ __forceinline__ void bulk_commit_and_wait_read() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
+// Invalidates an mbarrier whose phases are all complete, so that it may be initialized again.
+__device__ __forceinline__ void mbarrier_inval(std::uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits until this thread's committed bulk stores have completed (their global writes performed).
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Orders this thread's async-proxy (copy engine) global accesses with its generic ones.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// A flag between blocks of different grids: release store / acquire load at GPU scope.
+__device__ __forceinline__ void store_release_gpu(std::uint32_t* flag, std::uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(v) : "memory");
+}
+__device__ __forceinline__ std::uint32_t load_acquire_gpu(const std::uint32_t* flag) {
+  std::uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+  return v;
+}
+// Programmatic dependent launch: lets the next kernel in the stream, launched with the
+// programmatic-serialization attribute, start before this grid ends.
+__device__ __forceinline__ void griddep_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+// ... and in such a dependent: waits until the grids it depends on have completed and their
+// memory operations are visible.
+__device__ __forceinline__ void griddep_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+// Orders this thread's earlier generic accesses, in every state space, before later async-proxy
+// (copy engine) accesses.
+__device__ __forceinline__ void fence_proxy_async_all() {
+  asm volatile("fence.proxy.async;\n" ::: "memory");
+}
+
+// Arrives once on `bar` (release at CTA scope: this thread's earlier accesses happen before the
+// phase completes for its waiters).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Barrier `id` (1-15; 0 is __syncthreads') over `threads` threads, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Waits until the phase with parity `parity` of the mbarrier has completed.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   asm volatile(
