@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
       mx = fmaxf(mx, fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
     }
     const unsigned wmax = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
-    if (lane == 0) block_max[warp] = wmax;
+    if (lane == 0 && !feeder) block_max[warp] = wmax;
   }
   if (tid == 0) {
 #pragma unroll
@@ -229,29 +229,9 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     }
   }
   __syncthreads();  // the barriers are initialized before anyone uses them; block_max is complete
-  float unit_inv, unit;  // 2^-E, 2^E
-  int unit_exp;          // E
-  {
-    unsigned m = 0;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) m = m > block_max[w] ? m : block_max[w];
-    // Pipelined without an initial state: the unit starts at its least, the chunks raise it (at
-    // 2^0 small values would lose U's bits to fp16's subnormals where main's E would not).
-    unit_exp = identity_cols                             ? 0
-               : kPipelined && __uint_as_float(m) == 0.f ? -kMaxScaleExp
-                                                         : scale_exponent(__uint_as_float(m));
-    unit_inv = pow2f(-unit_exp);
-    unit = pow2f(unit_exp);
-  }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-    for (int n = 0; n < 16; ++n) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mt][n][r] *= unit_inv;
-    }
-  }
   if constexpr (kPipelined) {
+    // The feeder leaves before the unit (it reads nothing of `so`, whose first row the warps'
+    // maxima share with warp 0's output columns: the consumers' barriers do not order it).
     if (feeder) {
       // Every chunk in order: its record ready (the prepare kernel's flag), its stage free (the
       // consumers arrive on `empty` once past the chunk that used it), then the copy. The flags
@@ -283,7 +263,30 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
       }
       return;  // the consumers' barriers below are named ones that leave this warp out
     }
-  } else if (tid == 0) {
+  }
+  float unit_inv, unit;  // 2^-E, 2^E
+  int unit_exp;          // E
+  {
+    unsigned m = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) m = m > block_max[w] ? m : block_max[w];
+    // Pipelined without an initial state: the unit starts at its least, the chunks raise it (at
+    // 2^0 small values would lose U's bits to fp16's subnormals where main's E would not).
+    unit_exp = identity_cols                             ? 0
+               : kPipelined && __uint_as_float(m) == 0.f ? -kMaxScaleExp
+                                                         : scale_exponent(__uint_as_float(m));
+    unit_inv = pow2f(-unit_exp);
+    unit = pow2f(unit_exp);
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][n][r] *= unit_inv;
+    }
+  }
+  if (!kPipelined && tid == 0) {
 #pragma unroll
     for (int c = 0; c < kStages - 1; ++c) {
       if (c < nfetch) load_stage_bulk(stages[c], record_ptr(p, slot0 + c_begin + c, h), &full[c]);
