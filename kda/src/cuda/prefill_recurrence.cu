@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
                                                          C * (VB + 8) * sizeof(bf16));
-  std::uint64_t* empty = full + kStages;  // pipelined: a stage's chunk is done (feeder may refill)
+  std::uint64_t* empty = full + kStages;  // pipelined: every consumer is done with a stage's chunk
 
   const std::int64_t seg_slot = blockIdx.x;
   const int h = blockIdx.y;
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
     if constexpr (kPipelined) {
 #pragma unroll
-      for (int i = 0; i < kStages; ++i) mbarrier_init(&empty[i], 1);
+      for (int i = 0; i < kStages; ++i) mbarrier_init(&empty[i], WARPS * 32);
     }
   }
   __syncthreads();  // the barriers are initialized before anyone uses them; block_max is complete
@@ -301,8 +301,11 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     // This barrier is the only one a chunk step: past it every warp is done with chunk c - 1, so
     // its stage can be refilled, and has read its columns of `so` for the stores of c - 1.
     if constexpr (kPipelined) {
+      // Every consumer thread releases chunk c - 1's stage itself (an arrival releases only the
+      // arriving thread's accesses for racecheck, which reported the stage's refill against the
+      // other warps' reads when thread 0 arrived for all after the barrier).
+      if (c > 0) mbarrier_arrive(&empty[(c - 1) % kStages]);
       named_barrier_sync(1, WARPS * 32);  // the consumers only
-      if (tid == 0 && c > 0) mbarrier_arrive(&empty[(c - 1) % kStages]);
     } else {
       __syncthreads();
     }
