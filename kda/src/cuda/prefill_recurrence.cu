@@ -11,12 +11,7 @@
 namespace kda::detail {
 namespace {
 
-constexpr int kStages = 5;
-// The pipelined pass's named barriers: 1 the consumers' step barrier, kStageBarrier0 + s stage s's
-// hand-off from the consumers (arrive) to the feeder warp (sync); 0 is __syncthreads'.
-constexpr int kStageBarrier0 = 2;
-static_assert(kStageBarrier0 + kStages <= 16,
-              "named barriers");  // deep enough to cover DRAM latency with one or two blocks per SM
+constexpr int kStages = 5;  // deep enough to cover DRAM latency with one or two blocks per SM
 
 // A stage is the byte image of a chunk record (workspace_layout.hpp).
 struct StageSmem {
@@ -97,6 +92,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   bf16(*so)[VB + 8] = reinterpret_cast<bf16(*)[VB + 8]>(smem_raw + kStages * sizeof(StageSmem));
   std::uint64_t* full = reinterpret_cast<std::uint64_t*>(smem_raw + kStages * sizeof(StageSmem) +
                                                          C * (VB + 8) * sizeof(bf16));
+  std::uint64_t* empty = full + kStages;  // pipelined: every consumer is done with a stage's chunk
 
   const std::int64_t seg_slot = blockIdx.x;
   const int h = blockIdx.y;
@@ -227,6 +223,10 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kStages; ++i) mbarrier_init(&full[i], 1);
+    if constexpr (kPipelined) {
+#pragma unroll
+      for (int i = 0; i < kStages; ++i) mbarrier_init(&empty[i], WARPS * 32);
+    }
   }
   __syncthreads();  // the barriers are initialized before anyone uses them; block_max is complete
   if constexpr (kPipelined) {
@@ -234,10 +234,10 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     // maxima share with warp 0's output columns: the consumers' barriers do not order it).
     if (feeder) {
       // Every chunk in order: its record ready (the prepare kernel's flag), its stage free (the
-      // consumers arrive on the stage's barrier once past the chunk that used it), then the copy.
-      // The flags are polled 32 chunks at a time, a lane each, so that one round trip to L2 covers
-      // up to 32 chunks (one flag per chunk held the feeder to ~1.6 us a chunk: H200, 0.41 ms at
-      // h32-1seq where the consumers need 0.32).
+      // consumers arrive on `empty` once past the chunk that used it), then the copy. The flags
+      // are polled 32 chunks at a time, a lane each, so that one round trip to L2 covers up to 32
+      // chunks (one flag per chunk held the feeder to ~1.6 us a chunk: H200, 0.41 ms at h32-1seq
+      // where the consumers need 0.32).
       std::int64_t ready_end = 0;  // chunks [0, ready_end) are known ready
       for (std::int64_t n = 0; n < nfetch; ++n) {
         if (n == ready_end) {
@@ -255,12 +255,16 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
           __syncwarp();                               // every lane's acquire before lane 0's copies
           if (lane == 0) fence_proxy_async_global();  // the flags before the copy engine's reads
         }
-        const int st = static_cast<int>(n % kStages);
-        // The stage's last chunk (n - kStages) is done: every consumer has arrived on the stage's
-        // named barrier (a barrier, not an mbarrier: racecheck took the mbarrier hand-off's
-        // refills for races with the consumers' reads and with the stage's previous copy).
-        if (n >= kStages) named_barrier_sync(kStageBarrier0 + st, (WARPS + 1) * 32);
         if (lane == 0) {
+          const int st = static_cast<int>(n % kStages);
+          if (n >= kStages) {
+            // The stage's last chunk (n - kStages) is done: every consumer has released it. Its
+            // copy's completion, long past, is observed here too, so that racecheck orders this
+            // thread's two copies into the stage (it reported them as a write-write race).
+            const unsigned parity = static_cast<unsigned>((n / kStages - 1) & 1);
+            mbarrier_wait(&empty[st], parity);
+            mbarrier_wait(&full[st], parity);
+          }
           load_stage_bulk(stages[st], record_ptr(p, slot0 + c_begin + n, h), &full[st]);
         }
       }
@@ -304,13 +308,10 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     // This barrier is the only one a chunk step: past it every warp is done with chunk c - 1, so
     // its stage can be refilled, and has read its columns of `so` for the stores of c - 1.
     if constexpr (kPipelined) {
-      // Chunk c - 1's stage goes back to the feeder (only where it will refill it, so that every
-      // barrier generation completes: an arrival here meets the feeder's sync for chunk
-      // c - 1 + kStages, and no second one can come before it, the consumers needing that chunk).
-      if (c > 0 && c - 1 + kStages < nfetch) {
-        named_barrier_arrive(kStageBarrier0 + static_cast<int>((c - 1) % kStages),
-                             (WARPS + 1) * 32);
-      }
+      // Every consumer thread releases chunk c - 1's stage itself (an arrival releases only the
+      // arriving thread's accesses for racecheck, which reported the stage's refill against the
+      // other warps' reads when thread 0 arrived for all after the barrier).
+      if (c > 0) mbarrier_arrive(&empty[(c - 1) % kStages]);
       named_barrier_sync(1, WARPS * 32);  // the consumers only
     } else {
       __syncthreads();
@@ -574,7 +575,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
 template <int WARPS, int MT>
 constexpr std::size_t recurrence_smem_bytes() {
   return kStages * sizeof(StageSmem) + C * (WARPS * 16 * MT + 8) * sizeof(bf16) +
-         kStages * sizeof(std::uint64_t);
+         2 * kStages * sizeof(std::uint64_t);  // full (and the pipelined pass's empty) barriers
 }
 
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>

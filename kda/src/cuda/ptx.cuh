@@ -89,10 +89,10 @@ __device__ __forceinline__ void fence_proxy_async_all() {
   asm volatile("fence.proxy.async;\n" ::: "memory");
 }
 
-// Arrives on barrier `id` without waiting (the producer side of a producer-consumer hand-off whose
-// consumer calls named_barrier_sync with the same count).
-__device__ __forceinline__ void named_barrier_arrive(unsigned id, unsigned threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+// Arrives once on `bar` (release at CTA scope: this thread's earlier accesses happen before the
+// phase completes for its waiters).
+__device__ __forceinline__ void mbarrier_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 // Barrier `id` (1-15; 0 is __syncthreads') over `threads` threads, a multiple of 32.
 __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads) {
