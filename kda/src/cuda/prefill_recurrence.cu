@@ -257,14 +257,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         }
         if (lane == 0) {
           const int st = static_cast<int>(n % kStages);
-          if (n >= kStages) {
-            // The stage's last chunk (n - kStages) is done: every consumer has released it. Its
-            // copy's completion, long past, is observed here too, so that racecheck orders this
-            // thread's two copies into the stage (it reported them as a write-write race).
-            const unsigned parity = static_cast<unsigned>((n / kStages - 1) & 1);
-            mbarrier_wait(&empty[st], parity);
-            mbarrier_wait(&full[st], parity);
-          }
+          if (n >= kStages) mbarrier_wait(&empty[st], static_cast<unsigned>((n / kStages - 1) & 1));
           load_stage_bulk(stages[st], record_ptr(p, slot0 + c_begin + n, h), &full[st]);
         }
       }
