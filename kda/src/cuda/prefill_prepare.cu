@@ -151,11 +151,17 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
   *lo = bf16x2_remainder(x.x, x.y, *hi);
 }
 
-// One (chunk slot, head) item. GATE: p.gate as a template argument, so that the gate's
-// per-element code has no branch.
+// One (chunk slot, head) item; false for a gap slot (no chunk, the input barriers untouched).
+// GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
+// PIPELINED: the block's input barriers were initialized once, for 3 C and C arrivals (a padded
+// row's thread arrives without bytes), and `phase` is this item's parity on them: re-initializing
+// them per item (after mbarrier.inval) left racecheck reporting the next item's q, k, g copies
+// against the last one's v copy into q's tile as write-write races (H200). Otherwise they are
+// initialized here for this item's rows and `phase` is 0.
 template <GateMode GATE, bool PIPELINED>
-__device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& sm,
-                                             const std::int64_t slot, const int h) {
+__device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& sm,
+                                             const std::int64_t slot, const int h,
+                                             const unsigned phase = 0) {
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
@@ -184,7 +190,7 @@ __device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& s
     if constexpr (PIPELINED) {
       if (tid == 0) store_release_gpu(&p.ready[slot * p.num_heads + h], 1u);
     }
-    return;
+    return false;
   }
   const std::int64_t tok0 = bos + j * C;
   const int nvalid = static_cast<int>(eos - tok0 < C ? eos - tok0 : C);
@@ -201,14 +207,17 @@ __device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& s
       uint4* z = reinterpret_cast<uint4*>(&dst[row][0]);
 #pragma unroll
       for (int i = 0; i < D / 8; ++i) z[i] = make_uint4(0, 0, 0, 0);
+      if constexpr (PIPELINED) mbarrier_arrive(ready);
     }
   };
   {
-    if (tid == 0) {
-      mbarrier_init(&sm.qkg_ready, static_cast<unsigned>(3 * nvalid));
-      mbarrier_init(&sm.v_ready, static_cast<unsigned>(nvalid));
+    if constexpr (!PIPELINED) {
+      if (tid == 0) {
+        mbarrier_init(&sm.qkg_ready, static_cast<unsigned>(3 * nvalid));
+        mbarrier_init(&sm.v_ready, static_cast<unsigned>(nvalid));
+      }
+      __syncthreads();  // the barriers are initialized before anyone uses them
     }
-    __syncthreads();  // the barriers are initialized before anyone uses them
     if (tid < 3 * C) {
       const int tensor = tid / C;
       bf16(*dst)[kRowPad] = tensor == 0 ? sm.q : tensor == 1 ? sm.k : sm.g;
@@ -218,7 +227,7 @@ __device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& s
     if (tid < C)
       sm.beta[tid] =
           tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
-    mbarrier_wait(&sm.qkg_ready, 0);
+    mbarrier_wait(&sm.qkg_ready, phase);
     __syncthreads();  // the zeroed rows and beta
   }
 
@@ -508,7 +517,7 @@ __device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& s
   }
   __syncthreads();  // T' (and v's zeroed padding rows)
 
-  mbarrier_wait(&sm.v_ready, 0);  // every thread: the copies' writes are visible to waiters
+  mbarrier_wait(&sm.v_ready, phase);  // every thread: the copies' writes are visible to waiters
 
   // 6. [W | U0] = T' [K~ | V] on the tensor cores: T' and K~ as bf16 pairs (hi hi + hi lo + lo hi),
   //    V exact in bf16 (T'_hi V + T'_lo V); warp w takes channels 32 w .. 32 w + 31 of both.
@@ -626,11 +635,9 @@ __device__ __forceinline__ void prepare_item(const PrefillParams& p, PrepSmem& s
       bulk_wait_all();
       fence_proxy_async_global();
       store_release_gpu(&p.ready[slot * H + h], 1u);
-      // This block takes another item: its input barriers start afresh.
-      mbarrier_inval(&sm.qkg_ready);
-      mbarrier_inval(&sm.v_ready);
     }
   }
+  return true;
 }
 
 // PIPELINED: a persistent grid over the items (prm.ready set), else one block per item.
@@ -650,9 +657,15 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
   // Items slot by slot, the heads of a slot side by side, so that every head's chunks become
   // ready in order as the recurrence consumes them.
   griddep_launch_dependents();
+  if (threadIdx.x == 0) {
+    mbarrier_init(&sm.qkg_ready, static_cast<unsigned>(3 * C));
+    mbarrier_init(&sm.v_ready, static_cast<unsigned>(C));
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
   const std::int64_t H = p.num_heads, items = p.num_slots * H;
+  unsigned phase = 0;
   for (std::int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-    prepare_item<GATE, true>(p, sm, w / H, static_cast<int>(w % H));
+    if (prepare_item<GATE, true>(p, sm, w / H, static_cast<int>(w % H), phase)) phase ^= 1u;
     __syncthreads();  // the item's shared memory (read by its bulk stores) before the next one's
   }
 }
