@@ -236,6 +236,30 @@ TEST_CASE("cuda prefill: broken device cu_seqlens are reported through the devic
     CHECK(rig.out.guards_intact());
     CHECK(rig.ht.guards_intact());
   }
+  SUBCASE("one sequence on the pipelined path: every broken list finishes and is reported") {
+    // H = 32, one 1,000-token sequence, bounded gate: prefill.cu pipelines it on 128 SMs or more
+    // (the recurrence waits for each chunk's ready flag; a hang here is a failure by timeout).
+    CaseOptions o = cuda_case(29);
+    o.heads = 32;
+    o.lengths = {1000};
+    o.gate = GateMode::kLowerBound;
+    const KdaCase one = make_case(o);
+    const std::vector<std::vector<std::int64_t>> lists = {
+        {600, 1000}, {0, 700}, {0, 1500}, {-5, 1000}, {0, 0}};
+    for (const auto& cu : lists) {
+      CAPTURE(cu[0]);
+      CAPTURE(cu[1]);
+      PrefillRig rig(one);
+      DeviceBuffer dcu = DeviceBuffer::from(cu);
+      Tensors t = rig.tensors();
+      t.cu_seqlens = dcu.get();
+      REQUIRE(rig.run(t).ok());
+      const Status dev = rig.device_status();
+      CHECK_MESSAGE(contains(dev, "broken cu_seqlens"), dev.to_string());
+      CHECK(rig.out.guards_intact());
+      CHECK(rig.ht.guards_intact());
+    }
+  }
   SUBCASE("valid lists leave the word at zero, int64 and int32") {
     PrefillRig rig(c);
     REQUIRE(rig.run(rig.tensors()).ok());
@@ -410,4 +434,24 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
     CHECK(all_bytes(dout, 0xFF));
     CHECK(all_bytes(pool, 0));
   }
+}
+
+TEST_CASE("cuda prefill: a pipelined forward ignores what its workspace held before (bitwise)") {
+  // The pipelined path (prefill.cu, on 128 SMs or more) zeroes its ready flags at the start of
+  // every call: a workspace full of 0xFF bytes (every flag "ready", every record garbage) must give
+  // the bits a zeroed one gives.
+  if (!gpu_or_skip()) return;
+  CaseOptions o = cuda_case(31);
+  o.heads = 32;
+  o.lengths = {1200};
+  o.gate = GateMode::kLowerBound;
+  const KdaCase c = make_case(o);
+  PrefillRig stale(c), clean(c);
+  stale.ws.fill(0xFF);
+  clean.ws.fill(0x00);
+  REQUIRE(stale.run(stale.tensors()).ok());
+  REQUIRE(clean.run(clean.tensors()).ok());
+  CHECK(stale.device_status().ok());
+  CHECK(stale.out.download<std::uint16_t>() == clean.out.download<std::uint16_t>());
+  CHECK(stale.ht.download<std::uint32_t>() == clean.ht.download<std::uint32_t>());
 }

@@ -152,8 +152,11 @@ class PrefillLaunch {
                  4 * static_cast<std::int64_t>(p.num_heads) <= sms_ && T_ >= kMinPipelineChunks * C;
     if (pipelined_) {
       std::uint64_t flags_at = 0;
-      cuda_prefill_flags_offset(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),
-                                static_cast<std::uint64_t>(p.num_heads), &flags_at);
+      if (!cuda_prefill_flags_offset(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),
+                                     static_cast<std::uint64_t>(p.num_heads), &flags_at)) {
+        // workspace_size() computed the same offsets above: unreachable unless they diverge.
+        return Status(StatusCode::kInternal, "the CUDA prefill's ready flags overflow");
+      }
       prm_.ready = reinterpret_cast<std::uint32_t*>(prm_.records + flags_at);
       shape_ = RecurrenceShape::kCols32;
     }

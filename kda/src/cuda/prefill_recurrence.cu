@@ -613,10 +613,10 @@ Status launch_pass(const PrefillParams& prm, RecurrencePass pass, bool split, st
     case RecurrencePass::kTransition:
       return launch<WARPS, MT, RecurrencePass::kTransition, false>(prm, grid_x, columns, stream);
     case RecurrencePass::kPipelined:
-      if constexpr (MT == 1) {  // the launcher pipelines 32- and 64-column blocks only
+      if constexpr (WARPS == 2 && MT == 1) {  // the launcher pipelines 32-column blocks only
         return launch<WARPS, MT, RecurrencePass::kPipelined, false>(prm, grid_x, columns, stream);
       } else {
-        return Status(StatusCode::kInternal, "the paired recurrence shape is not pipelined");
+        return Status(StatusCode::kInternal, "only 32-column recurrence blocks are pipelined");
       }
   }
   return Status(StatusCode::kInternal, "unknown recurrence pass");
