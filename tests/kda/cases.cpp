@@ -283,6 +283,17 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       o.final_state_dtype = sh.out;
       add(std::string("pipelined: ") + sh.name, o);
     }
+    // Without the up-front scan of every record's scales, the pipelined recurrence raises its
+    // unit as the chunks come: from a tiny initial state to chunk 0's large values, the state is
+    // nonzero when it is rescaled.
+    {
+      CaseOptions o = cuda_options(32, ++seed);
+      o.seq_len = 1024;
+      o.gate = GateMode::kLowerBound;
+      o.state_scale = 1e-6f;
+      o.value_scale = 3e4f;
+      add("pipelined: H32 T1024 state x 1e-6, v x 3e4", o);
+    }
     CaseOptions o = cuda_options(32, ++seed);
     o.lengths = {1500};
     o.cu_seqlens_dtype = DType::kI32;
