@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "cuda_test_util.hpp"
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
 #include "kda/kda.hpp"
 #include "kda_reference.hpp"
 
@@ -453,4 +456,22 @@ TEST_CASE("cuda prefill: a pipelined forward ignores what its workspace held bef
   CHECK(stale.device_status().ok());
   CHECK(stale.out.download<std::uint16_t>() == clean.out.download<std::uint16_t>());
   CHECK(stale.ht.download<std::uint32_t>() == clean.ht.download<std::uint32_t>());
+#ifdef KDA_HAVE_CUDA
+  // And the path did run: white-box, its ready flags (one 32-bit word per chunk slot and head, the
+  // workspace's last words before its 256 bytes of alignment slack, workspace_layout.hpp) are all
+  // set after the call into the zeroed workspace. Four 32-column blocks per head must fit the SMs.
+  int sms = 0;
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+  if (sms >= 4 * o.heads) {
+    const std::size_t words = static_cast<std::size_t>(((1200 + 15) / 16 + 1) * o.heads);
+    const std::vector<std::uint32_t> ws = clean.ws.download<std::uint32_t>();
+    const std::size_t end = (clean.ws_bytes - 256) / 4;
+    REQUIRE(end >= words);
+    std::size_t set = 0;
+    for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+    CHECK_MESSAGE(set == words, set << " of " << words << " ready flags set: not pipelined?");
+  } else {
+    MESSAGE("fewer than " << 4 * o.heads << " SMs: this shape is not pipelined here");
+  }
+#endif
 }
