@@ -151,6 +151,16 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
   *lo = bf16x2_remainder(x.x, x.y, *hi);
 }
 
+// Pipelined, thread 0: publishes the record whose bulk stores it committed last (`*pending`, null
+// when none): waits for them to complete, then sets the flag.
+__device__ __forceinline__ void publish_pending(std::uint32_t** pending) {
+  if (*pending == nullptr) return;
+  bulk_wait_all();
+  fence_proxy_async_global();  // the stores before the flag, for the copy engine's later reads
+  store_release_gpu(*pending, 1u);
+  *pending = nullptr;
+}
+
 // One (chunk slot, head) item; false for a gap slot (no chunk, the input barriers untouched).
 // GATE: p.gate as a template argument, so that the gate's per-element code has no branch.
 // PIPELINED: the block's input barriers were initialized once, for 3 C and C arrivals (a padded
@@ -158,10 +168,14 @@ __device__ __forceinline__ void split_pair(float2 x, std::uint32_t* hi, std::uin
 // them per item (after mbarrier.inval) left racecheck reporting the next item's q, k, g copies
 // against the last one's v copy into q's tile as write-write races (H200). Otherwise they are
 // initialized here for this item's rows and `phase` is 0.
+// `pending` (PIPELINED, thread 0): the previous item's flag, published once this item's input
+// copies are on their way (its stores' completion then overlaps them); this item's flag is left
+// there in turn.
 template <GateMode GATE, bool PIPELINED>
 __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& sm,
                                              const std::int64_t slot, const int h,
-                                             const unsigned phase = 0) {
+                                             const unsigned phase = 0,
+                                             std::uint32_t** pending = nullptr) {
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int gq = lane >> 2, tq = lane & 3;
@@ -227,6 +241,9 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
     if (tid < C)
       sm.beta[tid] =
           tid < nvalid ? sigmoid_f(__bfloat162float(p.in.beta[(tok0 + tid) * H + h])) : 0.f;
+    if constexpr (PIPELINED) {
+      if (tid == 0) publish_pending(pending);
+    }
     mbarrier_wait(&sm.qkg_ready, phase);
     __syncthreads();  // the zeroed rows and beta
   }
@@ -629,13 +646,10 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
     bulk_copy_to_global(rec + ChunkRecord::kU, sm.k, kTile);
     bulk_copy_to_global(rec + ChunkRecord::kM, sm.m, static_cast<unsigned>(C * kMPad * 2));
     bulk_commit_and_wait_read();
-    if constexpr (PIPELINED) {
-      // The record (its tiles by the copy engine, the scales by plain stores before the barrier
-      // above) is in memory before the flag says so.
-      bulk_wait_all();
-      fence_proxy_async_global();
-      store_release_gpu(&p.ready[slot * H + h], 1u);
-    }
+    // Pipelined: the record (its tiles by the copy engine, the scales by plain stores before the
+    // barrier above) must be in memory before its flag says so: published by the next item, or
+    // at the end of the block's items.
+    if constexpr (PIPELINED) *pending = &p.ready[slot * H + h];
   }
   return true;
 }
@@ -664,10 +678,14 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
   __syncthreads();  // the barriers are initialized before anyone uses them
   const std::int64_t H = p.num_heads, items = p.num_slots * H;
   unsigned phase = 0;
+  std::uint32_t* pending = nullptr;  // thread 0's: see prepare_item
   for (std::int64_t w = blockIdx.x; w < items; w += gridDim.x) {
-    if (prepare_item<GATE, true>(p, sm, w / H, static_cast<int>(w % H), phase)) phase ^= 1u;
+    if (prepare_item<GATE, true>(p, sm, w / H, static_cast<int>(w % H), phase, &pending)) {
+      phase ^= 1u;
+    }
     __syncthreads();  // the item's shared memory (read by its bulk stores) before the next one's
   }
+  if (threadIdx.x == 0) publish_pending(&pending);
 }
 
 }  // namespace
