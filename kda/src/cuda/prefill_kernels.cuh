@@ -82,6 +82,15 @@ __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std
   return p.records + (slot * p.num_heads + h) * static_cast<std::int64_t>(ChunkRecord::kBytes);
 }
 
+// U0's four group scales (f32, ChunkRecord::kScales) of a record, in memory or as a stage's image.
+__device__ __forceinline__ float* record_scales(unsigned char* record) {
+  return reinterpret_cast<float*>(record + ChunkRecord::kScales);
+}
+__device__ __forceinline__ const float* record_scales(const void* record) {
+  return reinterpret_cast<const float*>(static_cast<const unsigned char*>(record) +
+                                        ChunkRecord::kScales);
+}
+
 // Finds the sequence owning slot `slot` when slots are `width` tokens wide (a chunk: C; a segment:
 // C * seg_chunks): the largest s with s + start(s) / width <= slot. A 32-ary search by the whole
 // warp (every lane calls it with the same slot and width, in warp-uniform control flow): each

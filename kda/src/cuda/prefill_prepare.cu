@@ -608,7 +608,7 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
         // copy-engine write is only known to be complete, and is only seen as a write by
         // compute-sanitizer's initcheck, through the async proxy.
         if (lane == 0) {
-          reinterpret_cast<float*>(rec + ChunkRecord::kScales)[warp] = pow2f(e);
+          record_scales(rec)[warp] = pow2f(e);
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {

@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     // Pipelined: the records are not all written yet; the unit grows during the loop instead.
 #pragma unroll 4
     for (std::int64_t c = kPipelined ? nfetch : tid; c < nfetch; c += WARPS * 32) {
-      const float4 sc = *reinterpret_cast<const float4*>(record_ptr(p, slot0 + c_begin + c, h) +
-                                                         ChunkRecord::kScales);
+      const float4 sc =
+          *reinterpret_cast<const float4*>(record_scales(record_ptr(p, slot0 + c_begin + c, h)));
       mx = fmaxf(mx, fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
     }
     const unsigned wmax = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
@@ -321,8 +321,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     if (kPipelined && !identity_cols) {
       // Pipelined: the unit grows to this chunk's U0 scales before anything uses it (the state
       // rescaled by a power of two, in two steps so that a factor below 2^-100 stays exact).
-      const float4 sc = *reinterpret_cast<const float4*>(
-          reinterpret_cast<const unsigned char*>(&st) + ChunkRecord::kScales);
+      const float4 sc = *reinterpret_cast<const float4*>(record_scales(&st));
       const int e = scale_exponent(fmaxf(fmaxf(sc.x, sc.y), fmaxf(sc.z, sc.w)));
       if (e > unit_exp) {  // block-uniform: every warp reads the same scales
         const int d = unit_exp - e;
@@ -409,11 +408,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     // U^T = U0^T - X   (row v, col token); U0 = 0 on the P^T rows. In units of 2^E, as fp16: U0
     // was stored as U0 2^-e_g (its group's scale), so it takes 2^(e_g - E).
     unsigned ua[MT][4];
-    const float u0_unit =
-        identity_cols ? 0.f
-                      : reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(&st) +
-                                                       ChunkRecord::kScales)[v_warp / kScaleGroup] *
-                            unit_inv;
+    const float u0_unit = identity_cols ? 0.f : record_scales(&st)[v_warp / kScaleGroup] * unit_inv;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       // U0^T in the accumulators' layout, straight from the token-major tile: ldmatrix.trans of
