@@ -259,10 +259,11 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       add(std::string("scale: no initial state, v x ") + (value < 1.f ? "1e-6" : "3e4"), o);
     }
   }
-  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, the bounded gate, too
-  // few heads to split and four 32-column recurrence blocks per head within the SMs (H <= 33 on
-  // the H200's 132). A tail that is not a multiple of the chunk, states in and out of either
-  // dtype or none, 24 heads, and a longer sequence.
+  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, the bounded gate, four
+  // 32-column recurrence blocks per head within the SMs (H <= 33 on the H200's 132) and heads
+  // enough that a split would make fewer than six segments (H >= 23 there). A tail that is not a
+  // multiple of the chunk, states in and out of either dtype or none, 24 and 23 heads, and longer
+  // sequences.
   seed = 380;
   {
     struct Pipelined {
@@ -274,7 +275,9 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
                                 {"H32 T1024 bf16 -> bf16", 32, 1024, DType::kBF16, DType::kBF16},
                                 {"H32 T777 none -> f32", 32, 777, DType::kNone, DType::kF32},
                                 {"H24 T4099 f32 -> none", 24, 4099, DType::kF32, DType::kNone},
-                                {"H32 T512 none -> none", 32, 512, DType::kNone, DType::kNone}};
+                                {"H32 T512 none -> none", 32, 512, DType::kNone, DType::kNone},
+                                // Long (1,025 chunks): five segments before it was pipelined.
+                                {"H23 T16400 f32 -> bf16", 23, 16400, DType::kF32, DType::kBF16}};
     for (const Pipelined& sh : shapes) {
       CaseOptions o = cuda_options(sh.heads, ++seed);
       o.seq_len = sh.len;

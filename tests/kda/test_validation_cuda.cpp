@@ -441,37 +441,46 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
 TEST_CASE("cuda prefill: a pipelined forward ignores what its workspace held before (bitwise)") {
   // The pipelined path (prefill.cu, on 128 SMs or more) zeroes its ready flags at the start of
   // every call: a workspace full of 0xFF bytes (every flag "ready", every record garbage) must give
-  // the bits a zeroed one gives.
+  // the bits a zeroed one gives. The second shape is long enough that the launcher split it into
+  // segments before the pipelined path measured faster (five segments at H = 23 on 132 SMs).
   if (!gpu_or_skip()) return;
-  CaseOptions o = cuda_case(31);
-  o.heads = 32;
-  o.lengths = {1200};
-  o.gate = GateMode::kLowerBound;
-  const KdaCase c = make_case(o);
-  PrefillRig stale(c), clean(c);
-  stale.ws.fill(0xFF);
-  clean.ws.fill(0x00);
-  REQUIRE(stale.run(stale.tensors()).ok());
-  REQUIRE(clean.run(clean.tensors()).ok());
-  CHECK(stale.device_status().ok());
-  CHECK(stale.out.download<std::uint16_t>() == clean.out.download<std::uint16_t>());
-  CHECK(stale.ht.download<std::uint32_t>() == clean.ht.download<std::uint32_t>());
+  struct Shape {
+    std::int64_t heads, len;
+  };
+  for (const Shape sh : {Shape{32, 1200}, Shape{23, 16400}}) {
+    CAPTURE(sh.heads);
+    CAPTURE(sh.len);
+    CaseOptions o = cuda_case(31);
+    o.heads = sh.heads;
+    o.lengths = {sh.len};
+    o.gate = GateMode::kLowerBound;
+    const KdaCase c = make_case(o);
+    PrefillRig stale(c), clean(c);
+    stale.ws.fill(0xFF);
+    clean.ws.fill(0x00);
+    REQUIRE(stale.run(stale.tensors()).ok());
+    REQUIRE(clean.run(clean.tensors()).ok());
+    CHECK(stale.device_status().ok());
+    CHECK(stale.out.download<std::uint16_t>() == clean.out.download<std::uint16_t>());
+    CHECK(stale.ht.download<std::uint32_t>() == clean.ht.download<std::uint32_t>());
 #ifdef KDA_HAVE_CUDA
-  // And the path did run: white-box, its ready flags (one 32-bit word per chunk slot and head, the
-  // workspace's last words before its 256 bytes of alignment slack, workspace_layout.hpp) are all
-  // set after the call into the zeroed workspace. Four 32-column blocks per head must fit the SMs.
-  int sms = 0;
-  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
-  if (sms >= 4 * o.heads) {
-    const std::size_t words = static_cast<std::size_t>(((1200 + 15) / 16 + 1) * o.heads);
-    const std::vector<std::uint32_t> ws = clean.ws.download<std::uint32_t>();
-    const std::size_t end = (clean.ws_bytes - 256) / 4;
-    REQUIRE(end >= words);
-    std::size_t set = 0;
-    for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
-    CHECK_MESSAGE(set == words, set << " of " << words << " ready flags set: not pipelined?");
-  } else {
-    MESSAGE("fewer than " << 4 * o.heads << " SMs: this shape is not pipelined here");
-  }
+    // And the path did run: white-box, its ready flags (one 32-bit word per chunk slot and head,
+    // the workspace's last words before its 256 bytes of alignment slack, workspace_layout.hpp)
+    // are all set after the call into the zeroed workspace (a split plan sets none). Four
+    // 32-column blocks per head must fit the SMs.
+    int sms = 0;
+    REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+    if (sms >= 4 * o.heads) {
+      const std::size_t words = static_cast<std::size_t>(((sh.len + 15) / 16 + 1) * o.heads);
+      const std::vector<std::uint32_t> ws = clean.ws.download<std::uint32_t>();
+      const std::size_t end = (clean.ws_bytes - 256) / 4;
+      REQUIRE(end >= words);
+      std::size_t set = 0;
+      for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+      CHECK_MESSAGE(set == words, set << " of " << words << " ready flags set: not pipelined?");
+    } else {
+      MESSAGE("fewer than " << 4 * o.heads << " SMs: this shape is not pipelined here");
+    }
 #endif
+  }
 }

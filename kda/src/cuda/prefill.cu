@@ -68,9 +68,19 @@ constexpr std::int64_t kMinPipelineChunks = 32;
 constexpr std::int64_t kMinSplitSegments = 6;
 constexpr std::int64_t kLongSequenceChunks = 1024;  // 16k tokens: three segments pay already
 
+// One sequence the pipelined prefill can take: its 32-column recurrence blocks (four per head)
+// leave every SM room for the persistent prepare grid beside them. Measured faster only with the
+// bounded gate (the softplus gate's prepare is slower: its twin lost 1 %; 64-column blocks for
+// more heads, h64-1seq, lost 38 %).
+bool pipelinable(std::int64_t T, std::int64_t N, std::int64_t H, GateMode gate, int sms) {
+  return pipeline_enabled() && N == 1 && gate == GateMode::kLowerBound &&
+         4 * H <= static_cast<std::int64_t>(sms) && T >= kMinPipelineChunks * C;
+}
+
 // max_chunks: the longest sequence's chunks, or an upper bound of it (what the host knows).
+// pipelined: the sequence can take the pipelined path instead (pipelinable()).
 SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms,
-                          std::int64_t max_chunks) {
+                          std::int64_t max_chunks, bool pipelined) {
   SegmentPlan plan;
   plan.seg_slots = N;
   const std::uint64_t extra_bound =
@@ -87,6 +97,9 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
   const std::int64_t budget = static_cast<std::int64_t>(kSegmentBudget) / H;
   if (target > budget) target = budget;
   if (target < 3 || (target < kMinSplitSegments && max_chunks < kLongSequenceChunks)) return plan;
+  // Few segments lose to the pipelined path (H200, 1 x 32768 tokens: H = 32, 4 segments 1.954 ms,
+  // unsplit 1.905, pipelined 1.708; H = 16, 8 segments 1.050, pipelined 1.530).
+  if (pipelined && target < kMinSplitSegments) return plan;
   std::int64_t seg_chunks = (chunks + target - 1) / target;
   if (seg_chunks < static_cast<std::int64_t>(kMinSegmentChunks)) seg_chunks = kMinSegmentChunks;
   // A sequence gains from three segments on (1 - 2 / n of its recurrence); with two, segment 1
@@ -135,7 +148,8 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
-    plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t));
+    const bool pipelinable_seq = pipelinable(T_, N_, p.num_heads, p.gate, sms_);
+    plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), pipelinable_seq);
     prm_.seg_chunks = plan_.seg_chunks;
     prm_.seg_blocks =
         plan_.split
@@ -144,12 +158,9 @@ class PrefillLaunch {
                                                           ChunkRecord::kBytes)
             : nullptr;
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
-    // Pipelined (v19): one unsplit sequence whose 32-column recurrence blocks (four per head)
-    // leave every SM room for the persistent prepare grid beside them, which feeds them chunk by
-    // chunk. Measured faster only there (H200: h32-1seq 0.92x); the softplus gate's prepare is
-    // slower and its twin lost 1 %; 64-column blocks (h64-1seq) lost 38 %.
-    pipelined_ = !plan_.split && pipeline_enabled() && N_ == 1 && p.gate == GateMode::kLowerBound &&
-                 4 * static_cast<std::int64_t>(p.num_heads) <= sms_ && T_ >= kMinPipelineChunks * C;
+    // Pipelined (v19): one unsplit sequence fed chunk by chunk by the persistent prepare grid
+    // (H200: h32-1seq 0.92x, h32-32k 0.87x against the split).
+    pipelined_ = pipelinable_seq && !plan_.split;
     if (pipelined_) {
       std::uint64_t flags_at = 0;
       if (!cuda_prefill_flags_offset(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),
