@@ -89,11 +89,10 @@ inline std::uint64_t max_extra_segments(std::uint64_t total_tokens, std::uint64_
   return by_budget < by_length ? by_budget : by_length;
 }
 
-// ---- Ready flags (the pipelined prefill)
-// --------------------------------------------------------- One 32-bit flag per (chunk slot, head),
-// after the records and segment blocks: the prepare kernel sets it once the chunk's record is in
-// memory, the recurrence waits for it before copying the record in; zeroed at the start of each
-// call.
+// ---- Ready flags (the pipelined prefill) -----------------------------------------------------
+// One 32-bit flag per (chunk slot, head), after the records and segment blocks: the prepare kernel
+// sets it once the chunk's record is in memory, the recurrence waits for it before copying the
+// record in; zeroed at the start of each call.
 inline constexpr std::uint64_t kReadyFlagBytes = 4;
 
 // Offsets in the CUDA prefill workspace (from its 256-byte aligned start): the flags after the
