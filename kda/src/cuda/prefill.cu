@@ -52,10 +52,13 @@ float scan_step_ratio() {
   return ratio;
 }
 
-// The pipelined prefill (PERFORMANCE-NOTES.md v19): KDA_PREFILL_PIPELINE=0 turns it off.
-bool pipeline_enabled() {
-  static const bool on = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
-  return on;
+// The pipelined prefill (PERFORMANCE-NOTES.md v19, v20): KDA_PREFILL_PIPELINE=0 turns it off, 1
+// (the default) runs it for the bounded gate, 2 for the softplus gate too (slower at v19: a knob
+// for the benchmark's A/B, not a default).
+int pipeline_mode() {
+  static const int mode =
+      static_cast<int>(env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 2.0f) + 0.5f);
+  return mode;
 }
 // Shortest sequence (in chunks) worth pipelining: below it the recurrence is too short to hide
 // the prepare kernel behind.
@@ -73,7 +76,8 @@ constexpr std::int64_t kLongSequenceChunks = 1024;  // 16k tokens: three segment
 // bounded gate (the softplus gate's prepare is slower: its twin lost 1 %; 64-column blocks for
 // more heads, h64-1seq, lost 38 %).
 bool pipelinable(std::int64_t T, std::int64_t N, std::int64_t H, GateMode gate, int sms) {
-  return pipeline_enabled() && N == 1 && gate == GateMode::kLowerBound &&
+  const int mode = pipeline_mode();
+  return mode > 0 && (gate == GateMode::kLowerBound || mode > 1) && N == 1 &&
          4 * H <= static_cast<std::int64_t>(sms) && T >= kMinPipelineChunks * C;
 }
 
