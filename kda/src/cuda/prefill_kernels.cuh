@@ -82,6 +82,12 @@ __device__ __forceinline__ unsigned char* record_ptr(const PrefillParams& p, std
   return p.records + (slot * p.num_heads + h) * static_cast<std::int64_t>(ChunkRecord::kBytes);
 }
 
+// The pipelined prefill's ready flag of (chunk slot, head), laid out like the records.
+__device__ __forceinline__ std::uint32_t* ready_flag(const PrefillParams& p, std::int64_t slot,
+                                                     int h) {
+  return p.ready + slot * p.num_heads + h;
+}
+
 // U0's four group scales (f32, ChunkRecord::kScales) of a record, in memory or as a stage's image.
 __device__ __forceinline__ float* record_scales(unsigned char* record) {
   return reinterpret_cast<float*>(record + ChunkRecord::kScales);

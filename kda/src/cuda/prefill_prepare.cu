@@ -202,7 +202,7 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
     // (with broken cu_seqlens on the device the two kernels' owner searches may disagree; the
     // status word reports those, the outputs are then unspecified).
     if constexpr (PIPELINED) {
-      if (tid == 0) store_release_gpu(&p.ready[slot * p.num_heads + h], 1u);
+      if (tid == 0) store_release_gpu(ready_flag(p, slot, h), 1u);
     }
     return false;
   }
@@ -649,7 +649,7 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
     // Pipelined: the record (its tiles by the copy engine, the scales by plain stores before the
     // barrier above) must be in memory before its flag says so: published by the next item, or
     // at the end of the block's items.
-    if constexpr (PIPELINED) *pending = &p.ready[slot * H + h];
+    if constexpr (PIPELINED) *pending = ready_flag(p, slot, h);
   }
   return true;
 }

@@ -243,8 +243,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         if (n == ready_end) {
           for (;;) {
             const std::int64_t m = n + lane;
-            const bool ok =
-                m >= nfetch || load_acquire_gpu(p.ready + (slot0 + c_begin + m) * H + h);
+            const bool ok = m >= nfetch || load_acquire_gpu(ready_flag(p, slot0 + c_begin + m, h));
             const unsigned ready = __ballot_sync(0xffffffffu, ok);
             if (ready & 1u) {  // chunks n .. n + run - 1 are ready
               ready_end = n + (ready == 0xffffffffu ? 32 : __ffs(~ready) - 1);
