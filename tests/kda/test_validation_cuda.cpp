@@ -499,7 +499,8 @@ TEST_CASE("cuda prefill: the schedule option picks the path, and every path comp
     std::int64_t heads, len;
     GateMode gate;
   };
-  for (const Shape sh : {Shape{32, 1200, GateMode::kLowerBound}, Shape{8, 600, GateMode::kSoftplus}}) {
+  for (const Shape sh :
+       {Shape{32, 1200, GateMode::kLowerBound}, Shape{8, 600, GateMode::kSoftplus}}) {
     CAPTURE(sh.heads);
     CAPTURE(sh.len);
     CaseOptions o = cuda_case(47);
