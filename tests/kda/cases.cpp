@@ -259,7 +259,7 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       add(std::string("scale: no initial state, v x ") + (value < 1.f ? "1e-6" : "3e4"), o);
     }
   }
-  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, the bounded gate, four
+  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, either gate, four
   // 32-column recurrence blocks per head within the SMs (H <= 33 on the H200's 132) and heads
   // enough that a split would make fewer than six segments (H >= 23 there). A tail that is not a
   // multiple of the chunk, states in and out of either dtype or none, 24 and 23 heads, and longer
@@ -303,10 +303,10 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
     o.gate = GateMode::kLowerBound;
     add("pipelined: H32 varlen 1500 (int32 cu_seqlens)", o);
   }
-  // Forced schedules (CudaOptions::schedule). kPipelined: the softplus gate, which kAuto keeps
-  // two-phase, with a bf16 state and with strong decay (dt_bias + 5: the prepare kernel's middle
-  // and exact paths inside the persistent grid); sequences shorter than kAuto's 32 chunks, with a
-  // tail; 16 heads, which kAuto splits into segments. kTwoPhase: a shape kAuto pipelines.
+  // Forced schedules (CudaOptions::schedule). kPipelined: the softplus gate with a bf16 state and
+  // with strong decay (dt_bias + 5: the prepare kernel's middle and exact paths inside the
+  // persistent grid); sequences shorter than kAuto's 32 chunks, with a tail; 16 heads, which kAuto
+  // splits into segments. kTwoPhase: a shape kAuto pipelines.
   seed = 390;
   {
     struct Forced {

@@ -199,7 +199,7 @@ enum class PrefillSchedule : int {
   kTwoPhase = 1,
   // The recurrence fed chunk by chunk by a persistent prepare grid running beside it. Only for one
   // sequence whose 4 H recurrence blocks fit beside that grid (4 H <= the device's SMs); any other
-  // problem runs kTwoPhase. kAuto takes it for the bounded gate from 32 chunks (512 tokens) on.
+  // problem runs kTwoPhase. kAuto takes it from 32 chunks (512 tokens) on.
   kPipelined = 2,
 };
 const char* to_string(PrefillSchedule schedule) noexcept;

@@ -52,13 +52,11 @@ float scan_step_ratio() {
   return ratio;
 }
 
-// The pipelined prefill under PrefillSchedule::kAuto (PERFORMANCE-NOTES.md v19, v20):
-// KDA_PREFILL_PIPELINE=0 turns it off, 1 (the default) runs it for the bounded gate, 2 for the
-// softplus gate too (slower at v19: a knob for the benchmark's A/B, not a default).
-int pipeline_mode() {
-  static const int mode =
-      static_cast<int>(env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 2.0f) + 0.5f);
-  return mode;
+// The pipelined prefill under PrefillSchedule::kAuto (PERFORMANCE-NOTES.md v19-v21):
+// KDA_PREFILL_PIPELINE=0 turns it off (a knob for the benchmark's A/B, not part of the contract).
+bool pipeline_enabled() {
+  static const bool enabled = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
+  return enabled;
 }
 // Shortest sequence (in chunks) worth pipelining: below it the recurrence is too short to hide
 // the prepare kernel behind.
@@ -77,10 +75,10 @@ bool pipeline_fits(std::int64_t T, std::int64_t N, std::int64_t H, int sms) {
   return N == 1 && T > 0 && 4 * H <= static_cast<std::int64_t>(sms);
 }
 
-// Whether the forward runs pipelined under `schedule`. kAuto: where it was measured faster, with
-// the bounded gate only (the softplus gate's prepare is slower: its twin lost 1 %; 64-column
-// blocks for more heads, h64-1seq, lost 38 %) and from kMinPipelineChunks on.
-bool pipeline_wanted(std::int64_t T, std::int64_t N, std::int64_t H, GateMode gate, int sms,
+// Whether the forward runs pipelined under `schedule`. kAuto: where it was measured faster (both
+// gates: h32-1seq 0.90x, its softplus twin 0.975x; 64-column blocks for more heads, h64-1seq,
+// lost 38 %), from kMinPipelineChunks on.
+bool pipeline_wanted(std::int64_t T, std::int64_t N, std::int64_t H, int sms,
                      PrefillSchedule schedule) {
   if (!pipeline_fits(T, N, H, sms)) return false;
   switch (schedule) {
@@ -91,8 +89,7 @@ bool pipeline_wanted(std::int64_t T, std::int64_t N, std::int64_t H, GateMode ga
     case PrefillSchedule::kAuto:
       break;
   }
-  const int mode = pipeline_mode();
-  return mode > 0 && (gate == GateMode::kLowerBound || mode > 1) && T >= kMinPipelineChunks * C;
+  return pipeline_enabled() && T >= kMinPipelineChunks * C;
 }
 
 // max_chunks: the longest sequence's chunks, or an upper bound of it (what the host knows).
@@ -173,7 +170,7 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
-    const bool wants_pipeline = pipeline_wanted(T_, N_, p.num_heads, p.gate, sms_, opt.schedule);
+    const bool wants_pipeline = pipeline_wanted(T_, N_, p.num_heads, sms_, opt.schedule);
     plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), wants_pipeline,
                           opt.schedule == PrefillSchedule::kPipelined);
     prm_.seg_chunks = plan_.seg_chunks;
