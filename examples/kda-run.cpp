@@ -68,6 +68,8 @@ Options:
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
   --threads N          CPU backend threads (default 0: all hardware threads)
+  --prefill-schedule S auto (default), two-phase or pipelined: how the CUDA prefill runs its two
+                       phases (docs/KDA.md section 3; same results to rounding, for A/B runs)
   --plan-only          print the memory plan and exit (no weights are read, but a missing weights
                        file is reported); --json prints every buffer as JSON:
                        {"mode", "alignment", "arena_bytes", "buffers": [{"name", "kind", "layer",
@@ -121,6 +123,8 @@ struct Options {
   bool decode_given = false;
   bool seed_given = false;
   bool threads_given = false;
+  kda::PrefillSchedule schedule = kda::PrefillSchedule::kAuto;
+  bool schedule_given = false;
 };
 
 std::int64_t parse_int(const std::string& flag, const std::string& text, std::int64_t lo,
@@ -200,6 +204,19 @@ Options parse_args(int argc, char** argv) {
         throw UsageError{"--backend expects auto, cpu or cuda, got '" + text + "'"};
       }
       o.backend = choice;
+    } else if (arg == "--prefill-schedule") {
+      const std::string text = value();
+      if (text == "auto") {
+        o.schedule = kda::PrefillSchedule::kAuto;
+      } else if (text == "two-phase") {
+        o.schedule = kda::PrefillSchedule::kTwoPhase;
+      } else if (text == "pipelined") {
+        o.schedule = kda::PrefillSchedule::kPipelined;
+      } else {
+        throw UsageError{"--prefill-schedule expects auto, two-phase or pipelined, got '" + text +
+                         "'"};
+      }
+      o.schedule_given = true;
     } else if (arg == "--plan-only") {
       no_value();
       o.plan_only = true;
@@ -219,7 +236,7 @@ Options parse_args(int argc, char** argv) {
     if (!o.model.empty()) throw UsageError{flag + " and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given || o.core_only || o.strict_config) {
+        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule_given) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -228,7 +245,8 @@ Options parse_args(int argc, char** argv) {
   if (o.model.empty())
     throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
-  if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given)) {
+  if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given ||
+                      o.schedule_given)) {
     throw UsageError{"--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
   }
   return o;
@@ -453,6 +471,7 @@ int run_model(const Options& o) {
   options.backend = choice;
   options.seed = o.seed;
   options.cpu_threads = static_cast<int>(o.threads);
+  options.prefill_schedule = o.schedule;
   kda::engine::Engine engine(spec, options);
   kda::examples::SyntheticInputs inputs(engine, tokens);
   const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;

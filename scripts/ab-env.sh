@@ -3,7 +3,7 @@
 # one build, in one device call: kda-bench of this tree under each setting, round-robin for
 # KDA_AB_ROUNDS rounds (default 3), then every setting against the first as ratios
 # (scripts/bench-ab.py). A setting is a space-separated list of VAR=VALUE ("-" for none):
-#   (device call, carry [".gpudeps"]) scripts/ab-env.sh - "KDA_PREFILL_PIPELINE=2" -- --prefill --iters 10
+#   (device call, carry [".gpudeps"]) scripts/ab-env.sh - "KDA_PREFILL_PIPELINE=0" -- --prefill --iters 10
 # Output: $OUT/ab-env.md only (the device tool brings back at most 8 files).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

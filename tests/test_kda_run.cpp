@@ -261,6 +261,8 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
         {"--model", "m.yaml", "--tokens", "abc"},
         {"--model", "m.yaml", "--tokens", "0"},
         {"--model", "m.yaml", "--backend", "tpu"},
+        {"--model", "m.yaml", "--prefill-schedule", "fused"},
+        {"--model", "m.yaml", "--plan-only", "--prefill-schedule", "pipelined"},
         {"--case", "in.safetensors"},
         {"--case", "a", "--output", "b", "--model", "m.yaml"},
         {"--output", "b"},
@@ -279,6 +281,14 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   r = kda_run({"--model", kModels + "tiny.yaml", "--sequences", "99"});
   CHECK(r.rc == 2);
   CHECK(r.err.find("runtime.max_sequences") != std::string::npos);
+  r = kda_run({"--model", kModels + "tiny.yaml", "--prefill-schedule", "fused"});
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("--prefill-schedule expects auto, two-phase or pipelined, got 'fused'") !=
+        std::string::npos);
+  // A forced schedule runs (on the CPU it changes nothing).
+  r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "64", "--backend", "cpu",
+               "--prefill-schedule", "two-phase"});
+  CHECK(r.rc == 0);
 }
 
 TEST_CASE("kda-run: bad model descriptions exit 1 naming file:line:column and key") {

@@ -534,6 +534,13 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   backend_options.check_pointers = options.check_pointers;
   m.backend = make_engine_backend(kind, backend_options, where);
   m.unchecked.check_pointers = false;
+  if (!is_known(options.prefill_schedule)) {
+    throw Error(StatusCode::kInvalidArgument,
+                where + ": EngineOptions::prefill_schedule is " +
+                    std::to_string(static_cast<int>(options.prefill_schedule)) +
+                    ", expected kAuto, kTwoPhase or kPipelined");
+  }
+  m.unchecked.schedule = options.prefill_schedule;
   if (const Status st = can_implement(max_prefill_problem(m.spec), kind); !st.ok()) {
     throw Error(st, where + ": prefill");
   }
@@ -807,6 +814,7 @@ void Engine::prefill_hidden(int kda_layer, const void* hidden, void* out, Span<c
   call.hidden = hidden;
   call.out = out;
   call.stream = m.backend->stream();
+  call.schedule = m.unchecked.schedule;
   call.cpu_threads = m.cpu_threads;
   call.times = times;
   m.whole[static_cast<std::size_t>(kda_layer)]->forward(call);
@@ -837,6 +845,7 @@ void Engine::decode_hidden(int kda_layer, const void* hidden, void* out, Span<co
   call.hidden = hidden;
   call.out = out;
   call.stream = m.backend->stream();
+  call.schedule = m.unchecked.schedule;
   call.cpu_threads = m.cpu_threads;
   call.times = times;
   m.whole[static_cast<std::size_t>(kda_layer)]->forward(call);

@@ -179,6 +179,7 @@ void WholeLayer::forward(const Call& call) const {
       batch.device_status = call.device_status;
       CudaOptions unchecked;
       unchecked.check_pointers = false;  // the engine checked its caller's pointers
+      unchecked.schedule = call.schedule;
       cuda_->forward(batch, hidden, out, state, workspace, call.stream, unchecked,
                      call.times != nullptr ? &timer_->events : nullptr);
       if (call.times != nullptr) timer_->add(call.times);

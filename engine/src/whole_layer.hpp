@@ -78,6 +78,7 @@ class WholeLayer {
     const void* hidden = nullptr;
     void* out = nullptr;
     void* stream = nullptr;
+    PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill
     int cpu_threads = 0;
     FullLayerTimes* times = nullptr;  // CUDA: timing synchronizes the stream
   };

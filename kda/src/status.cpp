@@ -71,6 +71,18 @@ const char* to_string(GateMode gate) noexcept {
   return "unknown gate";
 }
 
+const char* to_string(PrefillSchedule schedule) noexcept {
+  switch (schedule) {
+    case PrefillSchedule::kAuto:
+      return "auto";
+    case PrefillSchedule::kTwoPhase:
+      return "two-phase";
+    case PrefillSchedule::kPipelined:
+      return "pipelined";
+  }
+  return "unknown schedule";
+}
+
 const char* to_string(Backend backend) noexcept {
   switch (backend) {
     case Backend::kCpu:

@@ -120,6 +120,8 @@ TEST_CASE("status strings and options_init") {
   CHECK(options.cpu_threads == 0);
   CHECK(options.seed == 0);
   CHECK(options.check_pointers == 1);
+  CHECK(options.prefill_schedule == KDA_PREFILL_SCHEDULE_AUTO);
+  CHECK(options.reserved == 0);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
@@ -234,6 +236,16 @@ TEST_CASE("creation errors: message in the caller's buffer, no handle") {
     CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
     CHECK(contains(err, "options.check_pointers is 2, expected 0 or 1"));
+    bad = options;
+    bad.prefill_schedule = static_cast<kda_prefill_schedule>(3);
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "options.prefill_schedule is 3"));
+    bad = options;
+    bad.reserved = 1;
+    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(err, "options.reserved is 1, expected 0"));
     CHECK(engine == nullptr);
   }
   SUBCASE("CUDA without a device; head_dim the CUDA backend cannot run") {
@@ -279,6 +291,22 @@ TEST_CASE("creation errors: message in the caller's buffer, no handle") {
           KDA_INVALID_ARGUMENT);
   }
   CHECK(engine == nullptr);
+}
+
+TEST_CASE("a forced prefill schedule is accepted") {
+  // On the CPU backend the schedule has no effect; on CUDA it picks the path (the operator's
+  // tests check the paths and their results).
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  char err[256] = {};
+  for (kda_prefill_schedule schedule :
+       {KDA_PREFILL_SCHEDULE_TWO_PHASE, KDA_PREFILL_SCHEDULE_PIPELINED}) {
+    options.prefill_schedule = schedule;
+    kda_engine* e = nullptr;
+    REQUIRE(kda_engine_create_from_string(kSpec, &options, &e, err, sizeof err) == KDA_OK);
+    CHECK(e != nullptr);
+    CHECK(kda_engine_destroy(e) == KDA_OK);
+  }
 }
 
 TEST_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, destroy is a no-op") {

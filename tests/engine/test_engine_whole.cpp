@@ -524,4 +524,8 @@ TEST_CASE("whole layers: bad calls and bad settings are refused with a clear mes
   core_tp.layer_mode = kda::engine::LayerMode::kCoreOnly;
   CHECK_THROWS_WITH_AS(Engine(spec_with("  tp_size: 2\n"), core_tp),
                        doctest::Contains("runtime.tp_size 2 needs whole layers"), kda::Error);
+  EngineOptions bad_schedule = options();
+  bad_schedule.prefill_schedule = static_cast<kda::PrefillSchedule>(9);
+  CHECK_THROWS_WITH_AS(Engine(spec_from(kSpec), bad_schedule),
+                       doctest::Contains("EngineOptions::prefill_schedule is 9"), kda::Error);
 }

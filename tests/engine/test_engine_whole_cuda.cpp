@@ -202,3 +202,30 @@ TEST_CASE("whole layers on CUDA: a layer case runs on both backends alike") {
     }
   }
 }
+
+TEST_CASE("whole layers on CUDA: every prefill schedule matches the CPU engine") {
+  // EngineOptions::prefill_schedule reaches the operator: one 150-token sequence (10 chunks, which
+  // kAuto keeps two-phase) run two-phase and pipelined, each against the CPU engine.
+  if (!kda::test::gpu_or_skip()) return;
+  const ModelSpec spec = kda::engine::parse_model_spec(kSpec, "w.yaml");
+  Engine cpu(spec, on(kda::engine::BackendChoice::kCpu));
+  cpu.acquire_slot();
+  const std::vector<std::int64_t> cu = {0, 150};
+  const std::vector<bf16_bits> x = random_hidden(150, 9);
+  std::vector<bf16_bits> expected(x.size());
+  cpu.prefill_hidden(0, x.data(), expected.data(), {0}, cu);
+  for (kda::PrefillSchedule schedule :
+       {kda::PrefillSchedule::kTwoPhase, kda::PrefillSchedule::kPipelined}) {
+    CAPTURE(kda::to_string(schedule));
+    EngineOptions o = on(kda::engine::BackendChoice::kCuda);
+    o.prefill_schedule = schedule;
+    Engine gpu(spec, o);
+    gpu.acquire_slot();
+    DeviceBuffer hidden = DeviceBuffer::from(x), out(x.size() * 2);
+    out.fill(0xFF);
+    gpu.prefill_hidden(0, hidden.get(), out.get(), {0}, cu);
+    gpu.synchronize();
+    CHECK(relative_error(out.download<bf16_bits>(), expected) <= 1e-2);
+    check_states_close(gpu, cpu, 0, 0);
+  }
+}

@@ -46,6 +46,7 @@ constexpr unsigned char kPoisonByte = 0xFF;  // outputs are filled with it befor
 
 struct PrefillOptions {
   CpuOptions cpu;                       // the CPU runner's threads and fp64 mode
+  CudaOptions cuda;                     // the CUDA runner's options (the prefill's schedule)
   int extra_state_rows = 0;             // final-state rows past N: poisoned, must stay so
   std::size_t workspace_shortfall = 0;  // bytes less than workspace_size() asks for
   bool in_place = false;                // final_state = the initial state's buffer
@@ -168,7 +169,7 @@ class BufferRunner : public Runner {
     t.final_state = p.final_state_dtype == DType::kNone ? nullptr
                     : opt.in_place                      ? d.h0.get()
                                                         : ht.get();
-    r.status = forward(c, t, Workspace{ws.get(), ws.bytes()}, opt.cpu);
+    r.status = forward(c, t, Workspace{ws.get(), ws.bytes()}, opt);
     if (r.status.ok()) r.status = Buffer::synchronize();
     const Buffer& fin = opt.in_place ? d.h0 : ht;
     r.out.out = out.template download<std::uint16_t>();
@@ -289,7 +290,7 @@ class BufferRunner : public Runner {
  protected:
   // The backend's entry points. `c` carries the problem and the host copies of the inputs (the
   // CUDA prefill is given cu_seqlens_host from it).
-  virtual Status forward(const KdaCase& c, Tensors t, Workspace ws, const CpuOptions& cpu) = 0;
+  virtual Status forward(const KdaCase& c, Tensors t, Workspace ws, const PrefillOptions& opt) = 0;
   virtual Status decode_call(const DecodeProblem& p, const DecodeTensors& t) = 0;
   virtual Status transition_call(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                                  Workspace ws, const CpuOptions& cpu) = 0;
@@ -303,8 +304,8 @@ class CpuRunner final : public BufferRunner<HostBuffer> {
   Backend backend() const override { return Backend::kCpu; }
 
  protected:
-  Status forward(const KdaCase& c, Tensors t, Workspace ws, const CpuOptions& cpu) override {
-    return forward_cpu(c.problem, t, ws, cpu);
+  Status forward(const KdaCase& c, Tensors t, Workspace ws, const PrefillOptions& opt) override {
+    return forward_cpu(c.problem, t, ws, opt.cpu);
   }
   Status decode_call(const DecodeProblem& p, const DecodeTensors& t) override {
     return decode_cpu(p, t);
@@ -325,9 +326,9 @@ class CudaRunner final : public BufferRunner<DeviceBuffer> {
   Backend backend() const override { return Backend::kCuda; }
 
  protected:
-  Status forward(const KdaCase& c, Tensors t, Workspace ws, const CpuOptions&) override {
+  Status forward(const KdaCase& c, Tensors t, Workspace ws, const PrefillOptions& opt) override {
     t.cu_seqlens_host = c.cu_seqlens_ptr();
-    return forward_cuda(c.problem, t, ws, nullptr);
+    return forward_cuda(c.problem, t, ws, nullptr, opt.cuda);
   }
   Status decode_call(const DecodeProblem& p, const DecodeTensors& t) override {
     return decode_cuda(p, t, nullptr);

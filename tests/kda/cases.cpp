@@ -259,7 +259,7 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
       add(std::string("scale: no initial state, v x ") + (value < 1.f ? "1e-6" : "3e4"), o);
     }
   }
-  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, the bounded gate, four
+  // The pipelined prefill (prefill.cu): one sequence of at least 32 chunks, either gate, four
   // 32-column recurrence blocks per head within the SMs (H <= 33 on the H200's 132) and heads
   // enough that a split would make fewer than six segments (H >= 23 there). A tail that is not a
   // multiple of the chunk, states in and out of either dtype or none, 24 and 23 heads, and longer
@@ -302,6 +302,40 @@ void add_cuda_vs_cpu_cases(std::vector<PrefillCase>* cases) {
     o.cu_seqlens_dtype = DType::kI32;
     o.gate = GateMode::kLowerBound;
     add("pipelined: H32 varlen 1500 (int32 cu_seqlens)", o);
+  }
+  // Forced schedules (CudaOptions::schedule). kPipelined: the softplus gate with a bf16 state and
+  // with strong decay (dt_bias + 5: the prepare kernel's middle and exact paths inside the
+  // persistent grid); sequences shorter than kAuto's 32 chunks, with a tail; 16 heads, which kAuto
+  // splits into segments. kTwoPhase: a shape kAuto pipelines.
+  seed = 390;
+  {
+    struct Forced {
+      const char* name;
+      std::int64_t heads, len;
+      GateMode gate;
+      float dt_shift;
+      DType state;
+      PrefillSchedule schedule;
+    };
+    constexpr GateMode kSoft = GateMode::kSoftplus, kBound = GateMode::kLowerBound;
+    constexpr PrefillSchedule kPipe = PrefillSchedule::kPipelined;
+    const Forced forced[] = {
+        {"softplus H32 T1000", 32, 1000, kSoft, 0.f, DType::kF32, kPipe},
+        {"softplus H8 T2000 bf16", 8, 2000, kSoft, 0.f, DType::kBF16, kPipe},
+        {"softplus strong decay H8 T1000", 8, 1000, kSoft, 5.f, DType::kF32, kPipe},
+        {"softplus H32 T100", 32, 100, kSoft, 0.f, DType::kF32, kPipe},
+        {"H4 T17", 4, 17, kBound, 0.f, DType::kF32, kPipe},
+        {"H16 T4100", 16, 4100, kBound, 0.f, DType::kF32, kPipe},
+        {"two-phase H32 T1024", 32, 1024, kBound, 0.f, DType::kF32, PrefillSchedule::kTwoPhase}};
+    for (const Forced& f : forced) {
+      CaseOptions o = cuda_options(f.heads, ++seed);
+      o.seq_len = f.len;
+      o.gate = f.gate;
+      o.dt_bias_shift = f.dt_shift;
+      o.initial_state_dtype = o.final_state_dtype = f.state;
+      cases->push_back({std::string("pipelined: schedule, ") + f.name, o, kOnCuda, Against::kCpu,
+                        kGpuOutTol, kGpuTol, kGpuFp64Tol, kGpuFp64Tol, f.schedule});
+    }
   }
   // Every state combination.
   seed = 400;

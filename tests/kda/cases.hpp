@@ -43,6 +43,8 @@ struct PrefillCase {
   // kGpuFp64Bf16StateTol).
   double fp64_out_tol = kGpuFp64Tol;
   double fp64_state_tol = kGpuFp64Tol;
+  // The CUDA prefill's schedule (CudaOptions::schedule): the cases that force one.
+  PrefillSchedule schedule = PrefillSchedule::kAuto;
 };
 // Every prefill case: against == kFp64 ones are run by "prefill matches the fp64 reference" on
 // their backends (the CPU in fp32 and fp64 mode), kCpu ones by "prefill matches the CPU backend".

@@ -25,6 +25,7 @@ KDA_CUDA_CASE("prefill matches the CPU backend") {
       const KdaCase c = make_case(pc.options);
       PrefillOptions opt;
       opt.extra_state_rows = 1;
+      opt.cuda.schedule = pc.schedule;
       const PrefillRun gpu = cuda.prefill(c, opt);
       REQUIRE_MESSAGE(gpu.status.ok(), label << ": " << gpu.status.to_string());
       const PrefillRun cpu = cpu_runner().prefill(c);

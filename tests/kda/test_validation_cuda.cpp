@@ -484,3 +484,68 @@ TEST_CASE("cuda prefill: a pipelined forward ignores what its workspace held bef
 #endif
   }
 }
+
+TEST_CASE("cuda prefill: the schedule option picks the path, and every path computes the same") {
+  // White-box, as above: after a call into a zeroed workspace, the ready flags say whether the
+  // pipelined path ran. kTwoPhase sets none, kPipelined all of them (where four 32-column
+  // blocks per head fit the SMs), kAuto whichever it picks; each result against the fp64
+  // recurrence. The second shape is shorter than kAuto's 32 chunks.
+  if (!gpu_or_skip()) return;
+  int sms = 0;
+#ifdef KDA_HAVE_CUDA
+  REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+#endif
+  struct Shape {
+    std::int64_t heads, len;
+    GateMode gate;
+  };
+  for (const Shape sh :
+       {Shape{32, 1200, GateMode::kLowerBound}, Shape{8, 400, GateMode::kSoftplus}}) {
+    CAPTURE(sh.heads);
+    CAPTURE(sh.len);
+    CaseOptions o = cuda_case(47);
+    o.heads = sh.heads;
+    o.lengths = {sh.len};
+    o.gate = sh.gate;
+    const KdaCase c = make_case(o);
+    const Reference ref = reference_forward(c);
+    for (PrefillSchedule schedule :
+         {PrefillSchedule::kAuto, PrefillSchedule::kTwoPhase, PrefillSchedule::kPipelined}) {
+      CAPTURE(to_string(schedule));
+      PrefillRig rig(c);
+      rig.ws.fill(0x00);
+      CudaOptions opt;
+      opt.schedule = schedule;
+      REQUIRE(rig.run(rig.tensors(), opt).ok());
+      CHECK(rig.device_status().ok());
+      const double e_out = rel_error_bf16(rig.out.download<std::uint16_t>(), ref.out);
+      const double e_state = rel_error(to_doubles(rig.ht.download<float>()), ref.final_state);
+      MESSAGE(to_string(schedule) << ": out " << e_out << ", state " << e_state);
+      CHECK(e_out <= 3e-3);
+      CHECK(e_state <= 3e-3);
+      const std::size_t words = static_cast<std::size_t>(((sh.len + 15) / 16 + 1) * o.heads);
+      const std::vector<std::uint32_t> ws = rig.ws.download<std::uint32_t>();
+      const std::size_t end = (rig.ws_bytes - 256) / 4;
+      REQUIRE(end >= words);
+      std::size_t set = 0;
+      for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+      if (schedule == PrefillSchedule::kTwoPhase) {
+        CHECK_MESSAGE(set == 0, set << " ready flags set: pipelined?");
+      } else if (schedule == PrefillSchedule::kPipelined && sms >= 4 * o.heads) {
+        CHECK_MESSAGE(set == words, set << " of " << words << " ready flags set: not pipelined?");
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda prefill: an unknown schedule is rejected before anything runs") {
+  if (!gpu_or_skip()) return;
+  PrefillRig rig(make_case(cuda_case(53)));
+  CudaOptions opt;
+  opt.schedule = static_cast<PrefillSchedule>(7);
+  const Status st = rig.run(rig.tensors(), opt);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK_MESSAGE(contains(st, "CudaOptions::schedule is 7"), st.to_string());
+  REQUIRE(stream_synchronize(nullptr).ok());
+  CHECK(rig.untouched());
+}

@@ -189,6 +189,25 @@ struct CpuOptions {
 // CPU forward (Eigen). Validates, then computes; writes nothing when validation fails.
 Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt = {});
 
+// How the CUDA prefill schedules its two phases (the per-chunk preparation and the sequential
+// recurrence; docs/KDA.md §3). Every schedule computes the same result to rounding; they differ
+// in speed only, and kAuto picks what was measured fastest on the H200 for the shape.
+enum class PrefillSchedule : int {
+  kAuto = 0,
+  // The prepare kernel over every chunk, then the recurrence, long sequences split into segments
+  // run in parallel and joined by a scan (intracard context parallelism) where that pays.
+  kTwoPhase = 1,
+  // The recurrence fed chunk by chunk by a persistent prepare grid running beside it. Only for one
+  // sequence whose 4 H recurrence blocks fit beside that grid (4 H <= the device's SMs); any other
+  // problem runs kTwoPhase. kAuto takes it from 32 chunks (512 tokens) on.
+  kPipelined = 2,
+};
+const char* to_string(PrefillSchedule schedule) noexcept;
+constexpr bool is_known(PrefillSchedule schedule) noexcept {
+  return schedule == PrefillSchedule::kAuto || schedule == PrefillSchedule::kTwoPhase ||
+         schedule == PrefillSchedule::kPipelined;
+}
+
 struct CudaOptions {
   // Ask the driver where every pointer lives (cudaPointerGetAttributes) and how far its allocation
   // reaches, before anything is launched: a host pointer, memory of another device or a buffer too
@@ -196,6 +215,9 @@ struct CudaOptions {
   // few driver queries per call (host time only, measured in docs/PERFORMANCE.md); turn it off for
   // pointers already checked, e.g. when capturing a graph that will be replayed many times.
   bool check_pointers = true;
+  // The prefill's schedule (forward_cuda only; the decode and the segment transition ignore it).
+  // A value outside the enum is kInvalidArgument.
+  PrefillSchedule schedule = PrefillSchedule::kAuto;
 };
 
 // CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once

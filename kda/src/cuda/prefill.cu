@@ -52,13 +52,11 @@ float scan_step_ratio() {
   return ratio;
 }
 
-// The pipelined prefill (PERFORMANCE-NOTES.md v19, v20): KDA_PREFILL_PIPELINE=0 turns it off, 1
-// (the default) runs it for the bounded gate, 2 for the softplus gate too (slower at v19: a knob
-// for the benchmark's A/B, not a default).
-int pipeline_mode() {
-  static const int mode =
-      static_cast<int>(env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 2.0f) + 0.5f);
-  return mode;
+// The pipelined prefill under PrefillSchedule::kAuto (PERFORMANCE-NOTES.md v19-v21):
+// KDA_PREFILL_PIPELINE=0 turns it off (a knob for the benchmark's A/B, not part of the contract).
+bool pipeline_enabled() {
+  static const bool enabled = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
+  return enabled;
 }
 // Shortest sequence (in chunks) worth pipelining: below it the recurrence is too short to hide
 // the prepare kernel behind.
@@ -71,22 +69,37 @@ constexpr std::int64_t kMinPipelineChunks = 32;
 constexpr std::int64_t kMinSplitSegments = 6;
 constexpr std::int64_t kLongSequenceChunks = 1024;  // 16k tokens: three segments pay already
 
-// One sequence the pipelined prefill can take: its 32-column recurrence blocks (four per head)
-// leave every SM room for the persistent prepare grid beside them. Measured faster only with the
-// bounded gate (the softplus gate's prepare is slower: its twin lost 1 %; 64-column blocks for
-// more heads, h64-1seq, lost 38 %).
-bool pipelinable(std::int64_t T, std::int64_t N, std::int64_t H, GateMode gate, int sms) {
-  const int mode = pipeline_mode();
-  return mode > 0 && (gate == GateMode::kLowerBound || mode > 1) && N == 1 &&
-         4 * H <= static_cast<std::int64_t>(sms) && T >= kMinPipelineChunks * C;
+// One sequence the pipelined prefill can run: its 32-column recurrence blocks (four per head)
+// leave every SM room for the persistent prepare grid beside them.
+bool pipeline_fits(std::int64_t T, std::int64_t N, std::int64_t H, int sms) {
+  return N == 1 && T > 0 && 4 * H <= static_cast<std::int64_t>(sms);
+}
+
+// Whether the forward runs pipelined under `schedule`. kAuto: where it was measured faster (both
+// gates: h32-1seq 0.90x, its softplus twin 0.975x; 64-column blocks for more heads, h64-1seq,
+// lost 38 %), from kMinPipelineChunks on.
+bool pipeline_wanted(std::int64_t T, std::int64_t N, std::int64_t H, int sms,
+                     PrefillSchedule schedule) {
+  if (!pipeline_fits(T, N, H, sms)) return false;
+  switch (schedule) {
+    case PrefillSchedule::kTwoPhase:
+      return false;
+    case PrefillSchedule::kPipelined:
+      return true;
+    case PrefillSchedule::kAuto:
+      break;
+  }
+  return pipeline_enabled() && T >= kMinPipelineChunks * C;
 }
 
 // max_chunks: the longest sequence's chunks, or an upper bound of it (what the host knows).
-// pipelined: the sequence can take the pipelined path instead (pipelinable()).
+// pipelined: the sequence can take the pipelined path instead (pipeline_wanted()); forced: the
+// caller asked for it (PrefillSchedule::kPipelined), so no split at all.
 SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sms,
-                          std::int64_t max_chunks, bool pipelined) {
+                          std::int64_t max_chunks, bool pipelined, bool forced) {
   SegmentPlan plan;
   plan.seg_slots = N;
+  if (pipelined && forced) return plan;
   const std::uint64_t extra_bound =
       max_extra_segments(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(H));
   if (extra_bound == 0 || N == 0) return plan;
@@ -134,6 +147,11 @@ class PrefillLaunch {
  public:
   // A forward: out and states.
   Status initialize(const Problem& p, const Tensors& t, Workspace ws, const CudaOptions& opt) {
+    if (!is_known(opt.schedule)) {
+      return Status(StatusCode::kInvalidArgument,
+                    "CudaOptions::schedule is " + std::to_string(static_cast<int>(opt.schedule)) +
+                        ", expected kAuto, kTwoPhase or kPipelined");
+    }
     Status st = can_implement(p, Backend::kCuda);
     if (!st.ok()) return st;
     ArgumentTable args;
@@ -152,8 +170,9 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
-    const bool pipelinable_seq = pipelinable(T_, N_, p.num_heads, p.gate, sms_);
-    plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), pipelinable_seq);
+    const bool wants_pipeline = pipeline_wanted(T_, N_, p.num_heads, sms_, opt.schedule);
+    plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), wants_pipeline,
+                          opt.schedule == PrefillSchedule::kPipelined);
     prm_.seg_chunks = plan_.seg_chunks;
     prm_.seg_blocks =
         plan_.split
@@ -164,7 +183,7 @@ class PrefillLaunch {
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
     // Pipelined (v19): one unsplit sequence fed chunk by chunk by the persistent prepare grid
     // (H200: h32-1seq 0.92x, h32-32k 0.87x against the split).
-    pipelined_ = pipelinable_seq && !plan_.split;
+    pipelined_ = wants_pipeline && !plan_.split;
     if (pipelined_) {
       std::uint64_t flags_at = 0;
       if (!cuda_prefill_flags_offset(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),

@@ -109,6 +109,9 @@ struct EngineOptions {
   // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
+  // CUDA: the prefill's schedule (kda::CudaOptions::schedule); kAuto picks per call from the
+  // shape. The others are for measurements and A/B runs. Unknown values throw at construction.
+  PrefillSchedule prefill_schedule = PrefillSchedule::kAuto;
   // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
   std::optional<LayerMode> layer_mode;
 };
