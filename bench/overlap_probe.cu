@@ -163,9 +163,11 @@ int main(int argc, char** argv) {
     Problem a, b;
     make_problem(&a, c.heads, c.rows, c.len, 100);
     make_problem(&b, c.heads, c.rows, c.len, 200);
-    check(d::launch_prepare(a.prm, a.slots, s1), "prepare A");
+    check(d::launch_prepare(a.prm, a.slots, d::kPrepPipelinedBlocksPerSm, s1), "prepare A");
     CK(cudaStreamSynchronize(s1));
-    auto prep = [&](cudaStream_t s) { check(d::launch_prepare(b.prm, b.slots, s), "prepare B"); };
+    auto prep = [&](cudaStream_t s) {
+      check(d::launch_prepare(b.prm, b.slots, d::kPrepPipelinedBlocksPerSm, s), "prepare B");
+    };
     for (const S shape : c.shapes) {
       auto rec = [&](cudaStream_t s) {
         check(d::launch_recurrence(a.prm, d::RecurrencePass::kFirst, false, shape, a.rows, d::D, s),

@@ -58,6 +58,15 @@ bool pipeline_enabled() {
   static const bool enabled = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
   return enabled;
 }
+// Persistent prepare blocks per SM beside the pipelined recurrence (v19's sweep: 3 of 2-5 best;
+// KDA_PREFILL_PIPE_PREP_BLOCKS, a benchmark knob, 1-8).
+int pipelined_prep_blocks() {
+  static const int blocks =
+      static_cast<int>(env_float("KDA_PREFILL_PIPE_PREP_BLOCKS",
+                                 static_cast<float>(kPrepPipelinedBlocksPerSm), 1.0f, 8.0f) +
+                       0.5f);
+  return blocks;
+}
 // Shortest sequence (in chunks) worth pipelining: below it the recurrence is too short to hide
 // the prepare kernel behind.
 constexpr std::int64_t kMinPipelineChunks = 32;
@@ -230,13 +239,13 @@ class PrefillLaunch {
           err != cudaSuccess) {
         return cuda_status(err, "cudaMemsetAsync(ready flags)");
       }
-      Status st = launch_prepare(prm_, chunk_slots_, stream);
+      Status st = launch_prepare(prm_, chunk_slots_, pipelined_prep_blocks(), stream);
       if (!st.ok()) return st;
       return launch_recurrence(prm_, RecurrencePass::kPipelined, false, shape_, N_, D, stream);
     }
     if (T_ > 0) {
       KDA_NVTX_RANGE("kda.prefill.prepare");
-      Status st = launch_prepare(prm_, chunk_slots_, stream);
+      Status st = launch_prepare(prm_, chunk_slots_, kPrepPipelinedBlocksPerSm, stream);
       if (!st.ok()) return st;
     }
     KDA_NVTX_RANGE("kda.prefill.recurrence");

@@ -161,12 +161,15 @@ __device__ __forceinline__ std::int64_t segments_of(std::int64_t nchunks, std::i
 }
 
 // Launchers (asynchronous on `stream`; each reports its own launch error).
-// With prm.ready, the prepare kernel runs as a persistent grid of kPrepPipelinedBlocksPerSm blocks
-// per SM (room for a recurrence block beside them) taking (slot, head) items slot by slot, and
-// lets the recurrence, launched next as RecurrencePass::kPipelined, start at once (programmatic
-// dependent launch).
+// With prm.ready, the prepare kernel runs as a persistent grid of `pipelined_blocks_per_sm` blocks
+// per SM (kPrepPipelinedBlocksPerSm by default: room for a recurrence block beside them; clamped
+// to what the kernel's launch bounds allow) taking (slot, head) items slot by slot, and lets the
+// recurrence, launched next as RecurrencePass::kPipelined, start at once (programmatic dependent
+// launch). More blocks than fit beside the recurrence delay it, never deadlock: the prepare grid
+// waits on nothing.
 inline constexpr int kPrepPipelinedBlocksPerSm = 3;
-Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream);
+Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots,
+                      int pipelined_blocks_per_sm, cudaStream_t stream);
 // Recurrence block shapes: the V columns a block carries, its warps, and the 16-column m-tiles per
 // warp. Two m-tiles a warp share every fragment the warp loads from the stage (W, Q~, K^, M) and
 // the decay factors (each m-tile reads its own U0 columns), which halves the shared-memory reads

@@ -695,7 +695,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
 
 }  // namespace
 
-Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaStream_t stream) {
+Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots,
+                      int pipelined_blocks_per_sm, cudaStream_t stream) {
   const bool pipelined = prm.ready != nullptr;
   void (*kernel)(PrefillParams) =
       prm.gate == GateMode::kLowerBound
@@ -714,8 +715,10 @@ Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots, cudaSt
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
   if (pipelined) {
     const std::int64_t items = chunk_slots * prm.num_heads;
-    const std::int64_t grid =
-        static_cast<std::int64_t>(kPrepPipelinedBlocksPerSm) * current_device_sm_count();
+    const int per_sm = pipelined_blocks_per_sm < 1                  ? 1
+                       : pipelined_blocks_per_sm > kPrepBlocksPerSm ? kPrepBlocksPerSm
+                                                                    : pipelined_blocks_per_sm;
+    const std::int64_t grid = static_cast<std::int64_t>(per_sm) * current_device_sm_count();
     cfg.gridDim = dim3(static_cast<unsigned>(items < grid ? items : grid));
   }
   cfg.blockDim = dim3(kPrepThreads);
