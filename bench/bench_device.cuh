@@ -24,30 +24,40 @@
 
 namespace kda_bench {
 
-// Uniform values in [lo, hi) as bf16, from a counter-based hash (fast to fill gigabytes).
+// Uniform values in [lo, hi) from a counter-based hash (fast to fill gigabytes): element i of a
+// fill with `seed`, the same on the host (kda-bench --paths replays the inputs there).
+__host__ __device__ inline std::uint16_t hashed_bf16(std::int64_t i, std::uint64_t seed, float lo,
+                                                     float hi) {
+  std::uint64_t x = (static_cast<std::uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+  const float f = lo + (hi - lo) * u;
+  std::uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+__host__ __device__ inline float hashed_f32(std::int64_t i, std::uint64_t seed, float lo,
+                                            float hi) {
+  std::uint64_t x = (static_cast<std::uint64_t>(i) + 7) * 0xD6E8FEB86659FD93ull ^ seed;
+  x ^= x >> 32;
+  x *= 0x9E3779B97F4A7C15ull;
+  x ^= x >> 29;
+  return lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+}
+
 __global__ void fill_bf16(std::uint16_t* dst, std::int64_t n, std::uint64_t seed, float lo,
                           float hi) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint64_t x = (static_cast<std::uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    x ^= x >> 29;
-    const float u = static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
-    const float f = lo + (hi - lo) * u;
-    std::uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    dst[i] = static_cast<std::uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    dst[i] = hashed_bf16(i, seed, lo, hi);
   }
 }
 __global__ void fill_f32(float* dst, std::int64_t n, std::uint64_t seed, float lo, float hi) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    std::uint64_t x = (static_cast<std::uint64_t>(i) + 7) * 0xD6E8FEB86659FD93ull ^ seed;
-    x ^= x >> 32;
-    x *= 0x9E3779B97F4A7C15ull;
-    x ^= x >> 29;
-    dst[i] = lo + (hi - lo) * static_cast<float>(x >> 40) * (1.0f / 16777216.0f);
+    dst[i] = hashed_f32(i, seed, lo, hi);
   }
 }
 

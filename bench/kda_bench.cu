@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -70,6 +71,17 @@ void* dalloc(Prefill& pf, std::size_t bytes) {
   return p;
 }
 
+// The inputs' distributions (make_prefill; --paths replays the gate's on the host): exp(A_log)
+// in [1, 15], dt_bias in [-1, 1] (plus the case's dt_shift), g_raw in [-3, 1].
+constexpr float kALogLo = 0.0f, kALogHi = 2.7f;
+constexpr float kDtBiasLo = -1.0f, kDtBiasHi = 1.0f;
+constexpr float kGLo = -3.0f, kGHi = 1.0f;
+constexpr std::uint64_t kCaseSeed = 1234;  // every case's inputs
+// The seed of input set s (the sets rotate so that the inputs exceed the L2).
+std::uint64_t set_seed(std::uint64_t seed, int s) {
+  return seed * 1000 + static_cast<std::uint64_t>(s) * 10;
+}
+
 Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   Prefill pf;
   const int H = c.heads, D = 128;
@@ -123,8 +135,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   CK(cudaMemcpy(d_cu, cu.data(), (N + 1) * 8, cudaMemcpyHostToDevice));
   float* A_log = static_cast<float*>(dalloc(pf, H * 4));
   float* dt_bias = static_cast<float*>(dalloc(pf, H * D * 4));
-  fill(A_log, H, seed + 1, 0.0f, 2.7f);  // exp(A_log) in [1, 15]
-  fill(dt_bias, H * D, seed + 2, -1.0f + c.dt_shift, 1.0f + c.dt_shift);
+  fill(A_log, H, seed + 1, kALogLo, kALogHi);
+  fill(dt_bias, H * D, seed + 2, kDtBiasLo + c.dt_shift, kDtBiasHi + c.dt_shift);
   for (int s = 0; s < nsets; ++s) {
     kda::Tensors t;
     auto bf = [&](std::int64_t n, float lo, float hi, std::uint64_t sd) {
@@ -132,11 +144,11 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
       fill(ptr, n, sd, lo, hi);
       return ptr;
     };
-    const std::uint64_t sd = seed * 1000 + s * 10;
+    const std::uint64_t sd = set_seed(seed, s);
     t.q = bf(tok_elems, -1, 1, sd + 1);
     t.k = bf(tok_elems, -1, 1, sd + 2);
     t.v = bf(tok_elems, -1, 1, sd + 3);
-    t.g = bf(tok_elems, -3, 1, sd + 4);
+    t.g = bf(tok_elems, kGLo, kGHi, sd + 4);
     t.beta = bf(T * H, -2, 2, sd + 5);
     t.A_log = A_log;
     t.dt_bias = dt_bias;
@@ -199,7 +211,7 @@ std::string lengths_label(const PrefillCase& c) {
   return s;
 }
 
-void run_prefill(double bw, int iters, const std::string& only) {
+std::vector<PrefillCase> prefill_cases() {
   const std::vector<std::int64_t> varlen = {1300, 547, 2048, 963, 271, 3063};
   const std::vector<std::int64_t> ragged16 = {1300, 547, 2048, 963, 271, 3063, 17000, 7000};
   const std::vector<std::int64_t> b8(8, 1024), b16(16, 2048), b8x4096(8, 4096);
@@ -276,6 +288,71 @@ void run_prefill(double bw, int iters, const std::string& only) {
     mild.dt_shift = -3.0f;
     cases.push_back(mild);
   }
+  return cases;
+}
+
+// --paths (on the host, no device needed): how the CUDA prepare kernel's rule
+// (prefill_prepare.cu; the tests' prepare_paths) shares each softplus case's chunk-heads between
+// its paths, on the case's input set 0 replayed from the fills' hash: reference 0 while every
+// channel decays < 80 nats over the 16-token chunk, the middle reference while every half range
+// is < 80, two levels ("halves") while each 8-token half's own half range is < 80, else exact.
+void print_paths(const std::string& only) {
+  constexpr int C = 16, D = 128;
+  constexpr double kBound = 80.0;
+  std::printf("\n### Prepare paths of the softplus cases (input set 0, %% of chunk-heads)\n\n");
+  std::printf("| case | chunk-heads | reference 0 | middle | halves | exact |\n");
+  std::printf("|---|---:|---:|---:|---:|---:|\n");
+  for (const PrefillCase& c : prefill_cases()) {
+    if (c.gate != kda::GateMode::kSoftplus) continue;
+    if (!only.empty() && !matches(only, c.name)) continue;
+    const int H = c.heads;
+    const std::uint64_t g_seed = set_seed(kCaseSeed, 0) + 4;
+    double counts[4] = {0, 0, 0, 0};
+    std::int64_t tok0 = 0;  // the sequence's first token (rows of a fixed batch are contiguous)
+    for (std::int64_t len : c.lengths) {
+      for (int h = 0; h < H; ++h) {
+        const double a = std::exp(
+            static_cast<double>(kda_bench::hashed_f32(h, kCaseSeed + 1, kALogLo, kALogHi)));
+        for (std::int64_t t0 = 0; t0 < len; t0 += C) {
+          double decay = 0, range = 0, half_range = 0;
+          for (int d = 0; d < D; ++d) {
+            const double dt =
+                kda_bench::hashed_f32(static_cast<std::int64_t>(h) * D + d, kCaseSeed + 2,
+                                      kDtBiasLo + c.dt_shift, kDtBiasHi + c.dt_shift);
+            double G[C], sum = 0;
+            for (int t = 0; t < C; ++t) {
+              if (t0 + t < len) {
+                const std::int64_t idx = ((tok0 + t0 + t) * H + h) * D + d;
+                const std::uint32_t bits =
+                    static_cast<std::uint32_t>(kda_bench::hashed_bf16(idx, g_seed, kGLo, kGHi))
+                    << 16;
+                float g;
+                std::memcpy(&g, &bits, 4);
+                const double x = g + dt;
+                sum -= a * (x > 20 ? x : std::log1p(std::exp(x)));
+              }
+              G[t] = sum;
+            }
+            decay = std::max(decay, -G[C - 1]);
+            range = std::max(range, 0.5 * (G[0] - G[C - 1]));
+            half_range =
+                std::max({half_range, 0.5 * (G[0] - G[C / 2 - 1]), 0.5 * (G[C / 2] - G[C - 1])});
+          }
+          ++counts[decay < kBound ? 0 : range < kBound ? 1 : half_range < kBound ? 2 : 3];
+        }
+      }
+      tok0 += len;
+    }
+    const double total = counts[0] + counts[1] + counts[2] + counts[3];
+    std::printf("| %s | %.0f | %.1f | %.1f | %.1f | %.1f |\n", c.name.c_str(), total,
+                100 * counts[0] / total, 100 * counts[1] / total, 100 * counts[2] / total,
+                100 * counts[3] / total);
+    std::fflush(stdout);
+  }
+}
+
+void run_prefill(double bw, int iters, const std::string& only) {
+  const std::vector<PrefillCase> cases = prefill_cases();
   std::printf("\n### CUDA prefill (K = V = 128, state in and out, median of %d)\n\n", iters);
   std::printf(
       "| case | gate | state | H | sequences | ms | GB/s | floor ms | x floor | FlashKDA ms | "
@@ -284,7 +361,7 @@ void run_prefill(double bw, int iters, const std::string& only) {
   for (const auto& c : cases) {
     // --case: a comma-separated list of names; a trailing '*' matches a prefix.
     if (!only.empty() && !matches(only, c.name)) continue;
-    Prefill pf = make_prefill(c, 1234);
+    Prefill pf = make_prefill(c, kCaseSeed);
     const kda::Workspace ws{pf.ws, pf.ws_bytes};
     const double ms = median_ms(
         [&](int i) {
@@ -302,7 +379,7 @@ void run_prefill(double bw, int iters, const std::string& only) {
       std::snprintf(fls, sizeof fls, "%.2fx", c.fla_ms / ms);
     }
     std::printf("| %s | %s | %s | %d | %s | %.3f | %.0f | %.3f | %.1f | %s | %s | %s | %s |\n",
-                c.name.c_str(), c.gate == G::kSoftplus ? "softplus" : "lower_bound",
+                c.name.c_str(), c.gate == kda::GateMode::kSoftplus ? "softplus" : "lower_bound",
                 kda::to_string(c.state), c.heads, lengths_label(c).c_str(), ms,
                 pf.bytes / (ms * 1e-3) / 1e9, floor_ms, ms / floor_ms, fk, fks, fl, fls);
     std::fflush(stdout);
@@ -604,7 +681,7 @@ void run_host_overhead() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool prefill = false, decode = false, host = false;
+  bool prefill = false, decode = false, host = false, paths = false;
   int iters = 30;
   std::string only;
   for (int i = 1; i < argc; ++i) {
@@ -615,15 +692,22 @@ int main(int argc, char** argv) {
       decode = true;
     else if (a == "--host")
       host = true;
+    else if (a == "--paths")
+      paths = true;
     else if (a == "--iters" && i + 1 < argc)
       iters = std::max(3, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
     else {
       std::fprintf(stderr,
-                   "usage: kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]\n");
+                   "usage: kda-bench [--prefill] [--decode] [--host] [--paths] [--iters N] "
+                   "[--case NAME]\n");
       return 2;
     }
+  }
+  if (paths) {  // host only: before the device check
+    print_paths(only);
+    if (!prefill && !decode && !host) return 0;
   }
   if (!prefill && !decode && !host) prefill = decode = host = true;
   if (kda::cuda_device_count() == 0) {
