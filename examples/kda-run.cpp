@@ -68,7 +68,8 @@ Options:
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
   --threads N          CPU backend threads (default 0: all hardware threads)
-  --prefill-schedule S auto (default), two-phase or pipelined: how the CUDA prefill runs its two
+  --prefill-schedule S auto, two-phase or pipelined (default: the model's
+                       runtime.prefill_schedule, itself auto): how the CUDA prefill runs its two
                        phases (docs/KDA.md section 3; same results to rounding, for A/B runs)
   --plan-only          print the memory plan and exit (no weights are read, but a missing weights
                        file is reported); --json prints every buffer as JSON:
@@ -123,8 +124,7 @@ struct Options {
   bool decode_given = false;
   bool seed_given = false;
   bool threads_given = false;
-  kda::PrefillSchedule schedule = kda::PrefillSchedule::kAuto;
-  bool schedule_given = false;
+  std::optional<kda::PrefillSchedule> schedule;  // unset: the model's runtime.prefill_schedule
 };
 
 std::int64_t parse_int(const std::string& flag, const std::string& text, std::int64_t lo,
@@ -206,17 +206,12 @@ Options parse_args(int argc, char** argv) {
       o.backend = choice;
     } else if (arg == "--prefill-schedule") {
       const std::string text = value();
-      if (text == "auto") {
-        o.schedule = kda::PrefillSchedule::kAuto;
-      } else if (text == "two-phase") {
-        o.schedule = kda::PrefillSchedule::kTwoPhase;
-      } else if (text == "pipelined") {
-        o.schedule = kda::PrefillSchedule::kPipelined;
-      } else {
+      kda::PrefillSchedule schedule;
+      if (!kda::engine::parse_prefill_schedule(text, &schedule)) {
         throw UsageError{"--prefill-schedule expects auto, two-phase or pipelined, got '" + text +
                          "'"};
       }
-      o.schedule_given = true;
+      o.schedule = schedule;
     } else if (arg == "--plan-only") {
       no_value();
       o.plan_only = true;
@@ -236,7 +231,7 @@ Options parse_args(int argc, char** argv) {
     if (!o.model.empty()) throw UsageError{flag + " and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule_given) {
+        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -245,8 +240,8 @@ Options parse_args(int argc, char** argv) {
   if (o.model.empty())
     throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
-  if (o.plan_only && (o.sequences_given || o.decode_given || o.seed_given || o.threads_given ||
-                      o.schedule_given)) {
+  if (o.plan_only &&
+      (o.sequences_given || o.decode_given || o.seed_given || o.threads_given || o.schedule)) {
     throw UsageError{"--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
   }
   return o;
@@ -471,7 +466,7 @@ int run_model(const Options& o) {
   options.backend = choice;
   options.seed = o.seed;
   options.cpu_threads = static_cast<int>(o.threads);
-  options.prefill_schedule = o.schedule;
+  if (o.schedule) options.prefill_schedule = *o.schedule;
   kda::engine::Engine engine(spec, options);
   kda::examples::SyntheticInputs inputs(engine, tokens);
   const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
@@ -484,7 +479,8 @@ int run_model(const Options& o) {
   if (engine.backend() == kda::Backend::kCpu) {
     std::printf(" (%d thread%s)\n", threads, threads == 1 ? "" : "s");
   } else {
-    std::printf(" (%s)\n", kda::device_name(0).c_str());
+    std::printf(" (%s; prefill schedule %s)\n", kda::device_name(0).c_str(),
+                kda::to_string(engine.spec().runtime.prefill_schedule));
   }
   if (whole) {
     // Each layer's weight image is its arena buffer layer{n}.weights (CPU: widened to fp32).

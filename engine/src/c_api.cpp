@@ -30,8 +30,6 @@ static_assert(KDA_WORKSPACE_TOO_SMALL == static_cast<int>(StatusCode::kWorkspace
 static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUnavailable), "");
 static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
-static_assert(KDA_PREFILL_SCHEDULE_PIPELINED == static_cast<int>(kda::PrefillSchedule::kPipelined),
-              "kda_prefill_schedule mirrors kda::PrefillSchedule");
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
 // before prefill_schedule was 48 bytes on LP64.
 static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 56,
@@ -148,6 +146,8 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
   }
   result.check_pointers = options->check_pointers != 0;
   switch (options->prefill_schedule) {
+    case KDA_PREFILL_SCHEDULE_DEFAULT:
+      break;
     case KDA_PREFILL_SCHEDULE_AUTO:
       result.prefill_schedule = kda::PrefillSchedule::kAuto;
       break;
@@ -160,7 +160,8 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
     default:
       invalid(function, "options.prefill_schedule is " +
                             std::to_string(static_cast<int>(options->prefill_schedule)) +
-                            ", expected KDA_PREFILL_SCHEDULE_AUTO, _TWO_PHASE or _PIPELINED");
+                            ", expected KDA_PREFILL_SCHEDULE_DEFAULT, _AUTO, _TWO_PHASE or "
+                            "_PIPELINED");
   }
   if (options->reserved != 0) {
     invalid(function, "options.reserved is " + std::to_string(options->reserved) + ", expected 0");
@@ -222,7 +223,7 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->cpu_threads = 0;
   options->check_pointers = 1;
   options->seed = 0;
-  options->prefill_schedule = KDA_PREFILL_SCHEDULE_AUTO;
+  options->prefill_schedule = KDA_PREFILL_SCHEDULE_DEFAULT;
   options->reserved = 0;
   return KDA_OK;
 }

@@ -524,6 +524,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   Impl& m = *impl_;
   m.spec = std::move(spec);
   if (options.layer_mode) m.spec.runtime.layer_mode = *options.layer_mode;
+  if (options.prefill_schedule) m.spec.runtime.prefill_schedule = *options.prefill_schedule;
   check_layer_mode(m.spec);
   m.cpu_threads = options.cpu_threads;
   const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
@@ -534,13 +535,13 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   backend_options.check_pointers = options.check_pointers;
   m.backend = make_engine_backend(kind, backend_options, where);
   m.unchecked.check_pointers = false;
-  if (!is_known(options.prefill_schedule)) {
+  if (!is_known(m.spec.runtime.prefill_schedule)) {
     throw Error(StatusCode::kInvalidArgument,
                 where + ": EngineOptions::prefill_schedule is " +
-                    std::to_string(static_cast<int>(options.prefill_schedule)) +
+                    std::to_string(static_cast<int>(m.spec.runtime.prefill_schedule)) +
                     ", expected kAuto, kTwoPhase or kPipelined");
   }
-  m.unchecked.schedule = options.prefill_schedule;
+  m.unchecked.schedule = m.spec.runtime.prefill_schedule;
   if (const Status st = can_implement(max_prefill_problem(m.spec), kind); !st.ok()) {
     throw Error(st, where + ": prefill");
   }

@@ -80,9 +80,9 @@ const std::vector<std::string> kTopLevelKeys = {
 const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
     "full_attn_layers", "gate",     "gate_lower_bound"};
-const std::vector<std::string> kRuntimeKeys = {"max_tokens",     "max_sequences", "state_dtype",
-                                               "workspace_plan", "backend",       "layers",
-                                               "tp_size",        "tp_rank"};
+const std::vector<std::string> kRuntimeKeys = {
+    "max_tokens", "max_sequences", "state_dtype", "workspace_plan",  "backend",
+    "layers",     "tp_size",       "tp_rank",     "prefill_schedule"};
 
 bool contains(const std::vector<std::string>& keys, const std::string& key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -482,6 +482,18 @@ bool parse_backend_choice(const std::string& text, BackendChoice* choice) noexce
   return true;
 }
 
+bool parse_prefill_schedule(const std::string& text, PrefillSchedule* schedule) noexcept {
+  if (schedule == nullptr) return false;
+  for (PrefillSchedule s :
+       {PrefillSchedule::kAuto, PrefillSchedule::kTwoPhase, PrefillSchedule::kPipelined}) {
+    if (text == to_string(s)) {
+      *schedule = s;
+      return true;
+    }
+  }
+  return false;
+}
+
 const char* to_string(LayerMode mode) noexcept {
   return mode == LayerMode::kWhole ? "whole" : mode == LayerMode::kCoreOnly ? "core" : "unknown";
 }
@@ -665,6 +677,14 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
         if (!parse_backend_choice(value, &spec.runtime.backend)) {
           ctx.fail(n, r + ".backend",
                    "unknown backend '" + value + "' (expected auto, cpu or cuda)");
+        }
+      }
+      if (const YAML::Node n = optional(runtime, "prefill_schedule"); n.IsDefined()) {
+        const std::string value = as_string(ctx, n, r + ".prefill_schedule");
+        if (!parse_prefill_schedule(value, &spec.runtime.prefill_schedule)) {
+          ctx.fail(
+              n, r + ".prefill_schedule",
+              "unknown prefill schedule '" + value + "' (expected auto, two-phase or pipelined)");
         }
       }
       if (const YAML::Node n = optional(runtime, "layers"); n.IsDefined()) {

@@ -120,7 +120,7 @@ TEST_CASE("status strings and options_init") {
   CHECK(options.cpu_threads == 0);
   CHECK(options.seed == 0);
   CHECK(options.check_pointers == 1);
-  CHECK(options.prefill_schedule == KDA_PREFILL_SCHEDULE_AUTO);
+  CHECK(options.prefill_schedule == KDA_PREFILL_SCHEDULE_DEFAULT);
   CHECK(options.reserved == 0);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
@@ -237,10 +237,10 @@ TEST_CASE("creation errors: message in the caller's buffer, no handle") {
           KDA_INVALID_ARGUMENT);
     CHECK(contains(err, "options.check_pointers is 2, expected 0 or 1"));
     bad = options;
-    bad.prefill_schedule = static_cast<kda_prefill_schedule>(3);
+    bad.prefill_schedule = static_cast<kda_prefill_schedule>(4);
     CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.prefill_schedule is 3"));
+    CHECK(contains(err, "options.prefill_schedule is 4"));
     bad = options;
     bad.reserved = 1;
     CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==

@@ -524,6 +524,17 @@ TEST_CASE("whole layers: bad calls and bad settings are refused with a clear mes
   core_tp.layer_mode = kda::engine::LayerMode::kCoreOnly;
   CHECK_THROWS_WITH_AS(Engine(spec_with("  tp_size: 2\n"), core_tp),
                        doctest::Contains("runtime.tp_size 2 needs whole layers"), kda::Error);
+  // The schedule in effect: the YAML's, unless EngineOptions sets one.
+  CHECK(Engine(spec_from(kSpec), options()).spec().runtime.prefill_schedule ==
+        kda::PrefillSchedule::kAuto);
+  CHECK(Engine(spec_with("  prefill_schedule: two-phase\n"), options())
+            .spec()
+            .runtime.prefill_schedule == kda::PrefillSchedule::kTwoPhase);
+  EngineOptions pipelined = options();
+  pipelined.prefill_schedule = kda::PrefillSchedule::kPipelined;
+  CHECK(Engine(spec_with("  prefill_schedule: two-phase\n"), pipelined)
+            .spec()
+            .runtime.prefill_schedule == kda::PrefillSchedule::kPipelined);
   EngineOptions bad_schedule = options();
   bad_schedule.prefill_schedule = static_cast<kda::PrefillSchedule>(9);
   CHECK_THROWS_WITH_AS(Engine(spec_from(kSpec), bad_schedule),

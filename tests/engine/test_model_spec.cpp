@@ -121,6 +121,7 @@ TEST_CASE("defaults: runtime section / name / short conv kernel / full attention
   CHECK(spec.runtime.state_dtype == kda::DType::kF32);
   CHECK(spec.runtime.workspace_plan == kda::planner::PlanMode::kSum);
   CHECK(spec.runtime.backend == kda::engine::BackendChoice::kAuto);
+  CHECK(spec.runtime.prefill_schedule == kda::PrefillSchedule::kAuto);
   // An empty runtime section means defaults too.
   CHECK(parse_model_spec(text + "runtime:\n", "m.yaml").runtime.max_sequences == 8);
 }
@@ -573,6 +574,26 @@ TEST_CASE("unknown runtime values are named") {
               {"runtime.state_dtype", "unknown state dtype 'fp16'"});
   check_error(replace(kValid, "  workspace_plan: reuse\n", "  workspace_plan: greedy\n"),
               {"runtime.workspace_plan", "unknown plan 'greedy'"});
+  check_error(replace(kValid, "  backend: cpu\n", "  backend: cpu\n  prefill_schedule: fused\n"),
+              {"m.yaml:18:", "runtime.prefill_schedule", "unknown prefill schedule 'fused'",
+               "expected auto, two-phase or pipelined"});
+}
+
+TEST_CASE("runtime.prefill_schedule: every name, and its parser") {
+  for (kda::PrefillSchedule s : {kda::PrefillSchedule::kAuto, kda::PrefillSchedule::kTwoPhase,
+                                 kda::PrefillSchedule::kPipelined}) {
+    const std::string name = kda::to_string(s);
+    CAPTURE(name);
+    const ModelSpec spec = parse_model_spec(
+        replace(kValid, "  backend: cpu\n", "  backend: cpu\n  prefill_schedule: " + name + "\n"),
+        "m.yaml");
+    CHECK(spec.runtime.prefill_schedule == s);
+    CHECK(spec.warnings.empty());
+  }
+  kda::PrefillSchedule untouched = kda::PrefillSchedule::kPipelined;
+  CHECK_FALSE(kda::engine::parse_prefill_schedule("two_phase", &untouched));
+  CHECK(untouched == kda::PrefillSchedule::kPipelined);
+  CHECK_FALSE(kda::engine::parse_prefill_schedule("auto", nullptr));
 }
 
 TEST_CASE("duplicate keys are an error (not a silent choice)") {

@@ -78,13 +78,14 @@ typedef enum kda_backend {
   KDA_BACKEND_MAX_ENUM_ = 0x7FFFFFFF /* not a backend (see KDA_STATUS_MAX_ENUM_) */
 } kda_backend;
 
-/* How the CUDA prefill schedules its phases (kda::PrefillSchedule, docs/KDA.md §3): AUTO picks
- * per call from the shape; TWO_PHASE and PIPELINED force one (for measurements). Same results to
- * rounding either way. */
+/* How the CUDA prefill schedules its phases (kda::PrefillSchedule, docs/KDA.md §3): DEFAULT is
+ * the YAML's runtime.prefill_schedule (itself auto by default); AUTO picks per call from the
+ * shape; TWO_PHASE and PIPELINED force one (for measurements). Same results to rounding. */
 typedef enum kda_prefill_schedule {
-  KDA_PREFILL_SCHEDULE_AUTO = 0,
-  KDA_PREFILL_SCHEDULE_TWO_PHASE = 1,
-  KDA_PREFILL_SCHEDULE_PIPELINED = 2,
+  KDA_PREFILL_SCHEDULE_DEFAULT = 0,
+  KDA_PREFILL_SCHEDULE_AUTO = 1,
+  KDA_PREFILL_SCHEDULE_TWO_PHASE = 2,
+  KDA_PREFILL_SCHEDULE_PIPELINED = 3,
   KDA_PREFILL_SCHEDULE_MAX_ENUM_ = 0x7FFFFFFF /* not a schedule (see KDA_STATUS_MAX_ENUM_) */
 } kda_prefill_schedule;
 
@@ -99,7 +100,7 @@ typedef struct kda_engine_options {
   int check_pointers;  /* CUDA: check on every call that the caller's pointers are device memory
                           of the current device and large enough; default 1, 0 skips the driver
                           queries (host time) */
-  kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_AUTO */
+  kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_DEFAULT */
   int reserved; /* must be 0; keeps this version's size apart from the one before (48 bytes) */
 } kda_engine_options;
 

@@ -110,8 +110,9 @@ struct EngineOptions {
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
   // CUDA: the prefill's schedule (kda::CudaOptions::schedule); kAuto picks per call from the
-  // shape. The others are for measurements and A/B runs. Unknown values throw at construction.
-  PrefillSchedule prefill_schedule = PrefillSchedule::kAuto;
+  // shape. Unset: the spec's runtime.prefill_schedule (auto by default); Engine::spec() reports
+  // the schedule in effect. Unknown values throw at construction.
+  std::optional<PrefillSchedule> prefill_schedule;
   // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
   std::optional<LayerMode> layer_mode;
 };

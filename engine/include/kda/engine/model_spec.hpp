@@ -79,6 +79,10 @@ const char* to_string(LayerMode mode) noexcept;  // "whole" / "core"
 // Parses "whole" / "core"; false on anything else.
 bool parse_layer_mode(const std::string& text, LayerMode* mode) noexcept;
 
+// "auto" / "two-phase" / "pipelined" (kda::to_string's names) -> PrefillSchedule; false for
+// anything else (*schedule untouched).
+bool parse_prefill_schedule(const std::string& text, PrefillSchedule* schedule) noexcept;
+
 struct RuntimeSpec {
   std::int64_t max_tokens = 8192;
   std::int64_t max_sequences = 8;
@@ -86,6 +90,8 @@ struct RuntimeSpec {
   planner::PlanMode workspace_plan = planner::PlanMode::kSum;
   BackendChoice backend = BackendChoice::kAuto;
   LayerMode layer_mode = LayerMode::kWhole;
+  // The CUDA prefill's schedule (kda::CudaOptions::schedule); the CPU backend ignores it.
+  PrefillSchedule prefill_schedule = PrefillSchedule::kAuto;
   // Tensor parallelism (whole layers): this engine holds heads [tp_rank·H/tp_size,
   // (tp_rank+1)·H/tp_size) of every KDA layer, and its whole-layer outputs are partial sums that
   // the host runtime all-reduces over the ranks. The loader checks tp_size divides num_heads.
