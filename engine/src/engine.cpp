@@ -529,18 +529,19 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.cpu_threads = options.cpu_threads;
   const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
   const std::string where = m.spec.name + " on " + to_string(kind);
-  BackendOptions backend_options;
-  backend_options.cpu_threads = options.cpu_threads;
-  backend_options.stream = options.stream;
-  backend_options.check_pointers = options.check_pointers;
-  m.backend = make_engine_backend(kind, backend_options, where);
-  m.unchecked.check_pointers = false;
+  // Checked before the backend is made: nothing is created for options that will be refused.
   if (!is_known(m.spec.runtime.prefill_schedule)) {
     throw Error(StatusCode::kInvalidArgument,
                 where + ": EngineOptions::prefill_schedule is " +
                     std::to_string(static_cast<int>(m.spec.runtime.prefill_schedule)) +
                     ", expected kAuto, kTwoPhase or kPipelined");
   }
+  BackendOptions backend_options;
+  backend_options.cpu_threads = options.cpu_threads;
+  backend_options.stream = options.stream;
+  backend_options.check_pointers = options.check_pointers;
+  m.backend = make_engine_backend(kind, backend_options, where);
+  m.unchecked.check_pointers = false;
   m.unchecked.schedule = m.spec.runtime.prefill_schedule;
   if (const Status st = can_implement(max_prefill_problem(m.spec), kind); !st.ok()) {
     throw Error(st, where + ": prefill");

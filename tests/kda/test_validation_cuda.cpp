@@ -80,6 +80,20 @@ struct PrefillRig {
   bool untouched() const { return all_bytes(out, 0xFF) && all_bytes(ht, 0xFF); }
 };
 
+// White-box: how many of a one-sequence forward's ready flags of the pipelined path (one 32-bit
+// word per chunk slot and head, the workspace's last words before its 256 bytes of alignment
+// slack, workspace_layout.hpp) hold 1 after the call; *words: how many there are.
+std::size_t ready_flags_set(const PrefillRig& rig, std::int64_t len, std::int64_t heads,
+                            std::size_t* words) {
+  *words = static_cast<std::size_t>(((len + 15) / 16 + 1) * heads);
+  const std::vector<std::uint32_t> ws = rig.ws.download<std::uint32_t>();
+  const std::size_t end = (rig.ws_bytes - 256) / 4;
+  REQUIRE(end >= *words);
+  std::size_t set = 0;
+  for (std::size_t i = end - *words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+  return set;
+}
+
 // Runs `c` with `cu` as its only cu_seqlens, in device memory (the host has no copy, so the launch
 // goes ahead): the device status word must name a broken list, and nothing outside the outputs may
 // change.
@@ -464,19 +478,13 @@ TEST_CASE("cuda prefill: a pipelined forward ignores what its workspace held bef
     CHECK(stale.out.download<std::uint16_t>() == clean.out.download<std::uint16_t>());
     CHECK(stale.ht.download<std::uint32_t>() == clean.ht.download<std::uint32_t>());
 #ifdef KDA_HAVE_CUDA
-    // And the path did run: white-box, its ready flags (one 32-bit word per chunk slot and head,
-    // the workspace's last words before its 256 bytes of alignment slack, workspace_layout.hpp)
-    // are all set after the call into the zeroed workspace (a split plan sets none). Four
-    // 32-column blocks per head must fit the SMs.
+    // And the path did run: its ready flags are all set after the call into the zeroed workspace
+    // (a split plan sets none). Four 32-column blocks per head must fit the SMs.
     int sms = 0;
     REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
     if (sms >= 4 * o.heads) {
-      const std::size_t words = static_cast<std::size_t>(((sh.len + 15) / 16 + 1) * o.heads);
-      const std::vector<std::uint32_t> ws = clean.ws.download<std::uint32_t>();
-      const std::size_t end = (clean.ws_bytes - 256) / 4;
-      REQUIRE(end >= words);
-      std::size_t set = 0;
-      for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+      std::size_t words = 0;
+      const std::size_t set = ready_flags_set(clean, sh.len, o.heads, &words);
       CHECK_MESSAGE(set == words, set << " of " << words << " ready flags set: not pipelined?");
     } else {
       MESSAGE("fewer than " << 4 * o.heads << " SMs: this shape is not pipelined here");
@@ -523,12 +531,8 @@ TEST_CASE("cuda prefill: the schedule option picks the path, and every path comp
       MESSAGE(to_string(schedule) << ": out " << e_out << ", state " << e_state);
       CHECK(e_out <= 3e-3);
       CHECK(e_state <= 3e-3);
-      const std::size_t words = static_cast<std::size_t>(((sh.len + 15) / 16 + 1) * o.heads);
-      const std::vector<std::uint32_t> ws = rig.ws.download<std::uint32_t>();
-      const std::size_t end = (rig.ws_bytes - 256) / 4;
-      REQUIRE(end >= words);
-      std::size_t set = 0;
-      for (std::size_t i = end - words; i < end; ++i) set += ws[i] == 1u ? 1 : 0;
+      std::size_t words = 0;
+      const std::size_t set = ready_flags_set(rig, sh.len, o.heads, &words);
       if (schedule == PrefillSchedule::kTwoPhase) {
         CHECK_MESSAGE(set == 0, set << " ready flags set: pipelined?");
       } else if (schedule == PrefillSchedule::kPipelined && sms >= 4 * o.heads) {
