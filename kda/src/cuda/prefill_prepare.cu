@@ -326,8 +326,13 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
   __syncthreads();  // the ranges
   const bool zero_ref =
       fmaxf(fmaxf(sm.decay[0], sm.decay[1]), fmaxf(sm.decay[2], sm.decay[3])) < kFactoredRange2;
-  const bool factored = zero_ref || fmaxf(fmaxf(sm.range[0], sm.range[1]),
-                                          fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
+  // The bounded gate (lower_bound in [-5, 0), validated) decays at most 15 x 5 nats between a
+  // chunk's first and last token: its half range stays below 40 nats, so it is always factored and
+  // its instantiations carry no exact-path code.
+  constexpr bool kAlwaysFactored = GATE == GateMode::kLowerBound;
+  const bool factored =
+      kAlwaysFactored || zero_ref ||
+      fmaxf(fmaxf(sm.range[0], sm.range[1]), fmaxf(sm.range[2], sm.range[3])) < kFactoredRange2;
 
   // 3. The scaled operands of this thread's 8 tokens x 2 channels. K^ waits in registers until
   //    step 5: its tile shares memory with the Gram operands.
