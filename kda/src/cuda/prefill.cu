@@ -58,8 +58,8 @@ bool pipeline_enabled() {
   static const bool enabled = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
   return enabled;
 }
-// Persistent prepare blocks per SM beside the pipelined recurrence (v19's sweep: 3 of 2-5 best;
-// KDA_PREFILL_PIPE_PREP_BLOCKS, a benchmark knob, 1-8).
+// Persistent prepare blocks per SM beside the pipelined recurrence (3 of 2-5 best in v19's sweep
+// and again in v22's; KDA_PREFILL_PIPE_PREP_BLOCKS, a benchmark knob, 1-8).
 int pipelined_prep_blocks() {
   static const int blocks =
       static_cast<int>(env_float("KDA_PREFILL_PIPE_PREP_BLOCKS",
