@@ -20,6 +20,7 @@
 
 #include "bench_device.cuh"
 #include "bench_floors.hpp"
+#include "kda/detail/prepare_paths.hpp"
 #include "kda/kda.hpp"
 
 namespace {
@@ -292,15 +293,12 @@ std::vector<PrefillCase> prefill_cases() {
 }
 
 // --paths (on the host, no device needed): how the CUDA prepare kernel's rule
-// (prefill_prepare.cu; the tests' prepare_paths) shares each softplus case's chunk-heads between
-// its paths, on the case's input set 0 replayed from the fills' hash: reference 0 while every
-// channel decays < 80 nats over the 16-token chunk, the middle reference while every half range
-// is < 80, else exact. The last column is the exact path's share that a two-level reference
-// (each 8-token half's own half range < 80) would take instead: the `prepare-halves` experiment
-// (docs/patches), measured slower (PERFORMANCE-NOTES.md v22), so not a path of the kernel.
+// (kda/detail/prepare_paths.hpp) shares each softplus case's chunk-heads between its paths, on the
+// case's input set 0 replayed from the fills' hash. The last column is the exact path's share that
+// a two-level reference would keep factored (the `prepare-halves` experiment in docs/patches,
+// measured slower: PERFORMANCE-NOTES.md v22; not a path of the kernel).
 void print_paths(const std::string& only) {
   constexpr int C = 16, D = 128;
-  constexpr double kBound = 80.0;
   std::printf("\n### Prepare paths of the softplus cases (input set 0, %% of chunk-heads)\n\n");
   std::printf("| case | chunk-heads | reference 0 | middle | exact | exact within two levels |\n");
   std::printf("|---|---:|---:|---:|---:|---:|\n");
@@ -309,14 +307,14 @@ void print_paths(const std::string& only) {
     if (!only.empty() && !matches(only, c.name)) continue;
     const int H = c.heads;
     const std::uint64_t g_seed = set_seed(kCaseSeed, 0) + 4;
-    double counts[4] = {0, 0, 0, 0};
+    double counts[3] = {0, 0, 0}, two_levels = 0;
     std::int64_t tok0 = 0;  // the sequence's first token (rows of a fixed batch are contiguous)
     for (std::int64_t len : c.lengths) {
       for (int h = 0; h < H; ++h) {
         const double a = std::exp(
             static_cast<double>(kda_bench::hashed_f32(h, kCaseSeed + 1, kALogLo, kALogHi)));
         for (std::int64_t t0 = 0; t0 < len; t0 += C) {
-          double decay = 0, range = 0, half_range = 0;
+          kda::detail::PrepareChunkRule rule;
           for (int d = 0; d < D; ++d) {
             const double dt =
                 kda_bench::hashed_f32(static_cast<std::int64_t>(h) * D + d, kCaseSeed + 2,
@@ -335,20 +333,19 @@ void print_paths(const std::string& only) {
               }
               G[t] = sum;
             }
-            decay = std::max(decay, -G[C - 1]);
-            range = std::max(range, 0.5 * (G[0] - G[C - 1]));
-            half_range =
-                std::max({half_range, 0.5 * (G[0] - G[C / 2 - 1]), 0.5 * (G[C / 2] - G[C - 1])});
+            rule.add_channel(G, C);
           }
-          ++counts[decay < kBound ? 0 : range < kBound ? 1 : half_range < kBound ? 2 : 3];
+          const kda::detail::PreparePath path = rule.path();
+          ++counts[static_cast<int>(path)];
+          if (path == kda::detail::PreparePath::kExact && rule.within_two_levels()) ++two_levels;
         }
       }
       tok0 += len;
     }
-    const double total = counts[0] + counts[1] + counts[2] + counts[3];
+    const double total = counts[0] + counts[1] + counts[2];
     std::printf("| %s | %.0f | %.1f | %.1f | %.1f | %.1f |\n", c.name.c_str(), total,
-                100 * counts[0] / total, 100 * counts[1] / total,
-                100 * (counts[2] + counts[3]) / total, 100 * counts[2] / total);
+                100 * counts[0] / total, 100 * counts[1] / total, 100 * counts[2] / total,
+                100 * two_levels / total);
     std::fflush(stdout);
   }
 }

@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include "kda/detail/prepare_paths.hpp"
+
 namespace kda::test {
 
 namespace {
@@ -415,28 +417,33 @@ PreparePaths prepare_paths(const CaseOptions& options) {
   const Problem& p = c.problem;
   const std::int64_t H = p.num_heads, K = p.head_dim_k;
   constexpr int kChunk = 16;
-  constexpr double kBound = 80.0;
   PreparePaths paths;
-  std::vector<double> G(kChunk);
+  double G[kChunk];
   for (std::int64_t s = 0; s < c.num_seqs(); ++s) {
     for (std::int64_t h = 0; h < H; ++h) {
       const double a = std::exp(static_cast<double>(c.A_log[static_cast<std::size_t>(h)]));
       for (std::int64_t t0 = c.seq_begin(s); t0 < c.seq_end(s); t0 += kChunk) {
-        double decay = 0, range = 0;
+        kda::detail::PrepareChunkRule rule;
         for (std::int64_t i = 0; i < K; ++i) {
           double sum = 0;
           for (int t = 0; t < kChunk; ++t) {  // padded tokens decay by nothing
             if (t0 + t < c.seq_end(s))
               sum += log_decay(c, a, ((t0 + t) * H + h) * K + i, h * K + i);
-            G[static_cast<std::size_t>(t)] = sum;
+            G[t] = sum;
           }
-          decay = std::max(decay, -G[kChunk - 1]);
-          range = std::max(range, 0.5 * (G[0] - G[kChunk - 1]));
+          rule.add_channel(G, kChunk);
         }
-        std::int64_t& count = decay < kBound   ? paths.zero_ref
-                              : range < kBound ? paths.middle_ref
-                                               : paths.exact;
-        ++count;
+        switch (rule.path()) {
+          case kda::detail::PreparePath::kReference0:
+            ++paths.zero_ref;
+            break;
+          case kda::detail::PreparePath::kMiddle:
+            ++paths.middle_ref;
+            break;
+          case kda::detail::PreparePath::kExact:
+            ++paths.exact;
+            break;
+        }
       }
     }
   }

@@ -51,10 +51,8 @@ struct PrefillCase {
 const std::vector<PrefillCase>& prefill_cases();
 
 // How the CUDA prepare kernel (kda/src/cuda/prefill_prepare.cu) treats a case's 16-token chunks,
-// by its rule: reference 0 while every channel decays < 80 nats over the chunk, else the middle
-// reference while every half range is < 80, else the exact path. In fp64 here (the kernel: fp32,
-// log2 units), so a chunk right at a bound may count on the other side; the counts show which
-// paths the CUDA cases reach.
+// by its rule (kda/detail/prepare_paths.hpp, in fp64 here: a chunk right at a bound may count on
+// the other side); the counts show which paths the CUDA cases reach.
 struct PreparePaths {
   std::int64_t zero_ref = 0, middle_ref = 0, exact = 0;
 };

@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
+#include "kda/detail/prepare_paths.hpp"
 
 namespace kda::detail {
 namespace {
@@ -28,8 +29,9 @@ constexpr int kPad = D + 2;  // fp32 rows of the exact path: 8-byte aligned, dis
 //   below 80 nats: every factor lies within exp(+-half); Q~ and K~ are taken from the operands
 //   afterwards. The softplus gate needs it above ~5 nats of decay per token.
 // Above that, chunks take the exact path that exponentiates differences G_i - G_j <= 0 only. The
-// kernel works in log2 units (G times log2(e)), so that every exp is one ex2.
-constexpr float kFactoredRange2 = 80.0f * kLog2e;
+// kernel works in log2 units (G times log2(e)), so that every exp is one ex2. The rule, with its
+// bound, is kda/detail/prepare_paths.hpp's (the tests and kda-bench --paths predict it from there).
+constexpr float kFactoredRange2 = static_cast<float>(kPrepareFactoredBoundNats) * kLog2e;
 
 // Blocks per SM: the kernel is bound by the latency of its inputs and of its one-warp steps (the
 // Gram products, the substitution), which more resident blocks hide; the shared memory below and
