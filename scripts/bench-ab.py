@@ -6,43 +6,18 @@ Each file is one kda-bench run (markdown tables). Runs are interleaved A, B, A, 
 caller, so that clock and thermal drift hit both builds alike. For every prefill case (ms) and
 decode batch (us per step) it prints the median over the runs of each build and B / A.
 """
+import os
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_tables import parse_runs, times  # noqa: E402
+
 
 def parse(path):
-    """{(table, key): time} from one kda-bench output."""
-    times = {}
-    table = None
-    ms_column = None  # the prefill table's "ms" column, from its header row
-    us_column, state_column = 1, None  # the decode table's; older outputs have no state column
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("### "):
-                table = "prefill" if "prefill" in line else "decode" if "decode" in line else "host"
-                continue
-            if not line.startswith("|") or line.startswith("|---") or table is None:
-                continue
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            if table == "prefill" and "ms" in cells:
-                ms_column = cells.index("ms")
-                continue
-            if table == "decode" and "us per step" in cells:
-                us_column = cells.index("us per step")
-                state_column = cells.index("state") if "state" in cells else None
-                continue
-            try:
-                if table == "prefill" and ms_column is not None and len(cells) > ms_column:
-                    times[(table, cells[0])] = float(cells[ms_column])
-                elif table == "decode" and len(cells) > us_column:
-                    state = cells[state_column] if state_column is not None else "f32"
-                    times[(table, f"B={int(cells[0])} {state}")] = float(cells[us_column])
-                elif table == "host" and len(cells) >= 4:
-                    times[(table, cells[0] + " (checks on)")] = float(cells[2])
-                    times[(table, cells[0] + " (checks off)")] = float(cells[3])
-            except ValueError:
-                continue  # a header row
-    return times
+    """{(table, key): time} from one kda-bench output (its first run)."""
+    runs = parse_runs(path)
+    return times(runs[0]) if runs else {}
 
 
 def main(argv):

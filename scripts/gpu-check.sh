@@ -3,6 +3,8 @@
 # dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
 # the benchmark. Logs and tables go to $OUT.
 # Usage: scripts/gpu-check.sh [tests|bench|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
+# sanitize: a quick subset (five runs: the operator's varlen / state / decode cases) under the four
+# compute-sanitizer tools; all-sanitize: tests, bench, then that quick subset (not sanitize-all).
 # ab REV [bench args]: kda-bench of .ab/REV (scripts/ab-prepare.sh REV) and of this tree, run
 # alternately (KDA_AB_ROUNDS rounds, default 3), compared as ratios by scripts/bench-ab.py.
 # sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
