@@ -6,6 +6,7 @@
 // bandwidth measured at start. Prints markdown tables.
 //
 //   kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]
+//   kda-bench --paths [--case NAME]   (host only: the softplus cases' prepare paths)
 #include <cuda_runtime.h>
 
 #include <algorithm>
