@@ -21,6 +21,7 @@
 
 #include "bench_device.cuh"
 #include "bench_floors.hpp"
+#include "kda/bf16.hpp"
 #include "kda/detail/prepare_paths.hpp"
 #include "kda/kda.hpp"
 
@@ -324,12 +325,8 @@ void print_paths(const std::string& only) {
             for (int t = 0; t < C; ++t) {
               if (t0 + t < len) {
                 const std::int64_t idx = ((tok0 + t0 + t) * H + h) * D + d;
-                const std::uint32_t bits =
-                    static_cast<std::uint32_t>(kda_bench::hashed_bf16(idx, g_seed, kGLo, kGHi))
-                    << 16;
-                float g;
-                std::memcpy(&g, &bits, 4);
-                const double x = g + dt;
+                const double x =
+                    kda::bf16_to_float(kda_bench::hashed_bf16(idx, g_seed, kGLo, kGHi)) + dt;
                 sum -= a * (x > 20 ? x : std::log1p(std::exp(x)));
               }
               G[t] = sum;
