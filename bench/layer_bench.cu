@@ -1,4 +1,4 @@
-// kda-layer-bench — one whole Kimi-Linear-48B KDA layer on CUDA (FullLayerCuda): hidden 2304,
+// kda-layer-bench — one whole Kimi-Linear-48B KDA layer on CUDA (kda::layer on CUDA): hidden 2304,
 // H = 32, D = 128, conv width 4, softplus gate, random weights; the whole layer and its TP8 shard
 // (H = 4 of 32), prefill T = 8192 (one sequence) and decode steps of B = 1, 64, 256 sequences (one
 // token each, f32 recurrent state). Each phase (projections, conv, core, norm, o_proj) is timed
@@ -28,8 +28,8 @@
 
 #include "bench_floors.hpp"
 #include "kda/bf16.hpp"
-#include "kda/engine/error.hpp"
-#include "kda/engine/kda_full_layer_cuda.hpp"
+#include "kda/error.hpp"
+#include "kda/layer/layer.hpp"
 
 namespace {
 
@@ -94,13 +94,9 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    cudaEvent_t events[6];
-    for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
-    kda::engine::FullLayerCudaEvents marks;
-    for (int i = 0; i < 6; ++i) marks.boundary[i] = events[i];
 
     for (int tp_size : {1, 8}) {
-      kda::engine::FullLayerConfig config;
+      kda::layer::Config config;
       config.hidden_size = 2304;
       config.num_heads = 32;
       config.head_dim = 128;
@@ -108,7 +104,8 @@ int main(int argc, char** argv) {
       config.gate = kda::GateMode::kSoftplus;
       config.tp_size = tp_size;
       config.tp_rank = 0;
-      const kda::engine::FullLayerCuda layer(kda::engine::random_full_layer_weights(config, 42, 0));
+      const auto layer =
+          kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, 0));
       const std::int64_t E = config.hidden_size, Cl = config.local_channels();
       const std::int64_t Hl = config.local_heads(), D = config.head_dim;
       const std::string layer_name =
@@ -129,45 +126,50 @@ int main(int argc, char** argv) {
         DeviceMemory d_cu(cu.size() * 8);
         DeviceMemory conv_q(slots * Cl * 3 * 2), conv_k(slots * Cl * 3 * 2),
             conv_v(slots * Cl * 3 * 2), recurrent(slots * Hl * D * D * 4);
-        const std::size_t ws_bytes = layer.workspace_bytes(T, N, slots);
+        const std::size_t ws_bytes =
+            kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, slots);
         DeviceMemory workspace(ws_bytes);
         check(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice),
               "upload hidden");
         check(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice),
               "upload cu_seqlens");
 
-        kda::engine::FullLayerCudaBatch batch;
+        kda::layer::Batch batch;
         batch.tokens = T;
         batch.sequences = N;
         batch.decode_tokens = c.decode ? c.tokens_per_sequence : 0;
         batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr);
         batch.cu_seqlens_host = cu.data();
-        kda::engine::FullLayerState state;
+        kda::layer::State state;
         state.num_slots = slots;
         state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
         state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
         state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
         state.recurrent = recurrent.ptr;
         state.recurrent_dtype = kda::DType::kF32;
-        kda::CudaOptions options;
-        options.check_pointers = false;  // checked once by the first (warm-up) call below
+        kda::layer::RunOptions options;
+        options.stream = stream;
 
         std::vector<double> phase[5], total;
         for (int it = 0; it < warmup + iters; ++it) {
+          // Pointers checked once, by the first (warm-up) call; each call's phases are timed with
+          // the layer's events (RunOptions::times: the call waits for the layer).
           options.check_pointers = it == 0;
-          layer.forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
-                        static_cast<kda::bf16_bits*>(d_out.ptr), state,
-                        kda::Workspace{workspace.ptr, ws_bytes}, stream, options, &marks);
+          kda::layer::Times times;
+          options.times = &times;
+          layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                         static_cast<kda::bf16_bits*>(d_out.ptr), state,
+                         kda::Workspace{workspace.ptr, ws_bytes}, options);
           check(cudaStreamSynchronize(stream), "forward");
           if (it < warmup) continue;
+          const double seconds[5] = {times.projections, times.conv, times.core, times.norm,
+                                     times.o_proj};
+          double sum = 0.0;
           for (int p = 0; p < 5; ++p) {
-            float ms = 0.0f;
-            check(cudaEventElapsedTime(&ms, events[p], events[p + 1]), "cudaEventElapsedTime");
-            phase[p].push_back(ms * 1e3);
+            phase[p].push_back(seconds[p] * 1e6);
+            sum += seconds[p] * 1e6;
           }
-          float ms = 0.0f;
-          check(cudaEventElapsedTime(&ms, events[0], events[5]), "cudaEventElapsedTime");
-          total.push_back(ms * 1e3);
+          total.push_back(sum);
         }
         // Floors per phase, microseconds (see the top of this file).
         const std::int64_t W = config.conv_width;
@@ -198,7 +200,6 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
-    for (cudaEvent_t& e : events) cudaEventDestroy(e);
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());

@@ -21,10 +21,10 @@
 #include <thread>
 #include <vector>
 
-#include "kda/engine/case_file.hpp"
+#include "case_file.hpp"
 #include "kda/engine/engine.hpp"
-#include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
+#include "kda/error.hpp"
 #include "synthetic_run.hpp"
 
 namespace {
@@ -488,7 +488,7 @@ int run_model(const Options& o) {
                 kda::planner::format_bytes(engine.weight_bytes()).c_str(),
                 engine.backend() == kda::Backend::kCuda ? "" : ", widened to fp32");
   } else {
-    std::printf("parameters: %s\n", engine.layer(0).parameters().origin.c_str());
+    std::printf("parameters: %s\n", engine.layer(0).origin.c_str());
   }
   std::printf("\nmemory plan:\n%s", plan_text(o, spec, engine.plan(), engine.backend()).c_str());
   std::printf("synthetic inputs: %s for %lld tokens (outside the arena)\n\n",
@@ -519,10 +519,10 @@ int run_model(const Options& o) {
   std::printf("\n");
   for (int l = 0; l < engine.num_layers(); ++l) {
     const double s = report.layer_seconds[static_cast<std::size_t>(l)];
-    std::printf("%8d  %9d  %12.3f  %12.0f", engine.layer(l).layer_index() + 1, l, s * 1e3,
+    std::printf("%8d  %9d  %12.3f  %12.0f", engine.layer(l).model_layer, l, s * 1e3,
                 s > 0 ? static_cast<double>(tokens) / s : 0.0);
     if (whole) {
-      const kda::engine::FullLayerTimes& t = report.layer_phases[static_cast<std::size_t>(l)];
+      const kda::layer::Times& t = report.layer_phases[static_cast<std::size_t>(l)];
       std::printf("  %11.3f  %9.3f  %9.3f  %9.3f  %9.3f", t.projections * 1e3, t.conv * 1e3,
                   t.core * 1e3, t.norm * 1e3, t.o_proj * 1e3);
     }

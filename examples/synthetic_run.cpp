@@ -10,7 +10,7 @@
 
 #include "kda/bf16.hpp"
 #include "kda/detail/checked_math.hpp"
-#include "kda/engine/error.hpp"
+#include "kda/error.hpp"
 
 namespace kda::examples {
 

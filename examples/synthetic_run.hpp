@@ -68,8 +68,8 @@ struct RunReport {
   std::vector<int> slots;             // the slots the run used
   bool whole_layers = false;          // hidden states through whole layers
   std::vector<double> layer_seconds;  // prefill, per KDA layer (in order)
-  // Whole layers: each layer's prefill time by phase (FullLayerTimes; empty for core layers).
-  std::vector<engine::FullLayerTimes> layer_phases;
+  // Whole layers: each layer's prefill time by phase (kda::layer::Times; empty for core layers).
+  std::vector<layer::Times> layer_phases;
   double prefill_seconds = 0.0;             // sum of layer_seconds
   double upload_seconds = 0.0;              // generating + uploading inputs (not in the above)
   std::vector<double> decode_step_seconds;  // one entry per step: every KDA layer, 1 token/seq

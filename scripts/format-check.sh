@@ -55,7 +55,7 @@ fi
 # The sources: tracked and new (not ignored) files when this is a git checkout, else a directory walk
 # that skips build trees.
 cd "$root"
-dirs=(kda planner engine examples tests bench)
+dirs=(kda layer planner engine examples tests bench)
 files=()
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   while IFS= read -r -d '' file; do

@@ -93,6 +93,8 @@ if [ "$what" = sanitize-all ]; then
     local args=()
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
+    [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
+    case "$bin" in test_engine_core | test_engine_whole | test_c_api) args=("-tc=*[cuda]") ;; esac
     [[ "$filter" == *"|"* ]] && args+=("-sc=${filter#*|}")
     # Under racecheck and initcheck the 2^31-element case never completed (~50 GB tracked) and the
     # leak test measures the tool's own device memory (docs/SANITIZERS.md): memcheck and
@@ -120,7 +122,7 @@ if [ "$what" = sanitize-all ]; then
   [ "$part" = others ] || [ "$part" = all ] && others_part=true
   bins=
   $op_part && bins="test_kda_operator"
-  $others_part && bins="$bins test_validation_cuda test_c_api_cuda test_engine_cuda test_engine_whole_cuda test_kda_full_layer_cuda"
+  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"

@@ -21,9 +21,10 @@
 #include <vector>
 
 #include "kda/engine/error.hpp"
-#include "kda/engine/kda_full_layer.hpp"
+#include "kda/engine/layer_weights_io.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/engine/safetensors.hpp"
+#include "kda/layer/layer.hpp"
 #include "kda_reference.hpp"
 #include "temp_dir.hpp"
 
@@ -558,9 +559,9 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
     f.tensors.emplace(t.name, t);
     return f;
   };
-  check_rejected(with_cu({1, 3, 8}), "cu_seqlens[0] is 1");
-  check_rejected(with_cu({0, 6, 5}), "cu_seqlens decreases");
-  check_rejected(with_cu({0, 3, 7}), "cu_seqlens ends at 7, expected T = 8");
+  check_rejected(with_cu({1, 3, 8}), "cu_seqlens[0] must be 0 (got 1)");
+  check_rejected(with_cu({0, 6, 5}), "cu_seqlens must be non-decreasing");
+  check_rejected(with_cu({0, 3, 7}), "cu_seqlens[2] must equal seq_len 8 (got 7)");
 
   bad = good;
   bad.metadata["gate"] = "sigmoid";
@@ -676,8 +677,8 @@ namespace {
 
 constexpr std::int64_t kLayerE = 48, kLayerH = 4, kLayerD = 16, kLayerW = 4;
 
-kda::engine::FullLayerConfig layer_config() {
-  kda::engine::FullLayerConfig c;
+kda::layer::Config layer_config() {
+  kda::layer::Config c;
   c.hidden_size = kLayerE;
   c.num_heads = kLayerH;
   c.head_dim = kLayerD;
@@ -696,27 +697,24 @@ std::vector<std::uint16_t> random_bits(std::size_t count, float amplitude, std::
 }
 
 // A layer case: weights (bare names), `tokens` hidden states, optional cu_seqlens and states.
-CaseFile layer_case(const kda::engine::FullLayerWeights& weights,
-                    const std::vector<std::uint16_t>& hidden) {
+CaseFile layer_case(const kda::layer::Weights& weights, const std::vector<std::uint16_t>& hidden) {
   CaseFile f;
-  for (const Tensor& t : kda::engine::full_layer_weight_tensors(weights))
-    f.tensors.emplace(t.name, t);
+  for (const Tensor& t : kda::engine::layer_weight_tensors(weights)) f.tensors.emplace(t.name, t);
   const auto T = static_cast<std::int64_t>(hidden.size()) / kLayerE;
   f.tensors.emplace("hidden_states", bf16_tensor("hidden_states", hidden, {T, kLayerE}));
   f.metadata["gate"] = "softplus";
   return f;
 }
 
-// FullLayerCpu on `hidden` with `n` sequences, from states `init` (rows 0..n-1) when given.
+// The CPU layer on `hidden` with `n` sequences, from states `init` (rows 0..n-1) when given.
 struct LayerRun {
   std::vector<std::uint16_t> out;
   std::vector<std::uint16_t> conv[3];
   std::vector<float> recurrent;
 };
-LayerRun run_direct(const kda::engine::FullLayerWeights& weights,
-                    const std::vector<std::uint16_t>& hidden, const std::vector<std::int64_t>& cu,
-                    const LayerRun* init = nullptr) {
-  const kda::engine::FullLayerCpu layer(weights);
+LayerRun run_direct(const kda::layer::Weights& weights, const std::vector<std::uint16_t>& hidden,
+                    const std::vector<std::int64_t>& cu, const LayerRun* init = nullptr) {
+  const auto layer = kda::layer::make_layer(kda::Backend::kCpu, weights);
   const auto N = static_cast<std::int64_t>(cu.size()) - 1;
   LayerRun r;
   r.out.assign(hidden.size(), 0);
@@ -728,11 +726,15 @@ LayerRun run_direct(const kda::engine::FullLayerWeights& weights,
   r.recurrent = init
                     ? init->recurrent
                     : std::vector<float>(static_cast<std::size_t>(N * kLayerH * kLayerD * kLayerD));
-  std::vector<std::uint8_t> ws(layer.workspace_bytes(cu.back(), N, N));
-  kda::engine::FullLayerState state{
+  std::vector<std::uint8_t> ws(
+      kda::layer::workspace_bytes(kda::Backend::kCpu, weights.config, cu.back(), N, N));
+  const kda::layer::State state{
       N, r.conv[0].data(), r.conv[1].data(), r.conv[2].data(), r.recurrent.data(), DType::kF32};
-  layer.forward({cu.back(), N, cu.data(), nullptr}, hidden.data(), r.out.data(), state,
-                kda::Workspace{ws.data(), ws.size()});
+  kda::layer::Batch batch;
+  batch.tokens = cu.back();
+  batch.sequences = N;
+  batch.cu_seqlens = cu.data();
+  layer->forward(batch, hidden.data(), r.out.data(), state, kda::Workspace{ws.data(), ws.size()});
   return r;
 }
 
@@ -745,8 +747,8 @@ std::vector<T> values_of(const Tensor& t) {
 
 }  // namespace
 
-TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu; chunks chain") {
-  const auto weights = kda::engine::random_full_layer_weights(layer_config(), 3, 0);
+TEST_CASE("kda-run --layer-case: varlen with initial states equals the CPU layer; chunks chain") {
+  const auto weights = kda::layer::random_weights(layer_config(), 3, 0);
   const std::vector<std::uint16_t> hidden = random_bits(12 * kLayerE, 1.0f, 11);
   TempDir dir;
   {  // Three sequences (one empty), int32 cu_seqlens, random initial conv and recurrent states.
@@ -825,7 +827,7 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals FullLayerCpu;
 }
 
 TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write nothing") {
-  const auto weights = kda::engine::random_full_layer_weights(layer_config(), 3, 0);
+  const auto weights = kda::layer::random_weights(layer_config(), 3, 0);
   const CaseFile good = layer_case(weights, random_bits(6 * kLayerE, 1.0f, 12));
   CaseFile bad = good;
   bad.tensors.erase("hidden_states");
@@ -852,7 +854,8 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   bad = good;
   bad.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI64,
                                                  std::vector<std::int64_t>{0, 2, 5}, {3}));
-  check_layer_rejected(bad, "cu_seqlens ends at 5, expected T = 6");
+  check_layer_rejected(bad,
+                       "cu_seqlens[2] must equal seq_len 6 (got 5) (T: the rows of hidden_states)");
   bad = good;
   bad.metadata.erase("gate");
   check_layer_rejected(bad, "metadata 'gate' is missing");

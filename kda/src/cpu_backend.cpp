@@ -15,10 +15,9 @@
 #include "transition.hpp"
 
 namespace kda {
-namespace detail::cpu {
 
-Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
-                             std::int64_t head_dim_k) {
+Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
+                                std::int64_t head_dim_k) {
   for (std::int64_t h = 0; h < num_heads; ++h) {
     if (!std::isfinite(A_log[h])) {
       return Status(StatusCode::kInvalidArgument, "A_log[" + std::to_string(h) + "] is not finite");
@@ -40,6 +39,8 @@ Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int6
   }
   return Status::Ok();
 }
+
+namespace detail::cpu {
 
 std::int64_t resolve_threads(int requested, std::int64_t items, std::int64_t state_updates) {
   constexpr std::int64_t kMinUpdatesPerThread = std::int64_t{1} << 20;
@@ -147,7 +148,7 @@ Status check_host_inputs(const Problem& p, const Tensors& t) {
   if (p.varlen()) {
     if (Status st = validate_cu_seqlens(p, t.cu_seqlens); !st) return st;
   }
-  return detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
+  return validate_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
 }
 
 // The workspace holds `needed` bytes; *slots is its first slot-aligned address (the size functions

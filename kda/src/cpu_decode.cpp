@@ -113,8 +113,7 @@ Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* 
 
 Status decode_checks(const DecodeProblem& p, const DecodeTensors& t) {
   if (Status st = validate(p, t); !st) return st;
-  if (Status st = detail::cpu::check_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k);
-      !st) {
+  if (Status st = validate_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k); !st) {
     return st;
   }
   return Status::Ok();

@@ -259,10 +259,6 @@ void store_out(const Real* o, std::int64_t count, bf16_bits* out) {
   for (std::int64_t i = 0; i < count; ++i) out[i] = float_to_bf16(static_cast<float>(o[i]));
 }
 
-// Value checks the CPU can make on host parameters: A_log [H] and dt_bias [H, K] finite.
-Status check_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
-                             std::int64_t head_dim_k);
-
 // A call's token inputs as bf16 bits (prefill and decode alike).
 struct TokenInputs {
   const bf16_bits* q;

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "kda/engine/engine.hpp"
-#include "kda/engine/error.hpp"
 #include "kda/engine/model_spec.hpp"
+#include "kda/error.hpp"
 
 namespace {
 

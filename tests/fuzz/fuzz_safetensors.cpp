@@ -24,9 +24,9 @@
 #include <string>
 #include <vector>
 
-#include "kda/engine/case_file.hpp"
-#include "kda/engine/error.hpp"
+#include "case_file.hpp"
 #include "kda/engine/safetensors.hpp"
+#include "kda/error.hpp"
 
 namespace {
 

@@ -24,7 +24,7 @@ inline constexpr double kBf16Tol = 2.5e-3;    // CPU bf16 out or bf16 state
 inline constexpr double kFp64Tol = 2e-7;      // CPU fp64 mode: only the final rounding to f32
 inline constexpr double kGpuOutTol = 4e-3;    // CUDA out vs the CPU backend (measured 2.8-3.2e-3)
 inline constexpr double kGpuTol = 5e-3;       // CUDA state vs CPU, CUDA vs fp64, CUDA vs CUDA
-// CUDA against the fp64 recurrence, issue 9's bar (measured 1.6-2.8e-3 on every case with the
+// CUDA against the fp64 recurrence, the accuracy bar (measured 1.6-2.8e-3 on every case with the
 // state update in fp16), and a bf16 final state, whose storage adds its own rounding.
 inline constexpr double kGpuFp64Tol = 3e-3;
 inline constexpr double kGpuFp64Bf16StateTol = 3.5e-3;

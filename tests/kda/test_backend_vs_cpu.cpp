@@ -30,7 +30,7 @@ KDA_CUDA_CASE("prefill matches the CPU backend") {
       REQUIRE_MESSAGE(gpu.status.ok(), label << ": " << gpu.status.to_string());
       const PrefillRun cpu = cpu_runner().prefill(c);
       REQUIRE(cpu.status.ok());
-      // Against the CPU backend and against the fp64 recurrence (issue 9's measure: the CPU's
+      // Against the CPU backend and against the fp64 recurrence (the accuracy measure: the CPU's
       // own bf16 output rounding and fp32 sums are in e_out).
       const Reference ref = reference_forward(c);
       const double e_out = rel_error_bf16(gpu.out.out, to_doubles(cpu.out.out));

@@ -148,6 +148,10 @@ Status validate(const Problem& p);
 Status validate(const Problem& p, const Tensors& t);
 // Checks cu_seqlens contents: [0] == 0, non-decreasing, [N] == T. `cu_seqlens` is a host pointer.
 Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host);
+// The same rule on int64 host cu_seqlens [sequences + 1] of `tokens` tokens, for layers above the
+// operator (the whole layer, the engine, case files) that check their callers' batches.
+Status validate_cu_seqlens(const std::int64_t* cu_seqlens_host, std::int64_t sequences,
+                           std::int64_t tokens);
 // Checks state_slots contents (Problem::num_state_slots > 0): every entry < num_state_slots, and no
 // entry >= 0 twice when the problem writes a final state. `state_slots_host` is a host pointer.
 Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host);
@@ -169,6 +173,12 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes);
 // the per-chunk decay sums stay far inside fp32 (trained Kimi Linear layers hold A_log in about
 // [0, 3]); dt_bias finite.
 inline constexpr float kMaxAbsALog = 20.0f;
+// The rule above on host arrays A_log [num_heads] and dt_bias [num_heads, head_dim]: the one check
+// every layer above the operator makes where its parameters enter (loaders, the engine, the whole
+// layer), so that CUDA callers learn of bad parameters before a launch. kInvalidArgument names the
+// first bad element.
+Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
+                                std::int64_t head_dim);
 
 // Bits the CUDA kernels OR into a caller's device status word (Tensors::device_status,
 // DecodeTensors::device_status).

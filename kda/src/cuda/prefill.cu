@@ -32,7 +32,7 @@ struct SegmentPlan {
   bool split = false;
 };
 
-// Tuning knobs for the benchmark's sweeps (docs/PERFORMANCE-NOTES.md), read once. Not part of the
+// Tuning knobs for the benchmark's sweeps (docs/design/prefill.md), read once. Not part of the
 // contract: the workspace bound holds whatever they say (kSegmentBudget caps the plan).
 float env_float(const char* name, float fallback, float lo, float hi) {
   const char* env = std::getenv(name);
@@ -52,14 +52,14 @@ float scan_step_ratio() {
   return ratio;
 }
 
-// The pipelined prefill under PrefillSchedule::kAuto (PERFORMANCE-NOTES.md v19-v21):
+// The pipelined prefill under PrefillSchedule::kAuto (docs/design/prefill.md):
 // KDA_PREFILL_PIPELINE=0 turns it off (a knob for the benchmark's A/B, not part of the contract).
 bool pipeline_enabled() {
   static const bool enabled = env_float("KDA_PREFILL_PIPELINE", 1.0f, 0.0f, 1.0f) > 0.5f;
   return enabled;
 }
-// Persistent prepare blocks per SM beside the pipelined recurrence (3 of 2-5 best in v19's sweep
-// and again in v22's; KDA_PREFILL_PIPE_PREP_BLOCKS, a benchmark knob, 1-8).
+// Persistent prepare blocks per SM beside the pipelined recurrence (3 measured best of 2-5, twice;
+// KDA_PREFILL_PIPE_PREP_BLOCKS, a benchmark knob, 1-8).
 int pipelined_prep_blocks() {
   static const int blocks =
       static_cast<int>(env_float("KDA_PREFILL_PIPE_PREP_BLOCKS",
@@ -140,7 +140,7 @@ SegmentPlan plan_segments(std::int64_t T, std::int64_t N, std::int64_t H, int sm
 }
 
 // The recurrence's block shape for `items` (segment, head) work items, measured on the H200
-// (docs/PERFORMANCE-NOTES.md): with two items or more per SM, one 128-column block of four warps
+// (docs/design/prefill.md): with two items or more per SM, one 128-column block of four warps
 // with two m-tiles each per item, two blocks sharing an SM (half the shared-memory reads of eight
 // warps); with one to two, eight warps of one m-tile (shorter steps, which is what counts when
 // each SM has one item); with fewer, two 64-column blocks, and below a quarter of the SMs four
@@ -190,7 +190,7 @@ class PrefillLaunch {
                                                           ChunkRecord::kBytes)
             : nullptr;
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
-    // Pipelined (v19): one unsplit sequence fed chunk by chunk by the persistent prepare grid
+    // Pipelined: one unsplit sequence fed chunk by chunk by the persistent prepare grid
     // (H200: h32-1seq 0.92x, h32-32k 0.87x against the split).
     pipelined_ = wants_pipeline && !plan_.split;
     if (pipelined_) {
@@ -329,7 +329,7 @@ class PrefillLaunch {
     std::uint64_t slots = 0;
     num_chunk_slots(static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_), &slots);
     chunk_slots_ = static_cast<std::int64_t>(slots);
-    prm_.num_slots = chunk_slots_;
+    prm_.num_chunk_slots = chunk_slots_;
   }
 
   PrefillParams prm_{};

@@ -56,8 +56,8 @@ struct PrefillParams {
   StateKind final_kind;
   bf16* out;
   unsigned char* records;
-  std::int64_t num_slots;
-  std::uint32_t* status;  // caller's device status word, or null
+  std::int64_t num_chunk_slots;  // chunk records in the workspace (not state slots)
+  std::uint32_t* status;         // caller's device status word, or null
   // Pooled states (Problem::num_state_slots > 0): sequence s uses pool entry state_slots[s].
   const std::int32_t* state_slots;  // null: sequence s uses state s
   std::int64_t num_state_slots;

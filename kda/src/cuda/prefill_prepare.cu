@@ -683,7 +683,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
     mbarrier_init(&sm.v_ready, static_cast<unsigned>(C));
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
-  const std::int64_t H = p.num_heads, items = p.num_slots * H;
+  const std::int64_t H = p.num_heads, items = p.num_chunk_slots * H;
   unsigned phase = 0;
   std::uint32_t* pending = nullptr;  // thread 0's: see prepare_item
   for (std::int64_t w = blockIdx.x; w < items; w += gridDim.x) {

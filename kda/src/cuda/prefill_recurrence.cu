@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   const std::int64_t slot0 = s + bos / C;
   const std::int64_t c_begin = j * p.seg_chunks;
   std::int64_t c_end = last ? nchunks : c_begin + p.seg_chunks;
-  if (c_end > p.num_slots - slot0) c_end = p.num_slots - slot0;
+  if (c_end > p.num_chunk_slots - slot0) c_end = p.num_chunk_slots - slot0;
   const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
   const bool write_out = !transition;
 

@@ -188,7 +188,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // ---- wgmma (warpgroup MMA, sm_90a): so far used by bench/wgmma_probe.cu only -------------------
-// The design they serve: docs/PERFORMANCE-NOTES.md, "Design: the recurrence on wgmma". A warpgroup
+// The design they serve: docs/design/prefill.md, "the recurrence on wgmma" (not built). A warpgroup
 // is four consecutive warps starting at a multiple of four; every call below is warpgroup-wide.
 
 // Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in

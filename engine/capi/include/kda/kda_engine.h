@@ -1,0 +1,232 @@
+/* kda/kda_engine.h — the C API of kda-engine: an opaque engine handle over kda::engine::Engine.
+ *
+ * Plain C (C99) and C++. Link kda::engine (a C++ library: link the program with the C++ compiler,
+ * or add the C++ runtime by hand). Every call maps onto the C++ Engine (kda/engine/engine.hpp);
+ * what the engine does — one arena allocated at creation, state slots, prefill and decode on the
+ * caller's pointers — is described there. The README (installed as share/kda/README.md, sections
+ * "C API" and "Model description") has a complete program; share/kda/examples/c_example.c a longer
+ * one, and share/kda/examples/models/ the example model descriptions.
+ *
+ *   kda_engine_options options;
+ *   kda_engine_options_init(&options);
+ *   options.backend = KDA_BACKEND_CPU;
+ *   kda_engine* engine = NULL;
+ *   char err[512];
+ *   if (kda_engine_create_from_file("model.yaml", &options, &engine, err, sizeof err) != KDA_OK) {
+ *     fprintf(stderr, "%s\n", err);
+ *   }
+ *   int slot;
+ *   kda_engine_acquire_slot(engine, &slot);
+ *   kda_engine_prefill_hidden(engine, layer, hidden, out, &slot, 1, cu_seqlens);  (whole layers)
+ *   kda_engine_prefill(engine, layer, q, k, v, g, beta, out, &slot, 1, cu_seqlens);  (KDA core)
+ *   ...
+ *   kda_engine_destroy(engine);
+ *
+ * Errors. Every function returns a kda_status (KDA_OK = 0). No C++ exception crosses this API and
+ * nothing in it exits or aborts: a kda::Error becomes its status code, std::bad_alloc becomes
+ * KDA_INTERNAL ("out of host memory"), anything else KDA_INTERNAL. A NULL handle or a NULL pointer
+ * argument is KDA_INVALID_ARGUMENT.
+ *   - On a handle, the message of a failed call is kept per handle: kda_engine_last_error(engine)
+ *     returns it until the next call on that handle (a successful call clears it to "").
+ *     Messages longer than 1023 bytes are truncated.
+ *   - Creation has no handle yet: the create functions write the message into the caller's buffer
+ *     `err` of `err_size` bytes (truncated to fit, always NUL-terminated when err_size > 0; "" on
+ *     success). err may be NULL when err_size is 0.
+ *
+ * Threads. A handle is not thread-safe: use it from one thread at a time (different handles are
+ * independent). The strings returned by kda_engine_last_error() and kda_status_string() need no
+ * freeing; the former stays valid until the next call on the handle or its destruction.
+ *
+ * Pointers. Tensors passed to prefill/decode live on the engine's backend: host memory on the CPU
+ * backend, device memory on CUDA (enqueued on options.cuda_stream; kda_engine_synchronize() waits).
+ * Layouts, all bf16 (raw 16-bit values): q, k, g [T, H, K], v [T, H, V], beta [T, H], out
+ * [T, H, V], with K = V = head_dim and T the tokens of the batch (decode: T = batch * tokens).
+ * `slots` and `cu_seqlens` are always host arrays.
+ */
+#ifndef KDA_KDA_ENGINE_H_
+#define KDA_KDA_ENGINE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Mirrors kda::StatusCode (kda/kda.hpp), value for value. */
+typedef enum kda_status {
+  KDA_OK = 0,
+  KDA_INVALID_ARGUMENT = 1,    /* a shape, pointer, slot, index or value is wrong */
+  KDA_UNSUPPORTED = 2,         /* valid, but not supported by this backend */
+  KDA_OVERFLOW = 3,            /* a size whose element or byte count overflows 64 bits */
+  KDA_WORKSPACE_TOO_SMALL = 4, /* a workspace smaller than needed */
+  KDA_BACKEND_UNAVAILABLE = 5, /* CUDA not compiled in, or no device present */
+  KDA_CUDA_ERROR = 6,          /* a CUDA runtime call or launch failed */
+  KDA_INTERNAL = 7,            /* out of host memory, or a bug */
+  /* Not a status: makes the enum an int-sized type whose range covers any int a caller passes. */
+  KDA_STATUS_MAX_ENUM_ = 0x7FFFFFFF
+} kda_status;
+
+/* "ok", "invalid argument", ...; "unknown status" for a value outside the enum. */
+const char* kda_status_string(kda_status status);
+
+typedef enum kda_backend {
+  KDA_BACKEND_DEFAULT = 0, /* the YAML's runtime.backend (itself auto by default) */
+  KDA_BACKEND_AUTO = 1,    /* CUDA when a device is present and can run the model, else CPU */
+  KDA_BACKEND_CPU = 2,
+  KDA_BACKEND_CUDA = 3,
+  KDA_BACKEND_MAX_ENUM_ = 0x7FFFFFFF /* not a backend (see KDA_STATUS_MAX_ENUM_) */
+} kda_backend;
+
+/* How the CUDA prefill schedules its phases (kda::PrefillSchedule, docs/KDA.md §3): DEFAULT is
+ * the YAML's runtime.prefill_schedule (itself auto by default); AUTO picks per call from the
+ * shape; TWO_PHASE and PIPELINED force one (for measurements). Same results to rounding. */
+typedef enum kda_prefill_schedule {
+  KDA_PREFILL_SCHEDULE_DEFAULT = 0,
+  KDA_PREFILL_SCHEDULE_AUTO = 1,
+  KDA_PREFILL_SCHEDULE_TWO_PHASE = 2,
+  KDA_PREFILL_SCHEDULE_PIPELINED = 3,
+  KDA_PREFILL_SCHEDULE_MAX_ENUM_ = 0x7FFFFFFF /* not a schedule (see KDA_STATUS_MAX_ENUM_) */
+} kda_prefill_schedule;
+
+/* Creation options. Always start from kda_engine_options_init(): it sets struct_size, which
+ * creation checks (so a struct from a different version of this header is refused, not misread). */
+typedef struct kda_engine_options {
+  size_t struct_size;  /* sizeof(kda_engine_options), set by kda_engine_options_init */
+  kda_backend backend; /* default KDA_BACKEND_DEFAULT */
+  void* cuda_stream;   /* cudaStream_t for everything the engine enqueues; NULL: default stream */
+  int cpu_threads;     /* CPU backend threads; 0 (default): all hardware threads */
+  uint64_t seed;       /* random layer parameters when the YAML names no weights; default 0 */
+  int check_pointers;  /* CUDA: check on every call that the caller's pointers are device memory
+                          of the current device and large enough; default 1, 0 skips the driver
+                          queries (host time) */
+  kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_DEFAULT */
+  int reserved; /* must be 0; keeps this version's size apart from the one before (48 bytes) */
+} kda_engine_options;
+
+/* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
+kda_status kda_engine_options_init(kda_engine_options* options);
+
+typedef struct kda_engine kda_engine; /* opaque */
+
+/* Reads a YAML model description (share/kda/README.md, "Model description") and creates an
+ * engine: loads parameters, plans memory and allocates the one arena. `options` may be NULL
+ * (defaults). On success *out_engine is the new handle; on failure it is NULL and `err` holds the
+ * message. */
+kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,
+                                       kda_engine** out_engine, char* err, size_t err_size);
+/* The same from YAML text. Messages name the source "<yaml string>"; a relative `weights` path is
+ * used as written (relative to the current directory). */
+kda_status kda_engine_create_from_string(const char* yaml_text, const kda_engine_options* options,
+                                         kda_engine** out_engine, char* err, size_t err_size);
+/* Waits for the engine's work (CUDA) and frees everything. NULL is a no-op (KDA_OK). */
+kda_status kda_engine_destroy(kda_engine* engine);
+
+/* The message of the last call on `engine` when it failed, "" when it succeeded. Never NULL; for a
+ * NULL handle, a fixed message saying so. */
+const char* kda_engine_last_error(const kda_engine* engine);
+
+/* ---- queries (each writes *out only on success) ------------------------------------------- */
+kda_status kda_engine_num_layers(kda_engine* engine, int* out);      /* KDA layers */
+kda_status kda_engine_num_heads(kda_engine* engine, int64_t* out);   /* H */
+kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out);    /* K = V */
+kda_status kda_engine_backend(kda_engine* engine, kda_backend* out); /* KDA_BACKEND_CPU or _CUDA */
+kda_status kda_engine_max_tokens(kda_engine* engine, int64_t* out);  /* tokens per prefill */
+kda_status kda_engine_max_sequences(kda_engine* engine, int64_t* out); /* = state slots */
+kda_status kda_engine_free_slots(kda_engine* engine, int* out);
+/* The size of the one allocation (Engine::arena_bytes(), "arena_bytes" in the plan JSON). */
+kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out);
+/* The memory plan as JSON ({"mode", "alignment", "arena_bytes", "buffers": [...]}), snprintf-like:
+ * *length (may be NULL) receives the JSON's length without the terminating NUL, always. With
+ * buffer == NULL and buffer_size == 0 it only reports the length (KDA_OK). Otherwise the buffer
+ * needs length + 1 bytes: when it has them the JSON is copied (NUL-terminated) and KDA_OK returned;
+ * when not, buffer[0] is set to '\0' (no half JSON) and KDA_INVALID_ARGUMENT returned with a
+ * message giving the size needed. */
+kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_size,
+                                size_t* length);
+
+/* ---- state slots ---------------------------------------------------------------------------- */
+/* The lowest free slot, its state zeroed in every layer; KDA_INVALID_ARGUMENT when all are in
+ * use. */
+kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
+kda_status kda_engine_release_slot(kda_engine* engine, int slot);
+/* Zeroes the slot's state in every layer; the slot stays acquired. */
+kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
+
+/* ---- forward -------------------------------------------------------------------------------- */
+/* Prefill of KDA layer `layer` (0-based among the KDA layers; run them in order) for
+ * `num_sequences` sequences: sequence j has tokens cu_seqlens[j] .. cu_seqlens[j+1] and uses
+ * slots[j], starting from that slot's state and leaving its final state there. cu_seqlens has
+ * num_sequences + 1 entries: 0, non-decreasing, the last (T) at most max_tokens; 1..max_sequences
+ * sequences on distinct acquired slots. Asynchronous on CUDA. */
+kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
+                              const void* v, const void* g, const void* beta, void* out,
+                              const int* slots, int num_sequences, const int64_t* cu_seqlens);
+/* Decode of KDA layer `layer`: `tokens` (1..16) new tokens for each of `batch` (1..max_sequences)
+ * rows, inputs [batch, tokens, ...], out [batch, tokens, H, V]. slots[b] < 0 marks a padding row
+ * (skipped, its out untouched); the others are distinct acquired slots, updated in place.
+ * Asynchronous on CUDA. */
+kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const void* k,
+                             const void* v, const void* g, const void* beta, void* out,
+                             const int* slots, int batch, int tokens);
+/* ---- whole layers ---------------------------------------------------------------------------
+ * By default (YAML runtime.layers: whole) each KDA layer is the whole Kimi Delta Attention layer:
+ * hidden states in, hidden states out (projections, short convolutions, the KDA core, gated
+ * RMSNorm, output projection), bf16 [T, hidden_size] both, on the engine's backend. A slot then
+ * holds the sequence's whole state in every layer (conv states and recurrent state), zeroed by
+ * acquire / reset. With runtime.tp_size > 1, `out` is this rank's PARTIAL SUM of the layer output:
+ * the host runtime all-reduces it over the ranks. kda_engine_prefill / kda_engine_decode still run
+ * the KDA core alone on the same recurrent states. */
+kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out);
+/* *out = 1 when the engine runs whole layers, 0 when KDA cores only (runtime.layers: core). */
+kda_status kda_engine_whole_layers(kda_engine* engine, int* out);
+/* Prefill of whole layer `layer` on hidden states [T, hidden_size] (T = cu_seqlens[num_sequences]);
+ * slots and cu_seqlens as kda_engine_prefill. KDA_INVALID_ARGUMENT on a core-only engine. */
+kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                     const int* slots, int num_sequences,
+                                     const int64_t* cu_seqlens);
+/* Decode of whole layer `layer`: `tokens` (1..16) new tokens for each of `batch` rows, hidden and
+ * out [batch * tokens, hidden_size]. slots[b] < 0 marks a padding row (its out zeros, no state
+ * touched). */
+kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                    const int* slots, int batch, int tokens);
+
+/* ---- batch metadata owned by the caller (CUDA graphs) ----------------------------------------
+ * The forwards above on metadata the caller keeps in the engine's backend memory (device memory on
+ * CUDA, host memory on the CPU) and rewrites before each call, or before each replay of calls
+ * captured in a CUDA graph: nothing is staged or synchronized. Only tokens, sequences and
+ * decode_tokens are host values (the bounds, fixed when a call is made or captured). On CUDA, a
+ * slot outside the pool or broken cu_seqlens set the device status word
+ * (kda_engine_check_device_status) and the rows concerned write nothing; that slots are acquired
+ * and distinct is the caller's promise there. On the CPU the same is checked before anything runs.
+ * (C++: kda::engine::BatchMetadata.) */
+typedef struct kda_batch {
+  int64_t tokens;            /* rows of hidden / of q..beta: the sum of the sequence lengths, or
+                                sequences * decode_tokens */
+  int64_t sequences;         /* prefill sequences or decode rows, 1..max_sequences */
+  int decode_tokens;         /* 0: prefill; 1..16: a decode step of that many tokens per row */
+  const int32_t* slots;      /* [sequences]; negative: a padding row (no state read or written;
+                                whole layers output zeros for it) */
+  const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens */
+} kda_batch;
+/* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
+kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
+                                    const void* v, const void* g, const void* beta, void* out,
+                                    const kda_batch* batch);
+/* The whole layer `layer` on hidden states (prefill or decode by batch->decode_tokens). */
+kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const void* hidden,
+                                           void* out, const kda_batch* batch);
+
+/* Waits for everything the engine enqueued (CUDA); a no-op on the CPU. */
+kda_status kda_engine_synchronize(kda_engine* engine);
+/* What the kernels found that the host could not see, over every call since the last check: gate
+ * parameters out of range, broken device-side cu_seqlens (KDA_INVALID_ARGUMENT, the message names
+ * them; the word is then cleared). Synchronizes the engine's stream: call it where you would wait
+ * for results anyway, not per layer. KDA_OK, and a no-op, on the CPU backend. */
+kda_status kda_engine_check_device_status(kda_engine* engine);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KDA_KDA_ENGINE_H_ */

@@ -1,0 +1,464 @@
+// engine/c_api.cpp — the C API (kda/kda_engine.h) over kda::engine::Engine.
+//
+// Every entry point is noexcept and funnels its body through guarded(), which turns any exception
+// into a status and a message. The per-handle message lives in a fixed char array, so recording an
+// error never allocates (and so cannot itself fail while reporting out of memory).
+#include "kda/kda_engine.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "kda/engine/engine.hpp"
+#include "kda/engine/model_spec.hpp"
+#include "kda/error.hpp"
+
+namespace {
+
+using kda::StatusCode;
+
+static_assert(KDA_OK == static_cast<int>(StatusCode::kOk), "kda_status mirrors kda::StatusCode");
+static_assert(KDA_INVALID_ARGUMENT == static_cast<int>(StatusCode::kInvalidArgument), "");
+static_assert(KDA_UNSUPPORTED == static_cast<int>(StatusCode::kUnsupported), "");
+static_assert(KDA_OVERFLOW == static_cast<int>(StatusCode::kOverflow), "");
+static_assert(KDA_WORKSPACE_TOO_SMALL == static_cast<int>(StatusCode::kWorkspaceTooSmall), "");
+static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUnavailable), "");
+static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
+static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
+// struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
+// before prefill_schedule was 48 bytes on LP64.
+static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 56,
+              "kda_engine_options changed size: keep it apart from earlier versions");
+
+constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda_engine.h)
+
+kda_status to_c(StatusCode code) noexcept {
+  const int value = static_cast<int>(code);
+  if (value < KDA_OK || value > KDA_INTERNAL) return KDA_INTERNAL;
+  return static_cast<kda_status>(value);
+}
+
+// Copies `prefix` + `message` into dst[size], truncated, NUL-terminated when size > 0.
+void write_message(char* dst, std::size_t size, const char* prefix, const char* message) noexcept {
+  if (dst == nullptr || size == 0) return;
+  std::size_t used = 0;
+  for (const char* part : {prefix, message}) {
+    if (part == nullptr) continue;
+    const std::size_t n = std::min(std::strlen(part), size - 1 - used);
+    std::memcpy(dst + used, part, n);
+    used += n;
+  }
+  dst[used] = '\0';
+}
+
+// The C API's own argument errors (null pointers, counts) are thrown as kda::Error like the
+// engine's, so one catch path reports everything.
+[[noreturn]] void invalid(const char* function, const std::string& what) {
+  throw kda::Error(StatusCode::kInvalidArgument, std::string(function) + ": " + what);
+}
+
+void require(const void* pointer, const char* function, const char* name) {
+  if (pointer == nullptr) invalid(function, std::string(name) + " is null");
+}
+
+// Runs `body`; on an exception writes its message to dst[size] and returns its status.
+template <typename Body>
+kda_status guarded(char* dst, std::size_t size, Body&& body) noexcept {
+  try {
+    body();
+    write_message(dst, size, nullptr, "");
+    return KDA_OK;
+  } catch (const kda::Error& e) {
+    write_message(dst, size, nullptr, e.what());
+    return to_c(e.code());
+  } catch (const std::bad_alloc&) {
+    write_message(dst, size, nullptr, "out of host memory (std::bad_alloc)");
+    return KDA_INTERNAL;
+  } catch (const std::exception& e) {
+    write_message(dst, size, "internal error: ", e.what());
+    return KDA_INTERNAL;
+  } catch (...) {
+    write_message(dst, size, nullptr, "internal error: unknown exception");
+    return KDA_INTERNAL;
+  }
+}
+
+}  // namespace
+
+struct kda_engine {
+  std::unique_ptr<kda::engine::Engine> engine;
+  std::string plan_json;  // the plan never changes after creation: rendered once
+  char last_error[kMessageCapacity] = {};
+};
+
+namespace {
+
+const char kNullHandle[] = "the kda_engine handle is null";
+
+// guarded() on a handle: a NULL handle is KDA_INVALID_ARGUMENT (nowhere to keep a message; the
+// message is what kda_engine_last_error(NULL) returns).
+template <typename Body>
+kda_status on_handle(kda_engine* handle, Body&& body) noexcept {
+  if (handle == nullptr || !handle->engine) return KDA_INVALID_ARGUMENT;
+  return guarded(handle->last_error, sizeof handle->last_error, [&] { body(*handle->engine); });
+}
+
+kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
+                                             const char* function) {
+  kda::engine::EngineOptions result;
+  if (options == nullptr) return result;
+  if (options->struct_size != sizeof(kda_engine_options)) {
+    invalid(function, "options.struct_size is " + std::to_string(options->struct_size) +
+                          ", expected " + std::to_string(sizeof(kda_engine_options)) +
+                          " (initialise options with kda_engine_options_init)");
+  }
+  switch (options->backend) {
+    case KDA_BACKEND_DEFAULT:
+      break;
+    case KDA_BACKEND_AUTO:
+      result.backend = kda::engine::BackendChoice::kAuto;
+      break;
+    case KDA_BACKEND_CPU:
+      result.backend = kda::engine::BackendChoice::kCpu;
+      break;
+    case KDA_BACKEND_CUDA:
+      result.backend = kda::engine::BackendChoice::kCuda;
+      break;
+    default:
+      invalid(function, "options.backend is " + std::to_string(static_cast<int>(options->backend)) +
+                            ", expected KDA_BACKEND_DEFAULT, _AUTO, _CPU or _CUDA");
+  }
+  if (options->cpu_threads < 0) {
+    invalid(function, "options.cpu_threads is " + std::to_string(options->cpu_threads) +
+                          ", expected >= 0 (0: all hardware threads)");
+  }
+  result.stream = options->cuda_stream;
+  result.cpu_threads = options->cpu_threads;
+  result.seed = options->seed;
+  if (options->check_pointers != 0 && options->check_pointers != 1) {
+    invalid(function, "options.check_pointers is " + std::to_string(options->check_pointers) +
+                          ", expected 0 or 1");
+  }
+  result.check_pointers = options->check_pointers != 0;
+  switch (options->prefill_schedule) {
+    case KDA_PREFILL_SCHEDULE_DEFAULT:
+      break;
+    case KDA_PREFILL_SCHEDULE_AUTO:
+      result.prefill_schedule = kda::PrefillSchedule::kAuto;
+      break;
+    case KDA_PREFILL_SCHEDULE_TWO_PHASE:
+      result.prefill_schedule = kda::PrefillSchedule::kTwoPhase;
+      break;
+    case KDA_PREFILL_SCHEDULE_PIPELINED:
+      result.prefill_schedule = kda::PrefillSchedule::kPipelined;
+      break;
+    default:
+      invalid(function, "options.prefill_schedule is " +
+                            std::to_string(static_cast<int>(options->prefill_schedule)) +
+                            ", expected KDA_PREFILL_SCHEDULE_DEFAULT, _AUTO, _TWO_PHASE or "
+                            "_PIPELINED");
+  }
+  if (options->reserved != 0) {
+    invalid(function, "options.reserved is " + std::to_string(options->reserved) + ", expected 0");
+  }
+  return result;
+}
+
+kda_status create(const char* function, bool from_file, const char* yaml,
+                  const kda_engine_options* options, kda_engine** out_engine, char* err,
+                  std::size_t err_size) noexcept {
+  if (out_engine != nullptr) *out_engine = nullptr;
+  return guarded(err, err_size, [&] {
+    require(out_engine, function, "out_engine");
+    require(yaml, function, from_file ? "yaml_path" : "yaml_text");
+    const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+    kda::engine::ModelSpec spec = from_file ? kda::engine::load_model_spec(yaml)
+                                            : kda::engine::parse_model_spec(yaml, "<yaml string>");
+    auto handle = std::make_unique<kda_engine>();
+    handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
+    handle->plan_json = handle->engine->plan().to_json();
+    *out_engine = handle.release();
+  });
+}
+
+void check_count(int count, const kda::engine::Engine& engine, const char* function,
+                 const char* name) {
+  if (count < 1 || count > engine.num_slots()) {
+    invalid(function, std::string(name) + " is " + std::to_string(count) + ", expected 1.." +
+                          std::to_string(engine.num_slots()) + " (runtime.max_sequences)");
+  }
+}
+
+void require_tensors(const char* function, const void* q, const void* k, const void* v,
+                     const void* g, const void* beta, const void* out) {
+  require(q, function, "q");
+  require(k, function, "k");
+  require(v, function, "v");
+  require(g, function, "g");
+  require(beta, function, "beta");
+  require(out, function, "out");
+}
+
+// The C batch as the engine's.
+kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* function) {
+  require(batch, function, "batch");
+  kda::engine::BatchMetadata b;
+  b.tokens = batch->tokens;
+  b.sequences = batch->sequences;
+  b.decode_tokens = batch->decode_tokens;
+  b.slots = batch->slots;
+  b.cu_seqlens = batch->cu_seqlens;
+  return b;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kda_status_string(kda_status status) {
+  const int value = static_cast<int>(status);
+  if (value < KDA_OK || value > KDA_INTERNAL) return "unknown status";
+  return kda::to_string(static_cast<StatusCode>(value));
+}
+
+kda_status kda_engine_options_init(kda_engine_options* options) {
+  if (options == nullptr) return KDA_INVALID_ARGUMENT;
+  *options = kda_engine_options{};
+  options->struct_size = sizeof(kda_engine_options);
+  options->backend = KDA_BACKEND_DEFAULT;
+  options->cuda_stream = nullptr;
+  options->cpu_threads = 0;
+  options->check_pointers = 1;
+  options->seed = 0;
+  options->prefill_schedule = KDA_PREFILL_SCHEDULE_DEFAULT;
+  options->reserved = 0;
+  return KDA_OK;
+}
+
+kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,
+                                       kda_engine** out_engine, char* err, size_t err_size) {
+  return create("kda_engine_create_from_file", true, yaml_path, options, out_engine, err, err_size);
+}
+
+kda_status kda_engine_create_from_string(const char* yaml_text, const kda_engine_options* options,
+                                         kda_engine** out_engine, char* err, size_t err_size) {
+  return create("kda_engine_create_from_string", false, yaml_text, options, out_engine, err,
+                err_size);
+}
+
+kda_status kda_engine_destroy(kda_engine* engine) {
+  if (engine == nullptr) return KDA_OK;
+  // ~Engine waits for the stream and frees the arena; it does not throw.
+  delete engine;
+  return KDA_OK;
+}
+
+const char* kda_engine_last_error(const kda_engine* engine) {
+  return engine == nullptr ? kNullHandle : engine->last_error;
+}
+
+kda_status kda_engine_num_layers(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_num_layers", "out");
+    *out = e.num_layers();
+  });
+}
+
+kda_status kda_engine_num_heads(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_num_heads", "out");
+    *out = e.spec().num_heads;
+  });
+}
+
+kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_head_dim", "out");
+    *out = e.spec().head_dim;
+  });
+}
+
+kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_backend", "out");
+    switch (e.backend()) {  // the C names of kda::Backend
+      case kda::Backend::kCpu:
+        *out = KDA_BACKEND_CPU;
+        break;
+      case kda::Backend::kCuda:
+        *out = KDA_BACKEND_CUDA;
+        break;
+    }
+  });
+}
+
+kda_status kda_engine_max_tokens(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_max_tokens", "out");
+    *out = e.spec().runtime.max_tokens;
+  });
+}
+
+kda_status kda_engine_max_sequences(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_max_sequences", "out");
+    *out = e.spec().runtime.max_sequences;
+  });
+}
+
+kda_status kda_engine_free_slots(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_free_slots", "out");
+    *out = e.free_slots();
+  });
+}
+
+kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_arena_bytes", "out");
+    *out = e.arena_bytes();
+  });
+}
+
+kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_size,
+                                size_t* length) {
+  return on_handle(engine, [&](kda::engine::Engine&) {
+    const std::string& json = engine->plan_json;
+    if (length != nullptr) *length = json.size();
+    if (buffer == nullptr && buffer_size == 0) return;  // size query
+    require(buffer, "kda_engine_plan_json", "buffer (with buffer_size > 0)");
+    if (buffer_size < json.size() + 1) {
+      buffer[0] = '\0';
+      invalid("kda_engine_plan_json", "buffer of " + std::to_string(buffer_size) +
+                                          " bytes is too small: the plan JSON needs " +
+                                          std::to_string(json.size() + 1) +
+                                          " bytes (its length + 1)");
+    }
+    std::memcpy(buffer, json.c_str(), json.size() + 1);
+  });
+}
+
+kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out_slot, "kda_engine_acquire_slot", "out_slot");
+    *out_slot = e.acquire_slot();
+  });
+}
+
+kda_status kda_engine_release_slot(kda_engine* engine, int slot) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.release_slot(slot); });
+}
+
+kda_status kda_engine_reset_slot(kda_engine* engine, int slot) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slot(slot); });
+}
+
+kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
+                              const void* v, const void* g, const void* beta, void* out,
+                              const int* slots, int num_sequences, const int64_t* cu_seqlens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_prefill";
+    require_tensors(function, q, k, v, g, beta, out);
+    require(slots, function, "slots");
+    require(cu_seqlens, function, "cu_seqlens");
+    check_count(num_sequences, e, function, "num_sequences");
+    const auto n = static_cast<std::size_t>(num_sequences);
+    // The caller's arrays as they are: the engine reads them through spans, without a copy.
+    e.prefill(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, {slots, n},
+              {cu_seqlens, n + 1});
+  });
+}
+
+kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const void* k,
+                             const void* v, const void* g, const void* beta, void* out,
+                             const int* slots, int batch, int tokens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_decode";
+    require_tensors(function, q, k, v, g, beta, out);
+    require(slots, function, "slots");
+    check_count(batch, e, function, "batch");
+    e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out,
+             {slots, static_cast<std::size_t>(batch)}, tokens);
+  });
+}
+
+kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_hidden_size", "out");
+    *out = e.spec().hidden_size;
+  });
+}
+
+kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_whole_layers", "out");
+    *out = e.layer_mode() == kda::engine::LayerMode::kWhole ? 1 : 0;
+  });
+}
+
+kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                     const int* slots, int num_sequences,
+                                     const int64_t* cu_seqlens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_prefill_hidden";
+    require(slots, function, "slots");
+    require(cu_seqlens, function, "cu_seqlens");
+    check_count(num_sequences, e, function, "num_sequences");
+    const auto n = static_cast<std::size_t>(num_sequences);
+    // hidden / out may be NULL only for a batch of no tokens (the engine checks).
+    e.prefill_hidden(layer, hidden, out, {slots, n}, {cu_seqlens, n + 1});
+  });
+}
+
+kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
+                                    const int* slots, int batch, int tokens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const char* const function = "kda_engine_decode_hidden";
+    require(hidden, function, "hidden");
+    require(out, function, "out");
+    require(slots, function, "slots");
+    check_count(batch, e, function, "batch");
+    e.decode_hidden(layer, hidden, out, {slots, static_cast<std::size_t>(batch)}, tokens);
+  });
+}
+
+kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
+                                    const void* v, const void* g, const void* beta, void* out,
+                                    const kda_batch* batch) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const kda::engine::BatchMetadata b = batch_metadata(batch, "kda_engine_forward_batch");
+    const kda::engine::LayerInputs inputs{q, k, v, g, beta};
+    if (b.decode_tokens == 0) {
+      e.prefill(layer, inputs, out, b);
+    } else {
+      e.decode(layer, inputs, out, b);
+    }
+  });
+}
+
+kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const void* hidden,
+                                           void* out, const kda_batch* batch) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    const kda::engine::BatchMetadata b = batch_metadata(batch, "kda_engine_forward_hidden_batch");
+    if (b.decode_tokens == 0) {
+      e.prefill_hidden(layer, hidden, out, b);
+    } else {
+      e.decode_hidden(layer, hidden, out, b);
+    }
+  });
+}
+
+kda_status kda_engine_synchronize(kda_engine* engine) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.synchronize(); });
+}
+
+kda_status kda_engine_check_device_status(kda_engine* engine) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.check_device_status(); });
+}
+
+}  // extern "C"

@@ -1,0 +1,53 @@
+// kda/engine/layer_weights_io.hpp — a whole KDA layer's weights (kda/layer/weights.hpp) in
+// checkpoints, by their Hugging Face Kimi-Linear names.
+//
+// Names, dtypes and shapes, each optionally prefixed by "model.layers.{i}.self_attn." (i the
+// 0-based model layer, as Hugging Face numbers layers):
+//   q_proj.weight, k_proj.weight, v_proj.weight   BF16 [C, E]
+//   q_conv1d.weight, k_conv1d.weight, v_conv1d.weight  BF16 or F32 [C, 1, W] (or [C, W])
+//   f_a_proj.weight BF16 [D, E]     f_b_proj.weight BF16 [C, D]      (forget gate, low rank)
+//   b_proj.weight   BF16 [H, E]                                      (beta)
+//   g_a_proj.weight BF16 [D, E]     g_b_proj.weight BF16 [C, D]      (output gate, low rank)
+//   g_b_proj.bias   BF16 [C]        optional (fla's KimiDeltaAttention has it; Kimi-Linear not)
+//   A_log   F32 or BF16 [1, 1, H, 1] (or [H])     dt_bias F32 or BF16 [C] (or [H, D])
+//   o_norm.weight   BF16 [D]        o_proj.weight BF16 [E, C]
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kda/layer/weights.hpp"
+
+namespace kda::engine {
+
+class Checkpoint;
+class SafetensorsFile;
+struct Tensor;
+
+// Tensor names of a layer's gate parameters (0-based model layer), and the two read alone: what a
+// core-only engine needs of a checkpoint. A_log F32 or BF16 [H] or [1, 1, H, 1], dt_bias [H * D]
+// or [H, D]. Throws kda::Error naming the file and the tensor.
+std::string a_log_tensor_name(int layer_index);
+std::string dt_bias_tensor_name(int layer_index);
+layer::GateParameters load_gate_parameters(const SafetensorsFile& file, int layer_index,
+                                           std::int64_t num_heads, std::int64_t head_dim);
+
+// "model.layers.{i}.self_attn.", i the 0-based model layer.
+std::string layer_tensor_prefix(int layer_index);
+
+// Reads layer `layer_index`'s weights (0-based model layer) from `checkpoint` and keeps config's
+// shard of them. Each tensor is looked up as layer_tensor_prefix(layer_index) + name, then as the
+// bare name (a layer case file); layer_index < 0 looks up bare names only. Throws kda::Error naming
+// the tensor when one is missing, has another shape or dtype than the table above, or (A_log,
+// dt_bias) holds a value the operator refuses.
+layer::Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index,
+                                  const layer::Config& config);
+
+// The weights as safetensors tensors named `prefix` + checkpoint name, in the checkpoint's shapes
+// and dtypes (conv weights, A_log and dt_bias as F32, so nothing is rounded). Only for whole
+// layers (tp_size 1): a shard has no checkpoint shapes. Throws kda::Error otherwise.
+std::vector<Tensor> layer_weight_tensors(const layer::Weights& weights,
+                                         const std::string& prefix = {});
+
+}  // namespace kda::engine

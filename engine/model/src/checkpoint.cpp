@@ -1,0 +1,112 @@
+// engine/checkpoint.cpp — one safetensors file or a sharded Hugging Face checkpoint.
+#include "kda/engine/checkpoint.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+
+#include "kda/error.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw Error(StatusCode::kInvalidArgument, path + ": " + what);
+}
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+Checkpoint Checkpoint::from_file(SafetensorsFile file) {
+  Checkpoint checkpoint;
+  checkpoint.path_ = file.path();
+  checkpoint.files_.push_back(std::move(file));
+  return checkpoint;
+}
+
+Checkpoint Checkpoint::open(const std::string& path) {
+  std::error_code ec;
+  std::string index_path = path;
+  if (fs::is_directory(path, ec)) {
+    const fs::path dir(path);
+    if (fs::exists(dir / "model.safetensors.index.json", ec)) {
+      index_path = (dir / "model.safetensors.index.json").string();
+    } else if (fs::exists(dir / "model.safetensors", ec)) {
+      Checkpoint checkpoint =
+          from_file(SafetensorsFile::open((dir / "model.safetensors").string()));
+      checkpoint.path_ = path;
+      return checkpoint;
+    } else {
+      fail(path, "directory holds neither model.safetensors.index.json nor model.safetensors");
+    }
+  }
+  if (!ends_with(index_path, ".json")) return from_file(SafetensorsFile::open(path));
+
+  // A sharded checkpoint: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
+  std::ifstream in(index_path);
+  if (!in) fail(index_path, "cannot open the checkpoint index");
+  std::stringstream text;
+  text << in.rdbuf();
+  const nlohmann::json index =
+      nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (index.is_discarded() || !index.is_object()) fail(index_path, "is not a JSON object");
+  const auto map_it = index.find("weight_map");
+  if (map_it == index.end() || !map_it->is_object()) {
+    fail(index_path, "has no \"weight_map\" object (tensor name -> shard file)");
+  }
+
+  Checkpoint checkpoint;
+  checkpoint.path_ = index_path;
+  const fs::path dir = fs::path(index_path).parent_path();
+  std::map<std::string, std::size_t> file_of_shard;
+  for (auto it = map_it->begin(); it != map_it->end(); ++it) {
+    if (!it.value().is_string()) {
+      fail(index_path, "weight_map entry '" + it.key() + "' is not a file name");
+    }
+    const std::string shard = it.value().get<std::string>();
+    auto [position, added] = file_of_shard.emplace(shard, checkpoint.files_.size());
+    if (added) checkpoint.files_.push_back(SafetensorsFile::open((dir / shard).string()));
+    const SafetensorsFile& file = checkpoint.files_[position->second];
+    if (file.find(it.key()) == nullptr) {
+      fail(index_path,
+           "weight_map puts tensor '" + it.key() + "' in " + shard + ", which does not hold it");
+    }
+    checkpoint.weight_map_.emplace_back(it.key(), position->second);
+  }
+  std::sort(checkpoint.weight_map_.begin(), checkpoint.weight_map_.end());
+  return checkpoint;
+}
+
+const TensorInfo* Checkpoint::find(const std::string& name, const SafetensorsFile** file) const {
+  const SafetensorsFile* holder = nullptr;
+  if (weight_map_.empty()) {
+    if (!files_.empty()) holder = &files_.front();
+  } else {
+    auto it = std::lower_bound(weight_map_.begin(), weight_map_.end(), name,
+                               [](const std::pair<std::string, std::size_t>& entry,
+                                  const std::string& key) { return entry.first < key; });
+    if (it != weight_map_.end() && it->first == name) holder = &files_[it->second];
+  }
+  const TensorInfo* info = holder == nullptr ? nullptr : holder->find(name);
+  if (file != nullptr) *file = info == nullptr ? nullptr : holder;
+  return info;
+}
+
+Tensor Checkpoint::read(const std::string& name) const {
+  const SafetensorsFile* file = nullptr;
+  if (find(name, &file) == nullptr) fail(path_, "no tensor '" + name + "'");
+  return file->read(name);
+}
+
+}  // namespace kda::engine

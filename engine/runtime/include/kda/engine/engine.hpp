@@ -1,0 +1,270 @@
+// kda/engine/engine.hpp — the KDA layers of a model, one memory arena, and a pool of state slots.
+//
+// An Engine plans its memory once (the spec's runtime.workspace_plan), allocates ONE arena
+// (256-byte aligned host memory on the CPU backend, one kda::device_malloc on CUDA) and never
+// allocates again: prefill and decode only enqueue work on buffers that already exist. Everything
+// the engine keeps for its layers is in the arena, the whole layers' weights included
+// (weight_bytes()): on CUDA all of its device memory, on the CPU the fp32 weights too.
+//
+// State slots. Each KDA layer keeps a pool of runtime.max_sequences recurrent states [H, V, K] in
+// the arena. A runtime gives each live sequence a slot:
+//   int slot = engine.acquire_slot();              // lowest free slot, zeroed in every layer
+//   engine.prefill(layer, inputs, out, {slot}, {0, n});  // per KDA layer, in order
+//   engine.decode(layer, inputs, out, {slot}, 1);        // per KDA layer, each step
+//   engine.release_slot(slot);                     // or reset_slot(slot) to start over
+// prefill starts from the slot's current state — zero for a freshly acquired or reset slot, so a
+// second prefill on the same slot continues the sequence (chunked prefill) — and leaves the
+// sequence's final state in the slot; decode reads and updates it in place.
+//
+// Any slots, one launch. prefill and decode address each sequence's state by its slot index in the
+// pool (kda::Problem::num_state_slots / kda::Tensors::state_slots): a batch whose slots are
+// fragmented, reversed or strided is still one forward per layer, in place, with no gather or
+// scatter copies.
+//
+// Whole layers. By default (runtime.layers: whole) each KDA layer is the whole Kimi Delta Attention
+// layer (kda/layer/layer.hpp): hidden states [T, hidden_size] in, hidden states out, through the
+// projections, the short convolutions, the KDA core, the gated RMSNorm and the output projection.
+// A slot then holds a sequence's whole state in every layer: its conv states (q, k, v; the last
+// W-1 pre-conv inputs of each channel) and its recurrent state, all zeroed on acquire / reset:
+//   int slot = engine.acquire_slot();
+//   for (int l = 0; l < engine.num_layers(); ++l)       // x: [T, hidden] in, [T, hidden] out
+//     engine.prefill_hidden(l, x, y, {slot}, {0, T});  // (the host runs the other layers between)
+//   engine.decode_hidden(l, x1, y1, {slot}, 1);        // per layer, each step
+// Weights come from the YAML's `weights:` checkpoint by their Hugging Face names
+// (load_layer_weights), or are seeded random. With runtime.tp_size > 1 the engine holds its
+// rank's heads of every layer and prefill_hidden / decode_hidden write this rank's PARTIAL SUM of
+// the layer output: the host runtime all-reduces (sums) `out` over the ranks. The core-only calls
+// (prefill / decode) work on a whole-layer engine too, on the same recurrent states (q, k, v, g,
+// beta then have the engine's local heads); runtime.layers: core (or EngineOptions::layer_mode)
+// makes an engine of cores only, which plans no conv states and a smaller workspace.
+//
+// The engine is the runtime only: synthetic inputs and timed runs live in examples/ (kda-run's
+// synthetic_run.hpp). Its state is private (a pimpl), so this header shows only the API.
+//
+// Errors throw kda::Error. Inputs and outputs passed to prefill/decode live on the engine's backend
+// (host pointers for CPU, device pointers for CUDA); bf16 layouts as in kda/kda.hpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "kda/engine/model_spec.hpp"
+#include "kda/kda.hpp"
+#include "kda/layer/layer.hpp"
+#include "kda/planner/memory_plan.hpp"
+
+namespace kda::engine {
+
+// A read-only view of `size` consecutive values (C++17 has no std::span): what prefill / decode
+// take for slots and cu_seqlens, so a caller passes a std::vector, a braced list ({slot}, {0, n})
+// or a pointer and a count, without a copy. It does not own the values: a braced list lives until
+// the end of the full expression, which covers the call.
+template <typename T>
+class Span {
+  static_assert(std::is_const<T>::value, "Span<const T>: a read-only view");
+
+ public:
+  using value_type = std::remove_cv_t<T>;
+  constexpr Span() noexcept = default;
+  constexpr Span(T* data, std::size_t size) noexcept : data_(data), size_(size) {}
+  template <typename A>
+  Span(const std::vector<value_type, A>& values) noexcept  // NOLINT: implicit by design
+      : data_(values.data()), size_(values.size()) {}
+// GCC warns that the view does not extend the braced list's lifetime: it is not meant to (see
+// above), and the warning would reach every user of this header.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winit-list-lifetime"
+#endif
+  constexpr Span(std::initializer_list<value_type> values) noexcept  // NOLINT: implicit by design
+      : data_(values.begin()), size_(values.size()) {}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+  constexpr T* data() const noexcept { return data_; }
+  constexpr std::size_t size() const noexcept { return size_; }
+  constexpr bool empty() const noexcept { return size_ == 0; }
+  constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  constexpr T* begin() const noexcept { return data_; }
+  constexpr T* end() const noexcept { return data_ + size_; }
+
+ private:
+  T* data_ = nullptr;
+  std::size_t size_ = 0;
+};
+
+struct EngineOptions {
+  // Unset: the spec's runtime.backend. See resolve_backend().
+  std::optional<BackendChoice> backend;
+  std::uint64_t seed = 0;  // random parameters (when the spec names no weights file)
+  int cpu_threads = 0;     // CPU backend threads; 0: all hardware threads
+  void* stream = nullptr;  // CUDA stream (cudaStream_t) for everything; nullptr: default
+  // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
+  // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
+  bool check_pointers = true;
+  // CUDA: the prefill's schedule (kda::CudaOptions::schedule); kAuto picks per call from the
+  // shape. Unset: the spec's runtime.prefill_schedule (auto by default); Engine::spec() reports
+  // the schedule in effect. Unknown values throw at construction.
+  std::optional<PrefillSchedule> prefill_schedule;
+  // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
+  std::optional<LayerMode> layer_mode;
+};
+
+// Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
+// batch, all sequences back to back; for decode T = batch * tokens), on the engine's backend.
+struct LayerInputs {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* g = nullptr;
+  const void* beta = nullptr;
+};
+
+// A batch whose per-step metadata the caller keeps in the engine's backend memory — device memory
+// on CUDA, host memory on the CPU — and rewrites before each call, or before each replay of calls
+// captured in a CUDA graph: the engine reads slots and cu_seqlens only where the kernels run, and
+// stages nothing. Only the bounds below are host values, fixed when a call is made (or captured).
+// On CUDA what is wrong in the metadata can only be seen on the device: a slot outside the pool or
+// broken cu_seqlens set a bit of the device status word (check_device_status()) and the rows
+// concerned write nothing; that the slots are acquired and distinct is the caller's promise there.
+// On the CPU the same metadata is checked before anything runs and a bad batch throws.
+struct BatchMetadata {
+  std::int64_t tokens = 0;     // rows of hidden (prefill: cu_seqlens[sequences]; decode:
+                               // sequences * decode_tokens), at most runtime.max_tokens
+  std::int64_t sequences = 0;  // prefill sequences or decode rows, 1..runtime.max_sequences
+  int decode_tokens = 0;       // 0: a prefill; 1..kda::kMaxDecodeTokens: a decode step
+  // int32 [sequences]: each row's state slot; negative: a padding row, which reads and writes no
+  // state (whole layers: its out is zeros; the core alone: as kda::Tensors::state_slots).
+  const std::int32_t* slots = nullptr;
+  // Prefill: int64 [sequences + 1], 0, non-decreasing, last == tokens. Decode: not read.
+  const std::int64_t* cu_seqlens = nullptr;
+};
+
+// One KDA layer of an engine, as messages and tables name it, and its gate parameters.
+struct LayerInfo {
+  int model_layer = 0;       // 1-based, as the YAML's kda_layers lists it ("layer 5")
+  int kda_index = 0;         // 0-based position among the KDA layers: the `kda_index` of every call
+  std::string label;         // "layer 5 (KDA index 3)"
+  std::vector<float> A_log;  // [local heads], host copy of what the layer runs with
+  std::vector<float> dt_bias;  // [local heads * head_dim]
+  std::string origin;          // "random (seed S)" or the checkpoint path
+};
+
+// Which backend an engine for `spec` would use: kCpu / kCuda as asked; kAuto picks CUDA when a
+// device is present and the CUDA backend can run the model's problems (K == V == 128), else CPU.
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice);
+
+// Throws kda::Error naming the model file, its `weights:` key and the resolved path when the spec
+// names a weights file that does not exist or is a directory; nothing when it names none. The
+// Engine constructor checks this; plan_for() reads no files, so callers that only plan (kda-run
+// --plan-only) call it themselves.
+void check_weights_file(const ModelSpec& spec);
+
+class Engine {
+ public:
+  // Loads parameters, plans, allocates the arena, copies parameters in and zeroes every state
+  // slot. Throws kda::Error (e.g. kBackendUnavailable when CUDA is asked for and absent).
+  explicit Engine(ModelSpec spec, const EngineOptions& options = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // The memory plan an engine for `spec` would use on `backend` (with spec.runtime.layer_mode),
+  // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error.
+  static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend);
+
+  const ModelSpec& spec() const noexcept;
+  Backend backend() const noexcept;
+  const planner::MemoryPlan& plan() const noexcept;
+  // Size of the one allocation (= plan().arena_bytes; C: kda_engine_arena_bytes).
+  std::uint64_t arena_bytes() const noexcept;
+  int num_layers() const noexcept;              // KDA layers
+  const LayerInfo& layer(int kda_index) const;  // by KDA index
+  LayerMode layer_mode() const noexcept;
+  // Where the layers' weights came from ("random (seed S)" or the checkpoint), and, whole layers,
+  // the bytes they take in the arena: each layer's persistent `layer{n}.weights` buffer of the
+  // plan, kda::layer's weight image of the backend (bf16 on CUDA, fp32 on the CPU); 0 for cores.
+  const std::string& weights_origin() const noexcept;
+  std::uint64_t weight_bytes() const noexcept;
+  void* stream() const noexcept;
+
+  // ---- state slots ------------------------------------------------------------------------
+  int num_slots() const noexcept;
+  int free_slots() const noexcept;
+  bool slot_in_use(int slot) const noexcept;
+  // Lowest free slot, its state zeroed in every layer. Throws when all slots are in use.
+  int acquire_slot();
+  void release_slot(int slot);
+  // Zeroes the slot's state in every layer, conv states included (the slot stays acquired).
+  void reset_slot(int slot);
+  std::uint64_t state_slot_bytes() const noexcept;
+  // Copies one slot's state of one layer ([H, V, K] in the state dtype) to / from host memory
+  // (synchronous). For tests, checkpoints and moving sequences between engines.
+  void read_slot_state(int kda_index, int slot, void* host_dst) const;
+  void write_slot_state(int kda_index, int slot, const void* host_src);
+  // Whole layers: one slot's conv state of one layer and projection (0 q, 1 k, 2 v), bf16
+  // [local_heads * head_dim, W - 1] (oldest input first), to / from host memory (synchronous).
+  std::uint64_t conv_state_slot_bytes() const noexcept;
+  void read_slot_conv_state(int kda_index, int slot, int projection, void* host_dst) const;
+  void write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src);
+
+  // ---- forward ----------------------------------------------------------------------------
+  // Prefill of one KDA layer for a batch: sequence j (tokens cu_seqlens[j] .. cu_seqlens[j+1]) uses
+  // slots[j]. cu_seqlens is a host array of slots.size() + 1 entries: 0, non-decreasing, last at
+  // most runtime.max_tokens; 1..max_sequences sequences on distinct acquired slots (a negative
+  // slot: a padding sequence, which reads and writes no state). `out`: bf16 [T, H, V]. Asynchronous
+  // on CUDA (synchronize() to wait).
+  void prefill(int kda_index, const LayerInputs& inputs, void* out, Span<const int> slots,
+               Span<const std::int64_t> cu_seqlens);
+  // Decode of one KDA layer: `tokens` (1..16) new tokens for each of slots.size()
+  // (1..max_sequences) rows; inputs [B, tokens, ...], out bf16 [B, tokens, H, V]. A negative slot
+  // marks a padding row (skipped, its out left untouched); the others must be distinct acquired
+  // slots.
+  void decode(int kda_index, const LayerInputs& inputs, void* out, Span<const int> slots,
+              int tokens);
+  // Whole layers (runtime.layers: whole): prefill of one KDA layer on hidden states, bf16
+  // [T, hidden_size] in and out (out not overlapping hidden; with tp_size > 1 a partial sum to
+  // all-reduce). Slots and cu_seqlens as prefill(): each sequence starts from its slot's conv and
+  // recurrent states and leaves its new ones there. `times` (optional) gets the seconds of each
+  // phase added (on CUDA measured with events, which makes the call wait for the layer).
+  void prefill_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,
+                      Span<const std::int64_t> cu_seqlens, layer::Times* times = nullptr);
+  // Decode of one whole layer: `tokens` (1..16) new tokens for each of slots.size() rows, hidden
+  // and out [B * tokens, hidden_size]. A negative slot marks a padding row (its out zeros, no
+  // state touched); the others are distinct acquired slots.
+  void decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,
+                     int tokens, layer::Times* times = nullptr);
+  // The same four calls on caller-owned batch metadata (BatchMetadata): nothing is staged or
+  // synchronized, so a sequence of them can be captured in a CUDA graph once per bucket of bounds
+  // and replayed with whatever slots and cu_seqlens the caller has written since. `tokens` and
+  // `sequences` are the bounds; `decode_tokens` picks prefill (0) or decode. The whole-layer ones
+  // need whole layers, as above.
+  void prefill(int kda_index, const LayerInputs& inputs, void* out, const BatchMetadata& batch);
+  void decode(int kda_index, const LayerInputs& inputs, void* out, const BatchMetadata& batch);
+  void prefill_hidden(int kda_index, const void* hidden, void* out, const BatchMetadata& batch,
+                      layer::Times* times = nullptr);
+  void decode_hidden(int kda_index, const void* hidden, void* out, const BatchMetadata& batch,
+                     layer::Times* times = nullptr);
+
+  // Waits for everything enqueued (CUDA); no-op on the CPU.
+  void synchronize() const;
+  // What the kernels found that the host could not see (CUDA): broken cu_seqlens on the device or
+  // gate parameters out of range (kda::DeviceStatusBit), accumulated over every forward since the
+  // last check. Synchronizes the stream, reads the engine's device status word, clears it, and
+  // throws kda::Error (kInvalidArgument) naming what was found. No-op on the CPU, whose forwards
+  // throw such problems at once. Not for the hot path: call it where you synchronize anyway.
+  void check_device_status();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kda::engine

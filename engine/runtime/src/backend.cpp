@@ -1,0 +1,168 @@
+// engine/src/backend.cpp — the host and CUDA implementations of EngineBackend.
+#include "backend.hpp"
+
+#include <sys/mman.h>
+
+#include <cstring>
+
+#include "kda/error.hpp"
+#include "kda/nvtx.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+// Host memory and kda::forward_cpu / decode_cpu.
+class HostBackend final : public EngineBackend {
+ public:
+  explicit HostBackend(const BackendOptions& options) : EngineBackend(nullptr) {
+    cpu_.num_threads = options.cpu_threads;
+  }
+  Backend kind() const noexcept override { return Backend::kCpu; }
+
+  void* alloc(std::size_t bytes, const std::string& what) override {
+    // Pages straight from the kernel (page-aligned, beyond any plan alignment): a destroyed engine
+    // gives its arena back to the system at once, whatever malloc's thresholds would do.
+    void* ptr = mmap(nullptr, mapped_length(bytes), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (ptr == MAP_FAILED) {
+      throw Error(StatusCode::kInternal,
+                  "cannot allocate " + what + " (" + std::to_string(bytes) + " bytes)");
+    }
+    return ptr;
+  }
+  void free(void* ptr, std::size_t bytes) noexcept override {
+    if (ptr != nullptr) (void)munmap(ptr, mapped_length(bytes));
+  }
+
+  void copy_to_device(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes != 0) std::memcpy(dst, src, bytes);
+  }
+  void memset(void* dst, int value, std::size_t bytes) override {
+    if (bytes != 0) std::memset(dst, value, bytes);
+  }
+  void synchronize() override {}
+
+  Status prefill(const Problem& p, const Tensors& t, Workspace ws,
+                 const CudaOptions&) const override {
+    KDA_NVTX_RANGE("prefill.forward_cpu");
+    return forward_cpu(p, t, ws, cpu_);
+  }
+  Status decode(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
+                const CudaOptions&) const override {
+    KDA_NVTX_RANGE("decode.step_cpu");
+    return decode_cpu(p, t, ws, cpu_);
+  }
+
+  bool has_device_status() const noexcept override { return false; }
+  Status clear_device_status(std::uint32_t*) override { return Status(); }
+  Status check_device_status(const std::uint32_t*) override { return Status(); }
+  Status check_caller_buffer(const void*, std::size_t, const char*) const override {
+    return Status();
+  }
+  Status check_caller_tensors(const Problem&, const Tensors&) const override { return Status(); }
+  Status check_caller_tensors(const DecodeProblem&, const DecodeTensors&) const override {
+    return Status();
+  }
+
+ private:
+  static std::size_t mapped_length(std::size_t bytes) { return bytes == 0 ? 1 : bytes; }
+  CpuOptions cpu_;
+};
+
+// Device memory on one stream, through kda's device helpers only.
+class CudaBackend final : public EngineBackend {
+ public:
+  explicit CudaBackend(const BackendOptions& options)
+      : EngineBackend(options.stream), check_pointers_(options.check_pointers) {}
+  Backend kind() const noexcept override { return Backend::kCuda; }
+
+  void* alloc(std::size_t bytes, const std::string& what) override {
+    void* ptr = nullptr;
+    throw_if_error(device_malloc(&ptr, bytes == 0 ? 256 : bytes),
+                   ("allocating " + what + " (" + std::to_string(bytes) + " bytes)").c_str());
+    return ptr;
+  }
+  void free(void* ptr, std::size_t) noexcept override {
+    if (ptr != nullptr) (void)device_free(ptr);  // nothing useful to do with a failure here
+  }
+
+  void copy_to_device(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes == 0) return;
+    throw_if_error(memcpy_to_device(dst, src, bytes, stream()), "copying to the device");
+  }
+  void copy_to_host(void* dst, const void* src, std::size_t bytes) override {
+    if (bytes != 0) {
+      throw_if_error(memcpy_to_host(dst, src, bytes, stream()), "copying to the host");
+    }
+    synchronize();
+  }
+  void memset(void* dst, int value, std::size_t bytes) override {
+    if (bytes == 0) return;
+    throw_if_error(memset_device(dst, value, bytes, stream()), "setting device memory");
+  }
+  void synchronize() override { throw_if_error(stream_synchronize(stream()), "synchronizing"); }
+
+  Status prefill(const Problem& p, const Tensors& t, Workspace ws,
+                 const CudaOptions& cuda) const override {
+    KDA_NVTX_RANGE("prefill.forward_cuda");
+    return forward_cuda(p, t, ws, stream(), cuda);
+  }
+  Status decode(const DecodeProblem& p, const DecodeTensors& t, Workspace,
+                const CudaOptions& cuda) const override {
+    KDA_NVTX_RANGE("decode.step_cuda");
+    return decode_cuda(p, t, stream(), cuda);
+  }
+
+  bool has_device_status() const noexcept override { return true; }
+  Status clear_device_status(std::uint32_t* word) override {
+    return kda::clear_device_status(word, stream());
+  }
+  Status check_device_status(const std::uint32_t* word) override {
+    return kda::check_device_status(word, stream());
+  }
+  Status check_caller_buffer(const void* ptr, std::size_t bytes, const char* name) const override {
+    return check_pointers_ ? check_device_pointer(ptr, bytes, name) : Status();
+  }
+  Status check_caller_tensors(const Problem& p, const Tensors& t) const override {
+    return check_pointers_ ? check_device_pointers(p, t) : Status();
+  }
+  Status check_caller_tensors(const DecodeProblem& p, const DecodeTensors& t) const override {
+    return check_pointers_ ? check_device_pointers(p, t) : Status();
+  }
+
+ private:
+  bool check_pointers_;
+};
+
+}  // namespace
+
+std::unique_ptr<EngineBackend> make_engine_backend(Backend kind, const BackendOptions& options,
+                                                   const std::string& where) {
+  if (kind == Backend::kCpu) return std::make_unique<HostBackend>(options);
+  if (cuda_device_count() == 0) {
+    throw Error(StatusCode::kBackendUnavailable,
+                where + ": no CUDA device" +
+                    (cuda_compiled() ? std::string() : std::string(" (built without CUDA)")));
+  }
+  return std::make_unique<CudaBackend>(options);
+}
+
+bool backend_has_device_status(Backend kind) noexcept { return kind == Backend::kCuda; }
+
+Backend choose_backend(BackendChoice choice, const std::function<bool()>& cuda_can_run) {
+  switch (choice) {
+    case BackendChoice::kCpu:
+      return Backend::kCpu;
+    case BackendChoice::kCuda:
+      return Backend::kCuda;
+    case BackendChoice::kAuto:
+      break;
+  }
+  return cuda_device_count() > 0 && cuda_can_run() ? Backend::kCuda : Backend::kCpu;
+}
+
+}  // namespace kda::engine

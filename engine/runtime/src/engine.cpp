@@ -1,0 +1,830 @@
+// engine/engine.cpp — planning, the arena, state slots, prefill/decode dispatch.
+//
+// Everything backend-specific (memory, copies, the operator's entry points, the device status
+// word, pointer checks) goes through one EngineBackend (backend.hpp); this file never asks which
+// backend it runs on.
+#include "kda/engine/engine.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <string>
+#include <system_error>
+#include <tuple>
+
+#include "backend.hpp"
+#include "engine_layer.hpp"
+#include "kda/engine/checkpoint.hpp"
+#include "kda/engine/layer_weights_io.hpp"
+#include "kda/engine/safetensors.hpp"
+#include "kda/error.hpp"
+#include "kda/nvtx.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+[[noreturn]] void fail(const std::string& what, StatusCode code = StatusCode::kInvalidArgument) {
+  throw Error(code, what);
+}
+
+void check_layer_mode(const ModelSpec& spec) {
+  if (spec.runtime.layer_mode == LayerMode::kCoreOnly && spec.runtime.tp_size != 1) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": runtime.tp_size " + std::to_string(spec.runtime.tp_size) +
+                    " needs whole layers (runtime.layers: whole): a core-only engine holds every "
+                    "head");
+  }
+}
+
+// The layers of `spec` on `backend`, sizes only: what the plan needs.
+std::vector<std::unique_ptr<EngineLayer>> make_layers(const ModelSpec& spec, Backend backend) {
+  std::vector<std::unique_ptr<EngineLayer>> layers;
+  layers.reserve(spec.kda_layer_indices.size());
+  for (std::size_t i = 0; i < spec.kda_layer_indices.size(); ++i) {
+    layers.push_back(std::make_unique<EngineLayer>(spec, static_cast<int>(i), backend));
+  }
+  return layers;
+}
+
+// Reads (or seeds) each layer's weights, one layer at a time, into its bound buffers: whole
+// layers their weight image and gate parameters, cores their gate parameters alone.
+void load_layers(const ModelSpec& spec, std::uint64_t seed,
+                 const std::vector<std::unique_ptr<EngineLayer>>& layers) {
+  const bool whole = spec.runtime.layer_mode == LayerMode::kWhole;
+  std::unique_ptr<Checkpoint> checkpoint;
+  std::unique_ptr<SafetensorsFile> file;
+  if (!spec.weights.empty()) {
+    check_weights_file(spec);
+    if (whole) {
+      checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(spec.weights));
+    } else {
+      file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(spec.weights));
+    }
+  }
+  const layer::Config config = layer_config(spec);
+  for (const auto& layer : layers) {
+    const int index = layer->info().model_layer - 1;  // checkpoints number layers from 0
+    if (whole) {
+      layer::Weights weights;
+      try {
+        weights = checkpoint ? load_layer_weights(*checkpoint, index, config)
+                             : layer::random_weights(config, seed, index);
+      } catch (const Error& e) {
+        throw Error(e.code(), spec.source + ": weights of layer " + std::to_string(index + 1) +
+                                  ": " + e.what());
+      }
+      layer->load(weights);
+    } else if (file) {
+      layer->load(load_gate_parameters(*file, index, spec.num_heads, spec.head_dim), file->path());
+    } else {
+      layer->load(layer::random_gate_parameters(seed, index, spec.num_heads, spec.head_dim),
+                  "random (seed " + std::to_string(seed) + ")");
+    }
+  }
+}
+
+// The engine's own buffers besides the layers': handles into the plan.
+struct EngineBuffers {
+  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, device_status;
+};
+
+// Every buffer of an engine, in the order the arena lays them out in `sum` mode. The layers keep
+// their handles; the engine's come back in `buffers`.
+planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
+                              const std::vector<std::unique_ptr<EngineLayer>>& layers,
+                              EngineBuffers* buffers) {
+  planner::MemoryPlanner planner;
+  // Each layer's workspace holds every intermediate of the layer: live during that layer only, so
+  // `reuse` lays all layers' over the same bytes.
+  for (const auto& layer : layers) layer->declare_buffers(planner);
+  const int last_step = std::max(0, static_cast<int>(layers.size()) - 1);
+  auto scratch = [&](const char* name, std::uint64_t bytes) {
+    planner::BufferRequest request;
+    request.name = name;
+    request.kind = planner::BufferKind::kScratch;
+    request.bytes = bytes;
+    request.first_step = 0;  // live while any layer runs
+    request.last_step = last_step;
+    return planner.add(request);
+  };
+  const auto seqs = static_cast<std::uint64_t>(spec.runtime.max_sequences);
+  // The batch's cu_seqlens: one entry per sequence and one more.
+  buffers->cu_seqlens = scratch("prefill.cu_seqlens", (seqs + 1) * sizeof(std::int64_t));
+  // Slot indices, one buffer per kind of call, so that alternating prefill and decode batches do
+  // not re-upload (and a captured graph replays without host-to-device copies).
+  buffers->prefill_slots = scratch("prefill.slots", seqs * sizeof(std::int32_t));
+  buffers->decode_slots = scratch("decode.slots", seqs * sizeof(std::int32_t));
+  buffers->device_status = backend_has_device_status(backend)
+                               ? scratch("engine.device_status", sizeof(std::uint32_t))
+                               : planner::BufferHandle{};
+
+  planner::PlanResult result = planner.plan(spec.runtime.workspace_plan);
+  if (!result.ok) {
+    // Sizes that do not fit are the model's (kOverflow); anything else is the engine's mistake.
+    throw Error(result.status == planner::PlanStatus::kOverflow ? StatusCode::kOverflow
+                                                                : StatusCode::kInternal,
+                "memory plan for " + spec.name + ": " + result.error + " (" +
+                    planner::to_string(result.status) + ")");
+  }
+  return std::move(result.plan);
+}
+
+// The caller's part of an operator call's tensors (Tensors or DecodeTensors); the engine adds its
+// own (states, slots, cu_seqlens, status word).
+template <typename CallTensors>
+CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
+  CallTensors t;
+  t.q = inputs.q;
+  t.k = inputs.k;
+  t.v = inputs.v;
+  t.g = inputs.g;
+  t.beta = inputs.beta;
+  t.out = out;
+  return t;
+}
+
+}  // namespace
+
+// ---- the engine's state ----------------------------------------------------------------------
+
+struct Engine::Impl {
+  // Slot indices staged for the operator (int32, -1 for padding), one per kind of call.
+  struct SlotStaging {
+    std::int32_t* device = nullptr;      // arena scratch
+    std::vector<std::int32_t> host;      // capacity fixed at construction
+    std::vector<std::int32_t> uploaded;  // what `device` holds now (skip repeat uploads)
+  };
+
+  ModelSpec spec;
+  std::unique_ptr<EngineBackend> backend;
+  CudaOptions unchecked;  // the operator calls: pointers already checked or the arena's own
+  std::uint32_t* device_status = nullptr;  // the backend's device status word (arena), if any
+  std::vector<std::unique_ptr<EngineLayer>> layers;
+  bool whole = false;  // runtime.layers: whole
+  std::string weights_origin;
+  std::uint64_t weight_bytes = 0;
+  int cpu_threads = 0;
+  planner::MemoryPlan plan;
+  BackendBuffer arena;
+  std::uint64_t slot_bytes = 0;
+  std::uint64_t conv_slot_bytes = 0;  // whole layers: one projection's conv state of one slot
+  std::vector<char> slot_in_use;
+
+  // Prefill staging: the batch's int64 cu_seqlens.
+  std::int64_t* cu_scratch = nullptr;
+  std::vector<std::int64_t> cu_staging;   // host, capacity fixed at construction
+  std::vector<std::int64_t> cu_uploaded;  // what cu_scratch holds now (skip repeat uploads)
+  std::vector<unsigned> seen_stamp;       // duplicate-slot detection without clearing
+  unsigned stamp = 0;
+  SlotStaging prefill_slots, decode_slots;
+
+  ~Impl() {
+    // Kernels may still use the arena; freeing it must wait for them (nothing to do with a
+    // failure in a destructor).
+    if (arena && backend) {
+      try {
+        backend->synchronize();
+      } catch (const Error&) {
+      }
+    }
+    arena.reset();
+  }
+
+  int num_layers() const noexcept { return static_cast<int>(layers.size()); }
+  int num_slots() const noexcept { return static_cast<int>(slot_in_use.size()); }
+  bool in_use(int slot) const noexcept {
+    return slot >= 0 && slot < num_slots() && slot_in_use[static_cast<std::size_t>(slot)] != 0;
+  }
+
+  void check_layer(int kda_index) const {
+    if (kda_index < 0 || kda_index >= num_layers()) {
+      fail("KDA layer " + std::to_string(kda_index) + " is out of range [0, " +
+           std::to_string(num_layers()) +
+           "): the argument is the KDA index (0-based position in kda_layers), not the model "
+           "layer");
+    }
+  }
+
+  std::uint8_t* slot_state(int kda_index, int slot) const noexcept {
+    return static_cast<std::uint8_t*>(layers[static_cast<std::size_t>(kda_index)]->state_pool()) +
+           static_cast<std::uint64_t>(slot) * slot_bytes;
+  }
+
+  std::uint8_t* slot_conv_state(int kda_index, int slot, int projection) const noexcept {
+    return static_cast<std::uint8_t*>(
+               layers[static_cast<std::size_t>(kda_index)]->conv_pool(projection)) +
+           static_cast<std::uint64_t>(slot) * conv_slot_bytes;
+  }
+
+  void zero_slot(int slot) {
+    for (int l = 0; l < num_layers(); ++l) {
+      backend->memset(slot_state(l, slot), 0, static_cast<std::size_t>(slot_bytes));
+      if (!whole) continue;
+      for (int projection = 0; projection < 3; ++projection) {
+        backend->memset(slot_conv_state(l, slot, projection), 0,
+                        static_cast<std::size_t>(conv_slot_bytes));
+      }
+    }
+  }
+
+  void check_whole(const char* what) const {
+    if (!whole) {
+      fail(std::string(what) + ": " + spec.name +
+           " runs the KDA core only (runtime.layers: core); hidden states need whole layers "
+           "(runtime.layers: whole, the default)");
+    }
+  }
+
+  // The checks of read_slot_conv_state / write_slot_conv_state, one message each.
+  void check_conv_state_access(const char* what, int kda_index, int slot, int projection) const {
+    check_layer(kda_index);
+    check_whole(what);
+    if (slot < 0 || slot >= num_slots()) {
+      fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
+    }
+    if (projection < 0 || projection > 2) {
+      fail(std::string(what) + ": projection " + std::to_string(projection) +
+           " is not 0 (q), 1 (k) or 2 (v)");
+    }
+  }
+
+  // A prefill batch: 1..max_sequences sequences on distinct acquired slots (negative: padding),
+  // cu_seqlens 0, non-decreasing, at most max_tokens.
+  void check_prefill_batch(const char* what, Span<const int> slots,
+                           Span<const std::int64_t> cu_seqlens) {
+    const std::string call = what;
+    const std::size_t n = slots.size();
+    if (n == 0 || n > static_cast<std::size_t>(num_slots())) {
+      fail(call + ": " + std::to_string(n) + " sequences, expected 1.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+    if (cu_seqlens.size() != n + 1) {
+      fail(call + ": cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
+           std::to_string(n + 1) + " (sequences + 1)");
+    }
+    if (const Status st =
+            validate_cu_seqlens(cu_seqlens.data(), static_cast<std::int64_t>(n), cu_seqlens[n]);
+        !st.ok()) {
+      fail(call + ": " + st.message());
+    }
+    if (cu_seqlens[n] > spec.runtime.max_tokens) {
+      fail(call + ": " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
+           std::to_string(spec.runtime.max_tokens));
+    }
+    next_stamp();
+    for (std::size_t j = 0; j < n; ++j) {
+      if (slots[j] >= 0) claim_slot(call, "sequence", j, slots[j]);  // negative: padding
+    }
+  }
+
+  // A decode batch: 1..max_sequences rows of 1..16 tokens; negative slots are padding, the others
+  // distinct acquired slots.
+  void check_decode_batch(const char* what, Span<const int> slots, int tokens) {
+    const std::string call = what;
+    const std::size_t batch = slots.size();
+    if (batch == 0 || batch > static_cast<std::size_t>(num_slots())) {
+      fail(call + ": batch of " + std::to_string(batch) + " rows, expected 1.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+    if (tokens < 1 || tokens > static_cast<int>(kMaxDecodeTokens)) {
+      fail(call + ": tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
+           std::to_string(kMaxDecodeTokens));
+    }
+    next_stamp();
+    for (std::size_t j = 0; j < batch; ++j) {
+      if (slots[j] >= 0) claim_slot(call, "row", j, slots[j]);  // negative: a padding row
+    }
+  }
+
+  // Caller-owned batch metadata: the bounds, and the metadata arrays usable by the backend. Where
+  // the backend's memory is the host's (the CPU), also their contents: the slots acquired and
+  // distinct, cu_seqlens well formed; on CUDA the kernels check what they can (BatchMetadata).
+  void check_metadata(const char* what, const BatchMetadata& b, bool decode) {
+    const std::string call = what;
+    if (decode != (b.decode_tokens > 0)) {
+      fail(call + ": decode_tokens " + std::to_string(b.decode_tokens) +
+           (decode ? ", expected 1.." + std::to_string(kMaxDecodeTokens) + " for a decode"
+                   : ", expected 0 for a prefill"));
+    }
+    if (b.sequences < 1 || b.sequences > num_slots()) {
+      fail(call + ": " + std::to_string(b.sequences) + " sequences, expected 1.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+    if (decode && (b.decode_tokens > static_cast<int>(kMaxDecodeTokens) ||
+                   b.tokens != b.sequences * b.decode_tokens)) {
+      fail(call + ": " + std::to_string(b.tokens) + " tokens for " + std::to_string(b.sequences) +
+           " rows of decode_tokens " + std::to_string(b.decode_tokens) + " (1.." +
+           std::to_string(kMaxDecodeTokens) + " each, tokens = rows x decode_tokens)");
+    }
+    if (b.tokens < 0 || b.tokens > spec.runtime.max_tokens) {
+      fail(call + ": " + std::to_string(b.tokens) + " tokens, expected 0.." +
+           std::to_string(spec.runtime.max_tokens) + " (runtime.max_tokens)");
+    }
+    if (b.slots == nullptr) fail(call + ": slots is null");
+    if (!decode && b.cu_seqlens == nullptr) fail(call + ": cu_seqlens is null");
+    const auto n = static_cast<std::size_t>(b.sequences);
+    for (const auto& [ptr, bytes, name] :
+         {std::tuple<const void*, std::size_t, const char*>{b.slots, n * 4, "slots"},
+          {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"}}) {
+      if (const Status st = backend->check_caller_buffer(ptr, bytes, name); !st.ok()) {
+        throw Error(st, call);
+      }
+    }
+    if (backend->has_device_status()) return;  // the device's memory: the kernels check it
+    if (!decode) {
+      if (const Status st = validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens); !st.ok()) {
+        fail(call + ": " + st.message());
+      }
+    }
+    next_stamp();
+    for (std::size_t j = 0; j < n; ++j) {
+      if (b.slots[j] >= 0) claim_slot(call, decode ? "row" : "sequence", j, b.slots[j]);
+    }
+  }
+
+  // Batch entry j (a "sequence" or a "row") uses `slot`: an acquired slot, not yet seen in this
+  // batch (since the last next_stamp()).
+  void claim_slot(const std::string& call, const char* entry, std::size_t j, int slot) {
+    if (!in_use(slot)) {
+      fail(call + ": " + entry + " " + std::to_string(j) + " uses slot " + std::to_string(slot) +
+           ", which is not an acquired slot");
+    }
+    if (seen_stamp[static_cast<std::size_t>(slot)] == stamp) {
+      fail(call + ": slot " + std::to_string(slot) + " appears twice in the batch");
+    }
+    seen_stamp[static_cast<std::size_t>(slot)] = stamp;
+  }
+
+  // The caller's hidden states and out of a whole-layer call ([tokens, hidden_size] bf16), and
+  // the arena, usable by the backend (CUDA: device memory of the current device; throws).
+  void check_hidden(const EngineLayer& layer, const char* what, const void* hidden, const void* out,
+                    std::int64_t tokens) const {
+    const std::string call = layer.info().label + " " + what;
+    if (tokens == 0) return;
+    if (hidden == nullptr) fail(call + ": hidden is null");
+    if (out == nullptr) fail(call + ": out is null");
+    const auto bytes = static_cast<std::size_t>(tokens) *
+                       static_cast<std::size_t>(spec.hidden_size) * sizeof(std::uint16_t);
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{hidden, "hidden"},
+                                    std::pair<const void*, const char*>{out, "out"}}) {
+      const Status st = backend->check_caller_buffer(ptr, bytes, name);
+      if (!st.ok()) throw Error(st, call);
+    }
+    const Status st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
+    if (!st.ok()) throw Error(st, call);
+  }
+
+  // Copies the batch's cu_seqlens to the arena, unless it holds them already.
+  void stage_cu_seqlens(Span<const std::int64_t> cu_seqlens) {
+    cu_staging.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
+    if (cu_staging != cu_uploaded) {
+      KDA_NVTX_RANGE("prefill.stage_cu_seqlens");
+      backend->copy_to_device(cu_scratch, cu_staging.data(),
+                              cu_staging.size() * sizeof(std::int64_t));
+      cu_uploaded = cu_staging;
+    }
+  }
+
+  // A new stamp for one batch's duplicate-slot check.
+  void next_stamp() {
+    if (++stamp == 0) {  // wrapped: restart the stamps
+      std::fill(seen_stamp.begin(), seen_stamp.end(), 0u);
+      stamp = 1;
+    }
+  }
+
+  // The caller's tensors usable by the backend (CUDA: device memory of the current device, large
+  // enough for the call), and the arena reachable too (throws). The operator then runs with its
+  // own pointer checks off.
+  template <typename CallProblem, typename CallTensors>
+  void check_caller_tensors(const EngineLayer& layer, const char* what, const CallProblem& p,
+                            const CallTensors& t) const {
+    Status st = backend->check_caller_tensors(p, t);
+    if (!st.ok()) throw Error(st, layer.info().label + " " + what);
+    // The operator's own check of the arena's buffers (states, parameters, workspace) is off too:
+    // one query here still catches a call made while another device is current.
+    st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
+    if (!st.ok()) throw Error(st, layer.info().label + " " + what);
+  }
+
+  // The staged batch of the host-span calls, as metadata in the arena.
+  BatchMetadata staged_prefill(std::size_t sequences) const {
+    BatchMetadata b;
+    b.sequences = static_cast<std::int64_t>(sequences);
+    b.tokens = cu_staging[sequences];
+    b.slots = prefill_slots.device;  // checked: acquired, no duplicates
+    b.cu_seqlens = cu_scratch;
+    return b;
+  }
+  BatchMetadata staged_decode(std::size_t rows, int tokens) const {
+    BatchMetadata b;
+    b.sequences = static_cast<std::int64_t>(rows);
+    b.tokens = b.sequences * tokens;
+    b.decode_tokens = tokens;
+    b.slots = decode_slots.device;  // checked: acquired or padding, no duplicates
+    return b;
+  }
+
+  // The core alone on a checked batch. `cu_host`: the staged host copy of cu_seqlens, or null.
+  void run_core(int kda_index, const char* what, const LayerInputs& inputs, void* out,
+                const BatchMetadata& b, const std::int64_t* cu_host) const {
+    const EngineLayer& layer = *layers[static_cast<std::size_t>(kda_index)];
+    KDA_NVTX_RANGE(layer.nvtx_name().c_str());
+    // The caller's tensors over the whole batch, checked before anything is enqueued (the
+    // operator refuses an out that overlaps an input before it writes anything). Each sequence
+    // reads and writes its state through its slot index in the layer's pool, whatever the slots.
+    if (b.decode_tokens == 0) {
+      const Problem problem = layer.prefill_problem(b.tokens, b.sequences);
+      Tensors t = caller_tensors<Tensors>(inputs, out);
+      check_caller_tensors(layer, what, problem, t);
+      t.cu_seqlens = b.cu_seqlens;
+      t.cu_seqlens_host = cu_host;
+      t.state_slots = b.slots;
+      t.device_status = device_status;
+      layer.forward_core(problem, t, unchecked);
+    } else {
+      const DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
+      DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
+      check_caller_tensors(layer, what, problem, t);
+      t.slots = b.slots;
+      t.device_status = device_status;
+      layer.decode_core(problem, t, unchecked);
+    }
+  }
+
+  // The whole layer on a checked batch, with the staged host copies of its metadata (or null).
+  void run_whole(int kda_index, const char* what, const void* hidden, void* out,
+                 const BatchMetadata& b, const std::int64_t* cu_host,
+                 const std::int32_t* slots_host, layer::Times* times) const {
+    const EngineLayer& layer = *layers[static_cast<std::size_t>(kda_index)];
+    KDA_NVTX_RANGE(layer.nvtx_name().c_str());
+    check_hidden(layer, what, hidden, out, b.tokens);
+    layer::Batch batch;
+    batch.tokens = b.tokens;
+    batch.sequences = b.sequences;
+    batch.decode_tokens = b.decode_tokens;
+    batch.cu_seqlens = b.decode_tokens == 0 ? b.cu_seqlens : nullptr;
+    batch.slots = b.slots;
+    batch.cu_seqlens_host = cu_host;
+    batch.slots_host = slots_host;
+    batch.device_status = device_status;
+    layer.forward(batch, hidden, out, layer_options(times));
+  }
+
+  // How the whole layers run: on the engine's stream and threads, its pointers checked already.
+  layer::RunOptions layer_options(layer::Times* times) const {
+    layer::RunOptions options;
+    options.stream = backend->stream();
+    options.cpu_threads = cpu_threads;
+    options.check_pointers = false;
+    options.schedule = unchecked.schedule;
+    options.times = times;
+    return options;
+  }
+
+  // Copies the batch's slot indices to `staging`'s scratch, unless it holds them already.
+  void stage_slots(Span<const int> slots, SlotStaging* staging) {
+    staging->host.clear();
+    for (const int slot : slots) staging->host.push_back(slot < 0 ? -1 : slot);
+    if (staging->host != staging->uploaded) {
+      KDA_NVTX_RANGE("engine.stage_slots");
+      backend->copy_to_device(staging->device, staging->host.data(),
+                              staging->host.size() * sizeof(std::int32_t));
+      staging->uploaded = staging->host;  // capacity reserved: no allocation
+    }
+  }
+};
+
+// ---- construction ----------------------------------------------------------------------------
+
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
+  return choose_backend(choice, [&spec] {
+    // Whole layers on CUDA: the layer's limits (head_dim 128, conv width 2..4).
+    if (spec.runtime.layer_mode == LayerMode::kWhole &&
+        !layer::can_implement(Backend::kCuda, layer_config(spec)).ok()) {
+      return false;
+    }
+    return can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
+           can_implement(max_decode_problem(spec), Backend::kCuda).ok();
+  });
+}
+
+void check_weights_file(const ModelSpec& spec) {
+  if (spec.weights.empty()) return;
+  std::error_code ec;
+  const auto status = std::filesystem::status(spec.weights, ec);
+  std::string problem;
+  if (status.type() == std::filesystem::file_type::not_found) {
+    problem = "does not exist";
+  } else if (ec) {
+    problem = "cannot be read (" + ec.message() + ")";
+  } else if (status.type() == std::filesystem::file_type::directory) {
+    // Whole layers read a Hugging Face checkpoint folder too (checkpoint.hpp).
+    const std::filesystem::path dir(spec.weights);
+    std::error_code exists_ec;
+    if (spec.runtime.layer_mode == LayerMode::kWhole &&
+        (std::filesystem::exists(dir / "model.safetensors.index.json", exists_ec) ||
+         std::filesystem::exists(dir / "model.safetensors", exists_ec))) {
+      return;
+    }
+    problem = spec.runtime.layer_mode == LayerMode::kWhole
+                  ? "is a directory holding neither model.safetensors.index.json nor "
+                    "model.safetensors"
+                  : "is a directory, expected a safetensors file";
+  } else {
+    return;
+  }
+  fail(spec.source + ": weights: '" + spec.weights + "' " + problem +
+       " (a relative path is resolved against the YAML's directory)");
+}
+
+planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
+  check_layer_mode(spec);
+  EngineBuffers buffers;
+  return make_plan(spec, backend, make_layers(spec, backend), &buffers);
+}
+
+Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.spec = std::move(spec);
+  if (options.layer_mode) m.spec.runtime.layer_mode = *options.layer_mode;
+  if (options.prefill_schedule) m.spec.runtime.prefill_schedule = *options.prefill_schedule;
+  check_layer_mode(m.spec);
+  m.cpu_threads = options.cpu_threads;
+  const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
+  const std::string where = m.spec.name + " on " + to_string(kind);
+  // Checked before the backend is made: nothing is created for options that will be refused.
+  if (!is_known(m.spec.runtime.prefill_schedule)) {
+    throw Error(StatusCode::kInvalidArgument,
+                where + ": EngineOptions::prefill_schedule is " +
+                    std::to_string(static_cast<int>(m.spec.runtime.prefill_schedule)) +
+                    ", expected kAuto, kTwoPhase or kPipelined");
+  }
+  BackendOptions backend_options;
+  backend_options.cpu_threads = options.cpu_threads;
+  backend_options.stream = options.stream;
+  backend_options.check_pointers = options.check_pointers;
+  m.backend = make_engine_backend(kind, backend_options, where);
+  m.unchecked.check_pointers = false;
+  m.unchecked.schedule = m.spec.runtime.prefill_schedule;
+  if (const Status st = can_implement(max_prefill_problem(m.spec), kind); !st.ok()) {
+    throw Error(st, where + ": prefill");
+  }
+  if (const Status st = can_implement(max_decode_problem(m.spec), kind); !st.ok()) {
+    throw Error(st, where + ": decode");
+  }
+
+  // Plan from the sizes alone and allocate the arena before any weights are read or generated
+  // (seconds, gigabytes for a large model): an arena that cannot be had fails first. The layers
+  // then read their weights straight into their planned buffers, one layer at a time.
+  m.whole = m.spec.runtime.layer_mode == LayerMode::kWhole;
+  m.layers = make_layers(m.spec, kind);
+  EngineBuffers buffers;
+  m.plan = make_plan(m.spec, kind, m.layers, &buffers);
+  const std::uint64_t total = m.plan.arena_bytes;
+  if (total > std::numeric_limits<std::size_t>::max()) {
+    fail(where + ": arena of " + std::to_string(total) + " bytes is too large",
+         StatusCode::kOverflow);
+  }
+  try {
+    m.arena = BackendBuffer(*m.backend, static_cast<std::size_t>(total), "the arena");
+  } catch (const Error& e) {
+    throw Error(e.code(), where + ": " + e.what());
+  }
+  std::uint8_t* base = m.arena.get();
+  for (const auto& layer : m.layers) layer->bind(base, m.plan, *m.backend);
+  load_layers(m.spec, options.seed, m.layers);
+  m.weights_origin = m.layers.empty() ? std::string() : m.layers[0]->info().origin;
+  for (const auto& layer : m.layers) m.weight_bytes += layer->weight_bytes();
+
+  auto locate = [&](planner::BufferHandle handle) -> void* {
+    const planner::PlanEntry* entry = m.plan.entry(handle);
+    return entry == nullptr ? nullptr : base + entry->offset;
+  };
+  m.cu_scratch = static_cast<std::int64_t*>(locate(buffers.cu_seqlens));
+  m.prefill_slots.device = static_cast<std::int32_t*>(locate(buffers.prefill_slots));
+  m.decode_slots.device = static_cast<std::int32_t*>(locate(buffers.decode_slots));
+  m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
+  if (m.device_status != nullptr) {
+    throw_if_error(m.backend->clear_device_status(m.device_status),
+                   "clearing the device status word");
+  }
+
+  m.slot_bytes = m.spec.state_slot_bytes();
+  m.conv_slot_bytes = m.whole ? m.spec.conv_state_slot_bytes() : 0;
+  const auto slots = static_cast<std::size_t>(m.spec.runtime.max_sequences);
+  m.slot_in_use.assign(slots, 0);
+  // Fresh slots start from zero: clear every pool once here, then per slot on acquire / reset.
+  for (const auto& layer : m.layers) {
+    m.backend->memset(layer->state_pool(), 0, static_cast<std::size_t>(layer->state_pool_bytes()));
+    for (int projection = 0; projection < 3 && m.whole; ++projection) {
+      m.backend->memset(layer->conv_pool(projection), 0,
+                        static_cast<std::size_t>(layer->conv_pool_bytes()));
+    }
+  }
+
+  // Host staging sized once, so prefill and decode never allocate.
+  m.cu_staging.reserve(slots + 1);
+  m.cu_uploaded.reserve(slots + 1);
+  m.seen_stamp.assign(slots, 0);
+  for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots}) {
+    staging->host.reserve(slots);
+    staging->uploaded.reserve(slots);
+  }
+  synchronize();
+}
+
+Engine::~Engine() = default;
+
+const ModelSpec& Engine::spec() const noexcept { return impl_->spec; }
+Backend Engine::backend() const noexcept { return impl_->backend->kind(); }
+const planner::MemoryPlan& Engine::plan() const noexcept { return impl_->plan; }
+std::uint64_t Engine::arena_bytes() const noexcept { return impl_->plan.arena_bytes; }
+int Engine::num_layers() const noexcept { return impl_->num_layers(); }
+void* Engine::stream() const noexcept { return impl_->backend->stream(); }
+
+const LayerInfo& Engine::layer(int kda_index) const {
+  impl_->check_layer(kda_index);
+  return impl_->layers[static_cast<std::size_t>(kda_index)]->info();
+}
+
+LayerMode Engine::layer_mode() const noexcept { return impl_->spec.runtime.layer_mode; }
+const std::string& Engine::weights_origin() const noexcept { return impl_->weights_origin; }
+std::uint64_t Engine::weight_bytes() const noexcept { return impl_->weight_bytes; }
+
+void Engine::synchronize() const { impl_->backend->synchronize(); }
+
+void Engine::check_device_status() {
+  Impl& m = *impl_;
+  if (m.device_status == nullptr) return;
+  const Status st = m.backend->check_device_status(m.device_status);
+  if (st.ok()) return;
+  if (st.code() == StatusCode::kInvalidArgument) {  // bits were set: clear them for the next check
+    throw_if_error(m.backend->clear_device_status(m.device_status),
+                   "clearing the device status word");
+  }
+  throw Error(st, m.spec.name + ": device status");
+}
+
+// ---- state slots ---------------------------------------------------------------------------
+
+int Engine::num_slots() const noexcept { return impl_->num_slots(); }
+std::uint64_t Engine::state_slot_bytes() const noexcept { return impl_->slot_bytes; }
+
+int Engine::free_slots() const noexcept {
+  return static_cast<int>(std::count(impl_->slot_in_use.begin(), impl_->slot_in_use.end(), 0));
+}
+
+bool Engine::slot_in_use(int slot) const noexcept { return impl_->in_use(slot); }
+
+int Engine::acquire_slot() {
+  Impl& m = *impl_;
+  for (int slot = 0; slot < m.num_slots(); ++slot) {
+    if (m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
+      m.zero_slot(slot);
+      m.slot_in_use[static_cast<std::size_t>(slot)] = 1;
+      return slot;
+    }
+  }
+  fail("all " + std::to_string(m.num_slots()) +
+           " state slots are in use (runtime.max_sequences); release one first",
+       StatusCode::kInvalidArgument);
+}
+
+void Engine::release_slot(int slot) {
+  if (!slot_in_use(slot)) fail("release_slot: slot " + std::to_string(slot) + " is not acquired");
+  impl_->slot_in_use[static_cast<std::size_t>(slot)] = 0;
+}
+
+void Engine::reset_slot(int slot) {
+  if (!slot_in_use(slot)) fail("reset_slot: slot " + std::to_string(slot) + " is not acquired");
+  impl_->zero_slot(slot);
+}
+
+void Engine::read_slot_state(int kda_index, int slot, void* host_dst) const {
+  const Impl& m = *impl_;
+  m.check_layer(kda_index);
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("read_slot_state: slot " + std::to_string(slot) + " out of range");
+  }
+  m.backend->copy_to_host(host_dst, m.slot_state(kda_index, slot),
+                          static_cast<std::size_t>(m.slot_bytes));
+}
+
+void Engine::write_slot_state(int kda_index, int slot, const void* host_src) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  if (slot < 0 || slot >= m.num_slots()) {
+    fail("write_slot_state: slot " + std::to_string(slot) + " out of range");
+  }
+  m.backend->copy_to_device(m.slot_state(kda_index, slot), host_src,
+                            static_cast<std::size_t>(m.slot_bytes));
+  synchronize();
+}
+
+// ---- forward -------------------------------------------------------------------------------
+//
+// Each call comes in two forms: on host spans, which the engine checks completely, stages into its
+// arena and hands on with their host copies (the CUDA core plans long sequences from the real
+// lengths), and on caller-owned metadata (BatchMetadata), which it hands on as it is.
+
+void Engine::prefill(int kda_index, const LayerInputs& inputs, void* out, Span<const int> slots,
+                     Span<const std::int64_t> cu_seqlens) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_prefill_batch("prefill", slots, cu_seqlens);
+  m.stage_cu_seqlens(cu_seqlens);
+  m.stage_slots(slots, &m.prefill_slots);
+  m.run_core(kda_index, "prefill", inputs, out, m.staged_prefill(slots.size()),
+             m.cu_staging.data());
+}
+
+void Engine::prefill(int kda_index, const LayerInputs& inputs, void* out,
+                     const BatchMetadata& batch) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_metadata("prefill", batch, false);
+  m.run_core(kda_index, "prefill", inputs, out, batch, nullptr);
+}
+
+void Engine::decode(int kda_index, const LayerInputs& inputs, void* out, Span<const int> slots,
+                    int tokens) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_decode_batch("decode", slots, tokens);
+  m.stage_slots(slots, &m.decode_slots);
+  m.run_core(kda_index, "decode", inputs, out, m.staged_decode(slots.size(), tokens), nullptr);
+}
+
+void Engine::decode(int kda_index, const LayerInputs& inputs, void* out,
+                    const BatchMetadata& batch) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_metadata("decode", batch, true);
+  m.run_core(kda_index, "decode", inputs, out, batch, nullptr);
+}
+
+// ---- whole layers ----------------------------------------------------------------------------
+
+std::uint64_t Engine::conv_state_slot_bytes() const noexcept { return impl_->conv_slot_bytes; }
+
+void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void* host_dst) const {
+  const Impl& m = *impl_;
+  m.check_conv_state_access("read_slot_conv_state", kda_index, slot, projection);
+  m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_index, slot, projection),
+                          static_cast<std::size_t>(m.conv_slot_bytes));
+}
+
+void Engine::write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src) {
+  Impl& m = *impl_;
+  m.check_conv_state_access("write_slot_conv_state", kda_index, slot, projection);
+  m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, projection), host_src,
+                            static_cast<std::size_t>(m.conv_slot_bytes));
+  synchronize();
+}
+
+void Engine::prefill_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,
+                            Span<const std::int64_t> cu_seqlens, layer::Times* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_whole("prefill_hidden");
+  m.check_prefill_batch("prefill_hidden", slots, cu_seqlens);
+  m.stage_cu_seqlens(cu_seqlens);
+  m.stage_slots(slots, &m.prefill_slots);
+  m.run_whole(kda_index, "prefill_hidden", hidden, out, m.staged_prefill(slots.size()),
+              m.cu_staging.data(), m.prefill_slots.host.data(), times);
+}
+
+void Engine::prefill_hidden(int kda_index, const void* hidden, void* out,
+                            const BatchMetadata& batch, layer::Times* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_whole("prefill_hidden");
+  m.check_metadata("prefill_hidden", batch, false);
+  m.run_whole(kda_index, "prefill_hidden", hidden, out, batch, nullptr, nullptr, times);
+}
+
+void Engine::decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,
+                           int tokens, layer::Times* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_whole("decode_hidden");
+  m.check_decode_batch("decode_hidden", slots, tokens);
+  m.stage_slots(slots, &m.decode_slots);
+  m.run_whole(kda_index, "decode_hidden", hidden, out, m.staged_decode(slots.size(), tokens),
+              nullptr, m.decode_slots.host.data(), times);
+}
+
+void Engine::decode_hidden(int kda_index, const void* hidden, void* out, const BatchMetadata& batch,
+                           layer::Times* times) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  m.check_whole("decode_hidden");
+  m.check_metadata("decode_hidden", batch, true);
+  m.run_whole(kda_index, "decode_hidden", hidden, out, batch, nullptr, nullptr, times);
+}
+
+}  // namespace kda::engine

@@ -1,0 +1,101 @@
+// kda/engine/case_file.hpp — one KDA forward described by a safetensors "case file".
+//
+// The case-file contract (what `kda-run --case IN --output OUT` reads and writes; metadata values
+// are strings):
+//   Inputs   q, k, g  BF16 [B, T, H, K]     v BF16 [B, T, H, V]     beta BF16 [B, T, H]
+//            A_log F32 [H]                  dt_bias F32 [H, K]
+//            initial_state F32 or BF16 [N, H, V, K]   (optional)
+//            cu_seqlens I64 or I32 [N + 1]           (optional; then B = 1, N sequences; else N =
+//            B)
+//   Metadata gate        = "lower_bound" | "softplus"            (required)
+//            lower_bound = finite number in [-5, 0)              (required with gate lower_bound)
+//            scale       = finite number > 0                      (optional; default K^-0.5)
+//            final_state = "f32" | "bf16" | "none"                (optional; default: the dtype of
+//                                                                   initial_state, else f32)
+//   Output   out BF16 [B, T, H, V] and, unless final_state is none, final_state [N, H, V, K];
+//            metadata records the backend that ran and the gate.
+// Other tensors and metadata keys are ignored (a file may carry reference outputs alongside).
+// Everything — shapes, dtypes, cu_seqlens contents, metadata values — is validated before any
+// computation; a bad file throws kda::Error naming the tensor or key, and no output is written.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kda/engine/model_spec.hpp"
+#include "kda/engine/safetensors.hpp"
+#include "kda/kda.hpp"
+#include "kda/layer/weights.hpp"
+
+namespace kda::engine {
+
+struct KdaCase {
+  std::string source;  // the file (or caller's source name) it came from: prefixes run_case errors
+  Problem problem;
+  std::map<std::string, Tensor> tensors;  // the inputs named above that are present
+};
+
+// Reads and validates a case file. Throws kda::Error.
+KdaCase load_case(const std::string& path);
+// Validates a case held in memory (tensors by name, metadata); `source` prefixes messages.
+KdaCase make_case(std::map<std::string, Tensor> tensors,
+                  const std::map<std::string, std::string>& metadata, const std::string& source);
+
+// Runs the forward on `backend` (kAuto: CUDA when present and able, else CPU). Returns the output
+// tensors (out, and final_state unless none) and sets *used to the backend that ran.
+std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice backend,
+                             Backend* used = nullptr);
+
+// Throws kda::Error when `output_path` is the file `input_path` (same path, or a symlink or hard
+// link to it: same device and inode when the output exists, same canonical path otherwise).
+void check_output_is_not_input(const std::string& input_path, const std::string& output_path);
+
+// check_output_is_not_input + load_case + run_case + save_safetensors (atomic): nothing is written
+// unless all succeeded. Every error names the input or the output file.
+void run_case_file(const std::string& input_path, const std::string& output_path,
+                   BackendChoice backend, Backend* used = nullptr);
+
+// ---- layer case files: one whole KDA layer (kda/layer/layer.hpp) ------------------------------
+//
+// What `kda-run --layer-case IN --output OUT` reads and writes (metadata values are strings):
+//   Inputs   hidden_states  BF16 [T, E]
+//            the layer's weights under their checkpoint names without the layer prefix
+//              (q_proj.weight, ..., o_proj.weight; kda/engine/layer_weights_io.hpp has the table),
+//              which also give the sizes: H from b_proj.weight [H, E], D from o_norm.weight [D],
+//              the conv width W from q_conv1d.weight [C, 1, W]
+//            cu_seqlens     I64 or I32 [N + 1]            (optional; else N = 1, the T tokens)
+//            conv_state_q, conv_state_k, conv_state_v  BF16 [N, H*D, W-1]   (optional; else zeros)
+//            recurrent_state  F32 or BF16 [N, H, V, K]   (optional; else zeros)
+//   Metadata gate = "lower_bound" | "softplus" (required); lower_bound (required with lower_bound);
+//            norm_eps = finite number > 0 (optional, default 1e-5);
+//            final_state = "f32" | "bf16" | "none" (optional; default: recurrent_state's dtype,
+//              else f32; the recurrent state is carried in that dtype, an initial state of the
+//              other dtype converted first)
+//   Output   out BF16 [T, E] and, unless final_state is none, the final states under the input
+//            names (conv_state_q, conv_state_k, conv_state_v, recurrent_state), so that an output
+//            file can give the next chunk its initial states; metadata records the backend.
+// Everything is validated before any computation; a bad file throws kda::Error naming the file and
+// the tensor or key, and no output is written.
+struct LayerCase {
+  std::string source;
+  layer::Weights weights;
+  std::int64_t tokens = 0, sequences = 0;
+  std::vector<std::int64_t> cu_seqlens;  // [N + 1]
+  Tensor hidden;                         // BF16 [T, E]
+  Tensor conv_state[3];                  // q, k, v: BF16 [N, C, W-1], or empty (zeros)
+  Tensor recurrent_state;                // [N, H, V, K], or empty (zeros)
+  DType final_dtype = DType::kF32;       // kNone: no final states in the output
+};
+
+// Reads and validates a layer case file. Throws kda::Error.
+LayerCase load_layer_case(const std::string& path);
+// Runs the layer on `backend` (kAuto: CUDA when present and able, else CPU). Returns out and,
+// unless final_dtype is kNone, the final states; sets *used to the backend that ran.
+std::vector<Tensor> run_layer_case(const LayerCase& layer_case, BackendChoice backend,
+                                   Backend* used = nullptr);
+// check_output_is_not_input + load_layer_case + run_layer_case + save_safetensors (atomic).
+void run_layer_case_file(const std::string& input_path, const std::string& output_path,
+                         BackendChoice backend, Backend* used = nullptr);
+
+}  // namespace kda::engine

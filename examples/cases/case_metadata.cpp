@@ -1,0 +1,73 @@
+#include "case_metadata.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <sstream>
+
+#include "kda/error.hpp"
+
+namespace kda::engine::detail {
+
+void case_fail(const std::string& source, const std::string& what) {
+  throw Error(StatusCode::kInvalidArgument, source + ": " + what);
+}
+
+bool parse_case_number(const std::string& text, double* value) {
+  if (text.empty()) return false;
+  errno = 0;
+  char* end = nullptr;
+  const double parsed = std::strtod(text.c_str(), &end);
+  if (end != text.c_str() + text.size()) return false;
+  *value = parsed;
+  return true;
+}
+
+std::string case_number_text(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+void read_case_gate(const CaseMetadata& metadata, const std::string& source, GateMode* gate,
+                    float* lower_bound) {
+  const auto gate_it = metadata.find("gate");
+  if (gate_it == metadata.end()) {
+    case_fail(source, "metadata 'gate' is missing (lower_bound or softplus)");
+  }
+  if (gate_it->second == "lower_bound") {
+    *gate = GateMode::kLowerBound;
+  } else if (gate_it->second == "softplus") {
+    *gate = GateMode::kSoftplus;
+  } else {
+    case_fail(source,
+              "metadata 'gate' is '" + gate_it->second + "', expected lower_bound or softplus");
+  }
+  const auto bound_it = metadata.find("lower_bound");
+  if (*gate == GateMode::kLowerBound && bound_it == metadata.end()) {
+    case_fail(source, "metadata 'lower_bound' is required with gate lower_bound");
+  }
+  if (bound_it != metadata.end()) {
+    double bound = 0.0;
+    if (!parse_case_number(bound_it->second, &bound)) {
+      case_fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
+    }
+    if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
+      case_fail(source, "metadata 'lower_bound' is " + case_number_text(bound) +
+                            ", outside [-5, 0) or not finite");
+    }
+    *lower_bound = static_cast<float>(bound);
+  }
+}
+
+DType read_case_final_state(const CaseMetadata& metadata, const std::string& source,
+                            DType fallback) {
+  const auto it = metadata.find("final_state");
+  if (it == metadata.end()) return fallback;
+  if (it->second == "f32") return DType::kF32;
+  if (it->second == "bf16") return DType::kBF16;
+  if (it->second == "none") return DType::kNone;
+  case_fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
+}
+
+}  // namespace kda::engine::detail

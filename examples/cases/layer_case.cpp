@@ -1,0 +1,288 @@
+// engine/layer_case.cpp — a layer case file (case_file.hpp): validate it completely, run one whole
+// KDA layer (kda::layer, on the CPU or CUDA), write the result.
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+#include "backend.hpp"
+#include "case_file.hpp"
+#include "case_metadata.hpp"
+#include "kda/bf16.hpp"
+#include "kda/engine/checkpoint.hpp"
+#include "kda/engine/layer_weights_io.hpp"
+#include "kda/error.hpp"
+#include "kda/layer/layer.hpp"
+
+namespace kda::engine {
+
+namespace {
+
+const char* const kConvNames[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
+
+[[noreturn]] void fail(const std::string& source, const std::string& what) {
+  throw Error(StatusCode::kInvalidArgument, source + ": " + what);
+}
+
+// `source: ` in front of a message that does not name it yet.
+Error naming(const Error& e, const std::string& source) {
+  const std::string what = e.what();
+  if (what.rfind(source, 0) == 0) return e;
+  return Error(e.code(), source + ": " + what);
+}
+
+using detail::parse_case_number;
+
+const TensorInfo& require(const SafetensorsFile& file, const std::string& name,
+                          const std::string& why) {
+  const TensorInfo* info = file.find(name);
+  if (info == nullptr) fail(file.path(), "missing tensor '" + name + "' (" + why + ")");
+  return *info;
+}
+
+void expect(const std::string& source, const Tensor& t, std::initializer_list<DType> dtypes,
+            const std::vector<std::int64_t>& shape, const std::string& shape_text) {
+  bool dtype_ok = false;
+  std::string names;
+  for (const DType d : dtypes) {
+    dtype_ok = dtype_ok || t.dtype == d;
+    names += std::string(names.empty() ? "" : " or ") + safetensors_dtype_name(d);
+  }
+  if (!dtype_ok) {
+    fail(source, "tensor '" + t.name + "' has dtype " + safetensors_dtype_name(t.dtype) +
+                     ", expected " + names);
+  }
+  if (t.shape != shape) {
+    fail(source, "tensor '" + t.name + "' has shape " + shape_to_string(t.shape) + ", expected " +
+                     shape_to_string(shape) + " (" + shape_text + ")");
+  }
+}
+
+// The recurrent state pool's values in `dtype`, from `initial` (any of F32 / BF16) or zeros.
+std::vector<std::uint8_t> recurrent_pool(const Tensor& initial, DType dtype, std::size_t count) {
+  std::vector<std::uint8_t> pool(count * dtype_size(dtype), 0);
+  if (initial.data.empty()) return pool;
+  if (initial.dtype == dtype) return initial.data;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (dtype == DType::kF32) {  // bf16 -> f32: exact
+      const float v = bf16_to_float(initial.data_as<bf16_bits>()[i]);
+      std::memcpy(pool.data() + i * 4, &v, 4);
+    } else {  // f32 -> bf16, round to nearest even
+      const bf16_bits v = float_to_bf16(initial.data_as<float>()[i]);
+      std::memcpy(pool.data() + i * 2, &v, 2);
+    }
+  }
+  return pool;
+}
+
+}  // namespace
+
+LayerCase load_layer_case(const std::string& path) {
+  SafetensorsFile file = SafetensorsFile::open(path);
+  const std::map<std::string, std::string> metadata = file.metadata();
+  LayerCase c;
+  c.source = path;
+
+  // Sizes: from hidden_states and the weights that carry them.
+  const TensorInfo& hidden_info = require(file, "hidden_states", "BF16 [T, hidden]");
+  if (hidden_info.shape.size() != 2 || hidden_info.shape[1] < 1) {
+    fail(path, "tensor 'hidden_states' has shape " + shape_to_string(hidden_info.shape) +
+                   ", expected [T, hidden] with hidden >= 1");
+  }
+  const std::int64_t T = hidden_info.shape[0], E = hidden_info.shape[1];
+  const TensorInfo& norm = require(file, "o_norm.weight", "BF16 [head_dim]: gives the head dim");
+  if (norm.shape.size() != 1 || norm.shape[0] < 1) {
+    fail(path, "tensor 'o_norm.weight' has shape " + shape_to_string(norm.shape) +
+                   ", expected [head_dim]");
+  }
+  const TensorInfo& beta = require(file, "b_proj.weight", "BF16 [heads, hidden]: gives the heads");
+  if (beta.shape.size() != 2 || beta.shape[0] < 1) {
+    fail(path, "tensor 'b_proj.weight' has shape " + shape_to_string(beta.shape) +
+                   ", expected [heads, hidden]");
+  }
+  const TensorInfo& conv = require(file, "q_conv1d.weight", "[H*D, 1, W]: gives the conv width W");
+  if ((conv.shape.size() != 3 && conv.shape.size() != 2) || conv.shape.back() < 1) {
+    fail(path, "tensor 'q_conv1d.weight' has shape " + shape_to_string(conv.shape) +
+                   ", expected [H*D, 1, W]");
+  }
+  layer::Config config;
+  config.hidden_size = E;
+  config.num_heads = beta.shape[0];
+  config.head_dim = norm.shape[0];
+  config.conv_width = conv.shape.back();
+
+  // Metadata.
+  detail::read_case_gate(metadata, path, &config.gate, &config.lower_bound);
+  if (const auto eps = metadata.find("norm_eps"); eps != metadata.end()) {
+    double value = 0.0;
+    if (!parse_case_number(eps->second, &value) || !std::isfinite(value) || value <= 0.0 ||
+        !(static_cast<float>(value) > 0.0f)) {
+      fail(path, "metadata 'norm_eps' is '" + eps->second + "', expected a finite number > 0");
+    }
+    config.norm_eps = static_cast<float>(value);
+  }
+  try {
+    validate(config);
+  } catch (const Error& e) {
+    throw naming(e, path);
+  }
+  const std::int64_t H = config.num_heads, D = config.head_dim, C = H * D;
+  const std::int64_t W1 = config.conv_width - 1;
+
+  c.hidden = file.read("hidden_states");
+  expect(path, c.hidden, {DType::kBF16}, {T, E}, "[T, hidden]");
+  c.tokens = T;
+  if (file.find("cu_seqlens") != nullptr) {
+    const Tensor cu = file.read("cu_seqlens");
+    if ((cu.dtype != DType::kI64 && cu.dtype != DType::kI32) || cu.shape.size() != 1 ||
+        cu.shape[0] < 2) {
+      fail(path, "tensor 'cu_seqlens' is " + std::string(safetensors_dtype_name(cu.dtype)) + " " +
+                     shape_to_string(cu.shape) + ", expected I64 or I32 [N + 1] with N >= 1");
+    }
+    const std::int64_t N = cu.shape[0] - 1;
+    for (std::int64_t i = 0; i <= N; ++i) {
+      c.cu_seqlens.push_back(cu.dtype == DType::kI64 ? cu.data_as<std::int64_t>()[i]
+                                                     : cu.data_as<std::int32_t>()[i]);
+    }
+    // The operator's rule, T being the rows of hidden_states.
+    if (const Status st = validate_cu_seqlens(c.cu_seqlens.data(), N, T); !st.ok()) {
+      fail(path, st.message() + " (T: the rows of hidden_states)");
+    }
+  } else {
+    c.cu_seqlens = {0, T};
+  }
+  const std::int64_t N = static_cast<std::int64_t>(c.cu_seqlens.size()) - 1;
+  c.sequences = N;
+  for (int i = 0; i < 3; ++i) {
+    if (file.find(kConvNames[i]) == nullptr) continue;
+    c.conv_state[i] = file.read(kConvNames[i]);
+    expect(path, c.conv_state[i], {DType::kBF16}, {N, C, W1}, "[N, heads * head_dim, W - 1]");
+  }
+  c.final_dtype = DType::kF32;
+  if (file.find("recurrent_state") != nullptr) {
+    c.recurrent_state = file.read("recurrent_state");
+    expect(path, c.recurrent_state, {DType::kF32, DType::kBF16}, {N, H, D, D}, "[N, H, V, K]");
+    c.final_dtype = c.recurrent_state.dtype;
+  }
+  c.final_dtype = detail::read_case_final_state(metadata, path, c.final_dtype);
+
+  // The weights, by their checkpoint names (messages name the file and the tensor).
+  const Checkpoint checkpoint = Checkpoint::from_file(std::move(file));
+  try {
+    c.weights = load_layer_weights(checkpoint, -1, config);
+  } catch (const Error& e) {
+    throw naming(e, path);
+  }
+  return c;
+}
+
+std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Backend* used) {
+  const layer::Config& config = lc.weights.config;
+  const std::string where = lc.source.empty() ? std::string("layer case") : lc.source;
+  const std::int64_t T = lc.tokens, N = lc.sequences, E = config.hidden_size;
+  const std::int64_t H = config.num_heads, D = config.head_dim, C = H * D;
+  const std::int64_t W1 = config.conv_width - 1;
+  const Backend backend = choose_backend(
+      choice, [&config] { return layer::can_implement(Backend::kCuda, config).ok(); });
+
+  // Host copies of the states (the pools), filled from the inputs or zero.
+  const DType pool_dtype =
+      lc.final_dtype != DType::kNone
+          ? lc.final_dtype
+          : (lc.recurrent_state.data.empty() ? DType::kF32 : lc.recurrent_state.dtype);
+  const auto conv_count = static_cast<std::size_t>(N * C * W1);
+  const auto state_count = static_cast<std::size_t>(N * H * D * D);
+  std::vector<bf16_bits> conv[3];
+  for (int i = 0; i < 3; ++i) {
+    conv[i].assign(conv_count, 0);
+    if (!lc.conv_state[i].data.empty()) {
+      std::memcpy(conv[i].data(), lc.conv_state[i].data.data(), conv_count * sizeof(bf16_bits));
+    }
+  }
+  std::vector<std::uint8_t> recurrent = recurrent_pool(lc.recurrent_state, pool_dtype, state_count);
+  Tensor out = Tensor::zeros("out", DType::kBF16, {T, E});
+
+  try {
+    // Every tensor in the backend's memory (host memory on the CPU), freed after the backend is
+    // done with it.
+    std::unique_ptr<EngineBackend> b = make_engine_backend(backend, BackendOptions{}, where);
+    const std::unique_ptr<layer::Layer> layer = layer::make_layer(backend, lc.weights);
+    std::vector<BackendBuffer> buffers;
+    auto upload = [&](const void* src, std::size_t bytes, const char* what) {
+      buffers.emplace_back(*b, bytes, what);
+      b->copy_to_device(buffers.back().get(), src, bytes);
+      return buffers.back().get();
+    };
+    auto* hidden = upload(lc.hidden.data.data(), lc.hidden.data.size(), "hidden_states");
+    void* conv_device[3];
+    for (int i = 0; i < 3; ++i) {
+      conv_device[i] = upload(conv[i].data(), conv_count * sizeof(bf16_bits), kConvNames[i]);
+    }
+    void* state_device = upload(recurrent.data(), recurrent.size(), "recurrent_state");
+    auto* cu =
+        upload(lc.cu_seqlens.data(), lc.cu_seqlens.size() * sizeof(std::int64_t), "cu_seqlens");
+    buffers.emplace_back(*b, out.data.size(), "out");
+    void* out_device = buffers.back().get();
+    const std::size_t workspace_bytes = layer::workspace_bytes(backend, config, T, N, N);
+    buffers.emplace_back(*b, workspace_bytes, "the workspace");
+    void* workspace = buffers.back().get();
+    const layer::State state{N,
+                             static_cast<bf16_bits*>(conv_device[0]),
+                             static_cast<bf16_bits*>(conv_device[1]),
+                             static_cast<bf16_bits*>(conv_device[2]),
+                             state_device,
+                             pool_dtype};
+    layer::Batch batch;
+    batch.tokens = T;
+    batch.sequences = N;
+    batch.cu_seqlens = reinterpret_cast<const std::int64_t*>(cu);
+    batch.cu_seqlens_host = lc.cu_seqlens.data();
+    layer::RunOptions options;
+    options.stream = b->stream();
+    layer->forward(batch, reinterpret_cast<const bf16_bits*>(hidden),
+                   static_cast<bf16_bits*>(out_device), state,
+                   Workspace{workspace, workspace_bytes}, options);
+    b->copy_to_host(out.data.data(), out_device, out.data.size());
+    for (int i = 0; i < 3; ++i) {
+      b->copy_to_host(conv[i].data(), conv_device[i], conv_count * sizeof(bf16_bits));
+    }
+    b->copy_to_host(recurrent.data(), state_device, recurrent.size());
+    b->synchronize();
+  } catch (const Error& e) {
+    throw naming(e, where);
+  }
+  if (used != nullptr) *used = backend;
+
+  std::vector<Tensor> outputs;
+  outputs.push_back(std::move(out));
+  if (lc.final_dtype != DType::kNone) {
+    for (int i = 0; i < 3; ++i) {
+      Tensor t = Tensor::zeros(kConvNames[i], DType::kBF16, {N, C, W1});
+      std::memcpy(t.data.data(), conv[i].data(), t.data.size());
+      outputs.push_back(std::move(t));
+    }
+    Tensor state = Tensor::zeros("recurrent_state", pool_dtype, {N, H, D, D});
+    state.data = std::move(recurrent);
+    outputs.push_back(std::move(state));
+  }
+  return outputs;
+}
+
+void run_layer_case_file(const std::string& input_path, const std::string& output_path,
+                         BackendChoice backend, Backend* used) {
+  check_output_is_not_input(input_path, output_path);
+  const LayerCase layer_case = load_layer_case(input_path);
+  Backend ran = Backend::kCpu;
+  const std::vector<Tensor> outputs = run_layer_case(layer_case, backend, &ran);
+  const std::map<std::string, std::string> metadata = {
+      {"backend", to_string(ran)},
+      {"gate", to_string(layer_case.weights.config.gate)},
+      {"producer", "kda-run --layer-case"},
+  };
+  save_safetensors(output_path, outputs, metadata);
+  if (used != nullptr) *used = ran;
+}
+
+}  // namespace kda::engine

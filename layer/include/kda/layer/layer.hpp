@@ -1,0 +1,167 @@
+// kda/layer/layer.hpp — one whole Kimi Delta Attention layer as an operator: hidden states in,
+// hidden states out, for a varlen batch of prefills or a batch of decode steps, on the CPU or on
+// CUDA behind one interface.
+//
+// For hidden states x [T, E] (bf16), local heads Hl, head dim D, Cl = Hl·D, conv width W:
+//   q, k, v = SiLU(causal depthwise conv1d_W(x·W_{q,k,v}ᵀ))   per sequence, from its conv state
+//   g_raw   = (x·W_faᵀ)·W_fbᵀ            β_raw = x·W_bᵀ
+//   o       = KDA(q, k, v, g_raw, β_raw; A_log, dt_bias)      the operator (kda/kda.hpp)
+//   y       = RMSNorm_D(o) · o_norm ⊙ sigmoid((x·W_gaᵀ)·W_gbᵀ [+ g_b bias])   per head
+//   out     = y·W_oᵀ                                            [T, E] bf16
+// fp32 accumulation everywhere; every intermediate is rounded to bf16 where the reference
+// implementations (fla, vLLM) round it (docs/LAYER.md lists the rounding points). `hidden` is what
+// the model's input RMSNorm of this layer produced; the caller adds the residual to `out`.
+//
+// The contract, as CUTLASS's: can_implement() → workspace_bytes() / weight_image_bytes() →
+// make_layer() (places the weights once) → forward() (any number of times).
+//
+// States. Each sequence has a conv state per projection — the last W-1 pre-conv inputs of each
+// channel, oldest first, bf16 [Cl, W-1] (zeros for a new sequence) — and the recurrent state
+// [Hl, D, D] (V-first, as kda/kda.hpp), bf16 or f32. They live in caller-owned pools of num_slots
+// rows (State); sequence n uses row slots[n] of each pool (row n without slots). A forward reads
+// and updates them in place, so a second forward on the same rows continues the sequences (chunked
+// prefill), and a decode batch advances each row by decode_tokens tokens.
+//
+// Padding. A negative slot marks a padding row — a decode row or a prefill sequence: it outputs
+// zeros, and no state is read or written for it (its q is zeroed after the conv, so the core's
+// output is exactly zero). A serving runtime pads its captured batches with such rows.
+//
+// Tensor parallelism: with config.tp_size > 1 the layer holds its rank's heads (weights.hpp) and
+// its pools hold those heads only; `out` is then this rank's PARTIAL SUM of the layer output
+// (rounded to bf16): the caller all-reduces (sums) `out` over the ranks.
+//
+// Memory. Everything a forward touches is the caller's memory on the layer's backend (host memory
+// on the CPU, device memory on CUDA): hidden, out, the state pools, the batch's cu_seqlens and
+// slots, and the workspace (at least workspace_bytes(), any alignment; on CUDA it also holds
+// cuBLAS's workspace). A forward allocates nothing, prints nothing and, on CUDA, synchronizes
+// nothing unless it is asked for phase times: it enqueues work on the stream and returns, and it
+// can be captured in a CUDA graph (with RunOptions::check_pointers off while capturing). Errors
+// throw kda::Error (kda/error.hpp); every check the host can make runs before the first byte of out
+// or of a state is written. What only the device can see (a slot outside the pool, broken
+// cu_seqlens in device memory) is ORed into Batch::device_status (kda::DeviceStatusBit).
+//
+// Threads. One forward at a time per Layer object (the CUDA layer owns one cuBLAS handle);
+// different objects may run concurrently (on CUDA, on different streams).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "kda/kda.hpp"
+#include "kda/layer/weights.hpp"
+
+namespace kda::layer {
+
+// Pools of per-sequence state, on the layer's backend, read and written in place.
+struct State {
+  std::int64_t num_slots = 0;
+  bf16_bits* conv_q = nullptr;          // [num_slots, Cl, W-1]
+  bf16_bits* conv_k = nullptr;          // [num_slots, Cl, W-1]
+  bf16_bits* conv_v = nullptr;          // [num_slots, Cl, W-1]
+  void* recurrent = nullptr;            // [num_slots, Hl, D, D] in recurrent_dtype
+  DType recurrent_dtype = DType::kF32;  // kF32 or kBF16
+};
+
+// One batch: `sequences` sequences, back to back in `tokens` rows of hidden states.
+struct Batch {
+  std::int64_t tokens = 0;     // T
+  std::int64_t sequences = 0;  // N
+  // 0: prefill — sequences of any length (0 included) laid out by cu_seqlens.
+  // 1..kda::kMaxDecodeTokens: decode — every sequence has exactly decode_tokens tokens (tokens ==
+  // sequences * decode_tokens) and cu_seqlens is not read.
+  std::int64_t decode_tokens = 0;
+  // Prefill: [N + 1], 0, non-decreasing, last == T; on the layer's backend.
+  const std::int64_t* cu_seqlens = nullptr;
+  // [N], on the layer's backend: each sequence's state row, distinct among the non-negative ones,
+  // below num_slots; negative = padding. nullptr: sequence n uses row n (then N <= num_slots).
+  const std::int32_t* slots = nullptr;
+  // Optional host copies of the two (CUDA), checked before anything is enqueued. Without them the
+  // host cannot see the device's values: a slot >= num_slots is then treated as padding and
+  // reported through device_status, and broken cu_seqlens are reported by the core. The CPU reads
+  // cu_seqlens and slots themselves (host memory) and ignores these.
+  const std::int64_t* cu_seqlens_host = nullptr;
+  const std::int32_t* slots_host = nullptr;
+  // Optional device word the kernels OR kda::DeviceStatusBit values into (CUDA).
+  std::uint32_t* device_status = nullptr;
+};
+
+// Seconds spent per phase, added to by forward() when asked.
+struct Times {
+  double projections = 0.0;  // q/k/v, f_a/f_b, b, g_a/g_b projections
+  double conv = 0.0;         // short convolutions + SiLU, conv state update
+  double core = 0.0;         // the KDA operator
+  double norm = 0.0;         // gated RMSNorm
+  double o_proj = 0.0;       // output projection
+};
+
+struct RunOptions {
+  void* stream = nullptr;      // CUDA: the cudaStream_t to enqueue on; nullptr: the default stream
+  int cpu_threads = 0;         // CPU: the core's threads; 0: all hardware threads
+  bool check_pointers = true;  // CUDA: ask the driver about every caller buffer (host time)
+  PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill: kda::CudaOptions::schedule
+  // Adds each phase's seconds. CUDA: measured with events, and the call waits for the layer.
+  Times* times = nullptr;
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  Layer(const Layer&) = delete;
+  Layer& operator=(const Layer&) = delete;
+
+  virtual Backend backend() const noexcept = 0;
+  const Config& config() const noexcept { return config_; }
+  // Bytes of this layer's weight image (= weight_image_bytes(backend(), config())).
+  std::size_t weight_bytes() const noexcept { return weight_bytes_; }
+
+  // hidden: bf16 [T, E]; out: bf16 [T, E], not overlapping hidden. Throws kda::Error.
+  virtual void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
+                       const State& state, Workspace workspace,
+                       const RunOptions& options = {}) const = 0;
+
+ protected:
+  Layer(const Config& config, std::size_t weight_bytes)
+      : config_(config), weight_bytes_(weight_bytes) {}
+
+ private:
+  Config config_;
+  std::size_t weight_bytes_;
+};
+
+// Whether `backend` runs layers of `config`: the config is valid (validate()), and CUDA is built
+// and its limits hold (head_dim 128, conv width 2..4). Checks no device.
+Status can_implement(Backend backend, const Config& config);
+
+// The KDA core's problems inside a layer of `config`: the one place they are built (the layer, the
+// engine's core-only layers and the engine's sizing use them). Prefill: `tokens` in `sequences`
+// varlen sequences (int64 cu_seqlens), states through slot indices into pools of `num_state_slots`
+// rows (0: state n is row n). Decode: `rows` rows of `tokens` tokens on a pool of `num_slots`.
+Problem core_prefill_problem(const Config& config, std::int64_t tokens, std::int64_t sequences,
+                             std::int64_t num_state_slots, DType state_dtype);
+DecodeProblem core_decode_problem(const Config& config, std::int64_t rows, std::int64_t tokens,
+                                  std::int64_t num_slots, DType state_dtype);
+
+// Bytes of workspace for a forward of up to `tokens` tokens in up to `sequences` sequences
+// (prefill or decode) on pools of `num_slots` rows. Throws kda::Error (kInvalidArgument for a bad
+// config, kOverflow when the size does not fit 64 bits). Needs no device.
+std::size_t workspace_bytes(Backend backend, const Config& config, std::int64_t tokens,
+                            std::int64_t sequences, std::int64_t num_slots);
+
+// Bytes of the weight image of a layer of `config` on `backend`, whatever its weights' values (a
+// g_b bias always has its place): fp32 on the CPU, bf16 GEMM operands on CUDA. Throws kda::Error.
+std::size_t weight_image_bytes(Backend backend, const Config& config);
+// The alignment the weight image's region must have.
+std::size_t weight_image_alignment(Backend backend) noexcept;
+
+// The layer of `weights` on `backend`. Checks the weights against their config, then writes their
+// image into `weight_image` (memory of the backend, weight_image_alignment()-aligned, at least
+// weight_image_bytes() of `bytes`, which the caller keeps, untouched, for the layer's life). The
+// region is checked before it is written. Throws kda::Error (kInvalidArgument: bad weights or a bad
+// region; kBackendUnavailable: CUDA not built or no device; kUnsupported: can_implement()).
+std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights, void* weight_image,
+                                  std::size_t bytes);
+// The same into memory the layer allocates, and frees, itself.
+std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights);
+
+}  // namespace kda::layer

@@ -1,0 +1,35 @@
+// layer/src/backends.hpp — internal: what each backend of the layer provides to layer.cpp, the one
+// place that picks a backend (make_layer, workspace_bytes, weight_image_bytes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "kda/layer/layer.hpp"
+
+namespace kda::layer::detail {
+
+// CPU (layer_cpu.cpp): an fp32 weight image, cache-line aligned.
+inline constexpr std::size_t kCpuWeightImageAlignment = 64;
+std::size_t cpu_weight_image_bytes(const Config& config);
+std::size_t cpu_workspace_bytes(const Config& config, std::int64_t tokens, std::int64_t sequences,
+                                std::int64_t num_slots);
+std::unique_ptr<Layer> make_cpu_layer(const Weights& weights, void* weight_image,
+                                      std::size_t bytes);
+std::unique_ptr<Layer> make_cpu_layer(const Weights& weights);
+
+// CUDA (layer_cuda.cpp): a bf16 weight image, 256-byte aligned for cuBLAS and vector loads; the
+// sizes work in every build, the layer needs CUDA (kBackendUnavailable otherwise).
+inline constexpr std::size_t kCudaWeightImageAlignment = 256;
+// cuBLAS's share of the CUDA workspace (32 MiB, NVIDIA's recommendation for Hopper).
+inline constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
+Status cuda_can_implement(const Config& config);
+std::size_t cuda_weight_image_bytes(const Config& config);
+std::size_t cuda_workspace_bytes(const Config& config, std::int64_t tokens, std::int64_t sequences,
+                                 std::int64_t num_slots);
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights, void* weight_image,
+                                       std::size_t bytes);
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights);
+
+}  // namespace kda::layer::detail

@@ -1,0 +1,123 @@
+// layer/src/checks.cpp — the checks every backend of the layer makes (checks.hpp).
+#include "checks.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "kda/error.hpp"
+
+namespace kda::layer::detail {
+
+namespace {
+
+[[noreturn]] void invalid(const char* what, const std::string& message) {
+  throw Error(StatusCode::kInvalidArgument, std::string(what) + ": " + message);
+}
+
+}  // namespace
+
+void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
+                   const std::int32_t* slots_host, const State& state, const void* hidden,
+                   const void* out, const char* what) {
+  const std::int64_t T = batch.tokens, N = batch.sequences;
+  const bool decode = batch.decode_tokens > 0;
+  if (T < 0 || N < 0) invalid(what, "tokens and sequences must be >= 0");
+  if (batch.decode_tokens < 0 || batch.decode_tokens > kMaxDecodeTokens) {
+    invalid(what, "decode_tokens " + std::to_string(batch.decode_tokens) + " is not in [0, " +
+                      std::to_string(kMaxDecodeTokens) + "]");
+  }
+  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                            state.recurrent_dtype);
+  if (decode) {
+    if (T != N * batch.decode_tokens) {
+      invalid(what, "decode: tokens " + std::to_string(T) + " is not sequences " +
+                        std::to_string(N) + " x decode_tokens " +
+                        std::to_string(batch.decode_tokens));
+    }
+  } else {
+    if (N == 0 && T > 0) invalid(what, std::to_string(T) + " tokens but no sequence");
+    if (N > 0 && batch.cu_seqlens == nullptr) invalid(what, "cu_seqlens is null");
+    if (cu_host != nullptr && N > 0) throw_if_error(validate_cu_seqlens(cu_host, N, T), what);
+  }
+  if (batch.slots == nullptr && N > state.num_slots) {
+    invalid(what, std::to_string(N) + " sequences on rows 0..N-1 but num_slots = " +
+                      std::to_string(state.num_slots));
+  }
+  if (batch.slots == nullptr && batch.slots_host != nullptr) {
+    invalid(what, "slots_host is given but slots is null");
+  }
+  if (slots_host != nullptr) {
+    // Negative slots are padding; the rest are distinct rows of the pools.
+    for (std::int64_t n = 0; n < N; ++n) {
+      if (slots_host[n] >= state.num_slots) {
+        invalid(what, "sequence " + std::to_string(n) + " has slot " +
+                          std::to_string(slots_host[n]) +
+                          ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
+      }
+      for (std::int64_t m = 0; m < n && slots_host[n] >= 0; ++m) {
+        if (slots_host[m] == slots_host[n]) {
+          invalid(what, "sequences " + std::to_string(m) + " and " + std::to_string(n) +
+                            " share slot " + std::to_string(slots_host[n]));
+        }
+      }
+    }
+  }
+  if (N > 0) {
+    const bool conv_missing =
+        c.conv_width > 1 &&
+        (state.conv_q == nullptr || state.conv_k == nullptr || state.conv_v == nullptr);
+    if (state.recurrent == nullptr || conv_missing) invalid(what, "a state pool is null");
+    if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
+      invalid(what, "recurrent state dtype " + std::string(to_string(state.recurrent_dtype)) +
+                        " is not f32 or bf16");
+    }
+  }
+  if (T > 0) {
+    if (hidden == nullptr || out == nullptr) invalid(what, "hidden or out is null");
+    const auto* h = static_cast<const unsigned char*>(hidden);
+    const auto* o = static_cast<const unsigned char*>(out);
+    const std::size_t bytes = static_cast<std::size_t>(T * c.hidden_size) * sizeof(bf16_bits);
+    if (h < o + bytes && o < h + bytes) invalid(what, "out overlaps hidden");
+  }
+  if (decode) {
+    const DecodeProblem step =
+        core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
+    throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
+  } else {
+    throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
+  }
+}
+
+void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch,
+                     const char* what) {
+  if (workspace.bytes < needed) {
+    throw Error(StatusCode::kWorkspaceTooSmall,
+                std::string(what) + ": workspace has " + std::to_string(workspace.bytes) +
+                    " bytes, a forward of " + std::to_string(batch.tokens) + " tokens in " +
+                    std::to_string(batch.sequences) + " sequences needs " + std::to_string(needed));
+  }
+  if (workspace.ptr == nullptr) invalid(what, "workspace.ptr is null");
+}
+
+void check_gate_weights(const Weights& w) {
+  throw_if_error(validate_gate_parameters(w.A_log.data(), w.dt_bias.data(), w.config.local_heads(),
+                                          w.config.head_dim),
+                 "KDA layer weights");
+}
+
+void check_weight_region(const void* image, std::size_t bytes, std::size_t needed,
+                         std::size_t alignment, const char* what) {
+  const std::string region = std::string(what) + ": the weight image region ";
+  if (image == nullptr) throw Error(StatusCode::kInvalidArgument, region + "is null");
+  if (reinterpret_cast<std::uintptr_t>(image) % alignment != 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                region + "is not " + std::to_string(alignment) + "-byte aligned");
+  }
+  if (bytes < needed) {
+    throw Error(StatusCode::kInvalidArgument, region + "is too small: " + std::to_string(bytes) +
+                                                  " bytes, the layer's weights need " +
+                                                  std::to_string(needed) + " (weight_image_bytes)");
+  }
+}
+
+}  // namespace kda::layer::detail

@@ -1,0 +1,42 @@
+// layer/src/checks.hpp — internal: what the CPU and the CUDA layer check and derive alike, in one
+// place: the core's problems for a batch, the batch itself, the gate weights' range, the weight
+// image's region. Each throws kda::Error with `what` ("KDA layer forward (CPU)", "KDA layer forward
+// (CUDA)") in front of the message.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kda/kda.hpp"
+#include "kda/layer/layer.hpp"
+
+namespace kda::layer::detail {
+
+// Every check of a forward that needs no device, before anything is written:
+//   - tokens, sequences >= 0; decode_tokens in [0, kMaxDecodeTokens]; a decode batch has
+//     tokens == sequences * decode_tokens; a prefill with tokens has sequences and cu_seqlens;
+//   - cu_seqlens (prefill) and slots contents where the host can read them (`cu_host`,
+//     `slots_host`: the batch's own arrays on the CPU, its optional host copies on CUDA):
+//     kda::validate_cu_seqlens, and each slot below num_slots, non-negative ones distinct;
+//   - without slots, sequences <= num_slots;
+//   - the pools non-null (conv pools when W > 1), the recurrent dtype f32 or bf16;
+//   - hidden and out non-null and disjoint ([T, hidden_size] bf16 each);
+//   - the core's problem valid.
+void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
+                   const std::int32_t* slots_host, const State& state, const void* hidden,
+                   const void* out, const char* what);
+// The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
+// check_forward (which makes the layout's sizes valid).
+void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
+
+// kda::validate_gate_parameters on the weights (sizes checked first): the core would refuse them,
+// but only after the conv states were updated (on CUDA, only through the device status word).
+void check_gate_weights(const Weights& weights);
+
+// The caller's region for a layer's weight image: not null, `alignment`-aligned, at least `needed`
+// bytes (weight_image_bytes). Throws kda::Error (kInvalidArgument) naming the numbers.
+void check_weight_region(const void* image, std::size_t bytes, std::size_t needed,
+                         std::size_t alignment, const char* what);
+
+}  // namespace kda::layer::detail

@@ -1,0 +1,54 @@
+// layer/src/cuda/conv_decode.cu — the short convolutions (+ SiLU) of q, k and v for a decode step:
+// every sequence has the same few tokens (rows n * k .. n * k + k - 1), each starts from its conv
+// state and leaves the new one behind. Fused with the copy of beta into the core's layout and, when
+// the caller gave no slot list, the identity slot list kda::decode_cuda needs. One thread: eight
+// channels of one sequence (16-byte loads and stores, 16-byte state accesses when the pools are
+// 16-byte aligned).
+#include "cuda/conv_silu.cuh"
+
+namespace kda::layer::cuda {
+
+namespace {
+
+template <int W>
+__global__ void __launch_bounds__(kConvThreads)
+    conv_decode_kernel(ConvParams p, bool vector_state) {
+  const std::int64_t n = blockIdx.x;
+  const std::int64_t bos = n * p.decode_tokens, eos = bos + p.decode_tokens;
+  if (blockIdx.y == 0) {
+    if (threadIdx.x == 0 && p.identity_slots != nullptr) {
+      p.identity_slots[n] = static_cast<std::int32_t>(n);
+    }
+    copy_beta(p, bos, eos);
+  }
+  const std::int64_t c =
+      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  if (c >= 3 * p.channels) return;
+  conv8<W>(p, vector_state, c, bos, eos, bos, eos, true, state_row(p, n, c == 0));
+}
+
+}  // namespace
+
+cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
+  if (p.sequences == 0) return cudaSuccess;
+  bool vector_state = false;
+  if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
+  const ConvShape shape = conv_shape(p.channels);
+  const dim3 grid(static_cast<unsigned>(p.sequences), shape.tiles);
+  switch (p.width) {
+    case 2:
+      conv_decode_kernel<2><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    case 3:
+      conv_decode_kernel<3><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    case 4:
+      conv_decode_kernel<4><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kda::layer::cuda

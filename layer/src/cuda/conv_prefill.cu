@@ -1,0 +1,96 @@
+// layer/src/cuda/conv_prefill.cu — the short convolutions (+ SiLU) of q, k and v over a varlen
+// prefill batch, from and to each sequence's conv state, fused with the copy of beta into the
+// core's layout. One thread: eight channels (16-byte loads and stores) x one chunk of up to
+// kConvChunk tokens of one sequence; one block: one chunk x a tile of channels.
+#include "cuda/conv_silu.cuh"
+
+namespace kda::layer::cuda {
+
+namespace {
+
+// A sequence n owns chunk slots [n + cu[n] / kConvChunk, ... + ceil(len_n / kConvChunk)): disjoint,
+// all below ceil(tokens / kConvChunk) + sequences (the operator hands out its chunks the same way).
+__device__ __forceinline__ std::int64_t clamped_cu(const ConvParams& p, std::int64_t n) {
+  const std::int64_t value = p.cu_seqlens[n];
+  return value < 0 ? 0 : (value > p.tokens ? p.tokens : value);
+}
+__device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int64_t n) {
+  return n + clamped_cu(p, n) / kConvChunk;
+}
+
+// Whether sequence n is padding: a negative slot, or one outside the pool (state_row reports it).
+__device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64_t n) {
+  if (p.slots == nullptr) return n >= p.num_slots;
+  const std::int32_t slot = p.slots[n];
+  return slot < 0 || slot >= p.num_slots;
+}
+
+// (kConvThreads, 4): at most 128 registers (W = 4 needs ~145 unbounded, no spills at 128), so 16
+// warps per SM keep 8 row loads of 512 bytes each in flight.
+template <int W>
+__global__ void __launch_bounds__(kConvThreads, 4)
+    conv_prefill_kernel(ConvParams p, bool vector_state) {
+  const std::int64_t s = blockIdx.x;
+  // The sequence owning slot s: the last n with first_slot(n) <= s (first_slot(0) == 0 <= s).
+  // Broken cu_seqlens contents (the core reports them) only change which in-range rows are used.
+  std::int64_t lo = 0, hi = p.sequences - 1;
+  while (lo < hi) {
+    const std::int64_t mid = lo + (hi - lo + 1) / 2;
+    if (first_slot(p, mid) <= s) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const std::int64_t n = lo;
+  const std::int64_t bos = clamped_cu(p, n);
+  std::int64_t eos = clamped_cu(p, n + 1);
+  eos = eos < bos ? bos : eos;
+  const std::int64_t chunk = s - first_slot(p, n);
+  const std::int64_t t_begin = bos + chunk * kConvChunk;
+  if (chunk < 0 || t_begin >= eos) return;  // an unused slot (block-uniform)
+  const std::int64_t t_end = t_begin + kConvChunk < eos ? t_begin + kConvChunk : eos;
+
+  if (blockIdx.y == 0) copy_beta(p, t_begin, t_end);
+  const std::int64_t c =
+      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  if (c >= 3 * p.channels) return;
+  const bool first_chunk = chunk == 0;
+  const std::int64_t slot = first_chunk ? state_row(p, n, c == 0) : -1;
+  if (c < p.channels && padding_sequence(p, n)) {
+    // A padding sequence's q is zero, so the core's output for it is exactly zero (q̂ = 0), and
+    // with it the layer's: padding rows produce zeros, as in decode.
+    for (std::int64_t t = t_begin; t < t_end; ++t) {
+      *reinterpret_cast<uint4*>(p.out[0] + t * p.channels + c) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot);
+}
+
+}  // namespace
+
+cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
+  if (p.tokens == 0 || p.sequences == 0) return cudaSuccess;
+  bool vector_state = false;
+  if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
+  const std::int64_t chunk_slots = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+  const ConvShape shape = conv_shape(p.channels);
+  const dim3 grid(static_cast<unsigned>(chunk_slots), shape.tiles);
+  switch (p.width) {
+    case 2:
+      conv_prefill_kernel<2><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    case 3:
+      conv_prefill_kernel<3><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    case 4:
+      conv_prefill_kernel<4><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kda::layer::cuda

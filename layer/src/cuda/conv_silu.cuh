@@ -1,0 +1,288 @@
+// layer/src/cuda/conv_silu.cuh — the causal depthwise conv + SiLU of one run of tokens of one
+// sequence, for eight adjacent channels (one 16-byte load or store per token row), shared by the
+// prefill and decode kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/kernels.hpp"
+#include "kda/kda.hpp"
+
+namespace kda::layer::cuda {
+
+inline constexpr int kConvVec = 8;        // channels per thread: one uint4 of bf16
+inline constexpr int kConvGroup = 8;      // token rows loaded together before their math
+inline constexpr int kConvThreads = 128;  // at most, per block
+
+__device__ __forceinline__ float bits_to_float(std::uint16_t bits) {
+  return __uint_as_float(static_cast<std::uint32_t>(bits) << 16);
+}
+__device__ __forceinline__ std::uint16_t float_to_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+// SiLU as the CPU layer computes it: a * sigmoid(a), fp32.
+__device__ __forceinline__ float silu(float a) { return a * (1.0f / (1.0f + expf(-a))); }
+
+// Eight bf16 values (one uint4) as floats, and back (round to nearest even).
+__device__ __forceinline__ void unpack8(const uint4& u, float (&x)[kConvVec]) {
+  const std::uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    x[2 * i] = __uint_as_float(w[i] << 16);
+    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ uint4 pack8(const float (&y)[kConvVec]) {
+  std::uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = static_cast<std::uint32_t>(float_to_bits(y[2 * i])) |
+           (static_cast<std::uint32_t>(float_to_bits(y[2 * i + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// values[index] for a register array indexed at run time, without spilling it to local memory.
+template <typename T, int N>
+__device__ __forceinline__ T pick(const T (&values)[N], int index) {
+  T result = values[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) result = i == index ? values[i] : result;
+  return result;
+}
+
+// The conv-state slice of eight channels: [8, W-1] bf16, channel-major (8 * (W-1) values, a whole
+// number of uint4). `vector`: the pool is 16-byte aligned, so the slice (at a multiple of 16 *
+// (W-1) bytes) is read and written as W-1 uint4s; otherwise bf16 by bf16.
+template <int kHist>
+__device__ __forceinline__ void load_state(const std::uint16_t* state, bool vector,
+                                           std::uint16_t (&bits)[kConvVec * kHist]) {
+  if (vector) {
+#pragma unroll
+    for (int q = 0; q < kHist; ++q) {
+      const uint4 u = reinterpret_cast<const uint4*>(state)[q];
+      const std::uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        bits[8 * q + 2 * i] = static_cast<std::uint16_t>(w[i] & 0xffffu);
+        bits[8 * q + 2 * i + 1] = static_cast<std::uint16_t>(w[i] >> 16);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kConvVec * kHist; ++i) bits[i] = state[i];
+  }
+}
+template <int kHist>
+__device__ __forceinline__ void store_state(std::uint16_t* state, bool vector,
+                                            const std::uint16_t (&bits)[kConvVec * kHist]) {
+  if (vector) {
+#pragma unroll
+    for (int q = 0; q < kHist; ++q) {
+      std::uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[i] = static_cast<std::uint32_t>(bits[8 * q + 2 * i]) |
+               (static_cast<std::uint32_t>(bits[8 * q + 2 * i + 1]) << 16);
+      }
+      reinterpret_cast<uint4*>(state)[q] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kConvVec * kHist; ++i) state[i] = bits[i];
+  }
+}
+
+// The sequence occupies token rows [bos, eos); this thread computes rows [t_begin, t_end) of
+// channels c .. c + 7 (c a multiple of 8; all in one branch since channels is a multiple of 8).
+// `first_chunk`: t_begin == bos — the thread reads the sequence's old conv state (row `slot`;
+// slot < 0: zeros) and, when slot >= 0, writes the new one (the sequence's last W-1 inputs). Only
+// first-chunk threads touch a state row, and each touches only its own channels' entries, so reads
+// and writes never race. Later chunks (t_begin >= bos + W - 1) take their history from `proj`.
+//
+// Rows are loaded kConvGroup at a time (all loads of a group issued before its math; a partial
+// group re-reads its last row instead of branching, and computes only its own rows), each output is
+//   silu(((0 + w[0] h[0]) + w[1] h[1]) + ... + w[W-1] x)   in fp32, taps in this order,
+// the same operations as the CPU layer and the kernel before this one, so results are bitwise
+// unchanged.
+//
+// Requires (checked by the launchers): proj, proj_stride, channels and out[] 16-byte granular,
+// conv_weight 16-byte aligned.
+template <int W>
+__device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, std::int64_t c,
+                                      std::int64_t bos, std::int64_t eos, std::int64_t t_begin,
+                                      std::int64_t t_end, bool first_chunk, std::int64_t slot) {
+  constexpr int kHist = W - 1;
+  static_assert(kHist >= 1 && kHist <= kConvChunk, "conv width out of range");
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t cc = c - branch * p.channels;
+
+  // Taps: 8 channels x W floats, contiguous and 16-byte aligned (c * W * 4 is a multiple of 32).
+  float w[kConvVec][W];
+  {
+    const float4* taps = reinterpret_cast<const float4*>(p.conv_weight + c * W);
+    float flat[kConvVec * W];
+#pragma unroll
+    for (int q = 0; q < kConvVec * W / 4; ++q) {
+      const float4 f = __ldg(taps + q);
+      flat[4 * q] = f.x;
+      flat[4 * q + 1] = f.y;
+      flat[4 * q + 2] = f.z;
+      flat[4 * q + 3] = f.w;
+    }
+#pragma unroll
+    for (int i = 0; i < kConvVec; ++i) {
+#pragma unroll
+      for (int j = 0; j < W; ++j) w[i][j] = flat[i * W + j];
+    }
+  }
+  const std::int64_t in_stride = p.proj_stride / kConvVec;  // in uint4
+  const uint4* column = reinterpret_cast<const uint4*>(p.proj + c);
+  auto input = [&](std::int64_t t) { return __ldg(column + t * in_stride); };
+
+  // h[i][k]: the kHist inputs of channel c + i before the current token, oldest first.
+  float h[kConvVec][kHist];
+  std::uint16_t* state =
+      (first_chunk && slot >= 0) ? p.pools[branch] + (slot * p.channels + cc) * kHist : nullptr;
+  if (first_chunk) {
+    std::uint16_t old[kConvVec * kHist];
+    if (state != nullptr) {
+      load_state<kHist>(state, vector_state, old);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kConvVec * kHist; ++i) old[i] = 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kConvVec; ++i) {
+#pragma unroll
+      for (int k = 0; k < kHist; ++k) h[i][k] = bits_to_float(old[i * kHist + k]);
+    }
+  } else {
+    uint4 rows[kHist];
+#pragma unroll
+    for (int k = 0; k < kHist; ++k) rows[k] = input(t_begin - kHist + k);
+#pragma unroll
+    for (int k = 0; k < kHist; ++k) {
+      float x[kConvVec];
+      unpack8(rows[k], x);
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) h[i][k] = x[i];
+    }
+  }
+
+  const std::int64_t out_stride = p.channels / kConvVec;  // in uint4
+  uint4* out = reinterpret_cast<uint4*>(p.out[branch] + cc);
+#pragma unroll 1
+  for (std::int64_t t0 = t_begin; t0 < t_end; t0 += kConvGroup) {
+    uint4 rows[kConvGroup];
+#pragma unroll
+    for (int r = 0; r < kConvGroup; ++r) {
+      // Past t_end (a partial last group): the last row again; its results are not stored.
+      rows[r] = input(t0 + r < t_end ? t0 + r : t_end - 1);
+    }
+#pragma unroll
+    for (int r = 0; r < kConvGroup; ++r) {
+      // A partial group (the last one; a decode step of fewer than kConvGroup tokens) stops at
+      // t_end: the math of the rows past it would be thrown away (it made decode 2x slower).
+      if (t0 + r >= t_end) break;
+      float x[kConvVec], y[kConvVec];
+      unpack8(rows[r], x);
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) {
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kHist; ++j) a += w[i][j] * h[i][j];
+        a += w[i][W - 1] * x[i];
+        y[i] = silu(a);
+#pragma unroll
+        for (int j = 0; j + 1 < kHist; ++j) h[i][j] = h[i][j + 1];
+        h[i][kHist - 1] = x[i];
+      }
+      out[(t0 + r) * out_stride] = pack8(y);
+    }
+  }
+
+  if (state == nullptr) return;
+  // New state column k = input (len - kHist + k) of the sequence: from proj when >= 0, else old
+  // state column len + k (read again: nothing has written the row since the read above).
+  const std::int64_t len = eos - bos;
+  std::uint16_t old[kConvVec * kHist];
+  if (len < kHist) load_state<kHist>(state, vector_state, old);
+  std::uint16_t next[kConvVec * kHist];
+#pragma unroll
+  for (int k = 0; k < kHist; ++k) {
+    const std::int64_t tau = len - kHist + k;
+    if (tau >= 0) {
+      const uint4 u = input(bos + tau);
+      const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) {
+        next[i * kHist + k] = static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
+      }
+    } else {
+      // len + k < kHist here.
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) {
+        std::uint16_t column[kHist];
+#pragma unroll
+        for (int m = 0; m < kHist; ++m) column[m] = old[i * kHist + m];
+        next[i * kHist + k] = pick(column, static_cast<int>(len) + k);
+      }
+    }
+  }
+  store_state<kHist>(state, vector_state, next);
+}
+
+// Copies the beta columns of rows [t_begin, t_end) into the contiguous [tokens, heads] tensor, one
+// value per thread of the block.
+__device__ __forceinline__ void copy_beta(const ConvParams& p, std::int64_t t_begin,
+                                          std::int64_t t_end) {
+  const std::int64_t n = (t_end - t_begin) * p.heads;
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const std::int64_t t = t_begin + i / p.heads, h = i % p.heads;
+    p.beta[t * p.heads + h] = p.proj[t * p.proj_stride + p.beta_col + h];
+  }
+}
+
+// Sequence n's state row, or -1 for padding (negative slot) and for a slot outside the pool
+// (reported once per sequence by the thread that asks with `report`).
+__device__ __forceinline__ std::int64_t state_row(const ConvParams& p, std::int64_t n,
+                                                  bool report) {
+  const std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[n]) : n;
+  if (slot >= p.num_slots) {
+    if (report && p.status != nullptr) atomicOr(p.status, kDeviceStatusSlot);
+    return -1;
+  }
+  return slot < 0 ? -1 : slot;
+}
+
+// Host side: the block shape that covers 3 * channels / 8 threads of one token run with the
+// fewest idle threads (tiles blocks of `threads`, a multiple of 32, at most kConvThreads).
+struct ConvShape {
+  unsigned threads = 0;
+  unsigned tiles = 0;
+};
+inline ConvShape conv_shape(std::int64_t channels) {
+  const std::int64_t groups = 3 * channels / kConvVec;
+  const std::int64_t tiles = (groups + kConvThreads - 1) / kConvThreads;
+  const std::int64_t per_tile = (groups + tiles - 1) / tiles;
+  return {static_cast<unsigned>((per_tile + 31) / 32 * 32), static_cast<unsigned>(tiles)};
+}
+
+// Host side: the layout the 8-channel kernels need (cudaErrorInvalidValue otherwise), and whether
+// the conv-state pools allow 16-byte state accesses.
+inline bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0; }
+inline cudaError_t check_conv_layout(const ConvParams& p, bool* vector_state) {
+  if (p.channels <= 0 || p.channels % kConvVec != 0 || p.proj_stride % kConvVec != 0 ||
+      !aligned16(p.proj) || !aligned16(p.conv_weight) || !aligned16(p.out[0]) ||
+      !aligned16(p.out[1]) || !aligned16(p.out[2])) {
+    return cudaErrorInvalidValue;
+  }
+  *vector_state = aligned16(p.pools[0]) && aligned16(p.pools[1]) && aligned16(p.pools[2]);
+  return cudaSuccess;
+}
+
+}  // namespace kda::layer::cuda

@@ -1,0 +1,80 @@
+// layer/src/cuda/kernels.hpp — the fused kernels of the whole KDA layer on CUDA
+// (layer_cuda.cpp): conv + SiLU for prefill and for decode, gated RMSNorm.
+// Plain C++ declarations (no CUDA headers needed beyond cuda_runtime.h), launched on a stream,
+// nothing allocated or synchronized.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace kda::layer::cuda {
+
+// The short convolutions of q, k and v (3 * channels channels, `channels` = Cl each) over one
+// batch.
+//   proj: bf16 [tokens, proj_stride]; columns [0, 3 * channels) hold the pre-conv q | k | v
+//   projections, columns [beta_col, beta_col + heads) the raw beta projection.
+//   conv_weight: f32 [3 * channels, width], tap width-1 multiplies the current token.
+//   pools[b]: bf16 [num_slots, channels, width-1] conv states of branch b (q, k, v), in place.
+//   out[b]: bf16 [tokens, channels], SiLU(conv(...)) of branch b.
+//   beta: bf16 [tokens, heads], a contiguous copy of the beta columns (the core's layout).
+struct ConvParams {
+  const std::uint16_t* proj = nullptr;
+  std::int64_t proj_stride = 0;
+  std::int64_t tokens = 0;
+  std::int64_t sequences = 0;
+  std::int64_t channels = 0;  // Cl, a multiple of 8
+  int width = 4;              // W, 2..4
+  const float* conv_weight = nullptr;
+  std::uint16_t* pools[3] = {nullptr, nullptr, nullptr};
+  std::uint16_t* out[3] = {nullptr, nullptr, nullptr};
+  std::int64_t beta_col = 0;
+  std::int64_t heads = 0;  // Hl
+  std::uint16_t* beta = nullptr;
+  // Sequence n's state row: slots[n] (nullptr: n). Negative: padding (zero state, nothing written);
+  // >= num_slots: treated as padding and reported through status (kDeviceStatusSlot).
+  const std::int32_t* slots = nullptr;
+  std::int64_t num_slots = 0;
+  std::uint32_t* status = nullptr;  // optional device status word
+  // Prefill: device cu_seqlens [sequences + 1]. Decode: nullptr, every sequence has
+  // `decode_tokens` tokens (tokens == sequences * decode_tokens).
+  const std::int64_t* cu_seqlens = nullptr;
+  std::int64_t decode_tokens = 0;
+  // Decode only, optional: int32 [sequences] receives 0, 1, ..., N-1 (the slot list the core
+  // needs when the caller addresses rows without one).
+  std::int32_t* identity_slots = nullptr;
+};
+
+// Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1). A thread
+// re-reads the W - 1 rows before its chunk, so longer chunks read less twice; the grid has
+// ceil(tokens / kConvChunk) + sequences rows of blocks.
+inline constexpr std::int64_t kConvChunk = 32;
+
+// Both conv launchers need: channels a multiple of 8, proj_stride a multiple of 8 and proj, out[b]
+// and conv_weight 16-byte aligned (each thread moves eight channels with one 16-byte access); they
+// return cudaErrorInvalidValue otherwise. The CUDA layer guarantees it: channels = Hl * 128, the
+// stride is rounded up to 8 columns, the q | k | v columns start at 0, Cl and 2 Cl, and every
+// buffer sits at a 256-byte aligned offset. The pools may have any 2-byte alignment (16-byte
+// aligned pools get 16-byte state accesses).
+
+cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream);
+cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream);
+
+// y = RMSNorm_D(o) * o_norm * sigmoid(round_bf16(gate + bias)) per (token, head), -> bf16.
+//   o: bf16 [rows, 128] (rows = tokens * heads), gate: f32 [rows, 128] (the g_b projection before
+//   its bias and rounding), bias: bf16 [heads * 128] or nullptr, o_norm: f32 [128], y: bf16.
+struct GatedNormParams {
+  const std::uint16_t* o = nullptr;
+  const float* gate = nullptr;
+  const std::uint16_t* bias = nullptr;
+  const float* o_norm = nullptr;
+  std::uint16_t* y = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t heads = 0;
+  float eps = 1e-5f;
+};
+inline constexpr int kNormHeadDim = 128;
+
+cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
+
+}  // namespace kda::layer::cuda

@@ -1,0 +1,359 @@
+// layer/src/layer_cpu.cpp — the whole KDA layer on the CPU (Eigen projections, fp32 accumulation,
+// bf16 between the steps), around the operator's CPU backend.
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "aligned_regions.hpp"
+#include "backends.hpp"
+#include "checks.hpp"
+#include "kda/detail/checked_math.hpp"
+#include "kda/error.hpp"
+#include "kda/nvtx.hpp"
+#include "workspace_layout.hpp"
+
+namespace kda::layer::detail {
+
+namespace {
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMatrixMap = Eigen::Map<const RowMajor>;
+using MatrixMap = Eigen::Map<RowMajor>;
+
+constexpr const char* kForward = "KDA layer forward (CPU)";
+
+// out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation.
+void project(const float* in, std::int64_t tokens, std::int64_t n_in, const float* weight,
+             std::int64_t n_out, float* out) {
+  MatrixMap result(out, tokens, n_out);
+  result.noalias() =
+      ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight, n_out, n_in).transpose();
+  for (std::int64_t i = 0; i < tokens * n_out; ++i) out[i] = round_bf16(out[i]);
+}
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+using kda::detail::align_up;
+
+// Causal depthwise conv + SiLU of one sequence: `pre` [L, Cl] holds the sequence's pre-conv
+// inputs, `conv_state` [Cl, W-1] the W-1 inputs before them (oldest first). Writes bf16 [L, Cl] to
+// `out` and leaves the last W-1 inputs in `conv_state`. A null `conv_state` (a padding sequence)
+// reads zeros before the sequence and keeps nothing.
+void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std::int64_t width,
+               const float* weight, bf16_bits* conv_state, bf16_bits* out) {
+  const std::int64_t history = width - 1;
+  // Input t of the sequence (t < 0: from the conv state).
+  auto input = [&](std::int64_t c, std::int64_t t) {
+    if (t >= 0) return pre[t * channels + c];
+    return conv_state == nullptr ? 0.0f : bf16_to_float(conv_state[c * history + history + t]);
+  };
+  for (std::int64_t t = 0; t < length; ++t) {
+    for (std::int64_t c = 0; c < channels; ++c) {
+      float acc = 0.0f;
+      for (std::int64_t j = 0; j < width; ++j)
+        acc += weight[c * width + j] * input(c, t - history + j);
+      out[t * channels + c] = float_to_bf16(acc * sigmoid(acc));
+    }
+  }
+  if (length == 0 || conv_state == nullptr) return;
+  // Ascending i reads input(L - history + i), which is state column L + i > i when it comes from
+  // the state: never one already overwritten.
+  for (std::int64_t c = 0; c < channels; ++c) {
+    for (std::int64_t i = 0; i < history; ++i) {
+      conv_state[c * history + i] = float_to_bf16(input(c, length - history + i));
+    }
+  }
+}
+
+// Byte offsets of the fp32 weight image's tensors from its kWeightImageAlignment-aligned base:
+// the one layout that weight_image_bytes() sizes and place() fills.
+struct WeightLayout {
+  std::size_t q_proj = 0, k_proj = 0, v_proj = 0;  // [Cl, E]
+  std::size_t f_a_proj = 0, f_b_proj = 0;          // [D, E], [Cl, D]
+  std::size_t b_proj = 0;                          // [Hl, E]
+  std::size_t g_a_proj = 0, g_b_proj = 0;          // [D, E], [Cl, D]
+  std::size_t o_proj = 0;                          // [E, Cl]
+  std::size_t q_conv = 0, k_conv = 0, v_conv = 0;  // [Cl, W]
+  std::size_t g_b_bias = 0;                        // [Cl]; its place is kept without a bias
+  std::size_t o_norm = 0;                          // [D]
+  std::size_t A_log = 0, dt_bias = 0;              // [Hl], [Cl]
+  std::size_t total = 0;
+};
+
+WeightLayout make_weight_layout(const Config& c) {
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Hl = c.local_heads(), Cl = c.local_channels();
+  AlignedRegions regions("KDA layer (CPU) weight image size", kCpuWeightImageAlignment);
+  auto matrix = [&](std::int64_t rows, std::int64_t columns) {
+    return regions.take(regions.bytes_of(rows, columns, sizeof(float)));
+  };
+  WeightLayout layout;
+  layout.q_proj = matrix(Cl, E);
+  layout.k_proj = matrix(Cl, E);
+  layout.v_proj = matrix(Cl, E);
+  layout.f_a_proj = matrix(D, E);
+  layout.f_b_proj = matrix(Cl, D);
+  layout.b_proj = matrix(Hl, E);
+  layout.g_a_proj = matrix(D, E);
+  layout.g_b_proj = matrix(Cl, D);
+  layout.o_proj = matrix(E, Cl);
+  layout.q_conv = matrix(Cl, W);
+  layout.k_conv = matrix(Cl, W);
+  layout.v_conv = matrix(Cl, W);
+  layout.g_b_bias = matrix(Cl, 1);
+  layout.o_norm = matrix(D, 1);
+  layout.A_log = matrix(Hl, 1);
+  layout.dt_bias = matrix(Cl, 1);
+  layout.total = regions.end();
+  return layout;
+}
+
+class PhaseTimer {
+ public:
+  explicit PhaseTimer(Times* times) : times_(times) { start_ = Clock::now(); }
+  // Adds the time since the last call (or construction) to `phase`.
+  void lap(double Times::*phase) {
+    if (times_ == nullptr) return;
+    const Clock::time_point now = Clock::now();
+    times_->*phase += std::chrono::duration<double>(now - start_).count();
+    start_ = now;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  Times* times_;
+  Clock::time_point start_;
+};
+
+}  // namespace
+
+class CpuLayer final : public Layer {
+ public:
+  CpuLayer(const Weights& w, void* weight_image, std::size_t bytes,
+           std::unique_ptr<unsigned char[]> owned_image)
+      : Layer(w.config, cpu_weight_image_bytes(w.config)), owned_image_(std::move(owned_image)) {
+    place(w, weight_image, bytes);
+  }
+
+  Backend backend() const noexcept override { return Backend::kCpu; }
+  void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+               Workspace workspace, const RunOptions& options) const override;
+
+ private:
+  void place(const Weights& w, void* weight_image, std::size_t bytes);
+
+  std::unique_ptr<unsigned char[]> owned_image_;  // make_layer() without a region: its own
+  // In the image, fp32. Row-major [out, in], as the checkpoint stores them:
+  const float *q_proj_ = nullptr, *k_proj_ = nullptr, *v_proj_ = nullptr, *f_a_proj_ = nullptr,
+              *f_b_proj_ = nullptr, *b_proj_ = nullptr, *g_a_proj_ = nullptr, *g_b_proj_ = nullptr,
+              *o_proj_ = nullptr;
+  const float *q_conv_ = nullptr, *k_conv_ = nullptr, *v_conv_ = nullptr;  // [Cl, W]
+  const float* g_b_bias_ = nullptr;                                        // [Cl], null: none
+  const float* o_norm_ = nullptr;                                          // [D]
+  const float *A_log_ = nullptr, *dt_bias_ = nullptr;                      // [Hl], [Cl]
+};
+
+void CpuLayer::place(const Weights& w, void* weight_image, std::size_t bytes) {
+  check_sizes(w);
+  check_gate_weights(w);
+  const WeightLayout layout = make_weight_layout(config());
+  check_weight_region(weight_image, bytes, layout.total, kCpuWeightImageAlignment,
+                      "KDA layer (CPU)");
+  auto* image = static_cast<unsigned char*>(weight_image);
+  std::memset(image, 0, layout.total);  // alignment padding, and the bias's place without one
+  auto widen = [&](std::size_t at, const std::vector<bf16_bits>& bits) {
+    auto* values = reinterpret_cast<float*>(image + at);
+    for (std::size_t i = 0; i < bits.size(); ++i) values[i] = bf16_to_float(bits[i]);
+    return static_cast<const float*>(values);
+  };
+  auto copy = [&](std::size_t at, const std::vector<float>& values) {
+    if (!values.empty()) std::memcpy(image + at, values.data(), values.size() * sizeof(float));
+    return reinterpret_cast<const float*>(image + at);
+  };
+  q_proj_ = widen(layout.q_proj, w.q_proj);
+  k_proj_ = widen(layout.k_proj, w.k_proj);
+  v_proj_ = widen(layout.v_proj, w.v_proj);
+  f_a_proj_ = widen(layout.f_a_proj, w.f_a_proj);
+  f_b_proj_ = widen(layout.f_b_proj, w.f_b_proj);
+  b_proj_ = widen(layout.b_proj, w.b_proj);
+  g_a_proj_ = widen(layout.g_a_proj, w.g_a_proj);
+  g_b_proj_ = widen(layout.g_b_proj, w.g_b_proj);
+  o_proj_ = widen(layout.o_proj, w.o_proj);
+  q_conv_ = copy(layout.q_conv, w.q_conv);
+  k_conv_ = copy(layout.k_conv, w.k_conv);
+  v_conv_ = copy(layout.v_conv, w.v_conv);
+  g_b_bias_ = w.g_b_bias.empty() ? nullptr : widen(layout.g_b_bias, w.g_b_bias);
+  o_norm_ = widen(layout.o_norm, w.o_norm);
+  A_log_ = copy(layout.A_log, w.A_log);
+  dt_bias_ = copy(layout.dt_bias, w.dt_bias);
+}
+
+std::size_t cpu_weight_image_bytes(const Config& config) {
+  validate(config);
+  return make_weight_layout(config).total;
+}
+
+std::size_t cpu_workspace_bytes(const Config& config, std::int64_t tokens, std::int64_t sequences,
+                                std::int64_t num_slots) {
+  validate(config);
+  return make_workspace_layout(Backend::kCpu, config, tokens, sequences, num_slots).total;
+}
+
+std::unique_ptr<Layer> make_cpu_layer(const Weights& w, void* weight_image, std::size_t bytes) {
+  return std::make_unique<CpuLayer>(w, weight_image, bytes, nullptr);
+}
+
+std::unique_ptr<Layer> make_cpu_layer(const Weights& w) {
+  check_sizes(w);  // before sizing the allocation from the config
+  const std::size_t bytes = cpu_weight_image_bytes(w.config);
+  // Over-allocated by one alignment: operator new[] guarantees less than the image wants.
+  std::unique_ptr<unsigned char[]> owned(new unsigned char[bytes + kCpuWeightImageAlignment]);
+  const auto address = reinterpret_cast<std::uintptr_t>(owned.get());
+  void* image =
+      reinterpret_cast<void*>(align_up<std::uintptr_t>(address, kCpuWeightImageAlignment));
+  return std::make_unique<CpuLayer>(w, image, bytes, std::move(owned));
+}
+
+void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
+                       const State& state, Workspace workspace, const RunOptions& options) const {
+  const Config& c = config();
+  const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
+  const std::int64_t W = c.conv_width, Hl = c.local_heads(), Cl = c.local_channels();
+  const bool decode = batch.decode_tokens > 0;
+
+  // ---- checks, before anything is written ---------------------------------------------------
+  check_forward(c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, state, hidden, out,
+                kForward);
+  const WorkspaceLayout layout =
+      forward_workspace_layout(Backend::kCpu, c, T, N, state.num_slots, kForward);
+  check_workspace(workspace, layout.total, batch, kForward);
+  if (T == 0) return;  // nothing to compute; every state stays as it is
+  auto slot_of = [&](std::int64_t n) -> std::int64_t {
+    return batch.slots == nullptr ? n : batch.slots[n];
+  };
+  const CpuOptions cpu{options.cpu_threads};
+  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                            state.recurrent_dtype);
+
+  const WorkspaceRegions regions(layout, workspace.ptr);
+  using L = WorkspaceLayout;
+  auto* xf = regions.at<float>(&L::hidden_f32);
+  auto* pre = regions.at<float>(&L::pre_f32);
+  auto* lowrank = regions.at<float>(&L::lowrank_f32);
+  const Intermediates m = regions.intermediates();
+  bf16_bits *q = m.q, *k = m.k, *v = m.v, *g = m.g, *o = m.o, *beta = m.beta;
+  float* gate = m.gate;
+  // A decode batch is a prefill of sequences of decode_tokens tokens each.
+  const std::int64_t* cu_seqlens = batch.cu_seqlens;
+  if (decode) {
+    auto* cu = regions.at<std::int64_t>(&L::cu);
+    for (std::int64_t n = 0; n <= N; ++n) cu[n] = n * batch.decode_tokens;
+    cu_seqlens = cu;
+  }
+  PhaseTimer timer(options.times);
+
+  // ---- q, k, v: projection, then conv + SiLU per sequence ------------------------------------
+  for (std::int64_t i = 0; i < T * E; ++i) xf[i] = bf16_to_float(hidden[i]);
+  const std::int64_t conv_row = Cl * (W - 1);  // one sequence's conv state, in elements
+  struct ConvBranch {
+    const float* proj;
+    const float* conv;
+    bf16_bits* pool;
+    bf16_bits* out;
+  };
+  for (const ConvBranch& branch : {ConvBranch{q_proj_, q_conv_, state.conv_q, q},
+                                   ConvBranch{k_proj_, k_conv_, state.conv_k, k},
+                                   ConvBranch{v_proj_, v_conv_, state.conv_v, v}}) {
+    {
+      KDA_NVTX_RANGE("projections");  // the same range names as the CUDA layer's
+      project(xf, T, E, branch.proj, Cl, pre);
+    }
+    timer.lap(&Times::projections);
+    {
+      KDA_NVTX_RANGE("conv");
+      for (std::int64_t n = 0; n < N; ++n) {
+        const std::int64_t begin = cu_seqlens[n], length = cu_seqlens[n + 1] - begin;
+        const bool padding = slot_of(n) < 0;
+        if (padding && branch.out == q) {
+          // A padding sequence's q is zero, so the core's output for it is exactly zero (q̂ =
+          // 0), and with it the layer's: padding rows produce zeros, as in decode.
+          std::fill(q + begin * Cl, q + (begin + length) * Cl, bf16_bits{0});
+          continue;
+        }
+        bf16_bits* conv_state = padding ? nullptr : branch.pool + slot_of(n) * conv_row;
+        conv_silu(pre + begin * Cl, length, Cl, W, branch.conv, conv_state,
+                  branch.out + begin * Cl);
+      }
+    }
+    timer.lap(&Times::conv);
+  }
+
+  // ---- forget gate g_raw = (x·W_faᵀ)·W_fbᵀ and beta_raw = x·W_bᵀ (activated inside the core) ---
+  {
+    KDA_NVTX_RANGE("projections");
+    project(xf, T, E, f_a_proj_, D, lowrank);
+    project(lowrank, T, D, f_b_proj_, Cl, pre);
+    for (std::int64_t i = 0; i < T * Cl; ++i) g[i] = float_to_bf16(pre[i]);
+    project(xf, T, E, b_proj_, Hl, pre);
+    for (std::int64_t i = 0; i < T * Hl; ++i) beta[i] = float_to_bf16(pre[i]);
+    // Output gate (x·W_gaᵀ)·W_gbᵀ [+ bias] into `gate`, for the norm.
+    project(xf, T, E, g_a_proj_, D, lowrank);
+    {
+      MatrixMap gate_matrix(gate, T, Cl);
+      gate_matrix.noalias() =
+          ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_, Cl, D).transpose();
+      if (g_b_bias_ != nullptr) {
+        gate_matrix.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_, Cl);
+      }
+      for (std::int64_t i = 0; i < T * Cl; ++i) gate[i] = round_bf16(gate[i]);
+    }
+  }
+  timer.lap(&Times::projections);
+
+  // ---- the KDA core: one call for the batch, states in place in the pool -------------------
+  Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
+  t.cu_seqlens = cu_seqlens;
+  t.initial_state = state.recurrent;
+  t.final_state = state.recurrent;  // updated in place
+  t.state_slots = batch.slots;
+  {
+    KDA_NVTX_RANGE("core");
+    throw_if_error(forward_cpu(core, t, regions.core(), cpu), "KDA layer forward (CPU): core");
+  }
+  timer.lap(&Times::core);
+
+  // ---- gated RMSNorm per (token, head), y into `gate` over the gate it reads -----------------
+  {
+    KDA_NVTX_RANGE("norm");
+    for (std::int64_t row = 0; row < T * Hl; ++row) {
+      const bf16_bits* o_row = o + row * D;
+      float* gate_row = gate + row * D;
+      float sum_squares = 0.0f;
+      for (std::int64_t d = 0; d < D; ++d) {
+        const float value = bf16_to_float(o_row[d]);
+        sum_squares += value * value;
+      }
+      const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(D) + c.norm_eps);
+      for (std::int64_t d = 0; d < D; ++d) {
+        gate_row[d] =
+            round_bf16(bf16_to_float(o_row[d]) * inv_rms * o_norm_[d] * sigmoid(gate_row[d]));
+      }
+    }
+  }
+  timer.lap(&Times::norm);
+
+  // ---- out = y·W_oᵀ (a partial sum over tensor-parallel ranks) -------------------------------
+  {
+    KDA_NVTX_RANGE("o_proj");
+    project(gate, T, Cl, o_proj_, E, xf);
+    for (std::int64_t i = 0; i < T * E; ++i) out[i] = float_to_bf16(xf[i]);
+  }
+  timer.lap(&Times::o_proj);
+}
+
+}  // namespace kda::layer::detail

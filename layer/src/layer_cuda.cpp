@@ -1,0 +1,488 @@
+// layer/src/layer_cuda.cpp — the whole KDA layer on CUDA: cuBLAS projections, the fused conv and
+// gated-norm kernels (layer/src/cuda/), the operator's CUDA core. The workspace and weight image
+// layouts and every check that needs no device are plain C++ and built everywhere; the rest needs
+// KDA_HAVE_CUDA (a CPU-only build's make_cuda_layer() says so).
+//
+//   projections  cuBLAS (bf16 in, fp32 accumulation, CUBLAS_COMPUTE_32F): x·[W_q; W_k; W_v; W_fa;
+//                W_ga; W_b]ᵀ as one GEMM, then the two low-rank second factors
+//   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
+//   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
+//   norm         one fused kernel: gated RMSNorm
+//   o_proj       cuBLAS
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "aligned_regions.hpp"
+#include "backends.hpp"
+#include "checks.hpp"
+#include "kda/detail/checked_math.hpp"
+#include "kda/error.hpp"
+#include "kda/nvtx.hpp"
+#include "workspace_layout.hpp"
+
+#ifdef KDA_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include "cuda/kernels.hpp"
+#if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
+#include <nvtx3/nvToolsExtMemCudaRt.h>
+#endif
+#endif
+
+namespace kda::layer::detail {
+
+namespace {
+
+// cuBLAS wants its workspace and its matrices 256-byte aligned; so do the weight image's tensors.
+constexpr std::size_t kAlignment = kCudaWeightImageAlignment;
+
+using kda::detail::align_up;
+
+// Byte offsets of the weight image's tensors from its kAlignment-aligned base: the one layout that
+// weight_image_bytes() sizes and the constructors fill.
+struct WeightLayout {
+  std::size_t w_in = 0;     // bf16 [proj_stride, E]: q | k | v | f_a | g_a | b | zero rows
+  std::size_t w_fb = 0;     // bf16 [Cl, D]
+  std::size_t w_gb = 0;     // bf16 [Cl, D]
+  std::size_t g_bias = 0;   // bf16 [Cl]; its place is kept when the layer has no bias
+  std::size_t conv = 0;     // f32 [3 Cl, W]: q | k | v
+  std::size_t A_log = 0;    // f32 [Hl]
+  std::size_t dt_bias = 0;  // f32 [Cl]
+  std::size_t o_norm = 0;   // f32 [D], widened
+  std::size_t w_o = 0;      // bf16 [E, Cl]
+  std::size_t total = 0;
+};
+
+WeightLayout make_weight_layout(const Config& c) {
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Cl = c.local_channels();
+  AlignedRegions regions("KDA layer (CUDA) weight image size", kAlignment);
+  WeightLayout layout;
+  layout.w_in = regions.take(regions.bytes_of(proj_columns(c).stride, E, 2));
+  layout.w_fb = regions.take(regions.bytes_of(Cl, D, 2));
+  layout.w_gb = regions.take(regions.bytes_of(Cl, D, 2));
+  layout.g_bias = regions.take(regions.bytes_of(Cl, 1, 2));
+  layout.conv = regions.take(regions.bytes_of(3 * Cl, W, 4));
+  layout.A_log = regions.take(regions.bytes_of(c.local_heads(), 1, 4));
+  layout.dt_bias = regions.take(regions.bytes_of(Cl, 1, 4));
+  layout.o_norm = regions.take(regions.bytes_of(D, 1, 4));
+  layout.w_o = regions.take(regions.bytes_of(E, Cl, 2));
+  layout.total = regions.end();
+  return layout;
+}
+
+// The CUDA path's limits, as a status (can_implement) and as the throw of make_cuda_layer().
+Status cuda_limits(const Config& c) {
+  if (!cuda_compiled()) {
+    return Status(
+        StatusCode::kBackendUnavailable,
+        "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
+  }
+  if (c.head_dim != 128) {
+    return Status(StatusCode::kUnsupported,
+                  "KDA layer (CUDA): head_dim " + std::to_string(c.head_dim) +
+                      " is not 128 (the CUDA core and the gated-norm kernel run D = 128)");
+  }
+  if (c.conv_width < 2 || c.conv_width > 4) {
+    return Status(StatusCode::kUnsupported, "KDA layer (CUDA): conv_width " +
+                                                std::to_string(c.conv_width) +
+                                                " is not in [2, 4] (the conv kernels' widths)");
+  }
+  return Status::Ok();
+}
+
+// The checks the CPU layer makes on the weights, plus the CUDA path's limits.
+void check_weights(const Weights& w) {
+  check_sizes(w);
+  throw_if_error(cuda_limits(w.config));
+  check_gate_weights(w);
+}
+
+}  // namespace
+
+Status cuda_can_implement(const Config& config) { return cuda_limits(config); }
+
+std::size_t cuda_workspace_bytes(const Config& config, std::int64_t tokens, std::int64_t sequences,
+                                 std::int64_t num_slots) {
+  validate(config);
+  return make_workspace_layout(Backend::kCuda, config, tokens, sequences, num_slots).total;
+}
+
+std::size_t cuda_weight_image_bytes(const Config& config) {
+  validate(config);
+  return make_weight_layout(config).total;
+}
+
+#ifndef KDA_HAVE_CUDA
+
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights, void*, std::size_t) {
+  check_weights(weights);  // kBackendUnavailable
+  return nullptr;
+}
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights) {
+  check_weights(weights);
+  return nullptr;
+}
+
+#else  // KDA_HAVE_CUDA
+
+namespace {
+
+void check_cuda(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw Error(StatusCode::kCudaError, std::string("KDA layer (CUDA): ") + what + ": " +
+                                            cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                                            ")");
+  }
+}
+
+void check_cublas(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw Error(StatusCode::kCudaError,
+                std::string("KDA layer (CUDA): ") + what + ": " + cublasGetStatusString(status));
+  }
+}
+
+// compute-sanitizer's initcheck does not see the writes of cuBLAS's Hopper kernels (a GEMM into a
+// fresh buffer, then a kernel reading it, reports every read as uninitialized; a cudaMemset before
+// the GEMM silences it: measured on the H200, docs/SANITIZERS.md). So each GEMM's output range is
+// declared initialized through the NVTX memory API, which costs nothing when no tool is attached.
+void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
+#if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
+  const nvtxMemVirtualRangeDesc_t range{bytes, ptr};
+  nvtxMemMarkInitializedBatch_t batch{};
+  batch.extCompatID = NVTX_EXT_COMPATID_MEM;
+  batch.structSize = sizeof(batch);
+  batch.regionType = NVTX_MEM_TYPE_VIRTUAL_ADDRESS;
+  batch.regionDescCount = 1;
+  batch.regionDescElementSize = sizeof(range);
+  batch.regionDescElements = &range;
+  nvtxMemCudaMarkInitialized(nvtx3::domain::get<kda::nvtx_domain>(), stream, 0, &batch);
+#else
+  (void)stream, (void)ptr, (void)bytes;
+#endif
+}
+
+// out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
+// bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
+// outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
+void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64_t ldi,
+          std::int64_t rows, std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+          cudaDataType out_type, std::int64_t ldo, const char* what) {
+  const float one = 1.0f, zero = 0.0f;
+  check_cublas(
+      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
+                   static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
+                   static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
+                   out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      what);
+  if (rows > 0) {
+    const std::size_t element = out_type == CUDA_R_32F ? 4 : 2;
+    mark_initialized(stream, out, static_cast<std::size_t>((rows - 1) * ldo + n_out) * element);
+  }
+}
+
+// A CUDA device is present and one the operator supports.
+void require_device() {
+  if (cuda_device_count() <= 0) {
+    throw Error(StatusCode::kBackendUnavailable, "KDA layer (CUDA): no CUDA device is present");
+  }
+  throw_if_error(cuda_device_supported(), "KDA layer (CUDA)");
+}
+
+}  // namespace
+
+class CudaLayer final : public Layer {
+ public:
+  // Checks everything that needs no device first, then the caller's region (or, with `allocate`,
+  // allocates the layer's own), then writes the image and creates the handle and the events.
+  CudaLayer(const Weights& w, void* weight_image, std::size_t bytes, bool allocate)
+      : Layer(w.config, cuda_weight_image_bytes(w.config)) {
+    check_weights(w);
+    if (allocate) {
+      require_device();
+      check_cuda(cudaMalloc(&weight_image, weight_bytes()), "cudaMalloc(weights)");
+      owned_image = static_cast<unsigned char*>(weight_image);
+      bytes = weight_bytes();
+    }
+    check_weight_region(weight_image, bytes, weight_bytes(), kAlignment, "KDA layer (CUDA)");
+    initialize(w, static_cast<unsigned char*>(weight_image));
+  }
+  ~CudaLayer() override {
+    for (cudaEvent_t event : events) {
+      if (event != nullptr) (void)cudaEventDestroy(event);
+    }
+    if (handle != nullptr) cublasDestroy(handle);
+    if (owned_image != nullptr) cudaFree(owned_image);
+  }
+
+  Backend backend() const noexcept override { return Backend::kCuda; }
+  void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+               Workspace workspace, const RunOptions& options) const override;
+
+ private:
+  void initialize(const Weights& w, unsigned char* image);
+  // Seconds between the phase events of the last forward, added to `times` (waits for the last).
+  void add_times(Times* times) const;
+
+  cublasHandle_t handle = nullptr;
+  unsigned char* owned_image = nullptr;  // the layer's own allocation, else null
+  // Phase boundaries: before the projections, after them, the conv, the core, the norm, o_proj.
+  cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  const bf16_bits* w_in = nullptr;  // WeightLayout says what each points at
+  const bf16_bits* w_fb = nullptr;
+  const bf16_bits* w_gb = nullptr;
+  const bf16_bits* g_bias = nullptr;  // null without a bias
+  const float* conv = nullptr;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  const float* o_norm = nullptr;
+  const bf16_bits* w_o = nullptr;
+};
+
+void CudaLayer::initialize(const Weights& w, unsigned char* image) {
+  require_device();
+  const Config& c = w.config;
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Cl = c.local_channels();
+  const WeightLayout layout = make_weight_layout(c);
+  throw_if_error(check_device_pointer(image, layout.total, "weight image"), "KDA layer (CUDA)");
+
+  std::vector<unsigned char> host(layout.total, 0);  // zeros: w_in's padding rows
+  auto put = [&](std::size_t at, const auto& values) {
+    if (!values.empty()) {
+      std::memcpy(host.data() + at, values.data(), values.size() * sizeof(values[0]));
+    }
+  };
+  const ProjColumns cols = proj_columns(c);
+  const std::size_t row_bytes = static_cast<std::size_t>(E) * sizeof(bf16_bits);
+  put(layout.w_in + cols.q * row_bytes, w.q_proj);
+  put(layout.w_in + cols.k * row_bytes, w.k_proj);
+  put(layout.w_in + cols.v * row_bytes, w.v_proj);
+  put(layout.w_in + cols.f_a * row_bytes, w.f_a_proj);
+  put(layout.w_in + cols.g_a * row_bytes, w.g_a_proj);
+  put(layout.w_in + cols.b * row_bytes, w.b_proj);
+  put(layout.w_fb, w.f_b_proj);
+  put(layout.w_gb, w.g_b_proj);
+  put(layout.g_bias, w.g_b_bias);
+  const std::size_t branch_bytes = static_cast<std::size_t>(Cl * W) * sizeof(float);
+  put(layout.conv, w.q_conv);
+  put(layout.conv + branch_bytes, w.k_conv);
+  put(layout.conv + 2 * branch_bytes, w.v_conv);
+  put(layout.A_log, w.A_log);
+  put(layout.dt_bias, w.dt_bias);
+  std::vector<float> o_norm_widened(static_cast<std::size_t>(D));
+  for (std::int64_t d = 0; d < D; ++d) o_norm_widened[d] = bf16_to_float(w.o_norm[d]);
+  put(layout.o_norm, o_norm_widened);
+  put(layout.w_o, w.o_proj);
+  check_cuda(cudaMemcpy(image, host.data(), host.size(), cudaMemcpyHostToDevice),
+             "cudaMemcpy(weights)");
+
+  w_in = reinterpret_cast<const bf16_bits*>(image + layout.w_in);
+  w_fb = reinterpret_cast<const bf16_bits*>(image + layout.w_fb);
+  w_gb = reinterpret_cast<const bf16_bits*>(image + layout.w_gb);
+  g_bias = w.g_b_bias.empty() ? nullptr : reinterpret_cast<const bf16_bits*>(image + layout.g_bias);
+  conv = reinterpret_cast<const float*>(image + layout.conv);
+  A_log = reinterpret_cast<const float*>(image + layout.A_log);
+  dt_bias = reinterpret_cast<const float*>(image + layout.dt_bias);
+  o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
+  w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
+  check_cublas(cublasCreate(&handle), "cublasCreate");
+  for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
+}
+
+void CudaLayer::add_times(Times* times) const {
+  check_cuda(cudaEventSynchronize(events[5]), "waiting for the phase events");
+  double* phases[5] = {&times->projections, &times->conv, &times->core, &times->norm,
+                       &times->o_proj};
+  for (int i = 0; i < 5; ++i) {
+    float ms = 0.0f;
+    check_cuda(cudaEventElapsedTime(&ms, events[i], events[i + 1]), "cudaEventElapsedTime");
+    *phases[i] += ms * 1e-3;
+  }
+}
+
+void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
+                        const State& state, Workspace workspace, const RunOptions& options) const {
+  const Config& c = config();
+  const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
+  const std::int64_t W = c.conv_width, Hl = c.local_heads(), Cl = c.local_channels();
+  const bool decode = batch.decode_tokens > 0;
+
+  // ---- checks, before anything is enqueued ---------------------------------------------------
+  constexpr const char* kForward = "KDA layer forward (CUDA)";
+  check_forward(c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host, state, hidden,
+                out, kForward);
+  const WorkspaceLayout layout =
+      forward_workspace_layout(Backend::kCuda, c, T, N, state.num_slots, kForward);
+  check_workspace(workspace, layout.total, batch, kForward);
+  constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
+  if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
+    throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
+                                              " tokens in " + std::to_string(N) +
+                                              " sequences exceed one launch (2^31 - 1 rows)");
+  }
+  const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
+  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                            state.recurrent_dtype);
+  const DecodeProblem step = core_decode_problem(
+      c, N, std::max<std::int64_t>(batch.decode_tokens, 1), state.num_slots, state.recurrent_dtype);
+  if (options.check_pointers && N > 0) {
+    const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
+    const std::size_t recurrent_pool =
+        static_cast<std::size_t>(state.num_slots * Hl * D * D) * dtype_size(state.recurrent_dtype);
+    const struct {
+      const void* ptr;
+      std::size_t bytes;
+      const char* name;
+    } buffers[] = {
+        {hidden, hidden_bytes, "hidden"},
+        {out, hidden_bytes, "out"},
+        {workspace.ptr, workspace.bytes, "workspace"},
+        {state.conv_q, conv_pool, "conv_q pool"},
+        {state.conv_k, conv_pool, "conv_k pool"},
+        {state.conv_v, conv_pool, "conv_v pool"},
+        {state.recurrent, recurrent_pool, "recurrent pool"},
+        {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
+        {batch.slots, static_cast<std::size_t>(N) * 4, "slots"},
+        {batch.device_status, 4, "device_status"},
+    };
+    for (const auto& b : buffers) {
+      throw_if_error(check_device_pointer(b.ptr, b.bytes, b.name), "KDA layer forward (CUDA)");
+    }
+  }
+  if (T == 0) return;  // nothing to compute; every state stays as it is
+
+  // ---- enqueue -----------------------------------------------------------------------------
+  cudaStream_t stream = static_cast<cudaStream_t>(options.stream);
+  const WorkspaceRegions regions(layout, workspace.ptr);
+  using L = WorkspaceLayout;
+  auto* proj = regions.at<bf16_bits>(&L::proj);
+  const Intermediates m = regions.intermediates();
+  bf16_bits *q = m.q, *k = m.k, *v = m.v, *g = m.g, *o = m.o, *beta = m.beta;
+  float* gate = m.gate;
+  auto* identity = regions.at<std::int32_t>(&L::identity_slots);
+  bf16_bits* y = q;  // q is dead once the core has run
+  const ProjColumns cols = proj_columns(c);
+  auto mark = [&](int boundary) {
+    if (options.times != nullptr)
+      check_cuda(cudaEventRecord(events[boundary], stream), "cudaEventRecord");
+  };
+  CudaOptions core_options;
+  core_options.check_pointers = options.check_pointers;
+  core_options.schedule = options.schedule;
+
+  mark(0);
+  {
+    KDA_NVTX_RANGE("projections");
+    // cublasSetStream resets the workspace to cuBLAS's own pool: set the workspace after it.
+    check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
+    check_cublas(
+        cublasSetWorkspace(handle, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes),
+        "cublasSetWorkspace");
+    gemm(handle, stream, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
+         "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
+    gemm(handle, stream, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl,
+         "f_a·W_fbᵀ");
+    gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
+         "g_a·W_gbᵀ");
+  }
+  mark(1);
+  {
+    KDA_NVTX_RANGE("conv");
+    cuda::ConvParams p;
+    p.proj = proj;
+    p.proj_stride = cols.stride;
+    p.tokens = T;
+    p.sequences = N;
+    p.channels = Cl;
+    p.width = static_cast<int>(W);
+    p.conv_weight = conv;
+    p.pools[0] = state.conv_q;
+    p.pools[1] = state.conv_k;
+    p.pools[2] = state.conv_v;
+    p.out[0] = q;
+    p.out[1] = k;
+    p.out[2] = v;
+    p.beta_col = cols.b;
+    p.heads = Hl;
+    p.beta = beta;
+    p.slots = batch.slots;
+    p.num_slots = state.num_slots;
+    p.status = batch.device_status;
+    if (decode) {
+      p.decode_tokens = batch.decode_tokens;
+      p.identity_slots = batch.slots == nullptr ? identity : nullptr;
+      check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
+    } else {
+      p.cu_seqlens = batch.cu_seqlens;
+      check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
+    }
+  }
+  mark(2);
+  {
+    KDA_NVTX_RANGE("core");
+    if (decode) {
+      // Padding rows (negative slots) are skipped by the core: zero them so that their y and out
+      // are zeros rather than stale workspace.
+      check_cuda(cudaMemsetAsync(o, 0, static_cast<std::size_t>(T * Cl) * 2, stream),
+                 "cudaMemsetAsync(o)");
+      DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
+      t.slots = batch.slots != nullptr ? batch.slots : identity;
+      t.state_pool = state.recurrent;
+      t.device_status = batch.device_status;
+      throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");
+    } else {
+      Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
+      t.cu_seqlens = batch.cu_seqlens;
+      // Checked above already (O(N) again); the core also plans its segments from it.
+      t.cu_seqlens_host = batch.cu_seqlens_host;
+      t.initial_state = state.recurrent;
+      t.final_state = state.recurrent;  // updated in place
+      t.state_slots = batch.slots;
+      t.device_status = batch.device_status;
+      throw_if_error(forward_cuda(core, t, regions.core(), stream, core_options),
+                     "KDA layer forward (CUDA): core");
+    }
+  }
+  mark(3);
+  {
+    KDA_NVTX_RANGE("norm");
+    cuda::GatedNormParams p;
+    p.o = o;
+    p.gate = gate;
+    p.bias = g_bias;
+    p.o_norm = o_norm;
+    p.y = y;
+    p.rows = T * Hl;
+    p.heads = Hl;
+    p.eps = c.norm_eps;
+    check_cuda(cuda::launch_gated_rmsnorm(p, stream), "gated_rmsnorm_kernel");
+  }
+  mark(4);
+  {
+    KDA_NVTX_RANGE("o_proj");
+    gemm(handle, stream, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ");
+  }
+  mark(5);
+  if (options.times != nullptr) add_times(options.times);
+}
+
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights, void* weight_image,
+                                       std::size_t bytes) {
+  return std::make_unique<CudaLayer>(weights, weight_image, bytes, false);
+}
+
+std::unique_ptr<Layer> make_cuda_layer(const Weights& weights) {
+  return std::make_unique<CudaLayer>(weights, nullptr, 0, true);
+}
+
+#endif  // KDA_HAVE_CUDA
+
+}  // namespace kda::layer::detail

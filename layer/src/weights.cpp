@@ -1,0 +1,198 @@
+// layer/src/weights.cpp — a whole KDA layer's weights: their config's checks, random weights,
+// tensor-parallel shards.
+#include "kda/layer/weights.hpp"
+
+#include <cmath>
+#include <random>
+#include <string>
+
+#include "kda/error.hpp"
+
+namespace kda::layer {
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& message) {
+  throw Error(StatusCode::kInvalidArgument, message);
+}
+
+std::size_t to_size(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+// Rows [begin, begin + count) of a row-major matrix with `cols` columns.
+template <typename T>
+std::vector<T> rows(const std::vector<T>& matrix, std::int64_t cols, std::int64_t begin,
+                    std::int64_t count) {
+  if (matrix.empty()) return {};
+  return std::vector<T>(matrix.begin() + begin * cols, matrix.begin() + (begin + count) * cols);
+}
+
+// Columns [begin, begin + count) of a row-major matrix with `cols` columns.
+template <typename T>
+std::vector<T> columns(const std::vector<T>& matrix, std::int64_t cols, std::int64_t begin,
+                       std::int64_t count) {
+  const std::int64_t n_rows = static_cast<std::int64_t>(matrix.size()) / cols;
+  std::vector<T> out;
+  out.reserve(to_size(n_rows * count));
+  for (std::int64_t r = 0; r < n_rows; ++r) {
+    out.insert(out.end(), matrix.begin() + r * cols + begin,
+               matrix.begin() + r * cols + begin + count);
+  }
+  return out;
+}
+
+}  // namespace
+
+void validate(const Config& c) {
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) invalid("KDA layer config: " + what);
+  };
+  require(c.hidden_size > 0 && c.hidden_size <= (std::int64_t{1} << 20),
+          "hidden_size " + std::to_string(c.hidden_size) + " is not in [1, 2^20]");
+  require(c.num_heads > 0 && c.num_heads <= 4096,
+          "num_heads " + std::to_string(c.num_heads) + " is not in [1, 4096]");
+  require(c.head_dim > 0 && c.head_dim <= 1024,
+          "head_dim " + std::to_string(c.head_dim) + " is not in [1, 1024]");
+  require(c.conv_width >= 1 && c.conv_width <= 16,
+          "conv_width " + std::to_string(c.conv_width) + " is not in [1, 16]");
+  require(c.gate != GateMode::kLowerBound ||
+              (std::isfinite(c.lower_bound) && c.lower_bound >= -5.0f && c.lower_bound < 0.0f),
+          "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)");
+  require(std::isfinite(c.norm_eps) && c.norm_eps > 0.0f,
+          "norm_eps " + std::to_string(c.norm_eps) + " is not finite and > 0");
+  require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0, "tp_size " + std::to_string(c.tp_size) +
+                                                              " does not divide num_heads " +
+                                                              std::to_string(c.num_heads));
+  require(c.tp_rank >= 0 && c.tp_rank < c.tp_size, "tp_rank " + std::to_string(c.tp_rank) +
+                                                       " is not in [0, tp_size " +
+                                                       std::to_string(c.tp_size) + ")");
+}
+
+void check_sizes(const Weights& w) {
+  const Config& c = w.config;
+  validate(c);
+  const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
+  const std::int64_t Cl = c.local_channels(), Hl = c.local_heads();
+  auto require = [](std::size_t size, std::int64_t expected, const char* name) {
+    if (size != to_size(expected)) {
+      invalid(std::string("KDA layer weights: ") + name + " holds " + std::to_string(size) +
+              " values, expected " + std::to_string(expected));
+    }
+  };
+  require(w.q_proj.size(), Cl * E, "q_proj");
+  require(w.k_proj.size(), Cl * E, "k_proj");
+  require(w.v_proj.size(), Cl * E, "v_proj");
+  require(w.q_conv.size(), Cl * W, "q_conv");
+  require(w.k_conv.size(), Cl * W, "k_conv");
+  require(w.v_conv.size(), Cl * W, "v_conv");
+  require(w.f_a_proj.size(), D * E, "f_a_proj");
+  require(w.f_b_proj.size(), Cl * D, "f_b_proj");
+  require(w.b_proj.size(), Hl * E, "b_proj");
+  require(w.g_a_proj.size(), D * E, "g_a_proj");
+  require(w.g_b_proj.size(), Cl * D, "g_b_proj");
+  if (!w.g_b_bias.empty()) require(w.g_b_bias.size(), Cl, "g_b_bias");
+  require(w.A_log.size(), Hl, "A_log");
+  require(w.dt_bias.size(), Cl, "dt_bias");
+  require(w.o_norm.size(), D, "o_norm");
+  require(w.o_proj.size(), E * Cl, "o_proj");
+}
+
+GateParameters random_gate_parameters(std::uint64_t seed, int layer_index, std::int64_t num_heads,
+                                      std::int64_t head_dim) {
+  // Distinct, reproducible streams per (seed, layer).
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    static_cast<std::uint32_t>(layer_index), 0x6b6461u};
+  std::mt19937_64 generator(seq);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  GateParameters parameters;
+  parameters.A_log.resize(static_cast<std::size_t>(num_heads));
+  parameters.dt_bias.resize(static_cast<std::size_t>(num_heads * head_dim));
+  for (float& a : parameters.A_log) a = static_cast<float>(std::log(1.0 + 15.0 * unit(generator)));
+  const double log_lo = std::log(1e-3), log_hi = std::log(1e-1);
+  for (float& bias : parameters.dt_bias) {
+    const double dt = std::exp(log_lo + (log_hi - log_lo) * unit(generator));
+    bias = static_cast<float>(dt + std::log(-std::expm1(-dt)));  // softplus^-1(dt)
+  }
+  return parameters;
+}
+
+Weights random_weights(const Config& config, std::uint64_t seed, int layer_index) {
+  validate(config);
+  const std::int64_t E = config.hidden_size, H = config.num_heads, D = config.head_dim;
+  const std::int64_t W = config.conv_width, C = H * D;
+  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
+                    static_cast<std::uint32_t>(layer_index), 0x6c61796eu};
+  std::mt19937_64 generator(seq);
+  auto uniform_bf16 = [&](std::int64_t count, std::int64_t fan_in) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
+    std::vector<bf16_bits> values(to_size(count));
+    for (bf16_bits& v : values) v = float_to_bf16(bound * dist(generator));
+    return values;
+  };
+  auto uniform_conv = [&](std::int64_t count) {  // bf16-representable, as in a bf16 checkpoint
+    std::vector<float> values(to_size(count));
+    const std::vector<bf16_bits> bits = uniform_bf16(count, W);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
+    return values;
+  };
+
+  Weights full;
+  full.config = config;
+  full.config.tp_size = 1;
+  full.config.tp_rank = 0;
+  full.q_proj = uniform_bf16(C * E, E);
+  full.k_proj = uniform_bf16(C * E, E);
+  full.v_proj = uniform_bf16(C * E, E);
+  full.q_conv = uniform_conv(C * W);
+  full.k_conv = uniform_conv(C * W);
+  full.v_conv = uniform_conv(C * W);
+  full.f_a_proj = uniform_bf16(D * E, E);
+  full.f_b_proj = uniform_bf16(C * D, D);
+  full.b_proj = uniform_bf16(H * E, E);
+  full.g_a_proj = uniform_bf16(D * E, E);
+  full.g_b_proj = uniform_bf16(C * D, D);
+  full.o_norm.assign(to_size(D), float_to_bf16(1.0f));
+  full.o_proj = uniform_bf16(E * C, C);
+  GateParameters gate = random_gate_parameters(seed, layer_index, H, D);
+  full.A_log = std::move(gate.A_log);
+  full.dt_bias = std::move(gate.dt_bias);
+  full.origin = "random (seed " + std::to_string(seed) + ")";
+  if (config.tp_size == 1) return full;
+  return shard_weights(full, config.tp_size, config.tp_rank);
+}
+
+Weights shard_weights(const Weights& full, int tp_size, int tp_rank) {
+  check_sizes(full);
+  if (full.config.tp_size != 1) invalid("shard_weights: the weights are already a shard");
+  Weights shard;
+  shard.config = full.config;
+  shard.config.tp_size = tp_size;
+  shard.config.tp_rank = tp_rank;
+  validate(shard.config);
+  const std::int64_t E = full.config.hidden_size, D = full.config.head_dim;
+  const std::int64_t W = full.config.conv_width;
+  const std::int64_t Hl = shard.config.local_heads(), Cl = shard.config.local_channels();
+  const std::int64_t h0 = tp_rank * Hl, c0 = tp_rank * Cl;  // first head / channel of the shard
+
+  shard.q_proj = rows(full.q_proj, E, c0, Cl);
+  shard.k_proj = rows(full.k_proj, E, c0, Cl);
+  shard.v_proj = rows(full.v_proj, E, c0, Cl);
+  shard.q_conv = rows(full.q_conv, W, c0, Cl);
+  shard.k_conv = rows(full.k_conv, W, c0, Cl);
+  shard.v_conv = rows(full.v_conv, W, c0, Cl);
+  shard.f_a_proj = full.f_a_proj;  // replicated: every rank needs the whole low-rank factor
+  shard.f_b_proj = rows(full.f_b_proj, D, c0, Cl);
+  shard.b_proj = rows(full.b_proj, E, h0, Hl);
+  shard.g_a_proj = full.g_a_proj;
+  shard.g_b_proj = rows(full.g_b_proj, D, c0, Cl);
+  shard.g_b_bias = rows(full.g_b_bias, 1, c0, Cl);
+  shard.A_log = rows(full.A_log, 1, h0, Hl);
+  shard.dt_bias = rows(full.dt_bias, 1, c0, Cl);
+  shard.o_norm = full.o_norm;
+  shard.o_proj = columns(full.o_proj, Cl * tp_size, c0, Cl);
+  shard.origin =
+      full.origin + " (tp rank " + std::to_string(tp_rank) + " of " + std::to_string(tp_size) + ")";
+  return shard;
+}
+
+}  // namespace kda::layer

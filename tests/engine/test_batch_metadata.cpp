@@ -1,0 +1,509 @@
+// The engine's forwards on caller-owned batch metadata (kda::engine::BatchMetadata) on both
+// backends: equal to the host-span calls, padding rows that output zeros and touch no state, bad
+// metadata refused on the CPU and reported by the device on CUDA, and (CUDA) a decode step of every
+// layer and a prefill bucket captured once in a CUDA graph and replayed as the slots and cu_seqlens
+// change, equal to eager calls bitwise.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.hpp"
+#include "kda/engine/engine.hpp"
+#include "kda/engine/model_spec.hpp"
+#include "kda/error.hpp"
+#include "layer_test_util.hpp"
+
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using kda::Backend;
+using kda::engine::BatchMetadata;
+using kda::engine::Engine;
+using kda::engine::EngineOptions;
+using kda::engine::ModelSpec;
+
+// Two whole KDA layers of 4 heads of 128 (the CUDA path's head size), softplus gate, six slots.
+const char* const kSpec =
+    "name: batch-metadata\n"
+    "hidden_size: 256\n"
+    "num_hidden_layers: 2\n"
+    "linear_attn_config:\n"
+    "  num_heads: 4\n"
+    "  head_dim: 128\n"
+    "  kda_layers: [1, 2]\n"
+    "  full_attn_layers: []\n"
+    "  gate: softplus\n"
+    "runtime:\n"
+    "  max_tokens: 256\n"
+    "  max_sequences: 6\n"
+    "  workspace_plan: reuse\n";
+
+ModelSpec spec() { return kda::engine::parse_model_spec(kSpec, "batch-metadata.yaml"); }
+constexpr std::int64_t kHidden = 256;
+
+// Memory of one backend: host buffers for the CPU, device buffers for CUDA (both with guards).
+class Memory {
+ public:
+  Memory(Backend backend, std::size_t bytes) : device_(backend == Backend::kCuda) {
+    if (device_) {
+      d_ = kda::test::DeviceBuffer(bytes);
+    } else {
+      h_ = kda::test::HostBuffer(bytes);
+    }
+  }
+  template <typename T>
+  Memory(Backend backend, const std::vector<T>& values)
+      : Memory(backend, values.size() * sizeof(T)) {
+    write(values);
+  }
+  void* get() const { return device_ ? d_.get() : h_.get(); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(get());
+  }
+  template <typename T>
+  void write(const std::vector<T>& values) {
+    if (values.empty()) return;
+    if (device_) {
+      REQUIRE(kda::memcpy_to_device(get(), values.data(), values.size() * sizeof(T)).ok());
+      REQUIRE(kda::stream_synchronize(nullptr).ok());
+    } else {
+      std::memcpy(get(), values.data(), values.size() * sizeof(T));
+    }
+  }
+  template <typename T>
+  std::vector<T> read() const {
+    return device_ ? d_.download<T>() : h_.download<T>();
+  }
+  void poison() { device_ ? d_.fill(0xFF) : h_.fill(0xFF); }
+  bool guards_intact() const { return device_ ? d_.guards_intact() : h_.guards_intact(); }
+
+ private:
+  bool device_;
+  kda::test::DeviceBuffer d_;
+  kda::test::HostBuffer h_;
+};
+
+// Every slot's recurrent and conv states of every layer, as host bytes.
+std::vector<std::uint8_t> all_states(const Engine& e) {
+  std::vector<std::uint8_t> states;
+  const auto state_bytes = static_cast<std::size_t>(e.state_slot_bytes());
+  const auto conv_bytes = static_cast<std::size_t>(e.conv_state_slot_bytes());
+  for (int l = 0; l < e.num_layers(); ++l) {
+    for (int slot = 0; slot < e.num_slots(); ++slot) {
+      std::vector<std::uint8_t> s(state_bytes);
+      e.read_slot_state(l, slot, s.data());
+      states.insert(states.end(), s.begin(), s.end());
+      for (int p = 0; p < 3; ++p) {
+        std::vector<std::uint8_t> c(conv_bytes);
+        e.read_slot_conv_state(l, slot, p, c.data());
+        states.insert(states.end(), c.begin(), c.end());
+      }
+    }
+  }
+  return states;
+}
+
+// Two engines with the same weights on `backend`: one driven through host spans, the other through
+// caller-owned metadata; every slot acquired and given a history by the same prefill.
+struct EnginePair {
+  EnginePair(Backend backend, void* stream = nullptr)
+      : backend(backend),
+        spans(spec(), options(backend, stream)),
+        meta(spec(), options(backend, stream)) {
+    for (Engine* e : {&spans, &meta}) {
+      for (int s = 0; s < e->num_slots(); ++s) REQUIRE(e->acquire_slot() == s);
+    }
+    const std::vector<std::int64_t> cu = {0, 7, 19, 20, 33, 41, 52};
+    const std::vector<int> slots = {0, 1, 2, 3, 4, 5};
+    Memory hidden(backend, kda::test::random_bf16(52 * kHidden, 1.0f, 5));
+    Memory out(backend, 52 * kHidden * 2);
+    for (Engine* e : {&spans, &meta}) {
+      for (int l = 0; l < e->num_layers(); ++l)
+        e->prefill_hidden(l, hidden.get(), out.get(), slots, cu);
+      e->synchronize();
+    }
+  }
+  static EngineOptions options(Backend backend, void* stream) {
+    EngineOptions o;
+    o.backend = backend == Backend::kCuda ? kda::engine::BackendChoice::kCuda
+                                          : kda::engine::BackendChoice::kCpu;
+    o.seed = 17;
+    o.cpu_threads = 2;
+    o.stream = stream;
+    return o;
+  }
+  Backend backend;
+  Engine spans, meta;
+};
+
+bool usable(Backend backend) { return backend == Backend::kCpu || kda::test::gpu_or_skip(); }
+
+// A decode step of every layer on `slots` (negative: padding), through spans and through
+// metadata: outputs and every state equal bitwise; padding rows zeros; slots outside the batch
+// unchanged.
+void decode_layouts(Backend backend) {
+  EnginePair pair(backend);
+  const std::vector<std::vector<int>> layouts = {
+      {3, 0, 5}, {5, 4, 3, 2, 1, 0}, {-1, 2, -1, 4}, {1}, {-1, -1, 0, -1, -1, 5}};
+  std::uint64_t seed = 100;
+  for (const std::vector<int>& slots : layouts) {
+    CAPTURE(slots.size());
+    const auto rows = static_cast<std::int64_t>(slots.size());
+    for (const int tokens : {1, 3}) {
+      const std::vector<std::uint8_t> before = all_states(pair.meta);
+      Memory hidden(backend, kda::test::random_bf16(rows * tokens * kHidden, 1.0f, ++seed));
+      Memory out_spans(backend, rows * tokens * kHidden * 2),
+          out_meta(backend, rows * tokens * kHidden * 2);
+      out_spans.poison();
+      out_meta.poison();
+      Memory slot_list(backend, std::vector<std::int32_t>(slots.begin(), slots.end()));
+      BatchMetadata batch;
+      batch.tokens = rows * tokens;
+      batch.sequences = rows;
+      batch.decode_tokens = tokens;
+      batch.slots = slot_list.as<std::int32_t>();
+      for (int l = 0; l < pair.spans.num_layers(); ++l) {
+        pair.spans.decode_hidden(l, hidden.get(), out_spans.get(), slots, tokens);
+        pair.meta.decode_hidden(l, hidden.get(), out_meta.get(), batch);
+      }
+      pair.spans.synchronize();
+      pair.meta.synchronize();
+      const auto a = out_spans.read<std::uint16_t>(), b = out_meta.read<std::uint16_t>();
+      CHECK(a == b);
+      CHECK(all_states(pair.spans) == all_states(pair.meta));
+      CHECK(out_meta.guards_intact());
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const auto first = b.begin() + r * tokens * kHidden, last = first + tokens * kHidden;
+        if (slots[static_cast<std::size_t>(r)] < 0) {
+          CHECK(std::all_of(first, last, [](std::uint16_t x) { return x == 0; }));
+        } else {
+          CHECK(std::any_of(first, last, [](std::uint16_t x) { return x != 0; }));
+        }
+      }
+      // Slots outside the batch (padding rows included) kept every state byte.
+      const std::vector<std::uint8_t> after = all_states(pair.meta);
+      const std::size_t per_slot = after.size() / static_cast<std::size_t>(2 * 6);
+      for (int l = 0; l < 2; ++l) {
+        for (int s = 0; s < 6; ++s) {
+          if (std::find(slots.begin(), slots.end(), s) != slots.end()) continue;
+          const std::size_t at = (static_cast<std::size_t>(l) * 6 + s) * per_slot;
+          CHECK(std::equal(after.begin() + at, after.begin() + at + per_slot, before.begin() + at));
+        }
+      }
+    }
+  }
+}
+
+// A varlen prefill on metadata (an empty, a one-token and a padding sequence) against the same
+// batch through spans: equal (bitwise on the CPU; CUDA may plan long sequences differently without
+// host lengths, so within rounding), padding rows zeros and no state touched.
+void prefill_varlen(Backend backend) {
+  EnginePair pair(backend);
+  const std::vector<std::int64_t> cu = {0, 0, 1, 24, 33, 60};
+  const std::vector<int> slots = {4, 0, -1, 2, 5};
+  const std::int64_t T = cu.back();
+  const std::vector<std::uint8_t> before = all_states(pair.meta);
+  Memory hidden(backend, kda::test::random_bf16(T * kHidden, 1.0f, 8));
+  Memory out_spans(backend, T * kHidden * 2), out_meta(backend, T * kHidden * 2);
+  out_meta.poison();
+  Memory slot_list(backend, std::vector<std::int32_t>(slots.begin(), slots.end()));
+  Memory cu_list(backend, cu);
+  BatchMetadata batch;
+  batch.tokens = T;
+  batch.sequences = static_cast<std::int64_t>(slots.size());
+  batch.slots = slot_list.as<std::int32_t>();
+  batch.cu_seqlens = cu_list.as<std::int64_t>();
+  for (int l = 0; l < pair.spans.num_layers(); ++l) {
+    pair.spans.prefill_hidden(l, hidden.get(), out_spans.get(), slots, cu);
+    pair.meta.prefill_hidden(l, hidden.get(), out_meta.get(), batch);
+  }
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  const auto a = out_spans.read<std::uint16_t>(), b = out_meta.read<std::uint16_t>();
+  if (backend == Backend::kCpu) {
+    CHECK(a == b);
+    CHECK(all_states(pair.spans) == all_states(pair.meta));
+  } else {
+    CHECK(kda::test::relative_error(b, a) < 5e-3);
+  }
+  CHECK(out_meta.guards_intact());
+  // The padding sequence (tokens 1..24): zeros; slots 1 and 3 (not in the batch) untouched.
+  CHECK(std::all_of(b.begin() + 1 * kHidden, b.begin() + 24 * kHidden,
+                    [](std::uint16_t x) { return x == 0; }));
+  CHECK(std::any_of(b.begin() + 24 * kHidden, b.end(), [](std::uint16_t x) { return x != 0; }));
+  const std::vector<std::uint8_t> after = all_states(pair.meta);
+  const std::size_t per_slot = after.size() / 12;
+  for (int l = 0; l < 2; ++l) {
+    for (const int slot : {1, 3}) {
+      const std::size_t at = (static_cast<std::size_t>(l) * 6 + slot) * per_slot;
+      CHECK(std::equal(after.begin() + at, after.begin() + at + per_slot, before.begin() + at));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
+  decode_layouts(Backend::kCpu);
+}
+TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cuda]") {
+  if (usable(Backend::kCuda)) decode_layouts(Backend::kCuda);
+}
+TEST_CASE("engine: varlen prefill on caller-owned metadata, padding sequence zeros [cpu]") {
+  prefill_varlen(Backend::kCpu);
+}
+TEST_CASE("engine: varlen prefill on caller-owned metadata, padding sequence zeros [cuda]") {
+  if (usable(Backend::kCuda)) prefill_varlen(Backend::kCuda);
+}
+
+TEST_CASE("engine: bad caller-owned metadata is refused before anything is written [cpu]") {
+  EnginePair pair(Backend::kCpu);
+  Engine& e = pair.meta;
+  e.release_slot(5);
+  const std::vector<std::uint8_t> before = all_states(e);
+  Memory hidden(Backend::kCpu, kda::test::random_bf16(8 * kHidden, 1.0f, 9));
+  Memory out(Backend::kCpu, 8 * kHidden * 2);
+  out.poison();
+  const std::vector<std::uint16_t> poisoned = out.read<std::uint16_t>();
+  // One call with the batch edited by `edit` (2 sequences of slots {0, 1}; prefill: cu_seqlens
+  // {0, 3, 8}), its error message.
+  auto attempt = [&](const std::function<void(BatchMetadata&, std::vector<std::int32_t>&,
+                                              std::vector<std::int64_t>&)>& edit,
+                     bool decode) {
+    std::vector<std::int32_t> slots = {0, 1};
+    std::vector<std::int64_t> cu = {0, 3, 8};
+    BatchMetadata b;
+    b.sequences = 2;
+    b.tokens = decode ? 2 : 8;
+    b.decode_tokens = decode ? 1 : 0;
+    edit(b, slots, cu);
+    if (b.slots == nullptr && !slots.empty()) b.slots = slots.data();
+    if (b.cu_seqlens == nullptr && !cu.empty()) b.cu_seqlens = cu.data();
+    return kda::test::error_of([&] {
+      if (decode) {
+        e.decode_hidden(0, hidden.get(), out.get(), b);
+      } else {
+        e.prefill_hidden(0, hidden.get(), out.get(), b);
+      }
+    });
+  };
+  using Slots = std::vector<std::int32_t>;
+  using Cu = std::vector<std::int64_t>;
+  auto contains = [](const std::string& text, const char* part) {
+    INFO(text);
+    return text.find(part) != std::string::npos;
+  };
+  CHECK(contains(attempt(
+                     [](BatchMetadata&, Slots& s, Cu&) {
+                       s = {0, 5};
+                     },
+                     false),
+                 "not an acquired slot"));
+  CHECK(contains(attempt(
+                     [](BatchMetadata&, Slots& s, Cu&) {
+                       s = {1, 1};
+                     },
+                     true),
+                 "appears twice"));
+  CHECK(contains(attempt(
+                     [](BatchMetadata&, Slots&, Cu& c) {
+                       c = {0, 5, 3};
+                     },
+                     false),
+                 "non-decreasing"));
+  CHECK(contains(attempt(
+                     [](BatchMetadata&, Slots&, Cu& c) {
+                       c = {1, 3, 8};
+                     },
+                     false),
+                 "cu_seqlens[0]"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.tokens = 9; }, false),
+                 "cu_seqlens[2]"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.tokens = 3; }, true),
+                 "rows x decode_tokens"));
+  CHECK(contains(
+      attempt([](BatchMetadata& b, Slots&, Cu&) { b.decode_tokens = 17, b.tokens = 34; }, true),
+      "decode_tokens 17"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.sequences = 0; }, false),
+                 "0 sequences"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.sequences = 7; }, true),
+                 "expected 1..6"));
+  CHECK(
+      contains(attempt([](BatchMetadata&, Slots& s, Cu&) { s.clear(); }, false), "slots is null"));
+  CHECK(contains(attempt([](BatchMetadata&, Slots&, Cu& c) { c.clear(); }, false),
+                 "cu_seqlens is null"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.tokens = 300; }, false),
+                 "runtime.max_tokens"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.decode_tokens = 1; }, false),
+                 "expected 0 for a prefill"));
+  CHECK(out.read<std::uint16_t>() == poisoned);
+  CHECK(all_states(e) == before);
+}
+
+#ifdef KDA_HAVE_CUDA
+namespace {
+
+#define CUDA_REQUIRE(call)                                                       \
+  do {                                                                           \
+    const cudaError_t cuda_require_err_ = (call);                                \
+    REQUIRE_MESSAGE(cuda_require_err_ == cudaSuccess,                            \
+                    #call << ": " << cudaGetErrorName(cuda_require_err_) << " (" \
+                          << cudaGetErrorString(cuda_require_err_) << ")");      \
+  } while (0)
+
+struct Stream {
+  cudaStream_t stream = nullptr;
+  Stream() { cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); }
+  ~Stream() { cudaStreamDestroy(stream); }
+};
+
+struct Graph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~Graph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+};
+
+// Captures `work` on `stream`; the capture is always ended. Returns what the work threw, or "".
+std::string capture(cudaStream_t stream, Graph* g, const std::function<void()>& work) {
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+    return "cudaStreamBeginCapture failed";
+  }
+  std::string error;
+  try {
+    work();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const cudaError_t end = cudaStreamEndCapture(stream, &g->graph);
+  if (error.empty() && end != cudaSuccess) error = cudaGetErrorString(end);
+  (void)cudaGetLastError();
+  if (error.empty() && cudaGraphInstantiate(&g->exec, g->graph, 0) != cudaSuccess) {
+    error = "cudaGraphInstantiate failed";
+  }
+  return error;
+}
+
+}  // namespace
+#endif
+
+TEST_CASE("engine: a slot outside the pool seen only by the device is reported [cuda]") {
+  if (!usable(Backend::kCuda)) return;
+  EnginePair pair(Backend::kCuda);
+  Engine& e = pair.meta;
+  const std::vector<std::uint8_t> before = all_states(e);
+  Memory hidden(Backend::kCuda, kda::test::random_bf16(2 * kHidden, 1.0f, 10));
+  Memory out(Backend::kCuda, 2 * kHidden * 2);
+  Memory slots(Backend::kCuda, std::vector<std::int32_t>{9, 2});
+  BatchMetadata b;
+  b.tokens = 2;
+  b.sequences = 2;
+  b.decode_tokens = 1;
+  b.slots = slots.as<std::int32_t>();
+  e.decode_hidden(0, hidden.get(), out.get(), b);
+  const std::string error = kda::test::error_of([&] { e.check_device_status(); });
+  CHECK(error.find("slot") != std::string::npos);
+  const auto o = out.read<std::uint16_t>();
+  CHECK(std::all_of(o.begin(), o.begin() + kHidden, [](std::uint16_t x) { return x == 0; }));
+  // Only slot 2 of layer 0 moved.
+  const std::vector<std::uint8_t> after = all_states(e);
+  const std::size_t per_slot = after.size() / 12;
+  for (int s = 0; s < 12; ++s) {
+    const bool moved = s == 2;
+    CHECK(std::equal(after.begin() + s * per_slot, after.begin() + (s + 1) * per_slot,
+                     before.begin() + s * per_slot) != moved);
+  }
+  CHECK_NOTHROW(e.check_device_status());  // the check cleared the word
+}
+
+TEST_CASE(
+    "engine: a decode step of every layer and a prefill bucket captured once, replayed as the "
+    "metadata changes, equal eager calls bitwise [cuda]") {
+  if (!usable(Backend::kCuda)) return;
+#ifdef KDA_HAVE_CUDA
+  Stream stream;
+  REQUIRE(stream.stream != nullptr);
+  // `graphs` replays; `eager` makes the same calls directly; the same history before each.
+  EnginePair graphs(Backend::kCuda, stream.stream), eager(Backend::kCuda, stream.stream);
+  Engine& g = graphs.meta;
+  Engine& x = eager.meta;
+  constexpr std::int64_t kRows = 4, kBucket = 48;
+  Memory hidden(Backend::kCuda, kda::test::random_bf16(kBucket * kHidden, 1.0f, 11));
+  Memory out_g(Backend::kCuda, kBucket * kHidden * 2), out_x(Backend::kCuda, kBucket * kHidden * 2);
+  Memory slots_g(Backend::kCuda, kRows * 4), slots_x(Backend::kCuda, kRows * 4);
+  Memory cu_g(Backend::kCuda, (kRows + 1) * 8), cu_x(Backend::kCuda, (kRows + 1) * 8);
+  auto batch = [&](const Memory& slots, const Memory& cu, int decode_tokens) {
+    BatchMetadata b;
+    b.sequences = kRows;
+    b.decode_tokens = decode_tokens;
+    b.tokens = decode_tokens > 0 ? kRows * decode_tokens : kBucket;
+    b.slots = slots.as<std::int32_t>();
+    b.cu_seqlens = cu.as<std::int64_t>();
+    return b;
+  };
+  auto decode_all = [&](Engine& e, const Memory& out, const BatchMetadata& b) {
+    for (int l = 0; l < e.num_layers(); ++l) e.decode_hidden(l, hidden.get(), out.get(), b);
+  };
+  auto prefill_all = [&](Engine& e, const Memory& out, const BatchMetadata& b) {
+    for (int l = 0; l < e.num_layers(); ++l) e.prefill_hidden(l, hidden.get(), out.get(), b);
+  };
+  slots_g.write(std::vector<std::int32_t>{0, 1, 2, 3});
+  cu_g.write(std::vector<std::int64_t>{0, 12, 24, 36, 48});
+  Graph decode_graph, prefill_graph;
+  std::string error =
+      capture(stream.stream, &decode_graph, [&] { decode_all(g, out_g, batch(slots_g, cu_g, 1)); });
+  REQUIRE_MESSAGE(error.empty(), "decode under capture: " << error);
+  error = capture(stream.stream, &prefill_graph,
+                  [&] { prefill_all(g, out_g, batch(slots_g, cu_g, 0)); });
+  REQUIRE_MESSAGE(error.empty(), "prefill under capture: " << error);
+  CHECK(all_states(g) == all_states(x));  // capturing ran nothing
+
+  auto compare = [&] {
+    REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);
+    CHECK(out_g.read<std::uint16_t>() == out_x.read<std::uint16_t>());
+    CHECK(all_states(g) == all_states(x));
+  };
+  const std::vector<std::vector<std::int32_t>> layouts = {
+      {3, 1, 5, 0}, {5, 4, 3, 2}, {-1, 2, -1, 4}, {0, -1, -1, -1}};
+  for (const auto& slots : layouts) {
+    slots_g.write(slots);
+    slots_x.write(slots);
+    CUDA_REQUIRE(cudaGraphLaunch(decode_graph.exec, stream.stream));
+    decode_all(x, out_x, batch(slots_x, cu_x, 1));
+    compare();
+    // An eager call of another layout in between changes nothing the next replay computes.
+    slots_g.write(std::vector<std::int32_t>{1, 0, -1, -1});
+    slots_x.write(std::vector<std::int32_t>{1, 0, -1, -1});
+    decode_all(g, out_g, batch(slots_g, cu_g, 1));
+    decode_all(x, out_x, batch(slots_x, cu_x, 1));
+    compare();
+  }
+  // The prefill bucket (48 tokens in 4 sequences) with other lengths and slots.
+  const std::vector<std::vector<std::int64_t>> lengths = {
+      {0, 12, 24, 36, 48}, {0, 0, 1, 47, 48}, {0, 30, 30, 40, 48}};
+  const std::vector<std::int32_t> slots = {5, -1, 0, 3};
+  for (const auto& cu : lengths) {
+    slots_g.write(slots);
+    slots_x.write(slots);
+    cu_g.write(cu);
+    cu_x.write(cu);
+    CUDA_REQUIRE(cudaGraphLaunch(prefill_graph.exec, stream.stream));
+    prefill_all(x, out_x, batch(slots_x, cu_x, 0));
+    compare();
+  }
+  CHECK_NOTHROW(g.check_device_status());
+#endif
+}

@@ -1,0 +1,167 @@
+// A whole layer's weights in checkpoints (kda/engine/layer_weights_io.hpp): round trips through
+// safetensors with and without the layer prefix, a tensor-parallel load keeping the rank's shard,
+// a sharded checkpoint's index, and tensors refused by name (missing, misshapen, wrongly typed,
+// out of range).
+#include <doctest/doctest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kda/engine/checkpoint.hpp"
+#include "kda/engine/layer_weights_io.hpp"
+#include "kda/engine/safetensors.hpp"
+#include "kda/error.hpp"
+#include "kda/layer/weights.hpp"
+#include "layer_test_util.hpp"
+#include "temp_dir.hpp"
+
+using kda::DType;
+using kda::engine::Checkpoint;
+using kda::engine::Tensor;
+using kda::layer::Config;
+using kda::layer::Weights;
+using kda::test::error_of;
+using kda::test::TempDir;
+using kda::test::with_bias_and_norm;
+
+namespace {
+
+Config small_config() {
+  Config c;
+  c.hidden_size = 48;
+  c.num_heads = 4;
+  c.head_dim = 16;
+  c.conv_width = 4;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("layer weights round trip through safetensors, with and without the layer prefix") {
+  const Config config = small_config();
+  const Weights weights = with_bias_and_norm(kda::layer::random_weights(config, 9, 5));
+  TempDir dir;
+  for (const std::string prefix : {std::string(), kda::engine::layer_tensor_prefix(5)}) {
+    CAPTURE(prefix);
+    const std::string path = dir.file("layer.safetensors");
+    kda::engine::save_safetensors(path, kda::engine::layer_weight_tensors(weights, prefix));
+    const Weights loaded = kda::engine::load_layer_weights(Checkpoint::open(path), 5, config);
+    CHECK(loaded.q_proj == weights.q_proj);
+    CHECK(loaded.v_conv == weights.v_conv);
+    CHECK(loaded.f_b_proj == weights.f_b_proj);
+    CHECK(loaded.g_b_bias == weights.g_b_bias);
+    CHECK(loaded.A_log == weights.A_log);
+    CHECK(loaded.dt_bias == weights.dt_bias);
+    CHECK(loaded.o_norm == weights.o_norm);
+    CHECK(loaded.o_proj == weights.o_proj);
+    // Another layer index finds the bare names only.
+    if (prefix.empty()) {
+      CHECK(kda::engine::load_layer_weights(Checkpoint::open(path), 0, config).b_proj ==
+            weights.b_proj);
+    } else {
+      CHECK(error_of([&] {
+              kda::engine::load_layer_weights(Checkpoint::open(path), 0, config);
+            }).find("model.layers.0.self_attn.q_proj.weight") != std::string::npos);
+    }
+  }
+  // A tensor-parallel load keeps the rank's shard.
+  Config rank1 = config;
+  rank1.tp_size = 2;
+  rank1.tp_rank = 1;
+  const Weights shard =
+      kda::engine::load_layer_weights(Checkpoint::open(dir.file("layer.safetensors")), 5, rank1);
+  CHECK(shard.o_proj == kda::layer::shard_weights(weights, 2, 1).o_proj);
+  CHECK(shard.A_log.size() == 2);
+  // A shard has no checkpoint shapes.
+  CHECK(error_of([&] { kda::engine::layer_weight_tensors(shard); }) != "(no error)");
+}
+
+TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.index.json") {
+  const Config config = small_config();
+  const Weights weights = kda::layer::random_weights(config, 12, 2);
+  std::vector<Tensor> tensors =
+      kda::engine::layer_weight_tensors(weights, kda::engine::layer_tensor_prefix(2));
+  TempDir dir;
+  // Half of the tensors in each of two shards, plus one unrelated tensor.
+  std::vector<Tensor> shard1(tensors.begin(), tensors.begin() + 7);
+  std::vector<Tensor> shard2(tensors.begin() + 7, tensors.end());
+  shard2.push_back(Tensor::zeros("model.embed_tokens.weight", DType::kBF16, {4, 4}));
+  kda::engine::save_safetensors(dir.file("model-00001-of-00002.safetensors"), shard1);
+  kda::engine::save_safetensors(dir.file("model-00002-of-00002.safetensors"), shard2);
+  nlohmann::json index;
+  index["metadata"] = {{"total_size", 0}};
+  for (const Tensor& t : shard1) index["weight_map"][t.name] = "model-00001-of-00002.safetensors";
+  for (const Tensor& t : shard2) index["weight_map"][t.name] = "model-00002-of-00002.safetensors";
+  std::ofstream(dir.file("model.safetensors.index.json")) << index.dump(2);
+
+  for (const std::string& path : {dir.file("model.safetensors.index.json"), dir.path.string()}) {
+    CAPTURE(path);
+    const Weights loaded = kda::engine::load_layer_weights(Checkpoint::open(path), 2, config);
+    CHECK(loaded.k_proj == weights.k_proj);
+    CHECK(loaded.o_norm == weights.o_norm);
+    CHECK(loaded.o_proj == weights.o_proj);
+  }
+
+  // An index that puts a tensor in the wrong shard names both.
+  index["weight_map"]["model.layers.2.self_attn.o_proj.weight"] =
+      "model-00001-of-00002.safetensors";
+  std::ofstream(dir.file("model.safetensors.index.json")) << index.dump(2);
+  const std::string message = error_of([&] { Checkpoint::open(dir.path.string()); });
+  CHECK(message.find("model.layers.2.self_attn.o_proj.weight") != std::string::npos);
+  CHECK(message.find("model-00001-of-00002.safetensors") != std::string::npos);
+}
+
+TEST_CASE("bad layer weights: missing, misshapen or wrongly typed tensors are refused by name") {
+  const Config config = small_config();
+  const Weights weights = kda::layer::random_weights(config, 1, 0);
+  const std::vector<Tensor> good = kda::engine::layer_weight_tensors(weights);
+  TempDir dir;
+  const std::string path = dir.file("bad.safetensors");
+  auto load_error = [&](std::vector<Tensor> tensors) {
+    kda::engine::save_safetensors(path, tensors);
+    return error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), -1, config); });
+  };
+  auto replaced = [&](const std::string& name, Tensor replacement) {
+    std::vector<Tensor> tensors = good;
+    for (Tensor& t : tensors) {
+      if (t.name == name) t = std::move(replacement);
+    }
+    return tensors;
+  };
+
+  SUBCASE("missing") {
+    std::vector<Tensor> tensors;
+    for (const Tensor& t : good) {
+      if (t.name != "g_a_proj.weight") tensors.push_back(t);
+    }
+    const std::string message = load_error(tensors);
+    CHECK(message.find("no tensor 'g_a_proj.weight'") != std::string::npos);
+  }
+  SUBCASE("wrong shape") {
+    const std::string message = load_error(
+        replaced("f_b_proj.weight", Tensor::zeros("f_b_proj.weight", DType::kBF16, {16, 64})));
+    CHECK(message.find("'f_b_proj.weight' has shape [16, 64], expected [64, 16]") !=
+          std::string::npos);
+  }
+  SUBCASE("wrong dtype") {
+    const std::string message = load_error(
+        replaced("o_proj.weight", Tensor::zeros("o_proj.weight", DType::kF32, {48, 64})));
+    CHECK(message.find("'o_proj.weight' has dtype F32, expected BF16") != std::string::npos);
+  }
+  SUBCASE("conv weight of the wrong dtype") {
+    const std::string message = load_error(
+        replaced("k_conv1d.weight", Tensor::zeros("k_conv1d.weight", DType::kI32, {64, 1, 4})));
+    CHECK(message.find("'k_conv1d.weight' has dtype I32, expected F32 or BF16") !=
+          std::string::npos);
+  }
+  SUBCASE("A_log out of range") {
+    Tensor a_log = Tensor::zeros("A_log", DType::kF32, {1, 1, 4, 1});
+    a_log.data_as<float>()[2] = 30.0f;
+    const std::string message = load_error(replaced("A_log", a_log));
+    CHECK(message.find("tensor 'A_log'") != std::string::npos);
+    CHECK(message.find("A_log[2] = 30") != std::string::npos);
+  }
+}

@@ -1,0 +1,168 @@
+// The whole layer against the fp64 reference (and, on CUDA, the CPU layer) on each backend: varlen
+// batches with empty, 1- and 2-token sequences on scattered slots for both gates and both recurrent
+// dtypes; conv widths with lengths around the conv history and CUDA's conv chunk, with padding
+// sequences; tensor-parallel ranks summing to the whole layer; a bf16 recurrent pool against an f32
+// one.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "layer_runner.hpp"
+
+using namespace kda;
+using namespace kda::test;
+
+KDA_LAYER_CASE("matches the fp64 reference: varlen with empty, 1- and 2-token sequences") {
+  for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const std::string gate_name = to_string(gate);
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(gate_name);
+      CAPTURE(dtype_name);
+      const layer::Config config = runner.config(gate);
+      layer::Weights weights = layer::random_weights(config, 7, 3);
+      // A g_b bias and a non-trivial o_norm: every weight matters.
+      if (gate == GateMode::kLowerBound) weights = with_bias_and_norm(std::move(weights));
+      const auto layer = runner.make(weights);
+      // Lengths 5, 0, 1, 2, 17, 37 (the last over two CUDA conv chunks and several core chunks)
+      // on rows 5, 0, 1, 3, 2, 6 of 8: rows 4 and 7 unused.
+      const BatchSpec batch = prefill_batch({5, 0, 1, 2, 17, 37}, {5, 0, 1, 3, 2, 6});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(62 * config.hidden_size), 2.0f, 11);
+      Pools before(config, 8, dtype);
+      before.randomize(21);  // every sequence continues from non-zero conv and recurrent states
+      Pools after = before;
+      const LayerRun run = runner.forward(*layer, hidden, batch, &after);
+      check_forward(runner, weights, hidden, batch, before, run, after);
+      // The empty sequence's row (0) and the unused rows keep their states bit for bit.
+      for (std::int64_t r : {0, 4, 7}) {
+        CAPTURE(r);
+        CHECK(after.row_equal(before, r));
+      }
+    }
+  }
+}
+
+// CUDA's prefill conv kernel hands each thread a chunk of 32 tokens of one sequence (kConvChunk in
+// layer/src/cuda/kernels.hpp): lengths around that chunk and around the conv history (1, W-2, W-1,
+// 15..17, 31..33, several chunks plus a tail), scattered slots, an unused row and two padding
+// sequences (negative slots: zeros out, no state read or written). The CPU runs width 1 too (no
+// conv state); CUDA's kernels run widths 2..4 and refuse the others as unsupported.
+KDA_LAYER_CASE("conv widths 1-4: lengths around the conv history and chunk, padding sequences") {
+  for (int width : {1, 2, 3, 4}) {
+    CAPTURE(width);
+    layer::Config config = runner.config();
+    config.conv_width = width;
+    const Status supported = layer::can_implement(runner.backend(), config);
+    if (!supported.ok()) {
+      MESSAGE(supported.to_string());
+      CHECK(supported.code() == StatusCode::kUnsupported);
+      CHECK(runner.backend() == Backend::kCuda);
+      continue;
+    }
+    const layer::Weights weights = layer::random_weights(config, 13, 2);
+    const auto layer = runner.make(weights);
+    const std::int64_t W = width;
+    const std::vector<std::int64_t> lengths = {
+        1, std::max<std::int64_t>(W - 2, 0), W - 1, 15, 16, 17, 31, 32, 33, 101, 33, 2};
+    // Rows 0..9 for the real sequences, row 10 unused; the last two sequences are padding.
+    const BatchSpec batch = prefill_batch(lengths, {7, 0, 9, 2, 4, 1, 8, 3, 6, 5, -1, -3});
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(batch.tokens() * config.hidden_size), 2.0f, 17);
+    Pools before(config, 11);
+    before.randomize(31);
+    Pools after = before;
+    const LayerRun run = runner.forward(*layer, hidden, batch, &after);
+    check_forward(runner, weights, hidden, batch, before, run, after);
+    CHECK(after.row_equal(before, 10));
+  }
+}
+
+namespace {
+
+// The recurrent states of heads [rank * Hl, (rank + 1) * Hl) of every row of a whole layer's pool.
+std::vector<float> rank_heads(const Pools& whole, const layer::Config& shard) {
+  const std::int64_t Hl = shard.local_heads(), D = shard.head_dim;
+  std::vector<float> states;
+  for (std::int64_t n = 0; n < whole.num_slots; ++n) {
+    const auto begin = whole.rec_f32.begin() + ((n * shard.num_heads + shard.tp_rank * Hl) * D * D);
+    states.insert(states.end(), begin, begin + Hl * D * D);
+  }
+  return states;
+}
+
+}  // namespace
+
+KDA_LAYER_CASE("tensor parallel: the tp_size = 2 ranks' partial outputs sum to the whole layer") {
+  const layer::Config config = runner.config();
+  const layer::Weights full = with_bias_and_norm(layer::random_weights(config, 5, 4));
+  const std::int64_t E = config.hidden_size;
+  // A prefill, then a decode step on rows 0..N-1 (no slot list).
+  const BatchSpec prefill = prefill_batch({11, 1, 18});
+  const BatchSpec step = decode_batch(3, 1);
+  const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(30 * E), 2.0f, 6);
+  const std::vector<bf16_bits> step_in = random_bf16(static_cast<std::size_t>(3 * E), 2.0f, 7);
+
+  const auto whole = runner.make(full);
+  Pools whole_pools(config, 3);
+  const Pools whole_start = whole_pools;
+  const LayerRun expected = runner.forward(*whole, hidden, prefill, &whole_pools);
+  check_forward(runner, full, hidden, prefill, whole_start, expected, whole_pools);
+  const Pools whole_prefilled = whole_pools;
+  const LayerRun expected_step = runner.forward(*whole, step_in, step, &whole_pools);
+  check_forward(runner, full, step_in, step, whole_prefilled, expected_step, whole_pools);
+
+  std::vector<double> sum(expected.out.size(), 0.0), step_sum(expected_step.out.size(), 0.0);
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    const layer::Weights shard = layer::shard_weights(full, 2, rank);
+    const auto layer = runner.make(shard);
+    Pools pools(shard.config, 3);
+    const Pools start = pools;
+    const LayerRun partial = runner.forward(*layer, hidden, prefill, &pools);
+    check_forward(runner, shard, hidden, prefill, start, partial, pools);
+    // The rank's recurrent states are the whole layer's states of its heads.
+    const double prefill_state =
+        relative_error(pools.rec_f32, rank_heads(whole_prefilled, shard.config));
+    const Pools prefilled = pools;
+    const LayerRun partial_step = runner.forward(*layer, step_in, step, &pools);
+    check_forward(runner, shard, step_in, step, prefilled, partial_step, pools);
+    const double step_state = relative_error(pools.rec_f32, rank_heads(whole_pools, shard.config));
+    MESSAGE("rank " << rank << " recurrent states vs the whole layer's heads: after the prefill "
+                    << prefill_state << ", after the step " << step_state);
+    CHECK(prefill_state <= runner.tolerances().split_state);
+    CHECK(step_state <= runner.tolerances().split_state);
+    for (std::size_t i = 0; i < sum.size(); ++i) sum[i] += bf16_to_float(partial.out[i]);
+    for (std::size_t i = 0; i < step_sum.size(); ++i) {
+      step_sum[i] += bf16_to_float(partial_step.out[i]);
+    }
+  }
+  const double error = relative_error(sum, to_doubles(expected.out));
+  const double step_error = relative_error(step_sum, to_doubles(expected_step.out));
+  MESSAGE("tp 2 sum vs tp 1: prefill " << error << ", decode step " << step_error);
+  CHECK(error <= runner.tolerances().reference);
+  CHECK(step_error <= runner.tolerances().reference);
+}
+
+KDA_LAYER_CASE("a bf16 recurrent state pool runs the same layer within bf16 accuracy") {
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 6, 1);
+  const auto layer = runner.make(weights);
+  const BatchSpec batch = prefill_batch({9, 1, 14});
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(24 * config.hidden_size), 2.0f, 2);
+  Pools f32(config, 3, DType::kF32), bf16(config, 3, DType::kBF16);
+  const Pools f32_start = f32, bf16_start = bf16;
+  const LayerRun expected = runner.forward(*layer, hidden, batch, &f32);
+  check_forward(runner, weights, hidden, batch, f32_start, expected, f32);
+  const LayerRun run = runner.forward(*layer, hidden, batch, &bf16);
+  check_forward(runner, weights, hidden, batch, bf16_start, run, bf16);
+  CHECK(relative_error(run.out, expected.out) <= kBf16PoolTolerance);
+  CHECK(relative_error(bf16.recurrent(), f32.recurrent()) <= kBf16PoolTolerance);
+  // The conv states do not depend on the recurrent pool's dtype.
+  CHECK(same_bits(bf16.conv_q, f32.conv_q));
+  CHECK(same_bits(bf16.conv_k, f32.conv_k));
+  CHECK(same_bits(bf16.conv_v, f32.conv_v));
+}

@@ -1,0 +1,322 @@
+// The layer's contract on each backend: weights placed in caller memory equal self-allocated ones,
+// regions and weights refused before anything is written, bad calls refused before anything is
+// written, phase times; and, on the host alone, the sizes (which need no device), the config and
+// weight checks, random weights and their shards.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "layer_runner.hpp"
+
+using namespace kda;
+using namespace kda::test;
+
+KDA_LAYER_CASE("weights placed in caller memory run as self-allocated ones, bit for bit") {
+  const std::size_t align = layer::weight_image_alignment(runner.backend());
+  const std::string region_error =
+      std::string("KDA layer (") + runner.name() + "): the weight image region ";
+  for (const bool bias : {false, true}) {
+    CAPTURE(bias);
+    const layer::Config config = runner.config(bias ? GateMode::kLowerBound : GateMode::kSoftplus);
+    layer::Weights weights = layer::random_weights(config, 6, 3);
+    if (bias) weights = with_bias_and_norm(weights);  // every tensor of the image is used
+    const std::size_t needed = layer::weight_image_bytes(runner.backend(), config);
+    CHECK(needed % align == 0);
+
+    // A region larger than the image, filled with a pattern: the layer writes its image only.
+    constexpr unsigned char kPattern = 0x3C;
+    const std::unique_ptr<Memory> region = runner.allocate(needed + align);
+    region->fill(kPattern);
+    const auto own = runner.make(weights);
+    const auto placed = layer::make_layer(runner.backend(), weights, region->get(), needed + align);
+    CHECK(own->backend() == runner.backend());
+    CHECK(placed->backend() == runner.backend());
+    CHECK(own->weight_bytes() == needed);
+    CHECK(placed->weight_bytes() == needed);
+    const std::vector<unsigned char> image = region->download();
+    CHECK(std::all_of(image.begin() + static_cast<std::ptrdiff_t>(needed), image.end(),
+                      [](unsigned char b) { return b == kPattern; }));
+    CHECK(region->guards_intact());
+
+    const BatchSpec batch = prefill_batch({7, 1, 12});
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 12);
+    Pools own_pools(config, 3);
+    own_pools.randomize(13);
+    Pools placed_pools = own_pools;
+    const LayerRun expected = runner.forward(*own, hidden, batch, &own_pools);
+    const LayerRun run = runner.forward(*placed, hidden, batch, &placed_pools);
+    CHECK_MESSAGE(run.error.empty(), run.error);
+    CHECK(run.all_written);
+    CHECK(same_bits(run.out, expected.out));  // the same image, the same arithmetic
+    CHECK(placed_pools == own_pools);
+    CHECK(region->guards_intact());
+
+    // Refused before a byte is written, naming the numbers.
+    constexpr unsigned char kOther = 0x5A;
+    const std::unique_ptr<Memory> other = runner.allocate(needed + align);
+    other->fill(kOther);
+    auto* at = static_cast<unsigned char*>(other->get());
+    auto refusal = [&](void* where, std::size_t bytes) {
+      return weight_region_refusal(runner.backend(), weights, where, bytes);
+    };
+    CHECK(refusal(at, needed - 1) == region_error + "is too small: " + std::to_string(needed - 1) +
+                                         " bytes, the layer's weights need " +
+                                         std::to_string(needed) + " (weight_image_bytes)");
+    CHECK(refusal(at + 4, needed) ==
+          region_error + "is not " + std::to_string(align) + "-byte aligned");
+    CHECK(refusal(nullptr, needed) == region_error + "is null");
+    const std::vector<unsigned char> untouched = other->download();
+    CHECK(std::all_of(untouched.begin(), untouched.end(),
+                      [](unsigned char b) { return b == kOther; }));
+    CHECK(other->guards_intact());
+  }
+  // A tensor-parallel rank holds its heads only: a smaller image.
+  layer::Config shard = runner.config();
+  const std::size_t whole_image = layer::weight_image_bytes(runner.backend(), shard);
+  shard.tp_size = 2;
+  CHECK(layer::weight_image_bytes(runner.backend(), shard) < whole_image);
+  shard.tp_size = 3;  // does not divide the heads
+  CHECK(error_of([&] { layer::weight_image_bytes(runner.backend(), shard); }).find("tp_size 3") !=
+        std::string::npos);
+}
+
+KDA_LAYER_CPU_CASE("the CPU weight image is every tensor widened to fp32, each aligned") {
+  const std::size_t align = layer::weight_image_alignment(Backend::kCpu);
+  for (const bool bias : {false, true}) {
+    CAPTURE(bias);
+    const layer::Config config = cpu_layer_runner().config();
+    layer::Weights weights = layer::random_weights(config, 6, 3);
+    if (bias) weights = with_bias_and_norm(weights);
+    const std::size_t needed = layer::weight_image_bytes(Backend::kCpu, config);
+    const std::size_t elements =
+        weights.q_proj.size() + weights.k_proj.size() + weights.v_proj.size() +
+        weights.f_a_proj.size() + weights.f_b_proj.size() + weights.b_proj.size() +
+        weights.g_a_proj.size() + weights.g_b_proj.size() + weights.o_proj.size() +
+        weights.q_conv.size() + weights.k_conv.size() + weights.v_conv.size() +
+        static_cast<std::size_t>(config.local_channels()) /* g_b bias, kept without one */ +
+        weights.o_norm.size() + weights.A_log.size() + weights.dt_bias.size();
+    CHECK(needed >= 4 * elements);
+    CHECK(needed < 4 * elements + 16 * align);
+  }
+}
+
+KDA_LAYER_CASE("bad weights are refused by name") {
+  const layer::Weights weights = layer::random_weights(runner.config(), 1, 0);
+  layer::Weights broken = weights;
+  broken.dt_bias.pop_back();
+  CHECK(error_of([&] { runner.make(broken); }).find("dt_bias") != std::string::npos);
+  broken = weights;
+  broken.A_log[1] = std::nanf("");
+  CHECK(error_of([&] { runner.make(broken); }).find("A_log[1]") != std::string::npos);
+  broken = weights;
+  broken.A_log[2] = 30.0f;  // outside the operator's [-20, 20]
+  CHECK(error_of([&] { runner.make(broken); }).find("A_log[2]") != std::string::npos);
+  broken = weights;
+  broken.dt_bias[5] = std::numeric_limits<float>::infinity();
+  CHECK(error_of([&] { runner.make(broken); }).find("dt_bias[") != std::string::npos);
+}
+
+KDA_LAYER_CASE("bad calls are refused before anything is written") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  const std::int64_t E = config.hidden_size;
+  const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(6 * E), 1.0f, 3);
+  Pools before(config, 2);
+  before.randomize(5);
+  BatchSpec batch = prefill_batch({2, 4}, {0, 1});
+  ForwardSettings settings;
+  auto refused = [&](const std::string& message, StatusCode code = StatusCode::kInvalidArgument) {
+    const LayerRun run = check_refused(runner, *layer, hidden, batch, before, settings);
+    INFO("the error: " << run.error);
+    CHECK(run.code == code);
+    CHECK(run.error.find(message) != std::string::npos);
+  };
+  // The batch as uploaded stays 6 tokens when a test edits cu_seqlens.
+  auto six_tokens = [](ForwardCall& call) { call.batch.tokens = 6; };
+
+  SUBCASE("workspace too small") {
+    settings.change = [](ForwardCall& call) { call.workspace.bytes -= 1; };
+    refused("workspace has", StatusCode::kWorkspaceTooSmall);
+  }
+  SUBCASE("a null workspace") {
+    settings.change = [](ForwardCall& call) { call.workspace.ptr = nullptr; };
+    refused("workspace.ptr is null");
+  }
+  SUBCASE("cu_seqlens not ending at tokens") {
+    batch.cu_seqlens = {0, 2, 5};
+    settings.change = six_tokens;
+    refused("cu_seqlens[2] must equal seq_len 6 (got 5)");
+  }
+  SUBCASE("cu_seqlens not starting at 0") {
+    batch.cu_seqlens = {1, 2, 6};
+    refused("cu_seqlens[0] must be 0 (got 1)");
+  }
+  SUBCASE("decreasing cu_seqlens") {
+    batch.cu_seqlens = {0, 7, 6};
+    refused("cu_seqlens must be non-decreasing: cu_seqlens[2] = 6 < cu_seqlens[1] = 7");
+  }
+  SUBCASE("slot outside the pool") {
+    batch.slots = {0, 2};
+    refused("slot 2, outside [0, num_slots = 2)");
+  }
+  SUBCASE("two sequences on one slot") {
+    batch.slots = {0, 0};
+    refused("share slot 0");
+  }
+  SUBCASE("more sequences than rows without a slot list") {
+    batch.slots = {};
+    settings.change = [](ForwardCall& call) { call.state.num_slots = 1; };
+    refused("2 sequences on rows 0..N-1 but num_slots = 1");
+  }
+  SUBCASE("decode tokens that do not match") {
+    settings.change = [](ForwardCall& call) { call.batch.decode_tokens = 2; };
+    refused("decode: tokens 6 is not sequences 2 x decode_tokens 2");
+  }
+  SUBCASE("decode_tokens above kMaxDecodeTokens") {
+    settings.change = [](ForwardCall& call) { call.batch.decode_tokens = kMaxDecodeTokens + 1; };
+    refused("decode_tokens 17 is not in [0, 16]");
+  }
+  SUBCASE("tokens but no sequence") {
+    settings.change = [](ForwardCall& call) {
+      call.batch.sequences = 0;
+      call.batch.slots = nullptr;
+      call.batch.slots_host = nullptr;
+    };
+    refused("6 tokens but no sequence");
+  }
+  SUBCASE("negative tokens") {
+    settings.change = [](ForwardCall& call) { call.batch.tokens = -1; };
+    refused("tokens and sequences must be >= 0");
+  }
+  SUBCASE("a null state pool") {
+    settings.change = [](ForwardCall& call) { call.state.conv_k = nullptr; };
+    refused("a state pool is null");
+  }
+  SUBCASE("a recurrent pool of another dtype") {
+    settings.change = [](ForwardCall& call) { call.state.recurrent_dtype = DType::kI32; };
+    refused("is not f32 or bf16");
+  }
+  SUBCASE("out overlapping hidden") {
+    settings.change = [E](ForwardCall& call) {
+      call.out = const_cast<bf16_bits*>(call.hidden) + E;
+    };
+    refused("out overlaps hidden");
+  }
+}
+
+KDA_LAYER_CASE("phase times are added when asked, and change nothing") {
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 8, 1);
+  const auto layer = runner.make(weights);
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 14);
+  for (const BatchSpec& batch : {prefill_batch({13, 7}), decode_batch(4, 5)}) {
+    CAPTURE(batch.decode_tokens);
+    Pools start(config, 4);
+    start.randomize(15);
+    Pools plain_pools = start, timed_pools = start;
+    const LayerRun plain = runner.forward(*layer, hidden, batch, &plain_pools);
+    layer::Times times;
+    times.conv = 1.0;  // added to, not overwritten
+    ForwardSettings settings;
+    settings.change = [&times](ForwardCall& call) { call.options.times = &times; };
+    const LayerRun timed = runner.forward(*layer, hidden, batch, &timed_pools, settings);
+    check_forward(runner, weights, hidden, batch, start, timed, timed_pools);
+    MESSAGE("phases (s): projections " << times.projections << ", conv " << times.conv - 1.0
+                                       << ", core " << times.core << ", norm " << times.norm
+                                       << ", o_proj " << times.o_proj);
+    CHECK(times.projections > 0.0);
+    CHECK(times.conv >= 1.0);
+    CHECK(times.core > 0.0);
+    CHECK(times.norm >= 0.0);
+    CHECK(times.o_proj > 0.0);
+    CHECK(same_bits(timed.out, plain.out));
+    CHECK(timed_pools == plain_pools);
+  }
+}
+
+KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both backends") {
+  layer::Config config = cpu_layer_runner().config();
+  config.head_dim = 128;  // a layer either backend runs
+  config.hidden_size = 256;
+  for (Backend backend : {Backend::kCpu, Backend::kCuda}) {
+    const std::string name = backend == Backend::kCpu ? "CPU" : "CUDA";
+    CAPTURE(name);
+    const std::size_t small = layer::workspace_bytes(backend, config, 1, 1, 1);
+    const std::size_t large = layer::workspace_bytes(backend, config, 8192, 64, 64);
+    CHECK(small > 0);
+    CHECK(large > small + 8192 * 4 * 512);  // at least one fp32 [T, Cl] intermediate
+    CHECK(error_of([&] { layer::workspace_bytes(backend, config, -1, 1, 1); }).find(">= 0") !=
+          std::string::npos);
+    try {
+      (void)layer::workspace_bytes(backend, config, std::int64_t{1} << 60, 1, 1);
+      FAIL("a workspace of 2^60 tokens was sized");
+    } catch (const Error& e) {
+      CHECK(e.code() == StatusCode::kOverflow);
+    }
+    const std::size_t image = layer::weight_image_bytes(backend, config);
+    CHECK(image > 0);
+    CHECK(image % layer::weight_image_alignment(backend) == 0);
+    layer::Config bad = config;
+    bad.num_heads = 0;
+    CHECK(error_of([&] { layer::weight_image_bytes(backend, bad); }).find("num_heads 0") !=
+          std::string::npos);
+  }
+  CHECK(layer::can_implement(Backend::kCpu, config).ok());
+  if (!cuda_compiled()) {
+    CHECK(layer::can_implement(Backend::kCuda, config).code() == StatusCode::kBackendUnavailable);
+    try {
+      (void)layer::make_layer(Backend::kCuda, layer::random_weights(config, 1, 0));
+      FAIL("a build without CUDA made a CUDA layer");
+    } catch (const Error& e) {
+      CHECK(e.code() == StatusCode::kBackendUnavailable);
+    }
+  } else {
+    CHECK(layer::can_implement(Backend::kCuda, config).ok());
+    // The CUDA kernels run head_dim 128 and conv widths 2..4 only.
+    layer::Config other = config;
+    other.head_dim = 64;
+    CHECK(layer::can_implement(Backend::kCuda, other).code() == StatusCode::kUnsupported);
+    other = config;
+    other.conv_width = 5;
+    CHECK(layer::can_implement(Backend::kCuda, other).code() == StatusCode::kUnsupported);
+  }
+  layer::Config bad = config;
+  bad.norm_eps = 0.0f;
+  CHECK(layer::can_implement(Backend::kCpu, bad).code() == StatusCode::kInvalidArgument);
+}
+
+KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole layer's") {
+  layer::Config config = cpu_layer_runner().config();
+  const layer::Weights full = layer::random_weights(config, 5, 4);
+  // Reproducible for (seed, layer), and other for another layer.
+  CHECK(layer::random_weights(config, 5, 4).q_proj == full.q_proj);
+  CHECK(layer::random_weights(config, 5, 3).q_proj != full.q_proj);
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    config.tp_size = 2;
+    config.tp_rank = rank;
+    const layer::Weights shard = layer::shard_weights(full, 2, rank);
+    const layer::Weights random_rank = layer::random_weights(config, 5, 4);
+    CHECK(random_rank.q_proj == shard.q_proj);
+    CHECK(random_rank.o_proj == shard.o_proj);
+    CHECK(random_rank.A_log == shard.A_log);
+    CHECK(shard.A_log.size() == 2);
+    CHECK(shard.f_a_proj == full.f_a_proj);  // replicated
+  }
+  // A shard of a shard, and a tp_size that does not divide the heads, are refused.
+  CHECK(error_of([&] {
+          layer::shard_weights(layer::shard_weights(full, 2, 0), 2, 0);
+        }).find("already a shard") != std::string::npos);
+  layer::Config three = cpu_layer_runner().config();
+  three.tp_size = 3;
+  CHECK(error_of([&] { layer::validate(three); }).find("tp_size 3") != std::string::npos);
+  layer::Weights broken = full;
+  broken.o_proj.pop_back();
+  CHECK(error_of([&] { layer::check_sizes(broken); }).find("o_proj") != std::string::npos);
+}

@@ -1,0 +1,145 @@
+// What only the CUDA layer has: a slot outside the pool that only the device sees (reported in the
+// device status word, run as padding), a forward captured in a CUDA graph, device memory required
+// for the weight image and for the batch's arrays.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "layer_runner.hpp"
+
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace kda;
+using namespace kda::test;
+
+KDA_LAYER_CUDA_CASE("a slot outside the pool seen only by the device is reported, run as padding") {
+  const layer::Config config = cuda.config();
+  const layer::Weights weights = layer::random_weights(config, 1, 0);
+  const auto layer = cuda.make(weights);
+  const std::int64_t E = config.hidden_size;
+  Pools before(config, 2);
+  before.randomize(3);
+  const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(2 * E), 1.0f, 4);
+  for (std::int64_t decode_tokens : {0, 1}) {
+    CAPTURE(decode_tokens);
+    // Slot 2 is outside the pool of 2 rows; without the host copy only the device can tell.
+    const std::vector<std::int32_t> slots = {1, 2};
+    const BatchSpec batch =
+        decode_tokens > 0 ? decode_batch(2, 1, slots) : prefill_batch({1, 1}, slots);
+    ForwardSettings device_only;
+    device_only.host_copies = false;
+    Pools after = before;
+    const LayerRun run = cuda.forward(*layer, hidden, batch, &after, device_only);
+    CHECK_MESSAGE(run.error.empty(), run.error);
+    const Status status = describe_device_status(run.device_status);
+    MESSAGE(status.to_string());
+    CHECK((run.device_status & kDeviceStatusSlot) != 0);
+    CHECK(status.code() == StatusCode::kInvalidArgument);
+    CHECK(run.guards_intact);
+    // Row 0 belongs to no sequence: untouched.
+    CHECK(after.row_equal(before, 0));
+    // The sequence ran as a padding one: the same as slot -1.
+    BatchSpec padded = batch;
+    padded.slots[1] = -1;
+    Pools padded_after = before;
+    const LayerRun padded_run = cuda.forward(*layer, hidden, padded, &padded_after);
+    check_forward(cuda, weights, hidden, padded, before, padded_run, padded_after);
+    CHECK(same_bits(run.out, padded_run.out));
+    CHECK(after == padded_after);
+  }
+}
+
+KDA_LAYER_CUDA_CASE("a host pointer where device memory belongs is refused before anything runs") {
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(6 * config.hidden_size), 1.0f, 3);
+  Pools before(config, 2);
+  before.randomize(5);
+  const BatchSpec batch = prefill_batch({2, 4}, {0, 1});
+  ForwardSettings settings;
+  settings.change = [&batch](ForwardCall& call) {
+    call.batch.cu_seqlens = batch.cu_seqlens.data();
+  };
+  const LayerRun run = check_refused(cuda, *layer, hidden, batch, before, settings);
+  CHECK(run.code == StatusCode::kInvalidArgument);
+  CHECK(run.error.find("cu_seqlens") != std::string::npos);
+}
+
+KDA_LAYER_CUDA_CASE("a weight image region in host memory is refused once a device can tell") {
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(cuda.config(), 5, 1));
+  const std::size_t bytes = layer::weight_image_bytes(Backend::kCuda, weights.config);
+  const std::size_t align = layer::weight_image_alignment(Backend::kCuda);
+  std::vector<unsigned char> host(bytes + align, 0x5A);
+  unsigned char* region = first_aligned(host, align);
+  const std::string message = weight_region_refusal(Backend::kCuda, weights, region, bytes);
+  MESSAGE(message);
+  CHECK(message.find("weight image") != std::string::npos);
+  CHECK(std::all_of(host.begin(), host.end(), [](unsigned char b) { return b == 0x5A; }));
+}
+
+KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and decode)") {
+#ifndef KDA_HAVE_CUDA
+  FAIL("a CUDA device without the CUDA backend");
+#else
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(with_bias_and_norm(layer::random_weights(config, 8, 2)));
+  const std::int64_t E = config.hidden_size;
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  for (std::int64_t decode_tokens : {0, 1}) {
+    CAPTURE(decode_tokens);
+    const std::vector<std::int32_t> slots = {3, 0, 1};
+    const BatchSpec batch =
+        decode_tokens > 0 ? decode_batch(3, 1, slots) : prefill_batch({7, 0, 33}, slots);
+    Pools initial(config, 4);
+    initial.randomize(12);
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 13);
+
+    // Eager, on the stream, pointers checked; no host copies (a graph replays without them).
+    ForwardSettings eager_settings;
+    eager_settings.host_copies = false;
+    eager_settings.change = [stream](ForwardCall& call) { call.options.stream = stream; };
+    Pools eager = initial;
+    const LayerRun eager_run = cuda.forward(*layer, hidden, batch, &eager, eager_settings);
+    REQUIRE_MESSAGE(eager_run.error.empty(), eager_run.error);
+    CHECK(eager_run.all_written);
+
+    // Captured into a graph from fresh copies of the same inputs and states, then replayed.
+    ForwardBuffers<DeviceBuffer> buffers(
+        hidden, batch, initial,
+        layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
+    ForwardCall call = buffers.call(batch, initial, false);
+    call.options.stream = stream;
+    call.options.check_pointers = false;  // no driver queries inside a capture
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    const std::string capture_error = error_of([&] {
+      layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
+    });
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    INFO("forward during capture: " << capture_error);
+    REQUIRE(capture_error == "(no error)");
+    REQUIRE(end == cudaSuccess);
+    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+    REQUIRE(stream_synchronize(stream).ok());
+    const std::vector<bf16_bits> graph_out = buffers.out.download<bf16_bits>();
+    Pools replayed = initial;
+    buffers.download(&replayed);
+    MESSAGE("graph vs eager out relative error " << relative_error(graph_out, eager_run.out));
+    CHECK(same_bits(graph_out, eager_run.out));
+    CHECK(replayed == eager);
+    CHECK(buffers.guards_intact());
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+#endif
+}

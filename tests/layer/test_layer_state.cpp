@@ -1,0 +1,220 @@
+// The layer's states on each backend: scattered slots equal rows 0..N-1; chained prefills and
+// prefill-then-decode equal one longer prefill; padding decode rows and prefill sequences; batches
+// of no tokens. Every forward is also held to the fp64 reference of its own call
+// (check_forward), so an error of one call cannot hide in the next.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "layer_runner.hpp"
+
+using namespace kda;
+using namespace kda::test;
+
+namespace {
+
+// Appends rows [begin, end) of `m` to `to`.
+void append_rows(std::vector<bf16_bits>* to, const std::vector<bf16_bits>& m, std::int64_t E,
+                 std::int64_t begin, std::int64_t end) {
+  to->insert(to->end(), m.begin() + begin * E, m.begin() + end * E);
+}
+
+}  // namespace
+
+KDA_LAYER_CASE("sequences on scattered slots equal the same sequences on rows 0..N-1") {
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 3, 0);
+  const auto layer = runner.make(weights);
+  const std::vector<std::int64_t> lengths = {4, 0, 9, 1};
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(14 * config.hidden_size), 2.0f, 5);
+  Pools identity(config, 4);
+  identity.randomize(6);
+  const Pools identity_start = identity;
+  const LayerRun expected = runner.forward(*layer, hidden, prefill_batch(lengths), &identity);
+  check_forward(runner, weights, hidden, prefill_batch(lengths), identity_start, expected,
+                identity);
+
+  const std::vector<std::int32_t> slots = {5, 0, 1, 3};  // runs {5}, {0, 1}, {3}; 2 and 4 unused
+  Pools scattered(config, 6);
+  scattered.randomize(7);
+  for (std::size_t n = 0; n < slots.size(); ++n) {  // the same starting states, elsewhere
+    std::copy_n(identity_start.conv_q.begin() + n * identity.conv_row, identity.conv_row,
+                scattered.conv_q.begin() + slots[n] * identity.conv_row);
+    std::copy_n(identity_start.conv_k.begin() + n * identity.conv_row, identity.conv_row,
+                scattered.conv_k.begin() + slots[n] * identity.conv_row);
+    std::copy_n(identity_start.conv_v.begin() + n * identity.conv_row, identity.conv_row,
+                scattered.conv_v.begin() + slots[n] * identity.conv_row);
+    std::copy_n(identity_start.rec_f32.begin() + n * identity.recurrent_row, identity.recurrent_row,
+                scattered.rec_f32.begin() + slots[n] * identity.recurrent_row);
+  }
+  const Pools scattered_start = scattered;
+  const BatchSpec batch = prefill_batch(lengths, slots);
+  const LayerRun run = runner.forward(*layer, hidden, batch, &scattered);
+  check_forward(runner, weights, hidden, batch, scattered_start, run, scattered);
+  CHECK(same_bits(run.out, expected.out));
+  for (std::size_t n = 0; n < slots.size(); ++n) {
+    CAPTURE(n);
+    CHECK(scattered.row_equal(identity, slots[n], static_cast<std::int64_t>(n)));
+  }
+}
+
+KDA_LAYER_CASE("chunked prefill: one prefill equals two chained prefills") {
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 1, 2);
+  const auto layer = runner.make(weights);
+  const std::int64_t E = config.hidden_size;
+  // Two sequences of 9 and 13 tokens, split 2 + 7 (shorter than W-1 first) and 8 + 5.
+  const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(22 * E), 2.0f, 8);
+  Pools start(config, 2);
+  start.randomize(9);
+  Pools whole = start;
+  const LayerRun expected = runner.forward(*layer, hidden, prefill_batch({9, 13}), &whole);
+  check_forward(runner, weights, hidden, prefill_batch({9, 13}), start, expected, whole);
+
+  std::vector<bf16_bits> first, second;
+  append_rows(&first, hidden, E, 0, 2);
+  append_rows(&first, hidden, E, 9, 17);
+  append_rows(&second, hidden, E, 2, 9);
+  append_rows(&second, hidden, E, 17, 22);
+  Pools chained = start;
+  const LayerRun out1 = runner.forward(*layer, first, prefill_batch({2, 8}), &chained);
+  check_forward(runner, weights, first, prefill_batch({2, 8}), start, out1, chained);
+  const Pools between = chained;
+  const LayerRun out2 = runner.forward(*layer, second, prefill_batch({7, 5}), &chained);
+  check_forward(runner, weights, second, prefill_batch({7, 5}), between, out2, chained);
+
+  std::vector<bf16_bits> out;  // back in the order of the whole prefill
+  append_rows(&out, out1.out, E, 0, 2);
+  append_rows(&out, out2.out, E, 0, 7);
+  append_rows(&out, out1.out, E, 2, 10);
+  append_rows(&out, out2.out, E, 7, 12);
+  check_same_tokens(runner, out, expected.out, chained, whole);
+}
+
+KDA_LAYER_CASE("prefill then decode steps equal one longer prefill") {
+  const layer::Config config = runner.config(GateMode::kLowerBound);
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 4, 1));
+  const auto layer = runner.make(weights);
+  const std::int64_t E = config.hidden_size;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    const std::string dtype_name = to_string(dtype);
+    CAPTURE(dtype_name);
+    // Sequence 0 (11 tokens, rows 0..10 of hidden) on slot 2, sequence 1 (7 tokens, rows 11..17)
+    // on slot 0; row 1 unused.
+    const std::vector<std::int32_t> slots = {2, 0};
+    const std::int64_t first_row[2] = {0, 11};
+    const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(18 * E), 2.0f, 9);
+    Pools whole(config, 3, dtype);
+    const Pools start = whole;
+    const LayerRun expected = runner.forward(*layer, hidden, prefill_batch({11, 7}, slots), &whole);
+    check_forward(runner, weights, hidden, prefill_batch({11, 7}, slots), start, expected, whole);
+
+    Pools stepped = start;
+    std::vector<bf16_bits> out(hidden.size());
+    std::int64_t done[2] = {0, 0};  // tokens of each sequence run so far
+    // The next k0 and k1 tokens of the two sequences as one call (a decode step when k > 0).
+    auto call = [&](std::int64_t k0, std::int64_t k1, std::int64_t decode_tokens) {
+      CAPTURE(done[0]);
+      CAPTURE(decode_tokens);
+      std::vector<bf16_bits> in;
+      append_rows(&in, hidden, E, first_row[0] + done[0], first_row[0] + done[0] + k0);
+      append_rows(&in, hidden, E, first_row[1] + done[1], first_row[1] + done[1] + k1);
+      const BatchSpec batch = decode_tokens > 0 ? decode_batch(2, decode_tokens, slots)
+                                                : prefill_batch({k0, k1}, slots);
+      const Pools before = stepped;
+      const LayerRun run = runner.forward(*layer, in, batch, &stepped);
+      check_forward(runner, weights, in, batch, before, run, stepped);
+      std::copy(run.out.begin(), run.out.begin() + k0 * E,
+                out.begin() + (first_row[0] + done[0]) * E);
+      std::copy(run.out.begin() + k0 * E, run.out.end(),
+                out.begin() + (first_row[1] + done[1]) * E);
+      done[0] += k0;
+      done[1] += k1;
+    };
+    call(6, 2, 0);  // a prefill of 6 and 2 tokens (the second shorter than the conv history)
+    for (int step = 0; step < 3; ++step) call(1, 1, 1);  // three one-token decode steps
+    call(2, 2, 2);                                       // one two-token step
+    REQUIRE(done[0] == 11);
+    REQUIRE(done[1] == 7);
+    check_same_tokens(runner, out, expected.out, stepped, whole);
+  }
+}
+
+// Padding (negative slots) as a serving runtime pads a captured batch: decode rows, and prefill
+// sequences among real ones (an empty one too). The pools' nobody's rows hold non-zero states,
+// which padding must neither read nor write.
+KDA_LAYER_CASE("padding outputs zeros and touches no state; the rest runs as without it") {
+  const layer::Config config = runner.config(GateMode::kLowerBound);
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 4, 1));
+  const auto layer = runner.make(weights);
+  const std::int64_t E = config.hidden_size;
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    for (std::int64_t decode_tokens : {0, 1, 2}) {
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
+      CAPTURE(decode_tokens);
+      // Prefill: 5, 3, 0, 7 and 2 tokens on row 1, padding, row 3 (empty), row 0, padding.
+      // Decode: rows 2 and 0 with a padding row between them and one after.
+      const BatchSpec padded = decode_tokens > 0
+                                   ? decode_batch(4, decode_tokens, {2, -1, 0, -4})
+                                   : prefill_batch({5, 3, 0, 7, 2}, {1, -1, 3, 0, -2});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(padded.tokens() * E), 2.0f, 41 + decode_tokens);
+      Pools before(config, 5, dtype);
+      before.randomize(42);
+      Pools after = before;
+      const LayerRun run = runner.forward(*layer, hidden, padded, &after);
+      check_forward(runner, weights, hidden, padded, before, run, after);
+
+      // The same batch without its padding.
+      std::vector<std::int64_t> lengths;
+      std::vector<std::int32_t> slots;
+      std::vector<bf16_bits> real_in, real_out;
+      for (std::int64_t n = 0; n < padded.sequences(); ++n) {
+        const std::int64_t begin = padded.cu_seqlens[n], end = padded.cu_seqlens[n + 1];
+        if (padded.slot(n) < 0) {
+          CAPTURE(n);
+          const std::vector<bf16_bits> zeros = token_rows(run.out, E, begin, end);
+          CHECK(std::all_of(zeros.begin(), zeros.end(), [](bf16_bits b) { return b == 0; }));
+          continue;
+        }
+        lengths.push_back(end - begin);
+        slots.push_back(padded.slots[n]);
+        append_rows(&real_in, hidden, E, begin, end);
+        append_rows(&real_out, run.out, E, begin, end);
+      }
+      const BatchSpec plain =
+          decode_tokens > 0
+              ? decode_batch(static_cast<std::int64_t>(slots.size()), decode_tokens, slots)
+              : prefill_batch(lengths, slots);
+      for (std::int64_t r = 0; r < before.num_slots; ++r) {
+        if (std::find(slots.begin(), slots.end(), r) != slots.end()) continue;
+        CAPTURE(r);
+        CHECK(after.row_equal(before, r));  // nobody's row
+      }
+      Pools plain_after = before;
+      const LayerRun plain_run = runner.forward(*layer, real_in, plain, &plain_after);
+      REQUIRE_MESSAGE(plain_run.error.empty(), plain_run.error);
+      check_same_tokens(runner, real_out, plain_run.out, after, plain_after);
+    }
+  }
+}
+
+KDA_LAYER_CASE("a batch of no tokens writes nothing and keeps every state") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 2, 0));
+  Pools before(config, 3);
+  before.randomize(4);
+  for (const BatchSpec& batch : {prefill_batch({0, 0, 0}), prefill_batch({}), decode_batch(0, 1)}) {
+    CAPTURE(batch.sequences());
+    Pools after = before;
+    const LayerRun run = runner.forward(*layer, {}, batch, &after);
+    CHECK_MESSAGE(run.error.empty(), run.error);
+    CHECK(run.out.empty());
+    CHECK(run.guards_intact);
+    CHECK(after == before);
+  }
+}
