@@ -467,17 +467,27 @@ struct Engine::Impl {
 
 // ---- construction ----------------------------------------------------------------------------
 
-Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
-  return choose_backend(choice, [&spec] {
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string* why) {
+  auto why_cuda_cannot_run = [&spec]() -> std::string {
     // Whole layers on CUDA: FullLayerCuda's limits (head_dim 128, conv width 2..4).
-    if (spec.runtime.layer_mode == LayerMode::kWhole &&
-        (spec.head_dim != 128 || spec.short_conv_kernel_size < 2 ||
-         spec.short_conv_kernel_size > 4)) {
-      return false;
+    if (spec.runtime.layer_mode == LayerMode::kWhole) {
+      if (spec.head_dim != 128) {
+        return "head_dim " + std::to_string(spec.head_dim) + " (the CUDA whole layer needs 128)";
+      }
+      if (spec.short_conv_kernel_size < 2 || spec.short_conv_kernel_size > 4) {
+        return "short_conv_kernel_size " + std::to_string(spec.short_conv_kernel_size) +
+               " (the CUDA whole layer needs 2..4)";
+      }
     }
-    return can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
-           can_implement(max_decode_problem(spec), Backend::kCuda).ok();
-  });
+    if (const Status st = can_implement(max_prefill_problem(spec), Backend::kCuda); !st.ok()) {
+      return "prefill: " + st.message();
+    }
+    if (const Status st = can_implement(max_decode_problem(spec), Backend::kCuda); !st.ok()) {
+      return "decode: " + st.message();
+    }
+    return std::string();
+  };
+  return choose_backend(choice, why_cuda_cannot_run, why);
 }
 
 void check_weights_file(const ModelSpec& spec) {
