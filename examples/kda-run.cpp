@@ -42,8 +42,9 @@ const char* const kUsage =
     R"(Usage:
   kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan]
+          [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
-          [--backend auto|cpu|cuda]
+          [--backend auto|cpu|cuda] [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
   kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --layer-case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --help | --version
@@ -59,11 +60,24 @@ layer and prints the median step latency and tokens/s.
 Layers are numbered as in the YAML's kda_layers (model layer, 1-based); "KDA index" is the 0-based
 position among the KDA layers (the layer argument of Engine::prefill / decode and the C API).
 
+The model line and the backend (with the reason when auto picks the CPU) come first, before the
+arena is allocated and the weights are read or generated (seconds for a large model); each layer's
+line is printed as it finishes. One untimed warm-up forward of the first layer runs before the timed
+ones (first-call costs: kernel loading, cuBLAS, page faults), its states then cleared.
+
 Options:
-  --model M.yaml       model description (YAML; see README for the schema)
+  --model M.yaml       model description (YAML, or a Hugging Face config.json as is; see README for
+                       the schema)
   --tokens T           prefill tokens, all sequences together (default 1024; at most
                        runtime.max_tokens of the model)
   --sequences N        sequences (default 1; at most runtime.max_sequences)
+  --workspace-plan P   reuse or sum: replaces the model's runtime.workspace_plan (default reuse,
+                       also for a description without a runtime section: the KDA layers' workspaces
+                       share memory; sum gives every buffer its own)
+  --max-tokens N       replaces the model's runtime.max_tokens (default 8192): the largest prefill
+                       the engine is planned for, all sequences together
+  --max-sequences N    replaces the model's runtime.max_sequences (default 8; 1..1048576): the
+                       state slots of every KDA layer
   --decode-steps S     decode steps after the prefill (default 0)
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
@@ -93,7 +107,7 @@ Options:
   --output OUT         where --case / --layer-case writes its result (atomically); must not be IN
                        itself (also not through a symlink or hard link)
   --help               this text
-  --version            the version and the backends this build has
+  --version            the version, the backends this build has and those this machine can run
 
 Exit status: 0 success, 1 runtime error, 2 usage error.
 )";
@@ -125,6 +139,8 @@ struct Options {
   bool seed_given = false;
   bool threads_given = false;
   std::optional<kda::PrefillSchedule> schedule;  // unset: the model's runtime.prefill_schedule
+  // Replace the model description's runtime values (unset: the file's, or the defaults).
+  kda::engine::RuntimeOverrides runtime;
 };
 
 std::int64_t parse_int(const std::string& flag, const std::string& text, std::int64_t lo,
@@ -145,6 +161,7 @@ std::int64_t parse_int(const std::string& flag, const std::string& text, std::in
 Options parse_args(int argc, char** argv) {
   Options o;
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  constexpr std::int64_t kMaxSequences = 1 << 20;  // the model description's limit
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -212,6 +229,17 @@ Options parse_args(int argc, char** argv) {
                          "'"};
       }
       o.schedule = schedule;
+    } else if (arg == "--workspace-plan") {
+      const std::string text = value();
+      kda::planner::PlanMode mode;
+      if (!kda::planner::parse_plan_mode(text, &mode)) {
+        throw UsageError{"--workspace-plan expects reuse or sum, got '" + text + "'"};
+      }
+      o.runtime.workspace_plan = mode;
+    } else if (arg == "--max-tokens") {
+      o.runtime.max_tokens = parse_int(arg, value(), 1, kMax);
+    } else if (arg == "--max-sequences") {
+      o.runtime.max_sequences = parse_int(arg, value(), 1, kMaxSequences);
     } else if (arg == "--plan-only") {
       no_value();
       o.plan_only = true;
@@ -230,8 +258,10 @@ Options parse_args(int argc, char** argv) {
     const std::string flag = o.layer_case ? "--layer-case" : "--case";
     if (!o.model.empty()) throw UsageError{flag + " and --model cannot be used together"};
     if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
+    const kda::engine::RuntimeOverrides& r = o.runtime;
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule) {
+        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule ||
+        r.workspace_plan || r.max_tokens || r.max_sequences) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -242,7 +272,9 @@ Options parse_args(int argc, char** argv) {
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only &&
       (o.sequences_given || o.decode_given || o.seed_given || o.threads_given || o.schedule)) {
-    throw UsageError{"--plan-only takes only --plan, --json, --tokens, --core-only and --backend"};
+    throw UsageError{
+        "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
+        "--workspace-plan, --max-tokens and --max-sequences"};
   }
   return o;
 }
@@ -425,63 +457,104 @@ int run_case_mode(const Options& o) {
   return 0;
 }
 
+// "backend: cpu (2 threads; auto: no CUDA device found)", "backend: cuda (NVIDIA H200; prefill
+// schedule auto)": what the engine will run on, and why auto chose the CPU, said before the engine
+// is built (which takes seconds for a large model).
+std::string backend_line(const Options& o, const kda::engine::ModelSpec& spec, BackendChoice choice,
+                         kda::Backend backend, const std::string& why) {
+  std::string text = "backend: " + std::string(kda::to_string(backend)) + " (";
+  if (backend == kda::Backend::kCpu) {
+    const int threads = o.threads > 0
+                            ? static_cast<int>(o.threads)
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    text += std::to_string(threads) + (threads == 1 ? " thread" : " threads");
+  } else {
+    text +=
+        kda::device_name(0) + "; prefill schedule " + kda::to_string(spec.runtime.prefill_schedule);
+  }
+  if (choice == BackendChoice::kAuto && backend == kda::Backend::kCpu) text += "; auto: " + why;
+  return text + ")";
+}
+
+// One row of the timing table: model layer, KDA index, time, tokens/s (and a whole layer's phases).
+void print_layer_row(const kda::engine::Engine& engine, int kda_index, double seconds,
+                     std::int64_t tokens, const kda::layer::Times* phases) {
+  std::printf("%8d  %9d  %12.3f  %12.0f", engine.layer(kda_index).model_layer, kda_index,
+              seconds * 1e3, seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0);
+  if (phases != nullptr) {
+    std::printf("  %11.3f  %9.3f  %9.3f  %9.3f  %9.3f", phases->projections * 1e3,
+                phases->conv * 1e3, phases->core * 1e3, phases->norm * 1e3, phases->o_proj * 1e3);
+  }
+  std::printf("\n");
+}
+
 int run_model(const Options& o) {
+  const auto start = std::chrono::steady_clock::now();
   kda::engine::ModelSpecOptions spec_options;
   spec_options.strict = o.strict_config;
+  spec_options.runtime = o.runtime;
   kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model, spec_options);
   if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
+  if (o.schedule) spec.runtime.prefill_schedule = *o.schedule;
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
   }
   const std::int64_t tokens = o.tokens.value_or(std::min(kDefaultTokens, spec.runtime.max_tokens));
   if (tokens > spec.runtime.max_tokens) {
     throw UsageError{"--tokens " + std::to_string(tokens) + " exceeds runtime.max_tokens " +
-                     std::to_string(spec.runtime.max_tokens) + " of " + o.model};
+                     std::to_string(spec.runtime.max_tokens) + " of " + o.model +
+                     " (--max-tokens raises it)"};
   }
   if (o.sequences > spec.runtime.max_sequences) {
     throw UsageError{"--sequences " + std::to_string(o.sequences) +
                      " exceeds runtime.max_sequences " +
-                     std::to_string(spec.runtime.max_sequences) + " of " + o.model};
+                     std::to_string(spec.runtime.max_sequences) + " of " + o.model +
+                     " (--max-sequences raises it)"};
   }
   const BackendChoice choice = o.backend.value_or(spec.runtime.backend);
+  std::string why;
+  const kda::Backend backend = kda::engine::resolve_backend(spec, choice, &why);
 
+  // A weights file that is not there is worth knowing before anything is printed or planned
+  // (planning reads no weights; the engine would find out only after the arena is allocated).
+  kda::engine::check_weights_file(spec);
   if (o.plan_only) {
-    // Planning reads no weights; a weights file that is not there is still worth knowing now.
-    kda::engine::check_weights_file(spec);
-    const kda::Backend backend = kda::engine::resolve_backend(spec, choice);
     const MemoryPlan plan = kda::engine::Engine::plan_for(spec, backend);
     if (o.json) {
       std::printf("%s\n", plan.to_json().c_str());
     } else {
+      std::printf("%s\n", describe_model(spec).c_str());
+      if (choice == BackendChoice::kAuto && backend == kda::Backend::kCpu) {
+        std::printf("backend: cpu (auto: %s)\n", why.c_str());
+      }
       std::printf(
-          "%s\nmemory plan on %s (the engine's arena; a run's synthetic inputs come on "
-          "top):\n%s",
-          describe_model(spec).c_str(), kda::to_string(backend),
-          plan_text(o, spec, plan, backend).c_str());
+          "memory plan on %s (the engine's arena; a run's synthetic inputs come on top):\n%s",
+          kda::to_string(backend), plan_text(o, spec, plan, backend).c_str());
     }
     return 0;
   }
 
+  // A run on CUDA where it cannot run fails before anything is printed (a plan is still made).
+  if (std::string unavailable;
+      backend == kda::Backend::kCuda && !kda::engine::cuda_backend_available(&unavailable)) {
+    throw kda::Error(kda::StatusCode::kBackendUnavailable,
+                     (o.backend ? "--backend cuda: " : "runtime.backend cuda: ") + unavailable);
+  }
+  // What the engine will be, before it is built: allocating the arena and reading or generating
+  // the weights takes seconds for a large model.
+  const bool whole = spec.runtime.layer_mode == kda::engine::LayerMode::kWhole;
+  std::printf("%s\n%s\n", describe_model(spec).c_str(),
+              backend_line(o, spec, choice, backend, why).c_str());
+  const std::string what = whole ? "weights" : "parameters";
+  const std::string source = spec.weights.empty()
+                                 ? "random " + what + " (seed " + std::to_string(o.seed) + ")"
+                                 : "the " + what + " of " + spec.weights;
+  std::printf("building the engine: the arena, then %s...\n", source.c_str());
   kda::engine::EngineOptions options;
-  options.backend = choice;
+  options.backend = backend == kda::Backend::kCuda ? BackendChoice::kCuda : BackendChoice::kCpu;
   options.seed = o.seed;
   options.cpu_threads = static_cast<int>(o.threads);
-  if (o.schedule) options.prefill_schedule = *o.schedule;
   kda::engine::Engine engine(spec, options);
-  kda::examples::SyntheticInputs inputs(engine, tokens);
-  const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
-
-  const int threads = o.threads > 0
-                          ? static_cast<int>(o.threads)
-                          : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  std::printf("%s\n", describe_model(spec).c_str());
-  std::printf("backend: %s", kda::to_string(engine.backend()));
-  if (engine.backend() == kda::Backend::kCpu) {
-    std::printf(" (%d thread%s)\n", threads, threads == 1 ? "" : "s");
-  } else {
-    std::printf(" (%s; prefill schedule %s)\n", kda::device_name(0).c_str(),
-                kda::to_string(engine.spec().runtime.prefill_schedule));
-  }
   if (whole) {
     // Each layer's weight image is its arena buffer layer{n}.weights (CPU: widened to fp32).
     std::printf("weights: %s (%s in the arena%s)\n", engine.weights_origin().c_str(),
@@ -490,11 +563,13 @@ int run_model(const Options& o) {
   } else {
     std::printf("parameters: %s\n", engine.layer(0).origin.c_str());
   }
+  std::printf("engine ready in %.1f s\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  kda::examples::SyntheticInputs inputs(engine, tokens);
   std::printf("\nmemory plan:\n%s", plan_text(o, spec, engine.plan(), engine.backend()).c_str());
   std::printf("synthetic inputs: %s for %lld tokens (outside the arena)\n\n",
               kda::planner::format_bytes(inputs.bytes()).c_str(),
               static_cast<long long>(inputs.capacity()));
-  std::fflush(stdout);
 
   ProgressBar bar;
   kda::examples::RunOptions run;
@@ -503,31 +578,30 @@ int run_model(const Options& o) {
   run.decode_steps = static_cast<int>(o.decode_steps);
   run.seed = o.seed;
   run.progress = [&bar](int done, int total) { bar.update(done, total); };
+  // Each layer's row as soon as it has run; the header with the first (the untimed work is known
+  // by then).
+  run.prefill_layer_done = [&](const kda::examples::RunReport& so_far) {
+    bar.finish();  // the row goes where the bar was; the next update draws it again
+    const std::size_t done = so_far.layer_seconds.size();
+    if (done == 1) {
+      std::printf(
+          "prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, a "
+          "warm-up forward of the first layer in %.3f s; neither timed)\n",
+          static_cast<long long>(tokens), static_cast<long long>(o.sequences),
+          o.sequences == 1 ? "" : "s", so_far.upload_seconds, so_far.warmup_seconds);
+      std::printf("%8s  %9s  %12s  %12s", "layer", "KDA index", "time (ms)", "tokens/s");
+      if (whole) {
+        std::printf("  %11s  %9s  %9s  %9s  %9s  (ms)", "projections", "conv", "core", "norm",
+                    "o_proj");
+      }
+      std::printf("\n");
+    }
+    print_layer_row(engine, static_cast<int>(done - 1), so_far.layer_seconds.back(), tokens,
+                    whole ? &so_far.layer_phases.back() : nullptr);
+  };
   const kda::examples::RunReport report = kda::examples::run_synthetic(engine, inputs, run);
   bar.finish();
 
-  std::printf(
-      "prefill: %lld tokens in %lld sequence%s (inputs generated and copied in %.3f s, "
-      "not timed)\n",
-      static_cast<long long>(tokens), static_cast<long long>(o.sequences),
-      o.sequences == 1 ? "" : "s", report.upload_seconds);
-  std::printf("%8s  %9s  %12s  %12s", "layer", "KDA index", "time (ms)", "tokens/s");
-  if (whole) {
-    std::printf("  %11s  %9s  %9s  %9s  %9s  (ms)", "projections", "conv", "core", "norm",
-                "o_proj");
-  }
-  std::printf("\n");
-  for (int l = 0; l < engine.num_layers(); ++l) {
-    const double s = report.layer_seconds[static_cast<std::size_t>(l)];
-    std::printf("%8d  %9d  %12.3f  %12.0f", engine.layer(l).model_layer, l, s * 1e3,
-                s > 0 ? static_cast<double>(tokens) / s : 0.0);
-    if (whole) {
-      const kda::layer::Times& t = report.layer_phases[static_cast<std::size_t>(l)];
-      std::printf("  %11.3f  %9.3f  %9.3f  %9.3f  %9.3f", t.projections * 1e3, t.conv * 1e3,
-                  t.core * 1e3, t.norm * 1e3, t.o_proj * 1e3);
-    }
-    std::printf("\n");
-  }
   const double total = report.prefill_seconds;
   std::printf(
       "total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
@@ -559,13 +633,25 @@ int run_model_mode(const Options& o) {
   }
 }
 
+// "backends built: cpu cuda; available here: cpu (cuda: no CUDA device found)": what this build
+// has, and what this machine can run of it.
 void print_version() {
-  std::printf("kda-run %s\nbackends: cpu%s\n", KDA_VERSION, kda::cuda_compiled() ? ", cuda" : "");
+  std::string available = "cpu";
+  if (std::string why_not; kda::engine::cuda_backend_available(&why_not)) {
+    available += " cuda";
+  } else if (kda::cuda_compiled()) {
+    available += " (cuda: " + why_not + ")";
+  }
+  std::printf("kda-run %s\nbackends built: cpu%s; available here: %s\n", KDA_VERSION,
+              kda::cuda_compiled() ? " cuda" : "", available.c_str());
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Line by line into a pipe or a file too (`kda-run ... | tee log`): a run prints its progress
+  // over seconds or minutes, not all at its end.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   Options options;
   try {
     options = parse_args(argc, argv);

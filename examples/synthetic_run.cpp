@@ -206,39 +206,54 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
                                 (static_cast<std::int64_t>(j) < options.tokens % options.sequences);
     cu[j + 1] = cu[j] + length;
   }
+  auto prefill = [&](int layer, layer::Times* times) {
+    if (report.whole_layers) {
+      engine.prefill_hidden(layer, inputs.hidden(0), inputs.hidden_output(), report.slots, cu,
+                            times);
+    } else {
+      engine.prefill(layer, inputs.inputs(0), inputs.output(), report.slots, cu);
+    }
+  };
+  auto decode_step = [&](int layer, std::int64_t offset) {
+    if (report.whole_layers) {
+      engine.decode_hidden(layer, inputs.hidden(offset), inputs.hidden_output(), report.slots, 1);
+    } else {
+      engine.decode(layer, inputs.inputs(offset), inputs.output(), report.slots, 1);
+    }
+  };
   try {
     for (std::size_t j = 0; j < n; ++j) report.slots.push_back(engine.acquire_slot());
+    if (options.warmup) {
+      // The same calls as the timed ones below, on the same slots, which reset_slot() then zeroes
+      // again (conv states included), as acquire_slot() left them.
+      const auto warmup_start = std::chrono::steady_clock::now();
+      prefill(0, nullptr);
+      if (options.decode_steps > 0) decode_step(0, 0);
+      for (const int slot : report.slots) engine.reset_slot(slot);
+      engine.synchronize();
+      report.warmup_seconds = seconds_since(warmup_start);
+    }
     engine.synchronize();
     const int layers = engine.num_layers();
     const int total_steps = layers + options.decode_steps;
     int done = 0;
     for (int l = 0; l < layers; ++l) {
       const auto start = std::chrono::steady_clock::now();
-      if (report.whole_layers) {
-        report.layer_phases.emplace_back();
-        engine.prefill_hidden(l, inputs.hidden(0), inputs.hidden_output(), report.slots, cu,
-                              &report.layer_phases.back());
-      } else {
-        engine.prefill(l, inputs.inputs(0), inputs.output(), report.slots, cu);
-      }
+      layer::Times* times = nullptr;
+      if (report.whole_layers) times = &report.layer_phases.emplace_back();
+      prefill(l, times);
       engine.synchronize();
       report.layer_seconds.push_back(seconds_since(start));
       report.prefill_seconds += report.layer_seconds.back();
+      if (options.prefill_layer_done) options.prefill_layer_done(report);
       if (options.progress) options.progress(++done, total_steps);
     }
     // Each step reads the next window of `n` synthetic tokens, wrapping around.
     const std::int64_t windows = inputs.capacity() - options.sequences + 1;
     for (int step = 0; step < options.decode_steps; ++step) {
       const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
-      const engine::LayerInputs step_inputs = inputs.inputs(offset);
       const auto start = std::chrono::steady_clock::now();
-      for (int l = 0; l < layers; ++l) {
-        if (report.whole_layers) {
-          engine.decode_hidden(l, inputs.hidden(offset), inputs.hidden_output(), report.slots, 1);
-        } else {
-          engine.decode(l, step_inputs, inputs.output(), report.slots, 1);
-        }
-      }
+      for (int l = 0; l < layers; ++l) decode_step(l, offset);
       engine.synchronize();
       report.decode_step_seconds.push_back(seconds_since(start));
       if (options.progress) options.progress(++done, total_steps);

@@ -72,6 +72,7 @@ struct RunReport {
   std::vector<layer::Times> layer_phases;
   double prefill_seconds = 0.0;             // sum of layer_seconds
   double upload_seconds = 0.0;              // generating + uploading inputs (not in the above)
+  double warmup_seconds = 0.0;              // the untimed warm-up forward (RunOptions::warmup)
   std::vector<double> decode_step_seconds;  // one entry per step: every KDA layer, 1 token/seq
 };
 
@@ -81,12 +82,21 @@ struct RunOptions {
   int decode_steps = 0;       // after the prefill: steps of one token per sequence
   std::uint64_t seed = 0;     // synthetic inputs
   bool release_slots = true;  // false: leave the slots acquired (tests inspect their state)
+  // One untimed prefill of the first layer (and a decode step of it, with decode_steps) on the
+  // same inputs and slots before the timed runs, the slots then reset: the first timed layer then
+  // does not pay first-call costs (CUDA kernel loading, cuBLAS initialisation, first touches of
+  // the arena's pages), and every result is what it would have been without it.
+  bool warmup = true;
   // Called after every layer of the prefill and after every decode step: (done, total).
   std::function<void(int, int)> progress;
+  // Called after every layer of the prefill, before `progress`, with the report so far: its last
+  // layer_seconds (and layer_phases) entry is the layer just run; upload and warm-up times are in.
+  std::function<void(const RunReport&)> prefill_layer_done;
 };
 
-// Generates `inputs` (seeded, timed separately), acquires `sequences` slots, prefills every KDA
-// layer (tokens split as evenly as possible, earlier sequences one longer), then runs
+// Generates `inputs` (seeded, timed separately), acquires `sequences` slots, warms up (see
+// RunOptions::warmup), prefills every KDA layer (tokens split as evenly as possible, earlier
+// sequences one longer), then runs
 // `decode_steps` steps of one token per sequence over every layer. An engine of whole layers runs
 // prefill_hidden / decode_hidden on the synthetic hidden states (every layer reads the same ones)
 // and reports each layer's phases; a core-only engine prefill / decode. Throws kda::Error.

@@ -1,15 +1,20 @@
 // kda-run, the binary: usage errors, --version, --plan-only (summary, --plan table, --json), one
 // layer numbering, a small synthetic run with decode steps, --case round trips against the fp64
 // recurrence, bad case files and bad paths (message naming the file, non-zero exit, nothing
-// written).
+// written), runtime overrides, output line by line; and the scripts around it (run-example.sh's
+// arguments, build.sh's choice of CPU architecture).
 #include <doctest/doctest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -18,8 +23,11 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
+#include "kda/engine/engine.hpp"
 #include "kda/engine/error.hpp"
 #include "kda/engine/layer_weights_io.hpp"
 #include "kda/engine/model_spec.hpp"
@@ -59,22 +67,35 @@ std::string quote(const std::string& arg) {
   return quoted + "'";
 }
 
-// Runs kda-run with `args`, capturing stdout and stderr.
-Result kda_run(const std::vector<std::string>& args) {
-#ifndef KDA_RUN_PATH
-  MESSAGE("KDA_SKIP: kda-run was not built");
-  return {};
-#else
+// Runs a shell command, capturing its stdout and stderr.
+Result shell(const std::string& command) {
   TempDir capture;
-  std::string command = quote(KDA_RUN_PATH);
-  for (const std::string& arg : args) command += " " + quote(arg);
-  command += " >" + quote(capture.file("out")) + " 2>" + quote(capture.file("err"));
-  const int status = std::system(command.c_str());
+  const std::string full =
+      "{ " + command + "; } >" + quote(capture.file("out")) + " 2>" + quote(capture.file("err"));
+  const int status = std::system(full.c_str());
   Result r;
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.out = read_text(capture.file("out"));
   r.err = read_text(capture.file("err"));
   return r;
+}
+
+std::string quoted_args(const std::vector<std::string>& args) {
+  std::string text;
+  for (const std::string& arg : args) text += " " + quote(arg);
+  return text;
+}
+
+// Runs kda-run with `args` (in `dir` when given), capturing stdout and stderr.
+Result kda_run(const std::vector<std::string>& args, const std::string& dir = {}) {
+#ifndef KDA_RUN_PATH
+  (void)args;
+  (void)dir;
+  MESSAGE("KDA_SKIP: kda-run was not built");
+  return {};
+#else
+  const std::string cd = dir.empty() ? std::string() : "cd " + quote(dir) + " && ";
+  return shell(cd + quote(KDA_RUN_PATH) + quoted_args(args));
 #endif
 }
 
@@ -373,7 +394,7 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
   CHECK(summary.out.find("plan reuse: 5.1 MiB") != std::string::npos);  // tiny.yaml plans reuse
   CHECK(summary.out.find("--plan prints every buffer") != std::string::npos);
   CHECK(summary.out.find("layer1.state") == std::string::npos);
-  CHECK(std::count(summary.out.begin(), summary.out.end(), '\n') <= 10);
+  CHECK(std::count(summary.out.begin(), summary.out.end(), '\n') <= 11);
 
   const Result table =
       kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan", "--core-only"});
@@ -440,14 +461,61 @@ TEST_CASE("kda-run: layers are numbered as the YAML's kda_layers, with the KDA i
                           std::regex("\n +1 +0 +[0-9.]+ +[0-9]+( +[0-9.]+){5}\n +3 +1 +[0-9.]+")));
 }
 
-TEST_CASE("kda-run --version: the version and the backends of this build") {
+TEST_CASE("kda-run --version: the version, the backends of this build and those available here") {
   const Result r = kda_run({"--version"});
   REQUIRE(r.rc == 0);
   CHECK(std::regex_search(r.out, std::regex("^kda-run [0-9]+\\.[0-9]+\\.[0-9]+\n")));
-  CHECK(r.out.find(kda::cuda_compiled() ? "backends: cpu, cuda\n" : "backends: cpu\n") !=
-        std::string::npos);
+  std::string why_not;
+  const bool cuda_here = kda::engine::cuda_backend_available(&why_not);
+  const std::string expected =
+      !kda::cuda_compiled() ? "backends built: cpu; available here: cpu\n"
+      : cuda_here           ? "backends built: cpu cuda; available here: cpu cuda\n"
+                  : "backends built: cpu cuda; available here: cpu (cuda: " + why_not + ")\n";
+  CHECK(r.out.find(expected) != std::string::npos);
+  if (kda::cuda_compiled() && kda::cuda_device_count() == 0) {
+    CHECK(r.out.find("(cuda: no CUDA device found)") != std::string::npos);
+  }
   CHECK(r.err.empty());
   CHECK(kda_run({"--version=1"}).rc == 2);
+}
+
+TEST_CASE("kda-run: backend auto says why it chose the CPU") {
+  std::string why_not;
+  if (kda::engine::cuda_backend_available(&why_not)) {
+    // tiny.yaml runs on CUDA here; a head_dim the CUDA whole layer cannot run stays on the CPU.
+    TempDir dir;
+    const std::string yaml = dir.file("d64.yaml");
+    std::string text = read_text(kModels + "tiny.yaml");
+    const std::string head_dim = "head_dim: 128";
+    REQUIRE(text.find(head_dim) != std::string::npos);
+    std::ofstream(yaml) << text.replace(text.find(head_dim), head_dim.size(), "head_dim: 64");
+    const Result r = kda_run({"--model", yaml, "--tokens", "16", "--threads", "1"});
+    INFO(r.out << r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("\nbackend: cpu (1 thread; auto: KDA layer (CUDA): head_dim 64 is not 128 "
+                     "(the CUDA core and the gated-norm kernel run D = 128))\n") !=
+          std::string::npos);
+    return;
+  }
+  const std::string line = "backend: cpu (1 thread; auto: " + why_not + ")\n";
+  CHECK(why_not ==
+        (kda::cuda_compiled() ? "no CUDA device found" : "this build has no CUDA backend"));
+  const Result run =
+      kda_run({"--model", kModels + "tiny.yaml", "--tokens", "16", "--threads", "1"});
+  INFO(run.out << run.err);
+  REQUIRE(run.rc == 0);
+  CHECK(run.out.find("\n" + line) != std::string::npos);
+  // --plan-only says it too; an explicit --backend needs no reason.
+  const Result plan = kda_run({"--model", kModels + "tiny.yaml", "--plan-only"});
+  CHECK(plan.out.find("\nbackend: cpu (auto: " + why_not + ")\n") != std::string::npos);
+  const Result cpu = kda_run(
+      {"--model", kModels + "tiny.yaml", "--tokens", "16", "--threads", "1", "--backend", "cpu"});
+  CHECK(cpu.out.find("\nbackend: cpu (1 thread)\n") != std::string::npos);
+  // CUDA asked for where it cannot run: the reason, before anything is printed.
+  const Result cuda = kda_run({"--model", kModels + "tiny.yaml", "--backend", "cuda"});
+  CHECK(cuda.rc == 1);
+  CHECK(cuda.out.empty());
+  CHECK(cuda.err == "kda-run: error: " + kModels + "tiny.yaml: --backend cuda: " + why_not + "\n");
 }
 
 TEST_CASE("kda-run --model: a directory, and a missing weights file, are named") {
@@ -646,7 +714,7 @@ TEST_CASE("kda-run --case: an --output that is the case file is refused, the fil
 
 // ---- whole layers ----------------------------------------------------------------------------
 
-TEST_CASE("kda-run: whole layers by default, split into phases; --core-only runs the cores") {
+TEST_CASE("kda-run: whole layers by default, split into phases, and --core-only runs the cores") {
   const Result whole = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "24", "--sequences",
                                 "2", "--decode-steps", "2", "--backend", "cpu", "--threads", "2"});
   INFO("whole:\n" << whole.out << whole.err);
@@ -896,4 +964,238 @@ TEST_CASE("kda-run: a typo in runtime is a warning, and an error with --strict-c
   CHECK(r.rc == 1);
   CHECK(r.err.find("max_token") != std::string::npos);
   CHECK(r.err.find("warning") == std::string::npos);
+}
+
+// ---- runtime overrides, file errors, output as it happens, scripts ---------------------------
+
+TEST_CASE(
+    "kda-run: --workspace-plan, --max-tokens and --max-sequences replace the runtime values") {
+  const std::string tiny = kModels + "tiny.yaml";  // reuse, max_tokens 2048, max_sequences 4
+  auto plan_of = [](const Result& r) {
+    INFO(r.err);
+    REQUIRE(r.rc == 0);
+    return nlohmann::json::parse(r.out);
+  };
+  auto state_bytes = [](const nlohmann::json& plan) {
+    for (const auto& buffer : plan["buffers"]) {
+      if (buffer["name"] == "layer1.state") return buffer["bytes"].get<std::uint64_t>();
+    }
+    FAIL("no layer1.state buffer");
+    return std::uint64_t{0};
+  };
+  const nlohmann::json file =
+      plan_of(kda_run({"--model", tiny, "--plan-only", "--json", "--backend", "cpu"}));
+  CHECK(file["mode"] == "reuse");
+  const nlohmann::json overridden = plan_of(
+      kda_run({"--model", tiny, "--plan-only", "--json", "--backend", "cpu", "--workspace-plan",
+               "sum", "--max-sequences", "16", "--max-tokens", "4096", "--tokens", "4096"}));
+  CHECK(overridden["mode"] == "sum");
+  CHECK(state_bytes(overridden) == 4 * state_bytes(file));  // 16 slots instead of 4
+  CHECK(overridden["arena_bytes"].get<std::uint64_t>() > file["arena_bytes"].get<std::uint64_t>());
+
+  // A run with more sequences than the file allows.
+  const Result run = kda_run({"--model", tiny, "--max-sequences", "6", "--sequences", "6",
+                              "--tokens", "12", "--backend", "cpu", "--threads", "1"});
+  INFO(run.out << run.err);
+  REQUIRE(run.rc == 0);
+  CHECK(run.out.find("prefill: 12 tokens in 6 sequences") != std::string::npos);
+
+  // Bad values are usage errors; the model's limits say how to raise them.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--workspace-plan", "greedy"},
+        {"--max-tokens", "0"},
+        {"--max-tokens", "many"},
+        {"--max-sequences", "0"},
+        {"--max-sequences", "1048577"}}) {
+    std::vector<std::string> full = {"--model", tiny, "--plan-only"};
+    full.insert(full.end(), args.begin(), args.end());
+    CAPTURE(args.front());
+    const Result r = kda_run(full);
+    CHECK(r.rc == 2);
+    CHECK(r.err.find("kda-run: " + args.front()) == 0);
+  }
+  CHECK(kda_run({"--model", tiny, "--workspace-plan", "greedy"})
+            .err.find("--workspace-plan expects reuse or sum, got 'greedy'") != std::string::npos);
+  CHECK(kda_run({"--case", "a", "--output", "b", "--max-tokens", "8"}).rc == 2);
+  CHECK(kda_run({"--model", tiny, "--tokens", "4096"}).err.find("(--max-tokens raises it)") !=
+        std::string::npos);
+  CHECK(kda_run({"--model", tiny, "--sequences", "5"}).err.find("(--max-sequences raises it)") !=
+        std::string::npos);
+  // Sizes that overflow are the loader's errors, as the file's own values would be, naming the
+  // key and the override (no line and column: the value is not in the file).
+  const Result huge = kda_run({"--model", tiny, "--plan-only", "--max-tokens",
+                               std::to_string(std::numeric_limits<std::int64_t>::max())});
+  CHECK(huge.rc == 1);
+  CHECK(huge.err == "kda-run: error: " + tiny +
+                        ": runtime.max_tokens: max_tokens 9223372036854775807 (overriding the "
+                        "model description's) x num_heads 4 x head_dim 128 x 2 bytes overflows "
+                        "64 bits\n");
+}
+
+TEST_CASE("kda-run: a description without a runtime section (a config.json) plans reuse") {
+  const std::string config = kModels + "kimi-linear-48b-a3b.json";
+  Result r = kda_run({"--model", config, "--plan-only", "--backend", "cpu"});
+  INFO(r.out << r.err);
+  REQUIRE(r.rc == 0);
+  CHECK(r.out.find("plan reuse)") != std::string::npos);  // the model line
+  CHECK(r.out.find("arena: 3.8 GiB (") != std::string::npos);
+  CHECK(r.out.find("runtime.workspace_plan reuse") != std::string::npos);
+  r = kda_run({"--model", config, "--plan-only", "--backend", "cpu", "--workspace-plan", "sum"});
+  REQUIRE(r.rc == 0);
+  CHECK(r.out.find("arena: 13.7 GiB (") != std::string::npos);
+  CHECK(r.out.find("runtime.workspace_plan sum") != std::string::npos);
+}
+
+TEST_CASE("kda-run: a file that cannot be opened is named by its absolute path, with the reason") {
+  TempDir dir;
+  fs::create_directories(dir.file("run"));
+  const fs::path cwd = fs::canonical(dir.file("run"));  // what the process's getcwd() says
+  const std::string enoent = std::strerror(ENOENT);
+  // A relative path, as a README command run outside the repository gives it.
+  Result r = kda_run({"--model", "models/missing.yaml", "--plan-only"}, dir.file("run"));
+  CHECK(r.rc == 1);
+  CHECK(r.err == "kda-run: error: models/missing.yaml: cannot open the model description '" +
+                     (cwd / "models/missing.yaml").string() + "': " + enoent + "\n");
+  // An absolute one is named once.
+  const std::string absolute = (cwd / "missing.yaml").string();
+  r = kda_run({"--model", absolute});
+  CHECK(r.err ==
+        "kda-run: error: " + absolute + ": cannot open the model description: " + enoent + "\n");
+  for (const char* flag : {"--case", "--layer-case"}) {
+    CAPTURE(flag);
+    r = kda_run({flag, "in.safetensors", "--output", "out.safetensors"}, dir.file("run"));
+    CHECK(r.rc == 1);
+    CHECK(r.err == "kda-run: error: in.safetensors: cannot open the safetensors file '" +
+                       (cwd / "in.safetensors").string() + "': " + enoent + "\n");
+  }
+  if (geteuid() != 0) {  // permissions do not stop root
+    const std::string yaml = dir.file("run/locked.yaml");
+    std::ofstream(yaml) << read_text(kModels + "tiny.yaml");
+    fs::permissions(yaml, fs::perms::none);
+    r = kda_run({"--model", "locked.yaml", "--plan-only"}, dir.file("run"));
+    CHECK(r.err.find(": " + std::string(std::strerror(EACCES)) + "\n") != std::string::npos);
+    fs::permissions(yaml, fs::perms::owner_all);
+  }
+}
+
+TEST_CASE("kda-run: the model and the backend come before the engine is built, line by line") {
+  const Result r = kda_run(
+      {"--model", kModels + "tiny.yaml", "--tokens", "16", "--backend", "cpu", "--threads", "1"});
+  INFO(r.out << r.err);
+  REQUIRE(r.rc == 0);
+  std::size_t at = 0;
+  for (const char* line :
+       {"tiny-kda: 4 layers, 3 KDA", "\nbackend: cpu (1 thread)\n",
+        "\nbuilding the engine: the arena, then random weights (seed 0)...\n",
+        "\nweights: random (seed 0)", "\nengine ready in ", "\nmemory plan:\n",
+        "\nprefill: 16 tokens in 1 sequence (inputs generated and copied in ",
+        " a warm-up forward of the first layer in ", "\n   layer  KDA index",
+        "\n       1          0", "\n       3          2", "\ntotal: 3 KDA layers"}) {
+    CAPTURE(line);
+    const std::size_t found = r.out.find(line, at);
+    CHECK(found != std::string::npos);
+    if (found != std::string::npos) at = found;
+  }
+  CHECK(r.out.rfind("tiny-kda: ", 0) == 0);  // the first line
+#ifdef KDA_RUN_PATH
+  // Into a pipe, each line as it is printed: a run stopped while it still builds the engine of a
+  // large model (seconds of random weights) has shown its first lines already.
+  const Result piped = shell("timeout -s KILL 3 " + quote(KDA_RUN_PATH) +
+                             quoted_args({"--model", kModels + "kimi-linear-48b-a3b.yaml",
+                                          "--tokens", "16", "--backend", "cpu", "--threads", "1"}) +
+                             " | cat");
+  INFO(piped.out << piped.err);
+  CHECK(piped.out.rfind("Kimi-Linear-48B-A3B: 27 layers, 20 KDA", 0) == 0);
+  CHECK(piped.out.find("\nbuilding the engine: ") != std::string::npos);
+#endif
+}
+
+#ifdef KDA_RUN_PATH
+TEST_CASE("scripts/run-example.sh: --layer-case and --case replace the default model") {
+  const auto weights = kda::layer::random_weights(layer_config(), 3, 0);
+  TempDir dir;
+  layer_case(weights, random_bits(5 * kLayerE, 1.0f, 13)).save(dir.file("layer.safetensors"));
+  to_case_file(small_case()).save(dir.file("core.safetensors"));
+  const std::string script = "KDA_SKIP_BUILD=1 KDA_BUILD_DIR=" + quote(KDA_BINARY_DIR) + " bash " +
+                             quote(std::string(KDA_SOURCE_DIR) + "/scripts/run-example.sh");
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--layer-case", dir.file("layer.safetensors"), "--output",
+                                 dir.file("a.safetensors")},
+        {"--layer-case=" + dir.file("layer.safetensors"), "--output", dir.file("b.safetensors")},
+        {"--case", dir.file("core.safetensors"), "--output", dir.file("c.safetensors")}}) {
+    CAPTURE(args.front());
+    const Result r = shell(script + quoted_args(args) + " --backend cpu");
+    INFO(r.out << r.err);
+    CHECK(r.rc == 0);
+    CHECK(fs::exists(args[args.size() - 1]));
+  }
+}
+#endif
+
+namespace {
+
+// Whether this machine can run x86-64-v3 code: an x86-64 CPU with every flag of the level.
+bool cpu_has_x86_64_v3() {
+#if defined(__x86_64__)
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("flags", 0) != 0) continue;
+    std::istringstream words(line.substr(line.find(':') + 1));
+    std::set<std::string> flags{std::istream_iterator<std::string>(words), {}};
+    for (const char* flag : {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave",
+                             "cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2"}) {
+      if (flags.count(flag) == 0) return false;
+    }
+    return true;
+  }
+#endif
+  return false;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "scripts/build.sh: x86-64-v3 where this CPU has it, unless KDA_CPU_ARCH or the cache says") {
+  // A stand-in cmake records the arguments build.sh gives it.
+  TempDir dir;
+  fs::create_directories(dir.file("bin"));
+  std::ofstream(dir.file("bin/cmake")) << "#!/bin/sh\necho \"$*\" >>\"$CMAKE_ARGS_LOG\"\n";
+  fs::permissions(dir.file("bin/cmake"), fs::perms::owner_all);
+  int runs = 0;
+  auto build = [&](const std::string& env, const std::string& build_dir) {
+    const std::string log = dir.file("args" + std::to_string(++runs));
+    const Result r =
+        shell(env + " PATH=" + quote(dir.file("bin")) + ":\"$PATH\" CMAKE_ARGS_LOG=" + quote(log) +
+              " KDA_CUDA=OFF KDA_BUILD_DIR=" + quote(build_dir) + " bash " +
+              quote(std::string(KDA_SOURCE_DIR) + "/scripts/build.sh"));
+    INFO(r.out << r.err);
+    CHECK(r.rc == 0);
+    const std::string args = read_text(log);
+    return std::make_pair(r.out, args.substr(0, args.find('\n')));  // the configure call
+  };
+  const std::string fresh = dir.file("fresh");
+  auto [said, args] = build("env -u KDA_CPU_ARCH", fresh);
+  if (cpu_has_x86_64_v3()) {
+    CHECK(said.find("build.sh: CPU backend built for x86-64-v3 (") == 0);
+    CHECK(std::regex_search(args, std::regex("-DKDA_CPU_ARCH=x86-64-v3( |$)")));
+  } else {
+    CHECK(said.find("build.sh: CPU backend built for the compiler's generic target (") == 0);
+    CHECK(std::regex_search(args, std::regex("-DKDA_CPU_ARCH=( |$)")));
+  }
+  std::tie(said, args) = build("KDA_CPU_ARCH=native", fresh);
+  CHECK(said.find("build.sh: CPU backend built for native (KDA_CPU_ARCH from the environment)") ==
+        0);
+  CHECK(std::regex_search(args, std::regex("-DKDA_CPU_ARCH=native( |$)")));
+  std::tie(said, args) = build("KDA_CPU_ARCH=", fresh);
+  CHECK(said.find("build.sh: CPU backend built for generic (KDA_CPU_ARCH from the environment)") ==
+        0);
+  CHECK(std::regex_search(args, std::regex("-DKDA_CPU_ARCH=( |$)")));
+  // A value configured by hand in the build directory stays.
+  const std::string configured = dir.file("configured");
+  fs::create_directories(configured);
+  std::ofstream(configured + "/CMakeCache.txt") << "KDA_CPU_ARCH:STRING=native\n";
+  std::tie(said, args) = build("env -u KDA_CPU_ARCH", configured);
+  CHECK(said.find("build.sh: CPU backend built for native (KDA_CPU_ARCH configured in ") == 0);
+  CHECK(args.find("KDA_CPU_ARCH") == std::string::npos);
 }

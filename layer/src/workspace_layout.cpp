@@ -57,7 +57,9 @@ WorkspaceLayout make_workspace_layout(Backend backend, const Config& c, std::int
     layout.core = layout.proj;
   } else {
     layout.hidden_f32 = per_token(c.hidden_size, sizeof(float));
-    layout.pre_f32 = per_token(Cl, sizeof(float));
+    // Each projection before its conv, then the gate's and beta's, are consumed before the output
+    // gate is computed: they share its bytes.
+    layout.pre_f32 = layout.gate;
     layout.lowrank_f32 = per_token(c.head_dim, sizeof(float));
     layout.core = regions.take(layout.core_bytes);
   }

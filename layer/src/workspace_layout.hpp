@@ -34,7 +34,8 @@ struct WorkspaceLayout {
   std::size_t core = 0;            // the operator's workspace, core_bytes long
   std::size_t core_bytes = 0;
   // CPU scratch: x widened f32 [T, E] (later the o_proj result), one projection f32 [T, Cl]
-  // before its conv, the low-rank factor f32 [T, D].
+  // before its conv (in the gate's bytes: consumed before the gate is written), the low-rank
+  // factor f32 [T, D].
   std::size_t hidden_f32 = 0, pre_f32 = 0, lowrank_f32 = 0;
   // CUDA scratch: cuBLAS's workspace, and the fused input projection bf16 [T, proj stride], whose
   // region the core's workspace shares (the projections are consumed before the core runs).

@@ -140,7 +140,8 @@ void check_model_spec() {
     check(spec.num_kda_layers() == 2, "model spec has two KDA layers");
     check(spec.kda_layer_indices.size() == 2 && spec.kda_layer_indices[1] == 2,
           "KDA layer 3 (1-based) is index 2");
-    check(spec.runtime.workspace_plan == kda::planner::PlanMode::kSum, "default plan mode is sum");
+    check(spec.runtime.workspace_plan == kda::planner::PlanMode::kReuse,
+          "default plan mode is reuse");
   } catch (const kda::Error& error) {
     check(false, std::string("parse_model_spec threw: ") + error.what());
   }

@@ -119,7 +119,7 @@ TEST_CASE("defaults: runtime section / name / short conv kernel / full attention
   CHECK(spec.runtime.max_tokens == 8192);
   CHECK(spec.runtime.max_sequences == 8);
   CHECK(spec.runtime.state_dtype == kda::DType::kF32);
-  CHECK(spec.runtime.workspace_plan == kda::planner::PlanMode::kSum);
+  CHECK(spec.runtime.workspace_plan == kda::planner::PlanMode::kReuse);
   CHECK(spec.runtime.backend == kda::engine::BackendChoice::kAuto);
   CHECK(spec.runtime.prefill_schedule == kda::PrefillSchedule::kAuto);
   // An empty runtime section means defaults too.

@@ -4,11 +4,13 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
 
+#include "file_failure.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine {
@@ -54,8 +56,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (!ends_with(index_path, ".json")) return from_file(SafetensorsFile::open(path));
 
   // A sharded checkpoint: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
+  errno = 0;
   std::ifstream in(index_path);
-  if (!in) fail(index_path, "cannot open the checkpoint index");
+  if (!in) fail(index_path, file_failure("cannot open the checkpoint index", index_path, errno));
   std::stringstream text;
   text << in.rdbuf();
   const nlohmann::json index =

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include <set>
 #include <sstream>
 
+#include "file_failure.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine {
@@ -417,9 +419,34 @@ using kda::detail::checked_add;
 using kda::detail::checked_mul;
 using kda::detail::checked_product;
 
+// What an override says in an error about it: the value is not in the file.
+constexpr const char* kOverridden = " (overriding the model description's)";
+
+// The caller's runtime values in place of the file's, range-checked as the file's are. An error
+// has no line and column: the value is not in the file.
+void apply_runtime_overrides(const Context& ctx, const RuntimeOverrides& overrides,
+                             RuntimeSpec* runtime) {
+  auto in_range = [&ctx](std::int64_t value, const char* key, std::int64_t hi) {
+    if (value < 1 || value > hi) {
+      ctx.fail(
+          YAML::Mark::null_mark(), std::string("runtime.") + key,
+          std::to_string(value) + kOverridden + " is out of range [1, " + std::to_string(hi) + "]");
+    }
+    return value;
+  };
+  if (overrides.max_tokens) {
+    runtime->max_tokens =
+        in_range(*overrides.max_tokens, "max_tokens", std::numeric_limits<std::int64_t>::max());
+  }
+  if (overrides.max_sequences) {
+    runtime->max_sequences = in_range(*overrides.max_sequences, "max_sequences", kMaxSequences);
+  }
+  if (overrides.workspace_plan) runtime->workspace_plan = *overrides.workspace_plan;
+}
+
 // The byte counts an engine for this spec will plan; each, and their sum, must fit in 64 bits.
 void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::Node& runtime_node,
-                       const YAML::Node& root) {
+                       const YAML::Node& root, const RuntimeOverrides& overrides) {
   const std::uint64_t tokens = static_cast<std::uint64_t>(spec.runtime.max_tokens);
   const std::uint64_t heads = static_cast<std::uint64_t>(spec.num_heads);
   const std::uint64_t dim = static_cast<std::uint64_t>(spec.head_dim);
@@ -427,29 +454,34 @@ void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::No
   const std::uint64_t layers = static_cast<std::uint64_t>(spec.num_kda_layers());
   const std::uint64_t state_size = dtype_size(spec.runtime.state_dtype);
   // Point at the runtime value that makes the count overflow, or at the section (or top) when the
-  // default is in effect.
-  auto node_of = [&](const char* key) -> YAML::Node {
-    if (!runtime_node.IsDefined()) return root;
+  // default is in effect; nowhere in the file for an override.
+  auto mark_of = [&](const char* key, bool overridden) -> YAML::Mark {
+    if (overridden) return YAML::Mark::null_mark();
+    if (!runtime_node.IsDefined()) return root.Mark();
     const YAML::Node value = runtime_node[key];
-    return value.IsDefined() ? value : runtime_node;
+    return value.IsDefined() ? value.Mark() : runtime_node.Mark();
   };
+  auto note = [](bool overridden) { return std::string(overridden ? kOverridden : ""); };
   const std::string key = "runtime.max_tokens";
 
   std::uint64_t tensor_bytes = 0, state_pool = 0, all_pools = 0, total = 0;
   // One bf16 [max_tokens, H, D] tensor (q, k, v, g or out); six of them with beta rounded up.
   if (!checked_product({tokens, heads, dim, 2}, &tensor_bytes) ||
       !checked_mul(tensor_bytes, 6, &total)) {
-    ctx.fail(node_of("max_tokens"), key,
-             "max_tokens " + std::to_string(tokens) + " x num_heads " + std::to_string(heads) +
-                 " x head_dim " + std::to_string(dim) + " x 2 bytes overflows 64 bits",
+    const bool overridden = overrides.max_tokens.has_value();
+    ctx.fail(mark_of("max_tokens", overridden), key,
+             "max_tokens " + std::to_string(tokens) + note(overridden) + " x num_heads " +
+                 std::to_string(heads) + " x head_dim " + std::to_string(dim) +
+                 " x 2 bytes overflows 64 bits",
              StatusCode::kOverflow);
   }
   if (!checked_product({seqs, heads, dim, dim, state_size}, &state_pool) ||
       !checked_mul(state_pool, layers, &all_pools) || !checked_add(total, all_pools, &total)) {
-    ctx.fail(node_of("max_sequences"), "runtime.max_sequences",
-             "the state pools (max_sequences " + std::to_string(seqs) + " x num_heads " +
-                 std::to_string(heads) + " x head_dim^2 " + std::to_string(dim) + "^2 x " +
-                 std::to_string(state_size) + " bytes x " + std::to_string(layers) +
+    const bool overridden = overrides.max_sequences.has_value();
+    ctx.fail(mark_of("max_sequences", overridden), "runtime.max_sequences",
+             "the state pools (max_sequences " + std::to_string(seqs) + note(overridden) +
+                 " x num_heads " + std::to_string(heads) + " x head_dim^2 " + std::to_string(dim) +
+                 "^2 x " + std::to_string(state_size) + " bytes x " + std::to_string(layers) +
                  " KDA layers) plus the inputs overflow 64 bits",
              StatusCode::kOverflow);
   }
@@ -710,7 +742,8 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
             static_cast<int>(as_int_in(ctx, n, r + ".tp_rank", 0, spec.runtime.tp_size - 1));
       }
     }
-    check_byte_counts(ctx, spec, runtime, root);
+    apply_runtime_overrides(ctx, options.runtime, &spec.runtime);
+    check_byte_counts(ctx, spec, runtime, root, options.runtime);
   } catch (const YAML::Exception& e) {
     // Anything yaml-cpp itself rejects while we walk the tree (should not happen on a parsed tree).
     ctx.fail(e.mark, "", std::string("cannot read YAML: ") + e.what());
@@ -724,11 +757,19 @@ ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& optio
     throw Error(StatusCode::kInvalidArgument,
                 path + ": is a directory, expected a YAML/JSON model description");
   }
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(StatusCode::kInvalidArgument, path + ": cannot open model description");
+  if (!in) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + file_failure("cannot open the model description", path, errno));
+  }
   std::ostringstream text;
+  errno = 0;
   text << in.rdbuf();
-  if (in.bad()) throw Error(StatusCode::kInvalidArgument, path + ": cannot read model description");
+  if (in.bad()) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + file_failure("cannot read the model description", path, errno));
+  }
   const fs::path parent = fs::path(path).parent_path();
   return parse_model_spec(text.str(), path, parent.empty() ? std::string(".") : parent.string(),
                           options);

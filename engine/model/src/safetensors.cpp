@@ -14,6 +14,7 @@
 #include <set>
 #include <system_error>
 
+#include "file_failure.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine {
@@ -259,8 +260,9 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) fail(path, "is a directory, not a safetensors file");
+  errno = 0;
   std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, std::string("cannot open (") + std::strerror(errno) + ")");
+  if (!in) fail(path, file_failure("cannot open the safetensors file", path, errno));
   in.seekg(0, std::ios::end);
   const std::streamoff end = in.tellg();
   if (end < 0) fail(path, "cannot determine the file size");
@@ -316,8 +318,9 @@ Tensor SafetensorsFile::read(const std::string& name) const {
   }
   tensor.data.resize(static_cast<std::size_t>(info->bytes));
   if (info->bytes == 0) return tensor;
+  errno = 0;
   std::ifstream in(path_, std::ios::binary);
-  if (!in) fail(path_, std::string("cannot reopen (") + std::strerror(errno) + ")");
+  if (!in) fail(path_, file_failure("cannot reopen the safetensors file", path_, errno));
   in.seekg(static_cast<std::streamoff>(data_start_ + info->offset), std::ios::beg);
   in.read(reinterpret_cast<char*>(tensor.data.data()), static_cast<std::streamsize>(info->bytes));
   if (!in || static_cast<std::uint64_t>(in.gcount()) != info->bytes) {

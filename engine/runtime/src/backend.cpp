@@ -5,6 +5,7 @@
 
 #include <cstring>
 
+#include "kda/engine/engine.hpp"
 #include "kda/error.hpp"
 #include "kda/nvtx.hpp"
 
@@ -153,16 +154,42 @@ std::unique_ptr<EngineBackend> make_engine_backend(Backend kind, const BackendOp
 
 bool backend_has_device_status(Backend kind) noexcept { return kind == Backend::kCuda; }
 
-Backend choose_backend(BackendChoice choice, const std::function<bool()>& cuda_can_run) {
-  switch (choice) {
-    case BackendChoice::kCpu:
-      return Backend::kCpu;
-    case BackendChoice::kCuda:
-      return Backend::kCuda;
-    case BackendChoice::kAuto:
-      break;
+bool cuda_backend_available(std::string* why_not) {
+  std::string reason;
+  if (!cuda_compiled()) {
+    reason = "this build has no CUDA backend";
+  } else if (cuda_device_count() <= 0) {
+    reason = "no CUDA device found";
+  } else if (const Status st = cuda_device_supported(); !st.ok()) {
+    reason = st.message();  // names the device and its compute capability
   }
-  return cuda_device_count() > 0 && cuda_can_run() ? Backend::kCuda : Backend::kCpu;
+  if (why_not != nullptr) *why_not = reason;
+  return reason.empty();
+}
+
+Backend choose_backend(BackendChoice choice,
+                       const std::function<std::string()>& why_cuda_cannot_run, std::string* why) {
+  std::string reason = "asked for";
+  Backend backend = choice == BackendChoice::kCuda ? Backend::kCuda : Backend::kCpu;
+  if (choice == BackendChoice::kAuto) {
+    // The machine first, then the problem: the problem's obstacle only matters where CUDA runs.
+    if (cuda_backend_available(&reason)) reason = why_cuda_cannot_run();
+    if (reason.empty()) {
+      backend = Backend::kCuda;
+      reason = "a CUDA device can run it";
+    }
+  }
+  if (why != nullptr) *why = reason;
+  return backend;
+}
+
+Backend choose_backend(BackendChoice choice, const std::function<bool()>& cuda_can_run) {
+  return choose_backend(
+      choice,
+      [&cuda_can_run] {
+        return cuda_can_run() ? std::string() : std::string("the CUDA backend cannot run it");
+      },
+      nullptr);
 }
 
 }  // namespace kda::engine

@@ -87,7 +87,12 @@ std::unique_ptr<EngineBackend> make_engine_backend(Backend kind, const BackendOp
 // answered without a device, for plans made on machines that lack one.
 bool backend_has_device_status(Backend kind) noexcept;
 
-// kCpu / kCuda as asked; kAuto: CUDA when a device is present and `cuda_can_run()`, else the CPU.
+// kCpu / kCuda as asked; kAuto: CUDA when cuda_backend_available() and `why_cuda_cannot_run()`
+// (what of the caller's problem the CUDA backend cannot run) is empty, else the CPU. `why`
+// (optional) gets the reason in resolve_backend()'s words.
+Backend choose_backend(BackendChoice choice,
+                       const std::function<std::string()>& why_cuda_cannot_run, std::string* why);
+// The same with a yes / no check of the problem.
 Backend choose_backend(BackendChoice choice, const std::function<bool()>& cuda_can_run);
 
 // One allocation of a backend, freed when it goes (after the backend's work on it is done: the

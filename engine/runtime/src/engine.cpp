@@ -500,16 +500,23 @@ struct Engine::Impl {
 
 // ---- construction ----------------------------------------------------------------------------
 
-Backend resolve_backend(const ModelSpec& spec, BackendChoice choice) {
-  return choose_backend(choice, [&spec] {
-    // Whole layers on CUDA: the layer's limits (head_dim 128, conv width 2..4).
-    if (spec.runtime.layer_mode == LayerMode::kWhole &&
-        !layer::can_implement(Backend::kCuda, layer_config(spec)).ok()) {
-      return false;
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string* why) {
+  auto why_cuda_cannot_run = [&spec]() -> std::string {
+    // Whole layers on CUDA: the layer's limits (kda::layer::can_implement).
+    if (spec.runtime.layer_mode == LayerMode::kWhole) {
+      if (const Status st = layer::can_implement(Backend::kCuda, layer_config(spec)); !st.ok()) {
+        return st.message();
+      }
     }
-    return can_implement(max_prefill_problem(spec), Backend::kCuda).ok() &&
-           can_implement(max_decode_problem(spec), Backend::kCuda).ok();
-  });
+    if (const Status st = can_implement(max_prefill_problem(spec), Backend::kCuda); !st.ok()) {
+      return "prefill: " + st.message();
+    }
+    if (const Status st = can_implement(max_decode_problem(spec), Backend::kCuda); !st.ok()) {
+      return "decode: " + st.message();
+    }
+    return std::string();
+  };
+  return choose_backend(choice, why_cuda_cannot_run, why);
 }
 
 void check_weights_file(const ModelSpec& spec) {

@@ -157,9 +157,19 @@ struct LayerInfo {
   std::string origin;          // "random (seed S)" or the checkpoint path
 };
 
-// Which backend an engine for `spec` would use: kCpu / kCuda as asked; kAuto picks CUDA when a
-// device is present and the CUDA backend can run the model's problems (K == V == 128), else CPU.
-Backend resolve_backend(const ModelSpec& spec, BackendChoice choice);
+// Which backend an engine for `spec` would use: kCpu / kCuda as asked; kAuto picks CUDA when
+// cuda_backend_available() and the CUDA backend can run the model's problems (K == V == 128), else
+// CPU. `why` (optional) gets the reason in a few words, for a front end to show (the library prints
+// nothing): "asked for" (kCpu / kCuda); for kAuto "a CUDA device can run it", or why not: the
+// machine's reason (cuda_backend_available()) or the model's ("head_dim 64 (the CUDA whole layer
+// needs 128)").
+Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string* why = nullptr);
+
+// Whether this machine can run the CUDA backend at all: the build has it, a device is present and
+// the kernels are built for it (compute capability 9.0). `why_not` (optional) gets the reason when
+// not ("this build has no CUDA backend", "no CUDA device found", or the device and its compute
+// capability), and is cleared when it can.
+bool cuda_backend_available(std::string* why_not = nullptr);
 
 // Throws kda::Error naming the model file, its `weights:` key and the resolved path when the spec
 // names a weights file that does not exist or is a directory; nothing when it names none. The
