@@ -1,6 +1,6 @@
 // kda-chunk-emulation: the CUDA prefill's chunk algorithm emulated on the CPU, with a switch per
 // point where the GPU rounds to bf16, to apportion the GPU's error against an fp64 recurrence
-// (issue: accuracy <= 3e-3). It follows prefill_prepare.cu and prefill_recurrence.cu step by step
+// (the target: <= 3e-3). It follows prefill_prepare.cu and prefill_recurrence.cu step by step
 // (factored path: every chunk's half decay range below 80, as the bounded gate guarantees):
 //
 //   prepare  r = (G_0 + G_last) / 2 per channel (the reference in the middle of the decay range)
@@ -19,7 +19,7 @@
 //   S      the state as the left operand of X and O (bf16 copy of the fp32 accumulators)
 //   U      U as the left operand of the state update and of U^T M^T (fp16; bf16 with
 //          --bf16-update)
-// The GPU today switches off `gram` (bf16 pairs); before the tenth session also `M` (a pair).
+// The GPU today switches off `gram` (bf16 pairs); with --bf16-update also `M` (then a pair).
 //   qgY    qg as the right operand of S^T qg^T (bf16; off: the fp32 value)
 //
 //   B      --pair only: B = W_b K^_a^T (16 x 16) stored bf16
@@ -28,7 +28,7 @@
 //   softplus|lower_bound] [--dt-shift X] [--pair] [--bf16-update]   (X added to every dt_bias: -4
 //   long memory, +3 strong decay, as the operator tests' regimes; --pair: the recurrence two
 //   chunks a step, recur_pair, a design for a shorter state chain; --bf16-update: the kernels
-//   before the tenth session)
+//   before the fp16 state update)
 // Prints, for each configuration, the relative L2 error of out and of the final state.
 #include <cmath>
 #include <cstdint>
@@ -63,7 +63,7 @@ float rh(float x) {
   return static_cast<float>(std::nearbyint(static_cast<double>(x) * std::ldexp(1.0, -q)) *
                             std::ldexp(1.0, q));
 }
-// The GPU (tenth session on) rounds U, U0, K^ and M to fp16, not bf16 (U and U0 scaled by powers
+// The GPU rounds U, U0, K^ and M to fp16, not bf16 (U and U0 scaled by powers
 // of two into fp16's range first: exact, so not modelled); --bf16-update emulates the kernels
 // before, with M then taken as the bf16 pair they stored (the `M` switch off).
 bool g_f16 = true;

@@ -233,7 +233,7 @@ std::vector<PrefillCase> prefill_cases() {
       {"softplus-h32-1seq", 32, {8192}, false, G::kSoftplus, 0, 1.107},
       {"softplus-h96-1seq", 96, {8192}, false, G::kSoftplus, 0, 2.918},
       {"softplus-h32-16x2048", 32, b16, true, G::kSoftplus, 0, 3.848},
-      // Slots through indices (issue: one launch whatever the slots): against the contiguous rows.
+      // Slots through indices (one launch whatever the slots): against the contiguous rows.
       {"slots-reversed-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32,
        Slots::kReversed},
       {"slots-strided-h32-16x2048", 32, b16, true, G::kLowerBound, 1.581, 3.457, F32,
@@ -297,8 +297,8 @@ std::vector<PrefillCase> prefill_cases() {
 // --paths (on the host, no device needed): how the CUDA prepare kernel's rule
 // (kda/detail/prepare_paths.hpp) shares each softplus case's chunk-heads between its paths, on the
 // case's input set 0 replayed from the fills' hash. The last column is the exact path's share that
-// a two-level reference would keep factored (the `prepare-halves` experiment in docs/patches,
-// measured slower: PERFORMANCE-NOTES.md v22; not a path of the kernel).
+// a two-level reference would keep factored (an experiment measured slower, docs/design/prefill.md;
+// not a path of the kernel).
 void print_paths(const std::string& only) {
   constexpr int C = 16, D = 128;
   std::printf("\n### Prepare paths of the softplus cases (input set 0, %% of chunk-heads)\n\n");

@@ -1,5 +1,5 @@
 // kda-overlap-probe: how the CUDA prefill's two phases share the GPU when they run at the same
-// time, the question behind issue 9's fused kernel (docs/PERFORMANCE-NOTES.md v18). Not part of
+// time, the question behind a fused kernel (docs/design/prefill.md). Not part of
 // the library, and not a test: timings only.
 //
 // Two independent problems A and B of one shape (bounded gate, no states). A's chunk records are

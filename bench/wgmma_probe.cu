@@ -1,8 +1,8 @@
-// kda-wgmma-probe: the first step of docs/PERFORMANCE-NOTES.md, "Design: the recurrence on wgmma".
+// kda-wgmma-probe: the first step of the recurrence on wgmma (docs/design/prefill.md, "Not built").
 // Not part of the library: two measurements that decide whether the recurrence should move from
 // mma.sync + ldmatrix to wgmma, before any kernel is rewritten.
-//   1. Layout check. One warpgroup runs one chunk step on wgmma from the record layout v2 of the
-//      design (128-byte-swizzled token-major tiles, a 32-byte-swizzled M): U = U0 - S W^T (A = S
+//   1. Layout check. One warpgroup runs one chunk step on wgmma from the design's record layout
+//      (128-byte-swizzled token-major tiles, a 32-byte-swizzled M): U = U0 - S W^T (A = S
 //      from registers, scale-a -1), S' = S diag(g) + U K^ (B read MN-major, trans-b 1) and
 //      O = U M^T, against an fp64 host reference from the same bf16 operands. The relative errors
 //      should be ~1e-7 (fp32 sums); a wrong descriptor gives O(1).

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# A same-session A/B of launcher settings (the KDA_PREFILL_* knobs of kda/src/cuda/prefill.cu) on
-# one build, in one device call: kda-bench of this tree under each setting, round-robin for
+# A same-run A/B of launcher settings (the KDA_PREFILL_* knobs of kda/src/cuda/prefill.cu) on
+# one build, on the GPU machine: kda-bench of this tree under each setting, round-robin for
 # KDA_AB_ROUNDS rounds (default 3), then every setting against the first as ratios
 # (scripts/bench-ab.py). A setting is a space-separated list of VAR=VALUE ("-" for none):
-#   (device call, carry [".gpudeps"]) scripts/ab-env.sh - "KDA_PREFILL_PIPELINE=0" -- --prefill --iters 10
-# Output: $OUT/ab-env.md only (the device tool brings back at most 8 files).
+# With .gpudeps/ in the working tree:
+#   scripts/ab-env.sh - "KDA_PREFILL_PIPELINE=0" -- --prefill --iters 10
+# Output: one summary file, $OUT/ab-env.md.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1

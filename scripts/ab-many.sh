@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# A same-session A/B of several revisions in one device call: kda-bench of every tree under .ab/
+# A same-run A/B of several revisions on the GPU machine: kda-bench of every tree under .ab/
 # (export each with scripts/ab-prepare.sh REV), run round-robin for KDA_AB_ROUNDS rounds (default
 # 3), then each tree against the base as ratios (scripts/bench-ab.py): KDA_AB_BASE=<name under
-# .ab/>, or the first name in sort order.
-#   (device call, carry [".gpudeps", ".ab"]) scripts/ab-many.sh --prefill --iters 10
-# Output: $OUT/ab-many.md only (the device tool brings back at most 8 files).
+# .ab/>, or the first name in sort order. With .gpudeps/ and .ab/ in the working tree:
+#   scripts/ab-many.sh --prefill --iters 10
+# Output: one summary file, $OUT/ab-many.md.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root" || exit 1

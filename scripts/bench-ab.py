@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Compares two builds' kda-bench outputs measured in the same GPU session, as ratios.
+"""Compares two builds' kda-bench outputs measured in the same run, as ratios.
 
 Usage: bench-ab.py A_LABEL B_LABEL A_1.md B_1.md [A_2.md B_2.md ...]
 Each file is one kda-bench run (markdown tables). Runs are interleaved A, B, A, B, ... by the

@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """One build's kda-bench runs as the tables docs/PERFORMANCE.md keeps: each prefill case's median
-over the runs against KDA.md §6's anchors (FlashKDA) and issue 9's targets, the geometric mean, the
-softplus twins against their bounded cases, and decode.
+over the runs against KDA.md §6's anchors (FlashKDA) and the targets of docs/PERFORMANCE.md, the
+geometric mean, the softplus twins against their bounded cases, and decode.
 
 Usage: bench-table.py RUN.md [RUN.md ...]
-Each file holds one kda-bench run or several appended (scripts/bench_tables.py). Targets (issue
-9): §6 cases at <= 1/2 FlashKDA's time and the H96 ones at <= 2.5x their floor; low-head cases
-(H <= 16) >= 2.5x FlashKDA, >= 4x where T >= 32768 (a varlen batch's T: its total tokens); the
-geometric mean >= 3x.
+Each file holds one kda-bench run or several appended (scripts/bench_tables.py). Targets: §6
+cases at <= 1/2 FlashKDA's time and the H96 ones at <= 2.5x their floor; low-head cases (H <= 16)
+>= 2.5x FlashKDA, >= 4x where T >= 32768 (a varlen batch's T: its total tokens); the geometric
+mean >= 3x.
 """
 import math
 import os
@@ -30,7 +30,7 @@ def sequence_tokens(row):
 
 
 def target(name, row, ms, floor):
-    """Issue 9's target for a case as text, and whether `ms` meets it (None: no target)."""
+    """The target for a case as text, and whether `ms` meets it (None: no target)."""
     flashkda = number(row.get("FlashKDA ms"))
     if flashkda is None:
         return "-", None

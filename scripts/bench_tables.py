@@ -1,7 +1,7 @@
 """Reads kda-bench's markdown output: the one parser behind scripts/bench-ab.py (two builds, as
-ratios) and scripts/bench-table.py (one build over several runs, against the anchors and issue 9's
-targets). A file may hold several runs one after another (each run starts with its prefill table's
-"### CUDA prefill" header, as when runs are appended to one log).
+ratios) and scripts/bench-table.py (one build over several runs, against the anchors and the
+targets of docs/PERFORMANCE.md). A file may hold several runs one after another (each run starts
+with its prefill table's "### CUDA prefill" header, as when runs are appended to one log).
 """
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one command the H200 machine runs (see docs/PERFORMANCE.md): configure with the carried Debian
-# dependencies (.gpudeps/, made by ../shared/gpu-build/pack-deps.sh), build, run the GPU tests, then
-# the benchmark. Logs and tables go to $OUT.
+# The one command for the GPU machine, which has CUDA but no package access (docs/BUILDING.md):
+# configure with the Debian dependencies carried in the working tree (.gpudeps/: the packages'
+# files unpacked with dpkg -x), build, run the GPU tests, then the benchmark. Logs and tables go to
+# $OUT.
 # Usage: scripts/gpu-check.sh [tests|bench|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
 # sanitize: a quick subset (five runs: the operator's varlen / state / decode cases) under the four
 # compute-sanitizer tools; all-sanitize: tests, bench, then that quick subset (not sanitize-all).
@@ -10,7 +11,7 @@
 # sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
-# (the other binaries) runs half of it, for device calls shorter than the whole (~15 minutes).
+# (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -67,7 +68,7 @@ if [ "$what" = sanitize ] || [ "$what" = all-sanitize ]; then
 fi
 if [ "$what" = ab ]; then
   src=$root/.ab/$ab_rev
-  [ -d "$src" ] || { echo "no $src: run scripts/ab-prepare.sh $ab_rev here and carry .ab"; exit 1; }
+  [ -d "$src" ] || { echo "no $src: run scripts/ab-prepare.sh $ab_rev and bring .ab/ with the working tree"; exit 1; }
   abuild=${build}-ab-$ab_rev
   cmake -S "$src" -B "$abuild" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.gpudeps/usr" \
     -DKDA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a > "$OUT/configure-ab.log" 2>&1 \
@@ -105,7 +106,7 @@ if [ "$what" = sanitize-all ]; then
     # and the recurrence then disagree on which slots hold which chunks, and the recurrence reads
     # records nobody wrote (in bounds; the call reports the list through the status word and its
     # outputs are undefined, kda.hpp). initcheck reports each such read and the subcase ran past
-    # 240 s under it (ninth session); every other tool runs it.
+    # 240 s under it; every other tool runs it.
     [ "$bin" = test_validation_cuda ] && [ "$tool" = initcheck ] \
       && args=("-sce=a list long enough for a split plan*")
     timeout ${KDA_SANITIZER_TIMEOUT:-480} compute-sanitizer --tool "$tool" --nvtx yes --error-exitcode 1 \
@@ -127,10 +128,10 @@ if [ "$what" = sanitize-all ]; then
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"
     # racecheck of the operator in thirteen shards (together its CUDA test cases, each once): in one
-    # run it did not finish within 480 s; the CPU-backend comparison alone takes ~600 s (seventh
-    # session), so its subcases are split in four by name, and the state-slot tests in two (eighth
-    # session, eleven processes at once: the old "long, very, state, split, H96" shard and the
-    # slot tests with the segment ones each ran past 315 s; the others took 65-295 s).
+    # run it does not finish within 480 s (the CPU-backend comparison alone takes ~600 s under
+    # racecheck), so that comparison's subcases are split by name into eight shards and the other
+    # test cases into five, each under the limit with eight processes at once (the longest,
+    # "H96*,split*", ~430 s).
     { for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do
         [ $tool = racecheck ] && [ $b = test_kda_operator ] || echo "$tool $b"; done; done
       $op_part && for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \

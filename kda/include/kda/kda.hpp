@@ -7,7 +7,7 @@
 // point returns a Status that names the problem. Nothing in a forward allocates, synchronizes or
 // prints.
 //
-// Math, layouts and numerics: see docs/KDA.md (mirrors the project's shared KDA reference).
+// Math, layouts and numerics: see docs/KDA.md.
 #pragma once
 
 #include <cstddef>

@@ -37,9 +37,9 @@ class PrepareChunkRule {
                                                      : PreparePath::kExact;
   }
   // Whether a two-level reference (each 8-token half around its own middle, the cross block
-  // around the first half's end) would keep this chunk factored: the docs/patches/prepare-halves
-  // experiment, measured slower (PERFORMANCE-NOTES.md v22) and not in the kernel; kda-bench
-  // --paths reports the exact path's share that it would take.
+  // around the first half's end) would keep this chunk factored: an experiment measured slower
+  // (docs/design/prefill.md, "What was learned") and not in the kernel; kda-bench --paths reports
+  // the exact path's share that it would take.
   bool within_two_levels() const { return half_of_half_ < kPrepareFactoredBoundNats; }
 
  private:
