@@ -97,7 +97,7 @@ void make_problem(Problem* pb, int H, std::int64_t N, std::int64_t L, std::uint6
   std::uint64_t slots = 0;
   d::num_chunk_slots(static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(N), &slots);
   pb->slots = static_cast<std::int64_t>(slots);
-  p.num_slots = pb->slots;
+  p.num_chunk_slots = pb->slots;
   p.records = static_cast<unsigned char*>(
       pb->alloc(static_cast<std::size_t>(pb->slots) * H * d::ChunkRecord::kBytes));
   p.seg_chunks = d::kNoSplit;

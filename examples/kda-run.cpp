@@ -27,6 +27,10 @@
 #include "kda/error.hpp"
 #include "synthetic_run.hpp"
 
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace {
 
 using kda::engine::BackendChoice;
@@ -37,6 +41,36 @@ using kda::planner::MemoryPlan;
 #endif
 
 constexpr std::int64_t kDefaultTokens = 1024;
+
+// A non-blocking CUDA stream for the run (nullptr without CUDA or when not asked), destroyed last.
+class Stream {
+ public:
+  explicit Stream(bool create) {
+#ifdef KDA_HAVE_CUDA
+    if (create && cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess) {
+      (void)cudaGetLastError();
+      stream_ = nullptr;  // the engine then runs on the default stream, and decode eagerly
+    }
+#else
+    (void)create;
+#endif
+  }
+  ~Stream() {
+#ifdef KDA_HAVE_CUDA
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+#endif
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  void* get() const noexcept { return stream_; }
+
+ private:
+#ifdef KDA_HAVE_CUDA
+  cudaStream_t stream_ = nullptr;
+#else
+  void* stream_ = nullptr;
+#endif
+};
 
 const char* const kUsage =
     R"(Usage:
@@ -79,6 +113,9 @@ Options:
   --max-sequences N    replaces the model's runtime.max_sequences (default 8; 1..1048576): the
                        state slots of every KDA layer
   --decode-steps S     decode steps after the prefill (default 0)
+  --graphs on|off      CUDA: each decode step replays one CUDA graph of every layer, captured once
+                       on batch metadata in device memory, as a serving runtime runs decode
+                       (default on); off: eager calls
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
   --threads N          CPU backend threads (default 0: all hardware threads)
@@ -126,6 +163,8 @@ struct Options {
   std::optional<std::int64_t> tokens;
   std::int64_t sequences = 1;
   std::int64_t decode_steps = 0;
+  bool graphs = true;
+  bool graphs_given = false;
   std::optional<BackendChoice> backend;
   std::uint64_t seed = 0;
   std::int64_t threads = 0;
@@ -208,6 +247,11 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--decode-steps") {
       o.decode_steps = parse_int(arg, value(), 0, 1 << 24);
       o.decode_given = true;
+    } else if (arg == "--graphs") {
+      const std::string v = value();
+      if (v != "on" && v != "off") throw UsageError{"--graphs takes on or off, not '" + v + "'"};
+      o.graphs = v == "on";
+      o.graphs_given = true;
     } else if (arg == "--seed") {
       o.seed = static_cast<std::uint64_t>(parse_int(arg, value(), 0, kMax));
       o.seed_given = true;
@@ -260,8 +304,8 @@ Options parse_args(int argc, char** argv) {
     if (o.output.empty()) throw UsageError{flag + " needs --output OUT.safetensors"};
     const kda::engine::RuntimeOverrides& r = o.runtime;
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
-        o.seed_given || o.threads_given || o.core_only || o.strict_config || o.schedule ||
-        r.workspace_plan || r.max_tokens || r.max_sequences) {
+        o.graphs_given || o.seed_given || o.threads_given || o.core_only || o.strict_config ||
+        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -270,8 +314,8 @@ Options parse_args(int argc, char** argv) {
   if (o.model.empty())
     throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
-  if (o.plan_only &&
-      (o.sequences_given || o.decode_given || o.seed_given || o.threads_given || o.schedule)) {
+  if (o.plan_only && (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given ||
+                      o.threads_given || o.schedule)) {
     throw UsageError{
         "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
         "--workspace-plan, --max-tokens and --max-sequences"};
@@ -554,6 +598,9 @@ int run_model(const Options& o) {
   options.backend = backend == kda::Backend::kCuda ? BackendChoice::kCuda : BackendChoice::kCpu;
   options.seed = o.seed;
   options.cpu_threads = static_cast<int>(o.threads);
+  // CUDA: a stream of the run's own, as a runtime would give the engine (graph capture needs one).
+  const Stream stream(backend == kda::Backend::kCuda);
+  options.stream = stream.get();
   kda::engine::Engine engine(spec, options);
   if (whole) {
     // Each layer's weight image is its arena buffer layer{n}.weights (CPU: widened to fp32).
@@ -576,6 +623,7 @@ int run_model(const Options& o) {
   run.tokens = tokens;
   run.sequences = o.sequences;
   run.decode_steps = static_cast<int>(o.decode_steps);
+  run.graphs = o.graphs;
   run.seed = o.seed;
   run.progress = [&bar](int done, int total) { bar.update(done, total); };
   // Each layer's row as soon as it has run; the header with the first (the untimed work is known
@@ -615,10 +663,11 @@ int run_model(const Options& o) {
         *std::min_element(report.decode_step_seconds.begin(), report.decode_step_seconds.end());
     std::printf(
         "decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
-        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step\n",
+        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s)\n",
         static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
         o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
-        step > 0 ? static_cast<double>(o.sequences) / step : 0.0, step * 1e6 / engine.num_layers());
+        step > 0 ? static_cast<double>(o.sequences) / step : 0.0, step * 1e6 / engine.num_layers(),
+        report.decode_graphs ? "CUDA graph replays" : ("eager: " + report.decode_mode).c_str());
   }
   // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
   engine.check_device_status();

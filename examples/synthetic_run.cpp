@@ -12,6 +12,10 @@
 #include "kda/detail/checked_math.hpp"
 #include "kda/error.hpp"
 
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
 namespace kda::examples {
 
 namespace {
@@ -22,6 +26,80 @@ namespace {
 
 using kda::detail::align_up;
 using kda::detail::checked_mul;
+
+// One decode step of every layer captured as a CUDA graph on caller-owned metadata (the slot list
+// in device memory), replayed per step. Built only where it can be (see RunOptions::graphs).
+class DecodeGraph {
+ public:
+  DecodeGraph() = default;
+  DecodeGraph(const DecodeGraph&) = delete;
+  DecodeGraph& operator=(const DecodeGraph&) = delete;
+  ~DecodeGraph() {
+#ifdef KDA_HAVE_CUDA
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+#endif
+    if (slots_ != nullptr) (void)device_free(slots_);
+  }
+
+  // Captures `step` (every layer's decode on `batch`, its slots pointing at slots()); returns ""
+  // or why it could not (the steps then run eagerly).
+  std::string capture(engine::Engine& engine, const std::vector<int>& slots,
+                      const std::function<void(const engine::BatchMetadata&)>& step) {
+#ifdef KDA_HAVE_CUDA
+    if (engine.backend() != Backend::kCuda) return "the CPU backend";
+    auto* stream = static_cast<cudaStream_t>(engine.stream());
+    if (stream == nullptr) return "the engine has no stream of its own";
+    const std::vector<std::int32_t> rows(slots.begin(), slots.end());
+    throw_if_error(device_malloc(&slots_, rows.size() * sizeof(std::int32_t)), "decode graph");
+    throw_if_error(memcpy_to_device(slots_, rows.data(), rows.size() * sizeof(std::int32_t)),
+                   "decode graph");
+    engine::BatchMetadata batch;
+    batch.sequences = static_cast<std::int64_t>(rows.size());
+    batch.tokens = batch.sequences;
+    batch.decode_tokens = 1;
+    batch.slots = static_cast<const std::int32_t*>(slots_);
+    if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "cudaStreamBeginCapture failed";
+    }
+    std::string error;
+    try {
+      step(batch);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph_);
+    if (error.empty() && end != cudaSuccess) error = cudaGetErrorString(end);
+    if (error.empty() && cudaGraphInstantiate(&exec_, graph_, 0) != cudaSuccess) {
+      error = "cudaGraphInstantiate failed";
+    }
+    (void)cudaGetLastError();
+    return error;
+#else
+    (void)engine, (void)slots, (void)step;
+    return "the CPU backend";
+#endif
+  }
+  void replay(engine::Engine& engine) const {
+#ifdef KDA_HAVE_CUDA
+    const cudaError_t err = cudaGraphLaunch(exec_, static_cast<cudaStream_t>(engine.stream()));
+    if (err != cudaSuccess) {
+      throw Error(StatusCode::kCudaError,
+                  std::string("decode graph replay: ") + cudaGetErrorString(err));
+    }
+#else
+    (void)engine;
+#endif
+  }
+
+ private:
+  void* slots_ = nullptr;
+#ifdef KDA_HAVE_CUDA
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+#endif
+};
 
 // splitmix64: fast, seedable, good enough for synthetic activations.
 struct SplitMix {
@@ -248,12 +326,32 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
       if (options.prefill_layer_done) options.prefill_layer_done(report);
       if (options.progress) options.progress(++done, total_steps);
     }
-    // Each step reads the next window of `n` synthetic tokens, wrapping around.
+    // Graph replays of one captured step, or eager steps, each of which reads the next window of
+    // `n` synthetic tokens, wrapping around.
+    DecodeGraph graph;
+    report.decode_mode = "graphs off";
+    if (options.graphs && options.decode_steps > 0) {
+      report.decode_mode = graph.capture(engine, report.slots, [&](const engine::BatchMetadata& b) {
+        for (int l = 0; l < layers; ++l) {
+          if (report.whole_layers) {
+            engine.decode_hidden(l, inputs.hidden(0), inputs.hidden_output(), b);
+          } else {
+            engine.decode(l, inputs.inputs(0), inputs.output(), b);
+          }
+        }
+      });
+      report.decode_graphs = report.decode_mode.empty();
+      if (report.decode_graphs) report.decode_mode = "CUDA graph replays";
+    }
     const std::int64_t windows = inputs.capacity() - options.sequences + 1;
     for (int step = 0; step < options.decode_steps; ++step) {
       const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
       const auto start = std::chrono::steady_clock::now();
-      for (int l = 0; l < layers; ++l) decode_step(l, offset);
+      if (report.decode_graphs) {
+        graph.replay(engine);
+      } else {
+        for (int l = 0; l < layers; ++l) decode_step(l, offset);
+      }
       engine.synchronize();
       report.decode_step_seconds.push_back(seconds_since(start));
       if (options.progress) options.progress(++done, total_steps);

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "kda/engine/engine.hpp"
@@ -74,6 +75,10 @@ struct RunReport {
   double upload_seconds = 0.0;              // generating + uploading inputs (not in the above)
   double warmup_seconds = 0.0;              // the untimed warm-up forward (RunOptions::warmup)
   std::vector<double> decode_step_seconds;  // one entry per step: every KDA layer, 1 token/seq
+  // Whether the decode steps replayed one CUDA graph (RunOptions::graphs), and if not, why not
+  // ("the CPU backend", "graphs off", "the engine has no stream of its own", ...).
+  bool decode_graphs = false;
+  std::string decode_mode;
 };
 
 struct RunOptions {
@@ -87,6 +92,12 @@ struct RunOptions {
   // does not pay first-call costs (CUDA kernel loading, cuBLAS initialisation, first touches of
   // the arena's pages), and every result is what it would have been without it.
   bool warmup = true;
+  // CUDA: each decode step replays one CUDA graph of every layer's decode, captured once on
+  // caller-owned batch metadata (kda::engine::BatchMetadata) — how a serving runtime runs decode.
+  // Capture needs the engine on a stream of its own (EngineOptions::stream); without one, on the
+  // CPU, or with false, the steps are eager calls. Every step reads the same window of synthetic
+  // tokens then (the graph's inputs are fixed buffers); the states advance as in eager steps.
+  bool graphs = true;
   // Called after every layer of the prefill and after every decode step: (done, total).
   std::function<void(int, int)> progress;
   // Called after every layer of the prefill, before `progress`, with the report so far: its last

@@ -19,6 +19,7 @@
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
 #include "layer_test_util.hpp"
+#include "synthetic_run.hpp"
 
 #ifdef KDA_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -505,5 +506,54 @@ TEST_CASE(
     compare();
   }
   CHECK_NOTHROW(g.check_device_status());
+#endif
+}
+
+TEST_CASE(
+    "kda-run's decode steps replay one captured graph: the states of eager steps on the same "
+    "tokens, bitwise [cuda]") {
+  if (!usable(Backend::kCuda)) return;
+#ifdef KDA_HAVE_CUDA
+  Stream stream;
+  REQUIRE(stream.stream != nullptr);
+  auto engine_options = [&] {
+    EngineOptions o = EnginePair::options(Backend::kCuda, stream.stream);
+    o.seed = 23;
+    return o;
+  };
+  kda::examples::RunOptions run;
+  run.tokens = 96;
+  run.sequences = 3;
+  run.seed = 4;
+  run.release_slots = false;
+  // Replays of the captured step.
+  Engine replayed(spec(), engine_options());
+  kda::examples::SyntheticInputs replayed_inputs(replayed, 96);
+  run.decode_steps = 4;
+  const kda::examples::RunReport report =
+      kda::examples::run_synthetic(replayed, replayed_inputs, run);
+  CHECK(report.decode_graphs);
+  CHECK(report.decode_mode == "CUDA graph replays");
+  // The same prefill, then four eager steps of every layer on the window the graph reads.
+  Engine eager(spec(), engine_options());
+  kda::examples::SyntheticInputs eager_inputs(eager, 96);
+  run.decode_steps = 0;
+  const kda::examples::RunReport prefilled = kda::examples::run_synthetic(eager, eager_inputs, run);
+  for (int step = 0; step < 4; ++step) {
+    for (int l = 0; l < eager.num_layers(); ++l) {
+      eager.decode_hidden(l, eager_inputs.hidden(0), eager_inputs.hidden_output(), prefilled.slots,
+                          1);
+    }
+  }
+  eager.synchronize();
+  replayed.synchronize();
+  CHECK(prefilled.slots == report.slots);
+  CHECK(all_states(replayed) == all_states(eager));
+  run.graphs = false;  // and eager steps are what --graphs off runs
+  Engine off(spec(), engine_options());
+  kda::examples::SyntheticInputs off_inputs(off, 96);
+  run.decode_steps = 1;
+  const kda::examples::RunReport eager_report = kda::examples::run_synthetic(off, off_inputs, run);
+  CHECK_FALSE(eager_report.decode_graphs);
 #endif
 }
