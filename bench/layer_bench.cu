@@ -1,11 +1,15 @@
-// kda-layer-bench — one whole Kimi-Linear-48B KDA layer on CUDA (kda::layer on CUDA): hidden 2304,
-// H = 32, D = 128, conv width 4, softplus gate, random weights; the whole layer and its TP8 shard
-// (H = 4 of 32), prefill T = 8192 (one sequence) and decode steps of B = 1, 64, 256 sequences (one
-// token each, f32 recurrent state). Each phase (projections, conv, core, norm, o_proj) is timed
-// with CUDA events that the forward records at its boundaries; the table shows the median over the
-// timed runs, after warm-up, in microseconds, each phase as "time (floor)", then the whole layer's
-// total against the sum of the phase floors. Floors (bench_floors.hpp; bw = the device-to-device
-// copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16 spec):
+// kda-layer-bench — one whole KDA layer on CUDA (kda::layer), random weights, D = 128, conv width
+// 4, f32 recurrent state, in three shapes: Kimi-Linear-48B (hidden 2304, H = 32, softplus gate),
+// its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12 of 96, bounded gate
+// -5); prefill T = 8192 (one sequence) and decode steps of B = 1, 8, 64, 256 sequences (one token
+// each). Each phase (projections, conv, core, norm, o_proj) is timed with the layer's CUDA events
+// (RunOptions::times; the call then waits for the layer); the table shows the median over the
+// timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole layer's
+// total against the sum of the phase floors, and "graph": the median of one forward captured in a
+// CUDA graph and replayed (events around each replay, no host in between: what a serving
+// runtime's captured decode step pays per layer). Floors (bench_floors.hpp; bw = the
+// device-to-device copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16
+// spec):
 //   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors;
 //                bytes = their weights, hidden read, proj, g and the f32 gate written, f_a|g_a read
 //   conv         bytes / bw: q|k|v read and written (bf16), beta read and written, conv states
@@ -89,30 +93,41 @@ int main(int argc, char** argv) {
         " TFLOP/s bf16 (H200 dense spec)\n\n",
         prop.name, iters, warmup, bw / 1e12, peak / 1e12);
     std::printf(
-        "| layer | case | total | floor sum | x floor | projections | conv | core | norm |"
-        " o_proj |\n");
-    std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        "| layer | case | total | floor sum | x floor | graph | graph x floor | projections | conv "
+        "|"
+        " core | norm | o_proj |\n");
+    std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
 
-    for (int tp_size : {1, 8}) {
+    struct Shape {
+      const char* name;
+      std::int64_t hidden, heads;
+      int tp_size;
+      kda::GateMode gate;
+    };
+    for (const Shape& shape :
+         {Shape{"H = 32", 2304, 32, 1, kda::GateMode::kSoftplus},
+          Shape{"TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus},
+          Shape{"K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound}}) {
       kda::layer::Config config;
-      config.hidden_size = 2304;
-      config.num_heads = 32;
+      config.hidden_size = shape.hidden;
+      config.num_heads = shape.heads;
       config.head_dim = 128;
       config.conv_width = 4;
-      config.gate = kda::GateMode::kSoftplus;
-      config.tp_size = tp_size;
+      config.gate = shape.gate;
+      config.lower_bound = -5.0f;
+      config.tp_size = shape.tp_size;
       config.tp_rank = 0;
       const auto layer =
           kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, 0));
       const std::int64_t E = config.hidden_size, Cl = config.local_channels();
       const std::int64_t Hl = config.local_heads(), D = config.head_dim;
-      const std::string layer_name =
-          tp_size == 1 ? "H = 32" : "TP8 shard (H = " + std::to_string(Hl) + ")";
+      const std::string layer_name = shape.name;
       for (const Case& c :
            {Case{"prefill T = 8192", 1, 8192, false}, Case{"decode B = 1", 1, 1, true},
-            Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
+            Case{"decode B = 8", 8, 1, true}, Case{"decode B = 64", 64, 1, true},
+            Case{"decode B = 256", 256, 1, true}}) {
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
         const std::int64_t slots = N;
         std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(T * E));
@@ -171,6 +186,37 @@ int main(int argc, char** argv) {
           }
           total.push_back(sum);
         }
+        // One forward captured in a graph, replayed: each replay timed with events around it.
+        std::vector<double> graph;
+        {
+          kda::layer::RunOptions capture_options;
+          capture_options.stream = stream;
+          capture_options.check_pointers = false;
+          cudaGraph_t g = nullptr;
+          cudaGraphExec_t exec = nullptr;
+          check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+          layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                         static_cast<kda::bf16_bits*>(d_out.ptr), state,
+                         kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
+          check(cudaStreamEndCapture(stream, &g), "end capture");
+          check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+          cudaEvent_t before = nullptr, after = nullptr;
+          check(cudaEventCreate(&before), "cudaEventCreate");
+          check(cudaEventCreate(&after), "cudaEventCreate");
+          for (int it = 0; it < warmup + iters; ++it) {
+            check(cudaEventRecord(before, stream), "cudaEventRecord");
+            check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+            check(cudaEventRecord(after, stream), "cudaEventRecord");
+            check(cudaEventSynchronize(after), "replay");
+            float ms = 0.0f;
+            check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
+            if (it >= warmup) graph.push_back(ms * 1e3);
+          }
+          cudaEventDestroy(before);
+          cudaEventDestroy(after);
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(g);
+        }
         // Floors per phase, microseconds (see the top of this file).
         const std::int64_t W = config.conv_width;
         const double t = static_cast<double>(T), n = static_cast<double>(N);
@@ -193,8 +239,9 @@ int main(int argc, char** argv) {
                                   us(std::max(o_flops / peak, o_bytes / bw))};
         double floor_sum = 0.0;
         for (double f : floors) floor_sum += f;
-        std::printf("| %s | %s | %.1f | %.1f | %.2fx |", layer_name.c_str(), c.name.c_str(),
-                    median(total), floor_sum, median(total) / floor_sum);
+        std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |", layer_name.c_str(),
+                    c.name.c_str(), median(total), floor_sum, median(total) / floor_sum,
+                    median(graph), median(graph) / floor_sum);
         for (int p = 0; p < 5; ++p) std::printf(" %.1f (%.1f) |", median(phase[p]), floors[p]);
         std::printf("\n");
         std::fflush(stdout);

@@ -3,15 +3,17 @@
 // layouts and every check that needs no device are plain C++ and built everywhere; the rest needs
 // KDA_HAVE_CUDA (a CPU-only build's make_cuda_layer() says so).
 //
-//   projections  cuBLAS (bf16 in, fp32 accumulation, CUBLAS_COMPUTE_32F): x·[W_q; W_k; W_v; W_fa;
-//                W_ga; W_b]ᵀ as one GEMM, then the two low-rank second factors
+//   projections  x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ as one GEMM, then the two low-rank second
+//                factors: cuBLAS (bf16 in, fp32 accumulation, CUBLAS_COMPUTE_32F), or for batches
+//                of at most 8 tokens (decode) the small-row kernel of cuda/small_gemm.cu
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
 //   norm         one fused kernel: gated RMSNorm
-//   o_proj       cuBLAS
+//   o_proj       as the projections
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -172,9 +174,34 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 // out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
 // outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
+// Whether batches of at most cuda::kSmallGemmMaxRows tokens take the small-row kernel instead of
+// cuBLAS (KDA_LAYER_SMALL_GEMM=0 turns it off: a knob for the benchmark's A/B, not part of the
+// contract). Read once.
+bool small_gemm_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KDA_LAYER_SMALL_GEMM");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return enabled;
+}
+
 void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64_t ldi,
           std::int64_t rows, std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
           cudaDataType out_type, std::int64_t ldo, const char* what) {
+  cuda::SmallGemmParams small;
+  small.in = static_cast<const std::uint16_t*>(in);
+  small.ldi = ldi;
+  small.weight = static_cast<const std::uint16_t*>(weight);
+  small.out = out;
+  small.ldo = ldo;
+  small.out_f32 = out_type == CUDA_R_32F;
+  small.rows = rows;
+  small.n = n_out;
+  small.k = n_in;
+  if (small_gemm_enabled() && cuda::small_gemm_fits(small)) {
+    check_cuda(cuda::launch_small_gemm(small, stream), what);
+    return;
+  }
   const float one = 1.0f, zero = 0.0f;
   check_cublas(
       cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
