@@ -5,7 +5,8 @@
 //
 //   projections  x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ as one GEMM, then the two low-rank second
 //                factors: cuBLAS (bf16 in, fp32 accumulation, CUBLAS_COMPUTE_32F), or for batches
-//                of at most 8 tokens (decode) the small-row kernel of cuda/small_gemm.cu
+//                of one token (decode of one sequence) the small-row kernel of
+//                cuda/small_gemm.cu
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
 //   norm         one fused kernel: gated RMSNorm

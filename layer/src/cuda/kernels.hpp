@@ -79,7 +79,7 @@ cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
 
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for
-// decode steps and other batches of at most kSmallGemmMaxRows tokens (small_gemm.cu).
+// batches of at most kSmallGemmMaxRows tokens: decode steps of one sequence (small_gemm.cu).
 struct SmallGemmParams {
   const std::uint16_t* in = nullptr;
   std::int64_t ldi = 0;
@@ -89,7 +89,7 @@ struct SmallGemmParams {
   bool out_f32 = false;
   std::int64_t rows = 0, n = 0, k = 0;
 };
-inline constexpr std::int64_t kSmallGemmMaxRows = 8;
+inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and
 // weight 16-byte aligned.
 bool small_gemm_fits(const SmallGemmParams& p);

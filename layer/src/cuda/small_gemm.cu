@@ -1,7 +1,8 @@
-// layer/src/cuda/small_gemm.cu — out = in · Wᵀ for a few rows (decode steps): bandwidth-bound, so
-// one warp streams one weight row with 16-byte loads and dots it with every input row (held in L1),
-// fp32 accumulation, one rounding at the end. cuBLAS at these shapes runs far from the weights'
-// read time (a GEMM kernel's tiles are mostly padding at M <= 8).
+// layer/src/cuda/small_gemm.cu — out = in · Wᵀ for one row (a decode step of one sequence):
+// bandwidth-bound, so one warp streams one weight row with 16-byte loads and dots it with the input
+// row (held in L1), fp32 accumulation, one rounding at the end. The layer uses it where it was
+// measured faster than cuBLAS (H200, kda-layer-bench graph replays: B = 1 3-12 % under cuBLAS; at 8
+// rows this kernel, and a variant with four weight rows per warp, took twice cuBLAS's time).
 #include <cuda_bf16.h>
 
 #include "cuda/kernels.hpp"
@@ -92,10 +93,7 @@ bool small_gemm_fits(const SmallGemmParams& p) {
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (!small_gemm_fits(p)) return cudaErrorInvalidValue;
-  if (p.rows <= 1) return launch_rows<1>(p, stream);
-  if (p.rows <= 2) return launch_rows<2>(p, stream);
-  if (p.rows <= 4) return launch_rows<4>(p, stream);
-  return launch_rows<8>(p, stream);
+  return launch_rows<1>(p, stream);
 }
 
 }  // namespace kda::layer::cuda
