@@ -100,8 +100,8 @@ line is printed as it finishes. One untimed warm-up forward of the first layer r
 ones (first-call costs: kernel loading, cuBLAS, page faults), its states then cleared.
 
 Options:
-  --model M.yaml       model description (YAML, or a Hugging Face config.json as is; see README for
-                       the schema)
+  --model M.yaml       model description (YAML, or a Hugging Face config.json as is; the schema:
+                       docs/MODEL.md)
   --tokens T           prefill tokens, all sequences together (default 1024; at most
                        runtime.max_tokens of the model)
   --sequences N        sequences (default 1; at most runtime.max_sequences)

@@ -2,7 +2,8 @@
 # configure a separate project against it with find_package(kda), build it and run it
 # (run_consumer.cmake):
 #   consumer_find_package  tests/consumer: the public headers and every exported library
-#   readme_examples        tests/readme: the C and C++ examples of README.md, as written
+#   readme_examples        tests/readme: the C and C++ examples of README.md and docs/**/*.md, as
+#                          written
 # They need the whole project built first (the install takes what the build produced).
 # In a CUDA build, consumer_find_package links the CUDA libraries (CUDAToolkit found as in this
 # build) and readme_examples configures with CMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit: a consumer

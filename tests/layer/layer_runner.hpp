@@ -153,7 +153,7 @@ struct Tolerances {
   double split_state;     // ... the recurrent states (f32 pools); tensor-parallel ranks' states
   bool split_conv_exact;  // ... the conv states bit for bit
 };
-// Relative L2 error of CUDA against the CPU layer, on out and every state (issue 11).
+// Relative L2 error of CUDA against the CPU layer, on out and every state.
 constexpr double kCudaVsCpuTolerance = 1e-2;
 // Out and states of a bf16 recurrent pool against an f32 one, and split runs on bf16 pools (the
 // state is rounded to bf16 at the end of every call).

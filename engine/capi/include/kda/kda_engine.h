@@ -3,9 +3,10 @@
  * Plain C (C99) and C++. Link kda::engine (a C++ library: link the program with the C++ compiler,
  * or add the C++ runtime by hand). Every call maps onto the C++ Engine (kda/engine/engine.hpp);
  * what the engine does — one arena allocated at creation, state slots, prefill and decode on the
- * caller's pointers — is described there. The README (installed as share/kda/README.md, sections
- * "C API" and "Model description") has a complete program; share/kda/examples/c_example.c a longer
- * one, and share/kda/examples/models/ the example model descriptions.
+ * caller's pointers — is described there. docs/API.md (installed as share/kda/docs/API.md, section
+ * "C") has a complete program and docs/MODEL.md the model description's schema;
+ * share/kda/examples/c_example.c is a longer program, and share/kda/examples/models/ holds the
+ * example model descriptions.
  *
  *   kda_engine_options options;
  *   kda_engine_options_init(&options);
@@ -109,10 +110,9 @@ kda_status kda_engine_options_init(kda_engine_options* options);
 
 typedef struct kda_engine kda_engine; /* opaque */
 
-/* Reads a YAML model description (share/kda/README.md, "Model description") and creates an
- * engine: loads parameters, plans memory and allocates the one arena. `options` may be NULL
- * (defaults). On success *out_engine is the new handle; on failure it is NULL and `err` holds the
- * message. */
+/* Reads a YAML model description (share/kda/docs/MODEL.md) and creates an engine: loads
+ * parameters, plans memory and allocates the one arena. `options` may be NULL (defaults). On
+ * success *out_engine is the new handle; on failure it is NULL and `err` holds the message. */
 kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,
                                        kda_engine** out_engine, char* err, size_t err_size);
 /* The same from YAML text. Messages name the source "<yaml string>"; a relative `weights` path is
