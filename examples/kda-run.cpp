@@ -137,7 +137,7 @@ Options:
                        layer's weights by their checkpoint names, optional cu_seqlens, conv_state_q,
                        conv_state_k, conv_state_v and recurrent_state; metadata gate, lower_bound,
                        norm_eps, final_state); writes out and the final states to --output
-  --core-only          run the KDA core of each layer only (q, k, v, g, beta in), as before whole
+  --core-only          run the KDA core of each layer only (q, k, v, g, beta in) instead of whole
                        layers
   --strict-config      unknown keys in runtime / linear_attn_config (typos) are errors, not
                        warnings

@@ -38,7 +38,10 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   grep -E "tests passed|tests failed|Failed|\*\*\*|Exception|SKIP" "$OUT/ctest-gpu.log" | tail -40
   # The measured errors of every case, for the record (ctest shows output only on failure).
   { for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done
-    "$build/tests/test_kda_operator" '-tc=*[cuda]' 2>&1; } > "$OUT/gpu-test-output.log"
+    for t in test_kda_operator test_layer test_engine_core test_engine_whole test_c_api \
+             test_batch_metadata; do
+      "$build/tests/$t" '-tc=*[cuda]' 2>&1
+    done; } > "$OUT/gpu-test-output.log"
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   "$build/bench/kda-bench" "$@" 2>&1 | tee "$OUT/bench.md" || rc=1
@@ -95,7 +98,9 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
-    case "$bin" in test_engine_core | test_engine_whole | test_c_api) args=("-tc=*[cuda]") ;; esac
+    case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata)
+      args=("-tc=*[cuda]") ;;
+    esac
     [[ "$filter" == *"|"* ]] && args+=("-sc=${filter#*|}")
     # Under racecheck and initcheck the 2^31-element case never completed (~50 GB tracked) and the
     # leak test measures the tool's own device memory (docs/SANITIZERS.md): memcheck and
@@ -123,7 +128,7 @@ if [ "$what" = sanitize-all ]; then
   [ "$part" = others ] || [ "$part" = all ] && others_part=true
   bins=
   $op_part && bins="test_kda_operator"
-  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer"
+  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer test_batch_metadata"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"

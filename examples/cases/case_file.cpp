@@ -1,4 +1,5 @@
-// engine/case_file.cpp — validate a case file completely, run one forward, write the result.
+// examples/cases/case_file.cpp — validate a case file completely, run one forward, write the
+// result.
 #include "case_file.hpp"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// kda/engine/case_file.hpp — one KDA forward described by a safetensors "case file".
+// examples/cases/case_file.hpp — one KDA forward described by a safetensors "case file".
 //
 // The case-file contract (what `kda-run --case IN --output OUT` reads and writes; metadata values
 // are strings):

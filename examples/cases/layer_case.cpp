@@ -1,5 +1,5 @@
-// engine/layer_case.cpp — a layer case file (case_file.hpp): validate it completely, run one whole
-// KDA layer (kda::layer, on the CPU or CUDA), write the result.
+// examples/cases/layer_case.cpp — a layer case file (case_file.hpp): validate it completely, run
+// one whole KDA layer (kda::layer, on the CPU or CUDA), write the result.
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>

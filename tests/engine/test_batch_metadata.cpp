@@ -18,6 +18,7 @@
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
+#include "kda/kda_engine.h"
 #include "layer_test_util.hpp"
 #include "synthetic_run.hpp"
 
@@ -566,4 +567,59 @@ TEST_CASE(
   const kda::examples::RunReport eager_report = kda::examples::run_synthetic(off, off_inputs, run);
   CHECK_FALSE(eager_report.decode_graphs);
 #endif
+}
+
+TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are refused [cpu]") {
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  options.backend = KDA_BACKEND_CPU;
+  options.cpu_threads = 2;
+  kda_engine *spans = nullptr, *batch = nullptr;
+  char err[512];
+  REQUIRE(kda_engine_create_from_string(kSpec, &options, &spans, err, sizeof err) == KDA_OK);
+  REQUIRE(kda_engine_create_from_string(kSpec, &options, &batch, err, sizeof err) == KDA_OK);
+  int slots[3];
+  for (int& s : slots) {
+    REQUIRE(kda_engine_acquire_slot(spans, &s) == KDA_OK);
+    REQUIRE(kda_engine_acquire_slot(batch, &s) == KDA_OK);
+  }
+  const std::vector<std::uint16_t> hidden = kda::test::random_bf16(20 * kHidden, 1.0f, 12);
+  std::vector<std::uint16_t> out_spans(20 * kHidden), out_batch(20 * kHidden, 0xFFFF);
+  const std::vector<std::int32_t> rows = {slots[2], -1, slots[0]};
+  const std::vector<std::int64_t> cu = {0, 9, 12, 20};
+  const int host_rows[3] = {rows[0], rows[1], rows[2]};
+  kda_batch prefill{20, 3, 0, rows.data(), cu.data()};
+  kda_batch decode{3, 3, 1, rows.data(), nullptr};
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_prefill_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3,
+                                      cu.data()) == KDA_OK);
+    REQUIRE(kda_engine_forward_hidden_batch(batch, l, hidden.data(), out_batch.data(), &prefill) ==
+            KDA_OK);
+  }
+  CHECK(out_spans == out_batch);
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_decode_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3, 1) ==
+            KDA_OK);
+    REQUIRE(kda_engine_forward_hidden_batch(batch, l, hidden.data(), out_batch.data(), &decode) ==
+            KDA_OK);
+  }
+  CHECK(std::equal(out_spans.begin(), out_spans.begin() + 3 * kHidden, out_batch.begin()));
+  CHECK(std::all_of(out_batch.begin() + kHidden, out_batch.begin() + 2 * kHidden,
+                    [](std::uint16_t x) { return x == 0; }));  // the padding row
+  // The core alone on the same batch type, and refusals naming the problem.
+  const std::vector<std::uint16_t> q = kda::test::random_bf16(3 * 4 * 128, 1.0f, 13);
+  const std::vector<std::uint16_t> beta(3 * 4, 0);
+  std::vector<std::uint16_t> core_out(3 * 4 * 128);
+  CHECK(kda_engine_forward_batch(batch, 0, q.data(), q.data(), q.data(), q.data(), beta.data(),
+                                 core_out.data(), &decode) == KDA_OK);
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), nullptr) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("batch") != std::string::npos);
+  kda_batch bad = decode;
+  bad.decode_tokens = 17;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &bad) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("decode_tokens 17") != std::string::npos);
+  kda_engine_destroy(spans);
+  kda_engine_destroy(batch);
 }

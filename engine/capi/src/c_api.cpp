@@ -1,4 +1,4 @@
-// engine/c_api.cpp — the C API (kda/kda_engine.h) over kda::engine::Engine.
+// engine/capi/src/c_api.cpp — the C API (kda/kda_engine.h) over kda::engine::Engine.
 //
 // Every entry point is noexcept and funnels its body through guarded(), which turns any exception
 // into a status and a message. The per-handle message lives in a fixed char array, so recording an

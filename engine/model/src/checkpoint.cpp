@@ -1,4 +1,4 @@
-// engine/checkpoint.cpp — one safetensors file or a sharded Hugging Face checkpoint.
+// engine/model/src/checkpoint.cpp — one safetensors file or a sharded Hugging Face checkpoint.
 #include "kda/engine/checkpoint.hpp"
 
 #include <nlohmann/json.hpp>

@@ -1,5 +1,5 @@
-// engine/src/layer_weights_io.cpp — a whole KDA layer's weights in checkpoints: reading them by
-// their Hugging Face names, and writing them as safetensors tensors.
+// engine/model/src/layer_weights_io.cpp — a whole KDA layer's weights in checkpoints: reading them
+// by their Hugging Face names, and writing them as safetensors tensors.
 #include "kda/engine/layer_weights_io.hpp"
 
 #include <cmath>

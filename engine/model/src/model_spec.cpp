@@ -1,5 +1,5 @@
-// engine/model_spec.cpp — YAML or JSON → ModelSpec with file:line:column errors that name the key,
-// and warnings (with a suggested spelling) for unknown keys in the engine's own sections.
+// engine/model/src/model_spec.cpp — YAML or JSON → ModelSpec with file:line:column errors that name
+// the key, and warnings (with a suggested spelling) for unknown keys in the engine's own sections.
 #include "kda/engine/model_spec.hpp"
 #include "kda/detail/checked_math.hpp"
 

@@ -1,4 +1,4 @@
-// engine/safetensors.cpp — a strict safetensors reader and an atomic writer.
+// engine/model/src/safetensors.cpp — a strict safetensors reader and an atomic writer.
 #include "kda/engine/safetensors.hpp"
 
 #include <nlohmann/json.hpp>

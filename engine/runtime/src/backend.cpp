@@ -1,4 +1,4 @@
-// engine/src/backend.cpp — the host and CUDA implementations of EngineBackend.
+// engine/runtime/src/backend.cpp — the host and CUDA implementations of EngineBackend.
 #include "backend.hpp"
 
 #include <sys/mman.h>

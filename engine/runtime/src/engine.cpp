@@ -1,4 +1,4 @@
-// engine/engine.cpp — planning, the arena, state slots, prefill/decode dispatch.
+// engine/runtime/src/engine.cpp — planning, the arena, state slots, prefill/decode dispatch.
 //
 // Everything backend-specific (memory, copies, the operator's entry points, the device status
 // word, pointer checks) goes through one EngineBackend (backend.hpp); this file never asks which
@@ -319,7 +319,7 @@ struct Engine::Impl {
            " rows of decode_tokens " + std::to_string(b.decode_tokens) + " (1.." +
            std::to_string(kMaxDecodeTokens) + " each, tokens = rows x decode_tokens)");
     }
-    if (b.tokens < 0 || b.tokens > spec.runtime.max_tokens) {
+    if (!decode && (b.tokens < 0 || b.tokens > spec.runtime.max_tokens)) {
       fail(call + ": " + std::to_string(b.tokens) + " tokens, expected 0.." +
            std::to_string(spec.runtime.max_tokens) + " (runtime.max_tokens)");
     }
@@ -588,6 +588,11 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   // (seconds, gigabytes for a large model): an arena that cannot be had fails first. The layers
   // then read their weights straight into their planned buffers, one layer at a time.
   m.whole = m.spec.runtime.layer_mode == LayerMode::kWhole;
+  if (m.whole) {  // before the arena and the weights: their sizes assume the backend runs them
+    if (const Status st = layer::can_implement(kind, layer_config(m.spec)); !st.ok()) {
+      throw Error(st, where);
+    }
+  }
   m.layers = make_layers(m.spec, kind);
   EngineBuffers buffers;
   m.plan = make_plan(m.spec, kind, m.layers, &buffers);

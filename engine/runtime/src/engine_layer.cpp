@@ -1,5 +1,5 @@
-// engine/src/engine_layer.cpp — one KDA layer of an Engine: its buffers, its parameters, its
-// forwards through the backend (the core) and through kda::layer (the whole layer).
+// engine/runtime/src/engine_layer.cpp — one KDA layer of an Engine: its buffers, its parameters,
+// its forwards through the backend (the core) and through kda::layer (the whole layer).
 #include "engine_layer.hpp"
 
 #include <algorithm>

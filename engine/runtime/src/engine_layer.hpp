@@ -1,4 +1,5 @@
-// engine/src/engine_layer.hpp — internal: one KDA layer of an Engine, owning every buffer it uses.
+// engine/runtime/src/engine_layer.hpp — internal: one KDA layer of an Engine, owning every buffer
+// it uses.
 //
 // A layer is the whole KDA layer (runtime.layers: whole; kda/layer/layer.hpp) or its core alone
 // (runtime.layers: core), which is the same layer without projection weights and conv states. It

@@ -42,7 +42,8 @@
  * backend, device memory on CUDA (enqueued on options.cuda_stream; kda_engine_synchronize() waits).
  * Layouts, all bf16 (raw 16-bit values): q, k, g [T, H, K], v [T, H, V], beta [T, H], out
  * [T, H, V], with K = V = head_dim and T the tokens of the batch (decode: T = batch * tokens).
- * `slots` and `cu_seqlens` are always host arrays.
+ * `slots` and `cu_seqlens` are host arrays, except in a kda_batch (below): caller-owned metadata
+ * in the backend's memory.
  */
 #ifndef KDA_KDA_ENGINE_H_
 #define KDA_KDA_ENGINE_H_
@@ -197,7 +198,9 @@ kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* h
  * captured in a CUDA graph: nothing is staged or synchronized. Only tokens, sequences and
  * decode_tokens are host values (the bounds, fixed when a call is made or captured). On CUDA, a
  * slot outside the pool or broken cu_seqlens set the device status word
- * (kda_engine_check_device_status) and the rows concerned write nothing; that slots are acquired
+ * (kda_engine_check_device_status): a slot outside the pool makes its row a padding row, and
+ * after broken cu_seqlens the batch's outputs and states are unspecified (every access stays in
+ * bounds); that slots are acquired
  * and distinct is the caller's promise there. On the CPU the same is checked before anything runs.
  * (C++: kda::engine::BatchMetadata.) */
 typedef struct kda_batch {

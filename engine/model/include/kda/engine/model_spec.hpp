@@ -41,6 +41,8 @@
 //                                    #   KDA core alone, q/k/v/g/beta in; see engine.hpp)
 //     tp_size: 1                     # default 1; tensor-parallel ranks, dividing num_heads
 //     tp_rank: 0                     # default 0; this engine's rank, in [0, tp_size)
+//     prefill_schedule: auto         # default auto; auto | two-phase | pipelined (the CUDA
+//                                    #   prefill's phases, docs/KDA.md section 3)
 //
 // Unknown keys. linear_attn_config and runtime are the engine's: a key there that is not listed
 // above is a warning ("did you mean `max_tokens`?"), or an error with ModelSpecOptions::strict.

@@ -132,12 +132,14 @@ struct LayerInputs {
 // captured in a CUDA graph: the engine reads slots and cu_seqlens only where the kernels run, and
 // stages nothing. Only the bounds below are host values, fixed when a call is made (or captured).
 // On CUDA what is wrong in the metadata can only be seen on the device: a slot outside the pool or
-// broken cu_seqlens set a bit of the device status word (check_device_status()) and the rows
-// concerned write nothing; that the slots are acquired and distinct is the caller's promise there.
+// broken cu_seqlens set a bit of the device status word (check_device_status()); a slot outside
+// the pool makes its row a padding row, and after broken cu_seqlens the batch's outputs and states
+// are unspecified (every access stays in bounds, as kda::Tensors::device_status says). That the
+// slots are acquired and distinct is the caller's promise there.
 // On the CPU the same metadata is checked before anything runs and a bad batch throws.
 struct BatchMetadata {
-  std::int64_t tokens = 0;     // rows of hidden (prefill: cu_seqlens[sequences]; decode:
-                               // sequences * decode_tokens), at most runtime.max_tokens
+  std::int64_t tokens = 0;     // rows of hidden: prefill cu_seqlens[sequences], at most
+                               // runtime.max_tokens; decode sequences * decode_tokens
   std::int64_t sequences = 0;  // prefill sequences or decode rows, 1..runtime.max_sequences
   int decode_tokens = 0;       // 0: a prefill; 1..kda::kMaxDecodeTokens: a decode step
   // int32 [sequences]: each row's state slot; negative: a padding row, which reads and writes no
