@@ -87,8 +87,15 @@ void check_sizes(const Weights& w) {
   require(w.f_a_proj.size(), D * E, "f_a_proj");
   require(w.f_b_proj.size(), Cl * D, "f_b_proj");
   require(w.b_proj.size(), Hl * E, "b_proj");
-  require(w.g_a_proj.size(), D * E, "g_a_proj");
-  require(w.g_b_proj.size(), Cl * D, "g_b_proj");
+  if (c.full_rank_gate) {
+    require(w.g_proj.size(), Cl * E, "g_proj");
+    require(w.g_a_proj.size(), 0, "g_a_proj (a full-rank gate has none)");
+    require(w.g_b_proj.size(), 0, "g_b_proj (a full-rank gate has none)");
+  } else {
+    require(w.g_a_proj.size(), D * E, "g_a_proj");
+    require(w.g_b_proj.size(), Cl * D, "g_b_proj");
+    require(w.g_proj.size(), 0, "g_proj (a low-rank gate has none)");
+  }
   if (!w.g_b_bias.empty()) require(w.g_b_bias.size(), Cl, "g_b_bias");
   require(w.A_log.size(), Hl, "A_log");
   require(w.dt_bias.size(), Cl, "dt_bias");
@@ -149,8 +156,12 @@ Weights random_weights(const Config& config, std::uint64_t seed, int layer_index
   full.f_a_proj = uniform_bf16(D * E, E);
   full.f_b_proj = uniform_bf16(C * D, D);
   full.b_proj = uniform_bf16(H * E, E);
-  full.g_a_proj = uniform_bf16(D * E, E);
-  full.g_b_proj = uniform_bf16(C * D, D);
+  if (config.full_rank_gate) {
+    full.g_proj = uniform_bf16(C * E, E);
+  } else {
+    full.g_a_proj = uniform_bf16(D * E, E);
+    full.g_b_proj = uniform_bf16(C * D, D);
+  }
   full.o_norm.assign(to_size(D), float_to_bf16(1.0f));
   full.o_proj = uniform_bf16(E * C, C);
   GateParameters gate = random_gate_parameters(seed, layer_index, H, D);
@@ -185,6 +196,7 @@ Weights shard_weights(const Weights& full, int tp_size, int tp_rank) {
   shard.b_proj = rows(full.b_proj, E, h0, Hl);
   shard.g_a_proj = full.g_a_proj;
   shard.g_b_proj = rows(full.g_b_proj, D, c0, Cl);
+  shard.g_proj = rows(full.g_proj, E, c0, Cl);
   shard.g_b_bias = rows(full.g_b_bias, 1, c0, Cl);
   shard.A_log = rows(full.A_log, 1, h0, Hl);
   shard.dt_bias = rows(full.dt_bias, 1, c0, Cl);

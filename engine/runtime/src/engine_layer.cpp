@@ -19,6 +19,7 @@ layer::Config layer_config(const ModelSpec& spec) {
   c.gate = spec.gate;
   c.lower_bound = spec.gate_lower_bound;
   c.norm_eps = spec.rms_norm_eps;
+  c.full_rank_gate = spec.full_rank_gate;
   c.tp_size = spec.runtime.tp_size;
   c.tp_rank = spec.runtime.tp_rank;
   return c;

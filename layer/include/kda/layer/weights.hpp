@@ -8,6 +8,7 @@
 //   q_proj, k_proj, v_proj [C, E]     q_conv, k_conv, v_conv [C, W]
 //   f_a_proj [D, E], f_b_proj [C, D]  (forget gate, low rank)     b_proj [H, E]  (beta)
 //   g_a_proj [D, E], g_b_proj [C, D]  (output gate, low rank)     g_b_bias [C] (optional)
+//   or g_proj [C, E]                  (output gate, full rank: Config::full_rank_gate, Kimi K3)
 //   A_log [H], dt_bias [C]            o_norm [D]                  o_proj [E, C]
 //
 // Tensor parallelism (as vLLM shards the layer): rank r of tp_size keeps heads
@@ -34,8 +35,11 @@ struct Config {
   GateMode gate = GateMode::kSoftplus;
   float lower_bound = -5.0f;  // GateMode::kLowerBound only
   float norm_eps = 1e-5f;     // the gated RMSNorm's epsilon (Kimi-Linear: rms_norm_eps)
-  int tp_size = 1;            // tensor-parallel ranks; num_heads % tp_size == 0
-  int tp_rank = 0;            // this shard, 0 <= tp_rank < tp_size
+  // The output gate is one full-rank projection g_proj [C, E] (Kimi K3's use_full_rank_gate)
+  // instead of the low-rank pair g_a_proj, g_b_proj.
+  bool full_rank_gate = false;
+  int tp_size = 1;  // tensor-parallel ranks; num_heads % tp_size == 0
+  int tp_rank = 0;  // this shard, 0 <= tp_rank < tp_size
 
   std::int64_t local_heads() const noexcept { return num_heads / tp_size; }
   std::int64_t local_channels() const noexcept { return local_heads() * head_dim; }  // C / tp
@@ -53,9 +57,10 @@ struct Weights {
   std::vector<bf16_bits> f_a_proj;                // [D, E]
   std::vector<bf16_bits> f_b_proj;                // [Cl, D]
   std::vector<bf16_bits> b_proj;                  // [Hl, E]
-  std::vector<bf16_bits> g_a_proj;                // [D, E]
-  std::vector<bf16_bits> g_b_proj;                // [Cl, D]
-  std::vector<bf16_bits> g_b_bias;                // [Cl], or empty: no bias
+  std::vector<bf16_bits> g_a_proj;                // [D, E]; empty with config.full_rank_gate
+  std::vector<bf16_bits> g_b_proj;                // [Cl, D]; empty with config.full_rank_gate
+  std::vector<bf16_bits> g_proj;                  // [Cl, E] with config.full_rank_gate, else empty
+  std::vector<bf16_bits> g_b_bias;                // [Cl], or empty: no bias (either gate form)
   std::vector<float> A_log;                       // [Hl]
   std::vector<float> dt_bias;                     // [Cl]
   std::vector<bf16_bits> o_norm;                  // [D]

@@ -120,7 +120,10 @@ struct ModelSpec {
   std::vector<int> full_attn_layers;   // 1-based, sorted ascending
   GateMode gate = GateMode::kSoftplus;
   float gate_lower_bound = -5.0f;  // meaningful with GateMode::kLowerBound
-  std::string weights;             // resolved path, or empty when none
+  // The whole layer's output gate is one full-rank projection g_proj (Kimi K3) instead of the
+  // low-rank g_a_proj / g_b_proj pair (kda::layer::Config::full_rank_gate).
+  bool full_rank_gate = false;
+  std::string weights;  // resolved path, or empty when none
   RuntimeSpec runtime;
   // Unknown keys in the engine's sections, one message each ("file:line:col: key: ..."), in file
   // order; the caller decides whether and where to show them.
