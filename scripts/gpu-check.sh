@@ -39,7 +39,7 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = all-sanitize ]; then
   # The measured errors of every case, for the record (ctest shows output only on failure).
   { for t in "$build"/tests/test_*cuda; do [ -x "$t" ] && "$t" 2>&1; done
     for t in test_kda_operator test_layer test_engine_core test_engine_whole test_c_api \
-             test_batch_metadata; do
+             test_batch_metadata test_engine_threads; do
       "$build/tests/$t" '-tc=*[cuda]' 2>&1
     done; } > "$OUT/gpu-test-output.log"
 fi
@@ -98,7 +98,7 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
-    case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata)
+    case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata | test_engine_threads)
       args=("-tc=*[cuda]") ;;
     esac
     [[ "$filter" == *"|"* ]] && args+=("-sc=${filter#*|}")
@@ -128,7 +128,7 @@ if [ "$what" = sanitize-all ]; then
   [ "$part" = others ] || [ "$part" = all ] && others_part=true
   bins=
   $op_part && bins="test_kda_operator"
-  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer test_batch_metadata"
+  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer test_batch_metadata test_engine_threads"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"

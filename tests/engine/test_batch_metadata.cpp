@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_runtime_util.hpp"
 #include "cuda_test_util.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
@@ -364,28 +365,8 @@ TEST_CASE("engine: bad caller-owned metadata is refused before anything is writt
 #ifdef KDA_HAVE_CUDA
 namespace {
 
-#define CUDA_REQUIRE(call)                                                       \
-  do {                                                                           \
-    const cudaError_t cuda_require_err_ = (call);                                \
-    REQUIRE_MESSAGE(cuda_require_err_ == cudaSuccess,                            \
-                    #call << ": " << cudaGetErrorName(cuda_require_err_) << " (" \
-                          << cudaGetErrorString(cuda_require_err_) << ")");      \
-  } while (0)
-
-struct Stream {
-  cudaStream_t stream = nullptr;
-  Stream() { cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); }
-  ~Stream() { cudaStreamDestroy(stream); }
-};
-
-struct Graph {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ~Graph() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-  }
-};
+using kda::test::Graph;
+using kda::test::Stream;
 
 // Captures `work` on `stream`; the capture is always ended. Returns what the work threw, or "".
 std::string capture(cudaStream_t stream, Graph* g, const std::function<void()>& work) {

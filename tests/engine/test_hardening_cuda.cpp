@@ -1,5 +1,5 @@
-// Hardening of the CUDA path (label `gpu`): two engines on two streams driven from two threads
-// equal the same work run serially, bitwise; an engine's prefill and decode captured in a CUDA
+// Hardening of the CUDA path (label `gpu`; two engines on two streams in two threads:
+// test_engine_threads.cpp, both backends): an engine's prefill and decode captured in a CUDA
 // graph and replayed with new input contents equal eager runs, bitwise; create -> 1000 forwards ->
 // destroy, three times, gives device memory back; a prefill of T*H*K > 2^31 elements (H = 128, T =
 // 150,000) agrees with the CPU backend on sampled heads. Every case prints "KDA_SKIP: ..." without
@@ -19,6 +19,7 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_runtime_util.hpp"
 #include "cuda_test_util.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/engine.hpp"
@@ -41,32 +42,14 @@ using kda::examples::SyntheticInputs;
 #ifdef KDA_HAVE_CUDA
 namespace {
 
-#define CUDA_REQUIRE(call)                                                       \
-  do {                                                                           \
-    const cudaError_t cuda_require_err_ = (call);                                \
-    REQUIRE_MESSAGE(cuda_require_err_ == cudaSuccess,                            \
-                    #call << ": " << cudaGetErrorName(cuda_require_err_) << " (" \
-                          << cudaGetErrorString(cuda_require_err_) << ")");      \
-  } while (0)
-
 // Throws std::runtime_error on a failed status (for code running on worker threads, where doctest
 // assertions are avoided).
 void ok_or_throw(const kda::Status& st, const char* what) {
   if (!st.ok()) throw std::runtime_error(std::string(what) + ": " + st.to_string());
 }
 
-// A non-blocking stream, destroyed at scope exit (after the engines that use it: declare it first).
-struct Stream {
-  cudaStream_t stream = nullptr;
-  Stream() {
-    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) stream = nullptr;
-  }
-  ~Stream() {
-    if (stream != nullptr) cudaStreamDestroy(stream);
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
+using kda::test::Graph;
+using kda::test::Stream;
 
 // 16 heads of 128, three KDA layers, softplus gate: big enough that kernels of two engines overlap.
 const char* const kSpec =
@@ -107,148 +90,8 @@ std::uint8_t* byte_ptr(void* p, std::size_t offset) {
   return static_cast<std::uint8_t*>(p) + offset;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Concurrency
-// ---------------------------------------------------------------------------------------------
-constexpr std::int64_t kPrefillTokens = 1500;
-const std::vector<std::int64_t> kCuSeqlens = {0, 700, 701, kPrefillTokens};  // 700, 1, 799 tokens
-constexpr int kDecodeSteps = 6;
-constexpr int kDecodeRows = 4;  // three sequences and one padding row
-
-struct WorkResult {
-  std::vector<std::uint16_t> prefill_out;  // [layers][T, H, V]
-  std::vector<std::uint16_t> decode_out;   // [steps][layers][rows, H, V]
-  std::vector<std::uint8_t> states;        // [layers][3 slots][H, V, K]
-};
-
-// Device outputs of one engine's work, allocated before any engine work starts.
-struct WorkBuffers {
-  kda::test::DeviceBuffer prefill_out, decode_out;
-  WorkBuffers(const ModelSpec& spec, int layers)
-      : prefill_out(
-            static_cast<std::size_t>(kPrefillTokens * spec.num_heads * spec.head_dim * 2 * layers)),
-        decode_out(static_cast<std::size_t>(kDecodeRows * spec.num_heads * spec.head_dim * 2 *
-                                            layers * kDecodeSteps)) {}
-};
-
-// Acquires three slots, prefills every layer (sequences of 700, 1 and 799 tokens), runs
-// kDecodeSteps steps of one token through every layer (rows: slot, padding, slot, slot), downloads
-// every output and the slots' states, releases the slots. Outputs are poisoned first (0xFF) on the
-// engine's stream. Throws on failure; no doctest macros (it runs on worker threads).
-WorkResult work(Engine& engine, const SyntheticInputs& synthetic, WorkBuffers& buffers) {
-  void* stream = engine.stream();
-  const std::int64_t H = engine.spec().num_heads, D = engine.spec().head_dim;
-  const std::size_t prefill_bytes = static_cast<std::size_t>(kPrefillTokens * H * D * 2);
-  const std::size_t row_bytes = static_cast<std::size_t>(kDecodeRows * H * D * 2);
-  const int layers = engine.num_layers();
-  ok_or_throw(
-      kda::memset_device(buffers.prefill_out.get(), 0xFF, buffers.prefill_out.bytes(), stream),
-      "poison");
-  ok_or_throw(
-      kda::memset_device(buffers.decode_out.get(), 0xFF, buffers.decode_out.bytes(), stream),
-      "poison");
-
-  std::vector<int> slots;
-  for (int j = 0; j < 3; ++j) slots.push_back(engine.acquire_slot());
-  for (int l = 0; l < layers; ++l) {
-    engine.prefill(l, synthetic.inputs(0), byte_ptr(buffers.prefill_out.get(), prefill_bytes * l),
-                   slots, kCuSeqlens);
-  }
-  const std::vector<int> rows = {slots[0], -1, slots[1], slots[2]};
-  for (int step = 0; step < kDecodeSteps; ++step) {
-    const LayerInputs inputs = synthetic.inputs(kPrefillTokens + kDecodeRows * step);
-    for (int l = 0; l < layers; ++l) {
-      engine.decode(l, inputs, byte_ptr(buffers.decode_out.get(), row_bytes * (step * layers + l)),
-                    rows, 1);
-    }
-  }
-  engine.synchronize();
-  WorkResult r;
-  r.prefill_out =
-      download<std::uint16_t>(buffers.prefill_out.get(), buffers.prefill_out.bytes() / 2, stream);
-  r.decode_out =
-      download<std::uint16_t>(buffers.decode_out.get(), buffers.decode_out.bytes() / 2, stream);
-  const std::size_t slot_bytes = static_cast<std::size_t>(engine.state_slot_bytes());
-  r.states.resize(slot_bytes * slots.size() * layers);
-  for (int l = 0; l < layers; ++l) {
-    for (std::size_t j = 0; j < slots.size(); ++j) {
-      engine.read_slot_state(l, slots[j], r.states.data() + slot_bytes * (l * slots.size() + j));
-    }
-  }
-  for (const int slot : slots) engine.release_slot(slot);
-  return r;
-}
-
 }  // namespace
 #endif  // KDA_HAVE_CUDA
-
-TEST_CASE(
-    "two CUDA engines on two streams in two threads equal the same work run serially (bitwise)") {
-  if (!kda::test::gpu_or_skip()) return;
-#ifdef KDA_HAVE_CUDA
-  Stream sa, sb;  // before the engines: destroyed after them
-  REQUIRE(sa.stream != nullptr);
-  REQUIRE(sb.stream != nullptr);
-  const ModelSpec spec = cuda_spec();
-  const std::int64_t synthetic = kPrefillTokens + kDecodeRows * kDecodeSteps;
-  Engine a(spec, cuda_options(51, sa.stream));
-  Engine b(spec, cuda_options(52, sb.stream));
-  REQUIRE(a.backend() == kda::Backend::kCuda);
-  SyntheticInputs ia(a, synthetic), ib(b, synthetic);
-  ia.generate(1);
-  ib.generate(2);
-  WorkBuffers ba(spec, a.num_layers()), bb(spec, b.num_layers());
-  // The buffers were set up on the legacy default stream, which non-blocking streams do not wait
-  // for.
-  CUDA_REQUIRE(cudaDeviceSynchronize());
-
-  const WorkResult serial_a = work(a, ia, ba);
-  const WorkResult serial_b = work(b, ib, bb);
-  // Sanity: every prefill output was written, and the two engines compute different things.
-  CHECK(kda::test::all_finite(serial_a.prefill_out));
-  CHECK(kda::test::all_finite(serial_b.prefill_out));
-  CHECK(serial_a.prefill_out != serial_b.prefill_out);
-  CHECK(serial_a.states != serial_b.states);
-
-  for (int round = 0; round < 3; ++round) {
-    CAPTURE(round);
-    WorkResult got[2];
-    std::exception_ptr failure[2];
-    std::atomic<int> ready{0};
-    auto drive = [&](int i, Engine& engine, const SyntheticInputs& inputs, WorkBuffers& buffers) {
-      ready.fetch_add(1);
-      while (ready.load() < 2) std::this_thread::yield();  // start together
-      try {
-        got[i] = work(engine, inputs, buffers);
-      } catch (...) {
-        failure[i] = std::current_exception();
-      }
-    };
-    std::thread ta(drive, 0, std::ref(a), std::cref(ia), std::ref(ba));
-    std::thread tb(drive, 1, std::ref(b), std::cref(ib), std::ref(bb));
-    ta.join();
-    tb.join();
-    for (const std::exception_ptr& f : failure) {
-      if (!f) continue;
-      try {
-        std::rethrow_exception(f);
-      } catch (const std::exception& e) {
-        FAIL("a worker thread failed: " << e.what());
-      }
-    }
-    CHECK(got[0].prefill_out == serial_a.prefill_out);
-    CHECK(got[0].decode_out == serial_a.decode_out);
-    CHECK(got[0].states == serial_a.states);
-    CHECK(got[1].prefill_out == serial_b.prefill_out);
-    CHECK(got[1].decode_out == serial_b.decode_out);
-    CHECK(got[1].states == serial_b.states);
-  }
-  CHECK(ba.prefill_out.guards_intact());
-  CHECK(ba.decode_out.guards_intact());
-  CHECK(bb.prefill_out.guards_intact());
-  CHECK(bb.decode_out.guards_intact());
-#endif
-}
 
 // ---------------------------------------------------------------------------------------------
 // CUDA graphs
@@ -319,16 +162,6 @@ class GraphFixture {
   SyntheticInputs synthetic_;
   kda::test::DeviceBuffer prefill_out_, decode_out_;
   std::vector<int> slots_, rows_;
-};
-
-// Graph and executable graph, destroyed at scope exit.
-struct Graph {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ~Graph() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-  }
 };
 
 // Captures fixture.forward() on the fixture's stream (thread-local mode). Returns the engine's
