@@ -1,8 +1,9 @@
 // kda-layer-bench — one whole KDA layer on CUDA (kda::layer), random weights, D = 128, conv width
 // 4, f32 recurrent state, in three shapes: Kimi-Linear-48B (hidden 2304, H = 32, softplus gate),
 // its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12 of 96, bounded gate
-// -5); prefill T = 8192 (one sequence) and decode steps of B = 1, 8, 64, 256 sequences (one token
-// each). Each phase (projections, conv, core, norm, o_proj) is timed with the layer's CUDA events
+// -5, and K3's full-rank output gate g_proj [C, E] in place of the low-rank g_a/g_b pair); prefill
+// T = 8192 (one sequence) and decode steps of B = 1, 8, 64, 256 sequences (one token each). Each
+// phase (projections, conv, core, norm, o_proj) is timed with the layer's CUDA events
 // (RunOptions::times; the call then waits for the layer); the table shows the median over the
 // timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole layer's
 // total against the sum of the phase floors, and "graph": the median of one forward captured in a
@@ -10,8 +11,9 @@
 // runtime's captured decode step pays per layer). Floors (bench_floors.hpp; bw = the
 // device-to-device copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16
 // spec):
-//   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors;
-//                bytes = their weights, hidden read, proj, g and the f32 gate written, f_a|g_a read
+//   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors (full-
+//                rank gate: x·W_inᵀ without g_a, f_a·W_fbᵀ, x·W_gᵀ); bytes = their weights, hidden
+//                read (once), proj, g and the f32 gate written, f_a|g_a (f_a) read
 //   conv         bytes / bw: q|k|v read and written (bf16), beta read and written, conv states
 //                read and written, taps
 //   core         bytes / bw: the KDA core's bytes as kda-bench counts them (q, k, v, g, beta read,
@@ -105,11 +107,12 @@ int main(int argc, char** argv) {
       std::int64_t hidden, heads;
       int tp_size;
       kda::GateMode gate;
+      bool full_rank_gate;
     };
     for (const Shape& shape :
-         {Shape{"H = 32", 2304, 32, 1, kda::GateMode::kSoftplus},
-          Shape{"TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus},
-          Shape{"K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound}}) {
+         {Shape{"H = 32", 2304, 32, 1, kda::GateMode::kSoftplus, false},
+          Shape{"TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus, false},
+          Shape{"K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound, true}}) {
       kda::layer::Config config;
       config.hidden_size = shape.hidden;
       config.num_heads = shape.heads;
@@ -117,6 +120,7 @@ int main(int argc, char** argv) {
       config.conv_width = 4;
       config.gate = shape.gate;
       config.lower_bound = -5.0f;
+      config.full_rank_gate = shape.full_rank_gate;
       config.tp_size = shape.tp_size;
       config.tp_rank = 0;
       const auto layer =
@@ -220,13 +224,18 @@ int main(int argc, char** argv) {
         // Floors per phase, microseconds (see the top of this file).
         const std::int64_t W = config.conv_width;
         const double t = static_cast<double>(T), n = static_cast<double>(N);
-        const double in_cols = static_cast<double>(3 * Cl + 2 * D + Hl);
-        const double stride = static_cast<double>((3 * Cl + 2 * D + Hl + 7) / 8 * 8);
+        // The low-rank gate's factors: D columns of the fused projection and a [Cl, D] product;
+        // the full-rank gate's: a [Cl, E] product of its own.
+        const std::int64_t gate_a = config.full_rank_gate ? 0 : D;
+        const double gate_k = static_cast<double>(config.full_rank_gate ? E : D);
+        const double in_cols = static_cast<double>(3 * Cl + D + gate_a + Hl);
+        const double stride = static_cast<double>((3 * Cl + D + gate_a + Hl + 7) / 8 * 8);
         auto us = [](double seconds) { return seconds * 1e6; };
-        const double proj_flops = 2.0 * t * E * in_cols + 2.0 * 2 * t * D * Cl;
+        const double proj_flops = 2.0 * t * E * in_cols + 2.0 * t * D * Cl + 2.0 * t * gate_k * Cl;
         // Weights; hidden read and proj written; f_a|g_a read, g (bf16) and gate (f32) written.
-        const double proj_bytes = 2.0 * (stride * E + 2.0 * Cl * D) + 2.0 * t * (E + stride) +
-                                  2.0 * t * 2 * D + 2.0 * t * Cl + 4.0 * t * Cl;
+        const double proj_bytes = 2.0 * (stride * E + Cl * D + Cl * gate_k) +
+                                  2.0 * t * (E + stride) + 2.0 * t * (D + gate_a) + 2.0 * t * Cl +
+                                  4.0 * t * Cl;
         const double conv_bytes = 2.0 * 2 * 3 * t * Cl + 2.0 * 2 * t * Hl +
                                   2.0 * 2 * 3 * n * Cl * (W - 1) + 4.0 * 3 * Cl * W;
         const double core_bytes = kda::bench::kda_core_bytes(t, n, static_cast<double>(Hl),

@@ -16,14 +16,6 @@ namespace {
                                                 " is neither kCpu nor kCuda");
 }
 
-// Neither backend runs the full-rank output gate yet: refused before anything is placed.
-void refuse_full_rank_gate(const Config& config) {
-  if (config.full_rank_gate) {
-    throw Error(StatusCode::kUnsupported,
-                "KDA layer: the full-rank output gate (g_proj) is not implemented yet");
-  }
-}
-
 }  // namespace
 
 Problem core_prefill_problem(const Config& c, std::int64_t tokens, std::int64_t sequences,
@@ -62,10 +54,6 @@ Status can_implement(Backend backend, const Config& config) {
   } catch (const Error& e) {
     return Status(e.code(), e.what());
   }
-  if (config.full_rank_gate) {
-    return Status(StatusCode::kUnsupported,
-                  "KDA layer: the full-rank output gate (g_proj) is not implemented yet");
-  }
   switch (backend) {
     case Backend::kCpu:
       return Status::Ok();
@@ -103,7 +91,6 @@ std::size_t weight_image_alignment(Backend backend) noexcept {
 
 std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights, void* weight_image,
                                   std::size_t bytes) {
-  refuse_full_rank_gate(weights.config);
   switch (backend) {
     case Backend::kCpu:
       return detail::make_cpu_layer(weights, weight_image, bytes);
@@ -114,7 +101,6 @@ std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights, void*
 }
 
 std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights) {
-  refuse_full_rank_gate(weights.config);
   switch (backend) {
     case Backend::kCpu:
       return detail::make_cpu_layer(weights);

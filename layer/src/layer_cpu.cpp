@@ -76,7 +76,8 @@ struct WeightLayout {
   std::size_t q_proj = 0, k_proj = 0, v_proj = 0;  // [Cl, E]
   std::size_t f_a_proj = 0, f_b_proj = 0;          // [D, E], [Cl, D]
   std::size_t b_proj = 0;                          // [Hl, E]
-  std::size_t g_a_proj = 0, g_b_proj = 0;          // [D, E], [Cl, D]
+  std::size_t g_a_proj = 0, g_b_proj = 0;          // [D, E], [Cl, D]: the low-rank gate only
+  std::size_t g_proj = 0;                          // [Cl, E]: the full-rank gate only
   std::size_t o_proj = 0;                          // [E, Cl]
   std::size_t q_conv = 0, k_conv = 0, v_conv = 0;  // [Cl, W]
   std::size_t g_b_bias = 0;                        // [Cl]; its place is kept without a bias
@@ -99,8 +100,12 @@ WeightLayout make_weight_layout(const Config& c) {
   layout.f_a_proj = matrix(D, E);
   layout.f_b_proj = matrix(Cl, D);
   layout.b_proj = matrix(Hl, E);
-  layout.g_a_proj = matrix(D, E);
-  layout.g_b_proj = matrix(Cl, D);
+  if (c.full_rank_gate) {
+    layout.g_proj = matrix(Cl, E);
+  } else {
+    layout.g_a_proj = matrix(D, E);
+    layout.g_b_proj = matrix(Cl, D);
+  }
   layout.o_proj = matrix(E, Cl);
   layout.q_conv = matrix(Cl, W);
   layout.k_conv = matrix(Cl, W);
@@ -150,8 +155,9 @@ class CpuLayer final : public Layer {
   std::unique_ptr<unsigned char[]> owned_image_;  // make_layer() without a region: its own
   // In the image, fp32. Row-major [out, in], as the checkpoint stores them:
   const float *q_proj_ = nullptr, *k_proj_ = nullptr, *v_proj_ = nullptr, *f_a_proj_ = nullptr,
-              *f_b_proj_ = nullptr, *b_proj_ = nullptr, *g_a_proj_ = nullptr, *g_b_proj_ = nullptr,
-              *o_proj_ = nullptr;
+              *f_b_proj_ = nullptr, *b_proj_ = nullptr, *o_proj_ = nullptr;
+  // The output gate: g_a_proj_ and g_b_proj_ (low rank), or g_proj_ (full rank); the others null.
+  const float *g_a_proj_ = nullptr, *g_b_proj_ = nullptr, *g_proj_ = nullptr;
   const float *q_conv_ = nullptr, *k_conv_ = nullptr, *v_conv_ = nullptr;  // [Cl, W]
   const float* g_b_bias_ = nullptr;                                        // [Cl], null: none
   const float* o_norm_ = nullptr;                                          // [D]
@@ -181,8 +187,12 @@ void CpuLayer::place(const Weights& w, void* weight_image, std::size_t bytes) {
   f_a_proj_ = widen(layout.f_a_proj, w.f_a_proj);
   f_b_proj_ = widen(layout.f_b_proj, w.f_b_proj);
   b_proj_ = widen(layout.b_proj, w.b_proj);
-  g_a_proj_ = widen(layout.g_a_proj, w.g_a_proj);
-  g_b_proj_ = widen(layout.g_b_proj, w.g_b_proj);
+  if (config().full_rank_gate) {
+    g_proj_ = widen(layout.g_proj, w.g_proj);
+  } else {
+    g_a_proj_ = widen(layout.g_a_proj, w.g_a_proj);
+    g_b_proj_ = widen(layout.g_b_proj, w.g_b_proj);
+  }
   o_proj_ = widen(layout.o_proj, w.o_proj);
   q_conv_ = copy(layout.q_conv, w.q_conv);
   k_conv_ = copy(layout.k_conv, w.k_conv);
@@ -301,12 +311,23 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     for (std::int64_t i = 0; i < T * Cl; ++i) g[i] = float_to_bf16(pre[i]);
     project(xf, T, E, b_proj_, Hl, pre);
     for (std::int64_t i = 0; i < T * Hl; ++i) beta[i] = float_to_bf16(pre[i]);
-    // Output gate (x·W_gaᵀ)·W_gbᵀ [+ bias] into `gate`, for the norm.
-    project(xf, T, E, g_a_proj_, D, lowrank);
+    // Output gate (x·W_gaᵀ → bf16)·W_gbᵀ [+ bias], or x·W_gᵀ [+ bias] (full rank), into `gate`
+    // for the norm, rounded once after the bias. The full-rank form as Kimi K3 runs it (read: the
+    // K3 reference modeling_kimi_linear.py and sglang's K3 KimiDeltaAttention: g = g_proj(x), one
+    // bf16 Linear [C, E] without bias, column-parallel, into FusedRMSNormGated(o, g)).
+    const float* gate_in = xf;  // the last product's input [T, gate_k] and weight [Cl, gate_k]
+    const float* gate_weight = g_proj_;
+    std::int64_t gate_k = E;
+    if (!c.full_rank_gate) {
+      project(xf, T, E, g_a_proj_, D, lowrank);
+      gate_in = lowrank;
+      gate_weight = g_b_proj_;
+      gate_k = D;
+    }
     {
       MatrixMap gate_matrix(gate, T, Cl);
       gate_matrix.noalias() =
-          ConstMatrixMap(lowrank, T, D) * ConstMatrixMap(g_b_proj_, Cl, D).transpose();
+          ConstMatrixMap(gate_in, T, gate_k) * ConstMatrixMap(gate_weight, Cl, gate_k).transpose();
       if (g_b_bias_ != nullptr) {
         gate_matrix.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_, Cl);
       }

@@ -4,9 +4,10 @@
 // KDA_HAVE_CUDA (a CPU-only build's make_cuda_layer() says so).
 //
 //   projections  x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ as one GEMM, then the two low-rank second
-//                factors: cuBLAS (bf16 in, fp32 accumulation, CUBLAS_COMPUTE_32F), or for batches
-//                of one token (decode of one sequence) the small-row kernel of
-//                cuda/small_gemm.cu
+//                factors; with a full-rank gate x·[W_q; W_k; W_v; W_fa; W_b]ᵀ, f_a·W_fbᵀ and the
+//                gate's own GEMM x·W_gᵀ (f32 out, as g_a·W_gbᵀ). cuBLAS (bf16 in, fp32
+//                accumulation, CUBLAS_COMPUTE_32F), or for batches of one token (decode of one
+//                sequence) the small-row kernel of cuda/small_gemm.cu
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
 //   norm         one fused kernel: gated RMSNorm
@@ -52,7 +53,8 @@ using kda::detail::align_up;
 struct WeightLayout {
   std::size_t w_in = 0;     // bf16 [proj_stride, E]: q | k | v | f_a | g_a | b | zero rows
   std::size_t w_fb = 0;     // bf16 [Cl, D]
-  std::size_t w_gb = 0;     // bf16 [Cl, D]
+  std::size_t w_gb = 0;     // bf16 [Cl, D]: the low-rank gate's second factor, or
+  std::size_t w_g = 0;      // bf16 [Cl, E]: the full-rank gate (w_in then has no g_a rows)
   std::size_t g_bias = 0;   // bf16 [Cl]; its place is kept when the layer has no bias
   std::size_t conv = 0;     // f32 [3 Cl, W]: q | k | v
   std::size_t A_log = 0;    // f32 [Hl]
@@ -69,7 +71,11 @@ WeightLayout make_weight_layout(const Config& c) {
   WeightLayout layout;
   layout.w_in = regions.take(regions.bytes_of(proj_columns(c).stride, E, 2));
   layout.w_fb = regions.take(regions.bytes_of(Cl, D, 2));
-  layout.w_gb = regions.take(regions.bytes_of(Cl, D, 2));
+  if (c.full_rank_gate) {
+    layout.w_g = regions.take(regions.bytes_of(Cl, E, 2));
+  } else {
+    layout.w_gb = regions.take(regions.bytes_of(Cl, D, 2));
+  }
   layout.g_bias = regions.take(regions.bytes_of(Cl, 1, 2));
   layout.conv = regions.take(regions.bytes_of(3 * Cl, W, 4));
   layout.A_log = regions.take(regions.bytes_of(c.local_heads(), 1, 4));
@@ -265,7 +271,8 @@ class CudaLayer final : public Layer {
   cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
   const bf16_bits* w_in = nullptr;  // WeightLayout says what each points at
   const bf16_bits* w_fb = nullptr;
-  const bf16_bits* w_gb = nullptr;
+  const bf16_bits* w_gb = nullptr;    // the low-rank gate, else null
+  const bf16_bits* w_g = nullptr;     // the full-rank gate, else null
   const bf16_bits* g_bias = nullptr;  // null without a bias
   const float* conv = nullptr;
   const float* A_log = nullptr;
@@ -294,10 +301,14 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   put(layout.w_in + cols.k * row_bytes, w.k_proj);
   put(layout.w_in + cols.v * row_bytes, w.v_proj);
   put(layout.w_in + cols.f_a * row_bytes, w.f_a_proj);
-  put(layout.w_in + cols.g_a * row_bytes, w.g_a_proj);
+  if (c.full_rank_gate) {
+    put(layout.w_g, w.g_proj);
+  } else {
+    put(layout.w_in + cols.g_a * row_bytes, w.g_a_proj);
+    put(layout.w_gb, w.g_b_proj);
+  }
   put(layout.w_in + cols.b * row_bytes, w.b_proj);
   put(layout.w_fb, w.f_b_proj);
-  put(layout.w_gb, w.g_b_proj);
   put(layout.g_bias, w.g_b_bias);
   const std::size_t branch_bytes = static_cast<std::size_t>(Cl * W) * sizeof(float);
   put(layout.conv, w.q_conv);
@@ -314,7 +325,11 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
 
   w_in = reinterpret_cast<const bf16_bits*>(image + layout.w_in);
   w_fb = reinterpret_cast<const bf16_bits*>(image + layout.w_fb);
-  w_gb = reinterpret_cast<const bf16_bits*>(image + layout.w_gb);
+  if (c.full_rank_gate) {
+    w_g = reinterpret_cast<const bf16_bits*>(image + layout.w_g);
+  } else {
+    w_gb = reinterpret_cast<const bf16_bits*>(image + layout.w_gb);
+  }
   g_bias = w.g_b_bias.empty() ? nullptr : reinterpret_cast<const bf16_bits*>(image + layout.g_bias);
   conv = reinterpret_cast<const float*>(image + layout.conv);
   A_log = reinterpret_cast<const float*>(image + layout.A_log);
@@ -414,12 +429,19 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     check_cublas(
         cublasSetWorkspace(handle, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes),
         "cublasSetWorkspace");
-    gemm(handle, stream, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
-         "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
+    gemm(
+        handle, stream, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
+        c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
     gemm(handle, stream, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl,
          "f_a·W_fbᵀ");
-    gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
-         "g_a·W_gbᵀ");
+    // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
+    // full-rank gate's columns would come out of the fused GEMM in bf16: it has a GEMM of its own.
+    if (c.full_rank_gate) {
+      gemm(handle, stream, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
+    } else {
+      gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
+           "g_a·W_gbᵀ");
+    }
   }
   mark(1);
   {

@@ -18,8 +18,9 @@ ProjColumns proj_columns(const Config& c) {
   p.k = Cl;
   p.v = 2 * Cl;
   p.f_a = 3 * Cl;
-  p.g_a = 3 * Cl + D;
-  p.b = 3 * Cl + 2 * D;
+  // The full-rank gate's product is a GEMM of its own, with f32 out (layer_cuda.cpp): no columns.
+  p.g_a = c.full_rank_gate ? -1 : 3 * Cl + D;
+  p.b = c.full_rank_gate ? 3 * Cl + D : 3 * Cl + 2 * D;
   p.stride = (p.b + c.local_heads() + 7) / 8 * 8;
   return p;
 }

@@ -17,7 +17,7 @@ namespace kda::layer::detail {
 inline constexpr std::size_t kWorkspaceAlignment = 256;
 
 // Columns of the CUDA layer's fused input projection x·W_inᵀ [T, stride]:
-// q | k | v | f_a | g_a | b | padding.
+// q | k | v | f_a | g_a | b | padding, without g_a for a full-rank gate (g_a = -1).
 struct ProjColumns {
   std::int64_t q = 0, k = 0, v = 0, f_a = 0, g_a = 0, b = 0;
   std::int64_t stride = 0;  // rounded up to 8 columns: 16-byte rows for cuBLAS and the conv

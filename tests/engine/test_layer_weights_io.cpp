@@ -1,7 +1,8 @@
 // A whole layer's weights in checkpoints (kda/engine/layer_weights_io.hpp): round trips through
 // safetensors with and without the layer prefix, a tensor-parallel load keeping the rank's shard,
-// a sharded checkpoint's index, and tensors refused by name (missing, misshapen, wrongly typed,
-// out of range).
+// a sharded checkpoint's index, tensors refused by name (missing, misshapen, wrongly typed, out of
+// range), and the full-rank output gate g_proj (round trip, its shard, and the checkpoints that
+// hold the wrong gate form or both).
 #include <doctest/doctest.h>
 
 #include <nlohmann/json.hpp>
@@ -163,5 +164,92 @@ TEST_CASE("bad layer weights: missing, misshapen or wrongly typed tensors are re
     const std::string message = load_error(replaced("A_log", a_log));
     CHECK(message.find("tensor 'A_log'") != std::string::npos);
     CHECK(message.find("A_log[2] = 30") != std::string::npos);
+  }
+}
+
+TEST_CASE("a full-rank output gate: g_proj round trips, shards by rows; the wrong or both forms") {
+  Config config = small_config();
+  config.full_rank_gate = true;
+  const Weights weights = with_bias_and_norm(kda::layer::random_weights(config, 4, 3));
+  const std::vector<Tensor> tensors =
+      kda::engine::layer_weight_tensors(weights, kda::engine::layer_tensor_prefix(3));
+  // g_proj [C, E] in place of the low-rank pair; the bias keeps its name.
+  bool has_g_proj = false, has_bias = false;
+  for (const Tensor& t : tensors) {
+    CAPTURE(t.name);
+    CHECK(t.name.find("g_a_proj") == std::string::npos);
+    CHECK(t.name.find("g_b_proj.weight") == std::string::npos);
+    if (t.name == "model.layers.3.self_attn.g_proj.weight") {
+      has_g_proj = true;
+      CHECK(t.dtype == DType::kBF16);
+      CHECK(t.shape == std::vector<std::int64_t>{64, 48});
+    }
+    has_bias = has_bias || t.name == "model.layers.3.self_attn.g_b_proj.bias";
+  }
+  CHECK(has_g_proj);
+  CHECK(has_bias);
+
+  TempDir dir;
+  const std::string path = dir.file("k3.safetensors");
+  kda::engine::save_safetensors(path, tensors);
+  const Weights loaded = kda::engine::load_layer_weights(Checkpoint::open(path), 3, config);
+  CHECK(loaded.config.full_rank_gate);
+  CHECK(loaded.g_proj == weights.g_proj);
+  CHECK(loaded.g_b_bias == weights.g_b_bias);
+  CHECK(loaded.g_a_proj.empty());
+  CHECK(loaded.g_b_proj.empty());
+  CHECK(loaded.q_proj == weights.q_proj);
+  CHECK(loaded.o_proj == weights.o_proj);
+  Config rank1 = config;
+  rank1.tp_size = 2;
+  rank1.tp_rank = 1;
+  const Weights shard = kda::engine::load_layer_weights(Checkpoint::open(path), 3, rank1);
+  CHECK(shard.g_proj == kda::layer::shard_weights(weights, 2, 1).g_proj);
+  CHECK(shard.g_proj.size() == weights.g_proj.size() / 2);
+
+  // The same checkpoint under a low-rank config, and a low-rank checkpoint under a full-rank one:
+  // refused naming the missing tensor and what the checkpoint holds instead.
+  Config low_rank = config;
+  low_rank.full_rank_gate = false;
+  std::string message =
+      error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), 3, low_rank); });
+  CHECK(message.find(path) != std::string::npos);
+  CHECK(message.find("no tensor 'model.layers.3.self_attn.g_a_proj.weight'") != std::string::npos);
+  CHECK(message.find("'model.layers.3.self_attn.g_proj.weight'") != std::string::npos);
+  const std::string low_path = dir.file("low.safetensors");
+  kda::engine::save_safetensors(
+      low_path, kda::engine::layer_weight_tensors(kda::layer::random_weights(low_rank, 4, 3)));
+  message =
+      error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(low_path), -1, config); });
+  CHECK(message.find(low_path) != std::string::npos);
+  CHECK(message.find("no tensor 'g_proj.weight'") != std::string::npos);
+  CHECK(message.find("full-rank") != std::string::npos);
+  CHECK(message.find("'g_a_proj.weight', 'g_b_proj.weight'") != std::string::npos);
+  // Neither form at all.
+  std::vector<Tensor> no_gate;
+  for (const Tensor& t : tensors) {
+    if (t.name.find("g_proj.weight") == std::string::npos) no_gate.push_back(t);
+  }
+  kda::engine::save_safetensors(path, no_gate);
+  message = error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), 3, config); });
+  CHECK(message.find("no tensor 'model.layers.3.self_attn.g_proj.weight' (nor 'g_proj.weight')") !=
+        std::string::npos);
+  CHECK(message.find("neither form") != std::string::npos);
+
+  // Both forms present: refused for either config, naming the file and the tensors.
+  std::vector<Tensor> both = tensors;
+  both.push_back(Tensor::zeros("model.layers.3.self_attn.g_a_proj.weight", DType::kBF16, {16, 48}));
+  both.push_back(Tensor::zeros("g_b_proj.weight", DType::kBF16, {64, 16}));
+  kda::engine::save_safetensors(path, both);
+  for (const Config& c : {config, low_rank}) {
+    CAPTURE(c.full_rank_gate);
+    message = error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), 3, c); });
+    CHECK(message.find(path) != std::string::npos);
+    CHECK(message.find("both output gate forms present") != std::string::npos);
+    CHECK(message.find("'model.layers.3.self_attn.g_proj.weight' (full rank)") !=
+          std::string::npos);
+    CHECK(
+        message.find("'model.layers.3.self_attn.g_a_proj.weight', 'g_b_proj.weight' (low rank)") !=
+        std::string::npos);
   }
 }

@@ -78,11 +78,16 @@ LayerReference reference_layer(const layer::Weights& w, const std::vector<bf16_b
       const std::vector<double> v = conv(linear(w.v_proj, C, x), w.v_conv, state_v);
       const std::vector<double> g_raw = linear(w.f_b_proj, C, linear(w.f_a_proj, D, x));
       const std::vector<double> b_raw = linear(w.b_proj, H, x);
-      const std::vector<double> ga = linear(w.g_a_proj, D, x);
+      // Output gate: (x·W_gaᵀ → bf16)·W_gbᵀ, or x·W_gᵀ (full rank); the bias added before the
+      // one rounding.
+      const std::vector<double> gate_in = c.full_rank_gate ? x : linear(w.g_a_proj, D, x);
+      const std::vector<bf16_bits>& gate_weight = c.full_rank_gate ? w.g_proj : w.g_b_proj;
+      const std::int64_t gate_k = static_cast<std::int64_t>(gate_in.size());
       std::vector<double> gate(C);
       for (std::int64_t ch = 0; ch < C; ++ch) {
         double acc = w.g_b_bias.empty() ? 0.0 : bf16_to_float(w.g_b_bias[ch]);
-        for (std::int64_t d = 0; d < D; ++d) acc += weight(w.g_b_proj, ch, D, d) * ga[d];
+        for (std::int64_t i = 0; i < gate_k; ++i)
+          acc += weight(gate_weight, ch, gate_k, i) * gate_in[i];
         gate[ch] = bf16_round(acc);
       }
 

@@ -91,7 +91,7 @@ std::vector<bf16_bits> token_rows(const std::vector<bf16_bits>& m, std::int64_t 
 // Runners
 // ---------------------------------------------------------------------------------------------
 
-layer::Config LayerRunner::config(GateMode gate) const {
+layer::Config LayerRunner::config(GateMode gate, bool full_rank_gate) const {
   layer::Config c;
   c.hidden_size = backend() == Backend::kCpu ? 48 : 256;
   c.num_heads = 4;
@@ -100,6 +100,7 @@ layer::Config LayerRunner::config(GateMode gate) const {
   c.gate = gate;
   c.lower_bound = -5.0f;
   c.norm_eps = 1e-5f;
+  c.full_rank_gate = full_rank_gate;
   return c;
 }
 

@@ -164,8 +164,9 @@ class LayerRunner {
   virtual ~LayerRunner() = default;
   virtual Backend backend() const = 0;
   std::string name() const { return backend() == Backend::kCpu ? "CPU" : "CUDA"; }
-  // A small layer this backend runs: head_dim 16 on the CPU (fast), 128 on CUDA (its only one).
-  layer::Config config(GateMode gate = GateMode::kSoftplus) const;
+  // A small layer this backend runs: head_dim 16 on the CPU (fast), 128 on CUDA (its only one);
+  // the output gate low rank (Kimi-Linear) or full rank (Kimi K3).
+  layer::Config config(GateMode gate = GateMode::kSoftplus, bool full_rank_gate = false) const;
   Tolerances tolerances() const;
   // The start of every message of a refused forward: "KDA layer forward (CPU): ".
   std::string forward_error_prefix() const;

@@ -1,8 +1,10 @@
 // The whole layer against the fp64 reference (and, on CUDA, the CPU layer) on each backend: varlen
 // batches with empty, 1- and 2-token sequences on scattered slots for both gates and both recurrent
 // dtypes; conv widths with lengths around the conv history and CUDA's conv chunk, with padding
-// sequences; tensor-parallel ranks summing to the whole layer; a bf16 recurrent pool against an f32
-// one.
+// sequences; tensor-parallel ranks summing to the whole layer (both output gate forms); a bf16
+// recurrent pool against an f32 one; the full-rank output gate (Kimi K3) for both gates with and
+// without a bias, in prefills and decode steps with padding rows, and against the low-rank form
+// where both gates are the bias alone.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -93,11 +95,11 @@ std::vector<float> rank_heads(const Pools& whole, const layer::Config& shard) {
   return states;
 }
 
-}  // namespace
-
-KDA_LAYER_CASE("tensor parallel: the tp_size = 2 ranks' partial outputs sum to the whole layer") {
-  const layer::Config config = runner.config();
-  const layer::Weights full = with_bias_and_norm(layer::random_weights(config, 5, 4));
+// A prefill, then a decode step, through the whole layer of `full` and through its tp_size = 2
+// ranks: each rank's forward against the reference, its recurrent states against the whole layer's
+// for its heads, and the ranks' partial outputs summed against the whole layer's output.
+void check_tensor_parallel(const LayerRunner& runner, const layer::Weights& full) {
+  const layer::Config& config = full.config;
   const std::int64_t E = config.hidden_size;
   // A prefill, then a decode step on rows 0..N-1 (no slot list).
   const BatchSpec prefill = prefill_batch({11, 1, 18});
@@ -146,6 +148,23 @@ KDA_LAYER_CASE("tensor parallel: the tp_size = 2 ranks' partial outputs sum to t
   CHECK(step_error <= runner.tolerances().reference);
 }
 
+}  // namespace
+
+KDA_LAYER_CASE("tensor parallel: the tp_size = 2 ranks' partial outputs sum to the whole layer") {
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = runner.config(GateMode::kSoftplus, full_rank);
+    const layer::Weights full = with_bias_and_norm(layer::random_weights(config, 5, 4));
+    // A rank holds the rows of its heads of the full-rank gate, the whole low-rank first factor.
+    const layer::Weights rank1 = layer::shard_weights(full, 2, 1);
+    const std::size_t half = full.g_proj.size() / 2;
+    CHECK(rank1.g_proj.size() == half);
+    CHECK(std::equal(rank1.g_proj.begin(), rank1.g_proj.end(), full.g_proj.begin() + half));
+    CHECK(rank1.g_a_proj == full.g_a_proj);
+    check_tensor_parallel(runner, full);
+  }
+}
+
 KDA_LAYER_CASE("a bf16 recurrent state pool runs the same layer within bf16 accuracy") {
   const layer::Config config = runner.config();
   const layer::Weights weights = layer::random_weights(config, 6, 1);
@@ -165,4 +184,92 @@ KDA_LAYER_CASE("a bf16 recurrent state pool runs the same layer within bf16 accu
   CHECK(same_bits(bf16.conv_q, f32.conv_q));
   CHECK(same_bits(bf16.conv_k, f32.conv_k));
   CHECK(same_bits(bf16.conv_v, f32.conv_v));
+}
+
+// Kimi K3's output gate: one full-rank projection g_proj [C, E] in place of g_a_proj, g_b_proj.
+KDA_LAYER_CASE(
+    "the full-rank output gate matches the fp64 reference: prefill and decode, padding") {
+  for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
+    for (const bool bias : {false, true}) {
+      const std::string gate_name = to_string(gate);
+      CAPTURE(gate_name);
+      CAPTURE(bias);
+      const layer::Config config = runner.config(gate, true);
+      layer::Weights weights = layer::random_weights(config, 17, 5);
+      REQUIRE(weights.g_proj.size() ==
+              static_cast<std::size_t>(config.local_channels() * config.hidden_size));
+      REQUIRE(weights.g_a_proj.empty());
+      REQUIRE(weights.g_b_proj.empty());
+      if (bias) weights = with_bias_and_norm(std::move(weights));
+      const auto layer = runner.make(weights);
+      const std::int64_t E = config.hidden_size;
+
+      // A varlen prefill on scattered slots with an empty and a padding sequence: rows 4 and 6
+      // of 7 unused.
+      const BatchSpec prefill = prefill_batch({5, 0, 1, 17, 3, 37}, {5, 0, 1, 2, -1, 3});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(prefill.tokens() * E), 2.0f, 23);
+      Pools before(config, 7);
+      before.randomize(24);
+      Pools pools = before;
+      const LayerRun run = runner.forward(*layer, hidden, prefill, &pools);
+      check_forward(runner, weights, hidden, prefill, before, run, pools);
+
+      // Decode steps continuing those sequences: one token of one sequence (on CUDA, the
+      // small-row kernel's products), then one and two tokens of three rows and a padding row.
+      for (const BatchSpec& step : {decode_batch(1, 1, {2}), decode_batch(4, 1, {5, -1, 3, 0}),
+                                    decode_batch(4, 2, {3, 2, -2, 5})}) {
+        CAPTURE(step.sequences());
+        CAPTURE(step.decode_tokens);
+        const std::vector<bf16_bits> in =
+            random_bf16(static_cast<std::size_t>(step.tokens() * E), 2.0f, 25 + step.tokens());
+        const Pools step_before = pools;
+        const LayerRun step_run = runner.forward(*layer, in, step, &pools);
+        check_forward(runner, weights, in, step, step_before, step_run, pools);
+      }
+    }
+  }
+}
+
+// With every output gate matrix zero the gate is the bias alone, whichever its form: a full-rank
+// layer and a low-rank one of the same other weights compute the same layer. On the CPU bit for
+// bit (the rest of the arithmetic is the same); CUDA's fused input GEMM has other widths in the
+// two forms (its kernels may sum in another order), so within its tolerance.
+KDA_LAYER_CASE("a zero gate matrix: the full-rank and the low-rank layer are the same layer") {
+  const layer::Config low_config = runner.config(GateMode::kLowerBound);
+  layer::Weights low = with_bias_and_norm(layer::random_weights(low_config, 8, 6));
+  std::fill(low.g_b_proj.begin(), low.g_b_proj.end(), bf16_bits{0});
+  layer::Weights full = low;
+  full.config.full_rank_gate = true;
+  full.g_a_proj.clear();
+  full.g_b_proj.clear();
+  full.g_proj.assign(static_cast<std::size_t>(low_config.local_channels() * low_config.hidden_size),
+                     bf16_bits{0});
+  const BatchSpec batch = prefill_batch({9, 1, 14}, {2, 0, 1});
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(batch.tokens() * low_config.hidden_size), 2.0f, 26);
+  Pools before(low_config, 3);
+  before.randomize(27);
+  Pools low_pools = before, full_pools = before;
+  const LayerRun low_run = runner.forward(*runner.make(low), hidden, batch, &low_pools);
+  const LayerRun full_run = runner.forward(*runner.make(full), hidden, batch, &full_pools);
+  check_forward(runner, full, hidden, batch, before, full_run, full_pools);
+  REQUIRE_MESSAGE(low_run.error.empty(), low_run.error);
+  const double error = relative_error(full_run.out, low_run.out);
+  MESSAGE(runner.name() << ": full-rank vs low-rank layer, zero gate matrices: out " << error);
+  if (runner.backend() == Backend::kCpu) {
+    CHECK(same_bits(full_run.out, low_run.out));
+    CHECK(full_pools == low_pools);
+  } else {
+    CHECK(error <= kCudaVsCpuTolerance);
+    CHECK(relative_error(full_pools.recurrent(), low_pools.recurrent()) <= kCudaVsCpuTolerance);
+  }
+  // The bias is what the gate is: without it the output changes.
+  full.g_b_bias.clear();
+  Pools unbiased_pools = before;
+  const LayerRun unbiased = runner.forward(*runner.make(full), hidden, batch, &unbiased_pools);
+  REQUIRE_MESSAGE(unbiased.error.empty(), unbiased.error);
+  const double bias_effect = relative_error(unbiased.out, full_run.out);
+  MESSAGE("without the bias: out changes by " << bias_effect);
+  CHECK(bias_effect > 0.05);
 }

@@ -19,61 +19,67 @@ KDA_LAYER_CASE("weights placed in caller memory run as self-allocated ones, bit 
   const std::size_t align = layer::weight_image_alignment(runner.backend());
   const std::string region_error =
       std::string("KDA layer (") + runner.name() + "): the weight image region ";
-  for (const bool bias : {false, true}) {
-    CAPTURE(bias);
-    const layer::Config config = runner.config(bias ? GateMode::kLowerBound : GateMode::kSoftplus);
-    layer::Weights weights = layer::random_weights(config, 6, 3);
-    if (bias) weights = with_bias_and_norm(weights);  // every tensor of the image is used
-    const std::size_t needed = layer::weight_image_bytes(runner.backend(), config);
-    CHECK(needed % align == 0);
+  for (const bool full_rank : {false, true}) {
+    for (const bool bias : {false, true}) {
+      CAPTURE(full_rank);
+      CAPTURE(bias);
+      const layer::Config config =
+          runner.config(bias ? GateMode::kLowerBound : GateMode::kSoftplus, full_rank);
+      layer::Weights weights = layer::random_weights(config, 6, 3);
+      if (bias) weights = with_bias_and_norm(weights);  // every tensor of the image is used
+      const std::size_t needed = layer::weight_image_bytes(runner.backend(), config);
+      CHECK(needed % align == 0);
 
-    // A region larger than the image, filled with a pattern: the layer writes its image only.
-    constexpr unsigned char kPattern = 0x3C;
-    const std::unique_ptr<Memory> region = runner.allocate(needed + align);
-    region->fill(kPattern);
-    const auto own = runner.make(weights);
-    const auto placed = layer::make_layer(runner.backend(), weights, region->get(), needed + align);
-    CHECK(own->backend() == runner.backend());
-    CHECK(placed->backend() == runner.backend());
-    CHECK(own->weight_bytes() == needed);
-    CHECK(placed->weight_bytes() == needed);
-    const std::vector<unsigned char> image = region->download();
-    CHECK(std::all_of(image.begin() + static_cast<std::ptrdiff_t>(needed), image.end(),
-                      [](unsigned char b) { return b == kPattern; }));
-    CHECK(region->guards_intact());
+      // A region larger than the image, filled with a pattern: the layer writes its image only.
+      constexpr unsigned char kPattern = 0x3C;
+      const std::unique_ptr<Memory> region = runner.allocate(needed + align);
+      region->fill(kPattern);
+      const auto own = runner.make(weights);
+      const auto placed =
+          layer::make_layer(runner.backend(), weights, region->get(), needed + align);
+      CHECK(own->backend() == runner.backend());
+      CHECK(placed->backend() == runner.backend());
+      CHECK(own->weight_bytes() == needed);
+      CHECK(placed->weight_bytes() == needed);
+      const std::vector<unsigned char> image = region->download();
+      CHECK(std::all_of(image.begin() + static_cast<std::ptrdiff_t>(needed), image.end(),
+                        [](unsigned char b) { return b == kPattern; }));
+      CHECK(region->guards_intact());
 
-    const BatchSpec batch = prefill_batch({7, 1, 12});
-    const std::vector<bf16_bits> hidden =
-        random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 12);
-    Pools own_pools(config, 3);
-    own_pools.randomize(13);
-    Pools placed_pools = own_pools;
-    const LayerRun expected = runner.forward(*own, hidden, batch, &own_pools);
-    const LayerRun run = runner.forward(*placed, hidden, batch, &placed_pools);
-    CHECK_MESSAGE(run.error.empty(), run.error);
-    CHECK(run.all_written);
-    CHECK(same_bits(run.out, expected.out));  // the same image, the same arithmetic
-    CHECK(placed_pools == own_pools);
-    CHECK(region->guards_intact());
+      const BatchSpec batch = prefill_batch({7, 1, 12});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 2.0f, 12);
+      Pools own_pools(config, 3);
+      own_pools.randomize(13);
+      Pools placed_pools = own_pools;
+      const LayerRun expected = runner.forward(*own, hidden, batch, &own_pools);
+      const LayerRun run = runner.forward(*placed, hidden, batch, &placed_pools);
+      CHECK_MESSAGE(run.error.empty(), run.error);
+      CHECK(run.all_written);
+      CHECK(same_bits(run.out, expected.out));  // the same image, the same arithmetic
+      CHECK(placed_pools == own_pools);
+      CHECK(region->guards_intact());
 
-    // Refused before a byte is written, naming the numbers.
-    constexpr unsigned char kOther = 0x5A;
-    const std::unique_ptr<Memory> other = runner.allocate(needed + align);
-    other->fill(kOther);
-    auto* at = static_cast<unsigned char*>(other->get());
-    auto refusal = [&](void* where, std::size_t bytes) {
-      return weight_region_refusal(runner.backend(), weights, where, bytes);
-    };
-    CHECK(refusal(at, needed - 1) == region_error + "is too small: " + std::to_string(needed - 1) +
-                                         " bytes, the layer's weights need " +
-                                         std::to_string(needed) + " (weight_image_bytes)");
-    CHECK(refusal(at + 4, needed) ==
-          region_error + "is not " + std::to_string(align) + "-byte aligned");
-    CHECK(refusal(nullptr, needed) == region_error + "is null");
-    const std::vector<unsigned char> untouched = other->download();
-    CHECK(std::all_of(untouched.begin(), untouched.end(),
-                      [](unsigned char b) { return b == kOther; }));
-    CHECK(other->guards_intact());
+      // Refused before a byte is written, naming the numbers.
+      constexpr unsigned char kOther = 0x5A;
+      const std::unique_ptr<Memory> other = runner.allocate(needed + align);
+      other->fill(kOther);
+      auto* at = static_cast<unsigned char*>(other->get());
+      auto refusal = [&](void* where, std::size_t bytes) {
+        return weight_region_refusal(runner.backend(), weights, where, bytes);
+      };
+      CHECK(refusal(at, needed - 1) == region_error +
+                                           "is too small: " + std::to_string(needed - 1) +
+                                           " bytes, the layer's weights need " +
+                                           std::to_string(needed) + " (weight_image_bytes)");
+      CHECK(refusal(at + 4, needed) ==
+            region_error + "is not " + std::to_string(align) + "-byte aligned");
+      CHECK(refusal(nullptr, needed) == region_error + "is null");
+      const std::vector<unsigned char> untouched = other->download();
+      CHECK(std::all_of(untouched.begin(), untouched.end(),
+                        [](unsigned char b) { return b == kOther; }));
+      CHECK(other->guards_intact());
+    }
   }
   // A tensor-parallel rank holds its heads only: a smaller image.
   layer::Config shard = runner.config();
@@ -87,21 +93,25 @@ KDA_LAYER_CASE("weights placed in caller memory run as self-allocated ones, bit 
 
 KDA_LAYER_CPU_CASE("the CPU weight image is every tensor widened to fp32, each aligned") {
   const std::size_t align = layer::weight_image_alignment(Backend::kCpu);
-  for (const bool bias : {false, true}) {
-    CAPTURE(bias);
-    const layer::Config config = cpu_layer_runner().config();
-    layer::Weights weights = layer::random_weights(config, 6, 3);
-    if (bias) weights = with_bias_and_norm(weights);
-    const std::size_t needed = layer::weight_image_bytes(Backend::kCpu, config);
-    const std::size_t elements =
-        weights.q_proj.size() + weights.k_proj.size() + weights.v_proj.size() +
-        weights.f_a_proj.size() + weights.f_b_proj.size() + weights.b_proj.size() +
-        weights.g_a_proj.size() + weights.g_b_proj.size() + weights.o_proj.size() +
-        weights.q_conv.size() + weights.k_conv.size() + weights.v_conv.size() +
-        static_cast<std::size_t>(config.local_channels()) /* g_b bias, kept without one */ +
-        weights.o_norm.size() + weights.A_log.size() + weights.dt_bias.size();
-    CHECK(needed >= 4 * elements);
-    CHECK(needed < 4 * elements + 16 * align);
+  for (const bool full_rank : {false, true}) {
+    for (const bool bias : {false, true}) {
+      CAPTURE(full_rank);
+      CAPTURE(bias);
+      const layer::Config config = cpu_layer_runner().config(GateMode::kSoftplus, full_rank);
+      layer::Weights weights = layer::random_weights(config, 6, 3);
+      if (bias) weights = with_bias_and_norm(weights);
+      const std::size_t needed = layer::weight_image_bytes(Backend::kCpu, config);
+      const std::size_t elements =
+          weights.q_proj.size() + weights.k_proj.size() + weights.v_proj.size() +
+          weights.f_a_proj.size() + weights.f_b_proj.size() + weights.b_proj.size() +
+          weights.g_a_proj.size() + weights.g_b_proj.size() + weights.g_proj.size() +
+          weights.o_proj.size() + weights.q_conv.size() + weights.k_conv.size() +
+          weights.v_conv.size() +
+          static_cast<std::size_t>(config.local_channels()) /* g_b bias, kept without one */ +
+          weights.o_norm.size() + weights.A_log.size() + weights.dt_bias.size();
+      CHECK(needed >= 4 * elements);
+      CHECK(needed < 4 * elements + 16 * align);
+    }
   }
 }
 
@@ -119,6 +129,20 @@ KDA_LAYER_CASE("bad weights are refused by name") {
   broken = weights;
   broken.dt_bias[5] = std::numeric_limits<float>::infinity();
   CHECK(error_of([&] { runner.make(broken); }).find("dt_bias[") != std::string::npos);
+  // Each output gate form has its matrices and not the other's.
+  const layer::Weights full_rank =
+      layer::random_weights(runner.config(GateMode::kSoftplus, true), 1, 0);
+  broken = full_rank;
+  broken.g_proj.pop_back();
+  CHECK(error_of([&] { runner.make(broken); }).find("g_proj holds") != std::string::npos);
+  broken = full_rank;
+  broken.g_a_proj = weights.g_a_proj;
+  CHECK(error_of([&] { runner.make(broken); }).find("g_a_proj (a full-rank gate has none)") !=
+        std::string::npos);
+  broken = weights;
+  broken.g_proj = full_rank.g_proj;
+  CHECK(error_of([&] { runner.make(broken); }).find("g_proj (a low-rank gate has none)") !=
+        std::string::npos);
 }
 
 KDA_LAYER_CASE("bad calls are refused before anything is written") {
@@ -267,7 +291,34 @@ KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both bac
     CHECK(error_of([&] { layer::weight_image_bytes(backend, bad); }).find("num_heads 0") !=
           std::string::npos);
   }
+  // The full-rank gate: g_proj [Cl, E] in place of g_a_proj [D, E] and g_b_proj [Cl, D] (every
+  // tensor here a multiple of either backend's alignment, so the images differ by exactly that);
+  // on CUDA the fused input projection loses its D columns of g_a, in the image and in the
+  // workspace, and the CPU's workspace stays as it is.
+  layer::Config full_rank = config;
+  full_rank.full_rank_gate = true;
+  {
+    const std::int64_t E = config.hidden_size, D = config.head_dim, Cl = config.local_channels();
+    const auto delta = [](std::size_t full, std::size_t low) {
+      return static_cast<std::int64_t>(full) - static_cast<std::int64_t>(low);
+    };
+    CHECK(delta(layer::weight_image_bytes(Backend::kCpu, full_rank),
+                layer::weight_image_bytes(Backend::kCpu, config)) == 4 * (Cl * E - D * E - Cl * D));
+    CHECK(delta(layer::weight_image_bytes(Backend::kCuda, full_rank),
+                layer::weight_image_bytes(Backend::kCuda, config)) ==
+          2 * (Cl * E - Cl * D - D * E));
+    const std::int64_t T = 8192;
+    CHECK(layer::workspace_bytes(Backend::kCpu, full_rank, T, 64, 64) ==
+          layer::workspace_bytes(Backend::kCpu, config, T, 64, 64));
+    const std::int64_t cuda_delta =
+        delta(layer::workspace_bytes(Backend::kCuda, config, T, 64, 64),
+              layer::workspace_bytes(Backend::kCuda, full_rank, T, 64, 64));
+    MESSAGE("CUDA workspace, low-rank minus full-rank gate: " << cuda_delta << " bytes");
+    CHECK(cuda_delta >= 0);
+    CHECK(cuda_delta <= 2 * T * D);
+  }
   CHECK(layer::can_implement(Backend::kCpu, config).ok());
+  CHECK(layer::can_implement(Backend::kCpu, full_rank).ok());
   if (!cuda_compiled()) {
     CHECK(layer::can_implement(Backend::kCuda, config).code() == StatusCode::kBackendUnavailable);
     try {
@@ -276,8 +327,11 @@ KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both bac
     } catch (const Error& e) {
       CHECK(e.code() == StatusCode::kBackendUnavailable);
     }
+    CHECK(layer::can_implement(Backend::kCuda, full_rank).code() ==
+          StatusCode::kBackendUnavailable);
   } else {
     CHECK(layer::can_implement(Backend::kCuda, config).ok());
+    CHECK(layer::can_implement(Backend::kCuda, full_rank).ok());
     // The CUDA kernels run head_dim 128 and conv widths 2..4 only.
     layer::Config other = config;
     other.head_dim = 64;
@@ -308,6 +362,23 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
     CHECK(random_rank.A_log == shard.A_log);
     CHECK(shard.A_log.size() == 2);
     CHECK(shard.f_a_proj == full.f_a_proj);  // replicated
+  }
+  // The full-rank gate is column-parallel: rank r holds rows [r Cl, (r + 1) Cl) of g_proj.
+  layer::Config full_rank = cpu_layer_runner().config(GateMode::kSoftplus, true);
+  const layer::Weights whole = layer::random_weights(full_rank, 5, 4);
+  const std::size_t rows = static_cast<std::size_t>(full_rank.num_heads * full_rank.head_dim / 2);
+  const std::size_t E = static_cast<std::size_t>(full_rank.hidden_size);
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    full_rank.tp_size = 2;
+    full_rank.tp_rank = rank;
+    const layer::Weights shard = layer::shard_weights(whole, 2, rank);
+    REQUIRE(shard.g_proj.size() == rows * E);
+    CHECK(std::equal(shard.g_proj.begin(), shard.g_proj.end(),
+                     whole.g_proj.begin() + static_cast<std::ptrdiff_t>(rank * rows * E)));
+    CHECK(layer::random_weights(full_rank, 5, 4).g_proj == shard.g_proj);
+    CHECK(shard.g_a_proj.empty());
+    CHECK(shard.g_b_proj.empty());
   }
   // A shard of a shard, and a tp_size that does not divide the heads, are refused.
   CHECK(error_of([&] {

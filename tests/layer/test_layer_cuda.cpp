@@ -1,6 +1,6 @@
 // What only the CUDA layer has: a slot outside the pool that only the device sees (reported in the
-// device status word, run as padding), a forward captured in a CUDA graph, device memory required
-// for the weight image and for the batch's arrays.
+// device status word, run as padding), a forward captured in a CUDA graph (with either output gate
+// form), device memory required for the weight image and for the batch's arrays.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -86,59 +86,68 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
 #else
-  const layer::Config config = cuda.config();
-  const auto layer = cuda.make(with_bias_and_norm(layer::random_weights(config, 8, 2)));
-  const std::int64_t E = config.hidden_size;
   cudaStream_t stream = nullptr;
   REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
-  for (std::int64_t decode_tokens : {0, 1}) {
-    CAPTURE(decode_tokens);
-    const std::vector<std::int32_t> slots = {3, 0, 1};
-    const BatchSpec batch =
-        decode_tokens > 0 ? decode_batch(3, 1, slots) : prefill_batch({7, 0, 33}, slots);
-    Pools initial(config, 4);
-    initial.randomize(12);
-    const std::vector<bf16_bits> hidden =
-        random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 13);
+  for (const bool full_rank : {false, true}) {
+    const layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 8, 2));
+    const auto layer = cuda.make(weights);
+    const std::int64_t E = config.hidden_size;
+    // Decode of three rows (cuBLAS's products) and of one (the small-row kernel's).
+    for (std::int64_t decode_rows : {0, 3, 1}) {
+      CAPTURE(full_rank);
+      CAPTURE(decode_rows);
+      const std::vector<std::int32_t> slots = {3, 0, 1};
+      const BatchSpec batch =
+          decode_rows > 0
+              ? decode_batch(decode_rows, 1,
+                             std::vector<std::int32_t>(slots.begin(), slots.begin() + decode_rows))
+              : prefill_batch({7, 0, 33}, slots);
+      Pools initial(config, 4);
+      initial.randomize(12);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 13);
 
-    // Eager, on the stream, pointers checked; no host copies (a graph replays without them).
-    ForwardSettings eager_settings;
-    eager_settings.host_copies = false;
-    eager_settings.change = [stream](ForwardCall& call) { call.options.stream = stream; };
-    Pools eager = initial;
-    const LayerRun eager_run = cuda.forward(*layer, hidden, batch, &eager, eager_settings);
-    REQUIRE_MESSAGE(eager_run.error.empty(), eager_run.error);
-    CHECK(eager_run.all_written);
+      // Eager, on the stream, pointers checked; no host copies (a graph replays without them).
+      ForwardSettings eager_settings;
+      eager_settings.host_copies = false;
+      eager_settings.change = [stream](ForwardCall& call) { call.options.stream = stream; };
+      Pools eager = initial;
+      const LayerRun eager_run = cuda.forward(*layer, hidden, batch, &eager, eager_settings);
+      REQUIRE_MESSAGE(eager_run.error.empty(), eager_run.error);
+      CHECK(eager_run.all_written);
+      check_forward(cuda, weights, hidden, batch, initial, eager_run, eager);
 
-    // Captured into a graph from fresh copies of the same inputs and states, then replayed.
-    ForwardBuffers<DeviceBuffer> buffers(
-        hidden, batch, initial,
-        layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
-    ForwardCall call = buffers.call(batch, initial, false);
-    call.options.stream = stream;
-    call.options.check_pointers = false;  // no driver queries inside a capture
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-    const std::string capture_error = error_of([&] {
-      layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
-    });
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-    INFO("forward during capture: " << capture_error);
-    REQUIRE(capture_error == "(no error)");
-    REQUIRE(end == cudaSuccess);
-    REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
-    REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
-    REQUIRE(stream_synchronize(stream).ok());
-    const std::vector<bf16_bits> graph_out = buffers.out.download<bf16_bits>();
-    Pools replayed = initial;
-    buffers.download(&replayed);
-    MESSAGE("graph vs eager out relative error " << relative_error(graph_out, eager_run.out));
-    CHECK(same_bits(graph_out, eager_run.out));
-    CHECK(replayed == eager);
-    CHECK(buffers.guards_intact());
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+      // Captured into a graph from fresh copies of the same inputs and states, then replayed.
+      ForwardBuffers<DeviceBuffer> buffers(
+          hidden, batch, initial,
+          layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
+      ForwardCall call = buffers.call(batch, initial, false);
+      call.options.stream = stream;
+      call.options.check_pointers = false;  // no driver queries inside a capture
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+      const std::string capture_error = error_of([&] {
+        layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
+      });
+      const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+      INFO("forward during capture: " << capture_error);
+      REQUIRE(capture_error == "(no error)");
+      REQUIRE(end == cudaSuccess);
+      REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+      REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+      REQUIRE(stream_synchronize(stream).ok());
+      const std::vector<bf16_bits> graph_out = buffers.out.download<bf16_bits>();
+      Pools replayed = initial;
+      buffers.download(&replayed);
+      MESSAGE("graph vs eager out relative error " << relative_error(graph_out, eager_run.out));
+      CHECK(same_bits(graph_out, eager_run.out));
+      CHECK(replayed == eager);
+      CHECK(buffers.guards_intact());
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
   }
   cudaStreamDestroy(stream);
 #endif

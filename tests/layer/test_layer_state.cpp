@@ -1,10 +1,12 @@
 // The layer's states on each backend: scattered slots equal rows 0..N-1; chained prefills and
-// prefill-then-decode equal one longer prefill; padding decode rows and prefill sequences; batches
-// of no tokens. Every forward is also held to the fp64 reference of its own call
-// (check_forward), so an error of one call cannot hide in the next.
+// prefill-then-decode equal one longer prefill; padding decode rows and prefill sequences (both
+// with either output gate form); batches of no tokens. Every forward is also held to the fp64
+// reference of its own call (check_forward), so an error of one call cannot hide in the next.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,6 +21,20 @@ namespace {
 void append_rows(std::vector<bf16_bits>* to, const std::vector<bf16_bits>& m, std::int64_t E,
                  std::int64_t begin, std::int64_t end) {
   to->insert(to->end(), m.begin() + begin * E, m.begin() + end * E);
+}
+
+// Runs `body` on the weights and the layer of the cases below, once per output gate form (low
+// rank, full rank): the bounded gate, a g_b bias and a non-unit o_norm, so that every weight
+// matters.
+void for_each_gate_form(
+    const LayerRunner& runner,
+    const std::function<void(const layer::Weights&, const std::unique_ptr<layer::Layer>&)>& body) {
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Weights weights = with_bias_and_norm(
+        layer::random_weights(runner.config(GateMode::kLowerBound, full_rank), 4, 1));
+    body(weights, runner.make(weights));
+  }
 }
 
 }  // namespace
@@ -95,112 +111,115 @@ KDA_LAYER_CASE("chunked prefill: one prefill equals two chained prefills") {
 }
 
 KDA_LAYER_CASE("prefill then decode steps equal one longer prefill") {
-  const layer::Config config = runner.config(GateMode::kLowerBound);
-  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 4, 1));
-  const auto layer = runner.make(weights);
-  const std::int64_t E = config.hidden_size;
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
-    const std::string dtype_name = to_string(dtype);
-    CAPTURE(dtype_name);
-    // Sequence 0 (11 tokens, rows 0..10 of hidden) on slot 2, sequence 1 (7 tokens, rows 11..17)
-    // on slot 0; row 1 unused.
-    const std::vector<std::int32_t> slots = {2, 0};
-    const std::int64_t first_row[2] = {0, 11};
-    const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(18 * E), 2.0f, 9);
-    Pools whole(config, 3, dtype);
-    const Pools start = whole;
-    const LayerRun expected = runner.forward(*layer, hidden, prefill_batch({11, 7}, slots), &whole);
-    check_forward(runner, weights, hidden, prefill_batch({11, 7}, slots), start, expected, whole);
+  for_each_gate_form(runner, [&](const layer::Weights& weights,
+                                 const std::unique_ptr<layer::Layer>& layer) {
+    const layer::Config& config = weights.config;
+    const std::int64_t E = config.hidden_size;
+    for (DType dtype : {DType::kF32, DType::kBF16}) {
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
+      // Sequence 0 (11 tokens, rows 0..10 of hidden) on slot 2, sequence 1 (7 tokens, rows 11..17)
+      // on slot 0; row 1 unused.
+      const std::vector<std::int32_t> slots = {2, 0};
+      const std::int64_t first_row[2] = {0, 11};
+      const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(18 * E), 2.0f, 9);
+      Pools whole(config, 3, dtype);
+      const Pools start = whole;
+      const LayerRun expected =
+          runner.forward(*layer, hidden, prefill_batch({11, 7}, slots), &whole);
+      check_forward(runner, weights, hidden, prefill_batch({11, 7}, slots), start, expected, whole);
 
-    Pools stepped = start;
-    std::vector<bf16_bits> out(hidden.size());
-    std::int64_t done[2] = {0, 0};  // tokens of each sequence run so far
-    // The next k0 and k1 tokens of the two sequences as one call (a decode step when k > 0).
-    auto call = [&](std::int64_t k0, std::int64_t k1, std::int64_t decode_tokens) {
-      CAPTURE(done[0]);
-      CAPTURE(decode_tokens);
-      std::vector<bf16_bits> in;
-      append_rows(&in, hidden, E, first_row[0] + done[0], first_row[0] + done[0] + k0);
-      append_rows(&in, hidden, E, first_row[1] + done[1], first_row[1] + done[1] + k1);
-      const BatchSpec batch = decode_tokens > 0 ? decode_batch(2, decode_tokens, slots)
-                                                : prefill_batch({k0, k1}, slots);
-      const Pools before = stepped;
-      const LayerRun run = runner.forward(*layer, in, batch, &stepped);
-      check_forward(runner, weights, in, batch, before, run, stepped);
-      std::copy(run.out.begin(), run.out.begin() + k0 * E,
-                out.begin() + (first_row[0] + done[0]) * E);
-      std::copy(run.out.begin() + k0 * E, run.out.end(),
-                out.begin() + (first_row[1] + done[1]) * E);
-      done[0] += k0;
-      done[1] += k1;
-    };
-    call(6, 2, 0);  // a prefill of 6 and 2 tokens (the second shorter than the conv history)
-    for (int step = 0; step < 3; ++step) call(1, 1, 1);  // three one-token decode steps
-    call(2, 2, 2);                                       // one two-token step
-    REQUIRE(done[0] == 11);
-    REQUIRE(done[1] == 7);
-    check_same_tokens(runner, out, expected.out, stepped, whole);
-  }
+      Pools stepped = start;
+      std::vector<bf16_bits> out(hidden.size());
+      std::int64_t done[2] = {0, 0};  // tokens of each sequence run so far
+      // The next k0 and k1 tokens of the two sequences as one call (a decode step when k > 0).
+      auto call = [&](std::int64_t k0, std::int64_t k1, std::int64_t decode_tokens) {
+        CAPTURE(done[0]);
+        CAPTURE(decode_tokens);
+        std::vector<bf16_bits> in;
+        append_rows(&in, hidden, E, first_row[0] + done[0], first_row[0] + done[0] + k0);
+        append_rows(&in, hidden, E, first_row[1] + done[1], first_row[1] + done[1] + k1);
+        const BatchSpec batch = decode_tokens > 0 ? decode_batch(2, decode_tokens, slots)
+                                                  : prefill_batch({k0, k1}, slots);
+        const Pools before = stepped;
+        const LayerRun run = runner.forward(*layer, in, batch, &stepped);
+        check_forward(runner, weights, in, batch, before, run, stepped);
+        std::copy(run.out.begin(), run.out.begin() + k0 * E,
+                  out.begin() + (first_row[0] + done[0]) * E);
+        std::copy(run.out.begin() + k0 * E, run.out.end(),
+                  out.begin() + (first_row[1] + done[1]) * E);
+        done[0] += k0;
+        done[1] += k1;
+      };
+      call(6, 2, 0);  // a prefill of 6 and 2 tokens (the second shorter than the conv history)
+      for (int step = 0; step < 3; ++step) call(1, 1, 1);  // three one-token decode steps
+      call(2, 2, 2);                                       // one two-token step
+      REQUIRE(done[0] == 11);
+      REQUIRE(done[1] == 7);
+      check_same_tokens(runner, out, expected.out, stepped, whole);
+    }
+  });
 }
 
 // Padding (negative slots) as a serving runtime pads a captured batch: decode rows, and prefill
 // sequences among real ones (an empty one too). The pools' nobody's rows hold non-zero states,
 // which padding must neither read nor write.
 KDA_LAYER_CASE("padding outputs zeros and touches no state; the rest runs as without it") {
-  const layer::Config config = runner.config(GateMode::kLowerBound);
-  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 4, 1));
-  const auto layer = runner.make(weights);
-  const std::int64_t E = config.hidden_size;
-  for (DType dtype : {DType::kF32, DType::kBF16}) {
-    for (std::int64_t decode_tokens : {0, 1, 2}) {
-      const std::string dtype_name = to_string(dtype);
-      CAPTURE(dtype_name);
-      CAPTURE(decode_tokens);
-      // Prefill: 5, 3, 0, 7 and 2 tokens on row 1, padding, row 3 (empty), row 0, padding.
-      // Decode: rows 2 and 0 with a padding row between them and one after.
-      const BatchSpec padded = decode_tokens > 0
-                                   ? decode_batch(4, decode_tokens, {2, -1, 0, -4})
-                                   : prefill_batch({5, 3, 0, 7, 2}, {1, -1, 3, 0, -2});
-      const std::vector<bf16_bits> hidden =
-          random_bf16(static_cast<std::size_t>(padded.tokens() * E), 2.0f, 41 + decode_tokens);
-      Pools before(config, 5, dtype);
-      before.randomize(42);
-      Pools after = before;
-      const LayerRun run = runner.forward(*layer, hidden, padded, &after);
-      check_forward(runner, weights, hidden, padded, before, run, after);
+  for_each_gate_form(
+      runner, [&](const layer::Weights& weights, const std::unique_ptr<layer::Layer>& layer) {
+        const layer::Config& config = weights.config;
+        const std::int64_t E = config.hidden_size;
+        for (DType dtype : {DType::kF32, DType::kBF16}) {
+          for (std::int64_t decode_tokens : {0, 1, 2}) {
+            const std::string dtype_name = to_string(dtype);
+            CAPTURE(dtype_name);
+            CAPTURE(decode_tokens);
+            // Prefill: 5, 3, 0, 7 and 2 tokens on row 1, padding, row 3 (empty), row 0, padding.
+            // Decode: rows 2 and 0 with a padding row between them and one after.
+            const BatchSpec padded = decode_tokens > 0
+                                         ? decode_batch(4, decode_tokens, {2, -1, 0, -4})
+                                         : prefill_batch({5, 3, 0, 7, 2}, {1, -1, 3, 0, -2});
+            const std::vector<bf16_bits> hidden = random_bf16(
+                static_cast<std::size_t>(padded.tokens() * E), 2.0f, 41 + decode_tokens);
+            Pools before(config, 5, dtype);
+            before.randomize(42);
+            Pools after = before;
+            const LayerRun run = runner.forward(*layer, hidden, padded, &after);
+            check_forward(runner, weights, hidden, padded, before, run, after);
 
-      // The same batch without its padding.
-      std::vector<std::int64_t> lengths;
-      std::vector<std::int32_t> slots;
-      std::vector<bf16_bits> real_in, real_out;
-      for (std::int64_t n = 0; n < padded.sequences(); ++n) {
-        const std::int64_t begin = padded.cu_seqlens[n], end = padded.cu_seqlens[n + 1];
-        if (padded.slot(n) < 0) {
-          CAPTURE(n);
-          const std::vector<bf16_bits> zeros = token_rows(run.out, E, begin, end);
-          CHECK(std::all_of(zeros.begin(), zeros.end(), [](bf16_bits b) { return b == 0; }));
-          continue;
+            // The same batch without its padding.
+            std::vector<std::int64_t> lengths;
+            std::vector<std::int32_t> slots;
+            std::vector<bf16_bits> real_in, real_out;
+            for (std::int64_t n = 0; n < padded.sequences(); ++n) {
+              const std::int64_t begin = padded.cu_seqlens[n], end = padded.cu_seqlens[n + 1];
+              if (padded.slot(n) < 0) {
+                CAPTURE(n);
+                const std::vector<bf16_bits> zeros = token_rows(run.out, E, begin, end);
+                CHECK(std::all_of(zeros.begin(), zeros.end(), [](bf16_bits b) { return b == 0; }));
+                continue;
+              }
+              lengths.push_back(end - begin);
+              slots.push_back(padded.slots[n]);
+              append_rows(&real_in, hidden, E, begin, end);
+              append_rows(&real_out, run.out, E, begin, end);
+            }
+            const BatchSpec plain =
+                decode_tokens > 0
+                    ? decode_batch(static_cast<std::int64_t>(slots.size()), decode_tokens, slots)
+                    : prefill_batch(lengths, slots);
+            for (std::int64_t r = 0; r < before.num_slots; ++r) {
+              if (std::find(slots.begin(), slots.end(), r) != slots.end()) continue;
+              CAPTURE(r);
+              CHECK(after.row_equal(before, r));  // nobody's row
+            }
+            Pools plain_after = before;
+            const LayerRun plain_run = runner.forward(*layer, real_in, plain, &plain_after);
+            REQUIRE_MESSAGE(plain_run.error.empty(), plain_run.error);
+            check_same_tokens(runner, real_out, plain_run.out, after, plain_after);
+          }
         }
-        lengths.push_back(end - begin);
-        slots.push_back(padded.slots[n]);
-        append_rows(&real_in, hidden, E, begin, end);
-        append_rows(&real_out, run.out, E, begin, end);
-      }
-      const BatchSpec plain =
-          decode_tokens > 0
-              ? decode_batch(static_cast<std::int64_t>(slots.size()), decode_tokens, slots)
-              : prefill_batch(lengths, slots);
-      for (std::int64_t r = 0; r < before.num_slots; ++r) {
-        if (std::find(slots.begin(), slots.end(), r) != slots.end()) continue;
-        CAPTURE(r);
-        CHECK(after.row_equal(before, r));  // nobody's row
-      }
-      Pools plain_after = before;
-      const LayerRun plain_run = runner.forward(*layer, real_in, plain, &plain_after);
-      REQUIRE_MESSAGE(plain_run.error.empty(), plain_run.error);
-      check_same_tokens(runner, real_out, plain_run.out, after, plain_after);
-    }
-  }
+      });
 }
 
 KDA_LAYER_CASE("a batch of no tokens writes nothing and keeps every state") {

@@ -145,6 +145,43 @@ std::vector<float> to_float(const SafetensorsFile& file, const Tensor& tensor) {
   return values;
 }
 
+// The output gate's matrices: g_proj [C, E] when the config selects the full-rank gate, else the
+// low-rank pair. A checkpoint holding both forms is refused whichever the config selects: which one
+// its model runs cannot be told from the tensors.
+void load_output_gate(const Checkpoint& checkpoint, const LayerTensors& tensors, int layer_index,
+                      const Config& config, Weights* full) {
+  const std::int64_t E = config.hidden_size, D = config.head_dim, C = config.num_heads * D;
+  const std::string full_rank = tensors.stored_name("g_proj.weight");
+  std::string low_rank;
+  for (const char* name : {"g_a_proj.weight", "g_b_proj.weight"}) {
+    const std::string stored = tensors.stored_name(name);
+    if (!stored.empty()) low_rank += (low_rank.empty() ? "'" : ", '") + stored + "'";
+  }
+  if (!full_rank.empty() && !low_rank.empty()) {
+    invalid(checkpoint.path() + ": both output gate forms present: '" + full_rank +
+            "' (full rank) and " + low_rank + " (low rank)");
+  }
+  const std::string prefix = layer_index < 0 ? std::string() : layer_tensor_prefix(layer_index);
+  auto missing = [&](const char* name, const char* form, const std::string& other) {
+    invalid(checkpoint.path() + ": no tensor '" + prefix + name + "'" +
+            (prefix.empty() ? std::string() : std::string(" (nor '") + name + "')") + ", the " +
+            form + " output gate the config selects; the checkpoint holds " + other);
+  };
+  if (!config.full_rank_gate) {
+    if (!full_rank.empty()) {
+      missing("g_a_proj.weight", "low-rank", "the full-rank '" + full_rank + "'");
+    }
+    full->g_a_proj = tensors.bf16("g_a_proj.weight", {D, E});
+    full->g_b_proj = tensors.bf16("g_b_proj.weight", {C, D});
+    return;
+  }
+  if (full_rank.empty()) {
+    missing("g_proj.weight", "full-rank (full_rank_gate)",
+            low_rank.empty() ? std::string("neither form") : "the low-rank " + low_rank);
+  }
+  full->g_proj = tensors.bf16("g_proj.weight", {C, E});
+}
+
 bool shape_is(const std::vector<std::int64_t>& shape, std::initializer_list<std::int64_t> dims) {
   return shape == std::vector<std::int64_t>(dims);
 }
@@ -215,8 +252,7 @@ Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index, const 
   full.f_a_proj = tensors.bf16("f_a_proj.weight", {D, E});
   full.f_b_proj = tensors.bf16("f_b_proj.weight", {C, D});
   full.b_proj = tensors.bf16("b_proj.weight", {H, E});
-  full.g_a_proj = tensors.bf16("g_a_proj.weight", {D, E});
-  full.g_b_proj = tensors.bf16("g_b_proj.weight", {C, D});
+  load_output_gate(checkpoint, tensors, layer_index, config, &full);
   if (tensors.has("g_b_proj.bias")) full.g_b_bias = tensors.bf16("g_b_proj.bias", {C});
   full.A_log = tensors.floats("A_log", {{1, 1, H, 1}, {H}});
   full.dt_bias = tensors.floats("dt_bias", {{C}, {H, D}});
@@ -247,8 +283,12 @@ std::vector<Tensor> layer_weight_tensors(const Weights& w, const std::string& pr
   out.push_back(make_tensor(prefix + "f_a_proj.weight", DType::kBF16, {D, E}, w.f_a_proj));
   out.push_back(make_tensor(prefix + "f_b_proj.weight", DType::kBF16, {C, D}, w.f_b_proj));
   out.push_back(make_tensor(prefix + "b_proj.weight", DType::kBF16, {H, E}, w.b_proj));
-  out.push_back(make_tensor(prefix + "g_a_proj.weight", DType::kBF16, {D, E}, w.g_a_proj));
-  out.push_back(make_tensor(prefix + "g_b_proj.weight", DType::kBF16, {C, D}, w.g_b_proj));
+  if (w.config.full_rank_gate) {
+    out.push_back(make_tensor(prefix + "g_proj.weight", DType::kBF16, {C, E}, w.g_proj));
+  } else {
+    out.push_back(make_tensor(prefix + "g_a_proj.weight", DType::kBF16, {D, E}, w.g_a_proj));
+    out.push_back(make_tensor(prefix + "g_b_proj.weight", DType::kBF16, {C, D}, w.g_b_proj));
+  }
   if (!w.g_b_bias.empty()) {
     out.push_back(make_tensor(prefix + "g_b_proj.bias", DType::kBF16, {C}, w.g_b_bias));
   }

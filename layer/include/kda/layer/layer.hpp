@@ -7,6 +7,7 @@
 //   g_raw   = (x·W_faᵀ)·W_fbᵀ            β_raw = x·W_bᵀ
 //   o       = KDA(q, k, v, g_raw, β_raw; A_log, dt_bias)      the operator (kda/kda.hpp)
 //   y       = RMSNorm_D(o) · o_norm ⊙ sigmoid((x·W_gaᵀ)·W_gbᵀ [+ g_b bias])   per head
+//             (Config::full_rank_gate: sigmoid(x·W_gᵀ [+ g_b bias]), Kimi K3's gate)
 //   out     = y·W_oᵀ                                            [T, E] bf16
 // fp32 accumulation everywhere; every intermediate is rounded to bf16 where the reference
 // implementations (fla, vLLM) round it (docs/LAYER.md lists the rounding points). `hidden` is what
@@ -88,7 +89,7 @@ struct Batch {
 
 // Seconds spent per phase, added to by forward() when asked.
 struct Times {
-  double projections = 0.0;  // q/k/v, f_a/f_b, b, g_a/g_b projections
+  double projections = 0.0;  // q/k/v, f_a/f_b, b, g_a/g_b (or g) projections
   double conv = 0.0;         // short convolutions + SiLU, conv state update
   double core = 0.0;         // the KDA operator
   double norm = 0.0;         // gated RMSNorm

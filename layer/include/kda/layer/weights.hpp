@@ -12,7 +12,7 @@
 //   A_log [H], dt_bias [C]            o_norm [D]                  o_proj [E, C]
 //
 // Tensor parallelism (as vLLM shards the layer): rank r of tp_size keeps heads
-// [r·H/tp, (r+1)·H/tp): the matching rows of q/k/v/f_b/g_b/b_proj (column-parallel linears), of
+// [r·H/tp, (r+1)·H/tp): the matching rows of q/k/v/f_b/g_b/g/b_proj (column-parallel linears), of
 // the conv weights, A_log, dt_bias and g_b bias, and the matching columns of o_proj (row-parallel);
 // f_a, g_a and o_norm are replicated. The rank's layer output is then a partial sum over ranks.
 #pragma once

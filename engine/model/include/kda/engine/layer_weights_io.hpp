@@ -8,7 +8,9 @@
 //   f_a_proj.weight BF16 [D, E]     f_b_proj.weight BF16 [C, D]      (forget gate, low rank)
 //   b_proj.weight   BF16 [H, E]                                      (beta)
 //   g_a_proj.weight BF16 [D, E]     g_b_proj.weight BF16 [C, D]      (output gate, low rank)
-//   g_b_proj.bias   BF16 [C]        optional (fla's KimiDeltaAttention has it; Kimi-Linear not)
+//   or g_proj.weight BF16 [C, E]    with config.full_rank_gate (Kimi K3; then no g_a/g_b_proj)
+//   g_b_proj.bias   BF16 [C]        optional, either gate form (fla's KimiDeltaAttention has it;
+//                                   Kimi-Linear and K3 not)
 //   A_log   F32 or BF16 [1, 1, H, 1] (or [H])     dt_bias F32 or BF16 [C] (or [H, D])
 //   o_norm.weight   BF16 [D]        o_proj.weight BF16 [E, C]
 #pragma once
@@ -40,7 +42,8 @@ std::string layer_tensor_prefix(int layer_index);
 // shard of them. Each tensor is looked up as layer_tensor_prefix(layer_index) + name, then as the
 // bare name (a layer case file); layer_index < 0 looks up bare names only. Throws kda::Error naming
 // the tensor when one is missing, has another shape or dtype than the table above, or (A_log,
-// dt_bias) holds a value the operator refuses.
+// dt_bias) holds a value the operator refuses; also on a checkpoint holding both output gate forms
+// (g_proj and g_a_proj / g_b_proj), naming them.
 layer::Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index,
                                   const layer::Config& config);
 
