@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -751,6 +752,19 @@ TEST_CASE("a description that names no family: the checkpoint's tensor names giv
   CHECK(cores.weights_origin() == dir.file("model.safetensors.index.json"));
   CHECK(cores.layer(0).A_log == expected[0].A_log);
   CHECK(cores.layer(1).dt_bias == expected[1].dt_bias);
+  // And they run: one prefill of 4 tokens through the first core.
+  const std::size_t n = 4 * 4 * 8;
+  const std::vector<bf16_bits> q = kda::test::random_bf16(n, 1.0f, 1),
+                               k = kda::test::random_bf16(n, 1.0f, 2),
+                               v = kda::test::random_bf16(n, 1.0f, 3),
+                               g = kda::test::random_bf16(n, 1.0f, 4),
+                               beta = kda::test::random_bf16(4 * 4, 1.0f, 5);
+  std::vector<bf16_bits> out(n, 0xffff);
+  const int slot = cores.acquire_slot();
+  cores.prefill(0, {q.data(), k.data(), v.data(), g.data(), beta.data()}, out.data(), {slot},
+                {0, 4});
+  CHECK(std::all_of(out.begin(), out.end(),
+                    [](bf16_bits x) { return std::isfinite(kda::bf16_to_float(x)); }));
 
   // The config's word beats the names: use_full_rank_gate: false is a low-rank gate.
   std::ofstream(yaml) << "hidden_size: 32\nnum_hidden_layers: 3\nweights: .\n"
