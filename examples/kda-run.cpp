@@ -101,7 +101,9 @@ ones (first-call costs: kernel loading, cuBLAS, page faults), its states then cl
 
 Options:
   --model M.yaml       model description (YAML, or a Hugging Face config.json as is; the schema:
-                       docs/MODEL.md)
+                       docs/MODEL.md), or a Hugging Face model folder: its config.json describes
+                       the model (Kimi-Linear, Kimi K3, GLM-5.3-Flash), its checkpoint
+                       (model.safetensors or model.safetensors.index.json) gives the weights
   --tokens T           prefill tokens, all sequences together (default 1024; at most
                        runtime.max_tokens of the model)
   --sequences N        sequences (default 1; at most runtime.max_sequences)
@@ -312,7 +314,7 @@ Options parse_args(int argc, char** argv) {
   }
   if (!o.output.empty()) throw UsageError{"--output is only used with --case or --layer-case"};
   if (o.model.empty())
-    throw UsageError{"nothing to do: give --model M.yaml or --case IN.safetensors"};
+    throw UsageError{"nothing to do: give --model M.yaml (or FOLDER) or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given ||
                       o.threads_given || o.schedule)) {
@@ -375,9 +377,14 @@ std::string describe_model(const kda::engine::ModelSpec& spec) {
   }
   text += ", state " + std::string(spec.runtime.state_dtype == kda::DType::kF32 ? "fp32" : "bf16") +
           ", plan " + kda::planner::to_string(spec.runtime.workspace_plan) + ")";
+  if (!spec.family.empty()) {
+    text += "\nfamily: " + spec.family + " (" + spec.family_source + "), tensors " +
+            spec.tensor_prefix + "*";
+  }
   if (spec.runtime.layer_mode == kda::engine::LayerMode::kWhole) {
     text += "\nlayers: whole (hidden " + std::to_string(spec.hidden_size) + ", conv width " +
             std::to_string(spec.short_conv_kernel_size);
+    if (spec.full_rank_gate) text += ", full-rank output gate";
     if (spec.runtime.tp_size > 1) {
       text += ", tensor-parallel rank " + std::to_string(spec.runtime.tp_rank) + " of " +
               std::to_string(spec.runtime.tp_size) + ": " + std::to_string(spec.local_heads()) +

@@ -518,12 +518,15 @@ TEST_CASE("kda-run: backend auto says why it chose the CPU") {
   CHECK(cuda.err == "kda-run: error: " + kModels + "tiny.yaml: --backend cuda: " + why_not + "\n");
 }
 
-TEST_CASE("kda-run --model: a directory, and a missing weights file, are named") {
+TEST_CASE(
+    "kda-run --model: a directory without config.json, and a missing weights file, are named") {
   TempDir dir;
   Result r = kda_run({"--model", dir.path.string(), "--plan-only"});
   CHECK(r.rc == 1);
   CHECK(r.err == "kda-run: error: " + dir.path.string() +
-                     ": is a directory, expected a YAML/JSON model description\n");
+                     ": is a directory without config.json (a Hugging Face model folder holds "
+                     "config.json and its weights, model.safetensors or "
+                     "model.safetensors.index.json; a model description is a YAML/JSON file)\n");
 
   // weights: resolved against the YAML's directory; reported by --plan-only (which reads no
   // weights), --json and a run alike, naming the model file, the key and the resolved path.
@@ -1030,6 +1033,54 @@ TEST_CASE(
                         ": runtime.max_tokens: max_tokens 9223372036854775807 (overriding the "
                         "model description's) x num_heads 4 x head_dim 128 x 2 bytes overflows "
                         "64 bits\n");
+}
+
+TEST_CASE("kda-run: Kimi K3 and GLM-5.3-Flash plan; a Hugging Face folder is a model") {
+  for (const char* model : {"kimi-k3.json", "kimi-k3-tp8.yaml", "glm-5.3-flash.json"}) {
+    CAPTURE(model);
+    const Result r = kda_run({"--model", kModels + model, "--plan-only", "--backend", "cpu"});
+    INFO(r.out << r.err);
+    CHECK(r.rc == 0);
+    CHECK(r.out.find("\nfamily: ") != std::string::npos);
+    CHECK(r.out.find("arena: ") != std::string::npos);
+    const bool k3 = std::string(model).rfind("kimi-k3", 0) == 0;
+    CHECK((r.out.find("full-rank output gate") != std::string::npos) == k3);
+  }
+  const Result tp8 =
+      kda_run({"--model", kModels + "kimi-k3-tp8.yaml", "--plan-only", "--backend", "cpu"});
+  CHECK(tp8.out.find("family: Kimi K3 (family: kimi-k3), tensors "
+                     "language_model.model.layers.{i}.self_attn.*") != std::string::npos);
+  CHECK(tp8.out.find("tensor-parallel rank 0 of 8: 12 heads") != std::string::npos);
+
+  // A folder holding config.json and model.safetensors: GLM-5.3-Flash's names, run on the CPU.
+  TempDir dir;
+  kda::layer::Config c = layer_config();
+  c.gate = kda::GateMode::kLowerBound;
+  std::vector<Tensor> tensors;
+  for (const int index : {0, 2}) {
+    for (Tensor& t : kda::engine::layer_weight_tensors(
+             kda::layer::random_weights(c, 3, index),
+             kda::engine::layer_tensor_prefix(index,
+                                              "model.language_model.layers.{i}.self_attn."))) {
+      tensors.push_back(std::move(t));
+    }
+  }
+  kda::engine::save_safetensors(dir.file("model.safetensors"), tensors);
+  std::ofstream(dir.file("config.json"))
+      << R"({"model_type": "glm5_next", "text_config": {"hidden_size": 48, "num_hidden_layers": 3,
+  "layer_types": ["linear_attention", "deepseek_sparse_attention", "linear_attention"],
+  "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4}})";
+  const Result r = kda_run({"--model", dir.path.string(), "--tokens", "8", "--backend", "cpu",
+                            "--threads", "1", "--max-tokens", "64", "--max-sequences", "2"});
+  INFO(r.out << r.err);
+  REQUIRE(r.rc == 0);
+  CHECK(r.out.rfind(dir.path.filename().string() + ": 3 layers, 2 KDA (H=4, D=16, gate "
+                                                   "lower_bound -5",
+                    0) == 0);
+  CHECK(r.out.find("\nfamily: GLM-5.3-Flash (model_type glm5_next), tensors "
+                   "model.language_model.layers.{i}.self_attn.*\n") != std::string::npos);
+  CHECK(r.out.find("\nweights: " + dir.path.string() + " (") != std::string::npos);
+  CHECK(r.out.find("total: 2 KDA layers") != std::string::npos);
 }
 
 TEST_CASE("kda-run: a description without a runtime section (a config.json) plans reuse") {

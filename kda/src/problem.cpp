@@ -43,7 +43,7 @@ bool valid_state_dtype(DType dtype) {
 }
 std::string dtype_name(DType dtype) {
   const int raw = static_cast<int>(dtype);
-  if (raw < 0 || raw > static_cast<int>(DType::kI64)) return "dtype(" + std::to_string(raw) + ")";
+  if (raw < 0 || raw > static_cast<int>(DType::kF16)) return "dtype(" + std::to_string(raw) + ")";
   return to_string(dtype);
 }
 

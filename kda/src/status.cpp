@@ -41,6 +41,8 @@ const char* to_string(DType dtype) noexcept {
       return "i32";
     case DType::kI64:
       return "i64";
+    case DType::kF16:
+      return "f16";
   }
   return "unknown dtype";
 }
@@ -57,6 +59,8 @@ std::size_t dtype_size(DType dtype) noexcept {
       return 4;
     case DType::kI64:
       return 8;
+    case DType::kF16:
+      return 2;
   }
   return 0;
 }

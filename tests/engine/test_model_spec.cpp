@@ -143,7 +143,7 @@ TEST_CASE("extra keys: silent at the top level, warnings inside the engine's sec
   CHECK(spec.warnings[0] ==
         "m.yaml:11:3: linear_attn_config.unknown_knob: unknown key, ignored; known keys here: "
         "num_heads, head_dim, short_conv_kernel_size, kda_layers, full_attn_layers, gate, "
-        "gate_lower_bound");
+        "gate_lower_bound, use_full_rank_gate");
   CHECK(spec.warnings[1].rfind("m.yaml:23:3: runtime.comment: unknown key, ignored; known keys "
                                "here: max_tokens,",
                                0) == 0);
@@ -250,12 +250,14 @@ TEST_CASE("gate: kimi_linear defaults to softplus; otherwise a missing gate list
   CHECK(bounded.gate == kda::GateMode::kLowerBound);
   CHECK(bounded.gate_lower_bound == -5.0f);
 
-  // No model type (or another one): the gate is required, and the message lists the values.
+  // No model type: the gate is required, and the message lists the values. Another model type is
+  // no family the engine knows: refused, naming those it looks for.
   check_error(replace(no_gate, "model_type: kimi_linear\n", ""),
               {"m.yaml:5:3: linear_attn_config.gate: required key is missing",
                "allowed values: softplus, lower_bound", "model_type: kimi_linear"});
   check_error(replace(no_gate, "model_type: kimi_linear\n", "model_type: llama\n"),
-              {"linear_attn_config.gate: required key is missing", "softplus, lower_bound"});
+              {"m.yaml:2:13: model_type: 'llama' is not a model family the engine knows",
+               "kimi_linear, kimi_k3, glm5_next, glm5_next_text", "`family:`"});
   // kimi_linear with a lower bound but no gate is ambiguous: refused, naming both choices.
   check_error(replace(no_gate, "  full_attn_layers: [3, 6]\n",
                       "  full_attn_layers: [3, 6]\n  gate_lower_bound: -5.0\n"),
@@ -380,8 +382,8 @@ TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read;
   CHECK(error_in("c.json", replace(json, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
         "c.json:7:17: linear_attn_config.head_dim: expected an integer, got the string '16'");
   CHECK(error_in("c.json", replace(json, "\"num_heads\"", "\"num_head\"")) ==
-        "c.json:6:5: linear_attn_config.num_heads: required key is missing; found `num_head` "
-        "(line 6): a typo?");
+        "c.json:6:5: linear_attn_config.num_heads: required key is missing (looked for "
+        "linear_attn_config.num_heads, then linear_num_heads); found `num_head` (line 6): a typo?");
   const ModelSpec typo = parse_model_spec(
       replace(json, "    \"head_dim\": 16,\n", "    \"head_dim\": 16,\n    \"gates\": 1,\n"),
       "c.json");

@@ -1,5 +1,5 @@
-// Safetensors: round trip of every supported dtype, atomic writes, and one clear error per kind of
-// malformed file.
+// Safetensors: round trip of every supported dtype, atomic writes, one clear error per kind of
+// malformed file, and tensors of dtypes not read (a quantized checkpoint's) listed but refused.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -77,6 +77,7 @@ TEST_CASE("round trip: every dtype / odd shapes / metadata") {
   std::vector<Tensor> tensors;
   tensors.push_back(random_tensor("q", DType::kBF16, {2, 3, 4, 5}, rng));
   tensors.push_back(random_tensor("A_log", DType::kF32, {7}, rng));
+  tensors.push_back(random_tensor("half", DType::kF16, {2, 5}, rng));
   tensors.push_back(random_tensor("cu_seqlens", DType::kI64, {3}, rng));
   tensors.push_back(random_tensor("slots", DType::kI32, {1, 3}, rng));
   tensors.push_back(random_tensor("scalar", DType::kF32, {}, rng));
@@ -191,17 +192,39 @@ TEST_CASE("malformed files: header garbage") {
   check_bad(dir, file_with_header(R"({"__metadata__": [1]})", 0), {"__metadata__"});
 }
 
-TEST_CASE("malformed files: dtypes") {
+TEST_CASE("dtypes: F16 is read; other safetensors dtypes are listed, refused when read; unknown") {
   TempDir dir;
-  check_bad(dir,
-            file_with_header(R"({"h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]}})", 4),
-            {"tensor 'h'", "unsupported dtype 'F16'", "BF16, F32, I32, I64"});
-  check_bad(dir,
-            file_with_header(R"({"h": {"dtype": "F64", "shape": [1], "data_offsets": [0, 8]}})", 8),
-            {"unsupported dtype 'F64'"});
+  const std::string path = dir.file("mixed.safetensors");
+  // An FP8 tensor and a packed FP4 one beside an F16 one, as quantized checkpoints hold them.
+  write_bytes(path,
+              file_with_header(R"({"h": {"dtype": "F16", "shape": [2], "data_offsets": [0, 4]},
+      "e": {"dtype": "F8_E4M3", "shape": [2, 3], "data_offsets": [4, 10]},
+      "p": {"dtype": "F4", "shape": [4], "data_offsets": [10, 12]},
+      "d": {"dtype": "F64", "shape": [1], "data_offsets": [12, 20]}})",
+                               20));
+  const SafetensorsFile file = SafetensorsFile::open(path);
+  REQUIRE(file.tensors().size() == 4);
+  const Tensor half = file.read("h");
+  CHECK(half.dtype == DType::kF16);
+  CHECK(half.data.size() == 4);
+  CHECK(file.find("h")->dtype_text == "F16");
+  REQUIRE(file.find("e") != nullptr);
+  CHECK(file.find("e")->dtype == DType::kNone);
+  CHECK(file.find("e")->dtype_text == "F8_E4M3");
+  for (const char* name : {"e", "p", "d"}) {
+    CAPTURE(name);
+    const std::string expected = path + ": tensor '" + name + "' has dtype " +
+                                 file.find(name)->dtype_text + ", which this reader does not read";
+    CHECK_THROWS_WITH_AS(file.read(name), doctest::Contains(expected.c_str()), kda::Error);
+  }
+  // Their byte counts are still checked where an element is a whole number of bytes.
+  check_bad(
+      dir,
+      file_with_header(R"({"e": {"dtype": "F8_E5M2", "shape": [3], "data_offsets": [0, 2]}})", 2),
+      {"tensor 'e'", "shape [3] of F8_E5M2 needs 3 bytes but data_offsets hold 2"});
   check_bad(dir,
             file_with_header(R"({"h": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}})", 1),
-            {"unknown dtype 'Q4'"});
+            {"tensor 'h'", "unknown dtype 'Q4'"});
 }
 
 TEST_CASE("malformed files: data offsets past the end / reversed / overlapping / shape mismatch") {

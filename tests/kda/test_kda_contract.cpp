@@ -83,6 +83,7 @@ TEST_CASE("enum names / dtype sizes and Status text") {
   CHECK(std::string(to_string(StatusCode::kWorkspaceTooSmall)) == "workspace too small");
   CHECK(std::string(to_string(DType::kBF16)) == "bf16");
   CHECK(std::string(to_string(DType::kI64)) == "i64");
+  CHECK(std::string(to_string(DType::kF16)) == "f16");
   CHECK(std::string(to_string(GateMode::kSoftplus)) == "softplus");
   CHECK(std::string(to_string(GateMode::kLowerBound)) == "lower_bound");
   CHECK(std::string(to_string(Backend::kCuda)) == "cuda");
@@ -91,6 +92,7 @@ TEST_CASE("enum names / dtype sizes and Status text") {
   CHECK(dtype_size(DType::kF32) == 4);
   CHECK(dtype_size(DType::kI32) == 4);
   CHECK(dtype_size(DType::kI64) == 8);
+  CHECK(dtype_size(DType::kF16) == 2);
   CHECK(Status::Ok().ok());
   CHECK(Status::Ok().to_string() == "ok");
   const Status bad(StatusCode::kInvalidArgument, "q is null");
@@ -184,6 +186,9 @@ TEST_CASE("validate(Problem): every shape and value check trips with the field n
   check_invalid(with([](Problem& p) { p.initial_state_dtype = DType::kI32; }),
                 "initial_state_dtype");
   check_invalid(with([](Problem& p) { p.final_state_dtype = DType::kI64; }), "final_state_dtype");
+  // F16 is a checkpoint's storage dtype: no state takes it.
+  check_invalid(with([](Problem& p) { p.initial_state_dtype = DType::kF16; }),
+                "initial_state_dtype");
   check_invalid(with([](Problem& p) { p.final_state_dtype = static_cast<DType>(-1); }),
                 "final_state_dtype");
 }

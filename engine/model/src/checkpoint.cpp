@@ -106,6 +106,19 @@ const TensorInfo* Checkpoint::find(const std::string& name, const SafetensorsFil
   return info;
 }
 
+std::vector<std::string> Checkpoint::tensor_names() const {
+  std::vector<std::string> names;
+  if (weight_map_.empty()) {
+    for (const SafetensorsFile& file : files_) {
+      for (const TensorInfo& t : file.tensors()) names.push_back(t.name);
+    }
+    std::sort(names.begin(), names.end());
+  } else {
+    for (const auto& entry : weight_map_) names.push_back(entry.first);  // sorted already
+  }
+  return names;
+}
+
 Tensor Checkpoint::read(const std::string& name) const {
   const SafetensorsFile* file = nullptr;
   if (find(name, &file) == nullptr) fail(path_, "no tensor '" + name + "'");

@@ -2,10 +2,13 @@
 // by their Hugging Face names, and writing them as safetensors tensors.
 #include "kda/engine/layer_weights_io.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <sstream>
 
 #include "kda/engine/checkpoint.hpp"
+#include "kda/engine/model_family.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda/error.hpp"
 
@@ -33,12 +36,78 @@ void check_gate_parameters(const std::string& path, const std::string& a_log_nam
   if (!st.ok()) invalid(path + ": tensor '" + a_log_name + "': " + st.message());
 }
 
+// The dtypes a weight may be stored in: each is widened to fp32 exactly.
+const std::vector<DType> kFloatDTypes = {DType::kF32, DType::kF16, DType::kBF16};
+
+// IEEE binary16 to fp32 (exact: every F16 value is a float).
+float f16_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1fu;
+  const std::uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  const std::uint32_t bits = exponent == 0x1fu ? sign | 0x7f800000u | (mantissa << 13)
+                                               : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Every value of an F32, F16 or BF16 tensor as fp32.
+std::vector<float> widen(const Tensor& t) {
+  std::vector<float> values(to_size(t.numel()));
+  if (t.dtype == DType::kF32) {
+    std::memcpy(values.data(), t.data.data(), values.size() * sizeof(float));
+  } else if (t.dtype == DType::kF16) {
+    const auto* bits = t.data_as<std::uint16_t>();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = f16_to_float(bits[i]);
+  } else {
+    const auto* bits = t.data_as<bf16_bits>();
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
+  }
+  return values;
+}
+
+std::string dtype_list(const std::vector<DType>& dtypes) {
+  std::string text;
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    text += std::string(i == 0                   ? ""
+                        : i + 1 == dtypes.size() ? " or "
+                                                 : ", ") +
+            safetensors_dtype_name(dtypes[i]);
+  }
+  return text;
+}
+
+// Refuses a tensor whose dtype is not a float one, naming the file that holds it.
+void check_float_dtype(const std::string& path, const TensorInfo& info) {
+  if (std::find(kFloatDTypes.begin(), kFloatDTypes.end(), info.dtype) == kFloatDTypes.end()) {
+    invalid(path + ": tensor '" + info.name + "' has dtype " + info.dtype_text +
+            ", expected a float dtype (" + dtype_list(kFloatDTypes) + ")");
+  }
+}
+
+void check_finite(const std::string& path, const std::string& name,
+                  const std::vector<float>& values) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      invalid(path + ": tensor '" + name + "' holds a non-finite value at element " +
+              std::to_string(i));
+    }
+  }
+}
+
 // Looks a layer's tensors up by checkpoint name, with the layer prefix first, then bare.
 class LayerTensors {
  public:
-  LayerTensors(const Checkpoint& checkpoint, int layer_index)
+  LayerTensors(const Checkpoint& checkpoint, int layer_index, const std::string& tensor_prefix)
       : checkpoint_(checkpoint),
-        prefix_(layer_index < 0 ? std::string() : layer_tensor_prefix(layer_index)) {}
+        layer_index_(layer_index),
+        pattern_(tensor_prefix),
+        prefix_(layer_index < 0 ? std::string() : layer_tensor_prefix(layer_index, tensor_prefix)) {
+  }
 
   // The name under which `name` is stored; empty when absent.
   std::string stored_name(const std::string& name) const {
@@ -49,26 +118,17 @@ class LayerTensors {
 
   bool has(const std::string& name) const { return !stored_name(name).empty(); }
 
-  // Reads `name`, checking that its shape is one of `shapes` and its dtype one of `dtypes`.
-  Tensor read(const std::string& name, const std::vector<Shape>& shapes,
-              const std::vector<DType>& dtypes) const {
+  // Reads `name`, a float tensor whose shape is one of `shapes`; errors name the file holding it.
+  Tensor read(const std::string& name, const std::vector<Shape>& shapes) const {
     const std::string stored = stored_name(name);
     if (stored.empty()) {
       invalid(checkpoint_.path() + ": no tensor '" + prefix_ + name + "'" +
               (prefix_.empty() ? std::string() : " (nor '" + name + "')") +
-              ", a weight of the KDA layer");
+              ", a weight of the KDA layer" + elsewhere(name));
     }
-    const TensorInfo* info = checkpoint_.find(stored);
-    bool dtype_ok = false;
-    std::string dtype_names;
-    for (DType dtype : dtypes) {
-      dtype_ok = dtype_ok || info->dtype == dtype;
-      dtype_names += std::string(dtype_names.empty() ? "" : " or ") + safetensors_dtype_name(dtype);
-    }
-    if (!dtype_ok) {
-      invalid(checkpoint_.path() + ": tensor '" + stored + "' has dtype " +
-              safetensors_dtype_name(info->dtype) + ", expected " + dtype_names);
-    }
+    const SafetensorsFile* file = nullptr;
+    const TensorInfo* info = checkpoint_.find(stored, &file);
+    check_float_dtype(file->path(), *info);
     bool shape_ok = false;
     std::string shape_names;
     for (const Shape& shape : shapes) {
@@ -76,42 +136,73 @@ class LayerTensors {
       shape_names += (shape_names.empty() ? "" : " or ") + shape_to_string(shape);
     }
     if (!shape_ok) {
-      invalid(checkpoint_.path() + ": tensor '" + stored + "' has shape " +
-              shape_to_string(info->shape) + ", expected " + shape_names);
+      invalid(file->path() + ": tensor '" + stored + "' has shape " + shape_to_string(info->shape) +
+              ", expected " + shape_names);
     }
-    return checkpoint_.read(stored);
+    return file->read(stored);
   }
 
-  // A BF16 tensor of exactly `shape`, as raw bf16 bits.
+  // A matrix of exactly `shape` as bf16 bits: BF16 as stored, F32 and F16 rounded to nearest
+  // even once, here (a value that is not finite once rounded is refused).
   std::vector<bf16_bits> bf16(const std::string& name, const Shape& shape) const {
-    const Tensor t = read(name, {shape}, {DType::kBF16});
+    const Tensor t = read(name, {shape});
     std::vector<bf16_bits> values(to_size(t.numel()));
-    std::memcpy(values.data(), t.data.data(), values.size() * sizeof(bf16_bits));
-    return values;
-  }
-
-  // An F32 or BF16 tensor of one of `shapes`, widened to float, every value finite.
-  std::vector<float> floats(const std::string& name, const std::vector<Shape>& shapes) const {
-    const Tensor t = read(name, shapes, {DType::kF32, DType::kBF16});
-    std::vector<float> values(to_size(t.numel()));
-    if (t.dtype == DType::kF32) {
-      std::memcpy(values.data(), t.data.data(), values.size() * sizeof(float));
-    } else {
-      const auto* bits = t.data_as<bf16_bits>();
-      for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
+    if (t.dtype == DType::kBF16) {
+      std::memcpy(values.data(), t.data.data(), values.size() * sizeof(bf16_bits));
+      return values;
     }
+    const std::vector<float> wide = widen(t);
     for (std::size_t i = 0; i < values.size(); ++i) {
-      if (!std::isfinite(values[i])) {
-        invalid(checkpoint_.path() + ": tensor '" + t.name +
-                "' holds a non-finite value at element " + std::to_string(i));
+      values[i] = float_to_bf16(wide[i]);
+      if (!std::isfinite(bf16_to_float(values[i]))) {
+        std::ostringstream shown;
+        shown << wide[i];
+        invalid(holder(t.name) + ": tensor '" + t.name + "' holds " + shown.str() + " at element " +
+                std::to_string(i) + ", not a finite bf16 value");
       }
     }
     return values;
   }
 
+  // A vector or conv weight of one of `shapes`, widened to fp32, every value finite.
+  std::vector<float> floats(const std::string& name, const std::vector<Shape>& shapes) const {
+    const Tensor t = read(name, shapes);
+    std::vector<float> values = widen(t);
+    check_finite(holder(t.name), t.name, values);
+    return values;
+  }
+
  private:
+  std::string holder(const std::string& stored) const {
+    const SafetensorsFile* file = nullptr;
+    checkpoint_.find(stored, &file);
+    return file != nullptr ? file->path() : checkpoint_.path();
+  }
+
+  // "; the checkpoint has 'X'": the same weight of the same layer under another prefix, a hint
+  // that the description's tensor prefix (its family) is not the checkpoint's.
+  std::string elsewhere(const std::string& name) const {
+    if (layer_index_ < 0) return {};
+    const std::string tail = "layers." + std::to_string(layer_index_) + ".self_attn." + name;
+    for (const std::string& candidate : checkpoint_.tensor_names()) {
+      if (candidate.size() > tail.size() &&
+          candidate.compare(candidate.size() - tail.size(), tail.size(), tail) == 0 &&
+          candidate[candidate.size() - tail.size() - 1] == '.') {
+        return "; the checkpoint has '" + candidate + "': its tensors are not under " + pattern_ +
+               " (the family's tensor prefix; `tensor_prefix:` in the description sets another)";
+      }
+    }
+    return {};
+  }
+
   const Checkpoint& checkpoint_;
+  int layer_index_;
+  std::string pattern_;
   std::string prefix_;
+
+ public:
+  // "" for a layer case file's bare names.
+  const std::string& prefix() const noexcept { return prefix_; }
 };
 
 template <typename T>
@@ -122,33 +213,10 @@ Tensor make_tensor(const std::string& name, DType dtype, Shape shape,
   return t;
 }
 
-// A parameter tensor as fp32, whatever its stored float dtype.
-std::vector<float> to_float(const SafetensorsFile& file, const Tensor& tensor) {
-  std::vector<float> values(static_cast<std::size_t>(tensor.numel()));
-  if (tensor.dtype == DType::kF32) {
-    std::memcpy(values.data(), tensor.data.data(), values.size() * sizeof(float));
-  } else if (tensor.dtype == DType::kBF16) {
-    const auto* bits = tensor.data_as<bf16_bits>();
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
-  } else {
-    throw Error(StatusCode::kInvalidArgument,
-                file.path() + ": tensor '" + tensor.name + "' has dtype " +
-                    safetensors_dtype_name(tensor.dtype) + ", expected F32 or BF16");
-  }
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (!std::isfinite(values[i])) {
-      throw Error(StatusCode::kInvalidArgument, file.path() + ": tensor '" + tensor.name +
-                                                    "' holds a non-finite value at element " +
-                                                    std::to_string(i));
-    }
-  }
-  return values;
-}
-
 // The output gate's matrices: g_proj [C, E] when the config selects the full-rank gate, else the
 // low-rank pair. A checkpoint holding both forms is refused whichever the config selects: which one
 // its model runs cannot be told from the tensors.
-void load_output_gate(const Checkpoint& checkpoint, const LayerTensors& tensors, int layer_index,
+void load_output_gate(const Checkpoint& checkpoint, const LayerTensors& tensors,
                       const Config& config, Weights* full) {
   const std::int64_t E = config.hidden_size, D = config.head_dim, C = config.num_heads * D;
   const std::string full_rank = tensors.stored_name("g_proj.weight");
@@ -161,7 +229,7 @@ void load_output_gate(const Checkpoint& checkpoint, const LayerTensors& tensors,
     invalid(checkpoint.path() + ": both output gate forms present: '" + full_rank +
             "' (full rank) and " + low_rank + " (low rank)");
   }
-  const std::string prefix = layer_index < 0 ? std::string() : layer_tensor_prefix(layer_index);
+  const std::string& prefix = tensors.prefix();
   auto missing = [&](const char* name, const char* form, const std::string& other) {
     invalid(checkpoint.path() + ": no tensor '" + prefix + name + "'" +
             (prefix.empty() ? std::string() : std::string(" (nor '") + name + "')") + ", the " +
@@ -188,56 +256,75 @@ bool shape_is(const std::vector<std::int64_t>& shape, std::initializer_list<std:
 
 }  // namespace
 
-std::string a_log_tensor_name(int layer_index) {
-  return "model.layers." + std::to_string(layer_index) + ".self_attn.A_log";
+std::string a_log_tensor_name(int layer_index, const std::string& tensor_prefix) {
+  return layer_tensor_prefix(layer_index, tensor_prefix) + "A_log";
 }
-std::string dt_bias_tensor_name(int layer_index) {
-  return "model.layers." + std::to_string(layer_index) + ".self_attn.dt_bias";
+std::string dt_bias_tensor_name(int layer_index, const std::string& tensor_prefix) {
+  return layer_tensor_prefix(layer_index, tensor_prefix) + "dt_bias";
 }
 
-layer::GateParameters load_gate_parameters(const SafetensorsFile& file, int layer_index,
-                                           std::int64_t num_heads, std::int64_t head_dim) {
-  const std::string a_name = a_log_tensor_name(layer_index);
-  const std::string dt_name = dt_bias_tensor_name(layer_index);
+layer::GateParameters load_gate_parameters(const Checkpoint& checkpoint, int layer_index,
+                                           std::int64_t num_heads, std::int64_t head_dim,
+                                           const std::string& tensor_prefix) {
+  const std::string a_name = a_log_tensor_name(layer_index, tensor_prefix);
+  const std::string dt_name = dt_bias_tensor_name(layer_index, tensor_prefix);
   for (const std::string& name : {a_name, dt_name}) {
-    if (file.find(name) == nullptr) {
+    if (checkpoint.find(name) == nullptr) {
       throw Error(StatusCode::kInvalidArgument,
-                  file.path() + ": no tensor '" + name + "' (parameters of layer " +
+                  checkpoint.path() + ": no tensor '" + name + "' (parameters of layer " +
                       std::to_string(layer_index + 1) + ", numbered as in the YAML's kda_layers)");
     }
   }
-  const Tensor a_log = file.read(a_name);
+  // Each read names the file that holds the tensor (a shard of an index).
+  auto read = [&checkpoint](const std::string& name, std::string* path) {
+    const SafetensorsFile* file = nullptr;
+    const TensorInfo* info = checkpoint.find(name, &file);
+    *path = file->path();
+    check_float_dtype(*path, *info);
+    return file->read(name);
+  };
+  std::string a_path, dt_path;
+  const Tensor a_log = read(a_name, &a_path);
   if (!shape_is(a_log.shape, {num_heads}) && !shape_is(a_log.shape, {1, 1, num_heads, 1})) {
-    throw Error(StatusCode::kInvalidArgument, file.path() + ": tensor '" + a_name + "' has shape " +
+    throw Error(StatusCode::kInvalidArgument, a_path + ": tensor '" + a_name + "' has shape " +
                                                   shape_to_string(a_log.shape) + ", expected [" +
                                                   std::to_string(num_heads) + "] or [1, 1, " +
                                                   std::to_string(num_heads) + ", 1]");
   }
-  const Tensor dt_bias = file.read(dt_name);
+  const Tensor dt_bias = read(dt_name, &dt_path);
   if (!shape_is(dt_bias.shape, {num_heads * head_dim}) &&
       !shape_is(dt_bias.shape, {num_heads, head_dim})) {
     throw Error(StatusCode::kInvalidArgument,
-                file.path() + ": tensor '" + dt_name + "' has shape " +
-                    shape_to_string(dt_bias.shape) + ", expected [" +
-                    std::to_string(num_heads * head_dim) + "] or [" + std::to_string(num_heads) +
-                    ", " + std::to_string(head_dim) + "]");
+                dt_path + ": tensor '" + dt_name + "' has shape " + shape_to_string(dt_bias.shape) +
+                    ", expected [" + std::to_string(num_heads * head_dim) + "] or [" +
+                    std::to_string(num_heads) + ", " + std::to_string(head_dim) + "]");
   }
   layer::GateParameters parameters;
-  parameters.A_log = to_float(file, a_log);
-  parameters.dt_bias = to_float(file, dt_bias);
-  check_gate_parameters(file.path(), a_log.name, parameters.A_log, parameters.dt_bias, head_dim);
+  parameters.A_log = widen(a_log);
+  check_finite(a_path, a_name, parameters.A_log);
+  parameters.dt_bias = widen(dt_bias);
+  check_finite(dt_path, dt_name, parameters.dt_bias);
+  check_gate_parameters(a_path, a_log.name, parameters.A_log, parameters.dt_bias, head_dim);
   return parameters;
 }
 
-std::string layer_tensor_prefix(int layer_index) {
-  return "model.layers." + std::to_string(layer_index) + ".self_attn.";
+layer::GateParameters load_gate_parameters(const SafetensorsFile& file, int layer_index,
+                                           std::int64_t num_heads, std::int64_t head_dim,
+                                           const std::string& tensor_prefix) {
+  return load_gate_parameters(Checkpoint::from_file(file), layer_index, num_heads, head_dim,
+                              tensor_prefix);
 }
 
-Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index, const Config& config) {
+std::string layer_tensor_prefix(int layer_index, const std::string& tensor_prefix) {
+  return expand_tensor_prefix(tensor_prefix, layer_index);
+}
+
+Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index, const Config& config,
+                           const std::string& tensor_prefix) {
   layer::validate(config);
   const std::int64_t E = config.hidden_size, H = config.num_heads, D = config.head_dim;
   const std::int64_t W = config.conv_width, C = H * D;
-  const LayerTensors tensors(checkpoint, layer_index);
+  const LayerTensors tensors(checkpoint, layer_index, tensor_prefix);
 
   Weights full;
   full.config = config;
@@ -252,7 +339,7 @@ Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index, const 
   full.f_a_proj = tensors.bf16("f_a_proj.weight", {D, E});
   full.f_b_proj = tensors.bf16("f_b_proj.weight", {C, D});
   full.b_proj = tensors.bf16("b_proj.weight", {H, E});
-  load_output_gate(checkpoint, tensors, layer_index, config, &full);
+  load_output_gate(checkpoint, tensors, config, &full);
   if (tensors.has("g_b_proj.bias")) full.g_b_bias = tensors.bf16("g_b_proj.bias", {C});
   full.A_log = tensors.floats("A_log", {{1, 1, H, 1}, {H}});
   full.dt_bias = tensors.floats("dt_bias", {{C}, {H, D}});

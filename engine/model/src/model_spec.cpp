@@ -1,5 +1,6 @@
 // engine/model/src/model_spec.cpp — YAML or JSON → ModelSpec with file:line:column errors that name
-// the key, and warnings (with a suggested spelling) for unknown keys in the engine's own sections.
+// the key, and warnings (with a suggested spelling) for unknown keys in the engine's own sections;
+// a Hugging Face config read by its family's keys (model_family.hpp).
 #include "kda/engine/model_spec.hpp"
 #include "kda/detail/checked_math.hpp"
 
@@ -17,6 +18,8 @@
 #include <sstream>
 
 #include "file_failure.hpp"
+#include "kda/engine/checkpoint.hpp"
+#include "kda/engine/model_family.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine {
@@ -75,13 +78,26 @@ class Context {
   std::vector<std::string>* warnings_;
 };
 
-// The keys the engine reads: at the top level, and in the two sections it owns.
-const std::vector<std::string> kTopLevelKeys = {
-    "name",    "model_type", "hidden_size", "num_hidden_layers", "linear_attn_config",
-    "weights", "runtime",    "rms_norm_eps"};
+// The keys the engine reads: at the top level (a model's own keys in text_config when there is
+// one), and in the two sections it owns. A family reads more (model_family.hpp).
+const std::vector<std::string> kTopLevelKeys = {"name",
+                                                "model_type",
+                                                "hidden_size",
+                                                "num_hidden_layers",
+                                                "linear_attn_config",
+                                                "weights",
+                                                "runtime",
+                                                "rms_norm_eps",
+                                                "family",
+                                                "tensor_prefix",
+                                                "text_config",
+                                                "architectures"};
+// The model's keys: where text_config nests the text model's config, they are read there.
+const std::vector<std::string> kModelKeys = {"model_type", "hidden_size", "num_hidden_layers",
+                                             "linear_attn_config", "rms_norm_eps"};
 const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
-    "full_attn_layers", "gate",     "gate_lower_bound"};
+    "full_attn_layers", "gate",     "gate_lower_bound",       "use_full_rank_gate"};
 const std::vector<std::string> kRuntimeKeys = {
     "max_tokens", "max_sequences", "state_dtype", "workspace_plan",  "backend",
     "layers",     "tp_size",       "tp_rank",     "prefill_schedule"};
@@ -235,13 +251,6 @@ std::string as_string(const Context& ctx, const YAML::Node& node, const std::str
   ctx.fail(map, join_key(parent, key), "required key is missing" + note);
 }
 
-const YAML::Node require(const Context& ctx, const YAML::Node& map, const std::string& parent,
-                         const std::string& key, const std::vector<std::string>& known) {
-  const YAML::Node child = map[key];
-  if (!child.IsDefined()) fail_missing(ctx, map, parent, key, known);
-  return child;
-}
-
 // Unknown keys in a section the engine owns: each one a warning (an error in strict mode) with the
 // known key it is closest to, or the list of known keys.
 void check_section_keys(const Context& ctx, const YAML::Node& map, const std::string& section,
@@ -258,17 +267,21 @@ void check_section_keys(const Context& ctx, const YAML::Node& map, const std::st
 }
 
 // Top-level keys belong to whoever wrote the file (a Hugging Face config carries dozens), so only
-// a near-miss of an engine key that is absent (`runtme` without `runtime`) is reported.
-void check_top_level_keys(const Context& ctx, const YAML::Node& root) {
+// a near-miss of an engine key of `keys` that is absent (`runtme` without `runtime`) is reported;
+// `known`: the keys read there (never a near-miss). `map_key` names the map in messages.
+void check_top_level_keys(const Context& ctx, const YAML::Node& map, const std::string& map_key,
+                          const std::vector<std::string>& keys,
+                          const std::vector<std::string>& known) {
   std::vector<std::string> absent;
-  for (const std::string& key : kTopLevelKeys) {
-    if (!root[key].IsDefined()) absent.push_back(key);
+  for (const std::string& key : keys) {
+    if (!map[key].IsDefined()) absent.push_back(key);
   }
-  for (auto it = root.begin(); it != root.end(); ++it) {
-    if (!it->first.IsScalar() || contains(kTopLevelKeys, it->first.Scalar())) continue;
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    if (!it->first.IsScalar() || contains(known, it->first.Scalar())) continue;
     const std::string suggestion = closest(it->first.Scalar(), absent);
     if (!suggestion.empty()) {
-      ctx.unknown_key(it->first, it->first.Scalar(), "did you mean `" + suggestion + "`?");
+      ctx.unknown_key(it->first, join_key(map_key, it->first.Scalar()),
+                      "did you mean `" + suggestion + "`?");
     }
   }
 }
@@ -487,6 +500,477 @@ void check_byte_counts(const Context& ctx, const ModelSpec& spec, const YAML::No
   }
 }
 
+// ---- a model's config, read by its family's keys ----------------------------------------------
+
+const YAML::Node kAbsent(YAML::NodeType::Undefined);
+
+// A key path ('.' between map keys) in a config map. Built once and never assigned: assigning a
+// YAML::Node that refers to a node rewrites the node.
+struct Found {
+  YAML::Node node;         // undefined when absent (a key written with no value counts as absent)
+  YAML::Node parent;       // the map that holds (or would hold) the last key; undefined when none
+  std::string key;         // as messages name it: "text_config.linear_attn_config.num_heads"
+  std::string leaf;        // the last key
+  std::string parent_key;  // the parent map as messages name it
+  bool null = false;       // written with a null value (`null`, `~` or nothing)
+};
+
+// A key path not looked up (a family without the key): absent.
+Found not_read() { return Found{kAbsent, kAbsent, "", "", "", false}; }
+
+Found find_path(const YAML::Node& map, const std::string& map_key, const std::string& path) {
+  const std::size_t dot = path.find('.');
+  if (dot == std::string::npos) {
+    const YAML::Node raw = map.IsMap() ? map[path] : kAbsent;
+    const bool null = raw.IsDefined() && raw.IsNull();
+    return Found{null ? kAbsent : raw, map, join_key(map_key, path), path, map_key, null};
+  }
+  const std::string head = path.substr(0, dot);
+  const YAML::Node child = map.IsMap() ? map[head] : kAbsent;
+  if (!child.IsDefined() || !child.IsMap()) {
+    const std::size_t last = path.rfind('.');
+    return Found{kAbsent,
+                 kAbsent,
+                 join_key(map_key, path),
+                 path.substr(last + 1),
+                 join_key(map_key, path.substr(0, last)),
+                 false};
+  }
+  return find_path(child, join_key(map_key, head), path.substr(dot + 1));
+}
+
+// The first of `paths` present (`node` undefined when none is).
+Found find_first(const YAML::Node& map, const std::string& map_key,
+                 const std::vector<std::string>& paths) {
+  for (const std::string& path : paths) {
+    const Found found = find_path(map, map_key, path);
+    if (found.node.IsDefined()) return found;
+  }
+  return find_path(map, map_key, paths.front());
+}
+
+// " (looked for a, then b)" for a value read from one of several keys; empty for one key.
+std::string looked_for(const std::string& map_key, const std::vector<std::string>& paths) {
+  if (paths.size() < 2) return {};
+  std::string text;
+  for (const std::string& path : paths) {
+    text += (text.empty() ? "" : ", then ") + join_key(map_key, path);
+  }
+  return " (looked for " + text + ")";
+}
+
+// The first of `paths` present; else an error naming them all, at the map of the first whose map
+// exists (with the near-miss found there, as fail_missing reports it).
+Found require_first(const Context& ctx, const YAML::Node& map, const std::string& map_key,
+                    const std::vector<std::string>& paths, const std::vector<std::string>& known,
+                    const std::string& note = {}) {
+  const Found found = find_first(map, map_key, paths);
+  if (found.node.IsDefined()) return found;
+  const std::string why = looked_for(map_key, paths) + note;
+  for (const std::string& path : paths) {
+    const Found at = find_path(map, map_key, path);
+    if (at.parent.IsDefined()) fail_missing(ctx, at.parent, at.parent_key, at.leaf, known, why);
+  }
+  ctx.fail(map, join_key(map_key, paths.front()), "required key is missing" + why);
+}
+
+bool as_bool(const Context& ctx, const YAML::Node& node, const std::string& key) {
+  if (is_plain_scalar(node)) {
+    const std::string& text = node.Scalar();
+    if (text == "true" || text == "True" || text == "TRUE") return true;
+    if (text == "false" || text == "False" || text == "FALSE") return false;
+  }
+  ctx.fail(node, key, "expected true or false, got " + describe(node));
+}
+
+// A lower bound: finite, in [-5, 0).
+float gate_bound(const Context& ctx, const Found& found) {
+  const double bound = as_double(ctx, found.node, found.key);
+  if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
+    std::ostringstream shown;
+    shown << bound;
+    ctx.fail(found.node, found.key, "value " + shown.str() + " is outside [-5, 0) or not finite");
+  }
+  return static_cast<float>(bound);
+}
+
+// The KDA layers of a `layer_types` list (one string per layer, "linear_attention" or
+// "kda_attention" for KDA, any other for full attention), 1-based; the others into `full`.
+std::vector<int> layers_of_types(const Context& ctx, const Found& found, std::int64_t num_layers,
+                                 std::vector<int>* full) {
+  const YAML::Node& list = found.node;
+  if (!list.IsSequence()) {
+    ctx.fail(list, found.key, "expected a list of layer types, got " + describe(list));
+  }
+  if (static_cast<std::int64_t>(list.size()) != num_layers) {
+    ctx.fail(list, found.key,
+             "has " + std::to_string(list.size()) + " entries, expected num_hidden_layers " +
+                 std::to_string(num_layers) + " (one per layer)");
+  }
+  std::vector<int> kda;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const std::string type = as_string(ctx, list[i], found.key + "[" + std::to_string(i) + "]");
+    const int layer = static_cast<int>(i) + 1;
+    if (type == "linear_attention" || type == "kda_attention") {
+      kda.push_back(layer);
+    } else {
+      full->push_back(layer);
+    }
+  }
+  if (kda.empty()) {
+    ctx.fail(list, found.key, "names no KDA layer (linear_attention or kda_attention)");
+  }
+  return kda;
+}
+
+// Where the model's keys are read: a config's top level and its text config (text_config when it
+// has one, else the top level), with the context that names their file.
+struct ModelConfig {
+  const Context& ctx;
+  const YAML::Node& top;
+  const YAML::Node& text;
+  std::string text_key;  // "text_config" or ""
+};
+
+// The family a description names: its `family:` key, else the config's model_type, architectures
+// or text_config.model_type. Unknown values are refused, naming what was looked for; nullptr when
+// none of the keys is there.
+const ModelFamily* named_family(const Context& ctx, const YAML::Node& root, const ModelConfig& m,
+                                std::string* how) {
+  if (const YAML::Node key = optional(root, "family"); key.IsDefined()) {
+    const std::string value = as_string(ctx, key, "family");
+    const ModelFamily* family = family_by_key(value);
+    if (family == nullptr) {
+      ctx.fail(key, "family", "unknown family '" + value + "' (known: " + family_keys_text() + ")");
+    }
+    *how = "family: " + value;
+    return family;
+  }
+  auto by_model_type = [&](const YAML::Node& node, const std::string& key) {
+    const std::string value = as_string(m.ctx, node, key);
+    const ModelFamily* family = family_by_model_type(value);
+    if (family == nullptr) {
+      m.ctx.fail(
+          node, key,
+          "'" + value + "' is not a model family the engine knows (it looks for model_type " +
+              family_model_types_text() + "; `family:` " + family_keys_text() + " names one)");
+    }
+    *how = key + " " + value;
+    return family;
+  };
+  if (const YAML::Node type = optional(m.top, "model_type"); type.IsDefined()) {
+    return by_model_type(type, "model_type");
+  }
+  if (const YAML::Node list = optional(m.top, "architectures"); list.IsDefined()) {
+    if (!list.IsSequence()) {
+      m.ctx.fail(list, "architectures", "expected a list of strings, got " + describe(list));
+    }
+    std::string seen;
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      const std::string value =
+          as_string(m.ctx, list[i], "architectures[" + std::to_string(i) + "]");
+      if (const ModelFamily* family = family_by_architecture(value)) {
+        *how = "architectures " + value;
+        return family;
+      }
+      seen += (seen.empty() ? "" : ", ") + value;
+    }
+    m.ctx.fail(list, "architectures",
+               "[" + seen + "] names no model family the engine knows (it looks for " +
+                   family_architectures_text() + ", and model_type " + family_model_types_text() +
+                   "; `family:` " + family_keys_text() + " names one)");
+  }
+  if (!m.text_key.empty()) {
+    if (const YAML::Node type = optional(m.text, "model_type"); type.IsDefined()) {
+      return by_model_type(type, join_key(m.text_key, "model_type"));
+    }
+  }
+  return nullptr;
+}
+
+// The tensor names of the checkpoint `weights` names, when it is there to be read; empty
+// otherwise (the engine reports a missing or unreadable checkpoint when it loads it).
+std::vector<std::string> checkpoint_tensor_names(const std::string& weights) {
+  if (weights.empty()) return {};
+  std::error_code ec;
+  const fs::path path(weights);
+  if (fs::is_directory(path, ec) && !fs::exists(path / "model.safetensors.index.json", ec) &&
+      !fs::exists(path / "model.safetensors", ec)) {
+    return {};
+  }
+  if (!fs::exists(path, ec)) return {};
+  try {
+    return Checkpoint::open(weights).tensor_names();
+  } catch (const Error&) {
+    return {};
+  }
+}
+
+// The keys of the linear_attn_config section: the engine's and the family's.
+std::vector<std::string> linear_attn_keys(const ModelFamily* family) {
+  std::vector<std::string> keys = kLinearAttnKeys;
+  if (family == nullptr) return keys;
+  const std::string section = "linear_attn_config.";
+  for (const std::vector<std::string>* paths :
+       {&family->num_heads, &family->head_dim, &family->conv_kernel, &family->kda_layers,
+        &family->full_attn_layers, &family->gate_bound}) {
+    for (const std::string& path : *paths) {
+      if (path.rfind(section, 0) == 0 && !contains(keys, path.substr(section.size()))) {
+        keys.push_back(path.substr(section.size()));
+      }
+    }
+  }
+  for (const std::string& path : {family->safe_gate, family->full_rank_gate}) {
+    if (path.rfind(section, 0) == 0 && !contains(keys, path.substr(section.size()))) {
+      keys.push_back(path.substr(section.size()));
+    }
+  }
+  return keys;
+}
+
+// The keys read at the text config's top level: the engine's and the family's.
+std::vector<std::string> text_keys(const ModelFamily* family) {
+  std::vector<std::string> keys = kTopLevelKeys;
+  if (family == nullptr) return keys;
+  for (const std::vector<std::string>* paths :
+       {&family->num_heads, &family->head_dim, &family->conv_kernel, &family->kda_layers,
+        &family->full_attn_layers, &family->gate_bound}) {
+    for (const std::string& path : *paths) {
+      if (path.find('.') == std::string::npos && !contains(keys, path)) keys.push_back(path);
+    }
+  }
+  return keys;
+}
+
+// The gate: the engine's `gate:` key when given, else the family's rule (GateRule).
+void read_gate(const ModelConfig& m, const ModelFamily& keys, const ModelFamily* family,
+               const std::vector<std::string>& known, ModelSpec* spec) {
+  const Context& ctx = m.ctx;
+  const Found gate = find_path(m.text, m.text_key, "linear_attn_config.gate");
+  const Found bound = find_first(m.text, m.text_key, keys.gate_bound);
+  if (gate.node.IsDefined()) {
+    const std::string value = as_string(ctx, gate.node, gate.key);
+    if (value == "softplus") {
+      spec->gate = GateMode::kSoftplus;
+    } else if (value == "lower_bound") {
+      spec->gate = GateMode::kLowerBound;
+    } else {
+      ctx.fail(gate.node, gate.key,
+               "unknown gate '" + value + "' (expected softplus or lower_bound)");
+    }
+    if (spec->gate == GateMode::kLowerBound) {
+      const Found given = require_first(ctx, m.text, m.text_key, keys.gate_bound, known,
+                                        " (required with gate: lower_bound; a value in [-5, 0))");
+      spec->gate_lower_bound = gate_bound(ctx, given);
+    } else if (bound.node.IsDefined()) {
+      spec->gate_lower_bound = gate_bound(ctx, bound);  // checked the same way, unused
+    }
+    return;
+  }
+  if (family == nullptr) {
+    require_first(ctx, m.text, m.text_key, {"linear_attn_config.gate"}, known,
+                  " (allowed values: softplus, lower_bound; with model_type: kimi_linear it "
+                  "defaults to softplus, the released model's gate)");
+    return;
+  }
+  switch (family->gate) {
+    case GateRule::kSoftplusUnlessSaid:
+      if (bound.node.IsDefined()) {
+        ctx.fail(bound.node, gate.key,
+                 "required key is missing: " + bound.leaf +
+                     " is given, so say which gate it is (allowed values: softplus, the "
+                     "released " +
+                     family->name + "'s gate, or lower_bound)");
+      }
+      spec->gate = GateMode::kSoftplus;
+      return;
+    case GateRule::kBoundedWhenGiven:
+      spec->gate = bound.node.IsDefined() ? GateMode::kLowerBound : GateMode::kSoftplus;
+      if (bound.node.IsDefined()) spec->gate_lower_bound = gate_bound(ctx, bound);
+      return;
+    case GateRule::kBoundedByDefault: {
+      // The first bound key written, a null one included: null is the unbounded gate.
+      for (const std::string& path : keys.gate_bound) {
+        const Found written = find_path(m.text, m.text_key, path);
+        if (written.node.IsDefined()) {
+          spec->gate = GateMode::kLowerBound;
+          spec->gate_lower_bound = gate_bound(ctx, written);
+          return;
+        }
+        if (written.null) {
+          const Found safe =
+              keys.safe_gate.empty() ? not_read() : find_path(m.text, m.text_key, keys.safe_gate);
+          const bool bounded = safe.node.IsDefined() && as_bool(ctx, safe.node, safe.key);
+          spec->gate = bounded ? GateMode::kLowerBound : GateMode::kSoftplus;
+          spec->gate_lower_bound = -5.0f;
+          return;
+        }
+      }
+      if (!keys.safe_gate.empty()) {  // read for its type, whatever it says
+        const Found safe = find_path(m.text, m.text_key, keys.safe_gate);
+        if (safe.node.IsDefined()) as_bool(ctx, safe.node, safe.key);
+      }
+      spec->gate = GateMode::kLowerBound;
+      spec->gate_lower_bound = -5.0f;
+      return;
+    }
+  }
+}
+
+// The model's part of a spec: sizes, KDA layers, gate, output gate form, tensor prefix. `family`:
+// what the description names (nullptr: the engine's own schema); `tensor_names`: the checkpoint's,
+// for what the config does not say; `tensor_prefix`: the description's (empty: none).
+void read_model(const ModelConfig& m, const ModelFamily* family,
+                const std::vector<std::string>& tensor_names, const std::string& tensor_prefix,
+                ModelSpec* spec) {
+  const Context& ctx = m.ctx;
+  // The engine's own schema reads Kimi-Linear's linear_attn_config keys, and only those.
+  ModelFamily keys = family != nullptr ? *family : *family_by_key("kimi-linear");
+  if (family == nullptr) {
+    for (std::vector<std::string>* paths :
+         {&keys.num_heads, &keys.head_dim, &keys.conv_kernel, &keys.kda_layers}) {
+      paths->resize(1);
+    }
+  }
+  const std::vector<std::string> attn_keys = linear_attn_keys(family);
+  std::vector<std::string> known = text_keys(family);
+  known.insert(known.end(), attn_keys.begin(), attn_keys.end());
+
+  spec->hidden_size =
+      as_int_in(ctx, require_first(ctx, m.text, m.text_key, {"hidden_size"}, known).node,
+                join_key(m.text_key, "hidden_size"), 1, kMaxHiddenSize);
+  spec->num_hidden_layers =
+      as_int_in(ctx, require_first(ctx, m.text, m.text_key, {"num_hidden_layers"}, known).node,
+                join_key(m.text_key, "num_hidden_layers"), 1, kMaxLayers);
+
+  const std::string a = join_key(m.text_key, "linear_attn_config");
+  const YAML::Node attn =
+      family == nullptr ? require_first(ctx, m.text, m.text_key, {"linear_attn_config"}, known).node
+                        : optional(m.text, "linear_attn_config");
+  if (attn.IsDefined()) {
+    require_map(ctx, attn, a);
+    check_section_keys(ctx, attn, a, attn_keys);
+  }
+
+  const Found heads = require_first(ctx, m.text, m.text_key, keys.num_heads, known);
+  spec->num_heads = as_int_in(ctx, heads.node, heads.key, 1, kMaxHeads);
+  const Found dim = require_first(ctx, m.text, m.text_key, keys.head_dim, known);
+  spec->head_dim = as_int_in(ctx, dim.node, dim.key, 1, kMaxHeadDim);
+  if (const Found conv = find_first(m.text, m.text_key, keys.conv_kernel); conv.node.IsDefined()) {
+    spec->short_conv_kernel_size = as_int_in(ctx, conv.node, conv.key, 1, kMaxConvKernel);
+  }
+
+  // KDA layers: a 1-based list (with its full-attention list) or layer_types, or the family's
+  // default pattern.
+  const Found layers = find_first(m.text, m.text_key, keys.kda_layers);
+  if (layers.node.IsDefined() && layers.leaf == "layer_types") {
+    spec->kda_layers =
+        layers_of_types(ctx, layers, spec->num_hidden_layers, &spec->full_attn_layers);
+  } else if (layers.node.IsDefined()) {
+    spec->kda_layers = layer_list(ctx, layers.node, layers.key, spec->num_hidden_layers);
+    if (spec->kda_layers.empty()) ctx.fail(layers.node, layers.key, "must name at least one layer");
+    if (const Found full = find_first(m.text, m.text_key, keys.full_attn_layers);
+        full.node.IsDefined()) {
+      spec->full_attn_layers = layer_list(ctx, full.node, full.key, spec->num_hidden_layers);
+      for (std::size_t i = 0; i < full.node.size(); ++i) {
+        const int layer = static_cast<int>(full.node[i].as<std::int64_t>());
+        if (std::binary_search(spec->kda_layers.begin(), spec->kda_layers.end(), layer)) {
+          ctx.fail(full.node[i], full.key + "[" + std::to_string(i) + "]",
+                   "layer " + std::to_string(layer) + " is also listed in kda_layers");
+        }
+      }
+    }
+  } else if (keys.every_fourth_full_attention) {
+    for (int i = 0; i < spec->num_hidden_layers; ++i) {
+      (i % 4 == 3 ? spec->full_attn_layers : spec->kda_layers).push_back(i + 1);
+    }
+  } else {
+    require_first(ctx, m.text, m.text_key, keys.kda_layers, known);
+  }
+  for (const int layer : spec->kda_layers) spec->kda_layer_indices.push_back(layer - 1);
+
+  read_gate(m, keys, family, known, spec);
+
+  if (const YAML::Node eps = optional(m.text, "rms_norm_eps"); eps.IsDefined()) {
+    const std::string key = join_key(m.text_key, "rms_norm_eps");
+    const double value = as_double(ctx, eps, key);
+    if (!std::isfinite(value) || value <= 0.0 || !std::isfinite(static_cast<float>(value)) ||
+        static_cast<float>(value) <= 0.0f) {
+      std::ostringstream shown;
+      shown << value;
+      ctx.fail(eps, key, "value " + shown.str() + " is not a finite number > 0");
+    }
+    spec->rms_norm_eps = static_cast<float>(value);
+  }
+
+  // The tensor prefix: the description's `tensor_prefix:`, else the family's (the one of its
+  // prefixes the checkpoint uses), else what the checkpoint's names show, else Kimi-Linear's.
+  const int first = spec->kda_layer_indices.front();
+  if (!tensor_prefix.empty()) {
+    spec->tensor_prefix = tensor_prefix;
+  } else if (family != nullptr) {
+    const std::string used = prefix_holding(tensor_names, family->tensor_prefixes, first, "A_log");
+    spec->tensor_prefix = used.empty() ? family->tensor_prefixes.front() : used;
+  } else if (const std::vector<const ModelFamily*> found =
+                 families_holding(tensor_names, first, "A_log");
+             found.size() == 1) {
+    spec->family = found.front()->name;
+    spec->family_source = "the checkpoint's tensor names";
+    spec->tensor_prefix = found.front()->tensor_prefixes.front();
+  }
+
+  // The output gate's form: the config's key, else whether the checkpoint has g_proj.
+  const Found full_rank =
+      keys.full_rank_gate.empty() ? not_read() : find_path(m.text, m.text_key, keys.full_rank_gate);
+  if (full_rank.node.IsDefined()) {
+    spec->full_rank_gate = as_bool(ctx, full_rank.node, full_rank.key);
+  } else {
+    spec->full_rank_gate =
+        std::binary_search(tensor_names.begin(), tensor_names.end(),
+                           expand_tensor_prefix(spec->tensor_prefix, first) + "g_proj.weight");
+  }
+}
+
+// Whether a description holds any of a model's keys (else the folder `weights` names may give
+// them, in its config.json).
+bool has_model_keys(const YAML::Node& root) {
+  for (const char* key : {"hidden_size", "num_hidden_layers", "linear_attn_config", "text_config",
+                          "model_type", "architectures"}) {
+    if (root[key].IsDefined()) return true;
+  }
+  return false;
+}
+
+// The text of `path`, or an error naming it and why it cannot be read.
+std::string read_text_file(const std::string& path, const char* what) {
+  errno = 0;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + file_failure(std::string("cannot open ") + what, path, errno));
+  }
+  std::ostringstream text;
+  errno = 0;
+  text << in.rdbuf();
+  if (in.bad()) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + file_failure(std::string("cannot read ") + what, path, errno));
+  }
+  return text.str();
+}
+
+// A YAML or JSON document that is a map with unique keys.
+YAML::Node load_map(const Context& ctx, const std::string& text) {
+  const YAML::Node root = load_document(ctx, text);
+  if (!root.IsDefined() || root.IsNull()) {
+    ctx.fail(YAML::Mark::null_mark(), "", "empty model description (expected a map of keys)");
+  }
+  if (!root.IsMap())
+    ctx.fail(root, "", "expected a map of keys at the top level, got " + describe(root));
+  require_map(ctx, root, "");
+  return root;
+}
+
 }  // namespace
 
 const char* to_string(BackendChoice choice) noexcept {
@@ -551,129 +1035,105 @@ std::uint64_t ModelSpec::conv_state_slot_bytes() const noexcept {
          static_cast<std::uint64_t>(short_conv_kernel_size - 1) * sizeof(std::uint16_t);
 }
 
-ModelSpec parse_model_spec(const std::string& text, const std::string& source_name,
-                           const std::string& base_dir, const ModelSpecOptions& options) {
+namespace {
+
+// Reads a description. `folder`: the Hugging Face folder whose config.json `text` is (its weights
+// and its name), or empty.
+ModelSpec parse_description(const std::string& text, const std::string& source_name,
+                            const std::string& base_dir, const ModelSpecOptions& options,
+                            const std::string& folder) {
   ModelSpec spec;
   const Context ctx(source_name, options.strict, &spec.warnings);
-  const YAML::Node root = load_document(ctx, text);
-  if (!root.IsDefined() || root.IsNull()) {
-    ctx.fail(YAML::Mark::null_mark(), "", "empty model description (expected a map of keys)");
-  }
-  if (!root.IsMap())
-    ctx.fail(root, "", "expected a map of keys at the top level, got " + describe(root));
-  require_map(ctx, root, "");
-
+  const YAML::Node root = load_map(ctx, text);
   spec.source = source_name;
   try {
-    check_top_level_keys(ctx, root);
-    // name: optional; default is the file name without its extension.
+    // name: optional; default: the folder's name, else the file's without extension (a
+    // config.json's folder).
     if (const YAML::Node name = optional(root, "name"); name.IsDefined()) {
       spec.name = as_string(ctx, name, "name");
       if (spec.name.empty()) ctx.fail(name, "name", "must not be empty");
     } else {
-      spec.name = fs::path(source_name).stem().string();
+      std::error_code ec;
+      fs::path named = folder.empty() ? fs::path(source_name) : fs::absolute(folder, ec);
+      if (!folder.empty() || named.filename() == "config.json") {
+        named = folder.empty() ? named.parent_path() : named.lexically_normal();
+        if (named.filename().empty()) named = named.parent_path();
+        spec.name = named.filename().string();
+      } else {
+        spec.name = named.stem().string();
+      }
       if (spec.name.empty()) spec.name = "model";
     }
 
-    // model_type: a Hugging Face key; kimi_linear means the released model's gate by default.
-    std::string model_type;
-    if (const YAML::Node type = optional(root, "model_type"); type.IsDefined()) {
-      model_type = as_string(ctx, type, "model_type");
-    }
-
-    spec.hidden_size = as_int_in(ctx, require(ctx, root, "", "hidden_size", kTopLevelKeys),
-                                 "hidden_size", 1, kMaxHiddenSize);
-    spec.num_hidden_layers =
-        as_int_in(ctx, require(ctx, root, "", "num_hidden_layers", kTopLevelKeys),
-                  "num_hidden_layers", 1, kMaxLayers);
-
-    const YAML::Node attn = require(ctx, root, "", "linear_attn_config", kTopLevelKeys);
-    require_map(ctx, attn, "linear_attn_config");
-    const std::string a = "linear_attn_config";
-    check_section_keys(ctx, attn, a, kLinearAttnKeys);
-    spec.num_heads = as_int_in(ctx, require(ctx, attn, a, "num_heads", kLinearAttnKeys),
-                               a + ".num_heads", 1, kMaxHeads);
-    spec.head_dim = as_int_in(ctx, require(ctx, attn, a, "head_dim", kLinearAttnKeys),
-                              a + ".head_dim", 1, kMaxHeadDim);
-    if (const YAML::Node n = optional(attn, "short_conv_kernel_size"); n.IsDefined()) {
-      spec.short_conv_kernel_size =
-          as_int_in(ctx, n, a + ".short_conv_kernel_size", 1, kMaxConvKernel);
-    }
-    const YAML::Node kda_node = require(ctx, attn, a, "kda_layers", kLinearAttnKeys);
-    spec.kda_layers = layer_list(ctx, kda_node, a + ".kda_layers", spec.num_hidden_layers);
-    if (spec.kda_layers.empty())
-      ctx.fail(kda_node, a + ".kda_layers", "must name at least one layer");
-    for (const int layer : spec.kda_layers) spec.kda_layer_indices.push_back(layer - 1);
-
-    if (const YAML::Node full = optional(attn, "full_attn_layers"); full.IsDefined()) {
-      spec.full_attn_layers =
-          layer_list(ctx, full, a + ".full_attn_layers", spec.num_hidden_layers);
-      for (std::size_t i = 0; i < full.size(); ++i) {
-        const int layer = static_cast<int>(full[i].as<std::int64_t>());
-        if (std::binary_search(spec.kda_layers.begin(), spec.kda_layers.end(), layer)) {
-          ctx.fail(full[i], a + ".full_attn_layers[" + std::to_string(i) + "]",
-                   "layer " + std::to_string(layer) + " is also listed in kda_layers");
-        }
-      }
-    }
-
-    const YAML::Node gate_node = optional(attn, "gate");
-    const YAML::Node bound_node = optional(attn, "gate_lower_bound");
-    if (gate_node.IsDefined()) {
-      const std::string gate = as_string(ctx, gate_node, a + ".gate");
-      if (gate == "softplus") {
-        spec.gate = GateMode::kSoftplus;
-      } else if (gate == "lower_bound") {
-        spec.gate = GateMode::kLowerBound;
-      } else {
-        ctx.fail(gate_node, a + ".gate",
-                 "unknown gate '" + gate + "' (expected softplus or lower_bound)");
-      }
-    } else if (model_type == "kimi_linear" && !bound_node.IsDefined()) {
-      spec.gate =
-          GateMode::kSoftplus;  // what the released Kimi-Linear checkpoints were trained with
-    } else if (model_type == "kimi_linear") {
-      ctx.fail(bound_node, a + ".gate",
-               "required key is missing: gate_lower_bound is given, so say which gate it is "
-               "(allowed values: softplus, the released Kimi-Linear's gate, or lower_bound)");
-    } else {
-      fail_missing(ctx, attn, a, "gate", kLinearAttnKeys,
-                   " (allowed values: softplus, lower_bound; with model_type: kimi_linear it "
-                   "defaults to softplus, the released model's gate)");
-    }
-    if (spec.gate == GateMode::kLowerBound && !bound_node.IsDefined()) {
-      fail_missing(ctx, attn, a, "gate_lower_bound", kLinearAttnKeys,
-                   " (required with gate: lower_bound; a value in [-5, 0))");
-    }
-    if (bound_node.IsDefined()) {
-      const double bound = as_double(ctx, bound_node, a + ".gate_lower_bound");
-      if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
-        std::ostringstream shown;
-        shown << bound;
-        ctx.fail(bound_node, a + ".gate_lower_bound",
-                 "value " + shown.str() + " is outside [-5, 0) or not finite");
-      }
-      spec.gate_lower_bound = static_cast<float>(bound);
-    }
-
-    if (const YAML::Node eps = optional(root, "rms_norm_eps"); eps.IsDefined()) {
-      const double value = as_double(ctx, eps, "rms_norm_eps");
-      if (!std::isfinite(value) || value <= 0.0 || !std::isfinite(static_cast<float>(value)) ||
-          static_cast<float>(value) <= 0.0f) {
-        std::ostringstream shown;
-        shown << value;
-        ctx.fail(eps, "rms_norm_eps", "value " + shown.str() + " is not a finite number > 0");
-      }
-      spec.rms_norm_eps = static_cast<float>(value);
-    }
-
-    if (const YAML::Node weights = optional(root, "weights"); weights.IsDefined()) {
+    const YAML::Node weights = optional(root, "weights");
+    if (weights.IsDefined()) {
       const std::string path = as_string(ctx, weights, "weights");
       if (path.empty()) ctx.fail(weights, "weights", "must not be empty");
       fs::path resolved(path);
       if (resolved.is_relative() && !base_dir.empty()) resolved = fs::path(base_dir) / resolved;
       spec.weights = resolved.lexically_normal().string();
+    } else if (!folder.empty()) {
+      spec.weights = folder;
     }
+
+    // The model's keys: this description's, or (when it has none) the config.json of the folder
+    // its `weights` names.
+    std::error_code ec;
+    const fs::path folder_config = fs::path(spec.weights) / "config.json";
+    const bool from_folder = weights.IsDefined() && !has_model_keys(root) &&
+                             fs::is_directory(spec.weights, ec) && fs::exists(folder_config, ec);
+    const Context config_ctx(from_folder ? folder_config.string() : source_name, options.strict,
+                             &spec.warnings);
+    const Context& mctx = from_folder ? config_ctx : ctx;
+    const YAML::Node top =
+        from_folder ? load_map(config_ctx,
+                               read_text_file(folder_config.string(), "the model's config.json"))
+                    : root;
+    const YAML::Node text_config = optional(top, "text_config");
+    if (text_config.IsDefined()) require_map(mctx, text_config, "text_config");
+    const YAML::Node& text_node = text_config.IsDefined() ? text_config : top;
+    const ModelConfig m{mctx, top, text_node, text_config.IsDefined() ? "text_config" : ""};
+
+    std::string how;
+    const ModelFamily* family = named_family(ctx, root, m, &how);
+    if (family != nullptr) {
+      spec.family = family->name;
+      spec.family_source = how;
+    }
+
+    // Near-misses of absent engine keys, where each is read: the description's own keys in it,
+    // the wrapper's at the config's top level, the model's in its text config.
+    const std::vector<std::string> known = text_keys(family);
+    auto check_map = [&](const Context& c, const YAML::Node& map, const std::string& map_key,
+                         bool description, bool wrapper, bool model) {
+      std::vector<std::string> candidates;
+      for (const std::string& key : kTopLevelKeys) {
+        const bool model_key = contains(kModelKeys, key);
+        const bool wrapper_key =
+            key == "model_type" || key == "architectures" || key == "text_config";
+        if ((model && model_key) || (wrapper && wrapper_key) ||
+            (description && !model_key && !wrapper_key)) {
+          candidates.push_back(key);
+        }
+      }
+      check_top_level_keys(c, map, map_key, candidates, known);
+    };
+    check_map(ctx, root, "", true, !from_folder, !from_folder && !text_config.IsDefined());
+    if (from_folder) check_map(mctx, top, "", false, true, !text_config.IsDefined());
+    if (text_config.IsDefined()) check_map(mctx, text_config, "text_config", false, false, true);
+
+    std::string tensor_prefix;
+    if (const YAML::Node prefix = optional(root, "tensor_prefix"); prefix.IsDefined()) {
+      tensor_prefix = as_string(ctx, prefix, "tensor_prefix");
+      const std::size_t hole = tensor_prefix.find("{i}");
+      if (hole == std::string::npos || tensor_prefix.find("{i}", hole + 1) != std::string::npos) {
+        ctx.fail(prefix, "tensor_prefix",
+                 "'" + tensor_prefix +
+                     "' must hold {i} once, where the 0-based model layer goes (e.g. "
+                     "model.layers.{i}.self_attn.)");
+      }
+    }
+    read_model(m, family, checkpoint_tensor_names(spec.weights), tensor_prefix, &spec);
 
     const YAML::Node runtime = optional(root, "runtime");
     if (runtime.IsDefined()) {
@@ -751,28 +1211,32 @@ ModelSpec parse_model_spec(const std::string& text, const std::string& source_na
   return spec;
 }
 
+}  // namespace
+
+ModelSpec parse_model_spec(const std::string& text, const std::string& source_name,
+                           const std::string& base_dir, const ModelSpecOptions& options) {
+  return parse_description(text, source_name, base_dir, options, {});
+}
+
 ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& options) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": is a directory, expected a YAML/JSON model description");
+    // A Hugging Face model folder: its config.json describes it, its checkpoint is its weights.
+    const fs::path config = fs::path(path) / "config.json";
+    if (!fs::exists(config, ec)) {
+      throw Error(StatusCode::kInvalidArgument,
+                  path +
+                      ": is a directory without config.json (a Hugging Face model folder holds "
+                      "config.json and its weights, model.safetensors or "
+                      "model.safetensors.index.json; a model description is a YAML/JSON file)");
+    }
+    return parse_description(read_text_file(config.string(), "the model's config.json"),
+                             config.string(), path, options, path);
   }
-  errno = 0;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + file_failure("cannot open the model description", path, errno));
-  }
-  std::ostringstream text;
-  errno = 0;
-  text << in.rdbuf();
-  if (in.bad()) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + file_failure("cannot read the model description", path, errno));
-  }
+  const std::string text = read_text_file(path, "the model description");
   const fs::path parent = fs::path(path).parent_path();
-  return parse_model_spec(text.str(), path, parent.empty() ? std::string(".") : parent.string(),
-                          options);
+  return parse_description(text, path, parent.empty() ? std::string(".") : parent.string(), options,
+                           {});
 }
 
 }  // namespace kda::engine

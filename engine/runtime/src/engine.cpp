@@ -50,19 +50,15 @@ std::vector<std::unique_ptr<EngineLayer>> make_layers(const ModelSpec& spec, Bac
 }
 
 // Reads (or seeds) each layer's weights, one layer at a time, into its bound buffers: whole
-// layers their weight image and gate parameters, cores their gate parameters alone.
+// layers their weight image and gate parameters, cores their gate parameters alone. Tensor names
+// are the spec's tensor prefix + the layer's names.
 void load_layers(const ModelSpec& spec, std::uint64_t seed,
                  const std::vector<std::unique_ptr<EngineLayer>>& layers) {
   const bool whole = spec.runtime.layer_mode == LayerMode::kWhole;
   std::unique_ptr<Checkpoint> checkpoint;
-  std::unique_ptr<SafetensorsFile> file;
   if (!spec.weights.empty()) {
     check_weights_file(spec);
-    if (whole) {
-      checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(spec.weights));
-    } else {
-      file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(spec.weights));
-    }
+    checkpoint = std::make_unique<Checkpoint>(Checkpoint::open(spec.weights));
   }
   const layer::Config config = layer_config(spec);
   for (const auto& layer : layers) {
@@ -70,15 +66,17 @@ void load_layers(const ModelSpec& spec, std::uint64_t seed,
     if (whole) {
       layer::Weights weights;
       try {
-        weights = checkpoint ? load_layer_weights(*checkpoint, index, config)
+        weights = checkpoint ? load_layer_weights(*checkpoint, index, config, spec.tensor_prefix)
                              : layer::random_weights(config, seed, index);
       } catch (const Error& e) {
         throw Error(e.code(), spec.source + ": weights of layer " + std::to_string(index + 1) +
                                   ": " + e.what());
       }
       layer->load(weights);
-    } else if (file) {
-      layer->load(load_gate_parameters(*file, index, spec.num_heads, spec.head_dim), file->path());
+    } else if (checkpoint) {
+      layer->load(load_gate_parameters(*checkpoint, index, spec.num_heads, spec.head_dim,
+                                       spec.tensor_prefix),
+                  checkpoint->path());
     } else {
       layer->load(layer::random_gate_parameters(seed, index, spec.num_heads, spec.head_dim),
                   "random (seed " + std::to_string(seed) + ")");
@@ -529,18 +527,14 @@ void check_weights_file(const ModelSpec& spec) {
   } else if (ec) {
     problem = "cannot be read (" + ec.message() + ")";
   } else if (status.type() == std::filesystem::file_type::directory) {
-    // Whole layers read a Hugging Face checkpoint folder too (checkpoint.hpp).
+    // A Hugging Face checkpoint folder (checkpoint.hpp), for whole layers and cores alike.
     const std::filesystem::path dir(spec.weights);
     std::error_code exists_ec;
-    if (spec.runtime.layer_mode == LayerMode::kWhole &&
-        (std::filesystem::exists(dir / "model.safetensors.index.json", exists_ec) ||
-         std::filesystem::exists(dir / "model.safetensors", exists_ec))) {
+    if (std::filesystem::exists(dir / "model.safetensors.index.json", exists_ec) ||
+        std::filesystem::exists(dir / "model.safetensors", exists_ec)) {
       return;
     }
-    problem = spec.runtime.layer_mode == LayerMode::kWhole
-                  ? "is a directory holding neither model.safetensors.index.json nor "
-                    "model.safetensors"
-                  : "is a directory, expected a safetensors file";
+    problem = "is a directory holding neither model.safetensors.index.json nor model.safetensors";
   } else {
     return;
   }

@@ -53,7 +53,9 @@ class Status {
 // ---------------------------------------------------------------------------------------------
 // Problem description
 // ---------------------------------------------------------------------------------------------
-enum class DType : int { kNone = 0, kBF16 = 1, kF32 = 2, kI32 = 3, kI64 = 4 };
+// kF16 is a storage dtype only (checkpoints hold F16 tensors, converted when loaded): no operator
+// tensor takes it.
+enum class DType : int { kNone = 0, kBF16 = 1, kF32 = 2, kI32 = 3, kI64 = 4, kF16 = 5 };
 const char* to_string(DType dtype) noexcept;
 std::size_t dtype_size(DType dtype) noexcept;  // 0 for kNone
 

@@ -33,6 +33,8 @@ class Checkpoint {
   const TensorInfo* find(const std::string& name, const SafetensorsFile** file = nullptr) const;
   // Reads one tensor. Throws kda::Error when absent (naming the tensor and the checkpoint).
   Tensor read(const std::string& name) const;
+  // Every tensor's name, sorted (what the index lists, or the one file holds).
+  std::vector<std::string> tensor_names() const;
 
  private:
   std::string path_;

@@ -1,12 +1,18 @@
-// kda/engine/model_spec.hpp — the model description (YAML, or a Hugging Face config.json as is),
-// parsed and validated into a ModelSpec.
+// kda/engine/model_spec.hpp — the model description (YAML, a Hugging Face config.json as is, or a
+// Hugging Face folder), parsed and validated into a ModelSpec.
 //
 // Schema. JSON is read too (YAML 1.2 is a superset of JSON), so a Hugging Face `config.json` loads
 // unchanged; see examples/models/kimi-linear-48b-a3b.json. A key listed here with the wrong type or
-// an out-of-range value is an error.
+// an out-of-range value is an error. A Hugging Face config is read by its model family's keys
+// (model_family.hpp: Kimi-Linear, Kimi K3, GLM-5.3-Flash; `text_config` is followed; an unknown
+// model_type or architectures is refused); the keys below are the engine's own schema, which is
+// Kimi-Linear's.
 //
 //   name: Kimi-Linear-48B-A3B        # optional string; default: the file name without extension
-//   model_type: kimi_linear          # optional (Hugging Face); kimi_linear sets the gate default
+//                                    #   (config.json, a folder: the folder's name)
+//   family: kimi-linear              # optional: kimi-linear | kimi-k3 | glm-5.3-flash; wins over
+//                                    #   model_type / architectures
+//   model_type: kimi_linear          # optional (Hugging Face): names the family
 //   hidden_size: 2304                # required, 1..1048576
 //   num_hidden_layers: 27            # required, 1..4096
 //   linear_attn_config:              # required map
@@ -23,11 +29,17 @@
 //                                    #   defaults to softplus (the released model's gate)
 //     gate_lower_bound: -5.0         # required with gate: lower_bound; finite, in [-5, 0);
 //                                    #   checked the same way when given with softplus (unused)
+//     use_full_rank_gate: false      # optional: g_proj instead of g_a/g_b_proj (Kimi K3);
+//                                    #   default: whether the checkpoint holds g_proj.weight
 //   rms_norm_eps: 1.0e-5             # optional (Hugging Face), finite, > 0, default 1e-5: the
 //                                    #   epsilon of the whole layer's gated RMSNorm
 //   weights: kda-params.safetensors  # optional; a relative path is relative to the file's folder;
 //                                    #   a safetensors file, a sharded checkpoint's
 //                                    #   model.safetensors.index.json, or a folder holding either
+//                                    #   (a description without model keys reads the folder's
+//                                    #   config.json for them)
+//   tensor_prefix: model.layers.{i}.self_attn.  # optional: a KDA layer's tensors, {i} the
+//                                    #   0-based model layer; default: the family's
 //   runtime:                         # optional map; every key optional
 //     max_tokens: 8192               # default 8192; >= 1; tokens per prefill, all sequences
 //     max_sequences: 8               # default 8; 1..1048576; sequences per prefill = state slots
@@ -66,6 +78,7 @@
 #include <string>
 #include <vector>
 
+#include "kda/engine/model_family.hpp"
 #include "kda/kda.hpp"
 #include "kda/planner/memory_plan.hpp"
 
@@ -123,6 +136,14 @@ struct ModelSpec {
   // The whole layer's output gate is one full-rank projection g_proj (Kimi K3) instead of the
   // low-rank g_a_proj / g_b_proj pair (kda::layer::Config::full_rank_gate).
   bool full_rank_gate = false;
+  // The model family (model_family.hpp: "Kimi-Linear", "Kimi K3", "GLM-5.3-Flash") and how it was
+  // recognised ("model_type kimi_k3", "family: kimi-k3", "the checkpoint's tensor names"); both
+  // empty when nothing says.
+  std::string family;
+  std::string family_source;
+  // A KDA layer's tensors in the checkpoint: this with {i} the 0-based model layer, + the names of
+  // layer_weights_io.hpp. What an engine reads of a family.
+  std::string tensor_prefix = kDefaultTensorPrefix;
   std::string weights;  // resolved path, or empty when none
   RuntimeSpec runtime;
   // Unknown keys in the engine's sections, one message each ("file:line:col: key: ..."), in file
@@ -157,7 +178,8 @@ struct ModelSpecOptions {
   RuntimeOverrides runtime;
 };
 
-// Reads and validates a model description (YAML or JSON). Throws kda::Error.
+// Reads and validates a model description (YAML or JSON), or a Hugging Face model folder: its
+// config.json is the description, the folder its weights and its name. Throws kda::Error.
 ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& options = {});
 
 // Parses YAML or JSON text. `source_name` prefixes error messages ("file:line:col: ..."); relative

@@ -4,14 +4,16 @@
 // The header maps tensor names to {"dtype", "shape", "data_offsets": [begin, end]} (offsets
 // relative to the data section) plus an optional "__metadata__" map of strings to strings.
 //
-// Supported dtypes: BF16, F32, I32, I64. Anything else (F16, F64, U8, BOOL, ...) is rejected with a
-// message naming the tensor. The reader validates the whole header against the file size before any
-// tensor is read: empty or truncated files, header lengths past the end of the file or above 100
-// MB, JSON that does not parse or is not an object, malformed entries, reversed offsets, offsets
-// past the end of the data, overlapping tensors, shapes whose element or byte count overflows 64
-// bits or does not match the offsets — each throws kda::Error (kInvalidArgument; kOverflow for
-// overflows) whose message starts with the file path and names the tensor. Gaps between tensors are
-// tolerated.
+// Dtypes read: BF16, F16, F32, I32, I64. A tensor of another safetensors dtype (F64, U8, BOOL,
+// F8_E4M3, F4, ...: a quantized checkpoint's experts) is listed, with DType::kNone and its dtype in
+// TensorInfo::dtype_text, and refused naming the tensor when read; a dtype safetensors does not
+// define is an error when the header is read. The reader validates the whole header against the
+// file size before any tensor is read: empty or truncated files, header lengths past the end of the
+// file or above 100 MB, JSON that does not parse or is not an object, malformed entries, reversed
+// offsets, offsets past the end of the data, overlapping tensors, shapes whose element or byte
+// count overflows 64 bits or does not match the offsets — each throws kda::Error (kInvalidArgument;
+// kOverflow for overflows) whose message starts with the file path and names the tensor. Gaps
+// between tensors are tolerated.
 //
 // The writer lays tensors out in the order given, 8-byte aligned header, and writes atomically:
 // a temporary file in the destination directory, renamed over the destination only once complete,
@@ -27,7 +29,7 @@
 
 namespace kda::engine {
 
-// Parses "BF16" / "F32" / "I32" / "I64" (false on anything else) and the reverse.
+// Parses "BF16" / "F16" / "F32" / "I32" / "I64" (false on anything else) and the reverse.
 bool parse_safetensors_dtype(const std::string& text, DType* dtype) noexcept;
 const char* safetensors_dtype_name(DType dtype) noexcept;
 
@@ -39,7 +41,8 @@ std::string shape_to_string(const std::vector<std::int64_t>& shape);
 // One tensor's header entry.
 struct TensorInfo {
   std::string name;
-  DType dtype = DType::kNone;
+  DType dtype = DType::kNone;  // kNone: a dtype this reader does not read (dtype_text says which)
+  std::string dtype_text;      // as the header writes it: "BF16", "F8_E4M3", ...
   std::vector<std::int64_t> shape;
   std::uint64_t offset = 0;  // data_offsets[0], relative to the data section
   std::uint64_t bytes = 0;   // data_offsets[1] - data_offsets[0]
@@ -80,7 +83,8 @@ class SafetensorsFile {
   // nullptr when absent.
   const TensorInfo* find(const std::string& name) const noexcept;
 
-  // Reads one tensor. Throws kda::Error when absent or when the file cannot be read.
+  // Reads one tensor. Throws kda::Error when absent, of a dtype this reader does not read, or when
+  // the file cannot be read.
   Tensor read(const std::string& name) const;
   // Reads every tensor, in offset order.
   std::vector<Tensor> read_all() const;

@@ -30,13 +30,14 @@
 //   for (int l = 0; l < engine.num_layers(); ++l)       // x: [T, hidden] in, [T, hidden] out
 //     engine.prefill_hidden(l, x, y, {slot}, {0, T});  // (the host runs the other layers between)
 //   engine.decode_hidden(l, x1, y1, {slot}, 1);        // per layer, each step
-// Weights come from the YAML's `weights:` checkpoint by their Hugging Face names
-// (load_layer_weights), or are seeded random. With runtime.tp_size > 1 the engine holds its
-// rank's heads of every layer and prefill_hidden / decode_hidden write this rank's PARTIAL SUM of
-// the layer output: the host runtime all-reduces (sums) `out` over the ranks. The core-only calls
-// (prefill / decode) work on a whole-layer engine too, on the same recurrent states (q, k, v, g,
-// beta then have the engine's local heads); runtime.layers: core (or EngineOptions::layer_mode)
-// makes an engine of cores only, which plans no conv states and a smaller workspace.
+// Weights come from the YAML's `weights:` checkpoint by their Hugging Face names under
+// ModelSpec::tensor_prefix (load_layer_weights), or are seeded random. With runtime.tp_size > 1 the
+// engine holds its rank's heads of every layer and prefill_hidden / decode_hidden write this rank's
+// PARTIAL SUM of the layer output: the host runtime all-reduces (sums) `out` over the ranks. The
+// core-only calls (prefill / decode) work on a whole-layer engine too, on the same recurrent states
+// (q, k, v, g, beta then have the engine's local heads); runtime.layers: core (or
+// EngineOptions::layer_mode) makes an engine of cores only, which plans no conv states and a
+// smaller workspace.
 //
 // The engine is the runtime only: synthetic inputs and timed runs live in examples/ (kda-run's
 // synthetic_run.hpp). Its state is private (a pimpl), so this header shows only the API.
@@ -174,7 +175,8 @@ Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string
 bool cuda_backend_available(std::string* why_not = nullptr);
 
 // Throws kda::Error naming the model file, its `weights:` key and the resolved path when the spec
-// names a weights file that does not exist or is a directory; nothing when it names none. The
+// names a weights file that does not exist or a directory holding no checkpoint; nothing when it
+// names none. The
 // Engine constructor checks this; plan_for() reads no files, so callers that only plan (kda-run
 // --plan-only) call it themselves.
 void check_weights_file(const ModelSpec& spec);
