@@ -99,6 +99,17 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
   if (workspace.ptr == nullptr) invalid(what, "workspace.ptr is null");
 }
 
+WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
+                                       const std::int64_t* cu_host, const std::int32_t* slots_host,
+                                       const State& state, const void* hidden, const void* out,
+                                       Workspace workspace, const char* what) {
+  check_forward(c, batch, cu_host, slots_host, state, hidden, out, what);
+  const WorkspaceLayout layout =
+      forward_workspace_layout(backend, c, batch.tokens, batch.sequences, state.num_slots, what);
+  check_workspace(workspace, layout.total, batch, what);
+  return layout;
+}
+
 void check_gate_weights(const Weights& w) {
   throw_if_error(validate_gate_parameters(w.A_log.data(), w.dt_bias.data(), w.config.local_heads(),
                                           w.config.head_dim),

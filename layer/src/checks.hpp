@@ -10,6 +10,7 @@
 
 #include "kda/kda.hpp"
 #include "kda/layer/layer.hpp"
+#include "workspace_layout.hpp"
 
 namespace kda::layer::detail {
 
@@ -29,6 +30,13 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
 // The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
 // check_forward (which makes the layout's sizes valid).
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
+
+// Every host check of a forward, in order — check_forward, the batch's workspace layout on
+// `backend`, check_workspace — and that layout.
+WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
+                                       const std::int64_t* cu_host, const std::int32_t* slots_host,
+                                       const State& state, const void* hidden, const void* out,
+                                       Workspace workspace, const char* what);
 
 // kda::validate_gate_parameters on the weights (sizes checked first): the core would refuse them,
 // but only after the conv states were updated (on CUDA, only through the device status word).

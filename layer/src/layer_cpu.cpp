@@ -237,11 +237,9 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const bool decode = batch.decode_tokens > 0;
 
   // ---- checks, before anything is written ---------------------------------------------------
-  check_forward(c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, state, hidden, out,
-                kForward);
   const WorkspaceLayout layout =
-      forward_workspace_layout(Backend::kCpu, c, T, N, state.num_slots, kForward);
-  check_workspace(workspace, layout.total, batch, kForward);
+      checked_forward_layout(Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens,
+                             batch.slots, state, hidden, out, workspace, kForward);
   if (T == 0) return;  // nothing to compute; every state stays as it is
   auto slot_of = [&](std::int64_t n) -> std::int64_t {
     return batch.slots == nullptr ? n : batch.slots[n];

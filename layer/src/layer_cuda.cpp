@@ -360,11 +360,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
 
   // ---- checks, before anything is enqueued ---------------------------------------------------
   constexpr const char* kForward = "KDA layer forward (CUDA)";
-  check_forward(c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host, state, hidden,
-                out, kForward);
   const WorkspaceLayout layout =
-      forward_workspace_layout(Backend::kCuda, c, T, N, state.num_slots, kForward);
-  check_workspace(workspace, layout.total, batch, kForward);
+      checked_forward_layout(Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host,
+                             batch.slots_host, state, hidden, out, workspace, kForward);
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
   if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
     throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
