@@ -70,20 +70,6 @@ ModelSpec spec_with(const std::string& runtime_lines) { return spec_from(kSpec +
 
 EngineOptions options(const Runner& runner) { return kda::test::engine_options(runner, kSeed); }
 
-kda::layer::Config config_of(const ModelSpec& spec) {
-  kda::layer::Config c;
-  c.hidden_size = spec.hidden_size;
-  c.num_heads = spec.num_heads;
-  c.head_dim = spec.head_dim;
-  c.conv_width = spec.short_conv_kernel_size;
-  c.gate = spec.gate;
-  c.lower_bound = spec.gate_lower_bound;
-  c.norm_eps = spec.rms_norm_eps;
-  c.tp_size = spec.runtime.tp_size;
-  c.tp_rank = spec.runtime.tp_rank;
-  return c;
-}
-
 std::vector<bf16_bits> random_hidden(std::int64_t tokens, std::uint64_t seed) {
   return kda::test::random_bf16(static_cast<std::size_t>(tokens * E), 1.0f, seed);
 }
@@ -215,7 +201,8 @@ KDA_MATRIX_CASE(
   // The weights are the arena's: one planned buffer per layer holding the backend's weight image
   // (fp32 on the CPU, bf16 on CUDA), all of weight_bytes().
   CHECK(engine.plan().to_json() == Engine::plan_for(spec, runner.backend()).to_json());
-  const std::uint64_t image = kda::layer::weight_image_bytes(runner.backend(), config_of(spec));
+  const std::uint64_t image =
+      kda::layer::weight_image_bytes(runner.backend(), kda::engine::layer_config(spec));
   for (const char* name : {"layer1.weights", "layer3.weights"}) {
     CAPTURE(name);
     const kda::planner::PlanEntry* weights = engine.plan().find(name);
@@ -235,7 +222,8 @@ KDA_MATRIX_CASE(
   for (int l = 0; l < engine.num_layers(); ++l) {
     CAPTURE(l);
     const int index = spec.kda_layer_indices[static_cast<std::size_t>(l)];
-    direct.emplace_back(kda::layer::random_weights(config_of(spec), kSeed, index), 4);
+    direct.emplace_back(kda::layer::random_weights(kda::engine::layer_config(spec), kSeed, index),
+                        4);
     const std::vector<bf16_bits> expected = direct.back().forward(cu, slots, x);
     Memory out = poisoned(runner, 150);
     kda::layer::Times times;
@@ -286,7 +274,9 @@ KDA_MATRIX_CASE("whole layers: every prefill schedule equals the layer called di
   const ModelSpec spec = spec_from(kSpec);
   const std::vector<std::int64_t> cu = {0, 150};
   const std::vector<bf16_bits> x = random_hidden(150, 9);
-  Direct direct(kda::layer::random_weights(config_of(spec), kSeed, spec.kda_layer_indices[0]), 4);
+  Direct direct(
+      kda::layer::random_weights(kda::engine::layer_config(spec), kSeed, spec.kda_layer_indices[0]),
+      4);
   const std::vector<bf16_bits> expected = direct.forward(cu, {0}, x);
   const Memory hidden = Memory::from(runner, x);
   for (const kda::PrefillSchedule schedule :
@@ -435,7 +425,7 @@ KDA_MATRIX_CASE("whole layers: weights from the YAML's checkpoint by their Huggi
   std::vector<kda::engine::Tensor> tensors;
   std::vector<kda::layer::Weights> weights;
   for (const int index : plain.kda_layer_indices) {
-    weights.push_back(kda::layer::random_weights(config_of(plain), 99, index));
+    weights.push_back(kda::layer::random_weights(kda::engine::layer_config(plain), 99, index));
     for (auto& t : kda::engine::layer_weight_tensors(weights.back(),
                                                      kda::engine::layer_tensor_prefix(index))) {
       tensors.push_back(std::move(t));
@@ -560,7 +550,8 @@ KDA_CPU_CASE(
       CAPTURE(runtime);
       const ModelSpec spec = spec_with(runtime);
       const kda::planner::MemoryPlan plan = Engine::plan_for(spec, backend);
-      const std::uint64_t image = kda::layer::weight_image_bytes(backend, config_of(spec));
+      const std::uint64_t image =
+          kda::layer::weight_image_bytes(backend, kda::engine::layer_config(spec));
       const std::uint64_t alignment = kda::layer::weight_image_alignment(backend);
       for (const char* name : {"layer1.weights", "layer3.weights"}) {
         CAPTURE(name);
@@ -582,7 +573,7 @@ KDA_CPU_CASE(
     }
   }
   // A tensor-parallel rank holds its heads only: a smaller image.
-  kda::layer::Config shard = config_of(spec_from(kSpec));
+  kda::layer::Config shard = kda::engine::layer_config(spec_from(kSpec));
   const std::size_t whole_image = kda::layer::weight_image_bytes(kda::Backend::kCuda, shard);
   shard.tp_size = 2;
   CHECK(kda::layer::weight_image_bytes(kda::Backend::kCuda, shard) < whole_image);
@@ -591,7 +582,7 @@ KDA_CPU_CASE(
 KDA_MATRIX_CASE(
     "whole layers: the layer refuses a weight image region that is null, misaligned or too "
     "small") {
-  const kda::layer::Config config = config_of(spec_from(kSpec));
+  const kda::layer::Config config = kda::engine::layer_config(spec_from(kSpec));
   const kda::layer::Weights weights = kda::layer::random_weights(config, 1, 0);
   const kda::Backend backend = runner.backend();
   const std::string what = backend == kda::Backend::kCuda ? "KDA layer (CUDA)" : "KDA layer (CPU)";

@@ -272,10 +272,7 @@ struct Engine::Impl {
       fail(call + ": " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
            std::to_string(spec.runtime.max_tokens));
     }
-    next_stamp();
-    for (std::size_t j = 0; j < n; ++j) {
-      if (slots[j] >= 0) claim_slot(call, "sequence", j, slots[j]);  // negative: padding
-    }
+    claim_slots(call, "sequence", slots.data(), n);
   }
 
   // A decode batch: 1..max_sequences rows of 1..16 tokens; negative slots are padding, the others
@@ -291,10 +288,7 @@ struct Engine::Impl {
       fail(call + ": tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
            std::to_string(kMaxDecodeTokens));
     }
-    next_stamp();
-    for (std::size_t j = 0; j < batch; ++j) {
-      if (slots[j] >= 0) claim_slot(call, "row", j, slots[j]);  // negative: a padding row
-    }
+    claim_slots(call, "row", slots.data(), batch);
   }
 
   // Caller-owned batch metadata: the bounds, and the metadata arrays usable by the backend. Where
@@ -337,9 +331,17 @@ struct Engine::Impl {
         fail(call + ": " + st.message());
       }
     }
+    claim_slots(call, decode ? "row" : "sequence", b.slots, n);
+  }
+
+  // A batch's `count` slots: each non-negative one (negative: padding) an acquired slot, none
+  // twice.
+  template <typename Slot>
+  void claim_slots(const std::string& call, const char* entry, const Slot* slots,
+                   std::size_t count) {
     next_stamp();
-    for (std::size_t j = 0; j < n; ++j) {
-      if (b.slots[j] >= 0) claim_slot(call, decode ? "row" : "sequence", j, b.slots[j]);
+    for (std::size_t j = 0; j < count; ++j) {
+      if (slots[j] >= 0) claim_slot(call, entry, j, slots[j]);
     }
   }
 

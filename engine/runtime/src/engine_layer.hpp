@@ -33,9 +33,6 @@ namespace kda::engine {
 
 class EngineBackend;
 
-// The kda::layer::Config of every KDA layer of `spec` (this engine's tensor-parallel shard).
-layer::Config layer_config(const ModelSpec& spec);
-
 // The core's largest problems for `spec` (this rank's heads): what the arena is sized for.
 Problem max_prefill_problem(const ModelSpec& spec);
 DecodeProblem max_decode_problem(const ModelSpec& spec);

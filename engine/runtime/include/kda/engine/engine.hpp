@@ -160,6 +160,10 @@ struct LayerInfo {
   std::string origin;          // "random (seed S)" or the checkpoint path
 };
 
+// The kda::layer::Config of every KDA layer of `spec` (this rank's tensor-parallel shard): what
+// an engine of whole layers builds them with, and what sizes their weight images and workspaces.
+layer::Config layer_config(const ModelSpec& spec);
+
 // Which backend an engine for `spec` would use: kCpu / kCuda as asked; kAuto picks CUDA when
 // cuda_backend_available() and the CUDA backend can run the model's problems (K == V == 128), else
 // CPU. `why` (optional) gets the reason in a few words, for a front end to show (the library prints
