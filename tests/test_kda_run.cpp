@@ -1083,6 +1083,48 @@ TEST_CASE("kda-run: Kimi K3 and GLM-5.3-Flash plan; a Hugging Face folder is a m
   CHECK(r.out.find("total: 2 KDA layers") != std::string::npos);
 }
 
+// A Kimi K3 folder at the CUDA layer's head size (D = 128, the full-rank gate) runs on every
+// backend this machine has.
+TEST_CASE("kda-run: a Kimi K3 folder with its full-rank gate runs on each backend available") {
+  TempDir dir;
+  kda::layer::Config c = layer_config();
+  c.hidden_size = 64;
+  c.num_heads = 2;
+  c.head_dim = 128;
+  c.gate = kda::GateMode::kLowerBound;
+  c.full_rank_gate = true;
+  std::vector<Tensor> tensors;
+  for (const int index : {0, 2}) {
+    for (Tensor& t : kda::engine::layer_weight_tensors(
+             kda::layer::random_weights(c, 5, index),
+             kda::engine::layer_tensor_prefix(index,
+                                              "language_model.model.layers.{i}.self_attn."))) {
+      tensors.push_back(std::move(t));
+    }
+  }
+  kda::engine::save_safetensors(dir.file("model.safetensors"), tensors);
+  std::ofstream(dir.file("config.json"))
+      << R"({"model_type": "kimi_k3", "text_config": {"hidden_size": 64, "num_hidden_layers": 3,
+  "linear_attn_config": {"num_heads": 2, "head_dim": 128, "short_conv_kernel_size": 4,
+  "kda_layers": [1, 3], "full_attn_layers": [2], "gate_lower_bound": -5.0,
+  "use_full_rank_gate": true}}})";
+  std::vector<std::string> backends = {"cpu"};
+  if (kda::engine::cuda_backend_available()) backends.push_back("cuda");
+  for (const std::string& backend : backends) {
+    CAPTURE(backend);
+    const Result r =
+        kda_run({"--model", dir.path.string(), "--tokens", "40", "--decode-steps", "3", "--backend",
+                 backend, "--threads", "1", "--max-tokens", "64", "--max-sequences", "2"});
+    INFO(r.out << r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find("\nfamily: Kimi K3 (model_type kimi_k3), tensors "
+                     "language_model.model.layers.{i}.self_attn.*\n") != std::string::npos);
+    CHECK(r.out.find("full-rank output gate") != std::string::npos);
+    CHECK(r.out.find("total: 2 KDA layers") != std::string::npos);
+    CHECK(r.out.find("backend: " + backend) != std::string::npos);
+  }
+}
+
 TEST_CASE("kda-run: a description without a runtime section (a config.json) plans reuse") {
   const std::string config = kModels + "kimi-linear-48b-a3b.json";
   Result r = kda_run({"--model", config, "--plan-only", "--backend", "cpu"});

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "engine_matrix.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/layer_weights_io.hpp"
@@ -339,7 +340,7 @@ kda::engine::EngineOptions cpu_options() {
 
 // ---- configs ---------------------------------------------------------------------------------
 
-TEST_CASE("the family table: keys, look-ups, the tensor prefixes") {
+KDA_CPU_CASE("the family table: keys, look-ups, the tensor prefixes") {
   const auto& families = kda::engine::model_families();
   REQUIRE(families.size() == 3);
   CHECK(std::string(families[0].name) == "Kimi-Linear");
@@ -362,7 +363,8 @@ TEST_CASE("the family table: keys, look-ups, the tensor prefixes") {
   CHECK(kda::engine::families_holding(names, 2, "A_log").empty());
 }
 
-TEST_CASE("Kimi K3's config.json: text_config followed, its gate and full-rank gate, its prefix") {
+KDA_CPU_CASE(
+    "Kimi K3's config.json: text_config followed, its gate and full-rank gate, its prefix") {
   kda::engine::ModelSpecOptions strict;
   strict.strict = true;  // every key of its linear_attn_config is one the engine knows
   const ModelSpec k3 = kda::engine::load_model_spec(kModels + "kimi-k3.json", strict);
@@ -413,7 +415,7 @@ TEST_CASE("Kimi K3's config.json: text_config followed, its gate and full-rank g
             .find("use_full_rank_gate: expected true or false") != std::string::npos);
 }
 
-TEST_CASE("GLM-5.3-Flash's config: its keys, layer_types, the bounded gate by default") {
+KDA_CPU_CASE("GLM-5.3-Flash's config: its keys, layer_types, the bounded gate by default") {
   kda::engine::ModelSpecOptions strict;
   strict.strict = true;
   const ModelSpec glm = kda::engine::load_model_spec(kModels + "glm-5.3-flash.json", strict);
@@ -486,7 +488,7 @@ TEST_CASE("GLM-5.3-Flash's config: its keys, layer_types, the bounded gate by de
                   "0.5 is outside [-5, 0)") != std::string::npos);
 }
 
-TEST_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_types") {
+KDA_CPU_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_types") {
   const ModelSpec spec = parse(R"({"model_type": "kimi_linear", "hidden_size": 64,
       "num_hidden_layers": 4, "linear_num_heads": 2, "linear_head_dim": 16,
       "linear_conv_kernel_dim": 4,
@@ -499,7 +501,7 @@ TEST_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_type
   CHECK(spec.gate == kda::GateMode::kSoftplus);
 }
 
-TEST_CASE("unknown families are refused, naming what was looked for") {
+KDA_CPU_CASE("unknown families are refused, naming what was looked for") {
   const std::string sizes =
       R"("hidden_size": 64, "num_hidden_layers": 2,
       "linear_attn_config": {"num_heads": 2, "head_dim": 16, "kda_layers": [1, 2], "gate": "softplus"})";
@@ -524,7 +526,7 @@ TEST_CASE("unknown families are refused, naming what was looked for") {
             .family == "Kimi-Linear");
 }
 
-TEST_CASE("tensor_prefix: the description's own, checked for its {i}") {
+KDA_CPU_CASE("tensor_prefix: the description's own, checked for its {i}") {
   const std::string yaml =
       "hidden_size: 64\nnum_hidden_layers: 2\n"
       "linear_attn_config: {num_heads: 2, head_dim: 16, kda_layers: [1, 2], gate: softplus}\n";
@@ -538,7 +540,8 @@ TEST_CASE("tensor_prefix: the description's own, checked for its {i}") {
 
 // ---- checkpoints -------------------------------------------------------------------------------
 
-TEST_CASE("each family's layout, F32 / F16 / BF16 sources: converted once, exactly as promised") {
+KDA_CPU_CASE(
+    "each family's layout, F32 / F16 / BF16 sources: converted once, exactly as promised") {
   struct Case {
     const char* family;
     std::string pattern;
@@ -577,7 +580,7 @@ TEST_CASE("each family's layout, F32 / F16 / BF16 sources: converted once, exact
   }
 }
 
-TEST_CASE("F16 values widen exactly, subnormals and extremes included; F32 rounds to even") {
+KDA_CPU_CASE("F16 values widen exactly, subnormals and extremes included; F32 rounds to even") {
   TempDir dir;
   const Config config = small_config();
   LayerCheckpoint l = layer_checkpoint(config, 0, kGlmPrefix, DType::kBF16, DType::kF32, true, 7);
@@ -619,7 +622,8 @@ TEST_CASE("F16 values widen exactly, subnormals and extremes included; F32 round
   CHECK(w.o_proj[1] == 0x3f82);
 }
 
-TEST_CASE("a Hugging Face folder as the model: config.json, sharded F16 checkpoint, TP ranks sum") {
+KDA_CPU_CASE(
+    "a Hugging Face folder as the model: config.json, sharded F16 checkpoint, TP ranks sum") {
   TempDir dir;
   const Config config = small_config();
   std::vector<Tensor> tensors = other_tensors(kGlmPrefix, 2);
@@ -694,7 +698,7 @@ TEST_CASE("a Hugging Face folder as the model: config.json, sharded F16 checkpoi
   CHECK(via_yaml.weights == dir.path.string());
 }
 
-TEST_CASE("Kimi-Linear saved by transformers: one model.safetensors, every tensor F32") {
+KDA_CPU_CASE("Kimi-Linear saved by transformers: one model.safetensors, every tensor F32") {
   TempDir dir;
   const Config config = small_config();
   std::vector<Tensor> tensors = other_tensors(kKimiPrefix, 3);
@@ -724,7 +728,7 @@ TEST_CASE("Kimi-Linear saved by transformers: one model.safetensors, every tenso
   CHECK_NOTHROW(prefill_all(engine, 8));
 }
 
-TEST_CASE("a description that names no family: the checkpoint's tensor names give the layout") {
+KDA_CPU_CASE("a description that names no family: the checkpoint's tensor names give the layout") {
   TempDir dir;
   const Config config = small_config(true);
   std::vector<Tensor> tensors = other_tensors(kK3Prefix, 1);
@@ -784,7 +788,7 @@ TEST_CASE("a description that names no family: the checkpoint's tensor names giv
   CHECK(unnamed.tensor_prefix == kKimiPrefix);
 }
 
-TEST_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 value past bf16") {
+KDA_CPU_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 value past bf16") {
   const Config config = small_config();
   TempDir dir;
   std::vector<Tensor> tensors = other_tensors(kGlmPrefix, 2);
@@ -838,7 +842,7 @@ TEST_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 val
   CHECK(nan.find("tensor '" + a + "' holds a non-finite value at element 1") != std::string::npos);
 }
 
-TEST_CASE("an FP8 tensor of the KDA layer itself is refused by name; FP8 elsewhere is ignored") {
+KDA_CPU_CASE("an FP8 tensor of the KDA layer itself is refused by name; FP8 elsewhere is ignored") {
   const Config config = small_config();
   TempDir dir;
   LayerCheckpoint l = layer_checkpoint(config, 0, kGlmPrefix, DType::kBF16, DType::kF32, true, 1);
@@ -853,4 +857,124 @@ TEST_CASE("an FP8 tensor of the KDA layer itself is refused by name; FP8 elsewhe
   });
   CHECK(message == dir.file("model-00001-of-00001.safetensors") + ": tensor '" + q +
                        "' has dtype F8_E4M3, expected a float dtype (F32, F16 or BF16)");
+}
+
+// ---- each family's folder on CUDA --------------------------------------------------------------
+
+namespace {
+
+// A family's folder at the CUDA layer's head size (D = 128): config.json and its safetensors.
+struct FamilyFolder {
+  const char* what;
+  std::string prefix;
+  DType matrices, vectors;
+  bool a_log_1d, full_rank, sharded;
+  std::string config_json;
+};
+
+std::vector<FamilyFolder> cuda_family_folders() {
+  const std::string sizes = R"("hidden_size": 64, "num_hidden_layers": 3, "rms_norm_eps": 1e-05)";
+  return {
+      {"Kimi K3: BF16 matrices, F32 conv / A_log [H] / dt_bias, the full-rank gate", kK3Prefix,
+       DType::kBF16, DType::kF32, true, true, true,
+       R"({"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+  "text_config": {"model_type": "kimi_linear", )" +
+           sizes + R"(, "linear_attn_config": {"num_heads": 2, "head_dim": 128,
+  "short_conv_kernel_size": 4, "kda_layers": [1, 3], "full_attn_layers": [2],
+  "gate_lower_bound": -5.0, "use_full_rank_gate": true}}})"},
+      {"GLM-5.3-Flash: F16 matrices, sharded, the low-rank gate", kGlmPrefix, DType::kF16,
+       DType::kF32, true, false, true,
+       R"({"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+  "text_config": {"model_type": "glm5_next_text", )" +
+           sizes + R"(, "layer_types": ["linear_attention", "deepseek_sparse_attention",
+  "linear_attention"], "linear_num_heads": 2, "linear_head_dim": 128,
+  "linear_conv_kernel_dim": 4, "linear_lower_bound": -5.0}})"},
+      {"Kimi-Linear saved by transformers: every tensor F32, one file, the softplus gate",
+       kKimiPrefix, DType::kF32, DType::kF32, false, false, false,
+       R"({"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", )" + sizes +
+           R"(, "torch_dtype": "float32", "linear_attn_config": {"num_heads": 2, "head_dim": 128,
+  "short_conv_kernel_size": 4, "kda_layers": [1, 3], "full_attn_layers": [2],
+  "gate": "softplus"}})"},
+  };
+}
+
+// Prefill of two sequences (37 and 5 tokens, a padding row between them), then two decode steps
+// of both, through every layer; the outputs in order, downloaded.
+std::vector<std::vector<bf16_bits>> run_family(kda::engine::Engine& engine,
+                                               const kda::test::Runner& runner) {
+  using kda::test::Memory;
+  const std::int64_t E = engine.spec().hidden_size;
+  const std::int64_t T = 42;
+  const std::vector<bf16_bits> prompt =
+      kda::test::random_bf16(static_cast<std::size_t>(T * E), 1.0f, 11);
+  const int a = engine.acquire_slot(), b = engine.acquire_slot();
+  std::vector<std::vector<bf16_bits>> outs;
+  Memory hidden = Memory::from(runner, prompt);
+  Memory out(runner, prompt.size() * sizeof(bf16_bits));
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    out.fill(0xff);
+    engine.prefill_hidden(l, hidden.get(), out.get(), {a, -1, b}, {0, 37, 37, T});
+    outs.push_back(out.download<bf16_bits>());
+  }
+  for (int step = 0; step < 2; ++step) {
+    const std::vector<bf16_bits> token =
+        kda::test::random_bf16(static_cast<std::size_t>(2 * E), 1.0f, 20 + step);
+    Memory h = Memory::from(runner, token);
+    Memory o(runner, token.size() * sizeof(bf16_bits));
+    for (int l = 0; l < engine.num_layers(); ++l) {
+      o.fill(0xff);
+      engine.decode_hidden(l, h.get(), o.get(), {b, a}, 1);
+      outs.push_back(o.download<bf16_bits>());
+    }
+  }
+  return outs;
+}
+
+}  // namespace
+
+// On the CPU the engine under test is a second CPU engine: the same bits.
+KDA_MATRIX_CASE(
+    "each family's folder: K3, GLM-5.3-Flash and F32 Kimi-Linear as the CPU runs them") {
+  for (const FamilyFolder& family : cuda_family_folders()) {
+    CAPTURE(family.what);
+    TempDir dir;
+    Config c;
+    c.hidden_size = 64;
+    c.num_heads = 2;
+    c.head_dim = 128;
+    c.conv_width = 4;
+    c.full_rank_gate = family.full_rank;
+    std::vector<Tensor> tensors = other_tensors(family.prefix, 1);
+    for (const int index : {0, 2}) {
+      LayerCheckpoint l = layer_checkpoint(c, index, family.prefix, family.matrices, family.vectors,
+                                           family.a_log_1d, 50 + index);
+      tensors.insert(tensors.end(), l.tensors.begin(), l.tensors.end());
+    }
+    if (family.sharded) {
+      write_sharded(dir, tensors, 2);
+    } else {
+      kda::engine::save_safetensors(dir.file("model.safetensors"), tensors);
+    }
+    std::ofstream(dir.file("config.json")) << family.config_json;
+    kda::engine::ModelSpecOptions options;
+    options.runtime.max_tokens = 64;
+    options.runtime.max_sequences = 3;
+    const ModelSpec spec = kda::engine::load_model_spec(dir.path.string(), options);
+    REQUIRE(spec.num_kda_layers() == 2);
+    CHECK(spec.full_rank_gate == family.full_rank);
+
+    kda::engine::Engine tested(spec, kda::test::engine_options(runner));
+    kda::engine::Engine cpu(spec, cpu_options());
+    const auto got = run_family(tested, runner);
+    const auto want = run_family(cpu, kda::test::cpu_runner());
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      // bf16 projections accumulated in another order, the chunked core against the CPU's
+      // token-by-token recurrence: the layer tests' CUDA-against-CPU tolerance.
+      CHECK(kda::test::deviation(got[i], want[i]) <= kda::test::allowed(runner, 2e-2));
+      CHECK(std::all_of(got[i].begin(), got[i].end(),
+                        [](bf16_bits x) { return std::isfinite(kda::bf16_to_float(x)); }));
+    }
+  }
 }
