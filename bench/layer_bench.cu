@@ -8,7 +8,13 @@
 // timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole layer's
 // total against the sum of the phase floors, and "graph": the median of one forward captured in a
 // CUDA graph and replayed (events around each replay, no host in between: what a serving
-// runtime's captured decode step pays per layer). Floors (bench_floors.hpp; bw = the
+// runtime's captured decode step pays per layer). The graph holds the forwards of L layers of the
+// shape, each with its own weights and state pools, L the fewest whose weights exceed three times
+// the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from memory,
+// as in a model, where a single layer replayed alone would find a small shard's weights in L2.
+// Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto,
+// fused with the second factors inside, fused after GEMMs, separate kernels), in the same run.
+// Floors (bench_floors.hpp; bw = the
 // device-to-device copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16
 // spec):
 //   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors (full-
@@ -28,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -101,6 +108,7 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    std::vector<std::string> kernel_rows;  // the second table
 
     struct Shape {
       const char* name;
@@ -123,8 +131,16 @@ int main(int argc, char** argv) {
       config.full_rank_gate = shape.full_rank_gate;
       config.tp_size = shape.tp_size;
       config.tp_rank = 0;
-      const auto layer =
-          kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, 0));
+      const std::size_t weight_bytes = kda::layer::weight_image_bytes(kda::Backend::kCuda, config);
+      const std::size_t l2 = static_cast<std::size_t>(std::max(prop.l2CacheSize, 1));
+      const int instances = static_cast<int>(
+          std::clamp<std::size_t>((3 * l2 + weight_bytes - 1) / weight_bytes, 1, 32));
+      std::vector<std::unique_ptr<kda::layer::Layer>> layers;
+      for (int l = 0; l < instances; ++l) {
+        layers.push_back(
+            kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, l)));
+      }
+      const auto& layer = layers.front();
       const std::int64_t E = config.hidden_size, Cl = config.local_channels();
       const std::int64_t Hl = config.local_heads(), D = config.head_dim;
       const std::string layer_name = shape.name;
@@ -143,8 +159,20 @@ int main(int argc, char** argv) {
 
         DeviceMemory d_hidden(hidden.size() * 2), d_out(hidden.size() * 2);
         DeviceMemory d_cu(cu.size() * 8);
-        DeviceMemory conv_q(slots * Cl * 3 * 2), conv_k(slots * Cl * 3 * 2),
-            conv_v(slots * Cl * 3 * 2), recurrent(slots * Hl * D * D * 4);
+        struct Pools {
+          DeviceMemory conv_q, conv_k, conv_v, recurrent;
+          explicit Pools(std::size_t conv_bytes, std::size_t recurrent_bytes)
+              : conv_q(conv_bytes),
+                conv_k(conv_bytes),
+                conv_v(conv_bytes),
+                recurrent(recurrent_bytes) {}
+        };
+        std::vector<std::unique_ptr<Pools>> pools;  // one set per layer of the graph
+        for (int l = 0; l < instances; ++l) {
+          pools.push_back(
+              std::make_unique<Pools>(static_cast<std::size_t>(slots * Cl * 3 * 2),
+                                      static_cast<std::size_t>(slots * Hl * D * D * 4)));
+        }
         const std::size_t ws_bytes =
             kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, slots);
         DeviceMemory workspace(ws_bytes);
@@ -159,13 +187,17 @@ int main(int argc, char** argv) {
         batch.decode_tokens = c.decode ? c.tokens_per_sequence : 0;
         batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr);
         batch.cu_seqlens_host = cu.data();
-        kda::layer::State state;
-        state.num_slots = slots;
-        state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
-        state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
-        state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
-        state.recurrent = recurrent.ptr;
-        state.recurrent_dtype = kda::DType::kF32;
+        auto state_of = [&](int l) {
+          kda::layer::State state;
+          state.num_slots = slots;
+          state.conv_q = static_cast<kda::bf16_bits*>(pools[l]->conv_q.ptr);
+          state.conv_k = static_cast<kda::bf16_bits*>(pools[l]->conv_k.ptr);
+          state.conv_v = static_cast<kda::bf16_bits*>(pools[l]->conv_v.ptr);
+          state.recurrent = pools[l]->recurrent.ptr;
+          state.recurrent_dtype = kda::DType::kF32;
+          return state;
+        };
+        const kda::layer::State state = state_of(0);
         kda::layer::RunOptions options;
         options.stream = stream;
 
@@ -190,23 +222,27 @@ int main(int argc, char** argv) {
           }
           total.push_back(sum);
         }
-        // One forward captured in a graph, replayed: each replay timed with events around it.
-        std::vector<double> graph;
-        {
+        // The forwards of every layer captured in one graph, replayed: each replay timed with
+        // events around it, per layer.
+        auto graph_replays = [&](kda::layer::DecodeKernel kernel) {
           kda::layer::RunOptions capture_options;
           capture_options.stream = stream;
           capture_options.check_pointers = false;
+          capture_options.decode_kernel = kernel;
           cudaGraph_t g = nullptr;
           cudaGraphExec_t exec = nullptr;
           check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-          layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
-                         static_cast<kda::bf16_bits*>(d_out.ptr), state,
-                         kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
+          for (int l = 0; l < instances; ++l) {
+            layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                               static_cast<kda::bf16_bits*>(d_out.ptr), state_of(l),
+                               kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
+          }
           check(cudaStreamEndCapture(stream, &g), "end capture");
           check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
           cudaEvent_t before = nullptr, after = nullptr;
           check(cudaEventCreate(&before), "cudaEventCreate");
           check(cudaEventCreate(&after), "cudaEventCreate");
+          std::vector<double> per_layer;
           for (int it = 0; it < warmup + iters; ++it) {
             check(cudaEventRecord(before, stream), "cudaEventRecord");
             check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
@@ -214,12 +250,23 @@ int main(int argc, char** argv) {
             check(cudaEventSynchronize(after), "replay");
             float ms = 0.0f;
             check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
-            if (it >= warmup) graph.push_back(ms * 1e3);
+            if (it >= warmup) per_layer.push_back(ms * 1e3 / instances);
           }
           cudaEventDestroy(before);
           cudaEventDestroy(after);
           cudaGraphExecDestroy(exec);
           cudaGraphDestroy(g);
+          return median(per_layer);
+        };
+        const double graph = graph_replays(kda::layer::DecodeKernel::kAuto);
+        if (c.decode) {
+          char line[256];
+          std::snprintf(line, sizeof line, "| %s | %s | %d | %.1f | %.1f | %.1f | %.1f |",
+                        layer_name.c_str(), c.name.c_str(), instances, graph,
+                        graph_replays(kda::layer::DecodeKernel::kFusedFactors),
+                        graph_replays(kda::layer::DecodeKernel::kFused),
+                        graph_replays(kda::layer::DecodeKernel::kSeparate));
+          kernel_rows.push_back(line);
         }
         // Floors per phase, microseconds (see the top of this file).
         const std::int64_t W = config.conv_width;
@@ -249,13 +296,18 @@ int main(int argc, char** argv) {
         double floor_sum = 0.0;
         for (double f : floors) floor_sum += f;
         std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |", layer_name.c_str(),
-                    c.name.c_str(), median(total), floor_sum, median(total) / floor_sum,
-                    median(graph), median(graph) / floor_sum);
+                    c.name.c_str(), median(total), floor_sum, median(total) / floor_sum, graph,
+                    graph / floor_sum);
         for (int p = 0; p < 5; ++p) std::printf(" %.1f (%.1f) |", median(phase[p]), floors[p]);
         std::printf("\n");
         std::fflush(stdout);
       }
     }
+    std::printf(
+        "\nDecode steps by RunOptions::decode_kernel, graph replays per layer (us), same run:\n\n"
+        "| layer | case | layers in the graph | auto | fused, factors inside | fused after GEMMs | "
+        "separate |\n|---|---|---:|---:|---:|---:|---:|\n");
+    for (const std::string& row : kernel_rows) std::printf("%s\n", row.c_str());
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());

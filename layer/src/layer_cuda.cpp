@@ -11,6 +11,8 @@
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
 //   norm         one fused kernel: gated RMSNorm
+//   decode       conv, the low-rank second factors (RunOptions::decode_kernel), core and norm in
+//                one kernel instead (cuda/fused_decode.cu)
 //   o_proj       as the projections
 
 #include <algorithm>
@@ -192,6 +194,10 @@ bool small_gemm_enabled() {
   return enabled;
 }
 
+// Up to how many rows DecodeKernel::kAuto computes the low-rank second factors inside the fused
+// kernel: each block reads its head's 64 KB of W_fb and W_gb, which a GEMM reads once.
+constexpr std::int64_t kFusedFactorRows = 64;
+
 void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64_t ldi,
           std::int64_t rows, std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
           cudaDataType out_type, std::int64_t ldo, const char* what) {
@@ -363,6 +369,13 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   const WorkspaceLayout layout =
       checked_forward_layout(Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host,
                              batch.slots_host, state, hidden, out, workspace, kForward);
+  if (static_cast<unsigned>(options.decode_kernel) >
+      static_cast<unsigned>(DecodeKernel::kSeparate)) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(kForward) + ": RunOptions::decode_kernel " +
+                    std::to_string(static_cast<int>(options.decode_kernel)) +
+                    " is not a kda::layer::DecodeKernel");
+  }
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
   if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
     throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
@@ -419,6 +432,48 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   core_options.check_pointers = options.check_pointers;
   core_options.schedule = options.schedule;
 
+  // A decode step in one kernel after the input projection (fused_decode.cu), where it fits.
+  cuda::FusedDecodeParams fused;
+  const DecodeKernel kernel = options.decode_kernel;
+  bool fuse = decode && kernel != DecodeKernel::kSeparate;
+  bool fuse_factors = fuse && (kernel == DecodeKernel::kFusedFactors ||
+                               (kernel == DecodeKernel::kAuto && N <= kFusedFactorRows));
+  if (fuse) {
+    fused.proj = proj;
+    fused.proj_stride = cols.stride;
+    fused.f_a_col = cols.f_a;
+    fused.g_a_col = cols.g_a;
+    fused.beta_col = cols.b;
+    fused.w_fb = fuse_factors ? w_fb : nullptr;
+    fused.g = g;
+    fused.w_gb = fuse_factors ? w_gb : nullptr;  // null with the full-rank gate
+    fused.gate = gate;
+    fused.g_bias = g_bias;
+    fused.conv_weight = conv;
+    fused.conv_pools[0] = state.conv_q;
+    fused.conv_pools[1] = state.conv_k;
+    fused.conv_pools[2] = state.conv_v;
+    fused.A_log = A_log;
+    fused.dt_bias = dt_bias;
+    fused.o_norm = o_norm;
+    fused.state = state.recurrent;
+    fused.f32_state = state.recurrent_dtype == DType::kF32;
+    fused.slots = batch.slots;
+    fused.num_slots = state.num_slots;
+    fused.sequences = N;
+    fused.decode_tokens = static_cast<int>(batch.decode_tokens);
+    fused.heads = static_cast<int>(Hl);
+    fused.width = static_cast<int>(W);
+    fused.gate_mode = c.gate;
+    fused.lower_bound = c.lower_bound;
+    fused.scale = step.effective_scale();
+    fused.eps = c.norm_eps;
+    fused.y = y;
+    fused.status = batch.device_status;
+    fuse = cuda::fused_decode_fits(fused);
+    fuse_factors = fuse_factors && fuse;
+  }
+
   mark(0);
   {
     KDA_NVTX_RANGE("projections");
@@ -430,19 +485,22 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     gemm(
         handle, stream, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
         c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
-    gemm(handle, stream, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl,
-         "f_a·W_fbᵀ");
+    if (!fuse_factors) {
+      gemm(handle, stream, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl,
+           "f_a·W_fbᵀ");
+    }
     // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
     // full-rank gate's columns would come out of the fused GEMM in bf16: it has a GEMM of its own.
     if (c.full_rank_gate) {
       gemm(handle, stream, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
-    } else {
+    } else if (!fuse_factors) {
       gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
            "g_a·W_gbᵀ");
     }
   }
   mark(1);
-  {
+  // A fused step runs conv, core and norm in one kernel: its time counts as the core's.
+  if (!fuse) {
     KDA_NVTX_RANGE("conv");
     cuda::ConvParams p;
     p.proj = proj;
@@ -474,7 +532,10 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     }
   }
   mark(2);
-  {
+  if (fuse) {
+    KDA_NVTX_RANGE("fused decode");
+    check_cuda(cuda::launch_fused_decode(fused, stream), "fused_decode_kernel");
+  } else {
     KDA_NVTX_RANGE("core");
     if (decode) {
       // Padding rows (negative slots) are skipped by the core: zero them so that their y and out
@@ -500,7 +561,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     }
   }
   mark(3);
-  {
+  if (!fuse) {
     KDA_NVTX_RANGE("norm");
     cuda::GatedNormParams p;
     p.o = o;

@@ -1,6 +1,7 @@
 // What only the CUDA layer has: a slot outside the pool that only the device sees (reported in the
 // device status word, run as padding), a forward captured in a CUDA graph (with either output gate
-// form), device memory required for the weight image and for the batch's arrays.
+// form), device memory required for the weight image and for the batch's arrays, and the decode
+// kernels (RunOptions::decode_kernel) against each other.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -151,4 +152,93 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
   }
   cudaStreamDestroy(stream);
 #endif
+}
+
+// Every RunOptions::decode_kernel computes the same layer: each against the fp64 reference and the
+// CPU layer (check_forward: padding rows zeros, their states untouched), and the fused kernel
+// against the separate ones: out and the recurrent state within rounding, the conv states bit for
+// bit (they are copies of the projection's inputs). Both gates and output gate forms, f32 and bf16
+// pools, conv widths 2 to 4, 1 to 16 tokens a row, and a batch past kAuto's 64 rows of in-kernel
+// second factors.
+KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second factors, and separate") {
+  using layer::DecodeKernel;
+  struct Variant {
+    GateMode gate;
+    bool full_rank;
+    int width;
+    DType pool;
+  };
+  std::vector<std::int32_t> many;  // 70 rows on a pool of 72, reversed, two of them padding
+  for (std::int32_t r = 69; r >= 0; --r) many.push_back(r % 23 == 5 ? -1 : r + 2);
+  const DecodeKernel kernels[4] = {DecodeKernel::kAuto, DecodeKernel::kFusedFactors,
+                                   DecodeKernel::kFused, DecodeKernel::kSeparate};
+  const char* kernel_names[4] = {"auto", "fused, factors inside", "fused after GEMMs", "separate"};
+  std::uint64_t seed = 60;
+  for (const Variant& v : {Variant{GateMode::kSoftplus, false, 4, DType::kF32},
+                           Variant{GateMode::kLowerBound, false, 3, DType::kBF16},
+                           Variant{GateMode::kLowerBound, true, 4, DType::kF32},
+                           Variant{GateMode::kSoftplus, true, 2, DType::kBF16}}) {
+    const std::string gate_name = to_string(v.gate);
+    CAPTURE(gate_name);
+    CAPTURE(v.full_rank);
+    CAPTURE(v.width);
+    const bool bf16_pool = v.pool == DType::kBF16;
+    CAPTURE(bf16_pool);
+    layer::Config config = cuda.config(v.gate, v.full_rank);
+    config.conv_width = v.width;
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 31, v.width));
+    const auto layer = cuda.make(weights);
+    const std::int64_t E = config.hidden_size;
+    for (const BatchSpec& step : {decode_batch(1, 1, {3}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
+                                  decode_batch(2, 16, {1, 6}), decode_batch(70, 1, many)}) {
+      CAPTURE(step.sequences());
+      CAPTURE(step.decode_tokens);
+      Pools before(config, 72, v.pool);
+      before.randomize(++seed);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(step.tokens() * E), 2.0f, ++seed);
+      std::vector<LayerRun> runs;
+      std::vector<Pools> afters;
+      for (int k = 0; k < 4; ++k) {
+        CAPTURE(kernel_names[k]);
+        ForwardSettings settings;
+        const DecodeKernel kernel = kernels[k];
+        settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+        Pools after = before;
+        runs.push_back(cuda.forward(*layer, hidden, step, &after, settings));
+        check_forward(cuda, weights, hidden, step, before, runs.back(), after);
+        afters.push_back(after);
+      }
+      for (int k = 0; k < 3; ++k) {
+        CAPTURE(kernel_names[k]);
+        const double out_error = relative_error(runs[k].out, runs[3].out);
+        const double state_error = relative_error(afters[k].recurrent(), afters[3].recurrent());
+        MESSAGE(kernel_names[k] << " vs separate: out " << out_error << ", state " << state_error);
+        CHECK(out_error < 5e-3);
+        CHECK(state_error < (bf16_pool ? kBf16PoolTolerance : 1e-4));
+        CHECK(same_bits(afters[k].conv_q, afters[3].conv_q));
+        CHECK(same_bits(afters[k].conv_k, afters[3].conv_k));
+        CHECK(same_bits(afters[k].conv_v, afters[3].conv_v));
+      }
+    }
+  }
+}
+
+KDA_LAYER_CUDA_CASE(
+    "a decode_kernel that is none of DecodeKernel's is refused before anything runs") {
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 2);
+  const Pools before = pools;
+  ForwardSettings settings;
+  settings.change = [](ForwardCall& call) {
+    call.options.decode_kernel = static_cast<layer::DecodeKernel>(7);
+  };
+  const LayerRun run =
+      cuda.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
+                   decode_batch(2, 1), &pools, settings);
+  CHECK(run.code == StatusCode::kInvalidArgument);
+  CHECK(run.error == cuda.forward_error_prefix() +
+                         "RunOptions::decode_kernel 7 is not a kda::layer::DecodeKernel");
+  CHECK(pools == before);
 }

@@ -1,5 +1,6 @@
 // layer/src/cuda/kernels.hpp — the fused kernels of the whole KDA layer on CUDA
-// (layer_cuda.cpp): conv + SiLU for prefill and for decode, gated RMSNorm.
+// (layer_cuda.cpp): conv + SiLU for prefill and for decode, gated RMSNorm, the fused decode step,
+// the small-row GEMM.
 // Plain C++ declarations (no CUDA headers needed beyond cuda_runtime.h), launched on a stream,
 // nothing allocated or synchronized.
 #pragma once
@@ -7,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "kda/kda.hpp"
 
 namespace kda::layer::cuda {
 
@@ -76,6 +79,47 @@ struct GatedNormParams {
 inline constexpr int kNormHeadDim = 128;
 
 cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
+
+// A decode step between the input projection and o_proj in one kernel (fused_decode.cu): per
+// (row, head) the conv + SiLU of q, k and v from and to the conv states, the low-rank second
+// factors g = f_a·W_fbᵀ and (low-rank gate) gate = g_a·W_gbᵀ, beta, the KDA step on the recurrent
+// state in place, the gated RMSNorm -> y. Every row has decode_tokens tokens (rows b * T .. b * T +
+// T - 1). A negative slot, or one >= num_slots (then reported through status), is padding: its y
+// rows are zeros and no state is read or written.
+struct FusedDecodeParams {
+  const std::uint16_t* proj = nullptr;  // bf16 [tokens, proj_stride]: q | k | v at 0, Cl, 2 Cl
+  std::int64_t proj_stride = 0;
+  std::int64_t f_a_col = 0, g_a_col = 0, beta_col = 0;  // f_a [D], g_a [D], beta [heads] columns
+  // The second factors computed here (w_fb; w_gb with the low-rank gate), or their results
+  // given (w_fb null: g; w_gb null: gate, which a full-rank gate always gives).
+  const std::uint16_t* w_fb = nullptr;                         // bf16 [Cl, 128]
+  const std::uint16_t* g = nullptr;                            // bf16 [tokens, Cl]
+  const std::uint16_t* w_gb = nullptr;                         // bf16 [Cl, 128]
+  const float* gate = nullptr;                                 // f32 [tokens, Cl], before the bias
+  const std::uint16_t* g_bias = nullptr;                       // bf16 [Cl] or null
+  const float* conv_weight = nullptr;                          // f32 [3 Cl, width]
+  std::uint16_t* conv_pools[3] = {nullptr, nullptr, nullptr};  // bf16 [num_slots, Cl, width-1]
+  const float* A_log = nullptr;                                // [heads]
+  const float* dt_bias = nullptr;                              // [Cl]
+  const float* o_norm = nullptr;                               // f32 [128]
+  void* state = nullptr;  // [num_slots, heads, 128, 128] (Sᵀ), f32 or bf16
+  bool f32_state = true;
+  const std::int32_t* slots = nullptr;  // [sequences]; null: row b uses slot b
+  std::int64_t num_slots = 0;
+  std::int64_t sequences = 0;
+  int decode_tokens = 1;
+  int heads = 0;  // Hl; Cl = heads * 128
+  int width = 4;
+  GateMode gate_mode = GateMode::kSoftplus;
+  float lower_bound = -5.0f;
+  float scale = 0.0f;  // the query scale (kda::DecodeProblem::effective_scale())
+  float eps = 1e-5f;
+  std::uint16_t* y = nullptr;  // bf16 [tokens, Cl]
+  std::uint32_t* status = nullptr;
+};
+// Whether launch_fused_decode takes `p` (width 2..4, the alignments its loads need).
+bool fused_decode_fits(const FusedDecodeParams& p);
+cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream);
 
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for

@@ -1,8 +1,13 @@
-// layer/src/cuda/small_gemm.cu — out = in · Wᵀ for one row (a decode step of one sequence):
-// bandwidth-bound, so one warp streams one weight row with 16-byte loads and dots it with the input
-// row (held in L1), fp32 accumulation, one rounding at the end. The layer uses it where it was
-// measured faster than cuBLAS (H200, kda-layer-bench graph replays: B = 1 3-12 % under cuBLAS; at 8
-// rows this kernel, and a variant with four weight rows per warp, took twice cuBLAS's time).
+// layer/src/cuda/small_gemm.cu — out = in · Wᵀ for one row (a decode step of one sequence): a
+// matrix-vector product bound by reading W once. Each weight row is cut into `split` slices of K,
+// one warp a slice; a block of eight warps holds 8 / split rows and sums each row's slices in
+// shared memory (fixed order: deterministic). `split` is chosen per shape so that the grid has
+// enough warps in flight to cover the memory latency: a row of 2304 columns fills a warp, a row of
+// 4096 (o_proj of a 32-head layer, 2304 rows) is cut in four. Weights are streamed past L1 with
+// 16-byte loads, eight in flight a lane; the input row stays in L1; fp32 accumulation, one
+// rounding at the end. Measured against cuBLAS on the H200 in kda-layer-bench
+// (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead; at 8 rows an earlier form of this kernel took twice
+// cuBLAS's time, so the layer uses it for one row only).
 #include <cuda_bf16.h>
 
 #include "cuda/kernels.hpp"
@@ -11,7 +16,8 @@ namespace kda::layer::cuda {
 
 namespace {
 
-constexpr int kWarpsPerBlock = 8;  // one output column (weight row) per warp
+constexpr int kWarpsPerBlock = 8;
+constexpr int kUnroll = 8;  // 16-byte weight loads in flight per lane
 
 __device__ __forceinline__ void unpack(const uint4& u, float (&x)[8]) {
   const std::uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -22,7 +28,7 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&x)[8]) {
   }
 }
 
-// Weights are read once: stream them past L1 so that the input rows stay there.
+// Weights are read once: stream them past L1 so that the input row stays there.
 __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -31,55 +37,68 @@ __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
   return v;
 }
 
-template <int kRows, bool kOutF32>
-__global__ void __launch_bounds__(kWarpsPerBlock * 32) small_gemm_kernel(SmallGemmParams p) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
-  if (n >= p.n) return;
-  const auto* w = reinterpret_cast<const uint4*>(p.weight + n * p.k);
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  float wf[8], xf[8];
+  unpack(w, wf);
+  unpack(x, xf);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], xf[j], acc);
+  return acc;
+}
+
+template <bool kOutF32>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32)
+    small_gemm_kernel(SmallGemmParams p, int split) {
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int rows_per_block = kWarpsPerBlock / split;
+  const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * rows_per_block + warp / split;
+  const int part = warp % split;
   const std::int64_t chunks = p.k / 8;
-  float acc[kRows];
+  const std::int64_t per_part = (chunks + split - 1) / split;
+  const std::int64_t c_begin = part * per_part;
+  const std::int64_t c_end = c_begin + per_part < chunks ? c_begin + per_part : chunks;
+  float acc = 0.0f;
+  if (n < p.n) {
+    const auto* w = reinterpret_cast<const uint4*>(p.weight + n * p.k);
+    const auto* x = reinterpret_cast<const uint4*>(p.in);
+    // kUnroll loads a lane issued before their math; past the slice's end they are predicated
+    // off (a slice of four loads a lane takes one round).
+    for (std::int64_t c0 = c_begin + lane; c0 < c_end; c0 += 32 * kUnroll) {
+      uint4 wv[kUnroll];
 #pragma unroll
-  for (int m = 0; m < kRows; ++m) acc[m] = 0.0f;
-#pragma unroll 4
-  for (std::int64_t c = lane; c < chunks; c += 32) {
-    float wf[8];
-    unpack(load_streaming(w + c), wf);
+      for (int u = 0; u < kUnroll; ++u) {
+        const std::int64_t c = c0 + 32 * u;
+        wv[u] = c < c_end ? load_streaming(w + c) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-    for (int m = 0; m < kRows; ++m) {
-      if (m < p.rows) {
-        float xf[8];
-        unpack(__ldg(reinterpret_cast<const uint4*>(p.in + m * p.ldi) + c), xf);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[m] = fmaf(wf[j], xf[j], acc[m]);
+      for (int u = 0; u < kUnroll; ++u) {
+        const std::int64_t c = c0 + 32 * u;
+        if (c < c_end) acc = dot8(wv[u], __ldg(x + c), acc);
       }
     }
   }
 #pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-    float sum = acc[m];
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0 && m < p.rows) {
-      if constexpr (kOutF32) {
-        static_cast<float*>(p.out)[m * p.ldo + n] = sum;
-      } else {
-        static_cast<std::uint16_t*>(p.out)[m * p.ldo + n] =
-            __bfloat16_as_ushort(__float2bfloat16_rn(sum));
-      }
-    }
+  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  __shared__ float partial[kWarpsPerBlock];
+  if (lane == 0) partial[warp] = acc;
+  __syncthreads();
+  if (part != 0 || lane != 0 || n >= p.n) return;
+  float sum = partial[warp];
+  for (int s = 1; s < split; ++s) sum += partial[warp + s];
+  if constexpr (kOutF32) {
+    static_cast<float*>(p.out)[n] = sum;
+  } else {
+    static_cast<std::uint16_t*>(p.out)[n] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
   }
 }
 
-template <int kRows>
-cudaError_t launch_rows(const SmallGemmParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.n + kWarpsPerBlock - 1) / kWarpsPerBlock));
-  if (p.out_f32) {
-    small_gemm_kernel<kRows, true><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
-  } else {
-    small_gemm_kernel<kRows, false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+// Slices per row: the fewest (1, 2, 4 or 8) that give the grid 8192 warps or more (about 62 a
+// multiprocessor of a 132-SM H200, near its 64), keeping at least two loads a lane per slice.
+int split_of(const SmallGemmParams& p) {
+  const std::int64_t chunks = p.k / 8;
+  int split = 1;
+  while (split < kWarpsPerBlock && p.n * split < 8192 && chunks / (2 * split) >= 64) split *= 2;
+  return split;
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<std::uintptr_t>(ptr) & 15) == 0; }
@@ -93,7 +112,15 @@ bool small_gemm_fits(const SmallGemmParams& p) {
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (!small_gemm_fits(p)) return cudaErrorInvalidValue;
-  return launch_rows<1>(p, stream);
+  const int split = split_of(p);
+  const int rows_per_block = kWarpsPerBlock / split;
+  const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
+  if (p.out_f32) {
+    small_gemm_kernel<true><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p, split);
+  } else {
+    small_gemm_kernel<false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p, split);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace kda::layer::cuda

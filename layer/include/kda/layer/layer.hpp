@@ -91,9 +91,19 @@ struct Batch {
 struct Times {
   double projections = 0.0;  // q/k/v, f_a/f_b, b, g_a/g_b (or g) projections
   double conv = 0.0;         // short convolutions + SiLU, conv state update
-  double core = 0.0;         // the KDA operator
+  double core = 0.0;         // the KDA operator (a fused CUDA decode step: conv and norm too)
   double norm = 0.0;         // gated RMSNorm
   double o_proj = 0.0;       // output projection
+};
+
+// How a CUDA decode step runs between its input projection and o_proj (the CPU has one way).
+// Every choice computes the same layer; they differ in launches and bytes moved (fused: one kernel
+// instead of the conv, core and norm kernels and their round trips through the workspace).
+enum class DecodeKernel : int {
+  kAuto = 0,      // fused; the low-rank second factors inside it up to 64 rows, GEMMs above
+  kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
+  kFused,         // fused, the second factors by GEMMs before it
+  kSeparate,      // the conv, core (kda::decode_cuda) and gated-norm kernels, as prefill runs
 };
 
 struct RunOptions {
@@ -101,6 +111,7 @@ struct RunOptions {
   int cpu_threads = 0;         // CPU: the core's threads; 0: all hardware threads
   bool check_pointers = true;  // CUDA: ask the driver about every caller buffer (host time)
   PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill: kda::CudaOptions::schedule
+  DecodeKernel decode_kernel = DecodeKernel::kAuto;   // CUDA decode steps
   // Adds each phase's seconds. CUDA: measured with events, and the call waits for the layer.
   Times* times = nullptr;
 };

@@ -1,0 +1,324 @@
+// layer/src/cuda/fused_decode.cu — everything of a decode step between the input projection and
+// o_proj in one kernel: the low-rank second factors (f_a·W_fbᵀ and g_a·W_gbᵀ), the short conv +
+// SiLU of q, k and v with their conv states, beta, the KDA step on the recurrent state, and the
+// gated RMSNorm. One block per (row, head), eight warps; the head's recurrent state stays in
+// registers across the row's tokens (the operator's decode layout: warp w holds rows
+// [16w, 16w + 16) of Sᵀ, each lane four consecutive channels of K), everything else of a token
+// passes through shared memory.
+//
+// Every intermediate is rounded where the unfused path stores it in bf16 (q, k, v after the conv,
+// g after f_b, o after the core), and each phase repeats the unfused kernels' operations in their
+// order (conv taps, the step's reductions, the norm), so the result differs from the unfused path
+// only by the order of the f_b / g_b dot products (fp32 either way).
+#include <cuda_bf16.h>
+
+#include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
+#include "cuda/conv_silu.cuh"
+#include "cuda/kernels.hpp"
+
+namespace kda::layer::cuda {
+
+namespace {
+
+constexpr int D = 128;
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = D / kWarps;  // 16 rows of Sᵀ
+constexpr int kConvPairs = 3 * D / 2;     // conv threads: two channels of q | k | v each
+
+using kda::detail::gate_activation;
+using kda::detail::gate_params_bad;
+using kda::detail::sigmoid_f;
+
+__device__ __forceinline__ float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
+
+// The dot product of a bf16 weight row of D values with x (shared memory, fp32), fp32 accumulation
+// in index order.
+__device__ __forceinline__ float dot_row(const std::uint16_t* row, const float* x) {
+  const uint4* w = reinterpret_cast<const uint4*>(row);
+  float acc = 0.0f;
+#pragma unroll
+  for (int c = 0; c < D / 8; ++c) {
+    float wf[8];
+    unpack8(__ldg(w + c), wf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], x[8 * c + j], acc);
+  }
+  return acc;
+}
+
+template <int W, bool kF32State>
+__global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDecodeParams p) {
+  constexpr int kHist = W - 1;
+  const std::int64_t b = blockIdx.x;
+  const int h = static_cast<int>(blockIdx.y);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
+  const int T = p.decode_tokens;
+
+  if (b == 0 && tid < D) {  // the first row's blocks check the gate parameters for everyone
+    if (gate_params_bad(tid == 0 ? p.A_log[h] : 0.0f, p.dt_bias[h * D + tid])) {
+      if (p.status != nullptr) atomicOr(p.status, kDeviceStatusGateParams);
+    }
+  }
+  const std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[b]) : b;
+  if (slot >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
+    atomicOr(p.status, kDeviceStatusSlot);
+  }
+  if (slot < 0 || slot >= p.num_slots) {
+    // Padding (or a slot outside the pool, reported above): zeros out, no state read or written.
+    for (int i = tid; i < T * D / 8; i += kThreads) {
+      const int t = i / (D / 8), c = i % (D / 8);
+      reinterpret_cast<uint4*>(p.y + (b * T + t) * Cl + h * D)[c] = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+
+  // The recurrent state first: its loads are the step's long pole, the rest overlaps with them.
+  const int k0 = 4 * lane;
+  const int v_row0 = warp * kRowsPerWarp;
+  const std::int64_t state_base = (slot * p.heads + h) * D * D;
+  float S[kRowsPerWarp][4];  // Sᵀ[v_row0 + i][k0 .. k0 + 4)
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const std::int64_t off = state_base + static_cast<std::int64_t>(v_row0 + i) * D + k0;
+    if constexpr (kF32State) {
+      const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(p.state) + off);
+      S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
+    } else {
+      const uint2 raw =
+          *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(p.state) + off);
+      S[i][0] = __uint_as_float(raw.x << 16), S[i][1] = __uint_as_float(raw.x & 0xffff0000u);
+      S[i][2] = __uint_as_float(raw.y << 16), S[i][3] = __uint_as_float(raw.y & 0xffff0000u);
+    }
+  }
+
+  // Conv threads: channels 2 tid, 2 tid + 1 of q | k | v (branch = which), their taps and history
+  // (the last kHist inputs, oldest first) kept in registers across the tokens.
+  const bool conv_thread = tid < kConvPairs;
+  const int branch = (2 * tid) / D;               // 0 q, 1 k, 2 v (conv threads)
+  const std::int64_t cc = h * D + (2 * tid) % D;  // channel within the branch
+  // (The taps and dt_bias are read again for each token, L1 hits, rather than held in registers
+  // beside the state: at 128 registers a thread they spilled.)
+  float hist[2][kHist];
+  std::uint16_t* conv_state = nullptr;
+  if (conv_thread) {
+    conv_state = p.conv_pools[branch] + (slot * Cl + cc) * kHist;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < kHist; ++j) hist[i][j] = bits_to_float(conv_state[i * kHist + j]);
+    }
+  }
+
+  __shared__ float fa_s[D], ga_s[D];  // this token's f_a and g_a rows
+  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values)
+  __shared__ float g_s[D];            // the gate's raw input g = f_a·W_fbᵀ (a bf16 value)
+  __shared__ float gate_s[D];         // the output gate before its bias, fp32
+  __shared__ float o_s[D];            // the core's output (a bf16 value)
+  __shared__ float beta_s;
+
+  const float a_exp = __expf(p.A_log[h]);
+
+  for (int t = 0; t < T; ++t) {
+    const std::int64_t row = b * T + t;
+    const std::uint16_t* proj = p.proj + row * p.proj_stride;
+    if (tid < D) {
+      if (p.w_fb != nullptr) fa_s[tid] = bits_to_float(proj[p.f_a_col + tid]);
+    } else if (p.w_gb != nullptr) {
+      ga_s[tid - D] = bits_to_float(proj[p.g_a_col + tid - D]);
+    }
+    if (tid == 0) beta_s = sigmoid_f(bits_to_float(proj[p.beta_col + h]));
+    if (conv_thread) {
+      const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(proj + branch * Cl + cc);
+      const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float* taps = p.conv_weight + (branch * Cl + cc + i) * W;
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kHist; ++j) a += __ldg(taps + j) * hist[i][j];
+        a += __ldg(taps + W - 1) * x[i];
+        qkv_s[branch][(2 * tid) % D + i] = round_bf16(silu(a));
+#pragma unroll
+        for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
+        if constexpr (kHist > 0) hist[i][kHist - 1] = x[i];
+      }
+    }
+    __syncthreads();
+    // The second factors: thread r < D computes g of channel r, thread D + r the output gate.
+    if (tid < D) {
+      g_s[tid] = p.w_fb != nullptr ? round_bf16(dot_row(p.w_fb + (h * D + tid) * D, fa_s))
+                                   : bits_to_float(p.g[row * Cl + h * D + tid]);
+    } else if (p.w_gb != nullptr) {
+      gate_s[tid - D] = dot_row(p.w_gb + (h * D + tid - D) * D, ga_s);
+    } else {
+      gate_s[tid - D] = p.gate[row * Cl + h * D + tid - D];
+    }
+    __syncthreads();
+
+    // The KDA step (the operator's decode kernel, the same operations in the same order).
+    float q[4], k[4], g[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      q[j] = qkv_s[0][k0 + j];
+      k[j] = qkv_s[1][k0 + j];
+      g[j] = g_s[k0 + j];
+    }
+    float qq = 0.f, kk = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qq += q[j] * q[j];
+      kk += k[j] * k[j];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      qq += __shfl_xor_sync(0xffffffffu, qq, o);
+      kk += __shfl_xor_sync(0xffffffffu, kk, o);
+    }
+    const float inv_q = rsqrtf(qq + 1e-6f) * p.scale;
+    const float inv_k = rsqrtf(kk + 1e-6f);
+    const float4 dtb4 = *reinterpret_cast<const float4*>(p.dt_bias + h * D + k0);
+    const float dtb[4] = {dtb4.x, dtb4.y, dtb4.z, dtb4.w};
+    float qh[4], kh[4], alpha[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      qh[j] = q[j] * inv_q;
+      kh[j] = k[j] * inv_k;
+      alpha[j] = __expf(gate_activation(p.gate_mode, g[j], a_exp, dtb[j], p.lower_bound));
+    }
+    const float beta = beta_s;
+    float dot[kRowsPerWarp];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        S[i][j] *= alpha[j];
+        d += S[i][j] * kh[j];
+      }
+      dot[i] = d;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const float delta = beta * (qkv_s[2][v_row0 + i] - dot[i]);
+      float d = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        S[i][j] = fmaf(delta, kh[j], S[i][j]);
+        d += S[i][j] * qh[j];
+      }
+      dot[i] = d;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+    }
+    float mine = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) mine = lane == i ? dot[i] : mine;
+    if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
+    __syncthreads();
+
+    // The gated RMSNorm of the head (the norm kernel's operations), one warp.
+    if (warp == 0) {
+      float o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
+      float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+      }
+      const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(D) + p.eps);
+      std::uint32_t words[2];
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        float y[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int d = k0 + j + i;
+          const float bias = p.g_bias != nullptr ? bits_to_float(p.g_bias[h * D + d]) : 0.0f;
+          const float gg = round_bf16(gate_s[d] + bias);
+          const float sig = 1.0f / (1.0f + expf(-gg));
+          y[i] = o[j + i] * inv_rms * p.o_norm[d] * sig;
+        }
+        words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
+                       (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
+      }
+      *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
+    }
+    __syncthreads();  // the next token overwrites the shared rows
+  }
+
+#pragma unroll
+  for (int i = 0; i < kRowsPerWarp; ++i) {
+    const std::int64_t off = state_base + static_cast<std::int64_t>(v_row0 + i) * D + k0;
+    if constexpr (kF32State) {
+      *reinterpret_cast<float4*>(static_cast<float*>(p.state) + off) =
+          make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+    } else {
+      const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
+                               (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
+      const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
+                               (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
+      *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(p.state) + off) = make_uint2(lo, hi);
+    }
+  }
+  if (conv_thread) {  // the last kHist inputs: the new conv state (old entries when T < kHist)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < kHist; ++j) conv_state[i * kHist + j] = float_to_bits(hist[i][j]);
+    }
+  }
+}
+
+template <int W>
+cudaError_t launch_width(const FusedDecodeParams& p, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads));
+  if (p.f32_state) {
+    fused_decode_kernel<W, true><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    fused_decode_kernel<W, false><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool fused_decode_fits(const FusedDecodeParams& p) {
+  auto aligned = [](const void* ptr, std::uintptr_t bytes) {
+    return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
+  };
+  return p.width >= 2 && p.width <= 4 && p.heads >= 1 && p.decode_tokens >= 1 &&
+         p.sequences <= 0x7fffffff && p.heads <= 65535 && p.proj_stride % 2 == 0 &&
+         aligned(p.proj, 4) && (p.w_fb != nullptr ? aligned(p.w_fb, 16) : p.g != nullptr) &&
+         (p.w_gb != nullptr ? aligned(p.w_gb, 16) : p.gate != nullptr) && aligned(p.y, 16) &&
+         aligned(p.state, p.f32_state ? 16 : 8) && aligned(p.conv_weight, 4) &&
+         aligned(p.dt_bias, 16);
+}
+
+cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream) {
+  if (!fused_decode_fits(p)) return cudaErrorInvalidValue;
+  if (p.sequences == 0) return cudaSuccess;
+  switch (p.width) {
+    case 2:
+      return launch_width<2>(p, stream);
+    case 3:
+      return launch_width<3>(p, stream);
+    case 4:
+      return launch_width<4>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace kda::layer::cuda
