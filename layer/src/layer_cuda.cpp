@@ -194,14 +194,18 @@ bool small_gemm_enabled() {
   return enabled;
 }
 
-// Up to how many rows DecodeKernel::kAuto computes the low-rank second factors inside the fused
-// kernel: each block reads its head's 64 KB of W_fb and W_gb, which a GEMM reads once.
-constexpr std::int64_t kFusedFactorRows = 64;
+// Up to how many (row, head) blocks DecodeKernel::kAuto runs the fused kernel, with the low-rank
+// second factors inside it: about one block per multiprocessor, where a step is bound by latency
+// and every launch saved counts. Above, the separate kernels: their decode kernel keeps more state
+// loads in flight than the fused one, whose blocks also read their head's 64 KB of W_fb and W_gb
+// (measured on the H200: docs/PERFORMANCE.md).
+constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 
 void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64_t ldi,
           std::int64_t rows, std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
-          cudaDataType out_type, std::int64_t ldo, const char* what) {
+          cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false) {
   cuda::SmallGemmParams small;
+  small.programmatic = programmatic;
   small.in = static_cast<const std::uint16_t*>(in);
   small.ldi = ldi;
   small.weight = static_cast<const std::uint16_t*>(weight);
@@ -435,9 +439,10 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   // A decode step in one kernel after the input projection (fused_decode.cu), where it fits.
   cuda::FusedDecodeParams fused;
   const DecodeKernel kernel = options.decode_kernel;
-  bool fuse = decode && kernel != DecodeKernel::kSeparate;
-  bool fuse_factors = fuse && (kernel == DecodeKernel::kFusedFactors ||
-                               (kernel == DecodeKernel::kAuto && N <= kFusedFactorRows));
+  const bool auto_fused = N * Hl <= kFusedDecodeMaxBlocks;
+  bool fuse = decode && (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
+                         (kernel == DecodeKernel::kAuto && auto_fused));
+  bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
     fused.proj = proj;
     fused.proj_stride = cols.stride;
@@ -577,7 +582,8 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   mark(4);
   {
     KDA_NVTX_RANGE("o_proj");
-    gemm(handle, stream, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ");
+    // After the fused step, the small-row kernel streams W_o while that step runs.
+    gemm(handle, stream, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse);
   }
   mark(5);
   if (options.times != nullptr) add_times(options.times);

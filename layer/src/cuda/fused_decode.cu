@@ -6,6 +6,13 @@
 // [16w, 16w + 16) of Sᵀ, each lane four consecutive channels of K), everything else of a token
 // passes through shared memory.
 //
+// Latency is what a small batch pays (B = 1: one block per head), so everything that does not need
+// the input projection is issued before waiting for it: the kernel is launched as a programmatic
+// dependent of the GEMM before it (it starts while that GEMM drains), copies its head's W_fb and
+// W_gb rows into shared memory (cp.async) and loads the recurrent and conv states, and only then
+// waits for the GEMM's grid (griddepcontrol.wait) and reads the projection. It lets its own
+// dependent (o_proj) start at once, which then streams W_o while this kernel runs.
+//
 // Every intermediate is rounded where the unfused path stores it in bf16 (q, k, v after the conv,
 // g after f_b, o after the core), and each phase repeats the unfused kernels' operations in their
 // order (conv taps, the step's reductions, the norm), so the result differs from the unfused path
@@ -30,17 +37,30 @@ using kda::detail::gate_activation;
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
 
+using kda::detail::cp_async_16;
+using kda::detail::cp_async_commit;
+using kda::detail::cp_async_wait;
+using kda::detail::griddep_launch_dependents;
+using kda::detail::griddep_wait;
+
 __device__ __forceinline__ float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
 
-// The dot product of a bf16 weight row of D values with x (shared memory, fp32), fp32 accumulation
-// in index order.
-__device__ __forceinline__ float dot_row(const std::uint16_t* row, const float* x) {
-  const uint4* w = reinterpret_cast<const uint4*>(row);
+// The second factors' weight rows in shared memory: row r (of W_fb, then W_gb: 2 D rows of D bf16,
+// 16 chunks of 16 bytes) holds its chunk c at position c ^ (r % 16), so that the eight rows a
+// quarter-warp reads at once (one row a thread, the same chunk) fall in distinct banks.
+constexpr int kChunksPerRow = D / 8;
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return r * kChunksPerRow + (c ^ (r % kChunksPerRow));
+}
+
+// The dot product of weight row r (shared memory, above) with x (shared memory, fp32), fp32
+// accumulation in index order.
+__device__ __forceinline__ float dot_row(const uint4* rows, int r, const float* x) {
   float acc = 0.0f;
 #pragma unroll
-  for (int c = 0; c < D / 8; ++c) {
+  for (int c = 0; c < kChunksPerRow; ++c) {
     float wf[8];
-    unpack8(__ldg(w + c), wf);
+    unpack8(rows[swizzled(r, c)], wf);
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], x[8 * c + j], acc);
   }
@@ -66,8 +86,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   if (slot >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
     atomicOr(p.status, kDeviceStatusSlot);
   }
+  griddep_launch_dependents();  // o_proj may start streaming its weights
   if (slot < 0 || slot >= p.num_slots) {
     // Padding (or a slot outside the pool, reported above): zeros out, no state read or written.
+    griddep_wait();
     for (int i = tid; i < T * D / 8; i += kThreads) {
       const int t = i / (D / 8), c = i % (D / 8);
       reinterpret_cast<uint4*>(p.y + (b * T + t) * Cl + h * D)[c] = make_uint4(0, 0, 0, 0);
@@ -75,7 +97,23 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     return;
   }
 
-  // The recurrent state first: its loads are the step's long pole, the rest overlaps with them.
+  // The second factors' weights of this head, for every token of the row.
+  extern __shared__ uint4 w_rows[];  // [2 D rows][kChunksPerRow], swizzled
+  {
+    const std::uint16_t* sources[2] = {p.w_fb, p.w_gb};
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      if (sources[m] == nullptr) continue;
+      const uint4* src = reinterpret_cast<const uint4*>(sources[m] + h * D * D);
+      for (int i = tid; i < D * kChunksPerRow; i += kThreads) {
+        const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+        cp_async_16(w_rows + swizzled(m * D + r, c), src + i);
+      }
+    }
+    cp_async_commit();
+  }
+
+  // The recurrent state: its loads are the step's long pole, the rest overlaps with them.
   const int k0 = 4 * lane;
   const int v_row0 = warp * kRowsPerWarp;
   const std::int64_t state_base = (slot * p.heads + h) * D * D;
@@ -120,6 +158,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   __shared__ float beta_s;
 
   const float a_exp = __expf(p.A_log[h]);
+  griddep_wait();  // the input projection (and the gate's GEMM) from here on
+  cp_async_wait<0>();
 
   for (int t = 0; t < T; ++t) {
     const std::int64_t row = b * T + t;
@@ -149,10 +189,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     __syncthreads();
     // The second factors: thread r < D computes g of channel r, thread D + r the output gate.
     if (tid < D) {
-      g_s[tid] = p.w_fb != nullptr ? round_bf16(dot_row(p.w_fb + (h * D + tid) * D, fa_s))
+      g_s[tid] = p.w_fb != nullptr ? round_bf16(dot_row(w_rows, tid, fa_s))
                                    : bits_to_float(p.g[row * Cl + h * D + tid]);
     } else if (p.w_gb != nullptr) {
-      gate_s[tid - D] = dot_row(p.w_gb + (h * D + tid - D) * D, ga_s);
+      gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
     } else {
       gate_s[tid - D] = p.gate[row * Cl + h * D + tid - D];
     }
@@ -281,15 +321,35 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   }
 }
 
+// Shared memory for the second factors' rows: up to 64 KB, past the 48 KB a launch gets unasked
+// (raised once per kernel, before its first launch).
+constexpr int kMaxRowBytes = 2 * D * D * 2;
+
+template <int W, bool kF32State>
+cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
+  static const cudaError_t raised = cudaFuncSetAttribute(
+      fused_decode_kernel<W, kF32State>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxRowBytes);
+  if (raised != cudaSuccess) return raised;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads));
+  config.blockDim = dim3(kThreads);
+  // W_gb's rows follow W_fb's: room for both when there is W_gb.
+  config.dynamicSmemBytes = static_cast<std::size_t>(p.w_gb != nullptr   ? 2
+                                                     : p.w_fb != nullptr ? 1
+                                                                         : 0) *
+                            D * D * 2;
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, fused_decode_kernel<W, kF32State>, p);
+}
+
 template <int W>
 cudaError_t launch_width(const FusedDecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads));
-  if (p.f32_state) {
-    fused_decode_kernel<W, true><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    fused_decode_kernel<W, false><<<grid, kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return p.f32_state ? launch_kernel<W, true>(p, stream) : launch_kernel<W, false>(p, stream);
 }
 
 }  // namespace

@@ -132,6 +132,9 @@ struct SmallGemmParams {
   std::int64_t ldo = 0;
   bool out_f32 = false;
   std::int64_t rows = 0, n = 0, k = 0;
+  // Launch as a programmatic dependent of the kernel before it in the stream: weights are read
+  // before waiting for that kernel's grid, `in` only after (the previous kernel may write it).
+  bool programmatic = false;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and

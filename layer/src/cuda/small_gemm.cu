@@ -5,12 +5,14 @@
 // enough warps in flight to cover the memory latency: a row of 2304 columns fills a warp, a row of
 // 4096 (o_proj of a 32-head layer, 2304 rows) is cut in four. Weights are streamed past L1 with
 // 16-byte loads, eight in flight a lane; the input row stays in L1; fp32 accumulation, one
-// rounding at the end. Measured against cuBLAS on the H200 in kda-layer-bench
-// (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead; at 8 rows an earlier form of this kernel took twice
-// cuBLAS's time, so the layer uses it for one row only).
+// rounding at the end. Launched as a programmatic dependent, it streams its first weights while
+// the kernel before it finishes (the layer's o_proj after the fused decode step). Measured against
+// cuBLAS on the H200 in kda-layer-bench (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead; at 8 rows an
+// earlier form of this kernel took twice cuBLAS's time, so the layer uses it for one row only).
 #include <cuda_bf16.h>
 
 #include "cuda/kernels.hpp"
+#include "cuda/ptx.cuh"  // griddepcontrol (kda/src/cuda)
 
 namespace kda::layer::cuda {
 
@@ -46,6 +48,9 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
   return acc;
 }
 
+using kda::detail::griddep_launch_dependents;
+using kda::detail::griddep_wait;
+
 template <bool kOutF32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
     small_gemm_kernel(SmallGemmParams p, int split) {
@@ -57,24 +62,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   const std::int64_t per_part = (chunks + split - 1) / split;
   const std::int64_t c_begin = part * per_part;
   const std::int64_t c_end = c_begin + per_part < chunks ? c_begin + per_part : chunks;
+  griddep_launch_dependents();  // the kernel after this one may start its own prologue
+  const bool row = n < p.n;
+  const auto* w = reinterpret_cast<const uint4*>(p.weight + (row ? n : 0) * p.k);
+  const auto* x = reinterpret_cast<const uint4*>(p.in);
+  // Rounds of kUnroll loads a lane, all issued before their math; past the slice's end they are
+  // predicated off (a slice of four loads a lane takes one round).
+  uint4 wv[kUnroll];
+  auto load_round = [&](std::int64_t c0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t c = c0 + 32 * u;
+      wv[u] = row && c < c_end ? load_streaming(w + c) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  const std::int64_t first = c_begin + lane;
+  load_round(first);
+  // Launched as a programmatic dependent (SmallGemmParams::programmatic), the input row is the
+  // previous kernel's output: the first round of weights is in flight before waiting for it.
+  griddep_wait();
   float acc = 0.0f;
-  if (n < p.n) {
-    const auto* w = reinterpret_cast<const uint4*>(p.weight + n * p.k);
-    const auto* x = reinterpret_cast<const uint4*>(p.in);
-    // kUnroll loads a lane issued before their math; past the slice's end they are predicated
-    // off (a slice of four loads a lane takes one round).
-    for (std::int64_t c0 = c_begin + lane; c0 < c_end; c0 += 32 * kUnroll) {
-      uint4 wv[kUnroll];
+  for (std::int64_t c0 = first; row && c0 < c_end; c0 += 32 * kUnroll) {
+    if (c0 != first) load_round(c0);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const std::int64_t c = c0 + 32 * u;
-        wv[u] = c < c_end ? load_streaming(w + c) : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const std::int64_t c = c0 + 32 * u;
-        if (c < c_end) acc = dot8(wv[u], __ldg(x + c), acc);
-      }
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::int64_t c = c0 + 32 * u;
+      if (c < c_end) acc = dot8(wv[u], __ldg(x + c), acc);
     }
   }
 #pragma unroll
@@ -115,12 +128,19 @@ cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   const int split = split_of(p);
   const int rows_per_block = kWarpsPerBlock / split;
   const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
-  if (p.out_f32) {
-    small_gemm_kernel<true><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p, split);
-  } else {
-    small_gemm_kernel<false><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p, split);
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = dim3(kWarpsPerBlock * 32);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  if (p.programmatic) {
+    config.attrs = &attribute;
+    config.numAttrs = 1;
   }
-  return cudaGetLastError();
+  return p.out_f32 ? cudaLaunchKernelEx(&config, small_gemm_kernel<true>, p, split)
+                   : cudaLaunchKernelEx(&config, small_gemm_kernel<false>, p, split);
 }
 
 }  // namespace kda::layer::cuda

@@ -100,7 +100,7 @@ struct Times {
 // Every choice computes the same layer; they differ in launches and bytes moved (fused: one kernel
 // instead of the conv, core and norm kernels and their round trips through the workspace).
 enum class DecodeKernel : int {
-  kAuto = 0,      // fused; the low-rank second factors inside it up to 64 rows, GEMMs above
+  kAuto = 0,      // fused with its second factors up to 128 (row, head) pairs, else separate
   kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
   kFused,         // fused, the second factors by GEMMs before it
   kSeparate,      // the conv, core (kda::decode_cuda) and gated-norm kernels, as prefill runs
