@@ -248,7 +248,10 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   if (!(st = checked_size("dt_bias bytes H*K*4", {p.num_heads, p.head_dim_k, 4}, &dt_bias))) {
     return st;
   }
-  if (!(st = checked_size("slots bytes B*4", {p.batch, 4}, &slots))) return st;
+  if (!(st = checked_size(p.verify ? "slots bytes B*tokens*4" : "slots bytes B*4",
+                          {p.batch, p.verify ? p.tokens : 1, 4}, &slots))) {
+    return st;
+  }
   if (!(st = checked_size(
             "state_pool bytes num_slots*H*V*K*size",
             {p.num_slots, p.num_heads, p.head_dim_v, p.head_dim_k, size_of(p.state_dtype)},
@@ -266,6 +269,13 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   table->add("g", t.g, qk, bf16, R::kInput).cuda(8).required_if(rows);
   table->add("beta", t.beta, beta, bf16, R::kInput).cuda(2).required_if(rows);
   table->add("slots", t.slots, slots, DType::kI32, R::kIndex).cuda(4).required_if(rows);
+  Argument& accepted = table->add("num_accepted", t.num_accepted,
+                                  static_cast<std::uint64_t>(p.batch) * 4, DType::kI32, R::kIndex);
+  if (p.verify) {
+    accepted.cuda(4).required_if(rows);
+  } else {
+    accepted.unused_because("DecodeProblem::verify is false");
+  }
   table->add("out", t.out, v, bf16, R::kOutput).cuda(2).required_if(rows);
   table->add("A_log", t.A_log, a_log, DType::kF32, R::kInput).cuda(4).required_if(true);
   table->add("dt_bias", t.dt_bias, dt_bias, DType::kF32, R::kInput).cuda(16).required_if(true);

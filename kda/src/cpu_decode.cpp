@@ -20,23 +20,40 @@ namespace {
 // Slot indices: below num_slots, and no slot named twice (two rows would race on one state).
 // `seen`: num_slots bits of caller scratch (the workspace), so that nothing is allocated; the first
 // row naming a slot is found again by a scan, only when there is a duplicate.
-Status check_slots(const DecodeProblem& p, const std::int32_t* slots, unsigned char* seen) {
+// A verify step's [B, tokens] entries are checked the same way, and each row's num_accepted.
+Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
+                   const std::int32_t* num_accepted, unsigned char* seen) {
+  if (p.verify) {
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      if (num_accepted[b] < 1 || num_accepted[b] > p.tokens) {
+        return Status(StatusCode::kInvalidArgument,
+                      "num_accepted[" + std::to_string(b) +
+                          "] = " + std::to_string(num_accepted[b]) + " is outside [1, " +
+                          std::to_string(p.tokens) + "] (the step's tokens)");
+      }
+    }
+  }
+  auto entry = [&](std::int64_t i) {
+    return p.verify
+               ? "slots[" + std::to_string(i / p.tokens) + "][" + std::to_string(i % p.tokens) + "]"
+               : "slots[" + std::to_string(i) + "]";
+  };
   std::memset(seen, 0, static_cast<std::size_t>((p.num_slots + 7) / 8));
-  for (std::int64_t b = 0; b < p.batch; ++b) {
+  const std::int64_t entries = p.verify ? p.batch * p.tokens : p.batch;
+  for (std::int64_t b = 0; b < entries; ++b) {
     const std::int32_t s = slots[b];
     if (s < 0) continue;  // padding row
     if (s >= p.num_slots) {
-      return Status(StatusCode::kInvalidArgument,
-                    "slots[" + std::to_string(b) + "] = " + std::to_string(s) +
-                        " is out of range (num_slots " + std::to_string(p.num_slots) + ")");
+      return Status(StatusCode::kInvalidArgument, entry(b) + " = " + std::to_string(s) +
+                                                      " is out of range (num_slots " +
+                                                      std::to_string(p.num_slots) + ")");
     }
     const unsigned char bit = static_cast<unsigned char>(1u << (s % 8));
     if (seen[s / 8] & bit) {
       std::int64_t first = 0;
       while (slots[first] != s) ++first;
-      return Status(StatusCode::kInvalidArgument, "slots[" + std::to_string(first) +
-                                                      "] and slots[" + std::to_string(b) +
-                                                      "] both name slot " + std::to_string(s));
+      return Status(StatusCode::kInvalidArgument,
+                    entry(first) + " and " + entry(b) + " both name slot " + std::to_string(s));
     }
     seen[s / 8] |= bit;
   }
@@ -54,17 +71,21 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
   const detail::cpu::TokenInputs in(t);
   auto* out = static_cast<bf16_bits*>(t.out);
   // fp32 accumulation on an f32 pool works on the pool itself; otherwise on a scratch copy.
+  // A verify step keeps the state after every token in slots of its own: never in place.
   constexpr bool kIsFloat = std::is_same<Real, float>::value;
-  const bool in_place = kIsFloat && p.state_dtype == DType::kF32;
+  const bool in_place = kIsFloat && p.state_dtype == DType::kF32 && !p.verify;
+  auto state_at = [&](std::int32_t slot, std::int64_t head) {
+    return static_cast<unsigned char*>(t.state_pool) +
+           (static_cast<std::int64_t>(slot) * H + head) * state_elems *
+               static_cast<std::int64_t>(state_size);
+  };
 
   detail::cpu::parallel_for(p.batch * H, workers, [&](std::int64_t item, std::int64_t worker) {
     const std::int64_t b = item / H, head = item % H;
-    const std::int32_t slot = t.slots[b];
+    const std::int32_t slot = p.verify ? t.slots[b * n_tok + t.num_accepted[b] - 1] : t.slots[b];
     if (slot < 0) return;  // padding: its out rows stay untouched
     detail::cpu::Scratch<Real> sc(scratch + worker * slot_reals, K, V);
-    const std::int64_t state_index = (static_cast<std::int64_t>(slot) * H + head) * state_elems;
-    unsigned char* state_mem = static_cast<unsigned char*>(t.state_pool) +
-                               state_index * static_cast<std::int64_t>(state_size);
+    unsigned char* state_mem = state_at(slot, head);
     if (in_place) {
       sc.state = reinterpret_cast<Real*>(state_mem);
     } else {
@@ -78,8 +99,14 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
                                  &sc.tok);
       detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
       detail::cpu::store_out(sc.o, V, out + row * V);
+      if (p.verify && t.slots[b * n_tok + j] >= 0) {
+        detail::cpu::store_state(sc.state, state_elems, p.state_dtype,
+                                 state_at(t.slots[b * n_tok + j], head));
+      }
     }
-    if (!in_place) detail::cpu::store_state(sc.state, state_elems, p.state_dtype, state_mem);
+    if (!in_place && !p.verify) {
+      detail::cpu::store_state(sc.state, state_elems, p.state_dtype, state_mem);
+    }
   });
 }
 
@@ -171,7 +198,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
       std::min<std::uint64_t>(items, detail::cpu::kMaxThreads) *
       detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
                               static_cast<std::uint64_t>(p.head_dim_v));
-  if (Status st = check_slots(p, t.slots, slots + scratch_bytes); !st) return st;
+  if (Status st = check_slots(p, t.slots, t.num_accepted, slots + scratch_bytes); !st) return st;
   return decode_on(p, t, slots, decode_workers(p, opt.num_threads), opt);
 }
 

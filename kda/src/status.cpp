@@ -147,9 +147,14 @@ Status describe_device_status(std::uint32_t bits) {
         "ran as padding, from a zero state, with no final state written)";
     sep = "; ";
   }
+  if (bits & kDeviceStatusAccepted) {
+    message += sep;
+    message += "a verify step's num_accepted outside [1, tokens] (that row was skipped)";
+    sep = "; ";
+  }
   const std::uint32_t unknown =
       bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams |
-                                         kDeviceStatusSlot);
+                                         kDeviceStatusSlot | kDeviceStatusAccepted);
   if (unknown != 0) {
     message += sep;
     message += "unknown status bits 0x" + [&] {

@@ -17,8 +17,8 @@ namespace {
 }  // namespace
 
 void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
-                   const std::int32_t* slots_host, const State& state, const void* hidden,
-                   const void* out, const char* what) {
+                   const std::int32_t* slots_host, const std::int32_t* accepted_host,
+                   const State& state, const void* hidden, const void* out, const char* what) {
   const std::int64_t T = batch.tokens, N = batch.sequences;
   const bool decode = batch.decode_tokens > 0;
   if (T < 0 || N < 0) invalid(what, "tokens and sequences must be >= 0");
@@ -39,6 +39,22 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     if (N > 0 && batch.cu_seqlens == nullptr) invalid(what, "cu_seqlens is null");
     if (cu_host != nullptr && N > 0) throw_if_error(validate_cu_seqlens(cu_host, N, T), what);
   }
+  const bool verify = batch.num_accepted != nullptr;
+  if (batch.num_accepted == nullptr && batch.num_accepted_host != nullptr) {
+    invalid(what, "num_accepted_host is given but num_accepted is null");
+  }
+  if (verify && (!decode || batch.slots == nullptr)) {
+    invalid(what, "num_accepted (a verify step) needs a decode batch with slots");
+  }
+  if (verify && accepted_host != nullptr) {
+    for (std::int64_t n = 0; n < N; ++n) {
+      if (accepted_host[n] < 1 || accepted_host[n] > batch.decode_tokens) {
+        invalid(what, "row " + std::to_string(n) + " has num_accepted " +
+                          std::to_string(accepted_host[n]) + ", outside [1, decode_tokens = " +
+                          std::to_string(batch.decode_tokens) + "]");
+      }
+    }
+  }
   if (batch.slots == nullptr && N > state.num_slots) {
     invalid(what, std::to_string(N) + " sequences on rows 0..N-1 but num_slots = " +
                       std::to_string(state.num_slots));
@@ -47,16 +63,22 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     invalid(what, "slots_host is given but slots is null");
   }
   if (slots_host != nullptr) {
-    // Negative slots are padding; the rest are distinct rows of the pools.
-    for (std::int64_t n = 0; n < N; ++n) {
+    // Negative slots are padding; the rest are distinct rows of the pools. A verify step's
+    // entries are each row's tokens' slots.
+    const std::int64_t per_row = verify ? batch.decode_tokens : 1;
+    auto entry = [&](std::int64_t i) {
+      return verify ? "row " + std::to_string(i / per_row) + " token " + std::to_string(i % per_row)
+                    : "sequence " + std::to_string(i);
+    };
+    for (std::int64_t n = 0; n < N * per_row; ++n) {
       if (slots_host[n] >= state.num_slots) {
-        invalid(what, "sequence " + std::to_string(n) + " has slot " +
-                          std::to_string(slots_host[n]) +
+        invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
       for (std::int64_t m = 0; m < n && slots_host[n] >= 0; ++m) {
         if (slots_host[m] == slots_host[n]) {
-          invalid(what, "sequences " + std::to_string(m) + " and " + std::to_string(n) +
+          invalid(what, (verify ? entry(m) + " and " + entry(n)
+                                : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
                             " share slot " + std::to_string(slots_host[n]));
         }
       }
@@ -80,8 +102,9 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     if (h < o + bytes && o < h + bytes) invalid(what, "out overlaps hidden");
   }
   if (decode) {
-    const DecodeProblem step =
+    DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
+    step.verify = verify;
     throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
   } else {
     throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
@@ -101,9 +124,10 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        const std::int64_t* cu_host, const std::int32_t* slots_host,
-                                       const State& state, const void* hidden, const void* out,
-                                       Workspace workspace, const char* what) {
-  check_forward(c, batch, cu_host, slots_host, state, hidden, out, what);
+                                       const std::int32_t* accepted_host, const State& state,
+                                       const void* hidden, const void* out, Workspace workspace,
+                                       const char* what) {
+  check_forward(c, batch, cu_host, slots_host, accepted_host, state, hidden, out, what);
   const WorkspaceLayout layout =
       forward_workspace_layout(backend, c, batch.tokens, batch.sequences, state.num_slots, what);
   check_workspace(workspace, layout.total, batch, what);

@@ -20,13 +20,15 @@ namespace kda::layer::detail {
 //   - cu_seqlens (prefill) and slots contents where the host can read them (`cu_host`,
 //     `slots_host`: the batch's own arrays on the CPU, its optional host copies on CUDA):
 //     kda::validate_cu_seqlens, and each slot below num_slots, non-negative ones distinct;
+//   - a verify step (num_accepted): decode with slots, [N, decode_tokens] entries checked as
+//     above, each num_accepted in [1, decode_tokens] where the host can read it (`accepted_host`);
 //   - without slots, sequences <= num_slots;
 //   - the pools non-null (conv pools when W > 1), the recurrent dtype f32 or bf16;
 //   - hidden and out non-null and disjoint ([T, hidden_size] bf16 each);
 //   - the core's problem valid.
 void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
-                   const std::int32_t* slots_host, const State& state, const void* hidden,
-                   const void* out, const char* what);
+                   const std::int32_t* slots_host, const std::int32_t* accepted_host,
+                   const State& state, const void* hidden, const void* out, const char* what);
 // The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
 // check_forward (which makes the layout's sizes valid).
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
@@ -35,8 +37,9 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 // `backend`, check_workspace — and that layout.
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        const std::int64_t* cu_host, const std::int32_t* slots_host,
-                                       const State& state, const void* hidden, const void* out,
-                                       Workspace workspace, const char* what);
+                                       const std::int32_t* accepted_host, const State& state,
+                                       const void* hidden, const void* out, Workspace workspace,
+                                       const char* what);
 
 // kda::validate_gate_parameters on the weights (sizes checked first): the core would refuse them,
 // but only after the conv states were updated (on CUDA, only through the device status word).

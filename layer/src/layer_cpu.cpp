@@ -70,6 +70,31 @@ void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std
   }
 }
 
+// The same conv for a verify step's row of `length` tokens (at most kMaxDecodeTokens): starts from
+// `start` [Cl, W-1] and writes the conv state after token t into keep[t] (null: not kept). Channel
+// by channel, each channel's start read before any of its states is written, so that keep[t] may be
+// `start` itself (the row's start slot is one of its own).
+void conv_silu_kept(const float* pre, std::int64_t length, std::int64_t channels,
+                    std::int64_t width, const float* weight, const bf16_bits* start,
+                    bf16_bits* const* keep, bf16_bits* out) {
+  const std::int64_t history = width - 1;
+  constexpr std::int64_t kMaxInputs = 15 + kMaxDecodeTokens;  // conv_width <= 16
+  for (std::int64_t c = 0; c < channels; ++c) {
+    float x[kMaxInputs];  // x[history + t]: input t; x[0 .. history): the start state
+    for (std::int64_t i = 0; i < history; ++i) x[i] = bf16_to_float(start[c * history + i]);
+    for (std::int64_t t = 0; t < length; ++t) x[history + t] = pre[t * channels + c];
+    for (std::int64_t t = 0; t < length; ++t) {
+      float acc = 0.0f;
+      for (std::int64_t j = 0; j < width; ++j) acc += weight[c * width + j] * x[t + j];
+      out[t * channels + c] = float_to_bf16(acc * sigmoid(acc));
+      if (keep[t] == nullptr) continue;
+      for (std::int64_t i = 0; i < history; ++i) {
+        keep[t][c * history + i] = float_to_bf16(x[t + 1 + i]);
+      }
+    }
+  }
+}
+
 // Byte offsets of the fp32 weight image's tensors from its kWeightImageAlignment-aligned base:
 // the one layout that weight_image_bytes() sizes and place() fills.
 struct WeightLayout {
@@ -237,12 +262,16 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const bool decode = batch.decode_tokens > 0;
 
   // ---- checks, before anything is written ---------------------------------------------------
-  const WorkspaceLayout layout =
-      checked_forward_layout(Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens,
-                             batch.slots, state, hidden, out, workspace, kForward);
+  const WorkspaceLayout layout = checked_forward_layout(
+      Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, batch.num_accepted,
+      state, hidden, out, workspace, kForward);
   if (T == 0) return;  // nothing to compute; every state stays as it is
+  // A verify step's rows start from their slot at num_accepted - 1 (kda.hpp).
+  const bool verify = batch.num_accepted != nullptr;
+  const std::int64_t per_row = verify ? batch.decode_tokens : 1;
   auto slot_of = [&](std::int64_t n) -> std::int64_t {
-    return batch.slots == nullptr ? n : batch.slots[n];
+    if (batch.slots == nullptr) return n;
+    return batch.slots[n * per_row + (verify ? batch.num_accepted[n] - 1 : 0)];
   };
   const CpuOptions cpu{options.cpu_threads};
   const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
@@ -294,6 +323,16 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           continue;
         }
         bf16_bits* conv_state = padding ? nullptr : branch.pool + slot_of(n) * conv_row;
+        if (verify && !padding) {
+          bf16_bits* keep[kMaxDecodeTokens];
+          for (std::int64_t t = 0; t < length; ++t) {
+            const std::int32_t slot = batch.slots[n * per_row + t];
+            keep[t] = slot < 0 ? nullptr : branch.pool + slot * conv_row;
+          }
+          conv_silu_kept(pre + begin * Cl, length, Cl, W, branch.conv, conv_state, keep,
+                         branch.out + begin * Cl);
+          continue;
+        }
         conv_silu(pre + begin * Cl, length, Cl, W, branch.conv, conv_state,
                   branch.out + begin * Cl);
       }
@@ -335,12 +374,25 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   timer.lap(&Times::projections);
 
   // ---- the KDA core: one call for the batch, states in place in the pool -------------------
-  Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
-  t.cu_seqlens = cu_seqlens;
-  t.initial_state = state.recurrent;
-  t.final_state = state.recurrent;  // updated in place
-  t.state_slots = batch.slots;
-  {
+  // (A verify step: the operator's decode, which keeps the state after every token; padding rows
+  // leave their o rows unwritten, so they are zeroed first.)
+  if (verify) {
+    DecodeProblem step =
+        core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
+    step.verify = true;
+    DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
+    t.slots = batch.slots;
+    t.num_accepted = batch.num_accepted;
+    t.state_pool = state.recurrent;
+    std::fill(o, o + T * Cl, bf16_bits{0});
+    KDA_NVTX_RANGE("core");
+    throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");
+  } else {
+    Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
+    t.cu_seqlens = cu_seqlens;
+    t.initial_state = state.recurrent;
+    t.final_state = state.recurrent;  // updated in place
+    t.state_slots = batch.slots;
     KDA_NVTX_RANGE("core");
     throw_if_error(forward_cpu(core, t, regions.core(), cpu), "KDA layer forward (CPU): core");
   }

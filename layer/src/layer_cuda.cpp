@@ -370,9 +370,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
 
   // ---- checks, before anything is enqueued ---------------------------------------------------
   constexpr const char* kForward = "KDA layer forward (CUDA)";
-  const WorkspaceLayout layout =
-      checked_forward_layout(Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host,
-                             batch.slots_host, state, hidden, out, workspace, kForward);
+  const WorkspaceLayout layout = checked_forward_layout(
+      Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host,
+      batch.num_accepted_host, state, hidden, out, workspace, kForward);
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kSeparate)) {
     throw Error(StatusCode::kInvalidArgument,
@@ -389,8 +389,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
   const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
                                             state.recurrent_dtype);
-  const DecodeProblem step = core_decode_problem(
-      c, N, std::max<std::int64_t>(batch.decode_tokens, 1), state.num_slots, state.recurrent_dtype);
+  DecodeProblem step = core_decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
+                                           state.num_slots, state.recurrent_dtype);
+  step.verify = batch.num_accepted != nullptr;
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
@@ -408,7 +409,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
         {state.conv_v, conv_pool, "conv_v pool"},
         {state.recurrent, recurrent_pool, "recurrent pool"},
         {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
-        {batch.slots, static_cast<std::size_t>(N) * 4, "slots"},
+        {batch.slots, static_cast<std::size_t>(N * (step.verify ? batch.decode_tokens : 1)) * 4,
+         "slots"},
+        {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
         {batch.device_status, 4, "device_status"},
     };
     for (const auto& b : buffers) {
@@ -464,6 +467,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     fused.state = state.recurrent;
     fused.f32_state = state.recurrent_dtype == DType::kF32;
     fused.slots = batch.slots;
+    fused.num_accepted = batch.num_accepted;
     fused.num_slots = state.num_slots;
     fused.sequences = N;
     fused.decode_tokens = static_cast<int>(batch.decode_tokens);
@@ -530,6 +534,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     if (decode) {
       p.decode_tokens = batch.decode_tokens;
       p.identity_slots = batch.slots == nullptr ? identity : nullptr;
+      p.num_accepted = batch.num_accepted;
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
       p.cu_seqlens = batch.cu_seqlens;
@@ -549,6 +554,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
                  "cudaMemsetAsync(o)");
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
       t.slots = batch.slots != nullptr ? batch.slots : identity;
+      t.num_accepted = batch.num_accepted;
       t.state_pool = state.recurrent;
       t.device_status = batch.device_status;
       throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");

@@ -51,6 +51,15 @@ WorkspaceLayout make_workspace_layout(Backend backend, const Config& c, std::int
   if (Status st = workspace_size(core, backend, &layout.core_bytes); !st) {
     throw Error(st, "KDA layer workspace");
   }
+  // A verify step runs the operator's decode (CPU: its per-thread scratch and slot bitmap).
+  if (sequences > 0) {
+    std::size_t decode_bytes = 0;
+    const DecodeProblem step = core_decode_problem(c, sequences, 1, num_slots, DType::kF32);
+    if (Status st = decode_workspace_size(step, backend, &decode_bytes); !st) {
+      throw Error(st, "KDA layer workspace");
+    }
+    layout.core_bytes = std::max<std::uint64_t>(layout.core_bytes, decode_bytes);
+  }
   if (backend == Backend::kCuda) {
     layout.cublas = regions.take(kCublasWorkspaceBytes);
     const std::uint64_t proj_bytes = regions.bytes_of(tokens, proj_columns(c).stride, 2);

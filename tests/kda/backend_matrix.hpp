@@ -73,7 +73,8 @@ struct PooledRun {
 struct DecodeCase {
   KdaCase tokens;  // q, k, v, g, beta, A_log, dt_bias
   DecodeProblem problem;
-  std::vector<std::int32_t> slots;
+  std::vector<std::int32_t> slots;         // [B], or [B, tokens] with problem.verify
+  std::vector<std::int32_t> num_accepted;  // [B] with problem.verify
   std::vector<float> pool;  // [num_slots, H, V, K] as values (bf16-representable when bf16)
 };
 
@@ -105,6 +106,7 @@ struct DecodeRun {
   Status status;
   std::vector<unsigned char> pool;
   std::vector<std::uint16_t> out;
+  std::uint32_t device_status = 0;  // the CUDA status word (always 0 on the CPU)
   bool guards_intact = true;
 };
 
@@ -231,17 +233,25 @@ class BufferRunner : public Runner {
     DecodeRun r;
     CaseBuffers<Buffer> d(dc.tokens);
     Buffer slots = Buffer::from(dc.slots);
+    Buffer accepted = Buffer::from(dc.num_accepted);
     Buffer pool = Buffer::from(pool_bytes(dc));
     Buffer out(static_cast<std::size_t>(dc.tokens.out_elems()) * 2);
     out.fill(kPoisonByte);
+    Buffer status(backend() == Backend::kCuda ? 4 : 0);
+    if (backend() == Backend::kCuda) status.fill(0);
     DecodeTensors t = d.decode_tensors();
     t.slots = static_cast<const std::int32_t*>(slots.get());
+    if (!dc.num_accepted.empty()) {
+      t.num_accepted = static_cast<const std::int32_t*>(accepted.get());
+    }
+    if (backend() == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
     t.state_pool = pool.get();
     t.out = out.get();
     for (int i = 0; i < repeats && r.status.ok(); ++i) r.status = decode_call(dc.problem, t);
     if (r.status.ok()) r.status = Buffer::synchronize();
     r.pool = pool.template download<unsigned char>();
     r.out = out.template download<std::uint16_t>();
+    if (backend() == Backend::kCuda) r.device_status = status.template download<std::uint32_t>()[0];
     r.guards_intact = pool.guards_intact() && out.guards_intact();
     return r;
   }

@@ -559,3 +559,117 @@ KDA_CUDA_CASE("decode: 8-byte aligned q/k/g and bf16 pool match the aligned run"
   CHECK(e_out <= kGpuTol);
   CHECK(e_pool <= kGpuTol);
 }
+
+// Speculative verify (DecodeProblem::verify): each row starts from the state in its slot at
+// num_accepted - 1 and keeps the state after each of its tokens in that token's slot (a negative
+// entry: not kept). The reference is the CPU's plain decode one token at a time, each row on a
+// working slot of its own, its state copied out after every token. Rows: accepted 1 of 5; accepted
+// 4 with its last state not kept; padding (the start entry negative: nothing read or written, its
+// out untouched); accepted 5 of 5 on scattered slots.
+KDA_MATRIX_CASE("a verify step keeps the state after every token, from the last accepted one") {
+  for (const DType dt : {DType::kF32, DType::kBF16}) {
+    const std::string state = to_string(dt);
+    CAPTURE(state);
+    const std::int64_t B = 4, T = 5, H = 2, num_slots = 24, per_slot = H * 128 * 128;
+    DecodeCase d =
+        make_decode_case(B, T, H, num_slots, dt, GateMode::kSoftplus, dt == DType::kF32 ? 91 : 92);
+    d.problem.verify = true;
+    d.slots = {3, 9, 1, 14, 20, 6, 7, 8, 2, -1, 11, -1, 12, 13, 15, 23, 0, 17, 5, 4};
+    d.num_accepted = {1, 4, 2, 5};
+    const DecodeRun got = runner.decode(d);
+    REQUIRE_MESSAGE(got.status.ok(), got.status.to_string());
+    CHECK(got.guards_intact);
+    CHECK(got.device_status == 0);
+
+    Pool work(dt, B, per_slot, 0);
+    std::vector<std::int32_t> rows(static_cast<std::size_t>(B));
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int32_t start = d.slots[static_cast<std::size_t>(b * T + d.num_accepted[b] - 1)];
+      rows[static_cast<std::size_t>(b)] = start < 0 ? -1 : static_cast<std::int32_t>(b);
+      if (start >= 0) work.set_slot(b, d.pool.data() + start * per_slot);
+    }
+    std::vector<double> want_pool = pool_values(pool_bytes(d), dt);
+    const std::size_t row_out = static_cast<std::size_t>(H * 128);
+    std::vector<std::uint16_t> want_out(static_cast<std::size_t>(B * T) * row_out, 0xFFFF);
+    for (std::int64_t t = 0; t < T; ++t) {
+      std::vector<std::uint16_t> out;
+      REQUIRE(decode_tokens(d.tokens, t, 1, rows, &work, &out).ok());
+      for (std::int64_t b = 0; b < B; ++b) {
+        if (rows[static_cast<std::size_t>(b)] < 0) continue;
+        std::copy(out.begin() + b * row_out, out.begin() + (b + 1) * row_out,
+                  want_out.begin() + (b * T + t) * row_out);
+        const std::int32_t keep = d.slots[static_cast<std::size_t>(b * T + t)];
+        if (keep < 0) continue;
+        const std::vector<float> s = work.slot(b);
+        std::copy(s.begin(), s.end(), want_pool.begin() + keep * per_slot);
+      }
+    }
+    // A bf16 pool rounds the reference's state after every token, the verify step's only where it
+    // keeps it: they differ by rounding there. An f32 pool on the CPU: the same operations.
+    const double tolerance = dt == DType::kBF16                  ? 1e-2
+                             : runner.backend() == Backend::kCpu ? 1e-6
+                                                                 : kGpuTol;
+    const double e_pool = rel_error(pool_values(got.pool, dt), want_pool);
+    std::vector<double> g_rows, w_rows;
+    for (std::size_t i = 0; i < want_out.size(); ++i) {
+      if (want_out[i] == 0xFFFF) {
+        CHECK(got.out[i] == 0xFFFF);  // the padding row's out is left untouched
+        continue;
+      }
+      g_rows.push_back(bf16_to_float(got.out[i]));
+      w_rows.push_back(bf16_to_float(want_out[i]));
+    }
+    const double e_out = rel_error(g_rows, w_rows);
+    MESSAGE(std::string(runner.name())
+            << " verify, " << state << " pool: out " << e_out << ", pool " << e_pool);
+    CHECK(e_pool <= tolerance);
+    CHECK(e_out <= tolerance);
+    // The padding row's slots and the slots no row names are bit for bit as they were.
+    const std::vector<unsigned char> before = pool_bytes(d);
+    const std::size_t slot_bytes = before.size() / static_cast<std::size_t>(num_slots);
+    for (const std::int32_t s : {11, 12, 13, 15, 10, 16, 18, 19, 21, 22}) {
+      CAPTURE(s);
+      CHECK(std::memcmp(got.pool.data() + s * slot_bytes, before.data() + s * slot_bytes,
+                        slot_bytes) == 0);
+    }
+  }
+}
+
+// A num_accepted outside [1, tokens]: the CPU refuses the step and writes nothing; CUDA skips that
+// row (its out and slots untouched), runs the others and reports kDeviceStatusAccepted.
+KDA_MATRIX_CASE("a verify step's num_accepted outside [1, tokens] is refused or reported") {
+  DecodeCase d = make_decode_case(2, 3, 2, 8, DType::kF32, GateMode::kLowerBound, 93);
+  d.problem.verify = true;
+  d.slots = {0, 1, 2, 3, 4, 5};
+  for (const std::int32_t bad : {0, 4, -1}) {
+    CAPTURE(bad);
+    d.num_accepted = {2, bad};
+    const DecodeRun got = runner.decode(d);
+    CHECK(got.guards_intact);
+    const std::vector<unsigned char> before = pool_bytes(d);
+    const std::size_t slot_bytes = before.size() / 8;
+    if (runner.backend() == Backend::kCpu) {
+      CHECK(got.status.code() == StatusCode::kInvalidArgument);
+      CHECK(got.status.message() ==
+            "num_accepted[1] = " + std::to_string(bad) + " is outside [1, 3] (the step's tokens)");
+      CHECK(got.pool == before);
+      CHECK(
+          std::all_of(got.out.begin(), got.out.end(), [](std::uint16_t x) { return x == 0xFFFF; }));
+      continue;
+    }
+    REQUIRE(got.status.ok());
+    CHECK(got.device_status == kDeviceStatusAccepted);
+    CHECK(describe_device_status(got.device_status).message().find("num_accepted") !=
+          std::string::npos);
+    for (std::size_t s = 3; s < 8; ++s) {  // row 1's slots 3..5 and the unnamed ones
+      CAPTURE(s);
+      CHECK(std::memcmp(got.pool.data() + s * slot_bytes, before.data() + s * slot_bytes,
+                        slot_bytes) == 0);
+    }
+    const std::size_t row = 3 * 2 * 128;
+    CHECK(std::all_of(got.out.begin() + row, got.out.end(),
+                      [](std::uint16_t x) { return x == 0xFFFF; }));
+    CHECK(std::none_of(got.out.begin(), got.out.begin() + row,
+                       [](std::uint16_t x) { return x == 0xFFFF; }));
+  }
+}

@@ -67,6 +67,8 @@ struct BatchSpec {
   std::vector<std::int64_t> cu_seqlens = {0};  // [N + 1]; a decode batch's: n * decode_tokens
   std::vector<std::int32_t> slots;             // [N], or empty: sequence n on row n
   std::int64_t decode_tokens = 0;              // 0: prefill
+  // A verify step (layer::Batch::num_accepted): [N], slots then [N, decode_tokens].
+  std::vector<std::int32_t> num_accepted;
   std::int64_t tokens() const { return cu_seqlens.back(); }
   std::int64_t sequences() const { return static_cast<std::int64_t>(cu_seqlens.size()) - 1; }
   std::int64_t length(std::int64_t n) const { return cu_seqlens[n + 1] - cu_seqlens[n]; }
@@ -186,7 +188,8 @@ class LayerRunner {
 // capture).
 template <class Buffer>
 struct ForwardBuffers {
-  Buffer hidden, out, cu_seqlens, slots, status, conv_q, conv_k, conv_v, recurrent, workspace;
+  Buffer hidden, out, cu_seqlens, slots, accepted, status, conv_q, conv_k, conv_v, recurrent,
+      workspace;
 
   ForwardBuffers(const std::vector<bf16_bits>& hidden_rows, const BatchSpec& batch,
                  const Pools& pools, std::size_t workspace_bytes)
@@ -194,6 +197,7 @@ struct ForwardBuffers {
         out(hidden_rows.size() * sizeof(bf16_bits)),
         cu_seqlens(Buffer::from(batch.cu_seqlens)),
         slots(Buffer::from(batch.slots)),
+        accepted(Buffer::from(batch.num_accepted)),
         status(sizeof(std::uint32_t)),
         conv_q(Buffer::from(pools.conv_q)),
         conv_k(Buffer::from(pools.conv_k)),
@@ -216,9 +220,13 @@ struct ForwardBuffers {
     // A decode batch's cu_seqlens is not read: null shows it.
     c.batch.cu_seqlens = decode ? nullptr : static_cast<const std::int64_t*>(cu_seqlens.get());
     c.batch.slots = batch.slots.empty() ? nullptr : static_cast<const std::int32_t*>(slots.get());
+    if (!batch.num_accepted.empty()) {
+      c.batch.num_accepted = static_cast<const std::int32_t*>(accepted.get());
+    }
     if (host_copies) {
       c.batch.cu_seqlens_host = decode ? nullptr : batch.cu_seqlens.data();
       c.batch.slots_host = batch.slots.empty() ? nullptr : batch.slots.data();
+      c.batch.num_accepted_host = batch.num_accepted.empty() ? nullptr : batch.num_accepted.data();
     }
     c.batch.device_status = static_cast<std::uint32_t*>(status.get());
     c.hidden = static_cast<const bf16_bits*>(hidden.get());

@@ -213,7 +213,8 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         CAPTURE(kernel_names[k]);
         const double out_error = relative_error(runs[k].out, runs[3].out);
         const double state_error = relative_error(afters[k].recurrent(), afters[3].recurrent());
-        MESSAGE(kernel_names[k] << " vs separate: out " << out_error << ", state " << state_error);
+        MESSAGE(std::string(kernel_names[k])
+                << " vs separate: out " << out_error << ", state " << state_error);
         CHECK(out_error < 5e-3);
         CHECK(state_error < (bf16_pool ? kBf16PoolTolerance : 1e-4));
         CHECK(same_bits(afters[k].conv_q, afters[3].conv_q));

@@ -237,3 +237,145 @@ KDA_LAYER_CASE("a batch of no tokens writes nothing and keeps every state") {
     CHECK(after == before);
   }
 }
+
+namespace {
+
+// Row `from_row` of every pool of `from` into row `to_row` of `to`.
+void copy_row(const Pools& from, std::int64_t from_row, Pools* to, std::int64_t to_row) {
+  auto copy = [](const auto& src, auto& dst, std::size_t row, std::int64_t a, std::int64_t b) {
+    std::copy(src.begin() + a * row, src.begin() + (a + 1) * row, dst.begin() + b * row);
+  };
+  copy(from.conv_q, to->conv_q, from.conv_row, from_row, to_row);
+  copy(from.conv_k, to->conv_k, from.conv_row, from_row, to_row);
+  copy(from.conv_v, to->conv_v, from.conv_row, from_row, to_row);
+  if (from.dtype == DType::kF32) {
+    copy(from.rec_f32, to->rec_f32, from.recurrent_row, from_row, to_row);
+  } else {
+    copy(from.rec_bf16, to->rec_bf16, from.recurrent_row, from_row, to_row);
+  }
+}
+
+std::vector<double> conv_values(const Pools& p) {
+  std::vector<double> v = to_doubles(p.conv_q);
+  for (const auto* pool : {&p.conv_k, &p.conv_v}) {
+    const std::vector<double> more = to_doubles(*pool);
+    v.insert(v.end(), more.begin(), more.end());
+  }
+  return v;
+}
+
+}  // namespace
+
+// A speculative verify step (Batch::num_accepted): each row starts from the states in its slot at
+// num_accepted - 1 and keeps its recurrent and conv states after each token in that token's slot.
+// The reference: plain one-token decode steps of the same rows on working slots of their own, the
+// states copied out after every step. Rows: 1 of 4 accepted; 3 accepted and the last token's
+// states not kept; a padding row (its start entry negative: zeros out, none of its slots
+// touched). On CUDA with the fused kernel (kAuto at this size) and the separate kernels.
+KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last accepted one") {
+  const std::vector<std::int32_t> slots = {5, 1, 9, 2, 7, 0, 4, -1, 10, -1, 11, 12};
+  const std::vector<std::int32_t> accepted = {1, 3, 2};
+  const std::int64_t N = 3, T = 4;
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const layer::DecodeKernel kernel :
+         {layer::DecodeKernel::kAuto, layer::DecodeKernel::kSeparate}) {
+      const bool bf16_pool = dtype == DType::kBF16;
+      const bool separate = kernel == layer::DecodeKernel::kSeparate;
+      CAPTURE(bf16_pool);
+      CAPTURE(separate);
+      const layer::Config config = runner.config(GateMode::kLowerBound);
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 44, 1));
+      const auto layer = runner.make(weights);
+      const std::int64_t E = config.hidden_size;
+      ForwardSettings settings;
+      settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+      Pools before(config, 14, dtype);
+      before.randomize(45);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 46);
+      BatchSpec verify = decode_batch(N, T, slots);
+      verify.num_accepted = accepted;
+      Pools after = before;
+      const LayerRun run = runner.forward(*layer, hidden, verify, &after, settings);
+      REQUIRE_MESSAGE(run.error.empty(), run.error);
+      CHECK(run.device_status == 0);
+      CHECK(run.all_written);
+      CHECK(run.guards_intact);
+
+      // Rows 0 and 1 on working slots 3 and 6, one token at a time.
+      Pools work = before, expected = before;
+      copy_row(before, 5, &work, 3);
+      copy_row(before, 4, &work, 6);
+      std::vector<bf16_bits> want(hidden.size(), 0);  // the padding row's out: zeros
+      for (std::int64_t t = 0; t < T; ++t) {
+        std::vector<bf16_bits> step_in;
+        append_rows(&step_in, hidden, E, t, t + 1);
+        append_rows(&step_in, hidden, E, T + t, T + t + 1);
+        const LayerRun step =
+            runner.forward(*layer, step_in, decode_batch(2, 1, {3, 6}), &work, settings);
+        REQUIRE_MESSAGE(step.error.empty(), step.error);
+        for (std::int64_t n = 0; n < 2; ++n) {
+          std::copy(step.out.begin() + n * E, step.out.begin() + (n + 1) * E,
+                    want.begin() + (n * T + t) * E);
+          const std::int32_t keep = slots[static_cast<std::size_t>(n * T + t)];
+          if (keep >= 0) copy_row(work, n == 0 ? 3 : 6, &expected, keep);
+        }
+      }
+      const Tolerances tol = runner.tolerances();
+      const double out_error = relative_error(run.out, want);
+      const double state_error = relative_error(after.recurrent(), expected.recurrent());
+      const double conv_error = relative_error(conv_values(after), conv_values(expected));
+      MESSAGE(runner.name() << " verify against one-token steps: out " << out_error << ", state "
+                            << state_error << ", conv " << conv_error);
+      // A bf16 pool: the one-token steps round the state after every token, the verify step only
+      // where it keeps one, so they differ by rounding.
+      CHECK(out_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_out));
+      CHECK(state_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_state));
+      CHECK(conv_error <= (tol.split_conv_exact ? 0.0 : tol.split_out));
+      for (std::int64_t i = 2 * T * E; i < N * T * E; ++i) {
+        if (run.out[static_cast<std::size_t>(i)] != 0) {
+          FAIL_CHECK("the padding row's out is not zero at " << i);
+          break;
+        }
+      }
+      for (const std::int64_t r : {3, 6, 8, 13, 10, 11, 12}) {
+        CAPTURE(r);
+        CHECK(after.row_equal(before, r));
+      }
+    }
+  }
+}
+
+KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before anything is written") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 8);
+  pools.randomize(2);
+  const Pools before = pools;
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(4 * config.hidden_size), 1.0f, 3);
+  struct Bad {
+    std::vector<std::int32_t> slots, accepted;
+    std::string message;
+  };
+  for (const Bad& bad :
+       {Bad{{0, 1, 2, 3}, {0, 1}, "row 0 has num_accepted 0, outside [1, decode_tokens = 2]"},
+        Bad{{0, 1, 2, 3}, {1, 3}, "row 1 has num_accepted 3, outside [1, decode_tokens = 2]"},
+        Bad{{0, 1, 2, 8}, {1, 1}, "row 1 token 1 has slot 8, outside [0, num_slots = 8)"},
+        Bad{{0, 1, 2, 1}, {2, 1}, "row 0 token 1 and row 1 token 1 share slot 1"}}) {
+    CAPTURE(bad.message);
+    BatchSpec batch = decode_batch(2, 2, bad.slots);
+    batch.num_accepted = bad.accepted;
+    const LayerRun run = runner.forward(*layer, hidden, batch, &pools);
+    CHECK(run.code == StatusCode::kInvalidArgument);
+    CHECK(run.error == runner.forward_error_prefix() + bad.message);
+    CHECK(pools == before);
+  }
+  // num_accepted needs slots (and a decode batch).
+  BatchSpec no_slots = decode_batch(2, 2);
+  no_slots.num_accepted = {1, 1};
+  const LayerRun run = runner.forward(*layer, hidden, no_slots, &pools);
+  CHECK(run.error == runner.forward_error_prefix() +
+                         "num_accepted (a verify step) needs a decode batch with slots");
+  CHECK(pools == before);
+}

@@ -189,6 +189,8 @@ enum DeviceStatusBit : std::uint32_t {
   kDeviceStatusGateParams = 1u << 1,  // an A_log or dt_bias value not finite or out of range
   kDeviceStatusSlot = 1u << 2,        // a slot index >= the pool size (decode: that row was
                                       // skipped; prefill: that sequence ran as padding)
+  kDeviceStatusAccepted = 1u << 3,    // a verify step's num_accepted outside [1, tokens] (that
+                                      // row was skipped)
 };
 // kOk for 0; otherwise kInvalidArgument naming every problem in `bits`.
 Status describe_device_status(std::uint32_t bits);
@@ -272,6 +274,15 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 //   q, k, g: bf16 [B, tokens, H, K]   v, out: bf16 [B, tokens, H, V]   beta: bf16 [B, tokens, H]
 //   slots: int32 [B], index into the pool, negative = padding (row skipped, its out left untouched)
 //   state_pool: [num_slots, H, V, K] bf16 or f32, read and written in place
+//
+// Speculative verify (DecodeProblem::verify; vLLM's semantics for spec decode): each row's tokens
+// are the last accepted token and its draft tokens, and the step keeps the state after every one
+// of them, so that the next step can start after whichever was the last accepted:
+//   slots: int32 [B, tokens]    num_accepted: int32 [B], each in [1, tokens]
+// Row b starts from the state in slots[b][num_accepted[b] - 1] (the slot the step before wrote
+// after its last accepted token) and writes the state after its token t into slots[b][t] (a
+// negative entry: that state is not kept). A row whose start entry is negative is padding. The
+// non-negative entries of all rows are distinct (the start entry of a row is one of its own).
 // Most new tokens per sequence in one decode call (speculative or multi-token steps); longer
 // continuations are prefills. The engine's decode checks against the same constant.
 inline constexpr std::int64_t kMaxDecodeTokens = 16;
@@ -287,6 +298,7 @@ struct DecodeProblem {
   GateMode gate = GateMode::kSoftplus;
   float lower_bound = -5.0f;
   float scale = 0.0f;
+  bool verify = false;  // speculative verify (above): slots [batch, tokens], num_accepted [batch]
   float effective_scale() const noexcept;
 };
 
@@ -298,7 +310,10 @@ struct DecodeTensors {
   const void* beta = nullptr;
   const float* A_log = nullptr;
   const float* dt_bias = nullptr;
-  const std::int32_t* slots = nullptr;
+  const std::int32_t* slots = nullptr;  // [batch], or [batch, tokens] with verify
+  // verify: int32 [batch], on the backend as slots. CPU: a value outside [1, tokens] is an error;
+  // CUDA: that row is skipped and kDeviceStatusAccepted reported.
+  const std::int32_t* num_accepted = nullptr;
   void* state_pool = nullptr;
   void* out = nullptr;
   std::uint32_t* device_status = nullptr;  // optional, CUDA only: see Tensors::device_status

@@ -26,7 +26,8 @@ constexpr int kRows = D / kWarps;  // 16 rows of S^T per warp
 
 struct DecodeParams {
   InputPointers in;
-  const std::int32_t* slots;
+  const std::int32_t* slots;         // [batch], or [batch, tokens] with verify
+  const std::int32_t* num_accepted;  // [batch] with verify, else null
   void* pool;
   bf16* out;
   std::int64_t num_slots;
@@ -78,7 +79,19 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const std::int32_t slot = p.slots[b];
+  // A verify step starts from the slot after the row's last accepted token (kda.hpp).
+  const bool verify = p.num_accepted != nullptr;
+  std::int32_t slot = -1;
+  if (verify) {
+    const std::int32_t accepted = p.num_accepted[b];
+    if (accepted < 1 || accepted > p.tokens) {
+      if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
+    } else {
+      slot = p.slots[b * p.tokens + accepted - 1];
+    }
+  } else {
+    slot = p.slots[b];
+  }
   if (b == 0) {  // the first row's blocks (one per head) check the gate parameters for everyone
     const int k = threadIdx.x & (D - 1);
     if (gate_params_bad(threadIdx.x == 0 ? p.in.A_log[h] : 0.f, p.in.dt_bias[h * D + k])) {
@@ -114,6 +127,30 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     }
   }
 
+  // Writes S to the state at `base` (its slot's head).
+  auto store_state = [&](std::int64_t base) {
+#pragma unroll
+    for (int i = 0; i < L::kSteps; ++i) {
+      const std::int64_t off = base + static_cast<std::int64_t>(row_of(i)) * D + k0;
+      if constexpr (kF32State) {
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          *reinterpret_cast<float4*>(static_cast<float*>(p.pool) + off + j) =
+              make_float4(S[i][j], S[i][j + 1], S[i][j + 2], S[i][j + 3]);
+        }
+      } else {
+        std::uint32_t w[kVec / 2];
+#pragma unroll
+        for (int j = 0; j < kVec / 2; ++j) w[j] = pack_bf16x2(S[i][2 * j], S[i][2 * j + 1]);
+        if constexpr (kVec == 4) {
+          *reinterpret_cast<uint2*>(static_cast<bf16*>(p.pool) + off) = make_uint2(w[0], w[1]);
+        } else {
+          *reinterpret_cast<uint4*>(static_cast<bf16*>(p.pool) + off) =
+              make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+    }
+  };
   const float a_exp = __expf(p.in.A_log[h]);
   // Sum over the lanes that share a row (all 32, or each half-warp).
   auto row_sum = [](float x) {
@@ -215,29 +252,17 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     if (i_mine < L::kSteps) {
       p.out[(tok * H + h) * D + row_of(i_mine)] = __float2bfloat16(mine);
     }
-  }
-
-#pragma unroll
-  for (int i = 0; i < L::kSteps; ++i) {
-    const std::int64_t off = state_base + static_cast<std::int64_t>(row_of(i)) * D + k0;
-    if constexpr (kF32State) {
-#pragma unroll
-      for (int j = 0; j < kVec; j += 4) {
-        *reinterpret_cast<float4*>(static_cast<float*>(p.pool) + off + j) =
-            make_float4(S[i][j], S[i][j + 1], S[i][j + 2], S[i][j + 3]);
+    if (verify) {  // the state after this token, where the row keeps it
+      const std::int32_t keep = p.slots[b * p.tokens + t];
+      if (keep >= p.num_slots && h == 0 && threadIdx.x == 0) {
+        report_status(p.status, kDeviceStatusSlot);
       }
-    } else {
-      std::uint32_t w[kVec / 2];
-#pragma unroll
-      for (int j = 0; j < kVec / 2; ++j) w[j] = pack_bf16x2(S[i][2 * j], S[i][2 * j + 1]);
-      if constexpr (kVec == 4) {
-        *reinterpret_cast<uint2*>(static_cast<bf16*>(p.pool) + off) = make_uint2(w[0], w[1]);
-      } else {
-        *reinterpret_cast<uint4*>(static_cast<bf16*>(p.pool) + off) =
-            make_uint4(w[0], w[1], w[2], w[3]);
-      }
+      if (keep >= 0 && keep < p.num_slots)
+        store_state((static_cast<std::int64_t>(keep) * H + h) * D * D);
     }
   }
+
+  if (!verify) store_state(state_base);
 }
 
 // Channels per lane (DecodeLanes), measured on the H200 (same run, 3 rounds, B = 1..256): 4 for an
@@ -278,6 +303,7 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   DecodeParams prm{};
   prm.in = InputPointers::from_tensors(t);
   prm.slots = t.slots;
+  prm.num_accepted = p.verify ? t.num_accepted : nullptr;
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);
   prm.num_slots = p.num_slots;

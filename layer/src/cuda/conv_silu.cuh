@@ -202,10 +202,28 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
         h[i][kHist - 1] = x[i];
       }
       out[(t0 + r) * out_stride] = pack8(y);
+      if (p.num_accepted != nullptr && state != nullptr) {
+        // A verify step keeps the conv state after each token where its row names a slot.
+        // (A decode row's tokens are rows n * T .. n * T + T - 1: slots[n][t] is slots[row].)
+        const std::int64_t keep = p.slots[t0 + r];
+        if (keep >= p.num_slots && cc == 0 && branch == 0 && p.status != nullptr) {
+          atomicOr(p.status, kDeviceStatusSlot);
+        }
+        if (keep >= 0 && keep < p.num_slots) {
+          std::uint16_t bits[kConvVec * kHist];
+#pragma unroll
+          for (int i = 0; i < kConvVec; ++i) {
+#pragma unroll
+            for (int k = 0; k < kHist; ++k) bits[i * kHist + k] = float_to_bits(h[i][k]);
+          }
+          store_state<kHist>(p.pools[branch] + (keep * p.channels + cc) * kHist, vector_state,
+                             bits);
+        }
+      }
     }
   }
 
-  if (state == nullptr) return;
+  if (state == nullptr || p.num_accepted != nullptr) return;
   // New state column k = input (len - kHist + k) of the sequence: from proj when >= 0, else old
   // state column len + k (read again: nothing has written the row since the read above).
   const std::int64_t len = eos - bos;
@@ -248,10 +266,19 @@ __device__ __forceinline__ void copy_beta(const ConvParams& p, std::int64_t t_be
 }
 
 // Sequence n's state row, or -1 for padding (negative slot) and for a slot outside the pool
-// (reported once per sequence by the thread that asks with `report`).
+// (reported once per sequence by the thread that asks with `report`). A verify step's row: its
+// slot at num_accepted - 1 (a count outside [1, decode_tokens]: padding, reported).
 __device__ __forceinline__ std::int64_t state_row(const ConvParams& p, std::int64_t n,
                                                   bool report) {
-  const std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[n]) : n;
+  std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[n]) : n;
+  if (p.num_accepted != nullptr) {
+    const std::int32_t accepted = p.num_accepted[n];
+    if (accepted < 1 || accepted > p.decode_tokens) {
+      if (report && p.status != nullptr) atomicOr(p.status, kDeviceStatusAccepted);
+      return -1;
+    }
+    slot = p.slots[n * p.decode_tokens + accepted - 1];
+  }
   if (slot >= p.num_slots) {
     if (report && p.status != nullptr) atomicOr(p.status, kDeviceStatusSlot);
     return -1;

@@ -82,7 +82,19 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       if (p.status != nullptr) atomicOr(p.status, kDeviceStatusGateParams);
     }
   }
-  const std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[b]) : b;
+  // A verify step's row starts from its slot at num_accepted - 1 (a bad count: padding, reported).
+  const bool verify = p.num_accepted != nullptr;
+  std::int64_t slot = b;
+  if (verify) {
+    const std::int32_t accepted = p.num_accepted[b];
+    const bool counted = accepted >= 1 && accepted <= T;
+    if (!counted && h == 0 && tid == 0 && p.status != nullptr) {
+      atomicOr(p.status, kDeviceStatusAccepted);
+    }
+    slot = counted ? static_cast<std::int64_t>(p.slots[b * T + accepted - 1]) : -1;
+  } else if (p.slots != nullptr) {
+    slot = p.slots[b];
+  }
   if (slot >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
     atomicOr(p.status, kDeviceStatusSlot);
   }
@@ -156,6 +168,33 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   __shared__ float gate_s[D];         // the output gate before its bias, fp32
   __shared__ float o_s[D];            // the core's output (a bf16 value)
   __shared__ float beta_s;
+
+  // The recurrent state of this head and the conv state of this thread's channels, written to a
+  // slot (its head's / channels' entries): after the row's last token, or after each token of a
+  // verify step where the row keeps it.
+  auto store_state = [&](std::int64_t base) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const std::int64_t off = base + static_cast<std::int64_t>(v_row0 + i) * D + k0;
+      if constexpr (kF32State) {
+        *reinterpret_cast<float4*>(static_cast<float*>(p.state) + off) =
+            make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+      } else {
+        const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
+                                 (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
+        const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
+                                 (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
+        *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(p.state) + off) = make_uint2(lo, hi);
+      }
+    }
+  };
+  auto store_conv = [&](std::uint16_t* dst) {  // the last kHist inputs (old entries when fewer)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < kHist; ++j) dst[i * kHist + j] = float_to_bits(hist[i][j]);
+    }
+  };
 
   const float a_exp = __expf(p.A_log[h]);
   griddep_wait();  // the input projection (and the gate's GEMM) from here on
@@ -295,29 +334,22 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       }
       *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
     }
+    if (verify) {  // the states after this token, where the row keeps them
+      const std::int64_t keep = p.slots[b * T + t];
+      if (keep >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
+        atomicOr(p.status, kDeviceStatusSlot);
+      }
+      if (keep >= 0 && keep < p.num_slots) {
+        store_state((keep * p.heads + h) * D * D);
+        if (conv_thread) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
+      }
+    }
     __syncthreads();  // the next token overwrites the shared rows
   }
 
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const std::int64_t off = state_base + static_cast<std::int64_t>(v_row0 + i) * D + k0;
-    if constexpr (kF32State) {
-      *reinterpret_cast<float4*>(static_cast<float*>(p.state) + off) =
-          make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
-    } else {
-      const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
-                               (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
-      const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
-                               (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
-      *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(p.state) + off) = make_uint2(lo, hi);
-    }
-  }
-  if (conv_thread) {  // the last kHist inputs: the new conv state (old entries when T < kHist)
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int j = 0; j < kHist; ++j) conv_state[i * kHist + j] = float_to_bits(hist[i][j]);
-    }
+  if (!verify) {
+    store_state(state_base);
+    if (conv_thread) store_conv(conv_state);
   }
 }
 

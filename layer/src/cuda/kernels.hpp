@@ -46,6 +46,10 @@ struct ConvParams {
   // Decode only, optional: int32 [sequences] receives 0, 1, ..., N-1 (the slot list the core
   // needs when the caller addresses rows without one).
   std::int32_t* identity_slots = nullptr;
+  // Decode only, a verify step (kda::layer::Batch::num_accepted): slots [sequences,
+  // decode_tokens]; each row starts from its slot at num_accepted - 1 and keeps its conv state
+  // after each token in that token's slot.
+  const std::int32_t* num_accepted = nullptr;
 };
 
 // Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1). A thread
@@ -105,6 +109,9 @@ struct FusedDecodeParams {
   void* state = nullptr;  // [num_slots, heads, 128, 128] (Sᵀ), f32 or bf16
   bool f32_state = true;
   const std::int32_t* slots = nullptr;  // [sequences]; null: row b uses slot b
+  // A verify step (kda::layer::Batch::num_accepted): slots [sequences, decode_tokens], num_accepted
+  // [sequences]; the states after each token kept in that token's slot.
+  const std::int32_t* num_accepted = nullptr;
   std::int64_t num_slots = 0;
   std::int64_t sequences = 0;
   int decode_tokens = 1;

@@ -83,6 +83,15 @@ struct Batch {
   // cu_seqlens and slots themselves (host memory) and ignores these.
   const std::int64_t* cu_seqlens_host = nullptr;
   const std::int32_t* slots_host = nullptr;
+  // Decode only, optional: a speculative verify step (kda.hpp, DecodeProblem::verify). slots is
+  // then [N, decode_tokens] and num_accepted [N] (each in [1, decode_tokens]), both on the layer's
+  // backend: row n starts from the states (recurrent and conv) in slots[n][num_accepted[n] - 1]
+  // and keeps them after its token t in slots[n][t] (negative: not kept); a row whose start entry
+  // is negative is padding (zeros out, no state touched). num_accepted_host: its optional host
+  // copy (CUDA), checked as slots_host is; without it a bad value is reported through
+  // device_status (kDeviceStatusAccepted) and that row written as padding.
+  const std::int32_t* num_accepted = nullptr;
+  const std::int32_t* num_accepted_host = nullptr;
   // Optional device word the kernels OR kda::DeviceStatusBit values into (CUDA).
   std::uint32_t* device_status = nullptr;
 };
