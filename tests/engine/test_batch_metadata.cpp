@@ -263,7 +263,147 @@ void prefill_varlen(Backend backend) {
   }
 }
 
+// One slot's recurrent state and its three conv states in one layer, as floats.
+std::vector<double> slot_values(const Engine& e, int layer, int slot) {
+  std::vector<float> state(e.state_slot_bytes() / sizeof(float));
+  e.read_slot_state(layer, slot, state.data());
+  std::vector<double> values(state.begin(), state.end());
+  for (int p = 0; p < 3; ++p) {
+    std::vector<std::uint16_t> conv(e.conv_state_slot_bytes() / sizeof(std::uint16_t));
+    e.read_slot_conv_state(layer, slot, p, conv.data());
+    for (const std::uint16_t x : conv) values.push_back(kda::bf16_to_float(x));
+  }
+  return values;
+}
+
+double deviation(const std::vector<double>& got, const std::vector<double>& want) {
+  if (got == want) return 0.0;
+  return kda::test::relative_error(got, want);
+}
+
+// A speculative verify step through BatchMetadata::num_accepted, both layers: row 0 (3 tokens)
+// starts from slot 1 (2 accepted) and keeps its states in slots 0, 1, 2; row 1 starts from slot 3
+// (1 accepted), keeps them in slots 3 and 4 and not after its last token. The reference: the other
+// engine of the pair, one-token decode steps of the same rows on their start slots, the states
+// read after every step. The CPU computes the same operations (bit for bit); CUDA runs other
+// GEMM shapes for the two calls. Slot 5 is not touched.
+void verify_step(Backend backend) {
+  EnginePair pair(backend);
+  const int T = 3;
+  const std::vector<std::int32_t> entries = {0, 1, 2, 3, 4, -1};
+  Memory hidden(backend, kda::test::random_bf16(2 * T * kHidden, 1.0f, 71));
+  Memory out(backend, 2 * T * kHidden * 2);
+  out.poison();
+  Memory slots(backend, entries);
+  Memory accepted(backend, std::vector<std::int32_t>{2, 1});
+  BatchMetadata b;
+  b.tokens = 2 * T;
+  b.sequences = 2;
+  b.decode_tokens = T;
+  b.slots = slots.as<std::int32_t>();
+  b.num_accepted = accepted.as<std::int32_t>();
+  const std::vector<double> untouched = slot_values(pair.meta, 1, 5);
+  std::vector<std::vector<std::uint16_t>> outs;
+  for (int l = 0; l < 2; ++l) {
+    pair.meta.decode_hidden(l, hidden.get(), out.get(), b);
+    pair.meta.synchronize();
+    outs.push_back(out.read<std::uint16_t>());
+  }
+  CHECK_NOTHROW(pair.meta.check_device_status());
+  CHECK(out.guards_intact());
+
+  const double tolerance = backend == Backend::kCpu ? 0.0 : 1e-2;
+  const std::vector<std::uint16_t> all = hidden.read<std::uint16_t>();
+  for (int l = 0; l < 2; ++l) {
+    CAPTURE(l);
+    std::vector<std::vector<double>> kept(5);
+    std::vector<std::uint16_t> want(static_cast<std::size_t>(2 * T * kHidden));
+    for (int t = 0; t < T; ++t) {
+      std::vector<std::uint16_t> step(all.begin() + t * kHidden, all.begin() + (t + 1) * kHidden);
+      step.insert(step.end(), all.begin() + (T + t) * kHidden, all.begin() + (T + t + 1) * kHidden);
+      Memory in(backend, step), o(backend, step.size() * 2);
+      pair.spans.decode_hidden(l, in.get(), o.get(), {1, 3}, 1);
+      pair.spans.synchronize();
+      const std::vector<std::uint16_t> got = o.read<std::uint16_t>();
+      std::copy(got.begin(), got.begin() + kHidden, want.begin() + t * kHidden);
+      std::copy(got.begin() + kHidden, got.end(), want.begin() + (T + t) * kHidden);
+      kept[static_cast<std::size_t>(entries[static_cast<std::size_t>(t)])] =
+          slot_values(pair.spans, l, 1);
+      if (t < 2) {
+        kept[static_cast<std::size_t>(entries[static_cast<std::size_t>(T + t)])] =
+            slot_values(pair.spans, l, 3);
+      }
+    }
+    const double out_error = deviation(kda::test::to_doubles(outs[static_cast<std::size_t>(l)]),
+                                       kda::test::to_doubles(want));
+    MESSAGE("verify through the engine, layer " << l << ": out " << out_error);
+    CHECK(out_error <= tolerance);
+    for (int s = 0; s < 5; ++s) {
+      CAPTURE(s);
+      CHECK(deviation(slot_values(pair.meta, l, s), kept[static_cast<std::size_t>(s)]) <=
+            tolerance);
+    }
+  }
+  CHECK(slot_values(pair.meta, 1, 5) == untouched);
+}
+
 }  // namespace
+
+TEST_CASE("engine: a verify step keeps each token's states in its slots (num_accepted) [cpu]") {
+  verify_step(Backend::kCpu);
+}
+TEST_CASE("engine: a verify step keeps each token's states in its slots (num_accepted) [cuda]") {
+  if (usable(Backend::kCuda)) verify_step(Backend::kCuda);
+}
+
+namespace {
+
+// A num_accepted outside [1, decode_tokens]: refused on the CPU (as are slots named twice and a
+// prefill with num_accepted), reported by the device on CUDA.
+void bad_verify(Backend backend) {
+  {
+    Engine e(spec(), EnginePair::options(backend, nullptr));
+    for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+    Memory hidden(backend, kda::test::random_bf16(4 * kHidden, 1.0f, 72));
+    Memory out(backend, 4 * kHidden * 2);
+    Memory slots(backend, std::vector<std::int32_t>{0, 1, 2, 3});
+    Memory accepted(backend, std::vector<std::int32_t>{1, 3});
+    BatchMetadata b;
+    b.tokens = 4;
+    b.sequences = 2;
+    b.decode_tokens = 2;
+    b.slots = slots.as<std::int32_t>();
+    b.num_accepted = accepted.as<std::int32_t>();
+    if (backend == Backend::kCpu) {
+      CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), b); }) ==
+            "decode_hidden: row 1 has num_accepted 3, expected 1..2 (decode_tokens)");
+      BatchMetadata twice = b;
+      accepted.write(std::vector<std::int32_t>{1, 1});
+      slots.write(std::vector<std::int32_t>{0, 1, 2, 1});
+      CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), twice); }) ==
+            "decode_hidden: slot 1 appears twice in the batch");
+      BatchMetadata prefill = b;
+      prefill.decode_tokens = 0;
+      const std::vector<std::int64_t> cu = {0, 2, 4};
+      prefill.cu_seqlens = cu.data();
+      CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), prefill); }) ==
+            "prefill_hidden: num_accepted is set, but a verify step is a decode");
+    } else {
+      e.decode_hidden(0, hidden.get(), out.get(), b);
+      const std::string error = kda::test::error_of([&] { e.check_device_status(); });
+      CHECK(error.find("num_accepted") != std::string::npos);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: a verify step's bad num_accepted is refused [cpu]") {
+  bad_verify(Backend::kCpu);
+}
+TEST_CASE("engine: a verify step's bad num_accepted is reported by the device [cuda]") {
+  if (usable(Backend::kCuda)) bad_verify(Backend::kCuda);
+}
 
 TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
   decode_layouts(Backend::kCpu);
@@ -601,6 +741,18 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are ref
   CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &bad) ==
         KDA_INVALID_ARGUMENT);
   CHECK(std::string(kda_engine_last_error(batch)).find("decode_tokens 17") != std::string::npos);
+  // A verify step through kda_batch::num_accepted: a count outside 1..decode_tokens is named; a
+  // good one runs (its semantics are the engine's, tested above).
+  const std::vector<std::int32_t> verify_slots = {slots[0], slots[1], slots[2], -1};
+  std::vector<std::int32_t> accepted = {2, 3};
+  kda_batch verify{4, 2, 2, verify_slots.data(), nullptr, accepted.data()};
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &verify) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("row 1 has num_accepted 3") !=
+        std::string::npos);
+  accepted[1] = 1;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &verify) ==
+        KDA_OK);
   kda_engine_destroy(spans);
   kda_engine_destroy(batch);
 }

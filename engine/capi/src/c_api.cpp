@@ -213,6 +213,7 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* fu
   b.decode_tokens = batch->decode_tokens;
   b.slots = batch->slots;
   b.cu_seqlens = batch->cu_seqlens;
+  b.num_accepted = batch->num_accepted;
   return b;
 }
 

@@ -317,10 +317,16 @@ struct Engine::Impl {
     }
     if (b.slots == nullptr) fail(call + ": slots is null");
     if (!decode && b.cu_seqlens == nullptr) fail(call + ": cu_seqlens is null");
+    if (!decode && b.num_accepted != nullptr) {
+      fail(call + ": num_accepted is set, but a verify step is a decode");
+    }
     const auto n = static_cast<std::size_t>(b.sequences);
+    const bool verify = b.num_accepted != nullptr;
+    const std::size_t entries = verify ? n * static_cast<std::size_t>(b.decode_tokens) : n;
     for (const auto& [ptr, bytes, name] :
-         {std::tuple<const void*, std::size_t, const char*>{b.slots, n * 4, "slots"},
-          {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"}}) {
+         {std::tuple<const void*, std::size_t, const char*>{b.slots, entries * 4, "slots"},
+          {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"},
+          {b.num_accepted, n * 4, "num_accepted"}}) {
       if (const Status st = backend->check_caller_buffer(ptr, bytes, name); !st.ok()) {
         throw Error(st, call);
       }
@@ -330,6 +336,17 @@ struct Engine::Impl {
       if (const Status st = validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens); !st.ok()) {
         fail(call + ": " + st.message());
       }
+    }
+    if (verify) {
+      for (std::size_t r = 0; r < n; ++r) {
+        if (b.num_accepted[r] < 1 || b.num_accepted[r] > b.decode_tokens) {
+          fail(call + ": row " + std::to_string(r) + " has num_accepted " +
+               std::to_string(b.num_accepted[r]) + ", expected 1.." +
+               std::to_string(b.decode_tokens) + " (decode_tokens)");
+        }
+      }
+      claim_slots(call, "slots entry", b.slots, entries);
+      return;
     }
     claim_slots(call, decode ? "row" : "sequence", b.slots, n);
   }
@@ -446,10 +463,12 @@ struct Engine::Impl {
       t.device_status = device_status;
       layer.forward_core(problem, t, unchecked);
     } else {
-      const DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
+      DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
+      problem.verify = b.num_accepted != nullptr;
       DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
       check_caller_tensors(layer, what, problem, t);
       t.slots = b.slots;
+      t.num_accepted = b.num_accepted;
       t.device_status = device_status;
       layer.decode_core(problem, t, unchecked);
     }
@@ -468,6 +487,7 @@ struct Engine::Impl {
     batch.decode_tokens = b.decode_tokens;
     batch.cu_seqlens = b.decode_tokens == 0 ? b.cu_seqlens : nullptr;
     batch.slots = b.slots;
+    batch.num_accepted = b.num_accepted;
     batch.cu_seqlens_host = cu_host;
     batch.slots_host = slots_host;
     batch.device_status = device_status;

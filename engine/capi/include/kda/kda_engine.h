@@ -211,6 +211,11 @@ typedef struct kda_batch {
   const int32_t* slots;      /* [sequences]; negative: a padding row (no state read or written;
                                 whole layers output zeros for it) */
   const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens */
+  /* Decode only, optional (NULL: none): a speculative verify step, [sequences] each in
+     1..decode_tokens, and `slots` then [sequences, decode_tokens]: row r starts from the states in
+     slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative:
+     not kept); a row whose start entry is negative is padding (kda::engine::BatchMetadata). */
+  const int32_t* num_accepted;
 } kda_batch;
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,

@@ -148,6 +148,13 @@ struct BatchMetadata {
   const std::int32_t* slots = nullptr;
   // Prefill: int64 [sequences + 1], 0, non-decreasing, last == tokens. Decode: not read.
   const std::int64_t* cu_seqlens = nullptr;
+  // Decode only, optional: a speculative verify step. int32 [sequences], each in
+  // [1, decode_tokens]; `slots` is then [sequences, decode_tokens]: row r starts from the states in
+  // slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative: not
+  // kept; every non-negative entry an acquired slot, none twice); a row whose start entry is
+  // negative is padding (kda::DecodeProblem::verify, kda::layer::Batch::num_accepted). CUDA: a
+  // count outside the range is reported by check_device_status() and its row skipped.
+  const std::int32_t* num_accepted = nullptr;
 };
 
 // One KDA layer of an engine, as messages and tables name it, and its gate parameters.
