@@ -162,6 +162,24 @@ Status prefill_table(const Problem& p, const Tensors& t, const TransitionOutputs
     status_word();
     return Status::Ok();
   }
+  std::uint64_t cp_offsets = 0, cp_slots = 0;
+  if (!(st = checked_size("checkpoint_offsets bytes N*checkpoints*size",
+                          {n, p.checkpoints, size_of(p.checkpoint_offsets_dtype)}, &cp_offsets)) ||
+      !(st = checked_size("checkpoint_slots bytes N*checkpoints*4", {n, p.checkpoints, 4},
+                          &cp_slots))) {
+    return st;
+  }
+  Argument& cp_off = table->add("checkpoint_offsets", t.checkpoint_offsets, cp_offsets,
+                                p.checkpoint_offsets_dtype, R::kIndex);
+  Argument& cp_dst =
+      table->add("checkpoint_slots", t.checkpoint_slots, cp_slots, DType::kI32, R::kIndex);
+  if (p.checkpoints > 0) {
+    cp_off.cuda(p.checkpoint_offsets_dtype == DType::kI64 ? 8 : 4).required_if(n > 0);
+    cp_dst.cuda(4).required_if(n > 0);
+  } else {
+    cp_off.unused_because("checkpoints is 0");
+    cp_dst.unused_because("checkpoints is 0");
+  }
   Argument& slots_dev =
       table->add("state_slots", t.state_slots, slots, DType::kI32, R::kIndex).cuda(4);
   Argument& slots_host =

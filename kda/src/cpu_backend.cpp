@@ -73,6 +73,24 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
   };
   const std::size_t in_size = dtype_size(p.initial_state_dtype);
   const std::size_t fin_size = dtype_size(p.final_state_dtype);
+  // Checkpoint request k of sequence seq: its offset (-1: none) and pool entry.
+  auto checkpoint_offset = [&](std::int64_t seq, std::int64_t k) -> std::int64_t {
+    const std::int64_t i = seq * p.checkpoints + k;
+    return p.checkpoint_offsets_dtype == DType::kI64
+               ? static_cast<const std::int64_t*>(t.checkpoint_offsets)[i]
+               : static_cast<const std::int32_t*>(t.checkpoint_offsets)[i];
+  };
+  // Writes the state of (seq, head) into every checkpoint slot asked for after `done` tokens.
+  auto store_checkpoints = [&](std::int64_t seq, std::int64_t head, std::int64_t done,
+                               const Real* state) {
+    for (std::int64_t k = 0; k < p.checkpoints; ++k) {
+      const std::int32_t slot = t.checkpoint_slots[seq * p.checkpoints + k];
+      if (slot < 0 || checkpoint_offset(seq, k) != done) continue;
+      detail::cpu::store_state(state, state_elems, p.final_state_dtype,
+                               static_cast<unsigned char*>(t.final_state) +
+                                   (std::int64_t{slot} * H + head) * state_elems * fin_size);
+    }
+  };
 
   detail::cpu::parallel_for(
       p.sequences() * H, workers, [&](std::int64_t item, std::int64_t worker) {
@@ -90,12 +108,18 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
                                             state_item * state_elems * in_size
                                       : nullptr,
                                 state_elems, sc.state);
+        const bool checkpoints = p.checkpoints > 0 && state_item >= 0;
+        if (checkpoints) store_checkpoints(seq, head, 0, sc.state);
         for (std::int64_t i = begin; i < end; ++i) {
           const std::int64_t row = i * H + head;
           detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K,
                                      in.beta[row], &sc.tok);
           detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
           detail::cpu::store_out(sc.o, V, out + row * V);
+          const std::int64_t done = i + 1 - begin;
+          if (checkpoints && (done % kCheckpointAlignment == 0 || i + 1 == end)) {
+            store_checkpoints(seq, head, done, sc.state);
+          }
         }
         if (state_item >= 0 && t.final_state != nullptr) {
           detail::cpu::store_state(
@@ -187,6 +211,7 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
         slots + thread_slots * detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
                                                        static_cast<std::uint64_t>(p.head_dim_v)));
     if (Status st = detail::check_state_slots(p, t.state_slots, seen); !st) return st;
+    if (Status st = detail::check_checkpoints(p, t, seen); !st) return st;
   }
   // Tokens x V x K, saturated: only a heuristic for the automatic thread count.
   const double updates = static_cast<double>(p.total_tokens()) * static_cast<double>(p.num_heads) *

@@ -124,6 +124,18 @@ Status validate(const Problem& p) {
                    " but neither initial_state_dtype nor final_state_dtype is set (slots address "
                    "states)");
   }
+  if (p.checkpoints < 0)
+    return invalid("checkpoints must be >= 0 (got " + str(p.checkpoints) + ")");
+  if (p.checkpoints > 0) {
+    if (p.num_state_slots == 0 || p.final_state_dtype == DType::kNone) {
+      return invalid("checkpoints (" + str(p.checkpoints) +
+                     ") need state slots and a final state (they are written to the pool)");
+    }
+    if (p.checkpoint_offsets_dtype != DType::kI32 && p.checkpoint_offsets_dtype != DType::kI64) {
+      return invalid("checkpoint_offsets_dtype must be i32 or i64 (got " +
+                     dtype_name(p.checkpoint_offsets_dtype) + ")");
+    }
+  }
   // Every size the problem implies fits: the table of its (absent) tensors can be built.
   detail::ArgumentTable table;
   return detail::prefill_arguments(p, Tensors{}, &table);
@@ -170,6 +182,47 @@ Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint6
       return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
                      (first >= 0 ? " repeats state_slots[" + str(first) + "]" : " appears twice") +
                      " (two sequences cannot write one state)");
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_checkpoints(const Problem& p, const Tensors& t, std::uint64_t* seen_bits) {
+  const std::int64_t n = p.sequences(), K = p.checkpoints;
+  for (std::int64_t s = 0; s < n; ++s) {
+    std::int64_t length = p.seq_len;
+    if (p.varlen()) {
+      length = p.cu_seqlens_dtype == DType::kI64
+                   ? static_cast<const std::int64_t*>(t.cu_seqlens)[s + 1] -
+                         static_cast<const std::int64_t*>(t.cu_seqlens)[s]
+                   : std::int64_t{static_cast<const std::int32_t*>(t.cu_seqlens)[s + 1]} -
+                         static_cast<const std::int32_t*>(t.cu_seqlens)[s];
+    }
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t i = s * K + k;
+      const std::int64_t offset = p.checkpoint_offsets_dtype == DType::kI64
+                                      ? static_cast<const std::int64_t*>(t.checkpoint_offsets)[i]
+                                      : static_cast<const std::int32_t*>(t.checkpoint_offsets)[i];
+      const std::int64_t slot = t.checkpoint_slots[i];
+      const std::string at = "[" + str(s) + "][" + str(k) + "]";
+      if (offset < -1 || offset > length ||
+          (offset >= 0 && offset % kCheckpointAlignment != 0 && offset != length)) {
+        return invalid("checkpoint_offsets" + at + " = " + str(offset) + " is not -1, a multiple " +
+                       "of " + str(kCheckpointAlignment) + " up to the sequence's length " +
+                       str(length) + ", or that length");
+      }
+      if (slot >= p.num_state_slots) {
+        return invalid("checkpoint_slots" + at + " = " + str(slot) +
+                       " is outside the pool of num_state_slots = " + str(p.num_state_slots));
+      }
+      if (slot < 0 || offset < 0) continue;
+      std::uint64_t& word = seen_bits[slot / 64];
+      const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
+      if ((word & bit) != 0) {
+        return invalid("checkpoint_slots" + at + " = " + str(slot) +
+                       " is written twice in the call (another checkpoint or a sequence's state)");
+      }
+      word |= bit;
     }
   }
   return Status::Ok();
@@ -304,6 +357,11 @@ Status can_implement(const Problem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
   if (backend == Backend::kCuda) {
+    if (p.checkpoints > 0) {
+      return Status(StatusCode::kUnsupported,
+                    "prefill checkpoints run on the CPU backend only (the CUDA prefill does not "
+                    "write them yet)");
+    }
     std::uint64_t slots = 0;
     detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
                             static_cast<std::uint64_t>(p.sequences()), &slots);

@@ -13,6 +13,11 @@ namespace kda::detail {
 // ceil(num_state_slots / 64) words of scratch for an O(N) duplicate check, or null for O(N^2)
 // with no scratch.
 Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint64_t* seen_bits);
+// Problem::checkpoints > 0, host memory (cu_seqlens, checkpoint_offsets, checkpoint_slots): each
+// request's offset -1 or in [0, length], a multiple of kCheckpointAlignment or the length; its
+// slot -1 or inside the pool; the entries written distinct and none a state_slots entry.
+// `seen_bits`: check_state_slots' bitmap after it ran (the call's state_slots marked).
+Status check_checkpoints(const Problem& p, const Tensors& t, std::uint64_t* seen_bits);
 
 // Bytes of the CPU backend's duplicate bitmap (0 without pooled final states).
 inline std::uint64_t state_slot_bitmap_bytes(const Problem& p) {

@@ -5,8 +5,10 @@
 // before anything is written; the slot fields' validation.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -189,4 +191,161 @@ KDA_CPU_CASE("state slot fields are validated") {
   p.num_state_slots = 8;
   t.out = reinterpret_cast<unsigned char*>(pool.data()) + 4;
   CHECK(validate(p, t).message().find("out overlaps") != std::string::npos);
+}
+
+// ---- prefill checkpoints --------------------------------------------------------------------
+
+namespace {
+
+// Three rows of 40 tokens on slots 0..2 of a pool of 12, and checkpoint requests: row 0 after 16
+// and 40 tokens (its third request none); row 1 after 0, 32 and 16; row 2 after 40 and, not kept
+// (slot -1), 32.
+struct CheckpointCall {
+  KdaCase c;
+  Problem p;
+  std::vector<float> pool;
+  std::vector<std::int32_t> slots = {0, 1, 2};
+  std::vector<std::int64_t> offsets = {16, 40, -1, 0, 32, 16, 40, 32, -1};
+  std::vector<std::int32_t> checkpoint_slots = {3, 4, 5, 6, 7, 8, 9, -1, 10};
+  std::vector<std::uint16_t> out;
+
+  CheckpointCall() {
+    CaseOptions o;
+    o.batch = 3;
+    o.seq_len = 40;
+    o.initial_state_dtype = DType::kF32;
+    o.seed = 77;
+    c = make_case(o);
+    p = c.problem;
+    p.num_state_slots = 12;
+    p.checkpoints = 3;
+    p.checkpoint_offsets_dtype = DType::kI64;
+    const std::size_t per_slot = static_cast<std::size_t>(c.state_elems() / 3);
+    pool.assign(12 * per_slot, 0.0f);
+    for (std::size_t i = 0; i < pool.size(); ++i) pool[i] = 0.001f * static_cast<float>(i % 97);
+    std::copy(c.initial_state.begin(), c.initial_state.end(), pool.begin());
+    out.assign(static_cast<std::size_t>(c.out_elems()), kPoisonBf16);
+  }
+  std::size_t per_slot() const { return pool.size() / 12; }
+  Status run() {
+    Tensors t = c.inputs();
+    t.initial_state = pool.data();
+    t.final_state = pool.data();
+    t.state_slots = slots.data();
+    t.checkpoint_offsets = offsets.data();
+    t.checkpoint_slots = checkpoint_slots.data();
+    t.out = out.data();
+    std::size_t bytes = 0;
+    REQUIRE(workspace_size(p, Backend::kCpu, &bytes).ok());
+    std::vector<unsigned char> ws(bytes);
+    return forward_cpu(p, t, Workspace{ws.data(), ws.size()});
+  }
+};
+
+}  // namespace
+
+// Every request's slot holds the final state of a prefill of that many of its tokens (the same
+// operations: bit for bit); out and the sequences' own final states are those of the call without
+// checkpoints; the slots of requests with no offset or no slot, and every other slot, untouched.
+KDA_CPU_CASE("prefill checkpoints write the state after each requested offset") {
+  CheckpointCall call;
+  const std::vector<float> before = call.pool;
+  REQUIRE(call.run().ok());
+  const std::size_t per_slot = call.per_slot();
+
+  // The same call without checkpoints.
+  CheckpointCall plain;
+  plain.p.checkpoints = 0;
+  plain.p.checkpoint_offsets_dtype = DType::kNone;
+  Tensors t = plain.c.inputs();
+  t.initial_state = plain.pool.data();
+  t.final_state = plain.pool.data();
+  t.state_slots = plain.slots.data();
+  t.out = plain.out.data();
+  std::size_t bytes = 0;
+  REQUIRE(workspace_size(plain.p, Backend::kCpu, &bytes).ok());
+  std::vector<unsigned char> ws(bytes);
+  REQUIRE(forward_cpu(plain.p, t, Workspace{ws.data(), ws.size()}).ok());
+  CHECK(call.out == plain.out);
+  CHECK(std::equal(call.pool.begin(), call.pool.begin() + 3 * per_slot, plain.pool.begin()));
+
+  // Prefills of the first 0, 16, 32 and 40 tokens of every row, from the same initial states.
+  for (const std::int64_t length : {0, 16, 32, 40}) {
+    CAPTURE(length);
+    KdaCase prefix =
+        split_tokens(call.c, 0, length, DType::kF32, call.c.initial_state, DType::kF32);
+    std::vector<float> final_state(static_cast<std::size_t>(prefix.state_elems()), -7.0f);
+    std::vector<std::uint16_t> out(static_cast<std::size_t>(prefix.out_elems()));
+    Tensors pt = prefix.inputs();
+    pt.final_state = final_state.data();
+    pt.out = out.data();
+    std::size_t prefix_bytes = 0;
+    REQUIRE(workspace_size(prefix.problem, Backend::kCpu, &prefix_bytes).ok());
+    std::vector<unsigned char> prefix_ws(prefix_bytes);
+    REQUIRE(forward_cpu(prefix.problem, pt, Workspace{prefix_ws.data(), prefix_ws.size()}).ok());
+    for (std::size_t i = 0; i < call.offsets.size(); ++i) {
+      if (call.offsets[i] != length || call.checkpoint_slots[i] < 0) continue;
+      const std::size_t row = i / 3, slot = static_cast<std::size_t>(call.checkpoint_slots[i]);
+      CAPTURE(slot);
+      CHECK(std::equal(final_state.begin() + row * per_slot,
+                       final_state.begin() + (row + 1) * per_slot,
+                       call.pool.begin() + slot * per_slot));
+    }
+  }
+  for (const std::size_t slot : {5, 10, 11}) {
+    CAPTURE(slot);
+    CHECK(std::equal(before.begin() + slot * per_slot, before.begin() + (slot + 1) * per_slot,
+                     call.pool.begin() + slot * per_slot));
+  }
+}
+
+KDA_CPU_CASE("bad checkpoint requests are refused before anything is written") {
+  struct Bad {
+    std::function<void(CheckpointCall&)> change;
+    std::string message;
+  };
+  const std::vector<Bad> cases = {
+      {[](CheckpointCall& c) { c.offsets[1] = 24; },
+       "checkpoint_offsets[0][1] = 24 is not -1, a multiple of 16 up to the sequence's length 40, "
+       "or that length"},
+      {[](CheckpointCall& c) { c.offsets[4] = 48; },
+       "checkpoint_offsets[1][1] = 48 is not -1, a multiple of 16 up to the sequence's length 40, "
+       "or that length"},
+      {[](CheckpointCall& c) { c.checkpoint_slots[3] = 12; },
+       "checkpoint_slots[1][0] = 12 is outside the pool of num_state_slots = 12"},
+      {[](CheckpointCall& c) { c.checkpoint_slots[4] = 3; },
+       "checkpoint_slots[1][1] = 3 is written twice in the call (another checkpoint or a "
+       "sequence's state)"},
+      {[](CheckpointCall& c) { c.checkpoint_slots[0] = 2; },
+       "checkpoint_slots[0][0] = 2 is written twice in the call (another checkpoint or a "
+       "sequence's state)"},
+  };
+  for (const Bad& bad : cases) {
+    CAPTURE(bad.message);
+    CheckpointCall call;
+    bad.change(call);
+    const std::vector<float> before = call.pool;
+    const Status st = call.run();
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message() == bad.message);
+    CHECK(call.pool == before);
+    CHECK(std::all_of(call.out.begin(), call.out.end(),
+                      [](std::uint16_t x) { return x == kPoisonBf16; }));
+  }
+  // The problem's own fields.
+  CheckpointCall call;
+  Problem p = call.p;
+  p.checkpoint_offsets_dtype = DType::kF32;
+  CHECK(validate(p).message() == "checkpoint_offsets_dtype must be i32 or i64 (got f32)");
+  p = call.p;
+  p.num_state_slots = 0;
+  CHECK(validate(p).message().find("checkpoints (3) need state slots and a final state") !=
+        std::string::npos);
+}
+
+KDA_CUDA_CASE("prefill checkpoints are refused by the CUDA backend, naming the CPU") {
+  CheckpointCall call;
+  const Status st = can_implement(call.p, Backend::kCuda);
+  CHECK(st.code() == StatusCode::kUnsupported);
+  CHECK(st.message().find("CPU backend only") != std::string::npos);
 }

@@ -93,12 +93,25 @@ struct Problem {
   // (padding). A serving runtime's slots fragment as sequences come and go: this keeps a batch of
   // any slots one launch, with no gather or scatter around it.
   std::int64_t num_state_slots = 0;
+  // Prefill checkpoints (prefix caching): with state slots and a final state, up to `checkpoints`
+  // requests per sequence (K; 0: none) in Tensors::checkpoint_offsets [N, K] (this dtype: i32 or
+  // i64) and Tensors::checkpoint_slots int32 [N, K]. Request k of sequence s writes the state after
+  // checkpoint_offsets[s][k] of the sequence's tokens (a multiple of 16, or the sequence's length;
+  // -1: no request) into pool entry checkpoint_slots[s][k] (-1: none), in final_state_dtype. The
+  // entries written are distinct and none is a state_slots entry of the call. CPU backend only for
+  // now (CUDA: kUnsupported).
+  std::int64_t checkpoints = 0;
+  DType checkpoint_offsets_dtype = DType::kNone;
 
   bool varlen() const noexcept { return cu_seqlens_dtype != DType::kNone; }
   std::int64_t total_tokens() const noexcept { return batch * seq_len; }
   std::int64_t sequences() const noexcept { return varlen() ? num_seqs : batch; }
   float effective_scale() const noexcept;
 };
+
+// Checkpoint offsets are multiples of this many tokens (the prefill's chunk), or a sequence's
+// length.
+inline constexpr std::int64_t kCheckpointAlignment = 16;
 
 // Caller-owned tensors. For the CPU backend all pointers are host pointers; for the CUDA backend
 // all are device pointers except cu_seqlens_host.
@@ -127,6 +140,9 @@ struct Tensors {
   // Optional host copy of state_slots (CUDA backend): when given, its range and duplicates are
   // checked before anything runs (O(N^2) host time; callers that already checked pass none).
   const std::int32_t* state_slots_host = nullptr;
+  // With Problem::checkpoints > 0 (above): [N, K] each, on the backend as state_slots.
+  const void* checkpoint_offsets = nullptr;
+  const std::int32_t* checkpoint_slots = nullptr;
   void* out = nullptr;
   // Optional device word (4 bytes of device memory, CUDA only) where the kernels report what only
   // the device can see: they OR in DeviceStatusBit values (broken cu_seqlens contents, gate
