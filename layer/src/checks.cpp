@@ -1,6 +1,7 @@
 // layer/src/checks.cpp — the checks every backend of the layer makes (checks.hpp).
 #include "checks.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -53,6 +54,15 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
                           std::to_string(accepted_host[n]) + ", outside [1, decode_tokens = " +
                           std::to_string(batch.decode_tokens) + "]");
       }
+    }
+  }
+  if (batch.checkpoints < 0) invalid(what, "checkpoints must be >= 0");
+  if (batch.checkpoints > 0) {
+    if (decode || batch.slots == nullptr) {
+      invalid(what, "checkpoints need a prefill with slots");
+    }
+    if (N > 0 && (batch.checkpoint_offsets == nullptr || batch.checkpoint_slots == nullptr)) {
+      invalid(what, "checkpoint_offsets or checkpoint_slots is null");
     }
   }
   if (batch.slots == nullptr && N > state.num_slots) {
@@ -108,6 +118,48 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
   } else {
     throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
+  }
+}
+
+void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
+                       const std::int32_t* slots_host, std::int64_t num_slots, std::uint64_t* seen,
+                       const char* what) {
+  const std::int64_t N = batch.sequences, K = batch.checkpoints;
+  std::fill(seen, seen + (num_slots + 63) / 64, std::uint64_t{0});
+  auto mark = [&](std::int64_t slot) {
+    const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
+    const bool twice = (seen[slot / 64] & bit) != 0;
+    seen[slot / 64] |= bit;
+    return twice;
+  };
+  for (std::int64_t n = 0; n < N; ++n) {
+    if (slots_host[n] >= 0) mark(slots_host[n]);
+  }
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t length = cu_host[n + 1] - cu_host[n];
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::int64_t offset = batch.checkpoint_offsets[n * K + k];
+      const std::int64_t slot = batch.checkpoint_slots[n * K + k];
+      const std::string request =
+          "sequence " + std::to_string(n) + " checkpoint " + std::to_string(k);
+      if (offset < -1 || offset > length ||
+          (offset >= 0 && offset % kCheckpointAlignment != 0 && offset != length)) {
+        invalid(what, request + ": offset " + std::to_string(offset) +
+                          " is not -1, a multiple of " + std::to_string(kCheckpointAlignment) +
+                          " up to the sequence's length " + std::to_string(length) +
+                          ", or that length");
+      }
+      if (slot >= num_slots) {
+        invalid(what, request + ": slot " + std::to_string(slot) +
+                          " is outside [0, num_slots = " + std::to_string(num_slots) + ")");
+      }
+      if (slot < 0 || offset < 0 || slots_host[n] < 0) continue;
+      if (mark(slot)) {
+        invalid(what, request + ": slot " + std::to_string(slot) +
+                          " is written twice in the call (another checkpoint or a sequence's "
+                          "state)");
+      }
+    }
   }
 }
 

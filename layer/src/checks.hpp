@@ -41,6 +41,14 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
                                        const void* hidden, const void* out, Workspace workspace,
                                        const char* what);
 
+// A prefill's checkpoint requests (Batch::checkpoints > 0) where the host can read them: each
+// offset -1, or a multiple of kda::kCheckpointAlignment up to its sequence's length, or that
+// length; each row -1 or inside the pools; the rows written distinct and none a `slots_host`
+// entry. `seen`: ceil(num_slots / 64) words of scratch (the workspace's slot bitmap).
+void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
+                       const std::int32_t* slots_host, std::int64_t num_slots, std::uint64_t* seen,
+                       const char* what);
+
 // kda::validate_gate_parameters on the weights (sizes checked first): the core would refuse them,
 // but only after the conv states were updated (on CUDA, only through the device status word).
 void check_gate_weights(const Weights& weights);

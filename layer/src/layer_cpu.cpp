@@ -70,6 +70,21 @@ void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std
   }
 }
 
+// The conv state after `offset` inputs of a sequence whose pre-conv inputs are `pre` [L, Cl] and
+// whose initial conv state is `initial` [Cl, W-1]: its last W-1 inputs there, the older ones from
+// `initial` where fewer than W-1 inputs came before. Into `dst` [Cl, W-1] (not `initial`).
+void conv_state_at(const float* pre, std::int64_t offset, std::int64_t channels, std::int64_t width,
+                   const bf16_bits* initial, bf16_bits* dst) {
+  const std::int64_t history = width - 1;
+  for (std::int64_t c = 0; c < channels; ++c) {
+    for (std::int64_t i = 0; i < history; ++i) {
+      const std::int64_t t = offset - history + i;  // the input's position in the sequence
+      dst[c * history + i] =
+          t >= 0 ? float_to_bf16(pre[t * channels + c]) : initial[c * history + history + t];
+    }
+  }
+}
+
 // The same conv for a verify step's row of `length` tokens (at most kMaxDecodeTokens): starts from
 // `start` [Cl, W-1] and writes the conv state after token t into keep[t] (null: not kept). Channel
 // by channel, each channel's start read before any of its states is written, so that keep[t] may be
@@ -265,6 +280,12 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const WorkspaceLayout layout = checked_forward_layout(
       Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, batch.num_accepted,
       state, hidden, out, workspace, kForward);
+  const WorkspaceRegions regions(layout, workspace.ptr);
+  using L = WorkspaceLayout;
+  if (batch.checkpoints > 0) {
+    check_checkpoints(batch, batch.cu_seqlens, batch.slots, state.num_slots,
+                      regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
+  }
   if (T == 0) return;  // nothing to compute; every state stays as it is
   // A verify step's rows start from their slot at num_accepted - 1 (kda.hpp).
   const bool verify = batch.num_accepted != nullptr;
@@ -277,8 +298,6 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
                                             state.recurrent_dtype);
 
-  const WorkspaceRegions regions(layout, workspace.ptr);
-  using L = WorkspaceLayout;
   auto* xf = regions.at<float>(&L::hidden_f32);
   auto* pre = regions.at<float>(&L::pre_f32);
   auto* lowrank = regions.at<float>(&L::lowrank_f32);
@@ -323,6 +342,17 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           continue;
         }
         bf16_bits* conv_state = padding ? nullptr : branch.pool + slot_of(n) * conv_row;
+        if (batch.checkpoints > 0 && !padding) {
+          // Checkpoints first: they read the sequence's initial conv state, which the conv
+          // below replaces.
+          for (std::int64_t k = 0; k < batch.checkpoints; ++k) {
+            const std::int64_t offset = batch.checkpoint_offsets[n * batch.checkpoints + k];
+            const std::int32_t slot = batch.checkpoint_slots[n * batch.checkpoints + k];
+            if (offset < 0 || slot < 0) continue;
+            conv_state_at(pre + begin * Cl, offset, Cl, W, conv_state,
+                          branch.pool + std::int64_t{slot} * conv_row);
+          }
+        }
         if (verify && !padding) {
           bf16_bits* keep[kMaxDecodeTokens];
           for (std::int64_t t = 0; t < length; ++t) {
@@ -393,8 +423,16 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     t.initial_state = state.recurrent;
     t.final_state = state.recurrent;  // updated in place
     t.state_slots = batch.slots;
+    Problem with_checkpoints = core;
+    if (batch.checkpoints > 0) {
+      with_checkpoints.checkpoints = batch.checkpoints;
+      with_checkpoints.checkpoint_offsets_dtype = DType::kI64;
+      t.checkpoint_offsets = batch.checkpoint_offsets;
+      t.checkpoint_slots = batch.checkpoint_slots;
+    }
     KDA_NVTX_RANGE("core");
-    throw_if_error(forward_cpu(core, t, regions.core(), cpu), "KDA layer forward (CPU): core");
+    throw_if_error(forward_cpu(with_checkpoints, t, regions.core(), cpu),
+                   "KDA layer forward (CPU): core");
   }
   timer.lap(&Times::core);
 

@@ -373,6 +373,12 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   const WorkspaceLayout layout = checked_forward_layout(
       Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host,
       batch.num_accepted_host, state, hidden, out, workspace, kForward);
+  if (batch.checkpoints > 0) {
+    throw Error(StatusCode::kUnsupported,
+                std::string(kForward) +
+                    ": prefill checkpoints run on the CPU layer only (the CUDA prefill does not "
+                    "write them yet)");
+  }
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kSeparate)) {
     throw Error(StatusCode::kInvalidArgument,

@@ -46,6 +46,7 @@ WorkspaceLayout make_workspace_layout(Backend backend, const Config& c, std::int
   layout.gate = per_token(Cl, sizeof(float));
   layout.cu = regions.take(regions.bytes_of(sequences + 1, 1, sizeof(std::int64_t)));
   layout.identity_slots = regions.take(regions.bytes_of(sequences, 1, sizeof(std::int32_t)));
+  layout.slot_bitmap = regions.take(regions.bytes_of((num_slots + 63) / 64, 1, 8));
   // Sized with a slot list (the larger of the two: it adds the core's duplicate-slot bitmap).
   const Problem core = core_prefill_problem(c, tokens, sequences, num_slots, DType::kF32);
   if (Status st = workspace_size(core, backend, &layout.core_bytes); !st) {

@@ -31,6 +31,7 @@ struct WorkspaceLayout {
   std::size_t gate = 0;                           // f32 [T, Cl]: the output gate before the norm
   std::size_t cu = 0;              // i64 [N + 1]: a decode batch's cu_seqlens (0, t, 2t, ...)
   std::size_t identity_slots = 0;  // i32 [N]: 0, 1, ..., N-1, a decode batch's rows as slots
+  std::size_t slot_bitmap = 0;     // u64 [ceil(num_slots / 64)]: the CPU's checkpoint check
   std::size_t core = 0;            // the operator's workspace, core_bytes long
   std::size_t core_bytes = 0;
   // CPU scratch: x widened f32 [T, E] (later the o_proj result), one projection f32 [T, Cl]

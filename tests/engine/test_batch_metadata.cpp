@@ -405,6 +405,64 @@ TEST_CASE("engine: a verify step's bad num_accepted is reported by the device [c
   if (usable(Backend::kCuda)) bad_verify(Backend::kCuda);
 }
 
+namespace {
+
+// A prefill of two sequences (20 and 33 tokens, slots 0 and 1) with checkpoints: sequence 0 after
+// 16 tokens into slot 2, sequence 1 after 32 into slot 3 (its second request none). Continuing
+// sequence 1 from slot 3 with its last token ends where the one-pass prefill ended (the CPU: bit
+// for bit), in both layers; CUDA refuses checkpoints for now.
+void prefill_checkpoints(Backend backend) {
+  Engine e(spec(), EnginePair::options(backend, nullptr));
+  for (int s = 0; s < 4; ++s) e.acquire_slot();
+  const std::vector<std::int64_t> cu = {0, 20, 53};
+  const std::vector<std::int64_t> offsets = {16, -1, 32, -1};
+  const std::vector<std::int32_t> checkpoint_slots = {2, -1, 3, -1};
+  Memory hidden(backend, kda::test::random_bf16(53 * kHidden, 1.0f, 81));
+  Memory out(backend, 53 * kHidden * 2);
+  Memory slots(backend, std::vector<std::int32_t>{0, 1});
+  Memory cu_dev(backend, cu), off_dev(backend, offsets), cp_dev(backend, checkpoint_slots);
+  BatchMetadata b;
+  b.tokens = 53;
+  b.sequences = 2;
+  b.slots = slots.as<std::int32_t>();
+  b.cu_seqlens = cu_dev.as<std::int64_t>();
+  b.checkpoints = 2;
+  b.checkpoint_offsets = off_dev.as<std::int64_t>();
+  b.checkpoint_slots = cp_dev.as<std::int32_t>();
+  if (backend == Backend::kCuda) {
+    const std::string error =
+        kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); });
+    CHECK(error.find("CPU backend only") != std::string::npos);
+    return;
+  }
+  for (int l = 0; l < 2; ++l) e.prefill_hidden(l, hidden.get(), out.get(), b);
+  const std::vector<std::uint16_t> all = hidden.read<std::uint16_t>();
+  const std::vector<std::uint16_t> last(all.begin() + 52 * kHidden, all.end());
+  Memory tail(backend, last), tail_out(backend, kHidden * 2);
+  for (int l = 0; l < 2; ++l) {
+    CAPTURE(l);
+    const std::vector<double> one_pass = slot_values(e, l, 1);
+    e.prefill_hidden(l, tail.get(), tail_out.get(), {3}, {0, 1});
+    CHECK(slot_values(e, l, 3) == one_pass);
+  }
+  // Slots not acquired, or named twice, are refused.
+  cp_dev.write(std::vector<std::int32_t>{5, -1, 3, -1});
+  CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
+        "prefill_hidden: checkpoint 0 uses slot 5, which is not an acquired slot");
+  cp_dev.write(std::vector<std::int32_t>{1, -1, 3, -1});
+  CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
+        "prefill_hidden: slot 1 appears twice in the batch");
+}
+
+}  // namespace
+
+TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from one [cpu]") {
+  prefill_checkpoints(Backend::kCpu);
+}
+TEST_CASE("engine: prefill checkpoints are refused on CUDA for now [cuda]") {
+  if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
+}
+
 TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
   decode_layouts(Backend::kCpu);
 }

@@ -379,3 +379,132 @@ KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before any
                          "num_accepted (a verify step) needs a decode batch with slots");
   CHECK(pools == before);
 }
+
+namespace {
+
+// Checkpoint requests of a prefill: sequence 0 (37 tokens, slot 0) after 16 and 37 tokens into
+// rows 2 and 3; sequence 1 (20 tokens, slot 1) after 0 and 16 tokens into rows 4 and 5.
+ForwardSettings with_checkpoints(const std::vector<std::int64_t>* offsets,
+                                 const std::vector<std::int32_t>* rows, std::int64_t k) {
+  ForwardSettings settings;
+  settings.change = [=](ForwardCall& call) {
+    call.batch.checkpoints = k;
+    call.batch.checkpoint_offsets = offsets->data();
+    call.batch.checkpoint_slots = rows->data();
+  };
+  return settings;
+}
+
+}  // namespace
+
+// Each checkpoint row holds the states (recurrent and conv) of a prefill of that many of its
+// sequence's tokens, bit for bit, and a prefill continued from it ends where the one-pass prefill
+// ends; out and the sequences' own rows are those of the call without checkpoints.
+KDA_LAYER_CPU_CASE("prefill checkpoints hold each offset's states; continuing from one matches") {
+  LayerRunner& runner = cpu_layer_runner();
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = runner.config(GateMode::kLowerBound, full_rank);
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 51, 2));
+    const auto layer = runner.make(weights);
+    const std::int64_t E = config.hidden_size;
+    const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(57 * E), 2.0f, 52);
+    const BatchSpec batch = prefill_batch({37, 20}, {0, 1});
+    Pools before(config, 6);
+    before.randomize(53);
+    const std::vector<std::int64_t> offsets = {16, 37, 0, 16};
+    const std::vector<std::int32_t> rows = {2, 3, 4, 5};
+    Pools after = before;
+    const LayerRun run =
+        runner.forward(*layer, hidden, batch, &after, with_checkpoints(&offsets, &rows, 2));
+    REQUIRE_MESSAGE(run.error.empty(), run.error);
+    Pools plain = before;
+    const LayerRun plain_run = runner.forward(*layer, hidden, batch, &plain);
+    CHECK(same_bits(run.out, plain_run.out));
+    CHECK(after.row_equal(plain, 0));
+    CHECK(after.row_equal(plain, 1));
+
+    struct Request {
+      std::int64_t sequence, offset, row;
+    };
+    for (const Request& r :
+         {Request{0, 16, 2}, Request{0, 37, 3}, Request{1, 0, 4}, Request{1, 16, 5}}) {
+      CAPTURE(r.row);
+      Pools prefix = before;
+      const std::int64_t begin = r.sequence == 0 ? 0 : 37;
+      const LayerRun p = runner.forward(
+          *layer, token_rows(hidden, E, begin, begin + r.offset),
+          prefill_batch({r.offset}, {static_cast<std::int32_t>(r.sequence)}), &prefix);
+      REQUIRE_MESSAGE(p.error.empty(), p.error);
+      CHECK(after.row_equal(prefix, r.row, r.sequence));
+    }
+    // Sequence 0 continued from its checkpoint after 16 tokens: its last 21 tokens.
+    Pools resumed = after;
+    const LayerRun rest =
+        runner.forward(*layer, token_rows(hidden, E, 16, 37), prefill_batch({21}, {2}), &resumed);
+    REQUIRE_MESSAGE(rest.error.empty(), rest.error);
+    // An f32 checkpoint holds the state exactly, and the CPU layer continues with the same
+    // operations: bit for bit.
+    CHECK(same_bits(rest.out, token_rows(run.out, E, 16, 37)));
+    CHECK(resumed.row_equal(after, 2, 0));
+  }
+}
+
+KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is written") {
+  LayerRunner& runner = cpu_layer_runner();
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(57 * config.hidden_size), 1.0f, 3);
+  Pools pools(config, 6);
+  pools.randomize(4);
+  const Pools before = pools;
+  struct Bad {
+    std::vector<std::int64_t> offsets;
+    std::vector<std::int32_t> rows;
+    std::string message;
+  };
+  for (const Bad& bad :
+       {Bad{{16, 36, 0, 16},
+            {2, 3, 4, 5},
+            "sequence 0 checkpoint 1: offset 36 is not -1, a multiple of 16 up to the sequence's "
+            "length 37, or that length"},
+        Bad{{16, 37, 0, 32},
+            {2, 3, 4, 5},
+            "sequence 1 checkpoint 1: offset 32 is not -1, a multiple of 16 up to the sequence's "
+            "length 20, or that length"},
+        Bad{{16, 37, 0, 16},
+            {2, 3, 6, 5},
+            "sequence 1 checkpoint 0: slot 6 is outside [0, "
+            "num_slots = 6)"},
+        Bad{{16, 37, 0, 16},
+            {2, 1, 4, 5},
+            "sequence 0 checkpoint 1: slot 1 is written twice in the call (another checkpoint or "
+            "a sequence's state)"},
+        Bad{{16, 37, 0, 16},
+            {2, 3, 2, 5},
+            "sequence 1 checkpoint 0: slot 2 is written twice in the call (another checkpoint or "
+            "a sequence's state)"}}) {
+    CAPTURE(bad.message);
+    const LayerRun run = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
+                                        with_checkpoints(&bad.offsets, &bad.rows, 2));
+    CHECK(run.code == StatusCode::kInvalidArgument);
+    CHECK(run.error == runner.forward_error_prefix() + bad.message);
+    CHECK(pools == before);
+  }
+}
+
+KDA_LAYER_CUDA_CASE("prefill checkpoints are refused by the CUDA layer, naming the CPU") {
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 6);
+  const Pools before = pools;
+  const std::vector<std::int64_t> offsets = {16, 37, 0, 16};
+  const std::vector<std::int32_t> rows = {2, 3, 4, 5};
+  const LayerRun run =
+      cuda.forward(*layer, random_bf16(static_cast<std::size_t>(57 * config.hidden_size), 1.0f, 3),
+                   prefill_batch({37, 20}, {0, 1}), &pools, with_checkpoints(&offsets, &rows, 2));
+  CHECK(run.code == StatusCode::kUnsupported);
+  CHECK(run.error.find("CPU layer only") != std::string::npos);
+  CHECK(pools == before);
+}

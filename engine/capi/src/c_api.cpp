@@ -214,6 +214,9 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* fu
   b.slots = batch->slots;
   b.cu_seqlens = batch->cu_seqlens;
   b.num_accepted = batch->num_accepted;
+  b.checkpoints = batch->checkpoints;
+  b.checkpoint_offsets = batch->checkpoint_offsets;
+  b.checkpoint_slots = batch->checkpoint_slots;
   return b;
 }
 

@@ -320,6 +320,17 @@ struct Engine::Impl {
     if (!decode && b.num_accepted != nullptr) {
       fail(call + ": num_accepted is set, but a verify step is a decode");
     }
+    if (b.checkpoints < 0 || (b.checkpoints > 0 && decode)) {
+      fail(call + ": checkpoints " + std::to_string(b.checkpoints) +
+           (decode ? " in a decode (checkpoints are a prefill's)" : ", expected >= 0"));
+    }
+    if (b.checkpoints > 0 && (b.checkpoint_offsets == nullptr || b.checkpoint_slots == nullptr)) {
+      fail(call + ": checkpoint_offsets or checkpoint_slots is null");
+    }
+    if (b.checkpoints > 0 && backend->has_device_status()) {
+      throw Error(StatusCode::kUnsupported,
+                  call + ": prefill checkpoints run on the CPU backend only for now");
+    }
     const auto n = static_cast<std::size_t>(b.sequences);
     const bool verify = b.num_accepted != nullptr;
     const std::size_t entries = verify ? n * static_cast<std::size_t>(b.decode_tokens) : n;
@@ -349,6 +360,12 @@ struct Engine::Impl {
       return;
     }
     claim_slots(call, decode ? "row" : "sequence", b.slots, n);
+    // Checkpoint slots: acquired, and (same stamp) none a sequence's slot or another's.
+    for (std::size_t i = 0; i < n * static_cast<std::size_t>(b.checkpoints); ++i) {
+      if (b.checkpoint_slots[i] >= 0 && b.checkpoint_offsets[i] >= 0) {
+        claim_slot(call, "checkpoint", i, b.checkpoint_slots[i]);
+      }
+    }
   }
 
   // A batch's `count` slots: each non-negative one (negative: padding) an acquired slot, none
@@ -454,9 +471,15 @@ struct Engine::Impl {
     // operator refuses an out that overlaps an input before it writes anything). Each sequence
     // reads and writes its state through its slot index in the layer's pool, whatever the slots.
     if (b.decode_tokens == 0) {
-      const Problem problem = layer.prefill_problem(b.tokens, b.sequences);
+      Problem problem = layer.prefill_problem(b.tokens, b.sequences);
       Tensors t = caller_tensors<Tensors>(inputs, out);
       check_caller_tensors(layer, what, problem, t);
+      if (b.checkpoints > 0) {
+        problem.checkpoints = b.checkpoints;
+        problem.checkpoint_offsets_dtype = DType::kI64;
+        t.checkpoint_offsets = b.checkpoint_offsets;
+        t.checkpoint_slots = b.checkpoint_slots;
+      }
       t.cu_seqlens = b.cu_seqlens;
       t.cu_seqlens_host = cu_host;
       t.state_slots = b.slots;
@@ -488,6 +511,9 @@ struct Engine::Impl {
     batch.cu_seqlens = b.decode_tokens == 0 ? b.cu_seqlens : nullptr;
     batch.slots = b.slots;
     batch.num_accepted = b.num_accepted;
+    batch.checkpoints = b.checkpoints;
+    batch.checkpoint_offsets = b.checkpoint_offsets;
+    batch.checkpoint_slots = b.checkpoint_slots;
     batch.cu_seqlens_host = cu_host;
     batch.slots_host = slots_host;
     batch.device_status = device_status;

@@ -216,6 +216,13 @@ typedef struct kda_batch {
      slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative:
      not kept); a row whose start entry is negative is padding (kda::engine::BatchMetadata). */
   const int32_t* num_accepted;
+  /* Prefill only, optional (0 / NULL: none): prefix-cache checkpoints, `checkpoints` requests per
+     sequence, checkpoint_offsets [sequences, checkpoints] (tokens; -1: none) and checkpoint_slots
+     [sequences, checkpoints] (acquired slots; -1: none), as kda::engine::BatchMetadata. CPU
+     backend only for now (KDA_UNSUPPORTED on CUDA). */
+  int64_t checkpoints;
+  const int64_t* checkpoint_offsets;
+  const int32_t* checkpoint_slots;
 } kda_batch;
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,

@@ -92,6 +92,17 @@ struct Batch {
   // device_status (kDeviceStatusAccepted) and that row written as padding.
   const std::int32_t* num_accepted = nullptr;
   const std::int32_t* num_accepted_host = nullptr;
+  // Prefill only, optional: checkpoints for prefix caching (kda.hpp, Problem::checkpoints), K
+  // requests per sequence in checkpoint_offsets int64 [N, K] and checkpoint_slots int32 [N, K], on
+  // the layer's backend and with slots: request k of sequence n writes, into pool row
+  // checkpoint_slots[n][k] (-1: none), the recurrent state after checkpoint_offsets[n][k] of the
+  // sequence's tokens (-1: none; a multiple of 16, or its length) and the three conv states there
+  // (the W-1 pre-conv inputs before that offset, from the sequence's initial conv state where
+  // fewer tokens came before). The rows written are distinct and none is a slots entry. CPU only
+  // for now (CUDA: kUnsupported).
+  std::int64_t checkpoints = 0;
+  const std::int64_t* checkpoint_offsets = nullptr;
+  const std::int32_t* checkpoint_slots = nullptr;
   // Optional device word the kernels OR kda::DeviceStatusBit values into (CUDA).
   std::uint32_t* device_status = nullptr;
 };

@@ -155,6 +155,15 @@ struct BatchMetadata {
   // negative is padding (kda::DecodeProblem::verify, kda::layer::Batch::num_accepted). CUDA: a
   // count outside the range is reported by check_device_status() and its row skipped.
   const std::int32_t* num_accepted = nullptr;
+  // Prefill only, optional: prefix-cache checkpoints, `checkpoints` (K) requests per sequence,
+  // int64 checkpoint_offsets [sequences, K] and int32 checkpoint_slots [sequences, K]: request k of
+  // sequence j writes the states after checkpoint_offsets[j][k] of its tokens (-1: none; a
+  // multiple of 16, or its length) into acquired slot checkpoint_slots[j][k] (-1: none), the conv
+  // states too for whole layers (kda::layer::Batch::checkpoints). The slots written are distinct
+  // and none is a `slots` entry. CPU backend only for now (CUDA: kda::Error kUnsupported).
+  std::int64_t checkpoints = 0;
+  const std::int64_t* checkpoint_offsets = nullptr;
+  const std::int32_t* checkpoint_slots = nullptr;
 };
 
 // One KDA layer of an engine, as messages and tables name it, and its gate parameters.
