@@ -1,6 +1,7 @@
 // kda-gemv-probe — the whole layer's one-row GEMM (layer/src/cuda/small_gemm.cu) against cuBLAS on
 // the shapes a decode step of one sequence runs: the input projection, o_proj and the low-rank
-// second factors of Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard.
+// second factors of Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard;
+// the kernel as the layer runs it, then with each row cut into 1, 2, 4 and 8 slices.
 // Each call reads another copy of the weights (copies beyond three times L2), CUDA events around
 // 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time. CUDA only.
 #include <cublas_v2.h>
@@ -39,8 +40,8 @@ int main() {
   std::printf("kda-gemv-probe on %s: one row, bf16 weights [n, k], us (TB/s of weight reads)\n\n",
               prop.name);
   std::printf(
-      "| shape | n | k | weights MB | small-row kernel | cuBLAS "
-      "|\n|---|---:|---:|---:|---:|---:|\n");
+      "| shape | n | k | weights MB | small-row kernel | split 1 | split 2 | split 4 | split 8 | "
+      "cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Shape& s :
        {Shape{"H = 32 input projection", 12576, 2304}, Shape{"H = 32 o_proj", 2304, 4096},
         Shape{"H = 32 f_b", 4096, 128}, Shape{"TP8 input projection", 1800, 2304},
@@ -60,15 +61,17 @@ int main() {
     cudaEvent_t a, b;
     cudaEventCreate(&a);
     cudaEventCreate(&b);
-    double us[2];
-    for (int which = 0; which < 2; ++which) {
+    // 0: the kernel as the layer runs it; 1..4: split forced to 1, 2, 4, 8; 5: cuBLAS.
+    double us[6];
+    for (int which = 0; which < 6; ++which) {
       std::vector<double> rounds;
       for (int round = 0; round < 5; ++round) {
         for (int it = 0; it < 60; ++it) {
           if (it == 10) cudaEventRecord(a, stream);
           void* w = weights[it % copies];
-          if (which == 0) {
+          if (which < 5) {
             kda::layer::cuda::SmallGemmParams p;
+            p.split = which == 0 ? 0 : 1 << (which - 1);
             p.in = static_cast<const std::uint16_t*>(in);
             p.ldi = s.k;
             p.weight = static_cast<const std::uint16_t*>(w);
@@ -95,9 +98,10 @@ int main() {
       std::sort(rounds.begin(), rounds.end());
       us[which] = rounds[2];
     }
-    std::printf("| %s | %lld | %lld | %.1f | %.2f (%.2f) | %.2f (%.2f) |\n", s.name,
-                static_cast<long long>(s.n), static_cast<long long>(s.k), bytes / 1e6, us[0],
-                bytes / us[0] / 1e6, us[1], bytes / us[1] / 1e6);
+    std::printf("| %s | %lld | %lld | %.1f |", s.name, static_cast<long long>(s.n),
+                static_cast<long long>(s.k), bytes / 1e6);
+    for (const double t : us) std::printf(" %.2f (%.2f) |", t, bytes / t / 1e6);
+    std::printf("\n");
     for (void* w : weights) cudaFree(w);
     cudaFree(in);
     cudaFree(out);

@@ -142,6 +142,9 @@ struct SmallGemmParams {
   // Launch as a programmatic dependent of the kernel before it in the stream: weights are read
   // before waiting for that kernel's grid, `in` only after (the previous kernel may write it).
   bool programmatic = false;
+  // Slices per weight row: 0 chooses by shape (small_gemm.cu); 1, 2, 4 or 8 forces it (for
+  // kda-gemv-probe's comparisons).
+  int split = 0;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and

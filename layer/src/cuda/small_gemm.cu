@@ -125,7 +125,8 @@ bool small_gemm_fits(const SmallGemmParams& p) {
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (!small_gemm_fits(p)) return cudaErrorInvalidValue;
-  const int split = split_of(p);
+  const int split =
+      p.split == 1 || p.split == 2 || p.split == 4 || p.split == 8 ? p.split : split_of(p);
   const int rows_per_block = kWarpsPerBlock / split;
   const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
   cudaLaunchConfig_t config{};
