@@ -73,16 +73,17 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
   }
 }
 
-template <bool kF32State, int kVec>
+// kVerify: a verify step (compiled apart, so that a plain step's kernel is the one it was).
+template <bool kF32State, int kVec, bool kVerify>
 __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const DecodeParams p) {
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // A verify step starts from the slot after the row's last accepted token (kda.hpp).
-  const bool verify = p.num_accepted != nullptr;
+  constexpr bool verify = kVerify;
   std::int32_t slot = -1;
-  if (verify) {
+  if constexpr (verify) {
     const std::int32_t accepted = p.num_accepted[b];
     if (accepted < 1 || accepted > p.tokens) {
       if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     if (i_mine < L::kSteps) {
       p.out[(tok * H + h) * D + row_of(i_mine)] = __float2bfloat16(mine);
     }
-    if (verify) {  // the state after this token, where the row keeps it
+    if constexpr (verify) {  // the state after this token, where the row keeps it
       const std::int32_t keep = p.slots[b * p.tokens + t];
       if (keep >= p.num_slots && h == 0 && threadIdx.x == 0) {
         report_status(p.status, kDeviceStatusSlot);
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     }
   }
 
-  if (!verify) store_state(state_base);
+  if constexpr (!verify) store_state(state_base);
 }
 
 // Channels per lane (DecodeLanes), measured on the H200 (same run, 3 rounds, B = 1..256): 4 for an
@@ -318,9 +319,15 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
   const cudaError_t err =
-      p.state_dtype == DType::kF32 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4>, prm)
-      : decode_vec(p, t) == 8      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8>, prm)
-                                   : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4>, prm);
+      p.verify ? (p.state_dtype == DType::kF32
+                      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm)
+                  : decode_vec(p, t) == 8
+                      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm)
+                      : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm))
+      : p.state_dtype == DType::kF32
+          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false>, prm)
+      : decode_vec(p, t) == 8 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false>, prm)
+                              : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false>, prm);
   return cuda_status(err, "kda_decode_kernel");
 }
 

@@ -10,7 +10,7 @@ namespace kda::layer::cuda {
 
 namespace {
 
-template <int W>
+template <int W, bool kVerify>
 __global__ void __launch_bounds__(kConvThreads)
     conv_decode_kernel(ConvParams p, bool vector_state) {
   const std::int64_t n = blockIdx.x;
@@ -24,7 +24,17 @@ __global__ void __launch_bounds__(kConvThreads)
   const std::int64_t c =
       kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
   if (c >= 3 * p.channels) return;
-  conv8<W>(p, vector_state, c, bos, eos, bos, eos, true, state_row(p, n, c == 0));
+  conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, state_row<kVerify>(p, n, c == 0));
+}
+
+template <int W>
+void launch_width(const ConvParams& p, bool vector_state, bool verify, dim3 grid, unsigned threads,
+                  cudaStream_t stream) {
+  if (verify) {
+    conv_decode_kernel<W, true><<<grid, threads, 0, stream>>>(p, vector_state);
+  } else {
+    conv_decode_kernel<W, false><<<grid, threads, 0, stream>>>(p, vector_state);
+  }
 }
 
 }  // namespace
@@ -35,15 +45,16 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(p.sequences), shape.tiles);
+  const bool verify = p.num_accepted != nullptr;
   switch (p.width) {
     case 2:
-      conv_decode_kernel<2><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      launch_width<2>(p, vector_state, verify, grid, shape.threads, stream);
       break;
     case 3:
-      conv_decode_kernel<3><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      launch_width<3>(p, vector_state, verify, grid, shape.threads, stream);
       break;
     case 4:
-      conv_decode_kernel<4><<<grid, shape.threads, 0, stream>>>(p, vector_state);
+      launch_width<4>(p, vector_state, verify, grid, shape.threads, stream);
       break;
     default:
       return cudaErrorInvalidValue;

@@ -111,7 +111,9 @@ __device__ __forceinline__ void store_state(std::uint16_t* state, bool vector,
 //
 // Requires (checked by the launchers): proj, proj_stride, channels and out[] 16-byte granular,
 // conv_weight 16-byte aligned.
-template <int W>
+// kVerify: a decode verify step (p.num_accepted; compiled apart, so that the prefill's and a plain
+// decode's code is what it was).
+template <int W, bool kVerify = false>
 __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, std::int64_t c,
                                       std::int64_t bos, std::int64_t eos, std::int64_t t_begin,
                                       std::int64_t t_end, bool first_chunk, std::int64_t slot) {
@@ -202,7 +204,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
         h[i][kHist - 1] = x[i];
       }
       out[(t0 + r) * out_stride] = pack8(y);
-      if (p.num_accepted != nullptr && state != nullptr) {
+      if (kVerify && state != nullptr) {
         // A verify step keeps the conv state after each token where its row names a slot.
         // (A decode row's tokens are rows n * T .. n * T + T - 1: slots[n][t] is slots[row].)
         const std::int64_t keep = p.slots[t0 + r];
@@ -223,7 +225,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
     }
   }
 
-  if (state == nullptr || p.num_accepted != nullptr) return;
+  if (state == nullptr || kVerify) return;
   // New state column k = input (len - kHist + k) of the sequence: from proj when >= 0, else old
   // state column len + k (read again: nothing has written the row since the read above).
   const std::int64_t len = eos - bos;
@@ -268,10 +270,11 @@ __device__ __forceinline__ void copy_beta(const ConvParams& p, std::int64_t t_be
 // Sequence n's state row, or -1 for padding (negative slot) and for a slot outside the pool
 // (reported once per sequence by the thread that asks with `report`). A verify step's row: its
 // slot at num_accepted - 1 (a count outside [1, decode_tokens]: padding, reported).
+template <bool kVerify = false>
 __device__ __forceinline__ std::int64_t state_row(const ConvParams& p, std::int64_t n,
                                                   bool report) {
   std::int64_t slot = p.slots != nullptr ? static_cast<std::int64_t>(p.slots[n]) : n;
-  if (p.num_accepted != nullptr) {
+  if constexpr (kVerify) {
     const std::int32_t accepted = p.num_accepted[n];
     if (accepted < 1 || accepted > p.decode_tokens) {
       if (report && p.status != nullptr) atomicOr(p.status, kDeviceStatusAccepted);
