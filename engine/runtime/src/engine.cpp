@@ -149,6 +149,7 @@ CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
 // ---- the engine's state ----------------------------------------------------------------------
 
 struct Engine::Impl {
+  Communicator* communicator = nullptr;  // EngineOptions::communicator
   // Slot indices staged for the operator (int32, -1 for padding), one per kind of call.
   struct SlotStaging {
     std::int32_t* device = nullptr;      // arena scratch
@@ -518,6 +519,12 @@ struct Engine::Impl {
     batch.slots_host = slots_host;
     batch.device_status = device_status;
     layer.forward(batch, hidden, out, layer_options(times));
+    // A tensor-parallel rank's partial sum, summed over the group in place.
+    if (communicator != nullptr && b.tokens > 0) {
+      communicator->all_reduce_sum(
+          out, static_cast<std::size_t>(b.tokens) * static_cast<std::size_t>(spec.hidden_size),
+          DType::kBF16, backend->stream());
+    }
   }
 
   // How the whole layers run: on the engine's stream and threads, its pointers checked already.
@@ -616,6 +623,22 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   backend_options.cpu_threads = options.cpu_threads;
   backend_options.stream = options.stream;
   backend_options.check_pointers = options.check_pointers;
+  if (options.communicator != nullptr) {
+    const Communicator& c = *options.communicator;
+    if (m.spec.runtime.layer_mode != LayerMode::kWhole || c.size() != m.spec.runtime.tp_size ||
+        c.rank() != m.spec.runtime.tp_rank || c.backend() != kind) {
+      throw Error(StatusCode::kInvalidArgument,
+                  where + ": EngineOptions::communicator is rank " + std::to_string(c.rank()) +
+                      " of " + std::to_string(c.size()) + " on " + to_string(c.backend()) +
+                      "; the engine is tensor-parallel rank " +
+                      std::to_string(m.spec.runtime.tp_rank) + " of " +
+                      std::to_string(m.spec.runtime.tp_size) + " on " + to_string(kind) +
+                      (m.spec.runtime.layer_mode != LayerMode::kWhole
+                           ? " with the KDA cores alone (a communicator sums whole layers)"
+                           : ""));
+    }
+  }
+  m.communicator = options.communicator;
   m.backend = make_engine_backend(kind, backend_options, where);
   m.unchecked.check_pointers = false;
   m.unchecked.schedule = m.spec.runtime.prefill_schedule;

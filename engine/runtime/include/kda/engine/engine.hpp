@@ -55,6 +55,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kda/engine/communicator.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/kda.hpp"
 #include "kda/layer/layer.hpp"
@@ -116,6 +117,12 @@ struct EngineOptions {
   std::optional<PrefillSchedule> prefill_schedule;
   // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
   std::optional<LayerMode> layer_mode;
+  // Tensor parallelism (runtime.tp_size > 1, whole layers): the group of this rank, not owned (it
+  // must outlive the engine). With it every prefill_hidden / decode_hidden all-reduces its output
+  // in place (bf16, communicator.hpp), so that each rank returns the whole layer's output rather
+  // than its shard's partial sum. Its size and rank must be the spec's tp_size and tp_rank and its
+  // memory the engine's backend's. Null: the output is the partial sum (the host all-reduces).
+  Communicator* communicator = nullptr;
 };
 
 // Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
