@@ -57,6 +57,15 @@ class HostBackend final : public EngineBackend {
     KDA_NVTX_RANGE("decode.step_cpu");
     return decode_cpu(p, t, ws, cpu_);
   }
+  Status transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                    Workspace ws) const override {
+    KDA_NVTX_RANGE("prefill.transition_cpu");
+    return segment_transition_cpu(p, t, p_t, h_t, ws, cpu_);
+  }
+  Status apply_transition(std::int64_t pairs, std::int64_t k, std::int64_t v, const float* s_in,
+                          const float* p_t, const float* h_t, float* s_out) const override {
+    return apply_transition_cpu(pairs, k, v, s_in, p_t, h_t, s_out);
+  }
 
   bool has_device_status() const noexcept override { return false; }
   Status clear_device_status(std::uint32_t*) override { return Status(); }
@@ -116,6 +125,17 @@ class CudaBackend final : public EngineBackend {
                 const CudaOptions& cuda) const override {
     KDA_NVTX_RANGE("decode.step_cuda");
     return decode_cuda(p, t, stream(), cuda);
+  }
+  Status transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                    Workspace ws) const override {
+    KDA_NVTX_RANGE("prefill.transition_cuda");
+    CudaOptions unchecked;  // the engine checks its callers' tensors itself
+    unchecked.check_pointers = false;
+    return segment_transition_cuda(p, t, p_t, h_t, ws, stream(), unchecked);
+  }
+  Status apply_transition(std::int64_t pairs, std::int64_t k, std::int64_t v, const float* s_in,
+                          const float* p_t, const float* h_t, float* s_out) const override {
+    return apply_transition_cuda(pairs, k, v, s_in, p_t, h_t, s_out, stream());
   }
 
   bool has_device_status() const noexcept override { return true; }

@@ -53,6 +53,12 @@ class EngineBackend {
                          const CudaOptions& cuda) const = 0;
   virtual Status decode(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
                         const CudaOptions& cuda) const = 0;
+  // Segment transitions and their application (context parallelism, kda.hpp).
+  virtual Status transition(const Problem& p, const Tensors& t, float* p_t, float* h_t,
+                            Workspace ws) const = 0;
+  virtual Status apply_transition(std::int64_t pairs, std::int64_t head_dim_k,
+                                  std::int64_t head_dim_v, const float* s_in, const float* p_t,
+                                  const float* h_t, float* s_out) const = 0;
 
   // Whether the kernels report through a device status word (CUDA), which the engine then plans
   // in its arena and checks with check_device_status(); the host reports at once instead.

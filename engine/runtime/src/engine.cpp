@@ -87,13 +87,31 @@ void load_layers(const ModelSpec& spec, std::uint64_t seed,
 // The engine's own buffers besides the layers': handles into the plan.
 struct EngineBuffers {
   planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, device_status;
+  // Context parallelism: this rank's transition and every rank's (context.transitions), and the
+  // operator's workspace for computing one (context.workspace).
+  planner::BufferHandle context_transitions, context_workspace;
 };
+
+// Floats of one rank's transitions of one layer: P^T [H, K, K] then H^T [H, V, K].
+std::uint64_t transition_floats(const ModelSpec& spec) {
+  const auto H = static_cast<std::uint64_t>(spec.num_heads);
+  const auto D = static_cast<std::uint64_t>(spec.head_dim);
+  return H * (D * D + D * D);
+}
+
+// A range of one sequence's tokens without states: the problem of its segment transition.
+Problem transition_problem(Problem p) {
+  p.initial_state_dtype = DType::kNone;
+  p.final_state_dtype = DType::kNone;
+  p.num_state_slots = 0;
+  return p;
+}
 
 // Every buffer of an engine, in the order the arena lays them out in `sum` mode. The layers keep
 // their handles; the engine's come back in `buffers`.
 planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
                               const std::vector<std::unique_ptr<EngineLayer>>& layers,
-                              EngineBuffers* buffers) {
+                              int context_ranks, EngineBuffers* buffers) {
   planner::MemoryPlanner planner;
   // Each layer's workspace holds every intermediate of the layer: live during that layer only, so
   // `reuse` lays all layers' over the same bytes.
@@ -119,6 +137,18 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
                                ? scratch("engine.device_status", sizeof(std::uint32_t))
                                : planner::BufferHandle{};
 
+  if (context_ranks > 0 && !layers.empty()) {
+    buffers->context_transitions =
+        scratch("context.transitions", (1 + static_cast<std::uint64_t>(context_ranks)) *
+                                           transition_floats(spec) * sizeof(float));
+    std::size_t bytes = 0;
+    const Problem range =
+        transition_problem(layers.front()->prefill_problem(spec.runtime.max_tokens, 1));
+    if (const Status st = transition_workspace_size(range, backend, &bytes); !st.ok()) {
+      throw Error(st, spec.name + ": context-parallel transition workspace");
+    }
+    buffers->context_workspace = scratch("context.workspace", bytes);
+  }
   planner::PlanResult result = planner.plan(spec.runtime.workspace_plan);
   if (!result.ok) {
     // Sizes that do not fit are the model's (kOverflow); anything else is the engine's mistake.
@@ -149,7 +179,11 @@ CallTensors caller_tensors(const LayerInputs& inputs, void* out) {
 // ---- the engine's state ----------------------------------------------------------------------
 
 struct Engine::Impl {
-  Communicator* communicator = nullptr;  // EngineOptions::communicator
+  Communicator* communicator = nullptr;   // EngineOptions::communicator
+  Communicator* context_group = nullptr;  // EngineOptions::context_group
+  float* context_transitions = nullptr;   // context.transitions: mine, then every rank's
+  void* context_workspace = nullptr;
+  std::uint64_t context_workspace_bytes = 0;
   // Slot indices staged for the operator (int32, -1 for padding), one per kind of call.
   struct SlotStaging {
     std::int32_t* device = nullptr;      // arena scratch
@@ -600,7 +634,7 @@ void check_weights_file(const ModelSpec& spec) {
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
   check_layer_mode(spec);
   EngineBuffers buffers;
-  return make_plan(spec, backend, make_layers(spec, backend), &buffers);
+  return make_plan(spec, backend, make_layers(spec, backend), 0, &buffers);
 }
 
 Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -639,6 +673,18 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     }
   }
   m.communicator = options.communicator;
+  if (options.context_group != nullptr) {
+    const Communicator& c = *options.context_group;
+    if (m.spec.runtime.layer_mode != LayerMode::kCoreOnly || m.spec.runtime.tp_size != 1 ||
+        m.spec.runtime.state_dtype != DType::kF32 || c.backend() != kind) {
+      throw Error(StatusCode::kInvalidArgument,
+                  where + ": EngineOptions::context_group (rank " + std::to_string(c.rank()) +
+                      " of " + std::to_string(c.size()) + " on " + to_string(c.backend()) +
+                      ") needs the KDA cores alone (runtime.layers: core), tp_size 1, an f32 "
+                      "state and the engine's backend");
+    }
+  }
+  m.context_group = options.context_group;
   m.backend = make_engine_backend(kind, backend_options, where);
   m.unchecked.check_pointers = false;
   m.unchecked.schedule = m.spec.runtime.prefill_schedule;
@@ -660,7 +706,9 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   }
   m.layers = make_layers(m.spec, kind);
   EngineBuffers buffers;
-  m.plan = make_plan(m.spec, kind, m.layers, &buffers);
+  m.plan =
+      make_plan(m.spec, kind, m.layers,
+                options.context_group != nullptr ? options.context_group->size() : 0, &buffers);
   const std::uint64_t total = m.plan.arena_bytes;
   if (total > std::numeric_limits<std::size_t>::max()) {
     fail(where + ": arena of " + std::to_string(total) + " bytes is too large",
@@ -685,6 +733,11 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.prefill_slots.device = static_cast<std::int32_t*>(locate(buffers.prefill_slots));
   m.decode_slots.device = static_cast<std::int32_t*>(locate(buffers.decode_slots));
   m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
+  m.context_transitions = static_cast<float*>(locate(buffers.context_transitions));
+  m.context_workspace = locate(buffers.context_workspace);
+  if (const planner::PlanEntry* entry = m.plan.entry(buffers.context_workspace)) {
+    m.context_workspace_bytes = entry->bytes;
+  }
   if (m.device_status != nullptr) {
     throw_if_error(m.backend->clear_device_status(m.device_status),
                    "clearing the device status word");
@@ -842,6 +895,46 @@ void Engine::decode(int kda_index, const LayerInputs& inputs, void* out,
   m.check_layer(kda_index);
   m.check_metadata("decode", batch, true);
   m.run_core(kda_index, "decode", inputs, out, batch, nullptr);
+}
+
+void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, void* out, int slot,
+                                      std::int64_t tokens) {
+  Impl& m = *impl_;
+  m.check_layer(kda_index);
+  const char* what = "prefill_context_parallel";
+  if (m.context_group == nullptr) fail(std::string(what) + ": the engine has no context_group");
+  m.check_prefill_batch(what, {slot}, {0, tokens});
+  if (slot < 0) fail(std::string(what) + ": slot " + std::to_string(slot) + " is padding");
+  const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
+  Communicator& group = *m.context_group;
+  const std::uint64_t floats = transition_floats(m.spec);
+  const auto H = static_cast<std::int64_t>(m.spec.num_heads);
+  const auto D = static_cast<std::int64_t>(m.spec.head_dim);
+  float* mine = m.context_transitions;
+  float* all = mine + floats;  // rank j's at all + j * floats: P^T, then H^T
+  // 1. This range's transition (P^T, H^T per head), from its tokens alone.
+  m.stage_cu_seqlens({0, tokens});
+  Tensors t = caller_tensors<Tensors>(inputs, nullptr);
+  t.cu_seqlens = m.cu_scratch;
+  t.cu_seqlens_host = m.cu_staging.data();
+  layer.transition_core(
+      transition_problem(layer.prefill_problem(tokens, 1)), t, mine, mine + H * D * D,
+      Workspace{m.context_workspace, static_cast<std::size_t>(m.context_workspace_bytes)});
+  // 2. Every rank's, in rank order.
+  group.all_gather(mine, all, floats * sizeof(float), m.backend->stream());
+  // 3. The true state at this range's start: the initial state through the ranges before.
+  auto* state = reinterpret_cast<float*>(m.slot_state(kda_index, slot));
+  auto apply = [&](int j) {
+    const float* p_t = all + static_cast<std::uint64_t>(j) * floats;
+    throw_if_error(
+        m.backend->apply_transition(H, D, D, state, p_t, p_t + H * D * D, state),
+        (std::string(what) + ": applying rank " + std::to_string(j) + "'s transition").c_str());
+  };
+  for (int j = 0; j < group.rank(); ++j) apply(j);
+  // 4. This range's prefill from there: its outputs, and the state at its end in the slot.
+  prefill(kda_index, inputs, out, {slot}, {0, tokens});
+  // 5. The final state on every rank: the ranges after this one.
+  for (int j = group.rank() + 1; j < group.size(); ++j) apply(j);
 }
 
 // ---- whole layers ----------------------------------------------------------------------------

@@ -201,6 +201,16 @@ void EngineLayer::forward_core(const Problem& p, Tensors t, const CudaOptions& c
   if (!st.ok()) throw Error(st, info_.label + " prefill");
 }
 
+void EngineLayer::transition_core(const Problem& p, Tensors t, float* p_t, float* h_t,
+                                  Workspace ws) const {
+  if (backend_ == nullptr)
+    throw Error(StatusCode::kInternal, info_.label + " transition: not bound");
+  t.A_log = A_log_;
+  t.dt_bias = dt_bias_;
+  const Status st = backend_->transition(p, t, p_t, h_t, ws);
+  if (!st.ok()) throw Error(st, info_.label + " segment transition");
+}
+
 void EngineLayer::decode_core(const DecodeProblem& p, DecodeTensors t,
                               const CudaOptions& cuda) const {
   if (backend_ == nullptr) throw Error(StatusCode::kInternal, info_.label + " decode: not bound");

@@ -75,6 +75,9 @@ class EngineLayer {
   // fills them in). In the NVTX phase range "prefill.forward_cpu|cuda". Throws kda::Error.
   void forward_core(const Problem& p, Tensors t, const CudaOptions& cuda) const;
   void decode_core(const DecodeProblem& p, DecodeTensors t, const CudaOptions& cuda) const;
+  // The segment transition of the core on q, k, v, g, beta (`p` without states): P^T, H^T per
+  // head into p_t, h_t (kda.hpp), `ws` the caller's (the engine plans it). Throws.
+  void transition_core(const Problem& p, Tensors t, float* p_t, float* h_t, Workspace ws) const;
   // The whole layer on hidden states; `batch` needs no states (the layer's pools). Throws.
   void forward(const layer::Batch& batch, const void* hidden, void* out,
                const layer::RunOptions& options) const;

@@ -123,6 +123,10 @@ struct EngineOptions {
   // than its shard's partial sum. Its size and rank must be the spec's tp_size and tp_rank and its
   // memory the engine's backend's. Null: the output is the partial sum (the host all-reduces).
   Communicator* communicator = nullptr;
+  // Context parallelism (runtime.layers: core, tp_size 1, an f32 state): the group whose ranks
+  // share long prefills (prefill_context_parallel), not owned; this engine is its rank
+  // context_group->rank(), its memory the engine's backend's. Null: none.
+  Communicator* context_group = nullptr;
 };
 
 // Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
@@ -293,6 +297,18 @@ class Engine {
                       layer::Times* times = nullptr);
   void decode_hidden(int kda_index, const void* hidden, void* out, const BatchMetadata& batch,
                      layer::Times* times = nullptr);
+
+  // Context parallelism (EngineOptions::context_group): the prefill of one long sequence split
+  // over the group, this rank holding `tokens` consecutive tokens of it (rank r the r-th range;
+  // q..beta of its range back to back, out the same rows), every rank with the sequence's initial
+  // state in its `slot` (the same on each: zeros for a new sequence). Each rank computes its
+  // range's segment transition, the group all-gathers them, each chains its range's true initial
+  // state from the transitions before it and prefills its range from there: out is the one-engine
+  // prefill's to rounding. Afterwards every rank's `slot` holds the sequence's final state (the
+  // ranks before the last apply the transitions after theirs). Every rank calls it for the same
+  // layer; a rank may hold 0 tokens.
+  void prefill_context_parallel(int kda_index, const LayerInputs& inputs, void* out, int slot,
+                                std::int64_t tokens);
 
   // Waits for everything enqueued (CUDA); no-op on the CPU.
   void synchronize() const;

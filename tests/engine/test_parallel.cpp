@@ -1,6 +1,7 @@
-// Tensor parallelism through a communicator (kda/engine/communicator.hpp): the in-process
-// communicator's collectives over threads, and engines of tensor-parallel ranks that all-reduce
-// their whole layers' outputs, each returning what one engine of the whole model returns.
+// Parallelism through a communicator (kda/engine/communicator.hpp): the in-process communicator's
+// collectives over threads; engines of tensor-parallel ranks that all-reduce their whole layers'
+// outputs, each returning what one engine of the whole model returns; and a context-parallel
+// prefill of one sequence over ranks, equal to one engine's prefill.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -176,4 +177,106 @@ TEST_CASE("EngineOptions::communicator must be the engine's rank of its group, o
   CHECK(kda::test::error_of([&] {
           Engine e(cores, options(one[0].get()));
         }).find("with the KDA cores alone") != std::string::npos);
+}
+
+namespace {
+
+// The KDA cores alone of a 2-layer model, an f32 state.
+ModelSpec core_spec() {
+  return kda::engine::parse_model_spec(
+      "name: cp\nhidden_size: 64\nnum_hidden_layers: 2\n"
+      "linear_attn_config: {num_heads: 2, head_dim: 16, kda_layers: [1, 2], "
+      "full_attn_layers: [], gate: softplus}\n"
+      "runtime: {max_tokens: 128, max_sequences: 2, layers: core}\n",
+      "cp.yaml");
+}
+
+EngineOptions core_options(Communicator* group) {
+  EngineOptions o;
+  o.backend = kda::engine::BackendChoice::kCpu;
+  o.seed = 41;
+  o.cpu_threads = 1;
+  o.context_group = group;
+  return o;
+}
+
+}  // namespace
+
+// One sequence of 100 tokens from a non-zero initial state, its ranges 37 / 33 / 30 (and 0 / 100 /
+// 0: a rank may hold nothing) on three ranks: each rank's out rows are one engine's prefill of the
+// whole sequence to rounding, and every rank's slot ends with its final state.
+TEST_CASE("context parallel: a prefill split over ranks equals one engine's, every rank's state") {
+  const std::int64_t T = 100, H = 2, D = 16;
+  const std::size_t width = static_cast<std::size_t>(H * D);
+  const std::vector<bf16_bits> q = kda::test::random_bf16(T * width, 1.0f, 1),
+                               k = kda::test::random_bf16(T * width, 1.0f, 2),
+                               v = kda::test::random_bf16(T * width, 1.0f, 3),
+                               g = kda::test::random_bf16(T * width, 1.0f, 4),
+                               beta = kda::test::random_bf16(T * H, 1.0f, 5);
+  std::vector<float> initial(static_cast<std::size_t>(H * D * D));
+  for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = 0.01f * static_cast<float>(i % 13);
+
+  Engine one(core_spec(), core_options(nullptr));
+  const int s = one.acquire_slot();
+  std::vector<std::vector<bf16_bits>> want_out(2, std::vector<bf16_bits>(T * width));
+  std::vector<std::vector<float>> want_state(2, std::vector<float>(initial.size()));
+  for (int l = 0; l < 2; ++l) {
+    one.write_slot_state(l, s, initial.data());
+    one.prefill(l, {q.data(), k.data(), v.data(), g.data(), beta.data()},
+                want_out[static_cast<std::size_t>(l)].data(), {s}, {0, T});
+    one.read_slot_state(l, s, want_state[static_cast<std::size_t>(l)].data());
+  }
+
+  for (const std::vector<std::int64_t>& ranges :
+       {std::vector<std::int64_t>{37, 33, 30}, std::vector<std::int64_t>{0, 100, 0}}) {
+    CAPTURE(ranges[0]);
+    const int ranks = static_cast<int>(ranges.size());
+    auto group = kda::engine::make_local_communicators(ranks);
+    std::vector<std::vector<bf16_bits>> out(2, std::vector<bf16_bits>(T * width, 0xFFFF));
+    std::vector<std::vector<std::vector<float>>> states(static_cast<std::size_t>(ranks),
+                                                        std::vector<std::vector<float>>(2));
+    on_threads(ranks, [&](int r) {
+      Engine e(core_spec(), core_options(group[static_cast<std::size_t>(r)].get()));
+      const int slot = e.acquire_slot();
+      std::int64_t begin = 0;
+      for (int j = 0; j < r; ++j) begin += ranges[static_cast<std::size_t>(j)];
+      const std::int64_t n = ranges[static_cast<std::size_t>(r)];
+      auto at = [&](const std::vector<bf16_bits>& x, std::size_t w) {
+        return x.data() + begin * w;
+      };
+      for (int l = 0; l < 2; ++l) {
+        e.write_slot_state(l, slot, initial.data());
+        e.prefill_context_parallel(
+            l, {at(q, width), at(k, width), at(v, width), at(g, width), at(beta, H)},
+            out[static_cast<std::size_t>(l)].data() + begin * width, slot, n);
+        std::vector<float>& st = states[static_cast<std::size_t>(r)][static_cast<std::size_t>(l)];
+        st.resize(initial.size());
+        e.read_slot_state(l, slot, st.data());
+      }
+    });
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      const double out_error = kda::test::relative_error(out[static_cast<std::size_t>(l)],
+                                                         want_out[static_cast<std::size_t>(l)]);
+      MESSAGE("context parallel over " << ranks << " ranks, layer " << l << ": out " << out_error);
+      CHECK(out_error < 5e-3);
+      for (int r = 0; r < ranks; ++r) {
+        CAPTURE(r);
+        CHECK(kda::test::relative_error(
+                  states[static_cast<std::size_t>(r)][static_cast<std::size_t>(l)],
+                  want_state[static_cast<std::size_t>(l)]) < 1e-4);
+      }
+    }
+  }
+}
+
+TEST_CASE("context parallel needs a group, the cores alone and an f32 state") {
+  Engine plain(core_spec(), core_options(nullptr));
+  const int slot = plain.acquire_slot();
+  CHECK(kda::test::error_of([&] { plain.prefill_context_parallel(0, {}, nullptr, slot, 0); }) ==
+        "prefill_context_parallel: the engine has no context_group");
+  auto group = kda::engine::make_local_communicators(1);
+  CHECK(kda::test::error_of([&] {
+          Engine e(spec(1, 0), core_options(group[0].get()));
+        }).find("needs the KDA cores alone (runtime.layers: core)") != std::string::npos);
 }
