@@ -245,9 +245,12 @@ namespace {
 // finite") do not know the file.
 class CaseRun {
  public:
-  CaseRun(const KdaCase& kda_case, Backend backend)
+  // `can_run`: can_implement() of the case's problem on `backend`, reported before the backend is
+  // made.
+  CaseRun(const KdaCase& kda_case, Backend backend, const Status& can_run)
       : kda_case_(kda_case),
         where_(kda_case.source.empty() ? std::string() : kda_case.source + ": ") {
+    check(can_run, std::string("backend ") + to_string(backend));
     try {
       engine_backend_ = make_engine_backend(backend, BackendOptions{}, where_ + "backend");
     } catch (const Error& e) {
@@ -335,8 +338,7 @@ std::vector<Tensor> run_prefill(const KdaCase& kda_case, Backend backend) {
   const bool pooled = p.num_state_slots > 0;
   const std::int64_t N = p.sequences(), R = p.checkpoints;
   const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
-  CaseRun run(kda_case, backend);
-  run.check(can_implement(p, backend), std::string("backend ") + to_string(backend));
+  CaseRun run(kda_case, backend, can_implement(p, backend));
   std::size_t workspace_bytes = 0;
   run.check(workspace_size(p, backend, &workspace_bytes), "workspace size");
 
@@ -430,8 +432,7 @@ std::vector<Tensor> run_prefill(const KdaCase& kda_case, Backend backend) {
 std::vector<Tensor> run_decode(const KdaCase& kda_case, Backend backend) {
   const DecodeProblem& p = kda_case.decode;
   const std::int64_t B = p.batch, T = p.tokens, H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
-  CaseRun run(kda_case, backend);
-  run.check(can_implement(p, backend), std::string("backend ") + to_string(backend));
+  CaseRun run(kda_case, backend, can_implement(p, backend));
   std::size_t workspace_bytes = 0;
   run.check(decode_workspace_size(p, backend, &workspace_bytes), "workspace size");
 
