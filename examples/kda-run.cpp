@@ -132,13 +132,16 @@ Options:
   --plan               print the memory plan as a table of every buffer (default: a summary of
                        the arena size, the bytes of each kind and the sum and reuse plans)
   --case IN            one KDA forward on the tensors of IN (safetensors case file: q, k, v, g,
-                       beta, A_log, dt_bias, optional initial_state and cu_seqlens; metadata gate,
-                       lower_bound, scale, final_state); writes out and final_state to --output.
-                       A bad case file is reported and nothing is written.
+                       beta, A_log, dt_bias, optional initial_state, cu_seqlens and
+                       checkpoint_offsets; metadata gate, lower_bound, scale, final_state, mode
+                       prefill or decode); writes out and final_state (and checkpoint_states, or in
+                       decode mode intermediate_states) to --output. A bad case file is reported
+                       and nothing is written.
   --layer-case IN      one whole KDA layer on the tensors of IN (safetensors: hidden_states, the
                        layer's weights by their checkpoint names, optional cu_seqlens, conv_state_q,
-                       conv_state_k, conv_state_v and recurrent_state; metadata gate, lower_bound,
-                       norm_eps, final_state); writes out and the final states to --output
+                       conv_state_k, conv_state_v, recurrent_state and checkpoint_offsets; metadata
+                       gate, lower_bound, norm_eps, final_state); writes out and the final states
+                       (and the checkpoint states) to --output
   --core-only          run the KDA core of each layer only (q, k, v, g, beta in) instead of whole
                        layers
   --strict-config      unknown keys in runtime / linear_attn_config (typos) are errors, not

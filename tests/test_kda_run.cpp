@@ -119,6 +119,13 @@ Tensor typed_tensor(const std::string& name, DType dtype, const std::vector<T>& 
   return t;
 }
 
+template <typename T>
+std::vector<T> values_of(const Tensor& t) {
+  std::vector<T> v(t.data.size() / sizeof(T));
+  std::memcpy(v.data(), t.data.data(), t.data.size());
+  return v;
+}
+
 std::string number(double value) {
   char text[64];
   std::snprintf(text, sizeof text, "%.9g", value);
@@ -230,7 +237,7 @@ kda::test::KdaCase small_case() {
 // Saves `file` (or raw bytes), runs kda-run --case on it, expects failure with `part` in the
 // message and no output: an absent output stays absent, an existing one keeps its contents.
 void check_rejected(const CaseFile* file, const std::string* raw, const std::string& part,
-                    const std::string& flag = "--case") {
+                    const std::string& flag = "--case", const std::string& backend = "cpu") {
   TempDir dir;
   const std::string in = dir.file("in.safetensors");
   if (file != nullptr) file->save(in);
@@ -240,7 +247,7 @@ void check_rejected(const CaseFile* file, const std::string* raw, const std::str
   for (const bool existing : {false, true}) {
     const std::string out = dir.file(existing ? "existing.safetensors" : "out.safetensors");
     if (existing) std::ofstream(out) << "keep me";
-    const Result r = kda_run({flag, in, "--output", out, "--backend", "cpu"});
+    const Result r = kda_run({flag, in, "--output", out, "--backend", backend});
     INFO("stderr: " << r.err);
     CHECK(r.rc == 1);
     CHECK(r.err.find(part) != std::string::npos);
@@ -715,6 +722,332 @@ TEST_CASE("kda-run --case: an --output that is the case file is refused, the fil
   CHECK(read_text(in) == original);
 }
 
+// ---- decode mode and prefill checkpoints -----------------------------------------------------
+
+namespace {
+
+// Runs kda-run --case on `file` (CPU) and opens the output.
+kda::engine::SafetensorsFile run_case_cpu(const CaseFile& file, const TempDir& dir,
+                                          const std::string& name) {
+  file.save(dir.file(name + ".safetensors"));
+  const Result r = kda_run({"--case", dir.file(name + ".safetensors"), "--output",
+                            dir.file(name + "-out.safetensors"), "--backend", "cpu"});
+  INFO("stderr: " << r.err);
+  REQUIRE(r.rc == 0);
+  return kda::engine::SafetensorsFile::open(dir.file(name + "-out.safetensors"));
+}
+
+// Tokens [t0, t1) of every row of a fixed-length case's [B, T, H, X] tensor.
+std::vector<std::uint16_t> tokens_of(const std::vector<std::uint16_t>& x, std::int64_t B,
+                                     std::int64_t T, std::int64_t token_elems, std::int64_t t0,
+                                     std::int64_t t1) {
+  std::vector<std::uint16_t> step;
+  for (std::int64_t b = 0; b < B; ++b) {
+    step.insert(step.end(), x.begin() + (b * T + t0) * token_elems,
+                x.begin() + (b * T + t1) * token_elems);
+  }
+  return step;
+}
+
+// What the CPU operator gives for the tokens of `c` (B rows of T tokens) by plain decode calls on
+// a pool of B states in `state_dtype`, from c's f32 initial state (rounded for a bf16 pool).
+// kOneByOne: T calls of one token each, chained through the pool. kPrefixes: for each t, one call
+// of tokens [0, t] from the initial state (a call carries its state in fp32 from token to token,
+// rounding it to the pool's dtype once at the end, as a verify step does for each state it keeps).
+enum class Calls { kOneByOne, kPrefixes };
+struct DecodeCalls {
+  std::vector<std::uint16_t> out;    // bf16 [B, T, H, V]
+  std::vector<std::uint8_t> states;  // [B, T, H, V, K] in state_dtype: after each token
+};
+DecodeCalls decode_calls(const kda::test::KdaCase& c, DType state_dtype, Calls calls) {
+  const kda::Problem& p = c.problem;
+  const std::int64_t B = p.batch, T = p.seq_len, H = p.num_heads, K = p.head_dim_k,
+                     V = p.head_dim_v;
+  const std::int64_t state = H * V * K;
+  const std::size_t state_bytes = static_cast<std::size_t>(state) * kda::dtype_size(state_dtype);
+  std::vector<std::uint8_t> initial(static_cast<std::size_t>(B) * state_bytes);
+  for (std::int64_t i = 0; i < B * state; ++i) {
+    const float x = c.initial_state[static_cast<std::size_t>(i)];
+    if (state_dtype == DType::kF32) {
+      std::memcpy(initial.data() + i * 4, &x, 4);
+    } else {
+      const std::uint16_t bits = kda::float_to_bf16(x);
+      std::memcpy(initial.data() + i * 2, &bits, 2);
+    }
+  }
+  std::vector<std::uint8_t> pool = initial;
+  DecodeCalls r;
+  r.out.assign(static_cast<std::size_t>(B * T * H * V), 0);
+  r.states.assign(static_cast<std::size_t>(B * T) * state_bytes, 0);
+  std::vector<std::int32_t> slots;
+  for (std::int64_t b = 0; b < B; ++b) slots.push_back(static_cast<std::int32_t>(b));
+  for (std::int64_t t = 0; t < T; ++t) {
+    const std::int64_t t0 = calls == Calls::kOneByOne ? t : 0, n = t + 1 - t0;
+    if (calls == Calls::kPrefixes) pool = initial;
+    kda::DecodeProblem d;
+    d.batch = B;
+    d.tokens = n;
+    d.num_heads = H;
+    d.head_dim_k = K;
+    d.head_dim_v = V;
+    d.num_slots = B;
+    d.state_dtype = state_dtype;
+    d.gate = p.gate;
+    d.lower_bound = p.lower_bound;
+    d.scale = p.scale;
+    const auto q = tokens_of(c.q, B, T, H * K, t0, t + 1),
+               k = tokens_of(c.k, B, T, H * K, t0, t + 1),
+               g = tokens_of(c.g, B, T, H * K, t0, t + 1),
+               v = tokens_of(c.v, B, T, H * V, t0, t + 1),
+               beta = tokens_of(c.beta, B, T, H, t0, t + 1);
+    std::vector<std::uint16_t> out(static_cast<std::size_t>(B * n * H * V));
+    kda::DecodeTensors dt;
+    dt.q = q.data();
+    dt.k = k.data();
+    dt.v = v.data();
+    dt.g = g.data();
+    dt.beta = beta.data();
+    dt.A_log = c.A_log.data();
+    dt.dt_bias = c.dt_bias.data();
+    dt.slots = slots.data();
+    dt.state_pool = pool.data();
+    dt.out = out.data();
+    const kda::Status st = kda::decode_cpu(d, dt);
+    INFO(st.to_string());
+    REQUIRE(st.ok());
+    for (std::int64_t b = 0; b < B; ++b) {  // the out of token t, the state after it
+      std::copy(out.begin() + (b * n + n - 1) * H * V, out.begin() + (b * n + n) * H * V,
+                r.out.begin() + (b * T + t) * H * V);
+      std::memcpy(r.states.data() + static_cast<std::size_t>(b * T + t) * state_bytes,
+                  pool.data() + static_cast<std::size_t>(b) * state_bytes, state_bytes);
+    }
+  }
+  return r;
+}
+
+kda::test::KdaCase decode_case(std::int64_t tokens) {
+  kda::test::CaseOptions o;
+  o.heads = 2;
+  o.head_dim_k = 16;
+  o.head_dim_v = 16;
+  o.batch = 3;
+  o.seq_len = tokens;
+  o.gate = kda::GateMode::kLowerBound;
+  o.lower_bound = -3.0f;
+  o.initial_state_dtype = DType::kF32;
+  o.final_state_dtype = DType::kF32;
+  o.seed = 404;
+  return kda::test::make_case(o);
+}
+
+}  // namespace
+
+TEST_CASE("kda-run --case: decode mode equals the CPU decode one token at a time") {
+  const kda::test::KdaCase c = decode_case(4);
+  const std::int64_t B = 3, T = 4, H = 2, K = 16, V = 16;
+  TempDir dir;
+  for (const DType state_dtype : {DType::kF32, DType::kBF16}) {
+    const bool f32 = state_dtype == DType::kF32;
+    CAPTURE(f32);
+    CaseFile f = to_case_file(c);  // f32 initial state [B, H, V, K]
+    f.metadata["mode"] = "decode";
+    f.metadata["final_state"] = f32 ? "f32" : "bf16";  // bf16: the f32 initial state rounded
+    const auto out_file = run_case_cpu(f, dir, f32 ? "f32" : "bf16");
+    // An f32 state: the verify step equals T one-token calls bit for bit. A bf16 one is rounded
+    // only where it is kept, as at the end of a call of tokens [0, t].
+    const DecodeCalls expected =
+        decode_calls(c, state_dtype, f32 ? Calls::kOneByOne : Calls::kPrefixes);
+
+    const Tensor out = out_file.read("out");
+    CHECK(out.shape == std::vector<std::int64_t>{B, T, H, V});
+    CHECK(values_of<std::uint16_t>(out) == expected.out);
+    const Tensor states = out_file.read("intermediate_states");
+    CHECK(states.dtype == state_dtype);
+    CHECK(states.shape == std::vector<std::int64_t>{B, T, H, V, K});
+    CHECK(states.data == expected.states);  // bit for bit
+    const Tensor final_state = out_file.read("final_state");
+    CHECK(final_state.dtype == state_dtype);
+    CHECK(final_state.shape == std::vector<std::int64_t>{B, H, V, K});
+    const std::size_t state_bytes =
+        static_cast<std::size_t>(H * V * K) * kda::dtype_size(state_dtype);
+    for (std::int64_t b = 0; b < B; ++b) {
+      CAPTURE(b);
+      CHECK(std::memcmp(final_state.data.data() + b * state_bytes,
+                        states.data.data() + (b * T + T - 1) * state_bytes, state_bytes) == 0);
+    }
+    CHECK(out_file.metadata().at("backend") == "cpu");
+  }
+  {  // No initial state: the rows start from zeros.
+    CaseFile f = to_case_file(c);
+    f.tensors.erase("initial_state");
+    f.metadata["mode"] = "decode";
+    kda::test::KdaCase zero = c;
+    std::fill(zero.initial_state.begin(), zero.initial_state.end(), 0.0f);
+    const auto out_file = run_case_cpu(f, dir, "zero");
+    const DecodeCalls expected = decode_calls(zero, DType::kF32, Calls::kOneByOne);
+    CHECK(values_of<std::uint16_t>(out_file.read("out")) == expected.out);
+    CHECK(out_file.read("intermediate_states").data == expected.states);
+  }
+}
+
+TEST_CASE("kda-run --case: decode mode refuses what it cannot run, naming the file") {
+  CaseFile f = to_case_file(decode_case(17));
+  f.metadata["mode"] = "decode";
+  check_rejected(f,
+                 "in.safetensors: tensor 'q' has shape [3, 17, 2, 16]: decode mode takes 1 to "
+                 "16 tokens per row (T), got T = 17");
+  CaseFile good = to_case_file(decode_case(4));
+  good.metadata["mode"] = "decode";
+  CaseFile bad = good;
+  bad.metadata["mode"] = "verify";
+  check_rejected(bad, "in.safetensors: metadata 'mode' is 'verify', expected prefill or decode");
+  bad = good;
+  bad.metadata["final_state"] = "none";
+  check_rejected(bad,
+                 "in.safetensors: metadata 'final_state' is 'none', but decode mode always "
+                 "writes its states");
+  bad = good;
+  bad.tensors.at("initial_state").shape = {3, 2, 16, 8};
+  bad.tensors.at("initial_state").data.resize(3 * 2 * 16 * 8 * 4);
+  check_rejected(bad,
+                 "in.safetensors: tensor 'initial_state' has shape [3, 2, 16, 8], expected "
+                 "[3, 2, 16, 16]");
+  bad = good;
+  bad.tensors.emplace(
+      "checkpoint_offsets",
+      typed_tensor("checkpoint_offsets", DType::kI64, std::vector<std::int64_t>{4, 4, 4}, {3, 1}));
+  check_rejected(bad,
+                 "in.safetensors: tensor 'checkpoint_offsets' is given, but decode mode "
+                 "takes none");
+  CaseFile varlen = to_case_file(small_case());  // cu_seqlens [3]
+  varlen.metadata["mode"] = "decode";
+  check_rejected(varlen,
+                 "in.safetensors: tensor 'cu_seqlens' is given, but decode mode takes "
+                 "none");
+  // What only the operator checks names the file too.
+  bad = good;
+  bad.tensors.at("A_log").data_as<float>()[1] = std::numeric_limits<float>::infinity();
+  check_rejected(bad, "in.safetensors: CPU decode: A_log[1] is not finite");
+}
+
+namespace {
+
+// A case of the first `tokens` tokens of sequence `n` of the varlen case `c`, from its initial
+// state: a prefix of that sequence on its own.
+CaseFile prefix_case(const kda::test::KdaCase& c, std::int64_t n, std::int64_t tokens) {
+  const kda::Problem& p = c.problem;
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  const std::int64_t begin = c.seq_begin(n);
+  auto slice = [&](const std::vector<std::uint16_t>& x, std::int64_t row) {
+    return std::vector<std::uint16_t>(x.begin() + begin * row, x.begin() + (begin + tokens) * row);
+  };
+  CaseFile f = to_case_file(c);
+  f.tensors.clear();
+  auto add = [&f](Tensor t) { f.tensors.emplace(t.name, std::move(t)); };
+  add(bf16_tensor("q", slice(c.q, H * K), {1, tokens, H, K}));
+  add(bf16_tensor("k", slice(c.k, H * K), {1, tokens, H, K}));
+  add(bf16_tensor("g", slice(c.g, H * K), {1, tokens, H, K}));
+  add(bf16_tensor("v", slice(c.v, H * V), {1, tokens, H, V}));
+  add(bf16_tensor("beta", slice(c.beta, H), {1, tokens, H}));
+  add(typed_tensor("A_log", DType::kF32, c.A_log, {H}));
+  add(typed_tensor("dt_bias", DType::kF32, c.dt_bias, {H, K}));
+  const std::vector<float> initial(c.initial_state.begin() + n * H * V * K,
+                                   c.initial_state.begin() + (n + 1) * H * V * K);
+  add(typed_tensor("initial_state", DType::kF32, initial, {1, H, V, K}));
+  return f;
+}
+
+}  // namespace
+
+TEST_CASE("kda-run --case: prefill checkpoints equal the final states of the prefixes") {
+  kda::test::CaseOptions o;
+  o.heads = 2;
+  o.head_dim_k = 16;
+  o.head_dim_v = 16;
+  o.lengths = {37, 20};
+  o.initial_state_dtype = DType::kF32;
+  o.final_state_dtype = DType::kF32;
+  o.seed = 808;
+  const kda::test::KdaCase c = kda::test::make_case(o);
+  const std::int64_t H = 2, K = 16, V = 16, state = H * V * K;
+  const std::vector<std::int32_t> offsets = {16, 37, 0, -1};
+  CaseFile f = to_case_file(c);
+  f.tensors.emplace("checkpoint_offsets",
+                    typed_tensor("checkpoint_offsets", DType::kI32, offsets, {2, 2}));
+  TempDir dir;
+  const auto out_file = run_case_cpu(f, dir, "whole");
+  const Tensor checkpoints = out_file.read("checkpoint_states");
+  CHECK(checkpoints.dtype == DType::kF32);
+  REQUIRE(checkpoints.shape == std::vector<std::int64_t>{2, 2, H, V, K});
+  const auto values = values_of<float>(checkpoints);
+  const auto final_state = values_of<float>(out_file.read("final_state"));
+  // The sequences' own outputs are those of a run without checkpoints.
+  CaseFile plain = to_case_file(c);
+  const auto plain_file = run_case_cpu(plain, dir, "plain");
+  CHECK(values_of<std::uint16_t>(out_file.read("out")) ==
+        values_of<std::uint16_t>(plain_file.read("out")));
+  CHECK(final_state == values_of<float>(plain_file.read("final_state")));
+
+  for (std::int64_t i = 0; i < 4; ++i) {
+    const std::int64_t n = i / 2, offset = offsets[static_cast<std::size_t>(i)];
+    CAPTURE(n);
+    CAPTURE(offset);
+    const std::vector<float> got(values.begin() + i * state, values.begin() + (i + 1) * state);
+    if (offset < 0) {
+      CHECK(got == std::vector<float>(static_cast<std::size_t>(state), 0.0f));
+      continue;
+    }
+    const auto prefix = run_case_cpu(prefix_case(c, n, offset), dir, "prefix" + std::to_string(i));
+    CHECK(got == values_of<float>(prefix.read("final_state")));
+  }
+  // The checkpoint at a sequence's length is its final state.
+  CHECK(std::vector<float>(values.begin() + state, values.begin() + 2 * state) ==
+        std::vector<float>(final_state.begin(), final_state.begin() + state));
+
+  {  // final_state none: the checkpoints alone, in f32, from a bf16 initial state.
+    CaseFile g = f;
+    g.metadata["final_state"] = "none";
+    const auto none_file = run_case_cpu(g, dir, "none");
+    CHECK(none_file.find("final_state") == nullptr);
+    CHECK(none_file.read("checkpoint_states").dtype == DType::kF32);
+    CHECK(values_of<float>(none_file.read("checkpoint_states")) == values);
+    g.metadata["final_state"] = "bf16";
+    const auto bf16_file = run_case_cpu(g, dir, "bf16");
+    CHECK(bf16_file.read("checkpoint_states").dtype == DType::kBF16);
+    CHECK(bf16_file.read("final_state").dtype == DType::kBF16);
+  }
+
+  // Offsets the library refuses, named with the file; a tensor of the wrong shape.
+  CaseFile bad = f;
+  bad.tensors.at("checkpoint_offsets").data_as<std::int32_t>()[0] = 24;
+  check_rejected(bad,
+                 "in.safetensors: CPU forward: checkpoint_offsets[0][0] = 24 is not -1, a "
+                 "multiple of 16 up to the sequence's length 37, or that length");
+  bad = f;
+  bad.tensors.at("checkpoint_offsets").data_as<std::int32_t>()[2] = 32;
+  check_rejected(bad, "checkpoint_offsets[1][0] = 32 is not -1");
+  bad = f;
+  bad.tensors.erase("checkpoint_offsets");
+  bad.tensors.emplace("checkpoint_offsets",
+                      typed_tensor("checkpoint_offsets", DType::kI64,
+                                   std::vector<std::int64_t>{16, 16, 16}, {3, 1}));
+  check_rejected(bad,
+                 "in.safetensors: tensor 'checkpoint_offsets' has shape [3, 1], expected "
+                 "[2, R]");
+  bad = f;
+  bad.tensors.erase("checkpoint_offsets");
+  bad.tensors.emplace("checkpoint_offsets", typed_tensor("checkpoint_offsets", DType::kF32,
+                                                         std::vector<float>{16, 16}, {2, 1}));
+  check_rejected(bad, "tensor 'checkpoint_offsets' has dtype F32, expected I64 or I32");
+  // The CUDA backend does not write checkpoints yet: it says so, and nothing is written.
+  if (kda::engine::cuda_backend_available()) {
+    check_rejected(&f, nullptr,
+                   "in.safetensors: backend cuda: prefill checkpoints run on the CPU "
+                   "backend only",
+                   "--case", "cuda");
+  }
+}
+
 // ---- whole layers ----------------------------------------------------------------------------
 
 TEST_CASE("kda-run: whole layers by default, split into phases, and --core-only runs the cores") {
@@ -807,13 +1140,6 @@ LayerRun run_direct(const kda::layer::Weights& weights, const std::vector<std::u
   batch.cu_seqlens = cu.data();
   layer->forward(batch, hidden.data(), r.out.data(), state, kda::Workspace{ws.data(), ws.size()});
   return r;
-}
-
-template <typename T>
-std::vector<T> values_of(const Tensor& t) {
-  std::vector<T> v(t.data.size() / sizeof(T));
-  std::memcpy(v.data(), t.data.data(), t.data.size());
-  return v;
 }
 
 }  // namespace
@@ -946,6 +1272,109 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   CHECK(r.rc == 1);
   CHECK(r.err.find("refusing to overwrite the input") != std::string::npos);
   CHECK(read_text(dir.file("in.safetensors")) == before);
+}
+
+TEST_CASE("kda-run --layer-case: prefill checkpoints equal the states of the prefixes") {
+  const auto weights = kda::layer::random_weights(layer_config(), 5, 0);
+  const std::vector<std::int64_t> lengths = {37, 20}, cu = {0, 37, 57};
+  const std::vector<std::uint16_t> hidden = random_bits(57 * kLayerE, 1.0f, 61);
+  const std::int64_t C = kLayerH * kLayerD, W1 = kLayerW - 1, state = kLayerH * kLayerD * kLayerD;
+  const char* names[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
+  std::vector<std::uint16_t> conv[3];
+  for (int p = 0; p < 3; ++p) conv[p] = random_bits(2 * C * W1, 1.0f, 70 + p);
+  std::vector<float> recurrent;
+  for (const std::uint16_t b : random_bits(2 * state, 0.2f, 75)) {
+    recurrent.push_back(kda::bf16_to_float(b));
+  }
+  // Sequence n's first `tokens` tokens (all of them: tokens = -1) from its initial states.
+  auto case_of = [&](std::int64_t n, std::int64_t tokens) {
+    const std::int64_t begin = tokens < 0 ? 0 : cu[static_cast<std::size_t>(n)];
+    const std::int64_t end = tokens < 0 ? 57 : begin + tokens;
+    const std::int64_t first = tokens < 0 ? 0 : n, count = tokens < 0 ? 2 : 1;
+    CaseFile f = layer_case(weights, std::vector<std::uint16_t>(hidden.begin() + begin * kLayerE,
+                                                                hidden.begin() + end * kLayerE));
+    if (tokens < 0)
+      f.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI64, cu, {3}));
+    for (int p = 0; p < 3; ++p) {
+      const std::vector<std::uint16_t> rows(conv[p].begin() + first * C * W1,
+                                            conv[p].begin() + (first + count) * C * W1);
+      f.tensors.emplace(names[p], bf16_tensor(names[p], rows, {count, C, W1}));
+    }
+    const std::vector<float> rows(recurrent.begin() + first * state,
+                                  recurrent.begin() + (first + count) * state);
+    f.tensors.emplace("recurrent_state", typed_tensor("recurrent_state", DType::kF32, rows,
+                                                      {count, kLayerH, kLayerD, kLayerD}));
+    return f;
+  };
+  const std::vector<std::int64_t> offsets = {16, 37, 0, -1};
+  CaseFile f = case_of(0, -1);
+  f.tensors.emplace("checkpoint_offsets",
+                    typed_tensor("checkpoint_offsets", DType::kI64, offsets, {2, 2}));
+  TempDir dir;
+  auto run = [&dir](const CaseFile& file, const std::string& name) {
+    file.save(dir.file(name + ".safetensors"));
+    const Result r = kda_run({"--layer-case", dir.file(name + ".safetensors"), "--output",
+                              dir.file(name + "-out.safetensors"), "--backend", "cpu"});
+    INFO("stderr: " << r.err);
+    REQUIRE(r.rc == 0);
+    return kda::engine::SafetensorsFile::open(dir.file(name + "-out.safetensors"));
+  };
+  const auto out_file = run(f, "whole");
+  const auto plain_file = run(case_of(0, -1), "plain");
+  CHECK(values_of<std::uint16_t>(out_file.read("out")) ==
+        values_of<std::uint16_t>(plain_file.read("out")));
+  CHECK(values_of<float>(out_file.read("recurrent_state")) ==
+        values_of<float>(plain_file.read("recurrent_state")));
+  const Tensor states = out_file.read("checkpoint_states");
+  CHECK(states.dtype == DType::kF32);
+  REQUIRE(states.shape == std::vector<std::int64_t>{2, 2, kLayerH, kLayerD, kLayerD});
+  const auto state_values = values_of<float>(states);
+  std::vector<std::uint16_t> conv_values[3];
+  for (int p = 0; p < 3; ++p) {
+    const Tensor t = out_file.read(std::string("checkpoint_") + names[p]);
+    CHECK(t.dtype == DType::kBF16);
+    REQUIRE(t.shape == std::vector<std::int64_t>{2, 2, C, W1});
+    conv_values[p] = values_of<std::uint16_t>(t);
+  }
+  for (std::int64_t i = 0; i < 4; ++i) {
+    const std::int64_t n = i / 2, offset = offsets[static_cast<std::size_t>(i)];
+    CAPTURE(n);
+    CAPTURE(offset);
+    const std::vector<float> got(state_values.begin() + i * state,
+                                 state_values.begin() + (i + 1) * state);
+    if (offset < 0) {
+      CHECK(got == std::vector<float>(static_cast<std::size_t>(state), 0.0f));
+      for (int p = 0; p < 3; ++p) {
+        CHECK(std::vector<std::uint16_t>(conv_values[p].begin() + i * C * W1,
+                                         conv_values[p].begin() + (i + 1) * C * W1) ==
+              std::vector<std::uint16_t>(static_cast<std::size_t>(C * W1), 0));
+      }
+      continue;
+    }
+    const auto prefix = run(case_of(n, offset), "prefix" + std::to_string(i));
+    CHECK(got == values_of<float>(prefix.read("recurrent_state")));
+    for (int p = 0; p < 3; ++p) {
+      CAPTURE(p);
+      CHECK(std::vector<std::uint16_t>(conv_values[p].begin() + i * C * W1,
+                                       conv_values[p].begin() + (i + 1) * C * W1) ==
+            values_of<std::uint16_t>(prefix.read(names[p])));
+    }
+  }
+
+  CaseFile bad = f;
+  bad.tensors.at("checkpoint_offsets").data_as<std::int64_t>()[0] = 24;
+  check_layer_rejected(bad,
+                       "in.safetensors: KDA layer forward (CPU): sequence 0 checkpoint 0: "
+                       "offset 24 is not -1, a multiple of 16 up to the sequence's length 37");
+  bad = f;
+  bad.tensors.at("checkpoint_offsets").shape = {1, 4};
+  check_layer_rejected(bad,
+                       "in.safetensors: tensor 'checkpoint_offsets' has shape [1, 4], "
+                       "expected [2, R]");
+  if (kda::engine::cuda_backend_available()) {
+    check_rejected(&f, nullptr, "prefill checkpoints run on the CPU layer only", "--layer-case",
+                   "cuda");
+  }
 }
 
 TEST_CASE("kda-run: a typo in runtime is a warning, and an error with --strict-config") {

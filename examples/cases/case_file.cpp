@@ -26,8 +26,11 @@ namespace {
 }
 
 // Every tensor the contract names; anything else in the file is ignored.
-const char* const kInputNames[] = {
-    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state", "cu_seqlens"};
+const char* const kInputNames[] = {"q",          "k",
+                                   "v",          "g",
+                                   "beta",       "A_log",
+                                   "dt_bias",    "initial_state",
+                                   "cu_seqlens", "checkpoint_offsets"};
 
 using detail::case_number_text;
 using detail::parse_case_number;
@@ -62,6 +65,17 @@ void expect_shape(const Tensor& t, const std::vector<std::int64_t>& shape, const
 // A non-null stand-in for the host copy of an empty cu_seqlens.
 alignas(256) unsigned char g_empty[256];
 
+// The prefill run_case runs. With checkpoints the states live on a pool of N + N * R slots
+// (sequence n on slot n, its request r on slot N + n * R + r), and a final state is written (f32
+// where the file asks for none) since the checkpoints are written in its dtype.
+Problem pooled_problem(const Problem& p) {
+  if (p.checkpoints == 0) return p;
+  Problem pooled = p;
+  pooled.num_state_slots = p.sequences() * (1 + p.checkpoints);
+  if (pooled.final_state_dtype == DType::kNone) pooled.final_state_dtype = DType::kF32;
+  return pooled;
+}
+
 }  // namespace
 
 KdaCase make_case(std::map<std::string, Tensor> tensors,
@@ -95,6 +109,29 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   expect_shape(a_log, {H}, "[H]", source);
   expect_shape(dt_bias, {H, K}, "[H, K]", source);
 
+  CaseMode mode = CaseMode::kPrefill;
+  if (const auto it = metadata.find("mode"); it != metadata.end()) {
+    if (it->second == "decode") {
+      mode = CaseMode::kDecode;
+    } else if (it->second != "prefill") {
+      fail(source, "metadata 'mode' is '" + it->second + "', expected prefill or decode");
+    }
+  }
+  if (mode == CaseMode::kDecode) {
+    if (T < 1 || T > kMaxDecodeTokens) {
+      fail(source, "tensor 'q' has shape " + shape_to_string(q.shape) +
+                       ": decode mode takes 1 to " + std::to_string(kMaxDecodeTokens) +
+                       " tokens per row (T), got T = " + std::to_string(T));
+    }
+    for (const char* name : {"cu_seqlens", "checkpoint_offsets"}) {
+      if (tensors.count(name) != 0) {
+        fail(source, std::string("tensor '") + name +
+                         "' is given, but decode mode takes none (it runs B rows of T new tokens "
+                         "each; metadata 'mode' is decode)");
+      }
+    }
+  }
+
   Problem p;
   p.batch = B;
   p.seq_len = T;
@@ -118,6 +155,18 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     if (const Status st = validate_cu_seqlens(p, cu.data.data()); !st.ok()) {
       fail(source, st.message());
     }
+  }
+
+  if (const auto it = tensors.find("checkpoint_offsets"); it != tensors.end()) {
+    const Tensor& offsets = it->second;
+    expect_dtype(offsets, {DType::kI64, DType::kI32}, source);
+    if (offsets.shape.size() != 2 || offsets.shape[0] != N || offsets.shape[1] < 1) {
+      fail(source, "tensor 'checkpoint_offsets' has shape " + shape_to_string(offsets.shape) +
+                       ", expected [" + std::to_string(N) + ", R] (N = " + std::to_string(N) +
+                       " sequences, R >= 1 requests each)");
+    }
+    p.checkpoints = offsets.shape[1];
+    p.checkpoint_offsets_dtype = offsets.dtype;
   }
 
   DType final_dtype = DType::kF32;
@@ -144,11 +193,33 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   }
   p.final_state_dtype = detail::read_case_final_state(metadata, source, final_dtype);
 
-  const Status st = validate(p);
-  if (!st.ok()) throw Error(st, source);
-
   KdaCase result;
   result.source = source;
+  result.mode = mode;
+  if (mode == CaseMode::kDecode) {
+    if (p.final_state_dtype == DType::kNone) {
+      fail(source,
+           "metadata 'final_state' is 'none', but decode mode always writes its states (f32 or "
+           "bf16)");
+    }
+    DecodeProblem& d = result.decode;
+    d.batch = B;
+    d.tokens = T;
+    d.num_heads = H;
+    d.head_dim_k = K;
+    d.head_dim_v = V;
+    d.num_slots = B * T;  // overflow-free: B * T * H * K elements fit the file
+    d.state_dtype = p.final_state_dtype;
+    d.gate = p.gate;
+    d.lower_bound = p.lower_bound;
+    d.scale = p.scale;
+    d.verify = true;
+    const Status st = validate(d);
+    if (!st.ok()) throw Error(st, source);
+  } else {
+    const Status st = validate(pooled_problem(p));
+    if (!st.ok()) throw Error(st, source);
+  }
   result.problem = p;
   for (const char* name : kInputNames) {
     auto it = tensors.find(name);
@@ -166,88 +237,269 @@ KdaCase load_case(const std::string& path) {
   return make_case(std::move(tensors), file.metadata(), path);
 }
 
-std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Backend* used) {
-  const Problem& p = kda_case.problem;
-  // Every failure names the case it came from: the operator's own messages ("A_log[0] is not
-  // finite") do not know the file.
-  const std::string where = kda_case.source.empty() ? std::string() : kda_case.source + ": ";
-  auto check = [&where](const Status& st, const std::string& what) {
-    if (!st.ok()) throw Error(st, where + what);
-  };
-  const Backend backend =
-      choose_backend(choice, [&p] { return can_implement(p, Backend::kCuda).ok(); });
-  check(can_implement(p, backend), std::string("backend ") + to_string(backend));
-  std::size_t workspace_bytes = 0;
-  check(workspace_size(p, backend, &workspace_bytes), "workspace size");
-  std::unique_ptr<EngineBackend> engine_backend;
-  try {
-    engine_backend = make_engine_backend(backend, BackendOptions{}, where + "backend");
-  } catch (const Error& e) {
-    throw Error(e.code(), where.empty() ? e.what() : where + e.what());
-  }
-  EngineBackend& b = *engine_backend;
+namespace {
 
-  Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, p.num_heads, p.head_dim_v});
-  Tensor final_state;
-  const bool has_final = p.final_state_dtype != DType::kNone;
-  if (has_final) {
-    final_state = Tensor::zeros("final_state", p.final_state_dtype,
-                                {p.sequences(), p.num_heads, p.head_dim_v, p.head_dim_k});
-  }
-  auto input = [&kda_case](const char* name) -> const Tensor* {
-    const auto it = kda_case.tensors.find(name);
-    return it == kda_case.tensors.end() ? nullptr : &it->second;
-  };
-
-  // Every tensor in the backend's memory (0 bytes still get a valid pointer, so length-0
-  // problems pass the pointer checks), freed after the backend is done with it.
-  std::vector<BackendBuffer> allocations;
-  auto buffer = [&](std::size_t bytes, const char* what) -> void* {
+// One run_case call on one backend: its tensors in the backend's memory (0 bytes still get a valid
+// pointer, so length-0 problems pass the pointer checks), freed after the backend is done with
+// them. Every failure names the case it came from: the operator's own messages ("A_log[0] is not
+// finite") do not know the file.
+class CaseRun {
+ public:
+  // `can_run`: can_implement() of the case's problem on `backend`, reported before the backend is
+  // made.
+  CaseRun(const KdaCase& kda_case, Backend backend, const Status& can_run)
+      : kda_case_(kda_case),
+        where_(kda_case.source.empty() ? std::string() : kda_case.source + ": ") {
+    check(can_run, std::string("backend ") + to_string(backend));
     try {
-      allocations.emplace_back(b, bytes, what);
+      engine_backend_ = make_engine_backend(backend, BackendOptions{}, where_ + "backend");
     } catch (const Error& e) {
-      throw Error(e.code(), where + e.what());
+      throw Error(e.code(), where_.empty() ? e.what() : where_ + e.what());
     }
-    return allocations.back().get();
-  };
-  auto upload = [&](const char* name) -> const void* {
+    // "CPU forward", "CUDA decode"
+    what_ = std::string(to_string(backend));
+    std::transform(what_.begin(), what_.end(), what_.begin(),
+                   [](char c) { return static_cast<char>(std::toupper(c)); });
+    what_ += kda_case.mode == CaseMode::kDecode ? " decode" : " forward";
+  }
+  ~CaseRun() {
+    // The buffers go only after the backend is done with them.
+    try {
+      if (engine_backend_) engine_backend_->synchronize();
+    } catch (const Error&) {
+    }
+  }
+
+  EngineBackend& backend() { return *engine_backend_; }
+  const std::string& what() const { return what_; }
+
+  void check(const Status& st, const std::string& what) const {
+    if (!st.ok()) throw Error(st, where_ + what);
+  }
+  const Tensor* input(const char* name) const {
+    const auto it = kda_case_.tensors.find(name);
+    return it == kda_case_.tensors.end() ? nullptr : &it->second;
+  }
+  void* buffer(std::size_t bytes, const char* what) {
+    try {
+      allocations_.emplace_back(*engine_backend_, bytes, what);
+    } catch (const Error& e) {
+      throw Error(e.code(), where_ + e.what());
+    }
+    return allocations_.back().get();
+  }
+  // Host memory (which must stay valid until download() or finish()) into a new buffer.
+  void* upload(const void* src, std::size_t bytes, const char* what) {
+    void* ptr = buffer(bytes, what);
+    guarded([&] { engine_backend_->copy_to_device(ptr, src, bytes); });
+    return ptr;
+  }
+  const void* upload(const char* name) {
     const Tensor* tensor = input(name);
     if (tensor == nullptr) return nullptr;
-    void* ptr = buffer(tensor->data.size(), name);
-    b.copy_to_device(ptr, tensor->data.data(), tensor->data.size());
-    return ptr;
-  };
+    return upload(tensor->data.data(), tensor->data.size(), name);
+  }
+  // A device status word, cleared, where the backend's kernels report through one (CUDA).
+  std::uint32_t* device_status() {
+    if (!engine_backend_->has_device_status()) return nullptr;
+    auto* word = static_cast<std::uint32_t*>(buffer(sizeof(std::uint32_t), "the status word"));
+    check(engine_backend_->clear_device_status(word), what_);
+    return word;
+  }
+  void download(void* dst, const void* src, std::size_t bytes) {
+    guarded([&] { engine_backend_->copy_to_host(dst, src, bytes); });
+  }
+  // Waits for the backend and reports what its kernels saw (`word` from device_status()).
+  void finish(const std::uint32_t* word) {
+    guarded([&] { engine_backend_->synchronize(); });
+    if (word != nullptr) check(engine_backend_->check_device_status(word), what_);
+  }
+
+ private:
+  template <typename F>
+  void guarded(F&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      throw Error(e.code(), where_ + what_ + ": " + e.what());
+    }
+  }
+
+  const KdaCase& kda_case_;
+  std::string where_;
+  std::string what_;
+  std::unique_ptr<EngineBackend> engine_backend_;
+  std::vector<BackendBuffer> allocations_;
+};
+
+std::vector<Tensor> run_prefill(const KdaCase& kda_case, Backend backend) {
+  const Problem& file_problem = kda_case.problem;
+  const Problem p = pooled_problem(file_problem);  // with checkpoints: on a state pool
+  const bool pooled = p.num_state_slots > 0;
+  const std::int64_t N = p.sequences(), R = p.checkpoints;
+  const std::int64_t H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  CaseRun run(kda_case, backend, can_implement(p, backend));
+  std::size_t workspace_bytes = 0;
+  run.check(workspace_size(p, backend, &workspace_bytes), "workspace size");
+
+  Tensor out = Tensor::zeros("out", DType::kBF16, {p.batch, p.seq_len, H, V});
+  const bool has_final = file_problem.final_state_dtype != DType::kNone;
+  // The final states: [N, ...], or the pool [N + N * R, ...] whose first N rows they are.
+  Tensor final_state;
+  if (p.final_state_dtype != DType::kNone) {
+    final_state = Tensor::zeros("final_state", p.final_state_dtype,
+                                {pooled ? p.num_state_slots : N, H, V, K});
+  }
+  const std::size_t state_bytes =
+      static_cast<std::size_t>(H * V * K) * dtype_size(p.final_state_dtype);
+
   Tensors t;
-  t.q = upload("q");
-  t.k = upload("k");
-  t.v = upload("v");
-  t.g = upload("g");
-  t.beta = upload("beta");
-  t.A_log = static_cast<const float*>(upload("A_log"));
-  t.dt_bias = static_cast<const float*>(upload("dt_bias"));
-  t.cu_seqlens = upload("cu_seqlens");
-  if (const Tensor* cu = input("cu_seqlens")) {
+  t.q = run.upload("q");
+  t.k = run.upload("k");
+  t.v = run.upload("v");
+  t.g = run.upload("g");
+  t.beta = run.upload("beta");
+  t.A_log = static_cast<const float*>(run.upload("A_log"));
+  t.dt_bias = static_cast<const float*>(run.upload("dt_bias"));
+  t.cu_seqlens = run.upload("cu_seqlens");
+  if (const Tensor* cu = run.input("cu_seqlens")) {
     t.cu_seqlens_host = cu->data.empty() ? static_cast<const void*>(g_empty) : cu->data.data();
   }
-  t.initial_state = upload("initial_state");
-  t.out = buffer(out.data.size(), "out");
-  if (has_final) t.final_state = buffer(final_state.data.size(), "final_state");
-  void* workspace = workspace_bytes > 0 ? buffer(workspace_bytes, "the workspace") : nullptr;
-  std::string forward = std::string(to_string(backend)) + " forward";  // "CPU forward"
-  std::transform(forward.begin(), forward.begin() + static_cast<std::ptrdiff_t>(forward.find(' ')),
-                 forward.begin(), [](char c) { return static_cast<char>(std::toupper(c)); });
-  check(b.prefill(p, t, Workspace{workspace, workspace_bytes}, CudaOptions{}), forward);
-  try {
-    b.copy_to_host(out.data.data(), t.out, out.data.size());
-    if (has_final) b.copy_to_host(final_state.data.data(), t.final_state, final_state.data.size());
-    b.synchronize();
-  } catch (const Error& e) {
-    throw Error(e.code(), where + forward + ": " + e.what());
+  std::vector<std::uint8_t> initial_pool;  // pooled: the initial states on rows 0..N-1
+  std::vector<std::int32_t> state_slots, checkpoint_slots;
+  if (!pooled) {
+    t.initial_state = run.upload("initial_state");
+  } else {
+    if (const Tensor* initial = run.input("initial_state")) {
+      initial_pool.assign(static_cast<std::size_t>(p.num_state_slots) *
+                              static_cast<std::size_t>(H * V * K) * dtype_size(initial->dtype),
+                          0);
+      std::memcpy(initial_pool.data(), initial->data.data(), initial->data.size());
+      t.initial_state = run.upload(initial_pool.data(), initial_pool.size(), "initial_state");
+    }
+    // Sequence n on slot n; its request r on slot N + n * R + r (none where the offset is -1).
+    const Tensor& offsets = *run.input("checkpoint_offsets");
+    for (std::int64_t n = 0; n < N; ++n) state_slots.push_back(static_cast<std::int32_t>(n));
+    for (std::int64_t i = 0; i < N * R; ++i) {
+      const std::int64_t offset = offsets.dtype == DType::kI64 ? offsets.data_as<std::int64_t>()[i]
+                                                               : offsets.data_as<std::int32_t>()[i];
+      checkpoint_slots.push_back(offset >= 0 ? static_cast<std::int32_t>(N + i) : -1);
+    }
+    t.state_slots = static_cast<const std::int32_t*>(
+        run.upload(state_slots.data(), state_slots.size() * sizeof(std::int32_t), "state_slots"));
+    t.state_slots_host = state_slots.data();
+    t.checkpoint_offsets = run.upload("checkpoint_offsets");
+    t.checkpoint_slots = static_cast<const std::int32_t*>(
+        run.upload(checkpoint_slots.data(), checkpoint_slots.size() * sizeof(std::int32_t),
+                   "checkpoint_slots"));
+    // The pool starts as zeros: the rows of the requests not written stay so.
+    t.final_state = run.upload(final_state.data.data(), final_state.data.size(), "final_state");
   }
-  if (used != nullptr) *used = backend;
+  t.out = run.buffer(out.data.size(), "out");
+  if (has_final && !pooled) t.final_state = run.buffer(final_state.data.size(), "final_state");
+  t.device_status = run.device_status();
+  void* workspace = workspace_bytes > 0 ? run.buffer(workspace_bytes, "the workspace") : nullptr;
+  run.check(run.backend().prefill(p, t, Workspace{workspace, workspace_bytes}, CudaOptions{}),
+            run.what());
+  run.download(out.data.data(), t.out, out.data.size());
+  if (t.final_state != nullptr) {
+    run.download(final_state.data.data(), t.final_state, final_state.data.size());
+  }
+  run.finish(t.device_status);
+
   std::vector<Tensor> outputs;
   outputs.push_back(std::move(out));
+  Tensor checkpoint_states;
+  if (pooled) {
+    checkpoint_states = Tensor::zeros("checkpoint_states", p.final_state_dtype, {N, R, H, V, K});
+    for (std::int64_t i = 0; i < N * R; ++i) {
+      if (checkpoint_slots[static_cast<std::size_t>(i)] < 0) continue;  // stays zeros
+      std::memcpy(checkpoint_states.data.data() + static_cast<std::size_t>(i) * state_bytes,
+                  final_state.data.data() + static_cast<std::size_t>(N + i) * state_bytes,
+                  state_bytes);
+    }
+    final_state.shape[0] = N;
+    final_state.data.resize(static_cast<std::size_t>(N) * state_bytes);
+  }
   if (has_final) outputs.push_back(std::move(final_state));
+  if (pooled) outputs.push_back(std::move(checkpoint_states));
+  return outputs;
+}
+
+// A decode case as one speculative verify step: row b's tokens on slots b * T + t of a pool of
+// B * T states, the initial state in slot b * T (read first: num_accepted is 1), the state after
+// token t written to slot b * T + t. The pool is then the intermediate states [B, T, H, V, K].
+std::vector<Tensor> run_decode(const KdaCase& kda_case, Backend backend) {
+  const DecodeProblem& p = kda_case.decode;
+  const std::int64_t B = p.batch, T = p.tokens, H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  CaseRun run(kda_case, backend, can_implement(p, backend));
+  std::size_t workspace_bytes = 0;
+  run.check(decode_workspace_size(p, backend, &workspace_bytes), "workspace size");
+
+  Tensor out = Tensor::zeros("out", DType::kBF16, {B, T, H, V});
+  Tensor states = Tensor::zeros("intermediate_states", p.state_dtype, {B, T, H, V, K});
+  const std::size_t state_bytes = static_cast<std::size_t>(H * V * K) * dtype_size(p.state_dtype);
+  if (const Tensor* initial = run.input("initial_state")) {
+    const std::vector<std::uint8_t> values =
+        detail::case_state_values(*initial, p.state_dtype, static_cast<std::size_t>(B * H * V * K));
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::memcpy(states.data.data() + static_cast<std::size_t>(b * T) * state_bytes,
+                  values.data() + static_cast<std::size_t>(b) * state_bytes, state_bytes);
+    }
+  }
+  std::vector<std::int32_t> slots, num_accepted(static_cast<std::size_t>(B), 1);
+  for (std::int64_t i = 0; i < B * T; ++i) slots.push_back(static_cast<std::int32_t>(i));
+
+  DecodeTensors t;
+  t.q = run.upload("q");
+  t.k = run.upload("k");
+  t.v = run.upload("v");
+  t.g = run.upload("g");
+  t.beta = run.upload("beta");
+  t.A_log = static_cast<const float*>(run.upload("A_log"));
+  t.dt_bias = static_cast<const float*>(run.upload("dt_bias"));
+  t.slots = static_cast<const std::int32_t*>(
+      run.upload(slots.data(), slots.size() * sizeof(std::int32_t), "slots"));
+  t.num_accepted = static_cast<const std::int32_t*>(
+      run.upload(num_accepted.data(), num_accepted.size() * sizeof(std::int32_t), "num_accepted"));
+  t.state_pool = run.upload(states.data.data(), states.data.size(), "the state pool");
+  t.out = run.buffer(out.data.size(), "out");
+  t.device_status = run.device_status();
+  void* workspace = workspace_bytes > 0 ? run.buffer(workspace_bytes, "the workspace") : nullptr;
+  run.check(run.backend().decode(p, t, Workspace{workspace, workspace_bytes}, CudaOptions{}),
+            run.what());
+  run.download(out.data.data(), t.out, out.data.size());
+  run.download(states.data.data(), t.state_pool, states.data.size());
+  run.finish(t.device_status);
+
+  Tensor final_state = Tensor::zeros("final_state", p.state_dtype, {B, H, V, K});
+  for (std::int64_t b = 0; b < B; ++b) {
+    std::memcpy(final_state.data.data() + static_cast<std::size_t>(b) * state_bytes,
+                states.data.data() + static_cast<std::size_t>(b * T + T - 1) * state_bytes,
+                state_bytes);
+  }
+  std::vector<Tensor> outputs;
+  outputs.push_back(std::move(out));
+  outputs.push_back(std::move(final_state));
+  outputs.push_back(std::move(states));
+  return outputs;
+}
+
+}  // namespace
+
+std::vector<Tensor> run_case(const KdaCase& kda_case, BackendChoice choice, Backend* used) {
+  Backend backend = Backend::kCpu;
+  std::vector<Tensor> outputs;
+  if (kda_case.mode == CaseMode::kDecode) {
+    const DecodeProblem& p = kda_case.decode;
+    backend = choose_backend(choice, [&p] { return can_implement(p, Backend::kCuda).ok(); });
+    outputs = run_decode(kda_case, backend);
+  } else {
+    const Problem p = pooled_problem(kda_case.problem);
+    backend = choose_backend(choice, [&p] { return can_implement(p, Backend::kCuda).ok(); });
+    outputs = run_prefill(kda_case, backend);
+  }
+  if (used != nullptr) *used = backend;
   return outputs;
 }
 

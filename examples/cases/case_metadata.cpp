@@ -1,10 +1,13 @@
 #include "case_metadata.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
+#include "kda/bf16.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine::detail {
@@ -68,6 +71,26 @@ DType read_case_final_state(const CaseMetadata& metadata, const std::string& sou
   if (it->second == "bf16") return DType::kBF16;
   if (it->second == "none") return DType::kNone;
   case_fail(source, "metadata 'final_state' is '" + it->second + "', expected f32, bf16 or none");
+}
+
+std::vector<std::uint8_t> case_state_values(const Tensor& initial, DType dtype, std::size_t count) {
+  std::vector<std::uint8_t> values(count * dtype_size(dtype), 0);
+  const std::size_t given =
+      std::min(count, initial.data.size() / std::max<std::size_t>(1, dtype_size(initial.dtype)));
+  if (initial.dtype == dtype) {
+    if (given > 0) std::memcpy(values.data(), initial.data.data(), given * dtype_size(dtype));
+    return values;
+  }
+  for (std::size_t i = 0; i < given; ++i) {
+    if (dtype == DType::kF32) {  // bf16 -> f32: exact
+      const float v = bf16_to_float(initial.data_as<bf16_bits>()[i]);
+      std::memcpy(values.data() + i * 4, &v, 4);
+    } else {  // f32 -> bf16, round to nearest even
+      const bf16_bits v = float_to_bf16(initial.data_as<float>()[i]);
+      std::memcpy(values.data() + i * 2, &v, 2);
+    }
+  }
+  return values;
 }
 
 }  // namespace kda::engine::detail

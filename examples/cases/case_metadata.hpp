@@ -3,9 +3,13 @@
 // dtype, strict numbers. Messages start with the file (`source`).
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
+#include "kda/engine/safetensors.hpp"
 #include "kda/kda.hpp"
 
 namespace kda::engine::detail {
@@ -28,5 +32,10 @@ void read_case_gate(const CaseMetadata& metadata, const std::string& source, Gat
 // 'final_state' (f32 | bf16 | none) when present; `fallback` otherwise.
 DType read_case_final_state(const CaseMetadata& metadata, const std::string& source,
                             DType fallback);
+
+// `count` state values in `dtype` (f32 or bf16): the first ones from `initial` (F32 or BF16; bf16
+// -> f32 exactly, f32 -> bf16 rounded to nearest even), zeros past its end (all zeros when it is
+// empty).
+std::vector<std::uint8_t> case_state_values(const Tensor& initial, DType dtype, std::size_t count);
 
 }  // namespace kda::engine::detail

@@ -21,6 +21,8 @@ namespace kda::engine {
 namespace {
 
 const char* const kConvNames[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
+const char* const kCheckpointConvNames[3] = {"checkpoint_conv_state_q", "checkpoint_conv_state_k",
+                                             "checkpoint_conv_state_v"};
 
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
   throw Error(StatusCode::kInvalidArgument, source + ": " + what);
@@ -58,23 +60,6 @@ void expect(const std::string& source, const Tensor& t, std::initializer_list<DT
     fail(source, "tensor '" + t.name + "' has shape " + shape_to_string(t.shape) + ", expected " +
                      shape_to_string(shape) + " (" + shape_text + ")");
   }
-}
-
-// The recurrent state pool's values in `dtype`, from `initial` (any of F32 / BF16) or zeros.
-std::vector<std::uint8_t> recurrent_pool(const Tensor& initial, DType dtype, std::size_t count) {
-  std::vector<std::uint8_t> pool(count * dtype_size(dtype), 0);
-  if (initial.data.empty()) return pool;
-  if (initial.dtype == dtype) return initial.data;
-  for (std::size_t i = 0; i < count; ++i) {
-    if (dtype == DType::kF32) {  // bf16 -> f32: exact
-      const float v = bf16_to_float(initial.data_as<bf16_bits>()[i]);
-      std::memcpy(pool.data() + i * 4, &v, 4);
-    } else {  // f32 -> bf16, round to nearest even
-      const bf16_bits v = float_to_bf16(initial.data_as<float>()[i]);
-      std::memcpy(pool.data() + i * 2, &v, 2);
-    }
-  }
-  return pool;
 }
 
 }  // namespace
@@ -167,6 +152,24 @@ LayerCase load_layer_case(const std::string& path) {
     c.final_dtype = c.recurrent_state.dtype;
   }
   c.final_dtype = detail::read_case_final_state(metadata, path, c.final_dtype);
+  if (file.find("checkpoint_offsets") != nullptr) {
+    const Tensor offsets = file.read("checkpoint_offsets");
+    if (offsets.dtype != DType::kI64 && offsets.dtype != DType::kI32) {
+      fail(path, "tensor 'checkpoint_offsets' has dtype " +
+                     std::string(safetensors_dtype_name(offsets.dtype)) + ", expected I64 or I32");
+    }
+    if (offsets.shape.size() != 2 || offsets.shape[0] != N || offsets.shape[1] < 1) {
+      fail(path, "tensor 'checkpoint_offsets' has shape " + shape_to_string(offsets.shape) +
+                     ", expected [" + std::to_string(N) + ", R] (N = " + std::to_string(N) +
+                     " sequences, R >= 1 requests each)");
+    }
+    c.checkpoints = offsets.shape[1];
+    for (std::int64_t i = 0; i < offsets.numel(); ++i) {
+      c.checkpoint_offsets.push_back(offsets.dtype == DType::kI64
+                                         ? offsets.data_as<std::int64_t>()[i]
+                                         : offsets.data_as<std::int32_t>()[i]);
+    }
+  }
 
   // The weights, by their checkpoint names (messages name the file and the tensor).
   const Checkpoint checkpoint = Checkpoint::from_file(std::move(file));
@@ -184,24 +187,41 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
   const std::int64_t T = lc.tokens, N = lc.sequences, E = config.hidden_size;
   const std::int64_t H = config.num_heads, D = config.head_dim, C = H * D;
   const std::int64_t W1 = config.conv_width - 1;
+  const std::int64_t R = lc.checkpoints;
+  // Checkpoints run on the CPU layer only: auto takes the CPU for them.
   const Backend backend = choose_backend(
-      choice, [&config] { return layer::can_implement(Backend::kCuda, config).ok(); });
+      choice, [&config, R] { return R == 0 && layer::can_implement(Backend::kCuda, config).ok(); });
 
-  // Host copies of the states (the pools), filled from the inputs or zero.
+  // Host copies of the states (the pools), filled from the inputs or zero. With checkpoints the
+  // pools have N + N * R rows: sequence n on row n, its request r on row N + n * R + r. The
+  // checkpoints are written in the recurrent pool's dtype: final_state's, f32 when that is none.
   const DType pool_dtype =
       lc.final_dtype != DType::kNone
           ? lc.final_dtype
-          : (lc.recurrent_state.data.empty() ? DType::kF32 : lc.recurrent_state.dtype);
-  const auto conv_count = static_cast<std::size_t>(N * C * W1);
-  const auto state_count = static_cast<std::size_t>(N * H * D * D);
+          : (lc.recurrent_state.data.empty() || R > 0 ? DType::kF32 : lc.recurrent_state.dtype);
+  const std::int64_t rows = N + N * R;
+  const auto conv_row = static_cast<std::size_t>(C * W1);
+  const auto state_row = static_cast<std::size_t>(H * D * D);
+  const std::size_t conv_count = static_cast<std::size_t>(rows) * conv_row;
+  const std::size_t state_count = static_cast<std::size_t>(rows) * state_row;
   std::vector<bf16_bits> conv[3];
   for (int i = 0; i < 3; ++i) {
     conv[i].assign(conv_count, 0);
     if (!lc.conv_state[i].data.empty()) {
-      std::memcpy(conv[i].data(), lc.conv_state[i].data.data(), conv_count * sizeof(bf16_bits));
+      std::memcpy(conv[i].data(), lc.conv_state[i].data.data(), lc.conv_state[i].data.size());
     }
   }
-  std::vector<std::uint8_t> recurrent = recurrent_pool(lc.recurrent_state, pool_dtype, state_count);
+  std::vector<std::uint8_t> recurrent =
+      detail::case_state_values(lc.recurrent_state, pool_dtype, state_count);
+  std::vector<std::int32_t> slots, checkpoint_slots;
+  if (R > 0) {
+    for (std::int64_t n = 0; n < N; ++n) slots.push_back(static_cast<std::int32_t>(n));
+    for (std::int64_t i = 0; i < N * R; ++i) {
+      checkpoint_slots.push_back(lc.checkpoint_offsets[static_cast<std::size_t>(i)] >= 0
+                                     ? static_cast<std::int32_t>(N + i)
+                                     : -1);
+    }
+  }
   Tensor out = Tensor::zeros("out", DType::kBF16, {T, E});
 
   try {
@@ -213,7 +233,7 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
     auto upload = [&](const void* src, std::size_t bytes, const char* what) {
       buffers.emplace_back(*b, bytes, what);
       b->copy_to_device(buffers.back().get(), src, bytes);
-      return buffers.back().get();
+      return static_cast<void*>(buffers.back().get());
     };
     auto* hidden = upload(lc.hidden.data.data(), lc.hidden.data.size(), "hidden_states");
     void* conv_device[3];
@@ -225,10 +245,10 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
         upload(lc.cu_seqlens.data(), lc.cu_seqlens.size() * sizeof(std::int64_t), "cu_seqlens");
     buffers.emplace_back(*b, out.data.size(), "out");
     void* out_device = buffers.back().get();
-    const std::size_t workspace_bytes = layer::workspace_bytes(backend, config, T, N, N);
+    const std::size_t workspace_bytes = layer::workspace_bytes(backend, config, T, N, rows);
     buffers.emplace_back(*b, workspace_bytes, "the workspace");
     void* workspace = buffers.back().get();
-    const layer::State state{N,
+    const layer::State state{rows,
                              static_cast<bf16_bits*>(conv_device[0]),
                              static_cast<bf16_bits*>(conv_device[1]),
                              static_cast<bf16_bits*>(conv_device[2]),
@@ -239,6 +259,18 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
     batch.sequences = N;
     batch.cu_seqlens = reinterpret_cast<const std::int64_t*>(cu);
     batch.cu_seqlens_host = lc.cu_seqlens.data();
+    if (R > 0) {
+      batch.slots = static_cast<const std::int32_t*>(
+          upload(slots.data(), slots.size() * sizeof(std::int32_t), "slots"));
+      batch.slots_host = slots.data();
+      batch.checkpoints = R;
+      batch.checkpoint_offsets = static_cast<const std::int64_t*>(
+          upload(lc.checkpoint_offsets.data(), lc.checkpoint_offsets.size() * sizeof(std::int64_t),
+                 "checkpoint_offsets"));
+      batch.checkpoint_slots = static_cast<const std::int32_t*>(
+          upload(checkpoint_slots.data(), checkpoint_slots.size() * sizeof(std::int32_t),
+                 "checkpoint_slots"));
+    }
     layer::RunOptions options;
     options.stream = b->stream();
     layer->forward(batch, reinterpret_cast<const bf16_bits*>(hidden),
@@ -255,17 +287,37 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
   }
   if (used != nullptr) *used = backend;
 
+  // Rows [first, first + count) of a pool as a tensor; rows whose checkpoint slot is -1 are zeros.
+  const std::size_t state_row_bytes = state_row * dtype_size(pool_dtype);
+  auto rows_of = [&](const char* name, DType dtype, const std::uint8_t* pool, std::size_t row_bytes,
+                     std::vector<std::int64_t> shape, std::int64_t first, bool checkpoint_rows) {
+    Tensor t = Tensor::zeros(name, dtype, std::move(shape));
+    const std::int64_t count = checkpoint_rows ? N * R : N;
+    for (std::int64_t i = 0; i < count; ++i) {
+      if (checkpoint_rows && checkpoint_slots[static_cast<std::size_t>(i)] < 0) continue;
+      std::memcpy(t.data.data() + static_cast<std::size_t>(i) * row_bytes,
+                  pool + static_cast<std::size_t>(first + i) * row_bytes, row_bytes);
+    }
+    return t;
+  };
+  auto conv_bytes = [&](int i) { return reinterpret_cast<const std::uint8_t*>(conv[i].data()); };
   std::vector<Tensor> outputs;
   outputs.push_back(std::move(out));
   if (lc.final_dtype != DType::kNone) {
     for (int i = 0; i < 3; ++i) {
-      Tensor t = Tensor::zeros(kConvNames[i], DType::kBF16, {N, C, W1});
-      std::memcpy(t.data.data(), conv[i].data(), t.data.size());
-      outputs.push_back(std::move(t));
+      outputs.push_back(rows_of(kConvNames[i], DType::kBF16, conv_bytes(i),
+                                conv_row * sizeof(bf16_bits), {N, C, W1}, 0, false));
     }
-    Tensor state = Tensor::zeros("recurrent_state", pool_dtype, {N, H, D, D});
-    state.data = std::move(recurrent);
-    outputs.push_back(std::move(state));
+    outputs.push_back(rows_of("recurrent_state", pool_dtype, recurrent.data(), state_row_bytes,
+                              {N, H, D, D}, 0, false));
+  }
+  if (R > 0) {
+    outputs.push_back(rows_of("checkpoint_states", pool_dtype, recurrent.data(), state_row_bytes,
+                              {N, R, H, D, D}, N, true));
+    for (int i = 0; i < 3; ++i) {
+      outputs.push_back(rows_of(kCheckpointConvNames[i], DType::kBF16, conv_bytes(i),
+                                conv_row * sizeof(bf16_bits), {N, R, C, W1}, N, true));
+    }
   }
   return outputs;
 }
