@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -1220,6 +1221,125 @@ TEST_CASE("kda-run --layer-case: varlen with initial states equals the CPU layer
     const auto out = kda::engine::SafetensorsFile::open(dir.file("n-out.safetensors"));
     CHECK(out.find("out") != nullptr);
     CHECK(out.find("recurrent_state") == nullptr);
+  }
+}
+
+// Decode mode: two rows of three tokens from random initial states, as one verify step; the
+// reference is the CPU layer run three times on one token of each row, its states read after
+// every step (an f32 state: the same operations, bit for bit).
+TEST_CASE("kda-run --layer-case: decode mode equals one-token steps, every token's states kept") {
+  const auto weights = kda::layer::random_weights(layer_config(), 5, 1);
+  const std::int64_t B = 2, Td = 3, C = kLayerH * kLayerD, W1 = kLayerW - 1;
+  const std::size_t conv_row = static_cast<std::size_t>(C * W1);
+  const std::size_t state_row = static_cast<std::size_t>(kLayerH * kLayerD * kLayerD);
+  const std::vector<std::uint16_t> hidden = random_bits(B * Td * kLayerE, 1.0f, 61);
+  LayerRun state;  // rows 0 and 1: the two rows' states, advanced step by step
+  const char* names[3] = {"conv_state_q", "conv_state_k", "conv_state_v"};
+  CaseFile f = layer_case(weights, hidden);
+  for (int p = 0; p < 3; ++p) {
+    state.conv[p] = random_bits(B * conv_row, 1.0f, 62 + p);
+    f.tensors.emplace(names[p], bf16_tensor(names[p], state.conv[p], {B, C, W1}));
+  }
+  for (const std::uint16_t b : random_bits(B * state_row, 0.2f, 66)) {
+    state.recurrent.push_back(kda::bf16_to_float(b));
+  }
+  f.tensors.emplace("recurrent_state", typed_tensor("recurrent_state", DType::kF32, state.recurrent,
+                                                    {B, kLayerH, kLayerD, kLayerD}));
+  f.metadata["mode"] = "decode";
+  f.metadata["tokens"] = "3";
+  TempDir dir;
+  f.save(dir.file("in.safetensors"));
+  const Result r = kda_run({"--layer-case", dir.file("in.safetensors"), "--output",
+                            dir.file("out.safetensors"), "--backend", "cpu"});
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  const auto out = kda::engine::SafetensorsFile::open(dir.file("out.safetensors"));
+
+  const auto layer = kda::layer::make_layer(kda::Backend::kCpu, weights);
+  std::vector<std::uint8_t> ws(
+      kda::layer::workspace_bytes(kda::Backend::kCpu, weights.config, B, B, B));
+  std::vector<std::uint16_t> want_out(hidden.size());
+  std::vector<float> want_states;
+  std::vector<std::uint16_t> want_conv[3];
+  std::vector<std::vector<float>> per_token(static_cast<std::size_t>(B * Td));
+  std::vector<std::vector<std::uint16_t>> per_token_conv[3];
+  for (auto& v : per_token_conv) v.resize(static_cast<std::size_t>(B * Td));
+  for (std::int64_t t = 0; t < Td; ++t) {
+    std::vector<std::uint16_t> step;
+    for (std::int64_t b = 0; b < B; ++b) {
+      step.insert(step.end(), hidden.begin() + (b * Td + t) * kLayerE,
+                  hidden.begin() + (b * Td + t + 1) * kLayerE);
+    }
+    std::vector<std::uint16_t> step_out(step.size());
+    const kda::layer::State st{B,
+                               state.conv[0].data(),
+                               state.conv[1].data(),
+                               state.conv[2].data(),
+                               state.recurrent.data(),
+                               DType::kF32};
+    kda::layer::Batch batch;
+    batch.tokens = B;
+    batch.sequences = B;
+    batch.decode_tokens = 1;
+    layer->forward(batch, step.data(), step_out.data(), st, kda::Workspace{ws.data(), ws.size()});
+    for (std::int64_t b = 0; b < B; ++b) {
+      std::copy(step_out.begin() + b * kLayerE, step_out.begin() + (b + 1) * kLayerE,
+                want_out.begin() + (b * Td + t) * kLayerE);
+      per_token[static_cast<std::size_t>(b * Td + t)].assign(
+          state.recurrent.begin() + b * state_row, state.recurrent.begin() + (b + 1) * state_row);
+      for (int p = 0; p < 3; ++p) {
+        per_token_conv[p][static_cast<std::size_t>(b * Td + t)].assign(
+            state.conv[p].begin() + b * conv_row, state.conv[p].begin() + (b + 1) * conv_row);
+      }
+    }
+  }
+  CHECK(values_of<std::uint16_t>(out.read("out")) == want_out);
+  std::vector<float> intermediate;
+  for (const auto& s : per_token) intermediate.insert(intermediate.end(), s.begin(), s.end());
+  CHECK(out.read("intermediate_states").shape ==
+        std::vector<std::int64_t>{B, Td, kLayerH, kLayerD, kLayerD});
+  CHECK(values_of<float>(out.read("intermediate_states")) == intermediate);
+  CHECK(values_of<float>(out.read("recurrent_state")) == state.recurrent);  // after the last token
+  const char* kept[3] = {"intermediate_conv_state_q", "intermediate_conv_state_k",
+                         "intermediate_conv_state_v"};
+  for (int p = 0; p < 3; ++p) {
+    CAPTURE(p);
+    std::vector<std::uint16_t> all;
+    for (const auto& c : per_token_conv[p]) all.insert(all.end(), c.begin(), c.end());
+    CHECK(out.read(kept[p]).shape == std::vector<std::int64_t>{B, Td, C, W1});
+    CHECK(values_of<std::uint16_t>(out.read(kept[p])) == all);
+    CHECK(values_of<std::uint16_t>(out.read(names[p])) == state.conv[p]);
+  }
+
+  // What decode mode refuses, naming the file; nothing written.
+  struct Bad {
+    std::function<void(CaseFile&)> change;
+    std::string message;
+  };
+  for (const Bad& bad :
+       {Bad{[](CaseFile& c) { c.metadata.erase("tokens"); },
+            "metadata 'tokens' is missing, expected the tokens of each row in decode mode, 1 to "
+            "16"},
+        Bad{[](CaseFile& c) { c.metadata["tokens"] = "4"; },
+            "tensor 'hidden_states' has 6 rows, not a whole number of rows of 4 tokens (metadata "
+            "'tokens')"},
+        Bad{[](CaseFile& c) { c.metadata["mode"] = "verify"; },
+            "metadata 'mode' is 'verify', expected prefill or decode"},
+        Bad{[](CaseFile& c) {
+              const std::vector<std::int64_t> cu = {0, 3, 6};
+              c.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI64, cu, {3}));
+            },
+            "tensor 'cu_seqlens' is given, but decode mode takes none (N rows of 'tokens' tokens "
+            "each)"}}) {
+    CAPTURE(bad.message);
+    CaseFile c = f;
+    bad.change(c);
+    c.save(dir.file("bad.safetensors"));
+    const Result rb = kda_run({"--layer-case", dir.file("bad.safetensors"), "--output",
+                               dir.file("bad-out.safetensors"), "--backend", "cpu"});
+    CHECK(rb.rc == 1);
+    CHECK(rb.err.find(bad.message) != std::string::npos);
+    CHECK(!fs::exists(dir.file("bad-out.safetensors")));
   }
 }
 

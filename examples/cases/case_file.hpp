@@ -119,6 +119,10 @@ struct LayerCase {
   DType final_dtype = DType::kF32;       // kNone: no final states in the output
   std::int64_t checkpoints = 0;          // R: prefix-cache checkpoints per sequence (0: none)
   std::vector<std::int64_t> checkpoint_offsets;  // [N, R]
+  // Decode mode (metadata mode: decode): N rows of decode_tokens tokens each (hidden_states
+  // [N * decode_tokens, E], row n's tokens consecutive), run as one speculative verify step that
+  // keeps the states after every token; 0: a prefill.
+  std::int64_t decode_tokens = 0;
 };
 
 // Reads and validates a layer case file. Throws kda::Error.

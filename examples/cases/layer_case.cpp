@@ -119,7 +119,41 @@ LayerCase load_layer_case(const std::string& path) {
   c.hidden = file.read("hidden_states");
   expect(path, c.hidden, {DType::kBF16}, {T, E}, "[T, hidden]");
   c.tokens = T;
-  if (file.find("cu_seqlens") != nullptr) {
+  bool decode = false;
+  if (const auto mode = metadata.find("mode"); mode != metadata.end()) {
+    decode = mode->second == "decode";
+    if (!decode && mode->second != "prefill") {
+      fail(path, "metadata 'mode' is '" + mode->second + "', expected prefill or decode");
+    }
+  }
+  if (decode) {
+    // N rows of `tokens` tokens each, as one verify step.
+    const auto tokens = metadata.find("tokens");
+    double value = 0.0;
+    if (tokens == metadata.end() || !parse_case_number(tokens->second, &value) ||
+        value != std::floor(value) || value < 1 || value > static_cast<double>(kMaxDecodeTokens)) {
+      fail(path,
+           "metadata 'tokens' is " +
+               (tokens == metadata.end() ? std::string("missing") : "'" + tokens->second + "'") +
+               ", expected the tokens of each row in decode mode, 1 to " +
+               std::to_string(kMaxDecodeTokens));
+    }
+    c.decode_tokens = static_cast<std::int64_t>(value);
+    if (T % c.decode_tokens != 0 || T == 0) {
+      fail(path, "tensor 'hidden_states' has " + std::to_string(T) + " rows, not a whole number " +
+                     "of rows of " + std::to_string(c.decode_tokens) +
+                     " tokens (metadata 'tokens')");
+    }
+    for (const char* name : {"cu_seqlens", "checkpoint_offsets"}) {
+      if (file.find(name) != nullptr) {
+        fail(path, std::string("tensor '") + name +
+                       "' is given, but decode mode takes none (N rows of 'tokens' tokens each)");
+      }
+    }
+    for (std::int64_t n = 0; n <= T / c.decode_tokens; ++n) {
+      c.cu_seqlens.push_back(n * c.decode_tokens);
+    }
+  } else if (file.find("cu_seqlens") != nullptr) {
     const Tensor cu = file.read("cu_seqlens");
     if ((cu.dtype != DType::kI64 && cu.dtype != DType::kI32) || cu.shape.size() != 1 ||
         cu.shape[0] < 2) {
@@ -152,6 +186,11 @@ LayerCase load_layer_case(const std::string& path) {
     c.final_dtype = c.recurrent_state.dtype;
   }
   c.final_dtype = detail::read_case_final_state(metadata, path, c.final_dtype);
+  if (decode && c.final_dtype == DType::kNone) {
+    fail(path,
+         "metadata 'final_state' is 'none', but decode mode always writes its states (f32 "
+         "or bf16)");
+  }
   if (file.find("checkpoint_offsets") != nullptr) {
     const Tensor offsets = file.read("checkpoint_offsets");
     if (offsets.dtype != DType::kI64 && offsets.dtype != DType::kI32) {
@@ -199,7 +238,11 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
       lc.final_dtype != DType::kNone
           ? lc.final_dtype
           : (lc.recurrent_state.data.empty() || R > 0 ? DType::kF32 : lc.recurrent_state.dtype);
-  const std::int64_t rows = N + N * R;
+  // Decode mode: row n's token t keeps its states on pool row n * Td + t; the row starts from
+  // row n * Td (its initial states copied there), as a verify step with one accepted token.
+  const std::int64_t Td = lc.decode_tokens;
+  const std::int64_t rows = Td > 0 ? N * Td : N + N * R;
+  const std::int64_t first_row_stride = Td > 0 ? Td : 1;  // pool row of sequence n's start: n * it
   const auto conv_row = static_cast<std::size_t>(C * W1);
   const auto state_row = static_cast<std::size_t>(H * D * D);
   const std::size_t conv_count = static_cast<std::size_t>(rows) * conv_row;
@@ -207,13 +250,27 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
   std::vector<bf16_bits> conv[3];
   for (int i = 0; i < 3; ++i) {
     conv[i].assign(conv_count, 0);
-    if (!lc.conv_state[i].data.empty()) {
-      std::memcpy(conv[i].data(), lc.conv_state[i].data.data(), lc.conv_state[i].data.size());
+    for (std::int64_t n = 0; n < N && !lc.conv_state[i].data.empty(); ++n) {
+      std::memcpy(conv[i].data() + static_cast<std::size_t>(n * first_row_stride) * conv_row,
+                  lc.conv_state[i].data.data() + static_cast<std::size_t>(n) * conv_row * 2,
+                  conv_row * sizeof(bf16_bits));
     }
   }
   std::vector<std::uint8_t> recurrent =
       detail::case_state_values(lc.recurrent_state, pool_dtype, state_count);
-  std::vector<std::int32_t> slots, checkpoint_slots;
+  if (Td > 1) {  // sequence n's initial state from row n to row n * Td, the rows between zero
+    const std::size_t bytes = state_row * dtype_size(pool_dtype);
+    for (std::int64_t n = N - 1; n >= 1; --n) {
+      std::memcpy(recurrent.data() + static_cast<std::size_t>(n * Td) * bytes,
+                  recurrent.data() + static_cast<std::size_t>(n) * bytes, bytes);
+      std::memset(recurrent.data() + static_cast<std::size_t>(n) * bytes, 0, bytes);
+    }
+  }
+  std::vector<std::int32_t> slots, checkpoint_slots, accepted;
+  if (Td > 0) {
+    for (std::int64_t i = 0; i < N * Td; ++i) slots.push_back(static_cast<std::int32_t>(i));
+    accepted.assign(static_cast<std::size_t>(N), 1);
+  }
   if (R > 0) {
     for (std::int64_t n = 0; n < N; ++n) slots.push_back(static_cast<std::int32_t>(n));
     for (std::int64_t i = 0; i < N * R; ++i) {
@@ -259,6 +316,17 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
     batch.sequences = N;
     batch.cu_seqlens = reinterpret_cast<const std::int64_t*>(cu);
     batch.cu_seqlens_host = lc.cu_seqlens.data();
+    if (Td > 0) {
+      batch.decode_tokens = Td;
+      batch.cu_seqlens = nullptr;
+      batch.cu_seqlens_host = nullptr;
+      batch.slots = static_cast<const std::int32_t*>(
+          upload(slots.data(), slots.size() * sizeof(std::int32_t), "slots"));
+      batch.slots_host = slots.data();
+      batch.num_accepted = static_cast<const std::int32_t*>(
+          upload(accepted.data(), accepted.size() * sizeof(std::int32_t), "num_accepted"));
+      batch.num_accepted_host = accepted.data();
+    }
     if (R > 0) {
       batch.slots = static_cast<const std::int32_t*>(
           upload(slots.data(), slots.size() * sizeof(std::int32_t), "slots"));
@@ -289,20 +357,41 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
 
   // Rows [first, first + count) of a pool as a tensor; rows whose checkpoint slot is -1 are zeros.
   const std::size_t state_row_bytes = state_row * dtype_size(pool_dtype);
+  // With `stride` > 1 (decode mode's final states), row i of the tensor is pool row
+  // first + i * stride.
   auto rows_of = [&](const char* name, DType dtype, const std::uint8_t* pool, std::size_t row_bytes,
-                     std::vector<std::int64_t> shape, std::int64_t first, bool checkpoint_rows) {
+                     std::vector<std::int64_t> shape, std::int64_t first, bool checkpoint_rows,
+                     std::int64_t count = -1, std::int64_t stride = 1) {
     Tensor t = Tensor::zeros(name, dtype, std::move(shape));
-    const std::int64_t count = checkpoint_rows ? N * R : N;
+    if (count < 0) count = checkpoint_rows ? N * R : N;
     for (std::int64_t i = 0; i < count; ++i) {
       if (checkpoint_rows && checkpoint_slots[static_cast<std::size_t>(i)] < 0) continue;
       std::memcpy(t.data.data() + static_cast<std::size_t>(i) * row_bytes,
-                  pool + static_cast<std::size_t>(first + i) * row_bytes, row_bytes);
+                  pool + static_cast<std::size_t>(first + i * stride) * row_bytes, row_bytes);
     }
     return t;
   };
   auto conv_bytes = [&](int i) { return reinterpret_cast<const std::uint8_t*>(conv[i].data()); };
   std::vector<Tensor> outputs;
   outputs.push_back(std::move(out));
+  if (Td > 0) {
+    // The final states: each row's state after its last token; then every token's.
+    for (int i = 0; i < 3; ++i) {
+      outputs.push_back(rows_of(kConvNames[i], DType::kBF16, conv_bytes(i),
+                                conv_row * sizeof(bf16_bits), {N, C, W1}, Td - 1, false, N, Td));
+    }
+    outputs.push_back(rows_of("recurrent_state", pool_dtype, recurrent.data(), state_row_bytes,
+                              {N, H, D, D}, Td - 1, false, N, Td));
+    outputs.push_back(rows_of("intermediate_states", pool_dtype, recurrent.data(), state_row_bytes,
+                              {N, Td, H, D, D}, 0, false, N * Td));
+    const char* names[3] = {"intermediate_conv_state_q", "intermediate_conv_state_k",
+                            "intermediate_conv_state_v"};
+    for (int i = 0; i < 3; ++i) {
+      outputs.push_back(rows_of(names[i], DType::kBF16, conv_bytes(i), conv_row * sizeof(bf16_bits),
+                                {N, Td, C, W1}, 0, false, N * Td));
+    }
+    return outputs;
+  }
   if (lc.final_dtype != DType::kNone) {
     for (int i = 0; i < 3; ++i) {
       outputs.push_back(rows_of(kConvNames[i], DType::kBF16, conv_bytes(i),
