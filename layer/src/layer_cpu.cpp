@@ -40,6 +40,23 @@ float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 using kda::detail::align_up;
 
+// The conv state after `offset` inputs of a sequence whose pre-conv inputs are `pre` [L, Cl] and
+// whose initial conv state is `initial` [Cl, W-1]: its last W-1 inputs there, the older ones from
+// `initial` where fewer than W-1 inputs came before. Into `dst` [Cl, W-1], which may be `initial`
+// itself: ascending i reads initial column offset + i >= i when it comes from there, never one
+// already overwritten.
+void conv_state_at(const float* pre, std::int64_t offset, std::int64_t channels, std::int64_t width,
+                   const bf16_bits* initial, bf16_bits* dst) {
+  const std::int64_t history = width - 1;
+  for (std::int64_t c = 0; c < channels; ++c) {
+    for (std::int64_t i = 0; i < history; ++i) {
+      const std::int64_t t = offset - history + i;  // the input's position in the sequence
+      dst[c * history + i] =
+          t >= 0 ? float_to_bf16(pre[t * channels + c]) : initial[c * history + history + t];
+    }
+  }
+}
+
 // Causal depthwise conv + SiLU of one sequence: `pre` [L, Cl] holds the sequence's pre-conv
 // inputs, `conv_state` [Cl, W-1] the W-1 inputs before them (oldest first). Writes bf16 [L, Cl] to
 // `out` and leaves the last W-1 inputs in `conv_state`. A null `conv_state` (a padding sequence)
@@ -61,28 +78,7 @@ void conv_silu(const float* pre, std::int64_t length, std::int64_t channels, std
     }
   }
   if (length == 0 || conv_state == nullptr) return;
-  // Ascending i reads input(L - history + i), which is state column L + i > i when it comes from
-  // the state: never one already overwritten.
-  for (std::int64_t c = 0; c < channels; ++c) {
-    for (std::int64_t i = 0; i < history; ++i) {
-      conv_state[c * history + i] = float_to_bf16(input(c, length - history + i));
-    }
-  }
-}
-
-// The conv state after `offset` inputs of a sequence whose pre-conv inputs are `pre` [L, Cl] and
-// whose initial conv state is `initial` [Cl, W-1]: its last W-1 inputs there, the older ones from
-// `initial` where fewer than W-1 inputs came before. Into `dst` [Cl, W-1] (not `initial`).
-void conv_state_at(const float* pre, std::int64_t offset, std::int64_t channels, std::int64_t width,
-                   const bf16_bits* initial, bf16_bits* dst) {
-  const std::int64_t history = width - 1;
-  for (std::int64_t c = 0; c < channels; ++c) {
-    for (std::int64_t i = 0; i < history; ++i) {
-      const std::int64_t t = offset - history + i;  // the input's position in the sequence
-      dst[c * history + i] =
-          t >= 0 ? float_to_bf16(pre[t * channels + c]) : initial[c * history + history + t];
-    }
-  }
+  conv_state_at(pre, length, channels, width, conv_state, conv_state);
 }
 
 // The same conv for a verify step's row of `length` tokens (at most kMaxDecodeTokens): starts from
