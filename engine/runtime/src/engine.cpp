@@ -931,8 +931,10 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
         (std::string(what) + ": applying rank " + std::to_string(j) + "'s transition").c_str());
   };
   for (int j = 0; j < group.rank(); ++j) apply(j);
-  // 4. This range's prefill from there: its outputs, and the state at its end in the slot.
-  prefill(kda_index, inputs, out, {slot}, {0, tokens});
+  // 4. This range's prefill from there (the batch checked and its cu_seqlens staged above): its
+  // outputs, and the state at its end in the slot.
+  m.stage_slots({slot}, &m.prefill_slots);
+  m.run_core(kda_index, what, inputs, out, m.staged_prefill(1), m.cu_staging.data());
   // 5. The final state on every rank: the ranges after this one.
   for (int j = group.rank() + 1; j < group.size(); ++j) apply(j);
 }
