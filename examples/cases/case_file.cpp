@@ -299,6 +299,17 @@ class CaseRun {
     if (tensor == nullptr) return nullptr;
     return upload(tensor->data.data(), tensor->data.size(), name);
   }
+  // The case's q, k, v, g, beta, A_log and dt_bias into `t` (Tensors or DecodeTensors).
+  template <typename CallTensors>
+  void upload_inputs(CallTensors* t) {
+    t->q = upload("q");
+    t->k = upload("k");
+    t->v = upload("v");
+    t->g = upload("g");
+    t->beta = upload("beta");
+    t->A_log = static_cast<const float*>(upload("A_log"));
+    t->dt_bias = static_cast<const float*>(upload("dt_bias"));
+  }
   // A device status word, cleared, where the backend's kernels report through one (CUDA).
   std::uint32_t* device_status() {
     if (!engine_backend_->has_device_status()) return nullptr;
@@ -354,13 +365,7 @@ std::vector<Tensor> run_prefill(const KdaCase& kda_case, Backend backend) {
       static_cast<std::size_t>(H * V * K) * dtype_size(p.final_state_dtype);
 
   Tensors t;
-  t.q = run.upload("q");
-  t.k = run.upload("k");
-  t.v = run.upload("v");
-  t.g = run.upload("g");
-  t.beta = run.upload("beta");
-  t.A_log = static_cast<const float*>(run.upload("A_log"));
-  t.dt_bias = static_cast<const float*>(run.upload("dt_bias"));
+  run.upload_inputs(&t);
   t.cu_seqlens = run.upload("cu_seqlens");
   if (const Tensor* cu = run.input("cu_seqlens")) {
     t.cu_seqlens_host = cu->data.empty() ? static_cast<const void*>(g_empty) : cu->data.data();
@@ -451,13 +456,7 @@ std::vector<Tensor> run_decode(const KdaCase& kda_case, Backend backend) {
   for (std::int64_t i = 0; i < B * T; ++i) slots.push_back(static_cast<std::int32_t>(i));
 
   DecodeTensors t;
-  t.q = run.upload("q");
-  t.k = run.upload("k");
-  t.v = run.upload("v");
-  t.g = run.upload("g");
-  t.beta = run.upload("beta");
-  t.A_log = static_cast<const float*>(run.upload("A_log"));
-  t.dt_bias = static_cast<const float*>(run.upload("dt_bias"));
+  run.upload_inputs(&t);
   t.slots = static_cast<const std::int32_t*>(
       run.upload(slots.data(), slots.size() * sizeof(std::int32_t), "slots"));
   t.num_accepted = static_cast<const std::int32_t*>(
