@@ -89,9 +89,10 @@ class LocalCommunicator final : public Communicator {
   }
 
  private:
-  // Publishes this rank's buffer and waits until every rank has published its own.
+  // Publishes this rank's buffer and waits until every rank has published its own. (Every
+  // collective ends with a barrier after its last read of the posted buffers, so the slot can be
+  // reused at once.)
   void post(const void* buffer) {
-    group_->barrier();  // the previous collective's readers are done with the slots
     {
       std::lock_guard<std::mutex> lock(group_->mutex);
       group_->posted[static_cast<std::size_t>(rank_)] = buffer;
