@@ -55,6 +55,10 @@ struct PrefillCase {
   // Added to dt_bias (drawn from [-1, 1]): -3 keeps the softplus gate's decay below ~5 nats a
   // token, so that its chunks take the prepare kernel's reference-0 path like the bounded gate's.
   float dt_shift = 0.0f;
+  // Prefill checkpoints (Problem::checkpoints; --checkpoints): 0 none; -1 two per sequence (its
+  // middle, rounded down to 16 tokens, and its end); n > 0 one every n tokens and the end. The
+  // states then live on a pool (strided slots) that also holds the checkpoints.
+  std::int64_t checkpoint_every = 0;
 };
 
 struct Prefill {
@@ -112,11 +116,27 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   const std::int64_t tok_elems = T * H * D;
   const std::size_t state_size = kda::dtype_size(c.state);
   const std::size_t state_bytes = static_cast<std::size_t>(N) * H * D * D * state_size;
-  // A pool of 2N + 2 states addressed through slot indices, or the [N, H, V, K] blocks.
-  const bool pooled = c.slots != Slots::kContiguous;
-  if (pooled) p.num_state_slots = 2 * N + 2;
+  // A pool of 2N + 2 states addressed through slot indices (and the checkpoints' entries after
+  // them), or the [N, H, V, K] blocks.
+  std::vector<std::vector<std::int64_t>> requests(static_cast<std::size_t>(N));
+  std::int64_t K = 0, num_requests = 0;
+  for (std::int64_t i = 0; i < N && c.checkpoint_every != 0; ++i) {
+    const std::int64_t len = c.lengths[i];
+    auto& r = requests[static_cast<std::size_t>(i)];
+    if (c.checkpoint_every < 0) {
+      r = {len / 2 / 16 * 16, len};
+    } else {
+      for (std::int64_t o = c.checkpoint_every; o < len; o += c.checkpoint_every) r.push_back(o);
+      r.push_back(len);
+    }
+    K = std::max<std::int64_t>(K, static_cast<std::int64_t>(r.size()));
+    num_requests += static_cast<std::int64_t>(r.size());
+  }
+  const bool pooled = c.slots != Slots::kContiguous || K > 0;
+  const std::int64_t pool_entries = 2 * N + 2 + num_requests;
+  if (pooled) p.num_state_slots = pool_entries;
   const std::size_t pool_bytes =
-      pooled ? static_cast<std::size_t>(2 * N + 2) * H * D * D * state_size : state_bytes;
+      pooled ? static_cast<std::size_t>(pool_entries) * H * D * D * state_size : state_bytes;
   std::int32_t* d_slots = nullptr;
   if (pooled) {
     std::vector<std::int32_t> slots(N);
@@ -126,9 +146,30 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
     d_slots = static_cast<std::int32_t*>(dalloc(pf, N * 4));
     CK(cudaMemcpy(d_slots, slots.data(), N * 4, cudaMemcpyHostToDevice));
   }
+  void* d_offsets = nullptr;
+  std::int32_t* d_checkpoint_slots = nullptr;
+  if (K > 0) {
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(N * K), -1);
+    std::vector<std::int32_t> entries(static_cast<std::size_t>(N * K), -1);
+    std::int32_t next = static_cast<std::int32_t>(2 * N + 2);
+    for (std::int64_t i = 0; i < N; ++i) {
+      const auto& r = requests[static_cast<std::size_t>(i)];
+      for (std::size_t k = 0; k < r.size(); ++k) {
+        offsets[static_cast<std::size_t>(i * K) + k] = r[k];
+        entries[static_cast<std::size_t>(i * K) + k] = next++;
+      }
+    }
+    d_offsets = dalloc(pf, offsets.size() * 8);
+    d_checkpoint_slots = static_cast<std::int32_t*>(dalloc(pf, entries.size() * 4));
+    CK(cudaMemcpy(d_offsets, offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_checkpoint_slots, entries.data(), entries.size() * 4, cudaMemcpyHostToDevice));
+    p.checkpoints = K;
+    p.checkpoint_offsets_dtype = kda::DType::kI64;
+  }
   const double set_bytes = kda::bench::kda_core_bytes(
       static_cast<double>(T), static_cast<double>(N), H, D, static_cast<double>(state_size), false);
-  pf.bytes = set_bytes;
+  // The checkpoints' writes add to the floor.
+  pf.bytes = set_bytes + static_cast<double>(num_requests) * H * D * D * state_size;
   // Rotate input sets so that one pass over all of them is at least 4x the 60 MB L2.
   const int nsets =
       static_cast<int>(std::min<double>(8, std::max<double>(2, 240e6 / set_bytes + 1)));
@@ -169,6 +210,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
     t.initial_state = h0;
     t.final_state = pooled ? h0 : dalloc(pf, state_bytes);  // a pool is updated in place
     t.state_slots = d_slots;
+    t.checkpoint_offsets = d_offsets;
+    t.checkpoint_slots = d_checkpoint_slots;
     t.out = dalloc(pf, tok_elems * 2);
     pf.sets.push_back(t);
   }
@@ -381,6 +424,62 @@ void run_prefill(double bw, int iters, const std::string& only) {
                 pf.bytes / (ms * 1e-3) / 1e9, floor_ms, ms / floor_ms, fk, fks, fl, fls);
     std::fflush(stdout);
     free_prefill(pf);
+  }
+}
+
+// --checkpoints: prefills with prefix-cache checkpoints against the same prefill without them
+// (both on a pool of strided slots), in the same run: two per sequence, and one every 256 tokens.
+void run_checkpoints(double bw, int iters, const std::string& only) {
+  const char* names[] = {"h32-1seq",   "h96-varlen", "h32-16x2048",   "h64-8x1024",
+                         "h12-32k",    "h4-128k",    "h16-128k-bf16", "h12-8x4096-bf16",
+                         "h16-ragged", "h12-24k+8k"};
+  std::printf(
+      "\n### CUDA prefill with checkpoints (median of %d; against the same prefill on a "
+      "pool without them)\n\n",
+      iters);
+  std::printf(
+      "| case | state | H | sequences | requests | plain ms | ms | x plain | floor ms | x "
+      "floor |\n");
+  std::printf("|---|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  for (const PrefillCase& base : prefill_cases()) {
+    bool wanted = false;
+    for (const char* n : names) wanted = wanted || base.name == n;
+    if (!wanted || (!only.empty() && !matches(only, base.name))) continue;
+    PrefillCase plain = base;
+    if (plain.slots == Slots::kContiguous) plain.slots = Slots::kStrided;
+    auto time = [&](const PrefillCase& c, double* bytes, std::int64_t* requests) {
+      Prefill pf = make_prefill(c, kCaseSeed);
+      const kda::Workspace ws{pf.ws, pf.ws_bytes};
+      const double ms = median_ms(
+          [&](int i) {
+            check(kda::forward_cuda(pf.p, pf.sets[i % pf.sets.size()], ws, nullptr),
+                  "forward_cuda");
+          },
+          5, iters);
+      *bytes = pf.bytes;
+      *requests = pf.p.checkpoints;
+      free_prefill(pf);
+      return ms;
+    };
+    double plain_bytes = 0;
+    std::int64_t none = 0;
+    const double plain_ms = time(plain, &plain_bytes, &none);
+    for (const std::int64_t every : {std::int64_t{-1}, std::int64_t{256}}) {
+      PrefillCase c = plain;
+      c.checkpoint_every = every;
+      double bytes = 0;
+      std::int64_t K = 0;
+      const double ms = time(c, &bytes, &K);
+      std::int64_t requests = 0;
+      for (auto len : c.lengths) requests += every < 0 ? 2 : (len + 255) / 256;
+      const double floor_ms = bytes / bw * 1e3;
+      std::printf("| %s %s | %s | %d | %s | %lld | %.3f | %.3f | %.3f | %.3f | %.2f |\n",
+                  base.name.c_str(), every < 0 ? "2 a sequence" : "1 / 256 tokens",
+                  kda::to_string(c.state), c.heads, lengths_label(c).c_str(),
+                  static_cast<long long>(requests), plain_ms, ms, ms / plain_ms, floor_ms,
+                  ms / floor_ms);
+      std::fflush(stdout);
+    }
   }
 }
 
@@ -678,7 +777,7 @@ void run_host_overhead() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool prefill = false, decode = false, host = false, paths = false;
+  bool prefill = false, decode = false, host = false, paths = false, checkpoints = false;
   int iters = 30;
   std::string only;
   for (int i = 1; i < argc; ++i) {
@@ -691,22 +790,25 @@ int main(int argc, char** argv) {
       host = true;
     else if (a == "--paths")
       paths = true;
+    else if (a == "--checkpoints")
+      checkpoints = true;
     else if (a == "--iters" && i + 1 < argc)
       iters = std::max(3, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
     else {
-      std::fprintf(stderr,
-                   "usage: kda-bench [--prefill] [--decode] [--host] [--paths] [--iters N] "
-                   "[--case NAME]\n");
+      std::fprintf(
+          stderr,
+          "usage: kda-bench [--prefill] [--decode] [--host] [--paths] [--checkpoints] [--iters N] "
+          "[--case NAME]\n");
       return 2;
     }
   }
   if (paths) {  // host only: before the device check
     print_paths(only);
-    if (!prefill && !decode && !host) return 0;
+    if (!prefill && !decode && !host && !checkpoints) return 0;
   }
-  if (!prefill && !decode && !host) prefill = decode = host = true;
+  if (!prefill && !decode && !host && !checkpoints) prefill = decode = host = true;
   if (kda::cuda_device_count() == 0) {
     std::fprintf(stderr, "kda-bench: no CUDA device\n");
     return 1;
@@ -715,6 +817,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s; device-to-device copy: %.2f TB/s (bytes read + written)\n",
               kda::device_name(0).c_str(), bw / 1e12);
   if (prefill) run_prefill(bw, iters, only);
+  if (checkpoints) run_checkpoints(bw, iters, only);
   if (decode) run_decode(bw, iters);
   if (host) run_host_overhead();
   return 0;

@@ -1040,13 +1040,49 @@ TEST_CASE("kda-run --case: prefill checkpoints equal the final states of the pre
   bad.tensors.emplace("checkpoint_offsets", typed_tensor("checkpoint_offsets", DType::kF32,
                                                          std::vector<float>{16, 16}, {2, 1}));
   check_rejected(bad, "tensor 'checkpoint_offsets' has dtype F32, expected I64 or I32");
-  // The CUDA backend does not write checkpoints yet: it says so, and nothing is written.
-  if (kda::engine::cuda_backend_available()) {
-    check_rejected(&f, nullptr,
-                   "in.safetensors: backend cuda: prefill checkpoints run on the CPU "
-                   "backend only",
-                   "--case", "cuda");
+}
+
+// The same file at K = V = 128 on CUDA: the checkpoints within the CUDA tolerance of the CPU's, and
+// the one at a sequence's length its final state, bit for bit.
+TEST_CASE("kda-run --case: prefill checkpoints on CUDA equal the CPU's within tolerance") {
+  if (!kda::engine::cuda_backend_available()) {
+    MESSAGE("KDA_SKIP: no CUDA device (this test needs one)");
+    return;
   }
+  kda::test::CaseOptions o;
+  o.heads = 2;
+  o.head_dim_k = 128;
+  o.head_dim_v = 128;
+  o.lengths = {37, 20};
+  o.initial_state_dtype = DType::kF32;
+  o.final_state_dtype = DType::kF32;
+  o.seed = 809;
+  const kda::test::KdaCase c = kda::test::make_case(o);
+  const std::int64_t state = 2 * 128 * 128;
+  CaseFile f = to_case_file(c);
+  f.tensors.emplace("checkpoint_offsets",
+                    typed_tensor("checkpoint_offsets", DType::kI32,
+                                 std::vector<std::int32_t>{16, 37, 0, -1}, {2, 2}));
+  TempDir dir;
+  f.save(dir.file("in.safetensors"));
+  for (const char* backend : {"cpu", "cuda"}) {
+    const Result r =
+        kda_run({"--case", dir.file("in.safetensors"), "--output",
+                 dir.file(std::string(backend) + ".safetensors"), "--backend", backend});
+    INFO("stderr: " << r.err);
+    REQUIRE(r.rc == 0);
+  }
+  const auto cpu = kda::engine::SafetensorsFile::open(dir.file("cpu.safetensors"));
+  const auto gpu = kda::engine::SafetensorsFile::open(dir.file("cuda.safetensors"));
+  const auto want = values_of<float>(cpu.read("checkpoint_states"));
+  const auto got = values_of<float>(gpu.read("checkpoint_states"));
+  REQUIRE(got.size() == want.size());
+  CHECK(kda::test::rel_error(got, kda::test::to_doubles(want)) <= 5e-3);
+  const auto final_state = values_of<float>(gpu.read("final_state"));
+  CHECK(std::vector<float>(got.begin() + state, got.begin() + 2 * state) ==
+        std::vector<float>(final_state.begin(), final_state.begin() + state));
+  CHECK(std::vector<float>(got.begin() + 3 * state, got.end()) ==
+        std::vector<float>(static_cast<std::size_t>(state), 0.0f));
 }
 
 // ---- whole layers ----------------------------------------------------------------------------
@@ -1491,10 +1527,6 @@ TEST_CASE("kda-run --layer-case: prefill checkpoints equal the states of the pre
   check_layer_rejected(bad,
                        "in.safetensors: tensor 'checkpoint_offsets' has shape [1, 4], "
                        "expected [2, R]");
-  if (kda::engine::cuda_backend_available()) {
-    check_rejected(&f, nullptr, "prefill checkpoints run on the CPU layer only", "--layer-case",
-                   "cuda");
-  }
 }
 
 TEST_CASE("kda-run: a typo in runtime is a warning, and an error with --strict-config") {

@@ -16,7 +16,7 @@
 //            B)
 //            checkpoint_offsets I64 or I32 [N, R]    (optional, R >= 1: prefix-cache checkpoints;
 //                                                     -1, a multiple of 16 up to the sequence's
-//                                                     length, or that length; CPU backend only)
+//                                                     length, or that length)
 //   Output   out BF16 [B, T, H, V] and, unless final_state is none, final_state [N, H, V, K];
 //            with checkpoint_offsets, checkpoint_states [N, R, H, V, K] in final_state's dtype
 //            (f32 when final_state is none): the state after that many of the sequence's tokens,
@@ -98,7 +98,7 @@ void run_case_file(const std::string& input_path, const std::string& output_path
 //              else f32; the recurrent state is carried in that dtype, an initial state of the
 //              other dtype converted first)
 //            checkpoint_offsets I64 or I32 [N, R]   (optional, R >= 1: prefix-cache checkpoints,
-//              as for --case; CPU backend only)
+//              as for --case)
 //   Output   out BF16 [T, E] and, unless final_state is none, the final states under the input
 //            names (conv_state_q, conv_state_k, conv_state_v, recurrent_state), so that an output
 //            file can give the next chunk its initial states; with checkpoint_offsets also

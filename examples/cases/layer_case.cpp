@@ -227,9 +227,8 @@ std::vector<Tensor> run_layer_case(const LayerCase& lc, BackendChoice choice, Ba
   const std::int64_t H = config.num_heads, D = config.head_dim, C = H * D;
   const std::int64_t W1 = config.conv_width - 1;
   const std::int64_t R = lc.checkpoints;
-  // Checkpoints run on the CPU layer only: auto takes the CPU for them.
   const Backend backend = choose_backend(
-      choice, [&config, R] { return R == 0 && layer::can_implement(Backend::kCuda, config).ok(); });
+      choice, [&config] { return layer::can_implement(Backend::kCuda, config).ok(); });
 
   // Host copies of the states (the pools), filled from the inputs or zero. With checkpoints the
   // pools have N + N * R rows: sequence n on row n, its request r on row N + n * R + r. The

@@ -357,11 +357,6 @@ Status can_implement(const Problem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
   if (backend == Backend::kCuda) {
-    if (p.checkpoints > 0) {
-      return Status(StatusCode::kUnsupported,
-                    "prefill checkpoints run on the CPU backend only (the CUDA prefill does not "
-                    "write them yet)");
-    }
     std::uint64_t slots = 0;
     detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
                             static_cast<std::uint64_t>(p.sequences()), &slots);
@@ -399,10 +394,10 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
     }
     // The duplicate-slot bitmap sits after the thread slots (validate bounded num_state_slots).
     total += detail::state_slot_bitmap_bytes(p);
-  } else if (!detail::cuda_prefill_workspace_bytes(static_cast<std::uint64_t>(p.total_tokens()),
-                                                   static_cast<std::uint64_t>(p.sequences()),
-                                                   static_cast<std::uint64_t>(p.num_heads),
-                                                   &total) ||
+  } else if (!detail::cuda_prefill_workspace_bytes(
+                 static_cast<std::uint64_t>(p.total_tokens()),
+                 static_cast<std::uint64_t>(p.sequences()), static_cast<std::uint64_t>(p.num_heads),
+                 static_cast<std::uint64_t>(p.num_state_slots), &total) ||
              total > detail::kMaxSize) {
     return Status(StatusCode::kOverflow, "CUDA workspace bytes overflow 64-bit sizes");
   }

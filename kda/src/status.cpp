@@ -152,9 +152,18 @@ Status describe_device_status(std::uint32_t bits) {
     message += "a verify step's num_accepted outside [1, tokens] (that row was skipped)";
     sep = "; ";
   }
+  if (bits & kDeviceStatusCheckpoint) {
+    message += sep;
+    message +=
+        "a prefill checkpoint request with an offset that is not -1, a multiple of 16 up to its "
+        "sequence's length, or that length, with a slot >= the pool size, or with a slot another "
+        "request of the call named (that request was skipped)";
+    sep = "; ";
+  }
   const std::uint32_t unknown =
       bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams |
-                                         kDeviceStatusSlot | kDeviceStatusAccepted);
+                                         kDeviceStatusSlot | kDeviceStatusAccepted |
+                                         kDeviceStatusCheckpoint);
   if (unknown != 0) {
     message += sep;
     message += "unknown status bits 0x" + [&] {

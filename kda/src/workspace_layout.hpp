@@ -115,15 +115,50 @@ inline bool cuda_prefill_flags_offset(std::uint64_t total_tokens, std::uint64_t 
   *offset = total;
   return true;
 }
-inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
-                                         std::uint64_t num_heads, std::uint64_t* bytes) {
-  std::uint64_t flags_at = 0, slots = 0, flags = 0, flag_bytes = 0, total = 0;
+// ---- Checkpoint index (prefill checkpoints) --------------------------------------------------
+// With state slots (Problem::num_state_slots = P > 0), after the ready flags: int32 heads
+// [num_chunk_slots + N], int32 claims [P] and int32 next [P]. A checkpoint request for the state
+// after chunk slot c of its sequence, into pool entry e, heads the list of heads[c] (offset 0, the
+// initial state: heads[num_chunk_slots + s]) and next[e] chains the entries that share that point;
+// -1 ends a list. claims[e] keeps an entry from being listed twice (a request naming an entry
+// another one named is reported and skipped), so no list can loop. Indexed by entry, not by
+// request, the index does not depend on how many requests a call makes; the recurrence reads one
+// head per chunk step, so that any number of them costs one load a chunk.
+inline constexpr std::uint64_t kCheckpointIndexBytes = 4;
+
+// Offset of the checkpoint heads (after the ready flags; claims follow them, then next) and the
+// end of the index (no index without state slots).
+inline bool cuda_prefill_checkpoint_index(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                                          std::uint64_t num_heads, std::uint64_t num_state_slots,
+                                          std::uint64_t* heads_at, std::uint64_t* end) {
+  std::uint64_t flags_at = 0, slots = 0, flags = 0, flag_bytes = 0, at = 0, entries = 0,
+                index_bytes = 0;
   if (!cuda_prefill_flags_offset(total_tokens, num_seqs, num_heads, &flags_at)) return false;
   if (!num_chunk_slots(total_tokens, num_seqs, &slots)) return false;
   if (!checked_mul(slots, num_heads, &flags)) return false;
   if (!checked_mul(flags, kReadyFlagBytes, &flag_bytes)) return false;
-  if (!checked_add(flags_at, flag_bytes, &total)) return false;
-  return checked_add(total, kWorkspaceAlignment, bytes);
+  if (!checked_add(flags_at, flag_bytes, &at)) return false;
+  if (num_state_slots > 0) {
+    std::uint64_t heads = 0, per_entry = 0;
+    if (!checked_add(slots, num_seqs, &heads)) return false;
+    if (!checked_mul(num_state_slots, 2, &per_entry)) return false;
+    if (!checked_add(heads, per_entry, &entries)) return false;
+    if (!checked_mul(entries, kCheckpointIndexBytes, &index_bytes)) return false;
+  }
+  *heads_at = at;
+  return checked_add(at, index_bytes, end);
+}
+
+// The CUDA prefill's workspace: records, segment blocks, ready flags, the checkpoint index, and
+// one alignment unit so that an unaligned caller pointer can be rounded up.
+inline bool cuda_prefill_workspace_bytes(std::uint64_t total_tokens, std::uint64_t num_seqs,
+                                         std::uint64_t num_heads, std::uint64_t num_state_slots,
+                                         std::uint64_t* bytes) {
+  std::uint64_t heads_at = 0, end = 0;
+  if (!cuda_prefill_checkpoint_index(total_tokens, num_seqs, num_heads, num_state_slots, &heads_at,
+                                     &end))
+    return false;
+  return checked_add(end, kWorkspaceAlignment, bytes);
 }
 
 }  // namespace kda::detail

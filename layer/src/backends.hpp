@@ -10,6 +10,18 @@
 
 namespace kda::layer::detail {
 
+// The core's prefill problem and tensors with the batch's checkpoint requests (Batch::checkpoints,
+// int64 offsets), as both backends hand them to the operator.
+inline Problem with_checkpoints(Problem core, const Batch& batch, Tensors* t) {
+  if (batch.checkpoints > 0) {
+    core.checkpoints = batch.checkpoints;
+    core.checkpoint_offsets_dtype = DType::kI64;
+    t->checkpoint_offsets = batch.checkpoint_offsets;
+    t->checkpoint_slots = batch.checkpoint_slots;
+  }
+  return core;
+}
+
 // CPU (layer_cpu.cpp): an fp32 weight image, cache-line aligned.
 inline constexpr std::size_t kCpuWeightImageAlignment = 64;
 std::size_t cpu_weight_image_bytes(const Config& config);

@@ -419,16 +419,9 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     t.initial_state = state.recurrent;
     t.final_state = state.recurrent;  // updated in place
     t.state_slots = batch.slots;
-    Problem with_checkpoints = core;
-    if (batch.checkpoints > 0) {
-      with_checkpoints.checkpoints = batch.checkpoints;
-      with_checkpoints.checkpoint_offsets_dtype = DType::kI64;
-      t.checkpoint_offsets = batch.checkpoint_offsets;
-      t.checkpoint_slots = batch.checkpoint_slots;
-    }
+    const Problem prefill = with_checkpoints(core, batch, &t);
     KDA_NVTX_RANGE("core");
-    throw_if_error(forward_cpu(with_checkpoints, t, regions.core(), cpu),
-                   "KDA layer forward (CPU): core");
+    throw_if_error(forward_cpu(prefill, t, regions.core(), cpu), "KDA layer forward (CPU): core");
   }
   timer.lap(&Times::core);
 

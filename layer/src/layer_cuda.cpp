@@ -373,12 +373,6 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   const WorkspaceLayout layout = checked_forward_layout(
       Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host,
       batch.num_accepted_host, state, hidden, out, workspace, kForward);
-  if (batch.checkpoints > 0) {
-    throw Error(StatusCode::kUnsupported,
-                std::string(kForward) +
-                    ": prefill checkpoints run on the CPU layer only (the CUDA prefill does not "
-                    "write them yet)");
-  }
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kSeparate)) {
     throw Error(StatusCode::kInvalidArgument,
@@ -418,6 +412,10 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
         {batch.slots, static_cast<std::size_t>(N * (step.verify ? batch.decode_tokens : 1)) * 4,
          "slots"},
         {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
+        {batch.checkpoint_offsets, static_cast<std::size_t>(N * batch.checkpoints) * 8,
+         "checkpoint_offsets"},
+        {batch.checkpoint_slots, static_cast<std::size_t>(N * batch.checkpoints) * 4,
+         "checkpoint_slots"},
         {batch.device_status, 4, "device_status"},
     };
     for (const auto& b : buffers) {
@@ -544,6 +542,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
       p.cu_seqlens = batch.cu_seqlens;
+      p.checkpoints = batch.checkpoints;
+      p.checkpoint_offsets = batch.checkpoint_offsets;
+      p.checkpoint_slots = batch.checkpoint_slots;
       check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
     }
   }
@@ -573,7 +574,8 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       t.final_state = state.recurrent;  // updated in place
       t.state_slots = batch.slots;
       t.device_status = batch.device_status;
-      throw_if_error(forward_cuda(core, t, regions.core(), stream, core_options),
+      const Problem prefill = with_checkpoints(core, batch, &t);
+      throw_if_error(forward_cuda(prefill, t, regions.core(), stream, core_options),
                      "KDA layer forward (CUDA): core");
     }
   }

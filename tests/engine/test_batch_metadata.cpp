@@ -410,7 +410,7 @@ namespace {
 // A prefill of two sequences (20 and 33 tokens, slots 0 and 1) with checkpoints: sequence 0 after
 // 16 tokens into slot 2, sequence 1 after 32 into slot 3 (its second request none). Continuing
 // sequence 1 from slot 3 with its last token ends where the one-pass prefill ended (the CPU: bit
-// for bit), in both layers; CUDA refuses checkpoints for now.
+// for bit; CUDA within rounding), in both layers.
 void prefill_checkpoints(Backend backend) {
   Engine e(spec(), EnginePair::options(backend, nullptr));
   for (int s = 0; s < 4; ++s) e.acquire_slot();
@@ -429,13 +429,8 @@ void prefill_checkpoints(Backend backend) {
   b.checkpoints = 2;
   b.checkpoint_offsets = off_dev.as<std::int64_t>();
   b.checkpoint_slots = cp_dev.as<std::int32_t>();
-  if (backend == Backend::kCuda) {
-    const std::string error =
-        kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); });
-    CHECK(error.find("CPU backend only") != std::string::npos);
-    return;
-  }
   for (int l = 0; l < 2; ++l) e.prefill_hidden(l, hidden.get(), out.get(), b);
+  e.check_device_status();  // throws what the device reported (CUDA)
   const std::vector<std::uint16_t> all = hidden.read<std::uint16_t>();
   const std::vector<std::uint16_t> last(all.begin() + 52 * kHidden, all.end());
   Memory tail(backend, last), tail_out(backend, kHidden * 2);
@@ -443,9 +438,15 @@ void prefill_checkpoints(Backend backend) {
     CAPTURE(l);
     const std::vector<double> one_pass = slot_values(e, l, 1);
     e.prefill_hidden(l, tail.get(), tail_out.get(), {3}, {0, 1});
-    CHECK(slot_values(e, l, 3) == one_pass);
+    if (backend == Backend::kCpu) {
+      CHECK(slot_values(e, l, 3) == one_pass);
+    } else {  // the continuation's recurrence may round apart from the one pass
+      CHECK(deviation(slot_values(e, l, 3), one_pass) <= 5e-3);
+    }
   }
-  // Slots not acquired, or named twice, are refused.
+  // CUDA reads the requests on the device only (the operator's and the layer's tests cover what
+  // it reports); the CPU refuses slots not acquired, or named twice.
+  if (backend == Backend::kCuda) return;
   cp_dev.write(std::vector<std::int32_t>{5, -1, 3, -1});
   CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
         "prefill_hidden: checkpoint 0 uses slot 5, which is not an acquired slot");
@@ -459,7 +460,7 @@ void prefill_checkpoints(Backend backend) {
 TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from one [cpu]") {
   prefill_checkpoints(Backend::kCpu);
 }
-TEST_CASE("engine: prefill checkpoints are refused on CUDA for now [cuda]") {
+TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from one [cuda]") {
   if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
 }
 

@@ -131,7 +131,7 @@ class Runner {
   }
 
   virtual PrefillRun prefill(const KdaCase& c, const PrefillOptions& opt = {}) = 0;
-  virtual PooledRun prefill_pooled(const SlotCase& sc) = 0;
+  virtual PooledRun prefill_pooled(const SlotCase& sc, const PrefillOptions& opt = {}) = 0;
   // `repeats` decode calls on the same pool (each advances its state).
   virtual DecodeRun decode(const DecodeCase& d, int repeats = 1) = 0;
   // c's state dtypes are ignored: transitions start from no state.
@@ -199,11 +199,17 @@ class BufferRunner : public Runner {
     return r;
   }
 
-  PooledRun prefill_pooled(const SlotCase& sc) override {
+  PooledRun prefill_pooled(const SlotCase& sc, const PrefillOptions& opt) override {
     PooledRun r;
     CaseBuffers<Buffer> d(sc.contiguous);
     Buffer pool = Buffer::from(sc.pool);
     Buffer slots = Buffer::from(sc.slots);
+    std::vector<std::int32_t> offsets_i32(sc.checkpoint_offsets.begin(),
+                                          sc.checkpoint_offsets.end());
+    Buffer checkpoint_offsets = sc.problem.checkpoint_offsets_dtype == DType::kI32
+                                    ? Buffer::from(offsets_i32)
+                                    : Buffer::from(sc.checkpoint_offsets);
+    Buffer checkpoint_slots = Buffer::from(sc.checkpoint_slots);
     Buffer out(static_cast<std::size_t>(sc.contiguous.out_elems()) * 2);
     out.fill(kPoisonByte);
     Buffer status(backend() == Backend::kCuda ? 4 : 0);
@@ -216,11 +222,15 @@ class BufferRunner : public Runner {
     t.initial_state = pool.get();
     t.final_state = pool.get();
     t.state_slots = static_cast<const std::int32_t*>(slots.get());
+    if (sc.problem.checkpoints > 0) {
+      t.checkpoint_offsets = checkpoint_offsets.get();
+      t.checkpoint_slots = static_cast<const std::int32_t*>(checkpoint_slots.get());
+    }
     t.out = out.get();
     if (backend() == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
     KdaCase pooled = sc.contiguous;  // the pooled problem with the contiguous case's host arrays
     pooled.problem = sc.problem;
-    r.status = forward(pooled, t, Workspace{ws.get(), ws.bytes()}, {});
+    r.status = forward(pooled, t, Workspace{ws.get(), ws.bytes()}, opt);
     if (r.status.ok()) r.status = Buffer::synchronize();
     r.out = out.template download<std::uint16_t>();
     r.pool = pool.template download<unsigned char>();

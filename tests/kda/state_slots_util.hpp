@@ -27,6 +27,10 @@ struct SlotCase {
   std::vector<std::int32_t> slots;
   std::vector<unsigned char> pool;  // [P, H, V, K] in the state dtype, before the run
   std::size_t entry_bytes = 0;      // bytes of one pool entry
+  // Prefill checkpoints (problem.checkpoints = K > 0): [N, K] each, offsets as values (fed in
+  // problem.checkpoint_offsets_dtype).
+  std::vector<std::int64_t> checkpoint_offsets;
+  std::vector<std::int32_t> checkpoint_slots;
 };
 
 inline SlotCase make_slot_case(const KdaCase& c, const std::vector<std::int32_t>& slots,

@@ -343,9 +343,212 @@ KDA_CPU_CASE("bad checkpoint requests are refused before anything is written") {
         std::string::npos);
 }
 
-KDA_CUDA_CASE("prefill checkpoints are refused by the CUDA backend, naming the CPU") {
-  CheckpointCall call;
-  const Status st = can_implement(call.p, Backend::kCuda);
-  CHECK(st.code() == StatusCode::kUnsupported);
-  CHECK(st.message().find("CPU backend only") != std::string::npos);
+namespace {
+
+struct CheckpointShape {
+  std::string name;
+  CaseOptions options;  // initial and final state in the same dtype
+  unsigned backends;
+  std::vector<PrefillSchedule> schedules;  // the CUDA schedules to run (the CPU has one)
+};
+
+CaseOptions checkpoint_options(std::int64_t heads, std::int64_t dim,
+                               std::vector<std::int64_t> lengths, DType state, GateMode gate,
+                               std::uint64_t seed) {
+  CaseOptions o;
+  o.heads = heads;
+  o.head_dim_k = o.head_dim_v = dim;
+  o.lengths = std::move(lengths);
+  o.gate = gate;
+  o.initial_state_dtype = state;
+  o.final_state_dtype = state;
+  o.seed = seed;
+  return o;
+}
+
+// H = 4 with long sequences: the split recurrence (segment 0 and the second pass write); one
+// sequence of 4096 tokens: split, or pipelined where forced; H = 64 short ones: the shape the
+// paired block would take without checkpoints.
+const std::vector<CheckpointShape>& checkpoint_shapes() {
+  static const std::vector<CheckpointShape> shapes = [] {
+    std::vector<CheckpointShape> v;
+    const std::vector<PrefillSchedule> all = {PrefillSchedule::kAuto, PrefillSchedule::kTwoPhase,
+                                              PrefillSchedule::kPipelined};
+    std::uint64_t seed = 500;
+    for (DType state : {DType::kF32, DType::kBF16}) {
+      for (GateMode gate : {GateMode::kSoftplus, GateMode::kLowerBound}) {
+        const std::string tail = std::string(" ") + to_string(state) + " " +
+                                 (gate == GateMode::kSoftplus ? "softplus" : "lower-bound");
+        v.push_back({"H2 K=V=32" + tail,
+                     checkpoint_options(2, 32, {37, 0, 1, 100, 16, 63}, state, gate, ++seed),
+                     kOnCpu,
+                     {PrefillSchedule::kAuto}});
+        v.push_back(
+            {"H4 split" + tail,
+             checkpoint_options(4, 128, {300, 0, 1, 1000, 16, 2100, 37}, state, gate, ++seed),
+             kOnCuda, all});
+      }
+      v.push_back({std::string("H2 one sequence ") + to_string(state),
+                   checkpoint_options(2, 128, {4096}, state, GateMode::kSoftplus, ++seed), kOnCuda,
+                   all});
+      v.push_back({std::string("H64 short ") + to_string(state),
+                   checkpoint_options(64, 128, {37, 0, 1, 100, 16, 63}, state,
+                                      GateMode::kLowerBound, ++seed),
+                   kOnCuda,
+                   {PrefillSchedule::kAuto}});
+    }
+    return v;
+  }();
+  return shapes;
+}
+
+// Sequence s on pool entry 2 s; K = 5 requests a sequence in random order: offsets among -1, 0,
+// multiples of 16 up to the length and the length, each on its own odd entry or none (-1).
+SlotCase with_checkpoints(const KdaCase& c, std::uint64_t seed, DType offsets_dtype) {
+  const std::int64_t n = c.num_seqs(), K = 5;
+  std::vector<std::int32_t> slots;
+  for (std::int64_t s = 0; s < n; ++s) slots.push_back(static_cast<std::int32_t>(2 * s));
+  SlotCase sc = make_slot_case(c, slots, 2 * n * (K + 1) + 3, seed);
+  sc.problem.checkpoints = K;
+  sc.problem.checkpoint_offsets_dtype = offsets_dtype;
+  Rng rng(seed);
+  std::int32_t next = 1;
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::int64_t length = c.cu_seqlens[s + 1] - c.cu_seqlens[s];
+    for (std::int64_t k = 0; k < K; ++k) {
+      const std::uint64_t pick = rng.next() % 8;
+      std::int64_t offset = -1;
+      if (pick == 0) {
+        offset = 0;
+      } else if (pick <= 2) {
+        offset = length;
+      } else if (pick <= 6) {
+        offset = 16 * static_cast<std::int64_t>(rng.next() % (length / 16 + 1));
+      }
+      sc.checkpoint_offsets.push_back(offset);
+      sc.checkpoint_slots.push_back(rng.next() % 6 == 0 ? -1 : next);
+      next += 2;
+    }
+  }
+  return sc;
+}
+
+double entry_error(const std::vector<unsigned char>& got, const std::vector<unsigned char>& ref,
+                   const SlotCase& sc, std::int64_t entry) {
+  const DType dt = sc.problem.final_state_dtype;
+  const std::size_t at = static_cast<std::size_t>(entry) * sc.entry_bytes;
+  const std::vector<unsigned char> a(got.begin() + at, got.begin() + at + sc.entry_bytes);
+  const std::vector<unsigned char> b(ref.begin() + at, ref.begin() + at + sc.entry_bytes);
+  return rel_error(pool_values(a, dt), pool_values(b, dt));
+}
+
+}  // namespace
+
+// Every schedule writes, at every request, the state of the fp64 recurrence after that many of the
+// sequence's tokens (within the backend's tolerance); a request at the length equals the
+// sequence's final state bit for bit; out and the final states are those of the run without
+// checkpoints within tolerance; entries no request names keep their guards.
+KDA_MATRIX_CASE("prefill checkpoints match the fp64 recurrence, every schedule") {
+  for (const CheckpointShape& shape : checkpoint_shapes()) {
+    if (!runs_on(shape.backends, runner)) continue;
+    const KdaCase c = make_case(shape.options);
+    const DType dt = shape.options.final_state_dtype;
+    for (const DType offsets_dtype : {DType::kI64, DType::kI32}) {
+      const SlotCase sc = with_checkpoints(c, shape.options.seed, offsets_dtype);
+      PrefillOptions fp64;
+      fp64.cpu.fp64 = true;
+      const PooledRun ref = cpu_runner().prefill_pooled(sc, fp64);
+      REQUIRE_MESSAGE(ref.status.ok(), ref.status.to_string());
+      const bool gpu = runner.backend() == Backend::kCuda;
+      const double out_tol = gpu ? kGpuFp64Tol : kBf16Tol;
+      const double state_tol = gpu ? (dt == DType::kF32 ? kGpuFp64Tol : kGpuFp64Bf16StateTol)
+                                   : (dt == DType::kF32 ? kCpuStateTol : kBf16Tol);
+      // Which entries the call writes: the sequences' (final states) and the valid requests'.
+      std::vector<int> written(static_cast<std::size_t>(sc.problem.num_state_slots), 0);
+      for (std::int32_t e : sc.slots) written[static_cast<std::size_t>(e)] = 1;
+      for (std::size_t i = 0; i < sc.checkpoint_slots.size(); ++i) {
+        if (sc.checkpoint_slots[i] >= 0 && sc.checkpoint_offsets[i] >= 0) {
+          written[static_cast<std::size_t>(sc.checkpoint_slots[i])] = 1;
+        }
+      }
+      for (const PrefillSchedule schedule : shape.schedules) {
+        const std::string label =
+            shape.name + " " + to_string(schedule) + " offsets " + to_string(offsets_dtype);
+        CAPTURE(label);
+        PrefillOptions opt;
+        opt.cuda.schedule = schedule;
+        const PooledRun got = runner.prefill_pooled(sc, opt);
+        REQUIRE_MESSAGE(got.status.ok(), got.status.to_string());
+        CHECK(got.device_status == 0u);
+        CHECK(got.guards_intact);
+        CHECK(rel_error(to_doubles(got.out), to_doubles(ref.out)) <= out_tol);
+        for (std::int64_t e = 0; e < sc.problem.num_state_slots; ++e) {
+          CAPTURE(e);
+          const std::size_t at = static_cast<std::size_t>(e) * sc.entry_bytes;
+          if (written[static_cast<std::size_t>(e)]) {
+            CHECK(entry_error(got.pool, ref.pool, sc, e) <= state_tol);
+          } else {
+            CHECK(std::memcmp(got.pool.data() + at, sc.pool.data() + at, sc.entry_bytes) == 0);
+          }
+        }
+        // A request at the sequence's length holds its final state, bit for bit.
+        const std::int64_t K = sc.problem.checkpoints;
+        for (std::size_t i = 0; i < sc.checkpoint_slots.size(); ++i) {
+          const std::int64_t s = static_cast<std::int64_t>(i) / K;
+          const std::int64_t length = c.cu_seqlens[s + 1] - c.cu_seqlens[s];
+          if (sc.checkpoint_slots[i] < 0 || sc.checkpoint_offsets[i] != length) continue;
+          const std::size_t a = static_cast<std::size_t>(sc.checkpoint_slots[i]) * sc.entry_bytes;
+          const std::size_t b = static_cast<std::size_t>(sc.slots[s]) * sc.entry_bytes;
+          CHECK(std::memcmp(got.pool.data() + a, got.pool.data() + b, sc.entry_bytes) == 0);
+        }
+      }
+    }
+  }
+}
+
+// CUDA reads the requests on the device only: a bad offset or slot sets kDeviceStatusCheckpoint
+// and skips that request; the others are written as without it.
+KDA_CUDA_CASE("bad checkpoint requests are reported through the device status word") {
+  const KdaCase c =
+      make_case(checkpoint_options(2, 128, {100, 40, 1}, DType::kF32, GateMode::kSoftplus, 601));
+  const SlotCase good = with_checkpoints(c, 601, DType::kI64);
+  const PooledRun clean = cuda.prefill_pooled(good);
+  REQUIRE(clean.status.ok());
+  REQUIRE(clean.device_status == 0u);
+  for (int which = 0; which < 3; ++which) {
+    CAPTURE(which);
+    SlotCase bad = good;
+    bad.checkpoint_offsets[0] = which == 0 ? 24 : which == 1 ? 112 : 16;
+    // Request 0 owns entry 1 (with_checkpoints); out of the pool in the third case.
+    bad.checkpoint_slots[0] =
+        which == 2 ? static_cast<std::int32_t>(bad.problem.num_state_slots) : 1;
+    const PooledRun got = cuda.prefill_pooled(bad);
+    REQUIRE(got.status.ok());
+    CHECK(got.device_status == kDeviceStatusCheckpoint);
+    CHECK(got.guards_intact);
+    CHECK(got.out == clean.out);
+    // Entry 1 (the skipped request's) holds its guard; every other entry what the clean run
+    // wrote.
+    for (std::int64_t e = 0; e < good.problem.num_state_slots; ++e) {
+      CAPTURE(e);
+      const std::size_t at = static_cast<std::size_t>(e) * good.entry_bytes;
+      const std::vector<unsigned char>& want = e == 1 ? good.pool : clean.pool;
+      CHECK(std::memcmp(got.pool.data() + at, want.data() + at, good.entry_bytes) == 0);
+    }
+  }
+  // Two requests naming one entry: one is skipped and reported, the other written; entry 3 (the
+  // second one's own) keeps its guard.
+  SlotCase twice = good;
+  twice.checkpoint_offsets[0] = 16;
+  twice.checkpoint_offsets[1] = 32;
+  twice.checkpoint_slots[0] = 1;
+  twice.checkpoint_slots[1] = 1;
+  const PooledRun got = cuda.prefill_pooled(twice);
+  REQUIRE(got.status.ok());
+  CHECK(got.device_status == kDeviceStatusCheckpoint);
+  CHECK(got.out == clean.out);
+  const std::size_t at3 = 3 * good.entry_bytes;
+  CHECK(std::memcmp(got.pool.data() + at3, good.pool.data() + at3, good.entry_bytes) == 0);
+  CHECK(std::memcmp(got.pool.data() + good.entry_bytes, good.pool.data() + good.entry_bytes,
+                    good.entry_bytes) != 0);
 }

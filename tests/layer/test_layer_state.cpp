@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "layer_runner.hpp"
@@ -494,17 +495,79 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
   }
 }
 
-KDA_LAYER_CUDA_CASE("prefill checkpoints are refused by the CUDA layer, naming the CPU") {
-  const layer::Config config = cuda.config();
-  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
-  Pools pools(config, 6);
-  const Pools before = pools;
-  const std::vector<std::int64_t> offsets = {16, 37, 0, 16};
-  const std::vector<std::int32_t> rows = {2, 3, 4, 5};
-  const LayerRun run =
-      cuda.forward(*layer, random_bf16(static_cast<std::size_t>(57 * config.hidden_size), 1.0f, 3),
-                   prefill_batch({37, 20}, {0, 1}), &pools, with_checkpoints(&offsets, &rows, 2));
-  CHECK(run.code == StatusCode::kUnsupported);
-  CHECK(run.error.find("CPU layer only") != std::string::npos);
-  CHECK(pools == before);
+// CUDA: each checkpoint row within the fp64 reference's tolerance of a prefill of that many of
+// its sequence's tokens (conv states and the recurrent state), a request at the length bit for bit
+// the sequence's own row, out and the sequences' rows those of the call without checkpoints, rows
+// no request names untouched, and a prefill continued from a checkpoint as the one pass.
+KDA_LAYER_CUDA_CASE("prefill checkpoints hold each offset's states; continuing from one matches") {
+  for (const bool full_rank : {false, true}) {
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      CAPTURE(full_rank);
+      CAPTURE(to_string(dtype));
+      const layer::Config config = cuda.config(GateMode::kLowerBound, full_rank);
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 61, 2));
+      const auto layer = cuda.make(weights);
+      const std::int64_t E = config.hidden_size;
+      const std::vector<std::int64_t> lengths = {37, 20, 300, 1};
+      const BatchSpec batch = prefill_batch(lengths, {0, 1, 2, 3});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 62);
+      Pools before(config, 12, dtype);
+      before.randomize(63);
+      const std::vector<std::int64_t> offsets = {16, 37, 0, 16, 256, 300, 1, -1};
+      const std::vector<std::int32_t> rows = {4, 5, 6, 7, 8, 9, 10, -1};
+      Pools after = before;
+      const LayerRun run =
+          cuda.forward(*layer, hidden, batch, &after, with_checkpoints(&offsets, &rows, 2));
+      REQUIRE_MESSAGE(run.error.empty(), run.error);
+      CHECK(run.device_status == 0u);
+      CHECK(run.guards_intact);
+      Pools plain = before;
+      const LayerRun plain_run = cuda.forward(*layer, hidden, batch, &plain);
+      check_forward(cuda, weights, hidden, batch, before, plain_run, plain);
+      CHECK(same_bits(run.out, plain_run.out));
+      for (std::int64_t r = 0; r < 4; ++r) CHECK(after.row_equal(plain, r));
+      CHECK(after.row_equal(before, 11));
+      CHECK(after.row_equal(after, 5, 0));  // sequence 0 after its 37 tokens
+      CHECK(after.row_equal(after, 9, 2));  // sequence 2 after its 300
+      CHECK(after.row_equal(after, 10, 3));
+
+      const double tolerance = cuda.tolerances().reference;
+      for (std::size_t i = 0; i < offsets.size(); ++i) {
+        if (rows[i] < 0 || offsets[i] < 0) continue;
+        const std::int64_t n = static_cast<std::int64_t>(i) / 2, row = rows[i];
+        CAPTURE(row);
+        const std::int64_t begin = batch.cu_seqlens[n];
+        const LayerReference ref =
+            reference_layer(weights, token_rows(hidden, E, begin, begin + offsets[i]),
+                            prefill_batch({offsets[i]}, {static_cast<std::int32_t>(n)}), before);
+        auto slice = [](const auto& pool, std::size_t width, std::int64_t r) {
+          using T = typename std::decay_t<decltype(pool)>::value_type;
+          return std::vector<T>(pool.begin() + static_cast<std::ptrdiff_t>(r * width),
+                                pool.begin() + static_cast<std::ptrdiff_t>((r + 1) * width));
+        };
+        const std::size_t cw = after.conv_row, rw = after.recurrent_row;
+        CHECK(relative_error(slice(after.conv_q, cw, row), slice(ref.conv_q, cw, n)) <= tolerance);
+        CHECK(relative_error(slice(after.conv_k, cw, row), slice(ref.conv_k, cw, n)) <= tolerance);
+        CHECK(relative_error(slice(after.conv_v, cw, row), slice(ref.conv_v, cw, n)) <= tolerance);
+        CHECK(relative_error(slice(after.recurrent(), rw, row), slice(ref.recurrent, rw, n)) <=
+              tolerance);
+      }
+      // Sequence 2 continued from its checkpoint after 256 tokens: its last 44 tokens.
+      Pools resumed = after;
+      const std::int64_t begin2 = batch.cu_seqlens[2];
+      const LayerRun rest = cuda.forward(*layer, token_rows(hidden, E, begin2 + 256, begin2 + 300),
+                                         prefill_batch({44}, {8}), &resumed);
+      REQUIRE_MESSAGE(rest.error.empty(), rest.error);
+      const std::vector<bf16_bits> one_pass = token_rows(run.out, E, begin2 + 256, begin2 + 300);
+      CHECK(relative_error(rest.out, one_pass) <= cuda.tolerances().split_out);
+      const std::size_t rw = after.recurrent_row;
+      const std::vector<double> resumed_rec = resumed.recurrent(), one_pass_rec = after.recurrent();
+      CHECK(
+          relative_error(
+              std::vector<double>(resumed_rec.begin() + 8 * rw, resumed_rec.begin() + 9 * rw),
+              std::vector<double>(one_pass_rec.begin() + 2 * rw, one_pass_rec.begin() + 3 * rw)) <=
+          (dtype == DType::kF32 ? cuda.tolerances().split_state : kBf16PoolTolerance));
+    }
+  }
 }

@@ -362,17 +362,17 @@ struct Engine::Impl {
     if (b.checkpoints > 0 && (b.checkpoint_offsets == nullptr || b.checkpoint_slots == nullptr)) {
       fail(call + ": checkpoint_offsets or checkpoint_slots is null");
     }
-    if (b.checkpoints > 0 && backend->has_device_status()) {
-      throw Error(StatusCode::kUnsupported,
-                  call + ": prefill checkpoints run on the CPU backend only for now");
-    }
     const auto n = static_cast<std::size_t>(b.sequences);
     const bool verify = b.num_accepted != nullptr;
     const std::size_t entries = verify ? n * static_cast<std::size_t>(b.decode_tokens) : n;
     for (const auto& [ptr, bytes, name] :
          {std::tuple<const void*, std::size_t, const char*>{b.slots, entries * 4, "slots"},
           {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"},
-          {b.num_accepted, n * 4, "num_accepted"}}) {
+          {b.num_accepted, n * 4, "num_accepted"},
+          {b.checkpoints > 0 ? b.checkpoint_offsets : nullptr,
+           n * static_cast<std::size_t>(b.checkpoints) * 8, "checkpoint_offsets"},
+          {b.checkpoints > 0 ? b.checkpoint_slots : nullptr,
+           n * static_cast<std::size_t>(b.checkpoints) * 4, "checkpoint_slots"}}) {
       if (const Status st = backend->check_caller_buffer(ptr, bytes, name); !st.ok()) {
         throw Error(st, call);
       }

@@ -98,8 +98,14 @@ struct Problem {
   // i64) and Tensors::checkpoint_slots int32 [N, K]. Request k of sequence s writes the state after
   // checkpoint_offsets[s][k] of the sequence's tokens (a multiple of 16, or the sequence's length;
   // -1: no request) into pool entry checkpoint_slots[s][k] (-1: none), in final_state_dtype. The
-  // entries written are distinct and none is a state_slots entry of the call. CPU backend only for
-  // now (CUDA: kUnsupported).
+  // entries written are distinct and none is a state_slots entry of the call. The CPU checks all
+  // of this before computing; CUDA reads the requests on the device only (graph replays take new
+  // ones): a bad offset, a slot >= the pool, or a slot another request of the call names sets
+  // kDeviceStatusCheckpoint and skips that request (of two naming one slot, either); a checkpoint
+  // slot that is also a state_slots entry is not detected (it holds one of the two writes). A
+  // sequence that runs as padding (a negative state slot) writes no checkpoints. Every schedule
+  // writes the same states (to rounding): a split recurrence writes each from the pass that carries
+  // the true state.
   std::int64_t checkpoints = 0;
   DType checkpoint_offsets_dtype = DType::kNone;
 
@@ -207,6 +213,10 @@ enum DeviceStatusBit : std::uint32_t {
                                       // skipped; prefill: that sequence ran as padding)
   kDeviceStatusAccepted = 1u << 3,    // a verify step's num_accepted outside [1, tokens] (that
                                       // row was skipped)
+  kDeviceStatusCheckpoint = 1u << 4,  // a prefill checkpoint request whose offset is not -1, a
+                                      // multiple of 16 up to its sequence's length, or that
+                                      // length, whose slot is >= the pool size, or whose slot
+                                      // another request named (the request was skipped)
 };
 // kOk for 0; otherwise kInvalidArgument naming every problem in `bits`.
 Status describe_device_status(std::uint32_t bits);

@@ -179,6 +179,23 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
+    if (p.checkpoints > 0) {
+      std::uint64_t heads_at = 0, end = 0;
+      if (!cuda_prefill_checkpoint_index(
+              static_cast<std::uint64_t>(T_), static_cast<std::uint64_t>(N_),
+              static_cast<std::uint64_t>(p.num_heads),
+              static_cast<std::uint64_t>(p.num_state_slots), &heads_at, &end)) {
+        // workspace_size() computed the same offsets above: unreachable unless they diverge.
+        return Status(StatusCode::kInternal, "the CUDA prefill's checkpoint index overflows");
+      }
+      prm_.checkpoint_offsets = t.checkpoint_offsets;
+      prm_.checkpoint_offsets_64 = p.checkpoint_offsets_dtype == DType::kI64;
+      prm_.checkpoint_slots = t.checkpoint_slots;
+      prm_.checkpoints = p.checkpoints;
+      prm_.checkpoint_heads = reinterpret_cast<std::int32_t*>(prm_.records + heads_at);
+      prm_.checkpoint_claims = prm_.checkpoint_heads + chunk_slots_ + N_;
+      prm_.checkpoint_next = prm_.checkpoint_claims + p.num_state_slots;
+    }
     const bool wants_pipeline = pipeline_wanted(T_, N_, p.num_heads, sms_, opt.schedule);
     plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), wants_pipeline,
                           opt.schedule == PrefillSchedule::kPipelined);
@@ -190,6 +207,10 @@ class PrefillLaunch {
                                                           ChunkRecord::kBytes)
             : nullptr;
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
+    // Checkpoint stores need registers the paired shape does not have (prefill_recurrence.cu).
+    if (p.checkpoints > 0 && shape_ == RecurrenceShape::kCols128Paired) {
+      shape_ = RecurrenceShape::kCols128;
+    }
     // Pipelined: one unsplit sequence fed chunk by chunk by the persistent prepare grid
     // (H200: h32-1seq 0.92x, h32-32k 0.87x against the split).
     pipelined_ = wants_pipeline && !plan_.split;
@@ -231,6 +252,10 @@ class PrefillLaunch {
 
   Status run(cudaStream_t stream) const {
     if (N_ == 0) return Status::Ok();
+    if (prm_.checkpoint_heads != nullptr) {
+      KDA_NVTX_RANGE("kda.prefill.checkpoint_index");
+      if (Status st = launch_checkpoint_index(prm_, stream); !st) return st;
+    }
     if (pipelined_) {
       KDA_NVTX_RANGE("kda.prefill.pipelined");
       const std::size_t flag_bytes = static_cast<std::size_t>(chunk_slots_) *

@@ -72,6 +72,16 @@ struct PrefillParams {
   // The pipelined prefill (prefill.cu): one flag per (chunk slot, head), set by the prepare kernel
   // once the record is in memory; null otherwise (the recurrence then runs after the prepare).
   std::uint32_t* ready;
+  // Prefill checkpoints (Problem::checkpoints > 0; null heads otherwise): the requests [N, K] and
+  // their index (workspace_layout.hpp, "Checkpoint index"), built by the index kernel before the
+  // recurrence, which writes the state into pool entries of ht at every listed chunk.
+  const void* checkpoint_offsets;
+  bool checkpoint_offsets_64;
+  const std::int32_t* checkpoint_slots;
+  std::int64_t checkpoints;         // K
+  std::int32_t* checkpoint_heads;   // [num_chunk_slots + N]: after chunk slot c; then offset 0
+  std::int32_t* checkpoint_claims;  // [num_state_slots], after the heads
+  std::int32_t* checkpoint_next;    // [num_state_slots]: the next entry of a list
 };
 
 // seg_chunks of a plan that does not split: one segment holds any sequence, and seg_slot == s.
@@ -186,6 +196,9 @@ enum class RecurrenceShape : int {
 Status launch_recurrence(const PrefillParams& prm, RecurrencePass pass, bool split,
                          RecurrenceShape shape, std::int64_t grid_x, int columns,
                          cudaStream_t stream);
+// Builds the checkpoint index from the requests (and reports bad ones): a memset of the heads,
+// then one thread per request. Before the prepare kernel.
+Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream);
 Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream);
 // s_out^T = s_in^T P^T + H^T for `pairs` (sequence, head) pairs of 128 x 128 fp32 states.
 Status launch_apply_transition(const float* s_in, const float* p_t, const float* h_t, float* s_out,

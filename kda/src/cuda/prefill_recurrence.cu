@@ -68,6 +68,45 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
   return slot < 0 ? -1 : slot;
 }
 
+// Writes this thread's elements of the state slice (acc in units of `unit`) into the state of
+// pool entry `slot`, head h, of ht (fp32 or bf16): the end state and the checkpoints alike.
+template <int MT>
+__device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::int64_t slot, int h,
+                                                 const float (&acc)[MT][16][4], float unit,
+                                                 int v_warp, int gq, int tq) {
+  const std::int64_t base = (slot * p.num_heads + h) * static_cast<std::int64_t>(D) * D;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < 16; ++n) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = v_warp + 16 * mt + gq + 8 * r;
+        const int col = 8 * n + 2 * tq;
+        const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
+        const std::int64_t off = base + static_cast<std::int64_t>(row) * D + col;
+        if (p.final_kind == StateKind::kF32) {
+          *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
+              __floats2bfloat162_rn(value.x, value.y);
+        }
+      }
+    }
+  }
+}
+
+// The pool entries listed from `first` on (prefill_checkpoints.cu): the state into each.
+// Block-uniform (every thread walks the same list).
+template <int MT>
+__device__ __forceinline__ void store_checkpoints(const PrefillParams& p, std::int32_t first, int h,
+                                                  const float (&acc)[MT][16][4], float unit,
+                                                  int v_warp, int gq, int tq) {
+  for (std::int32_t entry = first; entry >= 0; entry = p.checkpoint_next[entry]) {
+    store_pool_state<MT>(p, entry, h, acc, unit, v_warp, gq, tq);
+  }
+}
+
 // One block per (segment slot, head, column block). Columns 0..127 are the V columns of S^T; in
 // the first pass a middle segment also carries columns 128..255, the rows of P^T, started from the
 // identity with U0 = 0 (v = 0 for them).
@@ -83,7 +122,9 @@ constexpr int recurrence_threads() {
   return (WARPS + (PASS == RecurrencePass::kPipelined ? 1 : 0)) * 32;
 }
 
-template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
+// CKPT compiles the checkpoint stores (PrefillParams::checkpoint_heads) into a kernel of its own,
+// so that the loop without them keeps its registers (the paired shape has none to spare).
+template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT, bool CKPT>
 __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     kda_recurrence_kernel(const PrefillParams p) {
   constexpr int VB = WARPS * 16 * MT;  // columns per block
@@ -174,6 +215,15 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         acc[mt][n][2 * r + 1] = x1;
       }
     }
+  }
+  // Checkpoints: blocks that carry a sequence's true state (segment 0 of the first pass, the
+  // second pass, the pipelined pass) write the states its requests ask for; offset 0 is the
+  // initial state itself.
+  const bool checkpointing = CKPT && !transition && !feeder && state_idx >= 0 &&
+                             (PASS != RecurrencePass::kFirst || j == 0);
+  if (checkpointing && j == 0) {
+    store_checkpoints<MT>(p, p.checkpoint_heads[p.num_chunk_slots + s], h, acc, 1.f, v_warp, gq,
+                          tq);
   }
 
   // This segment's chunks [c_begin, c_end) of the sequence. One thread drives the copy engine: an
@@ -503,28 +553,40 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     step(std::int64_t{0}, std::true_type{});
     c_first = 1;
   }
-  for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
+  if constexpr (CKPT) {
+    if (checkpointing && c_first == 1) {
+      store_checkpoints<MT>(p, p.checkpoint_heads[slot0 + c_begin], h, acc, unit, v_warp, gq, tq);
+    }
+    for (std::int64_t c = c_first; c < nfetch; ++c) {
+      // Loaded before the step, used after it: the load's latency hides behind the chunk.
+      const std::int32_t first = checkpointing ? p.checkpoint_heads[slot0 + c_begin + c] : -1;
+      step(c, std::false_type{});
+      if (first >= 0) store_checkpoints<MT>(p, first, h, acc, unit, v_warp, gq, tq);
+    }
+  } else {
+    for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
+  }
   // The end state: the caller's final state (last segment), this segment's block in the workspace
   // (segment 0 of a split sequence: S_1; a transition: H_j^T and P^T rows), or the caller's
   // transition buffers (kTransition), fp32 but for a bf16 final state. The slot is looked up again
   // rather than kept live across the chunk loop (that cost the loop ~60 registers and 4-9 % of its
   // speed).
-  enum class EndKind { kNone, kFinalF32, kFinalBF16, kSegment, kTransition };
+  enum class EndKind { kNone, kFinal, kSegment, kTransition };
   EndKind end = EndKind::kNone;
   const std::int64_t end_idx = state_index(p, s, false);
-  const std::int64_t end_base = (end_idx * H + h) * static_cast<std::int64_t>(D) * D;
   if (kAllTransitions) {
     end = EndKind::kTransition;
   } else if (last) {
-    if (end_idx >= 0 && p.final_kind == StateKind::kF32) end = EndKind::kFinalF32;
-    if (end_idx >= 0 && p.final_kind == StateKind::kBF16) end = EndKind::kFinalBF16;
+    if (end_idx >= 0 && p.final_kind != StateKind::kNone) end = EndKind::kFinal;
   } else if (PASS == RecurrencePass::kFirst) {
     end = EndKind::kSegment;
   }
   float* seg_out = end == EndKind::kSegment ? seg_block(p, seg_slot, h) : nullptr;
   // kTransition: H^T rows (0..127) and P^T rows (128..255) of pair (s, h).
   const std::int64_t pair_base = (s * H + h) * static_cast<std::int64_t>(D) * D;
-  if (end != EndKind::kNone) {
+  if (end == EndKind::kFinal) {
+    store_pool_state<MT>(p, end_idx, h, acc, unit, v_warp, gq, tq);
+  } else if (end != EndKind::kNone) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -536,19 +598,11 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
           const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
           if (end == EndKind::kSegment) {
             *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
-          } else if (end == EndKind::kTransition) {
+          } else {
             float* dst = row < D
                              ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
                              : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
             *reinterpret_cast<float2*>(dst + col) = value;
-          } else {
-            const std::int64_t off = end_base + static_cast<std::int64_t>(row) * D + col;
-            if (end == EndKind::kFinalF32) {
-              *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
-            } else {
-              *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
-                  __floats2bfloat162_rn(value.x, value.y);
-            }
           }
         }
       }
@@ -565,11 +619,12 @@ constexpr std::size_t recurrence_smem_bytes() {
          2 * kStages * sizeof(std::uint64_t);  // full (and the pipelined pass's empty) barriers
 }
 
-template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
-Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaStream_t stream) {
+template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT, bool CKPT>
+Status launch_kernel(const PrefillParams& prm, std::int64_t grid_x, int columns,
+                     cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS, MT>();
   cudaError_t err =
-      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>,
+      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, MT, PASS, SPLIT, CKPT>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
@@ -586,8 +641,24 @@ Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaSt
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
   }
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, MT, PASS, SPLIT>, prm),
-                     "kda_recurrence_kernel");
+  return cuda_status(
+      cudaLaunchKernelEx(&cfg, kda_recurrence_kernel<WARPS, MT, PASS, SPLIT, CKPT>, prm),
+      "kda_recurrence_kernel");
+}
+
+// Checkpoints only where a pass carries true states (not the transitions), and in one-m-tile
+// blocks: the paired shape's kernel spills with the stores (~500 bytes a thread), so the launcher
+// plans kCols128 instead (prefill.cu).
+template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
+Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaStream_t stream) {
+  if (prm.checkpoint_heads != nullptr) {
+    if constexpr (PASS != RecurrencePass::kTransition && MT == 1) {
+      return launch_kernel<WARPS, MT, PASS, SPLIT, true>(prm, grid_x, columns, stream);
+    } else {
+      return Status(StatusCode::kInternal, "checkpoints run in one-m-tile recurrence blocks only");
+    }
+  }
+  return launch_kernel<WARPS, MT, PASS, SPLIT, false>(prm, grid_x, columns, stream);
 }
 
 template <int WARPS, int MT>

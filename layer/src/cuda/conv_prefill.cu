@@ -68,12 +68,54 @@ __global__ void __launch_bounds__(kConvThreads, 4)
   conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot);
 }
 
+// The conv states at the checkpoint requests: blockIdx.x a request (n, k), a thread one channel of
+// q | k | v. The state at offset o holds the W-1 pre-conv inputs before it, oldest first: from
+// `proj` where o - W + 1 + i >= 0, else from the sequence's initial conv state (as the CPU layer's
+// conv_state_at). Requests the core skips (kda.hpp: a bad offset, a row outside the pool; padding
+// sequences) are skipped here too; the core reports them.
+__global__ void conv_checkpoint_kernel(ConvParams p) {
+  const std::int64_t request = blockIdx.x, n = request / p.checkpoints;
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (c >= 3 * p.channels) return;
+  const std::int64_t offset = p.checkpoint_offsets[request];
+  const std::int32_t row = p.checkpoint_slots[request];
+  const std::int64_t bos = clamped_cu(p, n);
+  std::int64_t eos = clamped_cu(p, n + 1);
+  eos = eos < bos ? bos : eos;
+  const std::int64_t length = eos - bos;
+  const bool valid = offset >= 0 && offset <= length &&
+                     (offset % kCheckpointAlignment == 0 || offset == length) && row >= 0 &&
+                     row < p.num_slots && !padding_sequence(p, n);
+  if (!valid) return;
+  const std::int64_t own = p.slots[n];
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t channel = c - branch * p.channels;
+  const int history = p.width - 1;
+  const std::int64_t conv_row = p.channels * history;
+  const std::uint16_t* initial = p.pools[branch] + own * conv_row + channel * history;
+  std::uint16_t* dst = p.pools[branch] + row * conv_row + channel * history;
+  for (int i = 0; i < history; ++i) {
+    const std::int64_t t = offset - history + i;  // the input's position in the sequence
+    dst[i] = t >= 0 ? p.proj[(bos + t) * p.proj_stride + branch * p.channels + channel]
+                    : initial[history + t];
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   if (p.tokens == 0 || p.sequences == 0) return cudaSuccess;
   bool vector_state = false;
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
+  if (p.checkpoints > 0) {
+    constexpr int kThreads = 256;
+    const std::int64_t requests = p.sequences * p.checkpoints;
+    const std::int64_t tiles = (3 * p.channels + kThreads - 1) / kThreads;
+    if (requests > 2147483647) return cudaErrorInvalidValue;
+    conv_checkpoint_kernel<<<dim3(static_cast<unsigned>(requests), static_cast<unsigned>(tiles)),
+                             kThreads, 0, stream>>>(p);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
   const std::int64_t chunk_slots = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(chunk_slots), shape.tiles);

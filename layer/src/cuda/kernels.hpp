@@ -50,6 +50,13 @@ struct ConvParams {
   // decode_tokens]; each row starts from its slot at num_accepted - 1 and keeps its conv state
   // after each token in that token's slot.
   const std::int32_t* num_accepted = nullptr;
+  // Prefill only, optional: checkpoint requests (kda::layer::Batch::checkpoints), K per sequence,
+  // int64 offsets and int32 rows [sequences, K]: launch_conv_prefill writes the three conv states
+  // at each valid request's offset into its row first (they read the sequences' initial conv
+  // states, which the conv then replaces).
+  std::int64_t checkpoints = 0;
+  const std::int64_t* checkpoint_offsets = nullptr;
+  const std::int32_t* checkpoint_slots = nullptr;
 };
 
 // Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1). A thread

@@ -171,7 +171,9 @@ struct BatchMetadata {
   // sequence j writes the states after checkpoint_offsets[j][k] of its tokens (-1: none; a
   // multiple of 16, or its length) into acquired slot checkpoint_slots[j][k] (-1: none), the conv
   // states too for whole layers (kda::layer::Batch::checkpoints). The slots written are distinct
-  // and none is a `slots` entry. CPU backend only for now (CUDA: kda::Error kUnsupported).
+  // and none is a `slots` entry. CUDA: read on the device only; a bad offset, a slot outside the
+  // pool or one named twice by the requests is reported by check_device_status() and that request
+  // skipped (kda.hpp, Problem::checkpoints).
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;

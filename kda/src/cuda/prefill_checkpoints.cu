@@ -1,0 +1,72 @@
+// kda_checkpoint_index_kernel: turns a prefill's checkpoint requests [N, K] into per-chunk lists
+// (workspace_layout.hpp, "Checkpoint index") so that the recurrence finds the requests of a chunk
+// with one load, however many there are and in whatever order the caller gave them.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/cuda_check.hpp"
+#include "cuda/prefill_kernels.cuh"
+
+namespace kda::detail {
+namespace {
+
+// One thread per request (s, k). A valid request with an entry is pushed onto the list of the
+// chunk slot it follows (offset 0: the sequence's initial-state list), once per entry. List order
+// depends on the atomics' order, the values written do not: every entry of a list gets the same
+// state.
+__global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
+  const std::int64_t K = p.checkpoints;
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.seqs.num_seqs * K) return;
+  const std::int64_t s = i / K;
+  const std::int64_t offset = p.checkpoint_offsets_64
+                                  ? static_cast<const std::int64_t*>(p.checkpoint_offsets)[i]
+                                  : static_cast<const std::int32_t*>(p.checkpoint_offsets)[i];
+  const std::int32_t slot = p.checkpoint_slots[i];
+  std::int64_t bos, eos;
+  p.seqs.bounds(s, &bos, &eos);
+  const std::int64_t length = eos - bos;
+  const bool offset_bad =
+      offset < -1 || offset > length || (offset >= 0 && offset % C != 0 && offset != length);
+  if (offset_bad || slot >= p.num_state_slots) {
+    report_status(p.status, kDeviceStatusCheckpoint);
+    return;
+  }
+  if (offset < 0 || slot < 0) return;                     // no request
+  if (atomicExch(&p.checkpoint_claims[slot], 0) != -1) {  // another request named the entry
+    report_status(p.status, kDeviceStatusCheckpoint);
+    return;
+  }
+  const std::int64_t head =
+      offset == 0 ? p.num_chunk_slots + s : s + bos / C + (offset + C - 1) / C - 1;
+  p.checkpoint_next[slot] = atomicExch(&p.checkpoint_heads[head], slot);
+}
+
+}  // namespace
+
+Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream) {
+  if (prm.checkpoint_heads == nullptr) return Status::Ok();
+  // Heads and claims, adjacent: -1 (no list, unclaimed).
+  const std::size_t words =
+      static_cast<std::size_t>(prm.num_chunk_slots + prm.seqs.num_seqs + prm.num_state_slots);
+  if (const cudaError_t err =
+          cudaMemsetAsync(prm.checkpoint_heads, 0xff, words * sizeof(std::int32_t), stream);
+      err != cudaSuccess) {
+    return cuda_status(err, "cudaMemsetAsync(checkpoint index)");
+  }
+  const std::int64_t requests = prm.seqs.num_seqs * prm.checkpoints;
+  if (requests == 0) return Status::Ok();
+  constexpr int kThreads = 256;
+  const std::int64_t blocks = (requests + kThreads - 1) / kThreads;
+  if (blocks > 2147483647) {
+    return Status(StatusCode::kUnsupported,
+                  "the CUDA prefill takes at most 2^39 checkpoint requests (sequences * "
+                  "checkpoints) per call");
+  }
+  kda_checkpoint_index_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
+  return cuda_status(cudaGetLastError(), "kda_checkpoint_index_kernel");
+}
+
+}  // namespace kda::detail
