@@ -310,6 +310,16 @@ Status validate_cu_seqlens(const std::int64_t* cu_seqlens_host, std::int64_t seq
   return validate_cu_seqlens(p, cu_seqlens_host);
 }
 
+Status validate_cu_seqlens(const std::int32_t* cu_seqlens_host, std::int64_t sequences,
+                           std::int64_t tokens) {
+  Problem p;
+  p.seq_len = tokens;
+  p.num_heads = 1;
+  p.num_seqs = sequences;
+  p.cu_seqlens_dtype = DType::kI32;
+  return validate_cu_seqlens(p, cu_seqlens_host);
+}
+
 namespace {
 Status can_run_cuda(std::int64_t head_dim_k, std::int64_t head_dim_v) {
   if (head_dim_k != detail::kHeadDim || head_dim_v != detail::kHeadDim) {

@@ -273,13 +273,15 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const bool decode = batch.decode_tokens > 0;
 
   // ---- checks, before anything is written ---------------------------------------------------
-  const WorkspaceLayout layout = checked_forward_layout(
-      Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, batch.num_accepted,
-      state, hidden, out, workspace, kForward);
+  const HostCuSeqlens cu_host =
+      decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens, batch.cu_seqlens_i32};
+  const WorkspaceLayout layout =
+      checked_forward_layout(Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted,
+                             state, hidden, out, workspace, kForward);
   const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
   if (batch.checkpoints > 0) {
-    check_checkpoints(batch, batch.cu_seqlens, batch.slots, state.num_slots,
+    check_checkpoints(batch, cu_host, batch.slots, state.num_slots,
                       regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
   }
   if (T == 0) return;  // nothing to compute; every state stays as it is
@@ -300,11 +302,13 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const Intermediates m = regions.intermediates();
   bf16_bits *q = m.q, *k = m.k, *v = m.v, *g = m.g, *o = m.o, *beta = m.beta;
   float* gate = m.gate;
-  // A decode batch is a prefill of sequences of decode_tokens tokens each.
+  // A decode batch is a prefill of sequences of decode_tokens tokens each. int32 cu_seqlens are
+  // widened into the same workspace row (N + 1 host values, against the layer's O(T) work), so
+  // that everything below reads one dtype.
   const std::int64_t* cu_seqlens = batch.cu_seqlens;
-  if (decode) {
+  if (decode || cu_seqlens == nullptr) {
     auto* cu = regions.at<std::int64_t>(&L::cu);
-    for (std::int64_t n = 0; n <= N; ++n) cu[n] = n * batch.decode_tokens;
+    for (std::int64_t n = 0; n <= N; ++n) cu[n] = decode ? n * batch.decode_tokens : cu_host[n];
     cu_seqlens = cu;
   }
   PhaseTimer timer(options.times);

@@ -463,6 +463,88 @@ TEST_CASE("engine: prefill checkpoints are refused on CUDA for now [cuda]") {
   if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
 }
 
+namespace {
+
+// The same varlen prefill on caller-owned metadata with int64 cu_seqlens (one engine of the pair)
+// and int32 ones (the other), whole layers then the core alone: out and every state bit for bit.
+// A prefill naming both dtypes or neither is refused, naming both fields.
+void prefill_int32(Backend backend) {
+  EnginePair pair(backend);
+  const std::vector<std::int64_t> cu = {0, 0, 1, 24, 33, 60};
+  const std::vector<int> slots = {4, 0, -1, 2, 5};
+  const std::int64_t T = cu.back();
+  Memory hidden(backend, kda::test::random_bf16(T * kHidden, 1.0f, 91));
+  Memory out_wide(backend, T * kHidden * 2), out_narrow(backend, T * kHidden * 2);
+  out_narrow.poison();
+  Memory slot_list(backend, std::vector<std::int32_t>(slots.begin(), slots.end()));
+  Memory cu64(backend, cu), cu32(backend, std::vector<std::int32_t>(cu.begin(), cu.end()));
+  BatchMetadata wide;
+  wide.tokens = T;
+  wide.sequences = static_cast<std::int64_t>(slots.size());
+  wide.slots = slot_list.as<std::int32_t>();
+  wide.cu_seqlens = cu64.as<std::int64_t>();
+  BatchMetadata narrow = wide;
+  narrow.cu_seqlens = nullptr;
+  narrow.cu_seqlens_i32 = cu32.as<std::int32_t>();
+  const std::vector<std::uint8_t> before = all_states(pair.meta);
+  for (int l = 0; l < pair.spans.num_layers(); ++l) {
+    pair.spans.prefill_hidden(l, hidden.get(), out_wide.get(), wide);
+    pair.meta.prefill_hidden(l, hidden.get(), out_narrow.get(), narrow);
+  }
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  CHECK(out_wide.read<std::uint16_t>() == out_narrow.read<std::uint16_t>());
+  CHECK(all_states(pair.spans) == all_states(pair.meta));
+  CHECK(all_states(pair.meta) != before);
+  CHECK(out_narrow.guards_intact());
+
+  // The core alone (q, k, v, g [T, H, 128], beta [T, H]).
+  const std::int64_t elems = T * 4 * 128;
+  Memory q(backend, kda::test::random_bf16(elems, 1.0f, 92)),
+      k(backend, kda::test::random_bf16(elems, 1.0f, 93)),
+      v(backend, kda::test::random_bf16(elems, 1.0f, 94)),
+      g(backend, kda::test::random_bf16(elems, 1.0f, 95)),
+      beta(backend, kda::test::random_bf16(T * 4, 1.0f, 96));
+  const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+  Memory core_wide(backend, elems * 2), core_narrow(backend, elems * 2);
+  core_narrow.poison();
+  pair.spans.prefill(1, inputs, core_wide.get(), wide);
+  pair.meta.prefill(1, inputs, core_narrow.get(), narrow);
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  CHECK(core_wide.read<std::uint16_t>() == core_narrow.read<std::uint16_t>());
+  CHECK(all_states(pair.spans) == all_states(pair.meta));
+  CHECK_NOTHROW(pair.meta.check_device_status());
+
+  BatchMetadata both = wide;
+  both.cu_seqlens_i32 = narrow.cu_seqlens_i32;
+  CHECK(kda::test::error_of(
+            [&] { pair.meta.prefill_hidden(0, hidden.get(), out_narrow.get(), both); }) ==
+        "prefill_hidden: cu_seqlens (int64) and cu_seqlens_i32 are both set: a prefill sets "
+        "one of them");
+  BatchMetadata neither = narrow;
+  neither.cu_seqlens_i32 = nullptr;
+  CHECK(kda::test::error_of([&] { pair.meta.prefill(0, inputs, core_narrow.get(), neither); }) ==
+        "prefill: cu_seqlens is null, and so is cu_seqlens_i32: a prefill sets one of them");
+  if (backend == Backend::kCpu) {  // the host reads int32 offsets as it reads int64 ones
+    BatchMetadata broken = narrow;
+    const std::vector<std::int32_t> bad = {0, 5, 3, 24, 33, 60};
+    broken.cu_seqlens_i32 = bad.data();
+    const std::string error = kda::test::error_of(
+        [&] { pair.meta.prefill_hidden(0, hidden.get(), out_narrow.get(), broken); });
+    CHECK(error.find("non-decreasing") != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cpu]") {
+  prefill_int32(Backend::kCpu);
+}
+TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cuda]") {
+  if (usable(Backend::kCuda)) prefill_int32(Backend::kCuda);
+}
+
 TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
   decode_layouts(Backend::kCpu);
 }
@@ -776,6 +858,33 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are ref
             KDA_OK);
   }
   CHECK(out_spans == out_batch);
+  // The same prefill with int32 cu_seqlens (kda_batch::cu_seqlens_i32), on the states both engines
+  // reached: equal bit for bit; both dtypes or neither refused.
+  const std::vector<std::int32_t> cu32(cu.begin(), cu.end());
+  kda_batch narrow = {};
+  narrow.tokens = 20;
+  narrow.sequences = 3;
+  narrow.slots = rows.data();
+  narrow.cu_seqlens_i32 = cu32.data();
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_prefill_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3,
+                                      cu.data()) == KDA_OK);
+    REQUIRE(kda_engine_forward_hidden_batch(batch, l, hidden.data(), out_batch.data(), &narrow) ==
+            KDA_OK);
+  }
+  CHECK(out_spans == out_batch);
+  kda_batch both = narrow;
+  both.cu_seqlens = cu.data();
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &both) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("cu_seqlens_i32 are both set") !=
+        std::string::npos);
+  kda_batch neither = narrow;
+  neither.cu_seqlens_i32 = nullptr;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &neither) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("so is cu_seqlens_i32") !=
+        std::string::npos);
   for (int l = 0; l < 2; ++l) {
     REQUIRE(kda_engine_decode_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3, 1) ==
             KDA_OK);

@@ -213,6 +213,7 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* fu
   b.decode_tokens = batch->decode_tokens;
   b.slots = batch->slots;
   b.cu_seqlens = batch->cu_seqlens;
+  b.cu_seqlens_i32 = batch->cu_seqlens_i32;
   b.num_accepted = batch->num_accepted;
   b.checkpoints = batch->checkpoints;
   b.checkpoint_offsets = batch->checkpoint_offsets;

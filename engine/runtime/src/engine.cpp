@@ -351,7 +351,14 @@ struct Engine::Impl {
            std::to_string(spec.runtime.max_tokens) + " (runtime.max_tokens)");
     }
     if (b.slots == nullptr) fail(call + ": slots is null");
-    if (!decode && b.cu_seqlens == nullptr) fail(call + ": cu_seqlens is null");
+    if (!decode && b.cu_seqlens == nullptr && b.cu_seqlens_i32 == nullptr) {
+      fail(call + ": cu_seqlens is null, and so is cu_seqlens_i32: a prefill sets one of them");
+    }
+    if (!decode && b.cu_seqlens != nullptr && b.cu_seqlens_i32 != nullptr) {
+      fail(call +
+           ": cu_seqlens (int64) and cu_seqlens_i32 are both set: a prefill sets one of "
+           "them");
+    }
     if (!decode && b.num_accepted != nullptr) {
       fail(call + ": num_accepted is set, but a verify step is a decode");
     }
@@ -372,6 +379,7 @@ struct Engine::Impl {
     for (const auto& [ptr, bytes, name] :
          {std::tuple<const void*, std::size_t, const char*>{b.slots, entries * 4, "slots"},
           {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"},
+          {decode ? nullptr : b.cu_seqlens_i32, (n + 1) * 4, "cu_seqlens_i32"},
           {b.num_accepted, n * 4, "num_accepted"}}) {
       if (const Status st = backend->check_caller_buffer(ptr, bytes, name); !st.ok()) {
         throw Error(st, call);
@@ -379,7 +387,10 @@ struct Engine::Impl {
     }
     if (backend->has_device_status()) return;  // the device's memory: the kernels check it
     if (!decode) {
-      if (const Status st = validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens); !st.ok()) {
+      if (const Status st = b.cu_seqlens != nullptr
+                                ? validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens)
+                                : validate_cu_seqlens(b.cu_seqlens_i32, b.sequences, b.tokens);
+          !st.ok()) {
         fail(call + ": " + st.message());
       }
     }
@@ -515,8 +526,15 @@ struct Engine::Impl {
         t.checkpoint_offsets = b.checkpoint_offsets;
         t.checkpoint_slots = b.checkpoint_slots;
       }
-      t.cu_seqlens = b.cu_seqlens;
-      t.cu_seqlens_host = cu_host;
+      // int32 cu_seqlens go to the core as they are (Problem::cu_seqlens_dtype); a host copy is
+      // only staged for the int64 host-span calls.
+      if (b.cu_seqlens == nullptr) {
+        problem.cu_seqlens_dtype = DType::kI32;
+        t.cu_seqlens = b.cu_seqlens_i32;
+      } else {
+        t.cu_seqlens = b.cu_seqlens;
+        t.cu_seqlens_host = cu_host;
+      }
       t.state_slots = b.slots;
       t.device_status = device_status;
       layer.forward_core(problem, t, unchecked);
@@ -544,6 +562,7 @@ struct Engine::Impl {
     batch.sequences = b.sequences;
     batch.decode_tokens = b.decode_tokens;
     batch.cu_seqlens = b.decode_tokens == 0 ? b.cu_seqlens : nullptr;
+    batch.cu_seqlens_i32 = b.decode_tokens == 0 ? b.cu_seqlens_i32 : nullptr;
     batch.slots = b.slots;
     batch.num_accepted = b.num_accepted;
     batch.checkpoints = b.checkpoints;

@@ -170,6 +170,10 @@ Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host);
 // operator (the whole layer, the engine, case files) that check their callers' batches.
 Status validate_cu_seqlens(const std::int64_t* cu_seqlens_host, std::int64_t sequences,
                            std::int64_t tokens);
+// The same on int32 cu_seqlens (a serving runtime's query_start_loc), which must also keep
+// `tokens` within int32.
+Status validate_cu_seqlens(const std::int32_t* cu_seqlens_host, std::int64_t sequences,
+                           std::int64_t tokens);
 // Checks state_slots contents (Problem::num_state_slots > 0): every entry < num_state_slots, and no
 // entry >= 0 twice when the problem writes a final state. `state_slots_host` is a host pointer.
 Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host);

@@ -11,7 +11,8 @@ namespace {
 // A sequence n owns chunk slots [n + cu[n] / kConvChunk, ... + ceil(len_n / kConvChunk)): disjoint,
 // all below ceil(tokens / kConvChunk) + sequences (the operator hands out its chunks the same way).
 __device__ __forceinline__ std::int64_t clamped_cu(const ConvParams& p, std::int64_t n) {
-  const std::int64_t value = p.cu_seqlens[n];
+  const std::int64_t value =
+      p.cu_seqlens != nullptr ? p.cu_seqlens[n] : static_cast<std::int64_t>(p.cu_seqlens_i32[n]);
   return value < 0 ? 0 : (value > p.tokens ? p.tokens : value);
 }
 __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int64_t n) {

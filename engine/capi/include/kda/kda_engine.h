@@ -210,7 +210,8 @@ typedef struct kda_batch {
   int decode_tokens;         /* 0: prefill; 1..16: a decode step of that many tokens per row */
   const int32_t* slots;      /* [sequences]; negative: a padding row (no state read or written;
                                 whole layers output zeros for it) */
-  const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens */
+  const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens
+                                (or int32 in cu_seqlens_i32, below) */
   /* Decode only, optional (NULL: none): a speculative verify step, [sequences] each in
      1..decode_tokens, and `slots` then [sequences, decode_tokens]: row r starts from the states in
      slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative:
@@ -223,6 +224,11 @@ typedef struct kda_batch {
   int64_t checkpoints;
   const int64_t* checkpoint_offsets;
   const int32_t* checkpoint_slots;
+  /* Prefill, instead of cu_seqlens (NULL: not used): the same offsets as int32 (vLLM's and
+     SGLang's query_start_loc), read as they are. A prefill sets exactly one of cu_seqlens and
+     cu_seqlens_i32 (KDA_INVALID_ARGUMENT otherwise). Zero-initialise a kda_batch
+     (kda_batch b = {0};) so that fields added at its end stay unset. */
+  const int32_t* cu_seqlens_i32;
 } kda_batch;
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,

@@ -159,6 +159,10 @@ struct BatchMetadata {
   const std::int32_t* slots = nullptr;
   // Prefill: int64 [sequences + 1], 0, non-decreasing, last == tokens. Decode: not read.
   const std::int64_t* cu_seqlens = nullptr;
+  // Prefill, instead of cu_seqlens: the same offsets as int32 (vLLM's and SGLang's
+  // query_start_loc), which the kernels read as they are (no conversion, no copy). A prefill sets
+  // exactly one of the two (kda::Error naming both otherwise). Decode: not read.
+  const std::int32_t* cu_seqlens_i32 = nullptr;
   // Decode only, optional: a speculative verify step. int32 [sequences], each in
   // [1, decode_tokens]; `slots` is then [sequences, decode_tokens]: row r starts from the states in
   // slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative: not
