@@ -94,6 +94,14 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
   if (batch.slots == nullptr && batch.slots_host != nullptr) {
     invalid(what, "slots_host is given but slots is null");
   }
+  if (batch.padding_slot >= 0 &&
+      (batch.slots == nullptr || batch.padding_slot >= state.num_slots)) {
+    invalid(what, "padding_slot " + std::to_string(batch.padding_slot) +
+                      (batch.slots == nullptr
+                           ? " needs slots (it names a slots entry)"
+                           : " is outside [0, num_slots = " + std::to_string(state.num_slots) +
+                                 ") (negative: none)"));
+  }
   if (slots_host != nullptr) {
     // Negative slots are padding; the rest are distinct rows of the pools. A verify step's
     // entries are each row's tokens' slots.
@@ -107,7 +115,7 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
         invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
-      for (std::int64_t m = 0; m < n && slots_host[n] >= 0; ++m) {
+      for (std::int64_t m = 0; m < n && !is_padding(batch, slots_host[n]); ++m) {
         if (slots_host[m] == slots_host[n]) {
           invalid(what, (verify ? entry(m) + " and " + entry(n)
                                 : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
@@ -154,7 +162,7 @@ void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int
     return twice;
   };
   for (std::int64_t n = 0; n < N; ++n) {
-    if (slots_host[n] >= 0) mark(slots_host[n]);
+    if (!is_padding(batch, slots_host[n])) mark(slots_host[n]);
   }
   for (std::int64_t n = 0; n < N; ++n) {
     const std::int64_t length = cu_host[n + 1] - cu_host[n];
@@ -174,7 +182,7 @@ void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int
         invalid(what, request + ": slot " + std::to_string(slot) +
                           " is outside [0, num_slots = " + std::to_string(num_slots) + ")");
       }
-      if (slot < 0 || offset < 0 || slots_host[n] < 0) continue;
+      if (is_padding(batch, slot) || offset < 0 || is_padding(batch, slots_host[n])) continue;
       if (mark(slot)) {
         invalid(what, request + ": slot " + std::to_string(slot) +
                           " is written twice in the call (another checkpoint or a sequence's "

@@ -25,6 +25,11 @@ struct HostCuSeqlens {
   }
 };
 
+// Whether slots entry `slot` is padding: negative, or the batch's padding_slot.
+inline bool is_padding(const Batch& batch, std::int64_t slot) noexcept {
+  return slot < 0 || slot == batch.padding_slot;
+}
+
 // The dtype of the batch's device cu_seqlens (kI64 unless cu_seqlens_i32 is set): the core's
 // Problem::cu_seqlens_dtype.
 inline DType cu_seqlens_dtype(const Batch& batch) noexcept {

@@ -293,8 +293,9 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     return batch.slots[n * per_row + (verify ? batch.num_accepted[n] - 1 : 0)];
   };
   const CpuOptions cpu{options.cpu_threads};
-  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
-                                            state.recurrent_dtype);
+  Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                      state.recurrent_dtype);
+  core.padding_slot = batch.padding_slot;  // the core skips the same rows
 
   auto* xf = regions.at<float>(&L::hidden_f32);
   auto* pre = regions.at<float>(&L::pre_f32);
@@ -334,7 +335,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
       KDA_NVTX_RANGE("conv");
       for (std::int64_t n = 0; n < N; ++n) {
         const std::int64_t begin = cu_seqlens[n], length = cu_seqlens[n + 1] - begin;
-        const bool padding = slot_of(n) < 0;
+        const bool padding = is_padding(batch, slot_of(n));
         if (padding && branch.out == q) {
           // A padding sequence's q is zero, so the core's output for it is exactly zero (q̂ =
           // 0), and with it the layer's: padding rows produce zeros, as in decode.
@@ -348,7 +349,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           for (std::int64_t k = 0; k < batch.checkpoints; ++k) {
             const std::int64_t offset = batch.checkpoint_offsets[n * batch.checkpoints + k];
             const std::int32_t slot = batch.checkpoint_slots[n * batch.checkpoints + k];
-            if (offset < 0 || slot < 0) continue;
+            if (offset < 0 || is_padding(batch, slot)) continue;
             conv_state_at(pre + begin * Cl, offset, Cl, W, conv_state,
                           branch.pool + std::int64_t{slot} * conv_row);
           }
@@ -357,7 +358,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           bf16_bits* keep[kMaxDecodeTokens];
           for (std::int64_t t = 0; t < length; ++t) {
             const std::int32_t slot = batch.slots[n * per_row + t];
-            keep[t] = slot < 0 ? nullptr : branch.pool + slot * conv_row;
+            keep[t] = is_padding(batch, slot) ? nullptr : branch.pool + slot * conv_row;
           }
           conv_silu_kept(pre + begin * Cl, length, Cl, W, branch.conv, conv_state, keep,
                          branch.out + begin * Cl);
@@ -410,6 +411,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
     step.verify = true;
+    step.padding_slot = batch.padding_slot;
     DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
     t.slots = batch.slots;
     t.num_accepted = batch.num_accepted;

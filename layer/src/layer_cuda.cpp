@@ -397,10 +397,12 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
                                       state.recurrent_dtype);
   core.cu_seqlens_dtype = cu_seqlens_dtype(batch);  // the core reads int32 ones as they are
+  core.padding_slot = batch.padding_slot;           // and skips the rows the conv skipped
   const bool cu_i32 = core.cu_seqlens_dtype == DType::kI32;
   DecodeProblem step = core_decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
                                            state.num_slots, state.recurrent_dtype);
   step.verify = batch.num_accepted != nullptr;
+  step.padding_slot = batch.padding_slot;
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
@@ -480,6 +482,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     fused.slots = batch.slots;
     fused.num_accepted = batch.num_accepted;
     fused.num_slots = state.num_slots;
+    fused.padding_slot = batch.padding_slot;
     fused.sequences = N;
     fused.decode_tokens = static_cast<int>(batch.decode_tokens);
     fused.heads = static_cast<int>(Hl);
@@ -541,6 +544,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     p.beta = beta;
     p.slots = batch.slots;
     p.num_slots = state.num_slots;
+    p.padding_slot = batch.padding_slot;
     p.status = batch.device_status;
     if (decode) {
       p.decode_tokens = batch.decode_tokens;

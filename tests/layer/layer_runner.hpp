@@ -72,6 +72,8 @@ struct BatchSpec {
   // A prefill's cu_seqlens handed to the layer as int32 (layer::Batch::cu_seqlens_i32, its host
   // copy cu_seqlens_host_i32) instead of int64.
   bool int32_cu_seqlens = false;
+  // layer::Batch::padding_slot: slots entries equal to it are padding too (-1: none).
+  std::int32_t padding_slot = -1;
   std::int64_t tokens() const { return cu_seqlens.back(); }
   std::int64_t sequences() const { return static_cast<std::int64_t>(cu_seqlens.size()) - 1; }
   std::int64_t length(std::int64_t n) const { return cu_seqlens[n + 1] - cu_seqlens[n]; }
@@ -226,6 +228,7 @@ struct ForwardBuffers {
     c.batch.tokens = batch.tokens();
     c.batch.sequences = batch.sequences();
     c.batch.decode_tokens = batch.decode_tokens;
+    c.batch.padding_slot = batch.padding_slot;
     // A decode batch's cu_seqlens is not read: null shows it.
     if (i32) {
       c.batch.cu_seqlens_i32 = static_cast<const std::int32_t*>(cu_seqlens_i32.get());

@@ -1,9 +1,11 @@
 // The batch metadata a serving runtime hands the layer as it has it, on each backend: int32
 // cu_seqlens (layer::Batch::cu_seqlens_i32) give the int64 ones' results bit for bit, and a batch
-// naming both, neither or a host copy of the other dtype is refused before anything is written.
+// naming both, neither or a host copy of the other dtype is refused before anything is written; a
+// caller-chosen null row (layer::Batch::padding_slot) is padding exactly as a negative slot.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,4 +102,117 @@ KDA_LAYER_CASE(
   broken.cu_seqlens = {0, 9, 4};
   CHECK(
       contains(check_refused(runner, *layer, hidden, broken, before, {}).error, "non-decreasing"));
+}
+
+namespace {
+
+// Row `r` of every pool set to all-ones bytes (NaN in bf16 and f32): a forward that read it would
+// put NaN into out, one that wrote it would change its bytes.
+void poison_row(Pools* pools, std::int64_t r) {
+  auto fill = [r](auto& pool, std::size_t row) {
+    std::memset(pool.data() + r * row, 0xFF, row * sizeof(pool[0]));
+  };
+  fill(pools->conv_q, pools->conv_row);
+  fill(pools->conv_k, pools->conv_row);
+  fill(pools->conv_v, pools->conv_row);
+  if (pools->dtype == DType::kF32) {
+    fill(pools->rec_f32, pools->recurrent_row);
+  } else {
+    fill(pools->rec_bf16, pools->recurrent_row);
+  }
+}
+
+// `batch` with every slots entry equal to `null` made -1, and no padding_slot.
+BatchSpec with_negative_padding(BatchSpec batch, std::int32_t null) {
+  for (std::int32_t& s : batch.slots) s = s == null ? -1 : s;
+  batch.padding_slot = -1;
+  return batch;
+}
+
+}  // namespace
+
+// A caller-chosen null row (layer::Batch::padding_slot = 0, as vLLM's null slot) in a prefill, in
+// decode steps of 1 and 3 tokens (named by two rows at once) and in a verify step (a padding start
+// entry, a per-token entry not kept): the null row's states, poisoned, keep every byte and are
+// never read (out holds no NaN); its rows output zeros; out and every pool equal, bit for bit, the
+// same batch padded with negative slots instead. Both recurrent dtypes, both decode kernels.
+KDA_LAYER_CASE("a padding_slot entry is padding: zeros out, no state of any row touched") {
+  const layer::Weights weights =
+      with_bias_and_norm(layer::random_weights(runner.config(GateMode::kLowerBound), 8, 1));
+  const std::unique_ptr<layer::Layer> layer = runner.make(weights);
+  const std::int64_t E = weights.config.hidden_size;
+  constexpr std::int32_t kNull = 0;
+  std::vector<BatchSpec> batches = {
+      prefill_batch({5, 3, 0, 7, 2, 20}, {1, 0, 3, 4, 0, 2}),
+      decode_batch(4, 1, {2, 0, 0, 4}),
+      decode_batch(4, 3, {0, 3, 0, 1}),
+  };
+  BatchSpec verify = decode_batch(3, 2, {1, 0, 0, 0, 3, 4});
+  verify.num_accepted = {1, 2, 2};  // row 0 from 1 (its token 1 not kept), row 1 padding
+  batches.push_back(verify);
+  for (BatchSpec& b : batches) b.padding_slot = kNull;
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const layer::DecodeKernel kernel :
+         {layer::DecodeKernel::kAuto, layer::DecodeKernel::kSeparate}) {
+      for (std::size_t i = 0; i < batches.size(); ++i) {
+        const BatchSpec& padded = batches[i];
+        if (padded.decode_tokens == 0 && kernel != layer::DecodeKernel::kAuto) continue;
+        CAPTURE(i);
+        CAPTURE(to_string(dtype));
+        CAPTURE(static_cast<int>(kernel));
+        ForwardSettings settings;
+        settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(padded.tokens() * E), 2.0f, 70 + i);
+        Pools before(weights.config, 5, dtype);
+        before.randomize(71);
+        poison_row(&before, kNull);
+        Pools after = before, negative_after = before;
+        const LayerRun run = runner.forward(*layer, hidden, padded, &after, settings);
+        REQUIRE_MESSAGE(run.error.empty(), run.error);
+        const LayerRun negative = runner.forward(
+            *layer, hidden, with_negative_padding(padded, kNull), &negative_after, settings);
+        REQUIRE_MESSAGE(negative.error.empty(), negative.error);
+        CHECK(run.device_status == 0);
+        CHECK(run.all_written);  // no NaN: the poisoned row was not read
+        CHECK(run.guards_intact);
+        CHECK(after.row_equal(before, kNull));
+        CHECK(after != before);  // the other rows did move
+        CHECK(same_bits(run.out, negative.out));
+        CHECK(after == negative_after);
+        // The padding rows' out: zeros (a verify row is padding by its start entry).
+        const std::int64_t per_row = padded.num_accepted.empty() ? 1 : padded.decode_tokens;
+        for (std::int64_t n = 0; n < padded.sequences(); ++n) {
+          const std::int64_t start =
+              n * per_row + (padded.num_accepted.empty() ? 0 : padded.num_accepted[n] - 1);
+          if (padded.slots[start] != kNull) continue;
+          CAPTURE(n);
+          const std::vector<bf16_bits> rows =
+              token_rows(run.out, E, padded.cu_seqlens[n], padded.cu_seqlens[n + 1]);
+          CHECK(std::all_of(rows.begin(), rows.end(), [](bf16_bits b) { return b == 0; }));
+        }
+      }
+    }
+  }
+}
+
+KDA_LAYER_CASE("a padding_slot outside the pool or without slots is refused") {
+  const layer::Weights weights = layer::random_weights(runner.config(), 9, 1);
+  const std::unique_ptr<layer::Layer> layer = runner.make(weights);
+  const std::int64_t E = weights.config.hidden_size;
+  Pools before(weights.config, 3, DType::kF32);
+  before.randomize(72);
+  BatchSpec outside = decode_batch(2, 1, {0, 1});
+  outside.padding_slot = 3;
+  const std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(2 * E), 1.0f, 73);
+  CHECK(contains(check_refused(runner, *layer, hidden, outside, before, {}).error,
+                 "padding_slot 3 is outside [0, num_slots = 3)"));
+  BatchSpec rows = decode_batch(2, 1);
+  rows.padding_slot = 1;
+  CHECK(contains(check_refused(runner, *layer, hidden, rows, before, {}).error,
+                 "padding_slot 1 needs slots"));
+  // Several sequences may name it; two naming another row still may not.
+  BatchSpec twice = prefill_batch({1, 1}, {2, 2});
+  twice.padding_slot = 0;
+  CHECK(contains(check_refused(runner, *layer, hidden, twice, before, {}).error, "share slot 2"));
 }

@@ -179,6 +179,7 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
+    prm_.padding_slot = p.padding_slot;
     const bool wants_pipeline = pipeline_wanted(T_, N_, p.num_heads, sms_, opt.schedule);
     plan_ = plan_segments(T_, N_, p.num_heads, sms_, longest_chunks(p, t), wants_pipeline,
                           opt.schedule == PrefillSchedule::kPipelined);

@@ -23,7 +23,7 @@ __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int
 __device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64_t n) {
   if (p.slots == nullptr) return n >= p.num_slots;
   const std::int32_t slot = p.slots[n];
-  return slot < 0 || slot >= p.num_slots;
+  return slot < 0 || slot >= p.num_slots || slot == p.padding_slot;
 }
 
 // (kConvThreads, 4): at most 128 registers (W = 4 needs ~145 unbounded, no spills at 128), so 16

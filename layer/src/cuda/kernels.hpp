@@ -38,6 +38,7 @@ struct ConvParams {
   // >= num_slots: treated as padding and reported through status (kDeviceStatusSlot).
   const std::int32_t* slots = nullptr;
   std::int64_t num_slots = 0;
+  std::int32_t padding_slot = -1;   // Batch::padding_slot: an entry equal to it is padding too
   std::uint32_t* status = nullptr;  // optional device status word
   // Prefill: device cu_seqlens [sequences + 1], int64 in cu_seqlens or (cu_seqlens null) int32 in
   // cu_seqlens_i32. Decode: both nullptr, every sequence has `decode_tokens` tokens (tokens ==
@@ -115,6 +116,7 @@ struct FusedDecodeParams {
   // [sequences]; the states after each token kept in that token's slot.
   const std::int32_t* num_accepted = nullptr;
   std::int64_t num_slots = 0;
+  std::int32_t padding_slot = -1;  // Batch::padding_slot: an entry equal to it is padding too
   std::int64_t sequences = 0;
   int decode_tokens = 1;
   int heads = 0;  // Hl; Cl = heads * 128

@@ -23,9 +23,10 @@
 // and updates them in place, so a second forward on the same rows continues the sequences (chunked
 // prefill), and a decode batch advances each row by decode_tokens tokens.
 //
-// Padding. A negative slot marks a padding row — a decode row or a prefill sequence: it outputs
-// zeros, and no state is read or written for it (its q is zeroed after the conv, so the core's
-// output is exactly zero). A serving runtime pads its captured batches with such rows.
+// Padding. A negative slot (or one equal to Batch::padding_slot) marks a padding row — a decode row
+// or a prefill sequence: it outputs zeros, and no state is read or written for it (its q is zeroed
+// after the conv, so the core's output is exactly zero). A serving runtime pads its captured
+// batches with such rows.
 //
 // Tensor parallelism: with config.tp_size > 1 the layer holds its rank's heads (weights.hpp) and
 // its pools hold those heads only; `out` is then this rank's PARTIAL SUM of the layer output
@@ -80,6 +81,11 @@ struct Batch {
   // [N], on the layer's backend: each sequence's state row, distinct among the non-negative ones,
   // below num_slots; negative = padding. nullptr: sequence n uses row n (then N <= num_slots).
   const std::int32_t* slots = nullptr;
+  // A caller-chosen null row, with slots: a slots entry (a verify step's start or per-token entry,
+  // a checkpoint_slots entry) equal to it is padding too, exactly as a negative one, and may
+  // appear any number of times (a serving runtime's reserved null slot that pads its CUDA graphs'
+  // batches). Negative (the default): none. Otherwise below num_slots.
+  std::int32_t padding_slot = -1;
   // Optional host copies of the two (CUDA), checked before anything is enqueued. Without them the
   // host cannot see the device's values: a slot >= num_slots is then treated as padding and
   // reported through device_status, and broken cu_seqlens are reported by the core. The CPU reads
