@@ -69,7 +69,9 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
   auto* out = static_cast<bf16_bits*>(t.out);
   // Where sequence seq's state lives: index seq, or its pool entry (-1: padding, no state).
   auto state_index = [&](std::int64_t seq) -> std::int64_t {
-    return p.num_state_slots > 0 ? std::int64_t{t.state_slots[seq]} : seq;
+    if (p.num_state_slots == 0) return seq;
+    const std::int32_t slot = t.state_slots[seq];
+    return slot < 0 || slot == p.padding_slot ? -1 : std::int64_t{slot};
   };
   const std::size_t in_size = dtype_size(p.initial_state_dtype);
   const std::size_t fin_size = dtype_size(p.final_state_dtype);
@@ -85,7 +87,7 @@ void run_prefill(const Problem& p, const Tensors& t, unsigned char* slots, std::
                                const Real* state) {
     for (std::int64_t k = 0; k < p.checkpoints; ++k) {
       const std::int32_t slot = t.checkpoint_slots[seq * p.checkpoints + k];
-      if (slot < 0 || checkpoint_offset(seq, k) != done) continue;
+      if (slot < 0 || slot == p.padding_slot || checkpoint_offset(seq, k) != done) continue;
       detail::cpu::store_state(state, state_elems, p.final_state_dtype,
                                static_cast<unsigned char*>(t.final_state) +
                                    (std::int64_t{slot} * H + head) * state_elems * fin_size);

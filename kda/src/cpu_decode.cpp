@@ -42,7 +42,7 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
   const std::int64_t entries = p.verify ? p.batch * p.tokens : p.batch;
   for (std::int64_t b = 0; b < entries; ++b) {
     const std::int32_t s = slots[b];
-    if (s < 0) continue;  // padding row
+    if (s < 0 || s == p.padding_slot) continue;  // padding (any number of rows may name it)
     if (s >= p.num_slots) {
       return Status(StatusCode::kInvalidArgument, entry(b) + " = " + std::to_string(s) +
                                                       " is out of range (num_slots " +
@@ -83,7 +83,7 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
   detail::cpu::parallel_for(p.batch * H, workers, [&](std::int64_t item, std::int64_t worker) {
     const std::int64_t b = item / H, head = item % H;
     const std::int32_t slot = p.verify ? t.slots[b * n_tok + t.num_accepted[b] - 1] : t.slots[b];
-    if (slot < 0) return;  // padding: its out rows stay untouched
+    if (slot < 0 || slot == p.padding_slot) return;  // padding: its out rows stay untouched
     detail::cpu::Scratch<Real> sc(scratch + worker * slot_reals, K, V);
     unsigned char* state_mem = state_at(slot, head);
     if (in_place) {
@@ -99,7 +99,7 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
                                  &sc.tok);
       detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
       detail::cpu::store_out(sc.o, V, out + row * V);
-      if (p.verify && t.slots[b * n_tok + j] >= 0) {
+      if (p.verify && t.slots[b * n_tok + j] >= 0 && t.slots[b * n_tok + j] != p.padding_slot) {
         detail::cpu::store_state(sc.state, state_elems, p.state_dtype,
                                  state_at(t.slots[b * n_tok + j], head));
       }

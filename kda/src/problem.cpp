@@ -124,6 +124,11 @@ Status validate(const Problem& p) {
                    " but neither initial_state_dtype nor final_state_dtype is set (slots address "
                    "states)");
   }
+  if (p.padding_slot >= 0 && p.padding_slot >= p.num_state_slots) {
+    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
+                   " is outside the pool of num_state_slots = " + str(p.num_state_slots) +
+                   " (negative: no padding slot)");
+  }
   if (p.checkpoints < 0)
     return invalid("checkpoints must be >= 0 (got " + str(p.checkpoints) + ")");
   if (p.checkpoints > 0) {
@@ -159,7 +164,7 @@ Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint6
       return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
                      " is outside the pool of num_state_slots = " + str(p.num_state_slots));
     }
-    if (slot < 0 || !writes) continue;
+    if (slot < 0 || slot == p.padding_slot || !writes) continue;  // padding: any number of times
     bool twice = false;
     std::int64_t first = -1;
     if (seen_bits != nullptr) {
@@ -215,7 +220,7 @@ Status check_checkpoints(const Problem& p, const Tensors& t, std::uint64_t* seen
         return invalid("checkpoint_slots" + at + " = " + str(slot) +
                        " is outside the pool of num_state_slots = " + str(p.num_state_slots));
       }
-      if (slot < 0 || offset < 0) continue;
+      if (slot < 0 || slot == p.padding_slot || offset < 0) continue;
       std::uint64_t& word = seen_bits[slot / 64];
       const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
       if ((word & bit) != 0) {
@@ -307,6 +312,16 @@ Status validate_cu_seqlens(const std::int64_t* cu_seqlens_host, std::int64_t seq
   p.num_heads = 1;
   p.num_seqs = sequences;
   p.cu_seqlens_dtype = DType::kI64;
+  return validate_cu_seqlens(p, cu_seqlens_host);
+}
+
+Status validate_cu_seqlens(const std::int32_t* cu_seqlens_host, std::int64_t sequences,
+                           std::int64_t tokens) {
+  Problem p;
+  p.seq_len = tokens;
+  p.num_heads = 1;
+  p.num_seqs = sequences;
+  p.cu_seqlens_dtype = DType::kI32;
   return validate_cu_seqlens(p, cu_seqlens_host);
 }
 
@@ -456,6 +471,11 @@ Status validate(const DecodeProblem& p) {
   if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
   if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
   if (p.num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(p.num_slots) + ")");
+  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {
+    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
+                   " is outside the pool of num_slots = " + str(p.num_slots) +
+                   " (negative: no padding slot)");
+  }
   if (p.state_dtype != DType::kBF16 && p.state_dtype != DType::kF32) {
     return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
   }

@@ -17,7 +17,7 @@ namespace {
 
 }  // namespace
 
-void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
+void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
                    const State& state, const void* hidden, const void* out, const char* what) {
   const std::int64_t T = batch.tokens, N = batch.sequences;
@@ -27,8 +27,24 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     invalid(what, "decode_tokens " + std::to_string(batch.decode_tokens) + " is not in [0, " +
                       std::to_string(kMaxDecodeTokens) + "]");
   }
-  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
-                                            state.recurrent_dtype);
+  Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                      state.recurrent_dtype);
+  core.cu_seqlens_dtype = cu_seqlens_dtype(batch);
+  if (batch.cu_seqlens != nullptr && batch.cu_seqlens_i32 != nullptr) {
+    invalid(what, "cu_seqlens (int64) and cu_seqlens_i32 are both set: a batch gives one of them");
+  }
+  if (batch.cu_seqlens_host != nullptr && batch.cu_seqlens_host_i32 != nullptr) {
+    invalid(what,
+            "cu_seqlens_host and cu_seqlens_host_i32 are both set: give the one of the "
+            "batch's cu_seqlens dtype");
+  }
+  if ((batch.cu_seqlens_host != nullptr && batch.cu_seqlens_i32 != nullptr) ||
+      (batch.cu_seqlens_host_i32 != nullptr && batch.cu_seqlens != nullptr)) {
+    invalid(what,
+            "the host copy of cu_seqlens has another dtype than the batch's cu_seqlens "
+            "(cu_seqlens_host goes with cu_seqlens, cu_seqlens_host_i32 with "
+            "cu_seqlens_i32)");
+  }
   if (decode) {
     if (T != N * batch.decode_tokens) {
       invalid(what, "decode: tokens " + std::to_string(T) + " is not sequences " +
@@ -37,8 +53,14 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
     }
   } else {
     if (N == 0 && T > 0) invalid(what, std::to_string(T) + " tokens but no sequence");
-    if (N > 0 && batch.cu_seqlens == nullptr) invalid(what, "cu_seqlens is null");
-    if (cu_host != nullptr && N > 0) throw_if_error(validate_cu_seqlens(cu_host, N, T), what);
+    if (N > 0 && batch.cu_seqlens == nullptr && batch.cu_seqlens_i32 == nullptr) {
+      invalid(what, "cu_seqlens is null, and so is cu_seqlens_i32: a prefill gives one of them");
+    }
+    if (cu_host.present() && N > 0) {
+      throw_if_error(cu_host.i64 != nullptr ? validate_cu_seqlens(cu_host.i64, N, T)
+                                            : validate_cu_seqlens(cu_host.i32, N, T),
+                     what);
+    }
   }
   const bool verify = batch.num_accepted != nullptr;
   if (batch.num_accepted == nullptr && batch.num_accepted_host != nullptr) {
@@ -72,6 +94,14 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
   if (batch.slots == nullptr && batch.slots_host != nullptr) {
     invalid(what, "slots_host is given but slots is null");
   }
+  if (batch.padding_slot >= 0 &&
+      (batch.slots == nullptr || batch.padding_slot >= state.num_slots)) {
+    invalid(what, "padding_slot " + std::to_string(batch.padding_slot) +
+                      (batch.slots == nullptr
+                           ? " needs slots (it names a slots entry)"
+                           : " is outside [0, num_slots = " + std::to_string(state.num_slots) +
+                                 ") (negative: none)"));
+  }
   if (slots_host != nullptr) {
     // Negative slots are padding; the rest are distinct rows of the pools. A verify step's
     // entries are each row's tokens' slots.
@@ -85,7 +115,7 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
         invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
-      for (std::int64_t m = 0; m < n && slots_host[n] >= 0; ++m) {
+      for (std::int64_t m = 0; m < n && !is_padding(batch, slots_host[n]); ++m) {
         if (slots_host[m] == slots_host[n]) {
           invalid(what, (verify ? entry(m) + " and " + entry(n)
                                 : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
@@ -121,9 +151,8 @@ void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_h
   }
 }
 
-void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
-                       const std::int32_t* slots_host, std::int64_t num_slots, std::uint64_t* seen,
-                       const char* what) {
+void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int32_t* slots_host,
+                       std::int64_t num_slots, std::uint64_t* seen, const char* what) {
   const std::int64_t N = batch.sequences, K = batch.checkpoints;
   std::fill(seen, seen + (num_slots + 63) / 64, std::uint64_t{0});
   auto mark = [&](std::int64_t slot) {
@@ -133,7 +162,7 @@ void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
     return twice;
   };
   for (std::int64_t n = 0; n < N; ++n) {
-    if (slots_host[n] >= 0) mark(slots_host[n]);
+    if (!is_padding(batch, slots_host[n])) mark(slots_host[n]);
   }
   for (std::int64_t n = 0; n < N; ++n) {
     const std::int64_t length = cu_host[n + 1] - cu_host[n];
@@ -153,7 +182,7 @@ void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
         invalid(what, request + ": slot " + std::to_string(slot) +
                           " is outside [0, num_slots = " + std::to_string(num_slots) + ")");
       }
-      if (slot < 0 || offset < 0 || slots_host[n] < 0) continue;
+      if (is_padding(batch, slot) || offset < 0 || is_padding(batch, slots_host[n])) continue;
       if (mark(slot)) {
         invalid(what, request + ": slot " + std::to_string(slot) +
                           " is written twice in the call (another checkpoint or a sequence's "
@@ -175,7 +204,7 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 }
 
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
-                                       const std::int64_t* cu_host, const std::int32_t* slots_host,
+                                       HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, const State& state,
                                        const void* hidden, const void* out, Workspace workspace,
                                        const char* what) {

@@ -14,9 +14,32 @@
 
 namespace kda::layer::detail {
 
+// A prefill's cu_seqlens where the host can read them, int64 or int32 (Batch::cu_seqlens or
+// cu_seqlens_i32 on the CPU, their host copies on CUDA); neither: the host cannot.
+struct HostCuSeqlens {
+  const std::int64_t* i64 = nullptr;
+  const std::int32_t* i32 = nullptr;
+  bool present() const noexcept { return i64 != nullptr || i32 != nullptr; }
+  std::int64_t operator[](std::int64_t n) const noexcept {
+    return i64 != nullptr ? i64[n] : std::int64_t{i32[n]};
+  }
+};
+
+// Whether slots entry `slot` is padding: negative, or the batch's padding_slot.
+inline bool is_padding(const Batch& batch, std::int64_t slot) noexcept {
+  return slot < 0 || slot == batch.padding_slot;
+}
+
+// The dtype of the batch's device cu_seqlens (kI64 unless cu_seqlens_i32 is set): the core's
+// Problem::cu_seqlens_dtype.
+inline DType cu_seqlens_dtype(const Batch& batch) noexcept {
+  return batch.cu_seqlens_i32 != nullptr && batch.cu_seqlens == nullptr ? DType::kI32 : DType::kI64;
+}
+
 // Every check of a forward that needs no device, before anything is written:
 //   - tokens, sequences >= 0; decode_tokens in [0, kMaxDecodeTokens]; a decode batch has
 //     tokens == sequences * decode_tokens; a prefill with tokens has sequences and cu_seqlens;
+//   - a prefill gives cu_seqlens or cu_seqlens_i32, not both, and a host copy of the same dtype;
 //   - cu_seqlens (prefill) and slots contents where the host can read them (`cu_host`,
 //     `slots_host`: the batch's own arrays on the CPU, its optional host copies on CUDA):
 //     kda::validate_cu_seqlens, and each slot below num_slots, non-negative ones distinct;
@@ -26,7 +49,7 @@ namespace kda::layer::detail {
 //   - the pools non-null (conv pools when W > 1), the recurrent dtype f32 or bf16;
 //   - hidden and out non-null and disjoint ([T, hidden_size] bf16 each);
 //   - the core's problem valid.
-void check_forward(const Config& c, const Batch& batch, const std::int64_t* cu_host,
+void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
                    const State& state, const void* hidden, const void* out, const char* what);
 // The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
@@ -36,7 +59,7 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 // Every host check of a forward, in order — check_forward, the batch's workspace layout on
 // `backend`, check_workspace — and that layout.
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
-                                       const std::int64_t* cu_host, const std::int32_t* slots_host,
+                                       HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, const State& state,
                                        const void* hidden, const void* out, Workspace workspace,
                                        const char* what);
@@ -45,9 +68,8 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
 // offset -1, or a multiple of kda::kCheckpointAlignment up to its sequence's length, or that
 // length; each row -1 or inside the pools; the rows written distinct and none a `slots_host`
 // entry. `seen`: ceil(num_slots / 64) words of scratch (the workspace's slot bitmap).
-void check_checkpoints(const Batch& batch, const std::int64_t* cu_host,
-                       const std::int32_t* slots_host, std::int64_t num_slots, std::uint64_t* seen,
-                       const char* what);
+void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int32_t* slots_host,
+                       std::int64_t num_slots, std::uint64_t* seen, const char* what);
 
 // kda::validate_gate_parameters on the weights (sizes checked first): the core would refuse them,
 // but only after the conv states were updated (on CUDA, only through the device status word).

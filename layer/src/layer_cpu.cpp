@@ -273,13 +273,15 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const bool decode = batch.decode_tokens > 0;
 
   // ---- checks, before anything is written ---------------------------------------------------
-  const WorkspaceLayout layout = checked_forward_layout(
-      Backend::kCpu, c, batch, decode ? nullptr : batch.cu_seqlens, batch.slots, batch.num_accepted,
-      state, hidden, out, workspace, kForward);
+  const HostCuSeqlens cu_host =
+      decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens, batch.cu_seqlens_i32};
+  const WorkspaceLayout layout =
+      checked_forward_layout(Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted,
+                             state, hidden, out, workspace, kForward);
   const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
   if (batch.checkpoints > 0) {
-    check_checkpoints(batch, batch.cu_seqlens, batch.slots, state.num_slots,
+    check_checkpoints(batch, cu_host, batch.slots, state.num_slots,
                       regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
   }
   if (T == 0) return;  // nothing to compute; every state stays as it is
@@ -291,8 +293,9 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     return batch.slots[n * per_row + (verify ? batch.num_accepted[n] - 1 : 0)];
   };
   const CpuOptions cpu{options.cpu_threads};
-  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
-                                            state.recurrent_dtype);
+  Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                      state.recurrent_dtype);
+  core.padding_slot = batch.padding_slot;  // the core skips the same rows
 
   auto* xf = regions.at<float>(&L::hidden_f32);
   auto* pre = regions.at<float>(&L::pre_f32);
@@ -300,11 +303,13 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   const Intermediates m = regions.intermediates();
   bf16_bits *q = m.q, *k = m.k, *v = m.v, *g = m.g, *o = m.o, *beta = m.beta;
   float* gate = m.gate;
-  // A decode batch is a prefill of sequences of decode_tokens tokens each.
+  // A decode batch is a prefill of sequences of decode_tokens tokens each. int32 cu_seqlens are
+  // widened into the same workspace row (N + 1 host values, against the layer's O(T) work), so
+  // that everything below reads one dtype.
   const std::int64_t* cu_seqlens = batch.cu_seqlens;
-  if (decode) {
+  if (decode || cu_seqlens == nullptr) {
     auto* cu = regions.at<std::int64_t>(&L::cu);
-    for (std::int64_t n = 0; n <= N; ++n) cu[n] = n * batch.decode_tokens;
+    for (std::int64_t n = 0; n <= N; ++n) cu[n] = decode ? n * batch.decode_tokens : cu_host[n];
     cu_seqlens = cu;
   }
   PhaseTimer timer(options.times);
@@ -330,7 +335,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
       KDA_NVTX_RANGE("conv");
       for (std::int64_t n = 0; n < N; ++n) {
         const std::int64_t begin = cu_seqlens[n], length = cu_seqlens[n + 1] - begin;
-        const bool padding = slot_of(n) < 0;
+        const bool padding = is_padding(batch, slot_of(n));
         if (padding && branch.out == q) {
           // A padding sequence's q is zero, so the core's output for it is exactly zero (q̂ =
           // 0), and with it the layer's: padding rows produce zeros, as in decode.
@@ -344,7 +349,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           for (std::int64_t k = 0; k < batch.checkpoints; ++k) {
             const std::int64_t offset = batch.checkpoint_offsets[n * batch.checkpoints + k];
             const std::int32_t slot = batch.checkpoint_slots[n * batch.checkpoints + k];
-            if (offset < 0 || slot < 0) continue;
+            if (offset < 0 || is_padding(batch, slot)) continue;
             conv_state_at(pre + begin * Cl, offset, Cl, W, conv_state,
                           branch.pool + std::int64_t{slot} * conv_row);
           }
@@ -353,7 +358,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
           bf16_bits* keep[kMaxDecodeTokens];
           for (std::int64_t t = 0; t < length; ++t) {
             const std::int32_t slot = batch.slots[n * per_row + t];
-            keep[t] = slot < 0 ? nullptr : branch.pool + slot * conv_row;
+            keep[t] = is_padding(batch, slot) ? nullptr : branch.pool + slot * conv_row;
           }
           conv_silu_kept(pre + begin * Cl, length, Cl, W, branch.conv, conv_state, keep,
                          branch.out + begin * Cl);
@@ -406,6 +411,7 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
     step.verify = true;
+    step.padding_slot = batch.padding_slot;
     DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
     t.slots = batch.slots;
     t.num_accepted = batch.num_accepted;

@@ -371,8 +371,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   // ---- checks, before anything is enqueued ---------------------------------------------------
   constexpr const char* kForward = "KDA layer forward (CUDA)";
   const WorkspaceLayout layout = checked_forward_layout(
-      Backend::kCuda, c, batch, decode ? nullptr : batch.cu_seqlens_host, batch.slots_host,
-      batch.num_accepted_host, state, hidden, out, workspace, kForward);
+      Backend::kCuda, c, batch,
+      decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
+      batch.slots_host, batch.num_accepted_host, state, hidden, out, workspace, kForward);
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kSeparate)) {
     throw Error(StatusCode::kInvalidArgument,
@@ -387,11 +388,15 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
                                               " sequences exceed one launch (2^31 - 1 rows)");
   }
   const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
-  const Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
-                                            state.recurrent_dtype);
+  Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
+                                      state.recurrent_dtype);
+  core.cu_seqlens_dtype = cu_seqlens_dtype(batch);  // the core reads int32 ones as they are
+  core.padding_slot = batch.padding_slot;           // and skips the rows the conv skipped
+  const bool cu_i32 = core.cu_seqlens_dtype == DType::kI32;
   DecodeProblem step = core_decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
                                            state.num_slots, state.recurrent_dtype);
   step.verify = batch.num_accepted != nullptr;
+  step.padding_slot = batch.padding_slot;
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
@@ -409,6 +414,8 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
         {state.conv_v, conv_pool, "conv_v pool"},
         {state.recurrent, recurrent_pool, "recurrent pool"},
         {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
+        {decode ? nullptr : batch.cu_seqlens_i32, static_cast<std::size_t>(N + 1) * 4,
+         "cu_seqlens_i32"},
         {batch.slots, static_cast<std::size_t>(N * (step.verify ? batch.decode_tokens : 1)) * 4,
          "slots"},
         {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
@@ -473,6 +480,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     fused.slots = batch.slots;
     fused.num_accepted = batch.num_accepted;
     fused.num_slots = state.num_slots;
+    fused.padding_slot = batch.padding_slot;
     fused.sequences = N;
     fused.decode_tokens = static_cast<int>(batch.decode_tokens);
     fused.heads = static_cast<int>(Hl);
@@ -534,6 +542,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     p.beta = beta;
     p.slots = batch.slots;
     p.num_slots = state.num_slots;
+    p.padding_slot = batch.padding_slot;
     p.status = batch.device_status;
     if (decode) {
       p.decode_tokens = batch.decode_tokens;
@@ -545,6 +554,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       p.checkpoints = batch.checkpoints;
       p.checkpoint_offsets = batch.checkpoint_offsets;
       p.checkpoint_slots = batch.checkpoint_slots;
+      p.cu_seqlens_i32 = batch.cu_seqlens_i32;
       check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
     }
   }
@@ -567,9 +577,10 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");
     } else {
       Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
-      t.cu_seqlens = batch.cu_seqlens;
+      t.cu_seqlens = cu_i32 ? static_cast<const void*>(batch.cu_seqlens_i32) : batch.cu_seqlens;
       // Checked above already (O(N) again); the core also plans its segments from it.
-      t.cu_seqlens_host = batch.cu_seqlens_host;
+      t.cu_seqlens_host =
+          cu_i32 ? static_cast<const void*>(batch.cu_seqlens_host_i32) : batch.cu_seqlens_host;
       t.initial_state = state.recurrent;
       t.final_state = state.recurrent;  // updated in place
       t.state_slots = batch.slots;

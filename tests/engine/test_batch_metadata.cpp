@@ -464,6 +464,272 @@ TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from
   if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
 }
 
+namespace {
+
+// The same varlen prefill on caller-owned metadata with int64 cu_seqlens (one engine of the pair)
+// and int32 ones (the other), whole layers then the core alone: out and every state bit for bit.
+// A prefill naming both dtypes or neither is refused, naming both fields.
+void prefill_int32(Backend backend) {
+  EnginePair pair(backend);
+  const std::vector<std::int64_t> cu = {0, 0, 1, 24, 33, 60};
+  const std::vector<int> slots = {4, 0, -1, 2, 5};
+  const std::int64_t T = cu.back();
+  Memory hidden(backend, kda::test::random_bf16(T * kHidden, 1.0f, 91));
+  Memory out_wide(backend, T * kHidden * 2), out_narrow(backend, T * kHidden * 2);
+  out_narrow.poison();
+  Memory slot_list(backend, std::vector<std::int32_t>(slots.begin(), slots.end()));
+  Memory cu64(backend, cu), cu32(backend, std::vector<std::int32_t>(cu.begin(), cu.end()));
+  BatchMetadata wide;
+  wide.tokens = T;
+  wide.sequences = static_cast<std::int64_t>(slots.size());
+  wide.slots = slot_list.as<std::int32_t>();
+  wide.cu_seqlens = cu64.as<std::int64_t>();
+  BatchMetadata narrow = wide;
+  narrow.cu_seqlens = nullptr;
+  narrow.cu_seqlens_i32 = cu32.as<std::int32_t>();
+  const std::vector<std::uint8_t> before = all_states(pair.meta);
+  for (int l = 0; l < pair.spans.num_layers(); ++l) {
+    pair.spans.prefill_hidden(l, hidden.get(), out_wide.get(), wide);
+    pair.meta.prefill_hidden(l, hidden.get(), out_narrow.get(), narrow);
+  }
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  CHECK(out_wide.read<std::uint16_t>() == out_narrow.read<std::uint16_t>());
+  CHECK(all_states(pair.spans) == all_states(pair.meta));
+  CHECK(all_states(pair.meta) != before);
+  CHECK(out_narrow.guards_intact());
+
+  // The core alone (q, k, v, g [T, H, 128], beta [T, H]).
+  const std::int64_t elems = T * 4 * 128;
+  Memory q(backend, kda::test::random_bf16(elems, 1.0f, 92)),
+      k(backend, kda::test::random_bf16(elems, 1.0f, 93)),
+      v(backend, kda::test::random_bf16(elems, 1.0f, 94)),
+      g(backend, kda::test::random_bf16(elems, 1.0f, 95)),
+      beta(backend, kda::test::random_bf16(T * 4, 1.0f, 96));
+  const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+  Memory core_wide(backend, elems * 2), core_narrow(backend, elems * 2);
+  core_narrow.poison();
+  pair.spans.prefill(1, inputs, core_wide.get(), wide);
+  pair.meta.prefill(1, inputs, core_narrow.get(), narrow);
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  CHECK(core_wide.read<std::uint16_t>() == core_narrow.read<std::uint16_t>());
+  CHECK(all_states(pair.spans) == all_states(pair.meta));
+  CHECK_NOTHROW(pair.meta.check_device_status());
+
+  BatchMetadata both = wide;
+  both.cu_seqlens_i32 = narrow.cu_seqlens_i32;
+  CHECK(kda::test::error_of(
+            [&] { pair.meta.prefill_hidden(0, hidden.get(), out_narrow.get(), both); }) ==
+        "prefill_hidden: cu_seqlens (int64) and cu_seqlens_i32 are both set: a prefill sets "
+        "one of them");
+  BatchMetadata neither = narrow;
+  neither.cu_seqlens_i32 = nullptr;
+  CHECK(kda::test::error_of([&] { pair.meta.prefill(0, inputs, core_narrow.get(), neither); }) ==
+        "prefill: cu_seqlens is null, and so is cu_seqlens_i32: a prefill sets one of them");
+  if (backend == Backend::kCpu) {  // the host reads int32 offsets as it reads int64 ones
+    BatchMetadata broken = narrow;
+    const std::vector<std::int32_t> bad = {0, 5, 3, 24, 33, 60};
+    broken.cu_seqlens_i32 = bad.data();
+    const std::string error = kda::test::error_of(
+        [&] { pair.meta.prefill_hidden(0, hidden.get(), out_narrow.get(), broken); });
+    CHECK(error.find("non-decreasing") != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cpu]") {
+  prefill_int32(Backend::kCpu);
+}
+TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cuda]") {
+  if (usable(Backend::kCuda)) prefill_int32(Backend::kCuda);
+}
+
+namespace {
+
+// Every byte of slot `slot`'s recurrent and conv states in every layer set to 0xFF (NaN).
+void poison_slot(Engine& e, int slot) {
+  const std::vector<std::uint8_t> state(e.state_slot_bytes(), 0xFF),
+      conv(e.conv_state_slot_bytes(), 0xFF);
+  for (int l = 0; l < e.num_layers(); ++l) {
+    e.write_slot_state(l, slot, state.data());
+    for (int p = 0; p < 3; ++p) e.write_slot_conv_state(l, slot, p, conv.data());
+  }
+}
+
+bool slot_poisoned(const Engine& e, int slot) {
+  for (int l = 0; l < e.num_layers(); ++l) {
+    std::vector<std::uint8_t> state(e.state_slot_bytes()), conv(e.conv_state_slot_bytes());
+    e.read_slot_state(l, slot, state.data());
+    bool all = std::all_of(state.begin(), state.end(), [](std::uint8_t b) { return b == 0xFF; });
+    for (int p = 0; p < 3; ++p) {
+      e.read_slot_conv_state(l, slot, p, conv.data());
+      all = all && std::all_of(conv.begin(), conv.end(), [](std::uint8_t b) { return b == 0xFF; });
+    }
+    if (!all) return false;
+  }
+  return true;
+}
+
+// EngineOptions::null_slot = 0 (vLLM's null slot): acquire never hands it out (five of the six
+// slots), and batches naming it — prefill sequences, decode rows (twice in one batch), a verify
+// step's start and per-token entries, host spans and caller-owned metadata, whole layers and the
+// core — equal bit for bit an engine given -1 in its place: out and every state, the null slot's
+// poisoned states untouched and never read (out holds no NaN), its rows' out zeros (whole layers).
+void null_slot(Backend backend) {
+  EngineOptions options = EnginePair::options(backend, nullptr);
+  options.null_slot = 0;
+  Engine e(spec(), options), neg(spec(), EnginePair::options(backend, nullptr));
+  CHECK(e.null_slot() == 0);
+  CHECK(neg.null_slot() == -1);
+  CHECK(e.num_slots() == 6);
+  CHECK(e.free_slots() == 5);
+  for (int s = 1; s < 6; ++s) CHECK(e.acquire_slot() == s);
+  CHECK(e.free_slots() == 0);
+  CHECK_FALSE(e.slot_in_use(0));
+  CHECK(kda::test::error_of([&] { e.acquire_slot(); }).find("all 5 state slots are in use") !=
+        std::string::npos);
+  CHECK(kda::test::error_of([&] { e.release_slot(0); }) == "release_slot: slot 0 is not acquired");
+  for (int s = 0; s < 6; ++s) neg.acquire_slot();
+  poison_slot(e, 0);
+  poison_slot(neg, 0);
+  auto same = [&](const Memory& a, const Memory& b) {
+    e.synchronize();
+    neg.synchronize();
+    CHECK_NOTHROW(e.check_device_status());
+    CHECK(a.read<std::uint16_t>() == b.read<std::uint16_t>());
+    CHECK(all_states(e) == all_states(neg));
+    CHECK(slot_poisoned(e, 0));
+  };
+  auto no_nan = [](const std::vector<std::uint16_t>& v) {
+    return std::none_of(v.begin(), v.end(), [](std::uint16_t x) { return (x & 0x7FFF) > 0x7F80; });
+  };
+  auto negative = [](std::vector<std::int32_t> v) {
+    for (std::int32_t& s : v) s = s == 0 ? -1 : s;
+    return v;
+  };
+  // A prefill through metadata (slot 0 twice), then one through host spans.
+  const std::vector<std::int64_t> cu = {0, 4, 4, 20, 31, 40};
+  const std::vector<std::int32_t> slots = {3, 0, 1, 0, 5};
+  Memory hidden(backend, kda::test::random_bf16(40 * kHidden, 1.0f, 101));
+  Memory out_e(backend, 40 * kHidden * 2), out_n(backend, 40 * kHidden * 2);
+  out_e.poison();
+  out_n.poison();
+  Memory slots_e(backend, slots), slots_n(backend, negative(slots)), cu_dev(backend, cu);
+  BatchMetadata b;
+  b.tokens = 40;
+  b.sequences = 5;
+  b.cu_seqlens = cu_dev.as<std::int64_t>();
+  BatchMetadata bn = b;
+  b.slots = slots_e.as<std::int32_t>();
+  bn.slots = slots_n.as<std::int32_t>();
+  const std::vector<std::uint8_t> before = all_states(e);
+  for (int l = 0; l < 2; ++l) {
+    e.prefill_hidden(l, hidden.get(), out_e.get(), b);
+    neg.prefill_hidden(l, hidden.get(), out_n.get(), bn);
+  }
+  same(out_e, out_n);
+  CHECK(all_states(e) != before);
+  const std::vector<std::uint16_t> prefill_out = out_e.read<std::uint16_t>();
+  CHECK(no_nan(prefill_out));
+  CHECK(std::all_of(prefill_out.begin() + 4 * kHidden, prefill_out.begin() + 31 * kHidden,
+                    [](std::uint16_t x) { return x == 0 || x == 0xFFFF; }) == false);
+  CHECK(std::all_of(prefill_out.begin() + 20 * kHidden, prefill_out.begin() + 31 * kHidden,
+                    [](std::uint16_t x) { return x == 0; }));
+  const std::vector<int> span_slots = {0, 2, 0};
+  const std::vector<std::int64_t> span_cu = {0, 3, 9, 12};
+  for (int l = 0; l < 2; ++l) {
+    e.prefill_hidden(l, hidden.get(), out_e.get(), span_slots, span_cu);
+    neg.prefill_hidden(l, hidden.get(), out_n.get(), {-1, 2, -1}, span_cu);
+  }
+  same(out_e, out_n);
+  // Decode steps of 1 and 3 tokens (slot 0 on two rows), metadata and host spans, whole layers
+  // and the core alone.
+  for (const int tokens : {1, 3}) {
+    CAPTURE(tokens);
+    const std::vector<std::int32_t> rows = {0, 5, 2, 0};
+    slots_e.write(rows);
+    slots_n.write(negative(rows));
+    BatchMetadata d;
+    d.tokens = 4 * tokens;
+    d.sequences = 4;
+    d.decode_tokens = tokens;
+    BatchMetadata dn = d;
+    d.slots = slots_e.as<std::int32_t>();
+    dn.slots = slots_n.as<std::int32_t>();
+    out_e.poison();
+    out_n.poison();
+    for (int l = 0; l < 2; ++l) {
+      e.decode_hidden(l, hidden.get(), out_e.get(), d);
+      neg.decode_hidden(l, hidden.get(), out_n.get(), dn);
+    }
+    same(out_e, out_n);
+    const std::vector<std::uint16_t> o = out_e.read<std::uint16_t>();
+    CHECK(std::all_of(o.begin(), o.begin() + tokens * kHidden,
+                      [](std::uint16_t x) { return x == 0; }));
+    CHECK(no_nan(std::vector<std::uint16_t>(o.begin(), o.begin() + 4 * tokens * kHidden)));
+    for (int l = 0; l < 2; ++l) {
+      e.decode_hidden(l, hidden.get(), out_e.get(), {3, 0, 0}, tokens);
+      neg.decode_hidden(l, hidden.get(), out_n.get(), {3, -1, -1}, tokens);
+    }
+    same(out_e, out_n);
+    const std::int64_t elems = 4 * tokens * 4 * 128;
+    Memory q(backend, kda::test::random_bf16(elems, 1.0f, 102)),
+        beta(backend, kda::test::random_bf16(4 * tokens * 4, 1.0f, 103));
+    const kda::engine::LayerInputs inputs{q.get(), q.get(), q.get(), q.get(), beta.get()};
+    Memory core_e(backend, elems * 2), core_n(backend, elems * 2);
+    core_e.poison();
+    core_n.poison();
+    e.decode(1, inputs, core_e.get(), d);
+    neg.decode(1, inputs, core_n.get(), dn);
+    same(core_e, core_n);
+  }
+  // A verify step: row 0 starts from slot 1 and keeps nothing after its token 1 (slot 0), row 1
+  // starts from slot 0 (padding), row 2 starts from slot 4 and keeps in 3 and 4.
+  const std::vector<std::int32_t> entries = {1, 0, 0, 0, 3, 4};
+  slots_e.write(entries);
+  slots_n.write(negative(entries));
+  Memory accepted(backend, std::vector<std::int32_t>{1, 2, 2});
+  BatchMetadata v;
+  v.tokens = 6;
+  v.sequences = 3;
+  v.decode_tokens = 2;
+  v.num_accepted = accepted.as<std::int32_t>();
+  BatchMetadata vn = v;
+  v.slots = slots_e.as<std::int32_t>();
+  vn.slots = slots_n.as<std::int32_t>();
+  out_e.poison();
+  out_n.poison();
+  for (int l = 0; l < 2; ++l) {
+    e.decode_hidden(l, hidden.get(), out_e.get(), v);
+    neg.decode_hidden(l, hidden.get(), out_n.get(), vn);
+  }
+  same(out_e, out_n);
+  const std::vector<std::uint16_t> o = out_e.read<std::uint16_t>();
+  CHECK(std::all_of(o.begin() + 2 * kHidden, o.begin() + 4 * kHidden,
+                    [](std::uint16_t x) { return x == 0; }));
+  if (backend == Backend::kCpu) {  // the null slot is not an acquired slot for anyone else
+    slots_e.write(std::vector<std::int32_t>{1, 0, 2, 2, 3, 4});
+    CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out_e.get(), v); }) ==
+          "decode_hidden: slot 2 appears twice in the batch");
+  }
+  // A null slot outside the pool, or a pool with no other slot, is refused at construction.
+  EngineOptions bad = EnginePair::options(backend, nullptr);
+  bad.null_slot = 6;
+  CHECK(kda::test::error_of([&] { Engine x(spec(), bad); }).find("EngineOptions::null_slot 6") !=
+        std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("engine: a null slot is padding in every batch and never acquired [cpu]") {
+  null_slot(Backend::kCpu);
+}
+TEST_CASE("engine: a null slot is padding in every batch and never acquired [cuda]") {
+  if (usable(Backend::kCuda)) null_slot(Backend::kCuda);
+}
+
 TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
   decode_layouts(Backend::kCpu);
 }
@@ -777,6 +1043,33 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are ref
             KDA_OK);
   }
   CHECK(out_spans == out_batch);
+  // The same prefill with int32 cu_seqlens (kda_batch::cu_seqlens_i32), on the states both engines
+  // reached: equal bit for bit; both dtypes or neither refused.
+  const std::vector<std::int32_t> cu32(cu.begin(), cu.end());
+  kda_batch narrow = {};
+  narrow.tokens = 20;
+  narrow.sequences = 3;
+  narrow.slots = rows.data();
+  narrow.cu_seqlens_i32 = cu32.data();
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_prefill_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3,
+                                      cu.data()) == KDA_OK);
+    REQUIRE(kda_engine_forward_hidden_batch(batch, l, hidden.data(), out_batch.data(), &narrow) ==
+            KDA_OK);
+  }
+  CHECK(out_spans == out_batch);
+  kda_batch both = narrow;
+  both.cu_seqlens = cu.data();
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &both) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("cu_seqlens_i32 are both set") !=
+        std::string::npos);
+  kda_batch neither = narrow;
+  neither.cu_seqlens_i32 = nullptr;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &neither) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)).find("so is cu_seqlens_i32") !=
+        std::string::npos);
   for (int l = 0; l < 2; ++l) {
     REQUIRE(kda_engine_decode_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3, 1) ==
             KDA_OK);
@@ -814,4 +1107,40 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are ref
         KDA_OK);
   kda_engine_destroy(spans);
   kda_engine_destroy(batch);
+}
+
+TEST_CASE("C API: options.null_slot is never acquired and pads kda_batch rows [cpu]") {
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  CHECK(options.null_slot == -1);
+  options.backend = KDA_BACKEND_CPU;
+  options.cpu_threads = 2;
+  kda_engine* engine = nullptr;
+  char err[512];
+  options.null_slot = 6;
+  CHECK(kda_engine_create_from_string(kSpec, &options, &engine, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("null_slot 6") != std::string::npos);
+  options.null_slot = 0;
+  REQUIRE(kda_engine_create_from_string(kSpec, &options, &engine, err, sizeof err) == KDA_OK);
+  int free_slots = 0, slot = -1;
+  REQUIRE(kda_engine_free_slots(engine, &free_slots) == KDA_OK);
+  CHECK(free_slots == 5);
+  REQUIRE(kda_engine_acquire_slot(engine, &slot) == KDA_OK);
+  CHECK(slot == 1);
+  const std::vector<std::uint16_t> hidden = kda::test::random_bf16(3 * kHidden, 1.0f, 104);
+  std::vector<std::uint16_t> out(3 * kHidden, 0xFFFF);
+  const std::vector<std::int32_t> rows = {0, slot, 0};  // the null slot on two rows
+  kda_batch decode = {};
+  decode.tokens = 3;
+  decode.sequences = 3;
+  decode.decode_tokens = 1;
+  decode.slots = rows.data();
+  REQUIRE(kda_engine_forward_hidden_batch(engine, 0, hidden.data(), out.data(), &decode) == KDA_OK);
+  CHECK(std::all_of(out.begin(), out.begin() + kHidden, [](std::uint16_t x) { return x == 0; }));
+  CHECK(std::all_of(out.begin() + 2 * kHidden, out.end(), [](std::uint16_t x) { return x == 0; }));
+  CHECK(std::any_of(out.begin() + kHidden, out.begin() + 2 * kHidden,
+                    [](std::uint16_t x) { return x != 0; }));
+  CHECK(kda_engine_release_slot(engine, 0) == KDA_INVALID_ARGUMENT);
+  kda_engine_destroy(engine);
 }

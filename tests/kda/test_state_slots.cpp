@@ -191,6 +191,27 @@ KDA_CPU_CASE("state slot fields are validated") {
   p.num_state_slots = 8;
   t.out = reinterpret_cast<unsigned char*>(pool.data()) + 4;
   CHECK(validate(p, t).message().find("out overlaps") != std::string::npos);
+  // padding_slot: inside the pool; entries equal to it are padding, so they may repeat.
+  p.padding_slot = 8;
+  CHECK(validate(p).message() ==
+        "padding_slot 8 is outside the pool of num_state_slots = 8 (negative: no padding slot)");
+  p.padding_slot = 2;
+  CHECK(validate(p).ok());
+  std::vector<std::int32_t> named(static_cast<std::size_t>(c.num_seqs()), 2);
+  REQUIRE(named.size() >= 2);
+  CHECK(validate_state_slots(p, named.data()).ok());
+  p.padding_slot = -1;
+  CHECK(validate_state_slots(p, named.data()).message().find("repeats state_slots[0]") !=
+        std::string::npos);
+  DecodeProblem d;
+  d.batch = 1;
+  d.num_heads = 1;
+  d.num_slots = 3;
+  d.padding_slot = 3;
+  CHECK(validate(d).message() ==
+        "padding_slot 3 is outside the pool of num_slots = 3 (negative: no padding slot)");
+  d.padding_slot = 0;
+  CHECK(validate(d).ok());
 }
 
 // ---- prefill checkpoints --------------------------------------------------------------------

@@ -69,6 +69,11 @@ struct BatchSpec {
   std::int64_t decode_tokens = 0;              // 0: prefill
   // A verify step (layer::Batch::num_accepted): [N], slots then [N, decode_tokens].
   std::vector<std::int32_t> num_accepted;
+  // A prefill's cu_seqlens handed to the layer as int32 (layer::Batch::cu_seqlens_i32, its host
+  // copy cu_seqlens_host_i32) instead of int64.
+  bool int32_cu_seqlens = false;
+  // layer::Batch::padding_slot: slots entries equal to it are padding too (-1: none).
+  std::int32_t padding_slot = -1;
   std::int64_t tokens() const { return cu_seqlens.back(); }
   std::int64_t sequences() const { return static_cast<std::int64_t>(cu_seqlens.size()) - 1; }
   std::int64_t length(std::int64_t n) const { return cu_seqlens[n + 1] - cu_seqlens[n]; }
@@ -188,14 +193,15 @@ class LayerRunner {
 // capture).
 template <class Buffer>
 struct ForwardBuffers {
-  Buffer hidden, out, cu_seqlens, slots, accepted, status, conv_q, conv_k, conv_v, recurrent,
-      workspace;
+  Buffer hidden, out, cu_seqlens, cu_seqlens_i32, slots, accepted, status, conv_q, conv_k, conv_v,
+      recurrent, workspace;
 
   ForwardBuffers(const std::vector<bf16_bits>& hidden_rows, const BatchSpec& batch,
                  const Pools& pools, std::size_t workspace_bytes)
       : hidden(Buffer::from(hidden_rows)),
         out(hidden_rows.size() * sizeof(bf16_bits)),
         cu_seqlens(Buffer::from(batch.cu_seqlens)),
+        cu_seqlens_i32(Buffer::from(narrowed(batch.cu_seqlens))),
         slots(Buffer::from(batch.slots)),
         accepted(Buffer::from(batch.num_accepted)),
         status(sizeof(std::uint32_t)),
@@ -210,21 +216,36 @@ struct ForwardBuffers {
     (void)Buffer::synchronize();
   }
 
+  static std::vector<std::int32_t> narrowed(const std::vector<std::int64_t>& values) {
+    return std::vector<std::int32_t>(values.begin(), values.end());
+  }
+
   // The forward's arguments; `batch` and `pools` must be those the buffers were made from.
   ForwardCall call(const BatchSpec& batch, const Pools& pools, bool host_copies) const {
     const bool decode = batch.decode_tokens > 0;
+    const bool i32 = batch.int32_cu_seqlens && !decode;
     ForwardCall c;
     c.batch.tokens = batch.tokens();
     c.batch.sequences = batch.sequences();
     c.batch.decode_tokens = batch.decode_tokens;
+    c.batch.padding_slot = batch.padding_slot;
     // A decode batch's cu_seqlens is not read: null shows it.
-    c.batch.cu_seqlens = decode ? nullptr : static_cast<const std::int64_t*>(cu_seqlens.get());
+    if (i32) {
+      c.batch.cu_seqlens_i32 = static_cast<const std::int32_t*>(cu_seqlens_i32.get());
+    } else if (!decode) {
+      c.batch.cu_seqlens = static_cast<const std::int64_t*>(cu_seqlens.get());
+    }
     c.batch.slots = batch.slots.empty() ? nullptr : static_cast<const std::int32_t*>(slots.get());
     if (!batch.num_accepted.empty()) {
       c.batch.num_accepted = static_cast<const std::int32_t*>(accepted.get());
     }
     if (host_copies) {
-      c.batch.cu_seqlens_host = decode ? nullptr : batch.cu_seqlens.data();
+      host_cu_i32 = narrowed(batch.cu_seqlens);
+      if (i32) {
+        c.batch.cu_seqlens_host_i32 = host_cu_i32.data();
+      } else if (!decode) {
+        c.batch.cu_seqlens_host = batch.cu_seqlens.data();
+      }
       c.batch.slots_host = batch.slots.empty() ? nullptr : batch.slots.data();
       c.batch.num_accepted_host = batch.num_accepted.empty() ? nullptr : batch.num_accepted.data();
     }
@@ -247,6 +268,8 @@ struct ForwardBuffers {
     if (pools->dtype == DType::kF32) pools->rec_f32 = recurrent.template download<float>();
     if (pools->dtype == DType::kBF16) pools->rec_bf16 = recurrent.template download<bf16_bits>();
   }
+  mutable std::vector<std::int32_t> host_cu_i32;  // the int32 host copy call() hands out
+
   bool guards_intact() const {
     return hidden.guards_intact() && out.guards_intact() && conv_q.guards_intact() &&
            conv_k.guards_intact() && conv_v.guards_intact() && recurrent.guards_intact() &&

@@ -31,8 +31,8 @@ static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUn
 static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
-// before prefill_schedule was 48 bytes on LP64.
-static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 56,
+// before prefill_schedule was 48 bytes on LP64, the one before null_slot 56.
+static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 64,
               "kda_engine_options changed size: keep it apart from earlier versions");
 
 constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda_engine.h)
@@ -166,6 +166,11 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
   if (options->reserved != 0) {
     invalid(function, "options.reserved is " + std::to_string(options->reserved) + ", expected 0");
   }
+  if (options->reserved2 != 0) {
+    invalid(function,
+            "options.reserved2 is " + std::to_string(options->reserved2) + ", expected 0");
+  }
+  result.null_slot = options->null_slot;
   return result;
 }
 
@@ -213,6 +218,7 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* fu
   b.decode_tokens = batch->decode_tokens;
   b.slots = batch->slots;
   b.cu_seqlens = batch->cu_seqlens;
+  b.cu_seqlens_i32 = batch->cu_seqlens_i32;
   b.num_accepted = batch->num_accepted;
   b.checkpoints = batch->checkpoints;
   b.checkpoint_offsets = batch->checkpoint_offsets;
@@ -241,6 +247,8 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->seed = 0;
   options->prefill_schedule = KDA_PREFILL_SCHEDULE_DEFAULT;
   options->reserved = 0;
+  options->null_slot = -1;
+  options->reserved2 = 0;
   return KDA_OK;
 }
 

@@ -205,6 +205,7 @@ struct Engine::Impl {
   std::uint64_t slot_bytes = 0;
   std::uint64_t conv_slot_bytes = 0;  // whole layers: one projection's conv state of one slot
   std::vector<char> slot_in_use;
+  int null_slot = -1;  // EngineOptions::null_slot, or -1: never acquired, padding in every batch
 
   // Prefill staging: the batch's int64 cu_seqlens.
   std::int64_t* cu_scratch = nullptr;
@@ -228,6 +229,8 @@ struct Engine::Impl {
 
   int num_layers() const noexcept { return static_cast<int>(layers.size()); }
   int num_slots() const noexcept { return static_cast<int>(slot_in_use.size()); }
+  // A batch entry that is padding: negative, or the null slot.
+  bool padding(int slot) const noexcept { return slot < 0 || slot == null_slot; }
   bool in_use(int slot) const noexcept {
     return slot >= 0 && slot < num_slots() && slot_in_use[static_cast<std::size_t>(slot)] != 0;
   }
@@ -351,7 +354,14 @@ struct Engine::Impl {
            std::to_string(spec.runtime.max_tokens) + " (runtime.max_tokens)");
     }
     if (b.slots == nullptr) fail(call + ": slots is null");
-    if (!decode && b.cu_seqlens == nullptr) fail(call + ": cu_seqlens is null");
+    if (!decode && b.cu_seqlens == nullptr && b.cu_seqlens_i32 == nullptr) {
+      fail(call + ": cu_seqlens is null, and so is cu_seqlens_i32: a prefill sets one of them");
+    }
+    if (!decode && b.cu_seqlens != nullptr && b.cu_seqlens_i32 != nullptr) {
+      fail(call +
+           ": cu_seqlens (int64) and cu_seqlens_i32 are both set: a prefill sets one of "
+           "them");
+    }
     if (!decode && b.num_accepted != nullptr) {
       fail(call + ": num_accepted is set, but a verify step is a decode");
     }
@@ -368,6 +378,7 @@ struct Engine::Impl {
     for (const auto& [ptr, bytes, name] :
          {std::tuple<const void*, std::size_t, const char*>{b.slots, entries * 4, "slots"},
           {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"},
+          {decode ? nullptr : b.cu_seqlens_i32, (n + 1) * 4, "cu_seqlens_i32"},
           {b.num_accepted, n * 4, "num_accepted"},
           {b.checkpoints > 0 ? b.checkpoint_offsets : nullptr,
            n * static_cast<std::size_t>(b.checkpoints) * 8, "checkpoint_offsets"},
@@ -379,7 +390,10 @@ struct Engine::Impl {
     }
     if (backend->has_device_status()) return;  // the device's memory: the kernels check it
     if (!decode) {
-      if (const Status st = validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens); !st.ok()) {
+      if (const Status st = b.cu_seqlens != nullptr
+                                ? validate_cu_seqlens(b.cu_seqlens, b.sequences, b.tokens)
+                                : validate_cu_seqlens(b.cu_seqlens_i32, b.sequences, b.tokens);
+          !st.ok()) {
         fail(call + ": " + st.message());
       }
     }
@@ -397,20 +411,20 @@ struct Engine::Impl {
     claim_slots(call, decode ? "row" : "sequence", b.slots, n);
     // Checkpoint slots: acquired, and (same stamp) none a sequence's slot or another's.
     for (std::size_t i = 0; i < n * static_cast<std::size_t>(b.checkpoints); ++i) {
-      if (b.checkpoint_slots[i] >= 0 && b.checkpoint_offsets[i] >= 0) {
+      if (!padding(b.checkpoint_slots[i]) && b.checkpoint_offsets[i] >= 0) {
         claim_slot(call, "checkpoint", i, b.checkpoint_slots[i]);
       }
     }
   }
 
-  // A batch's `count` slots: each non-negative one (negative: padding) an acquired slot, none
-  // twice.
+  // A batch's `count` slots: each one that is not padding (negative, or the null slot) an
+  // acquired slot, none twice.
   template <typename Slot>
   void claim_slots(const std::string& call, const char* entry, const Slot* slots,
                    std::size_t count) {
     next_stamp();
     for (std::size_t j = 0; j < count; ++j) {
-      if (slots[j] >= 0) claim_slot(call, entry, j, slots[j]);
+      if (!padding(slots[j])) claim_slot(call, entry, j, slots[j]);
     }
   }
 
@@ -515,14 +529,23 @@ struct Engine::Impl {
         t.checkpoint_offsets = b.checkpoint_offsets;
         t.checkpoint_slots = b.checkpoint_slots;
       }
-      t.cu_seqlens = b.cu_seqlens;
-      t.cu_seqlens_host = cu_host;
+      // int32 cu_seqlens go to the core as they are (Problem::cu_seqlens_dtype); a host copy is
+      // only staged for the int64 host-span calls.
+      if (b.cu_seqlens == nullptr) {
+        problem.cu_seqlens_dtype = DType::kI32;
+        t.cu_seqlens = b.cu_seqlens_i32;
+      } else {
+        t.cu_seqlens = b.cu_seqlens;
+        t.cu_seqlens_host = cu_host;
+      }
       t.state_slots = b.slots;
       t.device_status = device_status;
+      problem.padding_slot = null_slot;
       layer.forward_core(problem, t, unchecked);
     } else {
       DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
       problem.verify = b.num_accepted != nullptr;
+      problem.padding_slot = null_slot;
       DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
       check_caller_tensors(layer, what, problem, t);
       t.slots = b.slots;
@@ -544,7 +567,9 @@ struct Engine::Impl {
     batch.sequences = b.sequences;
     batch.decode_tokens = b.decode_tokens;
     batch.cu_seqlens = b.decode_tokens == 0 ? b.cu_seqlens : nullptr;
+    batch.cu_seqlens_i32 = b.decode_tokens == 0 ? b.cu_seqlens_i32 : nullptr;
     batch.slots = b.slots;
+    batch.padding_slot = null_slot;
     batch.num_accepted = b.num_accepted;
     batch.checkpoints = b.checkpoints;
     batch.checkpoint_offsets = b.checkpoint_offsets;
@@ -575,7 +600,7 @@ struct Engine::Impl {
   // Copies the batch's slot indices to `staging`'s scratch, unless it holds them already.
   void stage_slots(Span<const int> slots, SlotStaging* staging) {
     staging->host.clear();
-    for (const int slot : slots) staging->host.push_back(slot < 0 ? -1 : slot);
+    for (const int slot : slots) staging->host.push_back(padding(slot) ? -1 : slot);
     if (staging->host != staging->uploaded) {
       KDA_NVTX_RANGE("engine.stage_slots");
       backend->copy_to_device(staging->device, staging->host.data(),
@@ -743,6 +768,16 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
                    "clearing the device status word");
   }
 
+  if (options.null_slot >= 0) {
+    // One of the pool's slots, and at least one other to acquire.
+    if (options.null_slot >= m.spec.runtime.max_sequences || m.spec.runtime.max_sequences < 2) {
+      fail(where + ": EngineOptions::null_slot " + std::to_string(options.null_slot) +
+           " needs a pool slot to reserve and one more to acquire: expected 0.." +
+           std::to_string(m.spec.runtime.max_sequences - 1) + " with runtime.max_sequences " +
+           std::to_string(m.spec.runtime.max_sequences) + " >= 2 (negative: no null slot)");
+    }
+    m.null_slot = options.null_slot;
+  }
   m.slot_bytes = m.spec.state_slot_bytes();
   m.conv_slot_bytes = m.whole ? m.spec.conv_state_slot_bytes() : 0;
   const auto slots = static_cast<std::size_t>(m.spec.runtime.max_sequences);
@@ -805,22 +840,28 @@ int Engine::num_slots() const noexcept { return impl_->num_slots(); }
 std::uint64_t Engine::state_slot_bytes() const noexcept { return impl_->slot_bytes; }
 
 int Engine::free_slots() const noexcept {
-  return static_cast<int>(std::count(impl_->slot_in_use.begin(), impl_->slot_in_use.end(), 0));
+  const int unused =
+      static_cast<int>(std::count(impl_->slot_in_use.begin(), impl_->slot_in_use.end(), 0));
+  return impl_->null_slot >= 0 ? unused - 1 : unused;  // the null slot is never handed out
 }
+
+int Engine::null_slot() const noexcept { return impl_->null_slot; }
 
 bool Engine::slot_in_use(int slot) const noexcept { return impl_->in_use(slot); }
 
 int Engine::acquire_slot() {
   Impl& m = *impl_;
   for (int slot = 0; slot < m.num_slots(); ++slot) {
-    if (m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
+    if (slot != m.null_slot && m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
       m.zero_slot(slot);
       m.slot_in_use[static_cast<std::size_t>(slot)] = 1;
       return slot;
     }
   }
-  fail("all " + std::to_string(m.num_slots()) +
-           " state slots are in use (runtime.max_sequences); release one first",
+  fail("all " + std::to_string(m.num_slots() - (m.null_slot >= 0 ? 1 : 0)) +
+           " state slots are in use (runtime.max_sequences" +
+           (m.null_slot >= 0 ? ", less the null slot " + std::to_string(m.null_slot) : "") +
+           "); release one first",
        StatusCode::kInvalidArgument);
 }
 
@@ -904,7 +945,7 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   const char* what = "prefill_context_parallel";
   if (m.context_group == nullptr) fail(std::string(what) + ": the engine has no context_group");
   m.check_prefill_batch(what, {slot}, {0, tokens});
-  if (slot < 0) fail(std::string(what) + ": slot " + std::to_string(slot) + " is padding");
+  if (m.padding(slot)) fail(std::string(what) + ": slot " + std::to_string(slot) + " is padding");
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
   Communicator& group = *m.context_group;
   const std::uint64_t floats = transition_floats(m.spec);

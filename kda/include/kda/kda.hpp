@@ -93,6 +93,12 @@ struct Problem {
   // (padding). A serving runtime's slots fragment as sequences come and go: this keeps a batch of
   // any slots one launch, with no gather or scatter around it.
   std::int64_t num_state_slots = 0;
+  // With state slots: a caller-chosen null slot. A state_slots or checkpoint_slots entry equal to
+  // it is padding too, exactly as a negative one (no state read or written), so that a runtime
+  // that pads its CUDA graphs' batches with a reserved pool entry (vLLM's null slot 0) hands its
+  // slot list over as it is. Negative (the default): none, only negative entries are padding.
+  // Otherwise below num_state_slots; several sequences may name it.
+  std::int32_t padding_slot = -1;
   // Prefill checkpoints (prefix caching): with state slots and a final state, up to `checkpoints`
   // requests per sequence (K; 0: none) in Tensors::checkpoint_offsets [N, K] (this dtype: i32 or
   // i64) and Tensors::checkpoint_slots int32 [N, K]. Request k of sequence s writes the state after
@@ -175,6 +181,10 @@ Status validate_cu_seqlens(const Problem& p, const void* cu_seqlens_host);
 // The same rule on int64 host cu_seqlens [sequences + 1] of `tokens` tokens, for layers above the
 // operator (the whole layer, the engine, case files) that check their callers' batches.
 Status validate_cu_seqlens(const std::int64_t* cu_seqlens_host, std::int64_t sequences,
+                           std::int64_t tokens);
+// The same on int32 cu_seqlens (a serving runtime's query_start_loc), which must also keep
+// `tokens` within int32.
+Status validate_cu_seqlens(const std::int32_t* cu_seqlens_host, std::int64_t sequences,
                            std::int64_t tokens);
 // Checks state_slots contents (Problem::num_state_slots > 0): every entry < num_state_slots, and no
 // entry >= 0 twice when the problem writes a final state. `state_slots_host` is a host pointer.
@@ -298,7 +308,8 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 // Decode: a few new tokens per sequence on a pool of state slots, updated in place.
 // ---------------------------------------------------------------------------------------------
 //   q, k, g: bf16 [B, tokens, H, K]   v, out: bf16 [B, tokens, H, V]   beta: bf16 [B, tokens, H]
-//   slots: int32 [B], index into the pool, negative = padding (row skipped, its out left untouched)
+//   slots: int32 [B], index into the pool, negative (or DecodeProblem::padding_slot) = padding (row
+//   skipped, its out left untouched)
 //   state_pool: [num_slots, H, V, K] bf16 or f32, read and written in place
 //
 // Speculative verify (DecodeProblem::verify; vLLM's semantics for spec decode): each row's tokens
@@ -325,6 +336,11 @@ struct DecodeProblem {
   float lower_bound = -5.0f;
   float scale = 0.0f;
   bool verify = false;  // speculative verify (above): slots [batch, tokens], num_accepted [batch]
+  // A caller-chosen null slot (as Problem::padding_slot): a slots entry equal to it counts as a
+  // negative one: a plain step's row or a verify row whose start entry it is is padding, a verify
+  // row's per-token entry equal to it keeps no state. Negative (the default): none. Otherwise below
+  // num_slots; any number of entries may name it.
+  std::int32_t padding_slot = -1;
   float effective_scale() const noexcept;
 };
 

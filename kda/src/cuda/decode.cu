@@ -31,6 +31,7 @@ struct DecodeParams {
   void* pool;
   bf16* out;
   std::int64_t num_slots;
+  std::int32_t padding_slot = -1;  // DecodeProblem::padding_slot (negative: none)
   int tokens;
   int num_heads;
   GateMode gate;
@@ -100,7 +101,8 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     }
   }
   if (slot >= p.num_slots && h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
-  if (slot < 0 || slot >= p.num_slots) return;  // padding (or out of range: skipped, never indexed)
+  // Padding (a negative entry or the caller's null slot), or out of range: skipped, never indexed.
+  if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) return;
 
   const std::int64_t H = p.num_heads;
   const std::int64_t state_base = (static_cast<std::int64_t>(slot) * H + h) * D * D;
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
       if (keep >= p.num_slots && h == 0 && threadIdx.x == 0) {
         report_status(p.status, kDeviceStatusSlot);
       }
-      if (keep >= 0 && keep < p.num_slots)
+      if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot)
         store_state((static_cast<std::int64_t>(keep) * H + h) * D * D);
     }
   }
@@ -308,6 +310,7 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);
   prm.num_slots = p.num_slots;
+  prm.padding_slot = p.padding_slot;
   prm.tokens = static_cast<int>(p.tokens);
   prm.num_heads = static_cast<int>(p.num_heads);
   prm.gate = p.gate;

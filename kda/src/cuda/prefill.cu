@@ -179,6 +179,7 @@ class PrefillLaunch {
     prm_.out = static_cast<bf16*>(t.out);
     prm_.state_slots = p.num_state_slots > 0 ? t.state_slots : nullptr;
     prm_.num_state_slots = p.num_state_slots;
+    prm_.padding_slot = p.padding_slot;
     if (p.checkpoints > 0) {
       std::uint64_t heads_at = 0, end = 0;
       if (!cuda_prefill_checkpoint_index(

@@ -34,8 +34,8 @@ __global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
     report_status(p.status, kDeviceStatusCheckpoint);
     return;
   }
-  if (offset < 0 || slot < 0) return;                     // no request
-  if (atomicExch(&p.checkpoint_claims[slot], 0) != -1) {  // another request named the entry
+  if (offset < 0 || slot < 0 || slot == p.padding_slot) return;  // no request
+  if (atomicExch(&p.checkpoint_claims[slot], 0) != -1) {         // another request named the entry
     report_status(p.status, kDeviceStatusCheckpoint);
     return;
   }

@@ -61,6 +61,7 @@ struct PrefillParams {
   // Pooled states (Problem::num_state_slots > 0): sequence s uses pool entry state_slots[s].
   const std::int32_t* state_slots;  // null: sequence s uses state s
   std::int64_t num_state_slots;
+  std::int32_t padding_slot = -1;  // Problem::padding_slot: entries equal to it are padding too
   // Segments (workspace_layout.hpp): chunks per segment (kNoSplit: one segment per sequence) and
   // the fp32 segment blocks (null without a split).
   std::int64_t seg_chunks;

@@ -65,7 +65,7 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
     if (report) report_status(p.status, kDeviceStatusSlot);
     return -1;
   }
-  return slot < 0 ? -1 : slot;
+  return slot < 0 || slot == p.padding_slot ? -1 : slot;
 }
 
 // Writes this thread's elements of the state slice (acc in units of `unit`) into the state of

@@ -11,7 +11,8 @@ namespace {
 // A sequence n owns chunk slots [n + cu[n] / kConvChunk, ... + ceil(len_n / kConvChunk)): disjoint,
 // all below ceil(tokens / kConvChunk) + sequences (the operator hands out its chunks the same way).
 __device__ __forceinline__ std::int64_t clamped_cu(const ConvParams& p, std::int64_t n) {
-  const std::int64_t value = p.cu_seqlens[n];
+  const std::int64_t value =
+      p.cu_seqlens != nullptr ? p.cu_seqlens[n] : static_cast<std::int64_t>(p.cu_seqlens_i32[n]);
   return value < 0 ? 0 : (value > p.tokens ? p.tokens : value);
 }
 __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int64_t n) {
@@ -22,7 +23,7 @@ __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int
 __device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64_t n) {
   if (p.slots == nullptr) return n >= p.num_slots;
   const std::int32_t slot = p.slots[n];
-  return slot < 0 || slot >= p.num_slots;
+  return slot < 0 || slot >= p.num_slots || slot == p.padding_slot;
 }
 
 // (kConvThreads, 4): at most 128 registers (W = 4 needs ~145 unbounded, no spills at 128), so 16
@@ -85,7 +86,7 @@ __global__ void conv_checkpoint_kernel(ConvParams p) {
   const std::int64_t length = eos - bos;
   const bool valid = offset >= 0 && offset <= length &&
                      (offset % kCheckpointAlignment == 0 || offset == length) && row >= 0 &&
-                     row < p.num_slots && !padding_sequence(p, n);
+                     row != p.padding_slot && row < p.num_slots && !padding_sequence(p, n);
   if (!valid) return;
   const std::int64_t own = p.slots[n];
   const int branch = static_cast<int>(c / p.channels);

@@ -211,7 +211,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
         if (keep >= p.num_slots && cc == 0 && branch == 0 && p.status != nullptr) {
           atomicOr(p.status, kDeviceStatusSlot);
         }
-        if (keep >= 0 && keep < p.num_slots) {
+        if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot) {
           std::uint16_t bits[kConvVec * kHist];
 #pragma unroll
           for (int i = 0; i < kConvVec; ++i) {
@@ -286,7 +286,7 @@ __device__ __forceinline__ std::int64_t state_row(const ConvParams& p, std::int6
     if (report && p.status != nullptr) atomicOr(p.status, kDeviceStatusSlot);
     return -1;
   }
-  return slot < 0 ? -1 : slot;
+  return slot < 0 || slot == p.padding_slot ? -1 : slot;
 }
 
 // Host side: the block shape that covers 3 * channels / 8 threads of one token run with the

@@ -99,8 +99,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     atomicOr(p.status, kDeviceStatusSlot);
   }
   griddep_launch_dependents();  // o_proj may start streaming its weights
-  if (slot < 0 || slot >= p.num_slots) {
-    // Padding (or a slot outside the pool, reported above): zeros out, no state read or written.
+  if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) {
+    // Padding (a negative entry or the caller's null slot; or a slot outside the pool, reported
+    // above): zeros out, no state read or written.
     griddep_wait();
     for (int i = tid; i < T * D / 8; i += kThreads) {
       const int t = i / (D / 8), c = i % (D / 8);
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       if (keep >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
         atomicOr(p.status, kDeviceStatusSlot);
       }
-      if (keep >= 0 && keep < p.num_slots) {
+      if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot) {
         store_state((keep * p.heads + h) * D * D);
         if (conv_thread) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
       }

@@ -38,10 +38,13 @@ struct ConvParams {
   // >= num_slots: treated as padding and reported through status (kDeviceStatusSlot).
   const std::int32_t* slots = nullptr;
   std::int64_t num_slots = 0;
+  std::int32_t padding_slot = -1;   // Batch::padding_slot: an entry equal to it is padding too
   std::uint32_t* status = nullptr;  // optional device status word
-  // Prefill: device cu_seqlens [sequences + 1]. Decode: nullptr, every sequence has
-  // `decode_tokens` tokens (tokens == sequences * decode_tokens).
+  // Prefill: device cu_seqlens [sequences + 1], int64 in cu_seqlens or (cu_seqlens null) int32 in
+  // cu_seqlens_i32. Decode: both nullptr, every sequence has `decode_tokens` tokens (tokens ==
+  // sequences * decode_tokens).
   const std::int64_t* cu_seqlens = nullptr;
+  const std::int32_t* cu_seqlens_i32 = nullptr;
   std::int64_t decode_tokens = 0;
   // Decode only, optional: int32 [sequences] receives 0, 1, ..., N-1 (the slot list the core
   // needs when the caller addresses rows without one).
@@ -120,6 +123,7 @@ struct FusedDecodeParams {
   // [sequences]; the states after each token kept in that token's slot.
   const std::int32_t* num_accepted = nullptr;
   std::int64_t num_slots = 0;
+  std::int32_t padding_slot = -1;  // Batch::padding_slot: an entry equal to it is padding too
   std::int64_t sequences = 0;
   int decode_tokens = 1;
   int heads = 0;  // Hl; Cl = heads * 128

@@ -103,7 +103,12 @@ typedef struct kda_engine_options {
                           of the current device and large enough; default 1, 0 skips the driver
                           queries (host time) */
   kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_DEFAULT */
-  int reserved; /* must be 0; keeps this version's size apart from the one before (48 bytes) */
+  int reserved;                          /* must be 0 */
+  int null_slot; /* a slot index that is padding in every batch, as a negative one, and is never
+                    acquired (kda::engine::EngineOptions::null_slot: one of the max_sequences
+                    slots); default -1: none */
+  int reserved2; /* must be 0; with null_slot, keeps this version's size (64 bytes on LP64) apart
+                    from the one before (56) */
 } kda_engine_options;
 
 /* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
@@ -147,8 +152,8 @@ kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_
                                 size_t* length);
 
 /* ---- state slots ---------------------------------------------------------------------------- */
-/* The lowest free slot, its state zeroed in every layer; KDA_INVALID_ARGUMENT when all are in
- * use. */
+/* The lowest free slot (never options.null_slot), its state zeroed in every layer;
+ * KDA_INVALID_ARGUMENT when all are in use. */
 kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
 kda_status kda_engine_release_slot(kda_engine* engine, int slot);
 /* Zeroes the slot's state in every layer; the slot stays acquired. */
@@ -208,9 +213,10 @@ typedef struct kda_batch {
                                 sequences * decode_tokens */
   int64_t sequences;         /* prefill sequences or decode rows, 1..max_sequences */
   int decode_tokens;         /* 0: prefill; 1..16: a decode step of that many tokens per row */
-  const int32_t* slots;      /* [sequences]; negative: a padding row (no state read or written;
-                                whole layers output zeros for it) */
-  const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens */
+  const int32_t* slots;      /* [sequences]; negative, or options.null_slot: a padding row (no
+                                state read or written; whole layers output zeros for it) */
+  const int64_t* cu_seqlens; /* prefill: [sequences + 1], 0, non-decreasing, last == tokens
+                                (or int32 in cu_seqlens_i32, below) */
   /* Decode only, optional (NULL: none): a speculative verify step, [sequences] each in
      1..decode_tokens, and `slots` then [sequences, decode_tokens]: row r starts from the states in
      slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative:
@@ -223,6 +229,11 @@ typedef struct kda_batch {
   int64_t checkpoints;
   const int64_t* checkpoint_offsets;
   const int32_t* checkpoint_slots;
+  /* Prefill, instead of cu_seqlens (NULL: not used): the same offsets as int32 (vLLM's and
+     SGLang's query_start_loc), read as they are. A prefill sets exactly one of cu_seqlens and
+     cu_seqlens_i32 (KDA_INVALID_ARGUMENT otherwise). Zero-initialise a kda_batch
+     (kda_batch b = {0};) so that fields added at its end stay unset. */
+  const int32_t* cu_seqlens_i32;
 } kda_batch;
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,

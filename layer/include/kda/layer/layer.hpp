@@ -23,9 +23,10 @@
 // and updates them in place, so a second forward on the same rows continues the sequences (chunked
 // prefill), and a decode batch advances each row by decode_tokens tokens.
 //
-// Padding. A negative slot marks a padding row — a decode row or a prefill sequence: it outputs
-// zeros, and no state is read or written for it (its q is zeroed after the conv, so the core's
-// output is exactly zero). A serving runtime pads its captured batches with such rows.
+// Padding. A negative slot (or one equal to Batch::padding_slot) marks a padding row — a decode row
+// or a prefill sequence: it outputs zeros, and no state is read or written for it (its q is zeroed
+// after the conv, so the core's output is exactly zero). A serving runtime pads its captured
+// batches with such rows.
 //
 // Tensor parallelism: with config.tp_size > 1 the layer holds its rank's heads (weights.hpp) and
 // its pools hold those heads only; `out` is then this rank's PARTIAL SUM of the layer output
@@ -72,17 +73,28 @@ struct Batch {
   // 1..kda::kMaxDecodeTokens: decode — every sequence has exactly decode_tokens tokens (tokens ==
   // sequences * decode_tokens) and cu_seqlens is not read.
   std::int64_t decode_tokens = 0;
-  // Prefill: [N + 1], 0, non-decreasing, last == T; on the layer's backend.
+  // Prefill: [N + 1], 0, non-decreasing, last == T; on the layer's backend. int64 here, or int32
+  // in cu_seqlens_i32 (a serving runtime's query_start_loc): exactly one of the two for a prefill
+  // of sequences (both set is an error). The kernels read either as it is, without a conversion.
   const std::int64_t* cu_seqlens = nullptr;
+  const std::int32_t* cu_seqlens_i32 = nullptr;
   // [N], on the layer's backend: each sequence's state row, distinct among the non-negative ones,
   // below num_slots; negative = padding. nullptr: sequence n uses row n (then N <= num_slots).
   const std::int32_t* slots = nullptr;
+  // A caller-chosen null row, with slots: a slots entry (a verify step's start or per-token entry,
+  // a checkpoint_slots entry) equal to it is padding too, exactly as a negative one, and may
+  // appear any number of times (a serving runtime's reserved null slot that pads its CUDA graphs'
+  // batches). Negative (the default): none. Otherwise below num_slots.
+  std::int32_t padding_slot = -1;
   // Optional host copies of the two (CUDA), checked before anything is enqueued. Without them the
   // host cannot see the device's values: a slot >= num_slots is then treated as padding and
   // reported through device_status, and broken cu_seqlens are reported by the core. The CPU reads
   // cu_seqlens and slots themselves (host memory) and ignores these.
   const std::int64_t* cu_seqlens_host = nullptr;
   const std::int32_t* slots_host = nullptr;
+  // The host copy of cu_seqlens_i32 (the copy has the device array's dtype: cu_seqlens_host goes
+  // with cu_seqlens, this one with cu_seqlens_i32; the other pairing is an error).
+  const std::int32_t* cu_seqlens_host_i32 = nullptr;
   // Decode only, optional: a speculative verify step (kda.hpp, DecodeProblem::verify). slots is
   // then [N, decode_tokens] and num_accepted [N] (each in [1, decode_tokens]), both on the layer's
   // backend: row n starts from the states (recurrent and conv) in slots[n][num_accepted[n] - 1]
@@ -167,8 +179,9 @@ Status can_implement(Backend backend, const Config& config);
 
 // The KDA core's problems inside a layer of `config`: the one place they are built (the layer, the
 // engine's core-only layers and the engine's sizing use them). Prefill: `tokens` in `sequences`
-// varlen sequences (int64 cu_seqlens), states through slot indices into pools of `num_state_slots`
-// rows (0: state n is row n). Decode: `rows` rows of `tokens` tokens on a pool of `num_slots`.
+// varlen sequences (int64 cu_seqlens: set cu_seqlens_dtype for int32), states through slot indices
+// into pools of `num_state_slots` rows (0: state n is row n). Decode: `rows` rows of `tokens`
+// tokens on a pool of `num_slots`.
 Problem core_prefill_problem(const Config& config, std::int64_t tokens, std::int64_t sequences,
                              std::int64_t num_state_slots, DType state_dtype);
 DecodeProblem core_decode_problem(const Config& config, std::int64_t rows, std::int64_t tokens,

@@ -127,6 +127,17 @@ struct EngineOptions {
   // share long prefills (prefill_context_parallel), not owned; this engine is its rank
   // context_group->rank(), its memory the engine's backend's. Null: none.
   Communicator* context_group = nullptr;
+  // A caller-chosen null slot, for runtimes that pad the batches of their CUDA graphs with a
+  // reserved slot index rather than a negative one (vLLM reserves slot 0 in some configurations).
+  // Negative (the default): none, only negative entries are padding. Otherwise in
+  // [0, runtime.max_sequences): a batch entry equal to it is padding exactly as a negative one —
+  // a decode row (a verify row whose start entry it is; a verify row's per-token entry equal to it
+  // keeps no state), a prefill sequence, a checkpoint request — and may appear any number of
+  // times. The slot is one of the pool's runtime.max_sequences slots, never acquired: the engine
+  // then holds at most max_sequences - 1 sequences at once (raise max_sequences by one to keep as
+  // many), while a batch still has up to max_sequences rows, padding included. Its states are
+  // never read or written by a forward. Needs max_sequences >= 2.
+  int null_slot = -1;
 };
 
 // Inputs of one KDA layer: bf16 q, k, g [T, H, K], v [T, H, V], beta [T, H] (T = tokens of the
@@ -154,11 +165,16 @@ struct BatchMetadata {
                                // runtime.max_tokens; decode sequences * decode_tokens
   std::int64_t sequences = 0;  // prefill sequences or decode rows, 1..runtime.max_sequences
   int decode_tokens = 0;       // 0: a prefill; 1..kda::kMaxDecodeTokens: a decode step
-  // int32 [sequences]: each row's state slot; negative: a padding row, which reads and writes no
-  // state (whole layers: its out is zeros; the core alone: as kda::Tensors::state_slots).
+  // int32 [sequences]: each row's state slot; negative (or EngineOptions::null_slot): a padding
+  // row, which reads and writes no state (whole layers: its out is zeros; the core alone: as
+  // kda::Tensors::state_slots).
   const std::int32_t* slots = nullptr;
   // Prefill: int64 [sequences + 1], 0, non-decreasing, last == tokens. Decode: not read.
   const std::int64_t* cu_seqlens = nullptr;
+  // Prefill, instead of cu_seqlens: the same offsets as int32 (vLLM's and SGLang's
+  // query_start_loc), which the kernels read as they are (no conversion, no copy). A prefill sets
+  // exactly one of the two (kda::Error naming both otherwise). Decode: not read.
+  const std::int32_t* cu_seqlens_i32 = nullptr;
   // Decode only, optional: a speculative verify step. int32 [sequences], each in
   // [1, decode_tokens]; `slots` is then [sequences, decode_tokens]: row r starts from the states in
   // slots[r][num_accepted[r] - 1] and keeps its states after token t in slots[r][t] (negative: not
@@ -243,10 +259,13 @@ class Engine {
   void* stream() const noexcept;
 
   // ---- state slots ------------------------------------------------------------------------
-  int num_slots() const noexcept;
-  int free_slots() const noexcept;
+  int num_slots() const noexcept;   // the pool: runtime.max_sequences, the null slot included
+  int free_slots() const noexcept;  // slots acquire_slot() can still hand out
+  // EngineOptions::null_slot in effect: the padding slot index, never acquired; -1: none.
+  int null_slot() const noexcept;
   bool slot_in_use(int slot) const noexcept;
-  // Lowest free slot, its state zeroed in every layer. Throws when all slots are in use.
+  // Lowest free slot (never the null slot), its state zeroed in every layer. Throws when all
+  // slots are in use.
   int acquire_slot();
   void release_slot(int slot);
   // Zeroes the slot's state in every layer, conv states included (the slot stays acquired).
