@@ -15,6 +15,7 @@
 
 #include "backend_matrix.hpp"
 #include "cases.hpp"
+#include "cuda_runtime_util.hpp"
 
 using namespace kda;
 using namespace kda::test;
@@ -606,3 +607,71 @@ KDA_CPU_CASE("commit: kMaxCommitLayers layers in one call, each equal to its own
   REQUIRE(commit_cpu(p, &w, 1, slots.data(), na.data(), opt).ok());
   CHECK(rel_error(wide[0], to_doubles(each[0])) <= 1e-6);
 }
+
+#ifdef KDA_HAVE_CUDA
+// The records step and the commit inside one captured graph (neither allocates nor synchronizes)
+// equal the eager calls bit for bit; host pointers and misaligned records are refused before
+// anything is launched.
+KDA_CUDA_CASE(
+    "records step + commit: a captured graph equals the eager calls / bad pointers are "
+    "refused") {
+  const TwoForms f = two_forms(5, 4, 2, DType::kBF16, GateMode::kSoftplus, 950);
+  const RecordsRun eager = records_step(cuda, f.records);
+  REQUIRE(eager.status.ok());
+  const std::vector<std::int32_t> na = random_accepted(f.records.slots, 4, 951);
+  const CommitProblem cp = commit_problem(f.records.problem);
+  const CommitRun eager_commit =
+      commit(cuda, cp, {eager.records}, {pool_bytes(f.records)}, f.records.slots, na);
+  REQUIRE(eager_commit.status.ok());
+
+  DeviceCase d(f.records.tokens);
+  DeviceBuffer slots = DeviceBuffer::from(f.records.slots), accepted = DeviceBuffer::from(na);
+  DeviceBuffer pool = DeviceBuffer::from(pool_bytes(f.records));
+  DeviceBuffer out(static_cast<std::size_t>(f.records.tokens.out_elems()) * 2);
+  DeviceBuffer records(eager.records.size() * 4);
+  DeviceBuffer status(4);
+  out.fill(0xFF);
+  records.fill(0xFF);
+  status.fill(0);
+  DecodeTensors t = d.decode_tensors();
+  t.slots = static_cast<const std::int32_t*>(slots.get());
+  t.state_pool = pool.get();
+  t.out = out.get();
+  t.records = static_cast<float*>(records.get());
+  auto* word = static_cast<std::uint32_t*>(status.get());
+  t.device_status = word;
+  const CommitLayer layer{static_cast<const float*>(records.get()), pool.get()};
+  const auto* s = static_cast<const std::int32_t*>(slots.get());
+  const auto* a = static_cast<const std::int32_t*>(accepted.get());
+  Stream stream;
+  REQUIRE(stream.stream != nullptr);
+  Graph g;
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeThreadLocal));
+  const Status st_decode = decode_cuda(f.records.problem, t, stream.stream);
+  const Status st_commit = commit_cuda(cp, &layer, 1, s, a, word, stream.stream);
+  CUDA_REQUIRE(cudaStreamEndCapture(stream.stream, &g.graph));
+  REQUIRE_MESSAGE(st_decode.ok(), st_decode.to_string());
+  REQUIRE_MESSAGE(st_commit.ok(), st_commit.to_string());
+  CUDA_REQUIRE(cudaGraphInstantiate(&g.exec, g.graph, 0));
+  CUDA_REQUIRE(cudaGraphLaunch(g.exec, stream.stream));
+  CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
+  CHECK(out.download<std::uint16_t>() == eager.out);
+  CHECK(records.download<float>() == eager.records);
+  CHECK(pool.download<unsigned char>() == eager_commit.pools[0]);
+  CHECK(status.download<std::uint32_t>()[0] == 0);
+
+  auto refused = [&](const CommitLayer& bad, const std::string& text) {
+    const Status st = commit_cuda(cp, &bad, 1, s, a, word, nullptr);
+    CAPTURE(st.to_string());
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message().find(text) != std::string::npos);
+  };
+  refused({eager.records.data(), pool.get()}, "layers[0]: records");  // host memory
+  refused({static_cast<const float*>(records.get()) + 1, pool.get()},
+          "layers[0]: records must be 16-byte aligned for the CUDA commit");
+  std::vector<std::int32_t> host_slots = f.records.slots;
+  const Status st = commit_cuda(cp, &layer, 1, host_slots.data(), a, word, nullptr);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("slots") != std::string::npos);
+}
+#endif  // KDA_HAVE_CUDA
