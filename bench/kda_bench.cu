@@ -5,7 +5,9 @@
 // (q, k, v, g, beta read, out written, fp32 state read and written) over the device-to-device copy
 // bandwidth measured at start. Prints markdown tables.
 //
-//   kda-bench [--prefill] [--decode] [--host] [--iters N] [--case NAME]
+//   kda-bench [--prefill] [--decode] [--verify] [--host] [--iters N] [--case NAME]
+//   (--verify: a speculative verify step, per-token states against records + commit; not in the
+//   default set, which stays prefill, decode and host)
 //   kda-bench --paths [--case NAME]   (host only: the softplus cases' prepare paths)
 #include <cuda_runtime.h>
 
@@ -594,6 +596,241 @@ void run_decode(double bw, int iters) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// --verify: a speculative verify step's two forms (kda.hpp): per-token states (the state after
+// every token written to a slot of its own) against records + commit (small per-token records
+// written, then the accepted ones folded into the one committed state).
+// ---------------------------------------------------------------------------------------------
+
+// Device allocations freed together.
+struct Allocations {
+  std::vector<void*> ptrs;
+  void* get(std::size_t bytes) {
+    void* ptr = nullptr;
+    CK(cudaMalloc(&ptr, bytes == 0 ? 16 : bytes));
+    ptrs.push_back(ptr);
+    return ptr;
+  }
+  ~Allocations() {
+    for (void* ptr : ptrs) cudaFree(ptr);
+  }
+};
+
+// A decode step's token inputs, parameters and out for B rows of T tokens (the plain decode rows'
+// distributions).
+kda::DecodeTensors decode_inputs(Allocations& a, int B, int T, int H, int D) {
+  const std::int64_t tok = static_cast<std::int64_t>(B) * T * H * D;
+  kda::DecodeTensors t;
+  auto* q = static_cast<std::uint16_t*>(a.get(tok * 2));
+  auto* k = static_cast<std::uint16_t*>(a.get(tok * 2));
+  auto* v = static_cast<std::uint16_t*>(a.get(tok * 2));
+  auto* g = static_cast<std::uint16_t*>(a.get(tok * 2));
+  auto* beta = static_cast<std::uint16_t*>(a.get(static_cast<std::size_t>(B) * T * H * 2));
+  fill(q, tok, 11, -1, 1);
+  fill(k, tok, 12, -1, 1);
+  fill(v, tok, 13, -1, 1);
+  fill(g, tok, 14, -3, 1);
+  fill(beta, static_cast<std::int64_t>(B) * T * H, 15, -2, 2);
+  auto* A_log = static_cast<float*>(a.get(H * 4));
+  auto* dt_bias = static_cast<float*>(a.get(static_cast<std::size_t>(H) * D * 4));
+  fill(A_log, H, 16, 0, 2.7f);
+  fill(dt_bias, static_cast<std::int64_t>(H) * D, 17, -1, 1);
+  t.q = q;
+  t.k = k;
+  t.v = v;
+  t.g = g;
+  t.beta = beta;
+  t.A_log = A_log;
+  t.dt_bias = dt_bias;
+  t.out = a.get(tok * 2);
+  return t;
+}
+
+// A pool of `slots` states, random values in [-0.1, 0.1).
+void* state_pool(Allocations& a, std::int64_t slots, int H, int D, kda::DType state) {
+  const std::int64_t elems = slots * H * D * D;
+  void* pool = a.get(static_cast<std::size_t>(elems) * kda::dtype_size(state));
+  if (state == kda::DType::kBF16) {
+    fill(static_cast<std::uint16_t*>(pool), elems, 18, -0.1f, 0.1f);
+  } else {
+    fill(static_cast<float*>(pool), elems, 18, -0.1f, 0.1f);
+  }
+  return pool;
+}
+
+std::int32_t* device_ints(Allocations& a, const std::vector<std::int32_t>& host) {
+  auto* d = static_cast<std::int32_t*>(a.get(host.size() * 4));
+  CK(cudaMemcpy(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+// Microseconds per call of `enqueue` (one call on stream s): a graph of 50 calls replayed, the
+// median of `iters` replays, as the decode rows.
+template <typename F>
+double graph_us(int iters, F&& enqueue) {
+  const int steps = 50;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < steps; ++i) enqueue(s);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms[i], e0, e1));
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaStreamDestroy(s));
+  return ms[iters / 2] * 1e3 / steps;
+}
+
+void run_verify(double bw, int iters) {
+  const int H = 32, D = 128;
+  const double record_bytes = 3.0 * D * 4;  // one (token, head) record: alpha, k^, u in fp32
+  std::printf(
+      "\n### CUDA verify step: per-token states vs records + commit (H = 32, K = V = 128; every "
+      "token accepted, the most records a commit reads)\n\n");
+  std::printf(
+      "| tokens | B | state | form | verify us | verify floor us | commit us | commit floor us | "
+      "total us | floor us | total / floor |\n");
+  std::printf("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  auto floor_us = [&](double bytes) { return bytes / bw * 1e6; };
+  for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
+    const double state_bytes = static_cast<double>(kda::dtype_size(state)) * D * D;
+    const char* state_name = state == kda::DType::kBF16 ? "bf16" : "f32";
+    for (const int T : {4, 8}) {
+      for (const int B : {1, 64, 256}) {
+        Allocations a;
+        kda::DecodeTensors t = decode_inputs(a, B, T, H, D);
+        // q, k, v, g, beta read and out written: the same in both forms.
+        const double token_bytes = kda::bench::kda_core_bytes(static_cast<double>(B) * T, 0, H, D,
+                                                              state_bytes / (D * D), false);
+        const double rows_heads = static_cast<double>(B) * H;
+
+        // Per-token states: row b starts from slots[b][0] (num_accepted 1) and writes T states.
+        kda::DecodeProblem pt;
+        pt.batch = B;
+        pt.tokens = T;
+        pt.num_heads = H;
+        pt.num_slots = static_cast<std::int64_t>(B) * T;
+        pt.state_dtype = state;
+        pt.verify = true;
+        std::vector<std::int32_t> slots(static_cast<std::size_t>(B) * T);
+        for (std::size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<std::int32_t>(i);
+        kda::DecodeTensors tt = t;
+        tt.slots = device_ints(a, slots);
+        tt.num_accepted = device_ints(a, std::vector<std::int32_t>(B, 1));
+        tt.state_pool = state_pool(a, pt.num_slots, H, D, state);
+        const double pt_us =
+            graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pt, tt, s), "verify"); });
+        const double pt_bytes =
+            token_bytes + rows_heads * state_bytes * (1 + T) + 4.0 * B * T + 4.0 * B;
+        std::printf(
+            "| %d | %d | %s | per-token states | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx |\n", T,
+            B, state_name, pt_us, floor_us(pt_bytes), pt_us, floor_us(pt_bytes),
+            pt_us / floor_us(pt_bytes));
+        std::fflush(stdout);
+
+        // Records + commit: row b's committed state in slot 2b (a gappy pool), T records a row.
+        kda::DecodeProblem pr = pt;
+        pr.records = true;
+        pr.num_slots = 2 * static_cast<std::int64_t>(B);
+        std::vector<std::int32_t> committed(B);
+        for (int b = 0; b < B; ++b) committed[b] = 2 * b;
+        kda::DecodeTensors tr = t;
+        tr.slots = device_ints(a, committed);
+        tr.state_pool = state_pool(a, pr.num_slots, H, D, state);
+        tr.records =
+            static_cast<float*>(a.get(static_cast<std::size_t>(rows_heads * T * record_bytes)));
+        kda::CommitProblem cp;
+        cp.batch = B;
+        cp.tokens = T;
+        cp.num_heads = H;
+        cp.num_slots = pr.num_slots;
+        cp.state_dtype = state;
+        const kda::CommitLayer layer{tr.records, tr.state_pool};
+        const std::int32_t* accepted = device_ints(a, std::vector<std::int32_t>(B, T));
+        auto verify = [&](cudaStream_t s) { check(kda::decode_cuda(pr, tr, s), "records"); };
+        auto commit = [&](cudaStream_t s) {
+          check(kda::commit_cuda(cp, &layer, 1, tr.slots, accepted, nullptr, s), "commit");
+        };
+        const double rv_us = graph_us(iters, verify);
+        const double c_us = graph_us(iters, commit);
+        const double both_us = graph_us(iters, [&](cudaStream_t s) {
+          verify(s);
+          commit(s);
+        });
+        const double records = rows_heads * T * record_bytes;
+        const double rv_bytes = token_bytes + rows_heads * state_bytes + records + 4.0 * B;
+        const double c_bytes = 2 * rows_heads * state_bytes + records + 8.0 * B;
+        std::printf(
+            "| %d | %d | %s | records + commit | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2fx "
+            "|\n",
+            T, B, state_name, rv_us, floor_us(rv_bytes), c_us, floor_us(c_bytes), both_us,
+            floor_us(rv_bytes + c_bytes), both_us / floor_us(rv_bytes + c_bytes));
+        std::fflush(stdout);
+      }
+    }
+  }
+
+  // One commit launch for a model's KDA layers (B = 64, 20 layers, each its own pool and records).
+  const int B = 64, layers = 20;
+  std::printf(
+      "\n### CUDA commit of %d layers in one launch (B = %d, H = 32, every token accepted)\n\n",
+      layers, B);
+  std::printf(
+      "| tokens | B | state | layers | total us | us per layer | MB moved | floor us | total / "
+      "floor |\n");
+  std::printf("|---:|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
+    const double state_bytes = static_cast<double>(kda::dtype_size(state)) * D * D;
+    for (const int T : {4, 8}) {
+      Allocations a;
+      kda::CommitProblem cp;
+      cp.batch = B;
+      cp.tokens = T;
+      cp.num_heads = H;
+      cp.num_slots = 2 * B;
+      cp.state_dtype = state;
+      std::vector<kda::CommitLayer> ls;
+      const std::int64_t record_floats = static_cast<std::int64_t>(B) * T * H * 3 * D;
+      for (int l = 0; l < layers; ++l) {
+        auto* rec = static_cast<float*>(a.get(static_cast<std::size_t>(record_floats) * 4));
+        // Decays and keys in [0.5, 1), u alike: the states stay finite over the replays.
+        fill(rec, record_floats, 40 + l, 0.5f, 1.0f);
+        ls.push_back({rec, state_pool(a, cp.num_slots, H, D, state)});
+      }
+      std::vector<std::int32_t> committed(B);
+      for (int b = 0; b < B; ++b) committed[b] = 2 * b;
+      const std::int32_t* slots = device_ints(a, committed);
+      const std::int32_t* accepted = device_ints(a, std::vector<std::int32_t>(B, T));
+      const double us = graph_us(iters, [&](cudaStream_t s) {
+        check(kda::commit_cuda(cp, ls.data(), layers, slots, accepted, nullptr, s), "commit");
+      });
+      const double bytes =
+          layers * (2.0 * B * H * state_bytes + B * H * T * record_bytes) + 8.0 * B;
+      std::printf("| %d | %d | %s | %d | %.2f | %.2f | %.1f | %.2f | %.2fx |\n", T, B,
+                  state == kda::DType::kBF16 ? "bf16" : "f32", layers, us, us / layers, bytes / 1e6,
+                  floor_us(bytes), us / floor_us(bytes));
+      std::fflush(stdout);
+    }
+  }
+}
+
 // Host time per call (enqueue only, no sync inside), median over repeats of 100 calls: what the
 // checks of CudaOptions::check_pointers (driver queries per pointer) cost on top of validation
 // and the launches. The GPU keeps up (100 short kernels), so the loop measures the host.
@@ -777,7 +1014,8 @@ void run_host_overhead() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool prefill = false, decode = false, host = false, paths = false, checkpoints = false;
+  bool prefill = false, decode = false, host = false, paths = false, checkpoints = false,
+       verify = false;
   int iters = 30;
   std::string only;
   for (int i = 1; i < argc; ++i) {
@@ -786,6 +1024,8 @@ int main(int argc, char** argv) {
       prefill = true;
     else if (a == "--decode")
       decode = true;
+    else if (a == "--verify")
+      verify = true;
     else if (a == "--host")
       host = true;
     else if (a == "--paths")
@@ -797,18 +1037,17 @@ int main(int argc, char** argv) {
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
     else {
-      std::fprintf(
-          stderr,
-          "usage: kda-bench [--prefill] [--decode] [--host] [--paths] [--checkpoints] [--iters N] "
-          "[--case NAME]\n");
+      std::fprintf(stderr,
+                   "usage: kda-bench [--prefill] [--decode] [--verify] [--checkpoints] [--host] "
+                   "[--paths] [--iters N] [--case NAME]\n");
       return 2;
     }
   }
   if (paths) {  // host only: before the device check
     print_paths(only);
-    if (!prefill && !decode && !host && !checkpoints) return 0;
+    if (!prefill && !decode && !host && !checkpoints && !verify) return 0;
   }
-  if (!prefill && !decode && !host && !checkpoints) prefill = decode = host = true;
+  if (!prefill && !decode && !host && !checkpoints && !verify) prefill = decode = host = true;
   if (kda::cuda_device_count() == 0) {
     std::fprintf(stderr, "kda-bench: no CUDA device\n");
     return 1;
@@ -819,6 +1058,7 @@ int main(int argc, char** argv) {
   if (prefill) run_prefill(bw, iters, only);
   if (checkpoints) run_checkpoints(bw, iters, only);
   if (decode) run_decode(bw, iters);
+  if (verify) run_verify(bw, iters);
   if (host) run_host_overhead();
   return 0;
 }

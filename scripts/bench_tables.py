@@ -7,8 +7,9 @@ with its prefill table's "### CUDA prefill" header, as when runs are appended to
 
 def parse_runs(path):
     """A list of runs, one per kda-bench run in the file; each run maps a table ("prefill",
-    "decode", "host") to {row key: {column header: cell}}. Row keys: the case name (prefill), "B=N
-    state" (decode; outputs older than the state column say f32), the call (host)."""
+    "decode", "verify", "host") to {row key: {column header: cell}}. Row keys: the case name
+    (prefill), "B=N state" (decode; outputs older than the state column say f32), "tokens B state
+    form" (verify; the commit-of-layers table's fourth cell is the layer count), the call (host)."""
     runs = []
     run = None
     table = None
@@ -16,7 +17,12 @@ def parse_runs(path):
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.startswith("### "):
-                table = "prefill" if "prefill" in line else "decode" if "decode" in line else "host"
+                table = (
+                    "verify" if "verify" in line or "commit" in line
+                    else "prefill" if "prefill" in line
+                    else "decode" if "decode" in line
+                    else "host"
+                )
                 if run is None or (table == "prefill" and run.get("prefill")):
                     run = {}
                     runs.append(run)
@@ -32,6 +38,8 @@ def parse_runs(path):
             row = dict(zip(header, cells))
             if table == "decode":
                 key = f"B={row.get('B', cells[0])} {row.get('state', 'f32')}"
+            elif table == "verify":  # tokens, B, state, and the form or the layer count
+                key = " ".join(cells[:4])
             else:
                 key = cells[0]
             run[table][key] = row
@@ -47,8 +55,8 @@ def number(cell):
 
 
 def times(run):
-    """{(table, key): time} of one run: prefill ms, decode us per step, host us per call with the
-    pointer checks on and off."""
+    """{(table, key): time} of one run: prefill ms, decode us per step, verify total us, host us
+    per call with the pointer checks on and off."""
     out = {}
     for key, row in run.get("prefill", {}).items():
         if number(row.get("ms")) is not None:
@@ -56,6 +64,9 @@ def times(run):
     for key, row in run.get("decode", {}).items():
         if number(row.get("us per step")) is not None:
             out[("decode", key)] = number(row["us per step"])
+    for key, row in run.get("verify", {}).items():
+        if number(row.get("total us")) is not None:
+            out[("verify", key)] = number(row["total us"])
     for key, row in run.get("host", {}).items():
         on, off = number(row.get("host us per call")), number(row.get("checks off"))
         if on is not None and off is not None:

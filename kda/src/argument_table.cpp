@@ -30,19 +30,19 @@ Status checked_size(const char* what, std::initializer_list<std::int64_t> factor
 
 std::int64_t size_of(DType dtype) { return static_cast<std::int64_t>(dtype_size(dtype)); }
 
-bool overlaps(const Argument& a, const Argument& b) {
-  if (a.ptr == nullptr || b.ptr == nullptr || a.bytes == 0 || b.bytes == 0) return false;
-  const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(a.ptr);
-  const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(b.ptr);
-  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
-}
-
 // The in-place pair: final_state over its initial_state (checked on its own, first).
 bool in_place_pair(const Argument& out, const Argument& in) {
   return out.role == ArgumentRole::kStateOut && in.role == ArgumentRole::kStateIn;
 }
 
 }  // namespace
+
+bool overlaps(const Argument& a, const Argument& b) {
+  if (a.ptr == nullptr || b.ptr == nullptr || a.bytes == 0 || b.bytes == 0) return false;
+  const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(a.ptr);
+  const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(b.ptr);
+  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+}
 
 Argument& ArgumentTable::add(const char* name, const void* ptr, std::uint64_t bytes, DType dtype,
                              ArgumentRole role) {
@@ -266,8 +266,17 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   if (!(st = checked_size("dt_bias bytes H*K*4", {p.num_heads, p.head_dim_k, 4}, &dt_bias))) {
     return st;
   }
-  if (!(st = checked_size(p.verify ? "slots bytes B*tokens*4" : "slots bytes B*4",
-                          {p.batch, p.verify ? p.tokens : 1, 4}, &slots))) {
+  // A verify step's slots are [B, tokens]; its records form's, as a plain step's, [B].
+  const bool slot_per_token = p.verify && !p.records;
+  if (!(st = checked_size(slot_per_token ? "slots bytes B*tokens*4" : "slots bytes B*4",
+                          {p.batch, slot_per_token ? p.tokens : 1, 4}, &slots))) {
+    return st;
+  }
+  std::uint64_t records = 0;
+  if (p.records &&
+      !(st = checked_size("records bytes B*tokens*H*(2K+V)*4",
+                          {p.batch, p.tokens, p.num_heads, 2 * p.head_dim_k + p.head_dim_v, 4},
+                          &records))) {
     return st;
   }
   if (!(st = checked_size(
@@ -289,7 +298,9 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   table->add("slots", t.slots, slots, DType::kI32, R::kIndex).cuda(4).required_if(rows);
   Argument& accepted = table->add("num_accepted", t.num_accepted,
                                   static_cast<std::uint64_t>(p.batch) * 4, DType::kI32, R::kIndex);
-  if (p.verify) {
+  if (p.records) {
+    accepted.unused_because("DecodeProblem::records is true (the commit takes it)");
+  } else if (p.verify) {
     accepted.cuda(4).required_if(rows);
   } else {
     accepted.unused_because("DecodeProblem::verify is false");
@@ -297,11 +308,48 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   table->add("out", t.out, v, bf16, R::kOutput).cuda(2).required_if(rows);
   table->add("A_log", t.A_log, a_log, DType::kF32, R::kInput).cuda(4).required_if(true);
   table->add("dt_bias", t.dt_bias, dt_bias, DType::kF32, R::kInput).cuda(16).required_if(true);
-  table->add("state_pool", t.state_pool, pool, p.state_dtype, R::kInOut)
+  // The records form only reads the pool.
+  table->add("state_pool", t.state_pool, pool, p.state_dtype, p.records ? R::kInput : R::kInOut)
       .cuda(p.state_dtype == DType::kF32 ? 16 : 8)
       .required_if(pool > 0);
+  // The CUDA kernel stores a record's alpha and k^ in 16-byte pieces.
+  Argument& rec = table->add("records", t.records, records, DType::kF32, R::kOutput);
+  if (p.records) {
+    rec.cuda(16).required_if(rows);
+  } else {
+    rec.unused_because("DecodeProblem::records is false");
+  }
   table->add("device_status", t.device_status, sizeof(std::uint32_t), DType::kI32, R::kStatus)
       .cuda(4);
+  return Status::Ok();
+}
+
+// Commit. The CUDA kernel moves records and pools (either dtype) in 16-byte pieces.
+Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const std::int32_t* slots,
+                        const std::int32_t* num_accepted, ArgumentTable* table) {
+  std::uint64_t records = 0, pool = 0, rows_bytes = 0;
+  Status st;
+  if (!(st = checked_size("records bytes B*tokens*H*(2K+V)*4",
+                          {p.batch, p.tokens, p.num_heads, 2 * p.head_dim_k + p.head_dim_v, 4},
+                          &records)) ||
+      !(st = checked_size(
+            "state_pool bytes num_slots*H*V*K*size",
+            {p.num_slots, p.num_heads, p.head_dim_v, p.head_dim_k, size_of(p.state_dtype)},
+            &pool)) ||
+      !(st = checked_size("slots bytes B*4", {p.batch, 4}, &rows_bytes))) {
+    return st;
+  }
+  using R = ArgumentRole;
+  const bool rows = p.batch > 0;
+  table->count = 0;
+  table->add("records", layer.records, records, DType::kF32, R::kInput).cuda(16).required_if(rows);
+  table->add("state_pool", layer.state_pool, pool, p.state_dtype, R::kInOut)
+      .cuda(16)
+      .required_if(rows && pool > 0);
+  table->add("slots", slots, rows_bytes, DType::kI32, R::kIndex).cuda(4).required_if(rows);
+  table->add("num_accepted", num_accepted, rows_bytes, DType::kI32, R::kIndex)
+      .cuda(4)
+      .required_if(rows);
   return Status::Ok();
 }
 
@@ -396,6 +444,76 @@ Status check_device_pointers(const DecodeProblem& p, const DecodeTensors& t) {
   detail::ArgumentTable table;
   if (Status st = detail::decode_arguments(p, t, &table); !st) return st;
   return detail::check_device_arguments(table);
+}
+
+namespace {
+Status invalid_commit(std::string message) {
+  return Status(StatusCode::kInvalidArgument, std::move(message));
+}
+std::string layer_name(int i) { return "layers[" + std::to_string(i) + "]"; }
+// A layer's message with the layer named first.
+Status in_layer(int i, const Status& st) {
+  return Status(st.code(), layer_name(i) + ": " + st.message());
+}
+}  // namespace
+
+Status validate(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                const std::int32_t* slots, const std::int32_t* num_accepted) {
+  if (Status st = validate(p); !st) return st;
+  if (num_layers < 0 || num_layers > kMaxCommitLayers) {
+    return invalid_commit("num_layers must be in [0, " + std::to_string(kMaxCommitLayers) +
+                          "] (got " + std::to_string(num_layers) + ")");
+  }
+  if (num_layers > 0 && layers == nullptr) {
+    return invalid_commit("layers is null but num_layers is " + std::to_string(num_layers));
+  }
+  detail::ArgumentTable table;
+  for (int i = 0; i < num_layers; ++i) {
+    if (Status st = detail::commit_arguments(p, layers[i], slots, num_accepted, &table); !st) {
+      return st;
+    }
+    if (Status st = detail::check_presence(table); !st) return in_layer(i, st);
+    if (Status st = detail::check_no_overlap(table); !st) return in_layer(i, st);
+  }
+  // Across layers: a pool (written) overlaps no other layer's pool or records. Every layer's
+  // records and pool have the sizes of the last table's rows 0 and 1. (L^2 / 2 comparisons of two
+  // ranges: about 1 us of host time for 20 layers.)
+  if (num_layers < 2) return Status::Ok();
+  const std::uint64_t record_bytes = table.items[0].bytes, pool_bytes = table.items[1].bytes;
+  auto range = [](const void* ptr, std::uint64_t bytes) {
+    detail::Argument a;
+    a.ptr = ptr;
+    a.bytes = bytes;
+    return a;
+  };
+  for (int i = 0; i < num_layers; ++i) {
+    const detail::Argument pool = range(layers[i].state_pool, pool_bytes);
+    for (int j = 0; j < num_layers; ++j) {
+      if (j == i) continue;
+      if (j > i && detail::overlaps(pool, range(layers[j].state_pool, pool_bytes))) {
+        return invalid_commit(layer_name(i) + ".state_pool overlaps " + layer_name(j) +
+                              ".state_pool (each layer updates its own pool)");
+      }
+      if (detail::overlaps(pool, range(layers[j].records, record_bytes))) {
+        return invalid_commit(layer_name(i) + ".state_pool overlaps " + layer_name(j) +
+                              ".records (outputs must not alias inputs)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                             const std::int32_t* slots, const std::int32_t* num_accepted) {
+  if (Status st = validate(p, layers, num_layers, slots, num_accepted); !st) return st;
+  detail::ArgumentTable table;
+  for (int i = 0; i < num_layers; ++i) {
+    detail::commit_arguments(p, layers[i], slots, num_accepted, &table);
+    // slots and num_accepted once, with the first layer.
+    if (i > 0) table.count = 2;
+    if (Status st = detail::check_device_arguments(table); !st) return in_layer(i, st);
+  }
+  return Status::Ok();
 }
 
 }  // namespace kda

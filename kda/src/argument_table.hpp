@@ -118,9 +118,17 @@ Status apply_transition_arguments(std::int64_t pairs, std::int64_t head_dim_k,
                                   std::int64_t head_dim_v, const float* s_in, const float* p_t,
                                   const float* h_t, const float* s_out, ArgumentTable* table);
 
+// One layer of a commit (kda.hpp): its records and pool, then the shared slots and num_accepted.
+// With a default CommitLayer and null slots: the sizes alone (validate(p) builds it so).
+Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const std::int32_t* slots,
+                        const std::int32_t* num_accepted, ArgumentTable* table);
+
 // validate(p, t) that also hands back the table, for the backends' further walks.
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);
+
+// Whether two rows' byte ranges overlap (a null pointer or 0 bytes overlaps nothing).
+bool overlaps(const Argument& a, const Argument& b);
 
 // ---- The walks. Each returns the first failing row's kInvalidArgument, in table order. ----------
 // Presence: required rows set, unused rows null.

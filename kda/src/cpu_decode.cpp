@@ -20,10 +20,12 @@ namespace {
 // Slot indices: below num_slots, and no slot named twice (two rows would race on one state).
 // `seen`: num_slots bits of caller scratch (the workspace), so that nothing is allocated; the first
 // row naming a slot is found again by a scan, only when there is a duplicate.
-// A verify step's [B, tokens] entries are checked the same way, and each row's num_accepted.
+// A verify step's [B, tokens] entries are checked the same way, and each row's num_accepted. The
+// records form only reads the pool: its rows may share a slot.
 Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
                    const std::int32_t* num_accepted, unsigned char* seen) {
-  if (p.verify) {
+  const bool per_token = p.verify && !p.records;
+  if (per_token) {
     for (std::int64_t b = 0; b < p.batch; ++b) {
       if (num_accepted[b] < 1 || num_accepted[b] > p.tokens) {
         return Status(StatusCode::kInvalidArgument,
@@ -34,12 +36,12 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
     }
   }
   auto entry = [&](std::int64_t i) {
-    return p.verify
+    return per_token
                ? "slots[" + std::to_string(i / p.tokens) + "][" + std::to_string(i % p.tokens) + "]"
                : "slots[" + std::to_string(i) + "]";
   };
   std::memset(seen, 0, static_cast<std::size_t>((p.num_slots + 7) / 8));
-  const std::int64_t entries = p.verify ? p.batch * p.tokens : p.batch;
+  const std::int64_t entries = per_token ? p.batch * p.tokens : p.batch;
   for (std::int64_t b = 0; b < entries; ++b) {
     const std::int32_t s = slots[b];
     if (s < 0 || s == p.padding_slot) continue;  // padding (any number of rows may name it)
@@ -48,6 +50,7 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
                                                       " is out of range (num_slots " +
                                                       std::to_string(p.num_slots) + ")");
     }
+    if (p.records) continue;  // read only: a shared slot is fine
     const unsigned char bit = static_cast<unsigned char>(1u << (s % 8));
     if (seen[s / 8] & bit) {
       std::int64_t first = 0;
@@ -71,9 +74,12 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
   const detail::cpu::TokenInputs in(t);
   auto* out = static_cast<bf16_bits*>(t.out);
   // fp32 accumulation on an f32 pool works on the pool itself; otherwise on a scratch copy.
-  // A verify step keeps the state after every token in slots of its own: never in place.
+  // A verify step keeps the state after every token in slots of its own, or (records) never writes
+  // the pool: never in place.
   constexpr bool kIsFloat = std::is_same<Real, float>::value;
   const bool in_place = kIsFloat && p.state_dtype == DType::kF32 && !p.verify;
+  const bool per_token = p.verify && !p.records;
+  const std::int64_t record_floats = 2 * K + V;  // one (token, head) record: alpha, k^, u
   auto state_at = [&](std::int32_t slot, std::int64_t head) {
     return static_cast<unsigned char*>(t.state_pool) +
            (static_cast<std::int64_t>(slot) * H + head) * state_elems *
@@ -82,8 +88,9 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
 
   detail::cpu::parallel_for(p.batch * H, workers, [&](std::int64_t item, std::int64_t worker) {
     const std::int64_t b = item / H, head = item % H;
-    const std::int32_t slot = p.verify ? t.slots[b * n_tok + t.num_accepted[b] - 1] : t.slots[b];
-    if (slot < 0 || slot == p.padding_slot) return;  // padding: its out rows stay untouched
+    const std::int32_t slot = per_token ? t.slots[b * n_tok + t.num_accepted[b] - 1] : t.slots[b];
+    if (slot < 0 || slot == p.padding_slot)
+      return;  // padding: its out rows (and records) stay untouched
     detail::cpu::Scratch<Real> sc(scratch + worker * slot_reals, K, V);
     unsigned char* state_mem = state_at(slot, head);
     if (in_place) {
@@ -97,9 +104,17 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
       const std::int64_t row = (b * n_tok + j) * H + head;
       detail::cpu::prepare_token(hp, in.q + row * K, in.k + row * K, in.g + row * K, in.beta[row],
                                  &sc.tok);
-      detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o);
+      float* record = p.records ? t.records + row * record_floats : nullptr;
+      if (record != nullptr) {
+        for (std::int64_t d = 0; d < K; ++d) {
+          record[d] = static_cast<float>(sc.tok.a[d]);
+          record[K + d] = static_cast<float>(sc.tok.kh[d]);
+        }
+      }
+      detail::cpu::apply_token(sc.state, V, K, sc.tok, in.v + row * V, sc.o,
+                               record != nullptr ? record + 2 * K : nullptr);
       detail::cpu::store_out(sc.o, V, out + row * V);
-      if (p.verify && t.slots[b * n_tok + j] >= 0 && t.slots[b * n_tok + j] != p.padding_slot) {
+      if (per_token && t.slots[b * n_tok + j] >= 0 && t.slots[b * n_tok + j] != p.padding_slot) {
         detail::cpu::store_state(sc.state, state_elems, p.state_dtype,
                                  state_at(t.slots[b * n_tok + j], head));
       }

@@ -24,6 +24,7 @@
 #include <exception>
 #include <limits>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kda/bf16.hpp"
@@ -121,6 +122,14 @@ struct Scratch {
   }
 };
 
+// The decay and the rank-1 update of one state element, x * a + u * k: the scalar form of
+// apply_rows' packet loop (its tail) and of commit_channels, written once so that both round the
+// same way.
+template <typename Real>
+inline Real decay_update(Real x, Real a, Real u, Real k) {
+  return x * a + u * k;
+}
+
 template <typename Real>
 using ArrayMap = Eigen::Map<Eigen::Array<Real, Eigen::Dynamic, 1>>;
 
@@ -161,10 +170,10 @@ void prepare_token(const HeadParams<Real>& hp, const bf16_bits* q, const bf16_bi
 }
 
 // Applies `rows` consecutive state rows (R at once, so the token vectors are loaded once for R
-// rows).
+// rows). With u_out (a verify step's records), u of each row is kept there as fp32.
 template <typename Real, int R>
 inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const TokenVectors<Real>& tv,
-                       const bf16_bits* v, Real* o) {
+                       const bf16_bits* v, Real* o, float* u_out) {
   using Packet = typename Eigen::internal::packet_traits<Real>::type;
   constexpr std::int64_t W = Eigen::internal::packet_traits<Real>::size;
   const std::int64_t k_packets = K / W * W;
@@ -196,6 +205,7 @@ inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const Tok
     }
     u[i] = tv.beta * (static_cast<Real>(bf16_to_float(v[row0 + i])) - dk);
     o[row0 + i] = dq + u[i] * tv.kq;
+    if (u_out != nullptr) u_out[row0 + i] = static_cast<float>(u[i]);
   }
 
   // row = row * a + u * k^
@@ -212,20 +222,50 @@ inline void apply_rows(Real* state, std::int64_t row0, std::int64_t K, const Tok
   }
   for (int i = 0; i < R; ++i) {
     for (std::int64_t j = k_packets; j < K; ++j)
-      rows[i][j] = rows[i][j] * tv.a[j] + u[i] * tv.kh[j];
+      rows[i][j] = decay_update(rows[i][j], tv.a[j], u[i], tv.kh[j]);
   }
 }
 
-// Applies one prepared token to the V x K state; writes o [V] (Real; scale included).
+// Applies one prepared token to the V x K state; writes o [V] (Real; scale included) and, with
+// u_out, u [V] as fp32.
 template <typename Real>
 void apply_token(Real* state, std::int64_t head_dim_v, std::int64_t head_dim_k,
-                 const TokenVectors<Real>& tv, const bf16_bits* v, Real* o) {
+                 const TokenVectors<Real>& tv, const bf16_bits* v, Real* o,
+                 float* u_out = nullptr) {
   constexpr int kRowBlock = 4;
   std::int64_t row = 0;
   for (; row + kRowBlock <= head_dim_v; row += kRowBlock) {
-    apply_rows<Real, kRowBlock>(state, row, head_dim_k, tv, v, o);
+    apply_rows<Real, kRowBlock>(state, row, head_dim_k, tv, v, o, u_out);
   }
-  for (; row < head_dim_v; ++row) apply_rows<Real, 1>(state, row, head_dim_k, tv, v, o);
+  for (; row < head_dim_v; ++row) apply_rows<Real, 1>(state, row, head_dim_k, tv, v, o, u_out);
+}
+
+// One token's record (a record-and-commit verify step's, kda.hpp) applied to `count` channels of a
+// state row, starting at channel j0 of the row's K: row = row * alpha + u * k^, with the packet
+// operations of apply_rows on the channels below K / W * W and its scalar tail above, so that a
+// commit reproduces the verify step's state bit for bit in fp32.
+template <typename Real>
+inline void commit_channels(Real* row, std::int64_t j0, std::int64_t count, std::int64_t K,
+                            const float* alpha, const float* kh, float u) {
+  const std::int64_t j1 = j0 + count;
+  std::int64_t j = j0;
+  if constexpr (std::is_same<Real, float>::value) {
+    using Packet = typename Eigen::internal::packet_traits<float>::type;
+    constexpr std::int64_t W = Eigen::internal::packet_traits<float>::size;
+    const std::int64_t k_packets = std::min(j1, K / W * W);
+    const Packet pu = Eigen::internal::pset1<Packet>(u);
+    for (; j + W <= k_packets; j += W) {
+      const Packet pa = Eigen::internal::ploadu<Packet>(alpha + j);
+      const Packet pk = Eigen::internal::ploadu<Packet>(kh + j);
+      const Packet x = Eigen::internal::ploadu<Packet>(row + j - j0);
+      Eigen::internal::pstoreu(row + j - j0,
+                               Eigen::internal::pmadd(pu, pk, Eigen::internal::pmul(x, pa)));
+    }
+  }
+  for (; j < j1; ++j) {
+    row[j - j0] = decay_update(row[j - j0], static_cast<Real>(alpha[j]), static_cast<Real>(u),
+                               static_cast<Real>(kh[j]));
+  }
 }
 
 // State transfer between memory (bf16 / f32 / none = zeros) and the Real accumulator.

@@ -21,6 +21,13 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void*, const 
   return unavailable();
 }
 
+Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                   const std::int32_t* slots, const std::int32_t* num_accepted, std::uint32_t*,
+                   void*, const CudaOptions&) {
+  if (Status st = validate(p, layers, num_layers, slots, num_accepted); !st) return st;
+  return unavailable();
+}
+
 Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                                Workspace, void*, const CudaOptions&) {
   if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;

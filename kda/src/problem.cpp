@@ -480,6 +480,9 @@ Status validate(const DecodeProblem& p) {
     return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
   }
   if (Status st = check_gate_and_scale(p.gate, p.lower_bound, p.scale); !st) return st;
+  if (p.records && !p.verify) {
+    return invalid("records is set but verify is not (records are a verify step's form)");
+  }
   detail::ArgumentTable table;
   return detail::decode_arguments(p, DecodeTensors{}, &table);
 }
@@ -496,6 +499,45 @@ Status can_implement(const DecodeProblem& p, Backend backend) {
     if (Status st =
             check_cuda_grid(p.num_heads, "decode rows", static_cast<std::uint64_t>(p.batch));
         !st) {
+      return st;
+    }
+    return can_run_cuda(p.head_dim_k, p.head_dim_v);
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commit
+// ---------------------------------------------------------------------------------------------
+Status validate(const CommitProblem& p) {
+  if (p.batch < 0) return invalid("batch must be >= 0 (got " + str(p.batch) + ")");
+  if (p.tokens < 1 || p.tokens > kMaxDecodeTokens) {
+    return invalid("tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " + str(p.tokens) +
+                   ")");
+  }
+  if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
+  if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
+  if (p.num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(p.num_slots) + ")");
+  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {
+    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
+                   " is outside the pool of num_slots = " + str(p.num_slots) +
+                   " (negative: no padding slot)");
+  }
+  if (p.state_dtype != DType::kBF16 && p.state_dtype != DType::kF32) {
+    return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
+  }
+  detail::ArgumentTable table;
+  return detail::commit_arguments(p, CommitLayer{}, nullptr, nullptr, &table);
+}
+
+Status can_implement(const CommitProblem& p, Backend backend) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  if (backend == Backend::kCuda) {
+    // One block per (layer, row) on x, for up to kMaxCommitLayers layers.
+    const std::uint64_t rows =
+        static_cast<std::uint64_t>(p.batch) * static_cast<std::uint64_t>(kMaxCommitLayers);
+    if (Status st = check_cuda_grid(p.num_heads, "commit rows x kMaxCommitLayers", rows); !st) {
       return st;
     }
     return can_run_cuda(p.head_dim_k, p.head_dim_v);

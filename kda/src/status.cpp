@@ -149,7 +149,8 @@ Status describe_device_status(std::uint32_t bits) {
   }
   if (bits & kDeviceStatusAccepted) {
     message += sep;
-    message += "a verify step's num_accepted outside [1, tokens] (that row was skipped)";
+    message +=
+        "a verify step's or a commit's num_accepted outside [1, tokens] (that row was skipped)";
     sep = "; ";
   }
   if (bits & kDeviceStatusCheckpoint) {

@@ -221,8 +221,8 @@ enum DeviceStatusBit : std::uint32_t {
   kDeviceStatusGateParams = 1u << 1,  // an A_log or dt_bias value not finite or out of range
   kDeviceStatusSlot = 1u << 2,        // a slot index >= the pool size (decode: that row was
                                       // skipped; prefill: that sequence ran as padding)
-  kDeviceStatusAccepted = 1u << 3,    // a verify step's num_accepted outside [1, tokens] (that
-                                      // row was skipped)
+  kDeviceStatusAccepted = 1u << 3,    // a verify step's or a commit's num_accepted outside
+                                      // [1, tokens] (that row was skipped)
   kDeviceStatusCheckpoint = 1u << 4,  // a prefill checkpoint request whose offset is not -1, a
                                       // multiple of 16 up to its sequence's length, or that
                                       // length, whose slot is >= the pool size, or whose slot
@@ -320,6 +320,28 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 // after its last accepted token) and writes the state after its token t into slots[b][t] (a
 // negative entry: that state is not kept). A row whose start entry is negative is padding. The
 // non-negative entries of all rows are distinct (the start entry of a row is one of its own).
+//
+// Record-and-commit verify (DecodeProblem::records, with verify; vLLM's RecoverSSM, FlashInfer's
+// ReplaySSM): instead of a state after every token, the step writes for every (row, token, head)
+// the small record that rebuilds the state after the token from the state before it, with no dot
+// product against the state; commit_cpu / commit_cuda (below) then fold each row's accepted records
+// into its state. With records:
+//   slots: int32 [B], the row's committed state (negative = padding: nothing read or written, its
+//          out and records untouched); rows may share a slot (the pool is only read)
+//   num_accepted: must be null (the commit takes it)
+//   state_pool: only read, never written
+//   out: every token's, as a plain multi-token step computes it
+//   records: f32 [B, tokens, H, K + K + V], for token t of a row and head h, with S_{t-1} the state
+//            before it (S^T in the pool's V-first layout) and the gate, norm and scale of the step:
+//     [0, K)        alpha_t = exp(g_t), the decay per channel of K
+//     [K, 2K)       k^_t, the L2-normalised key (eps 1e-6 inside the square root)
+//     [2K, 2K + V)  u_t = beta_t (v_t - (diag(alpha_t) S_{t-1})^T k^_t)
+//   so that S_t = diag(alpha_t) S_{t-1} + k^_t u_t^T; row v of S_t^T is row_v * alpha_t + u_t[v]
+//   k^_t.
+// Bytes a row moves per head for T tokens: per-token states read one state and write T; records
+// read one state and write T (2K + V) fp32 values, and the commit reads and writes the state once
+// more and reads the accepted records. At K = V = 128 the records form moves fewer bytes from
+// T = 3 on, and keeps one pool entry a row instead of T (docs/design/decode.md#which-verify-form).
 // Most new tokens per sequence in one decode call (speculative or multi-token steps); longer
 // continuations are prefills. The engine's decode checks against the same constant.
 inline constexpr std::int64_t kMaxDecodeTokens = 16;
@@ -341,6 +363,9 @@ struct DecodeProblem {
   // row's per-token entry equal to it keeps no state. Negative (the default): none. Otherwise below
   // num_slots; any number of entries may name it.
   std::int32_t padding_slot = -1;
+  // With verify: the record-and-commit form (above): slots [batch], records written, pool only
+  // read.
+  bool records = false;
   float effective_scale() const noexcept;
 };
 
@@ -358,6 +383,9 @@ struct DecodeTensors {
   const std::int32_t* num_accepted = nullptr;
   void* state_pool = nullptr;
   void* out = nullptr;
+  // DecodeProblem::records: f32 [batch, tokens, H, K + K + V] (above), on the backend as slots;
+  // otherwise null.
+  float* records = nullptr;
   std::uint32_t* device_status = nullptr;  // optional, CUDA only: see Tensors::device_status
 };
 
@@ -378,6 +406,64 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptio
 // through t.device_status (kDeviceStatusSlot), since the host cannot see them without a sync.
 Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream,
                    const CudaOptions& opt = {});
+
+// ---------------------------------------------------------------------------------------------
+// Commit: a record-and-commit verify step's accepted records folded into the states
+// ---------------------------------------------------------------------------------------------
+// After a verify step with DecodeProblem::records, the runtime knows how many of each row's tokens
+// were accepted; commit_* applies records 0 .. num_accepted[b] - 1 of row b, in token order, to the
+// state in slots[b], in place, for every head, in every layer given (one call, one launch, for all
+// of a model's KDA layers):
+//   per layer: records f32 [batch, tokens, H, K + K + V] (the verify step's), state_pool
+//              [num_slots, H, V, K] of state_dtype (bf16: rounded once, after the last record)
+//   shared:    slots int32 [batch] (negative = padding: nothing read or written; its num_accepted
+//              not read), num_accepted int32 [batch], each in [1, tokens]
+// The non-negative slots are distinct. The fp32 operations are those of the verify step's state
+// update in the same order, so a commit reproduces the state a per-token-states verify step keeps
+// after token num_accepted[b] - 1 (bit for bit on one backend; docs/design/decode.md).
+//
+// CUDA: up to kMaxCommitLayers layers travel by value in the kernel's parameters: no workspace, no
+// allocation, no synchronization, capturable. `layers` is a host array on both backends; the
+// pointers in it, slots and num_accepted are backend memory. A num_accepted outside [1, tokens] or
+// a slot >= num_slots is refused by the CPU backend (naming the row) and, on CUDA, skips that row
+// and sets kDeviceStatusAccepted / kDeviceStatusSlot in device_status. CUDA needs K == V == 128 and
+// records and pools 16-byte aligned.
+inline constexpr int kMaxCommitLayers = 128;
+
+struct CommitProblem {
+  std::int64_t batch = 0;   // rows of the verify step
+  std::int64_t tokens = 1;  // the verify step's tokens per row, 1..kMaxDecodeTokens
+  std::int64_t num_heads = 0;
+  std::int64_t head_dim_k = 128;
+  std::int64_t head_dim_v = 128;
+  std::int64_t num_slots = 0;  // entries of each layer's pool
+  DType state_dtype = DType::kF32;
+  // A caller-chosen null slot (as DecodeProblem::padding_slot): a row whose slot it is is padding.
+  std::int32_t padding_slot = -1;
+};
+
+struct CommitLayer {
+  const float* records = nullptr;  // the layer's verify step's records
+  void* state_pool = nullptr;      // the layer's pool, updated in place
+};
+
+// Shape checks on the problem alone, then the problem with its tensors: num_layers in
+// [0, kMaxCommitLayers], no null pointer where the problem moves bytes, no pool overlapping
+// another layer's pool, any records, slots or num_accepted.
+Status validate(const CommitProblem& p);
+Status validate(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                const std::int32_t* slots, const std::int32_t* num_accepted);
+Status can_implement(const CommitProblem& p, Backend backend);
+// CPU: slots and num_accepted (host memory) are checked before anything is written: a slot >=
+// num_slots, a slot named twice or a row's num_accepted outside [1, tokens] is kInvalidArgument
+// naming the row. Uses CpuOptions::num_threads; fp64 accumulates in double. Allocates nothing.
+Status commit_cpu(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                  const std::int32_t* slots, const std::int32_t* num_accepted,
+                  const CpuOptions& opt = {});
+// CUDA on `stream`, asynchronous; device_status optional (see Tensors::device_status).
+Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                   const std::int32_t* slots, const std::int32_t* num_accepted,
+                   std::uint32_t* device_status, void* stream, const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a
@@ -405,6 +491,8 @@ Status check_device_pointer(const void* ptr, std::size_t bytes, const char* name
 // (the engine passes only its caller's q, k, v, g, beta and out). Validates `p` first.
 Status check_device_pointers(const Problem& p, const Tensors& t);
 Status check_device_pointers(const DecodeProblem& p, const DecodeTensors& t);
+Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                             const std::int32_t* slots, const std::int32_t* num_accepted);
 // Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
 // Not for the forward path (it synchronizes): call it where you would read results anyway.
 Status check_device_status(const std::uint32_t* device_status, void* stream);

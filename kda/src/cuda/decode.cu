@@ -30,6 +30,7 @@ struct DecodeParams {
   const std::int32_t* num_accepted;  // [batch] with verify, else null
   void* pool;
   bf16* out;
+  float* records;  // [batch, tokens, H, 3 D] in the records form, else null
   std::int64_t num_slots;
   std::int32_t padding_slot = -1;  // DecodeProblem::padding_slot (negative: none)
   int tokens;
@@ -75,8 +76,11 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
 }
 
 // kVerify: a verify step (compiled apart, so that a plain step's kernel is the one it was).
-template <bool kF32State, int kVec, bool kVerify>
+// kRecords: a verify step's record-and-commit form (kda.hpp): the row's slot as a plain step's,
+// the pool only read, each token's record (alpha, k^, u) written instead of its state.
+template <bool kF32State, int kVec, bool kVerify, bool kRecords = false>
 __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const DecodeParams p) {
+  static_assert(!(kVerify && kRecords), "the records form reads slots as a plain step does");
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
@@ -214,6 +218,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
       kh[j] = k[j] * inv_k;
       alpha[j] = __expf(gate_activation(p.gate, g[j], a_exp, dtb[j], p.lower_bound));
     }
+    // The record's alpha and k^: every warp holds them, warp 0 (its first row group) writes them.
+    float* record = nullptr;
+    if constexpr (kRecords) {
+      record = p.records + (tok * H + h) * (3 * D);
+      if (warp == 0 && sub == 0) {
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) {
+          *reinterpret_cast<float4*>(record + k0 + j) =
+              make_float4(alpha[j], alpha[j + 1], alpha[j + 2], alpha[j + 3]);
+          *reinterpret_cast<float4*>(record + D + k0 + j) =
+              make_float4(kh[j], kh[j + 1], kh[j + 2], kh[j + 3]);
+        }
+      }
+    }
 
     float dot[L::kSteps];
 #pragma unroll
@@ -234,6 +252,10 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
 #pragma unroll
     for (int i = 0; i < L::kSteps; ++i) {
       const float delta = beta * (vr[i] - dot[i]);
+      // The record's u: every lane of the row group holds it, lane i of the group writes it.
+      if constexpr (kRecords) {
+        if (lane % L::kLanesPerRow == i) record[2 * D + row_of(i)] = delta;
+      }
       float d = 0.f;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
@@ -265,7 +287,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     }
   }
 
-  if constexpr (!verify) store_state(state_base);
+  if constexpr (!verify && !kRecords) store_state(state_base);
 }
 
 // Channels per lane (DecodeLanes), measured on the H200 (same run, 3 rounds, B = 1..256): 4 for an
@@ -309,6 +331,7 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.num_accepted = p.verify ? t.num_accepted : nullptr;
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);
+  prm.records = p.records ? t.records : nullptr;
   prm.num_slots = p.num_slots;
   prm.padding_slot = p.padding_slot;
   prm.tokens = static_cast<int>(p.tokens);
@@ -321,12 +344,17 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
+  const bool wide = decode_vec(p, t) == 8;
   const cudaError_t err =
-      p.verify ? (p.state_dtype == DType::kF32
-                      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm)
-                  : decode_vec(p, t) == 8
-                      ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm)
-                      : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm))
+      p.records  ? (p.state_dtype == DType::kF32
+                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm)
+                    : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm)
+                           : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm))
+      : p.verify ? (p.state_dtype == DType::kF32
+                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm)
+                    : decode_vec(p, t) == 8
+                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm)
+                        : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm))
       : p.state_dtype == DType::kF32
           ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false>, prm)
       : decode_vec(p, t) == 8 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false>, prm)
