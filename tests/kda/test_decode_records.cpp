@@ -656,7 +656,10 @@ KDA_CUDA_CASE(
   CUDA_REQUIRE(cudaGraphLaunch(g.exec, stream.stream));
   CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
   CHECK(out.download<std::uint16_t>() == eager.out);
-  CHECK(records.download<float>() == eager.records);
+  // Bytes, not floats: padding rows' records keep the poison (NaN), which never compares equal.
+  const std::vector<float> graph_records = records.download<float>();
+  REQUIRE(graph_records.size() == eager.records.size());
+  CHECK(std::memcmp(graph_records.data(), eager.records.data(), graph_records.size() * 4) == 0);
   CHECK(pool.download<unsigned char>() == eager_commit.pools[0]);
   CHECK(status.download<std::uint32_t>()[0] == 0);
 
