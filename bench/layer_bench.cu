@@ -74,6 +74,9 @@ struct Case {
   std::int64_t sequences;
   std::int64_t tokens_per_sequence;
   bool decode;
+  // Prefill checkpoints (Batch::checkpoints): 0 none; -1 two a sequence (its middle, rounded down
+  // to 16 tokens, and its end); n > 0 one every n tokens and the end.
+  std::int64_t checkpoint_every = 0;
 };
 
 }  // namespace
@@ -108,7 +111,8 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-    std::vector<std::string> kernel_rows;  // the second table
+    std::vector<std::string> kernel_rows;      // the second table
+    std::vector<std::string> checkpoint_rows;  // the third
 
     struct Shape {
       const char* name;
@@ -144,12 +148,39 @@ int main(int argc, char** argv) {
       const std::int64_t E = config.hidden_size, Cl = config.local_channels();
       const std::int64_t Hl = config.local_heads(), D = config.head_dim;
       const std::string layer_name = shape.name;
+      double plain_graph = 0.0;  // the prefill without checkpoints, graph per layer
       for (const Case& c :
-           {Case{"prefill T = 8192", 1, 8192, false}, Case{"decode B = 1", 1, 1, true},
-            Case{"decode B = 8", 8, 1, true}, Case{"decode B = 64", 64, 1, true},
-            Case{"decode B = 256", 256, 1, true}}) {
+           {Case{"prefill T = 8192", 1, 8192, false},
+            Case{"prefill T = 8192, 2 checkpoints", 1, 8192, false, -1},
+            Case{"prefill T = 8192, 1 checkpoint / 256", 1, 8192, false, 256},
+            Case{"decode B = 1", 1, 1, true}, Case{"decode B = 8", 8, 1, true},
+            Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
-        const std::int64_t slots = N;
+        // Checkpoint requests of each sequence into pool rows after the sequences' own.
+        std::vector<std::int64_t> offsets;
+        std::vector<std::int32_t> rows, own;
+        std::int64_t K = 0;
+        if (c.checkpoint_every != 0) {
+          const std::int64_t len = c.tokens_per_sequence;
+          std::vector<std::int64_t> r;
+          if (c.checkpoint_every < 0) {
+            r = {len / 2 / 16 * 16, len};
+          } else {
+            for (std::int64_t o = c.checkpoint_every; o < len; o += c.checkpoint_every) {
+              r.push_back(o);
+            }
+            r.push_back(len);
+          }
+          K = static_cast<std::int64_t>(r.size());
+          for (std::int64_t n = 0; n < N; ++n) {
+            own.push_back(static_cast<std::int32_t>(n));
+            for (std::int64_t k = 0; k < K; ++k) {
+              offsets.push_back(r[static_cast<std::size_t>(k)]);
+              rows.push_back(static_cast<std::int32_t>(N + n * K + k));
+            }
+          }
+        }
+        const std::int64_t slots = N + N * K;
         std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(T * E));
         std::mt19937 rng(7);
         std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
@@ -180,6 +211,17 @@ int main(int argc, char** argv) {
               "upload hidden");
         check(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice),
               "upload cu_seqlens");
+        DeviceMemory d_own(own.size() * 4 + 4), d_offsets(offsets.size() * 8 + 8),
+            d_rows(rows.size() * 4 + 4);
+        if (K > 0) {
+          check(cudaMemcpy(d_own.ptr, own.data(), own.size() * 4, cudaMemcpyHostToDevice),
+                "upload slots");
+          check(
+              cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice),
+              "upload checkpoint offsets");
+          check(cudaMemcpy(d_rows.ptr, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice),
+                "upload checkpoint rows");
+        }
 
         kda::layer::Batch batch;
         batch.tokens = T;
@@ -187,6 +229,13 @@ int main(int argc, char** argv) {
         batch.decode_tokens = c.decode ? c.tokens_per_sequence : 0;
         batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr);
         batch.cu_seqlens_host = cu.data();
+        if (K > 0) {
+          batch.slots = static_cast<const std::int32_t*>(d_own.ptr);
+          batch.slots_host = own.data();
+          batch.checkpoints = K;
+          batch.checkpoint_offsets = static_cast<const std::int64_t*>(d_offsets.ptr);
+          batch.checkpoint_slots = static_cast<const std::int32_t*>(d_rows.ptr);
+        }
         auto state_of = [&](int l) {
           kda::layer::State state;
           state.num_slots = slots;
@@ -285,8 +334,13 @@ int main(int argc, char** argv) {
                                   4.0 * t * Cl;
         const double conv_bytes = 2.0 * 2 * 3 * t * Cl + 2.0 * 2 * t * Hl +
                                   2.0 * 2 * 3 * n * Cl * (W - 1) + 4.0 * 3 * Cl * W;
+        // Checkpoints write a recurrent state and three conv states each.
+        const double checkpoint_bytes =
+            static_cast<double>(N * K) *
+            (static_cast<double>(Hl * D * D) * 4 + static_cast<double>(3 * Cl * (W - 1)) * 2);
         const double core_bytes = kda::bench::kda_core_bytes(t, n, static_cast<double>(Hl),
-                                                             static_cast<double>(D), 4, c.decode);
+                                                             static_cast<double>(D), 4, c.decode) +
+                                  checkpoint_bytes;
         const double norm_bytes = (2.0 + 4.0 + 2.0) * t * Cl;
         const double o_flops = 2.0 * t * Cl * E;
         const double o_bytes = 2.0 * E * Cl + 2.0 * t * Cl + 2.0 * t * E;
@@ -295,6 +349,14 @@ int main(int argc, char** argv) {
                                   us(std::max(o_flops / peak, o_bytes / bw))};
         double floor_sum = 0.0;
         for (double f : floors) floor_sum += f;
+        if (c.checkpoint_every == 0 && !c.decode) plain_graph = graph;
+        if (c.checkpoint_every != 0) {
+          char line[256];
+          std::snprintf(line, sizeof line, "| %s | %s | %lld | %.1f | %.1f | %.3f |",
+                        layer_name.c_str(), c.name.c_str(), static_cast<long long>(N * K),
+                        plain_graph, graph, graph / plain_graph);
+          checkpoint_rows.push_back(line);
+        }
         std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |", layer_name.c_str(),
                     c.name.c_str(), median(total), floor_sum, median(total) / floor_sum, graph,
                     graph / floor_sum);
@@ -308,6 +370,11 @@ int main(int argc, char** argv) {
         "| layer | case | layers in the graph | auto | fused, factors inside | fused after GEMMs | "
         "separate |\n|---|---|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : kernel_rows) std::printf("%s\n", row.c_str());
+    std::printf(
+        "\nPrefill checkpoints (recurrent and conv states), graph replays per layer (us), same "
+        "run:\n\n| layer | case | requests | without | with | x without |\n"
+        "|---|---|---:|---:|---:|---:|\n");
+    for (const std::string& row : checkpoint_rows) std::printf("%s\n", row.c_str());
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());
