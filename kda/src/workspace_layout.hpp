@@ -31,9 +31,6 @@ inline constexpr int kHeadDim = 128;  // K == V == 128 on CUDA
 // - m:  fp16 [kChunk][kMStride], scale * q_hat_i . (k_hat_j * exp(G_i - G_j)) for i >= j, else 0
 // - gl: f32 [K], exp(G_last) (the chunk's decay of the state)
 // - the four group scales 2^e_g as f32 in the padding of qg's row 0 (kScaleColumn).
-// - with checkpoint requests, the chunk's checkpoint list head (int32, "Checkpoint index" below)
-//   in the padding of m's row 0 (kCheckpointHead): the recurrence finds it in the stage it
-//   already holds instead of loading it from the index on the chain.
 // The state update S^T += U^T K^ and U^T M^T take fp16 operands: K^ and M are bounded by 1 (unit
 // keys and queries, decay factors <= 1) and U reaches fp16 in the recurrence's power-of-two unit
 // of the state (prefill_recurrence.cu), so fp16's 3 more mantissa bits than bf16 cost no range.
@@ -51,9 +48,8 @@ struct ChunkRecord {
   static constexpr std::size_t kU = kW + kTileBytes;
   static constexpr std::size_t kM = kU + kTileBytes;
   static constexpr std::size_t kGl = kM + kChunk * kMStride * 2;
-  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;        // 18,688
-  static constexpr std::size_t kScales = kQg + kScaleColumn * 2;   // U0's four group scales (f32)
-  static constexpr std::size_t kCheckpointHead = kM + kChunk * 2;  // m[0][16..17] (int32)
+  static constexpr std::size_t kBytes = kGl + kHeadDim * 4;       // 18,688
+  static constexpr std::size_t kScales = kQg + kScaleColumn * 2;  // U0's four group scales (f32)
 };
 static_assert(ChunkRecord::kBytes % 128 == 0, "records stay 128-byte aligned");
 

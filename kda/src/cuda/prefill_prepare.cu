@@ -635,11 +635,6 @@ __device__ __forceinline__ bool prepare_item(const PrefillParams& p, PrepSmem& s
   //    block ends.
   // Pipelined: the fence covers the generic global stores too (g_last's factors, U0's scales),
   // which the flag publishes along with the bulk stores.
-  // The chunk's checkpoint list head rides in M's padding (workspace_layout.hpp), written after
-  // step 2's exchange, which shares those bytes, is dead.
-  if (tid == 0 && p.checkpoint_heads != nullptr) {
-    *reinterpret_cast<std::int32_t*>(&sm.m[0][C]) = p.checkpoint_heads[slot];
-  }
   if constexpr (PIPELINED) {
     fence_proxy_async_all();
   } else {

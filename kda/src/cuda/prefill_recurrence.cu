@@ -558,14 +558,10 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
       store_checkpoints<MT>(p, p.checkpoint_heads[slot0 + c_begin], h, acc, unit, v_warp, gq, tq);
     }
     for (std::int64_t c = c_first; c < nfetch; ++c) {
+      // Loaded before the step, used after it: the load's latency hides behind the chunk.
+      const std::int32_t first = checkpointing ? p.checkpoint_heads[slot0 + c_begin + c] : -1;
       step(c, std::false_type{});
-      // The chunk's list head, from its stage (the prepare kernel put it in the record): the
-      // stage is refilled only past the next step's barrier.
-      const std::int32_t first = *reinterpret_cast<const std::int32_t*>(
-          reinterpret_cast<const unsigned char*>(&stages[c % kStages]) +
-          ChunkRecord::kCheckpointHead);
-      if (checkpointing && first >= 0)
-        store_checkpoints<MT>(p, first, h, acc, unit, v_warp, gq, tq);
+      if (first >= 0) store_checkpoints<MT>(p, first, h, acc, unit, v_warp, gq, tq);
     }
   } else {
     for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
