@@ -554,14 +554,41 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     c_first = 1;
   }
   if constexpr (CKPT) {
-    if (checkpointing && c_first == 1) {
-      store_checkpoints<MT>(p, p.checkpoint_heads[slot0 + c_begin], h, acc, unit, v_warp, gq, tq);
-    }
-    for (std::int64_t c = c_first; c < nfetch; ++c) {
-      // Loaded before the step, used after it: the load's latency hides behind the chunk.
-      const std::int32_t first = checkpointing ? p.checkpoint_heads[slot0 + c_begin + c] : -1;
-      step(c, std::false_type{});
-      if (first >= 0) store_checkpoints<MT>(p, first, h, acc, unit, v_warp, gq, tq);
+    if (checkpointing) {
+      const std::int32_t* heads = p.checkpoint_heads + slot0 + c_begin;
+      // The first chunk >= from (below nfetch) with a list, else nfetch. Every warp finds the same
+      // one by itself (the index is read-only here): 256 heads per round, eight loads a lane in
+      // flight, no block barrier.
+      auto next_listed = [&](std::int64_t from) -> std::int64_t {
+        for (std::int64_t base = from; base < nfetch; base += 256) {
+          std::int32_t head[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const std::int64_t c = base + 32 * i + lane;
+            head[i] = c < nfetch ? heads[c] : -1;
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const unsigned listed = __ballot_sync(0xffffffffu, head[i] >= 0);
+            if (listed != 0) return base + 32 * i + __ffs(listed) - 1;
+          }
+        }
+        return nfetch;
+      };
+      if (c_first == 1 && heads[0] >= 0) {
+        store_checkpoints<MT>(p, heads[0], h, acc, unit, v_warp, gq, tq);
+      }
+      // Runs of plain chunk steps up to each listed chunk, its states stored after it: the steps'
+      // loop stays the one without checkpoints (a store inside it cost it ~8 %, H200).
+      std::int64_t c = c_first;
+      while (c < nfetch) {
+        const std::int64_t listed = next_listed(c);
+        const std::int64_t stop = listed < nfetch ? listed + 1 : nfetch;
+        for (; c < stop; ++c) step(c, std::false_type{});
+        if (listed < nfetch) store_checkpoints<MT>(p, heads[listed], h, acc, unit, v_warp, gq, tq);
+      }
+    } else {
+      for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
     }
   } else {
     for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
