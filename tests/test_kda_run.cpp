@@ -1181,7 +1181,7 @@ LayerRun run_direct(const kda::layer::Weights& weights, const std::vector<std::u
 
 }  // namespace
 
-TEST_CASE("kda-run --layer-case: varlen with initial states equals the CPU layer; chunks chain") {
+TEST_CASE("kda-run --layer-case: varlen with initial states equals the CPU layer, chunks chain") {
   const auto weights = kda::layer::random_weights(layer_config(), 3, 0);
   const std::vector<std::uint16_t> hidden = random_bits(12 * kLayerE, 1.0f, 11);
   TempDir dir;
@@ -1616,7 +1616,7 @@ TEST_CASE(
                         "64 bits\n");
 }
 
-TEST_CASE("kda-run: Kimi K3 and GLM-5.3-Flash plan; a Hugging Face folder is a model") {
+TEST_CASE("kda-run: Kimi K3 and GLM-5.3-Flash plan, a Hugging Face folder is a model") {
   for (const char* model : {"kimi-k3.json", "kimi-k3-tp8.yaml", "glm-5.3-flash.json"}) {
     CAPTURE(model);
     const Result r = kda_run({"--model", kModels + model, "--plan-only", "--backend", "cpu"});

@@ -457,10 +457,10 @@ void prefill_checkpoints(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from one [cpu]") {
+TEST_CASE("engine: prefill checkpoints on caller-owned metadata, and continuing from one [cpu]") {
   prefill_checkpoints(Backend::kCpu);
 }
-TEST_CASE("engine: prefill checkpoints on caller-owned metadata; continuing from one [cuda]") {
+TEST_CASE("engine: prefill checkpoints on caller-owned metadata, and continuing from one [cuda]") {
   if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
 }
 
@@ -1015,7 +1015,7 @@ TEST_CASE(
 #endif
 }
 
-TEST_CASE("C API: kda_batch calls equal the host-slot calls; bad batches are refused [cpu]") {
+TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are refused [cpu]") {
   kda_engine_options options;
   REQUIRE(kda_engine_options_init(&options) == KDA_OK);
   options.backend = KDA_BACKEND_CPU;

@@ -168,7 +168,7 @@ TEST_CASE("bad layer weights: missing, misshapen or wrongly typed tensors are re
   }
 }
 
-TEST_CASE("a full-rank output gate: g_proj round trips, shards by rows; the wrong or both forms") {
+TEST_CASE("a full-rank output gate: g_proj round trips, shards by rows, the wrong or both forms") {
   Config config = small_config();
   config.full_rank_gate = true;
   const Weights weights = with_bias_and_norm(kda::layer::random_weights(config, 4, 3));

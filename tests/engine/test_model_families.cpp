@@ -580,7 +580,7 @@ KDA_CPU_CASE(
   }
 }
 
-KDA_CPU_CASE("F16 values widen exactly, subnormals and extremes included; F32 rounds to even") {
+KDA_CPU_CASE("F16 values widen exactly, subnormals and extremes included, F32 rounds to even") {
   TempDir dir;
   const Config config = small_config();
   LayerCheckpoint l = layer_checkpoint(config, 0, kGlmPrefix, DType::kBF16, DType::kF32, true, 7);
@@ -842,7 +842,7 @@ KDA_CPU_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 
   CHECK(nan.find("tensor '" + a + "' holds a non-finite value at element 1") != std::string::npos);
 }
 
-KDA_CPU_CASE("an FP8 tensor of the KDA layer itself is refused by name; FP8 elsewhere is ignored") {
+KDA_CPU_CASE("an FP8 tensor of the KDA layer itself is refused by name, FP8 elsewhere is ignored") {
   const Config config = small_config();
   TempDir dir;
   LayerCheckpoint l = layer_checkpoint(config, 0, kGlmPrefix, DType::kBF16, DType::kF32, true, 1);

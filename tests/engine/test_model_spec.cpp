@@ -236,7 +236,7 @@ TEST_CASE("a missing required key names the near-miss found in its place, at its
   CHECK(message == "m.yaml:5:3: linear_attn_config.num_heads: required key is missing");
 }
 
-TEST_CASE("gate: kimi_linear defaults to softplus; otherwise a missing gate lists the values") {
+TEST_CASE("gate: kimi_linear defaults to softplus, otherwise a missing gate lists the values") {
   const std::string no_gate =
       replace(replace(kValid, "  gate: lower_bound\n  gate_lower_bound: -5.0\n", ""),
               "name: test-model\n", "name: test-model\nmodel_type: kimi_linear\n");
@@ -366,7 +366,7 @@ TEST_CASE("the YAML twin of the Hugging Face config loads to the same spec") {
   CHECK(example.warnings.empty());
 }
 
-TEST_CASE("JSON: errors and warnings carry positions; what yaml-cpp cannot read; syntax errors") {
+TEST_CASE("JSON: errors and warnings carry positions, what yaml-cpp cannot read, syntax errors") {
   const std::string json =
       "{\n"                                   // 1
       "  \"hidden_size\": 64,\n"              // 2

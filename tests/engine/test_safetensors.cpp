@@ -192,7 +192,7 @@ TEST_CASE("malformed files: header garbage") {
   check_bad(dir, file_with_header(R"({"__metadata__": [1]})", 0), {"__metadata__"});
 }
 
-TEST_CASE("dtypes: F16 is read; other safetensors dtypes are listed, refused when read; unknown") {
+TEST_CASE("dtypes: F16 is read, other safetensors dtypes are listed, refused when read, unknown") {
   TempDir dir;
   const std::string path = dir.file("mixed.safetensors");
   // An FP8 tensor and a packed FP4 one beside an F16 one, as quantized checkpoints hold them.

@@ -350,7 +350,7 @@ KDA_MATRIX_CASE(
 }
 
 KDA_MATRIX_CASE(
-    "commit: several layers in one call equal one call per layer; padding rows and "
+    "commit: several layers in one call equal one call per layer, padding rows and "
     "their poisoned records and num_accepted touch nothing") {
   const std::int64_t B = 6, T = 4, H = 2, layers = 3;
   for (const DType dt : {DType::kF32, DType::kBF16}) {

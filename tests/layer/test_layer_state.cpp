@@ -165,7 +165,7 @@ KDA_LAYER_CASE("prefill then decode steps equal one longer prefill") {
 // Padding (negative slots) as a serving runtime pads a captured batch: decode rows, and prefill
 // sequences among real ones (an empty one too). The pools' nobody's rows hold non-zero states,
 // which padding must neither read nor write.
-KDA_LAYER_CASE("padding outputs zeros and touches no state; the rest runs as without it") {
+KDA_LAYER_CASE("padding outputs zeros and touches no state, the rest runs as without it") {
   for_each_gate_form(
       runner, [&](const layer::Weights& weights, const std::unique_ptr<layer::Layer>& layer) {
         const layer::Config& config = weights.config;
@@ -401,7 +401,7 @@ ForwardSettings with_checkpoints(const std::vector<std::int64_t>* offsets,
 // Each checkpoint row holds the states (recurrent and conv) of a prefill of that many of its
 // sequence's tokens, bit for bit, and a prefill continued from it ends where the one-pass prefill
 // ends; out and the sequences' own rows are those of the call without checkpoints.
-KDA_LAYER_CPU_CASE("prefill checkpoints hold each offset's states; continuing from one matches") {
+KDA_LAYER_CPU_CASE("prefill checkpoints hold each offset's states, and continuing from one matches") {
   LayerRunner& runner = cpu_layer_runner();
   for (const bool full_rank : {false, true}) {
     CAPTURE(full_rank);
@@ -499,7 +499,7 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
 // its sequence's tokens (conv states and the recurrent state), a request at the length bit for bit
 // the sequence's own row, out and the sequences' rows those of the call without checkpoints, rows
 // no request names untouched, and a prefill continued from a checkpoint as the one pass.
-KDA_LAYER_CUDA_CASE("prefill checkpoints hold each offset's states; continuing from one matches") {
+KDA_LAYER_CUDA_CASE("prefill checkpoints hold each offset's states, and continuing from one matches") {
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       CAPTURE(full_rank);
@@ -516,9 +516,17 @@ KDA_LAYER_CUDA_CASE("prefill checkpoints hold each offset's states; continuing f
       before.randomize(63);
       const std::vector<std::int64_t> offsets = {16, 37, 0, 16, 256, 300, 1, -1};
       const std::vector<std::int32_t> rows = {4, 5, 6, 7, 8, 9, 10, -1};
+      // The requests in device memory, as the layer's backend reads them.
+      const DeviceBuffer offsets_dev = DeviceBuffer::from(offsets);
+      const DeviceBuffer rows_dev = DeviceBuffer::from(rows);
+      ForwardSettings requests;
+      requests.change = [&](ForwardCall& call) {
+        call.batch.checkpoints = 2;
+        call.batch.checkpoint_offsets = static_cast<const std::int64_t*>(offsets_dev.get());
+        call.batch.checkpoint_slots = static_cast<const std::int32_t*>(rows_dev.get());
+      };
       Pools after = before;
-      const LayerRun run =
-          cuda.forward(*layer, hidden, batch, &after, with_checkpoints(&offsets, &rows, 2));
+      const LayerRun run = cuda.forward(*layer, hidden, batch, &after, requests);
       REQUIRE_MESSAGE(run.error.empty(), run.error);
       CHECK(run.device_status == 0u);
       CHECK(run.guards_intact);

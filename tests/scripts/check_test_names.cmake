@@ -1,0 +1,13 @@
+# Fails when a doctest case name holds a ';': CTest's discovery splits names at ';' (a CMake list
+# separator), and each half then selects no case, so the case would pass without running.
+file(GLOB_RECURSE sources "${SOURCE_DIR}/tests/*.cpp")
+set(bad "")
+foreach(source IN LISTS sources)
+  file(STRINGS "${source}" lines REGEX "_CASE\\(\"[^\"]*;")
+  foreach(line IN LISTS lines)
+    string(APPEND bad "\n  ${source}: ${line}")
+  endforeach()
+endforeach()
+if(bad)
+  message(FATAL_ERROR "test case names with ';' (CTest would split them):${bad}")
+endif()
