@@ -401,7 +401,8 @@ ForwardSettings with_checkpoints(const std::vector<std::int64_t>* offsets,
 // Each checkpoint row holds the states (recurrent and conv) of a prefill of that many of its
 // sequence's tokens, bit for bit, and a prefill continued from it ends where the one-pass prefill
 // ends; out and the sequences' own rows are those of the call without checkpoints.
-KDA_LAYER_CPU_CASE("prefill checkpoints hold each offset's states, and continuing from one matches") {
+KDA_LAYER_CPU_CASE(
+    "prefill checkpoints hold each offset's states, and continuing from one matches") {
   LayerRunner& runner = cpu_layer_runner();
   for (const bool full_rank : {false, true}) {
     CAPTURE(full_rank);
@@ -499,7 +500,8 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
 // its sequence's tokens (conv states and the recurrent state), a request at the length bit for bit
 // the sequence's own row, out and the sequences' rows those of the call without checkpoints, rows
 // no request names untouched, and a prefill continued from a checkpoint as the one pass.
-KDA_LAYER_CUDA_CASE("prefill checkpoints hold each offset's states, and continuing from one matches") {
+KDA_LAYER_CUDA_CASE(
+    "prefill checkpoints hold each offset's states, and continuing from one matches") {
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       CAPTURE(full_rank);

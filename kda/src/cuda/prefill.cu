@@ -208,10 +208,6 @@ class PrefillLaunch {
                                                           ChunkRecord::kBytes)
             : nullptr;
     shape_ = recurrence_shape(plan_.seg_slots * p.num_heads, sms_);
-    // Checkpoint stores need registers the paired shape does not have (prefill_recurrence.cu).
-    if (p.checkpoints > 0 && shape_ == RecurrenceShape::kCols128Paired) {
-      shape_ = RecurrenceShape::kCols128;
-    }
     // Pipelined: one unsplit sequence fed chunk by chunk by the persistent prepare grid
     // (H200: h32-1seq 0.92x, h32-32k 0.87x against the split).
     pipelined_ = wants_pipeline && !plan_.split;
