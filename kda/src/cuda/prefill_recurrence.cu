@@ -674,9 +674,9 @@ Status launch_kernel(const PrefillParams& prm, std::int64_t grid_x, int columns,
 }
 
 // Checkpoints only where a pass carries true states (not the transitions). The paired shape's
-// checkpoint kernel spills (~500 bytes a thread) and still
-// beats the one-m-tile shape it would otherwise take (H200, same run: h64-8x1024 with 2 checkpoints
-// a sequence 1.08x the prefill without them against 1.17x, h32-16x2048 1.07x against 1.14x).
+// checkpoint kernel spills (~500 bytes a thread) and still beats the one-m-tile shape it would
+// otherwise take (H200, same run: h64-8x1024 with 2 checkpoints a sequence 1.08x the prefill
+// without them against 1.17x, h32-16x2048 1.07x against 1.14x).
 template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT>
 Status launch(const PrefillParams& prm, std::int64_t grid_x, int columns, cudaStream_t stream) {
   if (prm.checkpoint_heads != nullptr) {
