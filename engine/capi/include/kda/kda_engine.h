@@ -224,8 +224,8 @@ typedef struct kda_batch {
   const int32_t* num_accepted;
   /* Prefill only, optional (0 / NULL: none): prefix-cache checkpoints, `checkpoints` requests per
      sequence, checkpoint_offsets [sequences, checkpoints] (tokens; -1: none) and checkpoint_slots
-     [sequences, checkpoints] (acquired slots; -1: none), as kda::engine::BatchMetadata. CPU
-     backend only for now (KDA_UNSUPPORTED on CUDA). */
+     [sequences, checkpoints] (acquired slots; -1: none), as kda::engine::BatchMetadata (CUDA:
+     checked on the device, reported by kda_engine_check_device_status). */
   int64_t checkpoints;
   const int64_t* checkpoint_offsets;
   const int32_t* checkpoint_slots;
