@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #include "checks.hpp"
 #include "kda/error.hpp"
@@ -109,7 +108,7 @@ void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
   const std::int64_t W = c.conv_width, Cl = c.local_channels(), hist = W - 1;
   if (hist <= 0) return;
   bf16_bits* const pools[3] = {s.conv_q, s.conv_k, s.conv_v};
-  std::vector<bf16_bits> old(static_cast<std::size_t>(hist));
+  bf16_bits old[16];  // hist <= 15 (conv_width <= 16): nothing allocated
   for (std::int64_t row = 0; row < b.sequences; ++row) {
     const std::int64_t slot = b.slots[row];
     if (padding_row(b, slot)) continue;
@@ -118,11 +117,10 @@ void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
     for (int branch = 0; branch < 3; ++branch) {
       for (std::int64_t ch = 0; ch < Cl; ++ch) {
         bf16_bits* state = pools[branch] + (slot * Cl + ch) * hist;
-        std::copy(state, state + hist, old.begin());
+        std::copy(state, state + hist, old);
         for (std::int64_t i = 0; i < hist; ++i) {
           const std::int64_t at = n + i;
-          state[i] = at < hist ? old[static_cast<std::size_t>(at)]
-                               : inputs[(at - hist) * 3 * Cl + branch * Cl + ch];
+          state[i] = at < hist ? old[at] : inputs[(at - hist) * 3 * Cl + branch * Cl + ch];
         }
       }
     }

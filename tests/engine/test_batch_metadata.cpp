@@ -1383,3 +1383,73 @@ TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-to
   kda_engine_destroy(tokens);
   kda_engine_destroy(records);
 }
+
+namespace {
+
+// The records form on an engine of KDA cores (runtime.layers: core): a records step of both
+// layers through decode() and one commit leave each committed slot with the per-token form's state
+// after the last accepted token, and the same out (bit for bit on the CPU).
+void records_cores(Backend backend) {
+  const ModelSpec model = kda::engine::parse_model_spec(
+      std::string(kSpec) + "  max_verify_tokens: 3\n  layers: core\n", "records-core.yaml");
+  Engine tokens(model, EnginePair::options(backend, nullptr));
+  Engine records(model, EnginePair::options(backend, nullptr));
+  for (Engine* e : {&tokens, &records}) {
+    for (int s = 0; s < e->num_slots(); ++s) e->acquire_slot();
+  }
+  const int N = 2, T = 3, H = 4, D = 128;
+  const std::size_t values = static_cast<std::size_t>(N * T * H * D);
+  Memory q(backend, kda::test::random_bf16(values, 1.0f, 120));
+  Memory k(backend, kda::test::random_bf16(values, 1.0f, 121));
+  Memory v(backend, kda::test::random_bf16(values, 1.0f, 122));
+  Memory g(backend, kda::test::random_bf16(values, 1.0f, 123));
+  Memory beta(backend, kda::test::random_bf16(static_cast<std::size_t>(N * T * H), 1.0f, 124));
+  const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+  Memory out_tokens(backend, values * 2), out_records(backend, values * 2);
+  Memory entries(backend, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5});
+  Memory ones(backend, std::vector<std::int32_t>{1, 1});
+  Memory rows(backend, std::vector<std::int32_t>{0, 3});
+  Memory accepted(backend, std::vector<std::int32_t>{3, 2});
+  BatchMetadata verify;
+  verify.tokens = N * T;
+  verify.sequences = N;
+  verify.decode_tokens = T;
+  verify.slots = entries.as<std::int32_t>();
+  verify.num_accepted = ones.as<std::int32_t>();
+  BatchMetadata step = verify;
+  step.slots = rows.as<std::int32_t>();
+  step.num_accepted = nullptr;
+  step.records = true;
+  const double tolerance = backend == Backend::kCpu ? 0.0 : 1e-2;
+  for (int l = 0; l < 2; ++l) {
+    tokens.decode(l, inputs, out_tokens.get(), verify);
+    records.decode(l, inputs, out_records.get(), step);
+    tokens.synchronize();
+    records.synchronize();
+    CHECK(deviation(kda::test::to_doubles(out_records.read<std::uint16_t>()),
+                    kda::test::to_doubles(out_tokens.read<std::uint16_t>())) <= tolerance);
+  }
+  records.commit(N, rows.as<std::int32_t>(), accepted.as<std::int32_t>());
+  records.synchronize();
+  CHECK_NOTHROW(records.check_device_status());
+  std::vector<float> got(records.state_slot_bytes() / sizeof(float)), want(got.size());
+  for (int l = 0; l < 2; ++l) {
+    for (const auto& [mine, theirs] : {std::pair<int, int>{0, 2}, {3, 4}}) {
+      CAPTURE(l);
+      CAPTURE(mine);
+      records.read_slot_state(l, mine, got.data());
+      tokens.read_slot_state(l, theirs, want.data());
+      CHECK(deviation(std::vector<double>(got.begin(), got.end()),
+                      std::vector<double>(want.begin(), want.end())) <= tolerance);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cpu]") {
+  records_cores(Backend::kCpu);
+}
+TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cuda]") {
+  if (usable(Backend::kCuda)) records_cores(Backend::kCuda);
+}
