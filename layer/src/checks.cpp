@@ -69,6 +69,24 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
   if (verify && (!decode || batch.slots == nullptr)) {
     invalid(what, "num_accepted (a verify step) needs a decode batch with slots");
   }
+  if (batch.records) {
+    if (!decode || batch.slots == nullptr) {
+      invalid(what, "records (a record-and-commit verify step) needs a decode batch with slots");
+    }
+    if (verify) {
+      invalid(what,
+              "records and num_accepted are both set: a records step takes no num_accepted "
+              "(the commit does)");
+    }
+    if (state.record_rows < T) {
+      invalid(what, "records: State::record_rows " + std::to_string(state.record_rows) +
+                        " is below the step's " + std::to_string(N) + " x " +
+                        std::to_string(batch.decode_tokens) + " row-token pairs");
+    }
+    if (T > 0 && (state.recurrent_records == nullptr || state.conv_records == nullptr)) {
+      invalid(what, "records: State::recurrent_records or State::conv_records is null");
+    }
+  }
   if (verify && accepted_host != nullptr) {
     for (std::int64_t n = 0; n < N; ++n) {
       if (accepted_host[n] < 1 || accepted_host[n] > batch.decode_tokens) {
@@ -115,7 +133,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
         invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
-      for (std::int64_t m = 0; m < n && !is_padding(batch, slots_host[n]); ++m) {
+      // A records step only reads its slots: rows may share one.
+      for (std::int64_t m = 0; m < n && !batch.records && !is_padding(batch, slots_host[n]); ++m) {
         if (slots_host[m] == slots_host[n]) {
           invalid(what, (verify ? entry(m) + " and " + entry(n)
                                 : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
@@ -144,7 +163,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
   if (decode) {
     DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
-    step.verify = verify;
+    step.verify = verify || batch.records;
+    step.records = batch.records;
     throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
   } else {
     throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());

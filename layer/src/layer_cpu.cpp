@@ -322,10 +322,11 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     const float* conv;
     bf16_bits* pool;
     bf16_bits* out;
+    std::int64_t index;  // q, k, v: 0, 1, 2 (its columns in the conv records)
   };
-  for (const ConvBranch& branch : {ConvBranch{q_proj_, q_conv_, state.conv_q, q},
-                                   ConvBranch{k_proj_, k_conv_, state.conv_k, k},
-                                   ConvBranch{v_proj_, v_conv_, state.conv_v, v}}) {
+  for (const ConvBranch& branch : {ConvBranch{q_proj_, q_conv_, state.conv_q, q, 0},
+                                   ConvBranch{k_proj_, k_conv_, state.conv_k, k, 1},
+                                   ConvBranch{v_proj_, v_conv_, state.conv_v, v, 2}}) {
     {
       KDA_NVTX_RANGE("projections");  // the same range names as the CUDA layer's
       project(xf, T, E, branch.proj, Cl, pre);
@@ -354,11 +355,21 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
                           branch.pool + std::int64_t{slot} * conv_row);
           }
         }
-        if (verify && !padding) {
-          bf16_bits* keep[kMaxDecodeTokens];
-          for (std::int64_t t = 0; t < length; ++t) {
+        if ((verify || batch.records) && !padding) {
+          bf16_bits* keep[kMaxDecodeTokens] = {};  // a records step keeps none
+          for (std::int64_t t = 0; t < length && verify; ++t) {
             const std::int32_t slot = batch.slots[n * per_row + t];
             keep[t] = is_padding(batch, slot) ? nullptr : branch.pool + slot * conv_row;
+          }
+          if (batch.records) {
+            // The conv inputs, from which the commit shifts the conv state: pre holds bf16
+            // values (the projection's rounding), so they are kept exactly.
+            const std::int64_t branch_index = branch.index;
+            for (std::int64_t t = 0; t < length; ++t) {
+              bf16_bits* record = state.conv_records + (begin + t) * 3 * Cl + branch_index * Cl;
+              const float* input = pre + (begin + t) * Cl;
+              for (std::int64_t ch = 0; ch < Cl; ++ch) record[ch] = float_to_bf16(input[ch]);
+            }
           }
           conv_silu_kept(pre + begin * Cl, length, Cl, W, branch.conv, conv_state, keep,
                          branch.out + begin * Cl);
@@ -407,15 +418,17 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   // ---- the KDA core: one call for the batch, states in place in the pool -------------------
   // (A verify step: the operator's decode, which keeps the state after every token; padding rows
   // leave their o rows unwritten, so they are zeroed first.)
-  if (verify) {
+  if (verify || batch.records) {
     DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
     step.verify = true;
+    step.records = batch.records;
     step.padding_slot = batch.padding_slot;
     DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
     t.slots = batch.slots;
     t.num_accepted = batch.num_accepted;
     t.state_pool = state.recurrent;
+    t.records = batch.records ? state.recurrent_records : nullptr;
     std::fill(o, o + T * Cl, bf16_bits{0});
     KDA_NVTX_RANGE("core");
     throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");

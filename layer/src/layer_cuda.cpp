@@ -395,8 +395,18 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   const bool cu_i32 = core.cu_seqlens_dtype == DType::kI32;
   DecodeProblem step = core_decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
                                            state.num_slots, state.recurrent_dtype);
-  step.verify = batch.num_accepted != nullptr;
+  step.verify = batch.num_accepted != nullptr || batch.records;
+  step.records = batch.records;
   step.padding_slot = batch.padding_slot;
+  const bool per_token_slots = batch.num_accepted != nullptr;
+  if (batch.records && N > 0 &&
+      ((reinterpret_cast<std::uintptr_t>(state.recurrent_records) |
+        reinterpret_cast<std::uintptr_t>(state.conv_records)) &
+       15) != 0) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(kForward) +
+                    ": State::recurrent_records and conv_records must be 16-byte aligned");
+  }
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
@@ -416,8 +426,12 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
         {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
         {decode ? nullptr : batch.cu_seqlens_i32, static_cast<std::size_t>(N + 1) * 4,
          "cu_seqlens_i32"},
-        {batch.slots, static_cast<std::size_t>(N * (step.verify ? batch.decode_tokens : 1)) * 4,
+        {batch.slots, static_cast<std::size_t>(N * (per_token_slots ? batch.decode_tokens : 1)) * 4,
          "slots"},
+        {batch.records ? state.recurrent_records : nullptr,
+         static_cast<std::size_t>(T * Hl * 3 * D) * 4, "recurrent_records"},
+        {batch.records ? state.conv_records : nullptr, static_cast<std::size_t>(T * 3 * Cl) * 2,
+         "conv_records"},
         {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
         {batch.checkpoint_offsets, static_cast<std::size_t>(N * batch.checkpoints) * 8,
          "checkpoint_offsets"},
@@ -454,8 +468,10 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
   cuda::FusedDecodeParams fused;
   const DecodeKernel kernel = options.decode_kernel;
   const bool auto_fused = N * Hl <= kFusedDecodeMaxBlocks;
-  bool fuse = decode && (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
-                         (kernel == DecodeKernel::kAuto && auto_fused));
+  // A records step runs the separate kernels: the fused one keeps no records.
+  bool fuse = decode && !batch.records &&
+              (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
+               (kernel == DecodeKernel::kAuto && auto_fused));
   bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
     fused.proj = proj;
@@ -548,6 +564,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       p.decode_tokens = batch.decode_tokens;
       p.identity_slots = batch.slots == nullptr ? identity : nullptr;
       p.num_accepted = batch.num_accepted;
+      p.conv_records = batch.records ? state.conv_records : nullptr;
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
       p.cu_seqlens = batch.cu_seqlens;
@@ -573,6 +590,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       t.slots = batch.slots != nullptr ? batch.slots : identity;
       t.num_accepted = batch.num_accepted;
       t.state_pool = state.recurrent;
+      t.records = batch.records ? state.recurrent_records : nullptr;
       t.device_status = batch.device_status;
       throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");
     } else {

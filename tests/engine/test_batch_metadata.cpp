@@ -128,10 +128,10 @@ std::vector<std::uint8_t> all_states(const Engine& e) {
 // Two engines with the same weights on `backend`: one driven through host spans, the other through
 // caller-owned metadata; every slot acquired and given a history by the same prefill.
 struct EnginePair {
-  EnginePair(Backend backend, void* stream = nullptr)
+  explicit EnginePair(Backend backend, void* stream = nullptr, const ModelSpec& model = spec())
       : backend(backend),
-        spans(spec(), options(backend, stream)),
-        meta(spec(), options(backend, stream)) {
+        spans(model, options(backend, stream)),
+        meta(model, options(backend, stream)) {
     for (Engine* e : {&spans, &meta}) {
       for (int s = 0; s < e->num_slots(); ++s) REQUIRE(e->acquire_slot() == s);
     }
@@ -1221,4 +1221,313 @@ TEST_CASE("C API: options.null_slot is never acquired and pads kda_batch rows [c
                     [](std::uint16_t x) { return x != 0; }));
   CHECK(kda_engine_release_slot(engine, 0) == KDA_INVALID_ARGUMENT);
   kda_engine_destroy(engine);
+}
+
+namespace {
+
+// The spec above with records buffers for verify steps of up to 3 tokens per row.
+ModelSpec records_spec() {
+  return kda::engine::parse_model_spec(std::string(kSpec) + "  max_verify_tokens: 3\n",
+                                       "batch-metadata-records.yaml");
+}
+
+// The speculative-decode loop in both verify forms, both layers, four rounds of random counts.
+// Rows 0 and 1 own slots {0, 1, 2} and {3, 4, 5}; row 2 is padding. The reference (`spans` of the
+// pair): per-token-states verify steps whose row r starts from its current slot (num_accepted 1,
+// that slot its first entry) and keeps the states after its tokens in its three slots; the current
+// slot then becomes the one after its last accepted token. The records engine (`meta`): records
+// steps on slots 0 and 3, then one commit of both layers. After every round the committed slots
+// hold the reference's current states and the outs agree: bit for bit on the CPU; on CUDA the
+// per-token step may run the fused kernel, so to rounding.
+void records_loop(Backend backend) {
+  EnginePair pair(backend, nullptr, records_spec());
+  const int T = 3, N = 3;
+  const std::vector<std::int32_t> committed = {0, 3, -1};
+  std::vector<std::int32_t> current = {0, 3};
+  std::mt19937 random(91);
+  const double tolerance = backend == Backend::kCpu ? 0.0 : 1e-2;
+  Memory out_ref(backend, N * T * kHidden * 2), out_rec(backend, N * T * kHidden * 2);
+  Memory records_slots(backend, committed);
+  for (int round = 0; round < 4; ++round) {
+    CAPTURE(round);
+    std::vector<std::int32_t> entries;
+    for (int r = 0; r < 2; ++r) {
+      entries.push_back(current[static_cast<std::size_t>(r)]);
+      for (int s = 3 * r; s < 3 * r + 3; ++s) {
+        if (s != current[static_cast<std::size_t>(r)]) entries.push_back(s);
+      }
+    }
+    entries.insert(entries.end(), {-1, -1, -1});
+    std::vector<std::int32_t> accepted = {1 + static_cast<std::int32_t>(random() % T),
+                                          1 + static_cast<std::int32_t>(random() % T), 0};
+    Memory hidden(backend, kda::test::random_bf16(N * T * kHidden, 1.0f, 100 + round));
+    Memory verify_slots(backend, entries), ones(backend, std::vector<std::int32_t>{1, 1, 1});
+    Memory counts(backend, accepted);
+    BatchMetadata verify;
+    verify.tokens = N * T;
+    verify.sequences = N;
+    verify.decode_tokens = T;
+    verify.slots = verify_slots.as<std::int32_t>();
+    verify.num_accepted = ones.as<std::int32_t>();
+    BatchMetadata records = verify;
+    records.slots = records_slots.as<std::int32_t>();
+    records.num_accepted = nullptr;
+    records.records = true;
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      out_ref.poison();
+      out_rec.poison();
+      pair.spans.decode_hidden(l, hidden.get(), out_ref.get(), verify);
+      pair.meta.decode_hidden(l, hidden.get(), out_rec.get(), records);
+      pair.spans.synchronize();
+      pair.meta.synchronize();
+      const std::vector<std::uint16_t> want = out_ref.read<std::uint16_t>();
+      const std::vector<std::uint16_t> got = out_rec.read<std::uint16_t>();
+      CHECK(deviation(kda::test::to_doubles(got), kda::test::to_doubles(want)) <= tolerance);
+    }
+    pair.meta.commit(N, records_slots.as<std::int32_t>(), counts.as<std::int32_t>());
+    pair.meta.synchronize();
+    CHECK_NOTHROW(pair.meta.check_device_status());
+    for (int r = 0; r < 2; ++r) {
+      current[static_cast<std::size_t>(r)] =
+          entries[static_cast<std::size_t>(r * T + accepted[static_cast<std::size_t>(r)] - 1)];
+    }
+    for (int l = 0; l < 2; ++l) {
+      for (int r = 0; r < 2; ++r) {
+        CAPTURE(l);
+        CAPTURE(r);
+        CHECK(deviation(slot_values(pair.meta, l, committed[static_cast<std::size_t>(r)]),
+                        slot_values(pair.spans, l, current[static_cast<std::size_t>(r)])) <=
+              tolerance);
+      }
+    }
+  }
+  CHECK(out_rec.guards_intact());
+}
+
+}  // namespace
+
+TEST_CASE(
+    "engine: spec decode with records steps and commits equals per-token-states verify [cpu]") {
+  records_loop(Backend::kCpu);
+}
+TEST_CASE(
+    "engine: spec decode with records steps and commits equals per-token-states verify [cuda]") {
+  if (usable(Backend::kCuda)) records_loop(Backend::kCuda);
+}
+
+namespace {
+
+// Records steps and commits refused: without runtime.max_verify_tokens, more tokens than it, with
+// num_accepted, a commit without records, twice, or of other rows; on the CPU a count out of range
+// or a slot not acquired (nothing written); on CUDA a bad count reported by the device.
+void bad_records(Backend backend) {
+  using kda::test::error_of;
+  Memory hidden(backend, kda::test::random_bf16(4 * 4 * kHidden, 1.0f, 72));
+  Memory out(backend, 4 * 4 * kHidden * 2);
+  Memory slots(backend, std::vector<std::int32_t>{0, 1});
+  Memory accepted(backend, std::vector<std::int32_t>{1, 2});
+  BatchMetadata b;
+  b.tokens = 4;
+  b.sequences = 2;
+  b.decode_tokens = 2;
+  b.slots = slots.as<std::int32_t>();
+  b.records = true;
+  {
+    Engine e(spec(), EnginePair::options(backend, nullptr));
+    for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+    CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), b); }) ==
+          "decode_hidden: a records verify step of 2 tokens per row needs "
+          "runtime.max_verify_tokens >= 2 (the records buffers' size); it is 0");
+    CHECK(error_of([&] {
+            e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>());
+          }).find("runtime.max_verify_tokens is 0") != std::string::npos);
+  }
+  Engine e(records_spec(), EnginePair::options(backend, nullptr));
+  for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+  BatchMetadata four = b;
+  four.decode_tokens = 4;
+  four.tokens = 8;
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), four); }) ==
+        "decode_hidden: a records verify step of 4 tokens per row needs "
+        "runtime.max_verify_tokens >= 4 (the records buffers' size); it is 3");
+  BatchMetadata both = b;
+  both.num_accepted = accepted.as<std::int32_t>();
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), both); }) ==
+        "decode_hidden: records and num_accepted are both set: a records step takes no "
+        "num_accepted (Engine::commit does)");
+  CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
+        "commit: layer 1 (KDA index 0) has no records to commit (no records verify step since "
+        "the last commit)");
+  e.decode_hidden(0, hidden.get(), out.get(), b);
+  CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
+        "commit: layer 2 (KDA index 1) has no records to commit (no records verify step since "
+        "the last commit)");
+  e.decode_hidden(1, hidden.get(), out.get(), b);
+  CHECK(error_of([&] { e.commit(1, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
+        "commit: layer 1 (KDA index 0)'s records step had 2 rows of 2 tokens; the commit has 1 "
+        "rows");
+  if (backend == Backend::kCpu) {
+    const std::vector<std::uint8_t> before = all_states(e);
+    accepted.write(std::vector<std::int32_t>{1, 3});
+    CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
+          "commit: row 1 has num_accepted 3, expected 1..2 (the records step's decode_tokens)");
+    accepted.write(std::vector<std::int32_t>{1, 2});
+    e.release_slot(1);
+    CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
+          "commit: row 1 uses slot 1, which is not an acquired slot");
+    CHECK(all_states(e) == before);
+    REQUIRE(e.acquire_slot() == 1);
+  } else {
+    accepted.write(std::vector<std::int32_t>{1, 3});
+    e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>());
+    const std::string error = error_of([&] { e.check_device_status(); });
+    CHECK(error.find("num_accepted") != std::string::npos);
+    e.decode_hidden(0, hidden.get(), out.get(), b);
+    e.decode_hidden(1, hidden.get(), out.get(), b);
+    accepted.write(std::vector<std::int32_t>{1, 2});
+  }
+  CHECK_NOTHROW(e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()));
+  CHECK(error_of([&] {
+          e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>());
+        }).find("has no records to commit") != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("engine: bad records steps and commits are refused [cpu]") { bad_records(Backend::kCpu); }
+TEST_CASE("engine: bad records steps and commits are refused or reported by the device [cuda]") {
+  if (usable(Backend::kCuda)) bad_records(Backend::kCuda);
+}
+
+TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-token form [cpu]") {
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  options.backend = KDA_BACKEND_CPU;
+  options.cpu_threads = 2;
+  const std::string text = std::string(kSpec) + "  max_verify_tokens: 2\n";
+  kda_engine *tokens = nullptr, *records = nullptr;
+  char err[512];
+  REQUIRE(kda_engine_create_from_string(text.c_str(), &options, &tokens, err, sizeof err) ==
+          KDA_OK);
+  REQUIRE(kda_engine_create_from_string(text.c_str(), &options, &records, err, sizeof err) ==
+          KDA_OK);
+  for (int i = 0; i < 4; ++i) {
+    int s = 0;
+    REQUIRE(kda_engine_acquire_slot(tokens, &s) == KDA_OK);
+    REQUIRE(kda_engine_acquire_slot(records, &s) == KDA_OK);
+  }
+  const std::vector<std::uint16_t> hidden = kda::test::random_bf16(4 * kHidden, 1.0f, 13);
+  std::vector<std::uint16_t> out_tokens(4 * kHidden), out_records(4 * kHidden, 0xFFFF);
+  // Per-token states: row 0 from slot 0 keeps slots 0, 1; row 1 from slot 2 keeps slots 2, 3.
+  const std::vector<std::int32_t> entries = {0, 1, 2, 3}, ones = {1, 1}, rows = {0, 2};
+  const std::vector<std::int32_t> accepted = {2, 1};
+  kda_batch verify = {};
+  verify.tokens = 4;
+  verify.sequences = 2;
+  verify.decode_tokens = 2;
+  verify.slots = entries.data();
+  verify.num_accepted = ones.data();
+  kda_batch step = verify;
+  step.slots = rows.data();
+  step.num_accepted = nullptr;
+  step.records = 1;
+  CHECK(kda_engine_commit(records, 2, rows.data(), accepted.data()) == KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(records)).find("no records to commit") !=
+        std::string::npos);
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_forward_hidden_batch(tokens, l, hidden.data(), out_tokens.data(), &verify) ==
+            KDA_OK);
+    REQUIRE(kda_engine_forward_hidden_batch(records, l, hidden.data(), out_records.data(), &step) ==
+            KDA_OK);
+    CHECK(out_tokens == out_records);
+  }
+  const std::vector<std::int32_t> too_many = {3, 1};
+  CHECK(kda_engine_commit(records, 2, rows.data(), too_many.data()) == KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(records)).find("row 0 has num_accepted 3") !=
+        std::string::npos);
+  REQUIRE(kda_engine_commit(records, 2, rows.data(), accepted.data()) == KDA_OK);
+  // Row 0 accepted 2 (the per-token engine kept that state in slot 1), row 1 accepted 1 (slot 2):
+  // a decode step from there is the same on both engines, bit for bit, in both layers.
+  const int from_tokens[2] = {1, 2}, from_records[2] = {0, 2};
+  std::vector<std::uint16_t> next_tokens(2 * kHidden), next_records(2 * kHidden, 0xFFFF);
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_decode_hidden(tokens, l, hidden.data(), next_tokens.data(), from_tokens, 2,
+                                     1) == KDA_OK);
+    REQUIRE(kda_engine_decode_hidden(records, l, hidden.data(), next_records.data(), from_records,
+                                     2, 1) == KDA_OK);
+    CHECK(next_tokens == next_records);
+  }
+  kda_engine_destroy(tokens);
+  kda_engine_destroy(records);
+}
+
+namespace {
+
+// The records form on an engine of KDA cores (runtime.layers: core): a records step of both
+// layers through decode() and one commit leave each committed slot with the per-token form's state
+// after the last accepted token, and the same out (bit for bit on the CPU).
+void records_cores(Backend backend) {
+  const ModelSpec model = kda::engine::parse_model_spec(
+      std::string(kSpec) + "  max_verify_tokens: 3\n  layers: core\n", "records-core.yaml");
+  Engine tokens(model, EnginePair::options(backend, nullptr));
+  Engine records(model, EnginePair::options(backend, nullptr));
+  for (Engine* e : {&tokens, &records}) {
+    for (int s = 0; s < e->num_slots(); ++s) e->acquire_slot();
+  }
+  const int N = 2, T = 3, H = 4, D = 128;
+  const std::size_t values = static_cast<std::size_t>(N * T * H * D);
+  Memory q(backend, kda::test::random_bf16(values, 1.0f, 120));
+  Memory k(backend, kda::test::random_bf16(values, 1.0f, 121));
+  Memory v(backend, kda::test::random_bf16(values, 1.0f, 122));
+  Memory g(backend, kda::test::random_bf16(values, 1.0f, 123));
+  Memory beta(backend, kda::test::random_bf16(static_cast<std::size_t>(N * T * H), 1.0f, 124));
+  const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+  Memory out_tokens(backend, values * 2), out_records(backend, values * 2);
+  Memory entries(backend, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5});
+  Memory ones(backend, std::vector<std::int32_t>{1, 1});
+  Memory rows(backend, std::vector<std::int32_t>{0, 3});
+  Memory accepted(backend, std::vector<std::int32_t>{3, 2});
+  BatchMetadata verify;
+  verify.tokens = N * T;
+  verify.sequences = N;
+  verify.decode_tokens = T;
+  verify.slots = entries.as<std::int32_t>();
+  verify.num_accepted = ones.as<std::int32_t>();
+  BatchMetadata step = verify;
+  step.slots = rows.as<std::int32_t>();
+  step.num_accepted = nullptr;
+  step.records = true;
+  const double tolerance = backend == Backend::kCpu ? 0.0 : 1e-2;
+  for (int l = 0; l < 2; ++l) {
+    tokens.decode(l, inputs, out_tokens.get(), verify);
+    records.decode(l, inputs, out_records.get(), step);
+    tokens.synchronize();
+    records.synchronize();
+    CHECK(deviation(kda::test::to_doubles(out_records.read<std::uint16_t>()),
+                    kda::test::to_doubles(out_tokens.read<std::uint16_t>())) <= tolerance);
+  }
+  records.commit(N, rows.as<std::int32_t>(), accepted.as<std::int32_t>());
+  records.synchronize();
+  CHECK_NOTHROW(records.check_device_status());
+  std::vector<float> got(records.state_slot_bytes() / sizeof(float)), want(got.size());
+  for (int l = 0; l < 2; ++l) {
+    for (const auto& [mine, theirs] : {std::pair<int, int>{0, 2}, {3, 4}}) {
+      CAPTURE(l);
+      CAPTURE(mine);
+      records.read_slot_state(l, mine, got.data());
+      tokens.read_slot_state(l, theirs, want.data());
+      CHECK(deviation(std::vector<double>(got.begin(), got.end()),
+                      std::vector<double>(want.begin(), want.end())) <= tolerance);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cpu]") {
+  records_cores(Backend::kCpu);
+}
+TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cuda]") {
+  if (usable(Backend::kCuda)) records_cores(Backend::kCuda);
 }

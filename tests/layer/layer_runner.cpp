@@ -34,6 +34,16 @@ void Pools::randomize(std::uint64_t seed) {
   for (std::size_t i = 0; i < rec_f32.size(); ++i) rec_f32[i] = bf16_to_float(bits[i]);
 }
 
+void Pools::add_records(const layer::Config& c, std::int64_t rows) {
+  record_rows = rows;
+  const auto pairs = static_cast<std::size_t>(rows);
+  float nan;
+  const std::uint32_t nan_bits = 0xFFFFFFFFu;
+  std::memcpy(&nan, &nan_bits, sizeof(nan));
+  recurrent_records.assign(pairs * static_cast<std::size_t>(c.local_heads() * 3 * c.head_dim), nan);
+  conv_records.assign(pairs * static_cast<std::size_t>(3 * c.local_channels()), bf16_bits{0xFFFF});
+}
+
 void Pools::zero_row(std::int64_t r) {
   auto zero = [r](auto& pool, std::size_t row) {
     std::fill(pool.begin() + r * row, pool.begin() + (r + 1) * row, 0);
@@ -64,7 +74,9 @@ bool Pools::row_equal(const Pools& other, std::int64_t r, std::int64_t other_r) 
 bool Pools::operator==(const Pools& other) const {
   return dtype == other.dtype && same_bits(conv_q, other.conv_q) &&
          same_bits(conv_k, other.conv_k) && same_bits(conv_v, other.conv_v) &&
-         same_bits(rec_f32, other.rec_f32) && same_bits(rec_bf16, other.rec_bf16);
+         same_bits(rec_f32, other.rec_f32) && same_bits(rec_bf16, other.rec_bf16) &&
+         same_bits(recurrent_records, other.recurrent_records) &&
+         same_bits(conv_records, other.conv_records);
 }
 
 BatchSpec prefill_batch(const std::vector<std::int64_t>& lengths, std::vector<std::int32_t> slots) {
@@ -173,6 +185,50 @@ class BufferLayerRunner final : public LayerRunner {
     run.all_written = all_finite(run.out);
     run.guards_intact = buffers.guards_intact();
     buffers.download(pools);
+    return run;
+  }
+
+  LayerRun commit(const layer::Config& config, const BatchSpec& batch,
+                  const std::vector<Pools*>& layers, bool host_copies) const override {
+    // Each layer's pools and records uploaded as a forward's are (no hidden states, no workspace).
+    std::vector<std::unique_ptr<ForwardBuffers<Buffer>>> buffers;
+    std::vector<layer::State> states;
+    const std::vector<bf16_bits> no_hidden;
+    for (Pools* pools : layers) {
+      buffers.push_back(std::make_unique<ForwardBuffers<Buffer>>(no_hidden, batch, *pools, 0));
+      states.push_back(buffers.back()->call(batch, *pools, false).state);
+    }
+    const Buffer slots = Buffer::from(batch.slots), accepted = Buffer::from(batch.num_accepted);
+    Buffer status(sizeof(std::uint32_t));
+    status.fill(0);
+    layer::CommitBatch commit;
+    commit.sequences = batch.sequences();
+    commit.decode_tokens = batch.decode_tokens;
+    commit.slots = batch.slots.empty() ? nullptr : static_cast<const std::int32_t*>(slots.get());
+    commit.num_accepted =
+        batch.num_accepted.empty() ? nullptr : static_cast<const std::int32_t*>(accepted.get());
+    commit.padding_slot = batch.padding_slot;
+    if (host_copies) {
+      commit.slots_host = batch.slots.empty() ? nullptr : batch.slots.data();
+      commit.num_accepted_host = batch.num_accepted.empty() ? nullptr : batch.num_accepted.data();
+    }
+    commit.device_status = static_cast<std::uint32_t*>(status.get());
+    LayerRun run;
+    try {
+      layer::commit(backend_, config, commit, states.data(), static_cast<int>(states.size()));
+    } catch (const Error& e) {
+      run.error = e.what();
+      run.code = e.code();
+    }
+    const Status synced = Buffer::synchronize();
+    CHECK_MESSAGE(synced.ok(), synced.to_string());
+    run.device_status = status.template download<std::uint32_t>()[0];
+    run.guards_intact = true;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      run.guards_intact = run.guards_intact && buffers[l]->guards_intact();
+      buffers[l]->download(layers[l]);
+    }
+    run.all_written = true;
     return run;
   }
 

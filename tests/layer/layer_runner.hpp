@@ -48,10 +48,18 @@ struct Pools {
   std::vector<bf16_bits> conv_q, conv_k, conv_v;
   std::vector<float> rec_f32;       // when dtype is f32
   std::vector<bf16_bits> rec_bf16;  // when dtype is bf16
+  // A records step's and a commit's regions (layer::State::recurrent_records / conv_records), for
+  // record_rows row-token pairs; empty with record_rows 0.
+  std::int64_t record_rows = 0;
+  std::vector<float> recurrent_records;
+  std::vector<bf16_bits> conv_records;
 
   Pools(const layer::Config& c, std::int64_t slots, DType recurrent_dtype = DType::kF32);
   // Non-zero states in every row (conv U(-2, 2), recurrent U(-0.5, 0.5), all bf16-representable).
   void randomize(std::uint64_t seed);
+  // Records regions of `rows` row-token pairs, every value NaN (0xFF bytes, the poison), so that
+  // a test sees which records a step wrote.
+  void add_records(const layer::Config& c, std::int64_t rows);
   void zero_row(std::int64_t r);
   std::vector<double> recurrent() const;
   // Row r of each of the four pools, bit for bit as other's row `other_r`.
@@ -74,6 +82,8 @@ struct BatchSpec {
   bool int32_cu_seqlens = false;
   // layer::Batch::padding_slot: slots entries equal to it are padding too (-1: none).
   std::int32_t padding_slot = -1;
+  // A record-and-commit verify step (layer::Batch::records): slots [N], the pools' records.
+  bool records = false;
   std::int64_t tokens() const { return cu_seqlens.back(); }
   std::int64_t sequences() const { return static_cast<std::int64_t>(cu_seqlens.size()) - 1; }
   std::int64_t length(std::int64_t n) const { return cu_seqlens[n + 1] - cu_seqlens[n]; }
@@ -186,6 +196,12 @@ class LayerRunner {
   virtual LayerRun forward(const layer::Layer& layer, const std::vector<bf16_bits>& hidden,
                            const BatchSpec& batch, Pools* pools,
                            const ForwardSettings& settings = {}) const = 0;
+  // One layer::commit() of the records step `batch` (its slots, decode_tokens and padding_slot;
+  // num_accepted [N]) over the layers whose pools and records are `layers` (updated in place).
+  // `host_copies`: hand the CUDA commit host copies of slots and num_accepted. The run's out is
+  // empty.
+  virtual LayerRun commit(const layer::Config& config, const BatchSpec& batch,
+                          const std::vector<Pools*>& layers, bool host_copies = true) const = 0;
 };
 
 // A forward's buffers on one backend: the inputs and pools uploaded, out poisoned, the workspace of
@@ -194,7 +210,7 @@ class LayerRunner {
 template <class Buffer>
 struct ForwardBuffers {
   Buffer hidden, out, cu_seqlens, cu_seqlens_i32, slots, accepted, status, conv_q, conv_k, conv_v,
-      recurrent, workspace;
+      recurrent, workspace, recurrent_records, conv_records;
 
   ForwardBuffers(const std::vector<bf16_bits>& hidden_rows, const BatchSpec& batch,
                  const Pools& pools, std::size_t workspace_bytes)
@@ -210,7 +226,9 @@ struct ForwardBuffers {
         conv_v(Buffer::from(pools.conv_v)),
         recurrent(pools.dtype == DType::kF32 ? Buffer::from(pools.rec_f32)
                                              : Buffer::from(pools.rec_bf16)),
-        workspace(workspace_bytes) {
+        workspace(workspace_bytes),
+        recurrent_records(Buffer::from(pools.recurrent_records)),
+        conv_records(Buffer::from(pools.conv_records)) {
     out.fill(kPoisonByte);
     status.fill(0);
     (void)Buffer::synchronize();
@@ -229,6 +247,7 @@ struct ForwardBuffers {
     c.batch.sequences = batch.sequences();
     c.batch.decode_tokens = batch.decode_tokens;
     c.batch.padding_slot = batch.padding_slot;
+    c.batch.records = batch.records;
     // A decode batch's cu_seqlens is not read: null shows it.
     if (i32) {
       c.batch.cu_seqlens_i32 = static_cast<const std::int32_t*>(cu_seqlens_i32.get());
@@ -258,6 +277,11 @@ struct ForwardBuffers {
     c.state.conv_v = static_cast<bf16_bits*>(conv_v.get());
     c.state.recurrent = recurrent.get();
     c.state.recurrent_dtype = pools.dtype;
+    c.state.record_rows = pools.record_rows;
+    if (pools.record_rows > 0) {
+      c.state.recurrent_records = static_cast<float*>(recurrent_records.get());
+      c.state.conv_records = static_cast<bf16_bits*>(conv_records.get());
+    }
     c.workspace = Workspace{workspace.get(), workspace.bytes()};
     return c;
   }
@@ -267,13 +291,16 @@ struct ForwardBuffers {
     pools->conv_v = conv_v.template download<bf16_bits>();
     if (pools->dtype == DType::kF32) pools->rec_f32 = recurrent.template download<float>();
     if (pools->dtype == DType::kBF16) pools->rec_bf16 = recurrent.template download<bf16_bits>();
+    pools->recurrent_records = recurrent_records.template download<float>();
+    pools->conv_records = conv_records.template download<bf16_bits>();
   }
   mutable std::vector<std::int32_t> host_cu_i32;  // the int32 host copy call() hands out
 
   bool guards_intact() const {
     return hidden.guards_intact() && out.guards_intact() && conv_q.guards_intact() &&
            conv_k.guards_intact() && conv_v.guards_intact() && recurrent.guards_intact() &&
-           workspace.guards_intact();
+           workspace.guards_intact() && recurrent_records.guards_intact() &&
+           conv_records.guards_intact();
   }
 };
 

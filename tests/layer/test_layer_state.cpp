@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -379,6 +380,208 @@ KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before any
   CHECK(run.error == runner.forward_error_prefix() +
                          "num_accepted (a verify step) needs a decode batch with slots");
   CHECK(pools == before);
+}
+
+// The record-and-commit form of a verify step (Batch::records, then layer::commit over several
+// layers at once) against the per-token-states form of the same tokens: every row's committed
+// slot s_n as the start entry of a per-token verify row (num_accepted 1, slots {s_n, fresh...}), so
+// that the per-token step keeps the state after token t in its row's slot t. After the records
+// step and a commit of random counts, slot s_n of every layer holds bit for bit what the per-token
+// step kept after token num_accepted - 1 (conv and recurrent), out is the per-token step's bit for
+// bit, the pools are untouched by the records step itself, and the padding rows (a negative slot,
+// the padding slot) touch no state and leave their records as they were. On CUDA the per-token
+// step runs the separate kernels, which the records step runs too.
+KDA_LAYER_CASE(
+    "a records verify step and its commit over two layers equal the per-token-states verify") {
+  const std::int64_t N = 5, T = 4, slots_in_pool = 24;
+  const std::int32_t padding_slot = 23;
+  const std::vector<std::int32_t> committed = {7, 2, -1, 11, padding_slot};
+  std::vector<std::int32_t> per_token;  // row n: {s_n, fresh slots}
+  std::int32_t fresh = 12;
+  for (const std::int32_t s : committed) {
+    per_token.push_back(s);
+    for (std::int64_t t = 1; t < T; ++t)
+      per_token.push_back(s < 0 || s == padding_slot ? -1 : fresh++);
+  }
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    CAPTURE(to_string(dtype));
+    const layer::Config config = runner.config(GateMode::kLowerBound);
+    const std::int64_t E = config.hidden_size;
+    std::vector<layer::Weights> weights;
+    std::vector<Pools> before;
+    for (int l = 0; l < 2; ++l) {
+      weights.push_back(with_bias_and_norm(layer::random_weights(config, 60 + l, 1)));
+      before.emplace_back(config, slots_in_pool, dtype);
+      before.back().randomize(70 + l);
+      before.back().add_records(config, N * T + 3);  // a region larger than the step needs
+    }
+    for (std::uint64_t trial = 0; trial < 3; ++trial) {
+      CAPTURE(trial);
+      std::vector<std::int32_t> accepted(static_cast<std::size_t>(N));
+      for (std::int64_t n = 0; n < N; ++n) {
+        accepted[static_cast<std::size_t>(n)] =
+            static_cast<std::int32_t>(1 + (n * 7 + trial * 3 + n * trial) % T);
+      }
+      std::string accepted_list;
+      for (const std::int32_t a : accepted) accepted_list += std::to_string(a) + " ";
+      CAPTURE(accepted_list);
+      std::vector<Pools> got, want_pools;  // per layer: the records step's, the per-token step's
+      for (int l = 0; l < 2; ++l) {
+        CAPTURE(l);
+        const auto layer = runner.make(weights[static_cast<std::size_t>(l)]);
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 80 + l + 10 * trial);
+        // The per-token-states reference.
+        BatchSpec verify = decode_batch(N, T, per_token);
+        verify.num_accepted.assign(static_cast<std::size_t>(N), 1);
+        verify.padding_slot = padding_slot;
+        ForwardSettings separate;
+        separate.change = [](ForwardCall& call) {
+          call.options.decode_kernel = layer::DecodeKernel::kSeparate;
+        };
+        Pools expected = before[static_cast<std::size_t>(l)];
+        const LayerRun want = runner.forward(*layer, hidden, verify, &expected, separate);
+        REQUIRE_MESSAGE(want.error.empty(), want.error);
+        // The records step.
+        BatchSpec records = decode_batch(N, T, committed);
+        records.records = true;
+        records.padding_slot = padding_slot;
+        Pools pools = before[static_cast<std::size_t>(l)];
+        const LayerRun run = runner.forward(*layer, hidden, records, &pools);
+        REQUIRE_MESSAGE(run.error.empty(), run.error);
+        CHECK(run.device_status == 0);
+        CHECK(run.all_written);
+        CHECK(run.guards_intact);
+        CHECK(same_bits(run.out, want.out));
+        Pools states_only = pools;  // the step wrote records only
+        states_only.recurrent_records = before[static_cast<std::size_t>(l)].recurrent_records;
+        states_only.conv_records = before[static_cast<std::size_t>(l)].conv_records;
+        CHECK(states_only == before[static_cast<std::size_t>(l)]);
+        // The padding rows' records are as they were (NaN poison).
+        for (const std::int64_t n : {2, 4}) {
+          const std::size_t conv_pair = static_cast<std::size_t>(3 * config.local_channels());
+          const std::size_t rec_pair =
+              static_cast<std::size_t>(config.local_heads() * 3 * config.head_dim);
+          CHECK(std::equal(
+              pools.conv_records.begin() + n * T * conv_pair,
+              pools.conv_records.begin() + (n + 1) * T * conv_pair,
+              before[static_cast<std::size_t>(l)].conv_records.begin() + n * T * conv_pair));
+          CHECK(std::memcmp(
+                    pools.recurrent_records.data() + n * T * rec_pair,
+                    before[static_cast<std::size_t>(l)].recurrent_records.data() + n * T * rec_pair,
+                    T * rec_pair * sizeof(float)) == 0);
+        }
+        got.push_back(pools);
+        want_pools.push_back(expected);
+      }
+      std::vector<Pools*> commit_layers = {&got[0], &got[1]};
+      BatchSpec commit = decode_batch(N, T, committed);
+      commit.num_accepted = accepted;
+      commit.padding_slot = padding_slot;
+      const LayerRun done = runner.commit(config, commit, commit_layers);
+      REQUIRE_MESSAGE(done.error.empty(), done.error);
+      CHECK(done.device_status == 0);
+      CHECK(done.guards_intact);
+      for (int l = 0; l < 2; ++l) {
+        CAPTURE(l);
+        const Pools& mine = got[static_cast<std::size_t>(l)];
+        const Pools& want = want_pools[static_cast<std::size_t>(l)];
+        for (std::int64_t n = 0; n < N; ++n) {
+          CAPTURE(n);
+          const std::int32_t s = committed[static_cast<std::size_t>(n)];
+          if (s < 0 || s == padding_slot) continue;
+          const std::int32_t kept = per_token[static_cast<std::size_t>(
+              n * T + accepted[static_cast<std::size_t>(n)] - 1)];
+          CHECK(mine.row_equal(want, s, kept));
+        }
+        // Every other slot as before: the padding slot included.
+        for (std::int64_t r = 0; r < slots_in_pool; ++r) {
+          if (r == 7 || r == 2 || r == 11) continue;
+          CAPTURE(r);
+          CHECK(mine.row_equal(before[static_cast<std::size_t>(l)], r));
+        }
+      }
+    }
+  }
+}
+
+KDA_LAYER_CASE("a records verify step and a commit refuse bad input before anything is written") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 8);
+  pools.randomize(2);
+  pools.add_records(config, 4);
+  const Pools before = pools;
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(4 * config.hidden_size), 1.0f, 3);
+  {
+    BatchSpec batch = decode_batch(2, 2, {0, 1});
+    batch.records = true;
+    batch.num_accepted = {1, 1};
+    const LayerRun run = runner.forward(*layer, hidden, batch, &pools);
+    CHECK(run.error == runner.forward_error_prefix() +
+                           "records and num_accepted are both set: a records step takes no "
+                           "num_accepted (the commit does)");
+    CHECK(pools == before);
+  }
+  {
+    Pools small = before;
+    small.add_records(config, 3);
+    const Pools small_before = small;
+    BatchSpec batch = decode_batch(2, 2, {0, 1});
+    batch.records = true;
+    const LayerRun run = runner.forward(*layer, hidden, batch, &small);
+    CHECK(run.error == runner.forward_error_prefix() +
+                           "records: State::record_rows 3 is below the step's 2 x 2 row-token "
+                           "pairs");
+    CHECK(small == small_before);
+  }
+  {
+    BatchSpec batch = decode_batch(2, 2);
+    batch.records = true;
+    const LayerRun run = runner.forward(*layer, hidden, batch, &pools);
+    CHECK(run.error == runner.forward_error_prefix() +
+                           "records (a record-and-commit verify step) needs a decode batch with "
+                           "slots");
+    CHECK(pools == before);
+  }
+  {
+    // Rows may share a slot in a records step (the pool is only read).
+    BatchSpec batch = decode_batch(2, 2, {3, 3});
+    batch.records = true;
+    const LayerRun run = runner.forward(*layer, hidden, batch, &pools);
+    CHECK_MESSAGE(run.error.empty(), run.error);
+    pools = before;
+  }
+  const std::string prefix = std::string("KDA layer commit (") + runner.name() + "): ";
+  struct Bad {
+    std::vector<std::int32_t> slots, accepted;
+    std::string message;
+  };
+  for (const Bad& bad :
+       {Bad{{0, 1}, {0, 1}, "row 0 has num_accepted 0, outside [1, decode_tokens = 2]"},
+        Bad{{0, 1}, {1, 3}, "row 1 has num_accepted 3, outside [1, decode_tokens = 2]"},
+        Bad{{0, 8}, {1, 1}, "row 1 has slot 8, outside [0, num_slots = 8)"},
+        Bad{{5, 5}, {2, 1}, "rows 0 and 1 share slot 5 (a commit writes each state once)"}}) {
+    CAPTURE(bad.message);
+    BatchSpec commit = decode_batch(2, 2, bad.slots);
+    commit.num_accepted = bad.accepted;
+    Pools layer0 = before, layer1 = before;
+    const LayerRun run = runner.commit(config, commit, {&layer0, &layer1});
+    CHECK(run.code == StatusCode::kInvalidArgument);
+    CHECK(run.error == prefix + bad.message);
+    CHECK(layer0 == before);
+    CHECK(layer1 == before);
+  }
+  // A padding row's num_accepted is not read.
+  BatchSpec commit = decode_batch(2, 2, {-1, 4});
+  commit.num_accepted = {0, 2};
+  Pools layer0 = before;
+  const LayerRun run = runner.commit(config, commit, {&layer0});
+  CHECK_MESSAGE(run.error.empty(), run.error);
+  for (std::int64_t r = 0; r < 8; ++r) {
+    if (r != 4) CHECK(layer0.row_equal(before, r));
+  }
 }
 
 namespace {

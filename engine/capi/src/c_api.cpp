@@ -223,6 +223,7 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* fu
   b.checkpoints = batch->checkpoints;
   b.checkpoint_offsets = batch->checkpoint_offsets;
   b.checkpoint_slots = batch->checkpoint_slots;
+  b.records = batch->records != 0;
   return b;
 }
 
@@ -463,6 +464,12 @@ kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const 
       e.decode_hidden(layer, hidden, out, b);
     }
   });
+}
+
+kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_t* slots,
+                             const int32_t* num_accepted) {
+  return on_handle(engine,
+                   [&](kda::engine::Engine& e) { e.commit(sequences, slots, num_accepted); });
 }
 
 kda_status kda_engine_synchronize(kda_engine* engine) {

@@ -365,6 +365,20 @@ struct Engine::Impl {
     if (!decode && b.num_accepted != nullptr) {
       fail(call + ": num_accepted is set, but a verify step is a decode");
     }
+    if (b.records) {
+      if (!decode) fail(call + ": records is set, but a verify step is a decode");
+      if (b.num_accepted != nullptr) {
+        fail(call +
+             ": records and num_accepted are both set: a records step takes no num_accepted "
+             "(Engine::commit does)");
+      }
+      if (spec.runtime.max_verify_tokens < b.decode_tokens) {
+        fail(call + ": a records verify step of " + std::to_string(b.decode_tokens) +
+             " tokens per row needs runtime.max_verify_tokens >= " +
+             std::to_string(b.decode_tokens) + " (the records buffers' size); it is " +
+             std::to_string(spec.runtime.max_verify_tokens));
+      }
+    }
     if (b.checkpoints < 0 || (b.checkpoints > 0 && decode)) {
       fail(call + ": checkpoints " + std::to_string(b.checkpoints) +
            (decode ? " in a decode (checkpoints are a prefill's)" : ", expected >= 0"));
@@ -544,14 +558,17 @@ struct Engine::Impl {
       layer.forward_core(problem, t, unchecked);
     } else {
       DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
-      problem.verify = b.num_accepted != nullptr;
+      problem.verify = b.num_accepted != nullptr || b.records;
+      problem.records = b.records;
       problem.padding_slot = null_slot;
       DecodeTensors t = caller_tensors<DecodeTensors>(inputs, out);
       check_caller_tensors(layer, what, problem, t);
       t.slots = b.slots;
       t.num_accepted = b.num_accepted;
+      t.records = b.records ? layer.records() : nullptr;
       t.device_status = device_status;
       layer.decode_core(problem, t, unchecked);
+      note_records(kda_index, b);
     }
   }
 
@@ -571,6 +588,7 @@ struct Engine::Impl {
     batch.slots = b.slots;
     batch.padding_slot = null_slot;
     batch.num_accepted = b.num_accepted;
+    batch.records = b.records;
     batch.checkpoints = b.checkpoints;
     batch.checkpoint_offsets = b.checkpoint_offsets;
     batch.checkpoint_slots = b.checkpoint_slots;
@@ -578,12 +596,29 @@ struct Engine::Impl {
     batch.slots_host = slots_host;
     batch.device_status = device_status;
     layer.forward(batch, hidden, out, layer_options(times));
+    note_records(kda_index, b);
     // A tensor-parallel rank's partial sum, summed over the group in place.
     if (communicator != nullptr && b.tokens > 0) {
       communicator->all_reduce_sum(
           out, static_cast<std::size_t>(b.tokens) * static_cast<std::size_t>(spec.hidden_size),
           DType::kBF16, backend->stream());
     }
+  }
+
+  // Which layers hold the records of a records step not committed yet, and its shape (the rows
+  // and tokens of each layer's last records step), so that a commit runs on records that exist.
+  struct PendingRecords {
+    bool pending = false;
+    std::int64_t sequences = 0;
+    int decode_tokens = 0;
+  };
+  mutable std::vector<PendingRecords> pending_records;  // one per KDA layer
+  std::vector<layer::State> commit_states;  // the layers' States, built once for commit()
+  std::vector<CommitLayer> commit_layers;   // the same for the cores' commit
+
+  void note_records(int kda_index, const BatchMetadata& b) const {
+    if (!b.records) return;
+    pending_records[static_cast<std::size_t>(kda_index)] = {true, b.sequences, b.decode_tokens};
   }
 
   // How the whole layers run: on the engine's stream and threads, its pointers checked already.
@@ -798,6 +833,11 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots}) {
     staging->host.reserve(slots);
     staging->uploaded.reserve(slots);
+  }
+  m.pending_records.assign(m.layers.size(), Impl::PendingRecords{});
+  for (const auto& layer : m.layers) {
+    m.commit_states.push_back(layer->state());
+    m.commit_layers.push_back(CommitLayer{layer->records(), layer->state_pool()});
   }
   synchronize();
 }
@@ -1018,6 +1058,91 @@ void Engine::prefill_hidden(int kda_index, const void* hidden, void* out,
   m.check_whole("prefill_hidden");
   m.check_metadata("prefill_hidden", batch, false);
   m.run_whole(kda_index, "prefill_hidden", hidden, out, batch, nullptr, nullptr, times);
+}
+
+void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
+                    const std::int32_t* num_accepted) {
+  Impl& m = *impl_;
+  const std::string call = "commit";
+  if (m.spec.runtime.max_verify_tokens == 0) {
+    fail(call + ": " + m.spec.name +
+         " keeps no records (runtime.max_verify_tokens is 0): a commit follows a records verify "
+         "step (BatchMetadata::records), which needs runtime.max_verify_tokens > 0");
+  }
+  if (sequences < 1 || sequences > m.num_slots()) {
+    fail(call + ": " + std::to_string(sequences) + " rows, expected 1.." +
+         std::to_string(m.num_slots()) + " (runtime.max_sequences)");
+  }
+  // Every layer's last records step, not committed yet, of these rows and one token count.
+  int decode_tokens = 0;
+  for (int l = 0; l < m.num_layers(); ++l) {
+    const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)];
+    const std::string label = m.layers[static_cast<std::size_t>(l)]->info().label;
+    if (!p.pending) {
+      fail(call + ": " + label +
+           " has no records to commit (no records verify step since the last commit)");
+    }
+    if (p.sequences != sequences || (decode_tokens != 0 && p.decode_tokens != decode_tokens)) {
+      fail(call + ": " + label + "'s records step had " + std::to_string(p.sequences) +
+           " rows of " + std::to_string(p.decode_tokens) + " tokens; the commit has " +
+           std::to_string(sequences) + " rows" +
+           (decode_tokens != 0 ? " of " + std::to_string(decode_tokens) + " tokens" : ""));
+    }
+    decode_tokens = p.decode_tokens;
+  }
+  if (slots == nullptr || num_accepted == nullptr) fail(call + ": slots or num_accepted is null");
+  const auto n = static_cast<std::size_t>(sequences);
+  for (const auto& [ptr, name] :
+       {std::pair<const void*, const char*>{slots, "slots"},
+        std::pair<const void*, const char*>{num_accepted, "num_accepted"}}) {
+    if (const Status st = m.backend->check_caller_buffer(ptr, n * 4, name); !st.ok()) {
+      throw Error(st, call);
+    }
+  }
+  if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
+    m.claim_slots(call, "row", slots, n);
+    for (std::size_t r = 0; r < n; ++r) {
+      if (m.padding(slots[r])) continue;
+      if (num_accepted[r] < 1 || num_accepted[r] > decode_tokens) {
+        fail(call + ": row " + std::to_string(r) + " has num_accepted " +
+             std::to_string(num_accepted[r]) + ", expected 1.." + std::to_string(decode_tokens) +
+             " (the records step's decode_tokens)");
+      }
+    }
+  }
+  KDA_NVTX_RANGE("engine.commit");
+  if (m.whole) {
+    layer::CommitBatch batch;
+    batch.sequences = sequences;
+    batch.decode_tokens = decode_tokens;
+    batch.slots = slots;
+    batch.num_accepted = num_accepted;
+    batch.padding_slot = m.null_slot;
+    batch.device_status = m.device_status;
+    layer::commit(backend(), layer_config(m.spec), batch, m.commit_states.data(), m.num_layers(),
+                  m.layer_options(nullptr));
+  } else {
+    const EngineLayer& first = *m.layers.front();
+    CommitProblem problem;
+    problem.batch = sequences;
+    problem.tokens = decode_tokens;
+    problem.num_heads = first.decode_problem(1, 1).num_heads;
+    problem.head_dim_k = problem.head_dim_v = m.spec.head_dim;
+    problem.num_slots = m.num_slots();
+    problem.state_dtype = m.spec.runtime.state_dtype;
+    problem.padding_slot = m.null_slot;
+    for (int at = 0; at < m.num_layers(); at += kMaxCommitLayers) {
+      const int count = std::min(kMaxCommitLayers, m.num_layers() - at);
+      const CommitLayer* layers = m.commit_layers.data() + at;
+      const Status st =
+          backend() == Backend::kCpu
+              ? commit_cpu(problem, layers, count, slots, num_accepted, CpuOptions{m.cpu_threads})
+              : commit_cuda(problem, layers, count, slots, num_accepted, m.device_status,
+                            m.backend->stream(), m.unchecked);
+      if (!st.ok()) throw Error(st, call);
+    }
+  }
+  for (Impl::PendingRecords& p : m.pending_records) p.pending = false;
 }
 
 void Engine::decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,

@@ -43,7 +43,8 @@ EngineLayer::EngineLayer(const ModelSpec& spec, int kda_index, Backend backend)
       config_(layer_config(spec)),
       max_tokens_(spec.runtime.max_tokens),
       max_sequences_(spec.runtime.max_sequences),
-      state_dtype_(spec.runtime.state_dtype) {
+      state_dtype_(spec.runtime.state_dtype),
+      record_rows_(spec.runtime.max_sequences * spec.runtime.max_verify_tokens) {
   // Users see the model layer 1-based, as the YAML's kda_layers lists it (the checkpoint's
   // model.layers.{i} is 0-based), plus the position among the KDA layers that Engine::prefill /
   // decode take: "layer 4 (KDA index 2)". Buffer and NVTX names use the same model layer number.
@@ -96,6 +97,16 @@ void EngineLayer::declare_buffers(planner::MemoryPlanner& planner) {
     }
   }
 
+  if (record_rows_ > 0) {
+    // 16-byte aligned, as the CUDA commit reads them (the planner's default alignment is more).
+    const auto rows = static_cast<std::uint64_t>(record_rows_);
+    handles_.records = add(planner, "records", BufferKind::kState, rows * Hl * 3 * D * 4);
+    if (whole_) {
+      handles_.conv_records =
+          add(planner, "conv_records", BufferKind::kState, rows * 3 * Hl * D * 2);
+    }
+  }
+
   // One workspace serves the layer's prefill and its decode (never at the same time): the larger.
   std::size_t prefill = 0, decode = 0;
   const Problem max_prefill = prefill_problem(max_tokens_, max_sequences_);
@@ -132,7 +143,11 @@ void EngineLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan,
   state_pool_ = locate(handles_.state, &state_pool_bytes_);
   workspace_bytes_ = 0;
   workspace_ = locate(handles_.workspace, &workspace_bytes_);
-  bool missing = A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr;
+  records_ = reinterpret_cast<float*>(locate(handles_.records, nullptr));
+  conv_records_ = reinterpret_cast<bf16_bits*>(locate(handles_.conv_records, nullptr));
+  bool missing =
+      A_log_ == nullptr || dt_bias_ == nullptr || state_pool_ == nullptr ||
+      (record_rows_ > 0 && (records_ == nullptr || (whole_ && conv_records_ == nullptr)));
   if (whole_) {
     weights_ = locate(handles_.weights, &weights_bytes_);
     for (int i = 0; i < 3; ++i) conv_pool_[i] = locate(handles_.conv[i], nullptr);
@@ -222,10 +237,7 @@ void EngineLayer::decode_core(const DecodeProblem& p, DecodeTensors t,
   if (!st.ok()) throw Error(st, info_.label + " decode");
 }
 
-void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* out,
-                          const layer::RunOptions& options) const {
-  const char* what = batch.decode_tokens > 0 ? " decode" : " prefill";
-  if (!layer_) throw Error(StatusCode::kInternal, info_.label + what + ": no weights loaded");
+layer::State EngineLayer::state() const noexcept {
   layer::State state;
   state.num_slots = max_sequences_;
   state.conv_q = static_cast<bf16_bits*>(conv_pool_[0]);
@@ -233,6 +245,17 @@ void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* o
   state.conv_v = static_cast<bf16_bits*>(conv_pool_[2]);
   state.recurrent = state_pool_;
   state.recurrent_dtype = state_dtype_;
+  state.recurrent_records = records_;
+  state.conv_records = conv_records_;
+  state.record_rows = record_rows_;
+  return state;
+}
+
+void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* out,
+                          const layer::RunOptions& options) const {
+  const char* what = batch.decode_tokens > 0 ? " decode" : " prefill";
+  if (!layer_) throw Error(StatusCode::kInternal, info_.label + what + ": no weights loaded");
+  const layer::State state = this->state();
   try {
     layer_->forward(batch, static_cast<const bf16_bits*>(hidden), static_cast<bf16_bits*>(out),
                     state, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)},

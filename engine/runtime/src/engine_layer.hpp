@@ -11,6 +11,11 @@
 //                                      (kda::layer::weight_image_bytes)
 //   layer{n}.state                     state, persistent: [max_sequences, Hl, D, D] slots
 //   layer{n}.conv_q, conv_k, conv_v    state, persistent (whole): bf16 [max_sequences, Hl·D, W-1]
+//   layer{n}.records, conv_records     state, persistent, with runtime.max_verify_tokens > 0: the
+//                                      records of a record-and-commit verify step, f32
+//                                      [max_sequences * max_verify_tokens, Hl, 3 D], and (whole)
+//                                      its conv inputs, bf16 [..., 3 Hl·D]; they outlive the step
+//                                      until the engine's commit
 //   layer{n}.workspace                 workspace, live while the layer runs (step = its KDA
 //                                      index): the larger of a max_tokens prefill in max_sequences
 //                                      sequences and a decode step of kMaxDecodeTokens tokens for
@@ -66,6 +71,12 @@ class EngineLayer {
   void* conv_pool(int which) const noexcept { return conv_pool_[which]; }  // 0 q, 1 k, 2 v
   std::uint64_t conv_pool_bytes() const noexcept { return conv_pool_bytes_; }
   std::uint64_t weight_bytes() const noexcept { return layer_ ? layer_->weight_bytes() : 0; }
+  // The records buffers (null without runtime.max_verify_tokens) and the row-token pairs they hold.
+  float* records() const noexcept { return records_; }
+  bf16_bits* conv_records() const noexcept { return conv_records_; }
+  std::int64_t record_rows() const noexcept { return record_rows_; }
+  // The layer's pools and records as kda::layer::State (whole layers; conv pools null for cores).
+  layer::State state() const noexcept;
 
   // The core's problems for a batch on this layer's pool (states through slot indices).
   Problem prefill_problem(std::int64_t tokens, std::int64_t sequences) const;
@@ -95,7 +106,7 @@ class EngineLayer {
   DType state_dtype_;
   std::string nvtx_name_;
   struct Handles {
-    planner::BufferHandle A_log, dt_bias, weights, state, conv[3], workspace;
+    planner::BufferHandle A_log, dt_bias, weights, state, conv[3], workspace, records, conv_records;
   } handles_;
 
   EngineBackend* backend_ = nullptr;
@@ -110,6 +121,9 @@ class EngineLayer {
   std::uint64_t conv_pool_bytes_ = 0;
   void* workspace_ = nullptr;
   std::uint64_t workspace_bytes_ = 0;
+  std::int64_t record_rows_ = 0;  // max_sequences * max_verify_tokens
+  float* records_ = nullptr;
+  bf16_bits* conv_records_ = nullptr;
 };
 
 }  // namespace kda::engine

@@ -24,7 +24,16 @@ __global__ void __launch_bounds__(kConvThreads)
   const std::int64_t c =
       kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
   if (c >= 3 * p.channels) return;
-  conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, state_row<kVerify>(p, n, c == 0));
+  const std::int64_t slot = state_row<kVerify>(p, n, c == 0);
+  conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot);
+  if (p.conv_records != nullptr && slot >= 0) {
+    // A records step: the row's conv inputs, which the commit shifts into the conv state (the
+    // projection's own bf16 values, so the committed state is exact).
+    const std::int64_t in_stride = p.proj_stride / kConvVec, rec_stride = 3 * p.channels / kConvVec;
+    const uint4* column = reinterpret_cast<const uint4*>(p.proj + c);
+    uint4* record = reinterpret_cast<uint4*>(p.conv_records + c);
+    for (std::int64_t t = bos; t < eos; ++t) record[t * rec_stride] = __ldg(column + t * in_stride);
+  }
 }
 
 template <int W>
@@ -45,6 +54,7 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(p.sequences), shape.tiles);
+  if (p.conv_records != nullptr && !aligned16(p.conv_records)) return cudaErrorInvalidValue;
   const bool verify = p.num_accepted != nullptr;
   switch (p.width) {
     case 2:

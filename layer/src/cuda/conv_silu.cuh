@@ -225,7 +225,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
     }
   }
 
-  if (state == nullptr || kVerify) return;
+  if (state == nullptr || kVerify || p.conv_records != nullptr) return;
   // New state column k = input (len - kHist + k) of the sequence: from proj when >= 0, else old
   // state column len + k (read again: nothing has written the row since the read above).
   const std::int64_t len = eos - bos;

@@ -53,6 +53,10 @@ struct ConvParams {
   // decode_tokens]; each row starts from its slot at num_accepted - 1 and keeps its conv state
   // after each token in that token's slot.
   const std::int32_t* num_accepted = nullptr;
+  // Decode only, a record-and-commit verify step (kda::layer::Batch::records): the rows start from
+  // slots[n] as a plain step's, no conv state is written, and each row's pre-conv inputs are
+  // copied into conv_records (bf16 [tokens, 3 * channels], 16-byte aligned) for the commit.
+  std::uint16_t* conv_records = nullptr;
   // Prefill only, optional: checkpoint requests (kda::layer::Batch::checkpoints), K per sequence,
   // int64 offsets and int32 rows [sequences, K]: launch_conv_prefill writes the three conv states
   // at each valid request's offset into its row first (they read the sequences' initial conv
@@ -76,6 +80,32 @@ inline constexpr std::int64_t kConvChunk = 32;
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream);
 cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream);
+
+// The conv half of a record-and-commit verify step's commit (kda::layer::commit), for up to
+// kda::kMaxCommitLayers layers in one launch: row b's three conv states in slots[b] of each layer
+// become the last width-1 of (old state ++ the row's first num_accepted[b] pre-conv inputs), the
+// inputs read from the layer's conv records (bf16 [sequences * decode_tokens, 3 * channels], q | k
+// | v). A padding row (negative slot or padding_slot) touches nothing; a slot >= num_slots or a
+// count outside [1, decode_tokens] skips the row and sets kDeviceStatusSlot / kDeviceStatusAccepted
+// in status.
+struct ConvCommitLayer {
+  const std::uint16_t* records = nullptr;
+  std::uint16_t* pools[3] = {nullptr, nullptr, nullptr};  // bf16 [num_slots, channels, width-1]
+};
+struct ConvCommitParams {
+  const std::int32_t* slots = nullptr;
+  const std::int32_t* num_accepted = nullptr;
+  std::uint32_t* status = nullptr;
+  std::int64_t num_slots = 0;
+  std::int64_t sequences = 0;
+  std::int64_t decode_tokens = 1;
+  std::int64_t channels = 0;  // Cl
+  std::int32_t padding_slot = -1;
+  int width = 4;  // 2..4
+  int num_layers = 0;
+  ConvCommitLayer layers[kMaxCommitLayers];
+};
+cudaError_t launch_conv_commit(const ConvCommitParams& p, cudaStream_t stream);
 
 // y = RMSNorm_D(o) * o_norm * sigmoid(round_bf16(gate + bias)) per (token, head), -> bf16.
 //   o: bf16 [rows, 128] (rows = tokens * heads), gate: f32 [rows, 128] (the g_b projection before

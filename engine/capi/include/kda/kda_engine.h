@@ -234,6 +234,12 @@ typedef struct kda_batch {
      cu_seqlens_i32 (KDA_INVALID_ARGUMENT otherwise). Zero-initialise a kda_batch
      (kda_batch b = {0};) so that fields added at its end stay unset. */
   const int32_t* cu_seqlens_i32;
+  /* Decode only, optional (0: no): nonzero makes the step the record-and-commit form of a verify
+     step (kda::engine::BatchMetadata::records), with num_accepted NULL and `slots` [sequences],
+     each row's committed slot: no state is written, each layer keeps the step's records (the
+     model's runtime.max_verify_tokens >= decode_tokens, KDA_INVALID_ARGUMENT otherwise) until
+     kda_engine_commit() folds the accepted tokens in. */
+  int records;
 } kda_batch;
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
@@ -242,6 +248,17 @@ kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q
 /* The whole layer `layer` on hidden states (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const void* hidden,
                                            void* out, const kda_batch* batch);
+
+/* The commit of a record-and-commit verify step (kda_batch::records; kda::engine::Engine::commit):
+ * folds the first num_accepted[r] tokens of each row r of the last records step into slots[r] of
+ * every KDA layer, in one operator commit launch and one conv launch on CUDA (nothing staged or
+ * synchronized: capturable). slots and num_accepted: int32 [sequences] in the backend's memory,
+ * the records step's slots and each count in 1..decode_tokens. KDA_INVALID_ARGUMENT (message:
+ * kda_engine_last_error) without runtime.max_verify_tokens, when some layer ran no records step of
+ * `sequences` rows since the last commit, or (CPU) for a count out of range or a slot not
+ * acquired; on CUDA a bad count or slot is reported by kda_engine_check_device_status(). */
+kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_t* slots,
+                             const int32_t* num_accepted);
 
 /* Waits for everything the engine enqueued (CUDA); a no-op on the CPU. */
 kda_status kda_engine_synchronize(kda_engine* engine);

@@ -63,6 +63,19 @@ struct State {
   bf16_bits* conv_v = nullptr;          // [num_slots, Cl, W-1]
   void* recurrent = nullptr;            // [num_slots, Hl, D, D] in recurrent_dtype
   DType recurrent_dtype = DType::kF32;  // kF32 or kBF16
+  // Where a record-and-commit verify step (Batch::records) writes its records and commit() reads
+  // them: per layer, beside its pools, because they are that layer's (a runtime keeps one region
+  // per layer, sized once for its largest verify batch, and reuses it every step). Row-token pair
+  // i = n * decode_tokens + t of the step:
+  //   recurrent_records  f32 [record_rows, Hl, 3 D]: the operator's records (kda.hpp,
+  //                      DecodeTensors::records), 16-byte aligned on CUDA
+  //   conv_records       bf16 [record_rows, 3 Cl]: the token's pre-conv q | k | v projections
+  //                      (the conv inputs), from which a commit shifts the conv states
+  // record_rows: the pairs both hold (at least sequences * decode_tokens of a records step).
+  // Unused (and may stay null) outside records steps and commits.
+  float* recurrent_records = nullptr;
+  bf16_bits* conv_records = nullptr;
+  std::int64_t record_rows = 0;
 };
 
 // One batch: `sequences` sequences, back to back in `tokens` rows of hidden states.
@@ -104,6 +117,15 @@ struct Batch {
   // device_status (kDeviceStatusAccepted) and that row written as padding.
   const std::int32_t* num_accepted = nullptr;
   const std::int32_t* num_accepted_host = nullptr;
+  // Decode only, optional: a record-and-commit verify step (kda.hpp, DecodeProblem::records), the
+  // form a runtime takes when it would rather keep one state a sequence than one a draft token.
+  // slots is then [N] (each row's committed states; negative or padding_slot: padding, rows may
+  // share a slot since nothing is written), num_accepted null. The step reads the conv and
+  // recurrent states of slots[n], writes out (equal to a per-token-states verify step's) and the
+  // records in State::recurrent_records / conv_records, and writes no pool: commit() then folds
+  // each row's accepted tokens into its states. A padding row's out is zeros, its records are
+  // left as they were.
+  bool records = false;
   // Prefill only, optional: checkpoints for prefix caching (kda.hpp, Problem::checkpoints), K
   // requests per sequence in checkpoint_offsets int64 [N, K] and checkpoint_slots int32 [N, K], on
   // the layer's backend and with slots: request k of sequence n writes, into pool row
@@ -172,6 +194,36 @@ class Layer {
   Config config_;
   std::size_t weight_bytes_;
 };
+
+// The commit of a record-and-commit verify step (Batch::records), for the layers given.
+struct CommitBatch {
+  std::int64_t sequences = 0;      // N of the records step
+  std::int64_t decode_tokens = 1;  // its tokens per row, 1..kda::kMaxDecodeTokens
+  // [N] each, on the layer's backend: the records step's slots and each row's accepted tokens, in
+  // [1, decode_tokens]. A padding row (negative slot or padding_slot) touches nothing and its
+  // num_accepted is not read; the non-negative slots are distinct (each state is written once).
+  const std::int32_t* slots = nullptr;
+  const std::int32_t* num_accepted = nullptr;
+  std::int32_t padding_slot = -1;
+  // Optional host copies (CUDA), checked before anything is enqueued; the CPU reads the arrays
+  // themselves. Without them a bad value only the device sees skips its row and sets
+  // kDeviceStatusAccepted / kDeviceStatusSlot in device_status.
+  const std::int32_t* slots_host = nullptr;
+  const std::int32_t* num_accepted_host = nullptr;
+  std::uint32_t* device_status = nullptr;
+};
+
+// Folds the first num_accepted[n] tokens of each row of the records step that wrote the states'
+// records into every layer's states: the recurrent state through kda::commit_cpu / commit_cuda,
+// the three conv states by shifting in the accepted pre-conv inputs (the conv state after a
+// tokens is the last W-1 of old state ++ inputs[0 .. a)). Afterwards each state equals the one a
+// per-token-states verify step would have kept after token num_accepted[n] - 1 (bit for bit on
+// one backend). All layers share `config` and their States' num_slots, recurrent dtype and
+// record_rows. CUDA: one operator commit launch per kda::kMaxCommitLayers layers and one conv
+// launch for the same layers, enqueued on options.stream: nothing allocated or synchronized,
+// capturable. Throws kda::Error on what the host can see, before anything is written.
+void commit(Backend backend, const Config& config, const CommitBatch& batch, const State* states,
+            int num_layers, const RunOptions& options = {});
 
 // Whether `backend` runs layers of `config`: the config is valid (validate()), and CUDA is built
 // and its limits hold (head_dim 128, conv width 2..4). Checks no device.

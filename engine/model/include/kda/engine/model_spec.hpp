@@ -55,6 +55,10 @@
 //     tp_rank: 0                     # default 0; this engine's rank, in [0, tp_size)
 //     prefill_schedule: auto         # default auto; auto | two-phase | pipelined (the CUDA
 //                                    #   prefill's phases, docs/KDA.md section 3)
+//     max_verify_tokens: 0           # default 0; 0..16: tokens per row of a record-and-commit
+//                                    #   verify step (BatchMetadata::records); sizes each KDA
+//                                    #   layer's records buffers (max_sequences rows); 0: none,
+//                                    #   and such steps are refused
 //
 // Unknown keys. linear_attn_config and runtime are the engine's: a key there that is not listed
 // above is a warning ("did you mean `max_tokens`?"), or an error with ModelSpecOptions::strict.
@@ -117,6 +121,11 @@ struct RuntimeSpec {
   // the host runtime all-reduces over the ranks. The loader checks tp_size divides num_heads.
   int tp_size = 1;
   int tp_rank = 0;
+  // The most tokens per row of a record-and-commit verify step (BatchMetadata::records), 0..16:
+  // each KDA layer keeps records for max_sequences x max_verify_tokens row-token pairs in the arena
+  // (f32 [H/tp, 3 D] each, and bf16 [3 H/tp D] conv inputs with whole layers). 0: no records
+  // buffers; a records step is refused.
+  std::int64_t max_verify_tokens = 0;
 };
 
 struct ModelSpec {

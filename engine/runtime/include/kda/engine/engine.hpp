@@ -182,6 +182,15 @@ struct BatchMetadata {
   // negative is padding (kda::DecodeProblem::verify, kda::layer::Batch::num_accepted). CUDA: a
   // count outside the range is reported by check_device_status() and its row skipped.
   const std::int32_t* num_accepted = nullptr;
+  // Decode only, optional: the record-and-commit form of a verify step
+  // (kda::DecodeProblem::records, kda::layer::Batch::records), with num_accepted null: `slots` is
+  // [sequences], each row's committed slot (distinct acquired slots; negative or the null slot:
+  // padding). The step reads the slots' states, writes out (the per-token-states form's) and the
+  // layer's records into buffers the engine keeps for it (runtime.max_verify_tokens, at least
+  // decode_tokens), and writes no state: Engine::commit() then folds each row's accepted tokens
+  // into its slot, for every KDA layer at once. One state per sequence instead of one per draft
+  // token.
+  bool records = false;
   // Prefill only, optional: prefix-cache checkpoints, `checkpoints` (K) requests per sequence,
   // int64 checkpoint_offsets [sequences, K] and int32 checkpoint_slots [sequences, K]: request k of
   // sequence j writes the states after checkpoint_offsets[j][k] of its tokens (-1: none; a
@@ -318,6 +327,20 @@ class Engine {
                       layer::Times* times = nullptr);
   void decode_hidden(int kda_index, const void* hidden, void* out, const BatchMetadata& batch,
                      layer::Times* times = nullptr);
+
+  // The commit of a record-and-commit verify step (BatchMetadata::records): folds the first
+  // num_accepted[r] tokens of each row r of the last records step into slots[r] of EVERY KDA layer
+  // (recurrent states, and conv states with whole layers), after which each slot holds what a
+  // per-token-states verify step would have kept after token num_accepted[r] - 1. slots and
+  // num_accepted are int32 [sequences] in the backend's memory (as BatchMetadata's): the records
+  // step's slots (padding rows touch nothing), each count in [1, decode_tokens]. Every KDA layer
+  // must have run a records step of `sequences` rows (the same decode_tokens) since the last
+  // commit, on those slots; a commit consumes the records (a second one throws). One operator
+  // commit launch per kda::kMaxCommitLayers layers plus one conv launch on CUDA: nothing staged,
+  // allocated or synchronized, so it is captured in a CUDA graph with the verify steps. The CPU
+  // checks the slots (acquired, distinct) and the counts and throws before writing; CUDA reports
+  // a bad count or slot through check_device_status() and skips that row.
+  void commit(std::int64_t sequences, const std::int32_t* slots, const std::int32_t* num_accepted);
 
   // Context parallelism (EngineOptions::context_group): the prefill of one long sequence split
   // over the group, this rank holding `tokens` consecutive tokens of it (rank r the r-th range;

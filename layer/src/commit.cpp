@@ -1,0 +1,212 @@
+// layer/src/commit.cpp — kda::layer::commit: a record-and-commit verify step's accepted tokens
+// folded into the states of many layers at once (layer.hpp). The recurrent states through the
+// operator's commit, the conv states here (CPU) or by one kernel (cuda/conv_commit.cu).
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "checks.hpp"
+#include "kda/error.hpp"
+#include "kda/layer/layer.hpp"
+#include "kda/nvtx.hpp"
+
+#ifdef KDA_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/kernels.hpp"
+#endif
+
+namespace kda::layer {
+
+namespace {
+
+[[noreturn]] void invalid(const char* what, const std::string& message) {
+  throw Error(StatusCode::kInvalidArgument, std::string(what) + ": " + message);
+}
+
+bool padding_row(const CommitBatch& b, std::int64_t slot) {
+  return slot < 0 || slot == b.padding_slot;
+}
+
+// Everything the host can check, before anything is written. `slots_host` / `accepted_host`:
+// where the host can read them (the arrays on the CPU, their optional copies on CUDA), else null.
+void check_commit(const Config& c, const CommitBatch& b, const State* states, int num_layers,
+                  const std::int32_t* slots_host, const std::int32_t* accepted_host,
+                  const char* what) {
+  validate(c);
+  const std::int64_t N = b.sequences, T = b.decode_tokens;
+  if (N < 0) invalid(what, "sequences must be >= 0");
+  if (T < 1 || T > kMaxDecodeTokens) {
+    invalid(what, "decode_tokens " + std::to_string(T) + " is not in [1, " +
+                      std::to_string(kMaxDecodeTokens) + "]");
+  }
+  if (num_layers < 0) invalid(what, "num_layers must be >= 0");
+  if (num_layers > 0 && states == nullptr) invalid(what, "states is null");
+  if (N == 0 || num_layers == 0) return;
+  if (b.slots == nullptr || b.num_accepted == nullptr)
+    invalid(what, "slots or num_accepted is null");
+  const State& first = states[0];
+  for (int l = 0; l < num_layers; ++l) {
+    const State& s = states[l];
+    const std::string layer = "layer " + std::to_string(l) + " of the call";
+    if (s.num_slots != first.num_slots || s.recurrent_dtype != first.recurrent_dtype ||
+        s.record_rows != first.record_rows) {
+      invalid(what, layer + ": num_slots, recurrent_dtype or record_rows differs from layer 0's");
+    }
+    if (s.record_rows < N * T) {
+      invalid(what, layer + ": record_rows " + std::to_string(s.record_rows) + " is below " +
+                        std::to_string(N) + " x " + std::to_string(T) + " row-token pairs");
+    }
+    const bool conv_missing =
+        c.conv_width > 1 && (s.conv_q == nullptr || s.conv_k == nullptr || s.conv_v == nullptr ||
+                             s.conv_records == nullptr);
+    if (s.recurrent == nullptr || s.recurrent_records == nullptr || conv_missing) {
+      invalid(what, layer + ": a state pool or a records region is null");
+    }
+  }
+  if (b.padding_slot >= first.num_slots) {
+    invalid(what, "padding_slot " + std::to_string(b.padding_slot) +
+                      " is outside [0, num_slots = " + std::to_string(first.num_slots) +
+                      ") (negative: none)");
+  }
+  if (slots_host == nullptr) return;
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t slot = slots_host[n];
+    if (padding_row(b, slot)) continue;
+    if (slot >= first.num_slots) {
+      invalid(what, "row " + std::to_string(n) + " has slot " + std::to_string(slot) +
+                        ", outside [0, num_slots = " + std::to_string(first.num_slots) + ")");
+    }
+    for (std::int64_t m = 0; m < n; ++m) {
+      if (slots_host[m] == slot) {
+        invalid(what, "rows " + std::to_string(m) + " and " + std::to_string(n) + " share slot " +
+                          std::to_string(slot) + " (a commit writes each state once)");
+      }
+    }
+    if (accepted_host != nullptr && (accepted_host[n] < 1 || accepted_host[n] > T)) {
+      invalid(what, "row " + std::to_string(n) + " has num_accepted " +
+                        std::to_string(accepted_host[n]) +
+                        ", outside [1, decode_tokens = " + std::to_string(T) + "]");
+    }
+  }
+}
+
+CommitProblem commit_problem(const Config& c, const CommitBatch& b, const State& s) {
+  CommitProblem p;
+  p.batch = b.sequences;
+  p.tokens = b.decode_tokens;
+  p.num_heads = c.local_heads();
+  p.head_dim_k = p.head_dim_v = c.head_dim;
+  p.num_slots = s.num_slots;
+  p.state_dtype = s.recurrent_dtype;
+  p.padding_slot = b.padding_slot;
+  return p;
+}
+
+// The conv states of one layer on the CPU: the last W-1 of old ++ the first n inputs.
+void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
+  const std::int64_t W = c.conv_width, Cl = c.local_channels(), hist = W - 1;
+  if (hist <= 0) return;
+  bf16_bits* const pools[3] = {s.conv_q, s.conv_k, s.conv_v};
+  bf16_bits old[16];  // hist <= 15 (conv_width <= 16): nothing allocated
+  for (std::int64_t row = 0; row < b.sequences; ++row) {
+    const std::int64_t slot = b.slots[row];
+    if (padding_row(b, slot)) continue;
+    const std::int64_t n = b.num_accepted[row];
+    const bf16_bits* inputs = s.conv_records + row * b.decode_tokens * 3 * Cl;
+    for (int branch = 0; branch < 3; ++branch) {
+      for (std::int64_t ch = 0; ch < Cl; ++ch) {
+        bf16_bits* state = pools[branch] + (slot * Cl + ch) * hist;
+        std::copy(state, state + hist, old);
+        for (std::int64_t i = 0; i < hist; ++i) {
+          const std::int64_t at = n + i;
+          state[i] = at < hist ? old[at] : inputs[(at - hist) * 3 * Cl + branch * Cl + ch];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void commit(Backend backend, const Config& config, const CommitBatch& batch, const State* states,
+            int num_layers, const RunOptions& options) {
+  const bool cpu = backend == Backend::kCpu;
+  const char* what = cpu ? "KDA layer commit (CPU)" : "KDA layer commit (CUDA)";
+  if (!cpu && backend != Backend::kCuda) {
+    throw Error(StatusCode::kInvalidArgument, "KDA layer commit: backend " +
+                                                  std::to_string(static_cast<int>(backend)) +
+                                                  " is neither kCpu nor kCuda");
+  }
+  if (!cpu) throw_if_error(can_implement(backend, config), what);
+  check_commit(config, batch, states, num_layers, cpu ? batch.slots : batch.slots_host,
+               cpu ? batch.num_accepted : batch.num_accepted_host, what);
+  if (batch.sequences == 0 || num_layers == 0) return;
+  KDA_NVTX_RANGE("commit");
+  const CommitProblem problem = commit_problem(config, batch, states[0]);
+  CommitLayer layers[kMaxCommitLayers];
+  for (int first = 0; first < num_layers; first += kMaxCommitLayers) {
+    const int count = std::min(kMaxCommitLayers, num_layers - first);
+    for (int l = 0; l < count; ++l) {
+      layers[l].records = states[first + l].recurrent_records;
+      layers[l].state_pool = states[first + l].recurrent;
+    }
+    if (cpu) {
+      throw_if_error(commit_cpu(problem, layers, count, batch.slots, batch.num_accepted,
+                                CpuOptions{options.cpu_threads}),
+                     what);
+      for (int l = 0; l < count; ++l) commit_conv_cpu(config, batch, states[first + l]);
+      continue;
+    }
+#ifdef KDA_HAVE_CUDA
+    if (options.check_pointers) {
+      throw_if_error(check_device_pointers(problem, layers, count, batch.slots, batch.num_accepted),
+                     what);
+      throw_if_error(check_device_pointer(batch.device_status, 4, "device_status"), what);
+      const std::int64_t Cl = config.local_channels(), hist = config.conv_width - 1;
+      const auto pool_bytes = static_cast<std::size_t>(states[0].num_slots * Cl * hist) * 2;
+      const auto record_bytes =
+          static_cast<std::size_t>(batch.sequences * batch.decode_tokens * 3 * Cl) * 2;
+      for (int l = 0; l < count && hist > 0; ++l) {
+        const State& s = states[first + l];
+        throw_if_error(check_device_pointer(s.conv_q, pool_bytes, "conv_q pool"), what);
+        throw_if_error(check_device_pointer(s.conv_k, pool_bytes, "conv_k pool"), what);
+        throw_if_error(check_device_pointer(s.conv_v, pool_bytes, "conv_v pool"), what);
+        throw_if_error(check_device_pointer(s.conv_records, record_bytes, "conv_records"), what);
+      }
+    }
+    CudaOptions cuda_options;
+    cuda_options.check_pointers = false;  // checked above when asked
+    throw_if_error(commit_cuda(problem, layers, count, batch.slots, batch.num_accepted,
+                               batch.device_status, options.stream, cuda_options),
+                   what);
+    if (config.conv_width <= 1) continue;
+    cuda::ConvCommitParams p;
+    p.slots = batch.slots;
+    p.num_accepted = batch.num_accepted;
+    p.status = batch.device_status;
+    p.num_slots = states[0].num_slots;
+    p.sequences = batch.sequences;
+    p.decode_tokens = batch.decode_tokens;
+    p.channels = config.local_channels();
+    p.padding_slot = batch.padding_slot;
+    p.width = config.conv_width;
+    p.num_layers = count;
+    for (int l = 0; l < count; ++l) {
+      const State& s = states[first + l];
+      p.layers[l].records = s.conv_records;
+      p.layers[l].pools[0] = s.conv_q;
+      p.layers[l].pools[1] = s.conv_k;
+      p.layers[l].pools[2] = s.conv_v;
+    }
+    const cudaError_t err = cuda::launch_conv_commit(p, static_cast<cudaStream_t>(options.stream));
+    if (err != cudaSuccess) {
+      throw Error(StatusCode::kCudaError, std::string(what) +
+                                              ": conv_commit_kernel: " + cudaGetErrorName(err) +
+                                              " (" + cudaGetErrorString(err) + ")");
+    }
+#endif
+  }
+}
+
+}  // namespace kda::layer
