@@ -60,7 +60,9 @@ std::vector<std::unique_ptr<Communicator>> make_local_communicators(int ranks);
 // already there and orders the ranks' streams with events (each rank's stream waits for the
 // others' buffers to be ready before reading them, and for the others' reads of its buffer before
 // it writes or returns it). A rank's buffers must stay valid until its stream passes the
-// collective; it may write them, on its stream, as soon as the call returns.
+// collective; it may write them, on its stream, as soon as the call returns. With several devices,
+// buffers from a stream-ordered pool (cudaMallocAsync) need that pool's access granted to the other
+// devices (cudaMemPoolSetAccess): peer access covers cudaMalloc's memory only.
 //
 // Not graph-capturable: the ranks' streams wait on each other's events, which a capture of one
 // rank's stream cannot reach (a CUDA graph is one capture, its events its own). A collective on a
