@@ -10,18 +10,21 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "case_file.hpp"
+#include "kda/engine/communicator.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
@@ -75,7 +78,7 @@ class Stream {
 const char* const kUsage =
     R"(Usage:
   kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
-          [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan]
+          [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan] [--ranks N]
           [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
           [--backend auto|cpu|cuda] [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
@@ -120,7 +123,18 @@ Options:
                        (default on); off: eager calls
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
-  --threads N          CPU backend threads (default 0: all hardware threads)
+  --threads N          CPU backend threads (default 0: all hardware threads; with --ranks, shared
+                       evenly by the ranks)
+  --ranks N            a synthetic tensor-parallel run (whole layers; N divides num_heads, 1..64):
+                       N ranks as threads of this process, rank r an engine of runtime.tp_size N,
+                       tp_rank r (its heads' shard), every whole layer's output all-reduced through
+                       an in-process communicator: on CUDA every rank on its own stream of the one
+                       GPU (make_cuda_local_communicators), on the CPU the CPU one. Prints each
+                       layer's time (the slowest rank's, the all-reduce included), the time of the
+                       all-reduce alone (the same T x hidden_size bf16, timed after the run) and its
+                       share; decode steps run eagerly (this transport is not graph-capturable).
+                       Ranks in separate processes or on several GPUs need NCCL
+                       (make_nccl_communicator) in the host's own launcher. Default 1: no ranks
   --prefill-schedule S auto, two-phase or pipelined (default: the model's
                        runtime.prefill_schedule, itself auto): how the CUDA prefill runs its two
                        phases (docs/KDA.md section 3; same results to rounding, for A/B runs)
@@ -178,6 +192,7 @@ struct Options {
   bool full_plan = false;
   bool help = false;
   bool version = false;
+  int ranks = 1;  // --ranks: tensor-parallel ranks as threads
   bool sequences_given = false;
   bool decode_given = false;
   bool seed_given = false;
@@ -257,6 +272,8 @@ Options parse_args(int argc, char** argv) {
       if (v != "on" && v != "off") throw UsageError{"--graphs takes on or off, not '" + v + "'"};
       o.graphs = v == "on";
       o.graphs_given = true;
+    } else if (arg == "--ranks") {
+      o.ranks = static_cast<int>(parse_int(arg, value(), 1, 64));
     } else if (arg == "--seed") {
       o.seed = static_cast<std::uint64_t>(parse_int(arg, value(), 0, kMax));
       o.seed_given = true;
@@ -310,7 +327,7 @@ Options parse_args(int argc, char** argv) {
     const kda::engine::RuntimeOverrides& r = o.runtime;
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
         o.graphs_given || o.seed_given || o.threads_given || o.core_only || o.strict_config ||
-        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences) {
+        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences || o.ranks != 1) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -320,7 +337,7 @@ Options parse_args(int argc, char** argv) {
     throw UsageError{"nothing to do: give --model M.yaml (or FOLDER) or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
   if (o.plan_only && (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given ||
-                      o.threads_given || o.schedule)) {
+                      o.threads_given || o.schedule || o.ranks != 1)) {
     throw UsageError{
         "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
         "--workspace-plan, --max-tokens and --max-sequences"};
@@ -542,6 +559,163 @@ void print_layer_row(const kda::engine::Engine& engine, int kda_index, double se
   std::printf("\n");
 }
 
+// --ranks N: N tensor-parallel ranks as threads, each an engine of its shard with a communicator
+// of one in-process group; rank r's engine is runtime.tp_size N, tp_rank r of the same model (the
+// same seed gives every rank its shard of the same random weights).
+int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoice choice,
+              kda::Backend backend, const std::string& why, std::int64_t tokens) {
+  const int n = o.ranks;
+  if (spec.runtime.layer_mode != kda::engine::LayerMode::kWhole) {
+    throw UsageError{
+        "--ranks needs whole layers (a tensor-parallel rank all-reduces its whole "
+        "layers' outputs), not --core-only or runtime.layers: core"};
+  }
+  if (spec.runtime.tp_size != 1) {
+    throw UsageError{"--ranks: " + o.model + " is already rank " +
+                     std::to_string(spec.runtime.tp_rank) + " of runtime.tp_size " +
+                     std::to_string(spec.runtime.tp_size)};
+  }
+  if (spec.num_heads % n != 0) {
+    throw UsageError{"--ranks " + std::to_string(n) + " does not divide num_heads " +
+                     std::to_string(spec.num_heads) + " (each rank holds num_heads / N heads)"};
+  }
+  const bool cuda = backend == kda::Backend::kCuda;
+  const int hardware = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int rank_threads =
+      std::max(1, (o.threads > 0 ? static_cast<int>(o.threads) : hardware) / n);
+  std::printf("%s\n%s\n", describe_model(spec).c_str(),
+              backend_line(o, spec, choice, backend, why).c_str());
+  std::printf("tensor parallel: %d ranks as threads of this process, %lld heads each, %s\n", n,
+              static_cast<long long>(spec.num_heads / n),
+              cuda ? "each on its own stream of the one GPU (CUDA local communicator)"
+                   : ("each with " + std::to_string(rank_threads) +
+                      " CPU thread(s) (CPU local communicator)")
+                         .c_str());
+  std::printf("building %d engines: the arenas, then random weights (seed %llu)...\n", n,
+              static_cast<unsigned long long>(o.seed));
+  auto group = cuda ? kda::engine::make_cuda_local_communicators(n)
+                    : kda::engine::make_local_communicators(n);
+
+  struct Rank {
+    kda::examples::RunReport report;
+    double all_reduce_seconds = 0.0;
+    std::vector<int> model_layers;
+    std::string error;
+  };
+  std::vector<Rank> ranks(static_cast<std::size_t>(n));
+  // The ranks meet once their engines are built: a rank whose engine failed must not leave the
+  // others waiting in a collective it never calls, so either all run or none does.
+  std::mutex mutex;
+  std::condition_variable all_built;
+  int built = 0;
+  bool any_failed = false;
+  auto arrive = [&](bool ok) {
+    std::unique_lock<std::mutex> lock(mutex);
+    any_failed = any_failed || !ok;
+    ++built;
+    all_built.notify_all();
+    all_built.wait(lock, [&] { return built == n; });
+    return !any_failed;
+  };
+  constexpr int kAllReduceReps = 10;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&, r] {
+      Rank& mine = ranks[static_cast<std::size_t>(r)];
+      bool arrived = false;
+      try {
+        kda::engine::ModelSpec rank_spec = spec;
+        rank_spec.runtime.tp_size = n;
+        rank_spec.runtime.tp_rank = r;
+        kda::engine::EngineOptions options;
+        options.backend = cuda ? BackendChoice::kCuda : BackendChoice::kCpu;
+        options.seed = o.seed;
+        options.cpu_threads = rank_threads;
+        const Stream stream(cuda);
+        options.stream = stream.get();
+        options.communicator = group[static_cast<std::size_t>(r)].get();
+        kda::engine::Engine engine(rank_spec, options);
+        kda::examples::SyntheticInputs inputs(engine, tokens);
+        arrived = true;
+        if (!arrive(true)) return;
+        for (int l = 0; l < engine.num_layers(); ++l)
+          mine.model_layers.push_back(engine.layer(l).model_layer);
+        kda::examples::RunOptions run;
+        run.tokens = tokens;
+        run.sequences = o.sequences;
+        run.decode_steps = static_cast<int>(o.decode_steps);
+        run.graphs = false;  // the in-process CUDA communicator cannot be captured
+        run.seed = o.seed;
+        mine.report = kda::examples::run_synthetic(engine, inputs, run);
+        // The all-reduce alone: what each layer's prefill ends with, on the same buffer.
+        const std::size_t count = static_cast<std::size_t>(tokens * spec.hidden_size);
+        engine.synchronize();
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < kAllReduceReps; ++i) {
+          group[static_cast<std::size_t>(r)]->all_reduce_sum(inputs.hidden_output(), count,
+                                                             kda::DType::kBF16, stream.get());
+        }
+        engine.synchronize();
+        mine.all_reduce_seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+            kAllReduceReps;
+        engine.check_device_status();
+      } catch (const std::exception& e) {
+        mine.error = e.what();
+        if (!arrived) arrive(false);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < n; ++r) {
+    if (!ranks[static_cast<std::size_t>(r)].error.empty()) {
+      throw kda::Error(kda::StatusCode::kInternal, "rank " + std::to_string(r) + ": " +
+                                                       ranks[static_cast<std::size_t>(r)].error);
+    }
+  }
+
+  const Rank& first = ranks[0];
+  const double all_reduce =
+      std::max_element(ranks.begin(), ranks.end(), [](const Rank& a, const Rank& b) {
+        return a.all_reduce_seconds < b.all_reduce_seconds;
+      })->all_reduce_seconds;
+  std::printf(
+      "\nprefill: %lld tokens in %lld sequence%s on %d ranks; all-reduce of %lld x %lld bf16 "
+      "(%s) alone: %.3f ms (the slowest rank, mean of %d)\n",
+      static_cast<long long>(tokens), static_cast<long long>(o.sequences),
+      o.sequences == 1 ? "" : "s", n, static_cast<long long>(tokens),
+      static_cast<long long>(spec.hidden_size),
+      kda::planner::format_bytes(static_cast<std::uint64_t>(tokens * spec.hidden_size * 2)).c_str(),
+      all_reduce * 1e3, kAllReduceReps);
+  std::printf("%8s  %9s  %12s  %12s  %15s  %15s\n", "layer", "KDA index", "time (ms)", "tokens/s",
+              "all-reduce (ms)", "all-reduce share");
+  double total = 0.0;
+  for (std::size_t l = 0; l < first.report.layer_seconds.size(); ++l) {
+    double slowest = 0.0;  // the ranks run at once: a layer is done when its slowest rank is
+    for (const Rank& rank : ranks) slowest = std::max(slowest, rank.report.layer_seconds[l]);
+    total += slowest;
+    std::printf("%8d  %9d  %12.3f  %12.0f  %15.3f  %14.1f%%\n", first.model_layers[l],
+                static_cast<int>(l), slowest * 1e3,
+                slowest > 0 ? static_cast<double>(tokens) / slowest : 0.0, all_reduce * 1e3,
+                slowest > 0 ? 100.0 * all_reduce / slowest : 0.0);
+  }
+  const std::size_t layers = first.report.layer_seconds.size();
+  std::printf(
+      "total: %zu KDA layers in %.3f s: %.0f tokens/s through the whole stack; the all-reduces "
+      "%.1f%% of it\n",
+      layers, total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+      total > 0 ? 100.0 * all_reduce * static_cast<double>(layers) / total : 0.0);
+  if (o.decode_steps > 0) {
+    const double step = median(first.report.decode_step_seconds);
+    std::printf(
+        "decode: %lld steps of 1 token x %lld sequence%s through %zu KDA layers on %d ranks: "
+        "median %.3f ms per step (rank 0, eager)\n",
+        static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
+        o.sequences == 1 ? "" : "s", layers, n, step * 1e3);
+  }
+  return 0;
+}
+
 int run_model(const Options& o) {
   const auto start = std::chrono::steady_clock::now();
   kda::engine::ModelSpecOptions spec_options;
@@ -594,6 +768,7 @@ int run_model(const Options& o) {
     throw kda::Error(kda::StatusCode::kBackendUnavailable,
                      (o.backend ? "--backend cuda: " : "runtime.backend cuda: ") + unavailable);
   }
+  if (o.ranks > 1) return run_ranks(o, spec, choice, backend, why, tokens);
   // What the engine will be, before it is built: allocating the arena and reading or generating
   // the weights takes seconds for a large model.
   const bool whole = spec.runtime.layer_mode == kda::engine::LayerMode::kWhole;

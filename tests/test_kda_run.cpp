@@ -573,6 +573,29 @@ TEST_CASE("kda-run: a small synthetic run with decode steps reports times and to
   CHECK(r.err.empty());  // no progress bar when stderr is not a terminal
 }
 
+TEST_CASE("kda-run --ranks: a tensor-parallel run over threads reports the all-reduce's share") {
+  const Result r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "64", "--ranks", "2",
+                            "--decode-steps", "2", "--backend", "cpu", "--threads", "2"});
+  INFO("stdout: " << r.out << "\nstderr: " << r.err);
+  REQUIRE(r.rc == 0);
+  CHECK(r.out.find("tensor parallel: 2 ranks as threads of this process, 2 heads each") !=
+        std::string::npos);
+  CHECK(r.out.find("all-reduce of 64 x 512 bf16") != std::string::npos);
+  CHECK(r.out.find("all-reduce share") != std::string::npos);
+  CHECK(r.out.find("decode: 2 steps") != std::string::npos);
+  // What it cannot run is a usage error.
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--ranks", "3"},
+                                               {"--ranks", "2", "--core-only"},
+                                               {"--ranks", "0"},
+                                               {"--ranks", "2", "--plan-only"}}) {
+    std::vector<std::string> full = {"--model", kModels + "tiny.yaml", "--backend", "cpu"};
+    full.insert(full.end(), args.begin(), args.end());
+    const Result bad = kda_run(full);
+    CAPTURE(args[0] + " " + args[1]);
+    CHECK(bad.rc == 2);
+  }
+}
+
 TEST_CASE("kda-run --case: varlen / softplus / fp32 initial and final state") {
   kda::test::CaseOptions o;
   o.heads = 2;

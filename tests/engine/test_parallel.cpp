@@ -280,3 +280,24 @@ TEST_CASE("context parallel needs a group, the cores alone and an f32 state") {
           Engine e(spec(1, 0), core_options(group[0].get()));
         }).find("needs the KDA cores alone (runtime.layers: core)") != std::string::npos);
 }
+
+TEST_CASE("the CUDA transports of a build without them throw kBackendUnavailable") {
+  if (!kda::cuda_compiled()) {
+    const std::string message =
+        kda::test::error_of([] { kda::engine::make_cuda_local_communicators(2); });
+    CHECK(message == "make_cuda_local_communicators: this build has no CUDA backend");
+  }
+  if (!kda::engine::nccl_compiled()) {
+    CHECK(kda::test::error_of([] { kda::engine::make_nccl_communicators({0}); }) ==
+          "make_nccl_communicators: this build has no NCCL (configure with KDA_NCCL=ON)");
+    CHECK(kda::test::error_of([] { kda::engine::nccl_unique_id(); })
+              .find("this build has no "
+                    "NCCL") != std::string::npos);
+    try {
+      kda::engine::make_nccl_communicator(nullptr);
+      FAIL("no throw");
+    } catch (const kda::Error& e) {
+      CHECK(e.code() == kda::StatusCode::kBackendUnavailable);
+    }
+  }
+}

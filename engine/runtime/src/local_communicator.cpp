@@ -3,47 +3,24 @@
 // every rank posts its buffer; each computes its result from all posted buffers into scratch of
 // its own (others may still be reading its buffer); after the second barrier each writes its
 // result in place. Scratch grows to the largest collective and is then reused.
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "kda/bf16.hpp"
 #include "kda/engine/communicator.hpp"
 #include "kda/error.hpp"
+#include "rendezvous.hpp"
 
 namespace kda::engine {
 
 namespace {
 
-struct Rendezvous {
-  explicit Rendezvous(int ranks) : size(ranks), posted(static_cast<std::size_t>(ranks)) {}
-
-  // Blocks until every rank has arrived at this barrier.
-  void barrier() {
-    std::unique_lock<std::mutex> lock(mutex);
-    const std::uint64_t generation = passed;
-    if (++arrived == size) {
-      arrived = 0;
-      ++passed;
-      all_arrived.notify_all();
-      return;
-    }
-    all_arrived.wait(lock, [&] { return passed != generation; });
-  }
-
-  const int size;
-  std::vector<const void*> posted;  // each rank's buffer of the collective in progress
-  std::mutex mutex;
-  std::condition_variable all_arrived;
-  int arrived = 0;
-  std::uint64_t passed = 0;
-};
+using HostRendezvous = Rendezvous<const void*>;
 
 class LocalCommunicator final : public Communicator {
  public:
-  LocalCommunicator(std::shared_ptr<Rendezvous> group, int rank)
+  LocalCommunicator(std::shared_ptr<HostRendezvous> group, int rank)
       : group_(std::move(group)), rank_(rank) {}
 
   int rank() const noexcept override { return rank_; }
@@ -89,18 +66,11 @@ class LocalCommunicator final : public Communicator {
   }
 
  private:
-  // Publishes this rank's buffer and waits until every rank has published its own. (Every
-  // collective ends with a barrier after its last read of the posted buffers, so the slot can be
-  // reused at once.)
-  void post(const void* buffer) {
-    {
-      std::lock_guard<std::mutex> lock(group_->mutex);
-      group_->posted[static_cast<std::size_t>(rank_)] = buffer;
-    }
-    group_->barrier();
-  }
+  // Every collective ends with a barrier after its last read of the posted buffers, so the slot
+  // can be reused at once.
+  void post(const void* buffer) { group_->post(rank_, buffer); }
 
-  std::shared_ptr<Rendezvous> group_;
+  std::shared_ptr<HostRendezvous> group_;
   int rank_;
   std::vector<float> scratch_;
 };
@@ -112,7 +82,7 @@ std::vector<std::unique_ptr<Communicator>> make_local_communicators(int ranks) {
     throw Error(StatusCode::kInvalidArgument, "make_local_communicators: ranks " +
                                                   std::to_string(ranks) + " is not in [1, 1024]");
   }
-  auto group = std::make_shared<Rendezvous>(ranks);
+  auto group = std::make_shared<HostRendezvous>(ranks);
   std::vector<std::unique_ptr<Communicator>> communicators;
   for (int r = 0; r < ranks; ++r)
     communicators.push_back(std::make_unique<LocalCommunicator>(group, r));
