@@ -382,12 +382,14 @@ TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
 
 TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan") {
   // The KDA cores' plan (sizes known to this test); whole layers add conv states and workspace.
-  const Result json =
-      kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json", "--core-only"});
+  // On the CPU backend: the figures below are its plan's (a CUDA machine's auto would plan CUDA).
+  const Result json = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--json",
+                               "--core-only", "--backend", "cpu"});
   REQUIRE(json.rc == 0);
   const auto total = nlohmann::json::parse(json.out)["arena_bytes"].get<std::uint64_t>();
 
-  const Result summary = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--core-only"});
+  const Result summary =
+      kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--core-only", "--backend", "cpu"});
   INFO("summary:\n" << summary.out);
   REQUIRE(summary.rc == 0);
   // The arena in bytes is the JSON's total; one line per kind; both plan modes; no buffer rows.
