@@ -406,8 +406,8 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
   CHECK(summary.out.find("layer1.state") == std::string::npos);
   CHECK(std::count(summary.out.begin(), summary.out.end(), '\n') <= 11);
 
-  const Result table =
-      kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan", "--core-only"});
+  const Result table = kda_run({"--model", kModels + "tiny.yaml", "--plan-only", "--plan",
+                                "--core-only", "--backend", "cpu"});
   INFO("table:\n" << table.out);
   REQUIRE(table.rc == 0);
   CHECK(table.out.find("layer1.state") != std::string::npos);
