@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -113,6 +114,7 @@ int main(int argc, char** argv) {
     check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     std::vector<std::string> kernel_rows;      // the second table
     std::vector<std::string> checkpoint_rows;  // the third
+    std::vector<std::string> verify_rows;      // the fourth
 
     struct Shape {
       const char* name;
@@ -364,6 +366,145 @@ int main(int argc, char** argv) {
         std::printf("\n");
         std::fflush(stdout);
       }
+      // Speculative verify steps of T = 1 + k tokens a row, both forms (the K3 shard's pools at
+      // B = 256, T = 8 would not fit beside its weights' copies: the two Kimi-Linear shapes only).
+      if (shape.full_rank_gate) continue;
+      for (const std::int64_t T : {std::int64_t{4}, std::int64_t{8}}) {
+        for (const std::int64_t B : {std::int64_t{1}, std::int64_t{64}, std::int64_t{256}}) {
+          const std::int64_t W = config.conv_width, tokens = B * T, pool = B * T;
+          std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(tokens * E));
+          std::mt19937 rng(11);
+          std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+          for (kda::bf16_bits& h : hidden) h = kda::float_to_bf16(dist(rng));
+          // Per-token states: row b keeps its states in slots b T .. b T + T - 1 and starts from
+          // the one after its num_accepted; records: row b on slot b.
+          std::vector<std::int32_t> per_token_slots(static_cast<std::size_t>(B * T)),
+              record_slots(static_cast<std::size_t>(B)), accepted(static_cast<std::size_t>(B));
+          for (std::int64_t b = 0; b < B; ++b) {
+            record_slots[b] = static_cast<std::int32_t>(b);
+            accepted[b] = static_cast<std::int32_t>(1 + (b * 7 + 3) % T);
+            for (std::int64_t t = 0; t < T; ++t) {
+              per_token_slots[b * T + t] = static_cast<std::int32_t>(b * T + t);
+            }
+          }
+          DeviceMemory d_hidden(hidden.size() * 2), d_out(hidden.size() * 2);
+          DeviceMemory d_pt(per_token_slots.size() * 4), d_rs(record_slots.size() * 4),
+              d_na(accepted.size() * 4);
+          check(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice),
+                "upload hidden");
+          check(cudaMemcpy(d_pt.ptr, per_token_slots.data(), per_token_slots.size() * 4,
+                           cudaMemcpyHostToDevice),
+                "upload slots");
+          check(cudaMemcpy(d_rs.ptr, record_slots.data(), record_slots.size() * 4,
+                           cudaMemcpyHostToDevice),
+                "upload slots");
+          check(cudaMemcpy(d_na.ptr, accepted.data(), accepted.size() * 4, cudaMemcpyHostToDevice),
+                "upload num_accepted");
+          struct VerifyState {
+            DeviceMemory conv_q, conv_k, conv_v, recurrent, records, conv_records;
+            VerifyState(std::size_t conv, std::size_t rec, std::size_t records_bytes,
+                        std::size_t conv_records_bytes)
+                : conv_q(conv),
+                  conv_k(conv),
+                  conv_v(conv),
+                  recurrent(rec),
+                  records(records_bytes),
+                  conv_records(conv_records_bytes) {}
+          };
+          std::vector<std::unique_ptr<VerifyState>> vs;
+          std::vector<kda::layer::State> states;
+          for (int l = 0; l < instances; ++l) {
+            vs.push_back(
+                std::make_unique<VerifyState>(static_cast<std::size_t>(pool * Cl * (W - 1) * 2),
+                                              static_cast<std::size_t>(pool * Hl * D * D * 4),
+                                              static_cast<std::size_t>(tokens * Hl * 3 * D * 4),
+                                              static_cast<std::size_t>(tokens * 3 * Cl * 2)));
+            kda::layer::State st;
+            st.num_slots = pool;
+            st.conv_q = static_cast<kda::bf16_bits*>(vs.back()->conv_q.ptr);
+            st.conv_k = static_cast<kda::bf16_bits*>(vs.back()->conv_k.ptr);
+            st.conv_v = static_cast<kda::bf16_bits*>(vs.back()->conv_v.ptr);
+            st.recurrent = vs.back()->recurrent.ptr;
+            st.recurrent_dtype = kda::DType::kF32;
+            st.recurrent_records = static_cast<float*>(vs.back()->records.ptr);
+            st.conv_records = static_cast<kda::bf16_bits*>(vs.back()->conv_records.ptr);
+            st.record_rows = tokens;
+            states.push_back(st);
+          }
+          const std::size_t ws =
+              kda::layer::workspace_bytes(kda::Backend::kCuda, config, tokens, B, pool);
+          DeviceMemory workspace(ws);
+          kda::layer::Batch per_token;
+          per_token.tokens = tokens;
+          per_token.sequences = B;
+          per_token.decode_tokens = T;
+          per_token.slots = static_cast<const std::int32_t*>(d_pt.ptr);
+          per_token.num_accepted = static_cast<const std::int32_t*>(d_na.ptr);
+          kda::layer::Batch records = per_token;
+          records.slots = static_cast<const std::int32_t*>(d_rs.ptr);
+          records.num_accepted = nullptr;
+          records.records = true;
+          kda::layer::CommitBatch commit;
+          commit.sequences = B;
+          commit.decode_tokens = T;
+          commit.slots = static_cast<const std::int32_t*>(d_rs.ptr);
+          commit.num_accepted = static_cast<const std::int32_t*>(d_na.ptr);
+          // One graph of every layer's call (or of the one commit over all layers), replayed:
+          // microseconds per layer.
+          auto replay = [&](const std::function<void(const kda::layer::RunOptions&)>& enqueue) {
+            kda::layer::RunOptions o;
+            o.stream = stream;
+            o.check_pointers = false;
+            enqueue(o);  // eager once: checks the arguments outside the capture
+            check(cudaStreamSynchronize(stream), "eager call");
+            cudaGraph_t g = nullptr;
+            cudaGraphExec_t exec = nullptr;
+            check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+                  "begin capture");
+            enqueue(o);
+            check(cudaStreamEndCapture(stream, &g), "end capture");
+            check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+            cudaEvent_t before = nullptr, after = nullptr;
+            check(cudaEventCreate(&before), "cudaEventCreate");
+            check(cudaEventCreate(&after), "cudaEventCreate");
+            std::vector<double> per_layer;
+            for (int it = 0; it < warmup + iters; ++it) {
+              check(cudaEventRecord(before, stream), "cudaEventRecord");
+              check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+              check(cudaEventRecord(after, stream), "cudaEventRecord");
+              check(cudaEventSynchronize(after), "replay");
+              float ms = 0.0f;
+              check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
+              if (it >= warmup) per_layer.push_back(ms * 1e3 / instances);
+            }
+            cudaEventDestroy(before);
+            cudaEventDestroy(after);
+            cudaGraphExecDestroy(exec);
+            cudaGraphDestroy(g);
+            return median(per_layer);
+          };
+          auto layers_of = [&](const kda::layer::Batch& batch) {
+            return [&, batch](const kda::layer::RunOptions& o) {
+              for (int l = 0; l < instances; ++l) {
+                layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                                   static_cast<kda::bf16_bits*>(d_out.ptr), states[l],
+                                   kda::Workspace{workspace.ptr, ws}, o);
+              }
+            };
+          };
+          const double pt_us = replay(layers_of(per_token));
+          const double rec_us = replay(layers_of(records));
+          const double commit_us = replay([&](const kda::layer::RunOptions& o) {
+            kda::layer::commit(kda::Backend::kCuda, config, commit, states.data(), instances, o);
+          });
+          char line[256];
+          std::snprintf(line, sizeof line,
+                        "| %s | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.2fx |",
+                        layer_name.c_str(), static_cast<long long>(T), static_cast<long long>(B),
+                        pt_us, rec_us, commit_us, rec_us + commit_us, (rec_us + commit_us) / pt_us);
+          verify_rows.push_back(line);
+        }
+      }
     }
     std::printf(
         "\nDecode steps by RunOptions::decode_kernel, graph replays per layer (us), same run:\n\n"
@@ -375,6 +516,12 @@ int main(int argc, char** argv) {
         "run:\n\n| layer | case | requests | without | with | x without |\n"
         "|---|---|---:|---:|---:|---:|\n");
     for (const std::string& row : checkpoint_rows) std::printf("%s\n", row.c_str());
+    std::printf(
+        "\nSpeculative verify steps, graph replays per layer (us), same run: per-token states "
+        "(Batch::num_accepted) against records (Batch::records) and the commit over all the "
+        "graph's layers in one call:\n\n| layer | T | B | per-token states | records step | "
+        "commit | records + commit | x per-token |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    for (const std::string& row : verify_rows) std::printf("%s\n", row.c_str());
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());
