@@ -195,6 +195,10 @@ Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint6
 Status check_checkpoints(const Problem& p, const Tensors& t, std::uint64_t* seen_bits) {
   const std::int64_t n = p.sequences(), K = p.checkpoints;
   for (std::int64_t s = 0; s < n; ++s) {
+    // A padding sequence's requests are not read (it writes no state): the rule the layer and the
+    // CUDA index kernel follow too.
+    const std::int32_t own = t.state_slots[s];
+    if (own < 0 || own == p.padding_slot) continue;
     std::int64_t length = p.seq_len;
     if (p.varlen()) {
       length = p.cu_seqlens_dtype == DType::kI64

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -374,6 +375,15 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       Backend::kCuda, c, batch,
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
       batch.slots_host, batch.num_accepted_host, state, hidden, out, workspace, kForward);
+  // The core checks its checkpoint tensors only once it runs, after the conv has written: their
+  // alignment here, before anything is enqueued.
+  if (batch.checkpoints > 0 && N > 0 &&
+      (reinterpret_cast<std::uintptr_t>(batch.checkpoint_offsets) % alignof(std::int64_t) != 0 ||
+       reinterpret_cast<std::uintptr_t>(batch.checkpoint_slots) % alignof(std::int32_t) != 0)) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(kForward) +
+                    ": checkpoint_offsets must be 8-byte and checkpoint_slots 4-byte aligned");
+  }
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kSeparate)) {
     throw Error(StatusCode::kInvalidArgument,

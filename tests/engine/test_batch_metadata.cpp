@@ -1357,12 +1357,12 @@ void bad_records(Backend backend) {
         "decode_hidden: records and num_accepted are both set: a records step takes no "
         "num_accepted (Engine::commit does)");
   CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
-        "commit: layer 1 (KDA index 0) has no records to commit (no records verify step since "
-        "the last commit)");
+        "commit: layer 1 (KDA index 0) has no records to commit (no records verify step ran on "
+        "it)");
   e.decode_hidden(0, hidden.get(), out.get(), b);
   CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
-        "commit: layer 2 (KDA index 1) has no records to commit (no records verify step since "
-        "the last commit)");
+        "commit: layer 2 (KDA index 1) has no records to commit (no records verify step ran on "
+        "it)");
   e.decode_hidden(1, hidden.get(), out.get(), b);
   CHECK(error_of([&] { e.commit(1, slots.as<std::int32_t>(), accepted.as<std::int32_t>()); }) ==
         "commit: layer 1 (KDA index 0)'s records step had 2 rows of 2 tokens; the commit has 1 "
@@ -1388,9 +1388,9 @@ void bad_records(Backend backend) {
     accepted.write(std::vector<std::int32_t>{1, 2});
   }
   CHECK_NOTHROW(e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()));
-  CHECK(error_of([&] {
-          e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>());
-        }).find("has no records to commit") != std::string::npos);
+  // A commit does not consume the records' shape: a runtime that replays a captured graph of
+  // records steps commits after each replay (the records are the last replay's).
+  CHECK_NOTHROW(e.commit(2, slots.as<std::int32_t>(), accepted.as<std::int32_t>()));
 }
 
 }  // namespace

@@ -1073,14 +1073,16 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
     fail(call + ": " + std::to_string(sequences) + " rows, expected 1.." +
          std::to_string(m.num_slots()) + " (runtime.max_sequences)");
   }
-  // Every layer's last records step, not committed yet, of these rows and one token count.
+  // Every layer has run a records step, its last one of these rows and one token count. The shape
+  // is what the host can check; it is not consumed by a commit, so that a graph of records steps
+  // replayed before each eager commit (or a graph holding both) commits what its last replay
+  // wrote. That the records are the last step's of these slots is the caller's promise.
   int decode_tokens = 0;
   for (int l = 0; l < m.num_layers(); ++l) {
     const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)];
     const std::string label = m.layers[static_cast<std::size_t>(l)]->info().label;
     if (!p.pending) {
-      fail(call + ": " + label +
-           " has no records to commit (no records verify step since the last commit)");
+      fail(call + ": " + label + " has no records to commit (no records verify step ran on it)");
     }
     if (p.sequences != sequences || (decode_tokens != 0 && p.decode_tokens != decode_tokens)) {
       fail(call + ": " + label + "'s records step had " + std::to_string(p.sequences) +
@@ -1142,7 +1144,6 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
       if (!st.ok()) throw Error(st, call);
     }
   }
-  for (Impl::PendingRecords& p : m.pending_records) p.pending = false;
 }
 
 void Engine::decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,

@@ -108,7 +108,8 @@ struct Problem {
   // of this before computing; CUDA reads the requests on the device only (graph replays take new
   // ones): a bad offset, a slot >= the pool, or a slot another request of the call names sets
   // kDeviceStatusCheckpoint and skips that request (of two naming one slot, either); a checkpoint
-  // slot that is also a state_slots entry is not detected (it holds one of the two writes). A
+  // slot that is also a state_slots entry is not detected (the call's results for that sequence
+  // and that slot are then unspecified). A padding sequence's requests are not read. A
   // sequence that runs as padding (a negative state slot) writes no checkpoints. Every schedule
   // writes the same states (to rounding): a split recurrence writes each from the pass that carries
   // the true state.
@@ -420,7 +421,8 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream,
 //              not read), num_accepted int32 [batch], each in [1, tokens]
 // The non-negative slots are distinct. The fp32 operations are those of the verify step's state
 // update in the same order, so a commit reproduces the state a per-token-states verify step keeps
-// after token num_accepted[b] - 1 (bit for bit on one backend; docs/design/decode.md).
+// after token num_accepted[b] - 1 (bit for bit on one backend with fp32 accumulation; the records
+// are fp32, so under CpuOptions::fp64 it agrees to fp32 rounding; docs/design/decode.md).
 //
 // CUDA: up to kMaxCommitLayers layers travel by value in the kernel's parameters: no workspace, no
 // allocation, no synchronization, capturable. `layers` is a host array on both backends; the

@@ -21,6 +21,9 @@ __global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.seqs.num_seqs * K) return;
   const std::int64_t s = i / K;
+  // A padding sequence's requests are not read (it writes no state), as on the CPU.
+  const std::int32_t own = p.state_slots[s];
+  if (own < 0 || own == p.padding_slot) return;
   const std::int64_t offset = p.checkpoint_offsets_64
                                   ? static_cast<const std::int64_t*>(p.checkpoint_offsets)[i]
                                   : static_cast<const std::int32_t*>(p.checkpoint_offsets)[i];

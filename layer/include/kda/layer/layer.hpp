@@ -132,8 +132,11 @@ struct Batch {
   // checkpoint_slots[n][k] (-1: none), the recurrent state after checkpoint_offsets[n][k] of the
   // sequence's tokens (-1: none; a multiple of 16, or its length) and the three conv states there
   // (the W-1 pre-conv inputs before that offset, from the sequence's initial conv state where
-  // fewer tokens came before). The rows written are distinct and none is a slots entry. CPU only
-  // for now (CUDA: kUnsupported).
+  // fewer tokens came before). The rows written are distinct and none is a slots entry; a padding
+  // sequence's requests are not read. The CPU checks the requests before anything is written;
+  // CUDA reads them on the device only (kda.hpp, Problem::checkpoints: kDeviceStatusCheckpoint,
+  // that request skipped; a row named by two requests may then hold a mix of both). A call of 0
+  // tokens writes nothing, checkpoints included.
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;
@@ -205,7 +208,8 @@ struct CommitBatch {
   const std::int32_t* slots = nullptr;
   const std::int32_t* num_accepted = nullptr;
   std::int32_t padding_slot = -1;
-  // Optional host copies (CUDA), checked before anything is enqueued; the CPU reads the arrays
+  // Optional host copies (CUDA; num_accepted_host is read only with slots_host, which says which
+  // rows are padding), checked before anything is enqueued; the CPU reads the arrays
   // themselves. Without them a bad value only the device sees skips its row and sets
   // kDeviceStatusAccepted / kDeviceStatusSlot in device_status.
   const std::int32_t* slots_host = nullptr;

@@ -334,8 +334,10 @@ class Engine {
   // per-token-states verify step would have kept after token num_accepted[r] - 1. slots and
   // num_accepted are int32 [sequences] in the backend's memory (as BatchMetadata's): the records
   // step's slots (padding rows touch nothing), each count in [1, decode_tokens]. Every KDA layer
-  // must have run a records step of `sequences` rows (the same decode_tokens) since the last
-  // commit, on those slots; a commit consumes the records (a second one throws). One operator
+  // must have run a records step, its last of `sequences` rows (the same decode_tokens), on those
+  // slots; the host checks the shape only and does not consume it (a graph of records steps may be
+  // replayed before each eager commit), the slots and that nothing wrote their states since are
+  // the caller's promise. One operator
   // commit launch per kda::kMaxCommitLayers layers plus one conv launch on CUDA: nothing staged,
   // allocated or synchronized, so it is captured in a CUDA graph with the verify steps. The CPU
   // checks the slots (acquired, distinct) and the counts and throws before writing; CUDA reports
