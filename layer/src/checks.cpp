@@ -19,10 +19,15 @@ namespace {
 
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
-                   const State& state, const void* hidden, const void* out, const char* what) {
+                   const State& state, const void* hidden, const void* out, const char* what,
+                   bool core_inputs) {
   const std::int64_t T = batch.tokens, N = batch.sequences;
   const bool decode = batch.decode_tokens > 0;
   if (T < 0 || N < 0) invalid(what, "tokens and sequences must be >= 0");
+  if (core_inputs &&
+      (decode || batch.checkpoints != 0 || batch.records || batch.num_accepted != nullptr)) {
+    invalid(what, "core inputs are a prefill's: no decode, verify, records or checkpoints");
+  }
   if (batch.decode_tokens < 0 || batch.decode_tokens > kMaxDecodeTokens) {
     invalid(what, "decode_tokens " + std::to_string(batch.decode_tokens) + " is not in [0, " +
                       std::to_string(kMaxDecodeTokens) + "]");
@@ -147,18 +152,24 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     const bool conv_missing =
         c.conv_width > 1 &&
         (state.conv_q == nullptr || state.conv_k == nullptr || state.conv_v == nullptr);
-    if (state.recurrent == nullptr || conv_missing) invalid(what, "a state pool is null");
+    if ((state.recurrent == nullptr && !core_inputs) || conv_missing) {
+      invalid(what, "a state pool is null");
+    }
     if (state.recurrent_dtype != DType::kF32 && state.recurrent_dtype != DType::kBF16) {
       invalid(what, "recurrent state dtype " + std::string(to_string(state.recurrent_dtype)) +
                         " is not f32 or bf16");
     }
   }
   if (T > 0) {
-    if (hidden == nullptr || out == nullptr) invalid(what, "hidden or out is null");
+    if (core_inputs) {
+      if (hidden == nullptr) invalid(what, "hidden is null");
+    } else if (hidden == nullptr || out == nullptr) {
+      invalid(what, "hidden or out is null");
+    }
     const auto* h = static_cast<const unsigned char*>(hidden);
     const auto* o = static_cast<const unsigned char*>(out);
     const std::size_t bytes = static_cast<std::size_t>(T * c.hidden_size) * sizeof(bf16_bits);
-    if (h < o + bytes && o < h + bytes) invalid(what, "out overlaps hidden");
+    if (o != nullptr && h < o + bytes && o < h + bytes) invalid(what, "out overlaps hidden");
   }
   if (decode) {
     DecodeProblem step =
@@ -227,8 +238,9 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, const State& state,
                                        const void* hidden, const void* out, Workspace workspace,
-                                       const char* what) {
-  check_forward(c, batch, cu_host, slots_host, accepted_host, state, hidden, out, what);
+                                       const char* what, bool core_inputs) {
+  check_forward(c, batch, cu_host, slots_host, accepted_host, state, hidden, out, what,
+                core_inputs);
   const WorkspaceLayout layout =
       forward_workspace_layout(backend, c, batch.tokens, batch.sequences, state.num_slots, what);
   check_workspace(workspace, layout.total, batch, what);

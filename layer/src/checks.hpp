@@ -49,9 +49,12 @@ inline DType cu_seqlens_dtype(const Batch& batch) noexcept {
 //   - the pools non-null (conv pools when W > 1), the recurrent dtype f32 or bf16;
 //   - hidden and out non-null and disjoint ([T, hidden_size] bf16 each);
 //   - the core's problem valid.
+// `core_inputs` (Layer::core_inputs): a prefill without checkpoints, which needs neither out nor
+// the recurrent pool.
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
-                   const State& state, const void* hidden, const void* out, const char* what);
+                   const State& state, const void* hidden, const void* out, const char* what,
+                   bool core_inputs = false);
 // The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
 // check_forward (which makes the layout's sizes valid).
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
@@ -62,7 +65,7 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, const State& state,
                                        const void* hidden, const void* out, Workspace workspace,
-                                       const char* what);
+                                       const char* what, bool core_inputs = false);
 
 // A prefill's checkpoint requests (Batch::checkpoints > 0) where the host can read them: each
 // offset -1, or a multiple of kda::kCheckpointAlignment up to its sequence's length, or that

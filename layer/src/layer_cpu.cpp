@@ -26,6 +26,7 @@ using ConstMatrixMap = Eigen::Map<const RowMajor>;
 using MatrixMap = Eigen::Map<RowMajor>;
 
 constexpr const char* kForward = "KDA layer forward (CPU)";
+constexpr const char* kCoreInputs = "KDA layer core inputs (CPU)";
 
 // out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation.
 void project(const float* in, std::int64_t tokens, std::int64_t n_in, const float* weight,
@@ -183,9 +184,20 @@ class CpuLayer final : public Layer {
 
   Backend backend() const noexcept override { return Backend::kCpu; }
   void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-               Workspace workspace, const RunOptions& options) const override;
+               Workspace workspace, const RunOptions& options) const override {
+    run(batch, hidden, out, state, workspace, options, nullptr);
+  }
+  CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
+                         Workspace workspace, const RunOptions& options) const override {
+    CoreInputs inputs;
+    run(batch, hidden, nullptr, state, workspace, options, &inputs);
+    return inputs;
+  }
 
  private:
+  // The forward; with `inputs`, only up to the core, whose inputs it points at (core_inputs()).
+  void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const;
   void place(const Weights& w, void* weight_image, std::size_t bytes);
 
   std::unique_ptr<unsigned char[]> owned_image_;  // make_layer() without a region: its own
@@ -265,8 +277,8 @@ std::unique_ptr<Layer> make_cpu_layer(const Weights& w) {
   return std::make_unique<CpuLayer>(w, image, bytes, std::move(owned));
 }
 
-void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
-                       const State& state, Workspace workspace, const RunOptions& options) const {
+void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+                   Workspace workspace, const RunOptions& options, CoreInputs* inputs) const {
   const Config& c = config();
   const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
   const std::int64_t W = c.conv_width, Hl = c.local_heads(), Cl = c.local_channels();
@@ -275,11 +287,15 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
   // ---- checks, before anything is written ---------------------------------------------------
   const HostCuSeqlens cu_host =
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens, batch.cu_seqlens_i32};
-  const WorkspaceLayout layout =
-      checked_forward_layout(Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted,
-                             state, hidden, out, workspace, kForward);
+  const WorkspaceLayout layout = checked_forward_layout(
+      Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted, state, hidden, out,
+      workspace, inputs != nullptr ? kCoreInputs : kForward, inputs != nullptr);
   const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
+  if (inputs != nullptr) {
+    const Intermediates at = regions.intermediates();
+    *inputs = CoreInputs{at.q, at.k, at.v, at.g, at.beta, A_log_, dt_bias_};
+  }
   if (batch.checkpoints > 0) {
     check_checkpoints(batch, cu_host, batch.slots, state.num_slots,
                       regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
@@ -394,6 +410,10 @@ void CpuLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* o
     // for the norm, rounded once after the bias. The full-rank form as Kimi K3 runs it (read: the
     // K3 reference modeling_kimi_linear.py and sglang's K3 KimiDeltaAttention: g = g_proj(x), one
     // bf16 Linear [C, E] without bias, column-parallel, into FusedRMSNormGated(o, g)).
+    if (inputs != nullptr) {  // the core's inputs are all there: no output gate
+      timer.lap(&Times::projections);
+      return;
+    }
     const float* gate_in = xf;  // the last product's input [T, gate_k] and weight [Cl, gate_k]
     const float* gate_weight = g_proj_;
     std::int64_t gate_k = E;

@@ -269,9 +269,20 @@ class CudaLayer final : public Layer {
 
   Backend backend() const noexcept override { return Backend::kCuda; }
   void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-               Workspace workspace, const RunOptions& options) const override;
+               Workspace workspace, const RunOptions& options) const override {
+    run(batch, hidden, out, state, workspace, options, nullptr);
+  }
+  CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
+                         Workspace workspace, const RunOptions& options) const override {
+    CoreInputs inputs;
+    run(batch, hidden, nullptr, state, workspace, options, &inputs);
+    return inputs;
+  }
 
  private:
+  // The forward; with `inputs`, only up to the core, whose inputs it points at (core_inputs()).
+  void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const;
   void initialize(const Weights& w, unsigned char* image);
   // Seconds between the phase events of the last forward, added to `times` (waits for the last).
   void add_times(Times* times) const;
@@ -362,19 +373,21 @@ void CudaLayer::add_times(Times* times) const {
   }
 }
 
-void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
-                        const State& state, Workspace workspace, const RunOptions& options) const {
+void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+                    Workspace workspace, const RunOptions& options, CoreInputs* inputs) const {
   const Config& c = config();
   const std::int64_t T = batch.tokens, N = batch.sequences, E = c.hidden_size, D = c.head_dim;
   const std::int64_t W = c.conv_width, Hl = c.local_heads(), Cl = c.local_channels();
   const bool decode = batch.decode_tokens > 0;
 
   // ---- checks, before anything is enqueued ---------------------------------------------------
-  constexpr const char* kForward = "KDA layer forward (CUDA)";
+  const char* const kForward =
+      inputs != nullptr ? "KDA layer core inputs (CUDA)" : "KDA layer forward (CUDA)";
   const WorkspaceLayout layout = checked_forward_layout(
       Backend::kCuda, c, batch,
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
-      batch.slots_host, batch.num_accepted_host, state, hidden, out, workspace, kForward);
+      batch.slots_host, batch.num_accepted_host, state, hidden, out, workspace, kForward,
+      inputs != nullptr);
   // The core checks its checkpoint tensors only once it runs, after the conv has written: their
   // alignment here, before anything is enqueued.
   if (batch.checkpoints > 0 && N > 0 &&
@@ -453,14 +466,15 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
       throw_if_error(check_device_pointer(b.ptr, b.bytes, b.name), "KDA layer forward (CUDA)");
     }
   }
+  const WorkspaceRegions regions(layout, workspace.ptr);
+  const Intermediates m = regions.intermediates();
+  if (inputs != nullptr) *inputs = CoreInputs{m.q, m.k, m.v, m.g, m.beta, A_log, dt_bias};
   if (T == 0) return;  // nothing to compute; every state stays as it is
 
   // ---- enqueue -----------------------------------------------------------------------------
   cudaStream_t stream = static_cast<cudaStream_t>(options.stream);
-  const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
   auto* proj = regions.at<bf16_bits>(&L::proj);
-  const Intermediates m = regions.intermediates();
   bf16_bits *q = m.q, *k = m.k, *v = m.v, *g = m.g, *o = m.o, *beta = m.beta;
   float* gate = m.gate;
   auto* identity = regions.at<std::int32_t>(&L::identity_slots);
@@ -538,7 +552,9 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     }
     // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
     // full-rank gate's columns would come out of the fused GEMM in bf16: it has a GEMM of its own.
-    if (c.full_rank_gate) {
+    if (inputs != nullptr) {
+      // The core's inputs need no output gate.
+    } else if (c.full_rank_gate) {
       gemm(handle, stream, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
     } else if (!fuse_factors) {
       gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
@@ -586,6 +602,7 @@ void CudaLayer::forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* 
     }
   }
   mark(2);
+  if (inputs != nullptr) return;  // q, k, v, beta from the conv, g from f_a·W_fbᵀ: all there
   if (fuse) {
     KDA_NVTX_RANGE("fused decode");
     check_cuda(cuda::launch_fused_decode(fused, stream), "fused_decode_kernel");

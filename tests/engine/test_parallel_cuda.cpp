@@ -428,6 +428,129 @@ TEST_CASE("context parallel on CUDA: a prefill split over ranks equals one engin
 #endif
 }
 
+#ifdef KDA_HAVE_CUDA
+namespace {
+
+// test_parallel.cpp's whole-layer context-parallel model with CUDA's head_dim.
+ModelSpec whole_cp_spec() {
+  return kda::engine::parse_model_spec(
+      "name: cpw\nhidden_size: 256\nnum_hidden_layers: 2\n"
+      "linear_attn_config: {num_heads: 2, head_dim: 128, kda_layers: [1, 2], "
+      "full_attn_layers: [], gate: softplus, short_conv_kernel_size: 4}\n"
+      "runtime: {max_tokens: 128, max_sequences: 2}\n",
+      "cpw.yaml");
+}
+
+}  // namespace
+#endif  // KDA_HAVE_CUDA
+
+// test_parallel.cpp's whole-layer case on CUDA: 100 hidden rows from non-zero initial conv and
+// recurrent states, split over ranks (threads, streams of one GPU) so that ranges of 0, 1 and 2
+// tokens pass the conv history on; each rank's out rows are one engine's prefill_hidden to
+// rounding, and every rank's slot ends with the sequence's final states.
+TEST_CASE(
+    "context parallel whole layers on CUDA: a prefill split over ranks equals one engine's "
+    "[cuda]") {
+  if (!kda::test::gpu_or_skip()) return;  // prints the skip marker without CUDA too
+#ifdef KDA_HAVE_CUDA
+  const std::int64_t T = 100, E = 256, H = 2, D = 128, W = 4;
+  const std::vector<bf16_bits> x = kda::test::random_bf16(T * E, 1.0f, 7);
+  DeviceBuffer dx = DeviceBuffer::from(x);
+  std::vector<float> initial(static_cast<std::size_t>(H * D * D));
+  for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = 0.01f * static_cast<float>(i % 13);
+  const std::size_t conv_elements = static_cast<std::size_t>(H * D * (W - 1));
+  std::vector<std::vector<bf16_bits>> initial_conv;
+  for (int p = 0; p < 3; ++p) {
+    initial_conv.push_back(kda::test::random_bf16(conv_elements, 0.5f, 50 + p));
+  }
+  ok_or_throw(DeviceBuffer::synchronize(), "buffer setup");
+  auto start = [&](Engine& e, int l, int slot) {
+    e.write_slot_state(l, slot, initial.data());
+    for (int p = 0; p < 3; ++p) e.write_slot_conv_state(l, slot, p, initial_conv[p].data());
+  };
+  struct States {
+    std::vector<float> recurrent;
+    std::vector<std::vector<bf16_bits>> conv;
+  };
+  auto read = [&](const Engine& e, int l, int slot) {
+    States st{std::vector<float>(initial.size()), {}};
+    e.read_slot_state(l, slot, st.recurrent.data());
+    for (int p = 0; p < 3; ++p) {
+      st.conv.emplace_back(conv_elements);
+      e.read_slot_conv_state(l, slot, p, st.conv.back().data());
+    }
+    return st;
+  };
+
+  std::vector<std::vector<bf16_bits>> want_out(2);
+  std::vector<States> want;
+  {
+    Stream stream;
+    Engine one(whole_cp_spec(), cuda_options(41, stream.stream));
+    DeviceBuffer out(T * E * sizeof(bf16_bits));
+    ok_or_throw(DeviceBuffer::synchronize(), "buffer setup");
+    const int s = one.acquire_slot();
+    for (int l = 0; l < 2; ++l) {
+      start(one, l, s);
+      one.prefill_hidden(l, dx.get(), out.get(), {s}, {0, T});
+      want_out[l] = download<bf16_bits>(out.get(), T * E, stream.stream);
+      want.push_back(read(one, l, s));
+    }
+  }
+
+  for (const std::vector<std::int64_t>& ranges :
+       {std::vector<std::int64_t>{63, 37}, std::vector<std::int64_t>{37, 33, 30},
+        std::vector<std::int64_t>{0, 100, 0}, std::vector<std::int64_t>{1, 2, 97}}) {
+    const int ranks = static_cast<int>(ranges.size());
+    std::string name;
+    for (const std::int64_t n : ranges) name += (name.empty() ? "" : "/") + std::to_string(n);
+    CAPTURE(name);
+    auto group = kda::engine::make_cuda_local_communicators(ranks);
+    std::vector<std::vector<bf16_bits>> out(2, std::vector<bf16_bits>(T * E, 0xFFFF));
+    std::vector<std::vector<States>> states(ranks);
+    check_no_errors(on_threads(ranks, [&](int r) {
+      Stream stream;
+      EngineOptions o = cuda_options(41, stream.stream);
+      o.context_group = group[static_cast<std::size_t>(r)].get();
+      Engine e(whole_cp_spec(), o);
+      DeviceBuffer d_out(T * E * sizeof(bf16_bits));
+      ok_or_throw(DeviceBuffer::synchronize(), "buffer setup");
+      const int slot = e.acquire_slot();
+      std::int64_t begin = 0;
+      for (int j = 0; j < r; ++j) begin += ranges[static_cast<std::size_t>(j)];
+      const std::int64_t n = ranges[static_cast<std::size_t>(r)];
+      const bf16_bits* rows_in = static_cast<const bf16_bits*>(dx.get()) + begin * E;
+      bf16_bits* rows = static_cast<bf16_bits*>(d_out.get()) + begin * E;
+      for (int l = 0; l < 2; ++l) {
+        start(e, l, slot);
+        e.prefill_hidden_context_parallel(l, rows_in, rows, slot, n);
+        const std::vector<bf16_bits> mine = download<bf16_bits>(rows, n * E, stream.stream);
+        std::copy(mine.begin(), mine.end(), out[l].begin() + begin * E);
+        states[r].push_back(read(e, l, slot));
+      }
+    }));
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      REQUIRE(states[0].size() == 2);
+      const double out_error = kda::test::relative_error(out[l], want_out[l]);
+      MESSAGE("whole layers on CUDA over " << name << ", layer " << l << ": out " << out_error);
+      CHECK(out_error < 5e-3);
+      for (int r = 0; r < ranks; ++r) {
+        CAPTURE(r);
+        const States& st = states[r][l];
+        const double state_error = kda::test::relative_error(st.recurrent, want[l].recurrent);
+        MESSAGE("rank " << r << " final state " << state_error);
+        CHECK(state_error < 5e-3);
+        for (int p = 0; p < 3; ++p) {
+          CAPTURE(p);
+          CHECK(kda::test::relative_error(st.conv[p], want[l].conv[p]) < 5e-3);
+        }
+      }
+    }
+  }
+#endif
+}
+
 TEST_CASE("nccl communicator: one rank's all-reduce and all-gather [cuda]") {
   if (!kda::test::gpu_or_skip()) return;  // prints the skip marker without CUDA too
 #ifdef KDA_HAVE_CUDA

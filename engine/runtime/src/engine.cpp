@@ -90,7 +90,27 @@ struct EngineBuffers {
   // Context parallelism: this rank's transition and every rank's (context.transitions), and the
   // operator's workspace for computing one (context.workspace).
   planner::BufferHandle context_transitions, context_workspace;
+  // Whole layers: this rank's conv history block and every rank's (context.conv_history).
+  planner::BufferHandle context_conv;
 };
+
+// A context-parallel prefill of whole layers all-gathers one conv history block per rank: a
+// 16-byte header (int64: the rank's tokens) and the three conv states (q, k, v: bf16 [Cl, W-1]
+// each) that a zero conv state becomes over the rank's last min(tokens, W-1) pre-conv inputs —
+// those inputs right-aligned, zeros before them where the rank holds fewer than W-1 tokens.
+constexpr std::uint64_t kConvHistoryHeader = 16;
+
+// Elements of one projection's conv state of one sequence: Cl * (W - 1).
+std::uint64_t conv_state_elements(const ModelSpec& spec) {
+  const layer::Config c = layer_config(spec);
+  return static_cast<std::uint64_t>(c.local_channels()) *
+         static_cast<std::uint64_t>(c.conv_width - 1);
+}
+
+// Bytes of one rank's conv history block, a multiple of 16 (each rank's block aligned alike).
+std::uint64_t conv_history_block_bytes(const ModelSpec& spec) {
+  return (kConvHistoryHeader + 3 * conv_state_elements(spec) * sizeof(bf16_bits) + 15) / 16 * 16;
+}
 
 // Floats of one rank's transitions of one layer: P^T [H, K, K] then H^T [H, V, K].
 std::uint64_t transition_floats(const ModelSpec& spec) {
@@ -148,6 +168,11 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
       throw Error(st, spec.name + ": context-parallel transition workspace");
     }
     buffers->context_workspace = scratch("context.workspace", bytes);
+    if (spec.runtime.layer_mode == LayerMode::kWhole) {
+      buffers->context_conv =
+          scratch("context.conv_history",
+                  (1 + static_cast<std::uint64_t>(context_ranks)) * conv_history_block_bytes(spec));
+    }
   }
   planner::PlanResult result = planner.plan(spec.runtime.workspace_plan);
   if (!result.ok) {
@@ -184,6 +209,14 @@ struct Engine::Impl {
   float* context_transitions = nullptr;   // context.transitions: mine, then every rank's
   void* context_workspace = nullptr;
   std::uint64_t context_workspace_bytes = 0;
+  // Whole layers: context.conv_history (mine, then every rank's), and host copies sized once:
+  // every rank's blocks, and two conv states of the three projections (the one at this range's
+  // start, and the running one that ends as the sequence's last).
+  std::uint8_t* context_conv = nullptr;
+  std::uint64_t context_conv_block = 0;
+  std::vector<std::uint8_t> context_conv_blocks;
+  std::vector<bf16_bits> context_conv_states;
+  std::int64_t context_tokens = 0;  // the header's source (a copy is enqueued from it)
   // Slot indices staged for the operator (int32, -1 for padding), one per kind of call.
   struct SlotStaging {
     std::int32_t* device = nullptr;      // arena scratch
@@ -572,6 +605,46 @@ struct Engine::Impl {
     }
   }
 
+  // The checks of a context-parallel call: a group, one acquired slot, tokens within bounds.
+  void check_context_call(const char* what, int slot, std::int64_t tokens) {
+    if (spec.runtime.tp_size != 1) {
+      fail(std::string(what) + ": " + spec.name + " is tensor-parallel (runtime.tp_size " +
+           std::to_string(spec.runtime.tp_size) +
+           "); a context-parallel prefill needs every head on each rank (tp_size 1)");
+    }
+    if (context_group == nullptr) fail(std::string(what) + ": the engine has no context_group");
+    check_prefill_batch(what, {slot}, {0, tokens});
+    if (padding(slot)) fail(std::string(what) + ": slot " + std::to_string(slot) + " is padding");
+  }
+
+  // This rank's segment transition (P^T, H^T per head) of `tokens` tokens of q..beta in `t`
+  // (cu_seqlens {0, tokens} staged), into the first of context.transitions.
+  void range_transition(const EngineLayer& layer, Tensors t, std::int64_t tokens) const {
+    const auto H = static_cast<std::int64_t>(spec.num_heads);
+    const auto D = static_cast<std::int64_t>(spec.head_dim);
+    t.cu_seqlens = cu_scratch;
+    t.cu_seqlens_host = cu_staging.data();
+    layer.transition_core(
+        transition_problem(layer.prefill_problem(tokens, 1)), t, context_transitions,
+        context_transitions + H * D * D,
+        Workspace{context_workspace, static_cast<std::size_t>(context_workspace_bytes)});
+  }
+
+  // Applies the gathered transitions of ranks [from, to), in order, to the slot's recurrent state.
+  void apply_transitions(int kda_index, int slot, const char* what, int from, int to) const {
+    const std::uint64_t floats = transition_floats(spec);
+    const auto H = static_cast<std::int64_t>(spec.num_heads);
+    const auto D = static_cast<std::int64_t>(spec.head_dim);
+    const float* all = context_transitions + floats;  // rank j's at all + j * floats
+    auto* state = reinterpret_cast<float*>(slot_state(kda_index, slot));
+    for (int j = from; j < to; ++j) {
+      const float* p_t = all + static_cast<std::uint64_t>(j) * floats;
+      throw_if_error(
+          backend->apply_transition(H, D, D, state, p_t, p_t + H * D * D, state),
+          (std::string(what) + ": applying rank " + std::to_string(j) + "'s transition").c_str());
+    }
+  }
+
   // The whole layer on a checked batch, with the staged host copies of its metadata (or null).
   void run_whole(int kda_index, const char* what, const void* hidden, void* out,
                  const BatchMetadata& b, const std::int64_t* cu_host,
@@ -735,13 +808,13 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.communicator = options.communicator;
   if (options.context_group != nullptr) {
     const Communicator& c = *options.context_group;
-    if (m.spec.runtime.layer_mode != LayerMode::kCoreOnly || m.spec.runtime.tp_size != 1 ||
-        m.spec.runtime.state_dtype != DType::kF32 || c.backend() != kind) {
+    if (m.spec.runtime.tp_size != 1 || m.spec.runtime.state_dtype != DType::kF32 ||
+        c.backend() != kind) {
       throw Error(StatusCode::kInvalidArgument,
                   where + ": EngineOptions::context_group (rank " + std::to_string(c.rank()) +
                       " of " + std::to_string(c.size()) + " on " + to_string(c.backend()) +
-                      ") needs the KDA cores alone (runtime.layers: core), tp_size 1, an f32 "
-                      "state and the engine's backend");
+                      ") needs tp_size 1 (every head on each rank), an f32 state and the "
+                      "engine's backend");
     }
   }
   m.context_group = options.context_group;
@@ -795,6 +868,14 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
   m.context_transitions = static_cast<float*>(locate(buffers.context_transitions));
   m.context_workspace = locate(buffers.context_workspace);
+  m.context_conv = static_cast<std::uint8_t*>(locate(buffers.context_conv));
+  if (m.context_conv != nullptr) {
+    m.context_conv_block = conv_history_block_bytes(m.spec);
+    m.context_conv_blocks.assign(static_cast<std::size_t>(m.context_conv_block) *
+                                     static_cast<std::size_t>(options.context_group->size()),
+                                 0);
+    m.context_conv_states.assign(static_cast<std::size_t>(6 * conv_state_elements(m.spec)), 0);
+  }
   if (const planner::PlanEntry* entry = m.plan.entry(buffers.context_workspace)) {
     m.context_workspace_bytes = entry->bytes;
   }
@@ -983,41 +1064,137 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   Impl& m = *impl_;
   m.check_layer(kda_index);
   const char* what = "prefill_context_parallel";
-  if (m.context_group == nullptr) fail(std::string(what) + ": the engine has no context_group");
-  m.check_prefill_batch(what, {slot}, {0, tokens});
-  if (m.padding(slot)) fail(std::string(what) + ": slot " + std::to_string(slot) + " is padding");
+  m.check_context_call(what, slot, tokens);
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
-  Communicator& group = *m.context_group;
-  const std::uint64_t floats = transition_floats(m.spec);
-  const auto H = static_cast<std::int64_t>(m.spec.num_heads);
-  const auto D = static_cast<std::int64_t>(m.spec.head_dim);
-  float* mine = m.context_transitions;
-  float* all = mine + floats;  // rank j's at all + j * floats: P^T, then H^T
   // 1. This range's transition (P^T, H^T per head), from its tokens alone.
   m.stage_cu_seqlens({0, tokens});
-  Tensors t = caller_tensors<Tensors>(inputs, nullptr);
-  t.cu_seqlens = m.cu_scratch;
-  t.cu_seqlens_host = m.cu_staging.data();
-  layer.transition_core(
-      transition_problem(layer.prefill_problem(tokens, 1)), t, mine, mine + H * D * D,
-      Workspace{m.context_workspace, static_cast<std::size_t>(m.context_workspace_bytes)});
-  // 2. Every rank's, in rank order.
-  group.all_gather(mine, all, floats * sizeof(float), m.backend->stream());
-  // 3. The true state at this range's start: the initial state through the ranges before.
-  auto* state = reinterpret_cast<float*>(m.slot_state(kda_index, slot));
-  auto apply = [&](int j) {
-    const float* p_t = all + static_cast<std::uint64_t>(j) * floats;
-    throw_if_error(
-        m.backend->apply_transition(H, D, D, state, p_t, p_t + H * D * D, state),
-        (std::string(what) + ": applying rank " + std::to_string(j) + "'s transition").c_str());
-  };
-  for (int j = 0; j < group.rank(); ++j) apply(j);
+  m.range_transition(layer, caller_tensors<Tensors>(inputs, nullptr), tokens);
+  // 2. Every rank's, in rank order; 3. the true state at this range's start: the initial state
+  // through the ranges before.
+  m.context_group->all_gather(m.context_transitions,
+                              m.context_transitions + transition_floats(m.spec),
+                              transition_floats(m.spec) * sizeof(float), m.backend->stream());
+  m.apply_transitions(kda_index, slot, what, 0, m.context_group->rank());
   // 4. This range's prefill from there (the batch checked and its cu_seqlens staged above): its
   // outputs, and the state at its end in the slot.
   m.stage_slots({slot}, &m.prefill_slots);
   m.run_core(kda_index, what, inputs, out, m.staged_prefill(1), m.cu_staging.data());
   // 5. The final state on every rank: the ranges after this one.
-  for (int j = group.rank() + 1; j < group.size(); ++j) apply(j);
+  m.apply_transitions(kda_index, slot, what, m.context_group->rank() + 1, m.context_group->size());
+}
+
+void Engine::prefill_hidden_context_parallel(int kda_index, const void* hidden, void* out, int slot,
+                                             std::int64_t tokens) {
+  Impl& m = *impl_;
+  const char* what = "prefill_hidden_context_parallel";
+  m.check_layer(kda_index);
+  m.check_whole(what);
+  m.check_context_call(what, slot, tokens);
+  const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
+  m.check_hidden(layer, what, hidden, out, tokens);
+  Communicator& group = *m.context_group;
+  const int rank = group.rank(), ranks = group.size();
+  const std::int64_t E = m.spec.hidden_size;
+  const auto history = static_cast<std::int64_t>(m.spec.short_conv_kernel_size - 1);  // W - 1
+  const std::uint64_t block = m.context_conv_block;
+  const auto elements = static_cast<std::size_t>(conv_state_elements(m.spec));
+  const auto conv_bytes = static_cast<std::size_t>(m.conv_slot_bytes);
+  // The three conv states of a history block (backend memory) or of a host copy of one.
+  auto conv_of = [&](std::uint8_t* b) {
+    auto* base = reinterpret_cast<bf16_bits*>(b + kConvHistoryHeader);
+    return std::array<bf16_bits*, 3>{base, base + elements, base + 2 * elements};
+  };
+  std::uint8_t* mine = m.context_conv;
+  std::uint8_t* all = mine + block;
+  const std::array<bf16_bits*, 3> scratch = conv_of(mine);
+  const layer::RunOptions options = m.layer_options(nullptr);
+  auto range = [&](std::int64_t n) {
+    layer::Batch b;
+    b.tokens = n;
+    b.sequences = 1;
+    b.cu_seqlens = m.cu_scratch;  // staged before each use
+    b.cu_seqlens_host = m.cu_staging.data();
+    b.device_status = m.device_status;
+    return b;
+  };
+
+  // 1. This range's conv history: a zero conv state through its last min(tokens, W-1) rows (their
+  // projections and conv, on the block's conv states) holds their pre-conv inputs, right-aligned.
+  // A range that needs more history than its own rows takes the rest from the ranks before it.
+  m.backend->memset(mine, 0, static_cast<std::size_t>(block));
+  m.context_tokens = tokens;
+  m.backend->copy_to_device(mine, &m.context_tokens, sizeof m.context_tokens);
+  const std::int64_t last = std::min(tokens, history);
+  if (last > 0) {
+    m.stage_cu_seqlens({0, last});
+    layer.core_inputs(range(last), static_cast<const bf16_bits*>(hidden) + (tokens - last) * E,
+                      scratch.data(), options);
+  }
+  // 2. Every rank's block. The conv states are formed on the host (a few rows per rank): the
+  // sequence's initial ones (the slot's, the same on every rank), then each rank's inputs shifted
+  // in, in rank order — the conv state at this range's start, and after the last rank's the
+  // sequence's final one.
+  group.all_gather(mine, all, static_cast<std::size_t>(block), m.backend->stream());
+  m.backend->copy_to_host(m.context_conv_blocks.data(), all,
+                          static_cast<std::size_t>(block) * static_cast<std::size_t>(ranks));
+  bf16_bits* running = m.context_conv_states.data();  // [3][Cl, W-1]
+  bf16_bits* start = running + 3 * elements;
+  for (int p = 0; p < 3; ++p) {
+    m.backend->copy_to_host(running + p * elements, m.slot_conv_state(kda_index, slot, p),
+                            conv_bytes);
+  }
+  for (int j = 0; j < ranks; ++j) {
+    if (j == rank) std::copy(running, running + 3 * elements, start);
+    std::uint8_t* b = m.context_conv_blocks.data() + static_cast<std::size_t>(j) * block;
+    std::int64_t held = 0;
+    std::memcpy(&held, b, sizeof held);
+    if (held < 0 || held > m.spec.runtime.max_tokens) {
+      fail(std::string(what) + ": rank " + std::to_string(j) + "'s conv history names " +
+               std::to_string(held) + " tokens (the ranks disagree on the call)",
+           StatusCode::kInternal);
+    }
+    // The state after n more inputs: the last W-1 of (state ++ inputs).
+    const std::int64_t n = std::min(held, history);
+    const std::array<bf16_bits*, 3> inputs = conv_of(b);
+    for (int p = 0; p < 3; ++p) {
+      bf16_bits* s = running + p * elements;
+      for (std::size_t c = 0; c < elements; c += static_cast<std::size_t>(history)) {
+        for (std::int64_t i = 0; i < history; ++i) {  // ascending: reads i + n >= i, not yet moved
+          s[c + i] = i < history - n ? s[c + i + n] : inputs[p][c + i];
+        }
+      }
+    }
+  }
+  // 3. This range's conv state at its start: into the slot, for the prefill below, and into the
+  // block's conv states, for the transition pass (which moves them on as a forward would).
+  for (int p = 0; p < 3; ++p) {
+    m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, p), start + p * elements,
+                              conv_bytes);
+    m.backend->copy_to_device(scratch[p], start + p * elements, conv_bytes);
+  }
+  // 4. This range's segment transition from its core inputs (projections and conv from that
+  // state), every rank's gathered, and the recurrent state at this range's start.
+  m.stage_cu_seqlens({0, tokens});
+  const layer::CoreInputs in = layer.core_inputs(range(tokens), hidden, scratch.data(), options);
+  LayerInputs core_in{in.q, in.k, in.v, in.g, in.beta};
+  m.range_transition(layer, caller_tensors<Tensors>(core_in, nullptr), tokens);
+  group.all_gather(m.context_transitions, m.context_transitions + transition_floats(m.spec),
+                   transition_floats(m.spec) * sizeof(float), m.backend->stream());
+  m.apply_transitions(kda_index, slot, what, 0, rank);
+  // 5. The whole layer on this range from (that recurrent state, that conv state): its out rows,
+  // and the states at its end in the slot.
+  m.stage_slots({slot}, &m.prefill_slots);
+  m.run_whole(kda_index, what, hidden, out, m.staged_prefill(1), m.cu_staging.data(),
+              m.prefill_slots.host.data(), nullptr);
+  // 6. The sequence's final states on every rank: the transitions after this range, and the conv
+  // states from the gathered history (the last rank's prefill left them already).
+  m.apply_transitions(kda_index, slot, what, rank + 1, ranks);
+  if (rank + 1 < ranks) {
+    for (int p = 0; p < 3; ++p) {
+      m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, p), running + p * elements,
+                                conv_bytes);
+    }
+  }
 }
 
 // ---- whole layers ----------------------------------------------------------------------------

@@ -265,4 +265,23 @@ void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* o
   }
 }
 
+layer::CoreInputs EngineLayer::core_inputs(const layer::Batch& batch, const void* hidden,
+                                           bf16_bits* const conv[3],
+                                           const layer::RunOptions& options) const {
+  if (!layer_) throw Error(StatusCode::kInternal, info_.label + " core inputs: no weights loaded");
+  layer::State state;
+  state.num_slots = 1;
+  state.conv_q = conv[0];
+  state.conv_k = conv[1];
+  state.conv_v = conv[2];
+  state.recurrent_dtype = state_dtype_;
+  try {
+    return layer_->core_inputs(batch, static_cast<const bf16_bits*>(hidden), state,
+                               Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)},
+                               options);
+  } catch (const Error& e) {
+    throw Error(e.code(), info_.label + " core inputs: " + e.what());
+  }
+}
+
 }  // namespace kda::engine

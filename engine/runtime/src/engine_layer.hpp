@@ -92,6 +92,11 @@ class EngineLayer {
   // The whole layer on hidden states; `batch` needs no states (the layer's pools). Throws.
   void forward(const layer::Batch& batch, const void* hidden, void* out,
                const layer::RunOptions& options) const;
+  // Whole layers: the forward of a prefill batch up to the core (layer::Layer::core_inputs), its
+  // conv states in the one-row pools `conv` (q, k, v: bf16 [Cl, W-1] each, read and updated; the
+  // batch's sequences without slots), the inputs in this layer's workspace. Throws.
+  layer::CoreInputs core_inputs(const layer::Batch& batch, const void* hidden,
+                                bf16_bits* const conv[3], const layer::RunOptions& options) const;
 
  private:
   planner::BufferHandle add(planner::MemoryPlanner& planner, const std::string& suffix,

@@ -163,6 +163,20 @@ enum class DecodeKernel : int {
   kSeparate,      // the conv, core (kda::decode_cuda) and gated-norm kernels, as prefill runs
 };
 
+// The KDA core's inputs of a prefill batch as the layer computes them (core_inputs()): bf16 q, k,
+// g [T, Hl, D], v [T, Hl, D], beta [T, Hl] in the forward's workspace (valid until it is used
+// again), and the layer's gate parameters f32 A_log [Hl], dt_bias [Hl * D], all on the layer's
+// backend. g and beta are raw (activated inside the core), as forward() hands them to it.
+struct CoreInputs {
+  const bf16_bits* q = nullptr;
+  const bf16_bits* k = nullptr;
+  const bf16_bits* v = nullptr;
+  const bf16_bits* g = nullptr;
+  const bf16_bits* beta = nullptr;
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+};
+
 struct RunOptions {
   void* stream = nullptr;      // CUDA: the cudaStream_t to enqueue on; nullptr: the default stream
   int cpu_threads = 0;         // CPU: the core's threads; 0: all hardware threads
@@ -188,6 +202,15 @@ class Layer {
   virtual void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                        const State& state, Workspace workspace,
                        const RunOptions& options = {}) const = 0;
+
+  // The forward of a prefill batch up to the core: the projections and the short convolutions,
+  // which read and update the conv states in `state` exactly as forward() does (so the conv rows
+  // end as forward() leaves them), and nothing after (no core, no norm, no output; the recurrent
+  // pool is neither read nor written and may be null). For a context-parallel prefill, which needs
+  // a range's core inputs for its segment transition (kda.hpp) before the range's true recurrent
+  // state is known. Prefill only: no checkpoints. Throws kda::Error as forward() does.
+  virtual CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
+                                 Workspace workspace, const RunOptions& options = {}) const = 0;
 
  protected:
   Layer(const Config& config, std::size_t weight_bytes)

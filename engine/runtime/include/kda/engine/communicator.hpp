@@ -4,7 +4,8 @@
 // every whole layer's output. Given a Communicator (EngineOptions::communicator), its
 // prefill_hidden / decode_hidden all-reduce that output in place, so every rank returns the whole
 // layer's output; a context-parallel prefill (EngineOptions::context_group) all-gathers its ranks'
-// segment transitions. The engine only calls the interface; the transport is the communicator's:
+// segment transitions (and, whole layers, their conv histories). The engine only calls the
+// interface; the transport is the communicator's:
 //   make_local_communicators()       ranks as threads of one process on the CPU backend (tests,
 //                                    and hosts that shard a model over CPU workers)
 //   make_cuda_local_communicators()  ranks as threads of one process, each on its own CUDA stream

@@ -123,9 +123,10 @@ struct EngineOptions {
   // than its shard's partial sum. Its size and rank must be the spec's tp_size and tp_rank and its
   // memory the engine's backend's. Null: the output is the partial sum (the host all-reduces).
   Communicator* communicator = nullptr;
-  // Context parallelism (runtime.layers: core, tp_size 1, an f32 state): the group whose ranks
-  // share long prefills (prefill_context_parallel), not owned; this engine is its rank
-  // context_group->rank(), its memory the engine's backend's. Null: none.
+  // Context parallelism (tp_size 1, an f32 state; the cores alone or whole layers): the group
+  // whose ranks share long prefills (prefill_context_parallel, prefill_hidden_context_parallel),
+  // not owned; this engine is its rank context_group->rank(), its memory the engine's backend's.
+  // Null: none.
   Communicator* context_group = nullptr;
   // A caller-chosen null slot, for runtimes that pad the batches of their CUDA graphs with a
   // reserved slot index rather than a negative one (vLLM reserves slot 0 in some configurations).
@@ -355,6 +356,25 @@ class Engine {
   // layer; a rank may hold 0 tokens.
   void prefill_context_parallel(int kda_index, const LayerInputs& inputs, void* out, int slot,
                                 std::int64_t tokens);
+  // The same for whole layers (runtime.layers: whole, tp_size 1): this rank's `tokens` consecutive
+  // rows of the sequence's hidden states in, the same rows of the layer's output out (bf16
+  // [tokens, hidden_size], as prefill_hidden), every rank with the sequence's initial conv and
+  // recurrent states in its `slot` (the same on each). Besides the recurrent state, a range depends
+  // on the ranges before it through the short convolution: its first W-1 tokens read the W-1
+  // pre-conv inputs before it. So each rank first projects its last min(tokens, W-1) rows, the
+  // group all-gathers these conv histories (with each rank's token count, so that ranges shorter
+  // than W-1 — 0 tokens included — pass on the history before them), and each rank forms on the
+  // host the conv state at its range's start (from the slot's initial one and the ranks before
+  // it). Then the core's path: each rank's segment transition from its core inputs (projections
+  // and conv from that conv state, layer::Layer::core_inputs), all-gathered, chained into the
+  // recurrent state at its start, and the whole layer's prefill of its range from those two states
+  // (prefill_hidden's forward): out is the one-engine prefill_hidden's to rounding (rank 0's rows
+  // bit for bit on the CPU). Afterwards every rank's `slot` holds the sequence's final states: the
+  // ranks before the last apply the transitions after theirs and take the final conv state from
+  // the gathered histories. Every rank calls it for the same layer; a rank may hold 0 tokens. On
+  // CUDA the host reads the gathered histories, so the call waits for the work before it (once).
+  void prefill_hidden_context_parallel(int kda_index, const void* hidden, void* out, int slot,
+                                       std::int64_t tokens);
 
   // Waits for everything enqueued (CUDA); no-op on the CPU.
   void synchronize() const;
