@@ -156,6 +156,13 @@ class CudaLocalCommunicator final : public Communicator {
         [&](cudaStream_t s) -> std::string {
           if (scratch_bytes_ < bytes) {  // grows to the largest call, in stream order: no host wait
             if (scratch_ != nullptr) {
+              // The free is ordered on s only: a use on another stream may still read it.
+              if (scratch_stream_ != s) {
+                if (const cudaError_t err = cudaStreamSynchronize(scratch_stream_);
+                    err != cudaSuccess) {
+                  return cuda_message("cudaStreamSynchronize", err);
+                }
+              }
               const cudaError_t err = cudaFreeAsync(scratch_, s);
               scratch_ = nullptr;
               scratch_bytes_ = 0;
@@ -167,6 +174,7 @@ class CudaLocalCommunicator final : public Communicator {
             }
             scratch_bytes_ = bytes;
           }
+          scratch_stream_ = s;
           Buffers in{};
           for (int r = 0; r < size(); ++r) in.at[r] = posted(r).buffer;
           const unsigned blocks =
@@ -320,6 +328,7 @@ class CudaLocalCommunicator final : public Communicator {
   int rank_;
   void* scratch_ = nullptr;  // this rank's all-reduce result before it is copied in place
   std::size_t scratch_bytes_ = 0;
+  cudaStream_t scratch_stream_ = nullptr;  // the stream of its last use
 };
 
 [[noreturn]] void factory_fail(StatusCode code, const std::string& what) {

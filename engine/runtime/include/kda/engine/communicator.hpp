@@ -69,7 +69,8 @@ std::vector<std::unique_ptr<Communicator>> make_local_communicators(int ranks);
 // rank's stream cannot reach (a CUDA graph is one capture, its events its own). A collective on a
 // capturing stream throws kda::Error (kInvalidArgument), on every rank alike. Capture the engine's
 // other work per rank and run the collectives eagerly, or use NCCL, whose kernels synchronize the
-// ranks on the device and are capturable.
+// ranks on the device and are capturable. Each rank's all-reduce scratch grows to its largest call
+// (stream-ordered; when the stream differs from the last call's, after waiting for that stream).
 //
 // Misuse throws kda::Error on every rank of the collective alike (each rank's arguments are checked
 // against the others' before any device work): ranks that disagree on count, dtype or bytes, a null
