@@ -663,14 +663,18 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
       } catch (const std::exception& e) {
         mine.error = e.what();
         if (!arrived) arrive(false);
+        // Ranks still running wait in a collective this rank will not call: wake them.
+        group[static_cast<std::size_t>(r)]->abort();
       }
     });
   }
   for (std::thread& t : threads) t.join();
-  for (int r = 0; r < n; ++r) {
-    if (!ranks[static_cast<std::size_t>(r)].error.empty()) {
-      throw kda::Error(kda::StatusCode::kInternal, "rank " + std::to_string(r) + ": " +
-                                                       ranks[static_cast<std::size_t>(r)].error);
+  // The first rank's own error, before those of ranks the failure woke (an aborted group).
+  for (const bool woken : {false, true}) {
+    for (int r = 0; r < n; ++r) {
+      const std::string& error = ranks[static_cast<std::size_t>(r)].error;
+      if (error.empty() || (!woken && error.find("was aborted") != std::string::npos)) continue;
+      throw kda::Error(kda::StatusCode::kInternal, "rank " + std::to_string(r) + ": " + error);
     }
   }
 

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -129,6 +130,26 @@ TEST_CASE("local communicators: all-reduce and all-gather over threads, every ra
         }) == "local communicator: all_reduce_sum of i32 (it sums bf16 and f32)");
   CHECK(kda::test::error_of([] { kda::engine::make_local_communicators(0); }) ==
         "make_local_communicators: ranks 0 is not in [1, 1024]");
+}
+
+// A rank that fails between collectives aborts the group: the rank waiting in a collective is
+// woken with kda::Error instead of waiting forever, and later collectives throw too.
+TEST_CASE("local communicators: abort wakes a rank waiting in a collective") {
+  auto group = kda::engine::make_local_communicators(2);
+  std::vector<float> data(8, 1.0f);
+  std::string error;
+  std::thread waiting([&] {
+    try {
+      group[0]->all_reduce_sum(data.data(), data.size(), kda::DType::kF32, nullptr);
+    } catch (const kda::Error& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  group[1]->abort();  // rank 1 never calls the collective
+  waiting.join();
+  CHECK(error.find("was aborted") != std::string::npos);
+  CHECK_THROWS_AS(group[1]->all_gather(data.data(), data.data(), 4, nullptr), kda::Error);
 }
 
 TEST_CASE("tensor parallel: ranks with a communicator each return the whole layer's output") {

@@ -139,6 +139,7 @@ class CudaLocalCommunicator final : public Communicator {
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return group_->rendezvous.size; }
   Backend backend() const noexcept override { return Backend::kCuda; }
+  void abort() noexcept override { group_->rendezvous.abort(); }
 
   void all_reduce_sum(void* data, std::size_t count, DType dtype, void* stream) override {
     Posted mine;

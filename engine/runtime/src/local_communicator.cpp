@@ -26,6 +26,7 @@ class LocalCommunicator final : public Communicator {
   int rank() const noexcept override { return rank_; }
   int size() const noexcept override { return group_->size; }
   Backend backend() const noexcept override { return Backend::kCpu; }
+  void abort() noexcept override { group_->abort(); }
 
   void all_reduce_sum(void* data, std::size_t count, DType dtype, void*) override {
     if (dtype != DType::kBF16 && dtype != DType::kF32) {

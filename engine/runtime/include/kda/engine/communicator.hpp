@@ -45,6 +45,11 @@ class Communicator {
   virtual void all_reduce_sum(void* data, std::size_t count, DType dtype, void* stream) = 0;
   // recv[r * bytes .. (r + 1) * bytes) = rank r's send, for every rank r.
   virtual void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) = 0;
+  // For a rank that fails between collectives and will not call the next one: the in-process
+  // transports wake every rank of the group waiting in a collective with kda::Error, and every
+  // later collective of the group throws. The default does nothing (NCCL's ranks are processes;
+  // ncclCommAbort is the owner's).
+  virtual void abort() noexcept {}
 };
 
 // `ranks` communicators (1..1024) of one group in this process, on host memory: rank r is
