@@ -485,6 +485,40 @@ void run_checkpoints(double bw, int iters, const std::string& only) {
   }
 }
 
+// Microseconds per call of `enqueue` (one call on stream s): a graph of 50 calls replayed (no
+// launch gaps), the median of `iters` replays after three.
+template <typename F>
+double graph_us(int iters, F&& enqueue) {
+  const int steps = 50;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < steps; ++i) enqueue(s);
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(e0, s));
+    CK(cudaGraphLaunch(exec, s));
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms[i], e0, e1));
+  }
+  std::sort(ms.begin(), ms.end());
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaStreamDestroy(s));
+  return ms[iters / 2] * 1e3 / steps;
+}
+
 void run_decode(double bw, int iters) {
   const int H = 32, D = 128;
   const double fla_ms[] = {0, 0.061, 0.094, 0.379};
@@ -553,30 +587,9 @@ void run_decode(double bw, int iters) {
       t.slots = d_slots;
       t.state_pool = pool;
       t.out = al(tok * 2);
-      // A graph of `steps` decode steps, replayed: per-step time without launch gaps.
-      const int steps = 50;
-      cudaStream_t s;
-      CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-      for (int i = 0; i < steps; ++i) check(kda::decode_cuda(p, t, s), "decode_cuda");
-      CK(cudaStreamEndCapture(s, &graph));
-      CK(cudaGraphInstantiate(&exec, graph, 0));
-      cudaEvent_t e0, e1;
-      CK(cudaEventCreate(&e0));
-      CK(cudaEventCreate(&e1));
-      for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
-      std::vector<float> ms(iters);
-      for (int i = 0; i < iters; ++i) {
-        CK(cudaEventRecord(e0, s));
-        CK(cudaGraphLaunch(exec, s));
-        CK(cudaEventRecord(e1, s));
-        CK(cudaEventSynchronize(e1));
-        CK(cudaEventElapsedTime(&ms[i], e0, e1));
-      }
-      std::sort(ms.begin(), ms.end());
-      const double step_us = ms[iters / 2] * 1e3 / steps;
+      // A graph of decode steps, replayed: per-step time without launch gaps.
+      const double step_us =
+          graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(p, t, s), "decode_cuda"); });
       const double bytes = kda::bench::kda_core_bytes(B, B, H, D, state_size, true);
       const double gbps = bytes / (step_us * 1e-6) / 1e9;
       // fla's figure (KDA.md §6) is for an fp32 state.
@@ -586,11 +599,6 @@ void run_decode(double bw, int iters) {
                   100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
                   fla ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
       std::fflush(stdout);
-      CK(cudaGraphExecDestroy(exec));
-      CK(cudaGraphDestroy(graph));
-      CK(cudaEventDestroy(e0));
-      CK(cudaEventDestroy(e1));
-      CK(cudaStreamDestroy(s));
       for (void* ptr : allocs) CK(cudaFree(ptr));
     }
   }
@@ -662,40 +670,6 @@ std::int32_t* device_ints(Allocations& a, const std::vector<std::int32_t>& host)
   auto* d = static_cast<std::int32_t*>(a.get(host.size() * 4));
   CK(cudaMemcpy(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
   return d;
-}
-
-// Microseconds per call of `enqueue` (one call on stream s): a graph of 50 calls replayed, the
-// median of `iters` replays, as the decode rows.
-template <typename F>
-double graph_us(int iters, F&& enqueue) {
-  const int steps = 50;
-  cudaStream_t s;
-  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < steps; ++i) enqueue(s);
-  CK(cudaStreamEndCapture(s, &graph));
-  CK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(exec, s));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    CK(cudaEventElapsedTime(&ms[i], e0, e1));
-  }
-  std::sort(ms.begin(), ms.end());
-  CK(cudaGraphExecDestroy(exec));
-  CK(cudaGraphDestroy(graph));
-  CK(cudaEventDestroy(e0));
-  CK(cudaEventDestroy(e1));
-  CK(cudaStreamDestroy(s));
-  return ms[iters / 2] * 1e3 / steps;
 }
 
 void run_verify(double bw, int iters) {

@@ -70,6 +70,37 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// What `enqueue` puts on `stream` (the forwards of `layers` layers, or one call over them),
+// captured in one graph and replayed: the median over `iters` replays after `warmup`, each timed
+// with events around it, in microseconds per layer.
+double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
+                        const std::function<void()>& enqueue) {
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  enqueue();
+  check(cudaStreamEndCapture(stream, &g), "end capture");
+  check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  cudaEvent_t before = nullptr, after = nullptr;
+  check(cudaEventCreate(&before), "cudaEventCreate");
+  check(cudaEventCreate(&after), "cudaEventCreate");
+  std::vector<double> per_layer;
+  for (int it = 0; it < warmup + iters; ++it) {
+    check(cudaEventRecord(before, stream), "cudaEventRecord");
+    check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+    check(cudaEventRecord(after, stream), "cudaEventRecord");
+    check(cudaEventSynchronize(after), "replay");
+    float ms = 0.0f;
+    check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
+    if (it >= warmup) per_layer.push_back(ms * 1e3 / layers);
+  }
+  cudaEventDestroy(before);
+  cudaEventDestroy(after);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  return median(per_layer);
+}
+
 struct Case {
   std::string name;
   std::int64_t sequences;
@@ -280,34 +311,13 @@ int main(int argc, char** argv) {
           capture_options.stream = stream;
           capture_options.check_pointers = false;
           capture_options.decode_kernel = kernel;
-          cudaGraph_t g = nullptr;
-          cudaGraphExec_t exec = nullptr;
-          check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-          for (int l = 0; l < instances; ++l) {
-            layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
-                               static_cast<kda::bf16_bits*>(d_out.ptr), state_of(l),
-                               kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
-          }
-          check(cudaStreamEndCapture(stream, &g), "end capture");
-          check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
-          cudaEvent_t before = nullptr, after = nullptr;
-          check(cudaEventCreate(&before), "cudaEventCreate");
-          check(cudaEventCreate(&after), "cudaEventCreate");
-          std::vector<double> per_layer;
-          for (int it = 0; it < warmup + iters; ++it) {
-            check(cudaEventRecord(before, stream), "cudaEventRecord");
-            check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-            check(cudaEventRecord(after, stream), "cudaEventRecord");
-            check(cudaEventSynchronize(after), "replay");
-            float ms = 0.0f;
-            check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
-            if (it >= warmup) per_layer.push_back(ms * 1e3 / instances);
-          }
-          cudaEventDestroy(before);
-          cudaEventDestroy(after);
-          cudaGraphExecDestroy(exec);
-          cudaGraphDestroy(g);
-          return median(per_layer);
+          return replay_per_layer(stream, instances, warmup, iters, [&] {
+            for (int l = 0; l < instances; ++l) {
+              layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                                 static_cast<kda::bf16_bits*>(d_out.ptr), state_of(l),
+                                 kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
+            }
+          });
         };
         const double graph = graph_replays(kda::layer::DecodeKernel::kAuto);
         if (c.decode) {
@@ -457,31 +467,7 @@ int main(int argc, char** argv) {
             o.check_pointers = false;
             enqueue(o);  // eager once: checks the arguments outside the capture
             check(cudaStreamSynchronize(stream), "eager call");
-            cudaGraph_t g = nullptr;
-            cudaGraphExec_t exec = nullptr;
-            check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
-                  "begin capture");
-            enqueue(o);
-            check(cudaStreamEndCapture(stream, &g), "end capture");
-            check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
-            cudaEvent_t before = nullptr, after = nullptr;
-            check(cudaEventCreate(&before), "cudaEventCreate");
-            check(cudaEventCreate(&after), "cudaEventCreate");
-            std::vector<double> per_layer;
-            for (int it = 0; it < warmup + iters; ++it) {
-              check(cudaEventRecord(before, stream), "cudaEventRecord");
-              check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-              check(cudaEventRecord(after, stream), "cudaEventRecord");
-              check(cudaEventSynchronize(after), "replay");
-              float ms = 0.0f;
-              check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
-              if (it >= warmup) per_layer.push_back(ms * 1e3 / instances);
-            }
-            cudaEventDestroy(before);
-            cudaEventDestroy(after);
-            cudaGraphExecDestroy(exec);
-            cudaGraphDestroy(g);
-            return median(per_layer);
+            return replay_per_layer(stream, instances, warmup, iters, [&] { enqueue(o); });
           };
           auto layers_of = [&](const kda::layer::Batch& batch) {
             return [&, batch](const kda::layer::RunOptions& o) {

@@ -75,6 +75,36 @@ Status check_gate_and_scale(GateMode gate, float lower_bound, float scale) {
   return Status::Ok();
 }
 
+// A caller-chosen padding slot names an entry of the pool (negative: none): prefill, decode,
+// commit.
+Status check_padding_slot(std::int32_t padding_slot, std::int64_t pool, const char* pool_name) {
+  if (padding_slot >= 0 && padding_slot >= pool) {
+    return invalid("padding_slot " + str(std::int64_t{padding_slot}) + " is outside the pool of " +
+                   pool_name + " = " + str(pool) + " (negative: no padding slot)");
+  }
+  return Status::Ok();
+}
+
+// The shape of a decode step and of the commit of its records: rows, tokens, heads, head dims,
+// the pool and its state dtype.
+Status check_step_shape(std::int64_t batch, std::int64_t tokens, std::int64_t num_heads,
+                        std::int64_t head_dim_k, std::int64_t head_dim_v, std::int64_t num_slots,
+                        std::int32_t padding_slot, DType state_dtype) {
+  if (batch < 0) return invalid("batch must be >= 0 (got " + str(batch) + ")");
+  if (tokens < 1 || tokens > kMaxDecodeTokens) {
+    return invalid("tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " + str(tokens) +
+                   ")");
+  }
+  if (num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(num_heads) + ")");
+  if (Status st = check_head_dims(head_dim_k, head_dim_v); !st) return st;
+  if (num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(num_slots) + ")");
+  if (Status st = check_padding_slot(padding_slot, num_slots, "num_slots"); !st) return st;
+  if (state_dtype != DType::kBF16 && state_dtype != DType::kF32) {
+    return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(state_dtype) + ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -124,11 +154,8 @@ Status validate(const Problem& p) {
                    " but neither initial_state_dtype nor final_state_dtype is set (slots address "
                    "states)");
   }
-  if (p.padding_slot >= 0 && p.padding_slot >= p.num_state_slots) {
-    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
-                   " is outside the pool of num_state_slots = " + str(p.num_state_slots) +
-                   " (negative: no padding slot)");
-  }
+  if (Status st = check_padding_slot(p.padding_slot, p.num_state_slots, "num_state_slots"); !st)
+    return st;
   if (p.checkpoints < 0)
     return invalid("checkpoints must be >= 0 (got " + str(p.checkpoints) + ")");
   if (p.checkpoints > 0) {
@@ -467,21 +494,10 @@ Status transition_workspace_size(const Problem& p, Backend backend, std::size_t*
 // Decode
 // ---------------------------------------------------------------------------------------------
 Status validate(const DecodeProblem& p) {
-  if (p.batch < 0) return invalid("batch must be >= 0 (got " + str(p.batch) + ")");
-  if (p.tokens < 1 || p.tokens > kMaxDecodeTokens) {
-    return invalid("tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " + str(p.tokens) +
-                   ")");
-  }
-  if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
-  if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
-  if (p.num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(p.num_slots) + ")");
-  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {
-    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
-                   " is outside the pool of num_slots = " + str(p.num_slots) +
-                   " (negative: no padding slot)");
-  }
-  if (p.state_dtype != DType::kBF16 && p.state_dtype != DType::kF32) {
-    return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
+  if (Status st = check_step_shape(p.batch, p.tokens, p.num_heads, p.head_dim_k, p.head_dim_v,
+                                   p.num_slots, p.padding_slot, p.state_dtype);
+      !st) {
+    return st;
   }
   if (Status st = check_gate_and_scale(p.gate, p.lower_bound, p.scale); !st) return st;
   if (p.records && !p.verify) {
@@ -514,21 +530,10 @@ Status can_implement(const DecodeProblem& p, Backend backend) {
 // Commit
 // ---------------------------------------------------------------------------------------------
 Status validate(const CommitProblem& p) {
-  if (p.batch < 0) return invalid("batch must be >= 0 (got " + str(p.batch) + ")");
-  if (p.tokens < 1 || p.tokens > kMaxDecodeTokens) {
-    return invalid("tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " + str(p.tokens) +
-                   ")");
-  }
-  if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
-  if (Status st = check_head_dims(p.head_dim_k, p.head_dim_v); !st) return st;
-  if (p.num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(p.num_slots) + ")");
-  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {
-    return invalid("padding_slot " + str(std::int64_t{p.padding_slot}) +
-                   " is outside the pool of num_slots = " + str(p.num_slots) +
-                   " (negative: no padding slot)");
-  }
-  if (p.state_dtype != DType::kBF16 && p.state_dtype != DType::kF32) {
-    return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(p.state_dtype) + ")");
+  if (Status st = check_step_shape(p.batch, p.tokens, p.num_heads, p.head_dim_k, p.head_dim_v,
+                                   p.num_slots, p.padding_slot, p.state_dtype);
+      !st) {
+    return st;
   }
   detail::ArgumentTable table;
   return detail::commit_arguments(p, CommitLayer{}, nullptr, nullptr, &table);

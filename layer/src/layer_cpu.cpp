@@ -183,21 +183,10 @@ class CpuLayer final : public Layer {
   }
 
   Backend backend() const noexcept override { return Backend::kCpu; }
-  void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-               Workspace workspace, const RunOptions& options) const override {
-    run(batch, hidden, out, state, workspace, options, nullptr);
-  }
-  CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
-                         Workspace workspace, const RunOptions& options) const override {
-    CoreInputs inputs;
-    run(batch, hidden, nullptr, state, workspace, options, &inputs);
-    return inputs;
-  }
 
  private:
-  // The forward; with `inputs`, only up to the core, whose inputs it points at (core_inputs()).
   void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const;
+           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const override;
   void place(const Weights& w, void* weight_image, std::size_t bytes);
 
   std::unique_ptr<unsigned char[]> owned_image_;  // make_layer() without a region: its own

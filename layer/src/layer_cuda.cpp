@@ -268,21 +268,10 @@ class CudaLayer final : public Layer {
   }
 
   Backend backend() const noexcept override { return Backend::kCuda; }
-  void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-               Workspace workspace, const RunOptions& options) const override {
-    run(batch, hidden, out, state, workspace, options, nullptr);
-  }
-  CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
-                         Workspace workspace, const RunOptions& options) const override {
-    CoreInputs inputs;
-    run(batch, hidden, nullptr, state, workspace, options, &inputs);
-    return inputs;
-  }
 
  private:
-  // The forward; with `inputs`, only up to the core, whose inputs it points at (core_inputs()).
   void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
-           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const;
+           Workspace workspace, const RunOptions& options, CoreInputs* inputs) const override;
   void initialize(const Weights& w, unsigned char* image);
   // Seconds between the phase events of the last forward, added to `times` (waits for the last).
   void add_times(Times* times) const;

@@ -18,6 +18,7 @@
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
 #include "layer_test_util.hpp"
+#include "rank_threads.hpp"
 
 namespace {
 
@@ -27,20 +28,9 @@ using kda::engine::Engine;
 using kda::engine::EngineOptions;
 using kda::engine::ModelSpec;
 
-// Runs body(rank) on one thread per rank and waits for all.
+// Runs body(rank) on one thread per rank and waits for all; no rank may throw.
 void on_threads(int ranks, const std::function<void(int)>& body) {
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, body);
   for (int r = 0; r < ranks; ++r) {
     CAPTURE(r);
     CHECK(errors[static_cast<std::size_t>(r)].empty());
@@ -344,21 +334,11 @@ TEST_CASE("context parallel whole layers: a prefill split over ranks equals one 
     initial_conv.push_back(kda::test::random_bf16(conv_elements, 0.5f, 50 + p));
   }
   auto start = [&](Engine& e, int l, int slot) {
-    e.write_slot_state(l, slot, initial.data());
-    for (int p = 0; p < 3; ++p) e.write_slot_conv_state(l, slot, p, initial_conv[p].data());
+    kda::test::write_slot_states(e, l, slot, initial, initial_conv);
   };
-  struct States {
-    std::vector<float> recurrent;
-    std::vector<std::vector<bf16_bits>> conv;
-  };
+  using States = kda::test::SlotStates;
   auto read = [&](const Engine& e, int l, int slot) {
-    States st{std::vector<float>(initial.size()), {}};
-    e.read_slot_state(l, slot, st.recurrent.data());
-    for (int p = 0; p < 3; ++p) {
-      st.conv.emplace_back(conv_elements);
-      e.read_slot_conv_state(l, slot, p, st.conv.back().data());
-    }
-    return st;
+    return kda::test::read_slot_states(e, l, slot, initial.size(), conv_elements);
   };
 
   Engine one(whole_cp_spec(), core_options(nullptr));

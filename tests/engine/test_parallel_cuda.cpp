@@ -21,6 +21,7 @@
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
 #include "layer_test_util.hpp"
+#include "rank_threads.hpp"
 
 #ifdef KDA_HAVE_CUDA
 namespace {
@@ -39,22 +40,7 @@ void ok_or_throw(const kda::Status& st, const char* what) {
   if (!st.ok()) throw std::runtime_error(std::string(what) + ": " + st.to_string());
 }
 
-// Runs body(rank) on one thread per rank and waits for all; each rank's exception text, in order.
-std::vector<std::string> on_threads(int ranks, const std::function<void(int)>& body) {
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (const std::exception& e) {
-        errors[static_cast<std::size_t>(r)] = e.what();
-      }
-    });
-  }
-  for (std::thread& t : threads) t.join();
-  return errors;
-}
+using kda::test::run_on_rank_threads;
 
 void check_no_errors(const std::vector<std::string>& errors) {
   for (std::size_t r = 0; r < errors.size(); ++r) {
@@ -105,7 +91,7 @@ TEST_CASE(
       bf16_in[r].push_back(kda::test::random_bf16(counts[round], 3.0f, seed + 500));
     }
   }
-  check_no_errors(on_threads(ranks, [&](int r) {
+  check_no_errors(run_on_rank_threads(ranks, [&](int r) {
     Stream stream;
     Communicator& c = *group[static_cast<std::size_t>(r)];
     if (c.rank() != r || c.size() != ranks || c.backend() != kda::Backend::kCuda) {
@@ -146,7 +132,7 @@ TEST_CASE(
   // The CPU communicator's bf16 results of the same inputs, for the bitwise comparison.
   auto cpu = kda::engine::make_local_communicators(ranks);
   std::vector<std::vector<std::vector<bf16_bits>>> cpu_out = bf16_in;
-  check_no_errors(on_threads(ranks, [&](int r) {
+  check_no_errors(run_on_rank_threads(ranks, [&](int r) {
     for (auto& x : cpu_out[r])
       cpu[r]->all_reduce_sum(x.data(), x.size(), kda::DType::kBF16, nullptr);
   }));
@@ -185,7 +171,7 @@ TEST_CASE(
   auto group = kda::engine::make_cuda_local_communicators(ranks);
   std::vector<std::vector<std::string>> messages(3, std::vector<std::string>(ranks));
   std::vector<float> after(ranks * 4);
-  check_no_errors(on_threads(ranks, [&](int r) {
+  check_no_errors(run_on_rank_threads(ranks, [&](int r) {
     Stream stream;
     Communicator& c = *group[static_cast<std::size_t>(r)];
     DeviceBuffer x(64 * sizeof(float));
@@ -292,7 +278,7 @@ TEST_CASE(
   const int tp = 2;
   auto group = kda::engine::make_cuda_local_communicators(tp);
   std::vector<std::vector<std::vector<bf16_bits>>> got(tp), partial(tp);
-  check_no_errors(on_threads(tp, [&](int r) {
+  check_no_errors(run_on_rank_threads(tp, [&](int r) {
     Stream stream;
     {
       EngineOptions o = cuda_options(23, stream.stream);
@@ -382,7 +368,7 @@ TEST_CASE("context parallel on CUDA: a prefill split over ranks equals one engin
     auto group = kda::engine::make_cuda_local_communicators(ranks);
     std::vector<std::vector<bf16_bits>> out(2, std::vector<bf16_bits>(T * width, 0xFFFF));
     std::vector<std::vector<std::vector<float>>> states(ranks, std::vector<std::vector<float>>(2));
-    check_no_errors(on_threads(ranks, [&](int r) {
+    check_no_errors(run_on_rank_threads(ranks, [&](int r) {
       Stream stream;
       EngineOptions o = cuda_options(41, stream.stream);
       o.context_group = group[static_cast<std::size_t>(r)].get();
@@ -465,21 +451,11 @@ TEST_CASE(
   }
   ok_or_throw(DeviceBuffer::synchronize(), "buffer setup");
   auto start = [&](Engine& e, int l, int slot) {
-    e.write_slot_state(l, slot, initial.data());
-    for (int p = 0; p < 3; ++p) e.write_slot_conv_state(l, slot, p, initial_conv[p].data());
+    kda::test::write_slot_states(e, l, slot, initial, initial_conv);
   };
-  struct States {
-    std::vector<float> recurrent;
-    std::vector<std::vector<bf16_bits>> conv;
-  };
+  using States = kda::test::SlotStates;
   auto read = [&](const Engine& e, int l, int slot) {
-    States st{std::vector<float>(initial.size()), {}};
-    e.read_slot_state(l, slot, st.recurrent.data());
-    for (int p = 0; p < 3; ++p) {
-      st.conv.emplace_back(conv_elements);
-      e.read_slot_conv_state(l, slot, p, st.conv.back().data());
-    }
-    return st;
+    return kda::test::read_slot_states(e, l, slot, initial.size(), conv_elements);
   };
 
   std::vector<std::vector<bf16_bits>> want_out(2);
@@ -508,7 +484,7 @@ TEST_CASE(
     auto group = kda::engine::make_cuda_local_communicators(ranks);
     std::vector<std::vector<bf16_bits>> out(2, std::vector<bf16_bits>(T * E, 0xFFFF));
     std::vector<std::vector<States>> states(ranks);
-    check_no_errors(on_threads(ranks, [&](int r) {
+    check_no_errors(run_on_rank_threads(ranks, [&](int r) {
       Stream stream;
       EngineOptions o = cuda_options(41, stream.stream);
       o.context_group = group[static_cast<std::size_t>(r)].get();

@@ -199,9 +199,10 @@ class Layer {
   std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
   // hidden: bf16 [T, E]; out: bf16 [T, E], not overlapping hidden. Throws kda::Error.
-  virtual void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
-                       const State& state, Workspace workspace,
-                       const RunOptions& options = {}) const = 0;
+  void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+               Workspace workspace, const RunOptions& options = {}) const {
+    run(batch, hidden, out, state, workspace, options, nullptr);
+  }
 
   // The forward of a prefill batch up to the core: the projections and the short convolutions,
   // which read and update the conv states in `state` exactly as forward() does (so the conv rows
@@ -209,12 +210,20 @@ class Layer {
   // pool is neither read nor written and may be null). For a context-parallel prefill, which needs
   // a range's core inputs for its segment transition (kda.hpp) before the range's true recurrent
   // state is known. Prefill only: no checkpoints. Throws kda::Error as forward() does.
-  virtual CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
-                                 Workspace workspace, const RunOptions& options = {}) const = 0;
+  CoreInputs core_inputs(const Batch& batch, const bf16_bits* hidden, const State& state,
+                         Workspace workspace, const RunOptions& options = {}) const {
+    CoreInputs inputs;
+    run(batch, hidden, nullptr, state, workspace, options, &inputs);
+    return inputs;
+  }
 
  protected:
   Layer(const Config& config, std::size_t weight_bytes)
       : config_(config), weight_bytes_(weight_bytes) {}
+  // The backend's forward; with `inputs`, only up to the core, whose inputs it points at
+  // (core_inputs()).
+  virtual void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
+                   Workspace workspace, const RunOptions& options, CoreInputs* inputs) const = 0;
 
  private:
   Config config_;
