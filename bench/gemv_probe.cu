@@ -1,7 +1,9 @@
 // kda-gemv-probe — the whole layer's one-row GEMM (layer/src/cuda/small_gemm.cu) against cuBLAS on
 // the shapes a decode step of one sequence runs: the input projection, o_proj and the low-rank
 // second factors of Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard;
-// the kernel as the layer runs it, then with each row cut into 1, 2, 4 and 8 slices.
+// the kernel as the layer runs it (the sliced kernel, slices by shape), the streamed kernel
+// launched plainly and as a programmatic dependent of the call before (its first stages then load
+// while that call finishes), and the sliced kernel with each row cut in two.
 // Each call reads another copy of the weights (copies beyond three times L2), CUDA events around
 // 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time. CUDA only.
 #include <cublas_v2.h>
@@ -40,8 +42,8 @@ int main() {
   std::printf("kda-gemv-probe on %s: one row, bf16 weights [n, k], us (TB/s of weight reads)\n\n",
               prop.name);
   std::printf(
-      "| shape | n | k | weights MB | small-row kernel | split 1 | split 2 | split 4 | split 8 | "
-      "cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+      "| shape | n | k | weights MB | as the layer runs it | streamed | streamed, programmatic | "
+      "sliced, split 2 | cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   for (const Shape& s :
        {Shape{"H = 32 input projection", 12576, 2304}, Shape{"H = 32 o_proj", 2304, 4096},
         Shape{"H = 32 f_b", 4096, 128}, Shape{"TP8 input projection", 1800, 2304},
@@ -61,17 +63,25 @@ int main() {
     cudaEvent_t a, b;
     cudaEventCreate(&a);
     cudaEventCreate(&b);
-    // 0: the kernel as the layer runs it; 1..4: split forced to 1, 2, 4, 8; 5: cuBLAS.
-    double us[6];
-    for (int which = 0; which < 6; ++which) {
+    // 0: the kernel as the layer runs it (the sliced one); 1: streamed; 2: streamed,
+    // programmatic; 3: sliced, each row cut in 2; 4: cuBLAS. A kernel that does not take the shape:
+    // "-".
+    using kda::layer::cuda::SmallGemmKernel;
+    constexpr int kColumns = 5;
+    double us[kColumns];
+    for (int which = 0; which < kColumns; ++which) {
+      bool taken = true;
       std::vector<double> rounds;
       for (int round = 0; round < 5; ++round) {
         for (int it = 0; it < 60; ++it) {
           if (it == 10) cudaEventRecord(a, stream);
           void* w = weights[it % copies];
-          if (which < 5) {
+          if (which < 4) {
             kda::layer::cuda::SmallGemmParams p;
-            p.split = which == 0 ? 0 : 1 << (which - 1);
+            p.kernel =
+                which == 1 || which == 2 ? SmallGemmKernel::kStreamed : SmallGemmKernel::kSliced;
+            p.programmatic = which == 2;
+            p.split = which == 3 ? 2 : 0;
             p.in = static_cast<const std::uint16_t*>(in);
             p.ldi = s.k;
             p.weight = static_cast<const std::uint16_t*>(w);
@@ -80,7 +90,13 @@ int main() {
             p.rows = 1;
             p.n = s.n;
             p.k = s.k;
-            check(kda::layer::cuda::launch_small_gemm(p, stream), "launch_small_gemm");
+            const cudaError_t err = kda::layer::cuda::launch_small_gemm(p, stream);
+            if (err == cudaErrorInvalidValue && p.kernel == SmallGemmKernel::kStreamed) {
+              cudaGetLastError();
+              taken = false;
+              break;
+            }
+            check(err, "launch_small_gemm");
           } else {
             const float one = 1.0f, zero = 0.0f;
             cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
@@ -89,6 +105,7 @@ int main() {
                          static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
           }
         }
+        if (!taken) break;
         cudaEventRecord(b, stream);
         check(cudaEventSynchronize(b), "run");
         float ms = 0;
@@ -96,11 +113,17 @@ int main() {
         rounds.push_back(ms * 1e3 / 50);
       }
       std::sort(rounds.begin(), rounds.end());
-      us[which] = rounds[2];
+      us[which] = taken ? rounds[2] : -1.0;
     }
     std::printf("| %s | %lld | %lld | %.1f |", s.name, static_cast<long long>(s.n),
                 static_cast<long long>(s.k), bytes / 1e6);
-    for (const double t : us) std::printf(" %.2f (%.2f) |", t, bytes / t / 1e6);
+    for (const double t : us) {
+      if (t < 0) {
+        std::printf(" - |");
+      } else {
+        std::printf(" %.2f (%.2f) |", t, bytes / t / 1e6);
+      }
+    }
     std::printf("\n");
     for (void* w : weights) cudaFree(w);
     cudaFree(in);

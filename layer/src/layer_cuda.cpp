@@ -184,15 +184,21 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 // out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
 // outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
-// Whether batches of at most cuda::kSmallGemmMaxRows tokens take the small-row kernel instead of
-// cuBLAS (KDA_LAYER_SMALL_GEMM=0 turns it off: a knob for the benchmark's A/B, not part of the
-// contract). Read once.
-bool small_gemm_enabled() {
-  static const bool enabled = [] {
+// Which kernel batches of at most cuda::kSmallGemmMaxRows tokens take (small_gemm.cu), by
+// KDA_LAYER_SMALL_GEMM, read once: unset, the sliced kernel; "streamed", the streamed kernel where
+// it takes the shape (else the sliced one); "0", cuBLAS. A knob for the benchmark's A/B, not part
+// of the contract.
+enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
+SmallGemmChoice small_gemm_choice() {
+  static const SmallGemmChoice choice = [] {
     const char* env = std::getenv("KDA_LAYER_SMALL_GEMM");
-    return env == nullptr || std::string(env) != "0";
+    if (env == nullptr) return SmallGemmChoice::kSliced;
+    const std::string value(env);
+    return value == "0"          ? SmallGemmChoice::kCublas
+           : value == "streamed" ? SmallGemmChoice::kStreamed
+                                 : SmallGemmChoice::kSliced;
   }();
-  return enabled;
+  return choice;
 }
 
 // Up to how many (row, head) blocks DecodeKernel::kAuto runs the fused kernel, with the low-rank
@@ -216,7 +222,11 @@ void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64
   small.rows = rows;
   small.n = n_out;
   small.k = n_in;
-  if (small_gemm_enabled() && cuda::small_gemm_fits(small)) {
+  const SmallGemmChoice choice = small_gemm_choice();
+  if (choice != SmallGemmChoice::kCublas && cuda::small_gemm_fits(small)) {
+    if (choice == SmallGemmChoice::kStreamed && cuda::streamed_gemm_fits(small)) {
+      small.kernel = cuda::SmallGemmKernel::kStreamed;
+    }
     check_cuda(cuda::launch_small_gemm(small, stream), what);
     return;
   }
@@ -393,6 +403,12 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                     std::to_string(static_cast<int>(options.decode_kernel)) +
                     " is not a kda::layer::DecodeKernel");
   }
+  if (options.fused_cluster != 1 && options.fused_cluster != 2 && options.fused_cluster != 4 &&
+      options.fused_cluster != 8) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(kForward) + ": RunOptions::fused_cluster " +
+                    std::to_string(options.fused_cluster) + " is not 1, 2, 4 or 8");
+  }
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
   if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
     throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +
@@ -520,6 +536,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.eps = c.norm_eps;
     fused.y = y;
     fused.status = batch.device_status;
+    fused.cluster = options.fused_cluster;
     fuse = cuda::fused_decode_fits(fused);
     fuse_factors = fuse_factors && fuse;
   }

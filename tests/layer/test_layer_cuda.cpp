@@ -209,6 +209,24 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         check_forward(cuda, weights, hidden, step, before, runs.back(), after);
         afters.push_back(after);
       }
+      // The fused step with each cluster size (blocks a head) computes the same bits.
+      for (const int cluster : {2, 4, 8}) {
+        for (const DecodeKernel kernel : {DecodeKernel::kFusedFactors, DecodeKernel::kFused}) {
+          CAPTURE(cluster);
+          const bool factors = kernel == DecodeKernel::kFusedFactors;
+          CAPTURE(factors);
+          ForwardSettings settings;
+          settings.change = [kernel, cluster](ForwardCall& call) {
+            call.options.decode_kernel = kernel;
+            call.options.fused_cluster = cluster;
+          };
+          Pools after = before;
+          const LayerRun run = cuda.forward(*layer, hidden, step, &after, settings);
+          const int same_as = factors ? 1 : 2;
+          CHECK(same_bits(run.out, runs[same_as].out));
+          CHECK(after == afters[same_as]);
+        }
+      }
       for (int k = 0; k < 3; ++k) {
         CAPTURE(kernel_names[k]);
         const double out_error = relative_error(runs[k].out, runs[3].out);
@@ -242,4 +260,23 @@ KDA_LAYER_CUDA_CASE(
   CHECK(run.error == cuda.forward_error_prefix() +
                          "RunOptions::decode_kernel 7 is not a kda::layer::DecodeKernel");
   CHECK(pools == before);
+}
+
+KDA_LAYER_CUDA_CASE("a fused_cluster other than 1, 2, 4 or 8 is refused before anything runs") {
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
+  for (const int cluster : {0, 3, 16, -1}) {
+    CAPTURE(cluster);
+    Pools pools(config, 2);
+    const Pools before = pools;
+    ForwardSettings settings;
+    settings.change = [cluster](ForwardCall& call) { call.options.fused_cluster = cluster; };
+    const LayerRun run =
+        cuda.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
+                     decode_batch(2, 1), &pools, settings);
+    CHECK(run.code == StatusCode::kInvalidArgument);
+    CHECK(run.error == cuda.forward_error_prefix() + "RunOptions::fused_cluster " +
+                           std::to_string(cluster) + " is not 1, 2, 4 or 8");
+    CHECK(pools == before);
+  }
 }

@@ -95,6 +95,25 @@ __device__ __forceinline__ void named_barrier_sync(unsigned id, unsigned threads
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- thread block clusters ----------------------------------------------------------------------
+// Stores `value` at the address of `local` (this block's shared memory) in the shared memory of
+// block `rank` of the cluster.
+__device__ __forceinline__ void store_shared_cluster(float* local, unsigned rank, float value) {
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(remote)
+               : "r"(smem_addr(local)), "r"(rank));
+  asm volatile("st.shared::cluster.f32 [%0], %1;\n" ::"r"(remote), "f"(value) : "memory");
+}
+// The cluster's barrier, every thread of every block: what each wrote before (its own or another
+// block's shared memory) is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::
+          : "memory");
+}
+
 // Waits until the phase with parity `parity` of the mbarrier has completed.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   asm volatile(

@@ -1,22 +1,30 @@
 // layer/src/cuda/fused_decode.cu — everything of a decode step between the input projection and
 // o_proj in one kernel: the low-rank second factors (f_a·W_fbᵀ and g_a·W_gbᵀ), the short conv +
 // SiLU of q, k and v with their conv states, beta, the KDA step on the recurrent state, and the
-// gated RMSNorm. One block per (row, head), eight warps; the head's recurrent state stays in
-// registers across the row's tokens (the operator's decode layout: warp w holds rows
-// [16w, 16w + 16) of Sᵀ, each lane four consecutive channels of K), everything else of a token
-// passes through shared memory.
+// gated RMSNorm.
 //
-// Latency is what a small batch pays (B = 1: one block per head), so everything that does not need
-// the input projection is issued before waiting for it: the kernel is launched as a programmatic
-// dependent of the GEMM before it (it starts while that GEMM drains), copies its head's W_fb and
-// W_gb rows into shared memory (cp.async) and loads the recurrent and conv states, and only then
-// waits for the GEMM's grid (griddepcontrol.wait) and reads the projection. It lets its own
-// dependent (o_proj) start at once, which then streams W_o while this kernel runs.
+// A (row, head) is a cluster of NC blocks (1, 2, 4 or 8) of eight warps. Block r of the cluster
+// holds the value rows [r·128/NC, (r + 1)·128/NC) of the head's state Sᵀ in registers across the
+// row's tokens (warp w a run of 16/NC rows, each lane four consecutive channels of K: the
+// operator's decode layout cut along V), so that a head's state is loaded and stored by NC
+// multiprocessors at once: a step of few rows is bound by each multiprocessor's latency and
+// bandwidth, not the device's. Every block computes what all value rows need — the conv of q and k,
+// g = f_a·W_fbᵀ — itself (W_fb's 32 KB of a head come from L2 for all but the first block), its
+// own rows' v, output gate and state, and exchanges only the core's output o through distributed
+// shared memory for the norm over the head's 128 values. The conv states are written by the block
+// that owns their channels (the same slice of q, k and v).
+//
+// Latency is what a small batch pays, so everything that does not need the input projection is
+// issued before waiting for it: the kernel is launched as a programmatic dependent of the GEMM
+// before it (it starts while that GEMM drains), copies its W_fb and W_gb rows into shared memory
+// (cp.async) and loads the recurrent and conv states, and only then waits for the GEMM's grid
+// (griddepcontrol.wait) and reads the projection. It lets its own dependent (o_proj) start at
+// once, which then streams W_o while this kernel runs.
 //
 // Every intermediate is rounded where the unfused path stores it in bf16 (q, k, v after the conv,
 // g after f_b, o after the core), and each phase repeats the unfused kernels' operations in their
 // order (conv taps, the step's reductions, the norm), so the result differs from the unfused path
-// only by the order of the f_b / g_b dot products (fp32 either way).
+// only by the order of the f_b / g_b dot products (fp32 either way), and not with the cluster size.
 #include <cuda_bf16.h>
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
@@ -30,18 +38,18 @@ namespace {
 constexpr int D = 128;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = D / kWarps;  // 16 rows of Sᵀ
-constexpr int kConvPairs = 3 * D / 2;     // conv threads: two channels of q | k | v each
 
 using kda::detail::gate_activation;
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
 
+using kda::detail::cluster_sync;
 using kda::detail::cp_async_16;
 using kda::detail::cp_async_commit;
 using kda::detail::cp_async_wait;
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
+using kda::detail::store_shared_cluster;
 
 __device__ __forceinline__ float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
 
@@ -67,60 +75,70 @@ __device__ __forceinline__ float dot_row(const uint4* rows, int r, const float* 
   return acc;
 }
 
-template <int W, bool kF32State>
+template <int W, bool kF32State, int NC>
 __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDecodeParams p) {
   constexpr int kHist = W - 1;
-  const std::int64_t b = blockIdx.x;
+  constexpr int kSlice = D / NC;                 // value rows (and v, gate channels) a block
+  constexpr int kRowsPerWarp = kSlice / kWarps;  // rows of Sᵀ a warp
+  constexpr int kQkPairs = D;                    // conv threads of q and k: two channels each
+  constexpr int kConvPairs = kQkPairs + kSlice / 2;
+  static_assert(kRowsPerWarp >= 1 && kRowsPerWarp <= 32, "cluster size");
+  static_assert(kConvPairs <= kThreads && D + kSlice <= kThreads, "threads");
+  const int rank = NC > 1 ? static_cast<int>(blockIdx.x % NC) : 0;  // the block within the cluster
+  const std::int64_t b = blockIdx.x / NC;
   const int h = static_cast<int>(blockIdx.y);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
   const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
   const int T = p.decode_tokens;
+  const int slice0 = rank * kSlice;  // this block's first value row / channel of the head
 
-  if (b == 0 && tid < D) {  // the first row's blocks check the gate parameters for everyone
+  if (b == 0 && rank == 0 && tid < D) {  // the first row's blocks check the gate parameters
     if (gate_params_bad(tid == 0 ? p.A_log[h] : 0.0f, p.dt_bias[h * D + tid])) {
       if (p.status != nullptr) atomicOr(p.status, kDeviceStatusGateParams);
     }
   }
   // A verify step's row starts from its slot at num_accepted - 1 (a bad count: padding, reported).
   const bool verify = p.num_accepted != nullptr;
+  const bool reporter = h == 0 && rank == 0 && tid == 0 && p.status != nullptr;
   std::int64_t slot = b;
   if (verify) {
     const std::int32_t accepted = p.num_accepted[b];
     const bool counted = accepted >= 1 && accepted <= T;
-    if (!counted && h == 0 && tid == 0 && p.status != nullptr) {
-      atomicOr(p.status, kDeviceStatusAccepted);
-    }
+    if (!counted && reporter) atomicOr(p.status, kDeviceStatusAccepted);
     slot = counted ? static_cast<std::int64_t>(p.slots[b * T + accepted - 1]) : -1;
   } else if (p.slots != nullptr) {
     slot = p.slots[b];
   }
-  if (slot >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
-    atomicOr(p.status, kDeviceStatusSlot);
-  }
+  if (slot >= p.num_slots && reporter) atomicOr(p.status, kDeviceStatusSlot);
   griddep_launch_dependents();  // o_proj may start streaming its weights
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) {
     // Padding (a negative entry or the caller's null slot; or a slot outside the pool, reported
-    // above): zeros out, no state read or written.
+    // above): zeros out, no state read or written. The cluster's blocks all leave here.
     griddep_wait();
-    for (int i = tid; i < T * D / 8; i += kThreads) {
-      const int t = i / (D / 8), c = i % (D / 8);
-      reinterpret_cast<uint4*>(p.y + (b * T + t) * Cl + h * D)[c] = make_uint4(0, 0, 0, 0);
+    for (int i = tid; i < T * kSlice / 8; i += kThreads) {
+      const int t = i / (kSlice / 8), c = i % (kSlice / 8);
+      reinterpret_cast<uint4*>(p.y + (b * T + t) * Cl + h * D + slice0)[c] = make_uint4(0, 0, 0, 0);
     }
     return;
   }
 
-  // The second factors' weights of this head, for every token of the row.
-  extern __shared__ uint4 w_rows[];  // [2 D rows][kChunksPerRow], swizzled
+  // The second factors' weights: all of W_fb's rows of this head (every value row needs all of g),
+  // W_gb's rows of this block's value rows after them.
+  extern __shared__ uint4 w_rows[];  // [D + kSlice rows][kChunksPerRow], swizzled
   {
-    const std::uint16_t* sources[2] = {p.w_fb, p.w_gb};
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      if (sources[m] == nullptr) continue;
-      const uint4* src = reinterpret_cast<const uint4*>(sources[m] + h * D * D);
+    if (p.w_fb != nullptr) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.w_fb + h * D * D);
       for (int i = tid; i < D * kChunksPerRow; i += kThreads) {
         const int r = i / kChunksPerRow, c = i % kChunksPerRow;
-        cp_async_16(w_rows + swizzled(m * D + r, c), src + i);
+        cp_async_16(w_rows + swizzled(r, c), src + i);
+      }
+    }
+    if (p.w_gb != nullptr) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.w_gb + (h * D + slice0) * D);
+      for (int i = tid; i < kSlice * kChunksPerRow; i += kThreads) {
+        const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+        cp_async_16(w_rows + swizzled(D + r, c), src + i);
       }
     }
     cp_async_commit();
@@ -128,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 
   // The recurrent state: its loads are the step's long pole, the rest overlaps with them.
   const int k0 = 4 * lane;
-  const int v_row0 = warp * kRowsPerWarp;
+  const int v_row0 = slice0 + warp * kRowsPerWarp;
   const std::int64_t state_base = (slot * p.heads + h) * D * D;
   float S[kRowsPerWarp][4];  // Sᵀ[v_row0 + i][k0 .. k0 + 4)
 #pragma unroll
@@ -145,13 +163,18 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     }
   }
 
-  // Conv threads: channels 2 tid, 2 tid + 1 of q | k | v (branch = which), their taps and history
-  // (the last kHist inputs, oldest first) kept in registers across the tokens.
+  // Conv threads: two channels each, of q or k (all of the head's: threads < kQkPairs) or of v
+  // (this block's slice), their taps and history (the last kHist inputs, oldest first) kept in
+  // registers across the tokens. A thread writes its conv state back where its channels are this
+  // block's slice (q, k and v alike): each entry has one writer in the cluster.
   const bool conv_thread = tid < kConvPairs;
-  const int branch = (2 * tid) / D;               // 0 q, 1 k, 2 v (conv threads)
-  const std::int64_t cc = h * D + (2 * tid) % D;  // channel within the branch
+  const int branch = tid < kQkPairs ? (2 * tid) / D : 2;  // 0 q, 1 k, 2 v (conv threads)
+  const int channel = tid < kQkPairs ? (2 * tid) % D : slice0 + 2 * (tid - kQkPairs);
+  const std::int64_t cc = h * D + channel;  // channel within the branch
+  const bool conv_owner =
+      NC == 1 ? conv_thread : conv_thread && channel >= slice0 && channel < slice0 + kSlice;
   // (The taps and dt_bias are read again for each token, L1 hits, rather than held in registers
-  // beside the state: at 128 registers a thread they spilled.)
+  // beside the state: at 128 registers a thread they spilled with a whole head a block.)
   float hist[2][kHist];
   std::uint16_t* conv_state = nullptr;
   if (conv_thread) {
@@ -164,15 +187,15 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   }
 
   __shared__ float fa_s[D], ga_s[D];  // this token's f_a and g_a rows
-  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values)
+  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values; v: this slice's)
   __shared__ float g_s[D];            // the gate's raw input g = f_a·W_fbᵀ (a bf16 value)
-  __shared__ float gate_s[D];         // the output gate before its bias, fp32
-  __shared__ float o_s[D];            // the core's output (a bf16 value)
+  __shared__ float gate_s[kSlice];    // the output gate before its bias, fp32, this slice's rows
+  __shared__ float o_s[2][D];         // the core's output (bf16 values), by token parity
   __shared__ float beta_s;
 
-  // The recurrent state of this head and the conv state of this thread's channels, written to a
-  // slot (its head's / channels' entries): after the row's last token, or after each token of a
-  // verify step where the row keeps it.
+  // The recurrent state of this block's rows and the conv state of this thread's channels, written
+  // to a slot (its head's / channels' entries): after the row's last token, or after each token of
+  // a verify step where the row keeps it.
   auto store_state = [&](std::int64_t base) {
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
@@ -198,6 +221,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   };
 
   const float a_exp = __expf(p.A_log[h]);
+  // Distributed shared memory may be written only once every block of the cluster runs.
+  if constexpr (NC > 1) cluster_sync();
   griddep_wait();  // the input projection (and the gate's GEMM) from here on
   cp_async_wait<0>();
 
@@ -220,21 +245,22 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 #pragma unroll
         for (int j = 0; j < kHist; ++j) a += __ldg(taps + j) * hist[i][j];
         a += __ldg(taps + W - 1) * x[i];
-        qkv_s[branch][(2 * tid) % D + i] = round_bf16(silu(a));
+        qkv_s[branch][channel + i] = round_bf16(silu(a));
 #pragma unroll
         for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
         if constexpr (kHist > 0) hist[i][kHist - 1] = x[i];
       }
     }
     __syncthreads();
-    // The second factors: thread r < D computes g of channel r, thread D + r the output gate.
+    // The second factors: thread r < D computes g of channel r, thread D + r the output gate of
+    // this block's value row slice0 + r.
     if (tid < D) {
       g_s[tid] = p.w_fb != nullptr ? round_bf16(dot_row(w_rows, tid, fa_s))
                                    : bits_to_float(p.g[row * Cl + h * D + tid]);
-    } else if (p.w_gb != nullptr) {
-      gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
-    } else {
-      gate_s[tid - D] = p.gate[row * Cl + h * D + tid - D];
+    } else if (tid < D + kSlice) {
+      const int r = tid - D;
+      gate_s[r] =
+          p.w_gb != nullptr ? dot_row(w_rows, D + r, ga_s) : p.gate[row * Cl + h * D + slice0 + r];
     }
     __syncthreads();
 
@@ -304,45 +330,61 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     float mine = 0.f;
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) mine = lane == i ? dot[i] : mine;
-    if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
-    __syncthreads();
+    // This block's outputs into every block of the cluster (o_s of this token's parity: a block
+    // one token ahead writes the other half), then the cluster's barrier.
+    float* o_now = o_s[NC > 1 ? t & 1 : 0];
+    if (lane < kRowsPerWarp) {
+      const float value = round_bf16(mine);
+      if constexpr (NC > 1) {
+#pragma unroll
+        for (int to = 0; to < NC; ++to) store_shared_cluster(o_now + v_row0 + lane, to, value);
+      } else {
+        o_now[v_row0 + lane] = value;
+      }
+    }
+    if constexpr (NC > 1) {
+      cluster_sync();
+    } else {
+      __syncthreads();
+    }
 
-    // The gated RMSNorm of the head (the norm kernel's operations), one warp.
+    // The gated RMSNorm of the head (the norm kernel's operations), one warp; each block writes
+    // its own rows.
     if (warp == 0) {
       float o[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
+      for (int j = 0; j < 4; ++j) o[j] = o_now[k0 + j];
       float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) {
         sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
       }
       const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(D) + p.eps);
-      std::uint32_t words[2];
+      if (NC == 1 || (k0 >= slice0 && k0 < slice0 + kSlice)) {
+        std::uint32_t words[2];
 #pragma unroll
-      for (int j = 0; j < 4; j += 2) {
-        float y[2];
+        for (int j = 0; j < 4; j += 2) {
+          float y[2];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int d = k0 + j + i;
-          const float bias = p.g_bias != nullptr ? bits_to_float(p.g_bias[h * D + d]) : 0.0f;
-          const float gg = round_bf16(gate_s[d] + bias);
-          const float sig = 1.0f / (1.0f + expf(-gg));
-          y[i] = o[j + i] * inv_rms * p.o_norm[d] * sig;
+          for (int i = 0; i < 2; ++i) {
+            const int d = k0 + j + i;
+            const float bias = p.g_bias != nullptr ? bits_to_float(p.g_bias[h * D + d]) : 0.0f;
+            const float gg = round_bf16(gate_s[d - slice0] + bias);
+            const float sig = 1.0f / (1.0f + expf(-gg));
+            y[i] = o[j + i] * inv_rms * p.o_norm[d] * sig;
+          }
+          words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
+                         (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
         }
-        words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
-                       (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
+        *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
       }
-      *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
     }
     if (verify) {  // the states after this token, where the row keeps them
       const std::int64_t keep = p.slots[b * T + t];
-      if (keep >= p.num_slots && h == 0 && tid == 0 && p.status != nullptr) {
-        atomicOr(p.status, kDeviceStatusSlot);
-      }
+      if (keep >= p.num_slots && reporter) atomicOr(p.status, kDeviceStatusSlot);
       if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot) {
         store_state((keep * p.heads + h) * D * D);
-        if (conv_thread) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
+        if (conv_owner) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
       }
     }
     __syncthreads();  // the next token overwrites the shared rows
@@ -350,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 
   if (!verify) {
     store_state(state_base);
-    if (conv_thread) store_conv(conv_state);
+    if (conv_owner) store_conv(conv_state);
   }
 }
 
@@ -358,42 +400,68 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 // (raised once per kernel, before its first launch).
 constexpr int kMaxRowBytes = 2 * D * D * 2;
 
-template <int W, bool kF32State>
+template <int W, bool kF32State, int NC>
 cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
-  static const cudaError_t raised = cudaFuncSetAttribute(
-      fused_decode_kernel<W, kF32State>, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxRowBytes);
+  static const cudaError_t raised =
+      cudaFuncSetAttribute(fused_decode_kernel<W, kF32State, NC>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxRowBytes);
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(p.sequences), static_cast<unsigned>(p.heads));
+  config.gridDim = dim3(static_cast<unsigned>(p.sequences * NC), static_cast<unsigned>(p.heads));
   config.blockDim = dim3(kThreads);
-  // W_gb's rows follow W_fb's: room for both when there is W_gb.
-  config.dynamicSmemBytes = static_cast<std::size_t>(p.w_gb != nullptr   ? 2
-                                                     : p.w_fb != nullptr ? 1
-                                                                         : 0) *
-                            D * D * 2;
+  // W_gb's rows (this block's) follow W_fb's: room for both when there is W_gb.
+  const int rows = p.w_gb != nullptr ? D + D / NC : p.w_fb != nullptr ? D : 0;
+  config.dynamicSmemBytes = static_cast<std::size_t>(rows) * D * 2;
   config.stream = stream;
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, fused_decode_kernel<W, kF32State>, p);
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = NC;
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = NC > 1 ? 2 : 1;
+  return cudaLaunchKernelEx(&config, fused_decode_kernel<W, kF32State, NC>, p);
+}
+
+template <int W, int NC>
+cudaError_t launch_state(const FusedDecodeParams& p, cudaStream_t stream) {
+  return p.f32_state ? launch_kernel<W, true, NC>(p, stream)
+                     : launch_kernel<W, false, NC>(p, stream);
 }
 
 template <int W>
 cudaError_t launch_width(const FusedDecodeParams& p, cudaStream_t stream) {
-  return p.f32_state ? launch_kernel<W, true>(p, stream) : launch_kernel<W, false>(p, stream);
+  switch (fused_decode_cluster(p)) {
+    case 1:
+      return launch_state<W, 1>(p, stream);
+    case 2:
+      return launch_state<W, 2>(p, stream);
+    case 4:
+      return launch_state<W, 4>(p, stream);
+    case 8:
+      return launch_state<W, 8>(p, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
+
+int fused_decode_cluster(const FusedDecodeParams& p) {
+  return p.cluster == 2 || p.cluster == 4 || p.cluster == 8 ? p.cluster : 1;
+}
 
 bool fused_decode_fits(const FusedDecodeParams& p) {
   auto aligned = [](const void* ptr, std::uintptr_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
   };
   return p.width >= 2 && p.width <= 4 && p.heads >= 1 && p.decode_tokens >= 1 &&
-         p.sequences <= 0x7fffffff && p.heads <= 65535 && p.proj_stride % 2 == 0 &&
-         aligned(p.proj, 4) && (p.w_fb != nullptr ? aligned(p.w_fb, 16) : p.g != nullptr) &&
+         (p.cluster == 1 || p.cluster == 2 || p.cluster == 4 || p.cluster == 8) &&
+         p.sequences * fused_decode_cluster(p) <= 0x7fffffff && p.heads <= 65535 &&
+         p.proj_stride % 2 == 0 && aligned(p.proj, 4) &&
+         (p.w_fb != nullptr ? aligned(p.w_fb, 16) : p.g != nullptr) &&
          (p.w_gb != nullptr ? aligned(p.w_gb, 16) : p.gate != nullptr) && aligned(p.y, 16) &&
          aligned(p.state, p.f32_state ? 16 : 8) && aligned(p.conv_weight, 4) &&
          aligned(p.dt_bias, 16);

@@ -164,7 +164,12 @@ struct FusedDecodeParams {
   float eps = 1e-5f;
   std::uint16_t* y = nullptr;  // bf16 [tokens, Cl]
   std::uint32_t* status = nullptr;
+  // Blocks a (row, head), 1, 2, 4 or 8: a cluster that splits the head's 128 value rows
+  // (fused_decode.cu).
+  int cluster = 1;
 };
+// The cluster size launch_fused_decode runs `p` with.
+int fused_decode_cluster(const FusedDecodeParams& p);
 // Whether launch_fused_decode takes `p` (width 2..4, the alignments its loads need).
 bool fused_decode_fits(const FusedDecodeParams& p);
 cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream);
@@ -172,6 +177,7 @@ cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream)
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for
 // batches of at most kSmallGemmMaxRows tokens: decode steps of one sequence (small_gemm.cu).
+enum class SmallGemmKernel { kSliced, kStreamed };
 struct SmallGemmParams {
   const std::uint16_t* in = nullptr;
   std::int64_t ldi = 0;
@@ -183,14 +189,17 @@ struct SmallGemmParams {
   // Launch as a programmatic dependent of the kernel before it in the stream: weights are read
   // before waiting for that kernel's grid, `in` only after (the previous kernel may write it).
   bool programmatic = false;
-  // Slices per weight row: 0 chooses by shape (small_gemm.cu); 1, 2, 4 or 8 forces it (for
-  // kda-gemv-probe's comparisons).
+  // Which kernel (small_gemm.cu; kStreamed refuses shapes streamed_gemm_fits does not take). The
+  // sliced kernel's slices per weight row: 0 chooses by shape; 1, 2, 4 or 8 forces it.
+  SmallGemmKernel kernel = SmallGemmKernel::kSliced;
   int split = 0;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and
 // weight 16-byte aligned.
 bool small_gemm_fits(const SmallGemmParams& p);
+// Whether the streamed kernel takes `p` as well: one row of 256 to 16384 columns.
+bool streamed_gemm_fits(const SmallGemmParams& p);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);
 
 }  // namespace kda::layer::cuda

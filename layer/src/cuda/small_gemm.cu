@@ -1,18 +1,28 @@
 // layer/src/cuda/small_gemm.cu — out = in · Wᵀ for one row (a decode step of one sequence): a
-// matrix-vector product bound by reading W once. Each weight row is cut into `split` slices of K,
-// one warp a slice; a block of eight warps holds 8 / split rows and sums each row's slices in
-// shared memory (fixed order: deterministic). `split` is chosen per shape so that the grid has
-// enough warps in flight to cover the memory latency: a row of 2304 columns fills a warp, a row of
-// 4096 (o_proj of a 32-head layer, 2304 rows) is cut in four. Weights are streamed past L1 with
-// 16-byte loads, eight in flight a lane; the input row stays in L1; fp32 accumulation, one
-// rounding at the end. Launched as a programmatic dependent, it streams its first weights while
-// the kernel before it finishes (the layer's o_proj after the fused decode step). Measured against
-// cuBLAS on the H200 in kda-layer-bench (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead; at 8 rows an
-// earlier form of this kernel took twice cuBLAS's time, so the layer uses it for one row only).
+// matrix-vector product bound by reading W once, in two kernels.
+//
+// The streamed kernel: one block a multiprocessor, each streaming a contiguous range
+// of weight rows through a ring of shared-memory stages filled by the copy engine (one
+// cp.async.bulk a stage, up to 160 KB in flight a multiprocessor), eight warps computing the rows'
+// dot products from shared memory. Launched as a programmatic dependent, its first stages are in
+// flight while the kernel before it still runs (o_proj's weights arrive while the fused decode
+// step computes).
+//
+// The sliced kernel (the layer's unless KDA_LAYER_SMALL_GEMM=streamed; and the shapes the streamed
+// one does not take: rows of fewer than 256 or more than 16384 columns): each weight row is cut
+// into `split` slices of K, one warp a slice, 16-byte loads past L1, eight in flight a lane; a
+// block of eight warps holds 8 / split rows and sums each row's slices in shared memory.
+//
+// Both: fp32 accumulation, a row's partial sums added in a fixed order (deterministic), one
+// rounding at the end. Measured against cuBLAS on the H200 in kda-gemv-probe and kda-layer-bench
+// (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead).
 #include <cuda_bf16.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include "cuda/kernels.hpp"
-#include "cuda/ptx.cuh"  // griddepcontrol (kda/src/cuda)
+#include "cuda/ptx.cuh"  // griddepcontrol, cp.async.bulk, mbarriers (kda/src/cuda)
 
 namespace kda::layer::cuda {
 
@@ -48,12 +58,21 @@ __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc)
   return acc;
 }
 
+template <bool kOutF32>
+__device__ __forceinline__ void store_out(void* out, std::int64_t n, float sum) {
+  if constexpr (kOutF32) {
+    static_cast<float*>(out)[n] = sum;
+  } else {
+    static_cast<std::uint16_t*>(out)[n] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+  }
+}
+
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
 
 template <bool kOutF32>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32)
-    small_gemm_kernel(SmallGemmParams p, int split) {
+    sliced_gemm_kernel(SmallGemmParams p, int split) {
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
   const int rows_per_block = kWarpsPerBlock / split;
   const std::int64_t n = static_cast<std::int64_t>(blockIdx.x) * rows_per_block + warp / split;
@@ -98,10 +117,119 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32)
   if (part != 0 || lane != 0 || n >= p.n) return;
   float sum = partial[warp];
   for (int s = 1; s < split; ++s) sum += partial[warp + s];
-  if constexpr (kOutF32) {
-    static_cast<float*>(p.out)[n] = sum;
-  } else {
-    static_cast<std::uint16_t*>(p.out)[n] = __bfloat16_as_ushort(__float2bfloat16_rn(sum));
+  store_out<kOutF32>(p.out, n, sum);
+}
+
+// ---- the streamed kernel ------------------------------------------------------------------------
+// One block a multiprocessor, each a contiguous range of weight rows. A producer thread copies
+// stages of whole rows (one cp.async.bulk each: the rows of a range are contiguous bytes) into a
+// ring of shared-memory stages; eight consumer warps take each stage as it lands, a row (or a slice
+// of one) a warp, and give the stage back through its mbarrier. The first stages are in flight
+// before griddepcontrol.wait (weights never depend on the kernel before), the input row is read
+// after it.
+
+constexpr int kConsumerWarps = 8;
+constexpr int kStreamThreads = (kConsumerWarps + 1) * 32;  // the last warp's lane 0 copies
+constexpr int kMaxStages = 8;
+constexpr std::int64_t kStageCap = 32 * 1024;  // bytes of one stage (whole rows)
+constexpr std::int64_t kStreamSmem = 160 * 1024;
+// Shared memory header: full[kMaxStages], empty[kMaxStages] mbarriers, then the slices' partial
+// sums [kMaxStages][kConsumerWarps].
+constexpr int kHeaderBytes = 2 * kMaxStages * 8 + kMaxStages * kConsumerWarps * 4;
+constexpr int kHeaderAligned = (kHeaderBytes + 127) / 128 * 128;
+
+struct StreamPlan {
+  int rows_per_stage = 0;  // R: a power of two
+  int slices = 0;          // warps a row (8 / R where R < 8, else 1)
+  int stages = 0;
+  int stage_bytes = 0;
+  int x_bytes = 0;  // the input row's room in shared memory, 128-byte aligned
+  int grid = 0;
+  int smem = 0;
+};
+
+int slices_of(int rows_per_stage) {
+  return rows_per_stage >= kConsumerWarps ? 1 : kConsumerWarps / rows_per_stage;
+}
+
+template <bool kOutF32>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    streamed_gemm_kernel(SmallGemmParams p, StreamPlan plan) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  auto* full = reinterpret_cast<std::uint64_t*>(smem);
+  std::uint64_t* empty = full + kMaxStages;
+  auto* partial = reinterpret_cast<float*>(empty + kMaxStages);
+  auto* x = reinterpret_cast<uint4*>(smem + kHeaderAligned);
+  unsigned char* stages = smem + kHeaderAligned + plan.x_bytes;
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int R = plan.rows_per_stage, P = plan.stages;
+  const std::int64_t units = (p.n + R - 1) / R;
+  const std::int64_t u_begin = units * blockIdx.x / gridDim.x;
+  const std::int64_t u_end = units * (blockIdx.x + 1) / gridDim.x;
+  const int count = static_cast<int>(u_end - u_begin);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < P; ++s) {
+      kda::detail::mbarrier_init(&full[s], 1);
+      kda::detail::mbarrier_init(&empty[s], kConsumerWarps);
+    }
+  }
+  __syncthreads();
+  griddep_launch_dependents();
+  if (warp == kConsumerWarps) {  // the producer
+    if (lane == 0) {
+      for (int i = 0; i < count; ++i) {
+        const int s = i % P;
+        if (i >= P) kda::detail::mbarrier_wait(&empty[s], static_cast<unsigned>(i / P - 1) & 1u);
+        const std::int64_t row0 = (u_begin + i) * R;
+        const std::int64_t rows = p.n - row0 < R ? p.n - row0 : R;
+        const auto bytes = static_cast<unsigned>(rows * p.k * 2);
+        kda::detail::mbarrier_expect_tx(&full[s], bytes);
+        kda::detail::bulk_copy_to_shared(stages + static_cast<std::int64_t>(s) * plan.stage_bytes,
+                                         p.weight + row0 * p.k, bytes, &full[s]);
+      }
+    }
+    return;
+  }
+  // The consumers. The input row may be the previous kernel's output: read it after the wait.
+  griddep_wait();
+  const int C = static_cast<int>(p.k / 8);
+  for (int c = static_cast<int>(threadIdx.x); c < C; c += kConsumerWarps * 32) {
+    x[c] = reinterpret_cast<const uint4*>(p.in)[c];
+  }
+  kda::detail::named_barrier_sync(1, kConsumerWarps * 32);
+  const int S = plan.slices;
+  const int per_slice = (C + S - 1) / S;
+  const int slice = warp % S;
+  const int c_begin = slice * per_slice;
+  const int c_end = c_begin + per_slice < C ? c_begin + per_slice : C;
+  const int row_step = kConsumerWarps / S;
+  const int first_row = warp / S;
+  for (int i = 0; i < count; ++i) {
+    const int s = i % P;
+    kda::detail::mbarrier_wait(&full[s], static_cast<unsigned>(i / P) & 1u);
+    const std::int64_t row0 = (u_begin + i) * R;
+    const int rows = static_cast<int>(p.n - row0 < R ? p.n - row0 : R);
+    const auto* w =
+        reinterpret_cast<const uint4*>(stages + static_cast<std::int64_t>(s) * plan.stage_bytes);
+    for (int r = first_row; r < rows; r += row_step) {
+      float acc = 0.0f;
+      for (int c = c_begin + lane; c < c_end; c += 32) acc = dot8(w[r * C + c], x[c], acc);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      }
+      float sum = acc;
+      if (S > 1) {  // the row's slices meet: its first warp adds them in slice order
+        if (lane == 0) partial[s * kConsumerWarps + warp] = acc;
+        kda::detail::named_barrier_sync(2 + first_row, S * 32);
+        if (slice != 0) continue;
+        sum = partial[s * kConsumerWarps + warp];
+        for (int j = 1; j < S; ++j) sum += partial[s * kConsumerWarps + warp + j];
+      }
+      if (lane == 0) store_out<kOutF32>(p.out, row0 + r, sum);
+    }
+    __syncwarp();
+    if (lane == 0) kda::detail::mbarrier_arrive(&empty[s]);
   }
 }
 
@@ -123,15 +251,72 @@ bool small_gemm_fits(const SmallGemmParams& p) {
          p.ldi % 8 == 0 && aligned16(p.in) && aligned16(p.weight) && p.n <= (std::int64_t{1} << 30);
 }
 
+namespace {
+
+// The multiprocessors of the current device, read once a device.
+int multiprocessors() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices] = {};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  int count = counts[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return 0;
+    }
+    counts[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
+
+// The streamed kernel's stages for `p`, or none (rows == 0) where it does not take the shape: one
+// row, rows of 256 to 16384 columns. Stages hold the most whole rows that fit kStageCap (a power
+// of two), halved while the grid would have fewer than eight stages a block (the last block's
+// share then stays within an eighth of the others'), as long as a row's slices keep a warp's worth
+// of 16-byte chunks each.
+StreamPlan stream_plan(const SmallGemmParams& p) {
+  StreamPlan plan;
+  const std::int64_t chunks = p.k / 8, row_bytes = p.k * 2;
+  const int sms = multiprocessors();
+  if (p.rows != 1 || chunks < 32 || row_bytes > kStageCap || sms <= 0) return plan;
+  int R = 1;
+  while (R < 64 && 2 * R * row_bytes <= kStageCap) R *= 2;
+  while (R > 1 && (p.n + R - 1) / R < 8 * sms && chunks / slices_of(R / 2) >= 32) R /= 2;
+  plan.rows_per_stage = R;
+  plan.slices = slices_of(R);
+  plan.stage_bytes = static_cast<int>(R * row_bytes);
+  plan.x_bytes = static_cast<int>((row_bytes + 127) / 128 * 128);
+  plan.stages = static_cast<int>(std::min<std::int64_t>(
+      kMaxStages, (kStreamSmem - kHeaderAligned - plan.x_bytes) / plan.stage_bytes));
+  const std::int64_t units = (p.n + R - 1) / R;
+  plan.grid = static_cast<int>(std::min<std::int64_t>(sms, units));
+  plan.smem = kHeaderAligned + plan.x_bytes + plan.stages * plan.stage_bytes;
+  if (plan.stages < 2) plan.rows_per_stage = 0;
+  return plan;
+}
+
+template <bool kOutF32>
+cudaError_t launch_streamed(const SmallGemmParams& p, const StreamPlan& plan,
+                            cudaLaunchConfig_t config) {
+  static const cudaError_t raised = cudaFuncSetAttribute(
+      streamed_gemm_kernel<kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      static_cast<int>(kStreamSmem));
+  if (raised != cudaSuccess) return raised;
+  config.gridDim = dim3(static_cast<unsigned>(plan.grid));
+  config.blockDim = dim3(kStreamThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(plan.smem);
+  return cudaLaunchKernelEx(&config, streamed_gemm_kernel<kOutF32>, p, plan);
+}
+
+}  // namespace
+
+bool streamed_gemm_fits(const SmallGemmParams& p) {
+  return small_gemm_fits(p) && stream_plan(p).rows_per_stage > 0;
+}
+
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (!small_gemm_fits(p)) return cudaErrorInvalidValue;
-  const int split =
-      p.split == 1 || p.split == 2 || p.split == 4 || p.split == 8 ? p.split : split_of(p);
-  const int rows_per_block = kWarpsPerBlock / split;
-  const dim3 grid(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
   cudaLaunchConfig_t config{};
-  config.gridDim = grid;
-  config.blockDim = dim3(kWarpsPerBlock * 32);
   config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -140,8 +325,19 @@ cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
     config.attrs = &attribute;
     config.numAttrs = 1;
   }
-  return p.out_f32 ? cudaLaunchKernelEx(&config, small_gemm_kernel<true>, p, split)
-                   : cudaLaunchKernelEx(&config, small_gemm_kernel<false>, p, split);
+  if (p.kernel == SmallGemmKernel::kStreamed) {
+    const StreamPlan plan = stream_plan(p);
+    if (plan.rows_per_stage == 0) return cudaErrorInvalidValue;
+    return p.out_f32 ? launch_streamed<true>(p, plan, config)
+                     : launch_streamed<false>(p, plan, config);
+  }
+  const int split =
+      p.split == 1 || p.split == 2 || p.split == 4 || p.split == 8 ? p.split : split_of(p);
+  const int rows_per_block = kWarpsPerBlock / split;
+  config.gridDim = dim3(static_cast<unsigned>((p.n + rows_per_block - 1) / rows_per_block));
+  config.blockDim = dim3(kWarpsPerBlock * 32);
+  return p.out_f32 ? cudaLaunchKernelEx(&config, sliced_gemm_kernel<true>, p, split)
+                   : cudaLaunchKernelEx(&config, sliced_gemm_kernel<false>, p, split);
 }
 
 }  // namespace kda::layer::cuda

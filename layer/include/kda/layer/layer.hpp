@@ -183,6 +183,9 @@ struct RunOptions {
   bool check_pointers = true;  // CUDA: ask the driver about every caller buffer (host time)
   PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill: kda::CudaOptions::schedule
   DecodeKernel decode_kernel = DecodeKernel::kAuto;   // CUDA decode steps
+  // CUDA fused decode step: the blocks (a thread block cluster) that share one (row, head), each a
+  // slice of its value rows: 1, 2, 4 or 8.
+  int fused_cluster = 1;
   // Adds each phase's seconds. CUDA: measured with events, and the call waits for the layer.
   Times* times = nullptr;
 };
