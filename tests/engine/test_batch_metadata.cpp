@@ -35,6 +35,19 @@ using kda::engine::Engine;
 using kda::engine::EngineOptions;
 using kda::engine::ModelSpec;
 
+// A C batch started from kda_batch_init, with its leading fields.
+kda_batch c_batch(std::int64_t tokens = 0, std::int64_t sequences = 0, int decode_tokens = 0,
+                  const std::int32_t* slots = nullptr, const std::int64_t* cu_seqlens = nullptr) {
+  kda_batch batch;
+  REQUIRE(kda_batch_init(&batch) == KDA_OK);
+  batch.tokens = tokens;
+  batch.sequences = sequences;
+  batch.decode_tokens = decode_tokens;
+  batch.slots = slots;
+  batch.cu_seqlens = cu_seqlens;
+  return batch;
+}
+
 // Two whole KDA layers of 4 heads of 128 (the CUDA path's head size), softplus gate, six slots.
 const char* const kSpec =
     "name: batch-metadata\n"
@@ -1039,7 +1052,7 @@ void c_api_prefix_cache(Backend backend) {
       cu(backend, std::vector<std::int64_t>{0, 48});
   Memory offsets(backend, std::vector<std::int64_t>{32}),
       rows(backend, std::vector<std::int32_t>{c});
-  kda_batch whole = {};
+  kda_batch whole = c_batch();
   whole.tokens = 48;
   whole.sequences = 1;
   whole.slots = slot_a.as<std::int32_t>();
@@ -1063,7 +1076,7 @@ void c_api_prefix_cache(Backend backend) {
   Memory tail_hidden(backend, tail), tail_out(backend, 16 * kHidden * 2);
   Memory slot_c(backend, std::vector<std::int32_t>{c}),
       tail_cu(backend, std::vector<std::int64_t>{0, 16});
-  kda_batch rest = {};
+  kda_batch rest = c_batch();
   rest.tokens = 16;
   rest.sequences = 1;
   rest.slots = slot_c.as<std::int32_t>();
@@ -1112,8 +1125,8 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
   const std::vector<std::int32_t> rows = {slots[2], -1, slots[0]};
   const std::vector<std::int64_t> cu = {0, 9, 12, 20};
   const int host_rows[3] = {rows[0], rows[1], rows[2]};
-  kda_batch prefill{20, 3, 0, rows.data(), cu.data()};
-  kda_batch decode{3, 3, 1, rows.data(), nullptr};
+  kda_batch prefill = c_batch(20, 3, 0, rows.data(), cu.data());
+  kda_batch decode = c_batch(3, 3, 1, rows.data());
   for (int l = 0; l < 2; ++l) {
     REQUIRE(kda_engine_prefill_hidden(spans, l, hidden.data(), out_spans.data(), host_rows, 3,
                                       cu.data()) == KDA_OK);
@@ -1124,7 +1137,7 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
   // The same prefill with int32 cu_seqlens (kda_batch::cu_seqlens_i32), on the states both engines
   // reached: equal bit for bit; both dtypes or neither refused.
   const std::vector<std::int32_t> cu32(cu.begin(), cu.end());
-  kda_batch narrow = {};
+  kda_batch narrow = c_batch();
   narrow.tokens = 20;
   narrow.sequences = 3;
   narrow.slots = rows.data();
@@ -1175,7 +1188,8 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
   // good one runs (its semantics are the engine's, tested above).
   const std::vector<std::int32_t> verify_slots = {slots[0], slots[1], slots[2], -1};
   std::vector<std::int32_t> accepted = {2, 3};
-  kda_batch verify{4, 2, 2, verify_slots.data(), nullptr, accepted.data()};
+  kda_batch verify = c_batch(4, 2, 2, verify_slots.data());
+  verify.num_accepted = accepted.data();
   CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &verify) ==
         KDA_INVALID_ARGUMENT);
   CHECK(std::string(kda_engine_last_error(batch)).find("row 1 has num_accepted 3") !=
@@ -1183,6 +1197,40 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
   accepted[1] = 1;
   CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &verify) ==
         KDA_OK);
+  // kda_batch's struct_size: a batch not started from kda_batch_init (0), one of a later header
+  // (larger than this library's) and a nonzero reserved field are refused, naming the field,
+  // before anything runs; kda_batch_init zeroes every field.
+  kda_batch unset = decode;
+  unset.struct_size = 0;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &unset) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)) ==
+        "kda_engine_forward_hidden_batch: batch->struct_size is 0, expected " +
+            std::to_string(sizeof(kda_batch)) + " to " + std::to_string(sizeof(kda_batch)) +
+            " (initialise the batch with kda_batch_init)");
+  kda_batch later = decode;
+  later.struct_size = sizeof(kda_batch) + 8;
+  CHECK(kda_engine_forward_batch(batch, 0, q.data(), q.data(), q.data(), q.data(), beta.data(),
+                                 core_out.data(), &later) == KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch))
+            .find("batch->struct_size is " + std::to_string(sizeof(kda_batch) + 8)) !=
+        std::string::npos);
+  kda_batch reserved = decode;
+  reserved.reserved = 1;
+  CHECK(kda_engine_forward_hidden_batch(batch, 0, hidden.data(), out_batch.data(), &reserved) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(kda_engine_last_error(batch)) ==
+        "kda_engine_forward_hidden_batch: batch->reserved is 1, must be 0");
+  kda_batch fresh;
+  std::memset(&fresh, 0x5A, sizeof fresh);
+  REQUIRE(kda_batch_init(&fresh) == KDA_OK);
+  CHECK(fresh.struct_size == sizeof(kda_batch));
+  CHECK((fresh.tokens == 0 && fresh.sequences == 0 && fresh.decode_tokens == 0 &&
+         fresh.slots == nullptr && fresh.cu_seqlens == nullptr && fresh.num_accepted == nullptr &&
+         fresh.checkpoints == 0 && fresh.checkpoint_offsets == nullptr &&
+         fresh.checkpoint_slots == nullptr && fresh.cu_seqlens_i32 == nullptr &&
+         fresh.records == 0 && fresh.reserved == 0));
+  CHECK(kda_batch_init(nullptr) == KDA_INVALID_ARGUMENT);
   kda_engine_destroy(spans);
   kda_engine_destroy(batch);
 }
@@ -1209,7 +1257,7 @@ TEST_CASE("C API: options.null_slot is never acquired and pads kda_batch rows [c
   const std::vector<std::uint16_t> hidden = kda::test::random_bf16(3 * kHidden, 1.0f, 104);
   std::vector<std::uint16_t> out(3 * kHidden, 0xFFFF);
   const std::vector<std::int32_t> rows = {0, slot, 0};  // the null slot on two rows
-  kda_batch decode = {};
+  kda_batch decode = c_batch();
   decode.tokens = 3;
   decode.sequences = 3;
   decode.decode_tokens = 1;
@@ -1422,7 +1470,7 @@ TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-to
   // Per-token states: row 0 from slot 0 keeps slots 0, 1; row 1 from slot 2 keeps slots 2, 3.
   const std::vector<std::int32_t> entries = {0, 1, 2, 3}, ones = {1, 1}, rows = {0, 2};
   const std::vector<std::int32_t> accepted = {2, 1};
-  kda_batch verify = {};
+  kda_batch verify = c_batch();
   verify.tokens = 4;
   verify.sequences = 2;
   verify.decode_tokens = 2;

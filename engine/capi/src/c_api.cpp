@@ -6,6 +6,7 @@
 #include "kda/kda_engine.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -34,6 +35,13 @@ static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // before prefill_schedule was 48 bytes on LP64, the one before null_slot 56.
 static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 64,
               "kda_engine_options changed size: keep it apart from earlier versions");
+
+// kda_batch grows at its end; a caller's struct_size says which fields it holds. The first
+// version with struct_size is the smallest one read (96 bytes on LP64): keep the size in step
+// with the fields, and fields added later after `reserved`.
+constexpr std::size_t kBatchFirstSize = offsetof(kda_batch, reserved) + sizeof(int);
+static_assert(sizeof(void*) != 8 || sizeof(kda_batch) == 96,
+              "kda_batch changed size: add fields at its end, after reserved");
 
 constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda_engine.h)
 
@@ -210,8 +218,21 @@ void require_tensors(const char* function, const void* q, const void* k, const v
 }
 
 // The C batch as the engine's.
-kda::engine::BatchMetadata batch_metadata(const kda_batch* batch, const char* function) {
-  require(batch, function, "batch");
+kda::engine::BatchMetadata batch_metadata(const kda_batch* given, const char* function) {
+  require(given, function, "batch");
+  if (given->struct_size < kBatchFirstSize || given->struct_size > sizeof(kda_batch)) {
+    invalid(function, "batch->struct_size is " + std::to_string(given->struct_size) +
+                          ", expected " + std::to_string(kBatchFirstSize) + " to " +
+                          std::to_string(sizeof(kda_batch)) +
+                          " (initialise the batch with kda_batch_init)");
+  }
+  // The fields the caller's version holds; later ones stay unset (zero).
+  kda_batch copy{};
+  std::memcpy(&copy, given, given->struct_size);
+  const kda_batch* batch = &copy;
+  if (batch->reserved != 0) {
+    invalid(function, "batch->reserved is " + std::to_string(batch->reserved) + ", must be 0");
+  }
   kda::engine::BatchMetadata b;
   b.tokens = batch->tokens;
   b.sequences = batch->sequences;
@@ -235,6 +256,13 @@ const char* kda_status_string(kda_status status) {
   const int value = static_cast<int>(status);
   if (value < KDA_OK || value > KDA_INTERNAL) return "unknown status";
   return kda::to_string(static_cast<StatusCode>(value));
+}
+
+kda_status kda_batch_init(kda_batch* batch) {
+  if (batch == nullptr) return KDA_INVALID_ARGUMENT;
+  std::memset(batch, 0, sizeof(kda_batch));
+  batch->struct_size = sizeof(kda_batch);
+  return KDA_OK;
 }
 
 kda_status kda_engine_options_init(kda_engine_options* options) {

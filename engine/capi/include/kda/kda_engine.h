@@ -209,6 +209,9 @@ kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* h
  * and distinct is the caller's promise there. On the CPU the same is checked before anything runs.
  * (C++: kda::engine::BatchMetadata.) */
 typedef struct kda_batch {
+  size_t struct_size;        /* sizeof(kda_batch) of the header the caller was built with, set by
+                                kda_batch_init(): a library reads the fields that size holds and
+                                takes fields added after them as unset */
   int64_t tokens;            /* rows of hidden / of q..beta: the sum of the sequence lengths, or
                                 sequences * decode_tokens */
   int64_t sequences;         /* prefill sequences or decode rows, 1..max_sequences */
@@ -231,8 +234,7 @@ typedef struct kda_batch {
   const int32_t* checkpoint_slots;
   /* Prefill, instead of cu_seqlens (NULL: not used): the same offsets as int32 (vLLM's and
      SGLang's query_start_loc), read as they are. A prefill sets exactly one of cu_seqlens and
-     cu_seqlens_i32 (KDA_INVALID_ARGUMENT otherwise). Zero-initialise a kda_batch
-     (kda_batch b = {0};) so that fields added at its end stay unset. */
+     cu_seqlens_i32 (KDA_INVALID_ARGUMENT otherwise). */
   const int32_t* cu_seqlens_i32;
   /* Decode only, optional (0: no): nonzero makes the step the record-and-commit form of a verify
      step (kda::engine::BatchMetadata::records), with num_accepted NULL and `slots` [sequences],
@@ -240,7 +242,12 @@ typedef struct kda_batch {
      model's runtime.max_verify_tokens >= decode_tokens, KDA_INVALID_ARGUMENT otherwise) until
      kda_engine_commit() folds the accepted tokens in. */
   int records;
+  int reserved; /* must be 0 */
 } kda_batch;
+/* Sets every field of *batch to 0 / NULL (every optional field unset) and struct_size to
+ * sizeof(kda_batch). Start every kda_batch from it: the calls refuse a struct_size they cannot
+ * read (KDA_INVALID_ARGUMENT). KDA_INVALID_ARGUMENT when batch is NULL. */
+kda_status kda_batch_init(kda_batch* batch);
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
                                     const void* v, const void* g, const void* beta, void* out,
