@@ -607,7 +607,9 @@ void run_decode(double bw, int iters) {
 // ---------------------------------------------------------------------------------------------
 // --verify: a speculative verify step's two forms (kda.hpp): per-token states (the state after
 // every token written to a slot of its own) against records + commit (small per-token records
-// written, then the accepted ones folded into the one committed state).
+// written, then the accepted ones folded into the one committed state), each against the plain
+// step of the same T tokens (one state read and written; "verify / plain step": the verify step's
+// time over it, the records step without its commit).
 // ---------------------------------------------------------------------------------------------
 
 // Device allocations freed together.
@@ -680,8 +682,8 @@ void run_verify(double bw, int iters) {
       "token accepted, the most records a commit reads)\n\n");
   std::printf(
       "| tokens | B | state | form | verify us | verify floor us | commit us | commit floor us | "
-      "total us | floor us | total / floor |\n");
-  std::printf("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+      "total us | floor us | total / floor | verify / plain step |\n");
+  std::printf("|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   auto floor_us = [&](double bytes) { return bytes / bw * 1e6; };
   for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
     const double state_bytes = static_cast<double>(kda::dtype_size(state)) * D * D;
@@ -694,6 +696,28 @@ void run_verify(double bw, int iters) {
         const double token_bytes = kda::bench::kda_core_bytes(static_cast<double>(B) * T, 0, H, D,
                                                               state_bytes / (D * D), false);
         const double rows_heads = static_cast<double>(B) * H;
+
+        // The plain step of T tokens (no verify): one state read and written a row, what the
+        // verify forms are compared with.
+        kda::DecodeProblem pp;
+        pp.batch = B;
+        pp.tokens = T;
+        pp.num_heads = H;
+        pp.num_slots = B;
+        pp.state_dtype = state;
+        std::vector<std::int32_t> rows(B);
+        for (int b = 0; b < B; ++b) rows[b] = b;
+        kda::DecodeTensors tp = t;
+        tp.slots = device_ints(a, rows);
+        tp.state_pool = state_pool(a, pp.num_slots, H, D, state);
+        const double plain_us =
+            graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pp, tp, s), "plain"); });
+        const double plain_bytes = token_bytes + 2 * rows_heads * state_bytes + 4.0 * B;
+        std::printf(
+            "| %d | %d | %s | plain step of T tokens | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx | "
+            "1.00x |\n",
+            T, B, state_name, plain_us, floor_us(plain_bytes), plain_us, floor_us(plain_bytes),
+            plain_us / floor_us(plain_bytes));
 
         // Per-token states: row b starts from slots[b][0] (num_accepted 1) and writes T states.
         kda::DecodeProblem pt;
@@ -714,9 +738,10 @@ void run_verify(double bw, int iters) {
         const double pt_bytes =
             token_bytes + rows_heads * state_bytes * (1 + T) + 4.0 * B * T + 4.0 * B;
         std::printf(
-            "| %d | %d | %s | per-token states | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx |\n", T,
-            B, state_name, pt_us, floor_us(pt_bytes), pt_us, floor_us(pt_bytes),
-            pt_us / floor_us(pt_bytes));
+            "| %d | %d | %s | per-token states | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx | %.2fx "
+            "|\n",
+            T, B, state_name, pt_us, floor_us(pt_bytes), pt_us, floor_us(pt_bytes),
+            pt_us / floor_us(pt_bytes), pt_us / plain_us);
         std::fflush(stdout);
 
         // Records + commit: row b's committed state in slot 2b (a gappy pool), T records a row.
@@ -753,9 +778,9 @@ void run_verify(double bw, int iters) {
         const double c_bytes = 2 * rows_heads * state_bytes + records + 8.0 * B;
         std::printf(
             "| %d | %d | %s | records + commit | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2fx "
-            "|\n",
+            "| %.2fx |\n",
             T, B, state_name, rv_us, floor_us(rv_bytes), c_us, floor_us(c_bytes), both_us,
-            floor_us(rv_bytes + c_bytes), both_us / floor_us(rv_bytes + c_bytes));
+            floor_us(rv_bytes + c_bytes), both_us / floor_us(rv_bytes + c_bytes), rv_us / plain_us);
         std::fflush(stdout);
       }
     }

@@ -3,7 +3,7 @@
 # configure with the Debian dependencies carried in the working tree (.gpudeps/: the packages'
 # files unpacked with dpkg -x), build, run the GPU tests, then the benchmark. Logs and tables go to
 # $OUT.
-# Usage: scripts/gpu-check.sh [tests|bench|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
+# Usage: scripts/gpu-check.sh [tests|bench|layer|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
 # sanitize: a quick subset (five runs: the operator's varlen / state / decode cases) under the four
 # compute-sanitizer tools; all-sanitize: tests, bench, then that quick subset (not sanitize-all).
 # ab REV [bench args]: kda-bench of .ab/REV (scripts/ab-prepare.sh REV) and of this tree, run
@@ -12,11 +12,16 @@
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
+# layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases (plain
+# and under memcheck and racecheck: the fused step's clusters, the streamed GEMM), kda-gemv-probe,
+# then kda-layer-bench with the layer's one-row GEMMs on the sliced kernel and on the streamed one
+# (KDA_LAYER_SMALL_GEMM=streamed), one after the other.
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
 ab_rev=
 if [ "$what" = ab ]; then ab_rev=${1:?ab needs a revision (scripts/ab-prepare.sh REV first)}; shift; KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-kda-bench}; fi
+[ "$what" = layer ] && KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-"kda-layer-bench kda-gemv-probe test_layer_gemv_cuda test_layer"}
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/kda-out}
 mkdir -p "$OUT"
@@ -86,6 +91,24 @@ if [ "$what" = ab ]; then
   cp /tmp/ab-b-1.md "$OUT/bench.md"
   tar -C /tmp -cf "$OUT/ab-runs.tar" "${runs[@]#/tmp/}"  # every run, for a later look
   python3 "$root/scripts/bench-ab.py" "$ab_rev" "this tree" "${runs[@]}" | tee "$OUT/bench-ab.md"
+fi
+if [ "$what" = layer ]; then
+  t=$build/tests
+  timeout 300 "$t/test_layer_gemv_cuda" > "$OUT/layer-gemv-test.log" 2>&1 || rc=1
+  timeout 600 "$t/test_layer" '-tc=*[cuda]' > "$OUT/layer-test.log" 2>&1 || rc=1
+  grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-gemv-test.log" "$OUT/layer-test.log"
+  for tool in memcheck racecheck; do
+    timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer" \
+      '-tc=*every decode kernel*' > "$OUT/layer-$tool.log" 2>&1 || rc=1
+    timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer_gemv_cuda" \
+      > "$OUT/layer-gemv-$tool.log" 2>&1 || rc=1
+    grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/layer-$tool.log" "$OUT/layer-gemv-$tool.log"
+  done
+  "$build/bench/kda-gemv-probe" 2>&1 | tee "$OUT/gemv-probe.md" || rc=1
+  "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench-sliced.md" 2>&1 || rc=1
+  KDA_LAYER_SMALL_GEMM=streamed "$build/bench/kda-layer-bench" "$@" \
+    > "$OUT/layer-bench-streamed.md" 2>&1 || rc=1
+  tail -60 "$OUT/layer-bench-streamed.md"
 fi
 if [ "$what" = sanitize-all ]; then
   t=$build/tests
