@@ -1,9 +1,11 @@
-// kda-gemv-probe — the whole layer's one-row GEMM (layer/src/cuda/small_gemm.cu) against cuBLAS on
-// the shapes a decode step of one sequence runs: the input projection, o_proj and the low-rank
-// second factors of Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard;
-// the kernel as the layer runs it (the sliced kernel, slices by shape), the streamed kernel
-// launched plainly and as a programmatic dependent of the call before (its first stages then load
-// while that call finishes), and the sliced kernel with each row cut in two.
+// kda-gemv-probe — the whole layer's small-row GEMMs (layer/src/cuda/small_gemm.cu) against cuBLAS
+// on the shapes a decode step runs: the input projection, o_proj and the low-rank second factors of
+// Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard. One row (a decode
+// step of one sequence): the kernel as the layer runs it (the sliced kernel, slices by shape), the
+// streamed kernel launched plainly and as a programmatic dependent of the call before (its first
+// stages then load while that call finishes), and the sliced kernel with each row cut in two.
+// 8 and 64 rows (decode steps of a small batch): the tiled kernel (split K in a 32 MB workspace,
+// as the layer gives it) against cuBLAS.
 // Each call reads another copy of the weights (copies beyond three times L2), CUDA events around
 // 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time. CUDA only.
 #include <cublas_v2.h>
@@ -35,102 +37,149 @@ int main() {
   cudaStream_t stream = nullptr;
   check(cudaStreamCreate(&stream), "cudaStreamCreate");
   cublasSetStream(handle, stream);
+  constexpr std::size_t kWorkspace = std::size_t{32} << 20;
+  void* workspace = nullptr;
+  check(cudaMalloc(&workspace, kWorkspace), "cudaMalloc");
   struct Shape {
     const char* name;
     std::int64_t n, k;
   };
-  std::printf("kda-gemv-probe on %s: one row, bf16 weights [n, k], us (TB/s of weight reads)\n\n",
-              prop.name);
-  std::printf(
-      "| shape | n | k | weights MB | as the layer runs it | streamed | streamed, programmatic | "
-      "sliced, split 2 | cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-  for (const Shape& s :
-       {Shape{"H = 32 input projection", 12576, 2304}, Shape{"H = 32 o_proj", 2304, 4096},
-        Shape{"H = 32 f_b", 4096, 128}, Shape{"TP8 input projection", 1800, 2304},
-        Shape{"TP8 o_proj", 2304, 512}, Shape{"K3 TP8 input projection", 4760, 7168},
-        Shape{"K3 TP8 g_proj", 1536, 7168}, Shape{"K3 TP8 o_proj", 7168, 1536}}) {
-    const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
-    const int copies = static_cast<int>(std::max<std::size_t>(2, 3 * prop.l2CacheSize / bytes + 1));
-    std::vector<void*> weights(copies);
-    for (void*& w : weights) {
-      check(cudaMalloc(&w, bytes), "cudaMalloc");
-      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
-    }
-    void *in = nullptr, *out = nullptr;
-    check(cudaMalloc(&in, s.k * 2), "cudaMalloc");
-    check(cudaMemset(in, 0x3c, s.k * 2), "cudaMemset");
-    check(cudaMalloc(&out, s.n * 4), "cudaMalloc");
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    // 0: the kernel as the layer runs it (the sliced one); 1: streamed; 2: streamed,
-    // programmatic; 3: sliced, each row cut in 2; 4: cuBLAS. A kernel that does not take the shape:
-    // "-".
-    using kda::layer::cuda::SmallGemmKernel;
-    constexpr int kColumns = 5;
-    double us[kColumns];
-    for (int which = 0; which < kColumns; ++which) {
-      bool taken = true;
-      std::vector<double> rounds;
-      for (int round = 0; round < 5; ++round) {
-        for (int it = 0; it < 60; ++it) {
-          if (it == 10) cudaEventRecord(a, stream);
-          void* w = weights[it % copies];
-          if (which < 4) {
-            kda::layer::cuda::SmallGemmParams p;
-            p.kernel =
-                which == 1 || which == 2 ? SmallGemmKernel::kStreamed : SmallGemmKernel::kSliced;
-            p.programmatic = which == 2;
-            p.split = which == 3 ? 2 : 0;
-            p.in = static_cast<const std::uint16_t*>(in);
-            p.ldi = s.k;
-            p.weight = static_cast<const std::uint16_t*>(w);
-            p.out = out;
-            p.ldo = s.n;
-            p.rows = 1;
-            p.n = s.n;
-            p.k = s.k;
-            const cudaError_t err = kda::layer::cuda::launch_small_gemm(p, stream);
-            if (err == cudaErrorInvalidValue && p.kernel == SmallGemmKernel::kStreamed) {
-              cudaGetLastError();
-              taken = false;
-              break;
-            }
-            check(err, "launch_small_gemm");
-          } else {
-            const float one = 1.0f, zero = 0.0f;
-            cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), 1,
-                         static_cast<int>(s.k), &one, w, CUDA_R_16BF, static_cast<int>(s.k), in,
-                         CUDA_R_16BF, static_cast<int>(s.k), &zero, out, CUDA_R_16BF,
-                         static_cast<int>(s.n), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-          }
-        }
-        if (!taken) break;
-        cudaEventRecord(b, stream);
-        check(cudaEventSynchronize(b), "run");
-        float ms = 0;
-        cudaEventElapsedTime(&ms, a, b);
-        rounds.push_back(ms * 1e3 / 50);
+  const Shape shapes[] = {{"H = 32 input projection", 12576, 2304},
+                          {"H = 32 o_proj", 2304, 4096},
+                          {"H = 32 f_b", 4096, 128},
+                          {"TP8 input projection", 1800, 2304},
+                          {"TP8 o_proj", 2304, 512},
+                          {"K3 TP8 input projection", 4760, 7168},
+                          {"K3 TP8 g_proj", 1536, 7168},
+                          {"K3 TP8 o_proj", 7168, 1536}};
+  using kda::layer::cuda::SmallGemmKernel;
+  using kda::layer::cuda::SmallGemmParams;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  // Median over 5 rounds of 50 calls (after 10), each call on the next copy of the weights, us;
+  // -1 where `launch` refuses the shape (returns false).
+  auto time_calls = [&](const std::vector<void*>& weights, auto&& launch) {
+    std::vector<double> rounds;
+    for (int round = 0; round < 5; ++round) {
+      for (int it = 0; it < 60; ++it) {
+        if (it == 10) cudaEventRecord(a, stream);
+        if (!launch(weights[it % weights.size()])) return -1.0;
       }
-      std::sort(rounds.begin(), rounds.end());
-      us[which] = taken ? rounds[2] : -1.0;
+      cudaEventRecord(b, stream);
+      check(cudaEventSynchronize(b), "run");
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      rounds.push_back(ms * 1e3 / 50);
     }
-    std::printf("| %s | %lld | %lld | %.1f |", s.name, static_cast<long long>(s.n),
-                static_cast<long long>(s.k), bytes / 1e6);
-    for (const double t : us) {
-      if (t < 0) {
-        std::printf(" - |");
+    std::sort(rounds.begin(), rounds.end());
+    return rounds[2];
+  };
+  auto cublas = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows) {
+    const float one = 1.0f, zero = 0.0f;
+    cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), static_cast<int>(rows),
+                 static_cast<int>(s.k), &one, w, CUDA_R_16BF, static_cast<int>(s.k), in,
+                 CUDA_R_16BF, static_cast<int>(s.k), &zero, out, CUDA_R_16BF, static_cast<int>(s.n),
+                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    return true;
+  };
+  auto small = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows,
+                   SmallGemmKernel kernel, bool programmatic, int split) {
+    SmallGemmParams p;
+    p.kernel = kernel;
+    p.programmatic = programmatic;
+    p.split = split;
+    p.in = static_cast<const std::uint16_t*>(in);
+    p.ldi = s.k;
+    p.weight = static_cast<const std::uint16_t*>(w);
+    p.out = out;
+    p.ldo = s.n;
+    p.rows = rows;
+    p.n = s.n;
+    p.k = s.k;
+    p.workspace = workspace;
+    p.workspace_bytes = kWorkspace;
+    const cudaError_t err = kda::layer::cuda::launch_small_gemm(p, stream);
+    if (err == cudaErrorInvalidValue) {
+      cudaGetLastError();
+      return false;
+    }
+    check(err, "launch_small_gemm");
+    return true;
+  };
+  auto cell = [](double us, double bytes) {
+    if (us < 0) {
+      std::printf(" - |");
+    } else {
+      std::printf(" %.2f (%.2f) |", us, bytes / us / 1e6);
+    }
+  };
+  for (const bool one_row : {true, false}) {
+    if (one_row) {
+      std::printf(
+          "kda-gemv-probe on %s: one row, bf16 weights [n, k], us (TB/s of weight reads)\n\n"
+          "| shape | n | k | weights MB | as the layer runs it | streamed | streamed, "
+          "programmatic | sliced, split 2 | cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+          "\n",
+          prop.name);
+    } else {
+      std::printf(
+          "\nA few rows: the tiled kernel against cuBLAS, us (TB/s of weight reads)\n\n"
+          "| shape | n | k | weights MB | tiled, 8 rows | cuBLAS, 8 rows | tiled, 64 rows | "
+          "cuBLAS, "
+          "64 rows |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
+    }
+    for (const Shape& s : shapes) {
+      const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
+      const int copies =
+          static_cast<int>(std::max<std::size_t>(2, 3 * prop.l2CacheSize / bytes + 1));
+      std::vector<void*> weights(copies);
+      for (void*& w : weights) {
+        check(cudaMalloc(&w, bytes), "cudaMalloc");
+        check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
+      }
+      void *in = nullptr, *out = nullptr;
+      check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
+      check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
+      check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
+      std::printf("| %s | %lld | %lld | %.1f |", s.name, static_cast<long long>(s.n),
+                  static_cast<long long>(s.k), bytes / 1e6);
+      if (one_row) {
+        const SmallGemmKernel sliced = SmallGemmKernel::kSliced,
+                              streamed = SmallGemmKernel::kStreamed;
+        cell(
+            time_calls(weights, [&](void* w) { return small(w, in, out, s, 1, sliced, false, 0); }),
+            bytes);
+        cell(time_calls(weights,
+                        [&](void* w) { return small(w, in, out, s, 1, streamed, false, 0); }),
+             bytes);
+        cell(time_calls(weights,
+                        [&](void* w) { return small(w, in, out, s, 1, streamed, true, 0); }),
+             bytes);
+        cell(
+            time_calls(weights, [&](void* w) { return small(w, in, out, s, 1, sliced, false, 2); }),
+            bytes);
+        cell(time_calls(weights, [&](void* w) { return cublas(w, in, out, s, 1); }), bytes);
       } else {
-        std::printf(" %.2f (%.2f) |", t, bytes / t / 1e6);
+        for (const std::int64_t rows : {8, 64}) {
+          cell(time_calls(weights,
+                          [&](void* w) {
+                            return small(w, in, out, s, rows, SmallGemmKernel::kTiled, false, 0);
+                          }),
+               bytes);
+          cell(time_calls(weights, [&](void* w) { return cublas(w, in, out, s, rows); }), bytes);
+        }
       }
+      std::printf("\n");
+      std::fflush(stdout);
+      for (void* w : weights) cudaFree(w);
+      cudaFree(in);
+      cudaFree(out);
     }
-    std::printf("\n");
-    for (void* w : weights) cudaFree(w);
-    cudaFree(in);
-    cudaFree(out);
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
   }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cudaFree(workspace);
   cublasDestroy(handle);
   return 0;
 }

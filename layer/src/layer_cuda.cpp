@@ -184,10 +184,10 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 // out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
 // outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
-// Which kernel batches of at most cuda::kSmallGemmMaxRows tokens take (small_gemm.cu), by
-// KDA_LAYER_SMALL_GEMM, read once: unset, the sliced kernel; "streamed", the streamed kernel where
-// it takes the shape (else the sliced one); "0", cuBLAS. A knob for the benchmark's A/B, not part
-// of the contract.
+// Which kernels the layer's GEMMs of few rows take (small_gemm.cu), by KDA_LAYER_SMALL_GEMM, read
+// once: unset, one row on the sliced kernel and more on cuBLAS; "streamed", one row on the streamed
+// kernel and 2 to 64 rows on the tiled one (where they take the shape; else as unset); "0", cuBLAS
+// for every GEMM. A knob for the benchmark's A/B, not part of the contract.
 enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
 SmallGemmChoice small_gemm_choice() {
   static const SmallGemmChoice choice = [] {
@@ -208,10 +208,22 @@ SmallGemmChoice small_gemm_choice() {
 // (measured on the H200: docs/PERFORMANCE.md).
 constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 
-void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64_t ldi,
-          std::int64_t rows, std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+// Where a forward's GEMMs run: cuBLAS's handle (its workspace set to `scratch`), the stream, and
+// the same scratch for the small-row kernels' partial sums (one GEMM at a time on the stream).
+struct GemmContext {
+  cublasHandle_t handle = nullptr;
+  cudaStream_t stream = nullptr;
+  void* scratch = nullptr;
+  std::size_t scratch_bytes = 0;
+};
+
+void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
+          std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
           cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false) {
+  cudaStream_t stream = context.stream;
   cuda::SmallGemmParams small;
+  small.workspace = context.scratch;
+  small.workspace_bytes = context.scratch_bytes;
   small.programmatic = programmatic;
   small.in = static_cast<const std::uint16_t*>(in);
   small.ldi = ldi;
@@ -223,6 +235,11 @@ void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64
   small.n = n_out;
   small.k = n_in;
   const SmallGemmChoice choice = small_gemm_choice();
+  if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
+    small.kernel = cuda::SmallGemmKernel::kTiled;
+    check_cuda(cuda::launch_small_gemm(small, stream), what);
+    return;
+  }
   if (choice != SmallGemmChoice::kCublas && cuda::small_gemm_fits(small)) {
     if (choice == SmallGemmChoice::kStreamed && cuda::streamed_gemm_fits(small)) {
       small.kernel = cuda::SmallGemmKernel::kStreamed;
@@ -232,7 +249,7 @@ void gemm(cublasHandle_t handle, cudaStream_t stream, const void* in, std::int64
   }
   const float one = 1.0f, zero = 0.0f;
   check_cublas(
-      cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
+      cublasGemmEx(context.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
                    static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
                    static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
                    out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
@@ -542,6 +559,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   }
 
   mark(0);
+  GemmContext gemms;
   {
     KDA_NVTX_RANGE("projections");
     // cublasSetStream resets the workspace to cuBLAS's own pool: set the workspace after it.
@@ -549,22 +567,22 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     check_cublas(
         cublasSetWorkspace(handle, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes),
         "cublasSetWorkspace");
+    gemms =
+        GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes};
     gemm(
-        handle, stream, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
+        gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
         c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ");
     if (!fuse_factors) {
-      gemm(handle, stream, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl,
-           "f_a·W_fbᵀ");
+      gemm(gemms, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
     }
     // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
     // full-rank gate's columns would come out of the fused GEMM in bf16: it has a GEMM of its own.
     if (inputs != nullptr) {
       // The core's inputs need no output gate.
     } else if (c.full_rank_gate) {
-      gemm(handle, stream, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
+      gemm(gemms, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
     } else if (!fuse_factors) {
-      gemm(handle, stream, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl,
-           "g_a·W_gbᵀ");
+      gemm(gemms, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl, "g_a·W_gbᵀ");
     }
   }
   mark(1);
@@ -659,7 +677,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   {
     KDA_NVTX_RANGE("o_proj");
     // After the fused step, the small-row kernel streams W_o while that step runs.
-    gemm(handle, stream, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse);
+    gemm(gemms, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse);
   }
   mark(5);
   if (options.times != nullptr) add_times(options.times);

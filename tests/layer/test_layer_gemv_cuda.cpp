@@ -1,7 +1,8 @@
-// The whole layer's one-row GEMM (layer/src/cuda/small_gemm.cu; label `gpu`): the streamed and the
-// sliced kernel against an fp64 product of the same bf16 operands, on the decode shapes of the
-// layers the benchmarks run and on shapes that end in a partial stage, bf16 and f32 outputs, plain
-// and programmatic launches; outputs poisoned first and guarded, two runs bitwise equal.
+// The whole layer's small-row GEMMs (layer/src/cuda/small_gemm.cu; label `gpu`) against an fp64
+// product of the same bf16 operands: the one-row streamed and sliced kernels, and the tiled kernel
+// of 1 to 64 rows with and without split K, on the decode shapes of the layers the benchmarks run
+// and on shapes that end in partial tiles and stages, bf16 and f32 outputs, plain and programmatic
+// launches; outputs poisoned first and guarded, two runs bitwise equal.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -22,6 +23,39 @@
 namespace {
 
 using kda::test::DeviceBuffer;
+
+// Element `at` of an f32 or bf16 output, as float.
+float value_at(const std::vector<unsigned char>& out, bool f32, std::int64_t at) {
+  if (f32) {
+    float v;
+    std::memcpy(&v, out.data() + 4 * at, 4);
+    return v;
+  }
+  std::uint16_t bits;
+  std::memcpy(&bits, out.data() + 2 * at, 2);
+  return kda::bf16_to_float(bits);
+}
+
+// ‖out − ref‖ / ‖ref‖ over the sampled columns of rows [rows, n] of out (row stride ldo), and
+// whether every element (sampled or not) is finite.
+template <typename Sampled>
+double relative_error(const std::vector<unsigned char>& out, bool f32, std::int64_t rows,
+                      std::int64_t n, std::int64_t ldo, const std::vector<double>& ref,
+                      const Sampled& sampled, bool* finite) {
+  double err2 = 0.0, ref2 = 0.0;
+  *finite = true;
+  for (std::int64_t m = 0; m < rows; ++m) {
+    for (std::int64_t c = 0; c < n; ++c) {
+      const float v = value_at(out, f32, m * ldo + c);
+      *finite = *finite && std::isfinite(v);
+      if (!sampled(c)) continue;
+      const double r = ref[m * n + c];
+      err2 += (v - r) * (v - r);
+      ref2 += r * r;
+    }
+  }
+  return std::sqrt(err2 / ref2);
+}
 
 std::vector<std::uint16_t> random_bits(std::size_t count, float amplitude, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -55,7 +89,6 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
         random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
     const std::vector<std::uint16_t> x = random_bits(static_cast<std::size_t>(s.k), 1.0f, ++seed);
     std::vector<double> ref(static_cast<std::size_t>(s.n));
-    double ref_norm = 0.0;
     for (std::int64_t r = 0; r < s.n; ++r) {
       double acc = 0.0;
       for (std::int64_t c = 0; c < s.k; ++c) {
@@ -63,9 +96,7 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
                static_cast<double>(kda::bf16_to_float(x[c]));
       }
       ref[r] = acc;
-      ref_norm += acc * acc;
     }
-    ref_norm = std::sqrt(ref_norm);
     const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
     for (const SmallGemmKernel kernel : {SmallGemmKernel::kStreamed, SmallGemmKernel::kSliced}) {
       for (const bool f32 : {false, true}) {
@@ -107,26 +138,121 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
           if (!taken) continue;
           CHECK(runs[0] == runs[1]);
           CHECK(out.guards_intact());
-          double err2 = 0.0;
-          bool finite = true;
-          for (std::int64_t r = 0; r < s.n; ++r) {
-            float v;
-            if (f32) {
-              std::memcpy(&v, runs[0].data() + 4 * r, 4);
-            } else {
-              std::uint16_t bits;
-              std::memcpy(&bits, runs[0].data() + 2 * r, 2);
-              v = kda::bf16_to_float(bits);
-            }
-            finite = finite && std::isfinite(v);
-            err2 += (v - ref[r]) * (v - ref[r]);
-          }
-          const double rel = std::sqrt(err2) / ref_norm;
+          bool finite = false;
+          const double rel = relative_error(
+              runs[0], f32, 1, s.n, s.n, ref, [](std::int64_t) { return true; }, &finite);
           CHECK(finite);
           CHECK(rel < (f32 ? 1e-5 : 4e-3));
         }
       }
     }
   }
+#endif
+}
+
+TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or not") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  using kda::layer::cuda::SmallGemmKernel;
+  using kda::layer::cuda::SmallGemmParams;
+  struct Shape {
+    std::int64_t n, k;
+  };
+  // The benchmarks' layers' shapes, a K of one partial tile, N and K tails, the smallest K.
+  const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
+                          {1536, 7168},  {7168, 1536}, {100, 40},    {129, 200},  {3, 8}};
+  std::uint64_t seed = 300;
+  for (const Shape& s : shapes) {
+    for (const std::int64_t rows : {1, 2, 7, 8, 9, 17, 33, 64}) {
+      CAPTURE(s.n);
+      CAPTURE(s.k);
+      CAPTURE(rows);
+      // Row strides past the shape: in's ldi k + 8, out's ldo n + 3 (gaps must stay untouched).
+      const std::int64_t ldi = s.k + 8, ldo = s.n + 3;
+      const std::vector<std::uint16_t> w =
+          random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
+      const std::vector<std::uint16_t> x =
+          random_bits(static_cast<std::size_t>(rows * ldi), 1.0f, ++seed);
+      // The reference on every 7th weight row and the last 70 (the partial last block): the
+      // kernel's tiles do not tell these rows apart from the others.
+      auto sampled = [&](std::int64_t r) { return r % 7 == 0 || r >= s.n - 70; };
+      std::vector<double> ref(static_cast<std::size_t>(rows * s.n), 0.0);
+      for (std::int64_t m = 0; m < rows; ++m) {
+        for (std::int64_t r = 0; r < s.n; ++r) {
+          if (!sampled(r)) continue;
+          double acc = 0.0;
+          for (std::int64_t c = 0; c < s.k; ++c) {
+            acc += static_cast<double>(kda::bf16_to_float(w[r * s.k + c])) *
+                   static_cast<double>(kda::bf16_to_float(x[m * ldi + c]));
+          }
+          ref[m * s.n + r] = acc;
+        }
+      }
+      const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+      DeviceBuffer scratch(std::size_t{8} << 20);
+      for (const bool split : {false, true}) {
+        for (const bool f32 : {false, true}) {
+          CAPTURE(split);
+          CAPTURE(f32);
+          const std::size_t element = f32 ? 4 : 2;
+          DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
+          SmallGemmParams p;
+          p.in = static_cast<const std::uint16_t*>(dx.get());
+          p.ldi = ldi;
+          p.weight = static_cast<const std::uint16_t*>(dw.get());
+          p.out = out.get();
+          p.ldo = ldo;
+          p.out_f32 = f32;
+          p.rows = rows;
+          p.n = s.n;
+          p.k = s.k;
+          p.kernel = SmallGemmKernel::kTiled;
+          p.programmatic = split;
+          p.workspace = split ? scratch.get() : nullptr;
+          p.workspace_bytes = split ? scratch.bytes() : 0;
+          REQUIRE(kda::layer::cuda::tiled_gemm_fits(p));
+          std::vector<std::vector<unsigned char>> runs;
+          for (int run = 0; run < 2; ++run) {
+            out.fill(0xFF);  // NaN in both formats: every element must be written
+            REQUIRE(kda::layer::cuda::launch_small_gemm(p, nullptr) == cudaSuccess);
+            REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+            runs.push_back(out.download<unsigned char>());
+          }
+          CHECK(runs[0] == runs[1]);
+          CHECK(out.guards_intact());
+          bool finite = false;
+          const double rel = relative_error(runs[0], f32, rows, s.n, ldo, ref, sampled, &finite);
+          CHECK(finite);
+          CHECK(rel < (f32 ? 1e-5 : 4e-3));
+          // The gaps between rows (ldo > n) keep the poison.
+          bool gaps = true;
+          for (std::int64_t m = 0; m + 1 < rows; ++m) {
+            for (std::int64_t c = s.n; c < ldo; ++c) {
+              for (std::size_t b = 0; b < element; ++b) {
+                gaps = gaps && runs[0][(m * ldo + c) * element + b] == 0xFF;
+              }
+            }
+          }
+          CHECK(gaps);
+        }
+      }
+    }
+  }
+  // What it refuses: rows past kTiledGemmMaxRows, a K not a multiple of 8, ldi below k.
+  SmallGemmParams bad;
+  bad.kernel = SmallGemmKernel::kTiled;
+  bad.rows = kda::layer::cuda::kTiledGemmMaxRows + 1;
+  bad.n = 64;
+  bad.k = 64;
+  bad.ldi = 64;
+  bad.ldo = 64;
+  CHECK_FALSE(kda::layer::cuda::tiled_gemm_fits(bad));
+  bad.rows = 4;
+  bad.k = 60;
+  CHECK_FALSE(kda::layer::cuda::tiled_gemm_fits(bad));
+  bad.k = 64;
+  bad.ldi = 56;
+  CHECK_FALSE(kda::layer::cuda::tiled_gemm_fits(bad));
+  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
 #endif
 }

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kda/kda.hpp"
@@ -176,8 +177,9 @@ cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream)
 
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for
-// batches of at most kSmallGemmMaxRows tokens: decode steps of one sequence (small_gemm.cu).
-enum class SmallGemmKernel { kSliced, kStreamed };
+// batches of at most kSmallGemmMaxRows tokens (decode steps of one sequence), and with
+// KDA_LAYER_SMALL_GEMM=streamed up to kTiledGemmMaxRows (small_gemm.cu).
+enum class SmallGemmKernel { kSliced, kStreamed, kTiled };
 struct SmallGemmParams {
   const std::uint16_t* in = nullptr;
   std::int64_t ldi = 0;
@@ -193,6 +195,11 @@ struct SmallGemmParams {
   // sliced kernel's slices per weight row: 0 chooses by shape; 1, 2, 4 or 8 forces it.
   SmallGemmKernel kernel = SmallGemmKernel::kSliced;
   int split = 0;
+  // The tiled kernel's room for partial sums where it splits K (splits * rows * n fp32; it splits
+  // only as far as they fit, none without it). Device memory, not in use by anything else on the
+  // stream during the call.
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and
@@ -200,6 +207,10 @@ inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 bool small_gemm_fits(const SmallGemmParams& p);
 // Whether the streamed kernel takes `p` as well: one row of 256 to 16384 columns.
 bool streamed_gemm_fits(const SmallGemmParams& p);
+// Whether the tiled kernel (SmallGemmKernel::kTiled) takes `p`: 1..kTiledGemmMaxRows rows, k a
+// multiple of 8, ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned.
+inline constexpr std::int64_t kTiledGemmMaxRows = 64;
+bool tiled_gemm_fits(const SmallGemmParams& p);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);
 
 }  // namespace kda::layer::cuda

@@ -1,9 +1,9 @@
 // layer/src/cuda/small_gemm.cu — out = in · Wᵀ for one row (a decode step of one sequence): a
-// matrix-vector product bound by reading W once, in two kernels.
+// matrix-vector product bound by reading W once, in two kernels; and for a few rows.
 //
 // The streamed kernel: one block a multiprocessor, each streaming a contiguous range
 // of weight rows through a ring of shared-memory stages filled by the copy engine (one
-// cp.async.bulk a stage, up to 160 KB in flight a multiprocessor), eight warps computing the rows'
+// cp.async.bulk a stage, up to 128 KB in flight a multiprocessor), eight warps computing the rows'
 // dot products from shared memory. Launched as a programmatic dependent, its first stages are in
 // flight while the kernel before it still runs (o_proj's weights arrive while the fused decode
 // step computes).
@@ -13,7 +13,9 @@
 // into `split` slices of K, one warp a slice, 16-byte loads past L1, eight in flight a lane; a
 // block of eight warps holds 8 / split rows and sums each row's slices in shared memory.
 //
-// Both: fp32 accumulation, a row's partial sums added in a fixed order (deterministic), one
+// The tiled kernel: 2 to 64 rows on the tensor cores (below).
+//
+// All: fp32 accumulation, a row's partial sums added in a fixed order (deterministic), one
 // rounding at the end. Measured against cuBLAS on the H200 in kda-gemv-probe and kda-layer-bench
 // (KDA_LAYER_SMALL_GEMM=0 runs cuBLAS instead).
 #include <cuda_bf16.h>
@@ -132,7 +134,9 @@ constexpr int kConsumerWarps = 8;
 constexpr int kStreamThreads = (kConsumerWarps + 1) * 32;  // the last warp's lane 0 copies
 constexpr int kMaxStages = 8;
 constexpr std::int64_t kStageCap = 32 * 1024;  // bytes of one stage (whole rows)
-constexpr std::int64_t kStreamSmem = 160 * 1024;
+// Shared memory a block: room for the fused decode step's blocks (about 40 KB each) beside it on
+// the same multiprocessor, where o_proj starts while that step runs.
+constexpr std::int64_t kStreamSmem = 128 * 1024;
 // Shared memory header: full[kMaxStages], empty[kMaxStages] mbarriers, then the slices' partial
 // sums [kMaxStages][kConsumerWarps].
 constexpr int kHeaderBytes = 2 * kMaxStages * 8 + kMaxStages * kConsumerWarps * 4;
@@ -233,6 +237,139 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   }
 }
 
+// ---- the tiled kernel ---------------------------------------------------------------------------
+// A few rows (2 to 64: decode steps of a small batch) on the tensor cores: out[rows, n] = in ·
+// Wᵀ with mma.m16n8k16 (bf16 in, fp32 accumulation), each block 64 weight rows (a warp 16 of
+// them) against all rows of `in`, K in tiles of 64 through a cp.async ring of kTiledStages
+// stages (both operands; the weights' tiles are issued before griddepcontrol.wait). Shapes with
+// few blocks split K: each split writes fp32 partial sums to the workspace and a second kernel adds
+// them in split order (deterministic). Shared-memory rows of a tile are 128 bytes; chunk c of row
+// r sits at c ^ (r % 8), so that ldmatrix's eight rows fall in distinct banks.
+
+constexpr int kTiledWarps = 4;
+constexpr int kTiledRows = 16 * kTiledWarps;  // weight rows a block
+constexpr int kTiledK = 64;                   // columns a tile
+constexpr int kTiledStages = 4;
+constexpr int kTiledChunks = kTiledK / 8;  // 16-byte chunks a tile row
+
+__device__ __forceinline__ int tile_offset(int row, int chunk) {  // in 16-byte units
+  return row * kTiledChunks + (chunk ^ (row % 8));
+}
+
+struct TiledPlan {
+  int m_tiles = 0;  // 8-row tiles of `in` (1, 2, 4 or 8)
+  int splits = 1;   // of K
+  int n_blocks = 0;
+  int k_tiles = 0;
+};
+
+template <int MT, bool kOutF32>
+__global__ void __launch_bounds__(kTiledWarps * 32)
+    tiled_gemm_kernel(SmallGemmParams p, TiledPlan plan) {
+  extern __shared__ __align__(128) uint4 tiles[];  // [stages][kTiledRows + 8 MT][kTiledChunks]
+  constexpr int kStageChunks = (kTiledRows + 8 * MT) * kTiledChunks;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const std::int64_t n0 = static_cast<std::int64_t>(blockIdx.x) * kTiledRows;
+  const int split = static_cast<int>(blockIdx.y);
+  const int kt_begin = plan.k_tiles * split / plan.splits;
+  const int kt_end = plan.k_tiles * (split + 1) / plan.splits;
+  const int count = kt_end - kt_begin;
+  const std::int64_t chunks_k = p.k / 8;
+
+  // Stage s gets tile kt: the weights' part and the input's part apart (the weights may load
+  // before the kernel ahead of this one is done, the input may not).
+  auto load_weights = [&](int s, int kt) {
+    uint4* stage = tiles + s * kStageChunks;
+    for (int i = tid; i < kTiledRows * kTiledChunks; i += kTiledWarps * 32) {
+      const int r = i / kTiledChunks, c = i % kTiledChunks;
+      const std::int64_t n = n0 + r, chunk = static_cast<std::int64_t>(kt) * kTiledChunks + c;
+      const bool valid = n < p.n && chunk < chunks_k;
+      const std::uint16_t* src = valid ? p.weight + n * p.k + chunk * 8 : p.weight;
+      kda::detail::cp_async_16_or_zero(stage + tile_offset(r, c), src, valid);
+    }
+  };
+  auto load_input = [&](int s, int kt) {
+    uint4* stage = tiles + s * kStageChunks + kTiledRows * kTiledChunks;
+    for (int i = tid; i < 8 * MT * kTiledChunks; i += kTiledWarps * 32) {
+      const int r = i / kTiledChunks, c = i % kTiledChunks;
+      const std::int64_t chunk = static_cast<std::int64_t>(kt) * kTiledChunks + c;
+      const bool valid = r < p.rows && chunk < chunks_k;
+      const std::uint16_t* src = valid ? p.in + r * p.ldi + chunk * 8 : p.in;
+      kda::detail::cp_async_16_or_zero(stage + tile_offset(r, c), src, valid);
+    }
+  };
+
+  griddep_launch_dependents();
+  for (int s = 0; s < kTiledStages - 1 && s < count; ++s) load_weights(s, kt_begin + s);
+  griddep_wait();  // `in` may be the previous kernel's output
+  for (int s = 0; s < kTiledStages - 1; ++s) {
+    if (s < count) load_input(s, kt_begin + s);
+    kda::detail::cp_async_commit();  // group s: stage s's input (and, in group 0, every early
+                                     // weight)
+  }
+
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
+  for (int i = 0; i < count; ++i) {
+    kda::detail::cp_async_wait<kTiledStages - 2>();
+    __syncthreads();  // tile i is in; every warp is done with the stage refilled below
+    const int next = i + kTiledStages - 1;
+    if (next < count) {
+      load_weights(next % kTiledStages, kt_begin + next);
+      load_input(next % kTiledStages, kt_begin + next);
+    }
+    kda::detail::cp_async_commit();
+    const uint4* stage = tiles + (i % kTiledStages) * kStageChunks;
+    const uint4* x = stage + kTiledRows * kTiledChunks;
+#pragma unroll
+    for (int kk = 0; kk < kTiledK / 16; ++kk) {
+      unsigned a[4];
+      const int a_row = warp * 16 + lane % 16;
+      kda::detail::ldmatrix_x4(a[0], a[1], a[2], a[3],
+                               stage + tile_offset(a_row, 2 * kk + lane / 16));
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        unsigned b0, b1;
+        const int b_row = mt * 8 + lane % 8;
+        kda::detail::ldmatrix_x2(b0, b1, x + tile_offset(b_row, 2 * kk + (lane / 8) % 2));
+        kda::detail::mma_bf16(acc[mt], a, b0, b1);
+      }
+    }
+  }
+
+  // acc[mt][j]: weight row n0 + 16 warp + lane / 4 (+ 8 for j >= 2), input row 8 mt + 2 (lane % 4)
+  // + j % 2.
+  const bool partial = plan.splits > 1;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t n = n0 + warp * 16 + lane / 4 + (j >= 2 ? 8 : 0);
+      const std::int64_t m = mt * 8 + 2 * (lane % 4) + j % 2;
+      if (n >= p.n || m >= p.rows) continue;
+      if (partial) {
+        static_cast<float*>(p.workspace)[(split * p.rows + m) * p.n + n] = acc[mt][j];
+      } else {
+        store_out<kOutF32>(p.out, m * p.ldo + n, acc[mt][j]);
+      }
+    }
+  }
+}
+
+// out[m, n] = the splits' partial sums added in split order.
+template <bool kOutF32>
+__global__ void __launch_bounds__(256) tiled_gemm_reduce_kernel(SmallGemmParams p, int splits) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  griddep_launch_dependents();
+  if (i >= p.rows * p.n) return;
+  const std::int64_t m = i / p.n, n = i % p.n;
+  const auto* partials = static_cast<const float*>(p.workspace);
+  float sum = partials[i];
+  for (int s = 1; s < splits; ++s) sum += partials[s * p.rows * p.n + i];
+  store_out<kOutF32>(p.out, m * p.ldo + n, sum);
+}
+
 // Slices per row: the fewest (1, 2, 4 or 8) that give the grid 8192 warps or more (about 62 a
 // multiprocessor of a 132-SM H200, near its 64), keeping at least two loads a lane per slice.
 int split_of(const SmallGemmParams& p) {
@@ -308,14 +445,78 @@ cudaError_t launch_streamed(const SmallGemmParams& p, const StreamPlan& plan,
   return cudaLaunchKernelEx(&config, streamed_gemm_kernel<kOutF32>, p, plan);
 }
 
+// The tiled kernel's tiles and splits for `p`: K split (in powers of two) while the grid stays
+// within two blocks a multiprocessor, each split keeps four tiles of K or more, and the partial
+// sums fit the workspace.
+TiledPlan tiled_plan(const SmallGemmParams& p) {
+  TiledPlan plan;
+  plan.m_tiles = p.rows <= 8 ? 1 : p.rows <= 16 ? 2 : p.rows <= 32 ? 4 : 8;
+  plan.n_blocks = static_cast<int>((p.n + kTiledRows - 1) / kTiledRows);
+  plan.k_tiles = static_cast<int>((p.k + kTiledK - 1) / kTiledK);
+  const std::int64_t blocks = 2 * static_cast<std::int64_t>(multiprocessors());
+  auto partial_bytes = [&](int splits) {
+    return static_cast<std::uint64_t>(splits) * static_cast<std::uint64_t>(p.rows * p.n) * 4;
+  };
+  while (2 * plan.splits * static_cast<std::int64_t>(plan.n_blocks) <= blocks &&
+         plan.k_tiles / (2 * plan.splits) >= 4 && p.workspace != nullptr &&
+         partial_bytes(2 * plan.splits) <= p.workspace_bytes) {
+    plan.splits *= 2;
+  }
+  return plan;
+}
+
+template <int MT, bool kOutF32>
+cudaError_t launch_tiled_mt(const SmallGemmParams& p, const TiledPlan& plan,
+                            cudaLaunchConfig_t config) {
+  constexpr int kSmem = kTiledStages * (kTiledRows + 8 * MT) * kTiledChunks * 16;
+  static const cudaError_t raised = cudaFuncSetAttribute(
+      tiled_gemm_kernel<MT, kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (raised != cudaSuccess) return raised;
+  config.gridDim = dim3(static_cast<unsigned>(plan.n_blocks), static_cast<unsigned>(plan.splits));
+  config.blockDim = dim3(kTiledWarps * 32);
+  config.dynamicSmemBytes = kSmem;
+  cudaError_t err = cudaLaunchKernelEx(&config, tiled_gemm_kernel<MT, kOutF32>, p, plan);
+  if (err != cudaSuccess || plan.splits == 1) return err;
+  // The partial sums added: after the tiled kernel, in plain stream order.
+  cudaLaunchConfig_t reduce{};
+  reduce.stream = config.stream;
+  reduce.blockDim = dim3(256);
+  reduce.gridDim = dim3(static_cast<unsigned>((p.rows * p.n + 255) / 256));
+  return cudaLaunchKernelEx(&reduce, tiled_gemm_reduce_kernel<kOutF32>, p, plan.splits);
+}
+
+template <bool kOutF32>
+cudaError_t launch_tiled(const SmallGemmParams& p, const TiledPlan& plan,
+                         const cudaLaunchConfig_t& config) {
+  switch (plan.m_tiles) {
+    case 1:
+      return launch_tiled_mt<1, kOutF32>(p, plan, config);
+    case 2:
+      return launch_tiled_mt<2, kOutF32>(p, plan, config);
+    case 4:
+      return launch_tiled_mt<4, kOutF32>(p, plan, config);
+    default:
+      return launch_tiled_mt<8, kOutF32>(p, plan, config);
+  }
+}
+
 }  // namespace
+
+bool tiled_gemm_fits(const SmallGemmParams& p) {
+  return p.rows >= 1 && p.rows <= kTiledGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
+         p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n && aligned16(p.in) && aligned16(p.weight) &&
+         p.n <= (std::int64_t{1} << 30) && (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff &&
+         multiprocessors() > 0;
+}
 
 bool streamed_gemm_fits(const SmallGemmParams& p) {
   return small_gemm_fits(p) && stream_plan(p).rows_per_stage > 0;
 }
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
-  if (!small_gemm_fits(p)) return cudaErrorInvalidValue;
+  if (p.kernel == SmallGemmKernel::kTiled ? !tiled_gemm_fits(p) : !small_gemm_fits(p)) {
+    return cudaErrorInvalidValue;
+  }
   cudaLaunchConfig_t config{};
   config.stream = stream;
   cudaLaunchAttribute attribute{};
@@ -324,6 +525,10 @@ cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (p.programmatic) {
     config.attrs = &attribute;
     config.numAttrs = 1;
+  }
+  if (p.kernel == SmallGemmKernel::kTiled) {
+    const TiledPlan plan = tiled_plan(p);
+    return p.out_f32 ? launch_tiled<true>(p, plan, config) : launch_tiled<false>(p, plan, config);
   }
   if (p.kernel == SmallGemmKernel::kStreamed) {
     const StreamPlan plan = stream_plan(p);
