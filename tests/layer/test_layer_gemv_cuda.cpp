@@ -65,16 +65,20 @@ std::vector<std::uint16_t> random_bits(std::size_t count, float amplitude, std::
   return values;
 }
 
+struct Shape {
+  std::int64_t n, k;
+};
+
 }  // namespace
+
+#ifdef KDA_HAVE_CUDA
+using kda::layer::cuda::SmallGemmKernel;
+using kda::layer::cuda::SmallGemmParams;
+#endif
 
 TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode shape") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
-  using kda::layer::cuda::SmallGemmKernel;
-  using kda::layer::cuda::SmallGemmParams;
-  struct Shape {
-    std::int64_t n, k;
-  };
   // The benchmarks' layers (input projection, o_proj, g_proj, f_b of H = 32, its TP8 shard, K3's
   // TP8 shard), then partial last stages, a grid smaller than the device, rows of the streamed
   // kernel's bounds (256 and 16384 columns) and shapes only the sliced kernel takes.
@@ -153,11 +157,6 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
 TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or not") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
-  using kda::layer::cuda::SmallGemmKernel;
-  using kda::layer::cuda::SmallGemmParams;
-  struct Shape {
-    std::int64_t n, k;
-  };
   // The benchmarks' layers' shapes, a K of one partial tile, N and K tails, the smallest K.
   const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
                           {1536, 7168},  {7168, 1536}, {100, 40},    {129, 200},  {3, 8}};
