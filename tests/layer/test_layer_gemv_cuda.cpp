@@ -81,10 +81,11 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
 #ifdef KDA_HAVE_CUDA
   // The benchmarks' layers (input projection, o_proj, g_proj, f_b of H = 32, its TP8 shard, K3's
   // TP8 shard), then partial last stages, a grid smaller than the device, rows of the streamed
-  // kernel's bounds (256 and 16384 columns) and shapes only the sliced kernel takes.
-  const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
-                          {1536, 7168},  {7168, 1536}, {257, 256},   {3, 4096},   {999, 16384},
-                          {4096, 128},   {77, 8},      {5, 16392}};
+  // kernel's bounds (256 and 16384 columns), shapes only the sliced kernel takes, and last stages
+  // of fewer rows than the others where warps share a row.
+  const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512},   {4760, 7168},
+                          {1536, 7168},  {7168, 1536}, {257, 256},   {3, 4096},     {999, 16384},
+                          {4096, 128},   {77, 8},      {5, 16392},   {12575, 2304}, {4761, 7168}};
   std::uint64_t seed = 90;
   for (const Shape& s : shapes) {
     CAPTURE(s.n);
@@ -253,5 +254,82 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
   bad.ldi = 56;
   CHECK_FALSE(kda::layer::cuda::tiled_gemm_fits(bad));
   CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+#endif
+}
+
+// A programmatic launch reads its input only after the kernel before it is done: that kernel (the
+// sliced one-row kernel, or the tiled kernel) writes the input, the streamed / tiled kernel
+// launched right after it as its programmatic dependent reads it, against fp64 of what the first
+// one wrote.
+TEST_CASE(
+    "few-row GEMMs launched as programmatic dependents read the input the kernel before wrote") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  const std::int64_t k0 = 4096, k = 2304, n = 12576;
+  std::uint64_t seed = 700;
+  for (const std::int64_t rows : {1, 64}) {
+    CAPTURE(rows);
+    const std::vector<std::uint16_t> w0 =
+        random_bits(static_cast<std::size_t>(k * k0), 0.05f, ++seed);
+    const std::vector<std::uint16_t> x0 =
+        random_bits(static_cast<std::size_t>(rows * k0), 1.0f, ++seed);
+    const std::vector<std::uint16_t> w = random_bits(static_cast<std::size_t>(n * k), 1.0f, ++seed);
+    const DeviceBuffer dw0 = DeviceBuffer::from(w0), dx0 = DeviceBuffer::from(x0),
+                       dw = DeviceBuffer::from(w);
+    DeviceBuffer x(static_cast<std::size_t>(rows * k) * 2),
+        out(static_cast<std::size_t>(rows * n) * 2);
+    DeviceBuffer scratch(std::size_t{8} << 20);
+    SmallGemmParams first;
+    first.kernel = rows == 1 ? SmallGemmKernel::kSliced : SmallGemmKernel::kTiled;
+    first.in = static_cast<const std::uint16_t*>(dx0.get());
+    first.ldi = k0;
+    first.weight = static_cast<const std::uint16_t*>(dw0.get());
+    first.out = x.get();
+    first.ldo = k;
+    first.rows = rows;
+    first.n = k;
+    first.k = k0;
+    first.workspace = scratch.get();
+    first.workspace_bytes = scratch.bytes();
+    SmallGemmParams second = first;
+    second.kernel = rows == 1 ? SmallGemmKernel::kStreamed : SmallGemmKernel::kTiled;
+    second.programmatic = true;
+    second.in = static_cast<const std::uint16_t*>(x.get());
+    second.ldi = k;
+    second.weight = static_cast<const std::uint16_t*>(dw.get());
+    second.out = out.get();
+    second.ldo = n;
+    second.n = n;
+    second.k = k;
+    // Two rounds on a stream: the second round's first kernel rewrites x while nothing waits.
+    cudaStream_t stream = nullptr;
+    REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+    x.fill(0xFF);
+    for (int round = 0; round < 2; ++round) {
+      REQUIRE(kda::layer::cuda::launch_small_gemm(first, stream) == cudaSuccess);
+      REQUIRE(kda::layer::cuda::launch_small_gemm(second, stream) == cudaSuccess);
+    }
+    REQUIRE(cudaStreamSynchronize(stream) == cudaSuccess);
+    cudaStreamDestroy(stream);
+    const std::vector<std::uint16_t> xs = x.download<std::uint16_t>();
+    const std::vector<unsigned char> got = out.download<unsigned char>();
+    auto sampled = [](std::int64_t r) { return r % 11 == 0; };
+    std::vector<double> ref(static_cast<std::size_t>(rows * n), 0.0);
+    for (std::int64_t m = 0; m < rows; ++m) {
+      for (std::int64_t r = 0; r < n; ++r) {
+        if (!sampled(r)) continue;
+        double acc = 0.0;
+        for (std::int64_t c = 0; c < k; ++c) {
+          acc += static_cast<double>(kda::bf16_to_float(w[r * k + c])) *
+                 static_cast<double>(kda::bf16_to_float(xs[m * k + c]));
+        }
+        ref[m * n + r] = acc;
+      }
+    }
+    bool finite = false;
+    const double rel = relative_error(got, false, rows, n, n, ref, sampled, &finite);
+    CHECK(finite);
+    CHECK(rel < 4e-3);
+  }
 #endif
 }

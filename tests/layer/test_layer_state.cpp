@@ -303,6 +303,23 @@ KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last
       CHECK(run.device_status == 0);
       CHECK(run.all_written);
       CHECK(run.guards_intact);
+      // CUDA's fused step with 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the same
+      // bits: each block its own rows' per-token states, its own channels' conv states.
+      if (runner.backend() == Backend::kCuda && !separate) {
+        for (const int cluster : {2, 4, 8}) {
+          CAPTURE(cluster);
+          ForwardSettings clustered;
+          clustered.change = [cluster](ForwardCall& call) {
+            call.options.decode_kernel = layer::DecodeKernel::kFusedFactors;
+            call.options.fused_cluster = cluster;
+          };
+          Pools split_after = before;
+          const LayerRun split = runner.forward(*layer, hidden, verify, &split_after, clustered);
+          REQUIRE_MESSAGE(split.error.empty(), split.error);
+          CHECK(split.out == run.out);
+          CHECK(split_after == after);
+        }
+      }
 
       // Rows 0 and 1 on working slots 3 and 6, one token at a time.
       Pools work = before, expected = before;

@@ -30,6 +30,7 @@
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
 #include "cuda/conv_silu.cuh"
 #include "cuda/kernels.hpp"
+#include "cuda/shared_memory.cuh"
 
 namespace kda::layer::cuda {
 
@@ -99,6 +100,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     }
   }
   // A verify step's row starts from its slot at num_accepted - 1 (a bad count: padding, reported).
+  // The blocks of a cluster read the same entries, so they take the padding path below together
+  // (no block may leave while another still writes its shared memory): that holds because what
+  // the slots and counts come from is complete before this kernel starts (they are read before
+  // griddepcontrol.wait, and the kernel ahead of this one, the projection GEMM, does not write
+  // them).
   const bool verify = p.num_accepted != nullptr;
   const bool reporter = h == 0 && rank == 0 && tid == 0 && p.status != nullptr;
   std::int64_t slot = b;
@@ -397,14 +403,13 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 }
 
 // Shared memory for the second factors' rows: up to 64 KB, past the 48 KB a launch gets unasked
-// (raised once per kernel, before its first launch).
+// (raised once a device, before the kernel's first launch there).
 constexpr int kMaxRowBytes = 2 * D * D * 2;
 
 template <int W, bool kF32State, int NC>
 cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
-  static const cudaError_t raised =
-      cudaFuncSetAttribute(fused_decode_kernel<W, kF32State, NC>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxRowBytes);
+  const cudaError_t raised =
+      allow_shared_memory<fused_decode_kernel<W, kF32State, NC>>(kMaxRowBytes);
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.sequences * NC), static_cast<unsigned>(p.heads));

@@ -25,6 +25,7 @@
 
 #include "cuda/kernels.hpp"
 #include "cuda/ptx.cuh"  // griddepcontrol, cp.async.bulk, mbarriers (kda/src/cuda)
+#include "cuda/shared_memory.cuh"
 
 namespace kda::layer::cuda {
 
@@ -134,8 +135,9 @@ constexpr int kConsumerWarps = 8;
 constexpr int kStreamThreads = (kConsumerWarps + 1) * 32;  // the last warp's lane 0 copies
 constexpr int kMaxStages = 8;
 constexpr std::int64_t kStageCap = 32 * 1024;  // bytes of one stage (whole rows)
-// Shared memory a block: room for the fused decode step's blocks (about 40 KB each) beside it on
-// the same multiprocessor, where o_proj starts while that step runs.
+// Shared memory a block: room beside it on the same multiprocessor for a fused decode step's
+// blocks of 4 or 8 a head (about 45 and 41 KB; one block a head with its second factors takes 69
+// KB), where o_proj starts while that step runs.
 constexpr std::int64_t kStreamSmem = 128 * 1024;
 // Shared memory header: full[kMaxStages], empty[kMaxStages] mbarriers, then the slices' partial
 // sums [kMaxStages][kConsumerWarps].
@@ -435,9 +437,8 @@ StreamPlan stream_plan(const SmallGemmParams& p) {
 template <bool kOutF32>
 cudaError_t launch_streamed(const SmallGemmParams& p, const StreamPlan& plan,
                             cudaLaunchConfig_t config) {
-  static const cudaError_t raised = cudaFuncSetAttribute(
-      streamed_gemm_kernel<kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      static_cast<int>(kStreamSmem));
+  const cudaError_t raised =
+      allow_shared_memory<streamed_gemm_kernel<kOutF32>>(static_cast<int>(kStreamSmem));
   if (raised != cudaSuccess) return raised;
   config.gridDim = dim3(static_cast<unsigned>(plan.grid));
   config.blockDim = dim3(kStreamThreads);
@@ -469,8 +470,7 @@ template <int MT, bool kOutF32>
 cudaError_t launch_tiled_mt(const SmallGemmParams& p, const TiledPlan& plan,
                             cudaLaunchConfig_t config) {
   constexpr int kSmem = kTiledStages * (kTiledRows + 8 * MT) * kTiledChunks * 16;
-  static const cudaError_t raised = cudaFuncSetAttribute(
-      tiled_gemm_kernel<MT, kOutF32>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  const cudaError_t raised = allow_shared_memory<tiled_gemm_kernel<MT, kOutF32>>(kSmem);
   if (raised != cudaSuccess) return raised;
   config.gridDim = dim3(static_cast<unsigned>(plan.n_blocks), static_cast<unsigned>(plan.splits));
   config.blockDim = dim3(kTiledWarps * 32);
