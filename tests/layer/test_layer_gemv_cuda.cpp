@@ -5,6 +5,7 @@
 // launches; outputs poisoned first and guarded, two runs bitwise equal.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -158,9 +159,11 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
 TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or not") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
-  // The benchmarks' layers' shapes, a K of one partial tile, N and K tails, the smallest K.
+  // The benchmarks' layers' shapes, a K of one partial tile, N and K tails, the smallest K, and
+  // K of two and three tiles (a ring never filled).
   const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
-                          {1536, 7168},  {7168, 1536}, {100, 40},    {129, 200},  {3, 8}};
+                          {1536, 7168},  {7168, 1536}, {100, 40},    {129, 200},  {3, 8},
+                          {300, 128},    {70, 136},    {65, 192}};
   std::uint64_t seed = 300;
   for (const Shape& s : shapes) {
     for (const std::int64_t rows : {1, 2, 7, 8, 9, 17, 33, 64}) {
@@ -190,10 +193,15 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
       }
       const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
       DeviceBuffer scratch(std::size_t{8} << 20);
-      for (const bool split : {false, true}) {
+      // Workspace: none (no split), 8 MB (as many splits as the plan takes), and room for the
+      // partial sums of two splits only (the plan's workspace bound).
+      const std::size_t two_splits = static_cast<std::size_t>(2 * rows * s.n * 4);
+      for (const std::size_t workspace : {std::size_t{0}, scratch.bytes(), two_splits}) {
         for (const bool f32 : {false, true}) {
-          CAPTURE(split);
+          const bool programmatic = f32 == (workspace == 0);
+          CAPTURE(workspace);
           CAPTURE(f32);
+          CAPTURE(programmatic);
           const std::size_t element = f32 ? 4 : 2;
           DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
           SmallGemmParams p;
@@ -207,9 +215,9 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
           p.n = s.n;
           p.k = s.k;
           p.kernel = SmallGemmKernel::kTiled;
-          p.programmatic = split;
-          p.workspace = split ? scratch.get() : nullptr;
-          p.workspace_bytes = split ? scratch.bytes() : 0;
+          p.programmatic = programmatic;
+          p.workspace = workspace > 0 ? scratch.get() : nullptr;
+          p.workspace_bytes = std::min(workspace, scratch.bytes());
           REQUIRE(kda::layer::cuda::tiled_gemm_fits(p));
           std::vector<std::vector<unsigned char>> runs;
           for (int run = 0; run < 2; ++run) {

@@ -208,7 +208,8 @@ bool small_gemm_fits(const SmallGemmParams& p);
 // Whether the streamed kernel takes `p` as well: one row of 256 to 16384 columns.
 bool streamed_gemm_fits(const SmallGemmParams& p);
 // Whether the tiled kernel (SmallGemmKernel::kTiled) takes `p`: 1..kTiledGemmMaxRows rows, k a
-// multiple of 8, ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned.
+// multiple of 8 up to 2^30, ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte
+// aligned, out aligned to its element, the workspace to 4 bytes.
 inline constexpr std::int64_t kTiledGemmMaxRows = 64;
 bool tiled_gemm_fits(const SmallGemmParams& p);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);

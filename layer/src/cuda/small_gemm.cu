@@ -364,6 +364,7 @@ template <bool kOutF32>
 __global__ void __launch_bounds__(256) tiled_gemm_reduce_kernel(SmallGemmParams p, int splits) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   griddep_launch_dependents();
+  griddep_wait();  // launched in plain stream order today; safe as a programmatic dependent too
   if (i >= p.rows * p.n) return;
   const std::int64_t m = i / p.n, n = i % p.n;
   const auto* partials = static_cast<const float*>(p.workspace);
@@ -448,7 +449,9 @@ cudaError_t launch_streamed(const SmallGemmParams& p, const StreamPlan& plan,
 
 // The tiled kernel's tiles and splits for `p`: K split (in powers of two) while the grid stays
 // within two blocks a multiprocessor, each split keeps four tiles of K or more, and the partial
-// sums fit the workspace.
+// sums fit the workspace. The split count, and so the order of the sums, depends on the device's
+// multiprocessors and the workspace given: results repeat bit for bit for one device and
+// workspace size, not across them.
 TiledPlan tiled_plan(const SmallGemmParams& p) {
   TiledPlan plan;
   plan.m_tiles = p.rows <= 8 ? 1 : p.rows <= 16 ? 2 : p.rows <= 32 ? 4 : 8;
@@ -503,10 +506,14 @@ cudaError_t launch_tiled(const SmallGemmParams& p, const TiledPlan& plan,
 }  // namespace
 
 bool tiled_gemm_fits(const SmallGemmParams& p) {
+  const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
+    return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
+  };
   return p.rows >= 1 && p.rows <= kTiledGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
-         p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n && aligned16(p.in) && aligned16(p.weight) &&
-         p.n <= (std::int64_t{1} << 30) && (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff &&
-         multiprocessors() > 0;
+         p.k <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n &&
+         aligned16(p.in) && aligned16(p.weight) && aligned(p.out, p.out_f32 ? 4 : 2) &&
+         aligned(p.workspace, 4) && p.n <= (std::int64_t{1} << 30) &&
+         (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff && multiprocessors() > 0;
 }
 
 bool streamed_gemm_fits(const SmallGemmParams& p) {
