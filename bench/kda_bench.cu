@@ -519,99 +519,6 @@ double graph_us(int iters, F&& enqueue) {
   return ms[iters / 2] * 1e3 / steps;
 }
 
-void run_decode(double bw, int iters) {
-  const int H = 32, D = 128;
-  const double fla_ms[] = {0, 0.061, 0.094, 0.379};
-  const int batches[] = {1, 16, 64, 256};
-  std::printf(
-      "\n### CUDA decode (one token per sequence, H = 32, K = V = 128, state in place in a pool)"
-      "\n\n");
-  std::printf(
-      "| B | state | us per step | GB moved | GB/s | %% of copy bw | floor us | fla "
-      "fused_recurrent us |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
-  for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
-    const bool bf16_state = state == kda::DType::kBF16;
-    const int state_size = bf16_state ? 2 : 4;
-    for (int bi = 0; bi < 4; ++bi) {
-      const int B = batches[bi];
-      kda::DecodeProblem p;
-      p.batch = B;
-      p.tokens = 1;
-      p.num_heads = H;
-      p.num_slots = 2 * B;
-      p.state_dtype = state;
-      p.gate = kda::GateMode::kSoftplus;
-      const std::int64_t tok = static_cast<std::int64_t>(B) * H * D;
-      std::vector<void*> allocs;
-      auto al = [&](std::size_t n) {
-        void* ptr;
-        CK(cudaMalloc(&ptr, n));
-        allocs.push_back(ptr);
-        return ptr;
-      };
-      kda::DecodeTensors t;
-      auto* q = static_cast<std::uint16_t*>(al(tok * 2));
-      auto* k = static_cast<std::uint16_t*>(al(tok * 2));
-      auto* v = static_cast<std::uint16_t*>(al(tok * 2));
-      auto* g = static_cast<std::uint16_t*>(al(tok * 2));
-      auto* beta = static_cast<std::uint16_t*>(al(B * H * 2));
-      fill(q, tok, 11, -1, 1);
-      fill(k, tok, 12, -1, 1);
-      fill(v, tok, 13, -1, 1);
-      fill(g, tok, 14, -3, 1);
-      fill(beta, B * H, 15, -2, 2);
-      auto* A_log = static_cast<float*>(al(H * 4));
-      auto* dt_bias = static_cast<float*>(al(H * D * 4));
-      fill(A_log, H, 16, 0, 2.7f);
-      fill(dt_bias, H * D, 17, -1, 1);
-      const std::size_t pool_elems = static_cast<std::size_t>(p.num_slots) * H * D * D;
-      void* pool = al(pool_elems * state_size);
-      if (bf16_state) {
-        fill(static_cast<std::uint16_t*>(pool), static_cast<std::int64_t>(pool_elems), 18, -0.1f,
-             0.1f);
-      } else {
-        fill(static_cast<float*>(pool), static_cast<std::int64_t>(pool_elems), 18, -0.1f, 0.1f);
-      }
-      std::vector<std::int32_t> slots(B);
-      for (int b = 0; b < B; ++b) slots[b] = 2 * b;  // every other slot: a gappy pool as in serving
-      auto* d_slots = static_cast<std::int32_t*>(al(B * 4));
-      CK(cudaMemcpy(d_slots, slots.data(), B * 4, cudaMemcpyHostToDevice));
-      t.q = q;
-      t.k = k;
-      t.v = v;
-      t.g = g;
-      t.beta = beta;
-      t.A_log = A_log;
-      t.dt_bias = dt_bias;
-      t.slots = d_slots;
-      t.state_pool = pool;
-      t.out = al(tok * 2);
-      // A graph of decode steps, replayed: per-step time without launch gaps.
-      const double step_us =
-          graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(p, t, s), "decode_cuda"); });
-      const double bytes = kda::bench::kda_core_bytes(B, B, H, D, state_size, true);
-      const double gbps = bytes / (step_us * 1e-6) / 1e9;
-      // fla's figure (KDA.md §6) is for an fp32 state.
-      const bool fla = fla_ms[bi] > 0 && !bf16_state;
-      std::printf("| %d | %s | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B,
-                  bf16_state ? "bf16" : "f32", step_us, bytes / 1e9, gbps,
-                  100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
-                  fla ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
-      std::fflush(stdout);
-      for (void* ptr : allocs) CK(cudaFree(ptr));
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// --verify: a speculative verify step's two forms (kda.hpp): per-token states (the state after
-// every token written to a slot of its own) against records + commit (small per-token records
-// written, then the accepted ones folded into the one committed state), each against the plain
-// step of the same T tokens (one state read and written; "verify / plain step": the verify step's
-// time over it, the records step without its commit).
-// ---------------------------------------------------------------------------------------------
-
 // Device allocations freed together.
 struct Allocations {
   std::vector<void*> ptrs;
@@ -673,6 +580,59 @@ std::int32_t* device_ints(Allocations& a, const std::vector<std::int32_t>& host)
   CK(cudaMemcpy(d, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
   return d;
 }
+
+void run_decode(double bw, int iters) {
+  const int H = 32, D = 128;
+  const double fla_ms[] = {0, 0.061, 0.094, 0.379};
+  const int batches[] = {1, 16, 64, 256};
+  std::printf(
+      "\n### CUDA decode (one token per sequence, H = 32, K = V = 128, state in place in a pool)"
+      "\n\n");
+  std::printf(
+      "| B | state | us per step | GB moved | GB/s | %% of copy bw | floor us | fla "
+      "fused_recurrent us |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|---:|---:|\n");
+  for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
+    const bool bf16_state = state == kda::DType::kBF16;
+    const int state_size = bf16_state ? 2 : 4;
+    for (int bi = 0; bi < 4; ++bi) {
+      const int B = batches[bi];
+      kda::DecodeProblem p;
+      p.batch = B;
+      p.tokens = 1;
+      p.num_heads = H;
+      p.num_slots = 2 * B;
+      p.state_dtype = state;
+      p.gate = kda::GateMode::kSoftplus;
+      Allocations a;
+      kda::DecodeTensors t = decode_inputs(a, B, 1, H, D);
+      std::vector<std::int32_t> slots(B);
+      for (int b = 0; b < B; ++b) slots[b] = 2 * b;  // every other slot: a gappy pool as in serving
+      t.slots = device_ints(a, slots);
+      t.state_pool = state_pool(a, p.num_slots, H, D, state);
+      // A graph of decode steps, replayed: per-step time without launch gaps.
+      const double step_us =
+          graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(p, t, s), "decode_cuda"); });
+      const double bytes = kda::bench::kda_core_bytes(B, B, H, D, state_size, true);
+      const double gbps = bytes / (step_us * 1e-6) / 1e9;
+      // fla's figure (KDA.md §6) is for an fp32 state.
+      const bool fla = fla_ms[bi] > 0 && !bf16_state;
+      std::printf("| %d | %s | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B,
+                  bf16_state ? "bf16" : "f32", step_us, bytes / 1e9, gbps,
+                  100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
+                  fla ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
+      std::fflush(stdout);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// --verify: a speculative verify step's two forms (kda.hpp): per-token states (the state after
+// every token written to a slot of its own) against records + commit (small per-token records
+// written, then the accepted ones folded into the one committed state), each against the plain
+// step of the same T tokens (one state read and written; "verify / plain step": the verify step's
+// time over it, the records step without its commit).
+// ---------------------------------------------------------------------------------------------
 
 void run_verify(double bw, int iters) {
   const int H = 32, D = 128;
