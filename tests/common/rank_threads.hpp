@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <string>
@@ -11,6 +12,7 @@
 
 #include "kda/bf16.hpp"
 #include "kda/engine/engine.hpp"
+#include "layer_test_util.hpp"
 
 namespace kda::test {
 
@@ -38,6 +40,19 @@ struct SlotStates {
   std::vector<float> recurrent;
   std::vector<std::vector<bf16_bits>> conv;
 };
+
+// The starting states the context-parallel tests give a slot: recurrent [H, D, D] 0.01 (i % 13),
+// each of the three conv states [H D, W - 1] random in [-0.5, 0.5) (seeds 50, 51, 52).
+inline SlotStates starting_slot_states(std::int64_t H, std::int64_t D, std::int64_t W) {
+  SlotStates states;
+  states.recurrent.resize(static_cast<std::size_t>(H * D * D));
+  for (std::size_t i = 0; i < states.recurrent.size(); ++i) {
+    states.recurrent[i] = 0.01f * static_cast<float>(i % 13);
+  }
+  const std::size_t conv_elements = static_cast<std::size_t>(H * D * (W - 1));
+  for (int p = 0; p < 3; ++p) states.conv.push_back(random_bf16(conv_elements, 0.5f, 50 + p));
+  return states;
+}
 
 inline void write_slot_states(engine::Engine& e, int layer, int slot,
                               const std::vector<float>& recurrent,

@@ -326,19 +326,15 @@ bool same_bits(const std::vector<bf16_bits>& a, const bf16_bits* b, std::size_t 
 TEST_CASE("context parallel whole layers: a prefill split over ranks equals one engine's") {
   const std::int64_t T = 100, E = 64, H = 2, D = 16, W = 4;
   const std::vector<bf16_bits> x = kda::test::random_bf16(T * E, 1.0f, 7);
-  std::vector<float> initial(static_cast<std::size_t>(H * D * D));
-  for (std::size_t i = 0; i < initial.size(); ++i) initial[i] = 0.01f * static_cast<float>(i % 13);
-  const std::size_t conv_elements = static_cast<std::size_t>(H * D * (W - 1));
-  std::vector<std::vector<bf16_bits>> initial_conv;
-  for (int p = 0; p < 3; ++p) {
-    initial_conv.push_back(kda::test::random_bf16(conv_elements, 0.5f, 50 + p));
-  }
+  const kda::test::SlotStates starting = kda::test::starting_slot_states(H, D, W);
+  const std::vector<float>& initial = starting.recurrent;
+  const std::vector<std::vector<bf16_bits>>& initial_conv = starting.conv;
   auto start = [&](Engine& e, int l, int slot) {
     kda::test::write_slot_states(e, l, slot, initial, initial_conv);
   };
   using States = kda::test::SlotStates;
   auto read = [&](const Engine& e, int l, int slot) {
-    return kda::test::read_slot_states(e, l, slot, initial.size(), conv_elements);
+    return kda::test::read_slot_states(e, l, slot, initial.size(), initial_conv[0].size());
   };
 
   Engine one(whole_cp_spec(), core_options(nullptr));
