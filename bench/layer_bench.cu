@@ -13,9 +13,10 @@
 // the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from memory,
 // as in a model, where a single layer replayed alone would find a small shard's weights in L2.
 // Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto,
-// fused with the second factors inside, fused after GEMMs, separate kernels), then the fused step
-// with each RunOptions::fused_cluster above 1 (2, 4, 8 blocks a head), in the same run. The
-// one-row GEMMs are the sliced kernel's unless KDA_LAYER_SMALL_GEMM=streamed (or 0: cuBLAS).
+// fused with the second factors inside, fused after GEMMs, separate kernels; the fused ones with
+// RunOptions::fused_cluster chosen by shape), then the fused step with each fused_cluster (1, 2,
+// 4, 8 blocks a head), in the same run. The GEMMs of few rows are the layer's default kernels
+// unless KDA_LAYER_SMALL_GEMM=streamed (or 0: cuBLAS).
 // Floors (bench_floors.hpp; bw = the
 // device-to-device copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense bf16
 // spec):
@@ -308,7 +309,7 @@ int main(int argc, char** argv) {
         }
         // The forwards of every layer captured in one graph, replayed: each replay timed with
         // events around it, per layer.
-        auto graph_replays = [&](kda::layer::DecodeKernel kernel, int cluster = 1) {
+        auto graph_replays = [&](kda::layer::DecodeKernel kernel, int cluster = 0) {
           kda::layer::RunOptions capture_options;
           capture_options.stream = stream;
           capture_options.check_pointers = false;
@@ -327,10 +328,11 @@ int main(int argc, char** argv) {
           char line[320];
           const auto fused = kda::layer::DecodeKernel::kFusedFactors;
           std::snprintf(line, sizeof line,
-                        "| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |",
+                        "| %s | %s | %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f |",
                         layer_name.c_str(), c.name.c_str(), instances, graph, graph_replays(fused),
                         graph_replays(kda::layer::DecodeKernel::kFused),
-                        graph_replays(kda::layer::DecodeKernel::kSeparate), graph_replays(fused, 2),
+                        graph_replays(kda::layer::DecodeKernel::kSeparate), graph_replays(fused, 1),
+                        graph_replays(fused, 2),
                         graph_replays(fused, 4), graph_replays(fused, 8));
           kernel_rows.push_back(line);
         }
@@ -505,8 +507,8 @@ int main(int argc, char** argv) {
     std::printf(
         "\nDecode steps by RunOptions::decode_kernel, graph replays per layer (us), same run:\n\n"
         "| layer | case | layers in the graph | auto | fused, factors inside | fused after GEMMs | "
-        "separate | fused, factors inside, 2 blocks a head | 4 blocks | 8 blocks |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        "separate | fused, factors inside, 1 block a head | 2 blocks | 4 blocks | 8 blocks |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : kernel_rows) std::printf("%s\n", row.c_str());
     std::printf(
         "\nPrefill checkpoints (recurrent and conv states), graph replays per layer (us), same "

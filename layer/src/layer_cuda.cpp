@@ -187,7 +187,9 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 // Which kernels the layer's GEMMs of few rows take (small_gemm.cu), by KDA_LAYER_SMALL_GEMM, read
 // once: unset, one row on the sliced kernel and more on cuBLAS; "streamed", one row on the streamed
 // kernel and 2 to 64 rows on the tiled one (where they take the shape; else as unset); "0", cuBLAS
-// for every GEMM. A knob for the benchmark's A/B, not part of the contract.
+// for every GEMM. A knob for the benchmark's A/B, not part of the contract. Neither the streamed
+// nor the tiled kernel is the default: on the H200 neither beat the sliced kernel or cuBLAS inside
+// the layer (docs/PERFORMANCE.md).
 enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
 SmallGemmChoice small_gemm_choice() {
   static const SmallGemmChoice choice = [] {
@@ -207,6 +209,19 @@ SmallGemmChoice small_gemm_choice() {
 // loads in flight than the fused one, whose blocks also read their head's 64 KB of W_fb and W_gb
 // (measured on the H200: docs/PERFORMANCE.md).
 constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
+
+// The fused step's blocks a (row, head) for RunOptions::fused_cluster 0: the most of 1, 2, 4 and 8
+// that keep every block on a multiprocessor of its own. A step of few rows is bound by each
+// multiprocessor's latency, so spreading a head's state over more of them pays until they run
+// out. Measured on the H200 (132 multiprocessors; kda-layer-bench, graph replays per layer):
+// H = 32 B = 1 (4 a head) 40.8 us against 47.8 with one; the TP8 shard (H = 4) B = 1 (8) 15.5
+// against 23.3, B = 8 (4) 22.6 against 24.5; K3's TP8 shard B = 1 (8) 52.4 against 62.1; at 256
+// pairs (H = 32 B = 8, run separate by kAuto) one a head, 2 already 66.7 against 62.0.
+int fused_cluster_for(std::int64_t pairs, int multiprocessors) {
+  int cluster = 1;
+  while (cluster < 8 && pairs * cluster * 2 <= multiprocessors) cluster *= 2;
+  return cluster;
+}
 
 // Where a forward's GEMMs run: cuBLAS's handle (its workspace set to `scratch`), the stream, and
 // the same scratch for the small-row kernels' partial sums (one GEMM at a time on the stream).
@@ -304,6 +319,7 @@ class CudaLayer final : public Layer {
   void add_times(Times* times) const;
 
   cublasHandle_t handle = nullptr;
+  int multiprocessors = 0;               // of the device the layer was made on
   unsigned char* owned_image = nullptr;  // the layer's own allocation, else null
   // Phase boundaries: before the projections, after them, the conv, the core, the norm, o_proj.
   cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -375,6 +391,10 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
   w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
   check_cublas(cublasCreate(&handle), "cublasCreate");
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute(multiprocessors)");
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
 }
 
@@ -420,11 +440,11 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                     std::to_string(static_cast<int>(options.decode_kernel)) +
                     " is not a kda::layer::DecodeKernel");
   }
-  if (options.fused_cluster != 1 && options.fused_cluster != 2 && options.fused_cluster != 4 &&
-      options.fused_cluster != 8) {
+  if (options.fused_cluster != 0 && options.fused_cluster != 1 && options.fused_cluster != 2 &&
+      options.fused_cluster != 4 && options.fused_cluster != 8) {
     throw Error(StatusCode::kInvalidArgument,
                 std::string(kForward) + ": RunOptions::fused_cluster " +
-                    std::to_string(options.fused_cluster) + " is not 1, 2, 4 or 8");
+                    std::to_string(options.fused_cluster) + " is not 0, 1, 2, 4 or 8");
   }
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
   if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
@@ -553,7 +573,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.eps = c.norm_eps;
     fused.y = y;
     fused.status = batch.device_status;
-    fused.cluster = options.fused_cluster;
+    fused.cluster = options.fused_cluster != 0 ? options.fused_cluster
+                                               : fused_cluster_for(N * Hl, multiprocessors);
     fuse = cuda::fused_decode_fits(fused);
     fuse_factors = fuse_factors && fuse;
   }

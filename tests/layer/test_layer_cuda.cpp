@@ -209,8 +209,9 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         check_forward(cuda, weights, hidden, step, before, runs.back(), after);
         afters.push_back(after);
       }
-      // The fused step with each cluster size (blocks a head) computes the same bits.
-      for (const int cluster : {2, 4, 8}) {
+      // The fused step with each cluster size (blocks a head) computes the same bits as the
+      // size chosen by shape (the runs above, RunOptions::fused_cluster 0).
+      for (const int cluster : {1, 2, 4, 8}) {
         for (const DecodeKernel kernel : {DecodeKernel::kFusedFactors, DecodeKernel::kFused}) {
           CAPTURE(cluster);
           const bool factors = kernel == DecodeKernel::kFusedFactors;
@@ -262,10 +263,10 @@ KDA_LAYER_CUDA_CASE(
   CHECK(pools == before);
 }
 
-KDA_LAYER_CUDA_CASE("a fused_cluster other than 1, 2, 4 or 8 is refused before anything runs") {
+KDA_LAYER_CUDA_CASE("a fused_cluster other than 0, 1, 2, 4 or 8 is refused before anything runs") {
   const layer::Config config = cuda.config();
   const auto layer = cuda.make(layer::random_weights(config, 1, 0));
-  for (const int cluster : {0, 3, 16, -1}) {
+  for (const int cluster : {3, 16, -1, 5}) {
     CAPTURE(cluster);
     Pools pools(config, 2);
     const Pools before = pools;
@@ -276,7 +277,7 @@ KDA_LAYER_CUDA_CASE("a fused_cluster other than 1, 2, 4 or 8 is refused before a
                      decode_batch(2, 1), &pools, settings);
     CHECK(run.code == StatusCode::kInvalidArgument);
     CHECK(run.error == cuda.forward_error_prefix() + "RunOptions::fused_cluster " +
-                           std::to_string(cluster) + " is not 1, 2, 4 or 8");
+                           std::to_string(cluster) + " is not 0, 1, 2, 4 or 8");
     CHECK(pools == before);
   }
 }

@@ -303,10 +303,11 @@ KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last
       CHECK(run.device_status == 0);
       CHECK(run.all_written);
       CHECK(run.guards_intact);
-      // CUDA's fused step with 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the same
-      // bits: each block its own rows' per-token states, its own channels' conv states.
+      // CUDA's fused step with 1, 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the
+      // bits of the size chosen by shape: each block its own rows' per-token states, its own
+      // channels' conv states.
       if (runner.backend() == Backend::kCuda && !separate) {
-        for (const int cluster : {2, 4, 8}) {
+        for (const int cluster : {1, 2, 4, 8}) {
           CAPTURE(cluster);
           ForwardSettings clustered;
           clustered.change = [cluster](ForwardCall& call) {

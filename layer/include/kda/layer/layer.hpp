@@ -184,8 +184,10 @@ struct RunOptions {
   PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill: kda::CudaOptions::schedule
   DecodeKernel decode_kernel = DecodeKernel::kAuto;   // CUDA decode steps
   // CUDA fused decode step: the blocks (a thread block cluster) that share one (row, head), each a
-  // slice of its value rows: 1, 2, 4 or 8.
-  int fused_cluster = 1;
+  // slice of its value rows: 1, 2, 4 or 8; 0 chooses by shape, the most that keep one block a
+  // multiprocessor (rows x heads x blocks <= the device's multiprocessors). Every choice computes
+  // the same bits.
+  int fused_cluster = 0;
   // Adds each phase's seconds. CUDA: measured with events, and the call waits for the layer.
   Times* times = nullptr;
 };
