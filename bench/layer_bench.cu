@@ -30,7 +30,8 @@
 //   norm         bytes / bw: o read (bf16), gate read (f32), y written (bf16)
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
-// Usage: kda-layer-bench [--iters N] [--warmup N]
+// Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only]
+// --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -118,13 +119,16 @@ struct Case {
 
 int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
+  bool decode_only = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
+    if (std::strcmp(argv[i], "--decode-only") == 0) {
+      decode_only = true;
+    } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
       warmup = std::max(0, std::atoi(argv[++i]));
     } else {
-      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N] [--decode-only]\n", argv[0]);
       return 2;
     }
   }
@@ -191,6 +195,7 @@ int main(int argc, char** argv) {
             Case{"prefill T = 8192, 1 checkpoint / 256", 1, 8192, false, 256},
             Case{"decode B = 1", 1, 1, true}, Case{"decode B = 8", 8, 1, true},
             Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
+        if (decode_only && !c.decode) continue;
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
         // Checkpoint requests of each sequence into pool rows after the sequences' own.
         std::vector<std::int64_t> offsets;

@@ -203,6 +203,18 @@ SmallGemmChoice small_gemm_choice() {
   return choice;
 }
 
+// The sliced kernel's slices a weight row (SmallGemmParams::split) by KDA_LAYER_SLICED_SPLIT, read
+// once: 1, 2, 4 or 8 forces it for every one-row GEMM, anything else (or unset) chooses by shape.
+// A knob for the benchmark's A/B, not part of the contract.
+int sliced_split() {
+  static const int split = [] {
+    const char* env = std::getenv("KDA_LAYER_SLICED_SPLIT");
+    const int value = env == nullptr ? 0 : std::atoi(env);
+    return value == 1 || value == 2 || value == 4 || value == 8 ? value : 0;
+  }();
+  return split;
+}
+
 // Up to how many (row, head) blocks DecodeKernel::kAuto runs the fused kernel, with the low-rank
 // second factors inside it: about one block per multiprocessor, where a step is bound by latency
 // and every launch saved counts. Above, the separate kernels: their decode kernel keeps more state
@@ -249,6 +261,7 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   small.rows = rows;
   small.n = n_out;
   small.k = n_in;
+  small.split = sliced_split();
   const SmallGemmChoice choice = small_gemm_choice();
   if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
     small.kernel = cuda::SmallGemmKernel::kTiled;
