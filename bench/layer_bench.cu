@@ -337,8 +337,7 @@ int main(int argc, char** argv) {
                         layer_name.c_str(), c.name.c_str(), instances, graph, graph_replays(fused),
                         graph_replays(kda::layer::DecodeKernel::kFused),
                         graph_replays(kda::layer::DecodeKernel::kSeparate), graph_replays(fused, 1),
-                        graph_replays(fused, 2),
-                        graph_replays(fused, 4), graph_replays(fused, 8));
+                        graph_replays(fused, 2), graph_replays(fused, 4), graph_replays(fused, 8));
           kernel_rows.push_back(line);
         }
         // Floors per phase, microseconds (see the top of this file).

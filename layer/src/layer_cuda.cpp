@@ -547,10 +547,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   cuda::FusedDecodeParams fused;
   const DecodeKernel kernel = options.decode_kernel;
   const bool auto_fused = N * Hl <= kFusedDecodeMaxBlocks;
-  // A records step runs the separate kernels: the fused one keeps no records.
-  bool fuse = decode && !batch.records &&
-              (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
-               (kernel == DecodeKernel::kAuto && auto_fused));
+  bool fuse = decode && (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
+                         (kernel == DecodeKernel::kAuto && auto_fused));
   bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
     fused.proj = proj;
@@ -586,6 +584,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.eps = c.norm_eps;
     fused.y = y;
     fused.status = batch.device_status;
+    fused.records = batch.records ? state.recurrent_records : nullptr;
+    fused.conv_records = batch.records ? state.conv_records : nullptr;
     fused.cluster = options.fused_cluster != 0 ? options.fused_cluster
                                                : fused_cluster_for(N * Hl, multiprocessors);
     fuse = cuda::fused_decode_fits(fused);

@@ -407,8 +407,10 @@ KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before any
 // step and a commit of random counts, slot s_n of every layer holds bit for bit what the per-token
 // step kept after token num_accepted - 1 (conv and recurrent), out is the per-token step's bit for
 // bit, the pools are untouched by the records step itself, and the padding rows (a negative slot,
-// the padding slot) touch no state and leave their records as they were. On CUDA the per-token
-// step runs the separate kernels, which the records step runs too.
+// the padding slot) touch no state and leave their records as they were. On CUDA both steps run
+// the same decode kernels, each of: the separate kernels, the fused step with its second factors
+// inside (blocks a head chosen by shape) and the fused step after the factors' GEMMs with one block
+// a head.
 KDA_LAYER_CASE(
     "a records verify step and its commit over two layers equal the per-token-states verify") {
   const std::int64_t N = 5, T = 4, slots_in_pool = 24;
@@ -421,8 +423,29 @@ KDA_LAYER_CASE(
     for (std::int64_t t = 1; t < T; ++t)
       per_token.push_back(s < 0 || s == padding_slot ? -1 : fresh++);
   }
+  struct Variant {
+    layer::DecodeKernel kernel;
+    int cluster;
+    DType dtype;
+  };
+  std::vector<Variant> variants;
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    variants.push_back({layer::DecodeKernel::kSeparate, 0, dtype});
+    if (runner.backend() == Backend::kCuda) {
+      variants.push_back({layer::DecodeKernel::kFusedFactors, 0, dtype});
+      variants.push_back({layer::DecodeKernel::kFused, 1, dtype});
+    }
+  }
+  for (const Variant& v : variants) {
+    const DType dtype = v.dtype;
+    CAPTURE(static_cast<int>(v.kernel));
+    CAPTURE(v.cluster);
     CAPTURE(to_string(dtype));
+    ForwardSettings same_kernel;
+    same_kernel.change = [v](ForwardCall& call) {
+      call.options.decode_kernel = v.kernel;
+      call.options.fused_cluster = v.cluster;
+    };
     const layer::Config config = runner.config(GateMode::kLowerBound);
     const std::int64_t E = config.hidden_size;
     std::vector<layer::Weights> weights;
@@ -453,19 +476,15 @@ KDA_LAYER_CASE(
         BatchSpec verify = decode_batch(N, T, per_token);
         verify.num_accepted.assign(static_cast<std::size_t>(N), 1);
         verify.padding_slot = padding_slot;
-        ForwardSettings separate;
-        separate.change = [](ForwardCall& call) {
-          call.options.decode_kernel = layer::DecodeKernel::kSeparate;
-        };
         Pools expected = before[static_cast<std::size_t>(l)];
-        const LayerRun want = runner.forward(*layer, hidden, verify, &expected, separate);
+        const LayerRun want = runner.forward(*layer, hidden, verify, &expected, same_kernel);
         REQUIRE_MESSAGE(want.error.empty(), want.error);
         // The records step.
         BatchSpec records = decode_batch(N, T, committed);
         records.records = true;
         records.padding_slot = padding_slot;
         Pools pools = before[static_cast<std::size_t>(l)];
-        const LayerRun run = runner.forward(*layer, hidden, records, &pools);
+        const LayerRun run = runner.forward(*layer, hidden, records, &pools, same_kernel);
         REQUIRE_MESSAGE(run.error.empty(), run.error);
         CHECK(run.device_status == 0);
         CHECK(run.all_written);

@@ -21,6 +21,11 @@
 // (griddepcontrol.wait) and reads the projection. It lets its own dependent (o_proj) start at
 // once, which then streams W_o while this kernel runs.
 //
+// A record-and-commit verify step (FusedDecodeParams::records) writes, instead of any state, each
+// token's records as the operator's decode kernel and the conv kernel write them (kda.hpp): alpha
+// and k^ from the cluster's first block, u from each block for its value rows, the pre-conv q | k |
+// v inputs from the block that owns their channels; the pools are only read.
+//
 // Every intermediate is rounded where the unfused path stores it in bf16 (q, k, v after the conv,
 // g after f_b, o after the core), and each phase repeats the unfused kernels' operations in their
 // order (conv taps, the step's reductions, the norm), so the result differs from the unfused path
@@ -76,7 +81,7 @@ __device__ __forceinline__ float dot_row(const uint4* rows, int r, const float* 
   return acc;
 }
 
-template <int W, bool kF32State, int NC>
+template <int W, bool kF32State, int NC, bool kRecords>
 __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDecodeParams p) {
   constexpr int kHist = W - 1;
   constexpr int kSlice = D / NC;                 // value rows (and v, gate channels) a block
@@ -243,6 +248,12 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     if (tid == 0) beta_s = sigmoid_f(bits_to_float(proj[p.beta_col + h]));
     if (conv_thread) {
       const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(proj + branch * Cl + cc);
+      if constexpr (kRecords) {  // the conv record: the projection's bf16 bits as they are
+        if (conv_owner) {
+          *reinterpret_cast<std::uint32_t*>(p.conv_records + row * 3 * Cl + branch * Cl + cc) =
+              pair;
+        }
+      }
       const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
@@ -300,6 +311,17 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       kh[j] = k[j] * inv_k;
       alpha[j] = __expf(gate_activation(p.gate_mode, g[j], a_exp, dtb[j], p.lower_bound));
     }
+    // The record's alpha and k^: every block holds them, the cluster's first block's first warp
+    // writes them.
+    float* record = nullptr;
+    if constexpr (kRecords) {
+      record = p.records + (row * p.heads + h) * (3 * D);
+      if (rank == 0 && warp == 0) {
+        *reinterpret_cast<float4*>(record + k0) =
+            make_float4(alpha[0], alpha[1], alpha[2], alpha[3]);
+        *reinterpret_cast<float4*>(record + D + k0) = make_float4(kh[0], kh[1], kh[2], kh[3]);
+      }
+    }
     const float beta = beta_s;
     float dot[kRowsPerWarp];
 #pragma unroll
@@ -320,6 +342,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const float delta = beta * (qkv_s[2][v_row0 + i] - dot[i]);
+      // The record's u: every lane holds it, lane i writes it.
+      if constexpr (kRecords) {
+        if (lane == i) record[2 * D + v_row0 + i] = delta;
+      }
       float d = 0.f;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -396,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     __syncthreads();  // the next token overwrites the shared rows
   }
 
-  if (!verify) {
+  if (!verify && !kRecords) {
     store_state(state_base);
     if (conv_owner) store_conv(conv_state);
   }
@@ -406,10 +432,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 // (raised once a device, before the kernel's first launch there).
 constexpr int kMaxRowBytes = 2 * D * D * 2;
 
-template <int W, bool kF32State, int NC>
+template <int W, bool kF32State, int NC, bool kRecords>
 cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
   const cudaError_t raised =
-      allow_shared_memory<fused_decode_kernel<W, kF32State, NC>>(kMaxRowBytes);
+      allow_shared_memory<fused_decode_kernel<W, kF32State, NC, kRecords>>(kMaxRowBytes);
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.sequences * NC), static_cast<unsigned>(p.heads));
@@ -427,13 +453,17 @@ cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
   attributes[1].val.clusterDim.z = 1;
   config.attrs = attributes;
   config.numAttrs = NC > 1 ? 2 : 1;
-  return cudaLaunchKernelEx(&config, fused_decode_kernel<W, kF32State, NC>, p);
+  return cudaLaunchKernelEx(&config, fused_decode_kernel<W, kF32State, NC, kRecords>, p);
 }
 
 template <int W, int NC>
 cudaError_t launch_state(const FusedDecodeParams& p, cudaStream_t stream) {
-  return p.f32_state ? launch_kernel<W, true, NC>(p, stream)
-                     : launch_kernel<W, false, NC>(p, stream);
+  if (p.records != nullptr) {
+    return p.f32_state ? launch_kernel<W, true, NC, true>(p, stream)
+                       : launch_kernel<W, false, NC, true>(p, stream);
+  }
+  return p.f32_state ? launch_kernel<W, true, NC, false>(p, stream)
+                     : launch_kernel<W, false, NC, false>(p, stream);
 }
 
 template <int W>
@@ -469,7 +499,11 @@ bool fused_decode_fits(const FusedDecodeParams& p) {
          (p.w_fb != nullptr ? aligned(p.w_fb, 16) : p.g != nullptr) &&
          (p.w_gb != nullptr ? aligned(p.w_gb, 16) : p.gate != nullptr) && aligned(p.y, 16) &&
          aligned(p.state, p.f32_state ? 16 : 8) && aligned(p.conv_weight, 4) &&
-         aligned(p.dt_bias, 16);
+         aligned(p.dt_bias, 16) &&
+         (p.records == nullptr
+              ? p.conv_records == nullptr
+              : p.num_accepted == nullptr && p.slots != nullptr && aligned(p.records, 16) &&
+                    p.conv_records != nullptr && aligned(p.conv_records, 4));
 }
 
 cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream) {

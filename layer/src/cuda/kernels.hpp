@@ -168,6 +168,12 @@ struct FusedDecodeParams {
   // Blocks a (row, head), 1, 2, 4 or 8: a cluster that splits the head's 128 value rows
   // (fused_decode.cu).
   int cluster = 1;
+  // A record-and-commit verify step (kda::layer::Batch::records; slots [sequences], no
+  // num_accepted): the records instead of any state, the pools only read (a padding row's records
+  // are not written). records: f32 [tokens, heads, 3 * 128] (kda::DecodeTensors::records),
+  // conv_records: bf16 [tokens, 3 Cl] (the pre-conv q | k | v inputs); both null otherwise.
+  float* records = nullptr;
+  std::uint16_t* conv_records = nullptr;
 };
 // The cluster size launch_fused_decode runs `p` with.
 int fused_decode_cluster(const FusedDecodeParams& p);
