@@ -1285,8 +1285,9 @@ ModelSpec records_spec() {
 // that slot its first entry) and keeps the states after its tokens in its three slots; the current
 // slot then becomes the one after its last accepted token. The records engine (`meta`): records
 // steps on slots 0 and 3, then one commit of both layers. After every round the committed slots
-// hold the reference's current states and the outs agree: bit for bit on the CPU; on CUDA the
-// per-token step may run the fused kernel, so to rounding.
+// hold the reference's current states and the outs agree: bit for bit on the CPU; on CUDA to
+// rounding (tests/layer/test_layer_state.cpp holds the two forms bit for bit on each decode
+// kernel).
 void records_loop(Backend backend) {
   EnginePair pair(backend, nullptr, records_spec());
   const int T = 3, N = 3;
