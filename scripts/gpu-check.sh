@@ -13,7 +13,8 @@
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
 # layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases (plain
-# and under memcheck and racecheck: the fused step's clusters, the streamed GEMM), kda-gemv-probe,
+# and under memcheck and racecheck: the fused step's clusters, its verify and records steps, the
+# streamed GEMM), kda-gemv-probe,
 # then kda-layer-bench with the layer's one-row GEMMs on the sliced kernel and on the streamed one
 # (KDA_LAYER_SMALL_GEMM=streamed), one after the other.
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
@@ -99,7 +100,8 @@ if [ "$what" = layer ]; then
   grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-gemv-test.log" "$OUT/layer-test.log"
   for tool in memcheck racecheck; do
     timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer" \
-      '-tc=*every decode kernel*' > "$OUT/layer-$tool.log" 2>&1 || rc=1
+      '-tc=*every decode kernel*[cuda],*verify step keeps*[cuda],*records verify step and its commit*[cuda]' \
+      > "$OUT/layer-$tool.log" 2>&1 || rc=1
     timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer_gemv_cuda" \
       > "$OUT/layer-gemv-$tool.log" 2>&1 || rc=1
     grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/layer-$tool.log" "$OUT/layer-gemv-$tool.log"
