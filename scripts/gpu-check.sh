@@ -16,7 +16,9 @@
 # and under memcheck and racecheck: the fused step's clusters, its verify and records steps, the
 # streamed GEMM), kda-gemv-probe,
 # then kda-layer-bench with the layer's one-row GEMMs on the sliced kernel and on the streamed one
-# (KDA_LAYER_SMALL_GEMM=streamed), one after the other.
+# (KDA_LAYER_SMALL_GEMM=streamed), one after the other, then its decode rows twice over three
+# variants: the defaults, the one-row input projection as a programmatic dependent
+# (KDA_LAYER_PROGRAMMATIC_INPUT=1), two slices a row (KDA_LAYER_SLICED_SPLIT=2).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
@@ -110,6 +112,18 @@ if [ "$what" = layer ]; then
   "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench-sliced.md" 2>&1 || rc=1
   KDA_LAYER_SMALL_GEMM=streamed "$build/bench/kda-layer-bench" "$@" \
     > "$OUT/layer-bench-streamed.md" 2>&1 || rc=1
+  # The decode rows again with the one-row input projection as a programmatic dependent, and with
+  # every one-row GEMM at two slices a row, beside the default's, alternating (one file a variant).
+  for round in 1 2; do
+    for variant in default programmatic split2; do
+      env_args=()
+      [ "$variant" = programmatic ] && env_args=(KDA_LAYER_PROGRAMMATIC_INPUT=1)
+      [ "$variant" = split2 ] && env_args=(KDA_LAYER_SLICED_SPLIT=2)
+      env "${env_args[@]}" "$build/bench/kda-layer-bench" --decode-only "$@" \
+        >> "$OUT/layer-bench-decode-$variant.md" 2>&1 || rc=1
+    done
+  done
+  grep -h "decode B = 1 " "$OUT"/layer-bench-decode-*.md | head -40
   tail -60 "$OUT/layer-bench-streamed.md"
 fi
 if [ "$what" = sanitize-all ]; then
