@@ -409,8 +409,8 @@ KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before any
 // bit, the pools are untouched by the records step itself, and the padding rows (a negative slot,
 // the padding slot) touch no state and leave their records as they were. On CUDA both steps run
 // the same decode kernels, each of: the separate kernels, the fused step with its second factors
-// inside (blocks a head chosen by shape) and the fused step after the factors' GEMMs with one block
-// a head.
+// inside (blocks a head chosen by shape, 2 and 8) and the fused step after the factors' GEMMs with
+// one block a head.
 KDA_LAYER_CASE(
     "a records verify step and its commit over two layers equal the per-token-states verify") {
   const std::int64_t N = 5, T = 4, slots_in_pool = 24;
@@ -433,6 +433,8 @@ KDA_LAYER_CASE(
     variants.push_back({layer::DecodeKernel::kSeparate, 0, dtype});
     if (runner.backend() == Backend::kCuda) {
       variants.push_back({layer::DecodeKernel::kFusedFactors, 0, dtype});
+      variants.push_back({layer::DecodeKernel::kFusedFactors, 2, dtype});
+      variants.push_back({layer::DecodeKernel::kFusedFactors, 8, dtype});
       variants.push_back({layer::DecodeKernel::kFused, 1, dtype});
     }
   }

@@ -28,8 +28,11 @@
 //
 // Every intermediate is rounded where the unfused path stores it in bf16 (q, k, v after the conv,
 // g after f_b, o after the core), and each phase repeats the unfused kernels' operations in their
-// order (conv taps, the step's reductions, the norm), so the result differs from the unfused path
-// only by the order of the f_b / g_b dot products (fp32 either way), and not with the cluster size.
+// order (conv taps, the step's reductions, the norm), so with an f32 state the result differs from
+// the unfused path only by the order of the f_b / g_b dot products (fp32 either way), and not with
+// the cluster size. With a bf16 state the operator's decode kernel takes eight channels a lane
+// (kda/src/cuda/decode.cu), this kernel four: the step's sums, and so out, u and k^, may differ
+// from the unfused path in their last bits too.
 #include <cuda_bf16.h>
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
