@@ -7,7 +7,14 @@
 // 8 and 64 rows (decode steps of a small batch): the tiled kernel (split K in a 32 MB workspace,
 // as the layer gives it) against cuBLAS.
 // Each call reads another copy of the weights (copies beyond three times L2), CUDA events around
-// 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time. CUDA only.
+// 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time.
+// Back-to-back calls of one GEMM overlap their tails, which a decode step's GEMM cannot: it waits
+// for the kernel before it. The third table therefore times one row in a chain, as the layer runs
+// it: 50 pairs of (a one-block kernel that writes the GEMM's input row, the GEMM) captured in a
+// CUDA graph and replayed, each GEMM on another copy of the weights, the pair's time less the
+// writer's alone; "programmatic" launches the GEMM as a programmatic dependent of the writer,
+// which allows it at its start (as the fused decode step allows o_proj), so the GEMM's first weight
+// loads are in flight before the row is written. CUDA only.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -24,6 +31,15 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
     std::exit(1);
+  }
+}
+
+// The kernel before a GEMM in the chain: writes its input row (k bf16 values, varying with
+// `salt`), and lets a programmatic dependent start at once.
+__global__ void write_input_row(std::uint16_t* in, std::int64_t k, std::uint32_t salt) {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  for (std::int64_t i = threadIdx.x; i < k; i += blockDim.x) {
+    in[i] = static_cast<std::uint16_t>(0x3c00u | ((static_cast<std::uint32_t>(i) + salt) & 0x7fu));
   }
 }
 
@@ -176,6 +192,84 @@ int main() {
       cudaFree(in);
       cudaFree(out);
     }
+  }
+
+  // One row in a chain (the top of this file): us per GEMM, the pair's time less the writer's.
+  std::printf(
+      "\nOne row in a chain (after a kernel that writes its input; graph replays), us (TB/s of "
+      "weight reads)\n\n| shape | writer alone | sliced (as the layer) | sliced, programmatic | "
+      "sliced, split 2 | streamed, programmatic | cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|\n");
+  constexpr int kPairs = 50;
+  // cuBLAS allocates nothing under capture with a workspace of the caller's.
+  cublasSetWorkspace(handle, workspace, kWorkspace);
+  for (const Shape& s : shapes) {
+    const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
+    const int copies = static_cast<int>(std::max<std::size_t>(2, 3 * prop.l2CacheSize / bytes + 1));
+    std::vector<void*> weights(copies);
+    for (void*& w : weights) {
+      check(cudaMalloc(&w, bytes), "cudaMalloc");
+      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
+    }
+    void *in = nullptr, *out = nullptr;
+    check(cudaMalloc(&in, s.k * 2), "cudaMalloc");
+    check(cudaMalloc(&out, s.n * 4), "cudaMalloc");
+    auto* in_row = static_cast<std::uint16_t*>(in);
+    // us per pair: kPairs pairs in one graph, median of 5 timed replays after 2.
+    auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
+      cudaGraph_t graph = nullptr;
+      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+      for (int i = 0; i < kPairs; ++i) {
+        write_input_row<<<1, 256, 0, stream>>>(in_row, s.k, static_cast<std::uint32_t>(i));
+        if (with_gemm) launch_gemm(weights[static_cast<std::size_t>(i) % weights.size()]);
+      }
+      check(cudaStreamEndCapture(stream, &graph), "capture");
+      cudaGraphExec_t exec = nullptr;
+      check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+      std::vector<double> rounds;
+      for (int round = 0; round < 7; ++round) {
+        cudaEventRecord(a, stream);
+        check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+        cudaEventRecord(b, stream);
+        check(cudaEventSynchronize(b), "replay");
+        float ms = 0;
+        cudaEventElapsedTime(&ms, a, b);
+        if (round >= 2) rounds.push_back(ms * 1e3 / kPairs);
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      std::sort(rounds.begin(), rounds.end());
+      return rounds[rounds.size() / 2];
+    };
+    const double writer = per_pair([](void*) {}, false);
+    std::printf("| %s | %.2f |", s.name, writer);
+    SmallGemmParams probe;
+    probe.rows = 1;
+    probe.n = s.n;
+    probe.k = s.k;
+    probe.ldi = s.k;
+    probe.ldo = s.n;
+    probe.in = in_row;
+    probe.weight = static_cast<const std::uint16_t*>(weights[0]);
+    probe.out = out;
+    const bool streamed_fits = kda::layer::cuda::streamed_gemm_fits(probe);
+    const SmallGemmKernel sliced = SmallGemmKernel::kSliced, streamed = SmallGemmKernel::kStreamed;
+    auto gemm_cell = [&](auto&& launch_gemm) {
+      cell(per_pair(launch_gemm, true) - writer, static_cast<double>(bytes));
+    };
+    gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, false, 0); });
+    gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, true, 0); });
+    gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, false, 2); });
+    if (streamed_fits) {
+      gemm_cell([&](void* w) { small(w, in, out, s, 1, streamed, true, 0); });
+    } else {
+      cell(-1.0, 0.0);
+    }
+    gemm_cell([&](void* w) { cublas(w, in, out, s, 1); });
+    std::printf("\n");
+    std::fflush(stdout);
+    for (void* w : weights) cudaFree(w);
+    cudaFree(in);
+    cudaFree(out);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
