@@ -181,51 +181,42 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 #endif
 }
 
-// out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
-// bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
-// outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
-// Which kernels the layer's GEMMs of few rows take (small_gemm.cu), by KDA_LAYER_SMALL_GEMM, read
-// once: unset, one row on the sliced kernel and more on cuBLAS; "streamed", one row on the streamed
-// kernel and 2 to 64 rows on the tiled one (where they take the shape; else as unset); "0", cuBLAS
-// for every GEMM. A knob for the benchmark's A/B, not part of the contract. Neither the streamed
-// nor the tiled kernel is the default: on the H200 neither beat the sliced kernel or cuBLAS inside
-// the layer (docs/PERFORMANCE.md).
+// The benchmark's knobs for the layer's decode GEMMs: environment variables read once a process,
+// for A/B runs of kernels not (or not yet) the default; not part of the contract.
 enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
-SmallGemmChoice small_gemm_choice() {
-  static const SmallGemmChoice choice = [] {
-    const char* env = std::getenv("KDA_LAYER_SMALL_GEMM");
-    if (env == nullptr) return SmallGemmChoice::kSliced;
-    const std::string value(env);
-    return value == "0"          ? SmallGemmChoice::kCublas
-           : value == "streamed" ? SmallGemmChoice::kStreamed
-                                 : SmallGemmChoice::kSliced;
+struct GemmKnobs {
+  // KDA_LAYER_SMALL_GEMM: unset, one row on the sliced kernel and more on cuBLAS; "streamed", one
+  // row on the streamed kernel and 2 to 64 rows on the tiled one (where they take the shape; else
+  // as unset); "0", cuBLAS for every GEMM. Neither the streamed nor the tiled kernel is the
+  // default: on the H200 neither beat the sliced kernel or cuBLAS inside the layer
+  // (docs/PERFORMANCE.md).
+  SmallGemmChoice choice = SmallGemmChoice::kSliced;
+  // KDA_LAYER_SLICED_SPLIT: 1, 2, 4 or 8 forces the sliced kernel's slices a weight row
+  // (SmallGemmParams::split) for every one-row GEMM; anything else (or unset) chooses by shape.
+  int split = 0;
+  // KDA_LAYER_PROGRAMMATIC_INPUT=1: a one-row input projection is launched as a programmatic
+  // dependent of the kernel before it in the stream, so that its first round of weight loads is
+  // in flight while that kernel (in a model, the layer before) drains; it reads the hidden row only
+  // after griddepcontrol.wait. Not yet measured inside the layer.
+  bool programmatic_input = false;
+};
+const GemmKnobs& gemm_knobs() {
+  static const GemmKnobs knobs = [] {
+    auto value = [](const char* name) {
+      const char* env = std::getenv(name);
+      return env == nullptr ? std::string() : std::string(env);
+    };
+    GemmKnobs k;
+    const std::string choice = value("KDA_LAYER_SMALL_GEMM");
+    k.choice = choice == "0"          ? SmallGemmChoice::kCublas
+               : choice == "streamed" ? SmallGemmChoice::kStreamed
+                                      : SmallGemmChoice::kSliced;
+    const std::string split = value("KDA_LAYER_SLICED_SPLIT");
+    if (split == "1" || split == "2" || split == "4" || split == "8") k.split = std::stoi(split);
+    k.programmatic_input = value("KDA_LAYER_PROGRAMMATIC_INPUT") == "1";
+    return k;
   }();
-  return choice;
-}
-
-// Whether a one-row input projection is launched as a programmatic dependent of the kernel before
-// it in the stream (KDA_LAYER_PROGRAMMATIC_INPUT=1), read once: its first round of weight loads is
-// then in flight while that kernel (in a model, the layer before) drains; it reads the hidden row
-// only after griddepcontrol.wait. A knob for the benchmark's A/B, not part of the contract, until
-// it is measured inside the layer.
-bool programmatic_input() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("KDA_LAYER_PROGRAMMATIC_INPUT");
-    return env != nullptr && std::string(env) == "1";
-  }();
-  return enabled;
-}
-
-// The sliced kernel's slices a weight row (SmallGemmParams::split) by KDA_LAYER_SLICED_SPLIT, read
-// once: 1, 2, 4 or 8 forces it for every one-row GEMM, anything else (or unset) chooses by shape.
-// A knob for the benchmark's A/B, not part of the contract.
-int sliced_split() {
-  static const int split = [] {
-    const char* env = std::getenv("KDA_LAYER_SLICED_SPLIT");
-    const int value = env == nullptr ? 0 : std::atoi(env);
-    return value == 1 || value == 2 || value == 4 || value == 8 ? value : 0;
-  }();
-  return split;
+  return knobs;
 }
 
 // Up to how many (row, head) blocks DecodeKernel::kAuto runs the fused kernel, with the low-rank
@@ -257,6 +248,11 @@ struct GemmContext {
   std::size_t scratch_bytes = 0;
 };
 
+// out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
+// bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
+// outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
+// Few rows on the small-row kernels (gemm_knobs()), the rest on cuBLAS; `programmatic` launches
+// a small-row kernel as a programmatic dependent of the kernel before it.
 void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
           std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
           cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false) {
@@ -274,8 +270,8 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   small.rows = rows;
   small.n = n_out;
   small.k = n_in;
-  small.split = sliced_split();
-  const SmallGemmChoice choice = small_gemm_choice();
+  small.split = gemm_knobs().split;
+  const SmallGemmChoice choice = gemm_knobs().choice;
   if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
     small.kernel = cuda::SmallGemmKernel::kTiled;
     check_cuda(cuda::launch_small_gemm(small, stream), what);
@@ -618,7 +614,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes};
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
-         programmatic_input());
+         gemm_knobs().programmatic_input);
     if (!fuse_factors) {
       gemm(gemms, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
     }
