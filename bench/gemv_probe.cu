@@ -14,7 +14,8 @@
 // CUDA graph and replayed, each GEMM on another copy of the weights, the pair's time less the
 // writer's alone; "programmatic" launches the GEMM as a programmatic dependent of the writer,
 // which allows it at its start (as the fused decode step allows o_proj), so the GEMM's first weight
-// loads are in flight before the row is written. CUDA only.
+// loads are in flight before the row is written; and 8 and 64 rows, the tiled kernel against
+// cuBLAS, in the same chain. CUDA only.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -196,9 +197,11 @@ int main() {
 
   // One row in a chain (the top of this file): us per GEMM, the pair's time less the writer's.
   std::printf(
-      "\nOne row in a chain (after a kernel that writes its input; graph replays), us (TB/s of "
+      "\nIn a chain (after a kernel that writes the input's first row; graph replays), us (TB/s of "
       "weight reads)\n\n| shape | writer alone | sliced (as the layer) | sliced, programmatic | "
-      "sliced, split 2 | streamed, programmatic | cuBLAS |\n|---|---:|---:|---:|---:|---:|---:|\n");
+      "sliced, split 2 | streamed, programmatic | cuBLAS | tiled, 8 rows | cuBLAS, 8 rows | "
+      "tiled, 64 rows | cuBLAS, 64 rows |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+      "\n");
   constexpr int kPairs = 50;
   // cuBLAS allocates nothing under capture with a workspace of the caller's.
   cublasSetWorkspace(handle, workspace, kWorkspace);
@@ -211,8 +214,9 @@ int main() {
       check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
     }
     void *in = nullptr, *out = nullptr;
-    check(cudaMalloc(&in, s.k * 2), "cudaMalloc");
-    check(cudaMalloc(&out, s.n * 4), "cudaMalloc");
+    check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
+    check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
+    check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
     auto* in_row = static_cast<std::uint16_t*>(in);
     // us per pair: kPairs pairs in one graph, median of 5 timed replays after 2.
     auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
@@ -265,6 +269,10 @@ int main() {
       cell(-1.0, 0.0);
     }
     gemm_cell([&](void* w) { cublas(w, in, out, s, 1); });
+    for (const std::int64_t rows : {8, 64}) {
+      gemm_cell([&](void* w) { small(w, in, out, s, rows, SmallGemmKernel::kTiled, false, 0); });
+      gemm_cell([&](void* w) { cublas(w, in, out, s, rows); });
+    }
     std::printf("\n");
     std::fflush(stdout);
     for (void* w : weights) cudaFree(w);
