@@ -2,7 +2,8 @@
 // 4, f32 recurrent state, in three shapes: Kimi-Linear-48B (hidden 2304, H = 32, softplus gate),
 // its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12 of 96, bounded gate
 // -5, and K3's full-rank output gate g_proj [C, E] in place of the low-rank g_a/g_b pair); prefill
-// T = 8192 (one sequence) and decode steps of B = 1, 8, 64, 256 sequences (one token each). Each
+// T = 8192 (one sequence) and decode steps of B = 1, 2, 4, 8, 64, 256 sequences (one token each;
+// 2 and 4 place the fused step's limits: H = 32 B = 2 / 4 are 64 / 128 (row, head) pairs). Each
 // phase (projections, conv, core, norm, o_proj) is timed with the layer's CUDA events
 // (RunOptions::times; the call then waits for the layer); the table shows the median over the
 // timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole layer's
@@ -193,7 +194,8 @@ int main(int argc, char** argv) {
            {Case{"prefill T = 8192", 1, 8192, false},
             Case{"prefill T = 8192, 2 checkpoints", 1, 8192, false, -1},
             Case{"prefill T = 8192, 1 checkpoint / 256", 1, 8192, false, 256},
-            Case{"decode B = 1", 1, 1, true}, Case{"decode B = 8", 8, 1, true},
+            Case{"decode B = 1", 1, 1, true}, Case{"decode B = 2", 2, 1, true},
+            Case{"decode B = 4", 4, 1, true}, Case{"decode B = 8", 8, 1, true},
             Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
         if (decode_only && !c.decode) continue;
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
