@@ -108,7 +108,7 @@ Tensor bf16_tensor(const std::string& name, const std::vector<std::uint16_t>& va
                    std::vector<std::int64_t> shape) {
   Tensor t = Tensor::zeros(name, DType::kBF16, std::move(shape));
   REQUIRE(t.data.size() == values.size() * 2);
-  std::memcpy(t.data.data(), values.data(), t.data.size());
+  if (!values.empty()) std::memcpy(t.data.data(), values.data(), t.data.size());
   return t;
 }
 template <typename T>
@@ -116,14 +116,14 @@ Tensor typed_tensor(const std::string& name, DType dtype, const std::vector<T>& 
                     std::vector<std::int64_t> shape) {
   Tensor t = Tensor::zeros(name, dtype, std::move(shape));
   REQUIRE(t.data.size() == values.size() * sizeof(T));
-  std::memcpy(t.data.data(), values.data(), t.data.size());
+  if (!values.empty()) std::memcpy(t.data.data(), values.data(), t.data.size());
   return t;
 }
 
 template <typename T>
 std::vector<T> values_of(const Tensor& t) {
   std::vector<T> v(t.data.size() / sizeof(T));
-  std::memcpy(v.data(), t.data.data(), t.data.size());
+  if (!v.empty()) std::memcpy(v.data(), t.data.data(), t.data.size());
   return v;
 }
 

@@ -62,8 +62,10 @@ std::vector<double> Pools::recurrent() const {
 }
 
 bool Pools::row_equal(const Pools& other, std::int64_t r, std::int64_t other_r) const {
+  // Empty rows (conv width 1) compare equal without memcmp: their data() may be null.
   auto same = [&](const auto& a, const auto& b, std::size_t row) {
-    return std::memcmp(a.data() + r * row, b.data() + other_r * row, row * sizeof(a[0])) == 0;
+    return row == 0 ||
+           std::memcmp(a.data() + r * row, b.data() + other_r * row, row * sizeof(a[0])) == 0;
   };
   return same(conv_q, other.conv_q, conv_row) && same(conv_k, other.conv_k, conv_row) &&
          same(conv_v, other.conv_v, conv_row) &&
