@@ -231,7 +231,7 @@ constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 // multiprocessor's latency, so spreading a head's state over more of them pays until they run
 // out. Measured on the H200 (132 multiprocessors; kda-layer-bench, graph replays per layer):
 // H = 32 B = 1 (4 a head) 40.8 us against 47.8 with one; the TP8 shard (H = 4) B = 1 (8) 15.5
-// against 23.3, B = 8 (4) 22.6 against 24.5; K3's TP8 shard B = 1 (8) 52.4 against 62.1; at 256
+// against 23.3, B = 8 (4) 23.5 against 24.5; K3's TP8 shard B = 1 (8) 52.4 against 62.1; at 256
 // pairs (H = 32 B = 8, run separate by kAuto) one a head, 2 already 66.7 against 62.0.
 int fused_cluster_for(std::int64_t pairs, int multiprocessors) {
   int cluster = 1;
