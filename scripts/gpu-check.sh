@@ -3,7 +3,7 @@
 # configure with the Debian dependencies carried in the working tree (.gpudeps/: the packages'
 # files unpacked with dpkg -x), build, run the GPU tests, then the benchmark. Logs and tables go to
 # $OUT.
-# Usage: scripts/gpu-check.sh [tests|bench|layer|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
+# Usage: scripts/gpu-check.sh [tests|bench|layer|layer-sanitize|sanitize|sanitize-all|all|all-sanitize|none] [bench args]
 # sanitize: a quick subset (five runs: the operator's varlen / state / decode cases) under the four
 # compute-sanitizer tools; all-sanitize: tests, bench, then that quick subset (not sanitize-all).
 # ab REV [bench args]: kda-bench of .ab/REV (scripts/ab-prepare.sh REV) and of this tree, run
@@ -12,19 +12,19 @@
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
-# layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases (plain
-# and under memcheck and racecheck: the fused step's clusters, its verify and records steps, the
-# streamed GEMM), kda-gemv-probe,
-# then kda-layer-bench with the layer's one-row GEMMs on the sliced kernel and on the streamed one
-# (KDA_LAYER_SMALL_GEMM=streamed), one after the other, then its decode rows twice over three
-# variants: the defaults, the one-row input projection as a programmatic dependent
-# (KDA_LAYER_PROGRAMMATIC_INPUT=1), two slices a row (KDA_LAYER_SLICED_SPLIT=2).
+# layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases,
+# kda-gemv-probe, kda-layer-bench, then its decode rows twice over three variants: the defaults,
+# the one-row input projection as a programmatic dependent (KDA_LAYER_PROGRAMMATIC_INPUT=1), two
+# slices a row (KDA_LAYER_SLICED_SPLIT=2). layer-sanitize: memcheck and racecheck over the layer's
+# decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
+# it takes over ten minutes).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
 set -uo pipefail
 what=${1:-all}; shift || true
 ab_rev=
 if [ "$what" = ab ]; then ab_rev=${1:?ab needs a revision (scripts/ab-prepare.sh REV first)}; shift; KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-kda-bench}; fi
 [ "$what" = layer ] && KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-"kda-layer-bench kda-gemv-probe test_layer_gemv_cuda test_layer"}
+[ "$what" = layer-sanitize ] && KDA_GPU_TARGETS=${KDA_GPU_TARGETS:-"test_layer_gemv_cuda test_layer"}
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/kda-out}
 mkdir -p "$OUT"
@@ -96,35 +96,42 @@ if [ "$what" = ab ]; then
   python3 "$root/scripts/bench-ab.py" "$ab_rev" "this tree" "${runs[@]}" | tee "$OUT/bench-ab.md"
 fi
 if [ "$what" = layer ]; then
+  # Under ten minutes with the build, and few files in $OUT (the decode variants share one).
   t=$build/tests
-  timeout 300 "$t/test_layer_gemv_cuda" > "$OUT/layer-gemv-test.log" 2>&1 || rc=1
-  timeout 600 "$t/test_layer" '-tc=*[cuda]' > "$OUT/layer-test.log" 2>&1 || rc=1
-  grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-gemv-test.log" "$OUT/layer-test.log"
-  for tool in memcheck racecheck; do
-    timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer" \
-      '-tc=*every decode kernel*[cuda],*verify step keeps*[cuda],*records verify step and its commit*[cuda]' \
-      > "$OUT/layer-$tool.log" 2>&1 || rc=1
-    timeout 480 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer_gemv_cuda" \
-      > "$OUT/layer-gemv-$tool.log" 2>&1 || rc=1
-    grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/layer-$tool.log" "$OUT/layer-gemv-$tool.log"
-  done
-  "$build/bench/kda-gemv-probe" 2>&1 | tee "$OUT/gemv-probe.md" || rc=1
-  "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench-sliced.md" 2>&1 || rc=1
-  KDA_LAYER_SMALL_GEMM=streamed "$build/bench/kda-layer-bench" "$@" \
-    > "$OUT/layer-bench-streamed.md" 2>&1 || rc=1
-  # The decode rows again with the one-row input projection as a programmatic dependent, and with
-  # every one-row GEMM at two slices a row, beside the default's, alternating (one file a variant).
+  { timeout 300 "$t/test_layer_gemv_cuda"; timeout 400 "$t/test_layer" '-tc=*[cuda]'; } \
+    > "$OUT/layer-tests.log" 2>&1 || rc=1
+  grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-tests.log"
+  timeout 200 "$build/bench/kda-gemv-probe" > "$OUT/gemv-probe.md" 2>&1 || rc=1
+  timeout 120 "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench.md" 2>&1 || rc=1
+  # The decode rows again, alternating: the defaults, the one-row input projection as a
+  # programmatic dependent, every one-row GEMM at two slices a row; one file, a header a run.
   for round in 1 2; do
     for variant in default programmatic split2; do
       env_args=()
       [ "$variant" = programmatic ] && env_args=(KDA_LAYER_PROGRAMMATIC_INPUT=1)
       [ "$variant" = split2 ] && env_args=(KDA_LAYER_SLICED_SPLIT=2)
-      env "${env_args[@]}" "$build/bench/kda-layer-bench" --decode-only "$@" \
-        >> "$OUT/layer-bench-decode-$variant.md" 2>&1 || rc=1
+      echo "## $variant, round $round" >> "$OUT/layer-bench-decode.md"
+      env "${env_args[@]}" timeout 60 "$build/bench/kda-layer-bench" --decode-only "$@" \
+        >> "$OUT/layer-bench-decode.md" 2>&1 || rc=1
     done
   done
-  grep -h "decode B = 1 " "$OUT"/layer-bench-decode-*.md | head -40
-  tail -60 "$OUT/layer-bench-streamed.md"
+  grep -E "^## |decode B = 1 " "$OUT/layer-bench-decode.md" | grep -v "| 3 |\|| 18 |\|| 2 |" | head -40
+fi
+if [ "$what" = layer-sanitize ]; then
+  # memcheck and racecheck over the whole layer's decode kernels (racecheck of the three layer
+  # cases took about 300 s on the H200).
+  t=$build/tests
+  for tool in memcheck racecheck; do
+    timeout 400 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer" \
+      '-tc=*every decode kernel*[cuda],*verify step keeps*[cuda],*records verify step and its commit*[cuda]' \
+      > "$OUT/layer-$tool.log" 2>&1 || rc=1
+    grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/layer-$tool.log"
+  done
+  for tool in memcheck racecheck; do
+    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 1 "$t/test_layer_gemv_cuda" \
+      > "$OUT/layer-gemv-$tool.log" 2>&1 || rc=1
+    grep -hE 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/layer-gemv-$tool.log"
+  done
 fi
 if [ "$what" = sanitize-all ]; then
   t=$build/tests
