@@ -229,10 +229,11 @@ constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 // The fused step's blocks a (row, head) for RunOptions::fused_cluster 0: the most of 1, 2, 4 and 8
 // that keep every block on a multiprocessor of its own. A step of few rows is bound by each
 // multiprocessor's latency, so spreading a head's state over more of them pays until they run
-// out. Measured on the H200 (132 multiprocessors; kda-layer-bench, graph replays per layer):
-// H = 32 B = 1 (4 a head) 40.8 us against 47.8 with one; the TP8 shard (H = 4) B = 1 (8) 15.5
-// against 23.3, B = 8 (4) 23.5 against 24.5; K3's TP8 shard B = 1 (8) 52.4 against 62.1; at 256
-// pairs (H = 32 B = 8, run separate by kAuto) one a head, 2 already 66.7 against 62.0.
+// out. Measured on the H200 (132 multiprocessors; kda-layer-bench, graph replays per layer, the
+// run of docs/PERFORMANCE.md): H = 32 B = 1 (4 a head) 40.4 us against 48.0 with one; the TP8
+// shard (H = 4) B = 1 (8) 15.5 against 22.7, B = 8 (4) 21.9 against 24.3; K3's TP8 shard B = 1 (8)
+// 55.0 against 64.9; at 256 pairs (H = 32 B = 8, run separate by kAuto) 2 a head already 66.8
+// against 62.2.
 int fused_cluster_for(std::int64_t pairs, int multiprocessors) {
   int cluster = 1;
   while (cluster < 8 && pairs * cluster * 2 <= multiprocessors) cluster *= 2;
