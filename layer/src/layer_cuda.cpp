@@ -36,6 +36,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
+#include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
 #if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
 #include <nvtx3/nvToolsExtMemCudaRt.h>
@@ -342,7 +343,6 @@ class CudaLayer final : public Layer {
   void add_times(Times* times) const;
 
   cublasHandle_t handle = nullptr;
-  int multiprocessors = 0;               // of the device the layer was made on
   unsigned char* owned_image = nullptr;  // the layer's own allocation, else null
   // Phase boundaries: before the projections, after them, the conv, the core, the norm, o_proj.
   cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -414,10 +414,6 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
   w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
   check_cublas(cublasCreate(&handle), "cublasCreate");
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute(multiprocessors)");
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
 }
 
@@ -596,8 +592,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.status = batch.device_status;
     fused.records = batch.records ? state.recurrent_records : nullptr;
     fused.conv_records = batch.records ? state.conv_records : nullptr;
-    fused.cluster = options.fused_cluster != 0 ? options.fused_cluster
-                                               : fused_cluster_for(N * Hl, multiprocessors);
+    fused.cluster = options.fused_cluster != 0
+                        ? options.fused_cluster
+                        : fused_cluster_for(N * Hl, kda::detail::current_device_sm_count());
     fuse = cuda::fused_decode_fits(fused);
     fuse_factors = fuse_factors && fuse;
   }
