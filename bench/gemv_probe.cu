@@ -44,6 +44,39 @@ __global__ void write_input_row(std::uint16_t* in, std::int64_t k, std::uint32_t
   }
 }
 
+struct Shape {
+  const char* name;
+  std::int64_t n, k;
+};
+
+// One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
+// reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.
+struct Operands {
+  std::size_t bytes = 0;  // of one weight copy
+  std::vector<void*> weights;
+  void* in = nullptr;
+  void* out = nullptr;
+  Operands(const Shape& s, const cudaDeviceProp& prop)
+      : bytes(static_cast<std::size_t>(s.n * s.k) * 2),
+        weights(static_cast<std::size_t>(
+            std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / bytes + 1))) {
+    for (void*& w : weights) {
+      check(cudaMalloc(&w, bytes), "cudaMalloc");
+      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
+    }
+    check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
+    check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
+    check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
+  }
+  ~Operands() {
+    for (void* w : weights) cudaFree(w);
+    cudaFree(in);
+    cudaFree(out);
+  }
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
+};
+
 }  // namespace
 
 int main() {
@@ -57,10 +90,6 @@ int main() {
   constexpr std::size_t kWorkspace = std::size_t{32} << 20;
   void* workspace = nullptr;
   check(cudaMalloc(&workspace, kWorkspace), "cudaMalloc");
-  struct Shape {
-    const char* name;
-    std::int64_t n, k;
-  };
   const Shape shapes[] = {{"H = 32 input projection", 12576, 2304},
                           {"H = 32 o_proj", 2304, 4096},
                           {"H = 32 f_b", 4096, 128},
@@ -100,8 +129,8 @@ int main() {
                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     return true;
   };
-  auto small = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows,
-                   SmallGemmKernel kernel, bool programmatic, int split) {
+  auto params = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows,
+                    SmallGemmKernel kernel, bool programmatic, int split) {
     SmallGemmParams p;
     p.kernel = kernel;
     p.programmatic = programmatic;
@@ -116,7 +145,12 @@ int main() {
     p.k = s.k;
     p.workspace = workspace;
     p.workspace_bytes = kWorkspace;
-    const cudaError_t err = kda::layer::cuda::launch_small_gemm(p, stream);
+    return p;
+  };
+  auto small = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows,
+                   SmallGemmKernel kernel, bool programmatic, int split) {
+    const cudaError_t err = kda::layer::cuda::launch_small_gemm(
+        params(w, in, out, s, rows, kernel, programmatic, split), stream);
     if (err == cudaErrorInvalidValue) {
       cudaGetLastError();
       return false;
@@ -147,18 +181,10 @@ int main() {
           "64 rows |\n|---|---:|---:|---:|---:|---:|---:|---:|\n");
     }
     for (const Shape& s : shapes) {
-      const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
-      const int copies =
-          static_cast<int>(std::max<std::size_t>(2, 3 * prop.l2CacheSize / bytes + 1));
-      std::vector<void*> weights(copies);
-      for (void*& w : weights) {
-        check(cudaMalloc(&w, bytes), "cudaMalloc");
-        check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
-      }
-      void *in = nullptr, *out = nullptr;
-      check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
-      check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
-      check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
+      const Operands operands(s, prop);
+      const std::size_t bytes = operands.bytes;
+      const std::vector<void*>& weights = operands.weights;
+      void *in = operands.in, *out = operands.out;
       std::printf("| %s | %lld | %lld | %.1f |", s.name, static_cast<long long>(s.n),
                   static_cast<long long>(s.k), bytes / 1e6);
       if (one_row) {
@@ -189,9 +215,6 @@ int main() {
       }
       std::printf("\n");
       std::fflush(stdout);
-      for (void* w : weights) cudaFree(w);
-      cudaFree(in);
-      cudaFree(out);
     }
   }
 
@@ -206,17 +229,10 @@ int main() {
   // cuBLAS allocates nothing under capture with a workspace of the caller's.
   cublasSetWorkspace(handle, workspace, kWorkspace);
   for (const Shape& s : shapes) {
-    const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
-    const int copies = static_cast<int>(std::max<std::size_t>(2, 3 * prop.l2CacheSize / bytes + 1));
-    std::vector<void*> weights(copies);
-    for (void*& w : weights) {
-      check(cudaMalloc(&w, bytes), "cudaMalloc");
-      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
-    }
-    void *in = nullptr, *out = nullptr;
-    check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
-    check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
-    check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
+    const Operands operands(s, prop);
+    const std::size_t bytes = operands.bytes;
+    const std::vector<void*>& weights = operands.weights;
+    void *in = operands.in, *out = operands.out;
     auto* in_row = static_cast<std::uint16_t*>(in);
     // us per pair: kPairs pairs in one graph, median of 5 timed replays after 2.
     auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
@@ -246,16 +262,6 @@ int main() {
     };
     const double writer = per_pair([](void*) {}, false);
     std::printf("| %s | %.2f |", s.name, writer);
-    SmallGemmParams probe;
-    probe.rows = 1;
-    probe.n = s.n;
-    probe.k = s.k;
-    probe.ldi = s.k;
-    probe.ldo = s.n;
-    probe.in = in_row;
-    probe.weight = static_cast<const std::uint16_t*>(weights[0]);
-    probe.out = out;
-    const bool streamed_fits = kda::layer::cuda::streamed_gemm_fits(probe);
     const SmallGemmKernel sliced = SmallGemmKernel::kSliced, streamed = SmallGemmKernel::kStreamed;
     auto gemm_cell = [&](auto&& launch_gemm) {
       cell(per_pair(launch_gemm, true) - writer, static_cast<double>(bytes));
@@ -263,7 +269,8 @@ int main() {
     gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, false, 0); });
     gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, true, 0); });
     gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, false, 2); });
-    if (streamed_fits) {
+    if (kda::layer::cuda::streamed_gemm_fits(
+            params(weights[0], in, out, s, 1, streamed, true, 0))) {
       gemm_cell([&](void* w) { small(w, in, out, s, 1, streamed, true, 0); });
     } else {
       cell(-1.0, 0.0);
@@ -275,9 +282,6 @@ int main() {
     }
     std::printf("\n");
     std::fflush(stdout);
-    for (void* w : weights) cudaFree(w);
-    cudaFree(in);
-    cudaFree(out);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);

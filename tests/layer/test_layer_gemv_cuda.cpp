@@ -75,6 +75,27 @@ struct Shape {
 #ifdef KDA_HAVE_CUDA
 using kda::layer::cuda::SmallGemmKernel;
 using kda::layer::cuda::SmallGemmParams;
+
+namespace {
+
+// The operands of out[rows, n] = in[rows, k] · weight[n, k]ᵀ (rows ldi and ldo elements apart) in
+// device buffers; the kernel and its options are the caller's to set.
+SmallGemmParams gemm_operands(const DeviceBuffer& in, std::int64_t ldi, const DeviceBuffer& weight,
+                              const DeviceBuffer& out, std::int64_t ldo, std::int64_t rows,
+                              std::int64_t n, std::int64_t k) {
+  SmallGemmParams p;
+  p.in = static_cast<const std::uint16_t*>(in.get());
+  p.ldi = ldi;
+  p.weight = static_cast<const std::uint16_t*>(weight.get());
+  p.out = out.get();
+  p.ldo = ldo;
+  p.rows = rows;
+  p.n = n;
+  p.k = k;
+  return p;
+}
+
+}  // namespace
 #endif
 
 TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode shape") {
@@ -112,16 +133,8 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
           CAPTURE(f32);
           CAPTURE(programmatic);
           DeviceBuffer out(static_cast<std::size_t>(s.n) * (f32 ? 4 : 2));
-          SmallGemmParams p;
-          p.in = static_cast<const std::uint16_t*>(dx.get());
-          p.ldi = s.k;
-          p.weight = static_cast<const std::uint16_t*>(dw.get());
-          p.out = out.get();
-          p.ldo = s.n;
+          SmallGemmParams p = gemm_operands(dx, s.k, dw, out, s.n, 1, s.n, s.k);
           p.out_f32 = f32;
-          p.rows = 1;
-          p.n = s.n;
-          p.k = s.k;
           p.kernel = kernel;
           p.programmatic = programmatic;
           std::vector<std::vector<unsigned char>> runs;
@@ -204,16 +217,8 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
           CAPTURE(programmatic);
           const std::size_t element = f32 ? 4 : 2;
           DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
-          SmallGemmParams p;
-          p.in = static_cast<const std::uint16_t*>(dx.get());
-          p.ldi = ldi;
-          p.weight = static_cast<const std::uint16_t*>(dw.get());
-          p.out = out.get();
-          p.ldo = ldo;
+          SmallGemmParams p = gemm_operands(dx, ldi, dw, out, ldo, rows, s.n, s.k);
           p.out_f32 = f32;
-          p.rows = rows;
-          p.n = s.n;
-          p.k = s.k;
           p.kernel = SmallGemmKernel::kTiled;
           p.programmatic = programmatic;
           p.workspace = workspace > 0 ? scratch.get() : nullptr;
@@ -287,28 +292,15 @@ TEST_CASE(
     DeviceBuffer x(static_cast<std::size_t>(rows * k) * 2),
         out(static_cast<std::size_t>(rows * n) * 2);
     DeviceBuffer scratch(std::size_t{8} << 20);
-    SmallGemmParams first;
+    SmallGemmParams first = gemm_operands(dx0, k0, dw0, x, k, rows, k, k0);
     first.kernel = rows == 1 ? SmallGemmKernel::kSliced : SmallGemmKernel::kTiled;
-    first.in = static_cast<const std::uint16_t*>(dx0.get());
-    first.ldi = k0;
-    first.weight = static_cast<const std::uint16_t*>(dw0.get());
-    first.out = x.get();
-    first.ldo = k;
-    first.rows = rows;
-    first.n = k;
-    first.k = k0;
     first.workspace = scratch.get();
     first.workspace_bytes = scratch.bytes();
-    SmallGemmParams second = first;
+    SmallGemmParams second = gemm_operands(x, k, dw, out, n, rows, n, k);
     second.kernel = rows == 1 ? SmallGemmKernel::kStreamed : SmallGemmKernel::kTiled;
     second.programmatic = true;
-    second.in = static_cast<const std::uint16_t*>(x.get());
-    second.ldi = k;
-    second.weight = static_cast<const std::uint16_t*>(dw.get());
-    second.out = out.get();
-    second.ldo = n;
-    second.n = n;
-    second.k = k;
+    second.workspace = first.workspace;
+    second.workspace_bytes = first.workspace_bytes;
     // Two rounds on a stream: the second round's first kernel rewrites x while nothing waits.
     cudaStream_t stream = nullptr;
     REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
