@@ -61,7 +61,8 @@ void check(cudaError_t err, const char* what) {
 
 struct DeviceMemory {
   void* ptr = nullptr;
-  explicit DeviceMemory(std::size_t bytes) {
+  std::size_t bytes = 0;
+  explicit DeviceMemory(std::size_t size) : bytes(size) {
     check(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
     check(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)), "cudaMemset");
   }
@@ -423,8 +424,11 @@ int main(int argc, char** argv) {
                 "upload slots");
           check(cudaMemcpy(d_na.ptr, accepted.data(), accepted.size() * 4, cudaMemcpyHostToDevice),
                 "upload num_accepted");
+          // records / conv_records: what a records step writes; fold_*: a second region, the
+          // records step before's, that a folding step reads.
           struct VerifyState {
-            DeviceMemory conv_q, conv_k, conv_v, recurrent, records, conv_records;
+            DeviceMemory conv_q, conv_k, conv_v, recurrent, records, conv_records, fold_records,
+                fold_conv_records;
             VerifyState(std::size_t conv, std::size_t rec, std::size_t records_bytes,
                         std::size_t conv_records_bytes)
                 : conv_q(conv),
@@ -432,7 +436,9 @@ int main(int argc, char** argv) {
                   conv_v(conv),
                   recurrent(rec),
                   records(records_bytes),
-                  conv_records(conv_records_bytes) {}
+                  conv_records(conv_records_bytes),
+                  fold_records(records_bytes),
+                  fold_conv_records(conv_records_bytes) {}
           };
           std::vector<std::unique_ptr<VerifyState>> vs;
           std::vector<kda::layer::State> states;
@@ -500,12 +506,41 @@ int main(int argc, char** argv) {
           const double commit_us = replay([&](const kda::layer::RunOptions& o) {
             kda::layer::commit(kda::Backend::kCuda, config, commit, states.data(), instances, o);
           });
-          char line[256];
+          // The records step that folds the one before it (Batch::fold_sequences) instead of a
+          // commit: the regions the records steps above wrote, copied into the fold regions.
+          kda::layer::Batch folding = records;
+          folding.fold_sequences = B;
+          folding.fold_decode_tokens = T;
+          folding.fold_rows = static_cast<const std::int32_t*>(d_rs.ptr);  // row b on slot b
+          folding.fold_counts = static_cast<const std::int32_t*>(d_na.ptr);
+          std::vector<kda::layer::State> fold_states = states;
+          for (int l = 0; l < instances; ++l) {
+            check(cudaMemcpy(vs[l]->fold_records.ptr, vs[l]->records.ptr, vs[l]->records.bytes,
+                             cudaMemcpyDeviceToDevice),
+                  "copy records");
+            check(cudaMemcpy(vs[l]->fold_conv_records.ptr, vs[l]->conv_records.ptr,
+                             vs[l]->conv_records.bytes, cudaMemcpyDeviceToDevice),
+                  "copy conv records");
+            fold_states[l].fold_recurrent_records =
+                static_cast<const float*>(vs[l]->fold_records.ptr);
+            fold_states[l].fold_conv_records =
+                static_cast<const kda::bf16_bits*>(vs[l]->fold_conv_records.ptr);
+          }
+          const double fold_us = replay([&](const kda::layer::RunOptions& o) {
+            for (int l = 0; l < instances; ++l) {
+              layers[l]->forward(folding, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                                 static_cast<kda::bf16_bits*>(d_out.ptr), fold_states[l],
+                                 kda::Workspace{workspace.ptr, ws}, o);
+            }
+          });
+          char line[320];
           std::snprintf(line, sizeof line,
-                        "| %s | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.2fx | %.2fx |",
+                        "| %s | %lld | %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.2fx | "
+                        "%.2fx | %.2fx | %.2fx |",
                         layer_name.c_str(), static_cast<long long>(T), static_cast<long long>(B),
-                        plain_us, pt_us, rec_us, commit_us, rec_us + commit_us,
-                        (rec_us + commit_us) / pt_us, rec_us / plain_us);
+                        plain_us, pt_us, rec_us, commit_us, rec_us + commit_us, fold_us,
+                        (rec_us + commit_us) / pt_us, fold_us / pt_us, rec_us / plain_us,
+                        fold_us / plain_us);
           verify_rows.push_back(line);
         }
       }
@@ -524,10 +559,12 @@ int main(int argc, char** argv) {
     std::printf(
         "\nSpeculative verify steps, graph replays per layer (us), same run: per-token states "
         "(Batch::num_accepted) against records (Batch::records) and the commit over all the "
-        "graph's layers in one call, and the plain step of the same T tokens a row:\n\n| layer | T "
-        "| "
-        "B | plain step | per-token states | records step | commit | records + commit | x "
-        "per-token | records step / plain |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        "graph's layers in one call, the records step that folds the one before it instead of a "
+        "commit (Batch::fold_sequences), and the plain step of the same T tokens a row:\n\n| "
+        "layer | T | B | plain step | per-token states | records step | commit | records + commit "
+        "| records step, folding | records + commit / per-token | folding / per-token | records "
+        "step / plain | folding / plain |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : verify_rows) std::printf("%s\n", row.c_str());
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {

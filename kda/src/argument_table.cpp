@@ -272,11 +272,17 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
                           {p.batch, slot_per_token ? p.tokens : 1, 4}, &slots))) {
     return st;
   }
-  std::uint64_t records = 0;
+  std::uint64_t records = 0, fold_records = 0;
   if (p.records &&
       !(st = checked_size("records bytes B*tokens*H*(2K+V)*4",
                           {p.batch, p.tokens, p.num_heads, 2 * p.head_dim_k + p.head_dim_v, 4},
                           &records))) {
+    return st;
+  }
+  if (p.folds() && !(st = checked_size("fold_records bytes fold_batch*fold_tokens*H*(2K+V)*4",
+                                       {p.fold_batch, p.fold_tokens, p.num_heads,
+                                        2 * p.head_dim_k + p.head_dim_v, 4},
+                                       &fold_records))) {
     return st;
   }
   if (!(st = checked_size(
@@ -308,8 +314,10 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
   table->add("out", t.out, v, bf16, R::kOutput).cuda(2).required_if(rows);
   table->add("A_log", t.A_log, a_log, DType::kF32, R::kInput).cuda(4).required_if(true);
   table->add("dt_bias", t.dt_bias, dt_bias, DType::kF32, R::kInput).cuda(16).required_if(true);
-  // The records form only reads the pool.
-  table->add("state_pool", t.state_pool, pool, p.state_dtype, p.records ? R::kInput : R::kInOut)
+  // The records form only reads the pool, unless it folds (it then stores the folded state).
+  table
+      ->add("state_pool", t.state_pool, pool, p.state_dtype,
+            p.records && !p.folds() ? R::kInput : R::kInOut)
       .cuda(p.state_dtype == DType::kF32 ? 16 : 8)
       .required_if(pool > 0);
   // The CUDA kernel stores a record's alpha and k^ in 16-byte pieces.
@@ -318,6 +326,23 @@ Status decode_arguments(const DecodeProblem& p, const DecodeTensors& t, Argument
     rec.cuda(16).required_if(rows);
   } else {
     rec.unused_because("DecodeProblem::records is false");
+  }
+  // The fold's records are read a float4 at a time on CUDA, as the commit reads them.
+  Argument& fold_rec =
+      table->add("fold_records", t.fold_records, fold_records, DType::kF32, R::kInput);
+  Argument& fold_rows = table->add("fold_rows", t.fold_rows,
+                                   static_cast<std::uint64_t>(p.batch) * 4, DType::kI32, R::kIndex);
+  Argument& fold_counts =
+      table->add("fold_counts", t.fold_counts, static_cast<std::uint64_t>(p.batch) * 4, DType::kI32,
+                 R::kIndex);
+  if (p.folds()) {
+    fold_rec.cuda(16).required_if(rows);
+    fold_rows.cuda(4).required_if(rows);
+    fold_counts.cuda(4).required_if(rows);
+  } else {
+    fold_rec.unused_because("DecodeProblem::fold_batch is 0");
+    fold_rows.unused_because("DecodeProblem::fold_batch is 0");
+    fold_counts.unused_because("DecodeProblem::fold_batch is 0");
   }
   table->add("device_status", t.device_status, sizeof(std::uint32_t), DType::kI32, R::kStatus)
       .cuda(4);

@@ -21,9 +21,11 @@ namespace {
 // `seen`: num_slots bits of caller scratch (the workspace), so that nothing is allocated; the first
 // row naming a slot is found again by a scan, only when there is a duplicate.
 // A verify step's [B, tokens] entries are checked the same way, and each row's num_accepted. The
-// records form only reads the pool: its rows may share a slot.
+// records form only reads the pool: its rows may share a slot, unless it folds (it then writes
+// each row's folded state). A fold's rows and counts are checked where a row is no padding.
 Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
-                   const std::int32_t* num_accepted, unsigned char* seen) {
+                   const std::int32_t* num_accepted, const std::int32_t* fold_rows,
+                   const std::int32_t* fold_counts, unsigned char* seen) {
   const bool per_token = p.verify && !p.records;
   if (per_token) {
     for (std::int64_t b = 0; b < p.batch; ++b) {
@@ -40,6 +42,25 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
                ? "slots[" + std::to_string(i / p.tokens) + "][" + std::to_string(i % p.tokens) + "]"
                : "slots[" + std::to_string(i) + "]";
   };
+  if (p.folds()) {  // a fold's row of the records step and its count, where the row is no padding
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      const std::int32_t s = per_token ? -1 : slots[b];
+      if (s < 0 || s == p.padding_slot || fold_rows[b] < 0) continue;
+      const std::string row = std::to_string(b);
+      if (fold_rows[b] >= p.fold_batch) {
+        return Status(StatusCode::kInvalidArgument,
+                      "fold_rows[" + row + "] = " + std::to_string(fold_rows[b]) +
+                          " is outside [0, " + std::to_string(p.fold_batch) +
+                          ") (the records step's rows, fold_batch)");
+      }
+      if (fold_counts[b] < 1 || fold_counts[b] > p.fold_tokens) {
+        return Status(StatusCode::kInvalidArgument,
+                      "fold_counts[" + row + "] = " + std::to_string(fold_counts[b]) +
+                          " is outside [1, " + std::to_string(p.fold_tokens) +
+                          "] (the records step's tokens, fold_tokens)");
+      }
+    }
+  }
   std::memset(seen, 0, static_cast<std::size_t>((p.num_slots + 7) / 8));
   const std::int64_t entries = per_token ? p.batch * p.tokens : p.batch;
   for (std::int64_t b = 0; b < entries; ++b) {
@@ -50,7 +71,7 @@ Status check_slots(const DecodeProblem& p, const std::int32_t* slots,
                                                       " is out of range (num_slots " +
                                                       std::to_string(p.num_slots) + ")");
     }
-    if (p.records) continue;  // read only: a shared slot is fine
+    if (p.records && !p.folds()) continue;  // read only: a shared slot is fine
     const unsigned char bit = static_cast<unsigned char>(1u << (s % 8));
     if (seen[s / 8] & bit) {
       std::int64_t first = 0;
@@ -97,6 +118,24 @@ void run_decode(const DecodeProblem& p, const DecodeTensors& t, Real* scratch, s
       sc.state = reinterpret_cast<Real*>(state_mem);
     } else {
       detail::cpu::load_state(p.state_dtype, state_mem, state_elems, sc.state);
+    }
+    if (p.folds() && t.fold_rows[b] >= 0) {
+      // The commit's operations on the commit's values: each accepted record of the row named,
+      // in token order, then (not in place) the state rounded as the commit's store rounds it.
+      const float* rec =
+          t.fold_records + (t.fold_rows[b] * p.fold_tokens * H + head) * record_floats;
+      for (std::int64_t j = 0; j < t.fold_counts[b]; ++j) {
+        const float* r = rec + j * H * record_floats;
+        for (std::int64_t v = 0; v < V; ++v) {
+          detail::cpu::commit_channels<Real>(sc.state + v * K, 0, K, K, r, r + K, r[2 * K + v]);
+        }
+      }
+      if (!in_place) {
+        detail::cpu::store_state(sc.state, state_elems, p.state_dtype, state_mem);
+        if (p.state_dtype == DType::kBF16 || !kIsFloat) {
+          detail::cpu::load_state(p.state_dtype, state_mem, state_elems, sc.state);
+        }
+      }
     }
     const auto hp = detail::cpu::make_head_params<Real>(K, V, p.gate, p.lower_bound, scale, t.A_log,
                                                         t.dt_bias, head);
@@ -213,7 +252,11 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
       std::min<std::uint64_t>(items, detail::cpu::kMaxThreads) *
       detail::cpu::slot_bytes(static_cast<std::uint64_t>(p.head_dim_k),
                               static_cast<std::uint64_t>(p.head_dim_v));
-  if (Status st = check_slots(p, t.slots, t.num_accepted, slots + scratch_bytes); !st) return st;
+  if (Status st = check_slots(p, t.slots, t.num_accepted, t.fold_rows, t.fold_counts,
+                              slots + scratch_bytes);
+      !st) {
+    return st;
+  }
   return decode_on(p, t, slots, decode_workers(p, opt.num_threads), opt);
 }
 

@@ -503,6 +503,18 @@ Status validate(const DecodeProblem& p) {
   if (p.records && !p.verify) {
     return invalid("records is set but verify is not (records are a verify step's form)");
   }
+  if (p.fold_batch < 0) return invalid("fold_batch must be >= 0 (got " + str(p.fold_batch) + ")");
+  if (p.folds()) {
+    if (p.fold_tokens < 1 || p.fold_tokens > kMaxDecodeTokens) {
+      return invalid("fold_tokens must be in [1, " + str(kMaxDecodeTokens) + "] (got " +
+                     str(p.fold_tokens) + ")");
+    }
+    if (p.verify && !p.records) {
+      return invalid(
+          "fold_batch is set on a per-token-states verify step (a plain or a records step may "
+          "fold)");
+    }
+  }
   detail::ArgumentTable table;
   return detail::decode_arguments(p, DecodeTensors{}, &table);
 }

@@ -19,8 +19,8 @@ namespace {
 
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
-                   const State& state, const void* hidden, const void* out, const char* what,
-                   bool core_inputs) {
+                   HostFold fold_host, const State& state, const void* hidden, const void* out,
+                   const char* what, bool core_inputs) {
   const std::int64_t T = batch.tokens, N = batch.sequences;
   const bool decode = batch.decode_tokens > 0;
   if (T < 0 || N < 0) invalid(what, "tokens and sequences must be >= 0");
@@ -92,6 +92,61 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
       invalid(what, "records: State::recurrent_records or State::conv_records is null");
     }
   }
+  if (batch.fold_sequences < 0) invalid(what, "fold_sequences must be >= 0");
+  if (batch.fold_sequences > 0) {
+    if (!decode || batch.slots == nullptr || verify) {
+      invalid(what,
+              "fold_sequences (a fold of the last records step) needs a decode batch with slots "
+              "and no num_accepted");
+    }
+    if (batch.fold_decode_tokens < 1 || batch.fold_decode_tokens > kMaxDecodeTokens) {
+      invalid(what, "fold_decode_tokens " + std::to_string(batch.fold_decode_tokens) +
+                        " is not in [1, " + std::to_string(kMaxDecodeTokens) + "]");
+    }
+    if (state.record_rows < batch.fold_sequences * batch.fold_decode_tokens) {
+      invalid(what, "fold: State::record_rows " + std::to_string(state.record_rows) +
+                        " is below the records step's " + std::to_string(batch.fold_sequences) +
+                        " x " + std::to_string(batch.fold_decode_tokens) + " row-token pairs");
+    }
+    if (N > 0 && (batch.fold_rows == nullptr || batch.fold_counts == nullptr ||
+                  state.fold_recurrent_records == nullptr || state.fold_conv_records == nullptr)) {
+      invalid(what,
+              "fold: fold_rows, fold_counts, State::fold_recurrent_records or "
+              "State::fold_conv_records is null");
+    }
+    // A records step writes its region while it reads the fold's: they may not overlap.
+    const std::int64_t Hl = c.local_heads(), Cl = c.local_channels(), D = c.head_dim;
+    auto overlap = [](const void* a, std::int64_t a_bytes, const void* b, std::int64_t b_bytes) {
+      const auto* x = static_cast<const unsigned char*>(a);
+      const auto* y = static_cast<const unsigned char*>(b);
+      return x != nullptr && y != nullptr && x < y + b_bytes && y < x + a_bytes;
+    };
+    const std::int64_t fold_pairs = batch.fold_sequences * batch.fold_decode_tokens;
+    if (batch.records && (overlap(state.fold_recurrent_records, fold_pairs * Hl * 3 * D * 4,
+                                  state.recurrent_records, state.record_rows * Hl * 3 * D * 4) ||
+                          overlap(state.fold_conv_records, fold_pairs * 3 * Cl * 2,
+                                  state.conv_records, state.record_rows * 3 * Cl * 2))) {
+      invalid(what,
+              "fold: a records step folds records that overlap the region it writes (keep two "
+              "records regions a layer and alternate)");
+    }
+  }
+  if (fold_host.rows != nullptr && batch.fold_sequences > 0 && slots_host != nullptr) {
+    for (std::int64_t n = 0; n < N; ++n) {
+      if (is_padding(batch, slots_host[n]) || fold_host.rows[n] < 0) continue;
+      if (fold_host.rows[n] >= batch.fold_sequences) {
+        invalid(what,
+                "row " + std::to_string(n) + " has fold row " + std::to_string(fold_host.rows[n]) +
+                    ", outside [0, fold_sequences = " + std::to_string(batch.fold_sequences) + ")");
+      }
+      if (fold_host.counts[n] < 1 || fold_host.counts[n] > batch.fold_decode_tokens) {
+        invalid(what, "row " + std::to_string(n) + " has fold count " +
+                          std::to_string(fold_host.counts[n]) +
+                          ", outside [1, fold_decode_tokens = " +
+                          std::to_string(batch.fold_decode_tokens) + "]");
+      }
+    }
+  }
   if (verify && accepted_host != nullptr) {
     for (std::int64_t n = 0; n < N; ++n) {
       if (accepted_host[n] < 1 || accepted_host[n] > batch.decode_tokens) {
@@ -138,8 +193,9 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
         invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
-      // A records step only reads its slots: rows may share one.
-      for (std::int64_t m = 0; m < n && !batch.records && !is_padding(batch, slots_host[n]); ++m) {
+      // A records step only reads its slots (unless it folds): rows may share one.
+      const bool shared_ok = batch.records && batch.fold_sequences == 0;
+      for (std::int64_t m = 0; m < n && !shared_ok && !is_padding(batch, slots_host[n]); ++m) {
         if (slots_host[m] == slots_host[n]) {
           invalid(what, (verify ? entry(m) + " and " + entry(n)
                                 : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
@@ -176,6 +232,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
     step.verify = verify || batch.records;
     step.records = batch.records;
+    step.fold_batch = batch.fold_sequences;
+    step.fold_tokens = batch.fold_decode_tokens;
     throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
   } else {
     throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
@@ -236,10 +294,10 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
-                                       const std::int32_t* accepted_host, const State& state,
-                                       const void* hidden, const void* out, Workspace workspace,
-                                       const char* what, bool core_inputs) {
-  check_forward(c, batch, cu_host, slots_host, accepted_host, state, hidden, out, what,
+                                       const std::int32_t* accepted_host, HostFold fold_host,
+                                       const State& state, const void* hidden, const void* out,
+                                       Workspace workspace, const char* what, bool core_inputs) {
+  check_forward(c, batch, cu_host, slots_host, accepted_host, fold_host, state, hidden, out, what,
                 core_inputs);
   const WorkspaceLayout layout =
       forward_workspace_layout(backend, c, batch.tokens, batch.sequences, state.num_slots, what);

@@ -16,6 +16,13 @@ namespace kda::layer::detail {
 
 // A prefill's cu_seqlens where the host can read them, int64 or int32 (Batch::cu_seqlens or
 // cu_seqlens_i32 on the CPU, their host copies on CUDA); neither: the host cannot.
+// A fold's rows and counts (Batch::fold_rows / fold_counts) where the host can read them (the
+// CPU's own arrays), else nulls: each non-padding row's fold row and count are checked then.
+struct HostFold {
+  const std::int32_t* rows = nullptr;
+  const std::int32_t* counts = nullptr;
+};
+
 struct HostCuSeqlens {
   const std::int64_t* i64 = nullptr;
   const std::int32_t* i32 = nullptr;
@@ -53,8 +60,8 @@ inline DType cu_seqlens_dtype(const Batch& batch) noexcept {
 // the recurrent pool.
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
-                   const State& state, const void* hidden, const void* out, const char* what,
-                   bool core_inputs = false);
+                   HostFold fold_host, const State& state, const void* hidden, const void* out,
+                   const char* what, bool core_inputs = false);
 // The workspace non-null and at least `needed` bytes (make_workspace_layout's total), after
 // check_forward (which makes the layout's sizes valid).
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
@@ -63,9 +70,10 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
 // `backend`, check_workspace — and that layout.
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
-                                       const std::int32_t* accepted_host, const State& state,
-                                       const void* hidden, const void* out, Workspace workspace,
-                                       const char* what, bool core_inputs = false);
+                                       const std::int32_t* accepted_host, HostFold fold_host,
+                                       const State& state, const void* hidden, const void* out,
+                                       Workspace workspace, const char* what,
+                                       bool core_inputs = false);
 
 // A prefill's checkpoint requests (Batch::checkpoints > 0) where the host can read them: each
 // offset -1, or a multiple of kda::kCheckpointAlignment up to its sequence's length, or that

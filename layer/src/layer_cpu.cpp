@@ -277,8 +277,9 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   const HostCuSeqlens cu_host =
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens, batch.cu_seqlens_i32};
   const WorkspaceLayout layout = checked_forward_layout(
-      Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted, state, hidden, out,
-      workspace, inputs != nullptr ? kCoreInputs : kForward, inputs != nullptr);
+      Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted,
+      HostFold{batch.fold_rows, batch.fold_counts}, state, hidden, out, workspace,
+      inputs != nullptr ? kCoreInputs : kForward, inputs != nullptr);
   const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
   if (inputs != nullptr) {
@@ -292,6 +293,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   if (T == 0) return;  // nothing to compute; every state stays as it is
   // A verify step's rows start from their slot at num_accepted - 1 (kda.hpp).
   const bool verify = batch.num_accepted != nullptr;
+  const bool folds = batch.fold_sequences > 0;  // the last records step's commit, deferred here
   const std::int64_t per_row = verify ? batch.decode_tokens : 1;
   auto slot_of = [&](std::int64_t n) -> std::int64_t {
     if (batch.slots == nullptr) return n;
@@ -349,6 +351,23 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
           continue;
         }
         bf16_bits* conv_state = padding ? nullptr : branch.pool + slot_of(n) * conv_row;
+        if (folds && !padding && batch.fold_rows[n] >= 0) {
+          // The deferred commit (layer.hpp, Batch::fold_sequences): the conv state becomes the last
+          // W-1 of old ++ the folded row's accepted inputs, as commit() shifts it, before the conv.
+          const std::int64_t accepted = batch.fold_counts[n], hist = W - 1;
+          const bf16_bits* inputs = state.fold_conv_records +
+                                    batch.fold_rows[n] * batch.fold_decode_tokens * 3 * Cl +
+                                    branch.index * Cl;
+          for (std::int64_t ch = 0; ch < Cl && hist > 0; ++ch) {
+            bf16_bits* entry = conv_state + ch * hist;
+            bf16_bits old[16];  // hist <= 15: nothing allocated
+            std::copy(entry, entry + hist, old);
+            for (std::int64_t i = 0; i < hist; ++i) {
+              const std::int64_t at = accepted + i;
+              entry[i] = at < hist ? old[at] : inputs[(at - hist) * 3 * Cl + ch];
+            }
+          }
+        }
         if (batch.checkpoints > 0 && !padding) {
           // Checkpoints first: they read the sequence's initial conv state, which the conv
           // below replaces.
@@ -427,17 +446,25 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   // ---- the KDA core: one call for the batch, states in place in the pool -------------------
   // (A verify step: the operator's decode, which keeps the state after every token; padding rows
   // leave their o rows unwritten, so they are zeroed first.)
-  if (verify || batch.records) {
+  // (A fold: the operator's decode too, which folds the records into each state first.)
+  if (verify || batch.records || folds) {
     DecodeProblem step =
         core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
-    step.verify = true;
+    step.verify = verify || batch.records;
     step.records = batch.records;
     step.padding_slot = batch.padding_slot;
+    step.fold_batch = batch.fold_sequences;
+    step.fold_tokens = batch.fold_decode_tokens;
     DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
     t.slots = batch.slots;
     t.num_accepted = batch.num_accepted;
     t.state_pool = state.recurrent;
     t.records = batch.records ? state.recurrent_records : nullptr;
+    if (folds) {
+      t.fold_records = state.fold_recurrent_records;
+      t.fold_rows = batch.fold_rows;
+      t.fold_counts = batch.fold_counts;
+    }
     std::fill(o, o + T * Cl, bf16_bits{0});
     KDA_NVTX_RANGE("core");
     throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");

@@ -441,8 +441,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   const WorkspaceLayout layout = checked_forward_layout(
       Backend::kCuda, c, batch,
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
-      batch.slots_host, batch.num_accepted_host, state, hidden, out, workspace, kForward,
-      inputs != nullptr);
+      batch.slots_host, batch.num_accepted_host, HostFold{}, state, hidden, out, workspace,
+      kForward, inputs != nullptr);
   // The core checks its checkpoint tensors only once it runs, after the conv has written: their
   // alignment here, before anything is enqueued.
   if (batch.checkpoints > 0 && N > 0 &&
@@ -482,6 +482,10 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   step.verify = batch.num_accepted != nullptr || batch.records;
   step.records = batch.records;
   step.padding_slot = batch.padding_slot;
+  // The commit of the records step before, deferred into this one (Batch::fold_sequences).
+  const bool folds = decode && batch.fold_sequences > 0;
+  step.fold_batch = folds ? batch.fold_sequences : 0;
+  step.fold_tokens = batch.fold_decode_tokens;
   const bool per_token_slots = batch.num_accepted != nullptr;
   if (batch.records && N > 0 &&
       ((reinterpret_cast<std::uintptr_t>(state.recurrent_records) |
@@ -490,6 +494,15 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     throw Error(StatusCode::kInvalidArgument,
                 std::string(kForward) +
                     ": State::recurrent_records and conv_records must be 16-byte aligned");
+  }
+  if (folds && N > 0 &&
+      ((reinterpret_cast<std::uintptr_t>(state.fold_recurrent_records) |
+        reinterpret_cast<std::uintptr_t>(state.fold_conv_records)) &
+       15) != 0) {
+    throw Error(
+        StatusCode::kInvalidArgument,
+        std::string(kForward) +
+            ": State::fold_recurrent_records and fold_conv_records must be 16-byte aligned");
   }
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
@@ -517,6 +530,14 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         {batch.records ? state.conv_records : nullptr, static_cast<std::size_t>(T * 3 * Cl) * 2,
          "conv_records"},
         {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
+        {folds ? batch.fold_rows : nullptr, static_cast<std::size_t>(N) * 4, "fold_rows"},
+        {folds ? batch.fold_counts : nullptr, static_cast<std::size_t>(N) * 4, "fold_counts"},
+        {folds ? state.fold_recurrent_records : nullptr,
+         static_cast<std::size_t>(batch.fold_sequences * batch.fold_decode_tokens * Hl * 3 * D) * 4,
+         "fold_recurrent_records"},
+        {folds ? state.fold_conv_records : nullptr,
+         static_cast<std::size_t>(batch.fold_sequences * batch.fold_decode_tokens * 3 * Cl) * 2,
+         "fold_conv_records"},
         {batch.checkpoint_offsets, static_cast<std::size_t>(N * batch.checkpoints) * 8,
          "checkpoint_offsets"},
         {batch.checkpoint_slots, static_cast<std::size_t>(N * batch.checkpoints) * 4,
@@ -592,6 +613,14 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.status = batch.device_status;
     fused.records = batch.records ? state.recurrent_records : nullptr;
     fused.conv_records = batch.records ? state.conv_records : nullptr;
+    if (folds) {
+      fused.fold_records = state.fold_recurrent_records;
+      fused.fold_conv_records = state.fold_conv_records;
+      fused.fold_rows = batch.fold_rows;
+      fused.fold_counts = batch.fold_counts;
+      fused.fold_sequences = static_cast<int>(batch.fold_sequences);
+      fused.fold_tokens = static_cast<int>(batch.fold_decode_tokens);
+    }
     fused.cluster = options.fused_cluster != 0
                         ? options.fused_cluster
                         : fused_cluster_for(N * Hl, kda::detail::current_device_sm_count());
@@ -656,6 +685,13 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       p.identity_slots = batch.slots == nullptr ? identity : nullptr;
       p.num_accepted = batch.num_accepted;
       p.conv_records = batch.records ? state.conv_records : nullptr;
+      if (folds) {
+        p.fold_conv_records = state.fold_conv_records;
+        p.fold_rows = batch.fold_rows;
+        p.fold_counts = batch.fold_counts;
+        p.fold_sequences = batch.fold_sequences;
+        p.fold_tokens = batch.fold_decode_tokens;
+      }
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
       p.cu_seqlens = batch.cu_seqlens;
@@ -683,6 +719,11 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       t.num_accepted = batch.num_accepted;
       t.state_pool = state.recurrent;
       t.records = batch.records ? state.recurrent_records : nullptr;
+      if (folds) {
+        t.fold_records = state.fold_recurrent_records;
+        t.fold_rows = batch.fold_rows;
+        t.fold_counts = batch.fold_counts;
+      }
       t.device_status = batch.device_status;
       throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");
     } else {

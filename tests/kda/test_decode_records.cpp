@@ -42,39 +42,66 @@ struct RecordsRun {
   bool guards_intact = true;
 };
 
-// d.problem.records is set and d.slots is [B]; num_accepted is not passed.
+// What a step folds (DecodeProblem::fold_batch): a records step's records, and per row of the step
+// the row of that step and its accepted count.
+struct Fold {
+  std::int64_t batch = 0, tokens = 1;
+  std::vector<float> records;
+  std::vector<std::int32_t> rows, counts;
+};
+
+// A plain or records step (dc.problem.records: d.slots is [B], num_accepted not passed) on the
+// pool `pool_in`, folding `fold` first where given.
 template <class Buffer>
-RecordsRun records_step_on(Backend backend, const DecodeCase& dc) {
+RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsigned char>& pool_in,
+                   const Fold* fold) {
   RecordsRun r;
-  const DecodeProblem& p = dc.problem;
+  DecodeProblem p = dc.problem;
   CaseBuffers<Buffer> d(dc.tokens);
   Buffer slots = Buffer::from(dc.slots);
-  Buffer pool = Buffer::from(pool_bytes(dc));
+  Buffer pool = Buffer::from(pool_in);
   Buffer out(static_cast<std::size_t>(dc.tokens.out_elems()) * 2);
   out.fill(kPoisonByte);
-  Buffer records(static_cast<std::size_t>(p.batch * p.tokens * p.num_heads * kRecord) * 4);
+  Buffer records(
+      p.records ? static_cast<std::size_t>(p.batch * p.tokens * p.num_heads * kRecord) * 4 : 0);
   records.fill(kPoisonByte);
+  Buffer fold_records = Buffer::from(fold != nullptr ? fold->records : std::vector<float>(1));
+  Buffer fold_rows = Buffer::from(fold != nullptr ? fold->rows : std::vector<std::int32_t>(1));
+  Buffer fold_counts = Buffer::from(fold != nullptr ? fold->counts : std::vector<std::int32_t>(1));
   Buffer status(backend == Backend::kCuda ? 4 : 0);
   if (backend == Backend::kCuda) status.fill(0);
   DecodeTensors t = d.decode_tensors();
   t.slots = static_cast<const std::int32_t*>(slots.get());
   t.state_pool = pool.get();
   t.out = out.get();
-  t.records = static_cast<float*>(records.get());
+  if (p.records) t.records = static_cast<float*>(records.get());
+  if (fold != nullptr) {
+    p.fold_batch = fold->batch;
+    p.fold_tokens = fold->tokens;
+    t.fold_records = static_cast<const float*>(fold_records.get());
+    t.fold_rows = static_cast<const std::int32_t*>(fold_rows.get());
+    t.fold_counts = static_cast<const std::int32_t*>(fold_counts.get());
+  }
   if (backend == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
   r.status = backend == Backend::kCpu ? decode_cpu(p, t) : decode_cuda(p, t, nullptr);
   if (r.status.ok()) r.status = Buffer::synchronize();
   r.pool = pool.template download<unsigned char>();
   r.out = out.template download<std::uint16_t>();
-  r.records = records.template download<float>();
+  if (p.records) r.records = records.template download<float>();
   if (backend == Backend::kCuda) r.device_status = status.template download<std::uint32_t>()[0];
-  r.guards_intact = pool.guards_intact() && out.guards_intact() && records.guards_intact();
+  r.guards_intact = pool.guards_intact() && out.guards_intact() && records.guards_intact() &&
+                    fold_records.guards_intact();
   return r;
 }
 
+RecordsRun step(const Runner& runner, const DecodeCase& dc, const std::vector<unsigned char>& pool,
+                const Fold* fold) {
+  return runner.backend() == Backend::kCpu ? step_on<HostBuffer>(Backend::kCpu, dc, pool, fold)
+                                           : step_on<DeviceBuffer>(Backend::kCuda, dc, pool, fold);
+}
+
 RecordsRun records_step(const Runner& runner, const DecodeCase& dc) {
-  return runner.backend() == Backend::kCpu ? records_step_on<HostBuffer>(Backend::kCpu, dc)
-                                           : records_step_on<DeviceBuffer>(Backend::kCuda, dc);
+  return step(runner, dc, pool_bytes(dc), nullptr);
 }
 
 struct CommitRun {
@@ -678,3 +705,177 @@ KDA_CUDA_CASE(
   CHECK(st.message().find("slots") != std::string::npos);
 }
 #endif  // KDA_HAVE_CUDA
+
+// The commit deferred into the next step (DecodeProblem::fold_batch): a step that folds a records
+// step's accepted records into its rows' states first computes, bit for bit, what the commit
+// followed by that step computes: out, the pool (a plain step) or the records and the folded
+// states (a records step). The next step takes the records step's rows in another order, one more
+// row that folds nothing (a slot the records step did not read) and a padding row whose fold
+// entries are garbage.
+KDA_MATRIX_CASE(
+    "a step that folds a records step's accepted tokens equals the commit, then that step") {
+  const std::int64_t B = 5, T = 4, H = 2;
+  for (const DType dt : {DType::kF32, DType::kBF16}) {
+    for (const bool next_records : {false, true}) {
+      const GateMode gate = next_records ? GateMode::kLowerBound : GateMode::kSoftplus;
+      const std::string label = std::string(runner.name()) + " " + to_string(dt) +
+                                (next_records ? " records step" : " plain step");
+      CAPTURE(label);
+      const TwoForms f = two_forms(B, T, H, dt, gate, 1100 + (dt == DType::kF32 ? 0 : 1));
+      const RecordsRun first = records_step(runner, f.records);
+      REQUIRE_MESSAGE(first.status.ok(), first.status.to_string());
+      const std::vector<std::int32_t> na = random_accepted(f.records.slots, T, 1200);
+      const std::vector<unsigned char> p0 = pool_bytes(f.records);
+      const CommitRun committed = commit(runner, commit_problem(f.records.problem), {first.records},
+                                         {p0}, f.records.slots, na);
+      REQUIRE_MESSAGE(committed.status.ok(), committed.status.to_string());
+      const std::vector<unsigned char>& p1 = committed.pools[0];
+
+      // The next step: the records step's rows reversed (its padding row 3 included), then a row
+      // on a slot nobody read.
+      const std::int64_t B2 = B + 1, T2 = next_records ? 3 : 2;
+      DecodeCase next = make_decode_case(B2, T2, H, f.records.problem.num_slots, dt, gate, 1300);
+      next.problem.verify = next.problem.records = next_records;
+      next.slots.clear();
+      Fold fold;
+      fold.batch = B;
+      fold.tokens = T;
+      fold.records = first.records;
+      for (std::int64_t b = B - 1; b >= 0; --b) {
+        const std::int32_t s = f.records.slots[static_cast<std::size_t>(b)];
+        next.slots.push_back(s);
+        fold.rows.push_back(s < 0 ? 12345 : static_cast<std::int32_t>(b));  // padding: not read
+        fold.counts.push_back(s < 0 ? -7 : na[static_cast<std::size_t>(b)]);
+      }
+      std::int32_t fresh = 0;
+      while (std::find(f.records.slots.begin(), f.records.slots.end(), fresh) !=
+             f.records.slots.end()) {
+        ++fresh;
+      }
+      next.slots.push_back(fresh);
+      fold.rows.push_back(-1);
+      fold.counts.push_back(0);
+
+      const RecordsRun want = step(runner, next, p1, nullptr);
+      REQUIRE_MESSAGE(want.status.ok(), want.status.to_string());
+      const RecordsRun got = step(runner, next, p0, &fold);
+      REQUIRE_MESSAGE(got.status.ok(), got.status.to_string());
+      CHECK(got.guards_intact);
+      CHECK(got.device_status == 0);
+      CHECK(got.out == want.out);
+      if (next_records) {
+        // Bytes, not floats: the padding row's records are the poison (a NaN) in both.
+        REQUIRE(got.records.size() == want.records.size());
+        CHECK(std::memcmp(got.records.data(), want.records.data(), got.records.size() * 4) == 0);
+        CHECK(got.pool == p1);  // the folded states stored, every other entry as it was
+      } else {
+        CHECK(got.pool == want.pool);
+      }
+      // The padding row (the records step's row 3, now row 1) wrote nothing.
+      const std::size_t row_out = static_cast<std::size_t>(T2 * H * D);
+      CHECK(std::all_of(got.out.begin() + row_out, got.out.begin() + 2 * row_out,
+                        [](std::uint16_t x) { return x == 0xFFFF; }));
+    }
+  }
+}
+
+// A fold's bad rows: the CPU refuses the step naming the row and writes nothing; CUDA skips the
+// row (out untouched, its state not folded nor stepped) and reports kDeviceStatusAccepted.
+KDA_MATRIX_CASE("a fold row or count out of range is refused or reported") {
+  const std::int64_t B = 3, T = 4, H = 1;
+  const TwoForms f = two_forms(B, T, H, DType::kF32, GateMode::kSoftplus, 1400);
+  const RecordsRun first = records_step(runner, f.records);
+  REQUIRE(first.status.ok());
+  DecodeCase next = make_decode_case(B, 1, H, f.records.problem.num_slots, DType::kF32,
+                                     GateMode::kSoftplus, 1401);
+  next.slots = f.records.slots;  // rows 0..2, none padding
+  const std::vector<unsigned char> p0 = pool_bytes(f.records);
+  const std::size_t bytes = entry_bytes(f.records);
+  struct Bad {
+    std::vector<std::int32_t> rows, counts;
+    std::string message;
+  };
+  const std::vector<Bad> cases = {
+      {{0, 3, 2}, {1, 1, 1}, "fold_rows[1] = 3 is outside [0, 3)"},
+      {{0, 1, 2}, {1, 5, 1}, "fold_counts[1] = 5 is outside [1, 4]"},
+      {{0, 1, 2}, {1, 0, 1}, "fold_counts[1] = 0 is outside [1, 4]"},
+  };
+  for (const Bad& c : cases) {
+    CAPTURE(c.message);
+    Fold fold;
+    fold.batch = B;
+    fold.tokens = T;
+    fold.records = first.records;
+    fold.rows = c.rows;
+    fold.counts = c.counts;
+    const RecordsRun r = step(runner, next, p0, &fold);
+    CHECK(r.guards_intact);
+    if (runner.backend() == Backend::kCpu) {
+      CHECK(r.status.code() == StatusCode::kInvalidArgument);
+      CHECK(r.status.message().find(c.message) != std::string::npos);
+      CHECK(r.pool == p0);
+      CHECK(std::all_of(r.out.begin(), r.out.end(), [](std::uint16_t x) { return x == 0xFFFF; }));
+    } else {
+      REQUIRE_MESSAGE(r.status.ok(), r.status.to_string());
+      CHECK(r.device_status == kDeviceStatusAccepted);
+      const std::size_t row_out = static_cast<std::size_t>(H * D);
+      CHECK(std::all_of(r.out.begin() + row_out, r.out.begin() + 2 * row_out,
+                        [](std::uint16_t x) { return x == 0xFFFF; }));
+      CHECK(same_entry(r.pool, next.slots[1], p0, next.slots[1], bytes));
+      CHECK(!same_entry(r.pool, next.slots[0], p0, next.slots[0], bytes));
+    }
+  }
+}
+
+TEST_CASE(
+    "a fold is refused on a per-token-states verify step, and its records may not be the step's") {
+  DecodeProblem p;
+  p.batch = 2;
+  p.tokens = 2;
+  p.num_heads = 1;
+  p.num_slots = 4;
+  p.fold_batch = 2;
+  p.fold_tokens = 4;
+  p.verify = true;
+  Status st = validate(p);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("per-token-states verify step") != std::string::npos);
+  p.verify = false;
+  p.fold_tokens = 17;
+  st = validate(p);
+  CHECK(st.message().find("fold_tokens must be in [1, 16]") != std::string::npos);
+  p.fold_tokens = 4;
+  p.fold_batch = -1;
+  CHECK(validate(p).message().find("fold_batch must be >= 0") != std::string::npos);
+
+  // A records step whose fold reads the region it writes.
+  p.fold_batch = 2;
+  p.verify = p.records = true;
+  std::vector<std::uint16_t> q(2 * 2 * 128), v(2 * 2 * 128), beta(4), out(2 * 2 * 128);
+  std::vector<float> A_log(1), dt_bias(128), pool(4 * 128 * 128), records(2 * 4 * 3 * 128);
+  std::vector<std::int32_t> slots = {0, 1}, rows = {0, 1}, counts = {1, 1};
+  DecodeTensors t;
+  t.q = t.k = t.g = q.data();
+  t.v = v.data();
+  t.beta = beta.data();
+  t.A_log = A_log.data();
+  t.dt_bias = dt_bias.data();
+  t.slots = slots.data();
+  t.state_pool = pool.data();
+  t.out = out.data();
+  t.records = records.data();
+  t.fold_records = records.data();
+  t.fold_rows = rows.data();
+  t.fold_counts = counts.data();
+  st = validate(p, t);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message().find("fold_records") != std::string::npos);
+  // Without fold_rows.
+  std::vector<float> other(records.size());
+  t.fold_records = other.data();
+  t.fold_rows = nullptr;
+  st = validate(p, t);
+  CHECK(st.message().find("fold_rows") != std::string::npos);
+  t.fold_rows = rows.data();
+  CHECK(validate(p, t).ok());
+}

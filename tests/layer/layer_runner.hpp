@@ -53,6 +53,10 @@ struct Pools {
   std::int64_t record_rows = 0;
   std::vector<float> recurrent_records;
   std::vector<bf16_bits> conv_records;
+  // The records a step folds (layer::State::fold_recurrent_records / fold_conv_records): a records
+  // step's, as it wrote them; empty: none.
+  std::vector<float> fold_recurrent_records;
+  std::vector<bf16_bits> fold_conv_records;
 
   Pools(const layer::Config& c, std::int64_t slots, DType recurrent_dtype = DType::kF32);
   // Non-zero states in every row (conv U(-2, 2), recurrent U(-0.5, 0.5), all bf16-representable).
@@ -84,6 +88,10 @@ struct BatchSpec {
   std::int32_t padding_slot = -1;
   // A record-and-commit verify step (layer::Batch::records): slots [N], the pools' records.
   bool records = false;
+  // A fold of the records step before (layer::Batch::fold_sequences > 0): [N] each; the records
+  // come from the pools' fold regions.
+  std::int64_t fold_sequences = 0, fold_decode_tokens = 1;
+  std::vector<std::int32_t> fold_rows, fold_counts;
   std::int64_t tokens() const { return cu_seqlens.back(); }
   std::int64_t sequences() const { return static_cast<std::int64_t>(cu_seqlens.size()) - 1; }
   std::int64_t length(std::int64_t n) const { return cu_seqlens[n + 1] - cu_seqlens[n]; }
@@ -210,7 +218,8 @@ class LayerRunner {
 template <class Buffer>
 struct ForwardBuffers {
   Buffer hidden, out, cu_seqlens, cu_seqlens_i32, slots, accepted, status, conv_q, conv_k, conv_v,
-      recurrent, workspace, recurrent_records, conv_records;
+      recurrent, workspace, recurrent_records, conv_records, fold_rows, fold_counts,
+      fold_recurrent_records, fold_conv_records;
 
   ForwardBuffers(const std::vector<bf16_bits>& hidden_rows, const BatchSpec& batch,
                  const Pools& pools, std::size_t workspace_bytes)
@@ -228,7 +237,11 @@ struct ForwardBuffers {
                                              : Buffer::from(pools.rec_bf16)),
         workspace(workspace_bytes),
         recurrent_records(Buffer::from(pools.recurrent_records)),
-        conv_records(Buffer::from(pools.conv_records)) {
+        conv_records(Buffer::from(pools.conv_records)),
+        fold_rows(Buffer::from(batch.fold_rows)),
+        fold_counts(Buffer::from(batch.fold_counts)),
+        fold_recurrent_records(Buffer::from(pools.fold_recurrent_records)),
+        fold_conv_records(Buffer::from(pools.fold_conv_records)) {
     out.fill(kPoisonByte);
     status.fill(0);
     (void)Buffer::synchronize();
@@ -248,6 +261,14 @@ struct ForwardBuffers {
     c.batch.decode_tokens = batch.decode_tokens;
     c.batch.padding_slot = batch.padding_slot;
     c.batch.records = batch.records;
+    if (batch.fold_sequences > 0) {
+      c.batch.fold_sequences = batch.fold_sequences;
+      c.batch.fold_decode_tokens = batch.fold_decode_tokens;
+      c.batch.fold_rows = static_cast<const std::int32_t*>(fold_rows.get());
+      c.batch.fold_counts = static_cast<const std::int32_t*>(fold_counts.get());
+      c.state.fold_recurrent_records = static_cast<const float*>(fold_recurrent_records.get());
+      c.state.fold_conv_records = static_cast<const bf16_bits*>(fold_conv_records.get());
+    }
     // A decode batch's cu_seqlens is not read: null shows it.
     if (i32) {
       c.batch.cu_seqlens_i32 = static_cast<const std::int32_t*>(cu_seqlens_i32.get());
@@ -300,7 +321,8 @@ struct ForwardBuffers {
     return hidden.guards_intact() && out.guards_intact() && conv_q.guards_intact() &&
            conv_k.guards_intact() && conv_v.guards_intact() && recurrent.guards_intact() &&
            workspace.guards_intact() && recurrent_records.guards_intact() &&
-           conv_records.guards_intact();
+           conv_records.guards_intact() && fold_recurrent_records.guards_intact() &&
+           fold_conv_records.guards_intact();
   }
 };
 

@@ -544,6 +544,170 @@ KDA_LAYER_CASE(
   }
 }
 
+// The commit deferred into the next step (Batch::fold_sequences): after a records step, a step
+// that folds its accepted tokens (recurrent and conv states) computes, bit for bit, what commit()
+// followed by the same step computes: out, and the pools (a plain step), or the records and the
+// folded states (a records step, which stores them). The next step takes the records step's rows
+// reversed (its padding rows included, their fold entries garbage), and one row on a slot the
+// records step did not read, which folds nothing. Every decode kernel on CUDA, both state dtypes.
+KDA_LAYER_CASE("a step that folds the records step before it equals commit() and then that step") {
+  const std::int64_t N = 5, T = 4, slots_in_pool = 24;
+  const std::int32_t padding_slot = 23;
+  const std::vector<std::int32_t> committed = {7, 2, -1, 11, padding_slot};
+  struct Variant {
+    layer::DecodeKernel kernel;
+    int cluster;
+  };
+  std::vector<Variant> variants = {{layer::DecodeKernel::kSeparate, 0}};
+  if (runner.backend() == Backend::kCuda) {
+    variants.push_back({layer::DecodeKernel::kFusedFactors, 0});
+    variants.push_back({layer::DecodeKernel::kFusedFactors, 8});
+    variants.push_back({layer::DecodeKernel::kFused, 1});
+  }
+  const layer::Config config = runner.config(GateMode::kLowerBound);
+  const std::int64_t E = config.hidden_size;
+  const auto layer = runner.make(with_bias_and_norm(layer::random_weights(config, 90, 1)));
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    for (const Variant& v : variants) {
+      for (const bool next_records : {false, true}) {
+        CAPTURE(to_string(dtype));
+        CAPTURE(static_cast<int>(v.kernel));
+        CAPTURE(v.cluster);
+        CAPTURE(next_records);
+        ForwardSettings same_kernel;
+        same_kernel.change = [v](ForwardCall& call) {
+          call.options.decode_kernel = v.kernel;
+          call.options.fused_cluster = v.cluster;
+        };
+        Pools start(config, slots_in_pool, dtype);
+        start.randomize(91);
+        start.add_records(config, N * T);
+        // The records step, then the commit of random counts: the reference's starting pools.
+        BatchSpec records = decode_batch(N, T, committed);
+        records.records = true;
+        records.padding_slot = padding_slot;
+        Pools p0 = start;
+        const LayerRun first =
+            runner.forward(*layer, random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 92),
+                           records, &p0, same_kernel);
+        REQUIRE_MESSAGE(first.error.empty(), first.error);
+        const std::vector<std::int32_t> accepted = {3, 1, 2, 4, 2};
+        BatchSpec commit = decode_batch(N, T, committed);
+        commit.num_accepted = accepted;
+        commit.padding_slot = padding_slot;
+        Pools p1 = p0;
+        std::vector<Pools*> commit_layers = {&p1};
+        const LayerRun done = runner.commit(config, commit, commit_layers);
+        REQUIRE_MESSAGE(done.error.empty(), done.error);
+
+        // The next step: rows reversed, then slot 5 (read by no row of the records step).
+        const std::int64_t N2 = N + 1, T2 = next_records ? 3 : 1;
+        std::vector<std::int32_t> slots2;
+        BatchSpec next;
+        for (std::int64_t n = N - 1; n >= 0; --n) {
+          const std::int32_t s = committed[static_cast<std::size_t>(n)];
+          slots2.push_back(s);
+          const bool padding = s < 0 || s == padding_slot;
+          next.fold_rows.push_back(padding ? 777 : static_cast<std::int32_t>(n));
+          next.fold_counts.push_back(padding ? -3 : accepted[static_cast<std::size_t>(n)]);
+        }
+        slots2.push_back(5);
+        next.fold_rows.push_back(-1);
+        next.fold_counts.push_back(0);
+        BatchSpec plain = decode_batch(N2, T2, slots2);
+        plain.padding_slot = padding_slot;
+        plain.records = next_records;
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(N2 * T2 * E), 2.0f, 93);
+        Pools want_pools = p1;
+        want_pools.add_records(config, N * T);  // both regions sized alike (at least N2 x T2)
+        const LayerRun want = runner.forward(*layer, hidden, plain, &want_pools, same_kernel);
+        REQUIRE_MESSAGE(want.error.empty(), want.error);
+
+        BatchSpec folding = plain;
+        folding.fold_sequences = N;
+        folding.fold_decode_tokens = T;
+        folding.fold_rows = next.fold_rows;
+        folding.fold_counts = next.fold_counts;
+        Pools got_pools = p0;  // the records step's pools: nothing committed
+        got_pools.fold_recurrent_records = p0.recurrent_records;
+        got_pools.fold_conv_records = p0.conv_records;
+        got_pools.add_records(config, N * T);
+        const LayerRun got = runner.forward(*layer, hidden, folding, &got_pools, same_kernel);
+        REQUIRE_MESSAGE(got.error.empty(), got.error);
+        CHECK(got.device_status == 0);
+        CHECK(got.guards_intact);
+        CHECK(same_bits(got.out, want.out));
+        got_pools.fold_recurrent_records.clear();
+        got_pools.fold_conv_records.clear();
+        CHECK(got_pools == want_pools);  // pools (folded, stepped) and this step's records
+      }
+    }
+  }
+}
+
+KDA_LAYER_CASE("a fold refuses bad input before anything is written") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 8);
+  pools.randomize(2);
+  pools.add_records(config, 4);
+  pools.fold_recurrent_records = pools.recurrent_records;
+  pools.fold_conv_records = pools.conv_records;
+  const Pools before = pools;
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(4 * config.hidden_size), 1.0f, 3);
+  auto folding = [](BatchSpec b) {
+    b.fold_sequences = 2;
+    b.fold_decode_tokens = 2;
+    b.fold_rows = {1, 0};
+    b.fold_counts = {2, 1};
+    return b;
+  };
+  struct Bad {
+    BatchSpec batch;
+    std::string message;
+  };
+  std::vector<Bad> cases;
+  {
+    BatchSpec b = folding(decode_batch(2, 2, {0, 1}));
+    b.num_accepted = {1, 1};
+    b.slots = {0, 1, 2, 3};
+    cases.push_back({b,
+                     "fold_sequences (a fold of the last records step) needs a decode batch with "
+                     "slots and no num_accepted"});
+  }
+  {
+    BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
+    b.fold_decode_tokens = 3;
+    cases.push_back({b,
+                     "fold: State::record_rows 4 is below the records step's 2 x 3 row-token "
+                     "pairs"});
+  }
+  {
+    BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
+    b.fold_decode_tokens = 17;
+    cases.push_back({b, "fold_decode_tokens 17 is not in [1, 16]"});
+  }
+  if (runner.backend() == Backend::kCpu) {  // CUDA reads them on the device (status bit)
+    BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
+    b.fold_rows = {1, 2};
+    cases.push_back({b, "row 1 has fold row 2, outside [0, fold_sequences = 2)"});
+    b = folding(decode_batch(2, 1, {0, 1}));
+    b.fold_counts = {0, 1};
+    cases.push_back({b, "row 0 has fold count 0, outside [1, fold_decode_tokens = 2]"});
+  }
+  for (const Bad& bad : cases) {
+    CAPTURE(bad.message);
+    Pools p = before;
+    const std::vector<bf16_bits> in(hidden.begin(),
+                                    hidden.begin() + bad.batch.tokens() * config.hidden_size);
+    const LayerRun run = runner.forward(*layer, in, bad.batch, &p);
+    CHECK(run.error == runner.forward_error_prefix() + bad.message);
+    CHECK(p == before);
+  }
+}
+
 KDA_LAYER_CASE("a records verify step and a commit refuse bad input before anything is written") {
   const layer::Config config = runner.config();
   const auto layer = runner.make(layer::random_weights(config, 1, 0));

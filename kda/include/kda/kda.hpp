@@ -223,7 +223,8 @@ enum DeviceStatusBit : std::uint32_t {
   kDeviceStatusSlot = 1u << 2,        // a slot index >= the pool size (decode: that row was
                                       // skipped; prefill: that sequence ran as padding)
   kDeviceStatusAccepted = 1u << 3,    // a verify step's or a commit's num_accepted outside
-                                      // [1, tokens] (that row was skipped)
+                                      // [1, tokens], or a decode step's fold row or count out
+                                      // of range (that row was skipped)
   kDeviceStatusCheckpoint = 1u << 4,  // a prefill checkpoint request whose offset is not -1, a
                                       // multiple of 16 up to its sequence's length, or that
                                       // length, whose slot is >= the pool size, or whose slot
@@ -343,6 +344,25 @@ Status apply_transition_cuda(std::int64_t pairs, std::int64_t head_dim_k, std::i
 // read one state and write T (2K + V) fp32 values, and the commit reads and writes the state once
 // more and reads the accepted records. At K = V = 128 the records form moves fewer bytes from
 // T = 3 on, and keeps one pool entry a row instead of T (docs/design/decode.md#which-verify-form).
+// Fold (the commit deferred into the next step; DecodeProblem::fold_batch > 0): instead of a commit
+// launch after a records step, the runtime names in the next step, for each of its rows, the row of
+// that records step whose accepted records apply to this row's slot; the step loads the slot's
+// state, applies those records in token order (the commit's operations, so the state is the
+// commit's bit for bit: a bf16 state is rounded once after them, as the commit's store rounds it),
+// and then runs its own tokens from it. Each state is then read and written once a step, against
+// a records step plus commit's three (docs/design/decode.md#folding-in-the-next-step):
+//   fold_records: f32 [fold_batch, fold_tokens, H, K + K + V], the records step's records (not the
+//                 region this step writes)
+//   fold_rows:    int32 [batch], the row of the records step that read this row's slot, or
+//                 negative: nothing to fold
+//   fold_counts:  int32 [batch], that row's accepted tokens, in [1, fold_tokens] (read only where
+//                 fold_rows is not negative)
+// A plain step or a records step may fold (not a per-token-states verify step). A records step
+// that folds writes the folded state into the row's slot (its one pool write; its records are
+// relative to the folded state), so its rows' slots must be distinct, as a plain step's. A padding
+// row folds nothing. CPU: a fold row outside [0, fold_batch) or a count outside [1, fold_tokens] is
+// kInvalidArgument naming the row; CUDA: that row is skipped (padding) and kDeviceStatusAccepted
+// reported.
 // Most new tokens per sequence in one decode call (speculative or multi-token steps); longer
 // continuations are prefills. The engine's decode checks against the same constant.
 inline constexpr std::int64_t kMaxDecodeTokens = 16;
@@ -367,7 +387,12 @@ struct DecodeProblem {
   // With verify: the record-and-commit form (above): slots [batch], records written, pool only
   // read.
   bool records = false;
+  // Fold (above): rows and tokens a row of the records step whose records this step folds into
+  // its rows' states first; 0 rows: no fold (fold_tokens then unused).
+  std::int64_t fold_batch = 0;
+  std::int64_t fold_tokens = 1;
   float effective_scale() const noexcept;
+  bool folds() const noexcept { return fold_batch > 0; }
 };
 
 struct DecodeTensors {
@@ -387,7 +412,11 @@ struct DecodeTensors {
   // DecodeProblem::records: f32 [batch, tokens, H, K + K + V] (above), on the backend as slots;
   // otherwise null.
   float* records = nullptr;
-  std::uint32_t* device_status = nullptr;  // optional, CUDA only: see Tensors::device_status
+  // DecodeProblem::fold_batch > 0 (Fold, above), on the backend as slots; otherwise null.
+  const float* fold_records = nullptr;        // [fold_batch, fold_tokens, H, K + K + V]
+  const std::int32_t* fold_rows = nullptr;    // [batch]
+  const std::int32_t* fold_counts = nullptr;  // [batch]
+  std::uint32_t* device_status = nullptr;     // optional, CUDA only: see Tensors::device_status
 };
 
 Status validate(const DecodeProblem& p);

@@ -5,9 +5,12 @@
 // 512-byte warp access), or 8 of every other row (bf16 state: a half-warp per row, one warp access
 // covers two rows, fewer instructions per state byte); the state stays in registers (64 floats a
 // thread) across the step's tokens. The kernel is meant to be bound by moving the state (read and
-// written once per step); the dot products are shuffle reductions (DecodeLanes).
+// written once per step); the dot products are shuffle reductions (DecodeLanes). A step that
+// folds the records step before it (kda.hpp, "Fold") applies that step's accepted records to the
+// state right after loading it, with the commit's operations (commit.cu).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -31,6 +34,13 @@ struct DecodeParams {
   void* pool;
   bf16* out;
   float* records;  // [batch, tokens, H, 3 D] in the records form, else null
+  // A fold (kda.hpp): the records step's records, each row's row of it and accepted count; null
+  // rows: no fold.
+  const float* fold_records;
+  const std::int32_t* fold_rows;
+  const std::int32_t* fold_counts;
+  int fold_batch;
+  int fold_tokens;
   std::int64_t num_slots;
   std::int32_t padding_slot = -1;  // DecodeProblem::padding_slot (negative: none)
   int tokens;
@@ -107,6 +117,15 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
   if (slot >= p.num_slots && h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
   // Padding (a negative entry or the caller's null slot), or out of range: skipped, never indexed.
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) return;
+  // A fold's row and count: out of range, the row is skipped as padding (reported).
+  int fold_row = -1, fold_count = 0;
+  if (p.fold_rows != nullptr && (fold_row = p.fold_rows[b]) >= 0) {
+    fold_count = p.fold_counts[b];
+    if (fold_row >= p.fold_batch || fold_count < 1 || fold_count > p.fold_tokens) {
+      if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
+      return;
+    }
+  }
 
   const std::int64_t H = p.num_heads;
   const std::int64_t state_base = (static_cast<std::int64_t>(slot) * H + h) * D * D;
@@ -158,6 +177,44 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
       }
     }
   };
+  if (fold_row >= 0) {
+    // The commit's operations (commit.cu) on the records of the row named, in token order; a bf16
+    // state rounded as the commit's store rounds it; a records step stores the folded state (the
+    // pool's only write of such a step).
+    const float* rec =
+        p.fold_records + (static_cast<std::int64_t>(fold_row) * p.fold_tokens * H + h) * (3 * D);
+    for (int t = 0; t < fold_count; ++t) {
+      const float* r = rec + static_cast<std::int64_t>(t) * H * (3 * D);
+      float a[kVec], kh[kVec];
+#pragma unroll
+      for (int j = 0; j < kVec; j += 4) {
+        const float4 fa = *reinterpret_cast<const float4*>(r + k0 + j);
+        const float4 fk = *reinterpret_cast<const float4*>(r + D + k0 + j);
+        a[j] = fa.x, a[j + 1] = fa.y, a[j + 2] = fa.z, a[j + 3] = fa.w;
+        kh[j] = fk.x, kh[j + 1] = fk.y, kh[j + 2] = fk.z, kh[j + 3] = fk.w;
+      }
+#pragma unroll
+      for (int i = 0; i < L::kSteps; ++i) {
+        const float u = r[2 * D + row_of(i)];
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          S[i][j] *= a[j];
+          S[i][j] = fmaf(u, kh[j], S[i][j]);
+        }
+      }
+    }
+    if constexpr (!kF32State) {
+#pragma unroll
+      for (int i = 0; i < L::kSteps; ++i) {
+#pragma unroll
+        for (int j = 0; j < kVec; j += 2) {
+          const float2 f = unpack_bf16x2(pack_bf16x2(S[i][j], S[i][j + 1]));
+          S[i][j] = f.x, S[i][j + 1] = f.y;
+        }
+      }
+    }
+    if constexpr (kRecords) store_state(state_base);
+  }
   const float a_exp = __expf(p.in.A_log[h]);
   // Sum over the lanes that share a row (all 32, or each half-warp).
   auto row_sum = [](float x) {
@@ -332,6 +389,13 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);
   prm.records = p.records ? t.records : nullptr;
+  if (p.folds()) {
+    prm.fold_records = t.fold_records;
+    prm.fold_rows = t.fold_rows;
+    prm.fold_counts = t.fold_counts;
+    prm.fold_batch = static_cast<int>(std::min<std::int64_t>(p.fold_batch, 0x7fffffff));
+    prm.fold_tokens = static_cast<int>(p.fold_tokens);
+  }
   prm.num_slots = p.num_slots;
   prm.padding_slot = p.padding_slot;
   prm.tokens = static_cast<int>(p.tokens);

@@ -21,6 +21,10 @@
 // (griddepcontrol.wait) and reads the projection. It lets its own dependent (o_proj) start at
 // once, which then streams W_o while this kernel runs.
 //
+// A step that folds the records step before it (FusedDecodeParams::fold_rows, the commit deferred
+// into this step) applies that step's accepted records to the state and the conv history right
+// after loading them, before waiting for the projection, with the commit's operations.
+//
 // A record-and-commit verify step (FusedDecodeParams::records) writes, instead of any state, each
 // token's records as the operator's decode kernel and the conv kernel write them (kda.hpp): alpha
 // and k^ from the cluster's first block, u from each block for its value rows, the pre-conv q | k |
@@ -125,6 +129,17 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     slot = p.slots[b];
   }
   if (slot >= p.num_slots && reporter) atomicOr(p.status, kDeviceStatusSlot);
+  // A fold's row and count (written before this kernel, as the slots are): out of range, the row
+  // is padding (reported).
+  int fold_row = -1, fold_count = 0;
+  if (p.fold_rows != nullptr && slot >= 0 && slot < p.num_slots && slot != p.padding_slot &&
+      (fold_row = p.fold_rows[b]) >= 0) {
+    fold_count = p.fold_counts[b];
+    if (fold_row >= p.fold_sequences || fold_count < 1 || fold_count > p.fold_tokens) {
+      if (reporter) atomicOr(p.status, kDeviceStatusAccepted);
+      slot = -1;
+    }
+  }
   griddep_launch_dependents();  // o_proj may start streaming its weights
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) {
     // Padding (a negative entry or the caller's null slot; or a slot outside the pool, reported
@@ -233,6 +248,51 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       for (int j = 0; j < kHist; ++j) dst[i * kHist + j] = float_to_bits(hist[i][j]);
     }
   };
+
+  if (fold_row >= 0) {
+    // The deferred commit of the records step before (kda.hpp, "Fold"), before waiting for the
+    // projection: its records are complete before this kernel starts. The commit's operations on
+    // the state (kda/src/cuda/commit.cu), a bf16 state rounded as the commit's store rounds it;
+    // the conv inputs shifted into each thread's history as bf16 values, exactly.
+    const std::int64_t first = static_cast<std::int64_t>(fold_row) * p.fold_tokens;
+    for (int t = 0; t < fold_count; ++t) {
+      const float* r = p.fold_records + ((first + t) * p.heads + h) * (3 * D);
+      const float4 a4 = *reinterpret_cast<const float4*>(r + k0);
+      const float4 k4 = *reinterpret_cast<const float4*>(r + D + k0);
+      const float a[4] = {a4.x, a4.y, a4.z, a4.w}, kh[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const float u = r[2 * D + v_row0 + i];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          S[i][j] *= a[j];
+          S[i][j] = fmaf(u, kh[j], S[i][j]);
+        }
+      }
+      if (conv_thread) {
+        const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(
+            p.fold_conv_records + (first + t) * 3 * Cl + branch * Cl + cc);
+        const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
+          if constexpr (kHist > 0) hist[i][kHist - 1] = x[i];
+        }
+      }
+    }
+    if constexpr (!kF32State) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) S[i][j] = round_bf16(S[i][j]);
+      }
+    }
+    if constexpr (kRecords) {  // the records step's one pool write: the folded states
+      store_state(state_base);
+      if (conv_owner) store_conv(conv_state);
+    }
+  }
 
   const float a_exp = __expf(p.A_log[h]);
   // Distributed shared memory may be written only once every block of the cluster runs.
@@ -506,7 +566,11 @@ bool fused_decode_fits(const FusedDecodeParams& p) {
          (p.records == nullptr
               ? p.conv_records == nullptr
               : p.num_accepted == nullptr && p.slots != nullptr && aligned(p.records, 16) &&
-                    p.conv_records != nullptr && aligned(p.conv_records, 4));
+                    p.conv_records != nullptr && aligned(p.conv_records, 4)) &&
+         (p.fold_rows == nullptr ||
+          (p.num_accepted == nullptr && p.slots != nullptr && p.fold_counts != nullptr &&
+           p.fold_records != nullptr && aligned(p.fold_records, 16) &&
+           p.fold_conv_records != nullptr && aligned(p.fold_conv_records, 4)));
 }
 
 cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream) {

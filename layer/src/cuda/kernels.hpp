@@ -58,6 +58,16 @@ struct ConvParams {
   // slots[n] as a plain step's, no conv state is written, and each row's pre-conv inputs are
   // copied into conv_records (bf16 [tokens, 3 * channels], 16-byte aligned) for the commit.
   std::uint16_t* conv_records = nullptr;
+  // Decode only, a fold (kda::layer::Batch::fold_sequences > 0): row n's conv states first take
+  // the first fold_counts[n] pre-conv inputs of row fold_rows[n] of the records step before
+  // (fold_conv_records, bf16 [fold_sequences * fold_tokens, 3 * channels]), as the commit shifts
+  // them, and the folded state is stored before the conv reads it. A fold row or count out of
+  // range: the row runs as padding (kDeviceStatusAccepted).
+  const std::uint16_t* fold_conv_records = nullptr;
+  const std::int32_t* fold_rows = nullptr;
+  const std::int32_t* fold_counts = nullptr;
+  std::int64_t fold_sequences = 0;
+  std::int64_t fold_tokens = 1;
   // Prefill only, optional: checkpoint requests (kda::layer::Batch::checkpoints), K per sequence,
   // int64 offsets and int32 rows [sequences, K]: launch_conv_prefill writes the three conv states
   // at each valid request's offset into its row first (they read the sequences' initial conv
@@ -174,6 +184,16 @@ struct FusedDecodeParams {
   // conv_records: bf16 [tokens, 3 Cl] (the pre-conv q | k | v inputs); both null otherwise.
   float* records = nullptr;
   std::uint16_t* conv_records = nullptr;
+  // A fold (kda::layer::Batch::fold_sequences > 0; not with num_accepted): each row's recurrent
+  // and conv states first take the first fold_counts[b] tokens of row fold_rows[b] of the records
+  // step before (its records: f32 [fold_sequences * fold_tokens, heads, 3 * 128] and bf16
+  // [fold_sequences * fold_tokens, 3 Cl]); a records step stores the folded states. Null: none.
+  const float* fold_records = nullptr;
+  const std::uint16_t* fold_conv_records = nullptr;
+  const std::int32_t* fold_rows = nullptr;
+  const std::int32_t* fold_counts = nullptr;
+  int fold_sequences = 0;
+  int fold_tokens = 1;
 };
 // The cluster size launch_fused_decode runs `p` with.
 int fused_decode_cluster(const FusedDecodeParams& p);

@@ -76,6 +76,11 @@ struct State {
   float* recurrent_records = nullptr;
   bf16_bits* conv_records = nullptr;
   std::int64_t record_rows = 0;
+  // The records a step folds (Batch::fold_sequences): the regions the records step before it
+  // wrote, laid out as above for its sequences x decode_tokens pairs. A runtime that folds keeps
+  // two regions a layer and alternates: a records step writes one while it folds the other.
+  const float* fold_recurrent_records = nullptr;
+  const bf16_bits* fold_conv_records = nullptr;
 };
 
 // One batch: `sequences` sequences, back to back in `tokens` rows of hidden states.
@@ -126,6 +131,22 @@ struct Batch {
   // each row's accepted tokens into its states. A padding row's out is zeros, its records are
   // left as they were.
   bool records = false;
+  // Decode only, optional: the commit of the records step before this one deferred into this step
+  // (kda.hpp, "Fold"), instead of a commit() launch. fold_sequences and fold_decode_tokens are that
+  // step's N and decode_tokens; fold_rows and fold_counts [N], on the layer's backend: row n of
+  // this step starts from its slot after folding in the first fold_counts[n] tokens of that step's
+  // row fold_rows[n] (the row that read the same slot; negative: nothing to fold), from the
+  // records in State::fold_recurrent_records / fold_conv_records, recurrent and conv states alike,
+  // with the commit's operations: out and states equal, bit for bit, those of commit() followed by
+  // this step. A plain step or a records step may fold (not a step with num_accepted); a records
+  // step that folds stores each folded state in its row's slot, so its slots must be distinct. A
+  // fold row outside [0, fold_sequences) or a count outside [1, fold_decode_tokens]: the CPU
+  // refuses the call naming the row; CUDA writes that row as padding and sets
+  // kDeviceStatusAccepted.
+  std::int64_t fold_sequences = 0;
+  std::int64_t fold_decode_tokens = 1;
+  const std::int32_t* fold_rows = nullptr;
+  const std::int32_t* fold_counts = nullptr;
   // Prefill only, optional: checkpoints for prefix caching (kda.hpp, Problem::checkpoints), K
   // requests per sequence in checkpoint_offsets int64 [N, K] and checkpoint_slots int32 [N, K], on
   // the layer's backend and with slots: request k of sequence n writes, into pool row
