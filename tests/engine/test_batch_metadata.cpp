@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -1206,8 +1207,8 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
         KDA_INVALID_ARGUMENT);
   CHECK(std::string(kda_engine_last_error(batch)) ==
         "kda_engine_forward_hidden_batch: batch->struct_size is 0, expected " +
-            std::to_string(sizeof(kda_batch)) + " to " + std::to_string(sizeof(kda_batch)) +
-            " (initialise the batch with kda_batch_init)");
+            std::to_string(offsetof(kda_batch, reserved) + sizeof(int)) + " to " +
+            std::to_string(sizeof(kda_batch)) + " (initialise the batch with kda_batch_init)");
   kda_batch later = decode;
   later.struct_size = sizeof(kda_batch) + 8;
   CHECK(kda_engine_forward_batch(batch, 0, q.data(), q.data(), q.data(), q.data(), beta.data(),
@@ -1449,23 +1450,229 @@ TEST_CASE("engine: bad records steps and commits are refused or reported by the 
   if (usable(Backend::kCuda)) bad_records(Backend::kCuda);
 }
 
-TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-token form [cpu]") {
+namespace {
+
+// The spec above with two records regions, for the commit deferred into the next step.
+ModelSpec fold_spec() {
+  return kda::engine::parse_model_spec(
+      std::string(kSpec) + "  max_verify_tokens: 3\n  record_regions: 2\n",
+      "batch-metadata-fold.yaml");
+}
+
+// The speculative-decode loop with records steps, two ways on two engines of one model: `spans`
+// commits after every records step (Engine::commit), `meta` folds each records step into the next
+// (BatchMetadata::fold_rows, alternating records_region) and commits only after the last. Rows 0
+// and 1 on slots 4 and 1, row 2 padding (its fold entries garbage); the rows swap places every
+// round, so fold_rows names the row of the step before. Outs of every layer and round, and at the
+// end every state, equal bit for bit on each backend (the fold applies the commit's operations).
+void fold_loop(Backend backend) {
+  EnginePair pair(backend, nullptr, fold_spec());
+  const int T = 3, N = 3;
+  std::mt19937 random(93);
+  Memory out_commit(backend, N * T * kHidden * 2), out_fold(backend, N * T * kHidden * 2);
+  std::vector<std::int32_t> slots = {4, 1, -1}, accepted_before;
+  int region = 0;
+  for (int round = 0; round < 5; ++round) {
+    CAPTURE(round);
+    Memory hidden(backend, kda::test::random_bf16(N * T * kHidden, 1.0f, 200 + round));
+    Memory step_slots(backend, slots);
+    BatchMetadata records;
+    records.tokens = N * T;
+    records.sequences = N;
+    records.decode_tokens = T;
+    records.slots = step_slots.as<std::int32_t>();
+    records.records = true;
+    BatchMetadata folding = records;
+    folding.records_region = region;
+    std::vector<std::int32_t> rows, counts;
+    if (round > 0) {
+      // This round's rows are last round's swapped: row 0 was row 1, row 1 was row 0.
+      rows = {1, 0, 999};
+      counts = {accepted_before[1], accepted_before[0], -4};
+      folding.fold_region = 1 - region;
+    }
+    Memory fold_rows(backend, rows.empty() ? std::vector<std::int32_t>{0} : rows);
+    Memory fold_counts(backend, counts.empty() ? std::vector<std::int32_t>{0} : counts);
+    if (round > 0) {
+      folding.fold_rows = fold_rows.as<std::int32_t>();
+      folding.fold_counts = fold_counts.as<std::int32_t>();
+    }
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      out_commit.poison();
+      out_fold.poison();
+      pair.spans.decode_hidden(l, hidden.get(), out_commit.get(), records);
+      pair.meta.decode_hidden(l, hidden.get(), out_fold.get(), folding);
+      pair.spans.synchronize();
+      pair.meta.synchronize();
+      CHECK(out_commit.read<std::uint16_t>() == out_fold.read<std::uint16_t>());
+    }
+    const std::vector<std::int32_t> accepted = {1 + static_cast<std::int32_t>(random() % T),
+                                                1 + static_cast<std::int32_t>(random() % T), 0};
+    Memory counts_now(backend, accepted);
+    pair.spans.commit(N, step_slots.as<std::int32_t>(), counts_now.as<std::int32_t>());
+    if (round == 4) {
+      pair.meta.commit(N, step_slots.as<std::int32_t>(), counts_now.as<std::int32_t>(), region);
+    }
+    accepted_before = accepted;
+    std::swap(slots[0], slots[1]);
+    region = 1 - region;
+  }
+  pair.spans.synchronize();
+  pair.meta.synchronize();
+  CHECK_NOTHROW(pair.spans.check_device_status());
+  CHECK_NOTHROW(pair.meta.check_device_status());
+  CHECK(all_states(pair.spans) == all_states(pair.meta));
+  CHECK(out_fold.guards_intact());
+}
+
+// A fold refused: on a model with one records region when it is a records step's own, without a
+// records step on its region, with num_accepted, or with fold_counts missing; on the CPU a fold
+// row outside the records step's rows (nothing written).
+void bad_folds(Backend backend) {
+  using kda::test::error_of;
+  Memory hidden(backend, kda::test::random_bf16(4 * 2 * kHidden, 1.0f, 74));
+  Memory out(backend, 4 * 2 * kHidden * 2);
+  Memory slots(backend, std::vector<std::int32_t>{0, 1});
+  Memory rows(backend, std::vector<std::int32_t>{0, 1}),
+      counts(backend, std::vector<std::int32_t>{1, 2});
+  BatchMetadata b;
+  b.tokens = 4;
+  b.sequences = 2;
+  b.decode_tokens = 2;
+  b.slots = slots.as<std::int32_t>();
+  b.records = true;
+  Engine e(fold_spec(), EnginePair::options(backend, nullptr));
+  for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+  BatchMetadata fold = b;
+  fold.fold_rows = rows.as<std::int32_t>();
+  fold.fold_counts = counts.as<std::int32_t>();
+  fold.fold_region = 1;
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), fold); }) ==
+        "decode_hidden: layer 1 (KDA index 0) has no records in region 1 to fold (no records "
+        "verify step wrote it)");
+  BatchMetadata same = fold;
+  same.fold_region = 0;
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), same); }) ==
+        "decode_hidden: a records step folds records region 0, the one it writes "
+        "(runtime.record_regions 2: alternate records_region)");
+  BatchMetadata region2 = b;
+  region2.records_region = 2;
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), region2); }) ==
+        "decode_hidden: records_region 2, expected 0..1 (runtime.record_regions 2)");
+  BatchMetadata half = fold;
+  half.fold_counts = nullptr;
+  CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), half); }) ==
+        "decode_hidden: a fold needs both fold_rows and fold_counts");
+  CHECK(error_of([&] { e.commit(2, slots.as<std::int32_t>(), counts.as<std::int32_t>(), 2); }) ==
+        "commit: records_region 2, expected 0..1 (runtime.record_regions 2)");
+  BatchMetadata second = b;
+  second.records_region = 1;
+  e.decode_hidden(0, hidden.get(), out.get(), second);  // region 1 of layer 0 holds records now
+  BatchMetadata plain = fold;
+  plain.records = false;
+  if (backend == Backend::kCpu) {
+    Memory far(backend, std::vector<std::int32_t>{0, 2});
+    plain.fold_rows = far.as<std::int32_t>();
+    const std::vector<std::uint8_t> before = all_states(e);
+    CHECK(error_of([&] {
+            e.decode_hidden(0, hidden.get(), out.get(), plain);
+          }).find("row 1 has fold row 2, outside [0, fold_sequences = 2)") != std::string::npos);
+    CHECK(all_states(e) == before);
+  }
+  Engine one(records_spec(), EnginePair::options(backend, nullptr));
+  for (int s = 0; s < one.num_slots(); ++s) one.acquire_slot();
+  CHECK(error_of([&] { one.decode_hidden(0, hidden.get(), out.get(), second); }) ==
+        "decode_hidden: records_region 1, expected 0..0 (runtime.record_regions 1)");
+}
+
+}  // namespace
+
+TEST_CASE("engine: folding each records step into the next equals committing it [cpu]") {
+  fold_loop(Backend::kCpu);
+}
+TEST_CASE("engine: folding each records step into the next equals committing it [cuda]") {
+  if (usable(Backend::kCuda)) fold_loop(Backend::kCuda);
+}
+TEST_CASE("engine: bad folds are refused [cpu]") { bad_folds(Backend::kCpu); }
+TEST_CASE("engine: bad folds are refused [cuda]") {
+  if (usable(Backend::kCuda)) bad_folds(Backend::kCuda);
+}
+
+// A CPU engine of the YAML `text` through the C API, its first `slots` slots acquired.
+kda_engine* cpu_engine_with_slots(const std::string& text, int slots) {
   kda_engine_options options;
   REQUIRE(kda_engine_options_init(&options) == KDA_OK);
   options.backend = KDA_BACKEND_CPU;
   options.cpu_threads = 2;
-  const std::string text = std::string(kSpec) + "  max_verify_tokens: 2\n";
-  kda_engine *tokens = nullptr, *records = nullptr;
+  kda_engine* engine = nullptr;
   char err[512];
-  REQUIRE(kda_engine_create_from_string(text.c_str(), &options, &tokens, err, sizeof err) ==
-          KDA_OK);
-  REQUIRE(kda_engine_create_from_string(text.c_str(), &options, &records, err, sizeof err) ==
-          KDA_OK);
-  for (int i = 0; i < 4; ++i) {
+  REQUIRE_MESSAGE(
+      kda_engine_create_from_string(text.c_str(), &options, &engine, err, sizeof err) == KDA_OK,
+      err);
+  for (int i = 0; i < slots; ++i) {
     int s = 0;
-    REQUIRE(kda_engine_acquire_slot(tokens, &s) == KDA_OK);
-    REQUIRE(kda_engine_acquire_slot(records, &s) == KDA_OK);
+    REQUIRE(kda_engine_acquire_slot(engine, &s) == KDA_OK);
   }
+  return engine;
+}
+
+// The C API's fold: two records steps of both layers, the second writing records region 1 and
+// folding region 0, then kda_engine_commit_region(1), against an engine that commits after each
+// records step: the outs and a decode step after them equal bit for bit; a caller built before the
+// fold's fields (a smaller struct_size) folds nothing.
+TEST_CASE("C API: kda_batch fold_rows and kda_engine_commit_region equal commits [cpu]") {
+  const std::string text = std::string(kSpec) + "  max_verify_tokens: 2\n  record_regions: 2\n";
+  kda_engine* committing = cpu_engine_with_slots(text, 4);
+  kda_engine* folding = cpu_engine_with_slots(text, 4);
+  const std::vector<std::int32_t> rows = {0, 2}, accepted = {2, 1}, fold_rows = {0, 1};
+  std::vector<std::uint16_t> out_a(4 * kHidden), out_b(4 * kHidden, 0xFFFF);
+  kda_batch step = c_batch(4, 2, 2, rows.data());
+  step.records = 1;
+  for (int round = 0; round < 2; ++round) {
+    const std::vector<std::uint16_t> hidden = kda::test::random_bf16(4 * kHidden, 1.0f, 30 + round);
+    kda_batch fold = step;
+    fold.records_region = round;
+    if (round == 1) {
+      fold.fold_rows = fold_rows.data();
+      fold.fold_counts = accepted.data();
+      fold.fold_region = 0;
+    }
+    for (int l = 0; l < 2; ++l) {
+      REQUIRE(kda_engine_forward_hidden_batch(committing, l, hidden.data(), out_a.data(), &step) ==
+              KDA_OK);
+      REQUIRE(kda_engine_forward_hidden_batch(folding, l, hidden.data(), out_b.data(), &fold) ==
+              KDA_OK);
+      CHECK(out_a == out_b);
+    }
+    REQUIRE(kda_engine_commit(committing, 2, rows.data(), accepted.data()) == KDA_OK);
+  }
+  CHECK(kda_engine_commit_region(folding, 2, rows.data(), accepted.data(), 2) ==
+        KDA_INVALID_ARGUMENT);
+  REQUIRE(kda_engine_commit_region(folding, 2, rows.data(), accepted.data(), 1) == KDA_OK);
+  const int from[2] = {0, 2};
+  const std::vector<std::uint16_t> hidden = kda::test::random_bf16(2 * kHidden, 1.0f, 40);
+  for (int l = 0; l < 2; ++l) {
+    REQUIRE(kda_engine_decode_hidden(committing, l, hidden.data(), out_a.data(), from, 2, 1) ==
+            KDA_OK);
+    REQUIRE(kda_engine_decode_hidden(folding, l, hidden.data(), out_b.data(), from, 2, 1) ==
+            KDA_OK);
+    CHECK(std::equal(out_a.begin(), out_a.begin() + 2 * kHidden, out_b.begin()));
+  }
+  // A batch of the version before the fold's fields: whatever lies past its struct_size is unread.
+  kda_batch old = step;
+  old.struct_size = offsetof(kda_batch, reserved) + sizeof(int);
+  old.records_region = 7;
+  const std::vector<std::uint16_t> rows4 = kda::test::random_bf16(4 * kHidden, 1.0f, 41);
+  CHECK(kda_engine_forward_hidden_batch(folding, 0, rows4.data(), out_b.data(), &old) == KDA_OK);
+  kda_engine_destroy(committing);
+  kda_engine_destroy(folding);
+}
+
+TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-token form [cpu]") {
+  const std::string text = std::string(kSpec) + "  max_verify_tokens: 2\n";
+  kda_engine* tokens = cpu_engine_with_slots(text, 4);
+  kda_engine* records = cpu_engine_with_slots(text, 4);
   const std::vector<std::uint16_t> hidden = kda::test::random_bf16(4 * kHidden, 1.0f, 13);
   std::vector<std::uint16_t> out_tokens(4 * kHidden), out_records(4 * kHidden, 0xFFFF);
   // Per-token states: row 0 from slot 0 keeps slots 0, 1; row 1 from slot 2 keeps slots 2, 3.

@@ -37,11 +37,13 @@ static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 64,
               "kda_engine_options changed size: keep it apart from earlier versions");
 
 // kda_batch grows at its end; a caller's struct_size says which fields it holds. The first
-// version with struct_size is the smallest one read (96 bytes on LP64): keep the size in step
-// with the fields, and fields added later after `reserved`.
+// version with struct_size is the smallest one read (96 bytes on LP64, up to `reserved`); the
+// fold's fields (records_region .. fold_counts) made it 120: keep the size in step with the
+// fields, and fields added later at the end.
 constexpr std::size_t kBatchFirstSize = offsetof(kda_batch, reserved) + sizeof(int);
-static_assert(sizeof(void*) != 8 || sizeof(kda_batch) == 96,
-              "kda_batch changed size: add fields at its end, after reserved");
+static_assert(sizeof(void*) != 8 || kBatchFirstSize == 96, "the first kda_batch version moved");
+static_assert(sizeof(void*) != 8 || sizeof(kda_batch) == 120,
+              "kda_batch changed size: add fields at its end");
 
 constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (documented in kda_engine.h)
 
@@ -245,6 +247,10 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* given, const char* fu
   b.checkpoint_offsets = batch->checkpoint_offsets;
   b.checkpoint_slots = batch->checkpoint_slots;
   b.records = batch->records != 0;
+  b.records_region = batch->records_region;
+  b.fold_region = batch->fold_region;
+  b.fold_rows = batch->fold_rows;
+  b.fold_counts = batch->fold_counts;
   return b;
 }
 
@@ -498,6 +504,13 @@ kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_
                              const int32_t* num_accepted) {
   return on_handle(engine,
                    [&](kda::engine::Engine& e) { e.commit(sequences, slots, num_accepted); });
+}
+
+kda_status kda_engine_commit_region(kda_engine* engine, int64_t sequences, const int32_t* slots,
+                                    const int32_t* num_accepted, int records_region) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    e.commit(sequences, slots, num_accepted, records_region);
+  });
 }
 
 kda_status kda_engine_synchronize(kda_engine* engine) {

@@ -99,8 +99,9 @@ const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
     "full_attn_layers", "gate",     "gate_lower_bound",       "use_full_rank_gate"};
 const std::vector<std::string> kRuntimeKeys = {
-    "max_tokens", "max_sequences", "state_dtype", "workspace_plan",   "backend",
-    "layers",     "tp_size",       "tp_rank",     "prefill_schedule", "max_verify_tokens"};
+    "max_tokens",    "max_sequences", "state_dtype", "workspace_plan",   "backend",
+    "layers",        "tp_size",       "tp_rank",     "prefill_schedule", "max_verify_tokens",
+    "record_regions"};
 
 bool contains(const std::vector<std::string>& keys, const std::string& key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -1150,6 +1151,10 @@ ModelSpec parse_description(const std::string& text, const std::string& source_n
       if (const YAML::Node n = optional(runtime, "max_verify_tokens"); n.IsDefined()) {
         spec.runtime.max_verify_tokens =
             as_int_in(ctx, n, r + ".max_verify_tokens", 0, kMaxDecodeTokens);
+      }
+      if (const YAML::Node n = optional(runtime, "record_regions"); n.IsDefined()) {
+        spec.runtime.record_regions =
+            static_cast<int>(as_int_in(ctx, n, r + ".record_regions", 1, 2));
       }
       if (const YAML::Node n = optional(runtime, "state_dtype"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".state_dtype");

@@ -412,6 +412,31 @@ struct Engine::Impl {
              std::to_string(spec.runtime.max_verify_tokens));
       }
     }
+    const int regions = spec.runtime.record_regions;
+    if (b.records_region < 0 || b.records_region >= regions) {
+      fail(call + ": records_region " + std::to_string(b.records_region) + ", expected 0.." +
+           std::to_string(regions - 1) + " (runtime.record_regions " + std::to_string(regions) +
+           ")");
+    }
+    if (b.fold_rows != nullptr || b.fold_counts != nullptr) {
+      if (!decode || b.num_accepted != nullptr) {
+        fail(call +
+             ": fold_rows is set: a fold (the deferred commit of a records step) is a decode "
+             "step's without num_accepted");
+      }
+      if (b.fold_rows == nullptr || b.fold_counts == nullptr) {
+        fail(call + ": a fold needs both fold_rows and fold_counts");
+      }
+      if (b.fold_region < 0 || b.fold_region >= regions) {
+        fail(call + ": fold_region " + std::to_string(b.fold_region) + ", expected 0.." +
+             std::to_string(regions - 1) + " (runtime.record_regions " + std::to_string(regions) +
+             ")");
+      }
+      if (b.records && b.fold_region == b.records_region) {
+        fail(call + ": a records step folds records region " + std::to_string(b.fold_region) +
+             ", the one it writes (runtime.record_regions 2: alternate records_region)");
+      }
+    }
     if (b.checkpoints < 0 || (b.checkpoints > 0 && decode)) {
       fail(call + ": checkpoints " + std::to_string(b.checkpoints) +
            (decode ? " in a decode (checkpoints are a prefill's)" : ", expected >= 0"));
@@ -427,6 +452,8 @@ struct Engine::Impl {
           {decode ? nullptr : b.cu_seqlens, (n + 1) * 8, "cu_seqlens"},
           {decode ? nullptr : b.cu_seqlens_i32, (n + 1) * 4, "cu_seqlens_i32"},
           {b.num_accepted, n * 4, "num_accepted"},
+          {b.fold_rows, n * 4, "fold_rows"},
+          {b.fold_counts, n * 4, "fold_counts"},
           {b.checkpoints > 0 ? b.checkpoint_offsets : nullptr,
            n * static_cast<std::size_t>(b.checkpoints) * 8, "checkpoint_offsets"},
           {b.checkpoints > 0 ? b.checkpoint_slots : nullptr,
@@ -598,7 +625,15 @@ struct Engine::Impl {
       check_caller_tensors(layer, what, problem, t);
       t.slots = b.slots;
       t.num_accepted = b.num_accepted;
-      t.records = b.records ? layer.records() : nullptr;
+      t.records = b.records ? layer.records(b.records_region) : nullptr;
+      if (b.fold_rows != nullptr) {
+        const PendingRecords& folded = fold_source(kda_index, what, b);
+        problem.fold_batch = folded.sequences;
+        problem.fold_tokens = folded.decode_tokens;
+        t.fold_records = layer.records(b.fold_region);
+        t.fold_rows = b.fold_rows;
+        t.fold_counts = b.fold_counts;
+      }
       t.device_status = device_status;
       layer.decode_core(problem, t, unchecked);
       note_records(kda_index, b);
@@ -662,13 +697,21 @@ struct Engine::Impl {
     batch.padding_slot = null_slot;
     batch.num_accepted = b.num_accepted;
     batch.records = b.records;
+    if (b.fold_rows != nullptr) {
+      const PendingRecords& folded = fold_source(kda_index, what, b);
+      batch.fold_sequences = folded.sequences;
+      batch.fold_decode_tokens = folded.decode_tokens;
+      batch.fold_rows = b.fold_rows;
+      batch.fold_counts = b.fold_counts;
+    }
     batch.checkpoints = b.checkpoints;
     batch.checkpoint_offsets = b.checkpoint_offsets;
     batch.checkpoint_slots = b.checkpoint_slots;
     batch.cu_seqlens_host = cu_host;
     batch.slots_host = slots_host;
     batch.device_status = device_status;
-    layer.forward(batch, hidden, out, layer_options(times));
+    layer.forward(batch, hidden, out, layer_options(times), b.records_region,
+                  b.fold_rows != nullptr ? b.fold_region : -1);
     note_records(kda_index, b);
     // A tensor-parallel rank's partial sum, summed over the group in place.
     if (communicator != nullptr && b.tokens > 0) {
@@ -685,13 +728,29 @@ struct Engine::Impl {
     std::int64_t sequences = 0;
     int decode_tokens = 0;
   };
-  mutable std::vector<PendingRecords> pending_records;  // one per KDA layer
-  std::vector<layer::State> commit_states;  // the layers' States, built once for commit()
-  std::vector<CommitLayer> commit_layers;   // the same for the cores' commit
+  // One per KDA layer and records region.
+  mutable std::vector<std::array<PendingRecords, 2>> pending_records;
+  // The layers' States and the cores' commit layers for each records region, built once for
+  // commit().
+  std::array<std::vector<layer::State>, 2> commit_states;
+  std::array<std::vector<CommitLayer>, 2> commit_layers;
 
   void note_records(int kda_index, const BatchMetadata& b) const {
     if (!b.records) return;
-    pending_records[static_cast<std::size_t>(kda_index)] = {true, b.sequences, b.decode_tokens};
+    pending_records[static_cast<std::size_t>(kda_index)][static_cast<std::size_t>(
+        b.records_region)] = {true, b.sequences, b.decode_tokens};
+  }
+
+  // The records step a fold of `b` on layer `kda_index` folds: the last that wrote its region.
+  const PendingRecords& fold_source(int kda_index, const char* what, const BatchMetadata& b) const {
+    const PendingRecords& p = pending_records[static_cast<std::size_t>(kda_index)]
+                                             [static_cast<std::size_t>(b.fold_region)];
+    if (!p.pending) {
+      fail(std::string(what) + ": " + layers[static_cast<std::size_t>(kda_index)]->info().label +
+           " has no records in region " + std::to_string(b.fold_region) +
+           " to fold (no records verify step wrote it)");
+    }
+    return p;
   }
 
   // How the whole layers run: on the engine's stream and threads, its pointers checked already.
@@ -915,10 +974,13 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     staging->host.reserve(slots);
     staging->uploaded.reserve(slots);
   }
-  m.pending_records.assign(m.layers.size(), Impl::PendingRecords{});
-  for (const auto& layer : m.layers) {
-    m.commit_states.push_back(layer->state());
-    m.commit_layers.push_back(CommitLayer{layer->records(), layer->state_pool()});
+  m.pending_records.assign(m.layers.size(), {});
+  for (int region = 0; region < m.spec.runtime.record_regions; ++region) {
+    for (const auto& layer : m.layers) {
+      m.commit_states[static_cast<std::size_t>(region)].push_back(layer->state(region));
+      m.commit_layers[static_cast<std::size_t>(region)].push_back(
+          CommitLayer{layer->records(region), layer->state_pool()});
+    }
   }
   synchronize();
 }
@@ -1238,7 +1300,7 @@ void Engine::prefill_hidden(int kda_index, const void* hidden, void* out,
 }
 
 void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
-                    const std::int32_t* num_accepted) {
+                    const std::int32_t* num_accepted, int records_region) {
   Impl& m = *impl_;
   const std::string call = "commit";
   if (m.spec.runtime.max_verify_tokens == 0) {
@@ -1250,13 +1312,19 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
     fail(call + ": " + std::to_string(sequences) + " rows, expected 1.." +
          std::to_string(m.num_slots()) + " (runtime.max_sequences)");
   }
+  if (records_region < 0 || records_region >= m.spec.runtime.record_regions) {
+    fail(call + ": records_region " + std::to_string(records_region) + ", expected 0.." +
+         std::to_string(m.spec.runtime.record_regions - 1) + " (runtime.record_regions " +
+         std::to_string(m.spec.runtime.record_regions) + ")");
+  }
+  const auto region = static_cast<std::size_t>(records_region);
   // Every layer has run a records step, its last one of these rows and one token count. The shape
   // is what the host can check; it is not consumed by a commit, so that a graph of records steps
   // replayed before each eager commit (or a graph holding both) commits what its last replay
   // wrote. That the records are the last step's of these slots is the caller's promise.
   int decode_tokens = 0;
   for (int l = 0; l < m.num_layers(); ++l) {
-    const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)];
+    const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)][region];
     const std::string label = m.layers[static_cast<std::size_t>(l)]->info().label;
     if (!p.pending) {
       fail(call + ": " + label + " has no records to commit (no records verify step ran on it)");
@@ -1298,8 +1366,8 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
     batch.num_accepted = num_accepted;
     batch.padding_slot = m.null_slot;
     batch.device_status = m.device_status;
-    layer::commit(backend(), layer_config(m.spec), batch, m.commit_states.data(), m.num_layers(),
-                  m.layer_options(nullptr));
+    layer::commit(backend(), layer_config(m.spec), batch, m.commit_states[region].data(),
+                  m.num_layers(), m.layer_options(nullptr));
   } else {
     const EngineLayer& first = *m.layers.front();
     CommitProblem problem;
@@ -1312,7 +1380,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
     problem.padding_slot = m.null_slot;
     for (int at = 0; at < m.num_layers(); at += kMaxCommitLayers) {
       const int count = std::min(kMaxCommitLayers, m.num_layers() - at);
-      const CommitLayer* layers = m.commit_layers.data() + at;
+      const CommitLayer* layers = m.commit_layers[region].data() + at;
       const Status st =
           backend() == Backend::kCpu
               ? commit_cpu(problem, layers, count, slots, num_accepted, CpuOptions{m.cpu_threads})

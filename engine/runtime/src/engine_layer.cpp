@@ -44,7 +44,8 @@ EngineLayer::EngineLayer(const ModelSpec& spec, int kda_index, Backend backend)
       max_tokens_(spec.runtime.max_tokens),
       max_sequences_(spec.runtime.max_sequences),
       state_dtype_(spec.runtime.state_dtype),
-      record_rows_(spec.runtime.max_sequences * spec.runtime.max_verify_tokens) {
+      record_rows_(spec.runtime.max_sequences * spec.runtime.max_verify_tokens),
+      record_regions_(spec.runtime.record_regions) {
   // Users see the model layer 1-based, as the YAML's kda_layers lists it (the checkpoint's
   // model.layers.{i} is 0-based), plus the position among the KDA layers that Engine::prefill /
   // decode take: "layer 4 (KDA index 2)". Buffer and NVTX names use the same model layer number.
@@ -99,7 +100,8 @@ void EngineLayer::declare_buffers(planner::MemoryPlanner& planner) {
 
   if (record_rows_ > 0) {
     // 16-byte aligned, as the CUDA commit reads them (the planner's default alignment is more).
-    const auto rows = static_cast<std::uint64_t>(record_rows_);
+    const auto rows = static_cast<std::uint64_t>(record_rows_) *
+                      static_cast<std::uint64_t>(record_regions_);  // the regions back to back
     handles_.records = add(planner, "records", BufferKind::kState, rows * Hl * 3 * D * 4);
     if (whole_) {
       handles_.conv_records =
@@ -237,7 +239,18 @@ void EngineLayer::decode_core(const DecodeProblem& p, DecodeTensors t,
   if (!st.ok()) throw Error(st, info_.label + " decode");
 }
 
-layer::State EngineLayer::state() const noexcept {
+float* EngineLayer::records(int region) const noexcept {
+  if (records_ == nullptr) return nullptr;
+  const auto D = static_cast<std::int64_t>(config_.head_dim);
+  return records_ + region * record_rows_ * config_.local_heads() * 3 * D;
+}
+
+bf16_bits* EngineLayer::conv_records(int region) const noexcept {
+  if (conv_records_ == nullptr) return nullptr;
+  return conv_records_ + region * record_rows_ * 3 * config_.local_channels();
+}
+
+layer::State EngineLayer::state(int records_region, int fold_region) const noexcept {
   layer::State state;
   state.num_slots = max_sequences_;
   state.conv_q = static_cast<bf16_bits*>(conv_pool_[0]);
@@ -245,17 +258,22 @@ layer::State EngineLayer::state() const noexcept {
   state.conv_v = static_cast<bf16_bits*>(conv_pool_[2]);
   state.recurrent = state_pool_;
   state.recurrent_dtype = state_dtype_;
-  state.recurrent_records = records_;
-  state.conv_records = conv_records_;
+  state.recurrent_records = records(records_region);
+  state.conv_records = conv_records(records_region);
   state.record_rows = record_rows_;
+  if (fold_region >= 0) {
+    state.fold_recurrent_records = records(fold_region);
+    state.fold_conv_records = conv_records(fold_region);
+  }
   return state;
 }
 
 void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* out,
-                          const layer::RunOptions& options) const {
+                          const layer::RunOptions& options, int records_region,
+                          int fold_region) const {
   const char* what = batch.decode_tokens > 0 ? " decode" : " prefill";
   if (!layer_) throw Error(StatusCode::kInternal, info_.label + what + ": no weights loaded");
-  const layer::State state = this->state();
+  const layer::State state = this->state(records_region, fold_region);
   try {
     layer_->forward(batch, static_cast<const bf16_bits*>(hidden), static_cast<bf16_bits*>(out),
                     state, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)},

@@ -14,8 +14,9 @@
 //   layer{n}.records, conv_records     state, persistent, with runtime.max_verify_tokens > 0: the
 //                                      records of a record-and-commit verify step, f32
 //                                      [max_sequences * max_verify_tokens, Hl, 3 D], and (whole)
-//                                      its conv inputs, bf16 [..., 3 Hl·D]; they outlive the step
-//                                      until the engine's commit
+//                                      its conv inputs, bf16 [..., 3 Hl·D], runtime.record_regions
+//                                      of each back to back; they outlive the step until the
+//                                      engine's commit or the fold of a later step
 //   layer{n}.workspace                 workspace, live while the layer runs (step = its KDA
 //                                      index): the larger of a max_tokens prefill in max_sequences
 //                                      sequences and a decode step of kMaxDecodeTokens tokens for
@@ -71,12 +72,16 @@ class EngineLayer {
   void* conv_pool(int which) const noexcept { return conv_pool_[which]; }  // 0 q, 1 k, 2 v
   std::uint64_t conv_pool_bytes() const noexcept { return conv_pool_bytes_; }
   std::uint64_t weight_bytes() const noexcept { return layer_ ? layer_->weight_bytes() : 0; }
-  // The records buffers (null without runtime.max_verify_tokens) and the row-token pairs they hold.
-  float* records() const noexcept { return records_; }
-  bf16_bits* conv_records() const noexcept { return conv_records_; }
+  // The records regions (null without runtime.max_verify_tokens; `region` in [0,
+  // record_regions)) and the row-token pairs each holds.
+  float* records(int region = 0) const noexcept;
+  bf16_bits* conv_records(int region = 0) const noexcept;
   std::int64_t record_rows() const noexcept { return record_rows_; }
-  // The layer's pools and records as kda::layer::State (whole layers; conv pools null for cores).
-  layer::State state() const noexcept;
+  int record_regions() const noexcept { return record_regions_; }
+  // The layer's pools and records as kda::layer::State (whole layers; conv pools null for cores):
+  // the records a step writes in `records_region`, and those it folds in `fold_region` (negative:
+  // none).
+  layer::State state(int records_region = 0, int fold_region = -1) const noexcept;
 
   // The core's problems for a batch on this layer's pool (states through slot indices).
   Problem prefill_problem(std::int64_t tokens, std::int64_t sequences) const;
@@ -89,9 +94,11 @@ class EngineLayer {
   // The segment transition of the core on q, k, v, g, beta (`p` without states): P^T, H^T per
   // head into p_t, h_t (kda.hpp), `ws` the caller's (the engine plans it). Throws.
   void transition_core(const Problem& p, Tensors t, float* p_t, float* h_t, Workspace ws) const;
-  // The whole layer on hidden states; `batch` needs no states (the layer's pools). Throws.
+  // The whole layer on hidden states; `batch` needs no states (the layer's pools; a records step
+  // writes records region `records_region`, a fold reads `fold_region`). Throws.
   void forward(const layer::Batch& batch, const void* hidden, void* out,
-               const layer::RunOptions& options) const;
+               const layer::RunOptions& options, int records_region = 0,
+               int fold_region = -1) const;
   // Whole layers: the forward of a prefill batch up to the core (layer::Layer::core_inputs), its
   // conv states in the one-row pools `conv` (q, k, v: bf16 [Cl, W-1] each, read and updated; the
   // batch's sequences without slots), the inputs in this layer's workspace. Throws.
@@ -127,6 +134,7 @@ class EngineLayer {
   void* workspace_ = nullptr;
   std::uint64_t workspace_bytes_ = 0;
   std::int64_t record_rows_ = 0;  // max_sequences * max_verify_tokens
+  int record_regions_ = 1;        // runtime.record_regions
   float* records_ = nullptr;
   bf16_bits* conv_records_ = nullptr;
 };

@@ -243,6 +243,18 @@ typedef struct kda_batch {
      kda_engine_commit() folds the accepted tokens in. */
   int records;
   int reserved; /* must be 0 */
+  /* Decode only, with the model's runtime.record_regions 2: the records region (0 or 1) a records
+     step writes; alternate it from one records step to the next when folding (below). */
+  int records_region;
+  /* Decode only, optional (NULL: none): the commit of the last records step that wrote records
+     region `fold_region` deferred into this step instead of kda_engine_commit()
+     (kda::engine::BatchMetadata::fold_rows): fold_rows and fold_counts [sequences] each; row r
+     starts from its slot after folding in the first fold_counts[r] tokens of that records step's
+     row fold_rows[r] (negative: none). Not with num_accepted; a records step that folds writes the
+     other region. */
+  int fold_region;
+  const int32_t* fold_rows;
+  const int32_t* fold_counts;
 } kda_batch;
 /* Sets every field of *batch to 0 / NULL (every optional field unset) and struct_size to
  * sizeof(kda_batch). Start every kda_batch from it: the calls refuse a struct_size they cannot
@@ -266,6 +278,10 @@ kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const 
  * acquired; on CUDA a bad count or slot is reported by kda_engine_check_device_status(). */
 kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_t* slots,
                              const int32_t* num_accepted);
+/* The same for the records step that wrote records region `records_region` (0 or 1, below the
+ * model's runtime.record_regions; kda_batch::records_region). */
+kda_status kda_engine_commit_region(kda_engine* engine, int64_t sequences, const int32_t* slots,
+                                    const int32_t* num_accepted, int records_region);
 
 /* Waits for everything the engine enqueued (CUDA); a no-op on the CPU. */
 kda_status kda_engine_synchronize(kda_engine* engine);

@@ -59,6 +59,9 @@
 //                                    #   verify step (BatchMetadata::records); sizes each KDA
 //                                    #   layer's records buffers (max_sequences rows); 0: none,
 //                                    #   and such steps are refused
+//     record_regions: 1              # default 1; 1 | 2: records regions of that size a layer
+//                                    #   keeps; 2 lets the next decode step fold a records step
+//                                    #   (BatchMetadata::fold_rows) while writing the other
 //
 // Unknown keys. linear_attn_config and runtime are the engine's: a key there that is not listed
 // above is a warning ("did you mean `max_tokens`?"), or an error with ModelSpecOptions::strict.
@@ -126,6 +129,10 @@ struct RuntimeSpec {
   // (f32 [H/tp, 3 D] each, and bf16 [3 H/tp D] conv inputs with whole layers). 0: no records
   // buffers; a records step is refused.
   std::int64_t max_verify_tokens = 0;
+  // Records regions of that size each KDA layer keeps, 1 or 2 (BatchMetadata::records_region):
+  // with 2, a records step writes one while it folds the one the records step before it wrote
+  // (BatchMetadata::fold_rows, the commit deferred into the next step).
+  int record_regions = 1;
 };
 
 struct ModelSpec {

@@ -192,6 +192,26 @@ struct BatchMetadata {
   // into its slot, for every KDA layer at once. One state per sequence instead of one per draft
   // token.
   bool records = false;
+  // Decode only, with runtime.record_regions 2: the records region (0 or 1) a records step writes.
+  // A runtime that folds (below) alternates it from one records step to the next.
+  int records_region = 0;
+  // Decode only, optional: the commit of the last records step that wrote records region
+  // `fold_region` deferred into this step, instead of Engine::commit() (kda::layer::Batch::
+  // fold_sequences, kda::DecodeProblem::fold_batch; whole layers and cores alike). int32
+  // [sequences] each, in the backend's memory: row r starts from its slot after folding in the
+  // first fold_counts[r] tokens of that records step's row fold_rows[r] (the row that read the
+  // same slot; negative: nothing to fold), recurrent and conv states, with the commit's
+  // operations, so outs and states equal Engine::commit() followed by this step. A plain or
+  // records step may fold (not one with num_accepted); a records step that folds writes the other
+  // region (records_region != fold_region) and stores the folded states in its slots. Each state
+  // is then read and written once a step. Every KDA layer must have run a records step on that
+  // region (its last one there gives the fold's rows and tokens; the caller promises that nothing
+  // wrote the slots since). The CPU refuses a fold row outside that step's rows or a count outside
+  // [1, its decode_tokens]; CUDA writes that row as padding and reports it through
+  // check_device_status().
+  const std::int32_t* fold_rows = nullptr;
+  const std::int32_t* fold_counts = nullptr;
+  int fold_region = 0;
   // Prefill only, optional: prefix-cache checkpoints, `checkpoints` (K) requests per sequence,
   // int64 checkpoint_offsets [sequences, K] and int32 checkpoint_slots [sequences, K]: request k of
   // sequence j writes the states after checkpoint_offsets[j][k] of its tokens (-1: none; a
@@ -343,7 +363,9 @@ class Engine {
   // allocated or synchronized, so it is captured in a CUDA graph with the verify steps. The CPU
   // checks the slots (acquired, distinct) and the counts and throws before writing; CUDA reports
   // a bad count or slot through check_device_status() and skips that row.
-  void commit(std::int64_t sequences, const std::int32_t* slots, const std::int32_t* num_accepted);
+  // `records_region`: the region that records step wrote (BatchMetadata::records_region).
+  void commit(std::int64_t sequences, const std::int32_t* slots, const std::int32_t* num_accepted,
+              int records_region = 0);
 
   // Context parallelism (EngineOptions::context_group): the prefill of one long sequence split
   // over the group, this rank holding `tokens` consecutive tokens of it (rank r the r-th range;
