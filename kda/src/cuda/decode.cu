@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "argument_table.hpp"
 #include "cuda/common.cuh"
@@ -88,9 +89,12 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
 // kVerify: a verify step (compiled apart, so that a plain step's kernel is the one it was).
 // kRecords: a verify step's record-and-commit form (kda.hpp): the row's slot as a plain step's,
 // the pool only read, each token's record (alpha, k^, u) written instead of its state.
-template <bool kF32State, int kVec, bool kVerify, bool kRecords = false>
+// kFold: a plain or records step that folds the records step before it (kda.hpp, "Fold";
+// compiled apart, as the verify forms are, so that a step without a fold runs the kernel it ran).
+template <bool kF32State, int kVec, bool kVerify, bool kRecords = false, bool kFold = false>
 __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const DecodeParams p) {
   static_assert(!(kVerify && kRecords), "the records form reads slots as a plain step does");
+  static_assert(!(kVerify && kFold), "a per-token-states verify step does not fold");
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
@@ -119,7 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) return;
   // A fold's row and count: out of range, the row is skipped as padding (reported).
   int fold_row = -1, fold_count = 0;
-  if (p.fold_rows != nullptr && (fold_row = p.fold_rows[b]) >= 0) {
+  if (kFold && (fold_row = p.fold_rows[b]) >= 0) {
     fold_count = p.fold_counts[b];
     if (fold_row >= p.fold_batch || fold_count < 1 || fold_count > p.fold_tokens) {
       if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
@@ -177,7 +181,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
       }
     }
   };
-  if (fold_row >= 0) {
+  if (kFold && fold_row >= 0) {
     // The commit's operations (commit.cu) on the records of the row named, in token order; a bf16
     // state rounded as the commit's store rounds it; a records step stores the folded state (the
     // pool's only write of such a step).
@@ -409,11 +413,21 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
   const bool wide = decode_vec(p, t) == 8;
+  // A fold: the plain or records kernel compiled with it.
+  auto launch_fold = [&](auto records) {
+    constexpr bool kRec = decltype(records)::value;
+    return p.state_dtype == DType::kF32
+               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, kRec, true>, prm)
+           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, kRec, true>, prm)
+                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, kRec, true>, prm);
+  };
   const cudaError_t err =
-      p.records  ? (p.state_dtype == DType::kF32
-                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm)
-                    : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm)
-                           : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm))
+      p.folds() ? (p.records ? launch_fold(std::true_type{}) : launch_fold(std::false_type{}))
+      : p.records
+          ? (p.state_dtype == DType::kF32
+                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm)
+             : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm)
+                    : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm))
       : p.verify ? (p.state_dtype == DType::kF32
                         ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm)
                     : decode_vec(p, t) == 8
