@@ -28,20 +28,16 @@ constexpr int D = 128;
 constexpr int kWarps = 8;
 constexpr int kRows = D / kWarps;  // 16 rows of S^T per warp
 
+// The kernel's parameters in two structs: what every step reads, kept within 128 bytes, and what
+// only the records form and a fold read. (Past 128 bytes the compiler reads a by-value struct's
+// fields through a register base instead of as kernel parameters: with records and fold pointers
+// in one struct the plain bf16-state kernel ran 1.13-1.36x slower on the H200.)
 struct DecodeParams {
   InputPointers in;
   const std::int32_t* slots;         // [batch], or [batch, tokens] with verify
   const std::int32_t* num_accepted;  // [batch] with verify, else null
   void* pool;
   bf16* out;
-  float* records;  // [batch, tokens, H, 3 D] in the records form, else null
-  // A fold (kda.hpp): the records step's records, each row's row of it and accepted count; null
-  // rows: no fold.
-  const float* fold_records;
-  const std::int32_t* fold_rows;
-  const std::int32_t* fold_counts;
-  int fold_batch;
-  int fold_tokens;
   std::int64_t num_slots;
   std::int32_t padding_slot = -1;  // DecodeProblem::padding_slot (negative: none)
   int tokens;
@@ -50,6 +46,18 @@ struct DecodeParams {
   float lower_bound;
   float scale;
   std::uint32_t* status;  // caller's device status word, or null
+};
+static_assert(sizeof(DecodeParams) <= 128, "the steps' parameters stay within 128 bytes");
+
+struct DecodeExtras {
+  float* records;  // [batch, tokens, H, 3 D] in the records form, else null
+  // A fold (kda.hpp): the records step's records, each row's row of it and accepted count; null
+  // rows: no fold.
+  const float* fold_records;
+  const std::int32_t* fold_rows;
+  const std::int32_t* fold_counts;
+  int fold_batch;
+  int fold_tokens;
 };
 
 // kVec consecutive channels of K per lane: 4 (a row is one warp-wide access; 5 shuffle steps per
@@ -92,7 +100,8 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
 // kFold: a plain or records step that folds the records step before it (kda.hpp, "Fold";
 // compiled apart, as the verify forms are, so that a step without a fold runs the kernel it ran).
 template <bool kF32State, int kVec, bool kVerify, bool kRecords = false, bool kFold = false>
-__global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kWarps * 32, 2)
+    kda_decode_kernel(const DecodeParams p, const DecodeExtras x) {
   static_assert(!(kVerify && kRecords), "the records form reads slots as a plain step does");
   static_assert(!(kVerify && kFold), "a per-token-states verify step does not fold");
   using L = DecodeLanes<kVec>;
@@ -123,9 +132,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) return;
   // A fold's row and count: out of range, the row is skipped as padding (reported).
   int fold_row = -1, fold_count = 0;
-  if (kFold && (fold_row = p.fold_rows[b]) >= 0) {
-    fold_count = p.fold_counts[b];
-    if (fold_row >= p.fold_batch || fold_count < 1 || fold_count > p.fold_tokens) {
+  if (kFold && (fold_row = x.fold_rows[b]) >= 0) {
+    fold_count = x.fold_counts[b];
+    if (fold_row >= x.fold_batch || fold_count < 1 || fold_count > x.fold_tokens) {
       if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
       return;
     }
@@ -186,7 +195,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     // state rounded as the commit's store rounds it; a records step stores the folded state (the
     // pool's only write of such a step).
     const float* rec =
-        p.fold_records + (static_cast<std::int64_t>(fold_row) * p.fold_tokens * H + h) * (3 * D);
+        x.fold_records + (static_cast<std::int64_t>(fold_row) * x.fold_tokens * H + h) * (3 * D);
     for (int t = 0; t < fold_count; ++t) {
       const float* r = rec + static_cast<std::int64_t>(t) * H * (3 * D);
       float a[kVec], kh[kVec];
@@ -282,7 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) kda_decode_kernel(const Decode
     // The record's alpha and k^: every warp holds them, warp 0 (its first row group) writes them.
     float* record = nullptr;
     if constexpr (kRecords) {
-      record = p.records + (tok * H + h) * (3 * D);
+      record = x.records + (tok * H + h) * (3 * D);
       if (warp == 0 && sub == 0) {
 #pragma unroll
         for (int j = 0; j < kVec; j += 4) {
@@ -392,13 +401,14 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   prm.num_accepted = p.verify ? t.num_accepted : nullptr;
   prm.pool = t.state_pool;
   prm.out = static_cast<bf16*>(t.out);
-  prm.records = p.records ? t.records : nullptr;
+  DecodeExtras extras{};
+  extras.records = p.records ? t.records : nullptr;
   if (p.folds()) {
-    prm.fold_records = t.fold_records;
-    prm.fold_rows = t.fold_rows;
-    prm.fold_counts = t.fold_counts;
-    prm.fold_batch = static_cast<int>(std::min<std::int64_t>(p.fold_batch, 0x7fffffff));
-    prm.fold_tokens = static_cast<int>(p.fold_tokens);
+    extras.fold_records = t.fold_records;
+    extras.fold_rows = t.fold_rows;
+    extras.fold_counts = t.fold_counts;
+    extras.fold_batch = static_cast<int>(std::min<std::int64_t>(p.fold_batch, 0x7fffffff));
+    extras.fold_tokens = static_cast<int>(p.fold_tokens);
   }
   prm.num_slots = p.num_slots;
   prm.padding_slot = p.padding_slot;
@@ -417,26 +427,31 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   auto launch_fold = [&](auto records) {
     constexpr bool kRec = decltype(records)::value;
     return p.state_dtype == DType::kF32
-               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, kRec, true>, prm)
-           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, kRec, true>, prm)
-                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, kRec, true>, prm);
+               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, kRec, true>, prm,
+                                    extras)
+           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, kRec, true>, prm,
+                                       extras)
+                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, kRec, true>, prm,
+                                       extras);
   };
   const cudaError_t err =
       p.folds() ? (p.records ? launch_fold(std::true_type{}) : launch_fold(std::false_type{}))
       : p.records
           ? (p.state_dtype == DType::kF32
-                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm)
-             : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm)
-                    : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm))
+                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm, extras)
+             : wide
+                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm, extras)
+                 : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm, extras))
       : p.verify ? (p.state_dtype == DType::kF32
-                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm)
+                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm, extras)
                     : decode_vec(p, t) == 8
-                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm)
-                        : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm))
+                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm, extras)
+                        : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm, extras))
       : p.state_dtype == DType::kF32
-          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false>, prm)
-      : decode_vec(p, t) == 8 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false>, prm)
-                              : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false>, prm);
+          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false>, prm, extras)
+      : decode_vec(p, t) == 8
+          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false>, prm, extras)
+          : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false>, prm, extras);
   return cuda_status(err, "kda_decode_kernel");
 }
 
