@@ -198,7 +198,9 @@ struct GemmKnobs {
   // KDA_LAYER_PROGRAMMATIC_INPUT=1: a one-row input projection is launched as a programmatic
   // dependent of the kernel before it in the stream, so that its first round of weight loads is
   // in flight while that kernel (in a model, the layer before) drains; it reads the hidden row only
-  // after griddepcontrol.wait. Not yet measured inside the layer.
+  // after griddepcontrol.wait. Not yet measured inside the layer. Not safe with the fused decode
+  // step, which loads its states before its own wait: with every launch programmatic, a layer's
+  // step may then start before its previous step's kernels have completed.
   bool programmatic_input = false;
 };
 const GemmKnobs& gemm_knobs() {

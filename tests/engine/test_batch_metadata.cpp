@@ -1207,7 +1207,7 @@ TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are ref
         KDA_INVALID_ARGUMENT);
   CHECK(std::string(kda_engine_last_error(batch)) ==
         "kda_engine_forward_hidden_batch: batch->struct_size is 0, expected " +
-            std::to_string(offsetof(kda_batch, reserved) + sizeof(int)) + " to " +
+            std::to_string(offsetof(kda_batch, reserved) + sizeof(int)) + " or " +
             std::to_string(sizeof(kda_batch)) + " (initialise the batch with kda_batch_init)");
   kda_batch later = decode;
   later.struct_size = sizeof(kda_batch) + 8;
@@ -1779,7 +1779,80 @@ void records_cores(Backend backend) {
   }
 }
 
+// The fold on an engine of KDA cores (runtime.layers: core): a records step of both layers, then
+// a second one that folds the first (records region 1, fold region 0), then a commit of the
+// second, against an engine that commits after each: outs and committed states bit for bit.
+void fold_cores(Backend backend) {
+  const ModelSpec model = kda::engine::parse_model_spec(
+      std::string(kSpec) + "  max_verify_tokens: 3\n  record_regions: 2\n  layers: core\n",
+      "fold-core.yaml");
+  Engine committing(model, EnginePair::options(backend, nullptr));
+  Engine folding(model, EnginePair::options(backend, nullptr));
+  for (Engine* e : {&committing, &folding}) {
+    for (int s = 0; s < e->num_slots(); ++s) e->acquire_slot();
+  }
+  const int N = 2, T = 3, H = 4, D = 128;
+  const std::size_t values = static_cast<std::size_t>(N * T * H * D);
+  Memory out_a(backend, values * 2), out_b(backend, values * 2);
+  Memory rows(backend, std::vector<std::int32_t>{0, 3});
+  Memory accepted(backend, std::vector<std::int32_t>{3, 2});
+  Memory fold_rows(backend, std::vector<std::int32_t>{0, 1});
+  BatchMetadata step;
+  step.tokens = N * T;
+  step.sequences = N;
+  step.decode_tokens = T;
+  step.slots = rows.as<std::int32_t>();
+  step.records = true;
+  for (int round = 0; round < 2; ++round) {
+    CAPTURE(round);
+    Memory q(backend, kda::test::random_bf16(values, 1.0f, 130 + 10 * round));
+    Memory k(backend, kda::test::random_bf16(values, 1.0f, 131 + 10 * round));
+    Memory v(backend, kda::test::random_bf16(values, 1.0f, 132 + 10 * round));
+    Memory g(backend, kda::test::random_bf16(values, 1.0f, 133 + 10 * round));
+    Memory beta(backend,
+                kda::test::random_bf16(static_cast<std::size_t>(N * T * H), 1.0f, 134 + round));
+    const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+    BatchMetadata fold = step;
+    fold.records_region = round;
+    if (round == 1) {
+      fold.fold_rows = fold_rows.as<std::int32_t>();
+      fold.fold_counts = accepted.as<std::int32_t>();
+      fold.fold_region = 0;
+    }
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      committing.decode(l, inputs, out_a.get(), step);
+      folding.decode(l, inputs, out_b.get(), fold);
+      committing.synchronize();
+      folding.synchronize();
+      CHECK(out_a.read<std::uint16_t>() == out_b.read<std::uint16_t>());
+    }
+    committing.commit(N, rows.as<std::int32_t>(), accepted.as<std::int32_t>());
+  }
+  folding.commit(N, rows.as<std::int32_t>(), accepted.as<std::int32_t>(), 1);
+  committing.synchronize();
+  folding.synchronize();
+  CHECK_NOTHROW(folding.check_device_status());
+  std::vector<std::uint8_t> a(committing.state_slot_bytes()), b(a.size());
+  for (int l = 0; l < 2; ++l) {
+    for (int slot = 0; slot < committing.num_slots(); ++slot) {
+      CAPTURE(l);
+      CAPTURE(slot);
+      committing.read_slot_state(l, slot, a.data());
+      folding.read_slot_state(l, slot, b.data());
+      CHECK(a == b);
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("engine: folding records steps on an engine of KDA cores [cpu]") {
+  fold_cores(Backend::kCpu);
+}
+TEST_CASE("engine: folding records steps on an engine of KDA cores [cuda]") {
+  if (usable(Backend::kCuda)) fold_cores(Backend::kCuda);
+}
 
 TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cpu]") {
   records_cores(Backend::kCpu);

@@ -689,13 +689,41 @@ KDA_LAYER_CASE("a fold refuses bad input before anything is written") {
     b.fold_decode_tokens = 17;
     cases.push_back({b, "fold_decode_tokens 17 is not in [1, 16]"});
   }
-  if (runner.backend() == Backend::kCpu) {  // CUDA reads them on the device (status bit)
+  if (runner.backend() == Backend::kCpu) {  // CUDA reads them on the device (below)
     BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
     b.fold_rows = {1, 2};
     cases.push_back({b, "row 1 has fold row 2, outside [0, fold_sequences = 2)"});
     b = folding(decode_batch(2, 1, {0, 1}));
     b.fold_counts = {0, 1};
     cases.push_back({b, "row 0 has fold count 0, outside [1, fold_decode_tokens = 2]"});
+  } else {
+    // CUDA: the row with a fold row or count out of range is written as padding (out zeros, its
+    // states untouched) and reported; the other row runs. Every decode kernel.
+    for (const layer::DecodeKernel kernel :
+         {layer::DecodeKernel::kAuto, layer::DecodeKernel::kSeparate,
+          layer::DecodeKernel::kFused}) {
+      for (const bool bad_count : {false, true}) {
+        CAPTURE(static_cast<int>(kernel));
+        CAPTURE(bad_count);
+        BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
+        if (bad_count) {
+          b.fold_counts = {1, 3};
+        } else {
+          b.fold_rows = {0, 2};
+        }
+        ForwardSettings settings;
+        settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+        Pools p = before;
+        const std::vector<bf16_bits> in(hidden.begin(), hidden.begin() + 2 * config.hidden_size);
+        const LayerRun run = runner.forward(*layer, in, b, &p, settings);
+        REQUIRE_MESSAGE(run.error.empty(), run.error);
+        CHECK(run.device_status == kda::kDeviceStatusAccepted);
+        CHECK(p.row_equal(before, 1));
+        CHECK(!p.row_equal(before, 0));
+        CHECK(std::all_of(run.out.begin() + config.hidden_size, run.out.end(),
+                          [](bf16_bits x) { return x == 0; }));
+      }
+    }
   }
   for (const Bad& bad : cases) {
     CAPTURE(bad.message);

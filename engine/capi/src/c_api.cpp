@@ -222,9 +222,10 @@ void require_tensors(const char* function, const void* q, const void* k, const v
 // The C batch as the engine's.
 kda::engine::BatchMetadata batch_metadata(const kda_batch* given, const char* function) {
   require(given, function, "batch");
-  if (given->struct_size < kBatchFirstSize || given->struct_size > sizeof(kda_batch)) {
+  // The sizes of the versions there are: a size between them would cut a field in two.
+  if (given->struct_size != kBatchFirstSize && given->struct_size != sizeof(kda_batch)) {
     invalid(function, "batch->struct_size is " + std::to_string(given->struct_size) +
-                          ", expected " + std::to_string(kBatchFirstSize) + " to " +
+                          ", expected " + std::to_string(kBatchFirstSize) + " or " +
                           std::to_string(sizeof(kda_batch)) +
                           " (initialise the batch with kda_batch_init)");
   }

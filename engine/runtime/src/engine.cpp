@@ -845,6 +845,13 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
                     std::to_string(static_cast<int>(m.spec.runtime.prefill_schedule)) +
                     ", expected kAuto, kTwoPhase or kPipelined");
   }
+  // The YAML loader takes 1 or 2; a spec built in code is checked here, before anything is sized
+  // by it.
+  if (m.spec.runtime.record_regions < 1 || m.spec.runtime.record_regions > 2) {
+    throw Error(StatusCode::kInvalidArgument, where + ": runtime.record_regions is " +
+                                                  std::to_string(m.spec.runtime.record_regions) +
+                                                  ", expected 1 or 2");
+  }
   BackendOptions backend_options;
   backend_options.cpu_threads = options.cpu_threads;
   backend_options.stream = options.stream;

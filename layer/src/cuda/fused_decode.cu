@@ -288,10 +288,6 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
         for (int j = 0; j < 4; ++j) S[i][j] = round_bf16(S[i][j]);
       }
     }
-    if constexpr (kRecords) {  // the records step's one pool write: the folded states
-      store_state(state_base);
-      if (conv_owner) store_conv(conv_state);
-    }
   }
 
   const float a_exp = __expf(p.A_log[h]);
@@ -299,6 +295,14 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   if constexpr (NC > 1) cluster_sync();
   griddep_wait();  // the input projection (and the gate's GEMM) from here on
   cp_async_wait<0>();
+  if constexpr (kRecords) {
+    // A records step's one pool write, the folded states: after the wait, so that no write of
+    // this kernel precedes the completion of the kernels before it.
+    if (fold_row >= 0) {
+      store_state(state_base);
+      if (conv_owner) store_conv(conv_state);
+    }
+  }
 
   for (int t = 0; t < T; ++t) {
     const std::int64_t row = b * T + t;
