@@ -14,8 +14,8 @@
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
 # layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases,
 # kda-gemv-probe, kda-layer-bench, then its decode rows twice over three variants: the defaults,
-# the one-row input projection as a programmatic dependent (KDA_LAYER_PROGRAMMATIC_INPUT=1), two
-# slices a row (KDA_LAYER_SLICED_SPLIT=2). layer-sanitize: memcheck and racecheck over the layer's
+# the input projection on cuBLAS (KDA_LAYER_INPUT_GEMM=cublas), the input projection at two
+# slices a row (KDA_LAYER_INPUT_GEMM=split2). layer-sanitize: memcheck and racecheck over the layer's
 # decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
 # it takes over ten minutes).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
@@ -103,13 +103,13 @@ if [ "$what" = layer ]; then
   grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-tests.log"
   timeout 200 "$build/bench/kda-gemv-probe" > "$OUT/gemv-probe.md" 2>&1 || rc=1
   timeout 120 "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench.md" 2>&1 || rc=1
-  # The decode rows again, alternating: the defaults, the one-row input projection as a
-  # programmatic dependent, every one-row GEMM at two slices a row; one file, a header a run.
+  # The decode rows again, alternating: the defaults, the input projection on cuBLAS, the input
+  # projection at two slices a row; one file, a header a run.
   for round in 1 2; do
-    for variant in default programmatic split2; do
+    for variant in default input-cublas input-split2; do
       env_args=()
-      [ "$variant" = programmatic ] && env_args=(KDA_LAYER_PROGRAMMATIC_INPUT=1)
-      [ "$variant" = split2 ] && env_args=(KDA_LAYER_SLICED_SPLIT=2)
+      [ "$variant" = input-cublas ] && env_args=(KDA_LAYER_INPUT_GEMM=cublas)
+      [ "$variant" = input-split2 ] && env_args=(KDA_LAYER_INPUT_GEMM=split2)
       echo "## $variant, round $round" >> "$OUT/layer-bench-decode.md"
       env "${env_args[@]}" timeout 60 "$build/bench/kda-layer-bench" --decode-only "$@" \
         >> "$OUT/layer-bench-decode.md" 2>&1 || rc=1
