@@ -6,8 +6,8 @@
 // bandwidth measured at start. Prints markdown tables.
 //
 //   kda-bench [--prefill] [--decode] [--verify] [--host] [--iters N] [--case NAME]
-//   (--verify: a speculative verify step, per-token states against records + commit; not in the
-//   default set, which stays prefill, decode and host)
+//   (--verify: a speculative verify step, per-token states against records + commit and records
+//   folding the step before; not in the default set, which stays prefill, decode and host)
 //   kda-bench --paths [--case NAME]   (host only: the softplus cases' prepare paths)
 #include <cuda_runtime.h>
 
@@ -629,17 +629,19 @@ void run_decode(double bw, int iters) {
 // ---------------------------------------------------------------------------------------------
 // --verify: a speculative verify step's two forms (kda.hpp): per-token states (the state after
 // every token written to a slot of its own) against records + commit (small per-token records
-// written, then the accepted ones folded into the one committed state), each against the plain
-// step of the same T tokens (one state read and written; "verify / plain step": the verify step's
-// time over it, the records step without its commit).
+// written, then the accepted ones folded into the one committed state) and against a records step
+// that folds the records of the step before instead of a commit (kda.hpp, "Fold"), each against
+// the plain step of the same T tokens (one state read and written; "verify / plain step": the
+// verify step's time over it, the records step without its commit).
 // ---------------------------------------------------------------------------------------------
 
 void run_verify(double bw, int iters) {
   const int H = 32, D = 128;
   const double record_bytes = 3.0 * D * 4;  // one (token, head) record: alpha, k^, u in fp32
   std::printf(
-      "\n### CUDA verify step: per-token states vs records + commit (H = 32, K = V = 128; every "
-      "token accepted, the most records a commit reads)\n\n");
+      "\n### CUDA verify step: per-token states vs records + commit vs records folding the step "
+      "before (H = 32, K = V = 128; every token accepted, the most records a commit or a fold "
+      "reads)\n\n");
   std::printf(
       "| tokens | B | state | form | verify us | verify floor us | commit us | commit floor us | "
       "total us | floor us | total / floor | verify / plain step |\n");
@@ -741,6 +743,30 @@ void run_verify(double bw, int iters) {
             "| %.2fx |\n",
             T, B, state_name, rv_us, floor_us(rv_bytes), c_us, floor_us(c_bytes), both_us,
             floor_us(rv_bytes + c_bytes), both_us / floor_us(rv_bytes + c_bytes), rv_us / plain_us);
+        std::fflush(stdout);
+
+        // Records, the commit of the step before folded in (DecodeProblem::fold_batch): the
+        // records written above, every token of row b folded into its own slot, the step's own
+        // records into a second region. One state read and written a row, as a plain step.
+        kda::DecodeProblem pf = pr;
+        pf.fold_batch = B;
+        pf.fold_tokens = T;
+        kda::DecodeTensors tf = tr;
+        tf.fold_records = tr.records;
+        tf.records =
+            static_cast<float*>(a.get(static_cast<std::size_t>(rows_heads * T * record_bytes)));
+        std::vector<std::int32_t> identity(B);
+        for (int b = 0; b < B; ++b) identity[b] = b;
+        tf.fold_rows = device_ints(a, identity);
+        tf.fold_counts = accepted;
+        const double f_us =
+            graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pf, tf, s), "fold"); });
+        const double f_bytes = rv_bytes + rows_heads * state_bytes + records + 8.0 * B;
+        std::printf(
+            "| %d | %d | %s | records, folding the step before | %.2f | %.2f | - | - | %.2f | %.2f "
+            "| %.2fx | %.2fx |\n",
+            T, B, state_name, f_us, floor_us(f_bytes), f_us, floor_us(f_bytes),
+            f_us / floor_us(f_bytes), f_us / plain_us);
         std::fflush(stdout);
       }
     }
