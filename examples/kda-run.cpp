@@ -78,6 +78,7 @@ class Stream {
 const char* const kUsage =
     R"(Usage:
   kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
+          [--verify-tokens K [--verify-form tokens|records|fold]]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan] [--ranks N]
           [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
@@ -121,6 +122,15 @@ Options:
   --graphs on|off      CUDA: each decode step replays one CUDA graph of every layer, captured once
                        on batch metadata in device memory, as a serving runtime runs decode
                        (default on); off: eager calls
+  --verify-tokens K    the decode steps are speculative verify steps of K tokens a sequence
+                       (2..16), sequence r accepting 1 + r % K of them each step (default 0: plain
+                       steps of one token)
+  --verify-form F      how: tokens (the state after every token kept, K slots a sequence), records
+                       (records, then one commit of every layer after each step) or fold (default:
+                       records, each step folding the step before's; one commit after the last).
+                       Sets what the model's runtime needs (max_verify_tokens, record_regions,
+                       max_sequences); with graphs, the steps after the first replay captured
+                       graphs (two with fold, one per records region)
   --backend B          auto (default: the model's runtime.backend), cpu or cuda
   --seed S             seeds the synthetic inputs and random parameters (default 0)
   --threads N          CPU backend threads (default 0: all hardware threads; with --ranks, shared
@@ -184,6 +194,9 @@ struct Options {
   std::int64_t decode_steps = 0;
   bool graphs = true;
   bool graphs_given = false;
+  int verify_tokens = 0;  // --verify-tokens
+  kda::examples::VerifyForm verify_form = kda::examples::VerifyForm::kFold;
+  bool verify_form_given = false;
   std::optional<BackendChoice> backend;
   std::uint64_t seed = 0;
   std::int64_t threads = 0;
@@ -272,6 +285,20 @@ Options parse_args(int argc, char** argv) {
       if (v != "on" && v != "off") throw UsageError{"--graphs takes on or off, not '" + v + "'"};
       o.graphs = v == "on";
       o.graphs_given = true;
+    } else if (arg == "--verify-tokens") {
+      o.verify_tokens = static_cast<int>(parse_int(arg, value(), 2, kda::kMaxDecodeTokens));
+    } else if (arg == "--verify-form") {
+      const std::string v = value();
+      if (v == "tokens") {
+        o.verify_form = kda::examples::VerifyForm::kPerToken;
+      } else if (v == "records") {
+        o.verify_form = kda::examples::VerifyForm::kRecords;
+      } else if (v == "fold") {
+        o.verify_form = kda::examples::VerifyForm::kFold;
+      } else {
+        throw UsageError{"--verify-form takes tokens, records or fold, not '" + v + "'"};
+      }
+      o.verify_form_given = true;
     } else if (arg == "--ranks") {
       o.ranks = static_cast<int>(parse_int(arg, value(), 1, 64));
     } else if (arg == "--seed") {
@@ -327,7 +354,8 @@ Options parse_args(int argc, char** argv) {
     const kda::engine::RuntimeOverrides& r = o.runtime;
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
         o.graphs_given || o.seed_given || o.threads_given || o.core_only || o.strict_config ||
-        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences || o.ranks != 1) {
+        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences || o.ranks != 1 ||
+        o.verify_tokens != 0 || o.verify_form_given) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -336,8 +364,14 @@ Options parse_args(int argc, char** argv) {
   if (o.model.empty())
     throw UsageError{"nothing to do: give --model M.yaml (or FOLDER) or --case IN.safetensors"};
   if (o.json && !o.plan_only) throw UsageError{"--json is only used with --plan-only"};
+  if (o.verify_form_given && o.verify_tokens == 0) {
+    throw UsageError{"--verify-form needs --verify-tokens K"};
+  }
+  if (o.verify_tokens != 0 && o.ranks != 1) {
+    throw UsageError{"--verify-tokens runs on one engine (not with --ranks)"};
+  }
   if (o.plan_only && (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given ||
-                      o.threads_given || o.schedule || o.ranks != 1)) {
+                      o.threads_given || o.schedule || o.ranks != 1 || o.verify_tokens != 0)) {
     throw UsageError{
         "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
         "--workspace-plan, --max-tokens and --max-sequences"};
@@ -728,6 +762,19 @@ int run_model(const Options& o) {
   kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model, spec_options);
   if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
   if (o.schedule) spec.runtime.prefill_schedule = *o.schedule;
+  if (o.verify_tokens != 0) {
+    // What the verify form needs of the runtime: records for K tokens (and two regions to fold),
+    // or K slots a sequence.
+    using kda::examples::VerifyForm;
+    if (o.verify_form == VerifyForm::kPerToken) {
+      spec.runtime.max_sequences =
+          std::max<std::int64_t>(spec.runtime.max_sequences, o.sequences * o.verify_tokens);
+    } else {
+      spec.runtime.max_verify_tokens =
+          std::max<std::int64_t>(spec.runtime.max_verify_tokens, o.verify_tokens);
+    }
+    if (o.verify_form == VerifyForm::kFold) spec.runtime.record_regions = 2;
+  }
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
   }
@@ -812,6 +859,8 @@ int run_model(const Options& o) {
   run.tokens = tokens;
   run.sequences = o.sequences;
   run.decode_steps = static_cast<int>(o.decode_steps);
+  run.verify_tokens = o.verify_tokens;
+  run.verify_form = o.verify_form;
   run.graphs = o.graphs;
   run.seed = o.seed;
   run.progress = [&bar](int done, int total) { bar.update(done, total); };
@@ -850,13 +899,21 @@ int run_model(const Options& o) {
     const double step = median(report.decode_step_seconds);
     const double best =
         *std::min_element(report.decode_step_seconds.begin(), report.decode_step_seconds.end());
+    const char* const forms[] = {"per-token states", "records + a commit",
+                                 "records, each folding the step before"};
+    const std::string kind = o.verify_tokens == 0
+                                 ? std::string("steps of 1 token")
+                                 : "verify steps of " + std::to_string(o.verify_tokens) +
+                                       " tokens (" + forms[static_cast<int>(o.verify_form)] + ")";
+    const std::int64_t step_tokens = o.sequences * std::max(o.verify_tokens, 1);
     std::printf(
-        "decode: %lld steps of 1 token x %lld sequence%s through %d KDA layers: median "
+        "decode: %lld %s x %lld sequence%s through %d KDA layers: median "
         "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s)\n",
-        static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
+        static_cast<long long>(o.decode_steps), kind.c_str(), static_cast<long long>(o.sequences),
         o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
-        step > 0 ? static_cast<double>(o.sequences) / step : 0.0, step * 1e6 / engine.num_layers(),
-        report.decode_graphs ? "CUDA graph replays" : ("eager: " + report.decode_mode).c_str());
+        step > 0 ? static_cast<double>(step_tokens) / step : 0.0, step * 1e6 / engine.num_layers(),
+        report.decode_graphs ? report.decode_mode.c_str()
+                             : ("eager: " + report.decode_mode).c_str());
   }
   // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
   engine.check_device_status();

@@ -48,8 +48,7 @@ class DecodeGraph {
                       const std::function<void(const engine::BatchMetadata&)>& step) {
 #ifdef KDA_HAVE_CUDA
     if (engine.backend() != Backend::kCuda) return "the CPU backend";
-    auto* stream = static_cast<cudaStream_t>(engine.stream());
-    if (stream == nullptr) return "the engine has no stream of its own";
+    if (engine.stream() == nullptr) return "the engine has no stream of its own";
     const std::vector<std::int32_t> rows(slots.begin(), slots.end());
     throw_if_error(device_malloc(&slots_, rows.size() * sizeof(std::int32_t)), "decode graph");
     throw_if_error(memcpy_to_device(slots_, rows.data(), rows.size() * sizeof(std::int32_t)),
@@ -59,13 +58,25 @@ class DecodeGraph {
     batch.tokens = batch.sequences;
     batch.decode_tokens = 1;
     batch.slots = static_cast<const std::int32_t*>(slots_);
+    return capture_calls(engine, [&] { step(batch); });
+#else
+    (void)engine, (void)slots, (void)step;
+    return "the CPU backend";
+#endif
+  }
+  // Captures the engine calls `calls` makes (on metadata the caller keeps); "" or why not.
+  std::string capture_calls(engine::Engine& engine, const std::function<void()>& calls) {
+#ifdef KDA_HAVE_CUDA
+    if (engine.backend() != Backend::kCuda) return "the CPU backend";
+    auto* stream = static_cast<cudaStream_t>(engine.stream());
+    if (stream == nullptr) return "the engine has no stream of its own";
     if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
       (void)cudaGetLastError();
       return "cudaStreamBeginCapture failed";
     }
     std::string error;
     try {
-      step(batch);
+      calls();
     } catch (const Error& e) {
       error = e.what();
     }
@@ -77,7 +88,7 @@ class DecodeGraph {
     (void)cudaGetLastError();
     return error;
 #else
-    (void)engine, (void)slots, (void)step;
+    (void)engine, (void)calls;
     return "the CPU backend";
 #endif
   }
@@ -99,6 +110,31 @@ class DecodeGraph {
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
 #endif
+};
+
+// int32 values in the engine's backend memory, as BatchMetadata's arrays are: host memory on the
+// CPU, device memory on CUDA.
+class BackendInts {
+ public:
+  BackendInts(const engine::Engine& engine, std::vector<std::int32_t> values)
+      : host_(std::move(values)) {
+    if (engine.backend() != Backend::kCuda || host_.empty()) return;
+    const std::size_t bytes = host_.size() * sizeof(std::int32_t);
+    throw_if_error(device_malloc(&device_, bytes), "verify-step metadata");
+    throw_if_error(memcpy_to_device(device_, host_.data(), bytes), "verify-step metadata");
+  }
+  ~BackendInts() {
+    if (device_ != nullptr) (void)device_free(device_);
+  }
+  BackendInts(const BackendInts&) = delete;
+  BackendInts& operator=(const BackendInts&) = delete;
+  const std::int32_t* get() const noexcept {
+    return device_ != nullptr ? static_cast<const std::int32_t*>(device_) : host_.data();
+  }
+
+ private:
+  std::vector<std::int32_t> host_;
+  void* device_ = nullptr;
 };
 
 // splitmix64: fast, seedable, good enough for synthetic activations.
@@ -253,6 +289,106 @@ const void* SyntheticInputs::hidden(std::int64_t token_offset) const {
          static_cast<std::uint64_t>(token_offset) * static_cast<std::uint64_t>(hidden_size_) * 2;
 }
 
+namespace {
+
+// The decode steps of run_synthetic as speculative verify steps (RunOptions::verify_tokens).
+// `extra_slots` receives the slots it acquires (the per-token form's), for the caller to release.
+void run_verify_steps(engine::Engine& engine, SyntheticInputs& inputs, const RunOptions& options,
+                      RunReport* report, std::vector<int>* extra_slots, int* done,
+                      int total_steps) {
+  const int T = options.verify_tokens, layers = engine.num_layers();
+  const auto N = static_cast<std::int32_t>(report->slots.size());
+  const VerifyForm form = options.verify_form;
+  std::vector<std::int32_t> rows, counts, ones(static_cast<std::size_t>(N), 1), identity;
+  for (std::int32_t r = 0; r < N; ++r) {
+    counts.push_back(1 + r % T);
+    identity.push_back(r);
+    rows.push_back(report->slots[static_cast<std::size_t>(r)]);
+    if (form != VerifyForm::kPerToken) continue;
+    // Per-token states: row r's slots are its prefill slot, then T - 1 more.
+    for (int t = 1; t < T; ++t) {
+      extra_slots->push_back(engine.acquire_slot());
+      rows.push_back(extra_slots->back());
+    }
+  }
+  report->state_slots.clear();
+  for (std::int32_t r = 0; r < N; ++r) {
+    report->state_slots.push_back(form == VerifyForm::kPerToken
+                                      ? rows[static_cast<std::size_t>(r * T + counts[r] - 1)]
+                                      : report->slots[static_cast<std::size_t>(r)]);
+  }
+  const BackendInts d_rows(engine, rows), d_counts(engine, counts), d_ones(engine, ones),
+      d_identity(engine, identity);
+  // Step k's metadata: the per-token form starts from the prefill's slot (num_accepted 1) at
+  // k = 0, then from the slot of the step before's last accepted token; the records forms write
+  // their records, the fold into alternating regions, folding the other from k = 1.
+  auto metadata = [&](int k) {
+    engine::BatchMetadata b;
+    b.tokens = static_cast<std::int64_t>(N) * T;
+    b.sequences = N;
+    b.decode_tokens = T;
+    b.slots = d_rows.get();
+    if (form == VerifyForm::kPerToken) {
+      b.num_accepted = k == 0 ? d_ones.get() : d_counts.get();
+      return b;
+    }
+    b.records = true;
+    if (form == VerifyForm::kFold) {
+      b.records_region = k % 2;
+      if (k > 0) {
+        b.fold_rows = d_identity.get();
+        b.fold_counts = d_counts.get();
+        b.fold_region = 1 - k % 2;
+      }
+    }
+    return b;
+  };
+  auto step = [&](int k) {
+    const engine::BatchMetadata b = metadata(k);
+    for (int l = 0; l < layers; ++l) {
+      if (report->whole_layers) {
+        engine.decode_hidden(l, inputs.hidden(0), inputs.hidden_output(), b);
+      } else {
+        engine.decode(l, inputs.inputs(0), inputs.output(), b);
+      }
+    }
+    if (form == VerifyForm::kRecords) engine.commit(N, d_rows.get(), d_counts.get());
+  };
+  // Steps after the first as graph replays where they can be: one graph, or with the fold one per
+  // parity of k (the regions each writes and folds).
+  DecodeGraph graphs[2];
+  report->decode_mode = "graphs off";
+  bool captured = false;
+  for (int k = 0; k < options.decode_steps; ++k) {
+    if (k == 1 && options.graphs) {
+      const int kinds = form == VerifyForm::kFold ? 2 : 1;
+      std::string why;
+      for (int g = 0; g < kinds && why.empty(); ++g) {
+        why = graphs[g].capture_calls(engine, [&] { step(1 + g); });
+      }
+      captured = why.empty();
+      report->decode_mode = captured ? "CUDA graph replays after the first step" : why;
+      report->decode_graphs = captured;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    if (captured) {
+      graphs[form == VerifyForm::kFold ? (k - 1) % 2 : 0].replay(engine);
+    } else {
+      step(k);
+    }
+    engine.synchronize();
+    report->decode_step_seconds.push_back(seconds_since(start));
+    if (options.progress) options.progress(++*done, total_steps);
+  }
+  // The fold's last step's records, committed: every sequence's state in its slot.
+  if (form == VerifyForm::kFold && options.decode_steps > 0) {
+    engine.commit(N, d_rows.get(), d_counts.get(), (options.decode_steps - 1) % 2);
+    engine.synchronize();
+  }
+}
+
+}  // namespace
+
 RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
                         const RunOptions& options) {
   if (options.sequences < 1 || options.sequences > engine.free_slots()) {
@@ -266,6 +402,34 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
          std::to_string(token_limit));
   }
   if (options.decode_steps < 0) fail("run_synthetic: negative decode_steps");
+  const int T = options.verify_tokens;
+  if (T != 0) {
+    const engine::RuntimeSpec& runtime = engine.spec().runtime;
+    if (T < 2 || T > static_cast<int>(kMaxDecodeTokens)) {
+      fail("run_synthetic: verify_tokens " + std::to_string(T) + ", expected 0 or 2.." +
+           std::to_string(kMaxDecodeTokens));
+    }
+    if (options.sequences * T > inputs.capacity()) {
+      fail("run_synthetic: verify steps of " + std::to_string(options.sequences) + " x " +
+           std::to_string(T) + " tokens need synthetic inputs of that many tokens (" +
+           std::to_string(inputs.capacity()) + ")");
+    }
+    if (options.verify_form == VerifyForm::kPerToken &&
+        options.sequences * T > engine.free_slots()) {
+      fail("run_synthetic: verify steps with per-token states keep " + std::to_string(T) +
+           " slots a sequence: " + std::to_string(options.sequences * T) + " slots, but " +
+           std::to_string(engine.free_slots()) + " are free (runtime.max_sequences)");
+    }
+    if (options.verify_form != VerifyForm::kPerToken && runtime.max_verify_tokens < T) {
+      fail("run_synthetic: records verify steps of " + std::to_string(T) +
+           " tokens need runtime.max_verify_tokens >= " + std::to_string(T) + " (it is " +
+           std::to_string(runtime.max_verify_tokens) + ")");
+    }
+    if (options.verify_form == VerifyForm::kFold && runtime.record_regions != 2) {
+      fail("run_synthetic: folding records steps needs runtime.record_regions 2 (it is " +
+           std::to_string(runtime.record_regions) + ")");
+    }
+  }
 
   RunReport report;
   report.backend = engine.backend();
@@ -299,6 +463,7 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
       engine.decode(layer, inputs.inputs(offset), inputs.output(), report.slots, 1);
     }
   };
+  std::vector<int> extra_slots;  // the per-token verify form's slots beyond the prefill's
   try {
     for (std::size_t j = 0; j < n; ++j) report.slots.push_back(engine.acquire_slot());
     if (options.warmup) {
@@ -326,11 +491,15 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
       if (options.prefill_layer_done) options.prefill_layer_done(report);
       if (options.progress) options.progress(++done, total_steps);
     }
+    report.state_slots = report.slots;
+    if (T != 0) {
+      run_verify_steps(engine, inputs, options, &report, &extra_slots, &done, total_steps);
+    }
     // Graph replays of one captured step, or eager steps, each of which reads the next window of
     // `n` synthetic tokens, wrapping around.
     DecodeGraph graph;
-    report.decode_mode = "graphs off";
-    if (options.graphs && options.decode_steps > 0) {
+    if (T == 0) report.decode_mode = "graphs off";
+    if (options.graphs && options.decode_steps > 0 && T == 0) {
       report.decode_mode = graph.capture(engine, report.slots, [&](const engine::BatchMetadata& b) {
         for (int l = 0; l < layers; ++l) {
           if (report.whole_layers) {
@@ -344,7 +513,7 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
       if (report.decode_graphs) report.decode_mode = "CUDA graph replays";
     }
     const std::int64_t windows = inputs.capacity() - options.sequences + 1;
-    for (int step = 0; step < options.decode_steps; ++step) {
+    for (int step = 0; step < (T == 0 ? options.decode_steps : 0); ++step) {
       const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
       const auto start = std::chrono::steady_clock::now();
       if (report.decode_graphs) {
@@ -358,10 +527,12 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
     }
   } catch (...) {
     for (const int slot : report.slots) engine.release_slot(slot);
+    for (const int slot : extra_slots) engine.release_slot(slot);
     throw;
   }
   if (options.release_slots) {
     for (const int slot : report.slots) engine.release_slot(slot);
+    for (const int slot : extra_slots) engine.release_slot(slot);
   }
   return report;
 }

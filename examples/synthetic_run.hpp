@@ -79,7 +79,15 @@ struct RunReport {
   // ("the CPU backend", "graphs off", "the engine has no stream of its own", ...).
   bool decode_graphs = false;
   std::string decode_mode;
+  // Where each sequence's state is after the run: its slot in `slots`, except after verify steps
+  // with per-token states (the slot of the last step's last accepted token).
+  std::vector<int> state_slots;
 };
+
+// How decode steps run as speculative verify steps (RunOptions::verify_tokens; BatchMetadata):
+// per-token states (num_accepted, T slots a sequence), records and a commit after each step, or
+// records folded into the next step (records_region / fold_rows; a commit after the last).
+enum class VerifyForm { kPerToken, kRecords, kFold };
 
 struct RunOptions {
   std::int64_t tokens = 1024;  // total prefill tokens, split evenly over the sequences
@@ -98,6 +106,14 @@ struct RunOptions {
   // CPU, or with false, the steps are eager calls. Every step reads the same window of synthetic
   // tokens then (the graph's inputs are fixed buffers); the states advance as in eager steps.
   bool graphs = true;
+  // 0: decode steps of one token per sequence. 2..16: each decode step is a speculative verify
+  // step of that many tokens a sequence in `verify_form`, sequence r accepting 1 + r % T of them
+  // every step (the first step starts from the prefill's state), on caller-owned batch metadata;
+  // on CUDA with graphs, steps after the first replay captured graphs (two with kFold, one per
+  // records region). The engine needs free slots for the per-token form (T a sequence), and
+  // runtime.max_verify_tokens >= T for the others (and runtime.record_regions 2 for kFold).
+  int verify_tokens = 0;
+  VerifyForm verify_form = VerifyForm::kFold;
   // Called after every layer of the prefill and after every decode step: (done, total).
   std::function<void(int, int)> progress;
   // Called after every layer of the prefill, before `progress`, with the report so far: its last

@@ -575,6 +575,36 @@ TEST_CASE("kda-run: a small synthetic run with decode steps reports times and to
   CHECK(r.err.empty());  // no progress bar when stderr is not a terminal
 }
 
+TEST_CASE("kda-run --verify-tokens: speculative verify steps in each form") {
+  for (const char* form : {"tokens", "records", "fold"}) {
+    CAPTURE(form);
+    const Result r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "96", "--sequences",
+                              "3", "--decode-steps", "3", "--verify-tokens", "4", "--verify-form",
+                              form, "--backend", "cpu", "--threads", "2"});
+    INFO("stderr: " << r.err);
+    REQUIRE(r.rc == 0);
+    const std::string kind = std::string(form) == "tokens"    ? "per-token states"
+                             : std::string(form) == "records" ? "records + a commit"
+                                                              : "records, each folding the step "
+                                                                "before";
+    CHECK(r.out.find("decode: 3 verify steps of 4 tokens (" + kind + ") x 3 sequences") !=
+          std::string::npos);
+    CHECK(r.out.find("us per layer-step (eager: the CPU backend)") != std::string::npos);
+  }
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--verify-form", "fold"},
+                                               {"--verify-tokens", "1"},
+                                               {"--verify-tokens", "17"},
+                                               {"--verify-tokens", "4", "--verify-form", "both"},
+                                               {"--verify-tokens", "4", "--ranks", "2"},
+                                               {"--verify-tokens", "4", "--plan-only"}}) {
+    std::vector<std::string> full = {"--model", kModels + "tiny.yaml", "--backend", "cpu"};
+    full.insert(full.end(), args.begin(), args.end());
+    const Result bad = kda_run(full);
+    CAPTURE(args[0] + " " + args[1]);
+    CHECK(bad.rc == 2);
+  }
+}
+
 TEST_CASE("kda-run --ranks: a tensor-parallel run over threads reports the all-reduce's share") {
   const Result r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "64", "--ranks", "2",
                             "--decode-steps", "2", "--backend", "cpu", "--threads", "2"});

@@ -122,3 +122,95 @@ TEST_CASE("run_synthetic: the warm-up forward changes no result, only adds its o
     }
   }
 }
+
+namespace {
+
+// Decode steps as verify steps of 3 tokens, in one form: the out rows of the last step, and each
+// sequence's state (recurrent, and conv with whole layers) where the run says it is.
+Results verify_run(const char* layers, kda::examples::VerifyForm form, int steps) {
+  const std::string spec = spec_text(layers) +
+                           "  max_verify_tokens: 3\n"
+                           "  record_regions: 2\n";
+  kda::engine::ModelSpec model = kda::engine::parse_model_spec(spec, "synthetic-run-test.yaml");
+  model.runtime.max_sequences = 9;  // the per-token form: 3 slots a sequence
+  Engine engine(model);
+  const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
+  SyntheticInputs inputs(engine, 40);
+  RunOptions options;
+  options.tokens = 40;
+  options.sequences = 3;
+  options.decode_steps = steps;
+  options.verify_tokens = 3;
+  options.verify_form = form;
+  options.seed = 9;
+  options.release_slots = false;
+  Results r;
+  r.report = kda::examples::run_synthetic(engine, inputs, options);
+  const std::size_t row_bytes =
+      static_cast<std::size_t>(whole ? engine.spec().hidden_size
+                                     : engine.spec().local_heads() * engine.spec().head_dim) *
+      2;
+  const void* written = whole ? inputs.hidden_output() : inputs.output();
+  r.output.resize(9 * row_bytes);  // the last step's 3 x 3 rows
+  std::memcpy(r.output.data(), written, r.output.size());
+  REQUIRE(r.report.state_slots.size() == 3);
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    for (const int slot : r.report.state_slots) {
+      std::vector<std::uint8_t> state(engine.state_slot_bytes());
+      engine.read_slot_state(l, slot, state.data());
+      r.states.push_back(state);
+      if (!whole) continue;
+      for (int projection = 0; projection < 3; ++projection) {
+        std::vector<std::uint8_t> conv(engine.conv_state_slot_bytes());
+        engine.read_slot_conv_state(l, slot, projection, conv.data());
+        r.states.push_back(conv);
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace
+
+// The three verify forms through run_synthetic (kda-run --verify-tokens): per-token states,
+// records with a commit after each step, and records folded into the next step leave every
+// sequence in the same state, bit for bit, and write the same outs (CPU).
+TEST_CASE("run_synthetic: verify steps in each form leave the same states and outs") {
+  using kda::examples::VerifyForm;
+  for (const char* layers : {"whole", "core"}) {
+    CAPTURE(layers);
+    const Results tokens = verify_run(layers, VerifyForm::kPerToken, 3);
+    const Results records = verify_run(layers, VerifyForm::kRecords, 3);
+    const Results fold = verify_run(layers, VerifyForm::kFold, 3);
+    CHECK(tokens.report.decode_step_seconds.size() == 3u);
+    CHECK(fold.report.decode_step_seconds.size() == 3u);
+    CHECK(tokens.report.state_slots != tokens.report.slots);  // rows moved to their kept slots
+    CHECK(fold.report.state_slots == fold.report.slots);
+    CHECK(records.output == tokens.output);
+    CHECK(fold.output == tokens.output);
+    REQUIRE(fold.states.size() == tokens.states.size());
+    for (std::size_t i = 0; i < tokens.states.size(); ++i) {
+      CAPTURE(i);
+      CHECK(records.states[i] == tokens.states[i]);
+      CHECK(fold.states[i] == tokens.states[i]);
+    }
+  }
+  // What the engine lacks is refused before anything runs.
+  Engine plain(kda::engine::parse_model_spec(spec_text("whole"), "synthetic-run-test.yaml"));
+  SyntheticInputs inputs(plain, 40);
+  RunOptions options;
+  options.tokens = 40;
+  options.sequences = 3;
+  options.decode_steps = 1;
+  options.verify_tokens = 3;
+  CHECK_THROWS_WITH(kda::examples::run_synthetic(plain, inputs, options),
+                    "run_synthetic: records verify steps of 3 tokens need "
+                    "runtime.max_verify_tokens >= 3 (it is 0)");
+  options.verify_form = VerifyForm::kPerToken;
+  CHECK_THROWS_WITH(kda::examples::run_synthetic(plain, inputs, options),
+                    "run_synthetic: verify steps with per-token states keep 3 slots a sequence: 9 "
+                    "slots, but 3 are free (runtime.max_sequences)");
+  options.verify_tokens = 1;
+  CHECK_THROWS_WITH(kda::examples::run_synthetic(plain, inputs, options),
+                    "run_synthetic: verify_tokens 1, expected 0 or 2..16");
+}
