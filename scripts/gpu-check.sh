@@ -13,9 +13,10 @@
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
 # layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases,
-# kda-gemv-probe, kda-layer-bench, then its decode rows twice over three variants: the defaults,
+# kda-gemv-probe, kda-layer-bench, then its decode rows twice over four variants: the defaults,
 # the input projection on cuBLAS (KDA_LAYER_INPUT_GEMM=cublas), the input projection at two
-# slices a row (KDA_LAYER_INPUT_GEMM=split2). layer-sanitize: memcheck and racecheck over the layer's
+# slices a row (KDA_LAYER_INPUT_GEMM=split2), o_proj on cuBLAS (KDA_LAYER_OUTPUT_GEMM=cublas).
+# layer-sanitize: memcheck and racecheck over the layer's
 # decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
 # it takes over ten minutes).
 # KDA_GPU_TARGETS="a b" builds only those targets (default: everything).
@@ -104,12 +105,13 @@ if [ "$what" = layer ]; then
   timeout 200 "$build/bench/kda-gemv-probe" > "$OUT/gemv-probe.md" 2>&1 || rc=1
   timeout 120 "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench.md" 2>&1 || rc=1
   # The decode rows again, alternating: the defaults, the input projection on cuBLAS, the input
-  # projection at two slices a row; one file, a header a run.
+  # projection at two slices a row, o_proj on cuBLAS; one file, a header a run.
   for round in 1 2; do
-    for variant in default input-cublas input-split2; do
+    for variant in default input-cublas input-split2 output-cublas; do
       env_args=()
       [ "$variant" = input-cublas ] && env_args=(KDA_LAYER_INPUT_GEMM=cublas)
       [ "$variant" = input-split2 ] && env_args=(KDA_LAYER_INPUT_GEMM=split2)
+      [ "$variant" = output-cublas ] && env_args=(KDA_LAYER_OUTPUT_GEMM=cublas)
       echo "## $variant, round $round" >> "$OUT/layer-bench-decode.md"
       env "${env_args[@]}" timeout 60 "$build/bench/kda-layer-bench" --decode-only "$@" \
         >> "$OUT/layer-bench-decode.md" 2>&1 || rc=1

@@ -202,12 +202,14 @@ struct GemmKnobs {
   // step, which loads its states before its own wait: with every launch programmatic, a layer's
   // step may then start before its previous step's kernels have completed.
   bool programmatic_input = false;
-  // KDA_LAYER_INPUT_GEMM: the input projection alone (the first GEMM of a step) on "cublas" or on
-  // the sliced kernel at "split2"; anything else (or unset): as every other GEMM. For measuring
-  // inside the layer what kda-gemv-probe's chain table showed: after a kernel that writes its
-  // input, cuBLAS took the H = 32 one-row input projection in 17.4 us against the sliced
-  // kernel's 19.3, and split 2 the TP8 shard's in 4.6 against 5.7 (both worse elsewhere).
-  enum class InputGemm { kAsOthers, kCublas, kSplit2 } input = InputGemm::kAsOthers;
+  // KDA_LAYER_INPUT_GEMM / KDA_LAYER_OUTPUT_GEMM: the input projection alone (the first GEMM of a
+  // step) / o_proj alone on "cublas" or on the sliced kernel at "split2"; anything else (or unset):
+  // as every other GEMM. For measuring inside the layer what kda-gemv-probe's chain table showed:
+  // after a kernel that writes its input, cuBLAS took the H = 32 one-row input projection in 17.4
+  // us against the sliced kernel's 19.3 and K3's o_proj in 8.4 against 9.7, split 2 the TP8
+  // shard's input projection in 4.6 against 5.7 (each worse elsewhere).
+  enum class SiteGemm { kAsOthers, kCublas, kSplit2 };
+  SiteGemm input = SiteGemm::kAsOthers, output = SiteGemm::kAsOthers;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -223,10 +225,14 @@ const GemmKnobs& gemm_knobs() {
     const std::string split = value("KDA_LAYER_SLICED_SPLIT");
     if (split == "1" || split == "2" || split == "4" || split == "8") k.split = std::stoi(split);
     k.programmatic_input = value("KDA_LAYER_PROGRAMMATIC_INPUT") == "1";
-    const std::string input = value("KDA_LAYER_INPUT_GEMM");
-    k.input = input == "cublas"   ? GemmKnobs::InputGemm::kCublas
-              : input == "split2" ? GemmKnobs::InputGemm::kSplit2
-                                  : GemmKnobs::InputGemm::kAsOthers;
+    auto site = [&](const char* name) {
+      const std::string v = value(name);
+      return v == "cublas"   ? GemmKnobs::SiteGemm::kCublas
+             : v == "split2" ? GemmKnobs::SiteGemm::kSplit2
+                             : GemmKnobs::SiteGemm::kAsOthers;
+    };
+    k.input = site("KDA_LAYER_INPUT_GEMM");
+    k.output = site("KDA_LAYER_OUTPUT_GEMM");
     return k;
   }();
   return knobs;
@@ -266,12 +272,12 @@ struct GemmContext {
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
 // outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
 // Few rows on the small-row kernels (gemm_knobs()), the rest on cuBLAS; `programmatic` launches
-// a small-row kernel as a programmatic dependent of the kernel before it; `input_projection`: the
-// step's input projection (GemmKnobs::input).
+// a small-row kernel as a programmatic dependent of the kernel before it; `site`: the knob of the
+// call site (GemmKnobs::input, ::output), if any.
 void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
           std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
           cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false,
-          bool input_projection = false) {
+          GemmKnobs::SiteGemm site = GemmKnobs::SiteGemm::kAsOthers) {
   cudaStream_t stream = context.stream;
   cuda::SmallGemmParams small;
   small.workspace = context.scratch;
@@ -288,10 +294,8 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   small.k = n_in;
   small.split = gemm_knobs().split;
   SmallGemmChoice choice = gemm_knobs().choice;
-  if (input_projection && gemm_knobs().input == GemmKnobs::InputGemm::kCublas) {
-    choice = SmallGemmChoice::kCublas;
-  }
-  if (input_projection && gemm_knobs().input == GemmKnobs::InputGemm::kSplit2) {
+  if (site == GemmKnobs::SiteGemm::kCublas) choice = SmallGemmChoice::kCublas;
+  if (site == GemmKnobs::SiteGemm::kSplit2) {
     choice = SmallGemmChoice::kSliced;
     small.split = 2;
   }
@@ -662,7 +666,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes};
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
-         gemm_knobs().programmatic_input, true);
+         gemm_knobs().programmatic_input, gemm_knobs().input);
     if (!fuse_factors) {
       gemm(gemms, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
     }
@@ -780,7 +784,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   {
     KDA_NVTX_RANGE("o_proj");
     // After the fused step, the small-row kernel streams W_o while that step runs.
-    gemm(gemms, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse);
+    gemm(gemms, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse, gemm_knobs().output);
   }
   mark(5);
   if (options.times != nullptr) add_times(options.times);
