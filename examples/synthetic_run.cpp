@@ -357,7 +357,7 @@ void run_verify_steps(engine::Engine& engine, SyntheticInputs& inputs, const Run
   // Steps after the first as graph replays where they can be: one graph, or with the fold one per
   // parity of k (the regions each writes and folds).
   DecodeGraph graphs[2];
-  report->decode_mode = "graphs off";
+  report->decode_mode = options.graphs ? "the first step runs eagerly" : "graphs off";
   bool captured = false;
   for (int k = 0; k < options.decode_steps; ++k) {
     if (k == 1 && options.graphs) {
