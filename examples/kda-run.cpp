@@ -367,6 +367,9 @@ Options parse_args(int argc, char** argv) {
   if (o.verify_form_given && o.verify_tokens == 0) {
     throw UsageError{"--verify-form needs --verify-tokens K"};
   }
+  if (o.verify_tokens != 0 && o.decode_steps == 0 && !o.plan_only) {
+    throw UsageError{"--verify-tokens needs --decode-steps S (the verify steps)"};
+  }
   if (o.verify_tokens != 0 && o.ranks != 1) {
     throw UsageError{"--verify-tokens runs on one engine (not with --ranks)"};
   }
@@ -762,19 +765,6 @@ int run_model(const Options& o) {
   kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model, spec_options);
   if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
   if (o.schedule) spec.runtime.prefill_schedule = *o.schedule;
-  if (o.verify_tokens != 0) {
-    // What the verify form needs of the runtime: records for K tokens (and two regions to fold),
-    // or K slots a sequence.
-    using kda::examples::VerifyForm;
-    if (o.verify_form == VerifyForm::kPerToken) {
-      spec.runtime.max_sequences =
-          std::max<std::int64_t>(spec.runtime.max_sequences, o.sequences * o.verify_tokens);
-    } else {
-      spec.runtime.max_verify_tokens =
-          std::max<std::int64_t>(spec.runtime.max_verify_tokens, o.verify_tokens);
-    }
-    if (o.verify_form == VerifyForm::kFold) spec.runtime.record_regions = 2;
-  }
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
   }
@@ -789,6 +779,27 @@ int run_model(const Options& o) {
                      " exceeds runtime.max_sequences " +
                      std::to_string(spec.runtime.max_sequences) + " of " + o.model +
                      " (--max-sequences raises it)"};
+  }
+  if (o.verify_tokens != 0) {
+    // What the verify form needs of the runtime: records for K tokens (and two regions to fold),
+    // or K slots a sequence (raised where --max-sequences did not set it).
+    using kda::examples::VerifyForm;
+    const std::int64_t slots = o.sequences * o.verify_tokens;
+    if (o.verify_form == VerifyForm::kPerToken && slots > spec.runtime.max_sequences) {
+      if (o.runtime.max_sequences || slots > (std::int64_t{1} << 20)) {
+        throw UsageError{"--verify-form tokens keeps " + std::to_string(o.verify_tokens) +
+                         " slots a sequence: " + std::to_string(slots) +
+                         " slots, above runtime.max_sequences " +
+                         std::to_string(spec.runtime.max_sequences) +
+                         (o.runtime.max_sequences ? " (--max-sequences)" : " (at most 1048576)")};
+      }
+      spec.runtime.max_sequences = slots;
+    }
+    if (o.verify_form != VerifyForm::kPerToken) {
+      spec.runtime.max_verify_tokens =
+          std::max<std::int64_t>(spec.runtime.max_verify_tokens, o.verify_tokens);
+    }
+    if (o.verify_form == VerifyForm::kFold) spec.runtime.record_regions = 2;
   }
   const BackendChoice choice = o.backend.value_or(spec.runtime.backend);
   std::string why;
@@ -848,7 +859,9 @@ int run_model(const Options& o) {
   }
   std::printf("engine ready in %.1f s\n",
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  kda::examples::SyntheticInputs inputs(engine, tokens);
+  // Room for a verify step's sequences x K token rows too.
+  kda::examples::SyntheticInputs inputs(
+      engine, std::max<std::int64_t>(tokens, o.sequences * std::max(o.verify_tokens, 1)));
   std::printf("\nmemory plan:\n%s", plan_text(o, spec, engine.plan(), engine.backend()).c_str());
   std::printf("synthetic inputs: %s for %lld tokens (outside the arena)\n\n",
               kda::planner::format_bytes(inputs.bytes()).c_str(),

@@ -79,6 +79,12 @@ class DecodeGraph {
       calls();
     } catch (const Error& e) {
       error = e.what();
+    } catch (...) {  // anything else: the capture ended, then passed on
+      cudaGraph_t partial = nullptr;
+      (void)cudaStreamEndCapture(stream, &partial);
+      if (partial != nullptr) (void)cudaGraphDestroy(partial);
+      (void)cudaGetLastError();
+      throw;
     }
     const cudaError_t end = cudaStreamEndCapture(stream, &graph_);
     if (error.empty() && end != cudaSuccess) error = cudaGetErrorString(end);
@@ -121,7 +127,10 @@ class BackendInts {
     if (engine.backend() != Backend::kCuda || host_.empty()) return;
     const std::size_t bytes = host_.size() * sizeof(std::int32_t);
     throw_if_error(device_malloc(&device_, bytes), "verify-step metadata");
-    throw_if_error(memcpy_to_device(device_, host_.data(), bytes), "verify-step metadata");
+    if (const Status st = memcpy_to_device(device_, host_.data(), bytes); !st.ok()) {
+      (void)device_free(device_);
+      throw Error(st, "verify-step metadata");
+    }
   }
   ~BackendInts() {
     if (device_ != nullptr) (void)device_free(device_);
@@ -296,6 +305,7 @@ namespace {
 void run_verify_steps(engine::Engine& engine, SyntheticInputs& inputs, const RunOptions& options,
                       RunReport* report, std::vector<int>* extra_slots, int* done,
                       int total_steps) {
+  if (options.decode_steps == 0) return;
   const int T = options.verify_tokens, layers = engine.num_layers();
   const auto N = static_cast<std::int32_t>(report->slots.size());
   const VerifyForm form = options.verify_form;
@@ -530,6 +540,7 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
     for (const int slot : extra_slots) engine.release_slot(slot);
     throw;
   }
+  report.extra_slots = extra_slots;
   if (options.release_slots) {
     for (const int slot : report.slots) engine.release_slot(slot);
     for (const int slot : extra_slots) engine.release_slot(slot);

@@ -82,6 +82,9 @@ struct RunReport {
   // Where each sequence's state is after the run: its slot in `slots`, except after verify steps
   // with per-token states (the slot of the last step's last accepted token).
   std::vector<int> state_slots;
+  // The slots verify steps with per-token states acquired beyond `slots` (released with them,
+  // or left acquired as they are with RunOptions::release_slots false).
+  std::vector<int> extra_slots;
 };
 
 // How decode steps run as speculative verify steps (RunOptions::verify_tokens; BatchMetadata):

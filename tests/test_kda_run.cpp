@@ -591,12 +591,24 @@ TEST_CASE("kda-run --verify-tokens: speculative verify steps in each form") {
           std::string::npos);
     CHECK(r.out.find("us per layer-step (eager: the CPU backend)") != std::string::npos);
   }
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"--verify-form", "fold"},
-                                               {"--verify-tokens", "1"},
-                                               {"--verify-tokens", "17"},
-                                               {"--verify-tokens", "4", "--verify-form", "both"},
-                                               {"--verify-tokens", "4", "--ranks", "2"},
-                                               {"--verify-tokens", "4", "--plan-only"}}) {
+  // More verified token rows than prefill tokens: the synthetic inputs hold both.
+  const Result few = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "8", "--sequences", "4",
+                              "--decode-steps", "2", "--verify-tokens", "4", "--verify-form",
+                              "records", "--backend", "cpu", "--threads", "2"});
+  INFO("stderr: " << few.err);
+  CHECK(few.rc == 0);
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--verify-form", "fold"},
+        {"--verify-tokens", "1"},
+        {"--verify-tokens", "17"},
+        {"--verify-tokens", "4", "--verify-form", "both"},
+        {"--verify-tokens", "4", "--ranks", "2"},
+        {"--verify-tokens", "4", "--plan-only"},
+        // no decode steps to verify
+        {"--verify-tokens", "4"},
+        // 8 slots, but --max-sequences 4
+        {"--verify-tokens", "4", "--verify-form", "tokens", "--decode-steps", "1", "--sequences",
+         "2", "--max-sequences", "4"}}) {
     std::vector<std::string> full = {"--model", kModels + "tiny.yaml", "--backend", "cpu"};
     full.insert(full.end(), args.begin(), args.end());
     const Result bad = kda_run(full);

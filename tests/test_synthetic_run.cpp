@@ -186,6 +186,8 @@ TEST_CASE("run_synthetic: verify steps in each form leave the same states and ou
     CHECK(fold.report.decode_step_seconds.size() == 3u);
     CHECK(tokens.report.state_slots != tokens.report.slots);  // rows moved to their kept slots
     CHECK(fold.report.state_slots == fold.report.slots);
+    CHECK(tokens.report.extra_slots.size() == 6u);  // 3 sequences x (3 - 1) more slots
+    CHECK(fold.report.extra_slots.empty());
     CHECK(records.output == tokens.output);
     CHECK(fold.output == tokens.output);
     REQUIRE(fold.states.size() == tokens.states.size());
