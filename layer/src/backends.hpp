@@ -22,6 +22,24 @@ inline Problem with_checkpoints(Problem core, const Batch& batch, Tensors* t) {
   return core;
 }
 
+// The conv states of one sequence and branch after `accepted` more tokens, in place: each of the
+// `channels` rows of `hist` inputs (bf16 [channels, hist]) becomes the last `hist` of old ++ the
+// accepted inputs, input t of channel ch at inputs[t * input_stride + ch]. bf16 bits moved, never
+// rounded: what commit() and a fold (Batch::fold_sequences) do to the conv states on the CPU.
+inline void shift_conv_states(bf16_bits* rows, std::int64_t channels, std::int64_t hist,
+                              std::int64_t accepted, const bf16_bits* inputs,
+                              std::int64_t input_stride) {
+  bf16_bits old[16];  // hist <= 15 (conv_width <= 16): nothing allocated
+  for (std::int64_t ch = 0; ch < channels && hist > 0; ++ch) {
+    bf16_bits* row = rows + ch * hist;
+    for (std::int64_t i = 0; i < hist; ++i) old[i] = row[i];
+    for (std::int64_t i = 0; i < hist; ++i) {
+      const std::int64_t at = accepted + i;
+      row[i] = at < hist ? old[at] : inputs[(at - hist) * input_stride + ch];
+    }
+  }
+}
+
 // CPU (layer_cpu.cpp): an fp32 weight image, cache-line aligned.
 inline constexpr std::size_t kCpuWeightImageAlignment = 64;
 std::size_t cpu_weight_image_bytes(const Config& config);

@@ -15,6 +15,13 @@ namespace {
   throw Error(StatusCode::kInvalidArgument, std::string(what) + ": " + message);
 }
 
+// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) overlap (a null one: never).
+bool overlap(const void* a, std::int64_t a_bytes, const void* b, std::int64_t b_bytes) {
+  const auto* x = static_cast<const unsigned char*>(a);
+  const auto* y = static_cast<const unsigned char*>(b);
+  return x != nullptr && y != nullptr && x < y + b_bytes && y < x + a_bytes;
+}
+
 }  // namespace
 
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
@@ -116,11 +123,6 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     }
     // A records step writes its region while it reads the fold's: they may not overlap.
     const std::int64_t Hl = c.local_heads(), Cl = c.local_channels(), D = c.head_dim;
-    auto overlap = [](const void* a, std::int64_t a_bytes, const void* b, std::int64_t b_bytes) {
-      const auto* x = static_cast<const unsigned char*>(a);
-      const auto* y = static_cast<const unsigned char*>(b);
-      return x != nullptr && y != nullptr && x < y + b_bytes && y < x + a_bytes;
-    };
     const std::int64_t fold_pairs = batch.fold_sequences * batch.fold_decode_tokens;
     if (batch.records && (overlap(state.fold_recurrent_records, fold_pairs * Hl * 3 * D * 4,
                                   state.recurrent_records, state.record_rows * Hl * 3 * D * 4) ||
@@ -222,10 +224,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     } else if (hidden == nullptr || out == nullptr) {
       invalid(what, "hidden or out is null");
     }
-    const auto* h = static_cast<const unsigned char*>(hidden);
-    const auto* o = static_cast<const unsigned char*>(out);
-    const std::size_t bytes = static_cast<std::size_t>(T * c.hidden_size) * sizeof(bf16_bits);
-    if (o != nullptr && h < o + bytes && o < h + bytes) invalid(what, "out overlaps hidden");
+    const std::int64_t bytes = T * c.hidden_size * static_cast<std::int64_t>(sizeof(bf16_bits));
+    if (overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   if (decode) {
     DecodeProblem step =

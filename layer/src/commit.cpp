@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "backends.hpp"
 #include "checks.hpp"
 #include "kda/error.hpp"
 #include "kda/layer/layer.hpp"
@@ -108,21 +109,13 @@ void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
   const std::int64_t W = c.conv_width, Cl = c.local_channels(), hist = W - 1;
   if (hist <= 0) return;
   bf16_bits* const pools[3] = {s.conv_q, s.conv_k, s.conv_v};
-  bf16_bits old[16];  // hist <= 15 (conv_width <= 16): nothing allocated
   for (std::int64_t row = 0; row < b.sequences; ++row) {
     const std::int64_t slot = b.slots[row];
     if (padding_row(b, slot)) continue;
-    const std::int64_t n = b.num_accepted[row];
     const bf16_bits* inputs = s.conv_records + row * b.decode_tokens * 3 * Cl;
     for (int branch = 0; branch < 3; ++branch) {
-      for (std::int64_t ch = 0; ch < Cl; ++ch) {
-        bf16_bits* state = pools[branch] + (slot * Cl + ch) * hist;
-        std::copy(state, state + hist, old);
-        for (std::int64_t i = 0; i < hist; ++i) {
-          const std::int64_t at = n + i;
-          state[i] = at < hist ? old[at] : inputs[(at - hist) * 3 * Cl + branch * Cl + ch];
-        }
-      }
+      detail::shift_conv_states(pools[branch] + slot * Cl * hist, Cl, hist, b.num_accepted[row],
+                                inputs + branch * Cl, 3 * Cl);
     }
   }
 }

@@ -354,19 +354,11 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
         if (folds && !padding && batch.fold_rows[n] >= 0) {
           // The deferred commit (layer.hpp, Batch::fold_sequences): the conv state becomes the last
           // W-1 of old ++ the folded row's accepted inputs, as commit() shifts it, before the conv.
-          const std::int64_t accepted = batch.fold_counts[n], hist = W - 1;
-          const bf16_bits* inputs = state.fold_conv_records +
-                                    batch.fold_rows[n] * batch.fold_decode_tokens * 3 * Cl +
-                                    branch.index * Cl;
-          for (std::int64_t ch = 0; ch < Cl && hist > 0; ++ch) {
-            bf16_bits* entry = conv_state + ch * hist;
-            bf16_bits old[16];  // hist <= 15: nothing allocated
-            std::copy(entry, entry + hist, old);
-            for (std::int64_t i = 0; i < hist; ++i) {
-              const std::int64_t at = accepted + i;
-              entry[i] = at < hist ? old[at] : inputs[(at - hist) * 3 * Cl + ch];
-            }
-          }
+          shift_conv_states(conv_state, Cl, W - 1, batch.fold_counts[n],
+                            state.fold_conv_records +
+                                batch.fold_rows[n] * batch.fold_decode_tokens * 3 * Cl +
+                                branch.index * Cl,
+                            3 * Cl);
         }
         if (batch.checkpoints > 0 && !padding) {
           // Checkpoints first: they read the sequence's initial conv state, which the conv
