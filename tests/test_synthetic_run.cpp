@@ -44,6 +44,33 @@ struct Results {
   RunReport report;
 };
 
+// The first `rows` rows of the output the run wrote last, and every state (recurrent, and conv
+// with whole layers) of every layer in `slots`, into `r`.
+void collect(const Engine& engine, const SyntheticInputs& inputs, std::size_t rows,
+             const std::vector<int>& slots, Results* r) {
+  const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
+  const std::size_t row_bytes =
+      static_cast<std::size_t>(whole ? engine.spec().hidden_size
+                                     : engine.spec().local_heads() * engine.spec().head_dim) *
+      2;
+  const void* written = whole ? inputs.hidden_output() : inputs.output();
+  r->output.resize(rows * row_bytes);
+  std::memcpy(r->output.data(), written, r->output.size());
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    for (const int slot : slots) {
+      std::vector<std::uint8_t> state(engine.state_slot_bytes());
+      engine.read_slot_state(l, slot, state.data());
+      r->states.push_back(state);
+      if (!whole) continue;
+      for (int projection = 0; projection < 3; ++projection) {
+        std::vector<std::uint8_t> conv(engine.conv_state_slot_bytes());
+        engine.read_slot_conv_state(l, slot, projection, conv.data());
+        r->states.push_back(conv);
+      }
+    }
+  }
+}
+
 Results run(const std::string& spec_yaml, bool warmup, int decode_steps) {
   Engine engine(kda::engine::parse_model_spec(spec_yaml, "synthetic-run-test.yaml"));
   const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
@@ -75,27 +102,7 @@ Results run(const std::string& spec_yaml, bool warmup, int decode_steps) {
   CHECK((r.report.warmup_seconds > 0.0) == warmup);
 
   // Every row the run wrote: the last layer's prefill, the first 3 overwritten by decode steps.
-  const std::size_t rows = 40;
-  const std::size_t row_bytes =
-      static_cast<std::size_t>(whole ? engine.spec().hidden_size
-                                     : engine.spec().local_heads() * engine.spec().head_dim) *
-      2;
-  const void* written = whole ? inputs.hidden_output() : inputs.output();
-  r.output.resize(rows * row_bytes);
-  std::memcpy(r.output.data(), written, r.output.size());
-  for (int l = 0; l < engine.num_layers(); ++l) {
-    for (const int slot : r.report.slots) {
-      std::vector<std::uint8_t> state(engine.state_slot_bytes());
-      engine.read_slot_state(l, slot, state.data());
-      r.states.push_back(state);
-      if (!whole) continue;
-      for (int projection = 0; projection < 3; ++projection) {
-        std::vector<std::uint8_t> conv(engine.conv_state_slot_bytes());
-        engine.read_slot_conv_state(l, slot, projection, conv.data());
-        r.states.push_back(conv);
-      }
-    }
-  }
+  collect(engine, inputs, 40, r.report.slots, &r);
   for (const int slot : r.report.slots) engine.release_slot(slot);
   return r;
 }
@@ -134,7 +141,6 @@ Results verify_run(const char* layers, kda::examples::VerifyForm form, int steps
   kda::engine::ModelSpec model = kda::engine::parse_model_spec(spec, "synthetic-run-test.yaml");
   model.runtime.max_sequences = 9;  // the per-token form: 3 slots a sequence
   Engine engine(model);
-  const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
   SyntheticInputs inputs(engine, 40);
   RunOptions options;
   options.tokens = 40;
@@ -146,27 +152,8 @@ Results verify_run(const char* layers, kda::examples::VerifyForm form, int steps
   options.release_slots = false;
   Results r;
   r.report = kda::examples::run_synthetic(engine, inputs, options);
-  const std::size_t row_bytes =
-      static_cast<std::size_t>(whole ? engine.spec().hidden_size
-                                     : engine.spec().local_heads() * engine.spec().head_dim) *
-      2;
-  const void* written = whole ? inputs.hidden_output() : inputs.output();
-  r.output.resize(9 * row_bytes);  // the last step's 3 x 3 rows
-  std::memcpy(r.output.data(), written, r.output.size());
   REQUIRE(r.report.state_slots.size() == 3);
-  for (int l = 0; l < engine.num_layers(); ++l) {
-    for (const int slot : r.report.state_slots) {
-      std::vector<std::uint8_t> state(engine.state_slot_bytes());
-      engine.read_slot_state(l, slot, state.data());
-      r.states.push_back(state);
-      if (!whole) continue;
-      for (int projection = 0; projection < 3; ++projection) {
-        std::vector<std::uint8_t> conv(engine.conv_state_slot_bytes());
-        engine.read_slot_conv_state(l, slot, projection, conv.data());
-        r.states.push_back(conv);
-      }
-    }
-  }
+  collect(engine, inputs, 9, r.report.state_slots, &r);  // the last step's 3 x 3 rows
   return r;
 }
 
