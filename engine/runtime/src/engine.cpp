@@ -362,6 +362,16 @@ struct Engine::Impl {
     claim_slots(call, "row", slots.data(), batch);
   }
 
+  // A records region named by a call (`name` its field): below runtime.record_regions.
+  void check_region(const std::string& call, const char* name, int region) const {
+    const int regions = spec.runtime.record_regions;
+    if (region < 0 || region >= regions) {
+      fail(call + ": " + name + " " + std::to_string(region) + ", expected 0.." +
+           std::to_string(regions - 1) + " (runtime.record_regions " + std::to_string(regions) +
+           ")");
+    }
+  }
+
   // Caller-owned batch metadata: the bounds, and the metadata arrays usable by the backend. Where
   // the backend's memory is the host's (the CPU), also their contents: the slots acquired and
   // distinct, cu_seqlens well formed; on CUDA the kernels check what they can (BatchMetadata).
@@ -412,12 +422,7 @@ struct Engine::Impl {
              std::to_string(spec.runtime.max_verify_tokens));
       }
     }
-    const int regions = spec.runtime.record_regions;
-    if (b.records_region < 0 || b.records_region >= regions) {
-      fail(call + ": records_region " + std::to_string(b.records_region) + ", expected 0.." +
-           std::to_string(regions - 1) + " (runtime.record_regions " + std::to_string(regions) +
-           ")");
-    }
+    check_region(call, "records_region", b.records_region);
     if (b.fold_rows != nullptr || b.fold_counts != nullptr) {
       if (!decode || b.num_accepted != nullptr) {
         fail(call +
@@ -427,11 +432,7 @@ struct Engine::Impl {
       if (b.fold_rows == nullptr || b.fold_counts == nullptr) {
         fail(call + ": a fold needs both fold_rows and fold_counts");
       }
-      if (b.fold_region < 0 || b.fold_region >= regions) {
-        fail(call + ": fold_region " + std::to_string(b.fold_region) + ", expected 0.." +
-             std::to_string(regions - 1) + " (runtime.record_regions " + std::to_string(regions) +
-             ")");
-      }
+      check_region(call, "fold_region", b.fold_region);
       if (b.records && b.fold_region == b.records_region) {
         fail(call + ": a records step folds records region " + std::to_string(b.fold_region) +
              ", the one it writes (runtime.record_regions 2: alternate records_region)");
@@ -1319,11 +1320,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
     fail(call + ": " + std::to_string(sequences) + " rows, expected 1.." +
          std::to_string(m.num_slots()) + " (runtime.max_sequences)");
   }
-  if (records_region < 0 || records_region >= m.spec.runtime.record_regions) {
-    fail(call + ": records_region " + std::to_string(records_region) + ", expected 0.." +
-         std::to_string(m.spec.runtime.record_regions - 1) + " (runtime.record_regions " +
-         std::to_string(m.spec.runtime.record_regions) + ")");
-  }
+  m.check_region(call, "records_region", records_region);
   const auto region = static_cast<std::size_t>(records_region);
   // Every layer has run a records step, its last one of these rows and one token count. The shape
   // is what the host can check; it is not consumed by a commit, so that a graph of records steps
