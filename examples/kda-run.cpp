@@ -230,10 +230,12 @@ std::int64_t parse_int(const std::string& flag, const std::string& text, std::in
   return value;
 }
 
+// The model description's limit on runtime.max_sequences.
+constexpr std::int64_t kMaxSequences = 1 << 20;
+
 Options parse_args(int argc, char** argv) {
   Options o;
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
-  constexpr std::int64_t kMaxSequences = 1 << 20;  // the model description's limit
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::optional<std::string> inline_value;
@@ -275,7 +277,7 @@ Options parse_args(int argc, char** argv) {
     } else if (arg == "--tokens") {
       o.tokens = parse_int(arg, value(), 1, kMax);
     } else if (arg == "--sequences") {
-      o.sequences = parse_int(arg, value(), 1, 1 << 20);
+      o.sequences = parse_int(arg, value(), 1, kMaxSequences);
       o.sequences_given = true;
     } else if (arg == "--decode-steps") {
       o.decode_steps = parse_int(arg, value(), 0, 1 << 24);
@@ -786,12 +788,13 @@ int run_model(const Options& o) {
     using kda::examples::VerifyForm;
     const std::int64_t slots = o.sequences * o.verify_tokens;
     if (o.verify_form == VerifyForm::kPerToken && slots > spec.runtime.max_sequences) {
-      if (o.runtime.max_sequences || slots > (std::int64_t{1} << 20)) {
-        throw UsageError{"--verify-form tokens keeps " + std::to_string(o.verify_tokens) +
-                         " slots a sequence: " + std::to_string(slots) +
-                         " slots, above runtime.max_sequences " +
-                         std::to_string(spec.runtime.max_sequences) +
-                         (o.runtime.max_sequences ? " (--max-sequences)" : " (at most 1048576)")};
+      if (o.runtime.max_sequences || slots > kMaxSequences) {
+        throw UsageError{
+            "--verify-form tokens keeps " + std::to_string(o.verify_tokens) +
+            " slots a sequence: " + std::to_string(slots) + " slots, above runtime.max_sequences " +
+            std::to_string(spec.runtime.max_sequences) +
+            (o.runtime.max_sequences ? " (--max-sequences)"
+                                     : " (at most " + std::to_string(kMaxSequences) + ")")};
       }
       spec.runtime.max_sequences = slots;
     }
