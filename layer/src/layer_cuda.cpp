@@ -203,12 +203,14 @@ struct GemmKnobs {
   // step may then start before its previous step's kernels have completed.
   bool programmatic_input = false;
   // KDA_LAYER_INPUT_GEMM / KDA_LAYER_OUTPUT_GEMM: the input projection alone (the first GEMM of a
-  // step) / o_proj alone on "cublas" or on the sliced kernel at "split2"; anything else (or unset):
-  // as every other GEMM. For measuring inside the layer what kda-gemv-probe's chain table showed:
-  // after a kernel that writes its input, cuBLAS took the H = 32 one-row input projection in 17.4
-  // us against the sliced kernel's 19.3 and K3's o_proj in 8.4 against 9.7, split 2 the TP8
-  // shard's input projection in 4.6 against 5.7 (each worse elsewhere).
-  enum class SiteGemm { kAsOthers, kCublas, kSplit2 };
+  // step) / o_proj alone on "cublas", on the sliced kernel at "split2", or (one row) on the
+  // streamed kernel ("streamed": o_proj's weights stream into shared memory while the fused step
+  // before it runs); anything else (or unset): as every other GEMM. For measuring inside the layer
+  // what kda-gemv-probe's chain table showed: after a kernel that writes its input, cuBLAS took the
+  // H = 32 one-row input projection in 17.4 us against the sliced kernel's 19.3 and K3's o_proj
+  // in 8.4 against 9.7, split 2 the TP8 shard's input projection in 4.6 against 5.7 (each worse
+  // elsewhere).
+  enum class SiteGemm { kAsOthers, kCublas, kSplit2, kStreamed };
   SiteGemm input = SiteGemm::kAsOthers, output = SiteGemm::kAsOthers;
 };
 const GemmKnobs& gemm_knobs() {
@@ -227,9 +229,10 @@ const GemmKnobs& gemm_knobs() {
     k.programmatic_input = value("KDA_LAYER_PROGRAMMATIC_INPUT") == "1";
     auto site = [&](const char* name) {
       const std::string v = value(name);
-      return v == "cublas"   ? GemmKnobs::SiteGemm::kCublas
-             : v == "split2" ? GemmKnobs::SiteGemm::kSplit2
-                             : GemmKnobs::SiteGemm::kAsOthers;
+      return v == "cublas"     ? GemmKnobs::SiteGemm::kCublas
+             : v == "split2"   ? GemmKnobs::SiteGemm::kSplit2
+             : v == "streamed" ? GemmKnobs::SiteGemm::kStreamed
+                               : GemmKnobs::SiteGemm::kAsOthers;
     };
     k.input = site("KDA_LAYER_INPUT_GEMM");
     k.output = site("KDA_LAYER_OUTPUT_GEMM");
@@ -299,6 +302,7 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
     choice = SmallGemmChoice::kSliced;
     small.split = 2;
   }
+  if (site == GemmKnobs::SiteGemm::kStreamed && rows == 1) choice = SmallGemmChoice::kStreamed;
   if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
     small.kernel = cuda::SmallGemmKernel::kTiled;
     check_cuda(cuda::launch_small_gemm(small, stream), what);
