@@ -148,12 +148,7 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int i = 0; i < kSteps; ++i) {
-      const float u = s_u[t][r0 + kRowsPerPass * i];
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        S[i][j] *= a[j];  // the verify kernel's decay, then its update: the same two roundings
-        S[i][j] = fmaf(u, kh[j], S[i][j]);
-      }
+      apply_record(S[i], a, kh, s_u[t][r0 + kRowsPerPass * i]);
     }
   }
 

@@ -108,6 +108,21 @@ __device__ __forceinline__ bool gate_params_bad(float a_log, float dt_bias) {
   return !(fabsf(a_log) <= kMaxAbsALog) || !isfinite(dt_bias);
 }
 
+// One accepted token's record applied to a run of state elements Sᵀ[row][k .. k + N): the decay
+// alpha, then the rank-one update u k^, each rounded once to fp32 (kda.hpp, "Records"). The one
+// definition of the commit's element operations: the commit kernel, the decode kernel's fold and
+// the whole layer's fused step (its fold) all apply records through it, so that folding equals
+// committing bit for bit.
+template <int N>
+__device__ __forceinline__ void apply_record(float (&S)[N], const float (&alpha)[N],
+                                             const float (&k_hat)[N], float u) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    S[j] *= alpha[j];
+    S[j] = fmaf(u, k_hat[j], S[j]);
+  }
+}
+
 // ORs `bits` into the caller's device status word (Tensors::device_status), if it gave one.
 __device__ __forceinline__ void report_status(std::uint32_t* status, std::uint32_t bits) {
   if (status != nullptr && bits != 0) atomicOr(status, bits);

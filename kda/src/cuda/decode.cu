@@ -191,9 +191,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     }
   };
   if (kFold && fold_row >= 0) {
-    // The commit's operations (commit.cu) on the records of the row named, in token order; a bf16
-    // state rounded as the commit's store rounds it; a records step stores the folded state (the
-    // pool's only write of such a step).
+    // The commit's operations (apply_record) on the records of the row named, in token order; a
+    // bf16 state rounded as the commit's store rounds it; a records step stores the folded state
+    // (the pool's only write of such a step).
     const float* rec =
         x.fold_records + (static_cast<std::int64_t>(fold_row) * x.fold_tokens * H + h) * (3 * D);
     for (int t = 0; t < fold_count; ++t) {
@@ -208,12 +208,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
       }
 #pragma unroll
       for (int i = 0; i < L::kSteps; ++i) {
-        const float u = r[2 * D + row_of(i)];
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          S[i][j] *= a[j];
-          S[i][j] = fmaf(u, kh[j], S[i][j]);
-        }
+        apply_record(S[i], a, kh, r[2 * D + row_of(i)]);
       }
     }
     if constexpr (!kF32State) {

@@ -252,8 +252,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   if (fold_row >= 0) {
     // The deferred commit of the records step before (kda.hpp, "Fold"), before waiting for the
     // projection: its records are complete before this kernel starts. The commit's operations on
-    // the state (kda/src/cuda/commit.cu), a bf16 state rounded as the commit's store rounds it;
-    // the conv inputs shifted into each thread's history as bf16 values, exactly.
+    // the state (apply_record, kda/src/cuda/common.cuh), a bf16 state rounded as the commit's
+    // store rounds it; the conv inputs shifted into each thread's history as bf16 values, exactly.
     const std::int64_t first = static_cast<std::int64_t>(fold_row) * p.fold_tokens;
     for (int t = 0; t < fold_count; ++t) {
       const float* r = p.fold_records + ((first + t) * p.heads + h) * (3 * D);
@@ -262,12 +262,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       const float a[4] = {a4.x, a4.y, a4.z, a4.w}, kh[4] = {k4.x, k4.y, k4.z, k4.w};
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
-        const float u = r[2 * D + v_row0 + i];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          S[i][j] *= a[j];
-          S[i][j] = fmaf(u, kh[j], S[i][j]);
-        }
+        kda::detail::apply_record(S[i], a, kh, r[2 * D + v_row0 + i]);
       }
       if (conv_thread) {
         const std::uint32_t pair = *reinterpret_cast<const std::uint32_t*>(
