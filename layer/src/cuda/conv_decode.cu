@@ -39,7 +39,90 @@ __device__ __forceinline__ void fold_conv_state(const ConvParams& p, bool vector
   store_state<kHist>(state, vector_state, bits);
 }
 
-template <int W, bool kVerify>
+// A step of one token a row (a plain decode step, or a records step of one token): conv8's
+// operations on that token, bit for bit, with the conv state held as packed bf16 pairs (value m =
+// i * kHist + k of the channel-major slice in word m / 2) rather than a register a value, and no
+// group of rows: conv8's registers (162 at W = 4, its group of eight rows holding the one row eight
+// times) kept three blocks on a multiprocessor, and a large batch's step was bound by latency.
+template <int W>
+__device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
+                                                std::int64_t c, std::int64_t row,
+                                                std::int64_t slot) {
+  constexpr int kHist = W - 1;
+  constexpr int kWords = kConvVec * kHist / 2;
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t cc = c - branch * p.channels;
+  std::uint16_t* state = slot >= 0 ? p.pools[branch] + (slot * p.channels + cc) * kHist : nullptr;
+  std::uint32_t old[kWords];
+  if (state == nullptr) {
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) old[q] = 0;
+  } else if (vector_state) {
+#pragma unroll
+    for (int q = 0; q < kHist; ++q) {
+      const uint4 u = reinterpret_cast<const uint4*>(state)[q];
+      old[4 * q] = u.x, old[4 * q + 1] = u.y, old[4 * q + 2] = u.z, old[4 * q + 3] = u.w;
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) {
+      old[q] = static_cast<std::uint32_t>(state[2 * q]) |
+               (static_cast<std::uint32_t>(state[2 * q + 1]) << 16);
+    }
+  }
+  auto value = [&](int m) {  // value m of the old slice, as a float
+    return __uint_as_float(m % 2 == 0 ? old[m / 2] << 16 : old[m / 2] & 0xffff0000u);
+  };
+  const uint4 in = __ldg(reinterpret_cast<const uint4*>(p.proj + c) + row * (p.proj_stride / 8));
+  const std::uint32_t x_words[4] = {in.x, in.y, in.z, in.w};
+  float taps[kConvVec * W];  // 8 channels x W, contiguous and 16-byte aligned
+#pragma unroll
+  for (int q = 0; q < kConvVec * W / 4; ++q) {
+    const float4 f = __ldg(reinterpret_cast<const float4*>(p.conv_weight + c * W) + q);
+    taps[4 * q] = f.x, taps[4 * q + 1] = f.y, taps[4 * q + 2] = f.z, taps[4 * q + 3] = f.w;
+  }
+  float y[kConvVec];
+#pragma unroll
+  for (int i = 0; i < kConvVec; ++i) {
+    const float x =
+        __uint_as_float(i % 2 == 0 ? x_words[i / 2] << 16 : x_words[i / 2] & 0xffff0000u);
+    float a = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kHist; ++j) a += taps[i * W + j] * value(i * kHist + j);
+    a += taps[i * W + W - 1] * x;
+    y[i] = silu(a);
+  }
+  reinterpret_cast<uint4*>(p.out[branch] + cc)[row * (p.channels / kConvVec)] = pack8(y);
+  if (state == nullptr || p.conv_records != nullptr) return;
+  // The new slice: each channel's history shifted by one, the token's input last (bf16 bits moved).
+  auto next_bits = [&](int m) -> std::uint32_t {
+    const int i = m / kHist, k = m % kHist;
+    if (k + 1 < kHist) {
+      const int from = m + 1;
+      return from % 2 == 0 ? old[from / 2] & 0xffffu : old[from / 2] >> 16;
+    }
+    return i % 2 == 0 ? x_words[i / 2] & 0xffffu : x_words[i / 2] >> 16;
+  };
+  std::uint32_t next[kWords];
+#pragma unroll
+  for (int q = 0; q < kWords; ++q) next[q] = next_bits(2 * q) | (next_bits(2 * q + 1) << 16);
+  if (vector_state) {
+#pragma unroll
+    for (int q = 0; q < kHist; ++q) {
+      reinterpret_cast<uint4*>(state)[q] =
+          make_uint4(next[4 * q], next[4 * q + 1], next[4 * q + 2], next[4 * q + 3]);
+    }
+  } else {
+#pragma unroll
+    for (int q = 0; q < kWords; ++q) {
+      state[2 * q] = static_cast<std::uint16_t>(next[q] & 0xffffu);
+      state[2 * q + 1] = static_cast<std::uint16_t>(next[q] >> 16);
+    }
+  }
+}
+
+// kOneToken: a step of one token a row that is not a verify step (conv8_one_token).
+template <int W, bool kVerify, bool kOneToken>
 __global__ void __launch_bounds__(kConvThreads)
     conv_decode_kernel(ConvParams p, bool vector_state) {
   const std::int64_t n = blockIdx.x;
@@ -63,7 +146,11 @@ __global__ void __launch_bounds__(kConvThreads)
       fold_conv_state<W>(p, vector_state, c, row, accepted, slot);
     }
   }
-  conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot);
+  if constexpr (kOneToken) {
+    conv8_one_token<W>(p, vector_state, c, bos, slot);
+  } else {
+    conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot);
+  }
   if (p.conv_records != nullptr && slot >= 0) {
     // A records step: the row's conv inputs, which the commit shifts into the conv state (the
     // projection's own bf16 values, so the committed state is exact).
@@ -78,9 +165,11 @@ template <int W>
 void launch_width(const ConvParams& p, bool vector_state, bool verify, dim3 grid, unsigned threads,
                   cudaStream_t stream) {
   if (verify) {
-    conv_decode_kernel<W, true><<<grid, threads, 0, stream>>>(p, vector_state);
+    conv_decode_kernel<W, true, false><<<grid, threads, 0, stream>>>(p, vector_state);
+  } else if (p.decode_tokens == 1) {
+    conv_decode_kernel<W, false, true><<<grid, threads, 0, stream>>>(p, vector_state);
   } else {
-    conv_decode_kernel<W, false><<<grid, threads, 0, stream>>>(p, vector_state);
+    conv_decode_kernel<W, false, false><<<grid, threads, 0, stream>>>(p, vector_state);
   }
 }
 
