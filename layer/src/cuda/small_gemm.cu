@@ -21,8 +21,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <atomic>
 
+#include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
 #include "cuda/ptx.cuh"  // griddepcontrol, cp.async.bulk, mbarriers (kda/src/cuda)
 #include "cuda/shared_memory.cuh"
@@ -393,22 +393,6 @@ bool small_gemm_fits(const SmallGemmParams& p) {
 
 namespace {
 
-// The multiprocessors of the current device, read once a device.
-int multiprocessors() {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> counts[kMaxDevices] = {};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
-  int count = counts[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      return 0;
-    }
-    counts[device].store(count, std::memory_order_relaxed);
-  }
-  return count;
-}
-
 // The streamed kernel's stages for `p`, or none (rows == 0) where it does not take the shape: one
 // row, rows of 256 to 16384 columns. Stages hold the most whole rows that fit kStageCap (a power
 // of two), halved while the grid would have fewer than eight stages a block (the last block's
@@ -417,7 +401,7 @@ int multiprocessors() {
 StreamPlan stream_plan(const SmallGemmParams& p) {
   StreamPlan plan;
   const std::int64_t chunks = p.k / 8, row_bytes = p.k * 2;
-  const int sms = multiprocessors();
+  const int sms = kda::detail::current_device_sm_count();
   if (p.rows != 1 || chunks < 32 || row_bytes > kStageCap || sms <= 0) return plan;
   int R = 1;
   while (R < 64 && 2 * R * row_bytes <= kStageCap) R *= 2;
@@ -457,7 +441,7 @@ TiledPlan tiled_plan(const SmallGemmParams& p) {
   plan.m_tiles = p.rows <= 8 ? 1 : p.rows <= 16 ? 2 : p.rows <= 32 ? 4 : 8;
   plan.n_blocks = static_cast<int>((p.n + kTiledRows - 1) / kTiledRows);
   plan.k_tiles = static_cast<int>((p.k + kTiledK - 1) / kTiledK);
-  const std::int64_t blocks = 2 * static_cast<std::int64_t>(multiprocessors());
+  const std::int64_t blocks = 2 * static_cast<std::int64_t>(kda::detail::current_device_sm_count());
   auto partial_bytes = [&](int splits) {
     return static_cast<std::uint64_t>(splits) * static_cast<std::uint64_t>(p.rows * p.n) * 4;
   };
@@ -513,7 +497,7 @@ bool tiled_gemm_fits(const SmallGemmParams& p) {
          p.k <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n &&
          aligned16(p.in) && aligned16(p.weight) && aligned(p.out, p.out_f32 ? 4 : 2) &&
          aligned(p.workspace, 4) && p.n <= (std::int64_t{1} << 30) &&
-         (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff && multiprocessors() > 0;
+         (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff;
 }
 
 bool streamed_gemm_fits(const SmallGemmParams& p) {
