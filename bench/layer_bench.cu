@@ -31,8 +31,12 @@
 //   norm         bytes / bw: o read (bf16), gate read (f32), y written (bf16)
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
-// Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only]
+// Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
+//                        [--batch B]...
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
+// --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
+// --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else).
+// Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -122,6 +126,8 @@ struct Case {
 int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
   bool decode_only = false;
+  std::vector<std::string> shapes_wanted;
+  std::vector<std::int64_t> batches_wanted;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--decode-only") == 0) {
       decode_only = true;
@@ -129,11 +135,24 @@ int main(int argc, char** argv) {
       iters = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
       warmup = std::max(0, std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc &&
+               (std::strcmp(argv[i + 1], "h32") == 0 || std::strcmp(argv[i + 1], "tp8") == 0 ||
+                std::strcmp(argv[i + 1], "k3") == 0)) {
+      shapes_wanted.emplace_back(argv[++i]);
+    } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
+      batches_wanted.push_back(std::atoi(argv[++i]));
     } else {
-      std::fprintf(stderr, "usage: %s [--iters N] [--warmup N] [--decode-only]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
+                   "[--batch B]...\n",
+                   argv[0]);
       return 2;
     }
   }
+  auto wanted_batch = [&](std::int64_t sequences) {
+    return batches_wanted.empty() || std::find(batches_wanted.begin(), batches_wanted.end(),
+                                               sequences) != batches_wanted.end();
+  };
   try {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -157,6 +176,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> verify_rows;      // the fourth
 
     struct Shape {
+      const char* key;  // --shape
       const char* name;
       std::int64_t hidden, heads;
       int tp_size;
@@ -164,9 +184,13 @@ int main(int argc, char** argv) {
       bool full_rank_gate;
     };
     for (const Shape& shape :
-         {Shape{"H = 32", 2304, 32, 1, kda::GateMode::kSoftplus, false},
-          Shape{"TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus, false},
-          Shape{"K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound, true}}) {
+         {Shape{"h32", "H = 32", 2304, 32, 1, kda::GateMode::kSoftplus, false},
+          Shape{"tp8", "TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus, false},
+          Shape{"k3", "K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound, true}}) {
+      if (!shapes_wanted.empty() &&
+          std::find(shapes_wanted.begin(), shapes_wanted.end(), shape.key) == shapes_wanted.end()) {
+        continue;
+      }
       kda::layer::Config config;
       config.hidden_size = shape.hidden;
       config.num_heads = shape.heads;
@@ -199,6 +223,7 @@ int main(int argc, char** argv) {
             Case{"decode B = 4", 4, 1, true}, Case{"decode B = 8", 8, 1, true},
             Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
         if (decode_only && !c.decode) continue;
+        if (c.decode && !wanted_batch(c.sequences)) continue;
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
         // Checkpoint requests of each sequence into pool rows after the sequences' own.
         std::vector<std::int64_t> offsets;
@@ -395,6 +420,7 @@ int main(int argc, char** argv) {
       if (shape.full_rank_gate) continue;
       for (const std::int64_t T : {std::int64_t{4}, std::int64_t{8}}) {
         for (const std::int64_t B : {std::int64_t{1}, std::int64_t{64}, std::int64_t{256}}) {
+          if (!wanted_batch(B)) continue;
           const std::int64_t W = config.conv_width, tokens = B * T, pool = B * T;
           std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(tokens * E));
           std::mt19937 rng(11);
