@@ -32,11 +32,16 @@
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
-//                        [--batch B]...
+//                        [--batch B]... [--timeline]
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
 // --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else).
 // Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
+// --timeline (built with CUPTI, which comes with the CUDA Toolkit): for each decode row run, the
+// kernels of one graph replay of the default step as CUPTI's activity records give them (start,
+// end, the gap to the kernel before; a negative gap is an overlap, a programmatic dependent
+// starting while the kernel before it drains): where a step's time goes between its launches,
+// which the per-phase events, which serialize the phases, cannot show.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,6 +53,14 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#if defined(KDA_HAVE_CUPTI)
+#include <cupti.h>
+#include <cxxabi.h>
+
+#include <cstdint>
+#include <mutex>
+#endif
 
 #include "bench_floors.hpp"
 #include "kda/bf16.hpp"
@@ -111,6 +124,151 @@ double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
   return median(per_layer);
 }
 
+// One kernel of a traced graph replay: its name and CUDA's launch shape, GPU timestamps in ns.
+struct KernelSpan {
+  std::string name;
+  std::uint64_t start = 0, end = 0;
+  int grid = 0, block = 0, cluster = 0;  // blocks, threads a block, blocks a cluster (0: none)
+};
+
+#if defined(KDA_HAVE_CUPTI)
+void check_cupti(CUptiResult result, const char* what) {
+  if (result != CUPTI_SUCCESS) {
+    const char* text = nullptr;
+    cuptiGetResultString(result, &text);
+    std::fprintf(stderr, "%s: %s\n", what, text != nullptr ? text : "CUPTI error");
+    std::exit(1);
+  }
+}
+
+// The records CUPTI hands back (its own thread may call the completion callback).
+std::mutex g_spans_mutex;
+std::vector<KernelSpan> g_spans;
+
+// A kernel's demangled name without its namespaces and parameter list, at most 72 characters.
+std::string short_kernel_name(const char* mangled) {
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled != nullptr ? demangled : mangled;
+  std::free(demangled);
+  for (const char* noise : {"(anonymous namespace)::", "kda::layer::cuda::", "kda::detail::"}) {
+    for (std::size_t at = name.find(noise); at != std::string::npos; at = name.find(noise)) {
+      name.erase(at, std::strlen(noise));
+    }
+  }
+  int depth = 0;  // cut the parameter list: the first '(' outside template arguments
+  for (std::size_t i = 0; i < name.size(); ++i) {
+    if (name[i] == '<') ++depth;
+    if (name[i] == '>') --depth;
+    if (name[i] == '(' && depth == 0) {
+      name.resize(i);
+      break;
+    }
+  }
+  if (name.size() > 72) name = name.substr(0, 69) + "...";
+  for (char& ch : name) ch = ch == '|' ? '/' : ch;  // a table cell
+  return name;
+}
+
+void CUPTIAPI timeline_buffer_requested(std::uint8_t** buffer, std::size_t* size,
+                                        std::size_t* max_records) {
+  constexpr std::size_t kBytes = std::size_t{4} << 20;
+  *buffer = static_cast<std::uint8_t*>(std::aligned_alloc(8, kBytes));
+  *size = *buffer != nullptr ? kBytes : 0;
+  *max_records = 0;
+}
+
+void CUPTIAPI timeline_buffer_completed(CUcontext, std::uint32_t, std::uint8_t* buffer, std::size_t,
+                                        std::size_t valid) {
+  CUpti_Activity* record = nullptr;
+  while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+    if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+    const auto* kernel = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+    KernelSpan span;
+    span.name = short_kernel_name(kernel->name);
+    span.start = kernel->start;
+    span.end = kernel->end;
+    span.grid = kernel->gridX * kernel->gridY * kernel->gridZ;
+    span.block = kernel->blockX * kernel->blockY * kernel->blockZ;
+    span.cluster = static_cast<int>(kernel->clusterX * kernel->clusterY * kernel->clusterZ);
+    const std::lock_guard<std::mutex> lock(g_spans_mutex);
+    g_spans.push_back(std::move(span));
+  }
+  std::free(buffer);
+}
+#endif
+
+// The kernels of one replay of what `enqueue` puts on `stream`, captured in a graph, in start
+// order (after three untraced replays). Empty without CUPTI.
+std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<void()>& enqueue) {
+  std::vector<KernelSpan> spans;
+#if defined(KDA_HAVE_CUPTI)
+  static const bool registered = [] {
+    check_cupti(
+        cuptiActivityRegisterCallbacks(timeline_buffer_requested, timeline_buffer_completed),
+        "cuptiActivityRegisterCallbacks");
+    return true;
+  }();
+  (void)registered;
+  // Traced from before the capture: CUPTI reports a graph's kernel nodes when it knew of the
+  // graph from its instantiation on.
+  check_cupti(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
+  cudaGraph_t g = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  enqueue();
+  check(cudaStreamEndCapture(stream, &g), "end capture");
+  check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  check(cudaStreamSynchronize(stream), "warm-up replays");
+  check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
+  {
+    const std::lock_guard<std::mutex> lock(g_spans_mutex);
+    g_spans.clear();
+  }
+  check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  check(cudaStreamSynchronize(stream), "traced replay");
+  check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
+  check_cupti(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(g);
+  {
+    const std::lock_guard<std::mutex> lock(g_spans_mutex);
+    spans.swap(g_spans);
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const KernelSpan& a, const KernelSpan& b) { return a.start < b.start; });
+#else
+  (void)stream, (void)enqueue;
+#endif
+  return spans;
+}
+
+// `spans` as a table: times in us from the first kernel's start; "after the previous" is this
+// kernel's start less the end of the kernel before it (negative: they overlap).
+std::string timeline_table(const std::string& title, const std::vector<KernelSpan>& spans) {
+  std::string out =
+      "\n" + title + "\n\n| # | kernel | blocks | threads | cluster | start | end | " +
+      "duration | after the previous |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  if (spans.empty()) return out + "| - | no kernel records | | | | | | | |\n";
+  const double t0 = static_cast<double>(spans.front().start);
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const KernelSpan& k = spans[i];
+    const double start = (static_cast<double>(k.start) - t0) * 1e-3;
+    const double end = (static_cast<double>(k.end) - t0) * 1e-3;
+    char gap[32] = "-";
+    if (i > 0) {
+      std::snprintf(gap, sizeof gap, "%.2f",
+                    (static_cast<double>(k.start) - static_cast<double>(spans[i - 1].end)) * 1e-3);
+    }
+    char line[320];
+    std::snprintf(line, sizeof line, "| %zu | %s | %d | %d | %d | %.2f | %.2f | %.2f | %s |\n",
+                  i + 1, k.name.c_str(), k.grid, k.block, k.cluster, start, end, end - start, gap);
+    out += line;
+  }
+  return out;
+}
+
 struct Case {
   std::string name;
   std::int64_t sequences;
@@ -125,7 +283,7 @@ struct Case {
 
 int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
-  bool decode_only = false;
+  bool decode_only = false, timeline = false;
   std::vector<std::string> shapes_wanted;
   std::vector<std::int64_t> batches_wanted;
   for (int i = 1; i < argc; ++i) {
@@ -141,10 +299,17 @@ int main(int argc, char** argv) {
       shapes_wanted.emplace_back(argv[++i]);
     } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       batches_wanted.push_back(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--timeline") == 0) {
+#if defined(KDA_HAVE_CUPTI)
+      timeline = true;
+#else
+      std::fprintf(stderr, "%s: --timeline needs a build with CUPTI (not found)\n", argv[0]);
+      return 2;
+#endif
     } else {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
-                   "[--batch B]...\n",
+                   "[--batch B]... [--timeline]\n",
                    argv[0]);
       return 2;
     }
@@ -174,6 +339,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> kernel_rows;      // the second table
     std::vector<std::string> checkpoint_rows;  // the third
     std::vector<std::string> verify_rows;      // the fourth
+    std::vector<std::string> timelines;        // --timeline
 
     struct Shape {
       const char* key;  // --shape
@@ -342,21 +508,30 @@ int main(int argc, char** argv) {
         }
         // The forwards of every layer captured in one graph, replayed: each replay timed with
         // events around it, per layer.
-        auto graph_replays = [&](kda::layer::DecodeKernel kernel, int cluster = 0) {
-          kda::layer::RunOptions capture_options;
-          capture_options.stream = stream;
-          capture_options.check_pointers = false;
-          capture_options.decode_kernel = kernel;
-          capture_options.fused_cluster = cluster;
-          return replay_per_layer(stream, instances, warmup, iters, [&] {
+        auto forwards = [&](kda::layer::DecodeKernel kernel, int cluster) {
+          return [&, kernel, cluster] {
+            kda::layer::RunOptions capture_options;
+            capture_options.stream = stream;
+            capture_options.check_pointers = false;
+            capture_options.decode_kernel = kernel;
+            capture_options.fused_cluster = cluster;
             for (int l = 0; l < instances; ++l) {
               layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
                                  static_cast<kda::bf16_bits*>(d_out.ptr), state_of(l),
                                  kda::Workspace{workspace.ptr, ws_bytes}, capture_options);
             }
-          });
+          };
+        };
+        auto graph_replays = [&](kda::layer::DecodeKernel kernel, int cluster = 0) {
+          return replay_per_layer(stream, instances, warmup, iters, forwards(kernel, cluster));
         };
         const double graph = graph_replays(kda::layer::DecodeKernel::kAuto);
+        if (c.decode && timeline) {
+          timelines.push_back(timeline_table(
+              "Timeline: " + layer_name + ", " + c.name + ", one graph replay of " +
+                  std::to_string(instances) + " layers (us from the first kernel's start)",
+              traced_replay(stream, forwards(kda::layer::DecodeKernel::kAuto, 0))));
+        }
         if (c.decode) {
           char line[320];
           const auto fused = kda::layer::DecodeKernel::kFusedFactors;
@@ -592,6 +767,7 @@ int main(int argc, char** argv) {
         "step / plain | folding / plain |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (const std::string& row : verify_rows) std::printf("%s\n", row.c_str());
+    for (const std::string& table : timelines) std::printf("%s", table.c_str());
     cudaStreamDestroy(stream);
   } catch (const kda::Error& e) {
     std::fprintf(stderr, "kda-layer-bench: %s\n", e.what());
