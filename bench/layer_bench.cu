@@ -93,17 +93,31 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// What `enqueue` puts on `stream`, captured in one graph and instantiated.
+struct CapturedGraph {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) {
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    enqueue();
+    check(cudaStreamEndCapture(stream, &graph), "end capture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  }
+  ~CapturedGraph() {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+};
+
 // What `enqueue` puts on `stream` (the forwards of `layers` layers, or one call over them),
 // captured in one graph and replayed: the median over `iters` replays after `warmup`, each timed
 // with events around it, in microseconds per layer.
 double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
                         const std::function<void()>& enqueue) {
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  enqueue();
-  check(cudaStreamEndCapture(stream, &g), "end capture");
-  check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+  const CapturedGraph captured(stream, enqueue);
+  cudaGraphExec_t exec = captured.exec;
   cudaEvent_t before = nullptr, after = nullptr;
   check(cudaEventCreate(&before), "cudaEventCreate");
   check(cudaEventCreate(&after), "cudaEventCreate");
@@ -119,8 +133,6 @@ double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
   }
   cudaEventDestroy(before);
   cudaEventDestroy(after);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(g);
   return median(per_layer);
 }
 
@@ -213,25 +225,18 @@ std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<v
   // Traced from before the capture: CUPTI reports a graph's kernel nodes when it knew of the
   // graph from its instantiation on.
   check_cupti(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
-  cudaGraph_t g = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  enqueue();
-  check(cudaStreamEndCapture(stream, &g), "end capture");
-  check(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
-  for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  const CapturedGraph captured(stream, enqueue);
+  for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
   check(cudaStreamSynchronize(stream), "warm-up replays");
   check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
   {
     const std::lock_guard<std::mutex> lock(g_spans_mutex);
     g_spans.clear();
   }
-  check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+  check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
   check(cudaStreamSynchronize(stream), "traced replay");
   check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
   check_cupti(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(g);
   {
     const std::lock_guard<std::mutex> lock(g_spans_mutex);
     spans.swap(g_spans);
