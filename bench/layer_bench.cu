@@ -41,7 +41,8 @@
 // kernels of one graph replay of the default step as CUPTI's activity records give them (start,
 // end, the gap to the kernel before; a negative gap is an overlap, a programmatic dependent
 // starting while the kernel before it drains): where a step's time goes between its launches,
-// which the per-phase events, which serialize the phases, cannot show.
+// which the per-phase events, which serialize the phases, cannot show. The other tables of such a
+// run are timed with CUPTI loaded: compare them with runs without --timeline only with care.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -144,25 +145,30 @@ struct KernelSpan {
 };
 
 #if defined(KDA_HAVE_CUPTI)
-void check_cupti(CUptiResult result, const char* what) {
-  if (result != CUPTI_SUCCESS) {
-    const char* text = nullptr;
-    cuptiGetResultString(result, &text);
-    std::fprintf(stderr, "%s: %s\n", what, text != nullptr ? text : "CUPTI error");
-    std::exit(1);
-  }
+// False, with a warning, where CUPTI refuses (under nsys or ncu, say): the timeline is then left
+// out and the run goes on.
+bool cupti_ok(CUptiResult result, const char* what) {
+  if (result == CUPTI_SUCCESS) return true;
+  const char* text = nullptr;
+  cuptiGetResultString(result, &text);
+  std::fprintf(stderr, "kda-layer-bench --timeline: %s: %s\n", what,
+               text != nullptr ? text : "CUPTI error");
+  return false;
 }
 
 // The records CUPTI hands back (its own thread may call the completion callback).
 std::mutex g_spans_mutex;
 std::vector<KernelSpan> g_spans;
+int g_untimed = 0;  // kernel records without timestamps, left out
 
 // A kernel's demangled name without its namespaces and parameter list, at most 72 characters.
 std::string short_kernel_name(const char* mangled) {
+  if (mangled == nullptr) return "(unnamed)";
   int status = 0;
   char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
   std::string name = status == 0 && demangled != nullptr ? demangled : mangled;
   std::free(demangled);
+  if (name.rfind("void ", 0) == 0) name.erase(0, 5);  // a template kernel's return type
   for (const char* noise : {"(anonymous namespace)::", "kda::layer::cuda::", "kda::detail::"}) {
     for (std::size_t at = name.find(noise); at != std::string::npos; at = name.find(noise)) {
       name.erase(at, std::strlen(noise));
@@ -195,7 +201,14 @@ void CUPTIAPI timeline_buffer_completed(CUcontext, std::uint32_t, std::uint8_t* 
   CUpti_Activity* record = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
     if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+    // CUPTI 13's kernel record (cupti_activity.h); a later CUPTI may deliver a newer layout.
+    static_assert(CUPTI_API_VERSION >= 130000, "the kernel record layout of CUPTI 13");
     const auto* kernel = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+    if (kernel->start == 0 || kernel->end == 0) {  // no timestamps collected for this kernel
+      const std::lock_guard<std::mutex> lock(g_spans_mutex);
+      ++g_untimed;
+      continue;
+    }
     KernelSpan span;
     span.name = short_kernel_name(kernel->name);
     span.start = kernel->start;
@@ -211,35 +224,46 @@ void CUPTIAPI timeline_buffer_completed(CUcontext, std::uint32_t, std::uint8_t* 
 #endif
 
 // The kernels of one replay of what `enqueue` puts on `stream`, captured in a graph, in start
-// order (after three untraced replays). Empty without CUPTI.
-std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<void()>& enqueue) {
+// order (after three replays whose records are dropped); `untimed`: records without timestamps,
+// left out. Empty without CUPTI, or where CUPTI refuses (a warning on stderr).
+std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<void()>& enqueue,
+                                      int* untimed) {
   std::vector<KernelSpan> spans;
+  *untimed = 0;
 #if defined(KDA_HAVE_CUPTI)
-  static const bool registered = [] {
-    check_cupti(
-        cuptiActivityRegisterCallbacks(timeline_buffer_requested, timeline_buffer_completed),
-        "cuptiActivityRegisterCallbacks");
-    return true;
-  }();
-  (void)registered;
+  static const bool registered =
+      cupti_ok(cuptiActivityRegisterCallbacks(timeline_buffer_requested, timeline_buffer_completed),
+               "cuptiActivityRegisterCallbacks");
   // Traced from before the capture: CUPTI reports a graph's kernel nodes when it knew of the
   // graph from its instantiation on.
-  check_cupti(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityEnable");
-  const CapturedGraph captured(stream, enqueue);
-  for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
-  check(cudaStreamSynchronize(stream), "warm-up replays");
-  check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
-  {
-    const std::lock_guard<std::mutex> lock(g_spans_mutex);
-    g_spans.clear();
+  if (!registered || !cupti_ok(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
+                               "cuptiActivityEnable")) {
+    return spans;
   }
-  check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
-  check(cudaStreamSynchronize(stream), "traced replay");
-  check_cupti(cuptiActivityFlushAll(1), "cuptiActivityFlushAll");
-  check_cupti(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
+  bool ok = true;
+  {
+    const CapturedGraph captured(stream, enqueue);
+    for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
+    check(cudaStreamSynchronize(stream), "warm-up replays");
+    ok = cupti_ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
+    {
+      const std::lock_guard<std::mutex> lock(g_spans_mutex);
+      g_spans.clear();
+      g_untimed = 0;
+    }
+    check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
+    check(cudaStreamSynchronize(stream), "traced replay");
+    ok = ok &&
+         cupti_ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
+  }
+  cupti_ok(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
   {
     const std::lock_guard<std::mutex> lock(g_spans_mutex);
-    spans.swap(g_spans);
+    if (ok) {
+      spans.swap(g_spans);
+      *untimed = g_untimed;
+    }
+    g_spans.clear();
   }
   std::sort(spans.begin(), spans.end(),
             [](const KernelSpan& a, const KernelSpan& b) { return a.start < b.start; });
@@ -250,13 +274,15 @@ std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<v
 }
 
 // `spans` as a table: times in us from the first kernel's start; "after the previous" is this
-// kernel's start less the end of the kernel before it (negative: they overlap).
-std::string timeline_table(const std::string& title, const std::vector<KernelSpan>& spans) {
+// kernel's start less the latest end of the kernels before it (negative: they overlap).
+std::string timeline_table(const std::string& title, const std::vector<KernelSpan>& spans,
+                           int untimed) {
   std::string out =
       "\n" + title + "\n\n| # | kernel | blocks | threads | cluster | start | end | " +
       "duration | after the previous |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
   if (spans.empty()) return out + "| - | no kernel records | | | | | | | |\n";
   const double t0 = static_cast<double>(spans.front().start);
+  std::uint64_t latest_end = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const KernelSpan& k = spans[i];
     const double start = (static_cast<double>(k.start) - t0) * 1e-3;
@@ -264,13 +290,16 @@ std::string timeline_table(const std::string& title, const std::vector<KernelSpa
     char gap[32] = "-";
     if (i > 0) {
       std::snprintf(gap, sizeof gap, "%.2f",
-                    (static_cast<double>(k.start) - static_cast<double>(spans[i - 1].end)) * 1e-3);
+                    (static_cast<double>(k.start) - static_cast<double>(latest_end)) * 1e-3);
     }
+    latest_end = std::max(latest_end, k.end);
     char line[320];
     std::snprintf(line, sizeof line, "| %zu | %s | %d | %d | %d | %.2f | %.2f | %.2f | %s |\n",
                   i + 1, k.name.c_str(), k.grid, k.block, k.cluster, start, end, end - start, gap);
     out += line;
   }
+  if (untimed > 0)
+    out += "\n(" + std::to_string(untimed) + " kernel records without timestamps left out)\n";
   return out;
 }
 
@@ -532,10 +561,15 @@ int main(int argc, char** argv) {
         };
         const double graph = graph_replays(kda::layer::DecodeKernel::kAuto);
         if (c.decode && timeline) {
+          int untimed = 0;
+          const std::vector<KernelSpan> spans =
+              traced_replay(stream, forwards(kda::layer::DecodeKernel::kAuto, 0), &untimed);
           timelines.push_back(timeline_table(
               "Timeline: " + layer_name + ", " + c.name + ", one graph replay of " +
-                  std::to_string(instances) + " layers (us from the first kernel's start)",
-              traced_replay(stream, forwards(kda::layer::DecodeKernel::kAuto, 0))));
+                  std::to_string(instances) +
+                  " layers (us from the first kernel's start; CUPTI's timestamps, which add to "
+                  "each kernel's time)",
+              spans, untimed));
         }
         if (c.decode) {
           char line[320];
