@@ -174,6 +174,14 @@ struct EnginePair {
 
 bool usable(Backend backend) { return backend == Backend::kCpu || kda::test::gpu_or_skip(); }
 
+// The case `name` on each backend, "name [cpu]" and "name [cuda]" (CTest's labels cpu and gpu):
+// `run(backend)`, the CUDA one skipped with a message where there is no usable device.
+#define KDA_ENGINE_CASE(name, run)                   \
+  TEST_CASE(name " [cpu]") { run(Backend::kCpu); }   \
+  TEST_CASE(name " [cuda]") {                        \
+    if (usable(Backend::kCuda)) run(Backend::kCuda); \
+  }
+
 // A decode step of every layer on `slots` (negative: padding), through spans and through
 // metadata: outputs and every state equal bitwise; padding rows zeros; slots outside the batch
 // unchanged.
@@ -363,12 +371,8 @@ void verify_step(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: a verify step keeps each token's states in its slots (num_accepted) [cpu]") {
-  verify_step(Backend::kCpu);
-}
-TEST_CASE("engine: a verify step keeps each token's states in its slots (num_accepted) [cuda]") {
-  if (usable(Backend::kCuda)) verify_step(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: a verify step keeps each token's states in its slots (num_accepted)",
+                verify_step)
 
 namespace {
 
@@ -471,12 +475,8 @@ void prefill_checkpoints(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: prefill checkpoints on caller-owned metadata, and continuing from one [cpu]") {
-  prefill_checkpoints(Backend::kCpu);
-}
-TEST_CASE("engine: prefill checkpoints on caller-owned metadata, and continuing from one [cuda]") {
-  if (usable(Backend::kCuda)) prefill_checkpoints(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: prefill checkpoints on caller-owned metadata, and continuing from one",
+                prefill_checkpoints)
 
 namespace {
 
@@ -553,12 +553,8 @@ void prefill_int32(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cpu]") {
-  prefill_int32(Backend::kCpu);
-}
-TEST_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise [cuda]") {
-  if (usable(Backend::kCuda)) prefill_int32(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: int32 cu_seqlens on caller-owned metadata equal int64 ones bitwise",
+                prefill_int32)
 
 namespace {
 
@@ -737,25 +733,12 @@ void null_slot(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: a null slot is padding in every batch and never acquired [cpu]") {
-  null_slot(Backend::kCpu);
-}
-TEST_CASE("engine: a null slot is padding in every batch and never acquired [cuda]") {
-  if (usable(Backend::kCuda)) null_slot(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: a null slot is padding in every batch and never acquired", null_slot)
 
-TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cpu]") {
-  decode_layouts(Backend::kCpu);
-}
-TEST_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros [cuda]") {
-  if (usable(Backend::kCuda)) decode_layouts(Backend::kCuda);
-}
-TEST_CASE("engine: varlen prefill on caller-owned metadata, padding sequence zeros [cpu]") {
-  prefill_varlen(Backend::kCpu);
-}
-TEST_CASE("engine: varlen prefill on caller-owned metadata, padding sequence zeros [cuda]") {
-  if (usable(Backend::kCuda)) prefill_varlen(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: decode on caller-owned metadata equals host slots, padding rows zeros",
+                decode_layouts)
+KDA_ENGINE_CASE("engine: varlen prefill on caller-owned metadata, padding sequence zeros",
+                prefill_varlen)
 
 TEST_CASE("engine: bad caller-owned metadata is refused before anything is written [cpu]") {
   EnginePair pair(Backend::kCpu);
@@ -1100,12 +1083,8 @@ void c_api_prefix_cache(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("C API: a prefix-cache round trip through kda_batch checkpoints [cpu]") {
-  c_api_prefix_cache(Backend::kCpu);
-}
-TEST_CASE("C API: a prefix-cache round trip through kda_batch checkpoints [cuda]") {
-  if (usable(Backend::kCuda)) c_api_prefix_cache(Backend::kCuda);
-}
+KDA_ENGINE_CASE("C API: a prefix-cache round trip through kda_batch checkpoints",
+                c_api_prefix_cache)
 
 TEST_CASE("C API: kda_batch calls equal the host-slot calls, bad batches are refused [cpu]") {
   kda_engine_options options;
@@ -1357,14 +1336,8 @@ void records_loop(Backend backend) {
 
 }  // namespace
 
-TEST_CASE(
-    "engine: spec decode with records steps and commits equals per-token-states verify [cpu]") {
-  records_loop(Backend::kCpu);
-}
-TEST_CASE(
-    "engine: spec decode with records steps and commits equals per-token-states verify [cuda]") {
-  if (usable(Backend::kCuda)) records_loop(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: spec decode with records steps and commits equals per-token-states verify",
+                records_loop)
 
 namespace {
 
@@ -1588,16 +1561,8 @@ void bad_folds(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: folding each records step into the next equals committing it [cpu]") {
-  fold_loop(Backend::kCpu);
-}
-TEST_CASE("engine: folding each records step into the next equals committing it [cuda]") {
-  if (usable(Backend::kCuda)) fold_loop(Backend::kCuda);
-}
-TEST_CASE("engine: bad folds are refused [cpu]") { bad_folds(Backend::kCpu); }
-TEST_CASE("engine: bad folds are refused [cuda]") {
-  if (usable(Backend::kCuda)) bad_folds(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: folding each records step into the next equals committing it", fold_loop)
+KDA_ENGINE_CASE("engine: bad folds are refused", bad_folds)
 
 // A CPU engine of the YAML `text` through the C API, its first `slots` slots acquired.
 kda_engine* cpu_engine_with_slots(const std::string& text, int slots) {
@@ -1847,16 +1812,6 @@ void fold_cores(Backend backend) {
 
 }  // namespace
 
-TEST_CASE("engine: folding records steps on an engine of KDA cores [cpu]") {
-  fold_cores(Backend::kCpu);
-}
-TEST_CASE("engine: folding records steps on an engine of KDA cores [cuda]") {
-  if (usable(Backend::kCuda)) fold_cores(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: folding records steps on an engine of KDA cores", fold_cores)
 
-TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cpu]") {
-  records_cores(Backend::kCpu);
-}
-TEST_CASE("engine: records steps and a commit on an engine of KDA cores [cuda]") {
-  if (usable(Backend::kCuda)) records_cores(Backend::kCuda);
-}
+KDA_ENGINE_CASE("engine: records steps and a commit on an engine of KDA cores", records_cores)
