@@ -418,35 +418,23 @@ Status decode_cuda(const DecodeProblem& p, const DecodeTensors& t, void* stream_
   cfg.blockDim = dim3(kWarps * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
   const bool wide = decode_vec(p, t) == 8;
-  // A fold: the plain or records kernel compiled with it.
-  auto launch_fold = [&](auto records) {
-    constexpr bool kRec = decltype(records)::value;
+  // The kernel compiled for the step's form (kVerify, kRecords, kFold) and its state: fp32, or bf16
+  // at eight or four channels a lane.
+  auto launch = [&](auto verify, auto records, auto fold) {
+    constexpr bool kV = decltype(verify)::value, kR = decltype(records)::value;
+    constexpr bool kF = decltype(fold)::value;
     return p.state_dtype == DType::kF32
-               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, kRec, true>, prm,
-                                    extras)
-           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, kRec, true>, prm,
-                                       extras)
-                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, kRec, true>, prm,
-                                       extras);
+               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, kV, kR, kF>, prm, extras)
+           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, kV, kR, kF>, prm, extras)
+                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, kV, kR, kF>, prm, extras);
   };
-  const cudaError_t err =
-      p.folds() ? (p.records ? launch_fold(std::true_type{}) : launch_fold(std::false_type{}))
-      : p.records
-          ? (p.state_dtype == DType::kF32
-                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false, true>, prm, extras)
-             : wide
-                 ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false, true>, prm, extras)
-                 : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false, true>, prm, extras))
-      : p.verify ? (p.state_dtype == DType::kF32
-                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, true>, prm, extras)
-                    : decode_vec(p, t) == 8
-                        ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, true>, prm, extras)
-                        : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, true>, prm, extras))
-      : p.state_dtype == DType::kF32
-          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, false>, prm, extras)
-      : decode_vec(p, t) == 8
-          ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, false>, prm, extras)
-          : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, false>, prm, extras);
+  using Yes = std::true_type;
+  using No = std::false_type;
+  const cudaError_t err = p.folds()   ? (p.records ? launch(No{}, Yes{}, Yes{})  // records, folding
+                                                   : launch(No{}, No{}, Yes{}))  // plain, folding
+                          : p.records ? launch(No{}, Yes{}, No{})
+                          : p.verify  ? launch(Yes{}, No{}, No{})
+                                      : launch(No{}, No{}, No{});
   return cuda_status(err, "kda_decode_kernel");
 }
 
