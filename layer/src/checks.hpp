@@ -14,8 +14,6 @@
 
 namespace kda::layer::detail {
 
-// A prefill's cu_seqlens where the host can read them, int64 or int32 (Batch::cu_seqlens or
-// cu_seqlens_i32 on the CPU, their host copies on CUDA); neither: the host cannot.
 // A fold's rows and counts (Batch::fold_rows / fold_counts) where the host can read them (the
 // CPU's own arrays), else nulls: each non-padding row's fold row and count are checked then.
 struct HostFold {
@@ -23,6 +21,8 @@ struct HostFold {
   const std::int32_t* counts = nullptr;
 };
 
+// A prefill's cu_seqlens where the host can read them, int64 or int32 (Batch::cu_seqlens or
+// cu_seqlens_i32 on the CPU, their host copies on CUDA); neither: the host cannot.
 struct HostCuSeqlens {
   const std::int64_t* i64 = nullptr;
   const std::int32_t* i32 = nullptr;
