@@ -214,6 +214,13 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       for (int j = 0; j < kHist; ++j) hist[i][j] = bits_to_float(conv_state[i * kHist + j]);
     }
   }
+  // Channel i's history after one more input x: the oldest dropped, x last (the conv's inputs of
+  // this step, and the fold's accepted ones before them).
+  auto push_history = [&](int i, float x) {
+#pragma unroll
+    for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
+    if constexpr (kHist > 0) hist[i][kHist - 1] = x;
+  };
 
   __shared__ float fa_s[D], ga_s[D];  // this token's f_a and g_a rows
   __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values; v: this slice's)
@@ -269,11 +276,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
             p.fold_conv_records + (first + t) * 3 * Cl + branch * Cl + cc);
         const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-          for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
-          if constexpr (kHist > 0) hist[i][kHist - 1] = x[i];
-        }
+        for (int i = 0; i < 2; ++i) push_history(i, x[i]);
       }
     }
     if constexpr (!kF32State) {
@@ -325,9 +328,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
         for (int j = 0; j < kHist; ++j) a += __ldg(taps + j) * hist[i][j];
         a += __ldg(taps + W - 1) * x[i];
         qkv_s[branch][channel + i] = round_bf16(silu(a));
-#pragma unroll
-        for (int j = 0; j + 1 < kHist; ++j) hist[i][j] = hist[i][j + 1];
-        if constexpr (kHist > 0) hist[i][kHist - 1] = x[i];
+        push_history(i, x[i]);
       }
     }
     __syncthreads();
