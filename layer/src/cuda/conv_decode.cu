@@ -75,12 +75,8 @@ __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector
   };
   const uint4 in = __ldg(reinterpret_cast<const uint4*>(p.proj + c) + row * (p.proj_stride / 8));
   const std::uint32_t x_words[4] = {in.x, in.y, in.z, in.w};
-  float taps[kConvVec * W];  // 8 channels x W, contiguous and 16-byte aligned
-#pragma unroll
-  for (int q = 0; q < kConvVec * W / 4; ++q) {
-    const float4 f = __ldg(reinterpret_cast<const float4*>(p.conv_weight + c * W) + q);
-    taps[4 * q] = f.x, taps[4 * q + 1] = f.y, taps[4 * q + 2] = f.z, taps[4 * q + 3] = f.w;
-  }
+  float taps[kConvVec * W];
+  load_taps<W>(p, c, taps);
   float y[kConvVec];
 #pragma unroll
   for (int i = 0; i < kConvVec; ++i) {

@@ -96,6 +96,22 @@ __device__ __forceinline__ void store_state(std::uint16_t* state, bool vector,
   }
 }
 
+// The conv taps of channels c .. c + 7: 8 x W floats, channel-major, contiguous and 16-byte
+// aligned (c * W * 4 is a multiple of 32), in W 16-byte loads.
+template <int W>
+__device__ __forceinline__ void load_taps(const ConvParams& p, std::int64_t c,
+                                          float (&taps)[kConvVec * W]) {
+  const float4* from = reinterpret_cast<const float4*>(p.conv_weight + c * W);
+#pragma unroll
+  for (int q = 0; q < kConvVec * W / 4; ++q) {
+    const float4 f = __ldg(from + q);
+    taps[4 * q] = f.x;
+    taps[4 * q + 1] = f.y;
+    taps[4 * q + 2] = f.z;
+    taps[4 * q + 3] = f.w;
+  }
+}
+
 // The sequence occupies token rows [bos, eos); this thread computes rows [t_begin, t_end) of
 // channels c .. c + 7 (c a multiple of 8; all in one branch since channels is a multiple of 8).
 // `first_chunk`: t_begin == bos — the thread reads the sequence's old conv state (row `slot`;
@@ -122,19 +138,10 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
   const int branch = static_cast<int>(c / p.channels);
   const std::int64_t cc = c - branch * p.channels;
 
-  // Taps: 8 channels x W floats, contiguous and 16-byte aligned (c * W * 4 is a multiple of 32).
   float w[kConvVec][W];
   {
-    const float4* taps = reinterpret_cast<const float4*>(p.conv_weight + c * W);
     float flat[kConvVec * W];
-#pragma unroll
-    for (int q = 0; q < kConvVec * W / 4; ++q) {
-      const float4 f = __ldg(taps + q);
-      flat[4 * q] = f.x;
-      flat[4 * q + 1] = f.y;
-      flat[4 * q + 2] = f.z;
-      flat[4 * q + 3] = f.w;
-    }
+    load_taps<W>(p, c, flat);
 #pragma unroll
     for (int i = 0; i < kConvVec; ++i) {
 #pragma unroll
