@@ -675,11 +675,14 @@ void run_verify(double bw, int iters) {
         const double plain_us =
             graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pp, tp, s), "plain"); });
         const double plain_bytes = token_bytes + 2 * rows_heads * state_bytes + 4.0 * B;
-        std::printf(
-            "| %d | %d | %s | plain step of T tokens | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx | "
-            "1.00x |\n",
-            T, B, state_name, plain_us, floor_us(plain_bytes), plain_us, floor_us(plain_bytes),
-            plain_us / floor_us(plain_bytes));
+        // A row of a form with no commit: its step alone, against its floor and the plain step.
+        auto print_step_row = [&](const char* form, double us, double bytes) {
+          std::printf("| %d | %d | %s | %s | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx | %.2fx |\n",
+                      T, B, state_name, form, us, floor_us(bytes), us, floor_us(bytes),
+                      us / floor_us(bytes), us / plain_us);
+          std::fflush(stdout);
+        };
+        print_step_row("plain step of T tokens", plain_us, plain_bytes);
 
         // Per-token states: row b starts from slots[b][0] (num_accepted 1) and writes T states.
         kda::DecodeProblem pt;
@@ -699,12 +702,7 @@ void run_verify(double bw, int iters) {
             graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pt, tt, s), "verify"); });
         const double pt_bytes =
             token_bytes + rows_heads * state_bytes * (1 + T) + 4.0 * B * T + 4.0 * B;
-        std::printf(
-            "| %d | %d | %s | per-token states | %.2f | %.2f | - | - | %.2f | %.2f | %.2fx | %.2fx "
-            "|\n",
-            T, B, state_name, pt_us, floor_us(pt_bytes), pt_us, floor_us(pt_bytes),
-            pt_us / floor_us(pt_bytes), pt_us / plain_us);
-        std::fflush(stdout);
+        print_step_row("per-token states", pt_us, pt_bytes);
 
         // Records + commit: row b's committed state in slot 2b (a gappy pool), T records a row.
         kda::DecodeProblem pr = pt;
@@ -762,12 +760,7 @@ void run_verify(double bw, int iters) {
         const double f_us =
             graph_us(iters, [&](cudaStream_t s) { check(kda::decode_cuda(pf, tf, s), "fold"); });
         const double f_bytes = rv_bytes + rows_heads * state_bytes + records + 8.0 * B;
-        std::printf(
-            "| %d | %d | %s | records, folding the step before | %.2f | %.2f | - | - | %.2f | %.2f "
-            "| %.2fx | %.2fx |\n",
-            T, B, state_name, f_us, floor_us(f_bytes), f_us, floor_us(f_bytes),
-            f_us / floor_us(f_bytes), f_us / plain_us);
-        std::fflush(stdout);
+        print_step_row("records, folding the step before", f_us, f_bytes);
       }
     }
   }
