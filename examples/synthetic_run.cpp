@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 
 #include "kda/bf16.hpp"
@@ -27,6 +28,34 @@ namespace {
 using kda::detail::align_up;
 using kda::detail::checked_mul;
 
+// int32 values in the engine's backend memory, as BatchMetadata's arrays are: host memory on the
+// CPU, device memory on CUDA.
+class BackendInts {
+ public:
+  BackendInts(const engine::Engine& engine, std::vector<std::int32_t> values)
+      : host_(std::move(values)) {
+    if (engine.backend() != Backend::kCuda || host_.empty()) return;
+    const std::size_t bytes = host_.size() * sizeof(std::int32_t);
+    throw_if_error(device_malloc(&device_, bytes), "synthetic run: batch metadata");
+    if (const Status st = memcpy_to_device(device_, host_.data(), bytes); !st.ok()) {
+      (void)device_free(device_);
+      throw Error(st, "synthetic run: batch metadata");
+    }
+  }
+  ~BackendInts() {
+    if (device_ != nullptr) (void)device_free(device_);
+  }
+  BackendInts(const BackendInts&) = delete;
+  BackendInts& operator=(const BackendInts&) = delete;
+  const std::int32_t* get() const noexcept {
+    return device_ != nullptr ? static_cast<const std::int32_t*>(device_) : host_.data();
+  }
+
+ private:
+  std::vector<std::int32_t> host_;
+  void* device_ = nullptr;
+};
+
 // One decode step of every layer captured as a CUDA graph on caller-owned metadata (the slot list
 // in device memory), replayed per step. Built only where it can be (see RunOptions::graphs).
 class DecodeGraph {
@@ -39,30 +68,20 @@ class DecodeGraph {
     if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
     if (graph_ != nullptr) cudaGraphDestroy(graph_);
 #endif
-    if (slots_ != nullptr) (void)device_free(slots_);
   }
 
-  // Captures `step` (every layer's decode on `batch`, its slots pointing at slots()); returns ""
+  // Captures `step` (every layer's decode on `batch`, whose slot list this graph keeps); returns ""
   // or why it could not (the steps then run eagerly).
   std::string capture(engine::Engine& engine, const std::vector<int>& slots,
                       const std::function<void(const engine::BatchMetadata&)>& step) {
-#ifdef KDA_HAVE_CUDA
-    if (engine.backend() != Backend::kCuda) return "the CPU backend";
-    if (engine.stream() == nullptr) return "the engine has no stream of its own";
-    const std::vector<std::int32_t> rows(slots.begin(), slots.end());
-    throw_if_error(device_malloc(&slots_, rows.size() * sizeof(std::int32_t)), "decode graph");
-    throw_if_error(memcpy_to_device(slots_, rows.data(), rows.size() * sizeof(std::int32_t)),
-                   "decode graph");
+    slots_ = std::make_unique<BackendInts>(engine,
+                                           std::vector<std::int32_t>(slots.begin(), slots.end()));
     engine::BatchMetadata batch;
-    batch.sequences = static_cast<std::int64_t>(rows.size());
+    batch.sequences = static_cast<std::int64_t>(slots.size());
     batch.tokens = batch.sequences;
     batch.decode_tokens = 1;
-    batch.slots = static_cast<const std::int32_t*>(slots_);
+    batch.slots = slots_->get();
     return capture_calls(engine, [&] { step(batch); });
-#else
-    (void)engine, (void)slots, (void)step;
-    return "the CPU backend";
-#endif
   }
   // Captures the engine calls `calls` makes (on metadata the caller keeps); "" or why not.
   std::string capture_calls(engine::Engine& engine, const std::function<void()>& calls) {
@@ -111,39 +130,11 @@ class DecodeGraph {
   }
 
  private:
-  void* slots_ = nullptr;
+  std::unique_ptr<BackendInts> slots_;  // capture()'s slot list, which the graph reads
 #ifdef KDA_HAVE_CUDA
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
 #endif
-};
-
-// int32 values in the engine's backend memory, as BatchMetadata's arrays are: host memory on the
-// CPU, device memory on CUDA.
-class BackendInts {
- public:
-  BackendInts(const engine::Engine& engine, std::vector<std::int32_t> values)
-      : host_(std::move(values)) {
-    if (engine.backend() != Backend::kCuda || host_.empty()) return;
-    const std::size_t bytes = host_.size() * sizeof(std::int32_t);
-    throw_if_error(device_malloc(&device_, bytes), "verify-step metadata");
-    if (const Status st = memcpy_to_device(device_, host_.data(), bytes); !st.ok()) {
-      (void)device_free(device_);
-      throw Error(st, "verify-step metadata");
-    }
-  }
-  ~BackendInts() {
-    if (device_ != nullptr) (void)device_free(device_);
-  }
-  BackendInts(const BackendInts&) = delete;
-  BackendInts& operator=(const BackendInts&) = delete;
-  const std::int32_t* get() const noexcept {
-    return device_ != nullptr ? static_cast<const std::int32_t*>(device_) : host_.data();
-  }
-
- private:
-  std::vector<std::int32_t> host_;
-  void* device_ = nullptr;
 };
 
 // splitmix64: fast, seedable, good enough for synthetic activations.
