@@ -516,23 +516,18 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   step.fold_batch = folds ? batch.fold_sequences : 0;
   step.fold_tokens = batch.fold_decode_tokens;
   const bool per_token_slots = batch.num_accepted != nullptr;
-  if (batch.records && N > 0 &&
-      ((reinterpret_cast<std::uintptr_t>(state.recurrent_records) |
-        reinterpret_cast<std::uintptr_t>(state.conv_records)) &
-       15) != 0) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(kForward) +
-                    ": State::recurrent_records and conv_records must be 16-byte aligned");
-  }
-  if (folds && N > 0 &&
-      ((reinterpret_cast<std::uintptr_t>(state.fold_recurrent_records) |
-        reinterpret_cast<std::uintptr_t>(state.fold_conv_records)) &
-       15) != 0) {
-    throw Error(
-        StatusCode::kInvalidArgument,
-        std::string(kForward) +
-            ": State::fold_recurrent_records and fold_conv_records must be 16-byte aligned");
-  }
+  // The records regions are read and written 16 bytes at a time.
+  auto require_aligned16 = [&](bool used, const void* a, const void* b, const char* names) {
+    if (used &&
+        ((reinterpret_cast<std::uintptr_t>(a) | reinterpret_cast<std::uintptr_t>(b)) & 15)) {
+      throw Error(StatusCode::kInvalidArgument,
+                  std::string(kForward) + ": " + names + " must be 16-byte aligned");
+    }
+  };
+  require_aligned16(batch.records && N > 0, state.recurrent_records, state.conv_records,
+                    "State::recurrent_records and conv_records");
+  require_aligned16(folds && N > 0, state.fold_recurrent_records, state.fold_conv_records,
+                    "State::fold_recurrent_records and fold_conv_records");
   if (options.check_pointers && N > 0) {
     const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
     const std::size_t recurrent_pool =
