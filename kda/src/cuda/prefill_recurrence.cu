@@ -74,11 +74,6 @@ template <int MT>
 __device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::int64_t slot, int h,
                                                  const float (&acc)[MT][16][4], float unit,
                                                  int v_warp, int gq, int tq) {
-  // The unit through an opaque move: the values stored are the same for every entry of a chunk's
-  // list, and computed once before the list's loop they were 192 more live registers (the
-  // paired shape's checkpoint kernel spilled ~500 bytes a thread).
-  float unit_here;
-  asm volatile("mov.b32 %0, %1;" : "=f"(unit_here) : "f"(unit));
   const std::int64_t base = (slot * p.num_heads + h) * static_cast<std::int64_t>(D) * D;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
@@ -88,8 +83,7 @@ __device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::in
       for (int r = 0; r < 2; ++r) {
         const int row = v_warp + 16 * mt + gq + 8 * r;
         const int col = 8 * n + 2 * tq;
-        const float2 value =
-            make_float2(acc[mt][n][2 * r] * unit_here, acc[mt][n][2 * r + 1] * unit_here);
+        const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
         const std::int64_t off = base + static_cast<std::int64_t>(row) * D + col;
         if (p.final_kind == StateKind::kF32) {
           *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
@@ -109,7 +103,14 @@ __device__ __forceinline__ void store_checkpoints(const PrefillParams& p, std::i
                                                   const float (&acc)[MT][16][4], float unit,
                                                   int v_warp, int gq, int tq) {
   for (std::int32_t entry = first; entry >= 0; entry = p.checkpoint_next[entry]) {
-    store_pool_state<MT>(p, entry, h, acc, unit, v_warp, gq, tq);
+    // The paired shape's unit through an opaque move in the loop: the values stored are the same
+    // for every entry, and computed once before the loop they were 192 more live registers (its
+    // kernel spilled ~500 bytes a thread). The one-m-tile kernels keep the hoisted products: with
+    // the move they took fewer registers but ran slower (H200, same run: h32-1seq's checkpoint
+    // prefills 3 % faster without it).
+    float unit_here = unit;
+    if constexpr (MT == 2) asm volatile("mov.b32 %0, %1;" : "=f"(unit_here) : "f"(unit));
+    store_pool_state<MT>(p, entry, h, acc, unit_here, v_warp, gq, tq);
   }
 }
 
