@@ -114,6 +114,17 @@ __device__ __forceinline__ void cluster_sync() {
           : "memory");
 }
 
+// The cluster's barrier in two halves, without ordering memory: each thread arrives once every
+// block of the cluster may be written through distributed shared memory, and waits before its first
+// such write. Work between the two is not held up by the barrier (nor, unlike cluster_sync's
+// release, by the thread's own loads and stores still in flight).
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+}
+
 // Waits until the phase with parity `parity` of the mbarrier has completed.
 __device__ __forceinline__ void mbarrier_wait(std::uint64_t* bar, unsigned parity) {
   asm volatile(

@@ -56,7 +56,9 @@ using kda::detail::gate_activation;
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
 
+using kda::detail::cluster_arrive_relaxed;
 using kda::detail::cluster_sync;
+using kda::detail::cluster_wait;
 using kda::detail::cp_async_16;
 using kda::detail::cp_async_commit;
 using kda::detail::cp_async_wait;
@@ -289,8 +291,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   }
 
   const float a_exp = __expf(p.A_log[h]);
-  // Distributed shared memory may be written only once every block of the cluster runs.
-  if constexpr (NC > 1) cluster_sync();
+  // Distributed shared memory may be written only once every block of the cluster runs: each
+  // thread arrives here and waits before its first such write (the first token's outputs), so that
+  // neither the barrier nor the loads above hold up the reads of the projection.
+  if constexpr (NC > 1) cluster_arrive_relaxed();
   griddep_wait();  // the input projection (and the gate's GEMM) from here on
   cp_async_wait<0>();
   if constexpr (kRecords) {
@@ -428,6 +432,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     // This block's outputs into every block of the cluster (o_s of this token's parity: a block
     // one token ahead writes the other half), then the cluster's barrier.
     float* o_now = o_s[NC > 1 ? t & 1 : 0];
+    if constexpr (NC > 1) {
+      if (t == 0) cluster_wait();
+    }
     if (lane < kRowsPerWarp) {
       const float value = round_bf16(mine);
       if constexpr (NC > 1) {
@@ -441,6 +448,21 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       cluster_sync();
     } else {
       __syncthreads();
+    }
+
+    // The states after this token (the step's last; a verify step's each, where the row keeps
+    // them), stored before the norm so that they drain while it runs: the step ends when its stores
+    // have landed. After the cluster's barrier, whose release would wait for them.
+    if (verify) {
+      const std::int64_t keep = p.slots[b * T + t];
+      if (keep >= p.num_slots && reporter) atomicOr(p.status, kDeviceStatusSlot);
+      if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot) {
+        store_state((keep * p.heads + h) * D * D);
+        if (conv_owner) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
+      }
+    } else if (!kRecords && t == T - 1) {
+      store_state(state_base);
+      if (conv_owner) store_conv(conv_state);
     }
 
     // The gated RMSNorm of the head (the norm kernel's operations), one warp; each block writes
@@ -474,20 +496,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
         *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
       }
     }
-    if (verify) {  // the states after this token, where the row keeps them
-      const std::int64_t keep = p.slots[b * T + t];
-      if (keep >= p.num_slots && reporter) atomicOr(p.status, kDeviceStatusSlot);
-      if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot) {
-        store_state((keep * p.heads + h) * D * D);
-        if (conv_owner) store_conv(p.conv_pools[branch] + (keep * Cl + cc) * kHist);
-      }
-    }
     __syncthreads();  // the next token overwrites the shared rows
-  }
-
-  if (!verify && !kRecords) {
-    store_state(state_base);
-    if (conv_owner) store_conv(conv_state);
   }
 }
 
