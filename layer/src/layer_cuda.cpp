@@ -212,6 +212,10 @@ struct GemmKnobs {
   // elsewhere).
   enum class SiteGemm { kAsOthers, kCublas, kSplit2, kStreamed };
   SiteGemm input = SiteGemm::kAsOthers, output = SiteGemm::kAsOthers;
+  // KDA_LAYER_FUSED_LATE_DEPENDENTS=1: the fused decode step lets o_proj start only after its own
+  // wait for the projection (FusedDecodeParams::late_dependents). With the streamed o_proj, whose
+  // blocks start its weights' reads at once, this keeps them from queuing with the step's loads.
+  bool fused_late_dependents = false;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -236,6 +240,7 @@ const GemmKnobs& gemm_knobs() {
     };
     k.input = site("KDA_LAYER_INPUT_GEMM");
     k.output = site("KDA_LAYER_OUTPUT_GEMM");
+    k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
     return k;
   }();
   return knobs;
@@ -608,6 +613,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fused.g_a_col = cols.g_a;
     fused.beta_col = cols.b;
     fused.w_fb = fuse_factors ? w_fb : nullptr;
+    fused.late_dependents = gemm_knobs().fused_late_dependents;
     fused.g = g;
     fused.w_gb = fuse_factors ? w_gb : nullptr;  // null with the full-rank gate
     fused.gate = gate;

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       slot = -1;
     }
   }
-  griddep_launch_dependents();  // o_proj may start streaming its weights
+  if (!p.late_dependents) griddep_launch_dependents();  // o_proj may start streaming its weights
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) {
     // Padding (a negative entry or the caller's null slot; or a slot outside the pool, reported
     // above): zeros out, no state read or written. The cluster's blocks all leave here.
@@ -297,6 +297,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
   if constexpr (NC > 1) cluster_arrive_relaxed();
   griddep_wait();  // the input projection (and the gate's GEMM) from here on
   cp_async_wait<0>();
+  if (p.late_dependents) griddep_launch_dependents();
   if constexpr (kRecords) {
     // A records step's one pool write, the folded states: after the wait, so that no write of
     // this kernel precedes the completion of the kernels before it.

@@ -159,6 +159,10 @@ struct FusedDecodeParams {
   const float* o_norm = nullptr;                               // f32 [128]
   void* state = nullptr;  // [num_slots, heads, 128, 128] (Sᵀ), f32 or bf16
   bool f32_state = true;
+  // The kernel after this one (o_proj) may start once this step has waited for the projection and
+  // its own loads have landed, not at once: its weight reads then do not queue with the step's
+  // (KDA_LAYER_FUSED_LATE_DEPENDENTS=1, a benchmark knob).
+  bool late_dependents = false;
   const std::int32_t* slots = nullptr;  // [sequences]; null: row b uses slot b
   // A verify step (kda::layer::Batch::num_accepted): slots [sequences, decode_tokens], num_accepted
   // [sequences]; the states after each token kept in that token's slot.
