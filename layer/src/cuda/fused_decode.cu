@@ -19,7 +19,8 @@
 // before it (it starts while that GEMM drains), copies its W_fb and W_gb rows into shared memory
 // (cp.async) and loads the recurrent and conv states, and only then waits for the GEMM's grid
 // (griddepcontrol.wait) and reads the projection. It lets its own dependent (o_proj) start at
-// once, which then streams W_o while this kernel runs.
+// once, which then streams W_o while this kernel runs (or, with FusedDecodeParams::late_dependents,
+// only after that wait).
 //
 // A step that folds the records step before it (FusedDecodeParams::fold_rows, the commit deferred
 // into this step) applies that step's accepted records to the state and the conv history right
