@@ -68,13 +68,12 @@ __device__ __forceinline__ std::int64_t state_index(const PrefillParams& p, std:
   return slot < 0 || slot == p.padding_slot ? -1 : slot;
 }
 
-// Writes this thread's elements of the state slice (acc in units of `unit`) into the state of
-// pool entry `slot`, head h, of ht (fp32 or bf16): the end state and the checkpoints alike.
-template <int MT>
-__device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::int64_t slot, int h,
-                                                 const float (&acc)[MT][16][4], float unit,
-                                                 int v_warp, int gq, int tq) {
-  const std::int64_t base = (slot * p.num_heads + h) * static_cast<std::int64_t>(D) * D;
+// Calls store(row, col, value) for each pair of this thread's elements of the state slice (acc in
+// units of `unit`): row `row` of Sᵀ (0..127; a transition's P^T rows 128..255), columns col and
+// col + 1, the values times the unit.
+template <int MT, typename Store>
+__device__ __forceinline__ void for_each_state_pair(const float (&acc)[MT][16][4], float unit,
+                                                    int v_warp, int gq, int tq, Store store) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -83,17 +82,28 @@ __device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::in
       for (int r = 0; r < 2; ++r) {
         const int row = v_warp + 16 * mt + gq + 8 * r;
         const int col = 8 * n + 2 * tq;
-        const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
-        const std::int64_t off = base + static_cast<std::int64_t>(row) * D + col;
-        if (p.final_kind == StateKind::kF32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
-        } else {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
-              __floats2bfloat162_rn(value.x, value.y);
-        }
+        store(row, col, make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit));
       }
     }
   }
+}
+
+// Writes this thread's elements of the state slice into the state of pool entry `slot`, head h,
+// of ht (fp32 or bf16): the end state and the checkpoints alike.
+template <int MT>
+__device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::int64_t slot, int h,
+                                                 const float (&acc)[MT][16][4], float unit,
+                                                 int v_warp, int gq, int tq) {
+  const std::int64_t base = (slot * p.num_heads + h) * static_cast<std::int64_t>(D) * D;
+  for_each_state_pair(acc, unit, v_warp, gq, tq, [&](int row, int col, float2 value) {
+    const std::int64_t off = base + static_cast<std::int64_t>(row) * D + col;
+    if (p.final_kind == StateKind::kF32) {
+      *reinterpret_cast<float2*>(static_cast<float*>(p.ht) + off) = value;
+    } else {
+      *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(p.ht) + off) =
+          __floats2bfloat162_rn(value.x, value.y);
+    }
+  });
 }
 
 // The pool entries listed from `first` on (prefill_checkpoints.cu): the state into each.
@@ -621,26 +631,15 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   if (end == EndKind::kFinal) {
     store_pool_state<MT>(p, end_idx, h, acc, unit, v_warp, gq, tq);
   } else if (end != EndKind::kNone) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int n = 0; n < 16; ++n) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = v_warp + 16 * mt + gq + 8 * r;
-          const int col = 8 * n + 2 * tq;
-          const float2 value = make_float2(acc[mt][n][2 * r] * unit, acc[mt][n][2 * r + 1] * unit);
-          if (end == EndKind::kSegment) {
-            *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
-          } else {
-            float* dst = row < D
-                             ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
+    for_each_state_pair(acc, unit, v_warp, gq, tq, [&](int row, int col, float2 value) {
+      if (end == EndKind::kSegment) {
+        *reinterpret_cast<float2*>(seg_out + static_cast<std::int64_t>(row) * D + col) = value;
+      } else {
+        float* dst = row < D ? p.transition_h + pair_base + static_cast<std::int64_t>(row) * D
                              : p.transition_p + pair_base + static_cast<std::int64_t>(row - D) * D;
-            *reinterpret_cast<float2*>(dst + col) = value;
-          }
-        }
+        *reinterpret_cast<float2*>(dst + col) = value;
       }
-    }
+    });
   }
   // Pipelined: this grid ends after the prepare kernel it overlapped (a programmatic dependent
   // of the recurrence may rely on both being complete, and on the status bits both report).
