@@ -139,6 +139,11 @@ std::vector<std::uint8_t> all_states(const Engine& e) {
   return states;
 }
 
+// Every slot of `e` acquired.
+void acquire_all(Engine& e) {
+  for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+}
+
 // Two engines with the same weights on `backend`: one driven through host spans, the other through
 // caller-owned metadata; every slot acquired and given a history by the same prefill.
 struct EnginePair {
@@ -381,7 +386,7 @@ namespace {
 void bad_verify(Backend backend) {
   {
     Engine e(spec(), EnginePair::options(backend, nullptr));
-    for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+    acquire_all(e);
     Memory hidden(backend, kda::test::random_bf16(4 * kHidden, 1.0f, 72));
     Memory out(backend, 4 * kHidden * 2);
     Memory slots(backend, std::vector<std::int32_t>{0, 1, 2, 3});
@@ -1358,7 +1363,7 @@ void bad_records(Backend backend) {
   b.records = true;
   {
     Engine e(spec(), EnginePair::options(backend, nullptr));
-    for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+    acquire_all(e);
     CHECK(error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), b); }) ==
           "decode_hidden: a records verify step of 2 tokens per row needs "
           "runtime.max_verify_tokens >= 2 (the records buffers' size); it is 0");
@@ -1367,7 +1372,7 @@ void bad_records(Backend backend) {
           }).find("runtime.max_verify_tokens is 0") != std::string::npos);
   }
   Engine e(records_spec(), EnginePair::options(backend, nullptr));
-  for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+  acquire_all(e);
   BatchMetadata four = b;
   four.decode_tokens = 4;
   four.tokens = 8;
@@ -1516,7 +1521,7 @@ void bad_folds(Backend backend) {
   b.slots = slots.as<std::int32_t>();
   b.records = true;
   Engine e(fold_spec(), EnginePair::options(backend, nullptr));
-  for (int s = 0; s < e.num_slots(); ++s) e.acquire_slot();
+  acquire_all(e);
   BatchMetadata fold = b;
   fold.fold_rows = rows.as<std::int32_t>();
   fold.fold_counts = counts.as<std::int32_t>();
@@ -1554,7 +1559,7 @@ void bad_folds(Backend backend) {
     CHECK(all_states(e) == before);
   }
   Engine one(records_spec(), EnginePair::options(backend, nullptr));
-  for (int s = 0; s < one.num_slots(); ++s) one.acquire_slot();
+  acquire_all(one);
   CHECK(error_of([&] { one.decode_hidden(0, hidden.get(), out.get(), second); }) ==
         "decode_hidden: records_region 1, expected 0..0 (runtime.record_regions 1)");
 }
@@ -1685,6 +1690,21 @@ TEST_CASE("C API: kda_batch records steps and kda_engine_commit equal the per-to
 
 namespace {
 
+// Random q, k, v, g (H = 4 heads of 128) and beta of `tokens` tokens on `backend`, as an engine of
+// KDA cores takes them: seeds seed .. seed + 4.
+struct CoreInputs {
+  CoreInputs(Backend backend, std::size_t tokens, std::uint64_t seed)
+      : q(backend, kda::test::random_bf16(tokens * 4 * 128, 1.0f, seed)),
+        k(backend, kda::test::random_bf16(tokens * 4 * 128, 1.0f, seed + 1)),
+        v(backend, kda::test::random_bf16(tokens * 4 * 128, 1.0f, seed + 2)),
+        g(backend, kda::test::random_bf16(tokens * 4 * 128, 1.0f, seed + 3)),
+        beta(backend, kda::test::random_bf16(tokens * 4, 1.0f, seed + 4)) {}
+  kda::engine::LayerInputs inputs() const {
+    return {q.get(), k.get(), v.get(), g.get(), beta.get()};
+  }
+  Memory q, k, v, g, beta;
+};
+
 // The records form on an engine of KDA cores (runtime.layers: core): a records step of both
 // layers through decode() and one commit leave each committed slot with the per-token form's state
 // after the last accepted token, and the same out (bit for bit on the CPU).
@@ -1693,17 +1713,12 @@ void records_cores(Backend backend) {
       std::string(kSpec) + "  max_verify_tokens: 3\n  layers: core\n", "records-core.yaml");
   Engine tokens(model, EnginePair::options(backend, nullptr));
   Engine records(model, EnginePair::options(backend, nullptr));
-  for (Engine* e : {&tokens, &records}) {
-    for (int s = 0; s < e->num_slots(); ++s) e->acquire_slot();
-  }
+  acquire_all(tokens);
+  acquire_all(records);
   const int N = 2, T = 3, H = 4, D = 128;
   const std::size_t values = static_cast<std::size_t>(N * T * H * D);
-  Memory q(backend, kda::test::random_bf16(values, 1.0f, 120));
-  Memory k(backend, kda::test::random_bf16(values, 1.0f, 121));
-  Memory v(backend, kda::test::random_bf16(values, 1.0f, 122));
-  Memory g(backend, kda::test::random_bf16(values, 1.0f, 123));
-  Memory beta(backend, kda::test::random_bf16(static_cast<std::size_t>(N * T * H), 1.0f, 124));
-  const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+  const CoreInputs random(backend, N * T, 120);
+  const kda::engine::LayerInputs inputs = random.inputs();
   Memory out_tokens(backend, values * 2), out_records(backend, values * 2);
   Memory entries(backend, std::vector<std::int32_t>{0, 1, 2, 3, 4, 5});
   Memory ones(backend, std::vector<std::int32_t>{1, 1});
@@ -1753,9 +1768,8 @@ void fold_cores(Backend backend) {
       "fold-core.yaml");
   Engine committing(model, EnginePair::options(backend, nullptr));
   Engine folding(model, EnginePair::options(backend, nullptr));
-  for (Engine* e : {&committing, &folding}) {
-    for (int s = 0; s < e->num_slots(); ++s) e->acquire_slot();
-  }
+  acquire_all(committing);
+  acquire_all(folding);
   const int N = 2, T = 3, H = 4, D = 128;
   const std::size_t values = static_cast<std::size_t>(N * T * H * D);
   Memory out_a(backend, values * 2), out_b(backend, values * 2);
@@ -1770,13 +1784,8 @@ void fold_cores(Backend backend) {
   step.records = true;
   for (int round = 0; round < 2; ++round) {
     CAPTURE(round);
-    Memory q(backend, kda::test::random_bf16(values, 1.0f, 130 + 10 * round));
-    Memory k(backend, kda::test::random_bf16(values, 1.0f, 131 + 10 * round));
-    Memory v(backend, kda::test::random_bf16(values, 1.0f, 132 + 10 * round));
-    Memory g(backend, kda::test::random_bf16(values, 1.0f, 133 + 10 * round));
-    Memory beta(backend,
-                kda::test::random_bf16(static_cast<std::size_t>(N * T * H), 1.0f, 134 + round));
-    const kda::engine::LayerInputs inputs{q.get(), k.get(), v.get(), g.get(), beta.get()};
+    const CoreInputs random(backend, N * T, 130 + 10 * round);
+    const kda::engine::LayerInputs inputs = random.inputs();
     BatchMetadata fold = step;
     fold.records_region = round;
     if (round == 1) {
