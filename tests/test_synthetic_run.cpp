@@ -37,6 +37,18 @@ std::string spec_text(const char* layers) {
          layers + "\n";
 }
 
+// The run every case makes: 40 tokens of 3 sequences (SyntheticInputs of 40 rows), then
+// `decode_steps` steps, its slots kept for collect().
+RunOptions run_options(int decode_steps, std::uint64_t seed) {
+  RunOptions options;
+  options.tokens = 40;
+  options.sequences = 3;
+  options.decode_steps = decode_steps;
+  options.seed = seed;
+  options.release_slots = false;
+  return options;
+}
+
 // What a run leaves behind: the output buffer it wrote last, and every state of every slot it used.
 struct Results {
   std::vector<std::uint8_t> output;
@@ -75,13 +87,8 @@ Results run(const std::string& spec_yaml, bool warmup, int decode_steps) {
   Engine engine(kda::engine::parse_model_spec(spec_yaml, "synthetic-run-test.yaml"));
   const bool whole = engine.layer_mode() == kda::engine::LayerMode::kWhole;
   SyntheticInputs inputs(engine, 40);
-  RunOptions options;
-  options.tokens = 40;
-  options.sequences = 3;
-  options.decode_steps = decode_steps;
-  options.seed = 5;
+  RunOptions options = run_options(decode_steps, 5);
   options.warmup = warmup;
-  options.release_slots = false;
   int layers_reported = 0;
   options.prefill_layer_done = [&](const RunReport& so_far) {
     ++layers_reported;
@@ -142,14 +149,9 @@ Results verify_run(const char* layers, kda::examples::VerifyForm form, int steps
   model.runtime.max_sequences = 9;  // the per-token form: 3 slots a sequence
   Engine engine(model);
   SyntheticInputs inputs(engine, 40);
-  RunOptions options;
-  options.tokens = 40;
-  options.sequences = 3;
-  options.decode_steps = steps;
+  RunOptions options = run_options(steps, 9);
   options.verify_tokens = 3;
   options.verify_form = form;
-  options.seed = 9;
-  options.release_slots = false;
   Results r;
   r.report = kda::examples::run_synthetic(engine, inputs, options);
   REQUIRE(r.report.state_slots.size() == 3);
