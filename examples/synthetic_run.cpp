@@ -291,13 +291,26 @@ const void* SyntheticInputs::hidden(std::int64_t token_offset) const {
 
 namespace {
 
+// One decode step of every layer on `batch`, reading the synthetic inputs' first rows (whole
+// layers: hidden states; cores: q, k, v, g, beta).
+void decode_layers(engine::Engine& engine, SyntheticInputs& inputs, bool whole_layers,
+                   const engine::BatchMetadata& batch) {
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    if (whole_layers) {
+      engine.decode_hidden(l, inputs.hidden(0), inputs.hidden_output(), batch);
+    } else {
+      engine.decode(l, inputs.inputs(0), inputs.output(), batch);
+    }
+  }
+}
+
 // The decode steps of run_synthetic as speculative verify steps (RunOptions::verify_tokens).
 // `extra_slots` receives the slots it acquires (the per-token form's), for the caller to release.
 void run_verify_steps(engine::Engine& engine, SyntheticInputs& inputs, const RunOptions& options,
                       RunReport* report, std::vector<int>* extra_slots, int* done,
                       int total_steps) {
   if (options.decode_steps == 0) return;
-  const int T = options.verify_tokens, layers = engine.num_layers();
+  const int T = options.verify_tokens;
   const auto N = static_cast<std::int32_t>(report->slots.size());
   const VerifyForm form = options.verify_form;
   std::vector<std::int32_t> rows, counts, ones(static_cast<std::size_t>(N), 1), identity;
@@ -345,14 +358,7 @@ void run_verify_steps(engine::Engine& engine, SyntheticInputs& inputs, const Run
     return b;
   };
   auto step = [&](int k) {
-    const engine::BatchMetadata b = metadata(k);
-    for (int l = 0; l < layers; ++l) {
-      if (report->whole_layers) {
-        engine.decode_hidden(l, inputs.hidden(0), inputs.hidden_output(), b);
-      } else {
-        engine.decode(l, inputs.inputs(0), inputs.output(), b);
-      }
-    }
+    decode_layers(engine, inputs, report->whole_layers, metadata(k));
     if (form == VerifyForm::kRecords) engine.commit(N, d_rows.get(), d_counts.get());
   };
   // Steps after the first as graph replays where they can be: one graph, or with the fold one per
@@ -465,6 +471,10 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
     }
   };
   std::vector<int> extra_slots;  // the per-token verify form's slots beyond the prefill's
+  auto release_all = [&] {
+    for (const int slot : report.slots) engine.release_slot(slot);
+    for (const int slot : extra_slots) engine.release_slot(slot);
+  };
   try {
     for (std::size_t j = 0; j < n; ++j) report.slots.push_back(engine.acquire_slot());
     if (options.warmup) {
@@ -495,47 +505,39 @@ RunReport run_synthetic(engine::Engine& engine, SyntheticInputs& inputs,
     report.state_slots = report.slots;
     if (T != 0) {
       run_verify_steps(engine, inputs, options, &report, &extra_slots, &done, total_steps);
-    }
-    // Graph replays of one captured step, or eager steps, each of which reads the next window of
-    // `n` synthetic tokens, wrapping around.
-    DecodeGraph graph;
-    if (T == 0) report.decode_mode = "graphs off";
-    if (options.graphs && options.decode_steps > 0 && T == 0) {
-      report.decode_mode = graph.capture(engine, report.slots, [&](const engine::BatchMetadata& b) {
-        for (int l = 0; l < layers; ++l) {
-          if (report.whole_layers) {
-            engine.decode_hidden(l, inputs.hidden(0), inputs.hidden_output(), b);
-          } else {
-            engine.decode(l, inputs.inputs(0), inputs.output(), b);
-          }
-        }
-      });
-      report.decode_graphs = report.decode_mode.empty();
-      if (report.decode_graphs) report.decode_mode = "CUDA graph replays";
-    }
-    const std::int64_t windows = inputs.capacity() - options.sequences + 1;
-    for (int step = 0; step < (T == 0 ? options.decode_steps : 0); ++step) {
-      const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
-      const auto start = std::chrono::steady_clock::now();
-      if (report.decode_graphs) {
-        graph.replay(engine);
-      } else {
-        for (int l = 0; l < layers; ++l) decode_step(l, offset);
+    } else {
+      // Graph replays of one captured step, or eager steps, each of which reads the next window
+      // of `n` synthetic tokens, wrapping around.
+      DecodeGraph graph;
+      report.decode_mode = "graphs off";
+      if (options.graphs && options.decode_steps > 0) {
+        report.decode_mode =
+            graph.capture(engine, report.slots, [&](const engine::BatchMetadata& b) {
+              decode_layers(engine, inputs, report.whole_layers, b);
+            });
+        report.decode_graphs = report.decode_mode.empty();
+        if (report.decode_graphs) report.decode_mode = "CUDA graph replays";
       }
-      engine.synchronize();
-      report.decode_step_seconds.push_back(seconds_since(start));
-      if (options.progress) options.progress(++done, total_steps);
+      const std::int64_t windows = inputs.capacity() - options.sequences + 1;
+      for (int step = 0; step < options.decode_steps; ++step) {
+        const std::int64_t offset = (static_cast<std::int64_t>(step) * options.sequences) % windows;
+        const auto start = std::chrono::steady_clock::now();
+        if (report.decode_graphs) {
+          graph.replay(engine);
+        } else {
+          for (int l = 0; l < layers; ++l) decode_step(l, offset);
+        }
+        engine.synchronize();
+        report.decode_step_seconds.push_back(seconds_since(start));
+        if (options.progress) options.progress(++done, total_steps);
+      }
     }
   } catch (...) {
-    for (const int slot : report.slots) engine.release_slot(slot);
-    for (const int slot : extra_slots) engine.release_slot(slot);
+    release_all();
     throw;
   }
   report.extra_slots = extra_slots;
-  if (options.release_slots) {
-    for (const int slot : report.slots) engine.release_slot(slot);
-    for (const int slot : extra_slots) engine.release_slot(slot);
-  }
+  if (options.release_slots) release_all();
   return report;
 }
 
