@@ -161,10 +161,17 @@ Status describe_device_status(std::uint32_t bits) {
         "request of the call named (that request was skipped)";
     sep = "; ";
   }
+  if (bits & kDeviceStatusStepTimeout) {
+    message += sep;
+    message +=
+        "a one-launch decode step whose blocks waited for each other past their bound (the device "
+        "did not run them all at once; that step's outputs and states are not valid)";
+    sep = "; ";
+  }
   const std::uint32_t unknown =
       bits & ~static_cast<std::uint32_t>(kDeviceStatusCuSeqlens | kDeviceStatusGateParams |
                                          kDeviceStatusSlot | kDeviceStatusAccepted |
-                                         kDeviceStatusCheckpoint);
+                                         kDeviceStatusCheckpoint | kDeviceStatusStepTimeout);
   if (unknown != 0) {
     message += sep;
     message += "unknown status bits 0x" + [&] {

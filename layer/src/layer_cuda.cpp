@@ -38,6 +38,7 @@
 
 #include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
+static_assert(kda::layer::cuda::kOneLaunchSyncWords == 4, "the weight image's step counters");
 #if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
 #include <nvtx3/nvToolsExtMemCudaRt.h>
 #endif
@@ -65,8 +66,12 @@ struct WeightLayout {
   std::size_t dt_bias = 0;  // f32 [Cl]
   std::size_t o_norm = 0;   // f32 [D], widened
   std::size_t w_o = 0;      // bf16 [E, Cl]
+  // u32 [kStepSyncWords]: the one-launch decode step's counters (cuda/one_launch_step.cu), zero
+  // between its launches; written as zeros with the weights.
+  std::size_t step_sync = 0;
   std::size_t total = 0;
 };
+constexpr std::int64_t kStepSyncWords = 4;
 
 WeightLayout make_weight_layout(const Config& c) {
   const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
@@ -86,6 +91,7 @@ WeightLayout make_weight_layout(const Config& c) {
   layout.dt_bias = regions.take(regions.bytes_of(Cl, 1, 4));
   layout.o_norm = regions.take(regions.bytes_of(D, 1, 4));
   layout.w_o = regions.take(regions.bytes_of(E, Cl, 2));
+  layout.step_sync = regions.take(regions.bytes_of(kStepSyncWords, 1, 4));
   layout.total = regions.end();
   return layout;
 }
@@ -390,6 +396,7 @@ class CudaLayer final : public Layer {
   const float* dt_bias = nullptr;
   const float* o_norm = nullptr;
   const bf16_bits* w_o = nullptr;
+  std::uint32_t* step_sync = nullptr;  // the one-launch step's counters (device-side state)
 };
 
 void CudaLayer::initialize(const Weights& w, unsigned char* image) {
@@ -447,6 +454,7 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   dt_bias = reinterpret_cast<const float*>(image + layout.dt_bias);
   o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
   w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
+  step_sync = reinterpret_cast<std::uint32_t*>(image + layout.step_sync);
   check_cublas(cublasCreate(&handle), "cublasCreate");
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
 }
@@ -487,7 +495,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                     ": checkpoint_offsets must be 8-byte and checkpoint_slots 4-byte aligned");
   }
   if (static_cast<unsigned>(options.decode_kernel) >
-      static_cast<unsigned>(DecodeKernel::kSeparate)) {
+      static_cast<unsigned>(DecodeKernel::kOneLaunch)) {
     throw Error(StatusCode::kInvalidArgument,
                 std::string(kForward) + ": RunOptions::decode_kernel " +
                     std::to_string(static_cast<int>(options.decode_kernel)) +
@@ -599,12 +607,68 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   core_options.check_pointers = options.check_pointers;
   core_options.schedule = options.schedule;
 
+  // A plain step of one token of one sequence in one launch (one_launch_step.cu), where it fits.
+  const DecodeKernel kernel = options.decode_kernel;
+  if (decode && N == 1 && batch.decode_tokens == 1 && batch.num_accepted == nullptr &&
+      !batch.records && !folds && inputs == nullptr &&
+      (kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch)) {
+    cuda::OneLaunchStepParams whole;
+    whole.hidden = hidden;
+    whole.hidden_size = E;
+    whole.w_in = w_in;
+    whole.proj_rows = cols.b + Hl;
+    whole.proj = proj;
+    whole.f_a_col = cols.f_a;
+    whole.g_a_col = cols.g_a;
+    whole.beta_col = cols.b;
+    whole.w_g = w_g;
+    whole.gate = gate;
+    whole.w_fb = w_fb;
+    whole.w_gb = w_gb;
+    whole.g_bias = g_bias;
+    whole.conv_weight = conv;
+    whole.conv_pools[0] = state.conv_q;
+    whole.conv_pools[1] = state.conv_k;
+    whole.conv_pools[2] = state.conv_v;
+    whole.A_log = A_log;
+    whole.dt_bias = dt_bias;
+    whole.o_norm = o_norm;
+    whole.state = state.recurrent;
+    whole.f32_state = state.recurrent_dtype == DType::kF32;
+    whole.slots = batch.slots;
+    whole.num_slots = state.num_slots;
+    whole.padding_slot = batch.padding_slot;
+    whole.heads = static_cast<int>(Hl);
+    whole.width = static_cast<int>(W);
+    whole.gate_mode = c.gate;
+    whole.lower_bound = c.lower_bound;
+    whole.scale = step.effective_scale();
+    whole.eps = c.norm_eps;
+    whole.y = y;
+    whole.w_o = w_o;
+    whole.out = out;
+    whole.status = batch.device_status;
+    whole.sync = step_sync;
+    if (cuda::one_launch_step_fits(whole)) {
+      // Its time counts as the projections'.
+      mark(0);
+      {
+        KDA_NVTX_RANGE("one-launch step");
+        check_cuda(cuda::launch_one_launch_step(whole, stream), "one_launch_step_kernel");
+      }
+      for (int boundary = 1; boundary <= 5; ++boundary) mark(boundary);
+      if (options.times != nullptr) add_times(options.times);
+      return;
+    }
+  }
+
   // A decode step in one kernel after the input projection (fused_decode.cu), where it fits.
   cuda::FusedDecodeParams fused;
-  const DecodeKernel kernel = options.decode_kernel;
   const bool auto_fused = N * Hl <= kFusedDecodeMaxBlocks;
-  bool fuse = decode && (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
-                         (kernel == DecodeKernel::kAuto && auto_fused));
+  bool fuse =
+      decode &&
+      (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||
+       ((kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch) && auto_fused));
   bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
     fused.proj = proj;

@@ -433,6 +433,9 @@ TEST_CASE("describe_device_status: each bit named, zero is ok") {
   CHECK(all.message().find("cu_seqlens") != std::string::npos);
   CHECK(all.message().find("slot index >= the pool size") != std::string::npos);
   CHECK(all.message().find("unknown status bits 0x100") != std::string::npos);
+  const Status timeout = describe_device_status(kDeviceStatusStepTimeout);
+  check_fails(timeout, StatusCode::kInvalidArgument, "one-launch decode step");
+  CHECK(timeout.message().find("unknown") == std::string::npos);
 }
 
 TEST_CASE("validate: device_status must not overlap the tensors") {

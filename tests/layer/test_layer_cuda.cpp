@@ -170,9 +170,12 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
   };
   std::vector<std::int32_t> many;  // 70 rows on a pool of 72, reversed, two of them padding
   for (std::int32_t r = 69; r >= 0; --r) many.push_back(r % 23 == 5 ? -1 : r + 2);
-  const DecodeKernel kernels[4] = {DecodeKernel::kAuto, DecodeKernel::kFusedFactors,
-                                   DecodeKernel::kFused, DecodeKernel::kSeparate};
-  const char* kernel_names[4] = {"auto", "fused, factors inside", "fused after GEMMs", "separate"};
+  const DecodeKernel kernels[5] = {DecodeKernel::kAuto, DecodeKernel::kFusedFactors,
+                                   DecodeKernel::kFused, DecodeKernel::kSeparate,
+                                   DecodeKernel::kOneLaunch};
+  const char* kernel_names[5] = {"auto", "fused, factors inside", "fused after GEMMs", "separate",
+                                 "one launch"};
+  constexpr int kSeparateRun = 3;
   std::uint64_t seed = 60;
   for (const Variant& v : {Variant{GateMode::kSoftplus, false, 4, DType::kF32},
                            Variant{GateMode::kLowerBound, false, 3, DType::kBF16},
@@ -189,8 +192,9 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 31, v.width));
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
-    for (const BatchSpec& step : {decode_batch(1, 1, {3}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
-                                  decode_batch(2, 16, {1, 6}), decode_batch(70, 1, many)}) {
+    for (const BatchSpec& step :
+         {decode_batch(1, 1, {3}), decode_batch(1, 1, {-1}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
+          decode_batch(2, 16, {1, 6}), decode_batch(70, 1, many)}) {
       CAPTURE(step.sequences());
       CAPTURE(step.decode_tokens);
       Pools before(config, 72, v.pool);
@@ -199,7 +203,7 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
           random_bf16(static_cast<std::size_t>(step.tokens() * E), 2.0f, ++seed);
       std::vector<LayerRun> runs;
       std::vector<Pools> afters;
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < 5; ++k) {
         CAPTURE(kernel_names[k]);
         ForwardSettings settings;
         const DecodeKernel kernel = kernels[k];
@@ -228,20 +232,105 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
           CHECK(after == afters[same_as]);
         }
       }
-      for (int k = 0; k < 3; ++k) {
+      for (int k = 0; k < 5; ++k) {
+        if (k == kSeparateRun) continue;
         CAPTURE(kernel_names[k]);
-        const double out_error = relative_error(runs[k].out, runs[3].out);
-        const double state_error = relative_error(afters[k].recurrent(), afters[3].recurrent());
+        const double out_error = relative_error(runs[k].out, runs[kSeparateRun].out);
+        const double state_error =
+            relative_error(afters[k].recurrent(), afters[kSeparateRun].recurrent());
         MESSAGE(std::string(kernel_names[k])
                 << " vs separate: out " << out_error << ", state " << state_error);
         CHECK(out_error < 5e-3);
         CHECK(state_error < (bf16_pool ? kBf16PoolTolerance : 1e-4));
-        CHECK(same_bits(afters[k].conv_q, afters[3].conv_q));
-        CHECK(same_bits(afters[k].conv_k, afters[3].conv_k));
-        CHECK(same_bits(afters[k].conv_v, afters[3].conv_v));
+        CHECK(same_bits(afters[k].conv_q, afters[kSeparateRun].conv_q));
+        CHECK(same_bits(afters[k].conv_k, afters[kSeparateRun].conv_k));
+        CHECK(same_bits(afters[k].conv_v, afters[kSeparateRun].conv_v));
       }
     }
   }
+}
+
+// The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
+// new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
+// an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
+// no pool byte. Back-to-back launches must leave the step's counters as they found them: a launch
+// that found them stale would wait out its bound and report kDeviceStatusStepTimeout.
+KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equals eager steps") {
+#ifndef KDA_HAVE_CUDA
+  FAIL("a CUDA device without the CUDA backend");
+#else
+  cudaStream_t stream = nullptr;
+  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  for (const bool full_rank : {false, true}) {
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      CAPTURE(full_rank);
+      CAPTURE(to_string(dtype));
+      const layer::Config config =
+          cuda.config(full_rank ? GateMode::kLowerBound : GateMode::kSoftplus, full_rank);
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 90, 1));
+      const auto layer = cuda.make(weights);
+      BatchSpec step = decode_batch(1, 1, {2});
+      step.padding_slot = 3;
+      Pools initial(config, 4, dtype);
+      initial.randomize(91);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(config.hidden_size), 2.0f, 92);
+      ForwardBuffers<DeviceBuffer> buffers(hidden, step, initial,
+                                           layer::workspace_bytes(Backend::kCuda, config, 1, 1, 4));
+      ForwardCall call = buffers.call(step, initial, false);
+      call.options.stream = stream;
+      call.options.check_pointers = false;
+      call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
+      const std::string capture_error = error_of([&] {
+        layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
+      });
+      REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
+      REQUIRE(capture_error == "(no error)");
+      REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+      Pools expected = initial;  // the eager steps' pools, one step after another
+      for (const std::int32_t slot : {2, 0, -1, 3, 2, 1}) {
+        CAPTURE(slot);
+        REQUIRE(memcpy_to_device(buffers.slots.get(), &slot, sizeof slot).ok());
+        REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+        REQUIRE(stream_synchronize(stream).ok());
+        const std::vector<bf16_bits> replay_out = buffers.out.download<bf16_bits>();
+        Pools replayed = initial;
+        buffers.download(&replayed);
+
+        BatchSpec eager_step = step;
+        eager_step.slots = {slot};
+        ForwardSettings settings;
+        settings.change = [](ForwardCall& c) {
+          c.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
+        };
+        Pools after = expected;
+        const LayerRun eager = cuda.forward(*layer, hidden, eager_step, &after, settings);
+        // (The references know negative padding only; the null slot's step is checked as the
+        // negative one's below: the same zeros, no pool byte changed.)
+        if (slot != step.padding_slot) {
+          check_forward(cuda, weights, hidden, eager_step, expected, eager, after);
+        }
+        CHECK(same_bits(replay_out, eager.out));
+        CHECK(replayed == after);
+        if (slot < 0 || slot == step.padding_slot) {
+          CHECK(after == expected);
+          CHECK(
+              std::all_of(eager.out.begin(), eager.out.end(), [](bf16_bits b) { return b == 0; }));
+        }
+        expected = after;
+      }
+      const std::vector<std::uint32_t> status = buffers.status.download<std::uint32_t>();
+      CHECK(status[0] == 0u);
+      CHECK(buffers.guards_intact());
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+    }
+  }
+  cudaStreamDestroy(stream);
+#endif
 }
 
 KDA_LAYER_CUDA_CASE(

@@ -218,17 +218,21 @@ Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::i
 // Bits the CUDA kernels OR into a caller's device status word (Tensors::device_status,
 // DecodeTensors::device_status).
 enum DeviceStatusBit : std::uint32_t {
-  kDeviceStatusCuSeqlens = 1u << 0,   // cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T
-  kDeviceStatusGateParams = 1u << 1,  // an A_log or dt_bias value not finite or out of range
-  kDeviceStatusSlot = 1u << 2,        // a slot index >= the pool size (decode: that row was
-                                      // skipped; prefill: that sequence ran as padding)
-  kDeviceStatusAccepted = 1u << 3,    // a verify step's or a commit's num_accepted outside
-                                      // [1, tokens], or a decode step's fold row or count out
-                                      // of range (that row was skipped)
-  kDeviceStatusCheckpoint = 1u << 4,  // a prefill checkpoint request whose offset is not -1, a
-                                      // multiple of 16 up to its sequence's length, or that
-                                      // length, whose slot is >= the pool size, or whose slot
-                                      // another request named (the request was skipped)
+  kDeviceStatusCuSeqlens = 1u << 0,    // cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T
+  kDeviceStatusGateParams = 1u << 1,   // an A_log or dt_bias value not finite or out of range
+  kDeviceStatusSlot = 1u << 2,         // a slot index >= the pool size (decode: that row was
+                                       // skipped; prefill: that sequence ran as padding)
+  kDeviceStatusAccepted = 1u << 3,     // a verify step's or a commit's num_accepted outside
+                                       // [1, tokens], or a decode step's fold row or count out
+                                       // of range (that row was skipped)
+  kDeviceStatusCheckpoint = 1u << 4,   // a prefill checkpoint request whose offset is not -1, a
+                                       // multiple of 16 up to its sequence's length, or that
+                                       // length, whose slot is >= the pool size, or whose slot
+                                       // another request named (the request was skipped)
+  kDeviceStatusStepTimeout = 1u << 5,  // the whole layer's one-launch decode step: its blocks
+                                       // waited for each other past their bound (the device
+                                       // did not run them all at once); that step's outputs
+                                       // and states are not valid
 };
 // kOk for 0; otherwise kInvalidArgument naming every problem in `bits`.
 Status describe_device_status(std::uint32_t bits);

@@ -52,6 +52,10 @@ __device__ __forceinline__ void bulk_commit_and_wait_read() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
+// Commits this thread's bulk stores issued since the last commit as one group.
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 // Waits until this thread's committed bulk stores have completed (their global writes performed).
 __device__ __forceinline__ void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -68,6 +72,18 @@ __device__ __forceinline__ std::uint32_t load_acquire_gpu(const std::uint32_t* f
   std::uint32_t v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
+}
+// Adds v to *counter with release semantics at GPU scope (no return value): what this thread
+// wrote, and what it saw others write (a block barrier before it), is visible to whoever reads the
+// sum with acquire.
+__device__ __forceinline__ void red_add_release_gpu(std::uint32_t* counter, std::uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
+}
+// The device's nanosecond clock (the same on every multiprocessor).
+__device__ __forceinline__ std::uint64_t global_timer_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 // Programmatic dependent launch: lets the next kernel in the stream, launched with the
 // programmatic-serialization attribute, start before this grid ends.

@@ -42,6 +42,7 @@
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
 #include "cuda/conv_silu.cuh"
+#include "cuda/factor_rows.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/shared_memory.cuh"
 
@@ -66,30 +67,6 @@ using kda::detail::cp_async_wait;
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
 using kda::detail::store_shared_cluster;
-
-__device__ __forceinline__ float round_bf16(float x) { return bits_to_float(float_to_bits(x)); }
-
-// The second factors' weight rows in shared memory: row r (of W_fb, then W_gb: 2 D rows of D bf16,
-// 16 chunks of 16 bytes) holds its chunk c at position c ^ (r % 16), so that the eight rows a
-// quarter-warp reads at once (one row a thread, the same chunk) fall in distinct banks.
-constexpr int kChunksPerRow = D / 8;
-__device__ __forceinline__ int swizzled(int r, int c) {
-  return r * kChunksPerRow + (c ^ (r % kChunksPerRow));
-}
-
-// The dot product of weight row r (shared memory, above) with x (shared memory, fp32), fp32
-// accumulation in index order.
-__device__ __forceinline__ float dot_row(const uint4* rows, int r, const float* x) {
-  float acc = 0.0f;
-#pragma unroll
-  for (int c = 0; c < kChunksPerRow; ++c) {
-    float wf[8];
-    unpack8(rows[swizzled(r, c)], wf);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], x[8 * c + j], acc);
-  }
-  return acc;
-}
 
 template <int W, bool kF32State, int NC, bool kRecords>
 __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDecodeParams p) {
@@ -157,19 +134,19 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
 
   // The second factors' weights: all of W_fb's rows of this head (every value row needs all of g),
   // W_gb's rows of this block's value rows after them.
-  extern __shared__ uint4 w_rows[];  // [D + kSlice rows][kChunksPerRow], swizzled
+  extern __shared__ uint4 w_rows[];  // [D + kSlice rows][kFactorRowChunks], swizzled
   {
     if (p.w_fb != nullptr) {
       const uint4* src = reinterpret_cast<const uint4*>(p.w_fb + h * D * D);
-      for (int i = tid; i < D * kChunksPerRow; i += kThreads) {
-        const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+      for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
+        const int r = i / kFactorRowChunks, c = i % kFactorRowChunks;
         cp_async_16(w_rows + swizzled(r, c), src + i);
       }
     }
     if (p.w_gb != nullptr) {
       const uint4* src = reinterpret_cast<const uint4*>(p.w_gb + (h * D + slice0) * D);
-      for (int i = tid; i < kSlice * kChunksPerRow; i += kThreads) {
-        const int r = i / kChunksPerRow, c = i % kChunksPerRow;
+      for (int i = tid; i < kSlice * kFactorRowChunks; i += kThreads) {
+        const int r = i / kFactorRowChunks, c = i % kFactorRowChunks;
         cp_async_16(w_rows + swizzled(D + r, c), src + i);
       }
     }

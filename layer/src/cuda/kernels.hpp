@@ -205,6 +205,60 @@ int fused_decode_cluster(const FusedDecodeParams& p);
 bool fused_decode_fits(const FusedDecodeParams& p);
 cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream);
 
+// A whole decode step of one token of one sequence in one launch (one_launch_step.cu): the input
+// projection, each head's fused step (as launch_fused_decode computes it) and o_proj. One block a
+// multiprocessor, every block resident at once, handing work on through `sync`.
+struct OneLaunchStepParams {
+  const std::uint16_t* hidden = nullptr;  // bf16 [E]
+  std::int64_t hidden_size = 0;           // E, a multiple of 8
+  // The input projection: rows [0, proj_rows) of w_in (bf16 [proj_rows, E]: q | k | v | f_a |
+  // g_a | beta) -> proj (bf16, those columns of the step's one row); with the full-rank gate
+  // (w_gb null) also w_g (bf16 [Cl, E]) -> gate (f32 [Cl], before its bias).
+  const std::uint16_t* w_in = nullptr;
+  std::int64_t proj_rows = 0;
+  std::uint16_t* proj = nullptr;
+  std::int64_t f_a_col = 0, g_a_col = 0, beta_col = 0;
+  const std::uint16_t* w_g = nullptr;
+  float* gate = nullptr;
+  // The step (FusedDecodeParams' fields of the same names).
+  const std::uint16_t* w_fb = nullptr;  // bf16 [Cl, 128]
+  const std::uint16_t* w_gb = nullptr;  // bf16 [Cl, 128], the low-rank gate; null: full rank
+  const std::uint16_t* g_bias = nullptr;
+  const float* conv_weight = nullptr;
+  std::uint16_t* conv_pools[3] = {nullptr, nullptr, nullptr};
+  const float* A_log = nullptr;
+  const float* dt_bias = nullptr;
+  const float* o_norm = nullptr;
+  void* state = nullptr;
+  bool f32_state = true;
+  const std::int32_t* slots = nullptr;  // [1]; null: slot 0
+  std::int64_t num_slots = 0;
+  std::int32_t padding_slot = -1;
+  int heads = 0;
+  int width = 4;
+  GateMode gate_mode = GateMode::kSoftplus;
+  float lower_bound = -5.0f;
+  float scale = 0.0f;
+  float eps = 1e-5f;
+  std::uint16_t* y = nullptr;  // bf16 [Cl]: the norm's output, o_proj's input
+  // o_proj: out (bf16 [E]) = w_o (bf16 [E, Cl]) · y.
+  const std::uint16_t* w_o = nullptr;
+  std::uint16_t* out = nullptr;
+  std::uint32_t* status = nullptr;
+  // kOneLaunchSyncWords words, zero before the launch; zero again after it.
+  std::uint32_t* sync = nullptr;
+  // Optional: kOneLaunchTraceStamps device-clock stamps (ns) a block, [grid][stamps], where its
+  // phases end (kda-step-probe); null in the layer.
+  std::uint64_t* trace = nullptr;
+};
+inline constexpr int kOneLaunchTraceStamps = 12;
+inline constexpr int kOneLaunchSyncWords = 4;
+// Whether launch_one_launch_step takes `p` on the current device: every head a block of its own
+// with a block to spare for o_proj, each block's share of W_o in shared memory beside the hidden
+// row and y, width 2..4, the alignments its 16-byte accesses need.
+bool one_launch_step_fits(const OneLaunchStepParams& p);
+cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t stream);
+
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for
 // batches of at most kSmallGemmMaxRows tokens (decode steps of one sequence), and with

@@ -26,6 +26,7 @@
 #include "cuda/kernels.hpp"
 #include "cuda/ptx.cuh"  // griddepcontrol, cp.async.bulk, mbarriers (kda/src/cuda)
 #include "cuda/shared_memory.cuh"
+#include "cuda/weight_rows.cuh"
 
 namespace kda::layer::cuda {
 
@@ -33,33 +34,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kUnroll = 8;  // 16-byte weight loads in flight per lane
-
-__device__ __forceinline__ void unpack(const uint4& u, float (&x)[8]) {
-  const std::uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
-
-// Weights are read once: stream them past L1 so that the input row stays there.
-__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
-  float wf[8], xf[8];
-  unpack(w, wf);
-  unpack(x, xf);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc = fmaf(wf[j], xf[j], acc);
-  return acc;
-}
 
 template <bool kOutF32>
 __device__ __forceinline__ void store_out(void* out, std::int64_t n, float sum) {

@@ -1,0 +1,228 @@
+// kda-step-probe — where the one-launch decode step's time goes
+// (layer/src/cuda/one_launch_step.cu). For Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard (H
+// = 4) and Kimi K3's TP8 shard (hidden 7168, H = 12, full-rank gate): the kernel launched directly
+// on copies of the weights beyond three times L2 (each launch reads the next copy), CUDA events
+// around 50 launches after 10 warm-up (the median of 5 such rounds), then one launch traced: each
+// block's device-clock stamps where its phases end, as microseconds from the first block's start
+// (the minimum, median and maximum over the head blocks and over the o_proj blocks). The weights'
+// values are arbitrary (every byte 0x3c); the timing does not depend on them. CUDA only.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/kernels.hpp"
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+
+void* device_bytes(std::size_t bytes, int fill) {
+  void* p = nullptr;
+  check(cudaMalloc(&p, bytes), "cudaMalloc");
+  check(cudaMemset(p, fill, bytes), "cudaMemset");
+  return p;
+}
+
+struct Shape {
+  const char* name;
+  std::int64_t hidden, heads;
+  bool full_rank;
+};
+
+constexpr std::int64_t D = 128, W = 4, kSlots = 4;
+
+// One copy of a layer's weights (the parts the step reads), freed with it.
+struct WeightCopy {
+  std::vector<void*> owned;
+  kda::layer::cuda::OneLaunchStepParams p;
+  WeightCopy(const Shape& s, std::int64_t proj_rows) {
+    const std::int64_t E = s.hidden, Cl = s.heads * D;
+    auto take = [&](std::size_t bytes, int fill) {
+      owned.push_back(device_bytes(bytes, fill));
+      return owned.back();
+    };
+    p.w_in = static_cast<const std::uint16_t*>(take(proj_rows * E * 2, 0x3c));
+    p.w_fb = static_cast<const std::uint16_t*>(take(Cl * D * 2, 0x3c));
+    if (s.full_rank) {
+      p.w_g = static_cast<const std::uint16_t*>(take(Cl * E * 2, 0x3c));
+    } else {
+      p.w_gb = static_cast<const std::uint16_t*>(take(Cl * D * 2, 0x3c));
+    }
+    p.w_o = static_cast<const std::uint16_t*>(take(E * Cl * 2, 0x3c));
+    p.conv_weight = static_cast<const float*>(take(3 * Cl * W * 4, 0x3c));
+    p.A_log = static_cast<const float*>(take(s.heads * 4, 0));
+    p.dt_bias = static_cast<const float*>(take(Cl * 4, 0));
+    p.o_norm = static_cast<const float*>(take(D * 4, 0x3c));
+    p.sync = static_cast<std::uint32_t*>(take(kda::layer::cuda::kOneLaunchSyncWords * 4, 0));
+  }
+  std::size_t bytes(const Shape& s, std::int64_t proj_rows) const {
+    const std::int64_t E = s.hidden, Cl = s.heads * D;
+    return static_cast<std::size_t>(proj_rows * E + Cl * D + (s.full_rank ? Cl * E : Cl * D) +
+                                    E * Cl) *
+           2;
+  }
+  ~WeightCopy() {
+    for (void* q : owned) cudaFree(q);
+  }
+  WeightCopy(const WeightCopy&) = delete;
+  WeightCopy& operator=(const WeightCopy&) = delete;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const Shape shapes[] = {{"H = 32", 2304, 32, false},
+                          {"TP8 shard (H = 4)", 2304, 4, false},
+                          {"K3 TP8 shard (H = 12)", 7168, 12, true}};
+  const char* stamp_names[kda::layer::cuda::kOneLaunchTraceStamps] = {
+      "start",
+      "hidden row loaded",
+      "projection rows done",
+      "waited (head: projection; o_proj: heads)",
+      "head: conv + factors; o_proj: W_o landed",
+      "head: y written; o_proj: rows done",
+      "leaving",
+      "head: state in registers",
+      "head: step computed",
+      "head: state back in shared memory",
+      "head: norm done (warp 0)",
+      "-"};
+  std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
+  for (const Shape& s : shapes) {
+    const std::int64_t E = s.hidden, H = s.heads, Cl = H * D;
+    const std::int64_t proj_rows = 3 * Cl + D + (s.full_rank ? 0 : D) + H;
+    std::vector<WeightCopy*> copies;
+    copies.push_back(new WeightCopy(s, proj_rows));
+    const std::size_t copy_bytes = copies[0]->bytes(s, proj_rows);
+    const std::size_t wanted =
+        std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / copy_bytes + 1);
+    while (copies.size() < wanted) copies.push_back(new WeightCopy(s, proj_rows));
+    // The batch's buffers, shared by the copies.
+    void* hidden = device_bytes(E * 2, 0x3c);
+    void* out = device_bytes(E * 2, 0);
+    void* proj = device_bytes(proj_rows * 2, 0);
+    void* gate = device_bytes(Cl * 4, 0);
+    void* y = device_bytes(Cl * 2, 0);
+    void* state = device_bytes(kSlots * H * D * D * 4, 0x3c);
+    void* conv[3] = {device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
+                     device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
+                     device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c)};
+    void* status = device_bytes(4, 0);
+    const int blocks = prop.multiProcessorCount;
+    auto* trace = static_cast<std::uint64_t*>(
+        device_bytes(blocks * kda::layer::cuda::kOneLaunchTraceStamps * 8, 0));
+    for (WeightCopy* c : copies) {
+      auto& p = c->p;
+      p.hidden = static_cast<const std::uint16_t*>(hidden);
+      p.hidden_size = E;
+      p.proj_rows = proj_rows;
+      p.proj = static_cast<std::uint16_t*>(proj);
+      p.f_a_col = 3 * Cl;
+      p.g_a_col = 3 * Cl + D;
+      p.beta_col = 3 * Cl + D + (s.full_rank ? 0 : D);
+      p.gate = static_cast<float*>(gate);
+      for (int b = 0; b < 3; ++b) p.conv_pools[b] = static_cast<std::uint16_t*>(conv[b]);
+      p.state = state;
+      p.f32_state = true;
+      p.num_slots = kSlots;
+      p.heads = static_cast<int>(H);
+      p.width = static_cast<int>(W);
+      p.gate_mode = s.full_rank ? kda::GateMode::kLowerBound : kda::GateMode::kSoftplus;
+      p.scale = 0.0883883f;
+      p.y = static_cast<std::uint16_t*>(y);
+      p.out = static_cast<std::uint16_t*>(out);
+      p.status = static_cast<std::uint32_t*>(status);
+    }
+    if (!kda::layer::cuda::one_launch_step_fits(copies[0]->p)) {
+      std::printf("\n## %s: the one-launch step does not take this shape\n", s.name);
+      continue;
+    }
+    cudaEvent_t start, stop;
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    std::size_t next = 0;
+    auto launch = [&]() {
+      check(kda::layer::cuda::launch_one_launch_step(copies[next]->p, nullptr), "launch");
+      next = (next + 1) % copies.size();
+    };
+    for (int i = 0; i < 10; ++i) launch();
+    std::vector<double> rounds;
+    for (int r = 0; r < 5; ++r) {
+      check(cudaEventRecord(start), "cudaEventRecord");
+      for (int i = 0; i < 50; ++i) launch();
+      check(cudaEventRecord(stop), "cudaEventRecord");
+      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+      rounds.push_back(ms * 1e3 / 50.0);
+    }
+    std::vector<double> traced_rounds;
+    std::vector<std::uint64_t> stamps(static_cast<std::size_t>(blocks) *
+                                      kda::layer::cuda::kOneLaunchTraceStamps);
+    // The traced launch: the median of 5 (each after 3 untraced launches) by its span.
+    std::vector<std::vector<std::uint64_t>> traces;
+    for (int r = 0; r < 5; ++r) {
+      for (int i = 0; i < 3; ++i) launch();
+      copies[next]->p.trace = trace;
+      launch();
+      copies[(next + copies.size() - 1) % copies.size()]->p.trace = nullptr;
+      check(cudaDeviceSynchronize(), "traced launch");
+      check(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost), "copy");
+      traces.push_back(stamps);
+    }
+    std::uint32_t status_word = 0;
+    check(cudaMemcpy(&status_word, status, 4, cudaMemcpyDeviceToHost), "copy");
+    const double weight_mb = static_cast<double>(copy_bytes) / 1e6;
+    std::printf(
+        "\n## %s: %.1f us a launch (median of 5 rounds of 50), %.1f MB of weights, %.2f TB/s;"
+        " status %u\n\n",
+        s.name, median(rounds), weight_mb, weight_mb / median(rounds), status_word);
+    std::printf(
+        "| stamp | head blocks min / median / max (us) | o_proj blocks min / median / max |\n"
+        "|---|---|---|\n");
+    const std::vector<std::uint64_t>& t = traces[2];
+    std::uint64_t t0 = ~0ull;
+    for (int b = 0; b < blocks; ++b)
+      t0 = std::min(t0, t[b * kda::layer::cuda::kOneLaunchTraceStamps]);
+    for (int k = 0; k < 11; ++k) {
+      std::vector<double> head, rest;
+      for (int b = 0; b < blocks; ++b) {
+        const std::uint64_t v = t[b * kda::layer::cuda::kOneLaunchTraceStamps + k];
+        if (v == 0) continue;
+        (b < H ? head : rest).push_back(static_cast<double>(v - t0) * 1e-3);
+      }
+      auto cell = [](std::vector<double> v) {
+        if (v.empty()) return std::string("-");
+        std::sort(v.begin(), v.end());
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%.2f / %.2f / %.2f", v.front(), v[v.size() / 2], v.back());
+        return std::string(buf);
+      };
+      std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
+                  cell(rest).c_str());
+    }
+    check(cudaMemset(trace, 0, stamps.size() * 8), "cudaMemset");
+    for (WeightCopy* c : copies) delete c;
+    for (void* q : {hidden, out, proj, gate, y, state, conv[0], conv[1], conv[2], status,
+                    static_cast<void*>(trace)}) {
+      cudaFree(q);
+    }
+  }
+  return 0;
+}

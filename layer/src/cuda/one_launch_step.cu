@@ -1,0 +1,632 @@
+// layer/src/cuda/one_launch_step.cu — a whole decode step of one token of one sequence in one
+// launch: the input projection, every head's fused step (conv + SiLU, the low-rank second
+// factors, beta, the KDA step, the gated RMSNorm) and o_proj.
+//
+// At one row the layer's three launches (projection, fused step, o_proj) each pay their ramp and
+// drain in turn, and the step's latency chain runs while no weights stream
+// (docs/design/layer.md). Here one block a multiprocessor, all resident at once, hand the work on
+// through two counters in global memory:
+//   1. Every block computes its share of the input projection's rows (a warp a row, 16-byte weight
+//      loads past L1, the hidden row from shared memory) and arrives on counter 0. Before it, the
+//      blocks that own a head (block h < heads) start copying into shared memory everything of the
+//      head that does not depend on the step: the recurrent state (cp.async.bulk), its W_fb (and
+//      W_gb) rows, conv states, conv taps, dt_bias, the norm's weight and the gate's bias
+//      (cp.async), so that no load after the projection leaves the multiprocessor but the
+//      projection's own outputs (from L2). After it, the other blocks start copying their share
+//      of W_o's rows into shared memory (cp.async.bulk), so that W_o streams while the heads step.
+//   2. Block h < heads waits for counter 0 to reach the grid, then steps its head as the fused
+//      kernel does (fused_decode.cu: the same operations in the same order, one block a head, 16
+//      warps of 8 value rows), writes the states and y, and arrives on counter 1.
+//   3. The other blocks wait for counter 1 to reach the heads, then their W_o rows · y -> out,
+//      SmemPlan::out_lanes threads a row.
+// Arrivals are release reductions after a block barrier, waits acquire loads of one thread then a
+// block barrier (kda-step-probe traces the phases: docs/design/layer.md).
+// The last block to leave resets the counters: they are zero between launches (the layer keeps
+// them in its weight image, zeroed when it is written), so a captured graph replays the launch as
+// it is. A wait that outlasts kSpinLimitNs (the device did not run every block at once) gives up
+// and reports kDeviceStatusStepTimeout rather than hang.
+//
+// The projection's sums run in another order than the small-row kernel's (a warp a whole row), so
+// out may differ from the three-launch step's in its last bits; the step itself is the fused
+// kernel's arithmetic.
+#include <cuda_bf16.h>
+
+#include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
+#include "cuda/conv_silu.cuh"
+#include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
+#include "cuda/factor_rows.cuh"
+#include "cuda/kernels.hpp"
+#include "cuda/ptx.cuh"
+#include "cuda/shared_memory.cuh"
+#include "cuda/weight_rows.cuh"
+
+namespace kda::layer::cuda {
+
+namespace {
+
+constexpr int D = 128;
+constexpr int kWarps = 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRowsPerWarp = D / kWarps;    // value rows of Sᵀ a warp
+constexpr int kLoadsPerLane = 16;           // 16-byte weight loads a lane in flight (projection)
+constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
+constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
+
+using kda::detail::gate_activation;
+using kda::detail::gate_params_bad;
+using kda::detail::sigmoid_f;
+
+using kda::detail::bulk_commit;
+using kda::detail::bulk_copy_to_global;
+using kda::detail::bulk_copy_to_shared;
+using kda::detail::bulk_wait_all;
+using kda::detail::cp_async_16;
+using kda::detail::cp_async_commit;
+using kda::detail::cp_async_wait;
+using kda::detail::fence_proxy_async;
+using kda::detail::global_timer_ns;
+using kda::detail::load_acquire_gpu;
+using kda::detail::mbarrier_expect_tx;
+using kda::detail::mbarrier_init;
+using kda::detail::mbarrier_wait;
+using kda::detail::red_add_release_gpu;
+
+constexpr std::int64_t align128(std::int64_t bytes) { return (bytes + 127) / 128 * 128; }
+
+// A head block's region: Sᵀ [D][D] as the pool holds it, the factor rows (W_fb's, then W_gb's,
+// swizzled), the conv states [3][D][W-1] (bf16), the conv taps [3][D][W] (f32), dt_bias, the norm's
+// weight (f32) and the gate's bias (bf16), all copied in before the projection.
+struct HeadRegion {
+  std::int64_t state = 0, factors = 0, hist = 0, taps = 0, dt_bias = 0, o_norm = 0, g_bias = 0,
+               bytes = 0;
+};
+__host__ __device__ constexpr HeadRegion head_region(bool f32_state, bool low_rank, int width) {
+  HeadRegion r;
+  r.factors = static_cast<std::int64_t>(D) * D * (f32_state ? 4 : 2);
+  r.hist = r.factors + static_cast<std::int64_t>(low_rank ? 2 : 1) * D * D * 2;
+  r.taps = r.hist + 3 * D * (width - 1) * 2;
+  r.dt_bias = r.taps + 3 * D * width * 4;
+  r.o_norm = r.dt_bias + D * 4;
+  r.g_bias = r.o_norm + D * 4;
+  r.bytes = r.g_bias + D * 2;
+  return r;
+}
+
+// The dynamic shared memory of a launch: the hidden row, y, then either a head's region (blocks <
+// heads) or the block's W_o rows (the others). o_proj gives each of a block's rows out_lanes
+// threads (a power of two, the most that keep every row's threads at once).
+struct SmemPlan {
+  std::int64_t x_bytes = 0, y_bytes = 0, head_bytes = 0, out_rows = 0, out_bytes = 0, total = 0;
+  int out_lanes = 1;
+};
+SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
+  SmemPlan s;
+  const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
+  s.x_bytes = align128(p.hidden_size * 2);
+  s.y_bytes = align128(Cl * 2);
+  s.head_bytes = head_region(p.f32_state, p.w_gb != nullptr, p.width).bytes;
+  const int out_blocks = blocks - p.heads;
+  s.out_rows = out_blocks > 0 ? (p.hidden_size + out_blocks - 1) / out_blocks : 0;
+  s.out_bytes = s.out_rows * Cl * 2;
+  s.total = s.x_bytes + s.y_bytes + (s.head_bytes > s.out_bytes ? s.head_bytes : s.out_bytes);
+  while (s.out_lanes < 32 && s.out_rows * s.out_lanes * 2 <= kThreads) s.out_lanes *= 2;
+  return s;
+}
+
+// Waits until *counter >= target (one thread); false if that took longer than kSpinLimitNs.
+__device__ bool wait_count(const std::uint32_t* counter, std::uint32_t target) {
+  const std::uint64_t start = global_timer_ns();
+  while (load_acquire_gpu(counter) < target) {
+    if (global_timer_ns() - start > kSpinLimitNs) return false;
+  }
+  return true;
+}
+
+template <int W, bool kF32State, bool kLowRank>
+__global__ void __launch_bounds__(kThreads, 1)
+    one_launch_step_kernel(const OneLaunchStepParams p, const SmemPlan plan) {
+  constexpr int kHist = W - 1;
+  constexpr HeadRegion kRegion = head_region(kF32State, kLowRank, W);
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ std::uint64_t landed;    // the head's state, or the W_o rows (cp.async.bulk)
+  __shared__ float fa_s[D], ga_s[D];  // f_a and g_a (bf16 values)
+  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values)
+  __shared__ float g_s[D];            // g = f_a·W_fbᵀ (bf16 values)
+  __shared__ float gate_s[D];         // the output gate before its bias, fp32
+  __shared__ float o_s[D];            // the core's output (bf16 values)
+  __shared__ float beta_s;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
+  const int H = p.heads, h = block;
+  const std::int64_t E = p.hidden_size, Cl = static_cast<std::int64_t>(H) * D;
+  const bool head_block = block < H;
+  auto* x_s = reinterpret_cast<uint4*>(smem);
+  auto* y_s = reinterpret_cast<uint4*>(smem + plan.x_bytes);
+  unsigned char* region = smem + plan.x_bytes + plan.y_bytes;
+  const bool reporter = block == 0 && tid == 0 && p.status != nullptr;
+  auto report = [&](std::uint32_t bit) {
+    if (p.status != nullptr) atomicOr(p.status, bit);
+  };
+  auto stamp = [&](int k) {
+    if (p.trace != nullptr && tid == 0) {
+      p.trace[block * kOneLaunchTraceStamps + k] = global_timer_ns();
+    }
+  };
+  stamp(0);
+  if (tid == 0) mbarrier_init(&landed, 1);
+  for (std::int64_t i = tid; i < E / 8; i += kThreads) {
+    x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
+  }
+
+  // ---- a head block: its slot, and its head's loads that need nothing of this step ----
+  std::int64_t slot = -1;
+  float a_log = 0.0f;
+  if (head_block) {
+    slot = p.slots != nullptr ? p.slots[0] : 0;
+    a_log = p.A_log[h];
+    if (slot >= p.num_slots && reporter) report(kDeviceStatusSlot);
+    if (tid < D && gate_params_bad(tid == 0 ? a_log : 0.0f, p.dt_bias[h * D + tid])) {
+      report(kDeviceStatusGateParams);
+    }
+    if (slot >= p.num_slots || slot == p.padding_slot) slot = -1;
+  }
+  const bool steps = head_block && slot >= 0;  // padding: zeros out, no state read or written
+  unsigned char* state_s = region;
+  auto* w_rows = reinterpret_cast<uint4*>(region + kRegion.factors);
+  auto* hist_s = reinterpret_cast<std::uint16_t*>(region + kRegion.hist);
+  auto* taps_s = reinterpret_cast<float*>(region + kRegion.taps);
+  auto* dtb_s = reinterpret_cast<float*>(region + kRegion.dt_bias);
+  auto* o_norm_s = reinterpret_cast<float*>(region + kRegion.o_norm);
+  auto* g_bias_s = reinterpret_cast<std::uint16_t*>(region + kRegion.g_bias);
+  const std::int64_t state_base = (slot * H + h) * D * D;
+  if (steps) {
+    if (tid == 0) {  // the state: one copy, landing on `landed`
+      constexpr unsigned kStateBytes = D * D * (kF32State ? 4 : 2);
+      mbarrier_expect_tx(&landed, kStateBytes);
+      bulk_copy_to_shared(
+          state_s, static_cast<const unsigned char*>(p.state) + state_base * (kF32State ? 4 : 2),
+          kStateBytes, &landed);
+    }
+    // The rest through cp.async, 16 bytes a thread at a time (the factor rows swizzled).
+    const auto* fb = reinterpret_cast<const uint4*>(p.w_fb + static_cast<std::int64_t>(h) * D * D);
+    for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
+      cp_async_16(w_rows + swizzled(i / kFactorRowChunks, i % kFactorRowChunks), fb + i);
+    }
+    if constexpr (kLowRank) {
+      const auto* gb =
+          reinterpret_cast<const uint4*>(p.w_gb + static_cast<std::int64_t>(h) * D * D);
+      for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
+        cp_async_16(w_rows + swizzled(D + i / kFactorRowChunks, i % kFactorRowChunks), gb + i);
+      }
+    }
+    // A branch's conv states and taps of the head's channels are contiguous in the pool and in
+    // conv_weight.
+    constexpr int kHistChunks = D * kHist * 2 / 16, kTapChunks = D * W * 4 / 16;
+    for (int i = tid; i < 3 * (kHistChunks + kTapChunks) + D / 2 + D / 8; i += kThreads) {
+      if (i < 3 * kHistChunks) {
+        const int branch = i / kHistChunks, c = i % kHistChunks;
+        cp_async_16(
+            reinterpret_cast<uint4*>(hist_s) + i,
+            reinterpret_cast<const uint4*>(p.conv_pools[branch] + (slot * Cl + h * D) * kHist) + c);
+        continue;
+      }
+      int j = i - 3 * kHistChunks;
+      if (j < 3 * kTapChunks) {
+        const int branch = j / kTapChunks, c = j % kTapChunks;
+        cp_async_16(reinterpret_cast<uint4*>(taps_s) + j,
+                    reinterpret_cast<const uint4*>(p.conv_weight + (branch * Cl + h * D) * W) + c);
+        continue;
+      }
+      j -= 3 * kTapChunks;
+      if (j < D / 4) {
+        cp_async_16(reinterpret_cast<uint4*>(dtb_s) + j,
+                    reinterpret_cast<const uint4*>(p.dt_bias + h * D) + j);
+      } else if (j < D / 2) {
+        j -= D / 4;
+        cp_async_16(reinterpret_cast<uint4*>(o_norm_s) + j,
+                    reinterpret_cast<const uint4*>(p.o_norm) + j);
+      } else if (p.g_bias != nullptr) {
+        j -= D / 2;
+        cp_async_16(reinterpret_cast<uint4*>(g_bias_s) + j,
+                    reinterpret_cast<const uint4*>(p.g_bias + h * D) + j);
+      }
+    }
+    cp_async_commit();
+  }
+  __syncthreads();
+  stamp(1);
+
+  // ---- 1. the input projection: a warp a row ----
+  {
+    const std::int64_t chunks = E / 8;
+    const std::int64_t rows = p.proj_rows + (kLowRank ? 0 : Cl);
+    const std::int64_t stride = static_cast<std::int64_t>(blocks) * kWarps;
+    for (std::int64_t r = static_cast<std::int64_t>(block) * kWarps + warp; r < rows; r += stride) {
+      const bool gate_row = !kLowRank && r >= p.proj_rows;
+      const auto* w =
+          reinterpret_cast<const uint4*>(gate_row ? p.w_g + (r - p.proj_rows) * E : p.w_in + r * E);
+      float acc = 0.0f;
+      for (std::int64_t c0 = lane; c0 < chunks; c0 += 32 * kLoadsPerLane) {
+        uint4 wv[kLoadsPerLane];
+#pragma unroll
+        for (int u = 0; u < kLoadsPerLane; ++u) {
+          const std::int64_t c = c0 + 32 * u;
+          wv[u] = c < chunks ? load_streaming(w + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadsPerLane; ++u) {
+          const std::int64_t c = c0 + 32 * u;
+          if (c < chunks) acc = dot8(wv[u], x_s[c], acc);
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      }
+      if (lane == 0) {
+        if (gate_row) {
+          p.gate[r - p.proj_rows] = acc;
+        } else {
+          p.proj[r] = float_to_bits(acc);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  stamp(2);
+  // The o_proj blocks' W_o rows, contiguous: streamed into shared memory from here on.
+  const std::int64_t e0 = head_block ? 0 : (block - H) * plan.out_rows;
+  const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
+  if (tid == 0) {
+    red_add_release_gpu(p.sync + 0, 1u);
+    if (e1 > e0) {
+      const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
+      mbarrier_expect_tx(&landed, bytes);
+      const auto* src = reinterpret_cast<const unsigned char*>(p.w_o + e0 * Cl);
+      for (unsigned off = 0; off < bytes; off += kCopyBytes) {
+        bulk_copy_to_shared(region + off, src + off,
+                            bytes - off < kCopyBytes ? bytes - off : kCopyBytes, &landed);
+      }
+    }
+  }
+
+  if (head_block) {
+    // ---- 2. the head's step ----
+    if (tid == 0 && !wait_count(p.sync + 0, static_cast<std::uint32_t>(blocks))) {
+      report(kDeviceStatusStepTimeout);
+    }
+    if (steps) {  // the head's region: every thread's copies, then the barrier
+      cp_async_wait<0>();
+      mbarrier_wait(&landed, 0);
+    }
+    __syncthreads();
+    stamp(3);
+    if (!steps) {
+      for (int i = tid; i < D / 8; i += kThreads) {
+        reinterpret_cast<uint4*>(p.y + h * D)[i] = make_uint4(0, 0, 0, 0);
+      }
+    } else {
+      // What the step reads of the projection (written by other blocks: from L2, not L1).
+      const std::uint16_t* proj = p.proj;
+      if (tid < D) {
+        fa_s[tid] = bits_to_float(__ldcg(proj + p.f_a_col + tid));
+      } else if (tid < 2 * D) {
+        if constexpr (kLowRank) {
+          ga_s[tid - D] = bits_to_float(__ldcg(proj + p.g_a_col + tid - D));
+        } else {
+          gate_s[tid - D] = __ldcg(p.gate + h * D + tid - D);
+        }
+      } else if (tid == 2 * D) {
+        beta_s = sigmoid_f(bits_to_float(__ldcg(proj + p.beta_col + h)));
+      }
+      // The conv: the last 3 D / 2 threads, two channels each of q, k or v, from the conv states
+      // above; each writes its channels' new conv states.
+      const int conv_index = tid - (kThreads - 3 * D / 2);
+      if (conv_index >= 0) {
+        const int branch = conv_index / (D / 2), channel = 2 * (conv_index % (D / 2));
+        const std::int64_t cc = h * D + channel;
+        const std::uint32_t pair =
+            __ldcg(reinterpret_cast<const unsigned int*>(proj + branch * Cl + cc));
+        const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
+        std::uint16_t* conv_state = p.conv_pools[branch] + (slot * Cl + cc) * kHist;
+        const std::uint16_t* old = hist_s + (branch * D + channel) * kHist;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float* taps = taps_s + (branch * D + channel + i) * W;
+          float a = 0.0f;
+#pragma unroll
+          for (int j = 0; j < kHist; ++j) a += taps[j] * bits_to_float(old[i * kHist + j]);
+          a += taps[W - 1] * x[i];
+          qkv_s[branch][channel + i] = round_bf16(silu(a));
+#pragma unroll
+          for (int j = 0; j + 1 < kHist; ++j) conv_state[i * kHist + j] = old[i * kHist + j + 1];
+          conv_state[i * kHist + kHist - 1] = float_to_bits(x[i]);
+        }
+      }
+      __syncthreads();
+      // The second factors: thread r < D g of channel r, thread D + r the output gate of row r.
+      if (tid < D) {
+        g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
+      } else if (kLowRank && tid < 2 * D) {
+        gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
+      }
+      __syncthreads();
+      stamp(4);
+
+      // The KDA step (the fused kernel's operations in its order), Sᵀ from shared memory.
+      const int k0 = 4 * lane;
+      const int v_row0 = warp * kRowsPerWarp;
+      float S[kRowsPerWarp][4];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int off = (v_row0 + i) * D + k0;
+        if constexpr (kF32State) {
+          const float4 f = reinterpret_cast<const float4*>(state_s)[off / 4];
+          S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
+        } else {
+          const uint2 raw = reinterpret_cast<const uint2*>(state_s)[off / 4];
+          S[i][0] = __uint_as_float(raw.x << 16), S[i][1] = __uint_as_float(raw.x & 0xffff0000u);
+          S[i][2] = __uint_as_float(raw.y << 16), S[i][3] = __uint_as_float(raw.y & 0xffff0000u);
+        }
+      }
+      stamp(7);
+      float q[4], k[4], g[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        q[j] = qkv_s[0][k0 + j];
+        k[j] = qkv_s[1][k0 + j];
+        g[j] = g_s[k0 + j];
+      }
+      float qq = 0.f, kk = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        qq += q[j] * q[j];
+        kk += k[j] * k[j];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        qq += __shfl_xor_sync(0xffffffffu, qq, o);
+        kk += __shfl_xor_sync(0xffffffffu, kk, o);
+      }
+      const float inv_q = rsqrtf(qq + 1e-6f) * p.scale;
+      const float inv_k = rsqrtf(kk + 1e-6f);
+      const float a_exp = __expf(a_log);
+      float qh[4], kh[4], alpha[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        qh[j] = q[j] * inv_q;
+        kh[j] = k[j] * inv_k;
+        alpha[j] = __expf(gate_activation(p.gate_mode, g[j], a_exp, dtb_s[k0 + j], p.lower_bound));
+      }
+      const float beta = beta_s;
+      float dot[kRowsPerWarp];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        float d = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          S[i][j] *= alpha[j];
+          d += S[i][j] * kh[j];
+        }
+        dot[i] = d;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+      }
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const float delta = beta * (qkv_s[2][v_row0 + i] - dot[i]);
+        float d = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          S[i][j] = fmaf(delta, kh[j], S[i][j]);
+          d += S[i][j] * qh[j];
+        }
+        dot[i] = d;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+      }
+      float mine = 0.f;
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) mine = lane == i ? dot[i] : mine;
+      if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
+      stamp(8);
+      // The new state back into shared memory, whence the copy engine stores it (one bulk copy,
+      // drained while the norm and o_proj run): plain stores of 64 KB from one multiprocessor
+      // took 3.5-7 us to issue (kda-step-probe), longer than the rest of the step.
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int off = (v_row0 + i) * D + k0;
+        if constexpr (kF32State) {
+          reinterpret_cast<float4*>(state_s)[off / 4] =
+              make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
+        } else {
+          const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
+                                   (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
+          const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
+                                   (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
+          reinterpret_cast<uint2*>(state_s)[off / 4] = make_uint2(lo, hi);
+        }
+      }
+      fence_proxy_async();  // this thread's shared writes, before the copy engine reads them
+      stamp(9);
+      __syncthreads();
+      if (tid == 0) {
+        bulk_copy_to_global(static_cast<unsigned char*>(p.state) + state_base * (kF32State ? 4 : 2),
+                            state_s, D * D * (kF32State ? 4 : 2));
+        bulk_commit();
+      }
+      // The gated RMSNorm of the head (the norm kernel's operations), one warp.
+      if (warp == 0) {
+        float o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
+        float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+          sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+        }
+        const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(D) + p.eps);
+        std::uint32_t words[2];
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+          float yv[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int d = k0 + j + i;
+            const float bias = p.g_bias != nullptr ? bits_to_float(g_bias_s[d]) : 0.0f;
+            const float gg = round_bf16(gate_s[d] + bias);
+            const float sig = 1.0f / (1.0f + expf(-gg));
+            yv[i] = o[j + i] * inv_rms * o_norm_s[d] * sig;
+          }
+          words[j / 2] = static_cast<std::uint32_t>(float_to_bits(yv[0])) |
+                         (static_cast<std::uint32_t>(float_to_bits(yv[1])) << 16);
+        }
+        *reinterpret_cast<uint2*>(p.y + h * D + k0) = make_uint2(words[0], words[1]);
+      }
+      stamp(10);
+    }
+    __syncthreads();
+    stamp(5);
+    if (tid == 0) red_add_release_gpu(p.sync + 1, 1u);
+  } else {
+    // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a row ----
+    if (tid == 0 && !wait_count(p.sync + 1, static_cast<std::uint32_t>(H))) {
+      report(kDeviceStatusStepTimeout);
+    }
+    __syncthreads();
+    stamp(3);
+    const std::int64_t y_chunks = Cl / 8;
+    for (std::int64_t i = tid; i < y_chunks; i += kThreads) {
+      y_s[i] = __ldcg(reinterpret_cast<const uint4*>(p.y) + i);
+    }
+    if (e1 > e0) mbarrier_wait(&landed, 0);
+    __syncthreads();
+    stamp(4);
+    const auto* rows = reinterpret_cast<const uint4*>(region);
+    const int L = plan.out_lanes, sub = tid % L;
+    for (std::int64_t base = e0; base < e1; base += kThreads / L) {  // warp-uniform
+      const std::int64_t e = base + tid / L;
+      float acc = 0.0f;
+      if (e < e1) {
+        // Four sums in flight a thread (chunks sub, sub + L, ... in turn), added pairwise.
+        const uint4* row = rows + (e - e0) * y_chunks;
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        std::int64_t c = sub;
+        for (; c + 3 * L < y_chunks; c += 4 * L) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) a[u] = dot8(row[c + u * L], y_s[c + u * L], a[u]);
+        }
+        for (; c < y_chunks; c += L) a[0] = dot8(row[c], y_s[c], a[0]);
+        acc = (a[0] + a[1]) + (a[2] + a[3]);
+      }
+      for (int offset = L / 2; offset > 0; offset /= 2) {
+        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+      }
+      if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
+    }
+    __syncthreads();
+    stamp(5);
+  }
+
+  // The last block out resets the counters: every block has read them by the time it arrives here.
+  __syncthreads();
+  stamp(6);
+  if (steps && tid == 0)
+    bulk_wait_all();  // the state's store, before the block (and its shared
+                      // memory) goes
+  if (tid == 0) {
+    __threadfence();
+    if (atomicAdd(p.sync + 2, 1u) == static_cast<unsigned>(blocks - 1)) {
+      atomicExch(p.sync + 0, 0u);
+      atomicExch(p.sync + 1, 0u);
+      atomicExch(p.sync + 2, 0u);
+    }
+  }
+}
+
+bool aligned(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+// The device's shared memory a block may opt in to, read once a process (the layer's device).
+int max_block_smem() {
+  static const int bytes = [] {
+    int device = 0, value = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+            cudaSuccess) {
+      return 0;
+    }
+    return value;
+  }();
+  return bytes;
+}
+
+// Room for the kernel's static shared memory (the arrays above: 4.2 KB), beside the dynamic plan.
+constexpr int kStaticSmemBytes = 8 * 1024;
+
+template <int W, bool kF32State, bool kLowRank>
+cudaError_t launch_kernel(const OneLaunchStepParams& p, const SmemPlan& plan, int blocks,
+                          cudaStream_t stream) {
+  auto* kernel = one_launch_step_kernel<W, kF32State, kLowRank>;
+  const cudaError_t raised = allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank>>(
+      static_cast<int>(plan.total));
+  if (raised != cudaSuccess) return raised;
+  kernel<<<blocks, kThreads, static_cast<std::size_t>(plan.total), stream>>>(p, plan);
+  return cudaGetLastError();
+}
+
+template <int W>
+cudaError_t launch_width(const OneLaunchStepParams& p, const SmemPlan& plan, int blocks,
+                         cudaStream_t stream) {
+  const bool low_rank = p.w_gb != nullptr;
+  if (p.f32_state) {
+    return low_rank ? launch_kernel<W, true, true>(p, plan, blocks, stream)
+                    : launch_kernel<W, true, false>(p, plan, blocks, stream);
+  }
+  return low_rank ? launch_kernel<W, false, true>(p, plan, blocks, stream)
+                  : launch_kernel<W, false, false>(p, plan, blocks, stream);
+}
+
+}  // namespace
+
+bool one_launch_step_fits(const OneLaunchStepParams& p) {
+  const int blocks = kda::detail::current_device_sm_count();
+  if (p.heads < 1 || p.heads >= blocks || p.width < 2 || p.width > 4 || p.hidden_size < 8 ||
+      p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr ||
+      (p.w_gb == nullptr && (p.w_g == nullptr || p.gate == nullptr))) {
+    return false;
+  }
+  const SmemPlan plan = smem_plan(p, blocks);
+  if (plan.total + kStaticSmemBytes > max_block_smem()) return false;
+  return aligned(p.hidden, 16) && aligned(p.w_in, 16) && aligned(p.w_o, 16) &&
+         aligned(p.w_fb, 16) && (p.w_gb == nullptr || aligned(p.w_gb, 16)) &&
+         (p.w_g == nullptr || aligned(p.w_g, 16)) && aligned(p.y, 16) && aligned(p.proj, 4) &&
+         aligned(p.state, 16) && aligned(p.conv_pools[0], 16) && aligned(p.conv_pools[1], 16) &&
+         aligned(p.conv_pools[2], 16) && aligned(p.conv_weight, 16) && aligned(p.dt_bias, 16) &&
+         aligned(p.o_norm, 16) && aligned(p.g_bias, 16);
+}
+
+cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t stream) {
+  if (!one_launch_step_fits(p)) return cudaErrorInvalidValue;
+  const int blocks = kda::detail::current_device_sm_count();
+  const SmemPlan plan = smem_plan(p, blocks);
+  switch (p.width) {
+    case 2:
+      return launch_width<2>(p, plan, blocks, stream);
+    case 3:
+      return launch_width<3>(p, plan, blocks, stream);
+    default:
+      return launch_width<4>(p, plan, blocks, stream);
+  }
+}
+
+}  // namespace kda::layer::cuda
