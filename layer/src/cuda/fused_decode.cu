@@ -43,6 +43,7 @@
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
 #include "cuda/conv_silu.cuh"
 #include "cuda/factor_rows.cuh"
+#include "cuda/head_step.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/shared_memory.cuh"
 
@@ -54,7 +55,6 @@ constexpr int D = 128;
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 
-using kda::detail::gate_activation;
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
 
@@ -165,10 +165,8 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(p.state) + off);
       S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
     } else {
-      const uint2 raw =
-          *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(p.state) + off);
-      S[i][0] = __uint_as_float(raw.x << 16), S[i][1] = __uint_as_float(raw.x & 0xffff0000u);
-      S[i][2] = __uint_as_float(raw.y << 16), S[i][3] = __uint_as_float(raw.y & 0xffff0000u);
+      unpack_bf16x4(
+          *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(p.state) + off), S[i]);
     }
   }
 
@@ -220,11 +218,7 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
         *reinterpret_cast<float4*>(static_cast<float*>(p.state) + off) =
             make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
       } else {
-        const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
-                                 (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
-        const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
-                                 (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
-        *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(p.state) + off) = make_uint2(lo, hi);
+        *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(p.state) + off) = pack_bf16x4(S[i]);
       }
     }
   };
@@ -335,28 +329,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       k[j] = qkv_s[1][k0 + j];
       g[j] = g_s[k0 + j];
     }
-    float qq = 0.f, kk = 0.f;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      qq += q[j] * q[j];
-      kk += k[j] * k[j];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      qq += __shfl_xor_sync(0xffffffffu, qq, o);
-      kk += __shfl_xor_sync(0xffffffffu, kk, o);
-    }
-    const float inv_q = rsqrtf(qq + 1e-6f) * p.scale;
-    const float inv_k = rsqrtf(kk + 1e-6f);
-    const float4 dtb4 = *reinterpret_cast<const float4*>(p.dt_bias + h * D + k0);
-    const float dtb[4] = {dtb4.x, dtb4.y, dtb4.z, dtb4.w};
     float qh[4], kh[4], alpha[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      qh[j] = q[j] * inv_q;
-      kh[j] = k[j] * inv_k;
-      alpha[j] = __expf(gate_activation(p.gate_mode, g[j], a_exp, dtb[j], p.lower_bound));
-    }
+    step_factors(q, k, g, p.dt_bias + h * D + k0, a_exp, p.gate_mode, p.lower_bound, p.scale, qh,
+                 kh, alpha);
     // The record's alpha and k^: every block holds them, the cluster's first block's first warp
     // writes them.
     float* record = nullptr;
@@ -368,46 +343,13 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
         *reinterpret_cast<float4*>(record + D + k0) = make_float4(kh[0], kh[1], kh[2], kh[3]);
       }
     }
-    const float beta = beta_s;
-    float dot[kRowsPerWarp];
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      float d = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        S[i][j] *= alpha[j];
-        d += S[i][j] * kh[j];
-      }
-      dot[i] = d;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-    }
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const float delta = beta * (qkv_s[2][v_row0 + i] - dot[i]);
-      // The record's u: every lane holds it, lane i writes it.
-      if constexpr (kRecords) {
-        if (lane == i) record[2 * D + v_row0 + i] = delta;
-      }
-      float d = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        S[i][j] = fmaf(delta, kh[j], S[i][j]);
-        d += S[i][j] * qh[j];
-      }
-      dot[i] = d;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-    }
-    float mine = 0.f;
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) mine = lane == i ? dot[i] : mine;
+    // The record's u: every lane holds it, lane i writes it.
+    const float mine =
+        step_rows(S, alpha, kh, qh, beta_s, &qkv_s[2][v_row0], lane, [&](int i, float delta) {
+          if constexpr (kRecords) {
+            if (lane == i) record[2 * D + v_row0 + i] = delta;
+          }
+        });
     // This block's outputs into every block of the cluster (o_s of this token's parity: a block
     // one token ahead writes the other half), then the cluster's barrier.
     float* o_now = o_s[NC > 1 ? t & 1 : 0];
@@ -450,29 +392,10 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
       float o[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) o[j] = o_now[k0 + j];
-      float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-      }
-      const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(D) + p.eps);
+      const float inv_rms = head_inv_rms(o, p.eps);
       if (NC == 1 || (k0 >= slice0 && k0 < slice0 + kSlice)) {
-        std::uint32_t words[2];
-#pragma unroll
-        for (int j = 0; j < 4; j += 2) {
-          float y[2];
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int d = k0 + j + i;
-            const float bias = p.g_bias != nullptr ? bits_to_float(p.g_bias[h * D + d]) : 0.0f;
-            const float gg = round_bf16(gate_s[d - slice0] + bias);
-            const float sig = 1.0f / (1.0f + expf(-gg));
-            y[i] = o[j + i] * inv_rms * p.o_norm[d] * sig;
-          }
-          words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
-                         (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
-        }
-        *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) = make_uint2(words[0], words[1]);
+        *reinterpret_cast<uint2*>(p.y + row * Cl + h * D + k0) =
+            gated_norm4(o, inv_rms, gate_s + (k0 - slice0), p.g_bias, h * D + k0, p.o_norm + k0);
       }
     }
     __syncthreads();  // the next token overwrites the shared rows

@@ -35,6 +35,7 @@
 #include "cuda/conv_silu.cuh"
 #include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/factor_rows.cuh"
+#include "cuda/head_step.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/ptx.cuh"
 #include "cuda/shared_memory.cuh"
@@ -52,7 +53,6 @@ constexpr int kLoadsPerLane = 16;           // 16-byte weight loads a lane in fl
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
 
-using kda::detail::gate_activation;
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
 
@@ -366,9 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float4 f = reinterpret_cast<const float4*>(state_s)[off / 4];
           S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
         } else {
-          const uint2 raw = reinterpret_cast<const uint2*>(state_s)[off / 4];
-          S[i][0] = __uint_as_float(raw.x << 16), S[i][1] = __uint_as_float(raw.x & 0xffff0000u);
-          S[i][2] = __uint_as_float(raw.y << 16), S[i][3] = __uint_as_float(raw.y & 0xffff0000u);
+          unpack_bf16x4(reinterpret_cast<const uint2*>(state_s)[off / 4], S[i]);
         }
       }
       stamp(7);
@@ -379,63 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         k[j] = qkv_s[1][k0 + j];
         g[j] = g_s[k0 + j];
       }
-      float qq = 0.f, kk = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        qq += q[j] * q[j];
-        kk += k[j] * k[j];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        qq += __shfl_xor_sync(0xffffffffu, qq, o);
-        kk += __shfl_xor_sync(0xffffffffu, kk, o);
-      }
-      const float inv_q = rsqrtf(qq + 1e-6f) * p.scale;
-      const float inv_k = rsqrtf(kk + 1e-6f);
-      const float a_exp = __expf(a_log);
       float qh[4], kh[4], alpha[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        qh[j] = q[j] * inv_q;
-        kh[j] = k[j] * inv_k;
-        alpha[j] = __expf(gate_activation(p.gate_mode, g[j], a_exp, dtb_s[k0 + j], p.lower_bound));
-      }
-      const float beta = beta_s;
-      float dot[kRowsPerWarp];
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          S[i][j] *= alpha[j];
-          d += S[i][j] * kh[j];
-        }
-        dot[i] = d;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-      }
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const float delta = beta * (qkv_s[2][v_row0 + i] - dot[i]);
-        float d = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          S[i][j] = fmaf(delta, kh[j], S[i][j]);
-          d += S[i][j] * qh[j];
-        }
-        dot[i] = d;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int i = 0; i < kRowsPerWarp; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-      }
-      float mine = 0.f;
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) mine = lane == i ? dot[i] : mine;
+      step_factors(q, k, g, dtb_s + k0, __expf(a_log), p.gate_mode, p.lower_bound, p.scale, qh, kh,
+                   alpha);
+      const float mine =
+          step_rows(S, alpha, kh, qh, beta_s, &qkv_s[2][v_row0], lane, [](int, float) {});
       if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
       stamp(8);
       // The new state back into shared memory, whence the copy engine stores it (one bulk copy,
@@ -448,11 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           reinterpret_cast<float4*>(state_s)[off / 4] =
               make_float4(S[i][0], S[i][1], S[i][2], S[i][3]);
         } else {
-          const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(S[i][0])) |
-                                   (static_cast<std::uint32_t>(float_to_bits(S[i][1])) << 16);
-          const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(S[i][2])) |
-                                   (static_cast<std::uint32_t>(float_to_bits(S[i][3])) << 16);
-          reinterpret_cast<uint2*>(state_s)[off / 4] = make_uint2(lo, hi);
+          reinterpret_cast<uint2*>(state_s)[off / 4] = pack_bf16x4(S[i]);
         }
       }
       fence_proxy_async();  // this thread's shared writes, before the copy engine reads them
@@ -468,28 +410,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         float o[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
-        float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-          sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-        }
-        const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(D) + p.eps);
-        std::uint32_t words[2];
-#pragma unroll
-        for (int j = 0; j < 4; j += 2) {
-          float yv[2];
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int d = k0 + j + i;
-            const float bias = p.g_bias != nullptr ? bits_to_float(g_bias_s[d]) : 0.0f;
-            const float gg = round_bf16(gate_s[d] + bias);
-            const float sig = 1.0f / (1.0f + expf(-gg));
-            yv[i] = o[j + i] * inv_rms * o_norm_s[d] * sig;
-          }
-          words[j / 2] = static_cast<std::uint32_t>(float_to_bits(yv[0])) |
-                         (static_cast<std::uint32_t>(float_to_bits(yv[1])) << 16);
-        }
-        *reinterpret_cast<uint2*>(p.y + h * D + k0) = make_uint2(words[0], words[1]);
+        *reinterpret_cast<uint2*>(p.y + h * D + k0) =
+            gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
+                        p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
       }
       stamp(10);
     }

@@ -1,0 +1,139 @@
+// layer/src/cuda/head_step.cuh — the arithmetic of one decode token on one head, as the fused
+// decode step (fused_decode.cu) and the one-launch step (one_launch_step.cu) compute it: a warp
+// holds R value rows of the head's state Sᵀ, each lane four consecutive channels k0 .. k0 + 3 of
+// K (the operator's decode layout), and the operations run in the operator's decode kernel's order
+// (kda/src/cuda/decode.cu), so that both kernels compute the same bits.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"     // gate_activation (kda/src/cuda)
+#include "cuda/conv_silu.cuh"  // bits_to_float, float_to_bits
+#include "kda/kda.hpp"
+
+namespace kda::layer::cuda {
+
+// Four bf16 state values (a lane's channels of one row) as floats, and back.
+__device__ __forceinline__ void unpack_bf16x4(const uint2 raw, float (&s)[4]) {
+  s[0] = __uint_as_float(raw.x << 16), s[1] = __uint_as_float(raw.x & 0xffff0000u);
+  s[2] = __uint_as_float(raw.y << 16), s[3] = __uint_as_float(raw.y & 0xffff0000u);
+}
+__device__ __forceinline__ uint2 pack_bf16x4(const float (&s)[4]) {
+  const std::uint32_t lo = static_cast<std::uint32_t>(float_to_bits(s[0])) |
+                           (static_cast<std::uint32_t>(float_to_bits(s[1])) << 16);
+  const std::uint32_t hi = static_cast<std::uint32_t>(float_to_bits(s[2])) |
+                           (static_cast<std::uint32_t>(float_to_bits(s[3])) << 16);
+  return make_uint2(lo, hi);
+}
+
+// A lane's q̂ = q / ‖q‖ · scale and k̂ = k / ‖k‖ (norms over the warp's 128 channels, 1e-6 under
+// the root) and decays α = exp(gate(g)) of its four channels; dt_bias: the four channels' values
+// (16-byte aligned, global or shared memory).
+__device__ __forceinline__ void step_factors(const float (&q)[4], const float (&k)[4],
+                                             const float (&g)[4], const float* dt_bias, float a_exp,
+                                             GateMode mode, float lower_bound, float scale,
+                                             float (&qh)[4], float (&kh)[4], float (&alpha)[4]) {
+  float qq = 0.f, kk = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    qq += q[j] * q[j];
+    kk += k[j] * k[j];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    qq += __shfl_xor_sync(0xffffffffu, qq, o);
+    kk += __shfl_xor_sync(0xffffffffu, kk, o);
+  }
+  const float inv_q = rsqrtf(qq + 1e-6f) * scale;
+  const float inv_k = rsqrtf(kk + 1e-6f);
+  const float4 dtb4 = *reinterpret_cast<const float4*>(dt_bias);
+  const float dtb[4] = {dtb4.x, dtb4.y, dtb4.z, dtb4.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    qh[j] = q[j] * inv_q;
+    kh[j] = k[j] * inv_k;
+    alpha[j] = __expf(kda::detail::gate_activation(mode, g[j], a_exp, dtb[j], lower_bound));
+  }
+}
+
+// The step on the warp's R rows: S ← diag(α) S, δ = β (v − S k̂), S ← S + δ k̂ᵀ, o = S q̂. v: the
+// rows' R values (shared memory). on_delta(i, δ) sees each row's δ (a records step keeps it).
+// Returns, in lane i < R, row i's o (fp32).
+template <int R, class OnDelta>
+__device__ __forceinline__ float step_rows(float (&S)[R][4], const float (&alpha)[4],
+                                           const float (&kh)[4], const float (&qh)[4], float beta,
+                                           const float* v, int lane, OnDelta&& on_delta) {
+  float dot[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      S[i][j] *= alpha[j];
+      d += S[i][j] * kh[j];
+    }
+    dot[i] = d;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+  }
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const float delta = beta * (v[i] - dot[i]);
+    on_delta(i, delta);
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      S[i][j] = fmaf(delta, kh[j], S[i][j]);
+      d += S[i][j] * qh[j];
+    }
+    dot[i] = d;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
+  }
+  float mine = 0.f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) mine = lane == i ? dot[i] : mine;
+  return mine;
+}
+
+// The gated RMSNorm of a head's 128 outputs over a warp (the norm kernel's operations): 1 / rms
+// from the lane's four values o, then a lane's four y = o / rms · o_norm · sigmoid(round_bf16(gate
+// + bias)), bf16-packed. gate and o_norm point at the lane's four channels, bias (null: none) at
+// the head's values, the lane's at bias[d0] .. bias[d0 + 3].
+__device__ __forceinline__ float head_inv_rms(const float (&o)[4], float eps) {
+  float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+  }
+  return 1.0f / sqrtf(sum_squares / 128.0f + eps);
+}
+__device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
+                                             const std::uint16_t* bias, int d0,
+                                             const float* o_norm) {
+  std::uint32_t words[2];
+#pragma unroll
+  for (int j = 0; j < 4; j += 2) {
+    float y[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float b = bias != nullptr ? bits_to_float(bias[d0 + j + i]) : 0.0f;
+      const float gg = bits_to_float(float_to_bits(gate[j + i] + b));
+      const float sig = 1.0f / (1.0f + expf(-gg));
+      y[i] = o[j + i] * inv_rms * o_norm[j + i] * sig;
+    }
+    words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
+                   (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
+  }
+  return make_uint2(words[0], words[1]);
+}
+
+}  // namespace kda::layer::cuda
