@@ -607,47 +607,53 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   core_options.check_pointers = options.check_pointers;
   core_options.schedule = options.schedule;
 
+  // What the one-launch and the fused step both take of the layer and the batch (the fields of the
+  // same names in OneLaunchStepParams and FusedDecodeParams).
+  auto set_step_fields = [&](auto& p) {
+    p.proj = proj;
+    p.f_a_col = cols.f_a;
+    p.g_a_col = cols.g_a;
+    p.beta_col = cols.b;
+    p.gate = gate;
+    p.g_bias = g_bias;
+    p.conv_weight = conv;
+    p.conv_pools[0] = state.conv_q;
+    p.conv_pools[1] = state.conv_k;
+    p.conv_pools[2] = state.conv_v;
+    p.A_log = A_log;
+    p.dt_bias = dt_bias;
+    p.o_norm = o_norm;
+    p.state = state.recurrent;
+    p.f32_state = state.recurrent_dtype == DType::kF32;
+    p.slots = batch.slots;
+    p.num_slots = state.num_slots;
+    p.padding_slot = batch.padding_slot;
+    p.heads = static_cast<int>(Hl);
+    p.width = static_cast<int>(W);
+    p.gate_mode = c.gate;
+    p.lower_bound = c.lower_bound;
+    p.scale = step.effective_scale();
+    p.eps = c.norm_eps;
+    p.y = y;
+    p.status = batch.device_status;
+  };
+
   // A plain step of one token of one sequence in one launch (one_launch_step.cu), where it fits.
   const DecodeKernel kernel = options.decode_kernel;
   if (decode && N == 1 && batch.decode_tokens == 1 && batch.num_accepted == nullptr &&
       !batch.records && !folds && inputs == nullptr &&
       (kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch)) {
     cuda::OneLaunchStepParams whole;
+    set_step_fields(whole);
     whole.hidden = hidden;
     whole.hidden_size = E;
     whole.w_in = w_in;
     whole.proj_rows = cols.b + Hl;
-    whole.proj = proj;
-    whole.f_a_col = cols.f_a;
-    whole.g_a_col = cols.g_a;
-    whole.beta_col = cols.b;
     whole.w_g = w_g;
-    whole.gate = gate;
     whole.w_fb = w_fb;
     whole.w_gb = w_gb;
-    whole.g_bias = g_bias;
-    whole.conv_weight = conv;
-    whole.conv_pools[0] = state.conv_q;
-    whole.conv_pools[1] = state.conv_k;
-    whole.conv_pools[2] = state.conv_v;
-    whole.A_log = A_log;
-    whole.dt_bias = dt_bias;
-    whole.o_norm = o_norm;
-    whole.state = state.recurrent;
-    whole.f32_state = state.recurrent_dtype == DType::kF32;
-    whole.slots = batch.slots;
-    whole.num_slots = state.num_slots;
-    whole.padding_slot = batch.padding_slot;
-    whole.heads = static_cast<int>(Hl);
-    whole.width = static_cast<int>(W);
-    whole.gate_mode = c.gate;
-    whole.lower_bound = c.lower_bound;
-    whole.scale = step.effective_scale();
-    whole.eps = c.norm_eps;
-    whole.y = y;
     whole.w_o = w_o;
     whole.out = out;
-    whole.status = batch.device_status;
     whole.sync = step_sync;
     if (cuda::one_launch_step_fits(whole)) {
       // Its time counts as the projections'.
@@ -671,40 +677,15 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
        ((kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch) && auto_fused));
   bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
-    fused.proj = proj;
+    set_step_fields(fused);
     fused.proj_stride = cols.stride;
-    fused.f_a_col = cols.f_a;
-    fused.g_a_col = cols.g_a;
-    fused.beta_col = cols.b;
     fused.w_fb = fuse_factors ? w_fb : nullptr;
     fused.late_dependents = gemm_knobs().fused_late_dependents;
     fused.g = g;
     fused.w_gb = fuse_factors ? w_gb : nullptr;  // null with the full-rank gate
-    fused.gate = gate;
-    fused.g_bias = g_bias;
-    fused.conv_weight = conv;
-    fused.conv_pools[0] = state.conv_q;
-    fused.conv_pools[1] = state.conv_k;
-    fused.conv_pools[2] = state.conv_v;
-    fused.A_log = A_log;
-    fused.dt_bias = dt_bias;
-    fused.o_norm = o_norm;
-    fused.state = state.recurrent;
-    fused.f32_state = state.recurrent_dtype == DType::kF32;
-    fused.slots = batch.slots;
     fused.num_accepted = batch.num_accepted;
-    fused.num_slots = state.num_slots;
-    fused.padding_slot = batch.padding_slot;
     fused.sequences = N;
     fused.decode_tokens = static_cast<int>(batch.decode_tokens);
-    fused.heads = static_cast<int>(Hl);
-    fused.width = static_cast<int>(W);
-    fused.gate_mode = c.gate;
-    fused.lower_bound = c.lower_bound;
-    fused.scale = step.effective_scale();
-    fused.eps = c.norm_eps;
-    fused.y = y;
-    fused.status = batch.device_status;
     fused.records = batch.records ? state.recurrent_records : nullptr;
     fused.conv_records = batch.records ? state.conv_records : nullptr;
     if (folds) {

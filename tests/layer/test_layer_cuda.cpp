@@ -17,6 +17,38 @@
 using namespace kda;
 using namespace kda::test;
 
+#ifdef KDA_HAVE_CUDA
+namespace {
+
+// One forward of `call` captured on `stream` into a CUDA graph and instantiated (the graph itself
+// destroyed); null, with a failed check saying why, where the capture or the instantiation failed.
+cudaGraphExec_t capture_forward(const layer::Layer& layer, const ForwardCall& call,
+                                cudaStream_t stream) {
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) {
+    FAIL_CHECK("cudaStreamBeginCapture failed");
+    return nullptr;
+  }
+  const std::string capture_error = error_of([&] {
+    layer.forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
+  });
+  cudaGraph_t graph = nullptr;
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  INFO("forward during capture: " << capture_error);
+  CHECK(capture_error == "(no error)");
+  CHECK(end == cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  if (capture_error == "(no error)" && end == cudaSuccess &&
+      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    FAIL_CHECK("cudaGraphInstantiate failed");
+    exec = nullptr;
+  }
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  return exec;
+}
+
+}  // namespace
+#endif
+
 KDA_LAYER_CUDA_CASE("a slot outside the pool seen only by the device is reported, run as padding") {
   const layer::Config config = cuda.config();
   const layer::Weights weights = layer::random_weights(config, 1, 0);
@@ -126,17 +158,8 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
       ForwardCall call = buffers.call(batch, initial, false);
       call.options.stream = stream;
       call.options.check_pointers = false;  // no driver queries inside a capture
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-      const std::string capture_error = error_of([&] {
-        layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
-      });
-      const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-      INFO("forward during capture: " << capture_error);
-      REQUIRE(capture_error == "(no error)");
-      REQUIRE(end == cudaSuccess);
-      REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+      const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
+      REQUIRE(exec != nullptr);
       REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
       REQUIRE(stream_synchronize(stream).ok());
       const std::vector<bf16_bits> graph_out = buffers.out.download<bf16_bits>();
@@ -147,7 +170,6 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
       CHECK(replayed == eager);
       CHECK(buffers.guards_intact());
       cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     }
   }
   cudaStreamDestroy(stream);
@@ -281,15 +303,8 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       call.options.stream = stream;
       call.options.check_pointers = false;
       call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
-      cudaGraph_t graph = nullptr;
-      cudaGraphExec_t exec = nullptr;
-      REQUIRE(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) == cudaSuccess);
-      const std::string capture_error = error_of([&] {
-        layer->forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
-      });
-      REQUIRE(cudaStreamEndCapture(stream, &graph) == cudaSuccess);
-      REQUIRE(capture_error == "(no error)");
-      REQUIRE(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+      const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
+      REQUIRE(exec != nullptr);
       Pools expected = initial;  // the eager steps' pools, one step after another
       for (const std::int32_t slot : {2, 0, -1, 3, 2, 1}) {
         CAPTURE(slot);
@@ -326,7 +341,6 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       CHECK(status[0] == 0u);
       CHECK(buffers.guards_intact());
       cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
     }
   }
   cudaStreamDestroy(stream);
