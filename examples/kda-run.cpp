@@ -148,6 +148,9 @@ Options:
   --prefill-schedule S auto, two-phase or pipelined (default: the model's
                        runtime.prefill_schedule, itself auto): how the CUDA prefill runs its two
                        phases (docs/KDA.md section 3; same results to rounding, for A/B runs)
+  --decode-step S      auto, one-launch, fused, fused-after-gemms or separate (default: the
+                       model's runtime.decode_step, itself auto): how a CUDA whole layer runs a
+                       decode step (docs/LAYER.md; same results to rounding, for A/B runs)
   --plan-only          print the memory plan and exit (no weights are read, but a missing weights
                        file is reported); --json prints every buffer as JSON:
                        {"mode", "alignment", "arena_bytes", "buffers": [{"name", "kind", "layer",
@@ -211,6 +214,7 @@ struct Options {
   bool seed_given = false;
   bool threads_given = false;
   std::optional<kda::PrefillSchedule> schedule;  // unset: the model's runtime.prefill_schedule
+  std::optional<kda::layer::DecodeKernel> decode_step;  // unset: the model's runtime.decode_step
   // Replace the model description's runtime values (unset: the file's, or the defaults).
   kda::engine::RuntimeOverrides runtime;
 };
@@ -324,6 +328,15 @@ Options parse_args(int argc, char** argv) {
                          "'"};
       }
       o.schedule = schedule;
+    } else if (arg == "--decode-step") {
+      const std::string text = value();
+      kda::layer::DecodeKernel step;
+      if (!kda::layer::parse_decode_kernel(text, &step)) {
+        throw UsageError{
+            "--decode-step expects auto, one-launch, fused, fused-after-gemms or separate, got '" +
+            text + "'"};
+      }
+      o.decode_step = step;
     } else if (arg == "--workspace-plan") {
       const std::string text = value();
       kda::planner::PlanMode mode;
@@ -356,8 +369,8 @@ Options parse_args(int argc, char** argv) {
     const kda::engine::RuntimeOverrides& r = o.runtime;
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
         o.graphs_given || o.seed_given || o.threads_given || o.core_only || o.strict_config ||
-        o.schedule || r.workspace_plan || r.max_tokens || r.max_sequences || o.ranks != 1 ||
-        o.verify_tokens != 0 || o.verify_form_given) {
+        o.schedule || o.decode_step || r.workspace_plan || r.max_tokens || r.max_sequences ||
+        o.ranks != 1 || o.verify_tokens != 0 || o.verify_form_given) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -375,8 +388,9 @@ Options parse_args(int argc, char** argv) {
   if (o.verify_tokens != 0 && o.ranks != 1) {
     throw UsageError{"--verify-tokens runs on one engine (not with --ranks)"};
   }
-  if (o.plan_only && (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given ||
-                      o.threads_given || o.schedule || o.ranks != 1 || o.verify_tokens != 0)) {
+  if (o.plan_only &&
+      (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given || o.threads_given ||
+       o.schedule || o.decode_step || o.ranks != 1 || o.verify_tokens != 0)) {
     throw UsageError{
         "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
         "--workspace-plan, --max-tokens and --max-sequences"};
@@ -579,8 +593,9 @@ std::string backend_line(const Options& o, const kda::engine::ModelSpec& spec, B
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     text += std::to_string(threads) + (threads == 1 ? " thread" : " threads");
   } else {
-    text +=
-        kda::device_name(0) + "; prefill schedule " + kda::to_string(spec.runtime.prefill_schedule);
+    text += kda::device_name(0) + "; prefill schedule " +
+            kda::to_string(spec.runtime.prefill_schedule) + "; decode step " +
+            kda::layer::to_string(spec.runtime.decode_step);
   }
   if (choice == BackendChoice::kAuto && backend == kda::Backend::kCpu) text += "; auto: " + why;
   return text + ")";
@@ -767,6 +782,7 @@ int run_model(const Options& o) {
   kda::engine::ModelSpec spec = kda::engine::load_model_spec(o.model, spec_options);
   if (o.core_only) spec.runtime.layer_mode = kda::engine::LayerMode::kCoreOnly;
   if (o.schedule) spec.runtime.prefill_schedule = *o.schedule;
+  if (o.decode_step) spec.runtime.decode_step = *o.decode_step;
   for (const std::string& warning : spec.warnings) {
     std::fprintf(stderr, "kda-run: warning: %s\n", warning.c_str());
   }

@@ -293,6 +293,8 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
         {"--model", "m.yaml", "--backend", "tpu"},
         {"--model", "m.yaml", "--prefill-schedule", "fused"},
         {"--model", "m.yaml", "--plan-only", "--prefill-schedule", "pipelined"},
+        {"--model", "m.yaml", "--decode-step", "fast"},
+        {"--model", "m.yaml", "--plan-only", "--decode-step", "fused"},
         {"--case", "in.safetensors"},
         {"--case", "a", "--output", "b", "--model", "m.yaml"},
         {"--output", "b"},
@@ -315,9 +317,14 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   CHECK(r.rc == 2);
   CHECK(r.err.find("--prefill-schedule expects auto, two-phase or pipelined, got 'fused'") !=
         std::string::npos);
-  // A forced schedule runs (on the CPU it changes nothing).
+  r = kda_run({"--model", kModels + "tiny.yaml", "--decode-step", "one_launch"});
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("--decode-step expects auto, one-launch, fused, fused-after-gemms or separate, "
+                   "got 'one_launch'") != std::string::npos);
+  // A forced schedule and decode step run (on the CPU they change nothing).
   r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "64", "--backend", "cpu",
-               "--prefill-schedule", "two-phase"});
+               "--prefill-schedule", "two-phase", "--decode-step", "separate", "--decode-steps",
+               "2"});
   CHECK(r.rc == 0);
 }
 

@@ -110,4 +110,24 @@ std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights) {
   unknown_backend(backend);
 }
 
+namespace {
+constexpr const char* kDecodeKernelNames[] = {"auto", "fused", "fused-after-gemms", "separate",
+                                              "one-launch"};
+}  // namespace
+
+const char* to_string(DecodeKernel kernel) noexcept {
+  return is_known(kernel) ? kDecodeKernelNames[static_cast<int>(kernel)] : "unknown";
+}
+
+bool parse_decode_kernel(const std::string& text, DecodeKernel* kernel) noexcept {
+  if (kernel == nullptr) return false;
+  for (int k = 0; k <= static_cast<int>(DecodeKernel::kOneLaunch); ++k) {
+    if (text == kDecodeKernelNames[k]) {
+      *kernel = static_cast<DecodeKernel>(k);
+      return true;
+    }
+  }
+  return false;
+}
+
 }  // namespace kda::layer

@@ -143,7 +143,7 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(options.seed == 0);
   CHECK(options.check_pointers == 1);
   CHECK(options.prefill_schedule == KDA_PREFILL_SCHEDULE_DEFAULT);
-  CHECK(options.reserved == 0);
+  CHECK(options.decode_step == KDA_DECODE_STEP_DEFAULT);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
@@ -264,10 +264,10 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
           KDA_INVALID_ARGUMENT);
     CHECK(contains(err, "options.prefill_schedule is 4"));
     bad = options;
-    bad.reserved = 1;
+    bad.decode_step = static_cast<kda_decode_step>(6);
     CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.reserved is 1, expected 0"));
+    CHECK(contains(err, "options.decode_step is 6"));
     CHECK(engine == nullptr);
   }
   SUBCASE("CUDA without a device; head_dim the CUDA backend cannot run") {
@@ -324,6 +324,23 @@ KDA_CPU_CASE("a forced prefill schedule is accepted") {
   for (kda_prefill_schedule schedule :
        {KDA_PREFILL_SCHEDULE_TWO_PHASE, KDA_PREFILL_SCHEDULE_PIPELINED}) {
     options.prefill_schedule = schedule;
+    kda_engine* e = nullptr;
+    REQUIRE(kda_engine_create_from_string(kSpec, &options, &e, err, sizeof err) == KDA_OK);
+    CHECK(e != nullptr);
+    CHECK(kda_engine_destroy(e) == KDA_OK);
+  }
+}
+
+KDA_CPU_CASE("every decode step is accepted") {
+  // The CPU layer has one way to run a step; on CUDA the choice picks the kernels (the layer's
+  // tests compare them).
+  kda_engine_options options;
+  REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+  char err[256] = {};
+  for (kda_decode_step step :
+       {KDA_DECODE_STEP_AUTO, KDA_DECODE_STEP_ONE_LAUNCH, KDA_DECODE_STEP_FUSED,
+        KDA_DECODE_STEP_FUSED_AFTER_GEMMS, KDA_DECODE_STEP_SEPARATE}) {
+    options.decode_step = step;
     kda_engine* e = nullptr;
     REQUIRE(kda_engine_create_from_string(kSpec, &options, &e, err, sizeof err) == KDA_OK);
     CHECK(e != nullptr);

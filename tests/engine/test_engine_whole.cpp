@@ -319,6 +319,38 @@ KDA_MATRIX_CASE(
   }
 }
 
+KDA_MATRIX_CASE(
+    "whole layers: every decode step (EngineOptions::decode_step) computes the same steps") {
+  // A prefill of 12 tokens, then four one-token steps, one engine per choice; on CUDA each picks
+  // the layer's kernels (auto: one launch a step), the CPU has one way. An unknown value throws.
+  const ModelSpec spec = spec_from(kSpec);
+  const Memory x = Memory::from(runner, random_hidden(16, 5));
+  const bf16_bits* in = x.as<bf16_bits>();
+  std::vector<std::vector<bf16_bits>> outs;
+  for (const kda::layer::DecodeKernel step :
+       {kda::layer::DecodeKernel::kSeparate, kda::layer::DecodeKernel::kAuto,
+        kda::layer::DecodeKernel::kOneLaunch, kda::layer::DecodeKernel::kFusedFactors}) {
+    const std::string step_name = kda::layer::to_string(step);
+    CAPTURE(step_name);
+    EngineOptions o = options(runner);
+    o.decode_step = step;
+    Engine engine(spec, o);
+    CHECK(engine.spec().runtime.decode_step == step);
+    const int slot = engine.acquire_slot();
+    Memory out = poisoned(runner, 16);
+    bf16_bits* dst = out.as<bf16_bits>();
+    engine.prefill_hidden(0, in, dst, {slot}, {0, 12});
+    for (std::int64_t t = 12; t < 16; ++t)
+      engine.decode_hidden(0, in + t * E, dst + t * E, {slot}, 1);
+    outs.push_back(result(engine, out));
+    CHECK(deviation(outs.back(), outs.front()) <= allowed(runner, 1e-2, 0.0));
+  }
+  EngineOptions bad = options(runner);
+  bad.decode_step = static_cast<kda::layer::DecodeKernel>(9);
+  CHECK_THROWS_WITH_AS(Engine(spec, bad), doctest::Contains("EngineOptions::decode_step is 9"),
+                       kda::Error);
+}
+
 KDA_MATRIX_CASE("whole layers: fragmented slots and padding rows equal the same sequences alone") {
   // Bitwise on the CPU; on CUDA the same to 1e-3 (the GEMMs' shapes differ).
   Engine engine(spec_from(kSpec), options(runner));

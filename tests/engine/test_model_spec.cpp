@@ -598,6 +598,30 @@ TEST_CASE("runtime.prefill_schedule: every name, and its parser") {
   CHECK_FALSE(kda::engine::parse_prefill_schedule("auto", nullptr));
 }
 
+TEST_CASE("runtime.decode_step: every name, its parser, and an unknown one") {
+  CHECK(parse_model_spec(kValid, "m.yaml").runtime.decode_step == kda::layer::DecodeKernel::kAuto);
+  for (const kda::layer::DecodeKernel k :
+       {kda::layer::DecodeKernel::kAuto, kda::layer::DecodeKernel::kFusedFactors,
+        kda::layer::DecodeKernel::kFused, kda::layer::DecodeKernel::kSeparate,
+        kda::layer::DecodeKernel::kOneLaunch}) {
+    const std::string name = kda::layer::to_string(k);
+    CAPTURE(name);
+    const ModelSpec spec = parse_model_spec(
+        replace(kValid, "  backend: cpu\n", "  backend: cpu\n  decode_step: " + name + "\n"),
+        "m.yaml");
+    CHECK(spec.runtime.decode_step == k);
+    CHECK(spec.warnings.empty());
+  }
+  CHECK(std::string(kda::layer::to_string(static_cast<kda::layer::DecodeKernel>(9))) == "unknown");
+  kda::layer::DecodeKernel untouched = kda::layer::DecodeKernel::kSeparate;
+  CHECK_FALSE(kda::layer::parse_decode_kernel("one_launch", &untouched));
+  CHECK(untouched == kda::layer::DecodeKernel::kSeparate);
+  CHECK_FALSE(kda::layer::parse_decode_kernel("auto", nullptr));
+  check_error(replace(kValid, "  backend: cpu\n", "  backend: cpu\n  decode_step: fast\n"),
+              {"m.yaml:18:", "runtime.decode_step", "unknown decode step 'fast'",
+               "expected auto, one-launch, fused, fused-after-gemms or separate"});
+}
+
 TEST_CASE("duplicate keys are an error (not a silent choice)") {
   check_error(replace(kValid, "  head_dim: 64\n", "  head_dim: 64\n  head_dim: 128\n"),
               {"m.yaml:7:3:", "linear_attn_config.head_dim", "twice"});

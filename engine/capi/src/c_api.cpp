@@ -173,8 +173,29 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                             ", expected KDA_PREFILL_SCHEDULE_DEFAULT, _AUTO, _TWO_PHASE or "
                             "_PIPELINED");
   }
-  if (options->reserved != 0) {
-    invalid(function, "options.reserved is " + std::to_string(options->reserved) + ", expected 0");
+  switch (options->decode_step) {
+    case KDA_DECODE_STEP_DEFAULT:
+      break;
+    case KDA_DECODE_STEP_AUTO:
+      result.decode_step = kda::layer::DecodeKernel::kAuto;
+      break;
+    case KDA_DECODE_STEP_ONE_LAUNCH:
+      result.decode_step = kda::layer::DecodeKernel::kOneLaunch;
+      break;
+    case KDA_DECODE_STEP_FUSED:
+      result.decode_step = kda::layer::DecodeKernel::kFusedFactors;
+      break;
+    case KDA_DECODE_STEP_FUSED_AFTER_GEMMS:
+      result.decode_step = kda::layer::DecodeKernel::kFused;
+      break;
+    case KDA_DECODE_STEP_SEPARATE:
+      result.decode_step = kda::layer::DecodeKernel::kSeparate;
+      break;
+    default:
+      invalid(function, "options.decode_step is " +
+                            std::to_string(static_cast<int>(options->decode_step)) +
+                            ", expected KDA_DECODE_STEP_DEFAULT, _AUTO, _ONE_LAUNCH, _FUSED, "
+                            "_FUSED_AFTER_GEMMS or _SEPARATE");
   }
   if (options->reserved2 != 0) {
     invalid(function,
@@ -282,7 +303,7 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->check_pointers = 1;
   options->seed = 0;
   options->prefill_schedule = KDA_PREFILL_SCHEDULE_DEFAULT;
-  options->reserved = 0;
+  options->decode_step = KDA_DECODE_STEP_DEFAULT;
   options->null_slot = -1;
   options->reserved2 = 0;
   return KDA_OK;

@@ -99,9 +99,9 @@ const std::vector<std::string> kLinearAttnKeys = {
     "num_heads",        "head_dim", "short_conv_kernel_size", "kda_layers",
     "full_attn_layers", "gate",     "gate_lower_bound",       "use_full_rank_gate"};
 const std::vector<std::string> kRuntimeKeys = {
-    "max_tokens",    "max_sequences", "state_dtype", "workspace_plan",   "backend",
-    "layers",        "tp_size",       "tp_rank",     "prefill_schedule", "max_verify_tokens",
-    "record_regions"};
+    "max_tokens",     "max_sequences", "state_dtype", "workspace_plan",   "backend",
+    "layers",         "tp_size",       "tp_rank",     "prefill_schedule", "max_verify_tokens",
+    "record_regions", "decode_step"};
 
 bool contains(const std::vector<std::string>& keys, const std::string& key) {
   return std::find(keys.begin(), keys.end(), key) != keys.end();
@@ -1186,6 +1186,14 @@ ModelSpec parse_description(const std::string& text, const std::string& source_n
           ctx.fail(
               n, r + ".prefill_schedule",
               "unknown prefill schedule '" + value + "' (expected auto, two-phase or pipelined)");
+        }
+      }
+      if (const YAML::Node n = optional(runtime, "decode_step"); n.IsDefined()) {
+        const std::string value = as_string(ctx, n, r + ".decode_step");
+        if (!layer::parse_decode_kernel(value, &spec.runtime.decode_step)) {
+          ctx.fail(n, r + ".decode_step",
+                   "unknown decode step '" + value +
+                       "' (expected auto, one-launch, fused, fused-after-gemms or separate)");
         }
       }
       if (const YAML::Node n = optional(runtime, "layers"); n.IsDefined()) {

@@ -761,6 +761,7 @@ struct Engine::Impl {
     options.cpu_threads = cpu_threads;
     options.check_pointers = false;
     options.schedule = unchecked.schedule;
+    options.decode_kernel = spec.runtime.decode_step;
     options.times = times;
     return options;
   }
@@ -835,6 +836,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.spec = std::move(spec);
   if (options.layer_mode) m.spec.runtime.layer_mode = *options.layer_mode;
   if (options.prefill_schedule) m.spec.runtime.prefill_schedule = *options.prefill_schedule;
+  if (options.decode_step) m.spec.runtime.decode_step = *options.decode_step;
   check_layer_mode(m.spec);
   m.cpu_threads = options.cpu_threads;
   const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
@@ -845,6 +847,12 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
                 where + ": EngineOptions::prefill_schedule is " +
                     std::to_string(static_cast<int>(m.spec.runtime.prefill_schedule)) +
                     ", expected kAuto, kTwoPhase or kPipelined");
+  }
+  if (!layer::is_known(m.spec.runtime.decode_step)) {
+    throw Error(StatusCode::kInvalidArgument,
+                where + ": EngineOptions::decode_step is " +
+                    std::to_string(static_cast<int>(m.spec.runtime.decode_step)) +
+                    ", expected a kda::layer::DecodeKernel");
   }
   // The YAML loader takes 1 or 2; a spec built in code is checked here, before anything is sized
   // by it.

@@ -91,6 +91,22 @@ typedef enum kda_prefill_schedule {
   KDA_PREFILL_SCHEDULE_MAX_ENUM_ = 0x7FFFFFFF /* not a schedule (see KDA_STATUS_MAX_ENUM_) */
 } kda_prefill_schedule;
 
+/* How a CUDA whole layer runs a decode step (kda::layer::DecodeKernel, docs/LAYER.md): DEFAULT is
+ * the YAML's runtime.decode_step (itself auto by default); AUTO runs a step of one sequence in one
+ * launch where it fits, the fused kernel up to 128 (row, head) pairs and the separate kernels
+ * above; the others force one. Same results to rounding. The one-launch step needs every
+ * multiprocessor at once: engines that run decode steps on concurrent streams of one device
+ * should choose FUSED. */
+typedef enum kda_decode_step {
+  KDA_DECODE_STEP_DEFAULT = 0,
+  KDA_DECODE_STEP_AUTO = 1,
+  KDA_DECODE_STEP_ONE_LAUNCH = 2,
+  KDA_DECODE_STEP_FUSED = 3,
+  KDA_DECODE_STEP_FUSED_AFTER_GEMMS = 4,
+  KDA_DECODE_STEP_SEPARATE = 5,
+  KDA_DECODE_STEP_MAX_ENUM_ = 0x7FFFFFFF /* not a decode step (see KDA_STATUS_MAX_ENUM_) */
+} kda_decode_step;
+
 /* Creation options. Always start from kda_engine_options_init(): it sets struct_size, which
  * creation checks (so a struct from a different version of this header is refused, not misread). */
 typedef struct kda_engine_options {
@@ -103,7 +119,9 @@ typedef struct kda_engine_options {
                           of the current device and large enough; default 1, 0 skips the driver
                           queries (host time) */
   kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_DEFAULT */
-  int reserved;                          /* must be 0 */
+  kda_decode_step decode_step; /* CUDA whole layers' decode steps; default KDA_DECODE_STEP_DEFAULT
+                                  (0: a struct of the version before, whose field this was, reads
+                                  as the default) */
   int null_slot; /* a slot index that is padding in every batch, as a negative one, and is never
                     acquired (kda::engine::EngineOptions::null_slot: one of the max_sequences
                     slots); default -1: none */

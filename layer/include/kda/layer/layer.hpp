@@ -49,6 +49,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "kda/kda.hpp"
 #include "kda/layer/weights.hpp"
@@ -186,6 +187,14 @@ enum class DecodeKernel : int {
   kOneLaunch,     // a plain step of one token of one sequence: projections, step and o_proj in
                   // one launch (kAuto's choice there, where it fits; else as kAuto)
 };
+// "auto", "fused", "fused-after-gemms", "separate", "one-launch" (kAuto .. kOneLaunch in order);
+// "unknown" for a value that is none of them.
+const char* to_string(DecodeKernel kernel) noexcept;
+constexpr bool is_known(DecodeKernel kernel) noexcept {
+  return static_cast<unsigned>(kernel) <= static_cast<unsigned>(DecodeKernel::kOneLaunch);
+}
+// to_string's names -> DecodeKernel; false for anything else (*kernel untouched).
+bool parse_decode_kernel(const std::string& text, DecodeKernel* kernel) noexcept;
 
 // The KDA core's inputs of a prefill batch as the layer computes them (core_inputs()): bf16 q, k,
 // g [T, Hl, D], v [T, Hl, D], beta [T, Hl] in the forward's workspace (valid until it is used

@@ -55,6 +55,9 @@
 //     tp_rank: 0                     # default 0; this engine's rank, in [0, tp_size)
 //     prefill_schedule: auto         # default auto; auto | two-phase | pipelined (the CUDA
 //                                    #   prefill's phases, docs/KDA.md section 3)
+//     decode_step: auto              # default auto; auto | one-launch | fused |
+//                                    #   fused-after-gemms | separate: how a CUDA whole layer's
+//                                    #   decode step runs (kda::layer::DecodeKernel, LAYER.md)
 //     max_verify_tokens: 0           # default 0; 0..16: tokens per row of a record-and-commit
 //                                    #   verify step (BatchMetadata::records); sizes each KDA
 //                                    #   layer's records buffers (max_sequences rows); 0: none,
@@ -87,6 +90,7 @@
 
 #include "kda/engine/model_family.hpp"
 #include "kda/kda.hpp"
+#include "kda/layer/layer.hpp"
 #include "kda/planner/memory_plan.hpp"
 
 namespace kda::engine {
@@ -119,6 +123,9 @@ struct RuntimeSpec {
   LayerMode layer_mode = LayerMode::kWhole;
   // The CUDA prefill's schedule (kda::CudaOptions::schedule); the CPU backend ignores it.
   PrefillSchedule prefill_schedule = PrefillSchedule::kAuto;
+  // How a CUDA whole layer runs a decode step (kda::layer::RunOptions::decode_kernel); the CPU
+  // backend and core-only layers ignore it. Every choice computes the same layer (to rounding).
+  layer::DecodeKernel decode_step = layer::DecodeKernel::kAuto;
   // Tensor parallelism (whole layers): this engine holds heads [tp_rank·H/tp_size,
   // (tp_rank+1)·H/tp_size) of every KDA layer, and its whole-layer outputs are partial sums that
   // the host runtime all-reduces over the ranks. The loader checks tp_size divides num_heads.

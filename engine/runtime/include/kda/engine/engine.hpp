@@ -115,6 +115,10 @@ struct EngineOptions {
   // shape. Unset: the spec's runtime.prefill_schedule (auto by default); Engine::spec() reports
   // the schedule in effect. Unknown values throw at construction.
   std::optional<PrefillSchedule> prefill_schedule;
+  // CUDA whole layers: how a decode step runs (kda::layer::RunOptions::decode_kernel; kAuto runs a
+  // step of one sequence in one launch, LAYER.md). Unset: the spec's runtime.decode_step (auto by
+  // default); Engine::spec() reports the choice in effect. Unknown values throw at construction.
+  std::optional<layer::DecodeKernel> decode_step;
   // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
   std::optional<LayerMode> layer_mode;
   // Tensor parallelism (runtime.tp_size > 1, whole layers): the group of this rank, not owned (it
