@@ -593,9 +593,11 @@ std::string backend_line(const Options& o, const kda::engine::ModelSpec& spec, B
                             : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     text += std::to_string(threads) + (threads == 1 ? " thread" : " threads");
   } else {
-    text += kda::device_name(0) + "; prefill schedule " +
-            kda::to_string(spec.runtime.prefill_schedule) + "; decode step " +
-            kda::layer::to_string(spec.runtime.decode_step);
+    text +=
+        kda::device_name(0) + "; prefill schedule " + kda::to_string(spec.runtime.prefill_schedule);
+    if (spec.runtime.layer_mode == kda::engine::LayerMode::kWhole) {
+      text += std::string("; decode step ") + kda::layer::to_string(spec.runtime.decode_step);
+    }
   }
   if (choice == BackendChoice::kAuto && backend == kda::Backend::kCpu) text += "; auto: " + why;
   return text + ")";
@@ -681,6 +683,12 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
         kda::engine::ModelSpec rank_spec = spec;
         rank_spec.runtime.tp_size = n;
         rank_spec.runtime.tp_rank = r;
+        // The ranks' decode steps run on concurrent streams of one GPU, where one-launch steps
+        // (each wanting every multiprocessor) could wait on each other: the fused step, unless
+        // --decode-step says otherwise.
+        if (cuda && !o.decode_step) {
+          rank_spec.runtime.decode_step = kda::layer::DecodeKernel::kFusedFactors;
+        }
         kda::engine::EngineOptions options;
         options.backend = cuda ? BackendChoice::kCuda : BackendChoice::kCpu;
         options.seed = o.seed;

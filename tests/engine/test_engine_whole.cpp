@@ -329,7 +329,8 @@ KDA_MATRIX_CASE(
   std::vector<std::vector<bf16_bits>> outs;
   for (const kda::layer::DecodeKernel step :
        {kda::layer::DecodeKernel::kSeparate, kda::layer::DecodeKernel::kAuto,
-        kda::layer::DecodeKernel::kOneLaunch, kda::layer::DecodeKernel::kFusedFactors}) {
+        kda::layer::DecodeKernel::kOneLaunch, kda::layer::DecodeKernel::kFusedFactors,
+        kda::layer::DecodeKernel::kFused}) {
     const std::string step_name = kda::layer::to_string(step);
     CAPTURE(step_name);
     EngineOptions o = options(runner);

@@ -35,6 +35,10 @@ static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // before prefill_schedule was 48 bytes on LP64, the one before null_slot 56.
 static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 64,
               "kda_engine_options changed size: keep it apart from earlier versions");
+// decode_step took the place of an int `reserved` that callers set to 0 (the default).
+static_assert(sizeof(void*) != 8 || offsetof(kda_engine_options, decode_step) == 48,
+              "kda_engine_options::decode_step moved");
+static_assert(sizeof(kda_decode_step) == sizeof(int), "kda_decode_step is int-sized");
 
 // kda_batch grows at its end; a caller's struct_size says which fields it holds. The first
 // version with struct_size is the smallest one read (96 bytes on LP64, up to `reserved`); the

@@ -850,9 +850,10 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   }
   if (!layer::is_known(m.spec.runtime.decode_step)) {
     throw Error(StatusCode::kInvalidArgument,
-                where + ": EngineOptions::decode_step is " +
-                    std::to_string(static_cast<int>(m.spec.runtime.decode_step)) +
-                    ", expected a kda::layer::DecodeKernel");
+                where + ": " +
+                    (options.decode_step ? "EngineOptions::decode_step" : "runtime.decode_step") +
+                    " is " + std::to_string(static_cast<int>(m.spec.runtime.decode_step)) +
+                    ", expected kAuto, kFusedFactors, kFused, kSeparate or kOneLaunch");
   }
   // The YAML loader takes 1 or 2; a spec built in code is checked here, before anything is sized
   // by it.
