@@ -275,8 +275,9 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
 // The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
 // new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
 // an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
-// no pool byte. Back-to-back launches must leave the step's counters as they found them: a launch
-// that found them stale would wait out its bound and report kDeviceStatusStepTimeout.
+// no pool byte. Each replay reads a new hidden row, so that a head that read the projection before
+// this launch's was written would show. Back-to-back launches leave the step's counters zero, as
+// they found them: the status word stays clear.
 KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equals eager steps") {
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
@@ -295,7 +296,7 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       step.padding_slot = 3;
       Pools initial(config, 4, dtype);
       initial.randomize(91);
-      const std::vector<bf16_bits> hidden =
+      std::vector<bf16_bits> hidden =
           random_bf16(static_cast<std::size_t>(config.hidden_size), 2.0f, 92);
       ForwardBuffers<DeviceBuffer> buffers(hidden, step, initial,
                                            layer::workspace_bytes(Backend::kCuda, config, 1, 1, 4));
@@ -306,8 +307,11 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
       REQUIRE(exec != nullptr);
       Pools expected = initial;  // the eager steps' pools, one step after another
+      std::uint64_t seed = 93;
       for (const std::int32_t slot : {2, 0, -1, 3, 2, 1}) {
         CAPTURE(slot);
+        hidden = random_bf16(hidden.size(), 2.0f, ++seed);
+        REQUIRE(memcpy_to_device(buffers.hidden.get(), hidden.data(), hidden.size() * 2).ok());
         REQUIRE(memcpy_to_device(buffers.slots.get(), &slot, sizeof slot).ok());
         REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
         REQUIRE(stream_synchronize(stream).ok());

@@ -26,10 +26,12 @@
 // it is. A wait that outlasts kSpinLimitNs (the device did not run every block at once) gives up
 // and reports kDeviceStatusStepTimeout rather than hang.
 //
-// The projection's sums run in another order than the small-row kernel's (a warp a whole row), so
-// out may differ from the three-launch step's in its last bits; the step itself is the fused
-// kernel's arithmetic.
+// The projections' sums run in another order than the small-row kernel's (a warp a whole row of
+// the input projection; four partial sums a thread, then shuffles, in o_proj), so out may differ
+// from the three-launch step's in its last bits; the step itself is the fused kernel's arithmetic.
 #include <cuda_bf16.h>
+
+#include <atomic>
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
 #include "cuda/conv_silu.cuh"
@@ -94,7 +96,8 @@ __host__ __device__ constexpr HeadRegion head_region(bool f32_state, bool low_ra
 
 // The dynamic shared memory of a launch: the hidden row, y, then either a head's region (blocks <
 // heads) or the block's W_o rows (the others). o_proj gives each of a block's rows out_lanes
-// threads (a power of two, the most that keep every row's threads at once).
+// threads (a power of two, the most with which all its rows run in one round; 1 when even that
+// takes several).
 struct SmemPlan {
   std::int64_t x_bytes = 0, y_bytes = 0, head_bytes = 0, out_rows = 0, out_bytes = 0, total = 0;
   int out_lanes = 1;
@@ -113,10 +116,13 @@ SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   return s;
 }
 
-// Waits until *counter >= target (one thread); false if that took longer than kSpinLimitNs.
+// Waits until *counter == target (one thread); false if that took longer than kSpinLimitNs. A
+// counter never passes its target within a launch and holds it until the reset at the end, so
+// a value left over from a launch that did not end (above the target) times out, reported,
+// rather than pass.
 __device__ bool wait_count(const std::uint32_t* counter, std::uint32_t target) {
   const std::uint64_t start = global_timer_ns();
-  while (load_acquire_gpu(counter) < target) {
+  while (load_acquire_gpu(counter) != target) {
     if (global_timer_ns() - start > kSpinLimitNs) return false;
   }
   return true;
@@ -468,6 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     __threadfence();
     if (atomicAdd(p.sync + 2, 1u) == static_cast<unsigned>(blocks - 1)) {
+      __threadfence();  // the resets after every block's arrivals
       atomicExch(p.sync + 0, 0u);
       atomicExch(p.sync + 1, 0u);
       atomicExch(p.sync + 2, 0u);
@@ -479,18 +486,23 @@ bool aligned(const void* p, std::size_t bytes) {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
-// The device's shared memory a block may opt in to, read once a process (the layer's device).
+// The current device's shared memory a block may opt in to, read once a device (0 when it cannot
+// be read: nothing fits).
 int max_block_smem() {
-  static const int bytes = [] {
-    int device = 0, value = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-            cudaSuccess) {
-      return 0;
-    }
-    return value;
-  }();
-  return bytes;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices] = {};
+  int device = 0, value = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device >= 0 && device < kMaxDevices) {
+    value = cached[device].load(std::memory_order_relaxed);
+    if (value != 0) return value;
+  }
+  if (cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+      cudaSuccess) {
+    return 0;
+  }
+  if (device >= 0 && device < kMaxDevices) cached[device].store(value, std::memory_order_relaxed);
+  return value;
 }
 
 // Room for the kernel's static shared memory (the arrays above: 4.2 KB), beside the dynamic plan.
@@ -527,6 +539,16 @@ bool one_launch_step_fits(const OneLaunchStepParams& p) {
       p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr ||
       (p.w_gb == nullptr && (p.w_g == nullptr || p.gate == nullptr))) {
     return false;
+  }
+  for (const void* required :
+       {static_cast<const void*>(p.hidden), static_cast<const void*>(p.w_in),
+        static_cast<const void*>(p.proj), static_cast<const void*>(p.conv_weight),
+        static_cast<const void*>(p.conv_pools[0]), static_cast<const void*>(p.conv_pools[1]),
+        static_cast<const void*>(p.conv_pools[2]), static_cast<const void*>(p.A_log),
+        static_cast<const void*>(p.dt_bias), static_cast<const void*>(p.o_norm),
+        static_cast<const void*>(p.state), static_cast<const void*>(p.y),
+        static_cast<const void*>(p.w_o), static_cast<const void*>(p.out)}) {
+    if (required == nullptr) return false;
   }
   const SmemPlan plan = smem_plan(p, blocks);
   if (plan.total + kStaticSmemBytes > max_block_smem()) return false;
