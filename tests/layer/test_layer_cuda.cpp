@@ -20,10 +20,12 @@ using namespace kda::test;
 #ifdef KDA_HAVE_CUDA
 namespace {
 
-// One forward of `call` captured on `stream` into a CUDA graph and instantiated (the graph itself
-// destroyed); null, with a failed check saying why, where the capture or the instantiation failed.
-cudaGraphExec_t capture_forward(const layer::Layer& layer, const ForwardCall& call,
-                                cudaStream_t stream) {
+// One forward of `call` on `stream`, without its pointer checks (no driver queries inside a
+// capture), captured into a CUDA graph and instantiated (the graph itself destroyed); null, with a
+// failed check saying why, where the capture or the instantiation failed.
+cudaGraphExec_t capture_forward(const layer::Layer& layer, ForwardCall call, cudaStream_t stream) {
+  call.options.stream = stream;
+  call.options.check_pointers = false;
   if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) {
     FAIL_CHECK("cudaStreamBeginCapture failed");
     return nullptr;
@@ -156,8 +158,6 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
           hidden, batch, initial,
           layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
       ForwardCall call = buffers.call(batch, initial, false);
-      call.options.stream = stream;
-      call.options.check_pointers = false;  // no driver queries inside a capture
       const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
       REQUIRE(exec != nullptr);
       REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
@@ -301,8 +301,6 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       ForwardBuffers<DeviceBuffer> buffers(hidden, step, initial,
                                            layer::workspace_bytes(Backend::kCuda, config, 1, 1, 4));
       ForwardCall call = buffers.call(step, initial, false);
-      call.options.stream = stream;
-      call.options.check_pointers = false;
       call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
       const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
       REQUIRE(exec != nullptr);

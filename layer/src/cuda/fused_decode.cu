@@ -322,16 +322,9 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     __syncthreads();
 
     // The KDA step (the operator's decode kernel, the same operations in the same order).
-    float q[4], k[4], g[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      q[j] = qkv_s[0][k0 + j];
-      k[j] = qkv_s[1][k0 + j];
-      g[j] = g_s[k0 + j];
-    }
     float qh[4], kh[4], alpha[4];
-    step_factors(q, k, g, p.dt_bias + h * D + k0, a_exp, p.gate_mode, p.lower_bound, p.scale, qh,
-                 kh, alpha);
+    step_factors(&qkv_s[0][k0], &qkv_s[1][k0], g_s + k0, p.dt_bias + h * D + k0, a_exp, p.gate_mode,
+                 p.lower_bound, p.scale, qh, kh, alpha);
     // The record's alpha and k^: every block holds them, the cluster's first block's first warp
     // writes them.
     float* record = nullptr;

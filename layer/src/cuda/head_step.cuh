@@ -29,12 +29,20 @@ __device__ __forceinline__ uint2 pack_bf16x4(const float (&s)[4]) {
 }
 
 // A lane's q̂ = q / ‖q‖ · scale and k̂ = k / ‖k‖ (norms over the warp's 128 channels, 1e-6 under
-// the root) and decays α = exp(gate(g)) of its four channels; dt_bias: the four channels' values
+// the root) and decays α = exp(gate(g)) of its four channels. q_row, k_row, g_row: the lane's four
+// values of q and k after the conv and of g (shared memory); dt_bias: the four channels' values
 // (16-byte aligned, global or shared memory).
-__device__ __forceinline__ void step_factors(const float (&q)[4], const float (&k)[4],
-                                             const float (&g)[4], const float* dt_bias, float a_exp,
+__device__ __forceinline__ void step_factors(const float* q_row, const float* k_row,
+                                             const float* g_row, const float* dt_bias, float a_exp,
                                              GateMode mode, float lower_bound, float scale,
                                              float (&qh)[4], float (&kh)[4], float (&alpha)[4]) {
+  float q[4], k[4], g[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    q[j] = q_row[j];
+    k[j] = k_row[j];
+    g[j] = g_row[j];
+  }
   float qq = 0.f, kk = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {

@@ -376,16 +376,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       stamp(7);
-      float q[4], k[4], g[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        q[j] = qkv_s[0][k0 + j];
-        k[j] = qkv_s[1][k0 + j];
-        g[j] = g_s[k0 + j];
-      }
       float qh[4], kh[4], alpha[4];
-      step_factors(q, k, g, dtb_s + k0, __expf(a_log), p.gate_mode, p.lower_bound, p.scale, qh, kh,
-                   alpha);
+      step_factors(&qkv_s[0][k0], &qkv_s[1][k0], g_s + k0, dtb_s + k0, __expf(a_log), p.gate_mode,
+                   p.lower_bound, p.scale, qh, kh, alpha);
       const float mine =
           step_rows(S, alpha, kh, qh, beta_s, &qkv_s[2][v_row0], lane, [](int, float) {});
       if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
