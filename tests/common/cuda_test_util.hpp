@@ -53,7 +53,12 @@ class DeviceBuffer {
   template <typename T>
   static DeviceBuffer from(const std::vector<T>& host) {
     DeviceBuffer b(host.size() * sizeof(T));
-    if (!host.empty()) memcpy_to_device(b.get(), host.data(), b.bytes());
+    // Complete before returning: a copy from pageable memory may still be in flight when the
+    // call returns, and work on a non-blocking stream does not wait for the null stream.
+    if (!host.empty()) {
+      memcpy_to_device(b.get(), host.data(), b.bytes());
+      synchronize();
+    }
     return b;
   }
   template <typename T>
@@ -62,7 +67,10 @@ class DeviceBuffer {
     if (!host.empty()) memcpy_to_host(host.data(), get(), bytes_);
     return host;
   }
-  void fill(unsigned char byte) { memset_device(get(), byte, bytes_); }
+  void fill(unsigned char byte) {
+    memset_device(get(), byte, bytes_);
+    synchronize();
+  }
   static Status synchronize() { return stream_synchronize(nullptr); }
   // Whether both guard regions still hold the pattern.
   bool guards_intact() const {

@@ -287,7 +287,8 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       CAPTURE(full_rank);
-      CAPTURE(to_string(dtype));
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
       const layer::Config config =
           cuda.config(full_rank ? GateMode::kLowerBound : GateMode::kSoftplus, full_rank);
       const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 90, 1));
@@ -309,8 +310,11 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       for (const std::int32_t slot : {2, 0, -1, 3, 2, 1}) {
         CAPTURE(slot);
         hidden = random_bf16(hidden.size(), 2.0f, ++seed);
-        REQUIRE(memcpy_to_device(buffers.hidden.get(), hidden.data(), hidden.size() * 2).ok());
-        REQUIRE(memcpy_to_device(buffers.slots.get(), &slot, sizeof slot).ok());
+        // On the replay's stream: a copy on the null stream need not have landed when a
+        // non-blocking stream's replay starts.
+        REQUIRE(
+            memcpy_to_device(buffers.hidden.get(), hidden.data(), hidden.size() * 2, stream).ok());
+        REQUIRE(memcpy_to_device(buffers.slots.get(), &slot, sizeof slot, stream).ok());
         REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
         REQUIRE(stream_synchronize(stream).ok());
         const std::vector<bf16_bits> replay_out = buffers.out.download<bf16_bits>();

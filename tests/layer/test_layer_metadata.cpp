@@ -158,7 +158,8 @@ KDA_LAYER_CASE("a padding_slot entry is padding: zeros out, no state of any row 
         const BatchSpec& padded = batches[i];
         if (padded.decode_tokens == 0 && kernel != layer::DecodeKernel::kAuto) continue;
         CAPTURE(i);
-        CAPTURE(to_string(dtype));
+        const std::string dtype_name = to_string(dtype);
+        CAPTURE(dtype_name);
         CAPTURE(static_cast<int>(kernel));
         ForwardSettings settings;
         settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };

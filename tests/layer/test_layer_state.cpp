@@ -442,7 +442,8 @@ KDA_LAYER_CASE(
     const DType dtype = v.dtype;
     CAPTURE(static_cast<int>(v.kernel));
     CAPTURE(v.cluster);
-    CAPTURE(to_string(dtype));
+    const std::string dtype_name = to_string(dtype);
+    CAPTURE(dtype_name);
     ForwardSettings same_kernel;
     same_kernel.change = [v](ForwardCall& call) {
       call.options.decode_kernel = v.kernel;
@@ -570,7 +571,8 @@ KDA_LAYER_CASE("a step that folds the records step before it equals commit() and
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     for (const Variant& v : variants) {
       for (const bool next_records : {false, true}) {
-        CAPTURE(to_string(dtype));
+        const std::string dtype_name = to_string(dtype);
+        CAPTURE(dtype_name);
         CAPTURE(static_cast<int>(v.kernel));
         CAPTURE(v.cluster);
         CAPTURE(next_records);
@@ -939,7 +941,8 @@ KDA_LAYER_CUDA_CASE(
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       CAPTURE(full_rank);
-      CAPTURE(to_string(dtype));
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
       const layer::Config config = cuda.config(GateMode::kLowerBound, full_rank);
       const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 61, 2));
       const auto layer = cuda.make(weights);
