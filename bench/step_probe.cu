@@ -102,7 +102,8 @@ int main() {
       "head: step computed",
       "head: state back in shared memory",
       "head: norm done (warp 0)",
-      "-"};
+      "wait returned (thread 0)",
+      "projection arrival issued (thread 0)"};
   std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
   for (const Shape& s : shapes) {
     const std::int64_t E = s.hidden, H = s.heads, Cl = H * D;
@@ -200,7 +201,7 @@ int main() {
     std::uint64_t t0 = ~0ull;
     for (int b = 0; b < blocks; ++b)
       t0 = std::min(t0, t[b * kda::layer::cuda::kOneLaunchTraceStamps]);
-    for (int k = 0; k < 11; ++k) {
+    for (int k = 0; k < kda::layer::cuda::kOneLaunchTraceStamps; ++k) {
       std::vector<double> head, rest;
       for (int b = 0; b < blocks; ++b) {
         const std::uint64_t v = t[b * kda::layer::cuda::kOneLaunchTraceStamps + k];

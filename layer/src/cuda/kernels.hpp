@@ -251,7 +251,7 @@ struct OneLaunchStepParams {
   // phases end (kda-step-probe); null in the layer.
   std::uint64_t* trace = nullptr;
 };
-inline constexpr int kOneLaunchTraceStamps = 12;
+inline constexpr int kOneLaunchTraceStamps = 13;
 inline constexpr int kOneLaunchSyncWords = 4;
 // Whether launch_one_launch_step takes `p` on the current device: every head a block of its own
 // with a block to spare for o_proj, each block's share of W_o in shared memory beside the hidden

@@ -21,6 +21,11 @@
 //      SmemPlan::out_lanes threads a row.
 // Arrivals are release reductions after a block barrier, waits acquire loads of one thread then a
 // block barrier (kda-step-probe traces the phases: docs/design/layer.md).
+// The launch is a programmatic dependent of the kernel before it, and lets the kernel after it
+// launch as soon as all its own blocks have started: its blocks take multiprocessors as the
+// kernel before leaves them, issue their head's weight copies (nothing writes the weight image
+// inside a forward), and wait (griddepcontrol.wait) before they read the hidden row, the slots,
+// the states or the counters. That hides most of the launch between two steps.
 // The last block to leave resets the counters: they are zero between launches (the layer keeps
 // them in its weight image, zeroed when it is written), so a captured graph replays the launch as
 // it is. A wait that outlasts kSpinLimitNs (the device did not run every block at once) gives up
@@ -67,6 +72,8 @@ using kda::detail::cp_async_commit;
 using kda::detail::cp_async_wait;
 using kda::detail::fence_proxy_async;
 using kda::detail::global_timer_ns;
+using kda::detail::griddep_launch_dependents;
+using kda::detail::griddep_wait;
 using kda::detail::load_acquire_gpu;
 using kda::detail::mbarrier_expect_tx;
 using kda::detail::mbarrier_init;
@@ -161,12 +168,65 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   };
   stamp(0);
+  // The kernel after this one (launched as a programmatic dependent) may start its blocks as this
+  // grid's leave, and waits for it to complete before it reads what it wrote.
+  griddep_launch_dependents();
   if (tid == 0) mbarrier_init(&landed, 1);
+  unsigned char* state_s = region;
+  auto* w_rows = reinterpret_cast<uint4*>(region + kRegion.factors);
+  auto* hist_s = reinterpret_cast<std::uint16_t*>(region + kRegion.hist);
+  auto* taps_s = reinterpret_cast<float*>(region + kRegion.taps);
+  auto* dtb_s = reinterpret_cast<float*>(region + kRegion.dt_bias);
+  auto* o_norm_s = reinterpret_cast<float*>(region + kRegion.o_norm);
+  auto* g_bias_s = reinterpret_cast<std::uint16_t*>(region + kRegion.g_bias);
+  constexpr int kHistChunks = D * kHist * 2 / 16, kTapChunks = D * W * 4 / 16;
+
+  // ---- a head block's weights (no kernel before this one writes them): in flight before the
+  // wait for that kernel, through cp.async, 16 bytes a thread at a time (the factor rows
+  // swizzled) ----
+  if (head_block) {
+    const auto* fb = reinterpret_cast<const uint4*>(p.w_fb + static_cast<std::int64_t>(h) * D * D);
+    for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
+      cp_async_16(w_rows + swizzled(i / kFactorRowChunks, i % kFactorRowChunks), fb + i);
+    }
+    if constexpr (kLowRank) {
+      const auto* gb =
+          reinterpret_cast<const uint4*>(p.w_gb + static_cast<std::int64_t>(h) * D * D);
+      for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
+        cp_async_16(w_rows + swizzled(D + i / kFactorRowChunks, i % kFactorRowChunks), gb + i);
+      }
+    }
+    // A branch's taps of the head's channels are contiguous in conv_weight.
+    for (int j = tid; j < 3 * kTapChunks + D / 2 + D / 8; j += kThreads) {
+      if (j < 3 * kTapChunks) {
+        const int branch = j / kTapChunks, c = j % kTapChunks;
+        cp_async_16(reinterpret_cast<uint4*>(taps_s) + j,
+                    reinterpret_cast<const uint4*>(p.conv_weight + (branch * Cl + h * D) * W) + c);
+        continue;
+      }
+      int i = j - 3 * kTapChunks;
+      if (i < D / 4) {
+        cp_async_16(reinterpret_cast<uint4*>(dtb_s) + i,
+                    reinterpret_cast<const uint4*>(p.dt_bias + h * D) + i);
+      } else if (i < D / 2) {
+        i -= D / 4;
+        cp_async_16(reinterpret_cast<uint4*>(o_norm_s) + i,
+                    reinterpret_cast<const uint4*>(p.o_norm) + i);
+      } else if (p.g_bias != nullptr) {
+        i -= D / 2;
+        cp_async_16(reinterpret_cast<uint4*>(g_bias_s) + i,
+                    reinterpret_cast<const uint4*>(p.g_bias + h * D) + i);
+      }
+    }
+  }
+  // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
+  // slots, the states, the counters) is read after this.
+  griddep_wait();
   for (std::int64_t i = tid; i < E / 8; i += kThreads) {
     x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
   }
 
-  // ---- a head block: its slot, and its head's loads that need nothing of this step ----
+  // ---- a head block: its slot, its state and conv states ----
   std::int64_t slot = -1;
   float a_log = 0.0f;
   if (head_block) {
@@ -179,13 +239,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (slot >= p.num_slots || slot == p.padding_slot) slot = -1;
   }
   const bool steps = head_block && slot >= 0;  // padding: zeros out, no state read or written
-  unsigned char* state_s = region;
-  auto* w_rows = reinterpret_cast<uint4*>(region + kRegion.factors);
-  auto* hist_s = reinterpret_cast<std::uint16_t*>(region + kRegion.hist);
-  auto* taps_s = reinterpret_cast<float*>(region + kRegion.taps);
-  auto* dtb_s = reinterpret_cast<float*>(region + kRegion.dt_bias);
-  auto* o_norm_s = reinterpret_cast<float*>(region + kRegion.o_norm);
-  auto* g_bias_s = reinterpret_cast<std::uint16_t*>(region + kRegion.g_bias);
   const std::int64_t state_base = (slot * H + h) * D * D;
   if (steps) {
     if (tid == 0) {  // the state: one copy, landing on `landed`
@@ -195,52 +248,15 @@ __global__ void __launch_bounds__(kThreads, 1)
           state_s, static_cast<const unsigned char*>(p.state) + state_base * (kF32State ? 4 : 2),
           kStateBytes, &landed);
     }
-    // The rest through cp.async, 16 bytes a thread at a time (the factor rows swizzled).
-    const auto* fb = reinterpret_cast<const uint4*>(p.w_fb + static_cast<std::int64_t>(h) * D * D);
-    for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
-      cp_async_16(w_rows + swizzled(i / kFactorRowChunks, i % kFactorRowChunks), fb + i);
+    // A branch's conv states of the head's channels are contiguous in the pool.
+    for (int i = tid; i < 3 * kHistChunks; i += kThreads) {
+      const int branch = i / kHistChunks, c = i % kHistChunks;
+      cp_async_16(
+          reinterpret_cast<uint4*>(hist_s) + i,
+          reinterpret_cast<const uint4*>(p.conv_pools[branch] + (slot * Cl + h * D) * kHist) + c);
     }
-    if constexpr (kLowRank) {
-      const auto* gb =
-          reinterpret_cast<const uint4*>(p.w_gb + static_cast<std::int64_t>(h) * D * D);
-      for (int i = tid; i < D * kFactorRowChunks; i += kThreads) {
-        cp_async_16(w_rows + swizzled(D + i / kFactorRowChunks, i % kFactorRowChunks), gb + i);
-      }
-    }
-    // A branch's conv states and taps of the head's channels are contiguous in the pool and in
-    // conv_weight.
-    constexpr int kHistChunks = D * kHist * 2 / 16, kTapChunks = D * W * 4 / 16;
-    for (int i = tid; i < 3 * (kHistChunks + kTapChunks) + D / 2 + D / 8; i += kThreads) {
-      if (i < 3 * kHistChunks) {
-        const int branch = i / kHistChunks, c = i % kHistChunks;
-        cp_async_16(
-            reinterpret_cast<uint4*>(hist_s) + i,
-            reinterpret_cast<const uint4*>(p.conv_pools[branch] + (slot * Cl + h * D) * kHist) + c);
-        continue;
-      }
-      int j = i - 3 * kHistChunks;
-      if (j < 3 * kTapChunks) {
-        const int branch = j / kTapChunks, c = j % kTapChunks;
-        cp_async_16(reinterpret_cast<uint4*>(taps_s) + j,
-                    reinterpret_cast<const uint4*>(p.conv_weight + (branch * Cl + h * D) * W) + c);
-        continue;
-      }
-      j -= 3 * kTapChunks;
-      if (j < D / 4) {
-        cp_async_16(reinterpret_cast<uint4*>(dtb_s) + j,
-                    reinterpret_cast<const uint4*>(p.dt_bias + h * D) + j);
-      } else if (j < D / 2) {
-        j -= D / 4;
-        cp_async_16(reinterpret_cast<uint4*>(o_norm_s) + j,
-                    reinterpret_cast<const uint4*>(p.o_norm) + j);
-      } else if (p.g_bias != nullptr) {
-        j -= D / 2;
-        cp_async_16(reinterpret_cast<uint4*>(g_bias_s) + j,
-                    reinterpret_cast<const uint4*>(p.g_bias + h * D) + j);
-      }
-    }
-    cp_async_commit();
   }
+  if (head_block) cp_async_commit();
   __syncthreads();
   stamp(1);
 
@@ -287,26 +303,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
   if (tid == 0) {
     red_add_release_gpu(p.sync + 0, 1u);
-    if (e1 > e0) {
-      const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
-      mbarrier_expect_tx(&landed, bytes);
-      const auto* src = reinterpret_cast<const unsigned char*>(p.w_o + e0 * Cl);
-      for (unsigned off = 0; off < bytes; off += kCopyBytes) {
-        bulk_copy_to_shared(region + off, src + off,
-                            bytes - off < kCopyBytes ? bytes - off : kCopyBytes, &landed);
-      }
+    stamp(12);
+  }
+  if (tid == 0 && e1 > e0) {
+    const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
+    mbarrier_expect_tx(&landed, bytes);
+    const auto* src = reinterpret_cast<const unsigned char*>(p.w_o + e0 * Cl);
+    for (unsigned off = 0; off < bytes; off += kCopyBytes) {
+      bulk_copy_to_shared(region + off, src + off,
+                          bytes - off < kCopyBytes ? bytes - off : kCopyBytes, &landed);
     }
   }
 
   if (head_block) {
     // ---- 2. the head's step ----
-    if (tid == 0 && !wait_count(p.sync + 0, static_cast<std::uint32_t>(blocks))) {
-      report(kDeviceStatusStepTimeout);
+    if (tid == 0) {
+      if (!wait_count(p.sync + 0, static_cast<std::uint32_t>(blocks))) {
+        report(kDeviceStatusStepTimeout);
+      }
+      stamp(11);
     }
-    if (steps) {  // the head's region: every thread's copies, then the barrier
-      cp_async_wait<0>();
-      mbarrier_wait(&landed, 0);
-    }
+    cp_async_wait<0>();  // the head's region: every thread's copies, then the barrier
+    if (steps) mbarrier_wait(&landed, 0);
     __syncthreads();
     stamp(3);
     if (!steps) {
@@ -420,8 +438,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid == 0) red_add_release_gpu(p.sync + 1, 1u);
   } else {
     // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a row ----
-    if (tid == 0 && !wait_count(p.sync + 1, static_cast<std::uint32_t>(H))) {
-      report(kDeviceStatusStepTimeout);
+    if (tid == 0) {
+      if (!wait_count(p.sync + 1, static_cast<std::uint32_t>(H))) {
+        report(kDeviceStatusStepTimeout);
+      }
+      stamp(11);
     }
     __syncthreads();
     stamp(3);
@@ -508,8 +529,17 @@ cudaError_t launch_kernel(const OneLaunchStepParams& p, const SmemPlan& plan, in
   const cudaError_t raised = allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank>>(
       static_cast<int>(plan.total));
   if (raised != cudaSuccess) return raised;
-  kernel<<<blocks, kThreads, static_cast<std::size_t>(plan.total), stream>>>(p, plan);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<std::size_t>(plan.total);
+  config.stream = stream;
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, p, plan);
 }
 
 template <int W>
