@@ -66,6 +66,16 @@ __device__ __forceinline__ void step_factors(const float* q_row, const float* k_
   }
 }
 
+// Each of R values summed over the warp's lanes (a butterfly, every lane left with the sums).
+template <int R>
+__device__ __forceinline__ void sum_over_warp(float (&values)[R]) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) values[i] += __shfl_xor_sync(0xffffffffu, values[i], o);
+  }
+}
+
 // The step on the warp's R rows: S ← diag(α) S, δ = β (v − S k̂), S ← S + δ k̂ᵀ, o = S q̂. v: the
 // rows' R values (shared memory). on_delta(i, δ) sees each row's δ (a records step keeps it).
 // Returns, in lane i < R, row i's o (fp32).
@@ -84,11 +94,7 @@ __device__ __forceinline__ float step_rows(float (&S)[R][4], const float (&alpha
     }
     dot[i] = d;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-  }
+  sum_over_warp(dot);
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     const float delta = beta * (v[i] - dot[i]);
@@ -101,11 +107,7 @@ __device__ __forceinline__ float step_rows(float (&S)[R][4], const float (&alpha
     }
     dot[i] = d;
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], o);
-  }
+  sum_over_warp(dot);
   float mine = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) mine = lane == i ? dot[i] : mine;
