@@ -12,6 +12,8 @@
 
 #ifdef KDA_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda_runtime_util.hpp"
 #endif
 
 using namespace kda;
@@ -21,31 +23,28 @@ using namespace kda::test;
 namespace {
 
 // One forward of `call` on `stream`, without its pointer checks (no driver queries inside a
-// capture), captured into a CUDA graph and instantiated (the graph itself destroyed); null, with a
-// failed check saying why, where the capture or the instantiation failed.
-cudaGraphExec_t capture_forward(const layer::Layer& layer, ForwardCall call, cudaStream_t stream) {
+// capture), captured into `graph` and instantiated; graph->exec stays null, with a failed check
+// saying why, where the capture or the instantiation failed.
+void capture_forward(const layer::Layer& layer, ForwardCall call, cudaStream_t stream,
+                     Graph* graph) {
   call.options.stream = stream;
   call.options.check_pointers = false;
   if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal) != cudaSuccess) {
     FAIL_CHECK("cudaStreamBeginCapture failed");
-    return nullptr;
+    return;
   }
   const std::string capture_error = error_of([&] {
     layer.forward(call.batch, call.hidden, call.out, call.state, call.workspace, call.options);
   });
-  cudaGraph_t graph = nullptr;
-  const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+  const cudaError_t end = cudaStreamEndCapture(stream, &graph->graph);
   INFO("forward during capture: " << capture_error);
   CHECK(capture_error == "(no error)");
   CHECK(end == cudaSuccess);
-  cudaGraphExec_t exec = nullptr;
   if (capture_error == "(no error)" && end == cudaSuccess &&
-      cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+      cudaGraphInstantiate(&graph->exec, graph->graph, 0) != cudaSuccess) {
     FAIL_CHECK("cudaGraphInstantiate failed");
-    exec = nullptr;
+    graph->exec = nullptr;
   }
-  if (graph != nullptr) cudaGraphDestroy(graph);
-  return exec;
 }
 
 }  // namespace
@@ -121,8 +120,9 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
 #else
-  cudaStream_t stream = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const Stream owned_stream;
+  const cudaStream_t stream = owned_stream.stream;
+  REQUIRE(stream != nullptr);
   for (const bool full_rank : {false, true}) {
     const layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 8, 2));
@@ -158,7 +158,9 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
           hidden, batch, initial,
           layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
       ForwardCall call = buffers.call(batch, initial, false);
-      const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
+      Graph graph;
+      capture_forward(*layer, call, stream, &graph);
+      const cudaGraphExec_t exec = graph.exec;
       REQUIRE(exec != nullptr);
       REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
       REQUIRE(stream_synchronize(stream).ok());
@@ -169,10 +171,8 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
       CHECK(same_bits(graph_out, eager_run.out));
       CHECK(replayed == eager);
       CHECK(buffers.guards_intact());
-      cudaGraphExecDestroy(exec);
     }
   }
-  cudaStreamDestroy(stream);
 #endif
 }
 
@@ -282,8 +282,9 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
 #else
-  cudaStream_t stream = nullptr;
-  REQUIRE(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) == cudaSuccess);
+  const Stream owned_stream;
+  const cudaStream_t stream = owned_stream.stream;
+  REQUIRE(stream != nullptr);
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
       CAPTURE(full_rank);
@@ -303,7 +304,9 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
                                            layer::workspace_bytes(Backend::kCuda, config, 1, 1, 4));
       ForwardCall call = buffers.call(step, initial, false);
       call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
-      const cudaGraphExec_t exec = capture_forward(*layer, call, stream);
+      Graph graph;
+      capture_forward(*layer, call, stream, &graph);
+      const cudaGraphExec_t exec = graph.exec;
       REQUIRE(exec != nullptr);
       Pools expected = initial;  // the eager steps' pools, one step after another
       std::uint64_t seed = 93;
@@ -346,10 +349,8 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
       const std::vector<std::uint32_t> status = buffers.status.download<std::uint32_t>();
       CHECK(status[0] == 0u);
       CHECK(buffers.guards_intact());
-      cudaGraphExecDestroy(exec);
     }
   }
-  cudaStreamDestroy(stream);
 #endif
 }
 
