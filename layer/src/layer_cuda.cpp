@@ -259,6 +259,15 @@ const GemmKnobs& gemm_knobs() {
 // (measured on the H200: docs/PERFORMANCE.md).
 constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 
+// Up to how many warp tiles (16 rows x 16 channels) of each low-rank second factor a decode step
+// computes them in the conv's launch (conv_decode.cu) instead of two GEMMs. The GEMMs cost about
+// 3.3 us each whatever the rows (launch and latency); the tiles cost the conv's launch about 1 ns
+// each (their inputs and weights from L2). Measured on the H200 (kda-layer-bench, graph replays per
+// layer, against the GEMMs): H = 32 B = 64 (1024 tiles a factor) 118.5 against 124.4 us, the TP8
+// shard B = 256 (512) 61.8 against 68.6, K3's shard B = 256 (1536, f_b alone) 184.7 against 186.9;
+// H = 32 B = 256 (4096) 351.5 against 353.2, the conv then 34.2 against 25.5 us.
+constexpr std::int64_t kConvFactorMaxTiles = 2048;
+
 // The fused step's blocks a (row, head) for RunOptions::fused_cluster 0: the most of 1, 2, 4 and 8
 // that keep every block on a multiprocessor of its own. A step of few rows is bound by each
 // multiprocessor's latency, so spreading a head's state over more of them pays until they run
@@ -703,6 +712,29 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     fuse_factors = fuse_factors && fuse;
   }
 
+  // Other decode steps: the low-rank second factors run in the conv's launch (conv_decode.cu),
+  // where the layout allows, rather than as two GEMMs of their own.
+  cuda::ConvParams::Factors conv_factors;
+  if (decode && !fuse) {
+    cuda::ConvParams fit;
+    fit.proj = proj;
+    fit.proj_stride = cols.stride;
+    fit.channels = Cl;
+    fit.factors.w_fb = w_fb;
+    fit.factors.f_a_col = cols.f_a;
+    fit.factors.g = g;
+    if (inputs == nullptr && !c.full_rank_gate) {
+      fit.factors.w_gb = w_gb;
+      fit.factors.g_a_col = cols.g_a;
+      fit.factors.gate = gate;
+    }
+    const std::int64_t tiles = (T + 15) / 16 * (Cl / 16);
+    if (tiles <= kConvFactorMaxTiles && cuda::conv_decode_factors_fit(fit)) {
+      conv_factors = fit.factors;
+    }
+  }
+  const bool factor_gemms = !fuse_factors && conv_factors.w_fb == nullptr;
+
   mark(0);
   GemmContext gemms;
   {
@@ -717,7 +749,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
          gemm_knobs().programmatic_input, gemm_knobs().input);
-    if (!fuse_factors) {
+    if (factor_gemms) {
       gemm(gemms, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
     }
     // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
@@ -726,7 +758,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       // The core's inputs need no output gate.
     } else if (c.full_rank_gate) {
       gemm(gemms, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
-    } else if (!fuse_factors) {
+    } else if (factor_gemms) {
       gemm(gemms, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl, "g_a·W_gbᵀ");
     }
   }
@@ -767,6 +799,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         p.fold_sequences = batch.fold_sequences;
         p.fold_tokens = batch.fold_decode_tokens;
       }
+      p.padding_out = o;
+      p.factors = conv_factors;
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
       p.cu_seqlens = batch.cu_seqlens;
@@ -785,10 +819,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   } else {
     KDA_NVTX_RANGE("core");
     if (decode) {
-      // Padding rows (negative slots) are skipped by the core: zero them so that their y and out
-      // are zeros rather than stale workspace.
-      check_cuda(cudaMemsetAsync(o, 0, static_cast<std::size_t>(T * Cl) * 2, stream),
-                 "cudaMemsetAsync(o)");
+      // Rows that run as padding are skipped by the core: the conv zeroed their o
+      // (ConvParams::padding_out), so that their y and out are zeros rather than stale workspace.
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
       t.slots = batch.slots != nullptr ? batch.slots : identity;
       t.num_accepted = batch.num_accepted;

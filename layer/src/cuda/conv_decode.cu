@@ -3,12 +3,93 @@
 // state and leaves the new one behind. Fused with the copy of beta into the core's layout and, when
 // the caller gave no slot list, the identity slot list kda::decode_cuda needs. One thread: eight
 // channels of one sequence (16-byte loads and stores, 16-byte state accesses when the pools are
-// 16-byte aligned).
+// 16-byte aligned). Blocks past the sequences' compute the low-rank second factors
+// (ConvParams::factors), which read only the projection too: one launch instead of three.
 #include "cuda/conv_silu.cuh"
+#include "cuda/ptx.cuh"  // mma_bf16 (kda/src/cuda)
 
 namespace kda::layer::cuda {
 
 namespace {
+
+constexpr int kFactorRank = 128;  // the low-rank factors' inner dimension
+constexpr int kFactorTile = 16;   // rows and channels of a warp's tile
+
+// The factors' warp tiles: g's (rows / 16) x (channels / 16), then as many of the gate's.
+__host__ __device__ inline std::int64_t factor_warp_tiles(const ConvParams& p) {
+  if (p.factors.w_fb == nullptr) return 0;
+  const std::int64_t one = (p.tokens + kFactorTile - 1) / kFactorTile * (p.channels / kFactorTile);
+  return p.factors.gate != nullptr ? 2 * one : one;
+}
+
+__device__ __forceinline__ unsigned word(const uint4& u, int i) {
+  return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+
+// One warp: rows [16 rt, 16 rt + 16) x channels [16 ct, 16 ct + 16) of g (or of the gate), two
+// mma.m16n8k16 tiles summed over the rank in fp32. The order of k inside an mma is free as long as
+// A and B agree: lane 4 r + t takes k = 8 t .. 8 t + 7 of every 32 from one 16-byte load of its
+// input row and of its weight row, words 0-1 for one k step and words 2-3 for the next. g is
+// rounded to bf16 as the GEMM it replaces stores it; the gate stays fp32.
+__device__ void factor_tile(const ConvParams& p, std::int64_t tile) {
+  const ConvParams::Factors& f = p.factors;
+  const std::int64_t col_tiles = p.channels / kFactorTile;
+  const std::int64_t per_factor = (p.tokens + kFactorTile - 1) / kFactorTile * col_tiles;
+  const bool gate = tile >= per_factor;
+  if (gate) tile -= per_factor;
+  const std::int64_t rt = tile / col_tiles, ct = tile % col_tiles;
+  const int lane = static_cast<int>(threadIdx.x & 31), r = lane >> 2, t = lane & 3;
+  const std::uint16_t* w = (gate ? f.w_gb : f.w_fb) + (ct * kFactorTile + r) * kFactorRank + 8 * t;
+  const std::uint16_t* in = p.proj + (gate ? f.g_a_col : f.f_a_col) + 8 * t;
+  const std::int64_t row_lo = rt * kFactorTile + r, row_hi = row_lo + 8;
+  const bool lo = row_lo < p.tokens, hi = row_hi < p.tokens;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  float acc[2][4] = {};
+#pragma unroll 1
+  for (int half = 0; half < 2; ++half) {  // two rounds of loads: 32 registers in flight, not 64
+    uint4 a_lo[2], a_hi[2], b[2][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int k = 64 * half + 32 * j;
+      a_lo[j] = lo ? __ldg(reinterpret_cast<const uint4*>(in + row_lo * p.proj_stride + k)) : zero;
+      a_hi[j] = hi ? __ldg(reinterpret_cast<const uint4*>(in + row_hi * p.proj_stride + k)) : zero;
+#pragma unroll
+      for (int n = 0; n < 2; ++n) {
+        b[n][j] = __ldg(reinterpret_cast<const uint4*>(w + n * 8 * kFactorRank + k));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const unsigned a[4] = {word(a_lo[j], 2 * s), word(a_hi[j], 2 * s), word(a_lo[j], 2 * s + 1),
+                               word(a_hi[j], 2 * s + 1)};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          kda::detail::mma_bf16(acc[n], a, word(b[n][j], 2 * s), word(b[n][j], 2 * s + 1));
+        }
+      }
+    }
+  }
+  // acc[n]: row_lo (0, 1) and row_hi (2, 3), channels 16 ct + 8 n + 2 t and the one after.
+#pragma unroll
+  for (int n = 0; n < 2; ++n) {
+    const std::int64_t c = ct * kFactorTile + 8 * n + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t row = half == 0 ? row_lo : row_hi;
+      if (!(half == 0 ? lo : hi)) continue;
+      const float x = acc[n][2 * half], y = acc[n][2 * half + 1];
+      if (gate) {
+        *reinterpret_cast<float2*>(f.gate + row * p.channels + c) = make_float2(x, y);
+      } else {
+        *reinterpret_cast<std::uint32_t*>(f.g + row * p.channels + c) =
+            static_cast<std::uint32_t>(float_to_bits(x)) |
+            (static_cast<std::uint32_t>(float_to_bits(y)) << 16);
+      }
+    }
+  }
+}
 
 // A fold (ConvParams::fold_rows): channels c .. c + 7 of the row's conv state become the last W-1
 // of (old ++ the folded row's first `accepted` pre-conv inputs): bf16 bits moved, as the commit
@@ -121,6 +202,13 @@ __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector
 template <int W, bool kVerify, bool kOneToken>
 __global__ void __launch_bounds__(kConvThreads)
     conv_decode_kernel(ConvParams p, bool vector_state) {
+  if (blockIdx.x >= p.sequences) {  // the factors' blocks: a warp a tile
+    const std::int64_t tile =
+        ((blockIdx.x - p.sequences) * gridDim.y + blockIdx.y) * (blockDim.x / 32) +
+        threadIdx.x / 32;
+    if (tile < factor_warp_tiles(p)) factor_tile(p, tile);
+    return;
+  }
   const std::int64_t n = blockIdx.x;
   const std::int64_t bos = n * p.decode_tokens, eos = bos + p.decode_tokens;
   if (blockIdx.y == 0) {
@@ -140,6 +228,12 @@ __global__ void __launch_bounds__(kConvThreads)
       slot = -1;  // padding, as the core takes it
     } else {
       fold_conv_state<W>(p, vector_state, c, row, accepted, slot);
+    }
+  }
+  if (slot < 0 && p.padding_out != nullptr && c < p.channels) {  // the core skips this row
+    for (std::int64_t t = bos; t < eos; ++t) {
+      reinterpret_cast<uint4*>(p.padding_out + c)[t * (p.channels / kConvVec)] =
+          make_uint4(0, 0, 0, 0);
     }
   }
   if constexpr (kOneToken) {
@@ -176,7 +270,14 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
   bool vector_state = false;
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   const ConvShape shape = conv_shape(p.channels);
-  const dim3 grid(static_cast<unsigned>(p.sequences), shape.tiles);
+  if (p.factors.w_fb != nullptr && !conv_decode_factors_fit(p)) return cudaErrorInvalidValue;
+  if (p.padding_out != nullptr && !aligned16(p.padding_out)) return cudaErrorInvalidValue;
+  // The factors' blocks follow the sequences' along x, shape.tiles of them a column.
+  const std::int64_t factor_blocks =
+      (factor_warp_tiles(p) + shape.threads / 32 - 1) / (shape.threads / 32);
+  const std::int64_t factor_columns = (factor_blocks + shape.tiles - 1) / shape.tiles;
+  if (p.sequences + factor_columns > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.sequences + factor_columns), shape.tiles);
   if (p.conv_records != nullptr && !aligned16(p.conv_records)) return cudaErrorInvalidValue;
   if (p.fold_rows != nullptr && (p.fold_counts == nullptr || !aligned16(p.fold_conv_records))) {
     return cudaErrorInvalidValue;
@@ -196,6 +297,19 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
+}
+
+bool conv_decode_factors_fit(const ConvParams& p) {
+  const ConvParams::Factors& f = p.factors;
+  const bool gate = f.gate != nullptr;
+  return f.w_fb != nullptr && f.g != nullptr && (!gate || f.w_gb != nullptr) &&
+         p.channels % kFactorTile == 0 && p.proj_stride % 8 == 0 && aligned16(p.proj) &&
+         f.f_a_col >= 0 && f.f_a_col % 8 == 0 && f.f_a_col + kFactorRank <= p.proj_stride &&
+         (!gate ||
+          (f.g_a_col >= 0 && f.g_a_col % 8 == 0 && f.g_a_col + kFactorRank <= p.proj_stride)) &&
+         aligned16(f.w_fb) && (!gate || aligned16(f.w_gb)) &&
+         reinterpret_cast<std::uintptr_t>(f.g) % 4 == 0 &&
+         (!gate || reinterpret_cast<std::uintptr_t>(f.gate) % 8 == 0);
 }
 
 }  // namespace kda::layer::cuda

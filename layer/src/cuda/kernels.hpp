@@ -75,6 +75,21 @@ struct ConvParams {
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;
+  // Decode only, optional: the core's output o (bf16 [tokens, channels]). The core skips a row that
+  // runs as padding and leaves its o as it was; the conv, which decides the same rows are padding,
+  // writes zeros there, so that such a row's y and out are zeros.
+  std::uint16_t* padding_out = nullptr;
+  // Decode only, optional: the low-rank second factors, computed by blocks of the same launch
+  // (they read only the projection, as the conv does): g = f_a·W_fbᵀ and, with gate, gate =
+  // g_a·W_gbᵀ, over all `tokens` rows. The rank is 128. conv_decode_factors_fit says whether the
+  // layout allows it.
+  struct Factors {
+    const std::uint16_t* w_fb = nullptr;    // bf16 [channels, 128]; null: no factors
+    const std::uint16_t* w_gb = nullptr;    // bf16 [channels, 128], with gate
+    std::int64_t f_a_col = 0, g_a_col = 0;  // their inputs' first columns in proj
+    std::uint16_t* g = nullptr;             // bf16 [tokens, channels]
+    float* gate = nullptr;                  // f32 [tokens, channels], or null: g alone
+  } factors;
 };
 
 // Tokens per thread in the prefill conv (a chunk never crosses a sequence; >= W - 1). A thread
@@ -91,6 +106,10 @@ inline constexpr std::int64_t kConvChunk = 32;
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream);
 cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream);
+// Whether launch_conv_decode can compute p.factors: 16-byte aligned weights and 16-byte aligned
+// input columns (f_a_col, g_a_col multiples of 8), g 4-byte and gate 8-byte aligned, channels a
+// multiple of 16. launch_conv_decode returns cudaErrorInvalidValue for factors that do not fit.
+bool conv_decode_factors_fit(const ConvParams& p);
 
 // The conv half of a record-and-commit verify step's commit (kda::layer::commit), for up to
 // kda::kMaxCommitLayers layers in one launch: row b's three conv states in slots[b] of each layer
