@@ -7,10 +7,13 @@
 //                factors; with a full-rank gate x·[W_q; W_k; W_v; W_fa; W_b]ᵀ, f_a·W_fbᵀ and the
 //                gate's own GEMM x·W_gᵀ (f32 out, as g_a·W_gbᵀ). cuBLAS (bf16 in, fp32
 //                accumulation, CUBLAS_COMPUTE_32F), or for batches of one token (decode of one
-//                sequence) the small-row kernel of cuda/small_gemm.cu
+//                sequence) the small-row kernel of cuda/small_gemm.cu; a decode step of up to
+//                kConvFactorMaxTiles tiles computes the second factors in the conv's launch
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
-//   core         kda::forward_cuda (prefill) or kda::decode_cuda (decode), states in the pool
-//   norm         one fused kernel: gated RMSNorm
+//   core         kda::forward_cuda (prefill) or the operator's decode step (decode), states in
+//                the pool; a decode step runs the gated RMSNorm as its epilogue
+//                (cuda/decode_norm.cu)
+//   norm         prefill: one fused kernel, gated RMSNorm
 //   decode       conv, the low-rank second factors (RunOptions::decode_kernel), core and norm in
 //                one kernel instead (cuda/fused_decode.cu)
 //   o_proj       as the projections
@@ -799,7 +802,6 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         p.fold_sequences = batch.fold_sequences;
         p.fold_tokens = batch.fold_decode_tokens;
       }
-      p.padding_out = o;
       p.factors = conv_factors;
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
@@ -813,14 +815,23 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   }
   mark(2);
   if (inputs != nullptr) return;  // q, k, v, beta from the conv, g from f_a·W_fbᵀ: all there
+  cuda::GatedNormParams norm;
+  norm.o = o;
+  norm.gate = gate;
+  norm.bias = g_bias;
+  norm.o_norm = o_norm;
+  norm.y = y;
+  norm.rows = T * Hl;
+  norm.heads = Hl;
+  norm.eps = c.norm_eps;
   if (fuse) {
     KDA_NVTX_RANGE("fused decode");
     check_cuda(cuda::launch_fused_decode(fused, stream), "fused_decode_kernel");
   } else {
     KDA_NVTX_RANGE("core");
     if (decode) {
-      // Rows that run as padding are skipped by the core: the conv zeroed their o
-      // (ConvParams::padding_out), so that their y and out are zeros rather than stale workspace.
+      // The norm runs in the core's launch, as its epilogue (decode_norm.cu): y straight from the
+      // step's rows, zeros for the rows it skips (padding), o never stored.
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
       t.slots = batch.slots != nullptr ? batch.slots : identity;
       t.num_accepted = batch.num_accepted;
@@ -832,7 +843,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
         t.fold_counts = batch.fold_counts;
       }
       t.device_status = batch.device_status;
-      throw_if_error(decode_cuda(step, t, stream, core_options), "KDA layer forward (CUDA): core");
+      throw_if_error(cuda::decode_with_gated_norm(step, t, norm, stream, core_options),
+                     "KDA layer forward (CUDA): core");
     } else {
       Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
       t.cu_seqlens = cu_i32 ? static_cast<const void*>(batch.cu_seqlens_i32) : batch.cu_seqlens;
@@ -849,18 +861,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     }
   }
   mark(3);
-  if (!fuse) {
+  if (!fuse && !decode) {
     KDA_NVTX_RANGE("norm");
-    cuda::GatedNormParams p;
-    p.o = o;
-    p.gate = gate;
-    p.bias = g_bias;
-    p.o_norm = o_norm;
-    p.y = y;
-    p.rows = T * Hl;
-    p.heads = Hl;
-    p.eps = c.norm_eps;
-    check_cuda(cuda::launch_gated_rmsnorm(p, stream), "gated_rmsnorm_kernel");
+    check_cuda(cuda::launch_gated_rmsnorm(norm, stream), "gated_rmsnorm_kernel");
   }
   mark(4);
   {

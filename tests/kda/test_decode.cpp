@@ -501,7 +501,7 @@ KDA_CUDA_CASE("prefill n tokens then m decode steps equals one prefill of n + m"
 }
 
 // The contract asks q, k, g and a bf16 state pool to be 8-byte aligned; the bf16-state kernel's
-// wide lane layout loads 16 bytes, so such pointers must take the narrow one (decode.cu,
+// wide lane layout loads 16 bytes, so such pointers must take the narrow one (decode_kernel.cuh,
 // decode_vec) and give the same values as the aligned run (up to summation order).
 KDA_CUDA_CASE("decode: 8-byte aligned q/k/g and bf16 pool match the aligned run") {
   const DecodeCase d = make_decode_case(5, 2, 4, 12, DType::kBF16, GateMode::kSoftplus, 3100);

@@ -7,10 +7,10 @@
 // first starts asynchronous copies of the row's accepted records (alpha and k^ whole, u of its 64
 // rows) into shared memory, then loads its part of the state, so that both are in flight together;
 // then it applies the records in token order with the verify kernel's element operations
-// (decode.cu: S *= alpha, then S = fma(u, k^, S)), which makes the result equal bit for bit to the
-// state the per-token-states verify step keeps; a bf16 state rounds once, at the store, as there.
-// The layers' pointers travel by value in the kernel's parameters (__grid_constant__, so that the
-// kernel indexes them where they lie instead of copying the array to local memory).
+// (decode_kernel.cuh: S *= alpha, then S = fma(u, k^, S)), which makes the result equal bit for bit
+// to the state the per-token-states verify step keeps; a bf16 state rounds once, at the store, as
+// there. The layers' pointers travel by value in the kernel's parameters (__grid_constant__, so
+// that the kernel indexes them where they lie instead of copying the array to local memory).
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 

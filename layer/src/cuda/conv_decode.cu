@@ -230,12 +230,6 @@ __global__ void __launch_bounds__(kConvThreads)
       fold_conv_state<W>(p, vector_state, c, row, accepted, slot);
     }
   }
-  if (slot < 0 && p.padding_out != nullptr && c < p.channels) {  // the core skips this row
-    for (std::int64_t t = bos; t < eos; ++t) {
-      reinterpret_cast<uint4*>(p.padding_out + c)[t * (p.channels / kConvVec)] =
-          make_uint4(0, 0, 0, 0);
-    }
-  }
   if constexpr (kOneToken) {
     conv8_one_token<W>(p, vector_state, c, bos, slot);
   } else {
@@ -271,7 +265,6 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   const ConvShape shape = conv_shape(p.channels);
   if (p.factors.w_fb != nullptr && !conv_decode_factors_fit(p)) return cudaErrorInvalidValue;
-  if (p.padding_out != nullptr && !aligned16(p.padding_out)) return cudaErrorInvalidValue;
   // The factors' blocks follow the sequences' along x, shape.tiles of them a column.
   const std::int64_t factor_blocks =
       (factor_warp_tiles(p) + shape.threads / 32 - 1) / (shape.threads / 32);

@@ -36,8 +36,8 @@
 // order (conv taps, the step's reductions, the norm), so with an f32 state the result differs from
 // the unfused path only by the order of the f_b / g_b dot products (fp32 either way), and not with
 // the cluster size. With a bf16 state the operator's decode kernel takes eight channels a lane
-// (kda/src/cuda/decode.cu), this kernel four: the step's sums, and so out, u and k^, may differ
-// from the unfused path in their last bits too.
+// (kda/src/cuda/decode_kernel.cuh), this kernel four: the step's sums, and so out, u and k^, may
+// differ from the unfused path in their last bits too.
 #include <cuda_bf16.h>
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)

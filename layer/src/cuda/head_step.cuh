@@ -2,7 +2,7 @@
 // decode step (fused_decode.cu) and the one-launch step (one_launch_step.cu) compute it: a warp
 // holds R value rows of the head's state Sᵀ, each lane four consecutive channels k0 .. k0 + 3 of
 // K (the operator's decode layout), and the operations run in the operator's decode kernel's order
-// (kda/src/cuda/decode.cu), so that both kernels compute the same bits.
+// (kda/src/cuda/decode_kernel.cuh), so that both kernels compute the same bits.
 #pragma once
 
 #include <cuda_runtime.h>

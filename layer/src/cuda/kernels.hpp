@@ -75,10 +75,6 @@ struct ConvParams {
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;
-  // Decode only, optional: the core's output o (bf16 [tokens, channels]). The core skips a row that
-  // runs as padding and leaves its o as it was; the conv, which decides the same rows are padding,
-  // writes zeros there, so that such a row's y and out are zeros.
-  std::uint16_t* padding_out = nullptr;
   // Decode only, optional: the low-rank second factors, computed by blocks of the same launch
   // (they read only the projection, as the conv does): g = f_a·W_fbᵀ and, with gate, gate =
   // g_a·W_gbᵀ, over all `tokens` rows. The rank is 128. conv_decode_factors_fit says whether the
@@ -153,6 +149,15 @@ struct GatedNormParams {
 inline constexpr int kNormHeadDim = 128;
 
 cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
+
+// kda::decode_cuda with the gated RMSNorm above as its epilogue (decode_norm.cu): y from each
+// head's rows of o in the same launch, o itself not stored (norm.o, norm.rows and norm.heads are
+// not read); a row the step skips (padding, bad metadata) gets zeros in y. y may be the step's q:
+// a block writes a token's y only after it has read that token's q. The operator's checks and
+// statuses; kInvalidArgument if gate, o_norm or y is null or misaligned (16, 16, 8 bytes).
+kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
+                                   const kda::DecodeTensors& tensors, const GatedNormParams& norm,
+                                   cudaStream_t stream, const kda::CudaOptions& options);
 
 // A decode step between the input projection and o_proj in one kernel (fused_decode.cu): per
 // (row, head) the conv + SiLU of q, k and v from and to the conv states, the low-rank second

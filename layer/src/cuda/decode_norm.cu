@@ -1,0 +1,88 @@
+// layer/src/cuda/decode_norm.cu — a decode step's core with the layer's gated RMSNorm as its
+// epilogue: the operator's decode kernel (kda/src/cuda/decode_kernel.cuh) hands each token's head
+// rows to GatedNormEpilogue instead of storing o; each lane normalizes the row it holds and writes
+// its y (the norm kernel's operations, gated_rmsnorm.cu, but the sum of squares taken in another
+// order: y may differ from the separate kernels' in its last bits): one launch and o's round trip
+// fewer a step. A row the step skips (padding, bad metadata) gets zeros in y.
+#include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
+#include "cuda/factor_rows.cuh"    // round_bf16
+#include "cuda/kernels.hpp"
+
+namespace kda::layer::cuda {
+
+namespace {
+
+constexpr int D = kNormHeadDim;
+
+struct GatedNormEpilogue {
+  const float* gate;
+  const std::uint16_t* bias;
+  const float* o_norm;
+  std::uint16_t* y;
+  float eps;
+
+  // The row's norm weight and sigmoid(round_bf16(gate + bias)), loaded before the step.
+  struct Row {
+    float weight = 0.0f, sig = 0.0f;
+  };
+  __device__ __forceinline__ Row ahead(const kda::detail::DecodeParams& p, std::int64_t tok, int h,
+                                       int row, bool holds) const {
+    Row r;
+    if (holds) {
+      const float b = bias != nullptr ? bits_to_float(bias[h * D + row]) : 0.0f;
+      const float g = bits_to_float(float_to_bits(gate[(tok * p.num_heads + h) * D + row] + b));
+      r.sig = 1.0f / (1.0f + expf(-g));
+      r.weight = o_norm[row];
+    }
+    return r;
+  }
+  // Each lane its row: o rounded to bf16 (as the core stores it), the head's sum of squares
+  // (each warp's by shuffles, then the eight warps' in order from shared memory, two buffers by
+  // the token's parity so that one barrier a token suffices), y stored.
+  __device__ __forceinline__ void token(const kda::detail::DecodeParams& p, std::int64_t tok, int h,
+                                        int row, float value, bool holds, const Row& r) const {
+    __shared__ float partial[2][kda::detail::kWarps];
+    const float o = round_bf16(value);
+    float sum_squares = holds ? o * o : 0.0f;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
+    }
+    float* sums = partial[tok & 1];
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = sum_squares;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kda::detail::kWarps; ++w) total += sums[w];
+    const float inv_rms = 1.0f / sqrtf(total / static_cast<float>(D) + eps);
+    if (holds) y[(tok * p.num_heads + h) * D + row] = float_to_bits(o * inv_rms * r.weight * r.sig);
+  }
+  // A skipped row's y: zeros for each of its tokens.
+  __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,
+                                          int h) const {
+    if (threadIdx.x >= 32) return;
+    for (int t = 0; t < p.tokens; ++t) {
+      const std::int64_t at =
+          ((b * p.tokens + t) * p.num_heads + h) * D + 4 * static_cast<int>(threadIdx.x);
+      *reinterpret_cast<uint2*>(y + at) = make_uint2(0, 0);
+    }
+  }
+};
+
+}  // namespace
+
+kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
+                                   const kda::DecodeTensors& tensors, const GatedNormParams& norm,
+                                   cudaStream_t stream, const kda::CudaOptions& options) {
+  if (norm.gate == nullptr || norm.o_norm == nullptr || norm.y == nullptr ||
+      reinterpret_cast<std::uintptr_t>(norm.y) % 8 != 0 ||
+      reinterpret_cast<std::uintptr_t>(norm.gate) % 16 != 0 ||
+      reinterpret_cast<std::uintptr_t>(norm.o_norm) % 16 != 0) {
+    return kda::Status(kda::StatusCode::kInvalidArgument,
+                       "decode with the gated norm: gate, o_norm and y must be set and aligned");
+  }
+  const GatedNormEpilogue epilogue{norm.gate, norm.bias, norm.o_norm, norm.y, norm.eps};
+  return kda::detail::launch_decode(problem, tensors, stream, options, epilogue);
+}
+
+}  // namespace kda::layer::cuda
