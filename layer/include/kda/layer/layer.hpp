@@ -177,13 +177,14 @@ struct Times {
 
 // How a CUDA decode step runs between its input projection and o_proj (the CPU has one way).
 // Every choice computes the same layer; they differ in launches and bytes moved (fused: one kernel
-// instead of the conv, core and norm kernels and their round trips through the workspace).
+// instead of the conv and the core and their round trips through the workspace).
 enum class DecodeKernel : int {
   kAuto = 0,      // one launch where kOneLaunch fits; else fused with its second factors up to
                   // 128 (row, head) pairs, else separate
   kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
   kFused,         // fused, the second factors by GEMMs before it
-  kSeparate,      // the conv, core (kda::decode_cuda) and gated-norm kernels, as prefill runs
+  kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each),
+                  // then the core's decode kernel with the gated norm as its epilogue
   kOneLaunch,     // a plain step of one token of one sequence: projections, step and o_proj in
                   // one launch (kAuto's choice there, where it fits; else as kAuto)
 };
