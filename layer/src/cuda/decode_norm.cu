@@ -6,6 +6,7 @@
 // fewer a step. A row the step skips (padding, bad metadata) gets zeros in y.
 #include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
 #include "cuda/factor_rows.cuh"    // round_bf16
+#include "cuda/gated_norm.cuh"
 #include "cuda/kernels.hpp"
 
 namespace kda::layer::cuda {
@@ -21,17 +22,16 @@ struct GatedNormEpilogue {
   std::uint16_t* y;
   float eps;
 
-  // The row's norm weight and sigmoid(round_bf16(gate + bias)), loaded before the step.
+  // The row's norm weight and output gate, loaded before the step.
   struct Row {
-    float weight = 0.0f, sig = 0.0f;
+    float weight = 0.0f, gate = 0.0f;
   };
   __device__ __forceinline__ Row ahead(const kda::detail::DecodeParams& p, std::int64_t tok, int h,
                                        int row, bool holds) const {
     Row r;
     if (holds) {
       const float b = bias != nullptr ? bits_to_float(bias[h * D + row]) : 0.0f;
-      const float g = bits_to_float(float_to_bits(gate[(tok * p.num_heads + h) * D + row] + b));
-      r.sig = 1.0f / (1.0f + expf(-g));
+      r.gate = output_gate(gate[(tok * p.num_heads + h) * D + row], b);
       r.weight = o_norm[row];
     }
     return r;
@@ -54,8 +54,10 @@ struct GatedNormEpilogue {
     float total = 0.0f;
 #pragma unroll
     for (int w = 0; w < kda::detail::kWarps; ++w) total += sums[w];
-    const float inv_rms = 1.0f / sqrtf(total / static_cast<float>(D) + eps);
-    if (holds) y[(tok * p.num_heads + h) * D + row] = float_to_bits(o * inv_rms * r.weight * r.sig);
+    if (holds) {
+      y[(tok * p.num_heads + h) * D + row] =
+          float_to_bits(gated_norm1(o, head_inv_rms_of(total, eps), r.weight, r.gate));
+    }
   }
   // A skipped row's y: zeros for each of its tokens.
   __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,

@@ -4,6 +4,7 @@
 // 16-byte loads of the fp32 gate). The gate arrives in fp32 straight from its GEMM so that the
 // bias is added before the rounding, as the CPU layer (and fla's fused gate projection) round it.
 #include "cuda/conv_silu.cuh"
+#include "cuda/gated_norm.cuh"
 
 namespace kda::layer::cuda {
 
@@ -29,7 +30,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) gated_rmsnorm_kernel(Gated
   for (int offset = 16; offset > 0; offset >>= 1) {
     sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
   }
-  const float inv_rms = 1.0f / sqrtf(sum_squares / static_cast<float>(kNormHeadDim) + p.eps);
+  const float inv_rms = head_inv_rms_of(sum_squares, p.eps);
 
   const float4 gate4 = *reinterpret_cast<const float4*>(p.gate + at);
   const float gate[4] = {gate4.x, gate4.y, gate4.z, gate4.w};
@@ -38,9 +39,7 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) gated_rmsnorm_kernel(Gated
   for (int i = 0; i < 4; ++i) {
     const float bias =
         p.bias != nullptr ? bits_to_float(p.bias[head * kNormHeadDim + d0 + i]) : 0.0f;
-    const float g = bits_to_float(float_to_bits(gate[i] + bias));
-    const float sig = 1.0f / (1.0f + expf(-g));
-    y[i] = o[i] * inv_rms * p.o_norm[d0 + i] * sig;
+    y[i] = gated_norm1(o[i], inv_rms, p.o_norm[d0 + i], output_gate(gate[i], bias));
   }
   uint2 y_words;
   y_words.x = static_cast<std::uint32_t>(float_to_bits(y[0])) |

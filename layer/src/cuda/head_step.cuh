@@ -11,6 +11,7 @@
 
 #include "cuda/common.cuh"     // gate_activation (kda/src/cuda)
 #include "cuda/conv_silu.cuh"  // bits_to_float, float_to_bits
+#include "cuda/gated_norm.cuh"
 #include "kda/kda.hpp"
 
 namespace kda::layer::cuda {
@@ -124,7 +125,7 @@ __device__ __forceinline__ float head_inv_rms(const float (&o)[4], float eps) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
   }
-  return 1.0f / sqrtf(sum_squares / 128.0f + eps);
+  return head_inv_rms_of(sum_squares, eps);
 }
 __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
                                              const std::uint16_t* bias, int d0,
@@ -136,9 +137,7 @@ __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms,
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float b = bias != nullptr ? bits_to_float(bias[d0 + j + i]) : 0.0f;
-      const float gg = bits_to_float(float_to_bits(gate[j + i] + b));
-      const float sig = 1.0f / (1.0f + expf(-gg));
-      y[i] = o[j + i] * inv_rms * o_norm[j + i] * sig;
+      y[i] = gated_norm1(o[j + i], inv_rms, o_norm[j + i], output_gate(gate[j + i], b));
     }
     words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
                    (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
