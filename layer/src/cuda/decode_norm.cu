@@ -78,8 +78,8 @@ kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
                                    cudaStream_t stream, const kda::CudaOptions& options) {
   if (norm.gate == nullptr || norm.o_norm == nullptr || norm.y == nullptr ||
       reinterpret_cast<std::uintptr_t>(norm.y) % 8 != 0 ||
-      reinterpret_cast<std::uintptr_t>(norm.gate) % 16 != 0 ||
-      reinterpret_cast<std::uintptr_t>(norm.o_norm) % 16 != 0) {
+      reinterpret_cast<std::uintptr_t>(norm.gate) % 4 != 0 ||
+      reinterpret_cast<std::uintptr_t>(norm.o_norm) % 4 != 0) {
     return kda::Status(kda::StatusCode::kInvalidArgument,
                        "decode with the gated norm: gate, o_norm and y must be set and aligned");
   }

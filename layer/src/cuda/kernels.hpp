@@ -154,7 +154,7 @@ cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
 // head's rows of o in the same launch, o itself not stored (norm.o, norm.rows and norm.heads are
 // not read); a row the step skips (padding, bad metadata) gets zeros in y. y may be the step's q:
 // a block writes a token's y only after it has read that token's q. The operator's checks and
-// statuses; kInvalidArgument if gate, o_norm or y is null or misaligned (16, 16, 8 bytes).
+// statuses; kInvalidArgument if gate, o_norm or y is null or misaligned (4, 4, 8 bytes).
 kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
                                    const kda::DecodeTensors& tensors, const GatedNormParams& norm,
                                    cudaStream_t stream, const kda::CudaOptions& options);
