@@ -731,8 +731,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       fit.factors.g_a_col = cols.g_a;
       fit.factors.gate = gate;
     }
-    const std::int64_t tiles = (T + 15) / 16 * (Cl / 16);
-    if (tiles <= kConvFactorMaxTiles && cuda::conv_decode_factors_fit(fit)) {
+    if (cuda::conv_decode_factor_tiles(T, Cl) <= kConvFactorMaxTiles &&
+        cuda::conv_decode_factors_fit(fit)) {
       conv_factors = fit.factors;
     }
   }

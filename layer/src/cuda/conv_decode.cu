@@ -13,12 +13,12 @@ namespace kda::layer::cuda {
 namespace {
 
 constexpr int kFactorRank = 128;  // the low-rank factors' inner dimension
-constexpr int kFactorTile = 16;   // rows and channels of a warp's tile
+constexpr int kFactorTile = 16;   // rows and channels of a warp's tile (conv_decode_factor_tiles)
 
-// The factors' warp tiles: g's (rows / 16) x (channels / 16), then as many of the gate's.
+// The factors' warp tiles: g's, then as many of the gate's.
 __host__ __device__ inline std::int64_t factor_warp_tiles(const ConvParams& p) {
   if (p.factors.w_fb == nullptr) return 0;
-  const std::int64_t one = (p.tokens + kFactorTile - 1) / kFactorTile * (p.channels / kFactorTile);
+  const std::int64_t one = conv_decode_factor_tiles(p.tokens, p.channels);
   return p.factors.gate != nullptr ? 2 * one : one;
 }
 
@@ -34,7 +34,7 @@ __device__ __forceinline__ unsigned word(const uint4& u, int i) {
 __device__ void factor_tile(const ConvParams& p, std::int64_t tile) {
   const ConvParams::Factors& f = p.factors;
   const std::int64_t col_tiles = p.channels / kFactorTile;
-  const std::int64_t per_factor = (p.tokens + kFactorTile - 1) / kFactorTile * col_tiles;
+  const std::int64_t per_factor = conv_decode_factor_tiles(p.tokens, p.channels);
   const bool gate = tile >= per_factor;
   if (gate) tile -= per_factor;
   const std::int64_t rt = tile / col_tiles, ct = tile % col_tiles;

@@ -106,6 +106,11 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream);
 // input columns (f_a_col, g_a_col multiples of 8), g 4-byte and gate 8-byte aligned, channels a
 // multiple of 16. launch_conv_decode returns cudaErrorInvalidValue for factors that do not fit.
 bool conv_decode_factors_fit(const ConvParams& p);
+// The warp tiles (16 rows x 16 channels) of one factor: what its blocks' work grows with.
+__host__ __device__ inline std::int64_t conv_decode_factor_tiles(std::int64_t tokens,
+                                                                 std::int64_t channels) {
+  return (tokens + 15) / 16 * (channels / 16);
+}
 
 // The conv half of a record-and-commit verify step's commit (kda::layer::commit), for up to
 // kda::kMaxCommitLayers layers in one launch: row b's three conv states in slots[b] of each layer
