@@ -272,6 +272,35 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
   }
 }
 
+// A decode step with more 16 x 16 tiles of a low-rank second factor than the conv's launch takes
+// (here 1040 rows: 65 x 32 tiles a factor, past the layer's 2048) gets its factors from the GEMMs,
+// and the rest of the step as below that: against the CPU layer and the fp64 reference (padding
+// rows zeros), the low-rank and the full-rank output gate.
+KDA_LAYER_CUDA_CASE(
+    "a decode step past the conv's factor tiles takes the GEMMs and equals the CPU") {
+  std::vector<std::int32_t> slots;  // 130 rows on a pool of 262, every 17th from the 4th padding
+  for (std::int32_t r = 0; r < 130; ++r) slots.push_back(r % 17 == 3 ? -1 : 2 * r + 1);
+  std::uint64_t seed = 90;
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 41, 4));
+    const auto layer = cuda.make(weights);
+    const BatchSpec step = decode_batch(130, 8, slots);
+    Pools before(config, 262);
+    before.randomize(++seed);
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
+    ForwardSettings settings;
+    settings.change = [](ForwardCall& call) {
+      call.options.decode_kernel = layer::DecodeKernel::kSeparate;
+    };
+    Pools after = before;
+    const LayerRun run = cuda.forward(*layer, hidden, step, &after, settings);
+    check_forward(cuda, weights, hidden, step, before, run, after);
+  }
+}
+
 // The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
 // new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
 // an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
