@@ -6,7 +6,7 @@
 // fewer a step. A row the step skips (padding, bad metadata) gets zeros in y.
 #include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
 #include "cuda/factor_rows.cuh"    // round_bf16
-#include "cuda/gated_norm.cuh"
+#include "cuda/head_step.cuh"      // sum_over_warp, the norm's arithmetic
 #include "cuda/kernels.hpp"
 
 namespace kda::layer::cuda {
@@ -43,13 +43,10 @@ struct GatedNormEpilogue {
                                         int row, float value, bool holds, const Row& r) const {
     __shared__ float partial[2][kda::detail::kWarps];
     const float o = round_bf16(value);
-    float sum_squares = holds ? o * o : 0.0f;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-    }
+    float sum_squares[1] = {holds ? o * o : 0.0f};
+    sum_over_warp(sum_squares);
     float* sums = partial[tok & 1];
-    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = sum_squares;
+    if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = sum_squares[0];
     __syncthreads();
     float total = 0.0f;
 #pragma unroll

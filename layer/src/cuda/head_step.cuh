@@ -11,7 +11,6 @@
 
 #include "cuda/common.cuh"     // gate_activation (kda/src/cuda)
 #include "cuda/conv_silu.cuh"  // bits_to_float, float_to_bits
-#include "cuda/gated_norm.cuh"
 #include "kda/kda.hpp"
 
 namespace kda::layer::cuda {
@@ -115,17 +114,34 @@ __device__ __forceinline__ float step_rows(float (&S)[R][4], const float (&alpha
   return mine;
 }
 
-// The gated RMSNorm of a head's 128 outputs over a warp (the norm kernel's operations): 1 / rms
-// from the lane's four values o, then a lane's four y = o / rms · o_norm · sigmoid(round_bf16(gate
-// + bias)), bf16-packed. gate and o_norm point at the lane's four channels, bias (null: none) at
-// the head's values, the lane's at bias[d0] .. bias[d0 + 3].
+// The gated RMSNorm's arithmetic, one value at a time, as every kernel that computes it uses it
+// (the norm kernel, the fused and one-launch steps, the decode step's epilogue), so that they
+// compute the same bits from the same sums:
+//   y = o · inv_rms · o_norm · sigmoid(round_bf16(gate + bias)),
+//   inv_rms = 1 / sqrt(sum of the head's 128 o² / 128 + eps).
+
+// sigmoid(round_bf16(gate + bias)): the gate rounded after its bias, as the CPU layer rounds it.
+__device__ __forceinline__ float output_gate(float gate, float bias) {
+  const float g = bits_to_float(float_to_bits(gate + bias));
+  return 1.0f / (1.0f + expf(-g));
+}
+
+__device__ __forceinline__ float head_inv_rms_of(float sum_squares, float eps) {
+  return 1.0f / sqrtf(sum_squares / 128.0f + eps);
+}
+
+__device__ __forceinline__ float gated_norm1(float o, float inv_rms, float o_norm, float gate) {
+  return o * inv_rms * o_norm * gate;
+}
+
+// The gated RMSNorm of a head's 128 outputs over a warp (the norm kernel, gated_rmsnorm.cu): 1 /
+// rms from the lane's four values o, then a lane's four y = o / rms · o_norm ·
+// sigmoid(round_bf16(gate + bias)), bf16-packed. gate and o_norm point at the lane's four channels,
+// bias (null: none) at the head's values, the lane's at bias[d0] .. bias[d0 + 3].
 __device__ __forceinline__ float head_inv_rms(const float (&o)[4], float eps) {
-  float sum_squares = o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    sum_squares += __shfl_xor_sync(0xffffffffu, sum_squares, offset);
-  }
-  return head_inv_rms_of(sum_squares, eps);
+  float sum_squares[1] = {o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]};
+  sum_over_warp(sum_squares);
+  return head_inv_rms_of(sum_squares[0], eps);
 }
 __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
                                              const std::uint16_t* bias, int d0,
