@@ -301,6 +301,36 @@ KDA_LAYER_CUDA_CASE(
   }
 }
 
+// The prefill conv stages each block's input rows (its chunk of up to 32 tokens and the W-1 rows
+// before it, its tile of channels) in shared memory. Head counts whose channel tiles are not all
+// full (H = 3: 144 groups of eight channels in tiles of 96 and 48; H = 12: four of 128, one of
+// 64) and the test config's H = 4 (two full tiles), sequences from empty to several chunks long
+// (a history from the chunk before, the new conv state from the last chunk's rows), padding and a
+// fresh slot: against the CPU layer and the fp64 reference, both output gates.
+KDA_LAYER_CUDA_CASE("prefill conv: partial channel tiles and chunks past the first equal the CPU") {
+  const std::vector<std::int64_t> lengths = {70, 0, 1, 3, 33, 130, 32, 5};
+  const std::vector<std::int32_t> slots = {4, 0, 2, -1, 6, 1, 3, 5};
+  std::uint64_t seed = 120;
+  for (const std::int64_t heads : {3, 4, 12}) {
+    for (const bool full_rank : {false, true}) {
+      CAPTURE(heads);
+      CAPTURE(full_rank);
+      layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+      config.num_heads = heads;
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, ++seed, 4));
+      const auto layer = cuda.make(weights);
+      const BatchSpec batch = prefill_batch(lengths, slots);
+      Pools before(config, 7);
+      before.randomize(++seed);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(batch.tokens() * config.hidden_size), 2.0f, ++seed);
+      Pools after = before;
+      const LayerRun run = cuda.forward(*layer, hidden, batch, &after);
+      check_forward(cuda, weights, hidden, batch, before, run, after);
+    }
+  }
+}
+
 // The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
 // new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
 // an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes

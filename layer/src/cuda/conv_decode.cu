@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(kConvThreads)
   if constexpr (kOneToken) {
     conv8_one_token<W>(p, vector_state, c, bos, slot);
   } else {
-    conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot);
+    conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot, ProjRows(p, c));
   }
   if (p.conv_records != nullptr && slot >= 0) {
     // A records step: the row's conv inputs, which the commit shifts into the conv state (the

@@ -1,8 +1,12 @@
 // layer/src/cuda/conv_prefill.cu — the short convolutions (+ SiLU) of q, k and v over a varlen
 // prefill batch, from and to each sequence's conv state, fused with the copy of beta into the
 // core's layout. One thread: eight channels (16-byte loads and stores) x one chunk of up to
-// kConvChunk tokens of one sequence; one block: one chunk x a tile of channels.
+// kConvChunk tokens of one sequence; one block: one chunk x a tile of channels, whose input rows
+// (the chunk's and the W-1 before it) one thread copies into shared memory with the copy engine
+// before anyone computes.
 #include "cuda/conv_silu.cuh"
+#include "cuda/ptx.cuh"            // the copy engine and its mbarrier (kda/src/cuda)
+#include "cuda/shared_memory.cuh"  // allow_shared_memory
 
 namespace kda::layer::cuda {
 
@@ -26,11 +30,22 @@ __device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64
   return slot < 0 || slot >= p.num_slots || slot == p.padding_slot;
 }
 
-// (kConvThreads, 4): at most 128 registers (W = 4 needs ~145 unbounded, no spills at 128), so 16
-// warps per SM keep 8 row loads of 512 bytes each in flight.
+// A block's shared memory: the rows of its chunk and the W-1 before it, blockDim.x * 16 bytes each
+// (the block's channels of q | k | v).
+inline int conv_prefill_smem(int width, unsigned threads) {
+  return (kConvChunk + width - 1) * static_cast<int>(threads) * 16;
+}
+
+// Each block's rows land in shared memory at once, through the copy engine (up to 35 rows of 2 KB
+// at W = 4, 70 KB: three blocks an SM). Loaded by each thread instead, 8 rows at a time into
+// registers (16 warps an SM, 64 KB in flight), the conv ran at about half the copy bandwidth: on
+// the H200 at T = 8192, H = 32 193 us against 131 staged (floor 95), TP8 35 against 26, K3's TP8
+// shard 88 against 58 (docs/PERFORMANCE.md). (kConvThreads, 3): at most 170 registers, no spills.
 template <int W>
-__global__ void __launch_bounds__(kConvThreads, 4)
+__global__ void __launch_bounds__(kConvThreads, 3)
     conv_prefill_kernel(ConvParams p, bool vector_state) {
+  extern __shared__ __align__(128) unsigned char staged[];
+  __shared__ std::uint64_t landed;
   const std::int64_t s = blockIdx.x;
   // The sequence owning slot s: the last n with first_slot(n) <= s (first_slot(0) == 0 <= s).
   // Broken cu_seqlens contents (the core reports them) only change which in-range rows are used.
@@ -53,10 +68,30 @@ __global__ void __launch_bounds__(kConvThreads, 4)
   const std::int64_t t_end = t_begin + kConvChunk < eos ? t_begin + kConvChunk : eos;
 
   if (blockIdx.y == 0) copy_beta(p, t_begin, t_end);
-  const std::int64_t c =
-      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
-  if (c >= 3 * p.channels) return;
+  constexpr int kHist = W - 1;
   const bool first_chunk = chunk == 0;
+  // Rows [first_row, t_end) of the block's channels: a later chunk's history is its W-1 rows
+  // before t_begin (all in the sequence: t_begin >= bos + kConvChunk there).
+  const std::int64_t first_row = first_chunk ? t_begin : t_begin - kHist;
+  const std::int64_t tile_group = static_cast<std::int64_t>(blockIdx.y) * blockDim.x;
+  const std::int64_t groups = 3 * p.channels / kConvVec - tile_group;  // the block's, at most
+  const unsigned row_bytes =
+      static_cast<unsigned>(16 * (groups < blockDim.x ? groups : blockDim.x));
+  const std::int64_t pitch = 16 * static_cast<std::int64_t>(blockDim.x);
+  if (threadIdx.x == 0) kda::detail::mbarrier_init(&landed, 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const auto rows = static_cast<unsigned>(t_end - first_row);
+    kda::detail::mbarrier_expect_tx(&landed, rows * row_bytes);
+    const std::uint16_t* from = p.proj + first_row * p.proj_stride + kConvVec * tile_group;
+    for (unsigned r = 0; r < rows; ++r) {
+      kda::detail::bulk_copy_to_shared(staged + r * pitch, from + r * p.proj_stride, row_bytes,
+                                       &landed);
+    }
+  }
+  kda::detail::mbarrier_wait(&landed, 0);
+  const std::int64_t c = kConvVec * (tile_group + threadIdx.x);
+  if (c >= 3 * p.channels) return;
   const std::int64_t slot = first_chunk ? state_row(p, n, c == 0) : -1;
   if (c < p.channels && padding_sequence(p, n)) {
     // A padding sequence's q is zero, so the core's output for it is exactly zero (q̂ = 0), and
@@ -66,7 +101,10 @@ __global__ void __launch_bounds__(kConvThreads, 4)
     }
     return;
   }
-  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot);
+  const auto run_row = [&](std::int64_t t) {
+    return reinterpret_cast<const uint4*>(staged + (t - first_row) * pitch)[threadIdx.x];
+  };
+  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot, run_row);
 }
 
 // The conv states at the checkpoint requests: blockIdx.x a request (n, k), a thread one channel of
@@ -120,20 +158,26 @@ cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   const std::int64_t chunk_slots = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(chunk_slots), shape.tiles);
+  const int smem = conv_prefill_smem(p.width, shape.threads);
+  auto launch = [&](auto kernel_width) -> cudaError_t {
+    constexpr int kW = decltype(kernel_width)::value;
+    if (const cudaError_t err = allow_shared_memory<conv_prefill_kernel<kW>>(smem);
+        err != cudaSuccess) {
+      return err;
+    }
+    conv_prefill_kernel<kW><<<grid, shape.threads, smem, stream>>>(p, vector_state);
+    return cudaGetLastError();
+  };
   switch (p.width) {
     case 2:
-      conv_prefill_kernel<2><<<grid, shape.threads, 0, stream>>>(p, vector_state);
-      break;
+      return launch(std::integral_constant<int, 2>{});
     case 3:
-      conv_prefill_kernel<3><<<grid, shape.threads, 0, stream>>>(p, vector_state);
-      break;
+      return launch(std::integral_constant<int, 3>{});
     case 4:
-      conv_prefill_kernel<4><<<grid, shape.threads, 0, stream>>>(p, vector_state);
-      break;
+      return launch(std::integral_constant<int, 4>{});
     default:
       return cudaErrorInvalidValue;
   }
-  return cudaGetLastError();
 }
 
 }  // namespace kda::layer::cuda

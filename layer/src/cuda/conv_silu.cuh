@@ -116,12 +116,23 @@ __device__ __forceinline__ void load_taps(const ConvParams& p, std::int64_t c,
   }
 }
 
+// The thread's eight input channels of token row t, straight from `proj` (one 16-byte load).
+struct ProjRows {
+  const uint4* column;
+  std::int64_t stride;  // in uint4
+  __device__ ProjRows(const ConvParams& p, std::int64_t c)
+      : column(reinterpret_cast<const uint4*>(p.proj + c)), stride(p.proj_stride / kConvVec) {}
+  __device__ __forceinline__ uint4 operator()(std::int64_t t) const {
+    return __ldg(column + t * stride);
+  }
+};
+
 // The sequence occupies token rows [bos, eos); this thread computes rows [t_begin, t_end) of
 // channels c .. c + 7 (c a multiple of 8; all in one branch since channels is a multiple of 8).
 // `first_chunk`: t_begin == bos — the thread reads the sequence's old conv state (row `slot`;
 // slot < 0: zeros) and, when slot >= 0, writes the new one (the sequence's last W-1 inputs). Only
 // first-chunk threads touch a state row, and each touches only its own channels' entries, so reads
-// and writes never race. Later chunks (t_begin >= bos + W - 1) take their history from `proj`.
+// and writes never race. Later chunks (t_begin >= bos + W - 1) take their history from run_row.
 //
 // Rows are loaded kConvGroup at a time (all loads of a group issued before its math; a partial
 // group re-reads its last row instead of branching, and computes only its own rows), each output is
@@ -131,11 +142,14 @@ __device__ __forceinline__ void load_taps(const ConvParams& p, std::int64_t c,
 // Requires (checked by the launchers): proj, proj_stride, channels and out[] 16-byte granular,
 // conv_weight 16-byte aligned.
 // kVerify: a decode verify step (p.num_accepted; compiled apart, so that the prefill's and a plain
-// decode's code is what it was).
-template <int W, bool kVerify = false>
+// decode's code is what it was). `run_row(t)`: the thread's eight input channels of token row t,
+// for the rows of the run and the kHist before it (the prefill stages them in shared memory); the
+// new conv state's rows, which may lie past the run, come from `proj`.
+template <int W, bool kVerify = false, class RunRow>
 __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, std::int64_t c,
                                       std::int64_t bos, std::int64_t eos, std::int64_t t_begin,
-                                      std::int64_t t_end, bool first_chunk, std::int64_t slot) {
+                                      std::int64_t t_end, bool first_chunk, std::int64_t slot,
+                                      const RunRow& run_row) {
   constexpr int kHist = W - 1;
   static_assert(kHist >= 1 && kHist <= kConvChunk, "conv width out of range");
   const int branch = static_cast<int>(c / p.channels);
@@ -151,9 +165,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
       for (int j = 0; j < W; ++j) w[i][j] = flat[i * W + j];
     }
   }
-  const std::int64_t in_stride = p.proj_stride / kConvVec;  // in uint4
-  const uint4* column = reinterpret_cast<const uint4*>(p.proj + c);
-  auto input = [&](std::int64_t t) { return __ldg(column + t * in_stride); };
+  const ProjRows input(p, c);
 
   // h[i][k]: the kHist inputs of channel c + i before the current token, oldest first.
   float h[kConvVec][kHist];
@@ -175,7 +187,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
   } else {
     uint4 rows[kHist];
 #pragma unroll
-    for (int k = 0; k < kHist; ++k) rows[k] = input(t_begin - kHist + k);
+    for (int k = 0; k < kHist; ++k) rows[k] = run_row(t_begin - kHist + k);
 #pragma unroll
     for (int k = 0; k < kHist; ++k) {
       float x[kConvVec];
@@ -193,7 +205,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
 #pragma unroll
     for (int r = 0; r < kConvGroup; ++r) {
       // Past t_end (a partial last group): the last row again; its results are not stored.
-      rows[r] = input(t0 + r < t_end ? t0 + r : t_end - 1);
+      rows[r] = run_row(t0 + r < t_end ? t0 + r : t_end - 1);
     }
 #pragma unroll
     for (int r = 0; r < kConvGroup; ++r) {
