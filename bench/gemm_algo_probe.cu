@@ -1,0 +1,333 @@
+// kda-gemm-algo-probe — how far cuBLASLt's own kernels can take the whole layer's decode GEMMs of
+// 8 to 256 rows (the input projection, the full-rank gate and o_proj of Kimi-Linear-48B, its TP8
+// shard and Kimi K3's TP8 shard), against the `cublasGemmEx` default the layer calls:
+//   - "heuristic": the best of cuBLASLt's heuristic candidates (up to 16), each timed;
+//   - "enumerated": the best of every algorithm id cuBLASLt lists for bf16 x bf16 -> bf16 with fp32
+//     accumulation, crossed with each tile it supports and split-K 1, 2, 4, 8, 16 (with a
+//     reduction scheme it supports), each configuration that cublasLtMatmulAlgoCheck accepts within
+//     a 32 MB workspace timed.
+// Each timing: 20 calls captured in one CUDA graph, each call on the next copy of random weights
+// (copies beyond three times L2), median of 7 replays, us per call. out = in · Wᵀ as the layer
+// computes it (row-major weight [n, k], op(A) = T in cuBLAS's column-major terms). The floor: the
+// weights, the input and the output once at the copy bandwidth given (default 4.25 TB/s).
+// Usage: kda-gemm-algo-probe [--rows R]... [--bandwidth TBPS] [--max-tiles N]. CUDA only.
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "%s: %s\n", what, cublasGetStatusString(status));
+    std::exit(1);
+  }
+}
+
+// Uniform bf16 values in [-scale, scale) from a counter hash: weights whose bits vary as real
+// weights' do (constant bytes draw less power and can clock higher).
+__global__ void fill_random_bf16(std::uint16_t* out, std::size_t count, std::uint32_t seed,
+                                 float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 0x9e3779b9u ^ seed;
+    x ^= x >> 16;
+    x *= 0x85ebca6bu;
+    x ^= x >> 13;
+    const float u = static_cast<float>(x >> 8) * (1.0f / 16777216.0f);
+    const float v = (2.0f * u - 1.0f) * scale;
+    out[i] = static_cast<std::uint16_t>(__float_as_uint(v) >> 16);
+  }
+}
+
+struct Shape {
+  const char* name;
+  std::int64_t n, k;
+};
+
+constexpr std::size_t kWorkspaceBytes = std::size_t{32} << 20;  // the layer's cuBLAS workspace
+
+struct Best {
+  double us = -1.0;
+  std::string config;
+  void offer(double t, const std::string& what) {
+    if (t > 0.0 && (us < 0.0 || t < us)) {
+      us = t;
+      config = what;
+    }
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::int64_t> rows_list;
+  double bandwidth = 4.25e12;
+  int max_tiles = 32;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
+      rows_list.push_back(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--bandwidth") == 0 && i + 1 < argc &&
+               std::atof(argv[i + 1]) > 0.0) {
+      bandwidth = std::atof(argv[++i]) * 1e12;
+    } else if (std::strcmp(argv[i], "--max-tiles") == 0 && i + 1 < argc &&
+               std::atoi(argv[i + 1]) > 0) {
+      max_tiles = std::atoi(argv[++i]);
+    } else {
+      std::fprintf(stderr, "usage: %s [--rows R]... [--bandwidth TBPS] [--max-tiles N]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (rows_list.empty()) rows_list = {8, 64, 256};
+  const std::int64_t max_rows = *std::max_element(rows_list.begin(), rows_list.end());
+
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  cudaStream_t stream = nullptr;
+  check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  cublasHandle_t handle = nullptr;
+  check(cublasCreate(&handle), "cublasCreate");
+  check(cublasSetStream(handle, stream), "cublasSetStream");
+  cublasLtHandle_t lt = nullptr;
+  check(cublasLtCreate(&lt), "cublasLtCreate");
+  void* workspace = nullptr;
+  check(cudaMalloc(&workspace, kWorkspaceBytes), "cudaMalloc");
+  check(cublasSetWorkspace(handle, workspace, kWorkspaceBytes), "cublasSetWorkspace");
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+
+  // The algorithm ids cuBLASLt lists for the layer's types.
+  int ids[256];
+  int id_count = 0;
+  check(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF,
+                                 CUDA_R_16BF, CUDA_R_16BF, 256, ids, &id_count),
+        "cublasLtMatmulAlgoGetIds");
+
+  const Shape shapes[] = {{"H = 32 input projection", 12576, 2304},
+                          {"H = 32 o_proj", 2304, 4096},
+                          {"TP8 input projection", 1800, 2304},
+                          {"TP8 o_proj", 2304, 512},
+                          {"K3 TP8 input projection", 4760, 7168},
+                          {"K3 TP8 g_proj", 1536, 7168},
+                          {"K3 TP8 o_proj", 7168, 1536}};
+  std::printf(
+      "kda-gemm-algo-probe on %s: us per call (median of 7 graph replays of 20 calls, weights "
+      "beyond L2); %d cuBLASLt algorithm ids, up to %d tiles each, split-K 1-16\n\n",
+      prop.name, id_count, max_tiles);
+  std::printf(
+      "| shape | rows | floor | cublasGemmEx | heuristic | enumerated | its configuration | "
+      "configurations timed |\n|---|---:|---:|---:|---:|---:|---|---:|\n");
+  std::fflush(stdout);
+
+  for (const Shape& s : shapes) {
+    const std::size_t weight_bytes = static_cast<std::size_t>(s.n * s.k) * 2;
+    const std::size_t copies =
+        std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / weight_bytes + 1);
+    std::vector<void*> weights(copies);
+    for (std::size_t c = 0; c < copies; ++c) {
+      check(cudaMalloc(&weights[c], weight_bytes), "cudaMalloc");
+      fill_random_bf16<<<1024, 256, 0, stream>>>(static_cast<std::uint16_t*>(weights[c]),
+                                                 weight_bytes / 2, 17u + static_cast<unsigned>(c),
+                                                 0.05f);
+    }
+    void* in = nullptr;
+    void* out = nullptr;
+    check(cudaMalloc(&in, static_cast<std::size_t>(max_rows * s.k) * 2), "cudaMalloc");
+    check(cudaMalloc(&out, static_cast<std::size_t>(max_rows * s.n) * 2), "cudaMalloc");
+    fill_random_bf16<<<1024, 256, 0, stream>>>(static_cast<std::uint16_t*>(in),
+                                               static_cast<std::size_t>(max_rows * s.k), 5u, 1.0f);
+    check(cudaStreamSynchronize(stream), "filling the operands");
+
+    for (const std::int64_t rows : rows_list) {
+      // 20 calls of `call` (false: it refused) in one graph; median of 7 replays, us per call;
+      // -1 where a call or the capture failed.
+      auto time_calls = [&](auto&& call) {
+        constexpr int kCalls = 20;
+        cudaGraph_t graph = nullptr;
+        if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+          return -1.0;
+        }
+        bool ok = true;
+        for (int i = 0; i < kCalls && ok; ++i) ok = call(weights[i % copies]);
+        const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+        cudaGraphExec_t exec = nullptr;
+        if (!ok || ended != cudaSuccess || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+          if (graph != nullptr) cudaGraphDestroy(graph);
+          (void)cudaGetLastError();
+          return -1.0;
+        }
+        std::vector<double> replays;
+        bool ran = true;
+        for (int r = 0; r < 7 && ran; ++r) {
+          cudaEventRecord(start, stream);
+          ran = cudaGraphLaunch(exec, stream) == cudaSuccess;
+          cudaEventRecord(stop, stream);
+          ran = ran && cudaEventSynchronize(stop) == cudaSuccess;
+          float ms = 0.0f;
+          cudaEventElapsedTime(&ms, start, stop);
+          replays.push_back(ms * 1e3 / kCalls);
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        if (!ran) {
+          (void)cudaGetLastError();
+          return -1.0;
+        }
+        std::sort(replays.begin(), replays.end());
+        return replays[replays.size() / 2];
+      };
+      const float one = 1.0f, zero = 0.0f;
+      const double gemm_ex = time_calls([&](void* w) {
+        return cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n),
+                            static_cast<int>(rows), static_cast<int>(s.k), &one, w, CUDA_R_16BF,
+                            static_cast<int>(s.k), in, CUDA_R_16BF, static_cast<int>(s.k), &zero,
+                            out, CUDA_R_16BF, static_cast<int>(s.n), CUBLAS_COMPUTE_32F,
+                            CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
+      });
+
+      cublasLtMatmulDesc_t op = nullptr;
+      check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
+      const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;
+      check(
+          cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)),
+          "TRANSA");
+      check(
+          cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)),
+          "TRANSB");
+      cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+      check(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, s.k, s.n, s.k), "layout A");
+      check(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, s.k, rows, s.k), "layout B");
+      check(cublasLtMatrixLayoutCreate(&c, CUDA_R_16BF, s.n, rows, s.n), "layout C");
+      auto lt_call = [&](const cublasLtMatmulAlgo_t& algo) {
+        return [&, algo_copy = algo](void* w) {
+          return cublasLtMatmul(lt, op, &one, w, a, in, b, &zero, out, c, out, c, &algo_copy,
+                                workspace, kWorkspaceBytes, stream) == CUBLAS_STATUS_SUCCESS;
+        };
+      };
+
+      Best heuristic;
+      {
+        cublasLtMatmulPreference_t preference = nullptr;
+        check(cublasLtMatmulPreferenceCreate(&preference), "PreferenceCreate");
+        const std::size_t limit = kWorkspaceBytes;
+        check(cublasLtMatmulPreferenceSetAttribute(
+                  preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &limit, sizeof(limit)),
+              "MAX_WORKSPACE_BYTES");
+        cublasLtMatmulHeuristicResult_t results[16];
+        int found = 0;
+        if (cublasLtMatmulAlgoGetHeuristic(lt, op, a, b, c, c, preference, 16, results, &found) ==
+            CUBLAS_STATUS_SUCCESS) {
+          for (int i = 0; i < found; ++i) {
+            heuristic.offer(time_calls(lt_call(results[i].algo)), "#" + std::to_string(i));
+          }
+        }
+        cublasLtMatmulPreferenceDestroy(preference);
+      }
+
+      Best enumerated;
+      int timed = 0;
+      for (int i = 0; i < id_count; ++i) {
+        cublasLtMatmulAlgo_t algo;
+        if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF,
+                                   CUDA_R_16BF, CUDA_R_16BF, ids[i],
+                                   &algo) != CUBLAS_STATUS_SUCCESS) {
+          continue;
+        }
+        std::size_t written = 0;
+        std::vector<std::uint32_t> tiles;
+        if (cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_TILE_IDS, nullptr, 0,
+                                              &written) == CUBLAS_STATUS_SUCCESS &&
+            written >= sizeof(std::uint32_t)) {
+          tiles.resize(written / sizeof(std::uint32_t));
+          if (cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_TILE_IDS, tiles.data(),
+                                                tiles.size() * sizeof(std::uint32_t),
+                                                &written) != CUBLAS_STATUS_SUCCESS) {
+            tiles.clear();
+          }
+        }
+        if (tiles.empty()) tiles.push_back(CUBLASLT_MATMUL_TILE_UNDEFINED);
+        if (static_cast<int>(tiles.size()) > max_tiles) tiles.resize(max_tiles);
+        std::int32_t splitk_support = 0;
+        std::uint32_t reduction_mask = 0;
+        cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &splitk_support,
+                                          sizeof(splitk_support), &written);
+        cublasLtMatmulAlgoCapGetAttribute(&algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK,
+                                          &reduction_mask, sizeof(reduction_mask), &written);
+        std::uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+        for (const std::uint32_t candidate :
+             {static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE),
+              static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE),
+              static_cast<std::uint32_t>(CUBLASLT_REDUCTION_SCHEME_INPLACE)}) {
+          if (scheme == CUBLASLT_REDUCTION_SCHEME_NONE && (reduction_mask & candidate) != 0) {
+            scheme = candidate;
+          }
+        }
+        for (const std::uint32_t tile : tiles) {
+          for (const std::uint32_t splits : {1u, 2u, 4u, 8u, 16u}) {
+            if (splits > 1 && (splitk_support == 0 || scheme == CUBLASLT_REDUCTION_SCHEME_NONE)) {
+              continue;
+            }
+            cublasLtMatmulAlgo_t configured = algo;
+            const std::uint32_t reduction = splits > 1 ? scheme : CUBLASLT_REDUCTION_SCHEME_NONE;
+            if (cublasLtMatmulAlgoConfigSetAttribute(&configured, CUBLASLT_ALGO_CONFIG_TILE_ID,
+                                                     &tile,
+                                                     sizeof(tile)) != CUBLAS_STATUS_SUCCESS ||
+                cublasLtMatmulAlgoConfigSetAttribute(&configured, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                     &splits,
+                                                     sizeof(splits)) != CUBLAS_STATUS_SUCCESS ||
+                cublasLtMatmulAlgoConfigSetAttribute(
+                    &configured, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &reduction,
+                    sizeof(reduction)) != CUBLAS_STATUS_SUCCESS) {
+              continue;
+            }
+            cublasLtMatmulHeuristicResult_t result{};
+            if (cublasLtMatmulAlgoCheck(lt, op, a, b, c, c, &configured, &result) !=
+                    CUBLAS_STATUS_SUCCESS ||
+                result.workspaceSize > kWorkspaceBytes) {
+              continue;
+            }
+            ++timed;
+            enumerated.offer(time_calls(lt_call(configured)),
+                             "id " + std::to_string(ids[i]) + " tile " + std::to_string(tile) +
+                                 " split-K " + std::to_string(splits));
+          }
+        }
+      }
+      cublasLtMatrixLayoutDestroy(a);
+      cublasLtMatrixLayoutDestroy(b);
+      cublasLtMatrixLayoutDestroy(c);
+      cublasLtMatmulDescDestroy(op);
+
+      const double bytes = static_cast<double>(weight_bytes) +
+                           2.0 * static_cast<double>(rows) * static_cast<double>(s.k + s.n);
+      std::printf("| %s | %lld | %.2f | %.2f | %.2f | %.2f | %s | %d |\n", s.name,
+                  static_cast<long long>(rows), bytes / bandwidth * 1e6, gemm_ex, heuristic.us,
+                  enumerated.us, enumerated.config.empty() ? "-" : enumerated.config.c_str(),
+                  timed);
+      std::fflush(stdout);
+    }
+    for (void* w : weights) cudaFree(w);
+    cudaFree(in);
+    cudaFree(out);
+  }
+  cudaFree(workspace);
+  cublasLtDestroy(lt);
+  cublasDestroy(handle);
+  cudaStreamDestroy(stream);
+  return 0;
+}
