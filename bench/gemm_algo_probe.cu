@@ -23,34 +23,14 @@
 #include <string>
 #include <vector>
 
+#include "bench_device.cuh"  // CK, kda_bench::fill
+
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "%s: %s\n", what, cublasGetStatusString(status));
     std::exit(1);
-  }
-}
-
-// Uniform bf16 values in [-scale, scale) from a counter hash: weights whose bits vary as real
-// weights' do (constant bytes draw less power and can clock higher).
-__global__ void fill_random_bf16(std::uint16_t* out, std::size_t count, std::uint32_t seed,
-                                 float scale) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 0x9e3779b9u ^ seed;
-    x ^= x >> 16;
-    x *= 0x85ebca6bu;
-    x ^= x >> 13;
-    const float u = static_cast<float>(x >> 8) * (1.0f / 16777216.0f);
-    const float v = (2.0f * u - 1.0f) * scale;
-    out[i] = static_cast<std::uint16_t>(__float_as_uint(v) >> 16);
   }
 }
 
@@ -96,20 +76,20 @@ int main(int argc, char** argv) {
   const std::int64_t max_rows = *std::max_element(rows_list.begin(), rows_list.end());
 
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  CK(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream = nullptr;
-  check(cudaStreamCreate(&stream), "cudaStreamCreate");
+  CK(cudaStreamCreate(&stream));
   cublasHandle_t handle = nullptr;
   check(cublasCreate(&handle), "cublasCreate");
   check(cublasSetStream(handle, stream), "cublasSetStream");
   cublasLtHandle_t lt = nullptr;
   check(cublasLtCreate(&lt), "cublasLtCreate");
   void* workspace = nullptr;
-  check(cudaMalloc(&workspace, kWorkspaceBytes), "cudaMalloc");
+  CK(cudaMalloc(&workspace, kWorkspaceBytes));
   check(cublasSetWorkspace(handle, workspace, kWorkspaceBytes), "cublasSetWorkspace");
   cudaEvent_t start, stop;
-  check(cudaEventCreate(&start), "cudaEventCreate");
-  check(cudaEventCreate(&stop), "cudaEventCreate");
+  CK(cudaEventCreate(&start));
+  CK(cudaEventCreate(&stop));
 
   // The algorithm ids cuBLASLt lists for the layer's types.
   int ids[256];
@@ -140,18 +120,17 @@ int main(int argc, char** argv) {
         std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / weight_bytes + 1);
     std::vector<void*> weights(copies);
     for (std::size_t c = 0; c < copies; ++c) {
-      check(cudaMalloc(&weights[c], weight_bytes), "cudaMalloc");
-      fill_random_bf16<<<1024, 256, 0, stream>>>(static_cast<std::uint16_t*>(weights[c]),
-                                                 weight_bytes / 2, 17u + static_cast<unsigned>(c),
-                                                 0.05f);
+      CK(cudaMalloc(&weights[c], weight_bytes));
+      // Random bits, as real weights have (constant bytes draw less power and can clock higher).
+      kda_bench::fill(static_cast<std::uint16_t*>(weights[c]),
+                      static_cast<std::int64_t>(weight_bytes / 2), 17 + c, -0.05f, 0.05f);
     }
     void* in = nullptr;
     void* out = nullptr;
-    check(cudaMalloc(&in, static_cast<std::size_t>(max_rows * s.k) * 2), "cudaMalloc");
-    check(cudaMalloc(&out, static_cast<std::size_t>(max_rows * s.n) * 2), "cudaMalloc");
-    fill_random_bf16<<<1024, 256, 0, stream>>>(static_cast<std::uint16_t*>(in),
-                                               static_cast<std::size_t>(max_rows * s.k), 5u, 1.0f);
-    check(cudaStreamSynchronize(stream), "filling the operands");
+    CK(cudaMalloc(&in, static_cast<std::size_t>(max_rows * s.k) * 2));
+    CK(cudaMalloc(&out, static_cast<std::size_t>(max_rows * s.n) * 2));
+    kda_bench::fill(static_cast<std::uint16_t*>(in), max_rows * s.k, 5, -1.0f, 1.0f);
+    CK(cudaDeviceSynchronize());  // the fills run on the default stream
 
     for (const std::int64_t rows : rows_list) {
       // 20 calls of `call` (false: it refused) in one graph; median of 7 replays, us per call;
