@@ -10,7 +10,8 @@
 // (copies beyond three times L2), median of 7 replays, us per call. out = in · Wᵀ as the layer
 // computes it (row-major weight [n, k], op(A) = T in cuBLAS's column-major terms). The floor: the
 // weights, the input and the output once at the copy bandwidth given (default 4.25 TB/s).
-// Usage: kda-gemm-algo-probe [--rows R]... [--bandwidth TBPS] [--max-tiles N]. CUDA only.
+// Usage: kda-gemm-algo-probe [--rows R]... [--shape NAME]... [--bandwidth TBPS] [--max-tiles N]
+// (--shape: only the shapes whose name contains NAME). CUDA only.
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -56,11 +57,14 @@ struct Best {
 
 int main(int argc, char** argv) {
   std::vector<std::int64_t> rows_list;
+  std::vector<std::string> shape_filters;
   double bandwidth = 4.25e12;
   int max_tiles = 32;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       rows_list.push_back(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
+      shape_filters.emplace_back(argv[++i]);
     } else if (std::strcmp(argv[i], "--bandwidth") == 0 && i + 1 < argc &&
                std::atof(argv[i + 1]) > 0.0) {
       bandwidth = std::atof(argv[++i]) * 1e12;
@@ -68,7 +72,9 @@ int main(int argc, char** argv) {
                std::atoi(argv[i + 1]) > 0) {
       max_tiles = std::atoi(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--rows R]... [--bandwidth TBPS] [--max-tiles N]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--rows R]... [--shape NAME]... [--bandwidth TBPS] [--max-tiles N]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -115,6 +121,12 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   for (const Shape& s : shapes) {
+    if (!shape_filters.empty() &&
+        std::none_of(shape_filters.begin(), shape_filters.end(), [&](const std::string& f) {
+          return std::string(s.name).find(f) != std::string::npos;
+        })) {
+      continue;
+    }
     const std::size_t weight_bytes = static_cast<std::size_t>(s.n * s.k) * 2;
     const std::size_t copies =
         std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / weight_bytes + 1);
