@@ -1,6 +1,7 @@
 // kda-gemm-algo-probe — how far cuBLASLt's own kernels can take the whole layer's decode GEMMs of
-// 8 to 256 rows (the input projection, the full-rank gate and o_proj of Kimi-Linear-48B, its TP8
-// shard and Kimi K3's TP8 shard), against the `cublasGemmEx` default the layer calls:
+// 8 to 256 rows (decode_gemm_shapes.hpp: the input projection, the full-rank gate, o_proj and the
+// low-rank second factor of Kimi-Linear-48B, its TP8 shard and Kimi K3's TP8 shard), against the
+// `cublasGemmEx` default the layer calls:
 //   - "heuristic": the best of cuBLASLt's heuristic candidates (up to 16), each timed;
 //   - "enumerated": the best of every algorithm id cuBLASLt lists for bf16 x bf16 -> bf16 with fp32
 //     accumulation, crossed with each tile it supports and split-K 1, 2, 4, 8, 16 (with a
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "bench_device.cuh"  // CK, kda_bench::fill
+#include "decode_gemm_shapes.hpp"
 
 namespace {
 
@@ -34,11 +36,6 @@ void check(cublasStatus_t status, const char* what) {
     std::exit(1);
   }
 }
-
-struct Shape {
-  const char* name;
-  std::int64_t n, k;
-};
 
 constexpr std::size_t kWorkspaceBytes = std::size_t{32} << 20;  // the layer's cuBLAS workspace
 
@@ -104,13 +101,6 @@ int main(int argc, char** argv) {
                                  CUDA_R_16BF, CUDA_R_16BF, 256, ids, &id_count),
         "cublasLtMatmulAlgoGetIds");
 
-  const Shape shapes[] = {{"H = 32 input projection", 12576, 2304},
-                          {"H = 32 o_proj", 2304, 4096},
-                          {"TP8 input projection", 1800, 2304},
-                          {"TP8 o_proj", 2304, 512},
-                          {"K3 TP8 input projection", 4760, 7168},
-                          {"K3 TP8 g_proj", 1536, 7168},
-                          {"K3 TP8 o_proj", 7168, 1536}};
   std::printf(
       "kda-gemm-algo-probe on %s: us per call (median of 7 graph replays of 20 calls, weights "
       "beyond L2); %d cuBLASLt algorithm ids, up to %d tiles each, split-K 1-16\n\n",
@@ -120,7 +110,7 @@ int main(int argc, char** argv) {
       "configurations timed |\n|---|---:|---:|---:|---:|---:|---|---:|\n");
   std::fflush(stdout);
 
-  for (const Shape& s : shapes) {
+  for (const kda_bench::DecodeGemmShape& s : kda_bench::kDecodeGemmShapes) {
     if (!shape_filters.empty() &&
         std::none_of(shape_filters.begin(), shape_filters.end(), [&](const std::string& f) {
           return std::string(s.name).find(f) != std::string::npos;

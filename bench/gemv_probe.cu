@@ -1,21 +1,20 @@
 // kda-gemv-probe — the whole layer's small-row GEMMs (layer/src/cuda/small_gemm.cu) against cuBLAS
-// on the shapes a decode step runs: the input projection, o_proj and the low-rank second factors of
-// Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8 shard. One row (a decode
-// step of one sequence): the kernel as the layer runs it (the sliced kernel, slices by shape), the
-// streamed kernel launched plainly and as a programmatic dependent of the call before (its first
-// stages then load while that call finishes), and the sliced kernel with each row cut in two.
-// 8 and 64 rows (decode steps of a small batch): the tiled kernel (split K in a 32 MB workspace,
-// as the layer gives it) against cuBLAS.
-// Each call reads another copy of the weights (copies beyond three times L2), CUDA events around
-// 50 calls after 10 warm-up, median of 5 such rounds; bandwidth = weight bytes / time.
-// Back-to-back calls of one GEMM overlap their tails, which a decode step's GEMM cannot: it waits
-// for the kernel before it. The third table therefore times one row in a chain, as the layer runs
-// it: 50 pairs of (a one-block kernel that writes the GEMM's input row, the GEMM) captured in a
-// CUDA graph and replayed, each GEMM on another copy of the weights, the pair's time less the
-// writer's alone; "programmatic" launches the GEMM as a programmatic dependent of the writer,
-// which allows it at its start (as the fused decode step allows o_proj), so the GEMM's first weight
-// loads are in flight before the row is written; and 8 and 64 rows, the tiled kernel against
-// cuBLAS, in the same chain. CUDA only.
+// on the shapes a decode step runs (decode_gemm_shapes.hpp): the input projection, o_proj and the
+// low-rank second factors of Kimi-Linear-48B (hidden 2304, H = 32), its TP8 shard and Kimi K3's TP8
+// shard. One row (a decode step of one sequence): the kernel as the layer runs it (the sliced
+// kernel, slices by shape), the streamed kernel launched plainly and as a programmatic dependent of
+// the call before (its first stages then load while that call finishes), and the sliced kernel with
+// each row cut in two. 8 and 64 rows (decode steps of a small batch): the tiled kernel (split K in
+// a 32 MB workspace, as the layer gives it) against cuBLAS. Each call reads another copy of the
+// weights (copies beyond three times L2), CUDA events around 50 calls after 10 warm-up, median of 5
+// such rounds; bandwidth = weight bytes / time. Back-to-back calls of one GEMM overlap their tails,
+// which a decode step's GEMM cannot: it waits for the kernel before it. The third table therefore
+// times one row in a chain, as the layer runs it: 50 pairs of (a one-block kernel that writes the
+// GEMM's input row, the GEMM) captured in a CUDA graph and replayed, each GEMM on another copy of
+// the weights, the pair's time less the writer's alone; "programmatic" launches the GEMM as a
+// programmatic dependent of the writer, which allows it at its start (as the fused decode step
+// allows o_proj), so the GEMM's first weight loads are in flight before the row is written; and 8
+// and 64 rows, the tiled kernel against cuBLAS, in the same chain. CUDA only.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -25,6 +24,7 @@
 #include <vector>
 
 #include "cuda/kernels.hpp"
+#include "decode_gemm_shapes.hpp"
 
 namespace {
 
@@ -44,10 +44,7 @@ __global__ void write_input_row(std::uint16_t* in, std::int64_t k, std::uint32_t
   }
 }
 
-struct Shape {
-  const char* name;
-  std::int64_t n, k;
-};
+using Shape = kda_bench::DecodeGemmShape;
 
 // One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
 // reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.
@@ -90,14 +87,7 @@ int main() {
   constexpr std::size_t kWorkspace = std::size_t{32} << 20;
   void* workspace = nullptr;
   check(cudaMalloc(&workspace, kWorkspace), "cudaMalloc");
-  const Shape shapes[] = {{"H = 32 input projection", 12576, 2304},
-                          {"H = 32 o_proj", 2304, 4096},
-                          {"H = 32 f_b", 4096, 128},
-                          {"TP8 input projection", 1800, 2304},
-                          {"TP8 o_proj", 2304, 512},
-                          {"K3 TP8 input projection", 4760, 7168},
-                          {"K3 TP8 g_proj", 1536, 7168},
-                          {"K3 TP8 o_proj", 7168, 1536}};
+  const auto& shapes = kda_bench::kDecodeGemmShapes;
   using kda::layer::cuda::SmallGemmKernel;
   using kda::layer::cuda::SmallGemmParams;
   cudaEvent_t a, b;
