@@ -14,7 +14,9 @@
 // the weights, the pair's time less the writer's alone; "programmatic" launches the GEMM as a
 // programmatic dependent of the writer, which allows it at its start (as the fused decode step
 // allows o_proj), so the GEMM's first weight loads are in flight before the row is written; and 8
-// and 64 rows, the tiled kernel against cuBLAS, in the same chain. CUDA only.
+// and 64 rows, the tiled kernel against cuBLAS, in the same chain. The last table: 1, 2 and 8 rows
+// on the fragment kernel, as the layer plans it and the best of its variants, in the same chain.
+// CUDA only.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -216,6 +218,36 @@ int main() {
       "tiled, 64 rows | cuBLAS, 64 rows |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
       "\n");
   constexpr int kPairs = 50;
+  // us per (writer, GEMM) pair: kPairs pairs in one graph, each GEMM on the next weight copy,
+  // median of 5 timed replays after 2; without the GEMM, the writer's alone.
+  auto chain_us = [&](const Shape& s, const Operands& operands, auto&& launch_gemm,
+                      bool with_gemm) {
+    auto* in_row = static_cast<std::uint16_t*>(operands.in);
+    const std::vector<void*>& weights = operands.weights;
+    cudaGraph_t graph = nullptr;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    for (int i = 0; i < kPairs; ++i) {
+      write_input_row<<<1, 256, 0, stream>>>(in_row, s.k, static_cast<std::uint32_t>(i));
+      if (with_gemm) launch_gemm(weights[static_cast<std::size_t>(i) % weights.size()]);
+    }
+    check(cudaStreamEndCapture(stream, &graph), "capture");
+    cudaGraphExec_t exec = nullptr;
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    std::vector<double> rounds;
+    for (int round = 0; round < 7; ++round) {
+      cudaEventRecord(a, stream);
+      check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
+      cudaEventRecord(b, stream);
+      check(cudaEventSynchronize(b), "replay");
+      float ms = 0;
+      cudaEventElapsedTime(&ms, a, b);
+      if (round >= 2) rounds.push_back(ms * 1e3 / kPairs);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    std::sort(rounds.begin(), rounds.end());
+    return rounds[rounds.size() / 2];
+  };
   // cuBLAS allocates nothing under capture with a workspace of the caller's.
   cublasSetWorkspace(handle, workspace, kWorkspace);
   for (const Shape& s : shapes) {
@@ -223,32 +255,8 @@ int main() {
     const std::size_t bytes = operands.bytes;
     const std::vector<void*>& weights = operands.weights;
     void *in = operands.in, *out = operands.out;
-    auto* in_row = static_cast<std::uint16_t*>(in);
-    // us per pair: kPairs pairs in one graph, median of 5 timed replays after 2.
     auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
-      cudaGraph_t graph = nullptr;
-      check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-      for (int i = 0; i < kPairs; ++i) {
-        write_input_row<<<1, 256, 0, stream>>>(in_row, s.k, static_cast<std::uint32_t>(i));
-        if (with_gemm) launch_gemm(weights[static_cast<std::size_t>(i) % weights.size()]);
-      }
-      check(cudaStreamEndCapture(stream, &graph), "capture");
-      cudaGraphExec_t exec = nullptr;
-      check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-      std::vector<double> rounds;
-      for (int round = 0; round < 7; ++round) {
-        cudaEventRecord(a, stream);
-        check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-        cudaEventRecord(b, stream);
-        check(cudaEventSynchronize(b), "replay");
-        float ms = 0;
-        cudaEventElapsedTime(&ms, a, b);
-        if (round >= 2) rounds.push_back(ms * 1e3 / kPairs);
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      std::sort(rounds.begin(), rounds.end());
-      return rounds[rounds.size() / 2];
+      return chain_us(s, operands, launch_gemm, with_gemm);
     };
     const double writer = per_pair([](void*) {}, false);
     std::printf("| %s | %.2f |", s.name, writer);
@@ -272,6 +280,55 @@ int main() {
     }
     std::printf("\n");
     std::fflush(stdout);
+  }
+
+  // The fragment kernel (1 to 8 rows) in the same chain: its plan by shape, and the best of its
+  // variants (warps a panel 1-8, one or two 16-row tiles a warp, 8 or 16 loads a lane in flight).
+  std::printf(
+      "\nThe fragment kernel in the chain, us (TB/s of weight reads); best variant as (warps a "
+      "panel, row tiles a warp, loads a lane)\n\n| shape | rows | cuBLAS | "
+      "tiled | fragment | "
+      "best fragment | variant |\n|---|---:|---:|---:|---:|---:|---|\n");
+  for (const Shape& s : shapes) {
+    const Operands operands(s, prop);
+    const std::size_t bytes = operands.bytes;
+    void *in = operands.in, *out = operands.out;
+    auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
+      return chain_us(s, operands, launch_gemm, with_gemm);
+    };
+    const double writer = per_pair([](void*) {}, false);
+    auto fragment = [&](void* w, std::int64_t rows, int split, int row_tiles, int loads) {
+      SmallGemmParams p = params(w, in, out, s, rows, SmallGemmKernel::kFragment, false, split);
+      p.fragment_row_tiles = row_tiles;
+      p.fragment_loads = loads;
+      check(kda::layer::cuda::launch_small_gemm(p, stream), "fragment");
+    };
+    for (const std::int64_t rows : {1, 2, 8}) {
+      std::printf("| %s | %lld |", s.name, static_cast<long long>(rows));
+      auto gemm_us = [&](auto&& launch_gemm) { return per_pair(launch_gemm, true) - writer; };
+      cell(gemm_us([&](void* w) { cublas(w, in, out, s, rows); }), static_cast<double>(bytes));
+      cell(gemm_us([&](void* w) { small(w, in, out, s, rows, SmallGemmKernel::kTiled, false, 0); }),
+           static_cast<double>(bytes));
+      cell(gemm_us([&](void* w) { fragment(w, rows, 0, 0, 0); }), static_cast<double>(bytes));
+      double best = 1e30;
+      int best_split = 0, best_tiles = 0, best_loads = 0;
+      for (const int split : {1, 2, 4, 8}) {
+        for (const int row_tiles : {1, 2}) {
+          for (const int loads : {8, 16}) {
+            const double us = gemm_us([&](void* w) { fragment(w, rows, split, row_tiles, loads); });
+            if (us < best) {
+              best = us;
+              best_split = split;
+              best_tiles = row_tiles;
+              best_loads = loads;
+            }
+          }
+        }
+      }
+      cell(best, static_cast<double>(bytes));
+      std::printf(" (%d, %d, %d) |\n", best_split, best_tiles, best_loads);
+      std::fflush(stdout);
+    }
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);

@@ -195,9 +195,10 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 // for A/B runs of kernels not (or not yet) the default; not part of the contract.
 enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
 struct GemmKnobs {
-  // KDA_LAYER_SMALL_GEMM: unset, one row on the sliced kernel and more on cuBLAS; "streamed", one
-  // row on the streamed kernel and 2 to 64 rows on the tiled one (where they take the shape; else
-  // as unset); "0", cuBLAS for every GEMM. Neither the streamed nor the tiled kernel is the
+  // KDA_LAYER_SMALL_GEMM: unset, one row on the sliced kernel, 2 to 8 rows of up to kFragmentMaxK
+  // columns on the fragment kernel and the rest on cuBLAS; "streamed", one row on the streamed
+  // kernel and 2 to 64 rows on the tiled one (where they take the shape; else as unset); "0",
+  // cuBLAS for every GEMM. Neither the streamed nor the tiled kernel is the
   // default: on the H200 neither beat the sliced kernel or cuBLAS inside the layer
   // (docs/PERFORMANCE.md).
   SmallGemmChoice choice = SmallGemmChoice::kSliced;
@@ -285,6 +286,23 @@ int fused_cluster_for(std::int64_t pairs, int multiprocessors) {
   return cluster;
 }
 
+// Up to how many input columns a GEMM of 2..8 rows runs on the fragment kernel (small_gemm.cu)
+// rather than cuBLAS. Measured on the H200 (kda-gemv-probe, after a kernel that writes the input,
+// 8 rows, us): it won where each warp's share of K is in flight in one or two rounds of loads: H =
+// 32's input projection (k 2304) 16.2 against 17.5, the TP8 shard's 5.8 against 6.4 and its o_proj
+// (512) 3.2 against 3.9, K3's TP8 o_proj (1536) 8.0 against 8.3; not on longer rows: H = 32's
+// o_proj (4096) 10.1 against 9.9, K3's input projection (7168) 23.1 against 23.2 and its gate
+// 12.0 against 10.6.
+constexpr std::int64_t kFragmentMaxK = 2304;
+// Up to how many bytes of weights the fragment kernel is launched as a programmatic dependent where
+// the call asks for it (o_proj after the fused step); heavier ones are launched plainly. Its blocks
+// then start while the step runs and load their first round of weights before waiting. Measured on
+// the H200 (graph replays per layer, two rounds, against plain launches): the TP8 shard's o_proj
+// (2.4 MB) B = 2 / 4 / 8 15.5 / 16.8 / 19.0 us against 17.1 / 18.1-18.2 / 20.7; K3's TP8 o_proj
+// (22 MB) B = 8 60.8-60.9 against 57.4-57.5 (B = 2 / 4 50.2 / 52.8-52.9 against 49.2-49.4 /
+// 52.5-52.7). Between the two, not measured.
+constexpr std::int64_t kFragmentProgrammaticMaxWeightBytes = std::int64_t{8} << 20;
+
 // Where a forward's GEMMs run: cuBLAS's handle (its workspace set to `scratch`), the stream, and
 // the same scratch for the small-row kernels' partial sums (one GEMM at a time on the stream).
 struct GemmContext {
@@ -326,6 +344,14 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
     small.split = 2;
   }
   if (site == GemmKnobs::SiteGemm::kStreamed && rows == 1) choice = SmallGemmChoice::kStreamed;
+  if (choice == SmallGemmChoice::kSliced && rows > 1 && n_in <= kFragmentMaxK &&
+      cuda::fragment_gemm_fits(small)) {
+    small.kernel = cuda::SmallGemmKernel::kFragment;
+    small.split = 0;  // KDA_LAYER_SLICED_SPLIT is the one-row kernel's
+    small.programmatic = programmatic && n_out * n_in * 2 <= kFragmentProgrammaticMaxWeightBytes;
+    check_cuda(cuda::launch_small_gemm(small, stream), what);
+    return;
+  }
   if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
     small.kernel = cuda::SmallGemmKernel::kTiled;
     check_cuda(cuda::launch_small_gemm(small, stream), what);

@@ -1,8 +1,9 @@
 // The whole layer's small-row GEMMs (layer/src/cuda/small_gemm.cu; label `gpu`) against an fp64
-// product of the same bf16 operands: the one-row streamed and sliced kernels, and the tiled kernel
-// of 1 to 64 rows with and without split K, on the decode shapes of the layers the benchmarks run
-// and on shapes that end in partial tiles and stages, bf16 and f32 outputs, plain and programmatic
-// launches; outputs poisoned first and guarded, two runs bitwise equal.
+// product of the same bf16 operands: the one-row streamed and sliced kernels, the tiled kernel of
+// 1 to 64 rows with and without split K, and the fragment kernel of 1 to 8 rows in every variant,
+// on the decode shapes of the layers the benchmarks run and on shapes that end in partial tiles and
+// stages, bf16 and f32 outputs, plain and programmatic launches; outputs poisoned first and
+// guarded, two runs bitwise equal.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -93,6 +94,59 @@ SmallGemmParams gemm_operands(const DeviceBuffer& in, std::int64_t ldi, const De
   p.n = n;
   p.k = k;
   return p;
+}
+
+// The fp64 product in[rows, k] (row stride ldi) · w[n, k]ᵀ at the weight rows `sampled` takes
+// (zero elsewhere), [rows, n].
+template <typename Sampled>
+std::vector<double> sampled_product(const std::vector<std::uint16_t>& w,
+                                    const std::vector<std::uint16_t>& x, std::int64_t rows,
+                                    std::int64_t n, std::int64_t k, std::int64_t ldi,
+                                    const Sampled& sampled) {
+  std::vector<double> ref(static_cast<std::size_t>(rows * n), 0.0);
+  for (std::int64_t m = 0; m < rows; ++m) {
+    for (std::int64_t r = 0; r < n; ++r) {
+      if (!sampled(r)) continue;
+      double acc = 0.0;
+      for (std::int64_t c = 0; c < k; ++c) {
+        acc += static_cast<double>(kda::bf16_to_float(w[r * k + c])) *
+               static_cast<double>(kda::bf16_to_float(x[m * ldi + c]));
+      }
+      ref[m * n + r] = acc;
+    }
+  }
+  return ref;
+}
+
+// Launches `p` twice into `out` (poisoned with 0xFF first) and checks what a few-row GEMM must
+// give: the two runs bitwise equal, the guards intact, every element finite, the sampled rows
+// within the tolerance of `ref`, and the gaps between output rows (ldo > n) untouched.
+template <typename Sampled>
+void check_few_row_gemm(const SmallGemmParams& p, DeviceBuffer& out, const std::vector<double>& ref,
+                        const Sampled& sampled) {
+  const std::size_t element = p.out_f32 ? 4 : 2;
+  std::vector<std::vector<unsigned char>> runs;
+  for (int run = 0; run < 2; ++run) {
+    out.fill(0xFF);  // NaN in both formats: every element must be written
+    REQUIRE(kda::layer::cuda::launch_small_gemm(p, nullptr) == cudaSuccess);
+    REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+    runs.push_back(out.download<unsigned char>());
+  }
+  CHECK(runs[0] == runs[1]);
+  CHECK(out.guards_intact());
+  bool finite = false;
+  const double rel = relative_error(runs[0], p.out_f32, p.rows, p.n, p.ldo, ref, sampled, &finite);
+  CHECK(finite);
+  CHECK(rel < (p.out_f32 ? 1e-5 : 4e-3));
+  bool gaps = true;
+  for (std::int64_t m = 0; m + 1 < p.rows; ++m) {
+    for (std::int64_t c = p.n; c < p.ldo; ++c) {
+      for (std::size_t b = 0; b < element; ++b) {
+        gaps = gaps && runs[0][(m * p.ldo + c) * element + b] == 0xFF;
+      }
+    }
+  }
+  CHECK(gaps);
 }
 
 }  // namespace
@@ -192,18 +246,7 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
       // The reference on every 7th weight row and the last 70 (the partial last block): the
       // kernel's tiles do not tell these rows apart from the others.
       auto sampled = [&](std::int64_t r) { return r % 7 == 0 || r >= s.n - 70; };
-      std::vector<double> ref(static_cast<std::size_t>(rows * s.n), 0.0);
-      for (std::int64_t m = 0; m < rows; ++m) {
-        for (std::int64_t r = 0; r < s.n; ++r) {
-          if (!sampled(r)) continue;
-          double acc = 0.0;
-          for (std::int64_t c = 0; c < s.k; ++c) {
-            acc += static_cast<double>(kda::bf16_to_float(w[r * s.k + c])) *
-                   static_cast<double>(kda::bf16_to_float(x[m * ldi + c]));
-          }
-          ref[m * s.n + r] = acc;
-        }
-      }
+      const std::vector<double> ref = sampled_product(w, x, rows, s.n, s.k, ldi, sampled);
       const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
       DeviceBuffer scratch(std::size_t{8} << 20);
       // Workspace: none (no split), 8 MB (as many splits as the plan takes), and room for the
@@ -224,29 +267,7 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
           p.workspace = workspace > 0 ? scratch.get() : nullptr;
           p.workspace_bytes = std::min(workspace, scratch.bytes());
           REQUIRE(kda::layer::cuda::tiled_gemm_fits(p));
-          std::vector<std::vector<unsigned char>> runs;
-          for (int run = 0; run < 2; ++run) {
-            out.fill(0xFF);  // NaN in both formats: every element must be written
-            REQUIRE(kda::layer::cuda::launch_small_gemm(p, nullptr) == cudaSuccess);
-            REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-            runs.push_back(out.download<unsigned char>());
-          }
-          CHECK(runs[0] == runs[1]);
-          CHECK(out.guards_intact());
-          bool finite = false;
-          const double rel = relative_error(runs[0], f32, rows, s.n, ldo, ref, sampled, &finite);
-          CHECK(finite);
-          CHECK(rel < (f32 ? 1e-5 : 4e-3));
-          // The gaps between rows (ldo > n) keep the poison.
-          bool gaps = true;
-          for (std::int64_t m = 0; m + 1 < rows; ++m) {
-            for (std::int64_t c = s.n; c < ldo; ++c) {
-              for (std::size_t b = 0; b < element; ++b) {
-                gaps = gaps && runs[0][(m * ldo + c) * element + b] == 0xFF;
-              }
-            }
-          }
-          CHECK(gaps);
+          check_few_row_gemm(p, out, ref, sampled);
         }
       }
     }
@@ -266,6 +287,79 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
   bad.k = 64;
   bad.ldi = 56;
   CHECK_FALSE(kda::layer::cuda::tiled_gemm_fits(bad));
+  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+#endif
+}
+
+TEST_CASE("few-row GEMM: the fragment kernel against fp64, every variant, 1 to 8 rows") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  // The decode shapes, tails of N (not a multiple of 16 or 32) and of K (not a multiple of 64,
+  // 16-byte chunks past K within the last step), and the smallest K.
+  const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
+                          {1536, 7168},  {7168, 1536}, {4096, 128},  {100, 40},   {129, 200},
+                          {3, 8},        {70, 136},    {65, 1000}};
+  std::uint64_t seed = 900;
+  for (const Shape& s : shapes) {
+    for (const std::int64_t rows : {1, 2, 3, 7, 8}) {
+      CAPTURE(s.n);
+      CAPTURE(s.k);
+      CAPTURE(rows);
+      const std::int64_t ldi = s.k + 8, ldo = s.n + 3;
+      const std::vector<std::uint16_t> w =
+          random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
+      const std::vector<std::uint16_t> x =
+          random_bits(static_cast<std::size_t>(rows * ldi), 1.0f, ++seed);
+      auto sampled = [&](std::int64_t r) { return r % 5 == 0 || r >= s.n - 40; };
+      const std::vector<double> ref = sampled_product(w, x, rows, s.n, s.k, ldi, sampled);
+      const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+      // Every variant: warps a panel 0 (by shape) / 1 / 2 / 4 / 8, one or two 16-row tiles a
+      // warp (0: by shape), 8 or 16 loads a lane in flight (0: by shape); bf16 and f32 out, plain
+      // and programmatic.
+      int variant = 0;
+      for (const int split : {0, 1, 2, 4, 8}) {
+        for (const int row_tiles : {0, 1, 2}) {
+          for (const int loads : {0, 8, 16}) {
+            const bool f32 = variant % 2 == 0, programmatic = variant % 3 == 0;
+            ++variant;
+            CAPTURE(split);
+            CAPTURE(row_tiles);
+            CAPTURE(loads);
+            CAPTURE(f32);
+            const std::size_t element = f32 ? 4 : 2;
+            DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
+            SmallGemmParams p = gemm_operands(dx, ldi, dw, out, ldo, rows, s.n, s.k);
+            p.out_f32 = f32;
+            p.kernel = SmallGemmKernel::kFragment;
+            p.programmatic = programmatic;
+            p.split = split;
+            p.fragment_row_tiles = row_tiles;
+            p.fragment_loads = loads;
+            REQUIRE(kda::layer::cuda::fragment_gemm_fits(p));
+            check_few_row_gemm(p, out, ref, sampled);
+          }
+        }
+      }
+    }
+  }
+  // What it refuses: rows past kFragmentGemmMaxRows, a K not a multiple of 8, ldi below k, an
+  // input not 16-byte aligned.
+  const DeviceBuffer dw(64 * 64 * 2), dx(16 * 72 * 2), dout(16 * 64 * 4);
+  SmallGemmParams bad = gemm_operands(dx, 64, dw, dout, 64, 4, 64, 64);
+  bad.kernel = SmallGemmKernel::kFragment;
+  CHECK(kda::layer::cuda::fragment_gemm_fits(bad));
+  bad.rows = kda::layer::cuda::kFragmentGemmMaxRows + 1;
+  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
+  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+  bad.rows = 4;
+  bad.k = 60;
+  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
+  bad.k = 64;
+  bad.ldi = 56;
+  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
+  bad.ldi = 64;
+  bad.in = static_cast<const std::uint16_t*>(dx.get()) + 4;
+  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
   CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
 #endif
 }

@@ -290,9 +290,10 @@ cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t st
 
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ for a few rows:
 // bf16 in and weight, fp32 accumulation, bf16 or f32 out. What the layer's projections run on for
-// batches of at most kSmallGemmMaxRows tokens (decode steps of one sequence), and with
+// batches of at most kSmallGemmMaxRows tokens (decode steps of one sequence: the sliced kernel),
+// of up to kFragmentGemmMaxRows (the fragment kernel, on the shapes where it beat cuBLAS), and with
 // KDA_LAYER_SMALL_GEMM=streamed up to kTiledGemmMaxRows (small_gemm.cu).
-enum class SmallGemmKernel { kSliced, kStreamed, kTiled };
+enum class SmallGemmKernel { kSliced, kStreamed, kTiled, kFragment };
 struct SmallGemmParams {
   const std::uint16_t* in = nullptr;
   std::int64_t ldi = 0;
@@ -313,6 +314,11 @@ struct SmallGemmParams {
   // stream during the call.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // The fragment kernel's 16-row weight tiles a warp (1 or 2) and 16-byte weight loads a lane in
+  // flight (8 or 16); 0 chooses by shape. `split` (1, 2, 4 or 8) forces its warps a row panel (K
+  // split between a block's warps); 0 chooses by shape.
+  int fragment_row_tiles = 0;
+  int fragment_loads = 0;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and
@@ -325,6 +331,10 @@ bool streamed_gemm_fits(const SmallGemmParams& p);
 // aligned, out aligned to its element, the workspace to 4 bytes.
 inline constexpr std::int64_t kTiledGemmMaxRows = 64;
 bool tiled_gemm_fits(const SmallGemmParams& p);
+// Whether the fragment kernel (SmallGemmKernel::kFragment) takes `p`: 1..kFragmentGemmMaxRows
+// rows, and operands as the tiled kernel's (it needs no workspace).
+inline constexpr std::int64_t kFragmentGemmMaxRows = 8;
+bool fragment_gemm_fits(const SmallGemmParams& p);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);
 
 }  // namespace kda::layer::cuda

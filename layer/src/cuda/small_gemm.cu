@@ -347,6 +347,152 @@ __global__ void __launch_bounds__(256) tiled_gemm_reduce_kernel(SmallGemmParams 
   store_out<kOutF32>(p.out, m * p.ldo + n, sum);
 }
 
+// ---- the fragment kernel ------------------------------------------------------------------------
+// 1 to 8 rows (decode steps of a small batch) on the tensor cores, with the weights loaded from
+// global memory straight into mma.m16n8k16's A fragments: no shared-memory staging and no
+// ldmatrix, so a warp issues two 16-byte weight loads, one 16-byte input load and two MMAs for
+// every 1 KB of weights it reads. That is possible because a dot product does not care in which
+// order K is summed: lane (g, q) (g = lane / 4, q = lane % 4) loads 16 contiguous bytes of weight
+// rows g and g + 8 at column 64 s + 16 q + 8 c and, for the k16 step j in {0, 1} of that chunk,
+// hands its words (2j, 2j + 1) to the MMA as the fragment's columns (2q, 2q + 1) and (2q + 8,
+// 2q + 9); it loads the same 16 bytes of input row g (B's column g), which lands them at the same
+// logical columns of B. Each MMA thus sums 16 physical columns of K, and every column is summed
+// once over a 64-column step. A lane's 16 contiguous bytes a row make each row's 64 bytes a step
+// one full 64-byte segment across the quad.
+// A warp takes RT 16-row tiles of weights over a contiguous range of 64-column steps; `ksplit`
+// warps of a block share one panel of 16 RT rows and add their partial sums in warp order through
+// shared memory (deterministic; no workspace and no second kernel). kLoads 16-byte weight loads a
+// lane are in flight a round (kLoads / (4 RT) steps), issued before the round's input loads and
+// MMAs; the first round before griddepcontrol.wait. Rows of 9 and more read the input once per
+// 8-row tile from L2 and lost to cuBLAS on the H200 (docs/design/layer.md), so the kernel stops at
+// 8.
+
+constexpr int kFragmentWarps = 8;
+
+struct FragmentPlan {
+  int ksplit = 1;    // warps a panel (1, 2, 4 or 8)
+  int steps = 0;     // 64-column steps of K
+  int per_part = 0;  // steps a warp
+  int panels = 0;    // of 16 RT weight rows
+};
+
+template <int RT, int kLoads, bool kOutF32>
+__global__ void __launch_bounds__(kFragmentWarps * 32)
+    fragment_gemm_kernel(SmallGemmParams p, FragmentPlan plan) {
+  constexpr int kSteps = kLoads / (4 * RT);  // steps a round
+  static_assert(kSteps >= 1, "a round holds a step at least");
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int g = lane / 4, q = lane % 4;
+  const int panels_per_block = kFragmentWarps / plan.ksplit;
+  const std::int64_t panel =
+      static_cast<std::int64_t>(blockIdx.x) * panels_per_block + warp / plan.ksplit;
+  const int part = warp % plan.ksplit;
+  const int s_begin = part * plan.per_part;
+  const int s_end = min(plan.steps, s_begin + plan.per_part);
+  griddep_launch_dependents();
+  const bool live = panel < plan.panels;
+  // This lane's weight rows: tile r, half h (rows g and g + 8 of the tile).
+  const uint4* w_row[RT][2];
+  bool w_ok[RT][2];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const std::int64_t n = panel * (16 * RT) + 16 * r + 8 * h + g;
+      w_ok[r][h] = live && n < p.n;
+      w_row[r][h] = reinterpret_cast<const uint4*>(p.weight + (w_ok[r][h] ? n : 0) * p.k);
+    }
+  }
+  const bool x_ok = g < p.rows;
+  const auto* x_row = reinterpret_cast<const uint4*>(p.in + (x_ok ? g : 0) * p.ldi);
+  const std::int64_t chunks = p.k / 8;  // 16-byte chunks a row
+  float acc[RT][4];
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[r][j] = 0.0f;
+  }
+
+  uint4 w[kSteps][RT][2][2];  // [step][tile][half][chunk]
+  auto load_round = [&](int s0) {
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const std::int64_t chunk = static_cast<std::int64_t>(s0 + u) * 8 + 2 * q + c;
+        const bool in_k = s0 + u < s_end && chunk < chunks;
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            w[u][r][h][c] =
+                in_k && w_ok[r][h] ? load_streaming(w_row[r][h] + chunk) : make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+    }
+  };
+  if (live && s_begin < s_end) load_round(s_begin);
+  griddep_wait();
+  for (int s0 = s_begin; live && s0 < s_end; s0 += kSteps) {
+    if (s0 != s_begin) load_round(s0);
+#pragma unroll
+    for (int u = 0; u < kSteps; ++u) {
+      if (s0 + u >= s_end) break;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const std::int64_t chunk = static_cast<std::int64_t>(s0 + u) * 8 + 2 * q + c;
+        // Past K (a last step of fewer than 64 columns) both operands are zero.
+        const uint4 xv = chunk < chunks && x_ok ? __ldg(x_row + chunk) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int r = 0; r < RT; ++r) {
+          const unsigned a0[4] = {w[u][r][0][c].x, w[u][r][1][c].x, w[u][r][0][c].y,
+                                  w[u][r][1][c].y};
+          kda::detail::mma_bf16(acc[r], a0, xv.x, xv.y);
+          const unsigned a1[4] = {w[u][r][0][c].z, w[u][r][1][c].z, w[u][r][0][c].w,
+                                  w[u][r][1][c].w};
+          kda::detail::mma_bf16(acc[r], a1, xv.z, xv.w);
+        }
+      }
+    }
+  }
+
+  // The panel's parts added in warp order: parts 1.. leave theirs in shared memory.
+  constexpr int kValues = RT * 4;
+  extern __shared__ float partials[];  // [kFragmentWarps][kValues][32]
+  if (plan.ksplit > 1) {
+    if (part != 0) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) partials[(warp * kValues + r * 4 + j) * 32 + lane] = acc[r][j];
+      }
+    }
+    __syncthreads();
+    if (part != 0) return;
+    for (int other = 1; other < plan.ksplit; ++other) {
+#pragma unroll
+      for (int r = 0; r < RT; ++r) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[r][j] += partials[((warp + other) * kValues + r * 4 + j) * 32 + lane];
+        }
+      }
+    }
+  }
+  if (!live) return;
+    // acc[r][j]: weight row 16 r + g (+ 8 for j >= 2) of the panel, input row 2 q + j % 2.
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const std::int64_t n = panel * (16 * RT) + 16 * r + g + (j >= 2 ? 8 : 0);
+      const std::int64_t m = 2 * q + j % 2;
+      if (n < p.n && m < p.rows) store_out<kOutF32>(p.out, m * p.ldo + n, acc[r][j]);
+    }
+  }
+}
+
 // Slices per row: the fewest (1, 2, 4 or 8) that give the grid 8192 warps or more (about 62 a
 // multiprocessor of a 132-SM H200, near its 64), keeping at least two loads a lane per slice.
 int split_of(const SmallGemmParams& p) {
@@ -446,6 +592,53 @@ cudaError_t launch_tiled_mt(const SmallGemmParams& p, const TiledPlan& plan,
   return cudaLaunchKernelEx(&reduce, tiled_gemm_reduce_kernel<kOutF32>, p, plan.splits);
 }
 
+// The fragment kernel's plan for `p` with RT row tiles a warp: 8 warps a panel (as many as leave
+// each a step of K), or SmallGemmParams::split where it forces 1, 2, 4 or 8. On the H200 the most
+// warps a panel won on every decode shape at 1-8 rows (kda-gemv-probe's sweep).
+FragmentPlan fragment_plan(const SmallGemmParams& p, int rt) {
+  FragmentPlan plan;
+  plan.steps = static_cast<int>((p.k + 63) / 64);
+  plan.panels = static_cast<int>((p.n + 16 * rt - 1) / (16 * rt));
+  if (p.split == 1 || p.split == 2 || p.split == 4 || p.split == 8) {
+    plan.ksplit = p.split;
+  } else {
+    while (plan.ksplit < kFragmentWarps && plan.steps >= 2 * plan.ksplit) plan.ksplit *= 2;
+  }
+  plan.per_part = (plan.steps + plan.ksplit - 1) / plan.ksplit;
+  return plan;
+}
+
+template <int RT, int kLoads, bool kOutF32>
+cudaError_t launch_fragment_variant(const SmallGemmParams& p, cudaLaunchConfig_t config) {
+  const FragmentPlan plan = fragment_plan(p, RT);
+  const int smem = plan.ksplit > 1 ? kFragmentWarps * RT * 4 * 32 * 4 : 0;  // at most 8 KB
+  const int panels_per_block = kFragmentWarps / plan.ksplit;
+  config.gridDim =
+      dim3(static_cast<unsigned>((plan.panels + panels_per_block - 1) / panels_per_block));
+  config.blockDim = dim3(kFragmentWarps * 32);
+  config.dynamicSmemBytes = static_cast<std::size_t>(smem);
+  return cudaLaunchKernelEx(&config, fragment_gemm_kernel<RT, kLoads, kOutF32>, p, plan);
+}
+
+// Two 16-row tiles a warp (8 loads a lane a round) where the weights have three panels of 16 rows
+// a multiprocessor or more, else one (16 loads a lane): the best variants of kda-gemv-probe's sweep
+// on the H200 at 8 rows (H = 32's and K3's TP8 o_proj two, the TP8 shard's one).
+// SmallGemmParams::fragment_row_tiles / fragment_loads force either.
+template <bool kOutF32>
+cudaError_t launch_fragment(const SmallGemmParams& p, const cudaLaunchConfig_t& config) {
+  const std::int64_t sms = kda::detail::current_device_sm_count();
+  int rt = p.n >= 16 * 3 * sms ? 2 : 1;
+  if (p.fragment_row_tiles == 1 || p.fragment_row_tiles == 2) rt = p.fragment_row_tiles;
+  int loads = rt == 2 ? 8 : 16;
+  if (p.fragment_loads == 8 || p.fragment_loads == 16) loads = p.fragment_loads;
+  if (rt == 1) {
+    return loads == 8 ? launch_fragment_variant<1, 8, kOutF32>(p, config)
+                      : launch_fragment_variant<1, 16, kOutF32>(p, config);
+  }
+  return loads == 8 ? launch_fragment_variant<2, 8, kOutF32>(p, config)
+                    : launch_fragment_variant<2, 16, kOutF32>(p, config);
+}
+
 template <bool kOutF32>
 cudaError_t launch_tiled(const SmallGemmParams& p, const TiledPlan& plan,
                          const cudaLaunchConfig_t& config) {
@@ -463,15 +656,31 @@ cudaError_t launch_tiled(const SmallGemmParams& p, const TiledPlan& plan,
 
 }  // namespace
 
-bool tiled_gemm_fits(const SmallGemmParams& p) {
+namespace {
+
+// The operands of the tiled and fragment kernels: 1..max_rows rows, k a multiple of 8 up to 2^30,
+// ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned, out aligned to its
+// element.
+bool few_row_operands_fit(const SmallGemmParams& p, std::int64_t max_rows) {
   const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
   };
-  return p.rows >= 1 && p.rows <= kTiledGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
+  return p.rows >= 1 && p.rows <= max_rows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
          p.k <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n &&
          aligned16(p.in) && aligned16(p.weight) && aligned(p.out, p.out_f32 ? 4 : 2) &&
-         aligned(p.workspace, 4) && p.n <= (std::int64_t{1} << 30) &&
+         p.n <= (std::int64_t{1} << 30);
+}
+
+}  // namespace
+
+bool tiled_gemm_fits(const SmallGemmParams& p) {
+  return few_row_operands_fit(p, kTiledGemmMaxRows) &&
+         (reinterpret_cast<std::uintptr_t>(p.workspace) & 3) == 0 &&
          (p.n + kTiledRows - 1) / kTiledRows <= 0x7fffffff;
+}
+
+bool fragment_gemm_fits(const SmallGemmParams& p) {
+  return few_row_operands_fit(p, kFragmentGemmMaxRows);
 }
 
 bool streamed_gemm_fits(const SmallGemmParams& p) {
@@ -479,7 +688,10 @@ bool streamed_gemm_fits(const SmallGemmParams& p) {
 }
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
-  if (p.kernel == SmallGemmKernel::kTiled ? !tiled_gemm_fits(p) : !small_gemm_fits(p)) {
+  const bool fits = p.kernel == SmallGemmKernel::kTiled      ? tiled_gemm_fits(p)
+                    : p.kernel == SmallGemmKernel::kFragment ? fragment_gemm_fits(p)
+                                                             : small_gemm_fits(p);
+  if (!fits) {
     return cudaErrorInvalidValue;
   }
   cudaLaunchConfig_t config{};
@@ -490,6 +702,9 @@ cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
   if (p.programmatic) {
     config.attrs = &attribute;
     config.numAttrs = 1;
+  }
+  if (p.kernel == SmallGemmKernel::kFragment) {
+    return p.out_f32 ? launch_fragment<true>(p, config) : launch_fragment<false>(p, config);
   }
   if (p.kernel == SmallGemmKernel::kTiled) {
     const TiledPlan plan = tiled_plan(p);
