@@ -357,8 +357,10 @@ __global__ void __launch_bounds__(256) tiled_gemm_reduce_kernel(SmallGemmParams 
 // hands its words (2j, 2j + 1) to the MMA as the fragment's columns (2q, 2q + 1) and (2q + 8,
 // 2q + 9); it loads the same 16 bytes of input row g (B's column g), which lands them at the same
 // logical columns of B. Each MMA thus sums 16 physical columns of K, and every column is summed
-// once over a 64-column step. A lane's 16 contiguous bytes a row make each row's 64 bytes a step
-// one full 64-byte segment across the quad.
+// once over a 64-column step. A step is 128 bytes of each row, the quad's 8 chunks; one load
+// instruction (one c) takes the first half of each of its 32-byte sectors and the next the second
+// half, so each sector is requested twice past L1 (a layout of 64 contiguous bytes a quad and
+// instruction, chunk 4c + q, was not measured).
 // A warp takes RT 16-row tiles of weights over a contiguous range of 64-column steps; `ksplit`
 // warps of a block share one panel of 16 RT rows and add their partial sums in warp order through
 // shared memory (deterministic; no workspace and no second kernel). kLoads 16-byte weight loads a
