@@ -255,14 +255,12 @@ int main() {
     const std::size_t bytes = operands.bytes;
     const std::vector<void*>& weights = operands.weights;
     void *in = operands.in, *out = operands.out;
-    auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
-      return chain_us(s, operands, launch_gemm, with_gemm);
-    };
-    const double writer = per_pair([](void*) {}, false);
+    const double writer = chain_us(
+        s, operands, [](void*) {}, false);
     std::printf("| %s | %.2f |", s.name, writer);
     const SmallGemmKernel sliced = SmallGemmKernel::kSliced, streamed = SmallGemmKernel::kStreamed;
     auto gemm_cell = [&](auto&& launch_gemm) {
-      cell(per_pair(launch_gemm, true) - writer, static_cast<double>(bytes));
+      cell(chain_us(s, operands, launch_gemm, true) - writer, static_cast<double>(bytes));
     };
     gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, false, 0); });
     gemm_cell([&](void* w) { small(w, in, out, s, 1, sliced, true, 0); });
@@ -286,17 +284,14 @@ int main() {
   // variants (warps a panel 1-8, one or two 16-row tiles a warp, 8 or 16 loads a lane in flight).
   std::printf(
       "\nThe fragment kernel in the chain, us (TB/s of weight reads); best variant as (warps a "
-      "panel, row tiles a warp, loads a lane)\n\n| shape | rows | cuBLAS | "
-      "tiled | fragment | "
+      "panel, row tiles a warp, loads a lane)\n\n| shape | rows | cuBLAS | tiled | fragment | "
       "best fragment | variant |\n|---|---:|---:|---:|---:|---:|---|\n");
   for (const Shape& s : shapes) {
     const Operands operands(s, prop);
     const std::size_t bytes = operands.bytes;
     void *in = operands.in, *out = operands.out;
-    auto per_pair = [&](auto&& launch_gemm, bool with_gemm) {
-      return chain_us(s, operands, launch_gemm, with_gemm);
-    };
-    const double writer = per_pair([](void*) {}, false);
+    const double writer = chain_us(
+        s, operands, [](void*) {}, false);
     auto fragment = [&](void* w, std::int64_t rows, int split, int row_tiles, int loads) {
       SmallGemmParams p = params(w, in, out, s, rows, SmallGemmKernel::kFragment, false, split);
       p.fragment_row_tiles = row_tiles;
@@ -305,7 +300,9 @@ int main() {
     };
     for (const std::int64_t rows : {1, 2, 8}) {
       std::printf("| %s | %lld |", s.name, static_cast<long long>(rows));
-      auto gemm_us = [&](auto&& launch_gemm) { return per_pair(launch_gemm, true) - writer; };
+      auto gemm_us = [&](auto&& launch_gemm) {
+        return chain_us(s, operands, launch_gemm, true) - writer;
+      };
       cell(gemm_us([&](void* w) { cublas(w, in, out, s, rows); }), static_cast<double>(bytes));
       cell(gemm_us([&](void* w) { small(w, in, out, s, rows, SmallGemmKernel::kTiled, false, 0); }),
            static_cast<double>(bytes));

@@ -288,11 +288,11 @@ int fused_cluster_for(std::int64_t pairs, int multiprocessors) {
 
 // Up to how many input columns a GEMM of 2..8 rows runs on the fragment kernel (small_gemm.cu)
 // rather than cuBLAS. Measured on the H200 (kda-gemv-probe, after a kernel that writes the input,
-// 8 rows, us): it won where each warp's share of K is in flight in one or two rounds of loads: H =
-// 32's input projection (k 2304) 16.2 against 17.5, the TP8 shard's 5.8 against 6.4 and its o_proj
-// (512) 3.2 against 3.9, K3's TP8 o_proj (1536) 8.0 against 8.3; not on longer rows: H = 32's
-// o_proj (4096) 10.1 against 9.9, K3's input projection (7168) 23.1 against 23.2 and its gate
-// 12.0 against 10.6.
+// 8 rows, us): it won on every decode shape of at most 2304 columns: H = 32's input projection
+// (2304) 16.2 against 17.5, the TP8 shard's 5.8 against 6.4 and its o_proj (512) 3.2 against 3.9,
+// K3's TP8 o_proj (1536) 8.0 against 8.3; not on the longer rows: H = 32's o_proj (4096) 10.1
+// against 9.9, K3's input projection (7168) 23.1 against 23.2 and its gate 12.0 against 10.6. Why
+// the longer rows lose was not measured.
 constexpr std::int64_t kFragmentMaxK = 2304;
 // Up to how many bytes of weights the fragment kernel is launched as a programmatic dependent where
 // the call asks for it (o_proj after the fused step); heavier ones are launched plainly. Its blocks

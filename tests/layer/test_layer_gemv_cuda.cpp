@@ -118,6 +118,35 @@ std::vector<double> sampled_product(const std::vector<std::uint16_t>& w,
   return ref;
 }
 
+// One few-row case's operands: random weights [n, k] and `rows` input rows ldi = k + 8 apart (the
+// next two seeds), on the device; the output's row stride ldo = n + 3 (its gaps must stay
+// untouched); and the fp64 product at the weight rows `sampled` takes.
+struct FewRowCase {
+  std::int64_t rows, n, k, ldi, ldo;
+  std::vector<double> ref;
+  DeviceBuffer w, x;
+  template <typename Sampled>
+  FewRowCase(const Shape& s, std::int64_t rows_, std::uint64_t& seed, const Sampled& sampled)
+      : rows(rows_), n(s.n), k(s.k), ldi(s.k + 8), ldo(s.n + 3) {
+    const std::vector<std::uint16_t> w_host =
+        random_bits(static_cast<std::size_t>(n * k), 1.0f, ++seed);
+    const std::vector<std::uint16_t> x_host =
+        random_bits(static_cast<std::size_t>(rows * ldi), 1.0f, ++seed);
+    ref = sampled_product(w_host, x_host, rows, n, k, ldi, sampled);
+    w = DeviceBuffer::from(w_host);
+    x = DeviceBuffer::from(x_host);
+  }
+  DeviceBuffer output(bool f32) const {
+    return DeviceBuffer(static_cast<std::size_t>(rows * ldo) * (f32 ? 4 : 2));
+  }
+  // The product into `out` (bf16, or f32); the kernel and its options are the caller's to set.
+  SmallGemmParams params(const DeviceBuffer& out, bool f32) const {
+    SmallGemmParams p = gemm_operands(x, ldi, w, out, ldo, rows, n, k);
+    p.out_f32 = f32;
+    return p;
+  }
+};
+
 // Launches `p` twice into `out` (poisoned with 0xFF first) and checks what a few-row GEMM must
 // give: the two runs bitwise equal, the guards intact, every element finite, the sampled rows
 // within the tolerance of `ref`, and the gaps between output rows (ldo > n) untouched.
@@ -237,17 +266,10 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
       CAPTURE(s.n);
       CAPTURE(s.k);
       CAPTURE(rows);
-      // Row strides past the shape: in's ldi k + 8, out's ldo n + 3 (gaps must stay untouched).
-      const std::int64_t ldi = s.k + 8, ldo = s.n + 3;
-      const std::vector<std::uint16_t> w =
-          random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
-      const std::vector<std::uint16_t> x =
-          random_bits(static_cast<std::size_t>(rows * ldi), 1.0f, ++seed);
       // The reference on every 7th weight row and the last 70 (the partial last block): the
       // kernel's tiles do not tell these rows apart from the others.
       auto sampled = [&](std::int64_t r) { return r % 7 == 0 || r >= s.n - 70; };
-      const std::vector<double> ref = sampled_product(w, x, rows, s.n, s.k, ldi, sampled);
-      const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+      const FewRowCase c(s, rows, seed, sampled);
       DeviceBuffer scratch(std::size_t{8} << 20);
       // Workspace: none (no split), 8 MB (as many splits as the plan takes), and room for the
       // partial sums of two splits only (the plan's workspace bound).
@@ -258,16 +280,14 @@ TEST_CASE("few-row GEMM: the tiled kernel against fp64, 1 to 64 rows, split K or
           CAPTURE(workspace);
           CAPTURE(f32);
           CAPTURE(programmatic);
-          const std::size_t element = f32 ? 4 : 2;
-          DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
-          SmallGemmParams p = gemm_operands(dx, ldi, dw, out, ldo, rows, s.n, s.k);
-          p.out_f32 = f32;
+          DeviceBuffer out = c.output(f32);
+          SmallGemmParams p = c.params(out, f32);
           p.kernel = SmallGemmKernel::kTiled;
           p.programmatic = programmatic;
           p.workspace = workspace > 0 ? scratch.get() : nullptr;
           p.workspace_bytes = std::min(workspace, scratch.bytes());
           REQUIRE(kda::layer::cuda::tiled_gemm_fits(p));
-          check_few_row_gemm(p, out, ref, sampled);
+          check_few_row_gemm(p, out, c.ref, sampled);
         }
       }
     }
@@ -305,14 +325,8 @@ TEST_CASE("few-row GEMM: the fragment kernel against fp64, every variant, 1 to 8
       CAPTURE(s.n);
       CAPTURE(s.k);
       CAPTURE(rows);
-      const std::int64_t ldi = s.k + 8, ldo = s.n + 3;
-      const std::vector<std::uint16_t> w =
-          random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
-      const std::vector<std::uint16_t> x =
-          random_bits(static_cast<std::size_t>(rows * ldi), 1.0f, ++seed);
       auto sampled = [&](std::int64_t r) { return r % 5 == 0 || r >= s.n - 40; };
-      const std::vector<double> ref = sampled_product(w, x, rows, s.n, s.k, ldi, sampled);
-      const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
+      const FewRowCase c(s, rows, seed, sampled);
       // Every variant: warps a panel 0 (by shape) / 1 / 2 / 4 / 8, one or two 16-row tiles a
       // warp (0: by shape), 8 or 16 loads a lane in flight (0: by shape); bf16 and f32 out, plain
       // and programmatic.
@@ -326,17 +340,15 @@ TEST_CASE("few-row GEMM: the fragment kernel against fp64, every variant, 1 to 8
             CAPTURE(row_tiles);
             CAPTURE(loads);
             CAPTURE(f32);
-            const std::size_t element = f32 ? 4 : 2;
-            DeviceBuffer out(static_cast<std::size_t>(rows * ldo) * element);
-            SmallGemmParams p = gemm_operands(dx, ldi, dw, out, ldo, rows, s.n, s.k);
-            p.out_f32 = f32;
+            DeviceBuffer out = c.output(f32);
+            SmallGemmParams p = c.params(out, f32);
             p.kernel = SmallGemmKernel::kFragment;
             p.programmatic = programmatic;
             p.split = split;
             p.fragment_row_tiles = row_tiles;
             p.fragment_loads = loads;
             REQUIRE(kda::layer::cuda::fragment_gemm_fits(p));
-            check_few_row_gemm(p, out, ref, sampled);
+            check_few_row_gemm(p, out, c.ref, sampled);
           }
         }
       }
