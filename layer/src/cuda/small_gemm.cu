@@ -359,15 +359,15 @@ __global__ void __launch_bounds__(256) tiled_gemm_reduce_kernel(SmallGemmParams 
 // logical columns of B. Each MMA thus sums 16 physical columns of K, and every column is summed
 // once over a 64-column step. A step is 128 bytes of each row, the quad's 8 chunks; one load
 // instruction (one c) takes the first half of each of its 32-byte sectors and the next the second
-// half, so each sector is requested twice past L1 (a layout of 64 contiguous bytes a quad and
-// instruction, chunk 4c + q, was not measured).
-// A warp takes RT 16-row tiles of weights over a contiguous range of 64-column steps; `ksplit`
-// warps of a block share one panel of 16 RT rows and add their partial sums in warp order through
-// shared memory (deterministic; no workspace and no second kernel). kLoads 16-byte weight loads a
-// lane are in flight a round (kLoads / (4 RT) steps), issued before the round's input loads and
-// MMAs; the first round before griddepcontrol.wait. Rows of 9 and more read the input once per
-// 8-row tile from L2 and lost to cuBLAS on the H200 (docs/design/layer.md), so the kernel stops at
-// 8.
+// half, so each sector is requested twice past L1 (64 contiguous bytes a quad and instruction,
+// chunk 4c + q, measured slower at H = 32 and faster on the TP8 shard by less:
+// docs/design/layer.md). A warp takes RT 16-row tiles of weights over a contiguous range of
+// 64-column steps; `ksplit` warps of a block share one panel of 16 RT rows and add their partial
+// sums in warp order through shared memory (deterministic; no workspace and no second kernel).
+// kLoads 16-byte weight loads a lane are in flight a round (kLoads / (4 RT) steps), issued before
+// the round's input loads and MMAs; the first round before griddepcontrol.wait. Rows of 9 and more
+// read the input once per 8-row tile from L2 and lost to cuBLAS on the H200 (docs/design/layer.md),
+// so the kernel stops at 8.
 
 constexpr int kFragmentWarps = 8;
 
