@@ -27,6 +27,7 @@
 
 #include "cuda/kernels.hpp"
 #include "decode_gemm_shapes.hpp"
+#include "gemm_chain.cuh"
 
 namespace {
 
@@ -34,15 +35,6 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) {
     std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
     std::exit(1);
-  }
-}
-
-// The kernel before a GEMM in the chain: writes its input row (k bf16 values, varying with
-// `salt`), and lets a programmatic dependent start at once.
-__global__ void write_input_row(std::uint16_t* in, std::int64_t k, std::uint32_t salt) {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  for (std::int64_t i = threadIdx.x; i < k; i += blockDim.x) {
-    in[i] = static_cast<std::uint16_t>(0x3c00u | ((static_cast<std::uint32_t>(i) + salt) & 0x7fu));
   }
 }
 
@@ -217,36 +209,10 @@ int main() {
       "sliced, split 2 | streamed, programmatic | cuBLAS | tiled, 8 rows | cuBLAS, 8 rows | "
       "tiled, 64 rows | cuBLAS, 64 rows |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
       "\n");
-  constexpr int kPairs = 50;
-  // us per (writer, GEMM) pair: kPairs pairs in one graph, each GEMM on the next weight copy,
-  // median of 5 timed replays after 2; without the GEMM, the writer's alone.
+  // us per (writer, GEMM) pair (gemm_chain.cuh); without the GEMM, the writer's alone.
   auto chain_us = [&](const Shape& s, const Operands& operands, auto&& launch_gemm,
                       bool with_gemm) {
-    auto* in_row = static_cast<std::uint16_t*>(operands.in);
-    const std::vector<void*>& weights = operands.weights;
-    cudaGraph_t graph = nullptr;
-    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-    for (int i = 0; i < kPairs; ++i) {
-      write_input_row<<<1, 256, 0, stream>>>(in_row, s.k, static_cast<std::uint32_t>(i));
-      if (with_gemm) launch_gemm(weights[static_cast<std::size_t>(i) % weights.size()]);
-    }
-    check(cudaStreamEndCapture(stream, &graph), "capture");
-    cudaGraphExec_t exec = nullptr;
-    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-    std::vector<double> rounds;
-    for (int round = 0; round < 7; ++round) {
-      cudaEventRecord(a, stream);
-      check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-      cudaEventRecord(b, stream);
-      check(cudaEventSynchronize(b), "replay");
-      float ms = 0;
-      cudaEventElapsedTime(&ms, a, b);
-      if (round >= 2) rounds.push_back(ms * 1e3 / kPairs);
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    std::sort(rounds.begin(), rounds.end());
-    return rounds[rounds.size() / 2];
+    return kda_bench::chain_us(stream, operands.in, s.k, operands.weights, launch_gemm, with_gemm);
   };
   // cuBLAS allocates nothing under capture with a workspace of the caller's.
   cublasSetWorkspace(handle, workspace, kWorkspace);
