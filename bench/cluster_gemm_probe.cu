@@ -282,7 +282,6 @@ __global__ void __launch_bounds__(kWideMaxWarps * 32, 1)
   // 1024-byte aligned: the swizzle atoms' alignment (the plan's smem has the slack).
   unsigned char* staged = raw + ((1024u - (d::smem_addr(raw) & 1023u)) & 1023u);
   const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
-  const int g = lane / 4, q = lane % 4;
   const int part = static_cast<int>(blockIdx.x) % plan.ksplit;
   const std::int64_t row_block = blockIdx.x / plan.ksplit;
   const int s_begin = part * plan.per_part;
