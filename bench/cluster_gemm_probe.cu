@@ -86,17 +86,16 @@ using d::griddep_launch_dependents;
 using d::griddep_wait;
 using kda::layer::cuda::load_streaming;
 
-// ---- the mma.sync kernel
-// ------------------------------------------------------------------------- The fragment kernel's
-// weight loads (straight into mma.m16n8k16's A fragments, K permuted alike in both operands) for
-// steps of 9 to 64 rows, where the fragment kernel would read the input once per 8-row tile from
-// L2. Here a block's warps (16 weight rows each) share one range of K, whose input rows the block
-// copies into shared memory once (rows padded by 16 bytes: each quarter-warp's 16-byte reads fall
-// on distinct banks); a lane reads its 16 bytes of every 8-row tile of input from there, NT tiles.
-// Where the weights have few rows, K is split between the blocks of a thread block cluster (2, 4 or
-// 8), which add their partial sums through distributed shared memory in rank order: deterministic,
-// no workspace, no second launch. The plan (warps a block, blocks a cluster) fills one wave of
-// blocks, one a multiprocessor, as fully as it can.
+// ---- the mma.sync kernel -----------------------------------------------------------------------
+// The fragment kernel's weight loads (straight into mma.m16n8k16's A fragments, K permuted alike
+// in both operands) for steps of 9 to 64 rows, where the fragment kernel would read the input once
+// per 8-row tile from L2. Here a block's warps (16 weight rows each) share one range of K, whose
+// input rows the block copies into shared memory once (rows padded by 16 bytes: each
+// quarter-warp's 16-byte reads fall on distinct banks); a lane reads its 16 bytes of every 8-row
+// tile of input from there, NT tiles. Where the weights have few rows, K is split between the
+// blocks of a thread block cluster (up to 8), which add their partial sums through distributed
+// shared memory in rank order: deterministic, no workspace, no second launch. The plan (warps a
+// block, blocks a cluster) fills one wave of blocks, one a multiprocessor, as fully as it can.
 
 constexpr int kWideMaxWarps = 16;
 constexpr int kWideSteps = 2;  // 64-column steps a round: 8 16-byte weight loads a lane in flight
@@ -387,10 +386,10 @@ int wide_tiles(std::int64_t rows) { return rows <= 16 ? 2 : rows <= 32 ? 4 : 8; 
 // asked once a device and cluster size.
 int wide_resident_clusters(int ksplit) {
   constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices][4] = {};
+  static std::atomic<int> cached[kMaxDevices][9] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const int slot = ksplit == 2 ? 1 : ksplit == 4 ? 2 : ksplit == 8 ? 3 : 0;
+  const int slot = ksplit;
   if (device >= 0 && device < kMaxDevices && cached[device][slot].load() > 0) {
     return cached[device][slot].load();
   }
@@ -416,8 +415,8 @@ int wide_resident_clusters(int ksplit) {
   return clusters;
 }
 
-// The cluster fragment kernel's plan for `p`: of 8-16 warps a block and 1, 2, 4 or 8 blocks a
-// cluster (each at least two steps of K, the staged input within shared memory), the one whose
+// The cluster fragment kernel's plan for `p`: of 8-16 warps a block and 1-8 blocks a cluster (each
+// at least two steps of K, the staged input within shared memory), the one whose
 // grid is the largest single wave (one block a multiprocessor, clusters as many as fit); ties go to
 // fewer blocks a cluster, then more warps. None (warps 0) where no plan fills half the device.
 WidePlan wide_plan(const GemmArgs& p) {
@@ -426,7 +425,7 @@ WidePlan wide_plan(const GemmArgs& p) {
   const int rows = 8 * wide_tiles(p.rows);
   const int steps = static_cast<int>((p.k + 63) / 64);
   std::int64_t best_blocks = 0;
-  for (const int ksplit : {1, 2, 4, 8}) {
+  for (int ksplit = 1; ksplit <= 8; ++ksplit) {
     const int per_part = (steps + ksplit - 1) / ksplit;
     if (ksplit > 1 && per_part < 2) break;
     const int pitch = per_part * 128 + 16;
