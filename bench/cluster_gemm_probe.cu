@@ -606,19 +606,11 @@ int main() {
       "\nIn a chain (after a kernel that writes the input's first row; graph replays), us (TB/s of "
       "weight reads)\n\n| shape | rows | cuBLAS | mma.sync | wgmma |\n|---|---:|---:|---:|---:|\n");
   for (const auto& s : kda_bench::kDecodeGemmShapes) {
-    const std::size_t bytes = static_cast<std::size_t>(s.n * s.k) * 2;
-    std::vector<void*> weights(
-        std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / bytes + 1));
-    for (void*& w : weights) {
-      check(cudaMalloc(&w, bytes), "cudaMalloc");
-      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
-    }
-    void *in = nullptr, *out = nullptr;
-    check(cudaMalloc(&in, static_cast<std::size_t>(64 * s.k) * 2), "cudaMalloc");
-    check(cudaMemset(in, 0x3c, static_cast<std::size_t>(64 * s.k) * 2), "cudaMemset");
-    check(cudaMalloc(&out, static_cast<std::size_t>(64 * s.n) * 2), "cudaMalloc");
+    const kda_bench::Operands operands(s, prop);
+    const std::size_t bytes = operands.bytes;
+    void *in = operands.in, *out = operands.out;
     auto chain_us = [&](auto&& launch, bool with_gemm) {
-      return kda_bench::chain_us(stream, in, s.k, weights, launch, with_gemm);
+      return kda_bench::chain_us(stream, in, s.k, operands.weights, launch, with_gemm);
     };
     const double writer = chain_us([](void*) {}, false);
     auto cell = [&](double us) {
@@ -630,16 +622,7 @@ int main() {
     };
     for (const std::int64_t rows : {16, 32, 64}) {
       std::printf("| %s | %lld |", s.name, static_cast<long long>(rows));
-      cell(chain_us(
-               [&](void* w) {
-                 const float one = 1.0f, zero = 0.0f;
-                 cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n),
-                              static_cast<int>(rows), static_cast<int>(s.k), &one, w, CUDA_R_16BF,
-                              static_cast<int>(s.k), in, CUDA_R_16BF, static_cast<int>(s.k), &zero,
-                              out, CUDA_R_16BF, static_cast<int>(s.n), CUBLAS_COMPUTE_32F,
-                              CUBLAS_GEMM_DEFAULT);
-               },
-               true) -
+      cell(chain_us([&](void* w) { kda_bench::cublas_gemm(handle, w, in, out, s, rows); }, true) -
            writer);
       for (const bool wgmma : {false, true}) {
         GemmArgs p = args_of(s, in, nullptr, out, rows, wgmma);
@@ -658,9 +641,6 @@ int main() {
       std::printf("\n");
       std::fflush(stdout);
     }
-    for (void* w : weights) cudaFree(w);
-    cudaFree(in);
-    cudaFree(out);
   }
   cudaFree(workspace);
   cublasDestroy(handle);

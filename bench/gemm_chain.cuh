@@ -1,17 +1,59 @@
-// gemm_chain.cuh — a decode GEMM timed as a step runs it, after the kernel that writes its input
-// (kda-gemv-probe, kda-cluster-gemm-probe): back-to-back calls of one GEMM overlap their tails,
-// which a step's GEMM cannot.
+// gemm_chain.cuh — what the probes of the decode GEMMs (kda-gemv-probe, kda-cluster-gemm-probe)
+// share: a shape's operands with weights beyond L2, cuBLAS's call, and a GEMM timed as a step runs
+// it, after the kernel that writes its input (back-to-back calls of one GEMM overlap their tails,
+// which a step's GEMM cannot).
 #pragma once
 
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "bench_device.cuh"  // CK
+#include "bench_device.cuh"        // CK
+#include "decode_gemm_shapes.hpp"  // DecodeGemmShape
 
 namespace kda_bench {
+
+// One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
+// reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.
+struct Operands {
+  std::size_t bytes = 0;  // of one weight copy
+  std::vector<void*> weights;
+  void* in = nullptr;
+  void* out = nullptr;
+  Operands(const DecodeGemmShape& s, const cudaDeviceProp& prop)
+      : bytes(static_cast<std::size_t>(s.n * s.k) * 2),
+        weights(static_cast<std::size_t>(
+            std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / bytes + 1))) {
+    for (void*& w : weights) {
+      CK(cudaMalloc(&w, bytes));
+      CK(cudaMemset(w, 0x3c, bytes));
+    }
+    CK(cudaMalloc(&in, 64 * s.k * 2));
+    CK(cudaMemset(in, 0x3c, 64 * s.k * 2));
+    CK(cudaMalloc(&out, 64 * s.n * 4));
+  }
+  ~Operands() {
+    for (void* w : weights) cudaFree(w);
+    cudaFree(in);
+    cudaFree(out);
+  }
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
+};
+
+// out[rows, n] = in[rows, k] · w[n, k]ᵀ of shape `s` on cuBLAS, as the layer calls it (bf16 out,
+// rows packed).
+inline void cublas_gemm(cublasHandle_t handle, const void* w, const void* in, void* out,
+                        const DecodeGemmShape& s, std::int64_t rows) {
+  const float one = 1.0f, zero = 0.0f;
+  cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), static_cast<int>(rows),
+               static_cast<int>(s.k), &one, w, CUDA_R_16BF, static_cast<int>(s.k), in, CUDA_R_16BF,
+               static_cast<int>(s.k), &zero, out, CUDA_R_16BF, static_cast<int>(s.n),
+               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+}
 
 // The kernel before a GEMM in the chain: writes its input row (k bf16 values, varying with
 // `salt`), and lets a programmatic dependent start at once.

@@ -40,33 +40,7 @@ void check(cudaError_t err, const char* what) {
 
 using Shape = kda_bench::DecodeGemmShape;
 
-// One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
-// reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.
-struct Operands {
-  std::size_t bytes = 0;  // of one weight copy
-  std::vector<void*> weights;
-  void* in = nullptr;
-  void* out = nullptr;
-  Operands(const Shape& s, const cudaDeviceProp& prop)
-      : bytes(static_cast<std::size_t>(s.n * s.k) * 2),
-        weights(static_cast<std::size_t>(
-            std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / bytes + 1))) {
-    for (void*& w : weights) {
-      check(cudaMalloc(&w, bytes), "cudaMalloc");
-      check(cudaMemset(w, 0x3c, bytes), "cudaMemset");
-    }
-    check(cudaMalloc(&in, 64 * s.k * 2), "cudaMalloc");
-    check(cudaMemset(in, 0x3c, 64 * s.k * 2), "cudaMemset");
-    check(cudaMalloc(&out, 64 * s.n * 4), "cudaMalloc");
-  }
-  ~Operands() {
-    for (void* w : weights) cudaFree(w);
-    cudaFree(in);
-    cudaFree(out);
-  }
-  Operands(const Operands&) = delete;
-  Operands& operator=(const Operands&) = delete;
-};
+using kda_bench::Operands;
 
 }  // namespace
 
@@ -106,11 +80,7 @@ int main() {
     return rounds[2];
   };
   auto cublas = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows) {
-    const float one = 1.0f, zero = 0.0f;
-    cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n), static_cast<int>(rows),
-                 static_cast<int>(s.k), &one, w, CUDA_R_16BF, static_cast<int>(s.k), in,
-                 CUDA_R_16BF, static_cast<int>(s.k), &zero, out, CUDA_R_16BF, static_cast<int>(s.n),
-                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    kda_bench::cublas_gemm(handle, w, in, out, s, rows);
     return true;
   };
   auto params = [&](void* w, const void* in, void* out, const Shape& s, std::int64_t rows,

@@ -198,15 +198,8 @@ TEST_CASE("one-row GEMM: streamed and sliced kernels against fp64, every decode 
     const std::vector<std::uint16_t> w =
         random_bits(static_cast<std::size_t>(s.n * s.k), 1.0f, ++seed);
     const std::vector<std::uint16_t> x = random_bits(static_cast<std::size_t>(s.k), 1.0f, ++seed);
-    std::vector<double> ref(static_cast<std::size_t>(s.n));
-    for (std::int64_t r = 0; r < s.n; ++r) {
-      double acc = 0.0;
-      for (std::int64_t c = 0; c < s.k; ++c) {
-        acc += static_cast<double>(kda::bf16_to_float(w[r * s.k + c])) *
-               static_cast<double>(kda::bf16_to_float(x[c]));
-      }
-      ref[r] = acc;
-    }
+    const std::vector<double> ref =
+        sampled_product(w, x, 1, s.n, s.k, s.k, [](std::int64_t) { return true; });
     const DeviceBuffer dw = DeviceBuffer::from(w), dx = DeviceBuffer::from(x);
     for (const SmallGemmKernel kernel : {SmallGemmKernel::kStreamed, SmallGemmKernel::kSliced}) {
       for (const bool f32 : {false, true}) {
@@ -420,18 +413,7 @@ TEST_CASE(
     const std::vector<std::uint16_t> xs = x.download<std::uint16_t>();
     const std::vector<unsigned char> got = out.download<unsigned char>();
     auto sampled = [](std::int64_t r) { return r % 11 == 0; };
-    std::vector<double> ref(static_cast<std::size_t>(rows * n), 0.0);
-    for (std::int64_t m = 0; m < rows; ++m) {
-      for (std::int64_t r = 0; r < n; ++r) {
-        if (!sampled(r)) continue;
-        double acc = 0.0;
-        for (std::int64_t c = 0; c < k; ++c) {
-          acc += static_cast<double>(kda::bf16_to_float(w[r * k + c])) *
-                 static_cast<double>(kda::bf16_to_float(xs[m * k + c]));
-        }
-        ref[m * n + r] = acc;
-      }
-    }
+    const std::vector<double> ref = sampled_product(w, xs, rows, n, k, k, sampled);
     bool finite = false;
     const double rel = relative_error(got, false, rows, n, n, ref, sampled, &finite);
     CHECK(finite);
