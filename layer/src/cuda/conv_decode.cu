@@ -3,8 +3,9 @@
 // state and leaves the new one behind. Fused with the copy of beta into the core's layout and, when
 // the caller gave no slot list, the identity slot list kda::decode_cuda needs. One thread: eight
 // channels of one sequence (16-byte loads and stores, 16-byte state accesses when the pools are
-// 16-byte aligned). Blocks past the sequences' compute the low-rank second factors
-// (ConvParams::factors), which read only the projection too: one launch instead of three.
+// 16-byte aligned; a one-token step's taps fetched by the warp in whole lines). Blocks past the
+// sequences' compute the low-rank second factors (ConvParams::factors), which read only the
+// projection too: one launch instead of three.
 #include "cuda/conv_silu.cuh"
 #include "cuda/ptx.cuh"  // mma_bf16 (kda/src/cuda)
 
@@ -120,6 +121,34 @@ __device__ __forceinline__ void fold_conv_state(const ConvParams& p, bool vector
   store_state<kHist>(state, vector_state, bits);
 }
 
+// A warp's conv taps, fetched in whole lines. Its lanes' taps are contiguous (2 W float4 a lane),
+// so that a load of one float4 a lane touches 32 lines, and the taps (the largest of a thread's
+// loads) kept the L1 busy. Here the warp's `lanes` active lanes (the lowest) load them in
+// consecutive float4 into their slice of shared memory, and each lane then reads its own; float4 i
+// sits at i ^ (i / 8 % 8), so that neither the stores nor (for W = 2 and 4) the reads of eight
+// lanes share a bank.
+template <int W>
+__device__ __forceinline__ void load_taps_coalesced(const ConvParams& p, std::int64_t c, int lanes,
+                                                    unsigned mask, float (&taps)[kConvVec * W]) {
+  constexpr int kPerLane = kConvVec * W / 4;
+  __shared__ float4 staged[kConvThreads / 32][32 * kPerLane];
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  float4* slice = staged[threadIdx.x / 32];
+  const float4* from = reinterpret_cast<const float4*>(p.conv_weight + (c - kConvVec * lane) * W);
+  auto at = [](int i) { return i ^ (i / 8 % 8); };
+  float4 raw[kPerLane];
+#pragma unroll
+  for (int q = 0; q < kPerLane; ++q) raw[q] = __ldg(from + q * lanes + lane);
+#pragma unroll
+  for (int q = 0; q < kPerLane; ++q) slice[at(q * lanes + lane)] = raw[q];
+  __syncwarp(mask);
+#pragma unroll
+  for (int j = 0; j < kPerLane; ++j) {
+    const float4 f = slice[at(kPerLane * lane + j)];
+    taps[4 * j] = f.x, taps[4 * j + 1] = f.y, taps[4 * j + 2] = f.z, taps[4 * j + 3] = f.w;
+  }
+}
+
 // A step of one token a row (a plain decode step, or a records step of one token): conv8's
 // operations on that token, bit for bit, with the conv state held as packed bf16 pairs (value m =
 // i * kHist + k of the channel-major slice in word m / 2) rather than a register a value, and no
@@ -127,8 +156,8 @@ __device__ __forceinline__ void fold_conv_state(const ConvParams& p, bool vector
 // times) kept three blocks on a multiprocessor, and a large batch's step was bound by latency.
 template <int W>
 __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
-                                                std::int64_t c, std::int64_t row,
-                                                std::int64_t slot) {
+                                                std::int64_t c, std::int64_t row, std::int64_t slot,
+                                                int lanes, unsigned mask) {
   constexpr int kHist = W - 1;
   constexpr int kWords = kConvVec * kHist / 2;
   const int branch = static_cast<int>(c / p.channels);
@@ -157,7 +186,7 @@ __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector
   const uint4 in = __ldg(reinterpret_cast<const uint4*>(p.proj + c) + row * (p.proj_stride / 8));
   const std::uint32_t x_words[4] = {in.x, in.y, in.z, in.w};
   float taps[kConvVec * W];
-  load_taps<W>(p, c, taps);
+  load_taps_coalesced<W>(p, c, lanes, mask, taps);
   float y[kConvVec];
 #pragma unroll
   for (int i = 0; i < kConvVec; ++i) {
@@ -219,6 +248,8 @@ __global__ void __launch_bounds__(kConvThreads)
   }
   const std::int64_t c =
       kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  // The warp's lanes with channels: the lowest (the one-token step's taps are the warp's to load).
+  const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
   if (c >= 3 * p.channels) return;
   std::int64_t slot = state_row<kVerify>(p, n, c == 0);
   if (p.fold_rows != nullptr && slot >= 0 && p.fold_rows[n] >= 0) {
@@ -231,7 +262,7 @@ __global__ void __launch_bounds__(kConvThreads)
     }
   }
   if constexpr (kOneToken) {
-    conv8_one_token<W>(p, vector_state, c, bos, slot);
+    conv8_one_token<W>(p, vector_state, c, bos, slot, __popc(mask), mask);
   } else {
     conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot, ProjRows(p, c));
   }
