@@ -331,6 +331,43 @@ KDA_LAYER_CUDA_CASE("prefill conv: partial channel tiles and chunks past the fir
   }
 }
 
+// A one-token decode step's conv loads each warp's taps together (conv_decode.cu), over the lanes
+// that have channels. Head counts whose warps are not all full (H = 3: 144 groups of eight
+// channels in blocks of 96 threads, the second block's second warp 16 lanes and its third none;
+// H = 5: 240 groups in blocks of 128, the last warp 16 lanes), with warps across the q / k / v
+// boundaries (H = 5: 80 groups a branch, 32 a warp), and H = 12 (warps full or empty): the
+// separate kernels, widths 4 and 3, f32 and bf16 pools, scattered slots and padding rows, against
+// the CPU layer and the fp64 reference.
+KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equal the CPU") {
+  const std::vector<std::int32_t> slots = {6, -1, 0, 9, 3, 11, 2, -1, 7};
+  std::uint64_t seed = 140;
+  for (const std::int64_t heads : {3, 5, 12}) {
+    for (const int width : {4, 3}) {
+      CAPTURE(heads);
+      CAPTURE(width);
+      const DType pool = width == 4 ? DType::kF32 : DType::kBF16;
+      layer::Config config = cuda.config(GateMode::kSoftplus, false);
+      config.num_heads = heads;
+      config.conv_width = width;
+      const layer::Weights weights =
+          with_bias_and_norm(layer::random_weights(config, ++seed, width));
+      const auto layer = cuda.make(weights);
+      const BatchSpec step = decode_batch(static_cast<std::int64_t>(slots.size()), 1, slots);
+      Pools before(config, 12, pool);
+      before.randomize(++seed);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
+      ForwardSettings settings;
+      settings.change = [](ForwardCall& call) {
+        call.options.decode_kernel = layer::DecodeKernel::kSeparate;
+      };
+      Pools after = before;
+      const LayerRun run = cuda.forward(*layer, hidden, step, &after, settings);
+      check_forward(cuda, weights, hidden, step, before, run, after);
+    }
+  }
+}
+
 // The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
 // new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
 // an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
