@@ -123,10 +123,11 @@ __device__ __forceinline__ void fold_conv_state(const ConvParams& p, bool vector
 
 // A warp's conv taps, fetched in whole lines. Its lanes' taps are contiguous (2 W float4 a lane),
 // so that a load of one float4 a lane touches 32 lines, and the taps (the largest of a thread's
-// loads) kept the L1 busy. Here the warp's `lanes` active lanes (the lowest) load them in
-// consecutive float4 into their slice of shared memory, and each lane then reads its own; float4 i
-// sits at i ^ (i / 8 % 8), so that neither the stores nor (for W = 2 and 4) the reads of eight
-// lanes share a bank.
+// loads) kept the L1 busy. Here the warp's `lanes` active lanes (the lowest; a block is whole
+// warps, so lane 0's channel, c - 8 lane, is the warp's first) load them in consecutive float4
+// into their slice of shared memory, and each lane then reads its own; float4 i sits at
+// i ^ (i / 8 % 8), so that neither the stores nor (for W = 2 and 4) the reads of eight lanes share
+// a bank.
 template <int W>
 __device__ __forceinline__ void load_taps_coalesced(const ConvParams& p, std::int64_t c, int lanes,
                                                     unsigned mask, float (&taps)[kConvVec * W]) {
