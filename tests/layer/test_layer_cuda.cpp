@@ -50,6 +50,24 @@ void capture_forward(const layer::Layer& layer, ForwardCall call, cudaStream_t s
 }  // namespace
 #endif
 
+namespace {
+
+// A decode step on the separate conv, core and norm kernels (DecodeKernel::kSeparate) from
+// `before`, checked against the CPU layer and the fp64 reference.
+void check_separate_step(const LayerRunner& cuda, const layer::Weights& weights,
+                         const layer::Layer& layer, const std::vector<bf16_bits>& hidden,
+                         const BatchSpec& step, const Pools& before) {
+  ForwardSettings settings;
+  settings.change = [](ForwardCall& call) {
+    call.options.decode_kernel = layer::DecodeKernel::kSeparate;
+  };
+  Pools after = before;
+  const LayerRun run = cuda.forward(layer, hidden, step, &after, settings);
+  check_forward(cuda, weights, hidden, step, before, run, after);
+}
+
+}  // namespace
+
 KDA_LAYER_CUDA_CASE("a slot outside the pool seen only by the device is reported, run as padding") {
   const layer::Config config = cuda.config();
   const layer::Weights weights = layer::random_weights(config, 1, 0);
@@ -291,13 +309,7 @@ KDA_LAYER_CUDA_CASE(
     before.randomize(++seed);
     const std::vector<bf16_bits> hidden =
         random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
-    ForwardSettings settings;
-    settings.change = [](ForwardCall& call) {
-      call.options.decode_kernel = layer::DecodeKernel::kSeparate;
-    };
-    Pools after = before;
-    const LayerRun run = cuda.forward(*layer, hidden, step, &after, settings);
-    check_forward(cuda, weights, hidden, step, before, run, after);
+    check_separate_step(cuda, weights, *layer, hidden, step, before);
   }
 }
 
@@ -357,13 +369,7 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
       before.randomize(++seed);
       const std::vector<bf16_bits> hidden =
           random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
-      ForwardSettings settings;
-      settings.change = [](ForwardCall& call) {
-        call.options.decode_kernel = layer::DecodeKernel::kSeparate;
-      };
-      Pools after = before;
-      const LayerRun run = cuda.forward(*layer, hidden, step, &after, settings);
-      check_forward(cuda, weights, hidden, step, before, run, after);
+      check_separate_step(cuda, weights, *layer, hidden, step, before);
     }
   }
 }
