@@ -29,8 +29,9 @@
 #include <random>
 #include <vector>
 
-#include "cuda/ptx.cuh"          // mma, wgmma, clusters, griddepcontrol (kda/src/cuda)
-#include "cuda/weight_rows.cuh"  // load_streaming (layer/src/cuda)
+#include "cuda/ptx.cuh"            // mma, wgmma, clusters, griddepcontrol (kda/src/cuda)
+#include "cuda/shared_memory.cuh"  // allow_shared_memory (layer/src/cuda)
+#include "cuda/weight_rows.cuh"    // load_streaming (layer/src/cuda)
 #include "decode_gemm_shapes.hpp"
 #include "gemm_chain.cuh"
 
@@ -38,12 +39,7 @@ namespace {
 
 namespace d = kda::detail;
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
+using kda_bench::check;
 
 int sm_count() {
   static const int sms = [] {
@@ -52,11 +48,6 @@ int sm_count() {
     return n;
   }();
   return sms;
-}
-
-template <auto Kernel>
-cudaError_t allow_shared_memory(int bytes) {
-  return cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 // out[rows, n] (row stride ldo) = in[rows, k] (row stride ldi) · weight[n, k]ᵀ, bf16 operands,
@@ -84,6 +75,7 @@ __device__ __forceinline__ void store_out(void* out, std::int64_t n, float sum) 
 
 using d::griddep_launch_dependents;
 using d::griddep_wait;
+using kda::layer::cuda::allow_shared_memory;
 using kda::layer::cuda::load_streaming;
 
 // ---- the mma.sync kernel -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // gemm_chain.cuh — what the probes of the decode GEMMs (kda-gemv-probe, kda-cluster-gemm-probe)
-// share: a shape's operands with weights beyond L2, cuBLAS's call, and a GEMM timed as a step runs
-// it, after the kernel that writes its input (back-to-back calls of one GEMM overlap their tails,
-// which a step's GEMM cannot).
+// share: a failed call's exit, a shape's operands with weights beyond L2, cuBLAS's call, and a GEMM
+// timed as a step runs it, after the kernel that writes its input (back-to-back calls of one GEMM
+// overlap their tails, which a step's GEMM cannot).
 #pragma once
 
 #include <cublas_v2.h>
@@ -9,12 +9,22 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "bench_device.cuh"        // CK
 #include "decode_gemm_shapes.hpp"  // DecodeGemmShape
 
 namespace kda_bench {
+
+// A failed CUDA call ends the probe, with `what` and the error's name.
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
+    std::exit(1);
+  }
+}
 
 // One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
 // reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.

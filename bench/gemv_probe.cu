@@ -31,12 +31,7 @@
 
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
+using kda_bench::check;
 
 using Shape = kda_bench::DecodeGemmShape;
 
