@@ -31,8 +31,10 @@
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
-//                        [--batch B]... [--timeline]
+//                        [--batch B]... [--timeline] [--graph-only]
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
+// --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
+// step alone, for A/B runs of one build against another.
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
 // --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else).
 // Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
@@ -316,12 +318,14 @@ struct Case {
 
 int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
-  bool decode_only = false, timeline = false;
+  bool decode_only = false, timeline = false, graph_only = false;
   std::vector<std::string> shapes_wanted;
   std::vector<std::int64_t> batches_wanted;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--decode-only") == 0) {
       decode_only = true;
+    } else if (std::strcmp(argv[i], "--graph-only") == 0) {
+      graph_only = true;
     } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
@@ -342,7 +346,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
-                   "[--batch B]... [--timeline]\n",
+                   "[--batch B]... [--timeline] [--graph-only]\n",
                    argv[0]);
       return 2;
     }
@@ -570,7 +574,7 @@ int main(int argc, char** argv) {
                   "each kernel's time)",
               spans, untimed));
         }
-        if (c.decode) {
+        if (c.decode && !graph_only) {
           char line[320];
           const auto fused = kda::layer::DecodeKernel::kFusedFactors;
           std::snprintf(line, sizeof line,
@@ -630,7 +634,7 @@ int main(int argc, char** argv) {
       }
       // Speculative verify steps of T = 1 + k tokens a row, both forms (the K3 shard's pools at
       // B = 256, T = 8 would not fit beside its weights' copies: the two Kimi-Linear shapes only).
-      if (shape.full_rank_gate) continue;
+      if (shape.full_rank_gate || graph_only) continue;
       for (const std::int64_t T : {std::int64_t{4}, std::int64_t{8}}) {
         for (const std::int64_t B : {std::int64_t{1}, std::int64_t{64}, std::int64_t{256}}) {
           if (!wanted_batch(B)) continue;
