@@ -12,6 +12,7 @@
 #include "aligned_regions.hpp"
 #include "backends.hpp"
 #include "checks.hpp"
+#include "cpu_parallel.hpp"  // parallel_for, resolve_threads (kda/src)
 #include "kda/detail/checked_math.hpp"
 #include "kda/error.hpp"
 #include "kda/nvtx.hpp"
@@ -28,13 +29,29 @@ using MatrixMap = Eigen::Map<RowMajor>;
 constexpr const char* kForward = "KDA layer forward (CPU)";
 constexpr const char* kCoreInputs = "KDA layer core inputs (CPU)";
 
-// out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation.
+// Output columns a work item of project() computes: fixed, so that the result does not depend on
+// the thread count.
+constexpr std::int64_t kProjectColumns = 256;
+
+// out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation, in blocks of
+// kProjectColumns output columns on up to `threads` threads (0: the hardware's, as far as the work
+// pays for them; RunOptions::cpu_threads).
 void project(const float* in, std::int64_t tokens, std::int64_t n_in, const float* weight,
-             std::int64_t n_out, float* out) {
+             std::int64_t n_out, float* out, int threads) {
+  const std::int64_t blocks = (n_out + kProjectColumns - 1) / kProjectColumns;
+  // resolve_threads weighs work in state updates of the recurrence, each a few multiply-adds
+  // slower than a GEMM's: a thread here is worth its start from about 4M multiply-adds.
+  const std::int64_t workers =
+      kda::detail::cpu::resolve_threads(threads, blocks, tokens * n_in / 4 * n_out);
   MatrixMap result(out, tokens, n_out);
-  result.noalias() =
-      ConstMatrixMap(in, tokens, n_in) * ConstMatrixMap(weight, n_out, n_in).transpose();
-  for (std::int64_t i = 0; i < tokens * n_out; ++i) out[i] = round_bf16(out[i]);
+  const ConstMatrixMap x(in, tokens, n_in), w(weight, n_out, n_in);
+  kda::detail::cpu::parallel_for(blocks, workers, [&](std::int64_t block, std::int64_t) {
+    const std::int64_t first = block * kProjectColumns;
+    const std::int64_t columns = std::min(kProjectColumns, n_out - first);
+    auto part = result.middleCols(first, columns);
+    part.noalias() = x * w.middleRows(first, columns).transpose();
+    part = part.unaryExpr([](float value) { return round_bf16(value); });
+  });
 }
 
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
@@ -336,7 +353,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
                                    ConvBranch{v_proj_, v_conv_, state.conv_v, v, 2}}) {
     {
       KDA_NVTX_RANGE("projections");  // the same range names as the CUDA layer's
-      project(xf, T, E, branch.proj, Cl, pre);
+      project(xf, T, E, branch.proj, Cl, pre, options.cpu_threads);
     }
     timer.lap(&Times::projections);
     {
@@ -401,10 +418,10 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   // ---- forget gate g_raw = (x·W_faᵀ)·W_fbᵀ and beta_raw = x·W_bᵀ (activated inside the core) ---
   {
     KDA_NVTX_RANGE("projections");
-    project(xf, T, E, f_a_proj_, D, lowrank);
-    project(lowrank, T, D, f_b_proj_, Cl, pre);
+    project(xf, T, E, f_a_proj_, D, lowrank, options.cpu_threads);
+    project(lowrank, T, D, f_b_proj_, Cl, pre, options.cpu_threads);
     for (std::int64_t i = 0; i < T * Cl; ++i) g[i] = float_to_bf16(pre[i]);
-    project(xf, T, E, b_proj_, Hl, pre);
+    project(xf, T, E, b_proj_, Hl, pre, options.cpu_threads);
     for (std::int64_t i = 0; i < T * Hl; ++i) beta[i] = float_to_bf16(pre[i]);
     // Output gate (x·W_gaᵀ → bf16)·W_gbᵀ [+ bias], or x·W_gᵀ [+ bias] (full rank), into `gate`
     // for the norm, rounded once after the bias. The full-rank form as Kimi K3 runs it (read: the
@@ -418,7 +435,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     const float* gate_weight = g_proj_;
     std::int64_t gate_k = E;
     if (!c.full_rank_gate) {
-      project(xf, T, E, g_a_proj_, D, lowrank);
+      project(xf, T, E, g_a_proj_, D, lowrank, options.cpu_threads);
       gate_in = lowrank;
       gate_weight = g_b_proj_;
       gate_k = D;
@@ -495,7 +512,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   // ---- out = y·W_oᵀ (a partial sum over tensor-parallel ranks) -------------------------------
   {
     KDA_NVTX_RANGE("o_proj");
-    project(gate, T, Cl, o_proj_, E, xf);
+    project(gate, T, Cl, o_proj_, E, xf, options.cpu_threads);
     for (std::int64_t i = 0; i < T * E; ++i) out[i] = float_to_bf16(xf[i]);
   }
   timer.lap(&Times::o_proj);

@@ -273,3 +273,48 @@ KDA_LAYER_CASE("a zero gate matrix: the full-rank and the low-rank layer are the
   MESSAGE("without the bias: out changes by " << bias_effect);
   CHECK(bias_effect > 0.05);
 }
+
+KDA_LAYER_CPU_CASE("the CPU layer gives the same bits on 1, 2, 3 or all threads") {
+  // The projections run in blocks of output columns on RunOptions::cpu_threads threads, as the
+  // core runs its (sequence, head) pairs: neither may depend on the thread count. A layer wide
+  // enough for several blocks of every projection (and a last, narrower one): 1,672 input columns,
+  // 512 of f_b, 320 of o_proj.
+  LayerRunner& runner = cpu_layer_runner();
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    layer::Config config = runner.config(GateMode::kSoftplus, full_rank);
+    config.hidden_size = 320;
+    config.num_heads = 8;
+    config.head_dim = 64;
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 61, 2));
+    const auto layer = runner.make(weights);
+    const std::int64_t E = config.hidden_size;
+    for (const bool decode : {false, true}) {
+      CAPTURE(decode);
+      const BatchSpec batch =
+          decode ? decode_batch(3, 1, {2, 0, 1}) : prefill_batch({29, 0, 6}, {2, 0, 1});
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 62);
+      Pools before(config, 3);
+      before.randomize(63);
+      std::vector<LayerRun> runs;
+      std::vector<Pools> pools;
+      for (const int threads : {1, 2, 3, 0}) {
+        CAPTURE(threads);
+        Pools after = before;
+        ForwardSettings settings;
+        settings.change = [threads](ForwardCall& call) { call.options.cpu_threads = threads; };
+        runs.push_back(runner.forward(*layer, hidden, batch, &after, settings));
+        REQUIRE_MESSAGE(runs.back().error.empty(), runs.back().error);
+        CHECK(runs.back().all_written);
+        pools.push_back(after);
+      }
+      for (std::size_t i = 1; i < runs.size(); ++i) {
+        CAPTURE(i);
+        CHECK(same_bits(runs[i].out, runs[0].out));
+        CHECK(pools[i] == pools[0]);
+      }
+      CHECK(pools[0] != before);  // the forward did update the states
+    }
+  }
+}
