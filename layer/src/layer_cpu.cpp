@@ -33,11 +33,12 @@ constexpr const char* kCoreInputs = "KDA layer core inputs (CPU)";
 // the thread count.
 constexpr std::int64_t kProjectColumns = 256;
 
-// out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ), fp32 accumulation, in blocks of
-// kProjectColumns output columns on up to `threads` threads (0: the hardware's, as far as the work
-// pays for them; RunOptions::cpu_threads).
+// out[T, n_out] = round_bf16(in[T, n_in] · weight[n_out, n_in]ᵀ + bias), fp32 accumulation, the
+// bias [n_out] (if any) added before the rounding; in blocks of kProjectColumns output columns on
+// up to `threads` threads (0: the hardware's, as far as the work pays for them;
+// RunOptions::cpu_threads).
 void project(const float* in, std::int64_t tokens, std::int64_t n_in, const float* weight,
-             std::int64_t n_out, float* out, int threads) {
+             std::int64_t n_out, float* out, int threads, const float* bias = nullptr) {
   const std::int64_t blocks = (n_out + kProjectColumns - 1) / kProjectColumns;
   // resolve_threads weighs work in state updates of the recurrence, each a few multiply-adds
   // slower than a GEMM's: a thread here is worth its start from about 4M multiply-adds.
@@ -50,6 +51,9 @@ void project(const float* in, std::int64_t tokens, std::int64_t n_in, const floa
     const std::int64_t columns = std::min(kProjectColumns, n_out - first);
     auto part = result.middleCols(first, columns);
     part.noalias() = x * w.middleRows(first, columns).transpose();
+    if (bias != nullptr) {
+      part.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(bias + first, columns);
+    }
     part = part.unaryExpr([](float value) { return round_bf16(value); });
   });
 }
@@ -440,15 +444,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
       gate_weight = g_b_proj_;
       gate_k = D;
     }
-    {
-      MatrixMap gate_matrix(gate, T, Cl);
-      gate_matrix.noalias() =
-          ConstMatrixMap(gate_in, T, gate_k) * ConstMatrixMap(gate_weight, Cl, gate_k).transpose();
-      if (g_b_bias_ != nullptr) {
-        gate_matrix.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(g_b_bias_, Cl);
-      }
-      for (std::int64_t i = 0; i < T * Cl; ++i) gate[i] = round_bf16(gate[i]);
-    }
+    project(gate_in, T, gate_k, gate_weight, Cl, gate, options.cpu_threads, g_b_bias_);
   }
   timer.lap(&Times::projections);
 
