@@ -788,26 +788,34 @@ int main(int argc, char** argv) {
         }
       }
     }
-    std::printf(
-        "\nDecode steps by RunOptions::decode_kernel, graph replays per layer (us), same run:\n\n"
-        "| layer | case | layers in the graph | auto | fused, factors inside | fused after GEMMs | "
-        "separate | fused, factors inside, 1 block a head | 2 blocks | 4 blocks | 8 blocks |\n"
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    if (!kernel_rows.empty()) {
+      std::printf(
+          "\nDecode steps by RunOptions::decode_kernel, graph replays per layer (us), same "
+          "run:\n\n"
+          "| layer | case | layers in the graph | auto | fused, factors inside | fused after "
+          "GEMMs | separate | fused, factors inside, 1 block a head | 2 blocks | 4 blocks | 8 "
+          "blocks |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    }
     for (const std::string& row : kernel_rows) std::printf("%s\n", row.c_str());
-    std::printf(
-        "\nPrefill checkpoints (recurrent and conv states), graph replays per layer (us), same "
-        "run:\n\n| layer | case | requests | without | with | x without |\n"
-        "|---|---|---:|---:|---:|---:|\n");
+    if (!checkpoint_rows.empty()) {
+      std::printf(
+          "\nPrefill checkpoints (recurrent and conv states), graph replays per layer (us), same "
+          "run:\n\n| layer | case | requests | without | with | x without |\n"
+          "|---|---|---:|---:|---:|---:|\n");
+    }
     for (const std::string& row : checkpoint_rows) std::printf("%s\n", row.c_str());
-    std::printf(
-        "\nSpeculative verify steps, graph replays per layer (us), same run: per-token states "
-        "(Batch::num_accepted) against records (Batch::records) and the commit over all the "
-        "graph's layers in one call, the records step that folds the one before it instead of a "
-        "commit (Batch::fold_sequences), and the plain step of the same T tokens a row:\n\n| "
-        "layer | T | B | plain step | per-token states | records step | commit | records + commit "
-        "| records step, folding | records + commit / per-token | folding / per-token | records "
-        "step / plain | folding / plain |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    if (!verify_rows.empty()) {
+      std::printf(
+          "\nSpeculative verify steps, graph replays per layer (us), same run: per-token states "
+          "(Batch::num_accepted) against records (Batch::records) and the commit over all the "
+          "graph's layers in one call, the records step that folds the one before it instead of a "
+          "commit (Batch::fold_sequences), and the plain step of the same T tokens a row:\n\n| "
+          "layer | T | B | plain step | per-token states | records step | commit | records + "
+          "commit | records step, folding | records + commit / per-token | folding / per-token | "
+          "records step / plain | folding / plain |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    }
     for (const std::string& row : verify_rows) std::printf("%s\n", row.c_str());
     for (const std::string& table : timelines) std::printf("%s", table.c_str());
     cudaStreamDestroy(stream);
