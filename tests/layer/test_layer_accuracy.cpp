@@ -275,16 +275,17 @@ KDA_LAYER_CASE("a zero gate matrix: the full-rank and the low-rank layer are the
 }
 
 KDA_LAYER_CPU_CASE("the CPU layer gives the same bits on 1, 2, 3 or all threads") {
-  // The projections run in blocks of output columns on RunOptions::cpu_threads threads, as the
+  // The projections run in blocks of 256 output columns on RunOptions::cpu_threads threads, as the
   // core runs its (sequence, head) pairs: neither may depend on the thread count. A layer wide
-  // enough for several blocks of every projection (and a last, narrower one): 1,672 input columns,
-  // 512 of f_b, 320 of o_proj.
+  // enough for three or more blocks in q, k, v, f_b (768 columns each) and o_proj (640: two whole
+  // blocks and a narrower one), and a prefill long enough that 0 (all threads) starts more than one
+  // on a machine that has them; 3 runs more threads than blocks of some projections.
   LayerRunner& runner = cpu_layer_runner();
   for (const bool full_rank : {false, true}) {
     CAPTURE(full_rank);
     layer::Config config = runner.config(GateMode::kSoftplus, full_rank);
-    config.hidden_size = 320;
-    config.num_heads = 8;
+    config.hidden_size = 640;
+    config.num_heads = 12;
     config.head_dim = 64;
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 61, 2));
     const auto layer = runner.make(weights);

@@ -213,7 +213,7 @@ struct CoreInputs {
 
 struct RunOptions {
   void* stream = nullptr;      // CUDA: the cudaStream_t to enqueue on; nullptr: the default stream
-  int cpu_threads = 0;         // CPU threads (core, projections); 0: all hardware threads
+  int cpu_threads = 0;         // CPU threads (core, projections); 0: up to the hardware's
   bool check_pointers = true;  // CUDA: ask the driver about every caller buffer (host time)
   PrefillSchedule schedule = PrefillSchedule::kAuto;  // CUDA prefill: kda::CudaOptions::schedule
   DecodeKernel decode_kernel = DecodeKernel::kAuto;   // CUDA decode steps
