@@ -9,7 +9,9 @@
 #                          machine's CPU has it, else the compiler's generic target; a value
 #                          configured in the build directory by hand (cmake -DKDA_CPU_ARCH=native)
 #                          is kept. Set but empty (KDA_CPU_ARCH=): generic x86-64, for a binary
-#                          that runs on other machines.
+#                          that runs on other machines. A CPU that has all of x86-64-v3 but LZCNT
+#                          (/proc/cpuinfo without abm, as some virtual machines report) gets
+#                          x86-64-v3 with -mno-lzcnt (CMake's KDA_CPU_FLAGS).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -42,28 +44,38 @@ x86_64_v3_missing() {
   for flag in "${x86_64_v3_flags[@]}"; do
     [[ "$flags" == *" $flag "* ]] || missing+=("$flag")
   done
-  if [[ ${#missing[@]} -gt 0 ]]; then
+  # abm alone is reported last, after the compiler's check: that CPU gets x86-64-v3 without LZCNT.
+  if [[ ${#missing[@]} -gt 0 && "${missing[*]}" != abm ]]; then
     echo "the CPU lacks ${missing[*]}"
     return
   fi
   local compiler
   compiler="$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build_dir/CMakeCache.txt" 2>/dev/null)"
   compiler="${compiler:-${CXX:-c++}}"
-  if ! echo | "$compiler" -march=x86-64-v3 -x c++ -E - >/dev/null 2>&1; then
+  if ! echo | "$compiler" -march=x86-64-v3 -mno-lzcnt -x c++ -E - >/dev/null 2>&1; then
     echo "$compiler does not know -march=x86-64-v3"
+    return
+  fi
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "the CPU lacks abm"
   fi
 }
 cached_arch="$(sed -n 's/^KDA_CPU_ARCH:[A-Z]*=//p' "$build_dir/CMakeCache.txt" 2>/dev/null || true)"
 if [[ -n "${KDA_CPU_ARCH+set}" ]]; then
-  configure_args+=(-DKDA_CPU_ARCH="$KDA_CPU_ARCH")
+  configure_args+=(-DKDA_CPU_ARCH="$KDA_CPU_ARCH" -DKDA_CPU_FLAGS=)
   cpu_arch_note="${KDA_CPU_ARCH:-generic} (KDA_CPU_ARCH from the environment)"
 elif [[ -n "$cached_arch" && "$cached_arch" != x86-64-v3 ]]; then
   cpu_arch_note="$cached_arch (KDA_CPU_ARCH configured in $build_dir)"
 elif why_not="$(x86_64_v3_missing)" && [[ -z "$why_not" ]]; then
-  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3)
+  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3 -DKDA_CPU_FLAGS=)
   cpu_arch_note="x86-64-v3 (this CPU has AVX2 and FMA; KDA_CPU_ARCH= builds generic x86-64)"
+elif [[ "$why_not" == "the CPU lacks abm" ]]; then
+  # Everything of x86-64-v3 but LZCNT: the compiler must not emit it (on a CPU without it, lzcnt
+  # runs as bsr and returns another value), the rest (AVX2, FMA) is what the CPU backend gains by.
+  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3 -DKDA_CPU_FLAGS=-mno-lzcnt)
+  cpu_arch_note="x86-64-v3 without LZCNT (this CPU has AVX2 and FMA, not abm; KDA_CPU_ARCH= builds generic x86-64)"
 else
-  configure_args+=(-DKDA_CPU_ARCH=)
+  configure_args+=(-DKDA_CPU_ARCH= -DKDA_CPU_FLAGS=)
   cpu_arch_note="the compiler's generic target ($why_not)"
 fi
 echo "build.sh: CPU backend built for $cpu_arch_note"
