@@ -33,32 +33,36 @@ configure_args=(-S "$root" -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKDA_CUDA
 # The x86-64-v3 feature set as /proc/cpuinfo names it (abm: LZCNT, pni: SSE3), the v2 set included.
 x86_64_v3_flags=(avx avx2 bmi1 bmi2 f16c fma abm movbe xsave cx16 lahf_lm popcnt pni ssse3 sse4_1
                  sse4_2)
-# Why this machine cannot build for x86-64-v3 (nothing: it can).
-x86_64_v3_missing() {
+# Whether this machine can build the CPU backend for x86-64-v3: returns 0 and sets
+# v3_extra_flags (what goes after -march: nothing, or -mno-lzcnt for a CPU that has all of
+# x86-64-v3 but abm, as some virtual machines report), or returns 1 and sets why_not.
+x86_64_v3_usable() {
+  v3_extra_flags=
+  why_not=
   if [[ "$(uname -m)" != x86_64 ]]; then
-    echo "not an x86-64 machine"
-    return
+    why_not="not an x86-64 machine"
+    return 1
   fi
   local flags missing=()
   flags=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
   for flag in "${x86_64_v3_flags[@]}"; do
     [[ "$flags" == *" $flag "* ]] || missing+=("$flag")
   done
-  # abm alone is reported last, after the compiler's check: that CPU gets x86-64-v3 without LZCNT.
   if [[ ${#missing[@]} -gt 0 && "${missing[*]}" != abm ]]; then
-    echo "the CPU lacks ${missing[*]}"
-    return
+    why_not="the CPU lacks ${missing[*]}"
+    return 1
   fi
   local compiler
   compiler="$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$build_dir/CMakeCache.txt" 2>/dev/null)"
   compiler="${compiler:-${CXX:-c++}}"
   if ! echo | "$compiler" -march=x86-64-v3 -mno-lzcnt -x c++ -E - >/dev/null 2>&1; then
-    echo "$compiler does not know -march=x86-64-v3"
-    return
+    why_not="$compiler does not know -march=x86-64-v3"
+    return 1
   fi
-  if [[ ${#missing[@]} -gt 0 ]]; then
-    echo "the CPU lacks abm"
-  fi
+  # Without abm the compiler must not emit LZCNT (on such a CPU lzcnt runs as bsr and returns
+  # another value); the rest (AVX2, FMA) is what the CPU backend gains by.
+  [[ ${#missing[@]} -eq 0 ]] || v3_extra_flags=-mno-lzcnt
+  return 0
 }
 cached_arch="$(sed -n 's/^KDA_CPU_ARCH:[A-Z]*=//p' "$build_dir/CMakeCache.txt" 2>/dev/null || true)"
 if [[ -n "${KDA_CPU_ARCH+set}" ]]; then
@@ -66,14 +70,13 @@ if [[ -n "${KDA_CPU_ARCH+set}" ]]; then
   cpu_arch_note="${KDA_CPU_ARCH:-generic} (KDA_CPU_ARCH from the environment)"
 elif [[ -n "$cached_arch" && "$cached_arch" != x86-64-v3 ]]; then
   cpu_arch_note="$cached_arch (KDA_CPU_ARCH configured in $build_dir)"
-elif why_not="$(x86_64_v3_missing)" && [[ -z "$why_not" ]]; then
-  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3 -DKDA_CPU_FLAGS=)
-  cpu_arch_note="x86-64-v3 (this CPU has AVX2 and FMA; KDA_CPU_ARCH= builds generic x86-64)"
-elif [[ "$why_not" == "the CPU lacks abm" ]]; then
-  # Everything of x86-64-v3 but LZCNT: the compiler must not emit it (on a CPU without it, lzcnt
-  # runs as bsr and returns another value), the rest (AVX2, FMA) is what the CPU backend gains by.
-  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3 -DKDA_CPU_FLAGS=-mno-lzcnt)
-  cpu_arch_note="x86-64-v3 without LZCNT (this CPU has AVX2 and FMA, not abm; KDA_CPU_ARCH= builds generic x86-64)"
+elif x86_64_v3_usable; then
+  configure_args+=(-DKDA_CPU_ARCH=x86-64-v3 -DKDA_CPU_FLAGS="$v3_extra_flags")
+  if [[ -z "$v3_extra_flags" ]]; then
+    cpu_arch_note="x86-64-v3 (this CPU has AVX2 and FMA; KDA_CPU_ARCH= builds generic x86-64)"
+  else
+    cpu_arch_note="x86-64-v3 without LZCNT (this CPU has AVX2 and FMA, not abm; KDA_CPU_ARCH= builds generic x86-64)"
+  fi
 else
   configure_args+=(-DKDA_CPU_ARCH= -DKDA_CPU_FLAGS=)
   cpu_arch_note="the compiler's generic target ($why_not)"
