@@ -6,18 +6,27 @@
 //   - "enumerated": the best of every algorithm id cuBLASLt lists for bf16 x bf16 -> bf16 with fp32
 //     accumulation, crossed with each tile it supports and split-K 1, 2, 4, 8, 16 (with a
 //     reduction scheme it supports), each configuration that cublasLtMatmulAlgoCheck accepts within
-//     a 32 MB workspace timed.
+//     a 32 MB workspace timed;
+//   - "split-K batched": K cut into 2 or 4 slices, one `cublasGemmStridedBatchedEx` call of the
+//     `cublasGemmEx` class (its batch the slices, so its grid that many times the plain call's)
+//     into fp32 partial sums, then a kernel adding them in slice order into the bf16 out; the best
+//     of the two, both launches in each timed call, and the larger relative error of the two
+//     against `cublasGemmEx`'s out (|split - plain| / |plain| over the bf16 outputs).
 // Each timing: 20 calls captured in one CUDA graph, each call on the next copy of random weights
 // (copies beyond three times L2), median of 7 replays, us per call. out = in · Wᵀ as the layer
 // computes it (row-major weight [n, k], op(A) = T in cuBLAS's column-major terms). The floor: the
 // weights, the input and the output once at the copy bandwidth given (default 4.25 TB/s).
 // Usage: kda-gemm-algo-probe [--rows R]... [--shape NAME]... [--bandwidth TBPS] [--max-tiles N]
-// (--shape: only the shapes whose name contains NAME). CUDA only.
+//                            [--no-lt]
+// (--shape: only the shapes whose name contains NAME; --no-lt: neither cuBLASLt column, which take
+// most of the run). CUDA only.
 #include <cublasLt.h>
 #include <cublas_v2.h>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -50,6 +59,24 @@ struct Best {
   }
 };
 
+// out[r, c] (bf16, [rows, n]) = the sum over s < splits, in order, of partial[s][r][c] (fp32,
+// [splits, rows, n]); four columns a thread (n a multiple of 4).
+__global__ void sum_slices(const float* partial, int splits, std::int64_t count,
+                           std::uint16_t* out) {
+  const std::int64_t i = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= count) return;
+  float4 acc = *reinterpret_cast<const float4*>(partial + i);
+  for (int s = 1; s < splits; ++s) {
+    const float4 f = *reinterpret_cast<const float4*>(partial + s * count + i);
+    acc.x += f.x, acc.y += f.y, acc.z += f.z, acc.w += f.w;
+  }
+  const float v[4] = {acc.x, acc.y, acc.z, acc.w};
+  std::uint16_t bits[4];
+  for (int j = 0; j < 4; ++j) bits[j] = __bfloat16_as_ushort(__float2bfloat16_rn(v[j]));
+  *reinterpret_cast<uint2*>(out + i) = make_uint2(bits[0] | (static_cast<unsigned>(bits[1]) << 16),
+                                                  bits[2] | (static_cast<unsigned>(bits[3]) << 16));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -57,6 +84,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> shape_filters;
   double bandwidth = 4.25e12;
   int max_tiles = 32;
+  bool lt_columns = true;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       rows_list.push_back(std::atoi(argv[++i]));
@@ -68,9 +96,12 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--max-tiles") == 0 && i + 1 < argc &&
                std::atoi(argv[i + 1]) > 0) {
       max_tiles = std::atoi(argv[++i]);
+    } else if (std::strcmp(argv[i], "--no-lt") == 0) {
+      lt_columns = false;
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--rows R]... [--shape NAME]... [--bandwidth TBPS] [--max-tiles N]\n",
+                   "usage: %s [--rows R]... [--shape NAME]... [--bandwidth TBPS] [--max-tiles N] "
+                   "[--no-lt]\n",
                    argv[0]);
       return 2;
     }
@@ -106,8 +137,9 @@ int main(int argc, char** argv) {
       "beyond L2); %d cuBLASLt algorithm ids, up to %d tiles each, split-K 1-16\n\n",
       prop.name, id_count, max_tiles);
   std::printf(
-      "| shape | rows | floor | cublasGemmEx | heuristic | enumerated | its configuration | "
-      "configurations timed |\n|---|---:|---:|---:|---:|---:|---|---:|\n");
+      "| shape | rows | floor | cublasGemmEx | split-K batched | its slices | its error | "
+      "heuristic | enumerated | its configuration | configurations timed |\n"
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n");
   std::fflush(stdout);
 
   for (const kda_bench::DecodeGemmShape& s : kda_bench::kDecodeGemmShapes) {
@@ -131,6 +163,9 @@ int main(int argc, char** argv) {
     void* out = nullptr;
     CK(cudaMalloc(&in, static_cast<std::size_t>(max_rows * s.k) * 2));
     CK(cudaMalloc(&out, static_cast<std::size_t>(max_rows * s.n) * 2));
+    constexpr int kMaxSlices = 4;
+    float* partial = nullptr;
+    CK(cudaMalloc(&partial, static_cast<std::size_t>(kMaxSlices * max_rows * s.n) * 4));
     kda_bench::fill(static_cast<std::uint16_t*>(in), max_rows * s.k, 5, -1.0f, 1.0f);
     CK(cudaDeviceSynchronize());  // the fills run on the default stream
 
@@ -180,6 +215,60 @@ int main(int argc, char** argv) {
                             out, CUDA_R_16BF, static_cast<int>(s.n), CUBLAS_COMPUTE_32F,
                             CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS;
       });
+      // One call of each into `out`, copied back: the plain product, then each split's.
+      auto plain_out = [&](void* w) {
+        check(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n),
+                           static_cast<int>(rows), static_cast<int>(s.k), &one, w, CUDA_R_16BF,
+                           static_cast<int>(s.k), in, CUDA_R_16BF, static_cast<int>(s.k), &zero,
+                           out, CUDA_R_16BF, static_cast<int>(s.n), CUBLAS_COMPUTE_32F,
+                           CUBLAS_GEMM_DEFAULT),
+              "cublasGemmEx");
+      };
+      auto host_out = [&] {
+        std::vector<std::uint16_t> h(static_cast<std::size_t>(rows * s.n));
+        CK(cudaStreamSynchronize(stream));
+        CK(cudaMemcpy(h.data(), out, h.size() * 2, cudaMemcpyDeviceToHost));
+        return h;
+      };
+      auto as_float = [](std::uint16_t bits) {
+        std::uint32_t word = static_cast<std::uint32_t>(bits) << 16;
+        float f;
+        std::memcpy(&f, &word, 4);
+        return static_cast<double>(f);
+      };
+      plain_out(weights[0]);
+      const std::vector<std::uint16_t> reference = host_out();
+      Best batched;
+      double batched_error = 0.0;
+      for (const int slices : {2, 4}) {
+        if (s.k % (8 * slices) != 0 || s.n % 4 != 0) continue;
+        const int k_slice = static_cast<int>(s.k / slices);
+        const std::int64_t count = rows * s.n;
+        auto split_call = [&](void* w) {
+          if (cublasGemmStridedBatchedEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(s.n),
+                                         static_cast<int>(rows), k_slice, &one, w, CUDA_R_16BF,
+                                         static_cast<int>(s.k), k_slice, in, CUDA_R_16BF,
+                                         static_cast<int>(s.k), k_slice, &zero, partial, CUDA_R_32F,
+                                         static_cast<int>(s.n), count, slices, CUBLAS_COMPUTE_32F,
+                                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            return false;
+          }
+          const unsigned blocks = static_cast<unsigned>((count / 4 + 255) / 256);
+          sum_slices<<<blocks, 256, 0, stream>>>(partial, slices, count,
+                                                 static_cast<std::uint16_t*>(out));
+          return cudaGetLastError() == cudaSuccess;
+        };
+        if (!split_call(weights[0])) continue;
+        const std::vector<std::uint16_t> split = host_out();
+        double diff = 0.0, norm = 0.0;
+        for (std::size_t i = 0; i < split.size(); ++i) {
+          const double p = as_float(reference[i]), q = as_float(split[i]);
+          diff += (q - p) * (q - p);
+          norm += p * p;
+        }
+        batched_error = std::max(batched_error, norm > 0.0 ? std::sqrt(diff / norm) : diff);
+        batched.offer(time_calls(split_call), std::to_string(slices));
+      }
 
       cublasLtMatmulDesc_t op = nullptr;
       check(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "MatmulDescCreate");
@@ -202,7 +291,7 @@ int main(int argc, char** argv) {
       };
 
       Best heuristic;
-      {
+      if (lt_columns) {
         cublasLtMatmulPreference_t preference = nullptr;
         check(cublasLtMatmulPreferenceCreate(&preference), "PreferenceCreate");
         const std::size_t limit = kWorkspaceBytes;
@@ -222,7 +311,7 @@ int main(int argc, char** argv) {
 
       Best enumerated;
       int timed = 0;
-      for (int i = 0; i < id_count; ++i) {
+      for (int i = 0; i < (lt_columns ? id_count : 0); ++i) {
         cublasLtMatmulAlgo_t algo;
         if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_16BF, CUDA_R_16BF,
                                    CUDA_R_16BF, CUDA_R_16BF, ids[i],
@@ -296,15 +385,17 @@ int main(int argc, char** argv) {
 
       const double bytes = static_cast<double>(weight_bytes) +
                            2.0 * static_cast<double>(rows) * static_cast<double>(s.k + s.n);
-      std::printf("| %s | %lld | %.2f | %.2f | %.2f | %.2f | %s | %d |\n", s.name,
-                  static_cast<long long>(rows), bytes / bandwidth * 1e6, gemm_ex, heuristic.us,
-                  enumerated.us, enumerated.config.empty() ? "-" : enumerated.config.c_str(),
-                  timed);
+      std::printf("| %s | %lld | %.2f | %.2f | %.2f | %s | %.1e | %.2f | %.2f | %s | %d |\n",
+                  s.name, static_cast<long long>(rows), bytes / bandwidth * 1e6, gemm_ex,
+                  batched.us, batched.config.empty() ? "-" : batched.config.c_str(), batched_error,
+                  heuristic.us, enumerated.us,
+                  enumerated.config.empty() ? "-" : enumerated.config.c_str(), timed);
       std::fflush(stdout);
     }
     for (void* w : weights) cudaFree(w);
     cudaFree(in);
     cudaFree(out);
+    cudaFree(partial);
   }
   cudaFree(workspace);
   cublasLtDestroy(lt);
