@@ -1882,8 +1882,8 @@ TEST_CASE("scripts/run-example.sh: --layer-case and --case replace the default m
 
 namespace {
 
-// Whether this machine can run x86-64-v3 code: an x86-64 CPU with every flag of the level.
-// The x86-64-v3 flags /proc/cpuinfo does not list (everything on a machine that is not x86-64).
+// The x86-64-v3 flags /proc/cpuinfo does not list (everything on a machine that is not x86-64):
+// none, and this machine can run x86-64-v3 code.
 std::vector<std::string> x86_64_v3_missing() {
   const std::vector<std::string> v3 = {"avx", "avx2",  "bmi1",   "bmi2",  "f16c",    "fma",
                                        "abm", "movbe", "xsave",  "cx16",  "lahf_lm", "popcnt",
