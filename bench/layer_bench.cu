@@ -38,12 +38,13 @@
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
 // --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else).
 // Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
-// --timeline (built with CUPTI, which comes with the CUDA Toolkit): for each decode row run, the
-// kernels of one graph replay of the default step as CUPTI's activity records give them (start,
-// end, the gap to the kernel before; a negative gap is an overlap, a programmatic dependent
-// starting while the kernel before it drains): where a step's time goes between its launches,
-// which the per-phase events, which serialize the phases, cannot show. The other tables of such a
-// run are timed with CUPTI loaded: compare them with runs without --timeline only with care.
+// --timeline (built with CUPTI, which comes with the CUDA Toolkit): for each row run (decode steps
+// and prefills), the kernels and memsets of one graph replay of the row's default forward as
+// CUPTI's activity records give them (start, end, the gap to the one before; a negative gap is an
+// overlap, a programmatic dependent starting while the kernel before it drains): where a
+// forward's time goes between its launches, which the per-phase events, which serialize the
+// phases, cannot show. The other tables of such a run are timed with CUPTI loaded: compare them
+// with runs without --timeline only with care.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -138,7 +139,8 @@ double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
   return median(per_layer);
 }
 
-// One kernel of a traced graph replay: its name and CUDA's launch shape, GPU timestamps in ns.
+// One kernel (or memset) of a traced graph replay: its name and CUDA's launch shape (0 for a
+// memset), GPU timestamps in ns.
 struct KernelSpan {
   std::string name;
   std::uint64_t start = 0, end = 0;
@@ -201,6 +203,21 @@ void CUPTIAPI timeline_buffer_completed(CUcontext, std::uint32_t, std::uint8_t* 
                                         std::size_t valid) {
   CUpti_Activity* record = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+    if (record->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
+      // CUPTI 13's memset record; a graph's memset nodes (the prefill's checkpoint index).
+      const auto* memset = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
+      const std::lock_guard<std::mutex> lock(g_spans_mutex);
+      if (memset->start == 0 || memset->end == 0) {
+        ++g_untimed;
+        continue;
+      }
+      KernelSpan span;
+      span.name = "memset (" + std::to_string(memset->bytes) + " bytes)";
+      span.start = memset->start;
+      span.end = memset->end;
+      g_spans.push_back(std::move(span));
+      continue;
+    }
     if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
     // CUPTI 13's kernel record (cupti_activity.h); a later CUPTI may deliver a newer layout.
     static_assert(CUPTI_API_VERSION >= 130000, "the kernel record layout of CUPTI 13");
@@ -241,6 +258,8 @@ std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<v
                                "cuptiActivityEnable")) {
     return spans;
   }
+  const bool memsets =
+      cupti_ok(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "cuptiActivityEnable(memset)");
   bool ok = true;
   {
     const CapturedGraph captured(stream, enqueue);
@@ -258,6 +277,7 @@ std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<v
          cupti_ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   }
   cupti_ok(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "cuptiActivityDisable");
+  if (memsets) cupti_ok(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_MEMSET), "cuptiActivityDisable");
   {
     const std::lock_guard<std::mutex> lock(g_spans_mutex);
     if (ok) {
@@ -563,7 +583,7 @@ int main(int argc, char** argv) {
           return replay_per_layer(stream, instances, warmup, iters, forwards(kernel, cluster));
         };
         const double graph = graph_replays(kda::layer::DecodeKernel::kAuto);
-        if (c.decode && timeline) {
+        if (timeline) {
           int untimed = 0;
           const std::vector<KernelSpan> spans =
               traced_replay(stream, forwards(kda::layer::DecodeKernel::kAuto, 0), &untimed);
