@@ -527,6 +527,46 @@ KDA_MATRIX_CASE("prefill checkpoints match the fp64 recurrence, every schedule")
   }
 }
 
+// More requests than one block of the index kernel takes (sequences x K past 1024: the index is
+// reset by a memset and built by a grid, not by one block): the same requests, spread over K = 160
+// columns a sequence among requests of none (-1, -1), write the same states and out bit for bit as
+// the five columns, on the split and the pipelined schedules.
+KDA_CUDA_CASE("checkpoint requests past one index block write what fewer columns write") {
+  const KdaCase c = make_case(checkpoint_options(4, 128, {300, 0, 1, 1000, 16, 2100, 37},
+                                                 DType::kF32, GateMode::kLowerBound, 611));
+  const SlotCase narrow = with_checkpoints(c, 611, DType::kI64);
+  const std::int64_t N = c.num_seqs(), K = narrow.problem.checkpoints, wide_k = 160;
+  REQUIRE(N * wide_k > 1024);
+  SlotCase wide = narrow;
+  wide.problem.checkpoints = wide_k;
+  wide.checkpoint_offsets.assign(static_cast<std::size_t>(N * wide_k), -1);
+  wide.checkpoint_slots.assign(static_cast<std::size_t>(N * wide_k), -1);
+  for (std::int64_t s = 0; s < N; ++s) {
+    for (std::int64_t k = 0; k < K; ++k) {
+      // Request k of sequence s in column 31 k + 7 (the last column for k = 4: 131 < 160).
+      const std::size_t from = static_cast<std::size_t>(s * K + k);
+      const std::size_t to = static_cast<std::size_t>(s * wide_k + 31 * k + 7);
+      wide.checkpoint_offsets[to] = narrow.checkpoint_offsets[from];
+      wide.checkpoint_slots[to] = narrow.checkpoint_slots[from];
+    }
+  }
+  for (const PrefillSchedule schedule : {PrefillSchedule::kTwoPhase, PrefillSchedule::kPipelined}) {
+    const std::string label = to_string(schedule);
+    CAPTURE(label);
+    PrefillOptions opt;
+    opt.cuda.schedule = schedule;
+    const PooledRun want = cuda.prefill_pooled(narrow, opt);
+    const PooledRun got = cuda.prefill_pooled(wide, opt);
+    REQUIRE(want.status.ok());
+    REQUIRE_MESSAGE(got.status.ok(), got.status.to_string());
+    CHECK(want.device_status == 0u);
+    CHECK(got.device_status == 0u);
+    CHECK(got.guards_intact);
+    CHECK(got.out == want.out);
+    CHECK(got.pool == want.pool);
+  }
+}
+
 // CUDA reads the requests on the device only: a bad offset or slot sets kDeviceStatusCheckpoint
 // and skips that request; the others are written as without it.
 KDA_CUDA_CASE("bad checkpoint requests are reported through the device status word") {

@@ -932,6 +932,39 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
   }
 }
 
+namespace {
+
+// Checkpoint requests [N, k] in device memory, as the CUDA layer reads them.
+ForwardSettings with_device_checkpoints(const DeviceBuffer& offsets, const DeviceBuffer& rows,
+                                        std::int64_t k) {
+  ForwardSettings settings;
+  settings.change = [&offsets, &rows, k](ForwardCall& call) {
+    call.batch.checkpoints = k;
+    call.batch.checkpoint_offsets = static_cast<const std::int64_t*>(offsets.get());
+    call.batch.checkpoint_slots = static_cast<const std::int32_t*>(rows.get());
+  };
+  return settings;
+}
+
+// Row `row` of `after` (its three conv states and its recurrent state) against row `ref_row` of
+// the reference's pools, within `tolerance`.
+void check_checkpoint_row(const Pools& after, std::int64_t row, const LayerReference& ref,
+                          std::int64_t ref_row, double tolerance) {
+  auto slice = [](const auto& pool, std::size_t width, std::int64_t r) {
+    using T = typename std::decay_t<decltype(pool)>::value_type;
+    return std::vector<T>(pool.begin() + static_cast<std::ptrdiff_t>(r * width),
+                          pool.begin() + static_cast<std::ptrdiff_t>((r + 1) * width));
+  };
+  const std::size_t cw = after.conv_row, rw = after.recurrent_row;
+  CHECK(relative_error(slice(after.conv_q, cw, row), slice(ref.conv_q, cw, ref_row)) <= tolerance);
+  CHECK(relative_error(slice(after.conv_k, cw, row), slice(ref.conv_k, cw, ref_row)) <= tolerance);
+  CHECK(relative_error(slice(after.conv_v, cw, row), slice(ref.conv_v, cw, ref_row)) <= tolerance);
+  CHECK(relative_error(slice(after.recurrent(), rw, row), slice(ref.recurrent, rw, ref_row)) <=
+        tolerance);
+}
+
+}  // namespace
+
 // CUDA: each checkpoint row within the fp64 reference's tolerance of a prefill of that many of
 // its sequence's tokens (conv states and the recurrent state), a request at the length bit for bit
 // the sequence's own row, out and the sequences' rows those of the call without checkpoints, rows
@@ -955,17 +988,11 @@ KDA_LAYER_CUDA_CASE(
       before.randomize(63);
       const std::vector<std::int64_t> offsets = {16, 37, 0, 16, 256, 300, 1, -1};
       const std::vector<std::int32_t> rows = {4, 5, 6, 7, 8, 9, 10, -1};
-      // The requests in device memory, as the layer's backend reads them.
       const DeviceBuffer offsets_dev = DeviceBuffer::from(offsets);
       const DeviceBuffer rows_dev = DeviceBuffer::from(rows);
-      ForwardSettings requests;
-      requests.change = [&](ForwardCall& call) {
-        call.batch.checkpoints = 2;
-        call.batch.checkpoint_offsets = static_cast<const std::int64_t*>(offsets_dev.get());
-        call.batch.checkpoint_slots = static_cast<const std::int32_t*>(rows_dev.get());
-      };
       Pools after = before;
-      const LayerRun run = cuda.forward(*layer, hidden, batch, &after, requests);
+      const LayerRun run = cuda.forward(*layer, hidden, batch, &after,
+                                        with_device_checkpoints(offsets_dev, rows_dev, 2));
       REQUIRE_MESSAGE(run.error.empty(), run.error);
       CHECK(run.device_status == 0u);
       CHECK(run.guards_intact);
@@ -988,17 +1015,7 @@ KDA_LAYER_CUDA_CASE(
         const LayerReference ref =
             reference_layer(weights, token_rows(hidden, E, begin, begin + offsets[i]),
                             prefill_batch({offsets[i]}, {static_cast<std::int32_t>(n)}), before);
-        auto slice = [](const auto& pool, std::size_t width, std::int64_t r) {
-          using T = typename std::decay_t<decltype(pool)>::value_type;
-          return std::vector<T>(pool.begin() + static_cast<std::ptrdiff_t>(r * width),
-                                pool.begin() + static_cast<std::ptrdiff_t>((r + 1) * width));
-        };
-        const std::size_t cw = after.conv_row, rw = after.recurrent_row;
-        CHECK(relative_error(slice(after.conv_q, cw, row), slice(ref.conv_q, cw, n)) <= tolerance);
-        CHECK(relative_error(slice(after.conv_k, cw, row), slice(ref.conv_k, cw, n)) <= tolerance);
-        CHECK(relative_error(slice(after.conv_v, cw, row), slice(ref.conv_v, cw, n)) <= tolerance);
-        CHECK(relative_error(slice(after.recurrent(), rw, row), slice(ref.recurrent, rw, n)) <=
-              tolerance);
+        check_checkpoint_row(after, row, ref, n, tolerance);
       }
       // Sequence 2 continued from its checkpoint after 256 tokens: its last 44 tokens.
       Pools resumed = after;
@@ -1016,5 +1033,73 @@ KDA_LAYER_CUDA_CASE(
               std::vector<double>(one_pass_rec.begin() + 2 * rw, one_pass_rec.begin() + 3 * rw)) <=
           (dtype == DType::kF32 ? cuda.tolerances().split_state : kBf16PoolTolerance));
     }
+  }
+}
+
+// CUDA: checkpoints where a sequence's initial conv state is read (an empty sequence at offset 0,
+// a two-token one at its length and at 0) beside many requests a sequence in any order (every 16
+// tokens of 200, and its length): rows at offset 0 hold the sequence's initial states bit for bit,
+// rows at a length its final states, the others the fp64 reference's states of that prefix; the
+// sequences' own rows and out as without checkpoints.
+KDA_LAYER_CUDA_CASE("prefill checkpoints from an empty sequence to many a sequence") {
+  const layer::Config config = cuda.config(GateMode::kLowerBound, false);
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 71, 2));
+  const auto layer = cuda.make(weights);
+  const std::int64_t E = config.hidden_size;
+  const std::vector<std::int64_t> lengths = {0, 2, 200};
+  const BatchSpec batch = prefill_batch(lengths, {2, 0, 1});
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 72);
+  constexpr std::int64_t K = 14;
+  constexpr std::int64_t kRows = 3 + 3 * K;
+  Pools before(config, kRows);
+  before.randomize(73);
+  // Sequence 2: offsets 192, 176, ..., 16, then 200 and 0 (rows 3 + 2K + k); sequences 0 and 1:
+  // offset 0 and their length, the rest none.
+  std::vector<std::int64_t> offsets(static_cast<std::size_t>(3 * K), -1);
+  std::vector<std::int32_t> rows(static_cast<std::size_t>(3 * K), -1);
+  offsets[0] = 0, rows[0] = 3;
+  offsets[K] = 2, rows[K] = 3 + K;
+  offsets[K + 1] = 0, rows[K + 1] = 4 + K;
+  for (std::int64_t k = 0; k < K; ++k) {
+    offsets[2 * K + k] = k < 12 ? 192 - 16 * k : (k == 12 ? 200 : 0);
+    rows[2 * K + k] = static_cast<std::int32_t>(3 + 2 * K + k);
+  }
+  const DeviceBuffer offsets_dev = DeviceBuffer::from(offsets);
+  const DeviceBuffer rows_dev = DeviceBuffer::from(rows);
+  Pools after = before;
+  const LayerRun run = cuda.forward(*layer, hidden, batch, &after,
+                                    with_device_checkpoints(offsets_dev, rows_dev, K));
+  REQUIRE_MESSAGE(run.error.empty(), run.error);
+  CHECK(run.device_status == 0u);
+  CHECK(run.guards_intact);
+  Pools plain = before;
+  const LayerRun plain_run = cuda.forward(*layer, hidden, batch, &plain);
+  CHECK(same_bits(run.out, plain_run.out));
+  for (std::int64_t r = 0; r < 3; ++r) CHECK(after.row_equal(plain, r));
+  for (std::int64_t r = 4; r < 3 + 2 * K; ++r) {  // the rows no request names
+    if (r != 3 + K && r != 4 + K) CHECK(after.row_equal(before, r));
+  }
+
+  const std::int32_t own[3] = {2, 0, 1};
+  const double tolerance = cuda.tolerances().reference;
+  for (std::size_t i = 0; i < offsets.size(); ++i) {
+    if (rows[i] < 0) continue;
+    const std::int64_t n = static_cast<std::int64_t>(i) / K, row = rows[i];
+    CAPTURE(n);
+    CAPTURE(row);
+    if (offsets[i] == 0) {
+      CHECK(after.row_equal(before, row, own[n]));
+      continue;
+    }
+    if (offsets[i] == lengths[static_cast<std::size_t>(n)]) {
+      CHECK(after.row_equal(after, row, own[n]));
+      continue;
+    }
+    const std::int64_t begin = batch.cu_seqlens[n];
+    const LayerReference ref =
+        reference_layer(weights, token_rows(hidden, E, begin, begin + offsets[i]),
+                        prefill_batch({offsets[i]}, {own[n]}), before);
+    check_checkpoint_row(after, row, ref, own[n], tolerance);
   }
 }

@@ -12,14 +12,11 @@
 namespace kda::detail {
 namespace {
 
-// One thread per request (s, k). A valid request with an entry is pushed onto the list of the
-// chunk slot it follows (offset 0: the sequence's initial-state list), once per entry. List order
-// depends on the atomics' order, the values written do not: every entry of a list gets the same
-// state.
-__global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
+// Request i's push: a valid request with an entry goes onto the list of the chunk slot it follows
+// (offset 0: the sequence's initial-state list), once per entry. List order depends on the
+// atomics' order, the values written do not: every entry of a list gets the same state.
+__device__ void push_checkpoint_request(const PrefillParams& p, std::int64_t i) {
   const std::int64_t K = p.checkpoints;
-  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.seqs.num_seqs * K) return;
   const std::int64_t s = i / K;
   // A padding sequence's requests are not read (it writes no state), as on the CPU.
   const std::int32_t own = p.state_slots[s];
@@ -47,6 +44,22 @@ __global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
   p.checkpoint_next[slot] = atomicExch(&p.checkpoint_heads[head], slot);
 }
 
+// One thread per request; the heads and claims were set to -1 (no list, unclaimed) before.
+__global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < p.seqs.num_seqs * p.checkpoints) push_checkpoint_request(p, i);
+}
+
+// One block for every request and the heads' and claims' reset before them: one launch instead of
+// a memset and a kernel, where both are small (a graph paid ~5 us for the memset node and the gap
+// after it: H200, kda-layer-bench --timeline, the TP8 shard's prefill with two checkpoints).
+__global__ void kda_checkpoint_index_block_kernel(const PrefillParams p, std::int64_t words) {
+  for (std::int64_t w = threadIdx.x; w < words; w += blockDim.x) p.checkpoint_heads[w] = -1;
+  __syncthreads();  // every head and claim reset before the first push
+  const std::int64_t requests = p.seqs.num_seqs * p.checkpoints;
+  for (std::int64_t i = threadIdx.x; i < requests; i += blockDim.x) push_checkpoint_request(p, i);
+}
+
 }  // namespace
 
 Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream) {
@@ -54,14 +67,23 @@ Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream) {
   // Heads and claims, adjacent: -1 (no list, unclaimed).
   const std::size_t words =
       static_cast<std::size_t>(prm.num_chunk_slots + prm.seqs.num_seqs + prm.num_state_slots);
+  const std::int64_t requests = prm.seqs.num_seqs * prm.checkpoints;
+  constexpr int kThreads = 256;
+  // Up to these, one block resets and pushes: a request a thread (each push is a chain of
+  // dependent loads and atomics), 64 stores a thread at most for the reset.
+  constexpr int kBlockThreads = 1024;
+  constexpr std::size_t kBlockMaxWords = 64 * kBlockThreads;
+  if (requests <= kBlockThreads && words <= kBlockMaxWords) {
+    kda_checkpoint_index_block_kernel<<<1, kBlockThreads, 0, stream>>>(
+        prm, static_cast<std::int64_t>(words));
+    return cuda_status(cudaGetLastError(), "kda_checkpoint_index_block_kernel");
+  }
   if (const cudaError_t err =
           cudaMemsetAsync(prm.checkpoint_heads, 0xff, words * sizeof(std::int32_t), stream);
       err != cudaSuccess) {
     return cuda_status(err, "cudaMemsetAsync(checkpoint index)");
   }
-  const std::int64_t requests = prm.seqs.num_seqs * prm.checkpoints;
   if (requests == 0) return Status::Ok();
-  constexpr int kThreads = 256;
   const std::int64_t blocks = (requests + kThreads - 1) / kThreads;
   if (blocks > 2147483647) {
     return Status(StatusCode::kUnsupported,

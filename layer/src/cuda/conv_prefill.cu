@@ -30,6 +30,91 @@ __device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64
   return slot < 0 || slot >= p.num_slots || slot == p.padding_slot;
 }
 
+// Request `request` (sequence n, rows [bos, eos)): its offset and row where the core takes it too
+// (kda.hpp: not a bad offset, a row in the pool, not a padding sequence's); false for the rest,
+// which the core reports.
+__device__ __forceinline__ bool checkpoint_request(const ConvParams& p, std::int64_t request,
+                                                   std::int64_t n, std::int64_t bos,
+                                                   std::int64_t eos, std::int64_t* offset,
+                                                   std::int32_t* row) {
+  *offset = p.checkpoint_offsets[request];
+  *row = p.checkpoint_slots[request];
+  const std::int64_t length = eos - bos;
+  return *offset >= 0 && *offset <= length &&
+         (*offset % kCheckpointAlignment == 0 || *offset == length) && *row >= 0 &&
+         *row != p.padding_slot && *row < p.num_slots && !padding_sequence(p, n);
+}
+
+// Where a checkpoint's conv states are written: a request whose offset is below W-1 in a sequence
+// with tokens reads the sequence's initial conv state, which that sequence's first chunk replaces,
+// so the first chunk's threads write it before their conv, each its own channels
+// (first_chunk_checkpoints); every other request has a block of its own after the chunks'
+// (checkpoint_block), which reads only the projection (or, for a sequence without tokens, whose
+// state nothing replaces, the initial state).
+__device__ __forceinline__ bool written_by_first_chunk(std::int64_t offset, std::int64_t bos,
+                                                       std::int64_t eos, int history) {
+  return offset < history && eos > bos;
+}
+
+// Blocks past the chunks' rows of the grid: blockIdx.x - chunk rows is a request (n, k), a thread
+// eight channels of q | k | v.
+template <int W>
+__device__ void checkpoint_block(const ConvParams& p, bool vector_state, std::int64_t request) {
+  constexpr int kHist = W - 1;
+  const std::int64_t c =
+      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  if (c >= 3 * p.channels) return;
+  const std::int64_t n = request / p.checkpoints;
+  const std::int64_t bos = clamped_cu(p, n);
+  std::int64_t eos = clamped_cu(p, n + 1);
+  eos = eos < bos ? bos : eos;
+  std::int64_t offset = 0;
+  std::int32_t row = 0;
+  if (!checkpoint_request(p, request, n, bos, eos, &offset, &row)) return;
+  if (written_by_first_chunk(offset, bos, eos, kHist)) return;
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t cc = c - branch * p.channels;
+  std::uint16_t initial[kConvVec * kHist] = {};
+  if (offset < kHist) {  // no tokens: the initial state is the checkpoint
+    const std::int64_t own = state_row(p, n, false);  // not padding: checked with the request
+    load_state<kHist>(p.pools[branch] + (own * p.channels + cc) * kHist, vector_state, initial);
+  }
+  std::uint16_t bits[kConvVec * kHist];
+  conv_state_at<kHist>(offset, bos, ProjRows(p, c), initial, bits);
+  store_state<kHist>(p.pools[branch] + (row * p.channels + cc) * kHist, vector_state, bits);
+}
+
+// The requests of sequence n at offsets below W-1 (written_by_first_chunk), by a first-chunk
+// thread before its conv replaces the initial state (row `slot`, this thread's channels c .. c +
+// 7). Every thread walks the sequence's K requests (broadcast loads).
+template <int W, class RunRow>
+__device__ void first_chunk_checkpoints(const ConvParams& p, bool vector_state, std::int64_t c,
+                                        std::int64_t n, std::int64_t bos, std::int64_t eos,
+                                        std::int64_t slot, const RunRow& run_row) {
+  constexpr int kHist = W - 1;
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t cc = c - branch * p.channels;
+  std::uint16_t initial[kConvVec * kHist];
+  bool loaded = false;
+#pragma unroll 1
+  for (std::int64_t k = 0; k < p.checkpoints; ++k) {
+    std::int64_t offset = 0;
+    std::int32_t row = 0;
+    const std::int64_t request = n * p.checkpoints + k;
+    if (!checkpoint_request(p, request, n, bos, eos, &offset, &row) ||
+        !written_by_first_chunk(offset, bos, eos, kHist)) {
+      continue;
+    }
+    if (!loaded) {
+      load_state<kHist>(p.pools[branch] + (slot * p.channels + cc) * kHist, vector_state, initial);
+      loaded = true;
+    }
+    std::uint16_t bits[kConvVec * kHist];
+    conv_state_at<kHist>(offset, bos, run_row, initial, bits);
+    store_state<kHist>(p.pools[branch] + (row * p.channels + cc) * kHist, vector_state, bits);
+  }
+}
+
 // A block's shared memory: the rows of its chunk and the W-1 before it, blockDim.x * 16 bytes each
 // (the block's channels of q | k | v).
 inline int conv_prefill_smem(int width, unsigned threads) {
@@ -46,6 +131,11 @@ __global__ void __launch_bounds__(kConvThreads, 3)
     conv_prefill_kernel(ConvParams p, bool vector_state) {
   extern __shared__ __align__(128) unsigned char staged[];
   __shared__ std::uint64_t landed;
+  const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+  if (static_cast<std::int64_t>(blockIdx.x) >= chunk_rows) {
+    checkpoint_block<W>(p, vector_state, blockIdx.x - chunk_rows);
+    return;
+  }
   const std::int64_t s = blockIdx.x;
   // The sequence owning slot s: the last n with first_slot(n) <= s (first_slot(0) == 0 <= s).
   // Broken cu_seqlens contents (the core reports them) only change which in-range rows are used.
@@ -104,40 +194,10 @@ __global__ void __launch_bounds__(kConvThreads, 3)
   const auto run_row = [&](std::int64_t t) {
     return reinterpret_cast<const uint4*>(staged + (t - first_row) * pitch)[threadIdx.x];
   };
-  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot, run_row);
-}
-
-// The conv states at the checkpoint requests: blockIdx.x a request (n, k), a thread one channel of
-// q | k | v. The state at offset o holds the W-1 pre-conv inputs before it, oldest first: from
-// `proj` where o - W + 1 + i >= 0, else from the sequence's initial conv state (as the CPU layer's
-// conv_state_at). Requests the core skips (kda.hpp: a bad offset, a row outside the pool; padding
-// sequences) are skipped here too; the core reports them.
-__global__ void conv_checkpoint_kernel(ConvParams p) {
-  const std::int64_t request = blockIdx.x, n = request / p.checkpoints;
-  const std::int64_t c = static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (c >= 3 * p.channels) return;
-  const std::int64_t offset = p.checkpoint_offsets[request];
-  const std::int32_t row = p.checkpoint_slots[request];
-  const std::int64_t bos = clamped_cu(p, n);
-  std::int64_t eos = clamped_cu(p, n + 1);
-  eos = eos < bos ? bos : eos;
-  const std::int64_t length = eos - bos;
-  const bool valid = offset >= 0 && offset <= length &&
-                     (offset % kCheckpointAlignment == 0 || offset == length) && row >= 0 &&
-                     row != p.padding_slot && row < p.num_slots && !padding_sequence(p, n);
-  if (!valid) return;
-  const std::int64_t own = p.slots[n];
-  const int branch = static_cast<int>(c / p.channels);
-  const std::int64_t channel = c - branch * p.channels;
-  const int history = p.width - 1;
-  const std::int64_t conv_row = p.channels * history;
-  const std::uint16_t* initial = p.pools[branch] + own * conv_row + channel * history;
-  std::uint16_t* dst = p.pools[branch] + row * conv_row + channel * history;
-  for (int i = 0; i < history; ++i) {
-    const std::int64_t t = offset - history + i;  // the input's position in the sequence
-    dst[i] = t >= 0 ? p.proj[(bos + t) * p.proj_stride + branch * p.channels + channel]
-                    : initial[history + t];
+  if (p.checkpoints > 0 && slot >= 0) {
+    first_chunk_checkpoints<W>(p, vector_state, c, n, bos, eos, slot, run_row);
   }
+  conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot, run_row);
 }
 
 }  // namespace
@@ -146,18 +206,12 @@ cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   if (p.tokens == 0 || p.sequences == 0) return cudaSuccess;
   bool vector_state = false;
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
-  if (p.checkpoints > 0) {
-    constexpr int kThreads = 256;
-    const std::int64_t requests = p.sequences * p.checkpoints;
-    const std::int64_t tiles = (3 * p.channels + kThreads - 1) / kThreads;
-    if (requests > 2147483647) return cudaErrorInvalidValue;
-    conv_checkpoint_kernel<<<dim3(static_cast<unsigned>(requests), static_cast<unsigned>(tiles)),
-                             kThreads, 0, stream>>>(p);
-    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  }
-  const std::int64_t chunk_slots = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+  // The chunks' rows of blocks, then one row a checkpoint request (checkpoint_block).
+  const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+  const std::int64_t rows = chunk_rows + (p.checkpoints > 0 ? p.sequences * p.checkpoints : 0);
+  if (rows > 2147483647) return cudaErrorInvalidValue;
   const ConvShape shape = conv_shape(p.channels);
-  const dim3 grid(static_cast<unsigned>(chunk_slots), shape.tiles);
+  const dim3 grid(static_cast<unsigned>(rows), shape.tiles);
   const int smem = conv_prefill_smem(p.width, shape.threads);
   auto launch = [&](auto kernel_width) -> cudaError_t {
     constexpr int kW = decltype(kernel_width)::value;

@@ -127,6 +127,39 @@ struct ProjRows {
   }
 };
 
+// The conv state of eight channels `offset` tokens into a sequence starting at row bos: column k
+// (oldest first) is the sequence's input offset - kHist + k, from `input(row)` (the eight
+// channels of a token row) where that is >= 0, else the initial state's column offset + k
+// (`initial`, read only where offset < kHist). A sequence's new state is its state at its length;
+// a checkpoint's, at its offset.
+template <int kHist, class Input>
+__device__ __forceinline__ void conv_state_at(std::int64_t offset, std::int64_t bos,
+                                              const Input& input,
+                                              const std::uint16_t (&initial)[kConvVec * kHist],
+                                              std::uint16_t (&out)[kConvVec * kHist]) {
+#pragma unroll
+  for (int k = 0; k < kHist; ++k) {
+    const std::int64_t tau = offset - kHist + k;
+    if (tau >= 0) {
+      const uint4 u = input(bos + tau);
+      const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) {
+        out[i * kHist + k] = static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
+      }
+    } else {
+      // offset + k < kHist here.
+#pragma unroll
+      for (int i = 0; i < kConvVec; ++i) {
+        std::uint16_t column[kHist];
+#pragma unroll
+        for (int m = 0; m < kHist; ++m) column[m] = initial[i * kHist + m];
+        out[i * kHist + k] = pick(column, static_cast<int>(offset) + k);
+      }
+    }
+  }
+}
+
 // The sequence occupies token rows [bos, eos); this thread computes rows [t_begin, t_end) of
 // channels c .. c + 7 (c a multiple of 8; all in one branch since channels is a multiple of 8).
 // `first_chunk`: t_begin == bos — the thread reads the sequence's old conv state (row `slot`;
@@ -254,27 +287,7 @@ __device__ __forceinline__ void conv8(const ConvParams& p, bool vector_state, st
   std::uint16_t old[kConvVec * kHist];
   if (len < kHist) load_state<kHist>(state, vector_state, old);
   std::uint16_t next[kConvVec * kHist];
-#pragma unroll
-  for (int k = 0; k < kHist; ++k) {
-    const std::int64_t tau = len - kHist + k;
-    if (tau >= 0) {
-      const uint4 u = input(bos + tau);
-      const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-      for (int i = 0; i < kConvVec; ++i) {
-        next[i * kHist + k] = static_cast<std::uint16_t>(words[i / 2] >> (16 * (i % 2)));
-      }
-    } else {
-      // len + k < kHist here.
-#pragma unroll
-      for (int i = 0; i < kConvVec; ++i) {
-        std::uint16_t column[kHist];
-#pragma unroll
-        for (int m = 0; m < kHist; ++m) column[m] = old[i * kHist + m];
-        next[i * kHist + k] = pick(column, static_cast<int>(len) + k);
-      }
-    }
-  }
+  conv_state_at<kHist>(len, bos, input, old, next);
   store_state<kHist>(state, vector_state, next);
 }
 

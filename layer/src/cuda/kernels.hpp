@@ -70,8 +70,8 @@ struct ConvParams {
   std::int64_t fold_tokens = 1;
   // Prefill only, optional: checkpoint requests (kda::layer::Batch::checkpoints), K per sequence,
   // int64 offsets and int32 rows [sequences, K]: launch_conv_prefill writes the three conv states
-  // at each valid request's offset into its row first (they read the sequences' initial conv
-  // states, which the conv then replaces).
+  // at each valid request's offset into its row, in the conv's launch (requests below W-1 tokens,
+  // which read a sequence's initial conv state, before the conv replaces it).
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;
