@@ -106,13 +106,15 @@ __device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::in
   });
 }
 
-// The pool entries listed from `first` on (prefill_checkpoints.cu): the state into each.
-// Block-uniform (every thread walks the same list).
+// The pool entries listed from `first` on (prefill_checkpoints.cu), `then` the one after it
+// (loaded ahead): the state into each. Block-uniform (every thread walks the same list).
 template <int MT>
-__device__ __forceinline__ void store_checkpoints(const PrefillParams& p, std::int32_t first, int h,
+__device__ __forceinline__ void store_checkpoints(const PrefillParams& p, std::int32_t first,
+                                                  std::int32_t then, int h,
                                                   const float (&acc)[MT][16][4], float unit,
                                                   int v_warp, int gq, int tq) {
-  for (std::int32_t entry = first; entry >= 0; entry = p.checkpoint_next[entry]) {
+  for (std::int32_t entry = first, after = then; entry >= 0;
+       entry = after, after = after >= 0 ? p.checkpoint_next[after] : -1) {
     // The paired shape's unit through an opaque move in the loop: the values stored are the same
     // for every entry, and computed once before the loop they were 192 more live registers (its
     // kernel spilled ~500 bytes a thread). The one-m-tile kernels keep the hoisted products: with
@@ -239,8 +241,9 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   const bool checkpointing = CKPT && !transition && !feeder && state_idx >= 0 &&
                              (PASS != RecurrencePass::kFirst || j == 0);
   if (checkpointing && j == 0) {
-    store_checkpoints<MT>(p, p.checkpoint_heads[p.num_chunk_slots + s], h, acc, 1.f, v_warp, gq,
-                          tq);
+    const std::int32_t first = p.checkpoint_heads[p.num_chunk_slots + s];
+    store_checkpoints<MT>(p, first, first >= 0 ? p.checkpoint_next[first] : -1, h, acc, 1.f, v_warp,
+                          gq, tq);
   }
 
   // This segment's chunks [c_begin, c_end) of the sequence. One thread drives the copy engine: an
@@ -573,36 +576,39 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   if constexpr (CKPT) {
     if (checkpointing) {
       const std::int32_t* heads = p.checkpoint_heads + slot0 + c_begin;
-      // The first chunk >= from (below nfetch) with a list, else nfetch. Every warp finds the same
-      // one by itself (the index is read-only here): 256 heads per round, eight loads a lane in
-      // flight, no block barrier.
-      auto next_listed = [&](std::int64_t from) -> std::int64_t {
-        for (std::int64_t base = from; base < nfetch; base += 256) {
-          std::int32_t head[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const std::int64_t c = base + 32 * i + lane;
-            head[i] = c < nfetch ? heads[c] : -1;
-          }
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const unsigned listed = __ballot_sync(0xffffffffu, head[i] >= 0);
-            if (listed != 0) return base + 32 * i + __ffs(listed) - 1;
-          }
-        }
-        return nfetch;
-      };
       if (c_first == 1 && heads[0] >= 0) {
-        store_checkpoints<MT>(p, heads[0], h, acc, unit, v_warp, gq, tq);
+        store_checkpoints<MT>(p, heads[0], p.checkpoint_next[heads[0]], h, acc, unit, v_warp, gq,
+                              tq);
       }
-      // Runs of plain chunk steps up to each listed chunk, its states stored after it: the steps'
-      // loop stays the one without checkpoints (a store inside it cost it ~8 %, H200).
+      // The lists of 32 chunks at a time, a lane each (every warp holds the same window: the
+      // index is read-only here), with each list's second entry; the next window's heads are
+      // loaded a window ahead. Runs of plain chunk steps go up to each listed chunk of the window
+      // (or its end), its states stored after it: the steps' loop stays the one without
+      // checkpoints (a store inside it cost it ~8 %, H200), and no run waits on the index's loads.
+      auto heads_at = [&](std::int64_t first) {
+        const std::int64_t c = first + lane;
+        return c < nfetch ? heads[c] : -1;
+      };
+      std::int64_t w0 = c_first;  // the window: chunks [w0, w0 + 32)
+      std::int32_t window = heads_at(w0);
+      std::int32_t second = window >= 0 ? p.checkpoint_next[window] : -1;
+      std::int32_t ahead = heads_at(w0 + 32);
       std::int64_t c = c_first;
       while (c < nfetch) {
-        const std::int64_t listed = next_listed(c);
-        const std::int64_t stop = listed < nfetch ? listed + 1 : nfetch;
+        const unsigned listed =
+            __ballot_sync(0xffffffffu, window >= 0) & (0xffffffffu << static_cast<int>(c - w0));
+        const int bit = listed != 0 ? __ffs(listed) - 1 : 31;
+        const std::int64_t stop = w0 + bit + 1 < nfetch ? w0 + bit + 1 : nfetch;
+        const std::int32_t entry = __shfl_sync(0xffffffffu, window, bit);
+        const std::int32_t then = __shfl_sync(0xffffffffu, second, bit);
         for (; c < stop; ++c) step(c, std::false_type{});
-        if (listed < nfetch) store_checkpoints<MT>(p, heads[listed], h, acc, unit, v_warp, gq, tq);
+        if (listed != 0) store_checkpoints<MT>(p, entry, then, h, acc, unit, v_warp, gq, tq);
+        if (c == w0 + 32) {
+          w0 += 32;
+          window = ahead;
+          second = window >= 0 ? p.checkpoint_next[window] : -1;
+          ahead = heads_at(w0 + 32);
+        }
       }
     } else {
       for (std::int64_t c = c_first; c < nfetch; ++c) step(c, std::false_type{});
