@@ -126,15 +126,20 @@ inline int conv_prefill_smem(int width, unsigned threads) {
 // registers (16 warps an SM, 64 KB in flight), the conv ran at about half the copy bandwidth: on
 // the H200 at T = 8192, H = 32 193 us against 131 staged (floor 95), TP8 35 against 26, K3's TP8
 // shard 88 against 58 (docs/PERFORMANCE.md). (kConvThreads, 3): at most 170 registers, no spills.
-template <int W>
+// CKPT compiles the checkpoint requests (ConvParams::checkpoints) into a kernel of their own, so
+// that the conv without them keeps its code (the same PTX as before they were added; in one kernel
+// with them it took 160-168 registers at W = 4 against 126).
+template <int W, bool CKPT>
 __global__ void __launch_bounds__(kConvThreads, 3)
     conv_prefill_kernel(ConvParams p, bool vector_state) {
   extern __shared__ __align__(128) unsigned char staged[];
   __shared__ std::uint64_t landed;
-  const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
-  if (static_cast<std::int64_t>(blockIdx.x) >= chunk_rows) {
-    checkpoint_block<W>(p, vector_state, blockIdx.x - chunk_rows);
-    return;
+  if constexpr (CKPT) {
+    const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+    if (static_cast<std::int64_t>(blockIdx.x) >= chunk_rows) {
+      checkpoint_block<W>(p, vector_state, blockIdx.x - chunk_rows);
+      return;
+    }
   }
   const std::int64_t s = blockIdx.x;
   // The sequence owning slot s: the last n with first_slot(n) <= s (first_slot(0) == 0 <= s).
@@ -194,9 +199,7 @@ __global__ void __launch_bounds__(kConvThreads, 3)
   const auto run_row = [&](std::int64_t t) {
     return reinterpret_cast<const uint4*>(staged + (t - first_row) * pitch)[threadIdx.x];
   };
-  if (p.checkpoints > 0 && slot >= 0) {
-    first_chunk_checkpoints<W>(p, vector_state, c, n, bos, eos, slot, run_row);
-  }
+  if (CKPT && slot >= 0) first_chunk_checkpoints<W>(p, vector_state, c, n, bos, eos, slot, run_row);
   conv8<W>(p, vector_state, c, bos, eos, t_begin, t_end, first_chunk, slot, run_row);
 }
 
@@ -213,14 +216,19 @@ cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(rows), shape.tiles);
   const int smem = conv_prefill_smem(p.width, shape.threads);
-  auto launch = [&](auto kernel_width) -> cudaError_t {
+  auto launch_as = [&](auto kernel_width, auto checkpoints) -> cudaError_t {
     constexpr int kW = decltype(kernel_width)::value;
-    if (const cudaError_t err = allow_shared_memory<conv_prefill_kernel<kW>>(smem);
+    constexpr bool kCkpt = decltype(checkpoints)::value;
+    if (const cudaError_t err = allow_shared_memory<conv_prefill_kernel<kW, kCkpt>>(smem);
         err != cudaSuccess) {
       return err;
     }
-    conv_prefill_kernel<kW><<<grid, shape.threads, smem, stream>>>(p, vector_state);
+    conv_prefill_kernel<kW, kCkpt><<<grid, shape.threads, smem, stream>>>(p, vector_state);
     return cudaGetLastError();
+  };
+  auto launch = [&](auto kernel_width) -> cudaError_t {
+    return p.checkpoints > 0 ? launch_as(kernel_width, std::true_type{})
+                             : launch_as(kernel_width, std::false_type{});
   };
   switch (p.width) {
     case 2:
