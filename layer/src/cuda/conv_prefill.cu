@@ -3,7 +3,8 @@
 // core's layout. One thread: eight channels (16-byte loads and stores) x one chunk of up to
 // kConvChunk tokens of one sequence; one block: one chunk x a tile of channels, whose input rows
 // (the chunk's and the W-1 before it) one thread copies into shared memory with the copy engine
-// before anyone computes.
+// before anyone computes. With checkpoint requests, the same launch writes their conv states
+// (checkpoint_block, first_chunk_checkpoints).
 #include "cuda/conv_silu.cuh"
 #include "cuda/ptx.cuh"            // the copy engine and its mbarrier (kda/src/cuda)
 #include "cuda/shared_memory.cuh"  // allow_shared_memory
