@@ -832,6 +832,32 @@ ForwardSettings with_checkpoints(const std::vector<std::int64_t>* offsets,
   return settings;
 }
 
+// Requests where a sequence's initial conv state is read (an empty sequence at offset 0, a
+// two-token one at its length and at 0) beside many a sequence in any order: sequences of 0, 2 and
+// 200 tokens on slots 2, 0, 1, K = 14 requests each; sequence 2's offsets 192, 176, ..., 16, then
+// 200 and 0 (rows 3 + 2K + k); sequence 0's offset 0 (row 3), sequence 1's 2 and 0 (rows 3 + K,
+// 4 + K); the rest none. Rows 4 .. 3 + 2K but those two are named by no request.
+struct SpreadRequests {
+  static constexpr std::int64_t K = 14;
+  static constexpr std::int64_t kPoolRows = 3 + 3 * K;
+  std::vector<std::int64_t> lengths = {0, 2, 200};
+  std::vector<std::int32_t> own = {2, 0, 1};
+  std::vector<std::int64_t> offsets = std::vector<std::int64_t>(3 * K, -1);
+  std::vector<std::int32_t> rows = std::vector<std::int32_t>(3 * K, -1);
+  SpreadRequests() {
+    offsets[0] = 0, rows[0] = 3;
+    offsets[K] = 2, rows[K] = 3 + K;
+    offsets[K + 1] = 0, rows[K + 1] = 4 + K;
+    for (std::int64_t k = 0; k < K; ++k) {
+      offsets[2 * K + k] = k < 12 ? 192 - 16 * k : (k == 12 ? 200 : 0);
+      rows[2 * K + k] = static_cast<std::int32_t>(3 + 2 * K + k);
+    }
+  }
+  bool named(std::int64_t row) const {
+    return row < 4 || row == 3 + K || row == 4 + K || row >= 3 + 2 * K;
+  }
+};
+
 }  // namespace
 
 // Each checkpoint row holds the states (recurrent and conv) of a prefill of that many of its
@@ -885,6 +911,50 @@ KDA_LAYER_CPU_CASE(
     // operations: bit for bit.
     CHECK(same_bits(rest.out, token_rows(run.out, E, 16, 37)));
     CHECK(resumed.row_equal(after, 2, 0));
+  }
+}
+
+// The same requests as the CUDA case below (an empty sequence at offset 0, a two-token one at its
+// length and at 0, 14 a sequence in any order): each row bit for bit the states of a prefill of
+// that many of its sequence's tokens (offset 0: the initial states), rows no request names
+// untouched, out and the sequences' own rows those of the call without checkpoints.
+KDA_LAYER_CPU_CASE("prefill checkpoints from an empty sequence to many a sequence") {
+  LayerRunner& runner = cpu_layer_runner();
+  const layer::Config config = runner.config(GateMode::kLowerBound, false);
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 71, 2));
+  const auto layer = runner.make(weights);
+  const std::int64_t E = config.hidden_size;
+  const SpreadRequests spread;
+  const BatchSpec batch = prefill_batch(spread.lengths, spread.own);
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 72);
+  Pools before(config, SpreadRequests::kPoolRows);
+  before.randomize(73);
+  Pools after = before;
+  const LayerRun run =
+      runner.forward(*layer, hidden, batch, &after,
+                     with_checkpoints(&spread.offsets, &spread.rows, SpreadRequests::K));
+  REQUIRE_MESSAGE(run.error.empty(), run.error);
+  Pools plain = before;
+  const LayerRun plain_run = runner.forward(*layer, hidden, batch, &plain);
+  CHECK(same_bits(run.out, plain_run.out));
+  for (std::int64_t r = 0; r < SpreadRequests::kPoolRows; ++r) {
+    if (r < 3) CHECK(after.row_equal(plain, r));
+    if (!spread.named(r)) CHECK(after.row_equal(before, r));
+  }
+  for (std::size_t i = 0; i < spread.offsets.size(); ++i) {
+    if (spread.rows[i] < 0) continue;
+    const std::int64_t n = static_cast<std::int64_t>(i) / SpreadRequests::K;
+    const std::int32_t own = spread.own[static_cast<std::size_t>(n)];
+    CAPTURE(n);
+    CAPTURE(spread.offsets[i]);
+    Pools prefix = before;
+    const std::int64_t begin = batch.cu_seqlens[n];
+    const LayerRun p =
+        runner.forward(*layer, token_rows(hidden, E, begin, begin + spread.offsets[i]),
+                       prefill_batch({spread.offsets[i]}, {own}), &prefix);
+    REQUIRE_MESSAGE(p.error.empty(), p.error);
+    CHECK(after.row_equal(prefix, spread.rows[i], own));
   }
 }
 
@@ -1046,25 +1116,16 @@ KDA_LAYER_CUDA_CASE("prefill checkpoints from an empty sequence to many a sequen
   const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 71, 2));
   const auto layer = cuda.make(weights);
   const std::int64_t E = config.hidden_size;
-  const std::vector<std::int64_t> lengths = {0, 2, 200};
-  const BatchSpec batch = prefill_batch(lengths, {2, 0, 1});
+  const SpreadRequests spread;
+  const std::vector<std::int64_t>& lengths = spread.lengths;
+  const std::vector<std::int64_t>& offsets = spread.offsets;
+  const std::vector<std::int32_t>& rows = spread.rows;
+  constexpr std::int64_t K = SpreadRequests::K;
+  const BatchSpec batch = prefill_batch(lengths, spread.own);
   const std::vector<bf16_bits> hidden =
       random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 72);
-  constexpr std::int64_t K = 14;
-  constexpr std::int64_t kRows = 3 + 3 * K;
-  Pools before(config, kRows);
+  Pools before(config, SpreadRequests::kPoolRows);
   before.randomize(73);
-  // Sequence 2: offsets 192, 176, ..., 16, then 200 and 0 (rows 3 + 2K + k); sequences 0 and 1:
-  // offset 0 and their length, the rest none.
-  std::vector<std::int64_t> offsets(static_cast<std::size_t>(3 * K), -1);
-  std::vector<std::int32_t> rows(static_cast<std::size_t>(3 * K), -1);
-  offsets[0] = 0, rows[0] = 3;
-  offsets[K] = 2, rows[K] = 3 + K;
-  offsets[K + 1] = 0, rows[K + 1] = 4 + K;
-  for (std::int64_t k = 0; k < K; ++k) {
-    offsets[2 * K + k] = k < 12 ? 192 - 16 * k : (k == 12 ? 200 : 0);
-    rows[2 * K + k] = static_cast<std::int32_t>(3 + 2 * K + k);
-  }
   const DeviceBuffer offsets_dev = DeviceBuffer::from(offsets);
   const DeviceBuffer rows_dev = DeviceBuffer::from(rows);
   Pools after = before;
@@ -1077,11 +1138,11 @@ KDA_LAYER_CUDA_CASE("prefill checkpoints from an empty sequence to many a sequen
   const LayerRun plain_run = cuda.forward(*layer, hidden, batch, &plain);
   CHECK(same_bits(run.out, plain_run.out));
   for (std::int64_t r = 0; r < 3; ++r) CHECK(after.row_equal(plain, r));
-  for (std::int64_t r = 4; r < 3 + 2 * K; ++r) {  // the rows no request names
-    if (r != 3 + K && r != 4 + K) CHECK(after.row_equal(before, r));
+  for (std::int64_t r = 0; r < SpreadRequests::kPoolRows; ++r) {
+    if (!spread.named(r)) CHECK(after.row_equal(before, r));
   }
 
-  const std::int32_t own[3] = {2, 0, 1};
+  const std::vector<std::int32_t>& own = spread.own;
   const double tolerance = cuda.tolerances().reference;
   for (std::size_t i = 0; i < offsets.size(); ++i) {
     if (rows[i] < 0) continue;
