@@ -106,6 +106,13 @@ __device__ __forceinline__ void store_pool_state(const PrefillParams& p, std::in
   });
 }
 
+// The pool entry after `entry` on its checkpoint list (prefill_checkpoints.cu), -1 after the last
+// or for none.
+__device__ __forceinline__ std::int32_t next_listed_entry(const PrefillParams& p,
+                                                          std::int32_t entry) {
+  return entry >= 0 ? p.checkpoint_next[entry] : -1;
+}
+
 // The pool entries listed from `first` on (prefill_checkpoints.cu), `then` the one after it
 // (loaded ahead): the state into each. Block-uniform (every thread walks the same list).
 template <int MT>
@@ -114,7 +121,7 @@ __device__ __forceinline__ void store_checkpoints(const PrefillParams& p, std::i
                                                   const float (&acc)[MT][16][4], float unit,
                                                   int v_warp, int gq, int tq) {
   for (std::int32_t entry = first, after = then; entry >= 0;
-       entry = after, after = after >= 0 ? p.checkpoint_next[after] : -1) {
+       entry = after, after = next_listed_entry(p, after)) {
     // The paired shape's unit through an opaque move in the loop: the values stored are the same
     // for every entry, and computed once before the loop they were 192 more live registers (its
     // kernel spilled ~500 bytes a thread). The one-m-tile kernels keep the hoisted products: with
@@ -242,8 +249,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
                              (PASS != RecurrencePass::kFirst || j == 0);
   if (checkpointing && j == 0) {
     const std::int32_t first = p.checkpoint_heads[p.num_chunk_slots + s];
-    store_checkpoints<MT>(p, first, first >= 0 ? p.checkpoint_next[first] : -1, h, acc, 1.f, v_warp,
-                          gq, tq);
+    store_checkpoints<MT>(p, first, next_listed_entry(p, first), h, acc, 1.f, v_warp, gq, tq);
   }
 
   // This segment's chunks [c_begin, c_end) of the sequence. One thread drives the copy engine: an
@@ -577,7 +583,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
     if (checkpointing) {
       const std::int32_t* heads = p.checkpoint_heads + slot0 + c_begin;
       if (c_first == 1 && heads[0] >= 0) {
-        store_checkpoints<MT>(p, heads[0], p.checkpoint_next[heads[0]], h, acc, unit, v_warp, gq,
+        store_checkpoints<MT>(p, heads[0], next_listed_entry(p, heads[0]), h, acc, unit, v_warp, gq,
                               tq);
       }
       // The lists of 32 chunks at a time, a lane each (every warp holds the same window: the
@@ -591,7 +597,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
       };
       std::int64_t w0 = c_first;  // the window: chunks [w0, w0 + 32)
       std::int32_t window = heads_at(w0);
-      std::int32_t second = window >= 0 ? p.checkpoint_next[window] : -1;
+      std::int32_t second = next_listed_entry(p, window);
       std::int32_t ahead = heads_at(w0 + 32);
       std::int64_t c = c_first;
       while (c < nfetch) {
@@ -606,7 +612,7 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         if (c == w0 + 32) {
           w0 += 32;
           window = ahead;
-          second = window >= 0 ? p.checkpoint_next[window] : -1;
+          second = next_listed_entry(p, window);
           ahead = heads_at(w0 + 32);
         }
       }
