@@ -162,7 +162,7 @@ bool cupti_ok(CUptiResult result, const char* what) {
 // The records CUPTI hands back (its own thread may call the completion callback).
 std::mutex g_spans_mutex;
 std::vector<KernelSpan> g_spans;
-int g_untimed = 0;  // kernel records without timestamps, left out
+int g_untimed = 0;  // kernel and memset records without timestamps, left out
 
 // A kernel's demangled name without its namespaces and parameter list, at most 72 characters.
 std::string short_kernel_name(const char* mangled) {
@@ -203,39 +203,32 @@ void CUPTIAPI timeline_buffer_completed(CUcontext, std::uint32_t, std::uint8_t* 
                                         std::size_t valid) {
   CUpti_Activity* record = nullptr;
   while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+    KernelSpan span;
     if (record->kind == CUPTI_ACTIVITY_KIND_MEMSET) {
       // CUPTI 13's memset record; a graph's memset nodes (the prefill's checkpoint index).
       const auto* memset = reinterpret_cast<const CUpti_ActivityMemset4*>(record);
-      const std::lock_guard<std::mutex> lock(g_spans_mutex);
-      if (memset->start == 0 || memset->end == 0) {
-        ++g_untimed;
-        continue;
-      }
-      KernelSpan span;
       span.name = "memset (" + std::to_string(memset->bytes) + " bytes)";
       span.start = memset->start;
       span.end = memset->end;
-      g_spans.push_back(std::move(span));
+    } else if (record->kind == CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) {
+      // CUPTI 13's kernel record (cupti_activity.h); a later CUPTI may deliver a newer layout.
+      static_assert(CUPTI_API_VERSION >= 130000, "the kernel record layout of CUPTI 13");
+      const auto* kernel = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+      span.name = short_kernel_name(kernel->name);
+      span.start = kernel->start;
+      span.end = kernel->end;
+      span.grid = kernel->gridX * kernel->gridY * kernel->gridZ;
+      span.block = kernel->blockX * kernel->blockY * kernel->blockZ;
+      span.cluster = static_cast<int>(kernel->clusterX * kernel->clusterY * kernel->clusterZ);
+    } else {
       continue;
     }
-    if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
-    // CUPTI 13's kernel record (cupti_activity.h); a later CUPTI may deliver a newer layout.
-    static_assert(CUPTI_API_VERSION >= 130000, "the kernel record layout of CUPTI 13");
-    const auto* kernel = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
-    if (kernel->start == 0 || kernel->end == 0) {  // no timestamps collected for this kernel
-      const std::lock_guard<std::mutex> lock(g_spans_mutex);
-      ++g_untimed;
-      continue;
-    }
-    KernelSpan span;
-    span.name = short_kernel_name(kernel->name);
-    span.start = kernel->start;
-    span.end = kernel->end;
-    span.grid = kernel->gridX * kernel->gridY * kernel->gridZ;
-    span.block = kernel->blockX * kernel->blockY * kernel->blockZ;
-    span.cluster = static_cast<int>(kernel->clusterX * kernel->clusterY * kernel->clusterZ);
     const std::lock_guard<std::mutex> lock(g_spans_mutex);
-    g_spans.push_back(std::move(span));
+    if (span.start == 0 || span.end == 0) {  // no timestamps collected for this record
+      ++g_untimed;
+    } else {
+      g_spans.push_back(std::move(span));
+    }
   }
   std::free(buffer);
 }
@@ -301,7 +294,7 @@ std::string timeline_table(const std::string& title, const std::vector<KernelSpa
   std::string out =
       "\n" + title + "\n\n| # | kernel | blocks | threads | cluster | start | end | " +
       "duration | after the previous |\n|---:|---|---:|---:|---:|---:|---:|---:|---:|\n";
-  if (spans.empty()) return out + "| - | no kernel records | | | | | | | |\n";
+  if (spans.empty()) return out + "| - | no kernel or memset records | | | | | | | |\n";
   const double t0 = static_cast<double>(spans.front().start);
   std::uint64_t latest_end = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
@@ -320,7 +313,8 @@ std::string timeline_table(const std::string& title, const std::vector<KernelSpa
     out += line;
   }
   if (untimed > 0)
-    out += "\n(" + std::to_string(untimed) + " kernel records without timestamps left out)\n";
+    out += "\n(" + std::to_string(untimed) +
+           " kernel or memset records without timestamps left out)\n";
   return out;
 }
 
