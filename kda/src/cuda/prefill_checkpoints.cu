@@ -45,7 +45,14 @@ __device__ void push_checkpoint_request(const PrefillParams& p, std::int64_t i) 
 }
 
 // One thread per request; the heads and claims were set to -1 (no list, unclaimed) before.
-__global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
+// Threads of a block: the grid's, and the one block's that builds a small index alone (up to
+// kIndexBlockThreads requests: a request a thread, since each push is a chain of dependent loads
+// and atomics).
+constexpr int kIndexThreads = 256;
+constexpr int kIndexBlockThreads = 1024;
+
+__global__ void __launch_bounds__(kIndexThreads)
+    kda_checkpoint_index_kernel(const PrefillParams p) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < p.seqs.num_seqs * p.checkpoints) push_checkpoint_request(p, i);
 }
@@ -53,7 +60,8 @@ __global__ void kda_checkpoint_index_kernel(const PrefillParams p) {
 // One block for every request and the heads' and claims' reset before them: one launch instead of
 // a memset and a kernel, where both are small (a graph paid ~5 us for the memset node and the gap
 // after it: H200, kda-layer-bench --timeline, the TP8 shard's prefill with two checkpoints).
-__global__ void kda_checkpoint_index_block_kernel(const PrefillParams p, std::int64_t words) {
+__global__ void __launch_bounds__(kIndexBlockThreads)
+    kda_checkpoint_index_block_kernel(const PrefillParams p, std::int64_t words) {
   for (std::int64_t w = threadIdx.x; w < words; w += blockDim.x) p.checkpoint_heads[w] = -1;
   __syncthreads();  // every head and claim reset before the first push
   const std::int64_t requests = p.seqs.num_seqs * p.checkpoints;
@@ -68,13 +76,10 @@ Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream) {
   const std::size_t words =
       static_cast<std::size_t>(prm.num_chunk_slots + prm.seqs.num_seqs + prm.num_state_slots);
   const std::int64_t requests = prm.seqs.num_seqs * prm.checkpoints;
-  constexpr int kThreads = 256;
-  // Up to these, one block resets and pushes: a request a thread (each push is a chain of
-  // dependent loads and atomics), 64 stores a thread at most for the reset.
-  constexpr int kBlockThreads = 1024;
-  constexpr std::size_t kBlockMaxWords = 64 * kBlockThreads;
-  if (requests <= kBlockThreads && words <= kBlockMaxWords) {
-    kda_checkpoint_index_block_kernel<<<1, kBlockThreads, 0, stream>>>(
+  // Up to these, one block resets and pushes: 64 stores a thread at most for the reset.
+  constexpr std::size_t kBlockMaxWords = 64 * kIndexBlockThreads;
+  if (requests <= kIndexBlockThreads && words <= kBlockMaxWords) {
+    kda_checkpoint_index_block_kernel<<<1, kIndexBlockThreads, 0, stream>>>(
         prm, static_cast<std::int64_t>(words));
     return cuda_status(cudaGetLastError(), "kda_checkpoint_index_block_kernel");
   }
@@ -84,13 +89,13 @@ Status launch_checkpoint_index(const PrefillParams& prm, cudaStream_t stream) {
     return cuda_status(err, "cudaMemsetAsync(checkpoint index)");
   }
   if (requests == 0) return Status::Ok();
-  const std::int64_t blocks = (requests + kThreads - 1) / kThreads;
+  const std::int64_t blocks = (requests + kIndexThreads - 1) / kIndexThreads;
   if (blocks > 2147483647) {
     return Status(StatusCode::kUnsupported,
                   "the CUDA prefill takes at most 2^39 checkpoint requests (sequences * "
                   "checkpoints) per call");
   }
-  kda_checkpoint_index_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(prm);
+  kda_checkpoint_index_kernel<<<static_cast<unsigned>(blocks), kIndexThreads, 0, stream>>>(prm);
   return cuda_status(cudaGetLastError(), "kda_checkpoint_index_kernel");
 }
 
