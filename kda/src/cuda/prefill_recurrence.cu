@@ -261,6 +261,25 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   if (c_end > p.num_chunk_slots - slot0) c_end = p.num_chunk_slots - slot0;
   const std::int64_t nfetch = c_end > c_begin ? c_end - c_begin : 0;
   const bool write_out = !transition;
+  // The first step from an fp32 initial state runs apart (the step lambda's Y_PAIR, below).
+  const bool pair_first = PASS != RecurrencePass::kSecond && nfetch > 0 && write_out && h0_f32;
+  // Checkpoints: the list heads of the first chunks (chunk 0's in `head_first` when its step runs
+  // apart; the loop's first window and the one after it, a lane each), loaded now, so that their
+  // latency hides behind the unit's scan rather than before the first run.
+  [[maybe_unused]] const std::int32_t* heads = nullptr;
+  [[maybe_unused]] std::int32_t head_first = -1, window = -1, ahead = -1;
+  auto heads_at = [&](std::int64_t first) {
+    const std::int64_t c = first + lane;
+    return c < nfetch ? heads[c] : -1;
+  };
+  if constexpr (CKPT) {
+    if (checkpointing) {
+      heads = p.checkpoint_heads + slot0 + c_begin;
+      if (pair_first) head_first = heads[0];
+      window = heads_at(pair_first ? 1 : 0);
+      ahead = heads_at(pair_first ? 33 : 32);
+    }
+  }
 
   // The power-of-two unit 2^E of the state rows: U goes to fp16 as U 2^-E, so E must bound every
   // U of the segment. U = U0 - S W^T is a chunk's new values less the state's prediction of them,
@@ -581,24 +600,17 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
   }
   if constexpr (CKPT) {
     if (checkpointing) {
-      const std::int32_t* heads = p.checkpoint_heads + slot0 + c_begin;
-      if (c_first == 1 && heads[0] >= 0) {
-        store_checkpoints<MT>(p, heads[0], next_listed_entry(p, heads[0]), h, acc, unit, v_warp, gq,
-                              tq);
+      if (head_first >= 0) {
+        store_checkpoints<MT>(p, head_first, next_listed_entry(p, head_first), h, acc, unit, v_warp,
+                              gq, tq);
       }
       // The lists of 32 chunks at a time, a lane each (every warp holds the same window: the
       // index is read-only here), with each list's second entry; the next window's heads are
       // loaded a window ahead. Runs of plain chunk steps go up to each listed chunk of the window
       // (or its end), its states stored after it: the steps' loop stays the one without
       // checkpoints (a store inside it cost it ~8 %, H200), and no run waits on the index's loads.
-      auto heads_at = [&](std::int64_t first) {
-        const std::int64_t c = first + lane;
-        return c < nfetch ? heads[c] : -1;
-      };
       std::int64_t w0 = c_first;  // the window: chunks [w0, w0 + 32)
-      std::int32_t window = heads_at(w0);
       std::int32_t second = next_listed_entry(p, window);
-      std::int32_t ahead = heads_at(w0 + 32);
       std::int64_t c = c_first;
       while (c < nfetch) {
         const unsigned listed =
@@ -606,8 +618,9 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         const int bit = listed != 0 ? __ffs(listed) - 1 : 31;
         const std::int64_t stop = w0 + bit + 1 < nfetch ? w0 + bit + 1 : nfetch;
         const std::int32_t entry = __shfl_sync(0xffffffffu, window, bit);
-        const std::int32_t then = __shfl_sync(0xffffffffu, second, bit);
         for (; c < stop; ++c) step(c, std::false_type{});
+        // The second entries, loaded as the window began, are read only after the run.
+        const std::int32_t then = __shfl_sync(0xffffffffu, second, bit);
         if (listed != 0) store_checkpoints<MT>(p, entry, then, h, acc, unit, v_warp, gq, tq);
         if (c == w0 + 32) {
           w0 += 32;
