@@ -87,32 +87,47 @@ __device__ void checkpoint_block(const ConvParams& p, bool vector_state, std::in
 
 // The requests of sequence n at offsets below W-1 (written_by_first_chunk), by a first-chunk
 // thread before its conv replaces the initial state (row `slot`, this thread's channels c .. c +
-// 7). Every thread walks the sequence's K requests (broadcast loads).
+// 7). Every thread walks the sequence's K requests (broadcast loads): their offsets eight at a
+// time, all eight loads in flight, and only the few below W-1 further. One request's checks after
+// another, each waiting on its loads, held the first chunk's blocks behind the rest of the conv.
 template <int W, class RunRow>
 __device__ void first_chunk_checkpoints(const ConvParams& p, bool vector_state, std::int64_t c,
                                         std::int64_t n, std::int64_t bos, std::int64_t eos,
                                         std::int64_t slot, const RunRow& run_row) {
   constexpr int kHist = W - 1;
+  constexpr int kBatch = 8;
   const int branch = static_cast<int>(c / p.channels);
   const std::int64_t cc = c - branch * p.channels;
   std::uint16_t initial[kConvVec * kHist];
   bool loaded = false;
+  const std::int64_t first = n * p.checkpoints;
 #pragma unroll 1
-  for (std::int64_t k = 0; k < p.checkpoints; ++k) {
-    std::int64_t offset = 0;
-    std::int32_t row = 0;
-    const std::int64_t request = n * p.checkpoints + k;
-    if (!checkpoint_request(p, request, n, bos, eos, &offset, &row) ||
-        !written_by_first_chunk(offset, bos, eos, kHist)) {
-      continue;
+  for (std::int64_t k0 = 0; k0 < p.checkpoints; k0 += kBatch) {
+    unsigned short_offsets = 0;  // bit i: request k0 + i asks for fewer than W-1 tokens
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const bool in_row = k0 + i < p.checkpoints;
+      const std::int64_t offset = in_row ? p.checkpoint_offsets[first + k0 + i] : -1;
+      if (offset >= 0 && offset < kHist) short_offsets |= 1u << i;
     }
-    if (!loaded) {
-      load_state<kHist>(p.pools[branch] + (slot * p.channels + cc) * kHist, vector_state, initial);
-      loaded = true;
+#pragma unroll 1
+    for (; short_offsets != 0; short_offsets &= short_offsets - 1) {
+      const std::int64_t request = first + k0 + __ffs(short_offsets) - 1;
+      std::int64_t offset = 0;
+      std::int32_t row = 0;
+      if (!checkpoint_request(p, request, n, bos, eos, &offset, &row) ||
+          !written_by_first_chunk(offset, bos, eos, kHist)) {
+        continue;
+      }
+      if (!loaded) {
+        load_state<kHist>(p.pools[branch] + (slot * p.channels + cc) * kHist, vector_state,
+                          initial);
+        loaded = true;
+      }
+      std::uint16_t bits[kConvVec * kHist];
+      conv_state_at<kHist>(offset, bos, run_row, initial, bits);
+      store_state<kHist>(p.pools[branch] + (row * p.channels + cc) * kHist, vector_state, bits);
     }
-    std::uint16_t bits[kConvVec * kHist];
-    conv_state_at<kHist>(offset, bos, run_row, initial, bits);
-    store_state<kHist>(p.pools[branch] + (row * p.channels + cc) * kHist, vector_state, bits);
   }
 }
 
