@@ -44,13 +44,13 @@ __device__ void push_checkpoint_request(const PrefillParams& p, std::int64_t i) 
   p.checkpoint_next[slot] = atomicExch(&p.checkpoint_heads[head], slot);
 }
 
-// One thread per request; the heads and claims were set to -1 (no list, unclaimed) before.
 // Threads of a block: the grid's, and the one block's that builds a small index alone (up to
 // kIndexBlockThreads requests: a request a thread, since each push is a chain of dependent loads
 // and atomics).
 constexpr int kIndexThreads = 256;
 constexpr int kIndexBlockThreads = 1024;
 
+// One thread per request; the heads and claims were set to -1 (no list, unclaimed) before.
 __global__ void __launch_bounds__(kIndexThreads)
     kda_checkpoint_index_kernel(const PrefillParams p) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

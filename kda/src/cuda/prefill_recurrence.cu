@@ -591,10 +591,11 @@ __global__ void __launch_bounds__(recurrence_threads<WARPS, PASS>(), 1)
         *reinterpret_cast<uint4*>(p.out + off) = *reinterpret_cast<const uint4*>(&so[t][col]);
       };
       if constexpr (MT == 1) {
-        // 32 pieces, one a lane. As a loop (unrolled four times by the compiler) it had the step
-        // scheduled differently in each kernel around it: on the H200 (h12-8x4096-bf16, ncu) the
-        // plain recurrence took 259.8 us against 245.3 now, and the checkpoint kernel with no
-        // request listed 269.1 against 248.3.
+        static_assert(C * kPieces == 32, "one m-tile: a chunk's pieces are one a lane");
+        // Up to 32 pieces (16 tokens x 2), one a lane. As a loop (unrolled four times by the
+        // compiler) it had the step scheduled differently in each kernel around it: on the H200
+        // (h12-8x4096-bf16, ncu) the plain recurrence took 259.8 us against 245.3 now, and the
+        // checkpoint kernel with no request listed 269.1 against 248.3.
         if (lane < nvalid * kPieces) store_piece(lane);
       } else {
         for (int e = lane; e < nvalid * kPieces; e += 32) store_piece(e);
