@@ -23,6 +23,7 @@
 
 #include "bench_device.cuh"
 #include "bench_floors.hpp"
+#include "checkpoint_requests.hpp"
 #include "kda/bf16.hpp"
 #include "kda/detail/prepare_paths.hpp"
 #include "kda/kda.hpp"
@@ -57,15 +58,10 @@ struct PrefillCase {
   // Added to dt_bias (drawn from [-1, 1]): -3 keeps the softplus gate's decay below ~5 nats a
   // token, so that its chunks take the prepare kernel's reference-0 path like the bounded gate's.
   float dt_shift = 0.0f;
-  // Prefill checkpoints (Problem::checkpoints; --checkpoints): 0 none; -1 two per sequence (its
-  // middle, rounded down to 16 tokens, and its end); n > 0 one every n tokens and the end;
-  // kUnusedCheckpointColumns two columns of -1 (the checkpoint kernels with nothing to store: what
-  // their machinery costs alone). The states then live on a pool (strided slots) that also holds
-  // the checkpoints.
-  std::int64_t checkpoint_every = 0;
+  // Prefill checkpoints (Problem::checkpoints; --checkpoints), as checkpoint_requests.hpp reads
+  // it. The states then live on a pool (strided slots) that also holds the checkpoints.
+  std::int64_t checkpoint_every = kda::bench::kNoCheckpoints;
 };
-
-constexpr std::int64_t kUnusedCheckpointColumns = -2;
 
 struct Prefill {
   kda::Problem p;
@@ -125,22 +121,9 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   const std::size_t state_bytes = static_cast<std::size_t>(N) * H * D * D * state_size;
   // A pool of 2N + 2 states addressed through slot indices (and the checkpoints' entries after
   // them), or the [N, H, V, K] blocks.
-  std::vector<std::vector<std::int64_t>> requests(static_cast<std::size_t>(N));
-  std::int64_t K = 0, num_requests = 0;
-  const bool unused_columns = c.checkpoint_every == kUnusedCheckpointColumns;
-  if (unused_columns) K = 2;  // every entry -1
-  for (std::int64_t i = 0; i < N && c.checkpoint_every != 0 && !unused_columns; ++i) {
-    const std::int64_t len = c.lengths[i];
-    auto& r = requests[static_cast<std::size_t>(i)];
-    if (c.checkpoint_every < 0) {
-      r = {len / 2 / 16 * 16, len};
-    } else {
-      for (std::int64_t o = c.checkpoint_every; o < len; o += c.checkpoint_every) r.push_back(o);
-      r.push_back(len);
-    }
-    K = std::max<std::int64_t>(K, static_cast<std::int64_t>(r.size()));
-    num_requests += static_cast<std::int64_t>(r.size());
-  }
+  const kda::bench::CheckpointRequests requests = kda::bench::checkpoint_requests(
+      c.lengths, c.checkpoint_every, static_cast<std::int32_t>(2 * N + 2));
+  const std::int64_t K = requests.columns, num_requests = requests.count;
   const bool pooled = c.slots != Slots::kContiguous || K > 0;
   const std::int64_t pool_entries = 2 * N + 2 + num_requests;
   if (pooled) p.num_state_slots = pool_entries;
@@ -158,16 +141,8 @@ Prefill make_prefill(const PrefillCase& c, std::uint64_t seed) {
   void* d_offsets = nullptr;
   std::int32_t* d_checkpoint_slots = nullptr;
   if (K > 0) {
-    std::vector<std::int64_t> offsets(static_cast<std::size_t>(N * K), -1);
-    std::vector<std::int32_t> entries(static_cast<std::size_t>(N * K), -1);
-    std::int32_t next = static_cast<std::int32_t>(2 * N + 2);
-    for (std::int64_t i = 0; i < N; ++i) {
-      const auto& r = requests[static_cast<std::size_t>(i)];
-      for (std::size_t k = 0; k < r.size(); ++k) {
-        offsets[static_cast<std::size_t>(i * K) + k] = r[k];
-        entries[static_cast<std::size_t>(i * K) + k] = next++;
-      }
-    }
+    const auto& offsets = requests.offsets;
+    const auto& entries = requests.rows;
     d_offsets = dalloc(pf, offsets.size() * 8);
     d_checkpoint_slots = static_cast<std::int32_t*>(dalloc(pf, entries.size() * 4));
     CK(cudaMemcpy(d_offsets, offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice));
@@ -476,16 +451,16 @@ void run_checkpoints(double bw, int iters, const std::string& only) {
     std::int64_t none = 0;
     const double plain_ms = time(plain, &plain_bytes, &none);
     for (const std::int64_t every :
-         {kUnusedCheckpointColumns, std::int64_t{-1}, std::int64_t{256}}) {
+         {kda::bench::kUnusedCheckpointColumns, kda::bench::kTwoPerSequence, std::int64_t{256}}) {
       PrefillCase c = plain;
       c.checkpoint_every = every;
       double bytes = 0;
       std::int64_t requests = 0;  // what the prefill was handed, not what the label says
       const double ms = time(c, &bytes, &requests);
       const double floor_ms = bytes / bw * 1e3;
-      const char* label = every == kUnusedCheckpointColumns ? "2 columns of -1"
-                          : every < 0                       ? "2 a sequence"
-                                                            : "1 / 256 tokens";
+      const char* label = every == kda::bench::kUnusedCheckpointColumns ? "2 columns of -1"
+                          : every == kda::bench::kTwoPerSequence        ? "2 a sequence"
+                                                                        : "1 / 256 tokens";
       std::printf("| %s %s | %s | %d | %s | %lld | %.3f | %.3f | %.3f | %.3f | %.2f |\n",
                   base.name.c_str(), label, kda::to_string(c.state), c.heads,
                   lengths_label(c).c_str(), static_cast<long long>(requests), plain_ms, ms,

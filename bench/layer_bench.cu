@@ -66,6 +66,7 @@
 #endif
 
 #include "bench_floors.hpp"
+#include "checkpoint_requests.hpp"
 #include "kda/bf16.hpp"
 #include "kda/error.hpp"
 #include "kda/layer/layer.hpp"
@@ -323,9 +324,8 @@ struct Case {
   std::int64_t sequences;
   std::int64_t tokens_per_sequence;
   bool decode;
-  // Prefill checkpoints (Batch::checkpoints): 0 none; -1 two a sequence (its middle, rounded down
-  // to 16 tokens, and its end); n > 0 one every n tokens and the end.
-  std::int64_t checkpoint_every = 0;
+  // Prefill checkpoints (Batch::checkpoints), as checkpoint_requests.hpp reads it.
+  std::int64_t checkpoint_every = kda::bench::kNoCheckpoints;
 };
 
 }  // namespace
@@ -443,29 +443,14 @@ int main(int argc, char** argv) {
         if (c.decode && !wanted_batch(c.sequences)) continue;
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
         // Checkpoint requests of each sequence into pool rows after the sequences' own.
-        std::vector<std::int64_t> offsets;
-        std::vector<std::int32_t> rows, own;
-        std::int64_t K = 0;
-        if (c.checkpoint_every != 0) {
-          const std::int64_t len = c.tokens_per_sequence;
-          std::vector<std::int64_t> r;
-          if (c.checkpoint_every < 0) {
-            r = {len / 2 / 16 * 16, len};
-          } else {
-            for (std::int64_t o = c.checkpoint_every; o < len; o += c.checkpoint_every) {
-              r.push_back(o);
-            }
-            r.push_back(len);
-          }
-          K = static_cast<std::int64_t>(r.size());
-          for (std::int64_t n = 0; n < N; ++n) {
-            own.push_back(static_cast<std::int32_t>(n));
-            for (std::int64_t k = 0; k < K; ++k) {
-              offsets.push_back(r[static_cast<std::size_t>(k)]);
-              rows.push_back(static_cast<std::int32_t>(N + n * K + k));
-            }
-          }
-        }
+        const kda::bench::CheckpointRequests requests = kda::bench::checkpoint_requests(
+            std::vector<std::int64_t>(static_cast<std::size_t>(N), c.tokens_per_sequence),
+            c.checkpoint_every, static_cast<std::int32_t>(N));
+        const std::vector<std::int64_t>& offsets = requests.offsets;
+        const std::vector<std::int32_t>& rows = requests.rows;
+        const std::int64_t K = requests.columns;
+        std::vector<std::int32_t> own;
+        for (std::int64_t n = 0; n < N && K > 0; ++n) own.push_back(static_cast<std::int32_t>(n));
         const std::int64_t slots = N + N * K;
         std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(T * E));
         std::mt19937 rng(7);
