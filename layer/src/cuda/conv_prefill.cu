@@ -23,6 +23,10 @@ __device__ __forceinline__ std::int64_t clamped_cu(const ConvParams& p, std::int
 __device__ __forceinline__ std::int64_t first_slot(const ConvParams& p, std::int64_t n) {
   return n + clamped_cu(p, n) / kConvChunk;
 }
+// The grid's rows of chunk blocks (the slots above); checkpoint blocks follow them.
+__host__ __device__ __forceinline__ std::int64_t chunk_rows(const ConvParams& p) {
+  return (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
+}
 
 // Whether sequence n is padding: a negative slot, or one outside the pool (state_row reports it).
 __device__ __forceinline__ bool padding_sequence(const ConvParams& p, std::int64_t n) {
@@ -151,9 +155,9 @@ __global__ void __launch_bounds__(kConvThreads, 3)
   extern __shared__ __align__(128) unsigned char staged[];
   __shared__ std::uint64_t landed;
   if constexpr (CKPT) {
-    const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
-    if (static_cast<std::int64_t>(blockIdx.x) >= chunk_rows) {
-      checkpoint_block<W>(p, vector_state, blockIdx.x - chunk_rows);
+    const std::int64_t chunks = chunk_rows(p);
+    if (static_cast<std::int64_t>(blockIdx.x) >= chunks) {
+      checkpoint_block<W>(p, vector_state, blockIdx.x - chunks);
       return;
     }
   }
@@ -226,8 +230,7 @@ cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   bool vector_state = false;
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   // The chunks' rows of blocks, then one row a checkpoint request (checkpoint_block).
-  const std::int64_t chunk_rows = (p.tokens + kConvChunk - 1) / kConvChunk + p.sequences;
-  const std::int64_t rows = chunk_rows + (p.checkpoints > 0 ? p.sequences * p.checkpoints : 0);
+  const std::int64_t rows = chunk_rows(p) + (p.checkpoints > 0 ? p.sequences * p.checkpoints : 0);
   if (rows > 2147483647) return cudaErrorInvalidValue;
   const ConvShape shape = conv_shape(p.channels);
   const dim3 grid(static_cast<unsigned>(rows), shape.tiles);
