@@ -63,6 +63,10 @@ struct WeightCopy {
     p.dt_bias = static_cast<const float*>(take(Cl * 4, 0));
     p.o_norm = static_cast<const float*>(take(D * 4, 0x3c));
     p.sync = static_cast<std::uint32_t*>(take(kda::layer::cuda::kOneLaunchSyncWords * 4, 0));
+    // The exchange (OneLaunchStepParams::exchange): a word a projection row, then a word a pair
+    // of y's values.
+    const std::int64_t words = proj_rows + (s.full_rank ? Cl : 0) + Cl / 2;
+    p.exchange = static_cast<std::uint64_t*>(take(words * 8, 0));
   }
   std::size_t bytes(const Shape& s, std::int64_t proj_rows) const {
     const std::int64_t E = s.hidden, Cl = s.heads * D;
@@ -94,16 +98,15 @@ int main() {
       "start",
       "hidden row loaded",
       "projection rows done",
-      "waited (head: projection; o_proj: heads)",
-      "head: conv + factors; o_proj: W_o landed",
+      "values taken (head: projection, conv done; o_proj: y)",
+      "head: second factors; o_proj: W_o landed",
       "head: y written; o_proj: rows done",
       "leaving",
       "head: state in registers",
       "head: step computed",
       "head: state back in shared memory",
       "head: norm done (warp 0)",
-      "wait returned (thread 0)",
-      "projection arrival issued (thread 0)"};
+      "own words taken (thread 0)"};
   std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
   for (const Shape& s : shapes) {
     const std::int64_t E = s.hidden, H = s.heads, Cl = H * D;
@@ -117,9 +120,6 @@ int main() {
     // The batch's buffers, shared by the copies.
     void* hidden = device_bytes(E * 2, 0x3c);
     void* out = device_bytes(E * 2, 0);
-    void* proj = device_bytes(proj_rows * 2, 0);
-    void* gate = device_bytes(Cl * 4, 0);
-    void* y = device_bytes(Cl * 2, 0);
     void* state = device_bytes(kSlots * H * D * D * 4, 0x3c);
     void* conv[3] = {device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
                      device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
@@ -133,11 +133,9 @@ int main() {
       p.hidden = static_cast<const std::uint16_t*>(hidden);
       p.hidden_size = E;
       p.proj_rows = proj_rows;
-      p.proj = static_cast<std::uint16_t*>(proj);
       p.f_a_col = 3 * Cl;
       p.g_a_col = 3 * Cl + D;
       p.beta_col = 3 * Cl + D + (s.full_rank ? 0 : D);
-      p.gate = static_cast<float*>(gate);
       for (int b = 0; b < 3; ++b) p.conv_pools[b] = static_cast<std::uint16_t*>(conv[b]);
       p.state = state;
       p.f32_state = true;
@@ -146,7 +144,6 @@ int main() {
       p.width = static_cast<int>(W);
       p.gate_mode = s.full_rank ? kda::GateMode::kLowerBound : kda::GateMode::kSoftplus;
       p.scale = 0.0883883f;
-      p.y = static_cast<std::uint16_t*>(y);
       p.out = static_cast<std::uint16_t*>(out);
       p.status = static_cast<std::uint32_t*>(status);
     }
@@ -220,8 +217,8 @@ int main() {
     }
     check(cudaMemset(trace, 0, stamps.size() * 8), "cudaMemset");
     for (WeightCopy* c : copies) delete c;
-    for (void* q : {hidden, out, proj, gate, y, state, conv[0], conv[1], conv[2], status,
-                    static_cast<void*>(trace)}) {
+    for (void* q :
+         {hidden, out, state, conv[0], conv[1], conv[2], status, static_cast<void*>(trace)}) {
       cudaFree(q);
     }
   }

@@ -69,12 +69,21 @@ struct WeightLayout {
   std::size_t dt_bias = 0;  // f32 [Cl]
   std::size_t o_norm = 0;   // f32 [D], widened
   std::size_t w_o = 0;      // bf16 [E, Cl]
-  // u32 [kStepSyncWords]: the one-launch decode step's counters (cuda/one_launch_step.cu), zero
-  // between its launches; written as zeros with the weights.
+  // u32 [kStepSyncWords] and u64 [step exchange words]: the one-launch decode step's own state
+  // between its launches (cuda/one_launch_step.cu), written as zeros with the weights.
   std::size_t step_sync = 0;
+  std::size_t step_exchange = 0;
   std::size_t total = 0;
 };
 constexpr std::int64_t kStepSyncWords = 4;
+
+// The one-launch step's exchange words (OneLaunchStepParams::exchange): a word a row it projects
+// and a word a pair of y's values.
+std::int64_t step_exchange_words(const Config& c) {
+  const std::int64_t Cl = c.local_channels();
+  const std::int64_t proj_rows = proj_columns(c).b + c.local_heads();
+  return proj_rows + (c.full_rank_gate ? Cl : 0) + Cl / 2;
+}
 
 WeightLayout make_weight_layout(const Config& c) {
   const std::int64_t E = c.hidden_size, D = c.head_dim, W = c.conv_width;
@@ -95,6 +104,7 @@ WeightLayout make_weight_layout(const Config& c) {
   layout.o_norm = regions.take(regions.bytes_of(D, 1, 4));
   layout.w_o = regions.take(regions.bytes_of(E, Cl, 2));
   layout.step_sync = regions.take(regions.bytes_of(kStepSyncWords, 1, 4));
+  layout.step_exchange = regions.take(regions.bytes_of(step_exchange_words(c), 1, 8));
   layout.total = regions.end();
   return layout;
 }
@@ -434,7 +444,8 @@ class CudaLayer final : public Layer {
   const float* dt_bias = nullptr;
   const float* o_norm = nullptr;
   const bf16_bits* w_o = nullptr;
-  std::uint32_t* step_sync = nullptr;  // the one-launch step's counters (device-side state)
+  std::uint32_t* step_sync = nullptr;      // the one-launch step's state between launches
+  std::uint64_t* step_exchange = nullptr;  // (device-side, in the weight image)
 };
 
 void CudaLayer::initialize(const Weights& w, unsigned char* image) {
@@ -493,6 +504,7 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   o_norm = reinterpret_cast<const float*>(image + layout.o_norm);
   w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
   step_sync = reinterpret_cast<std::uint32_t*>(image + layout.step_sync);
+  step_exchange = reinterpret_cast<std::uint64_t*>(image + layout.step_exchange);
   check_cublas(cublasCreate(&handle), "cublasCreate");
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
 }
@@ -648,11 +660,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   // What the one-launch and the fused step both take of the layer and the batch (the fields of the
   // same names in OneLaunchStepParams and FusedDecodeParams).
   auto set_step_fields = [&](auto& p) {
-    p.proj = proj;
     p.f_a_col = cols.f_a;
     p.g_a_col = cols.g_a;
     p.beta_col = cols.b;
-    p.gate = gate;
     p.g_bias = g_bias;
     p.conv_weight = conv;
     p.conv_pools[0] = state.conv_q;
@@ -672,7 +682,6 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     p.lower_bound = c.lower_bound;
     p.scale = step.effective_scale();
     p.eps = c.norm_eps;
-    p.y = y;
     p.status = batch.device_status;
   };
 
@@ -693,6 +702,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     whole.w_o = w_o;
     whole.out = out;
     whole.sync = step_sync;
+    whole.exchange = step_exchange;
     if (cuda::one_launch_step_fits(whole)) {
       // Its time counts as the projections'.
       mark(0);
@@ -716,6 +726,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   bool fuse_factors = fuse && kernel != DecodeKernel::kFused;
   if (fuse) {
     set_step_fields(fused);
+    fused.proj = proj;
+    fused.gate = gate;
+    fused.y = y;
     fused.proj_stride = cols.stride;
     fused.w_fb = fuse_factors ? w_fb : nullptr;
     fused.late_dependents = gemm_knobs().fused_late_dependents;

@@ -378,8 +378,8 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 // new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
 // an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
 // no pool byte. Each replay reads a new hidden row, so that a head that read the projection before
-// this launch's was written would show. Back-to-back launches leave the step's counters zero, as
-// they found them: the status word stays clear.
+// this launch's was written would show (each launch's values carry a new tag: a value left by the
+// launch before must never pass for this one's). The status word stays clear.
 KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equals eager steps") {
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");

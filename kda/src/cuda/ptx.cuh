@@ -73,11 +73,21 @@ __device__ __forceinline__ std::uint32_t load_acquire_gpu(const std::uint32_t* f
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
   return v;
 }
-// Adds v to *counter with release semantics at GPU scope (no return value): what this thread
-// wrote, and what it saw others write (a block barrier before it), is visible to whoever reads the
-// sum with acquire.
-__device__ __forceinline__ void red_add_release_gpu(std::uint32_t* counter, std::uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;\n" ::"l"(counter), "r"(v) : "memory");
+// A 64-bit word between blocks running at once, with no ordering to anything else: one
+// single-copy-atomic relaxed store / load at GPU scope (the word carries its own validity, so no
+// fence is needed to publish it).
+__device__ __forceinline__ void store_relaxed_gpu_u64(std::uint64_t* word, std::uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(word), "l"(v) : "memory");
+}
+__device__ __forceinline__ std::uint64_t load_relaxed_gpu_u64(const std::uint64_t* word) {
+  std::uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(v) : "l"(word) : "memory");
+  return v;
+}
+__device__ __forceinline__ std::uint32_t load_relaxed_gpu_u32(const std::uint32_t* word) {
+  std::uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(word) : "memory");
+  return v;
 }
 // The device's nanosecond clock (the same on every multiprocessor).
 __device__ __forceinline__ std::uint64_t global_timer_ns() {

@@ -236,19 +236,17 @@ cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream)
 
 // A whole decode step of one token of one sequence in one launch (one_launch_step.cu): the input
 // projection, each head's fused step (as launch_fused_decode computes it) and o_proj. One block a
-// multiprocessor, every block resident at once, handing work on through `sync`.
+// multiprocessor, every block resident at once, handing values on through `exchange`.
 struct OneLaunchStepParams {
   const std::uint16_t* hidden = nullptr;  // bf16 [E]
   std::int64_t hidden_size = 0;           // E, a multiple of 8
   // The input projection: rows [0, proj_rows) of w_in (bf16 [proj_rows, E]: q | k | v | f_a |
-  // g_a | beta) -> proj (bf16, those columns of the step's one row); with the full-rank gate
-  // (w_gb null) also w_g (bf16 [Cl, E]) -> gate (f32 [Cl], before its bias).
+  // g_a | beta; bf16 values), and with the full-rank gate (w_gb null) w_g (bf16 [Cl, E]; f32
+  // values, before the gate's bias).
   const std::uint16_t* w_in = nullptr;
   std::int64_t proj_rows = 0;
-  std::uint16_t* proj = nullptr;
   std::int64_t f_a_col = 0, g_a_col = 0, beta_col = 0;
   const std::uint16_t* w_g = nullptr;
-  float* gate = nullptr;
   // The step (FusedDecodeParams' fields of the same names).
   const std::uint16_t* w_fb = nullptr;  // bf16 [Cl, 128]
   const std::uint16_t* w_gb = nullptr;  // bf16 [Cl, 128], the low-rank gate; null: full rank
@@ -269,18 +267,21 @@ struct OneLaunchStepParams {
   float lower_bound = -5.0f;
   float scale = 0.0f;
   float eps = 1e-5f;
-  std::uint16_t* y = nullptr;  // bf16 [Cl]: the norm's output, o_proj's input
-  // o_proj: out (bf16 [E]) = w_o (bf16 [E, Cl]) · y.
+  // o_proj: out (bf16 [E]) = w_o (bf16 [E, Cl]) · y, y (bf16 [Cl]) the norm's output.
   const std::uint16_t* w_o = nullptr;
   std::uint16_t* out = nullptr;
   std::uint32_t* status = nullptr;
-  // kOneLaunchSyncWords words, zero before the launch; zero again after it.
+  // kOneLaunchSyncWords words, and the exchange: a word a projection row (proj_rows, then the
+  // full-rank gate's Cl rows), then a word a pair of y's Cl values. Both the layer's own (no other
+  // layer's launch may use them), zero before its first launch; the kernel keeps them between
+  // launches (a count of blocks out, an epoch, each row's and y's last values with their tags).
   std::uint32_t* sync = nullptr;
+  std::uint64_t* exchange = nullptr;
   // Optional: kOneLaunchTraceStamps device-clock stamps (ns) a block, [grid][stamps], where its
   // phases end (kda-step-probe); null in the layer.
   std::uint64_t* trace = nullptr;
 };
-inline constexpr int kOneLaunchTraceStamps = 13;
+inline constexpr int kOneLaunchTraceStamps = 12;
 inline constexpr int kOneLaunchSyncWords = 4;
 // Whether launch_one_launch_step takes `p` on the current device: every head a block of its own
 // with a block to spare for o_proj, each block's share of W_o in shared memory beside the hidden

@@ -5,31 +5,36 @@
 // At one row the layer's three launches (projection, fused step, o_proj) each pay their ramp and
 // drain in turn, and the step's latency chain runs while no weights stream
 // (docs/design/layer.md). Here one block a multiprocessor, all resident at once, hand the work on
-// through two counters in global memory:
+// through the layer's exchange words in global memory (below):
 //   1. Every block computes its share of the input projection's rows (a warp a row, 16-byte weight
-//      loads past L1, the hidden row from shared memory) and arrives on counter 0. Before it, the
+//      loads past L1, the hidden row from shared memory), each row's value one exchange word.
+//      Before it, the
 //      blocks that own a head (block h < heads) start copying into shared memory everything of the
 //      head that does not depend on the step: the recurrent state (cp.async.bulk), its W_fb (and
 //      W_gb) rows, conv states, conv taps, dt_bias, the norm's weight and the gate's bias
 //      (cp.async), so that no load after the projection leaves the multiprocessor but the
 //      projection's own outputs (from L2). After it, the other blocks start copying their share
 //      of W_o's rows into shared memory (cp.async.bulk), so that W_o streams while the heads step.
-//   2. Block h < heads waits for counter 0 to reach the grid, then steps its head as the fused
-//      kernel does (fused_decode.cu: the same operations in the same order, one block a head, 16
-//      warps of 8 value rows), writes the states and y, and arrives on counter 1.
-//   3. The other blocks wait for counter 1 to reach the heads, then their W_o rows · y -> out,
-//      SmemPlan::out_lanes threads a row.
-// Arrivals are release reductions after a block barrier, waits acquire loads of one thread then a
-// block barrier (kda-step-probe traces the phases: docs/design/layer.md).
+//   2. Block h < heads takes the words of the rows its head reads (each thread its own), then steps
+//      its head as the fused kernel does (fused_decode.cu: the same operations in the same order,
+//      one block a head, 16 warps of 8 value rows), and writes the states and y's words.
+//   3. The other blocks take y's words, then their W_o rows · y -> out, SmemPlan::out_lanes
+//      threads a row.
+// An exchange word carries its value in its low half and the launch's tag in its high half (the
+// epoch word of `sync` plus one), written and read as one relaxed 64-bit access: a reader waits
+// until the words it needs carry this launch's tag. No fence and no counter stand between a value
+// and its reader (a release reduction after each block's rows and an acquire poll of the count
+// cost about 1 us more a step: kda-step-probe, docs/design/layer.md). Every word is written in
+// every launch, so a word left from an earlier launch carries an earlier tag.
 // The launch is a programmatic dependent of the kernel before it, and lets the kernel after it
 // launch as soon as all its own blocks have started: its blocks take multiprocessors as the
 // kernel before leaves them, issue their head's weight copies (nothing writes the weight image
-// inside a forward), and wait (griddepcontrol.wait) before they read the hidden row, the slots,
-// the states or the counters. That hides most of the launch between two steps.
-// The last block to leave resets the counters: they are zero between launches (the layer keeps
-// them in its weight image, zeroed when it is written), so a captured graph replays the launch as
-// it is. A wait that outlasts kSpinLimitNs (the device did not run every block at once) gives up
-// and reports kDeviceStatusStepTimeout rather than hang.
+// inside a forward but `sync` and the exchange words), and wait (griddepcontrol.wait) before they
+// read the hidden row, the slots, the states or `sync`. That hides most of the launch between two
+// steps. The last block to leave advances the epoch and resets the count of blocks out: the layer
+// keeps both and the exchange words in its weight image, zeroed when it is written, so a captured
+// graph replays the launch as it is. A wait that outlasts kSpinLimitNs (the device did not run
+// every block at once) gives up and reports kDeviceStatusStepTimeout rather than hang.
 //
 // The projections' sums run in another order than the small-row kernel's (a warp a whole row of
 // the input projection; four partial sums a thread, then shuffles, in o_proj), so out may differ
@@ -59,6 +64,8 @@ constexpr int kRowsPerWarp = D / kWarps;    // value rows of Sᵀ a warp
 constexpr int kLoadsPerLane = 16;           // 16-byte weight loads a lane in flight (projection)
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
+constexpr int kLeavingWord = 0;  // sync: blocks out of this launch (zero between launches)
+constexpr int kEpochWord = 1;    // sync: launches completed; this launch's tag is it plus one
 
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
@@ -74,11 +81,12 @@ using kda::detail::fence_proxy_async;
 using kda::detail::global_timer_ns;
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
-using kda::detail::load_acquire_gpu;
+using kda::detail::load_relaxed_gpu_u32;
+using kda::detail::load_relaxed_gpu_u64;
 using kda::detail::mbarrier_expect_tx;
 using kda::detail::mbarrier_init;
 using kda::detail::mbarrier_wait;
-using kda::detail::red_add_release_gpu;
+using kda::detail::store_relaxed_gpu_u64;
 
 constexpr std::int64_t align128(std::int64_t bytes) { return (bytes + 127) / 128 * 128; }
 
@@ -123,16 +131,47 @@ SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   return s;
 }
 
-// Waits until *counter == target (one thread); false if that took longer than kSpinLimitNs. A
-// counter never passes its target within a launch and holds it until the reset at the end, so
-// a value left over from a launch that did not end (above the target) times out, reported,
-// rather than pass.
-__device__ bool wait_count(const std::uint32_t* counter, std::uint32_t target) {
-  const std::uint64_t start = global_timer_ns();
-  while (load_acquire_gpu(counter) != target) {
-    if (global_timer_ns() - start > kSpinLimitNs) return false;
+// An exchange word: value in the low half, tag in the high half.
+__device__ __forceinline__ void put_word(std::uint64_t* word, std::uint32_t tag,
+                                         std::uint32_t value) {
+  store_relaxed_gpu_u64(word, static_cast<std::uint64_t>(tag) << 32 | value);
+}
+
+// The values of the exchange words at[0..N) (null: none) once each carries `tag`: at[0] alone is
+// polled until it does (one load a thread a round while the writers are still at work), then the
+// others are loaded together and polled until all do. `late` is set if that took longer than
+// kSpinLimitNs (the values are then undefined).
+template <int N>
+__device__ void take_words(const std::uint64_t* const (&at)[N], std::uint32_t tag,
+                           std::uint32_t (&value)[N], bool& late) {
+  const std::uint64_t absent = static_cast<std::uint64_t>(tag) << 32;
+  auto tagged = [tag](std::uint64_t w) { return static_cast<std::uint32_t>(w >> 32) == tag; };
+  std::uint64_t start = 0;
+  auto overdue = [&]() {
+    if (start == 0) start = global_timer_ns();
+    return global_timer_ns() - start > kSpinLimitNs;
+  };
+  std::uint64_t w[N];
+  w[0] = at[0] != nullptr ? load_relaxed_gpu_u64(at[0]) : absent;
+  while (!tagged(w[0]) && !late) {
+    late = overdue();
+    w[0] = load_relaxed_gpu_u64(at[0]);
   }
-  return true;
+#pragma unroll
+  for (int k = 1; k < N; ++k) w[k] = at[k] != nullptr ? load_relaxed_gpu_u64(at[k]) : absent;
+  for (bool all = false; !all && !late;) {
+    all = true;
+#pragma unroll
+    for (int k = 1; k < N; ++k) {
+      if (!tagged(w[k])) {
+        all = false;
+        w[k] = load_relaxed_gpu_u64(at[k]);
+      }
+    }
+    if (!all) late = overdue();
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) value[k] = static_cast<std::uint32_t>(w[k]);
 }
 
 template <int W, bool kF32State, bool kLowRank>
@@ -222,6 +261,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
   // slots, the states, the counters) is read after this.
   griddep_wait();
+  const std::uint32_t tag = load_relaxed_gpu_u32(p.sync + kEpochWord) + 1u;
+  std::uint64_t* const exchange = p.exchange;
+  const std::int64_t y_word0 = p.proj_rows + (kLowRank ? 0 : Cl);  // y's words after the rows'
   for (std::int64_t i = tid; i < E / 8; i += kThreads) {
     x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
   }
@@ -288,11 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         acc += __shfl_xor_sync(0xffffffffu, acc, offset);
       }
       if (lane == 0) {
-        if (gate_row) {
-          p.gate[r - p.proj_rows] = acc;
-        } else {
-          p.proj[r] = float_to_bits(acc);
-        }
+        put_word(exchange + r, tag, gate_row ? __float_as_uint(acc) : float_to_bits(acc));
       }
     }
   }
@@ -301,10 +339,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The o_proj blocks' W_o rows, contiguous: streamed into shared memory from here on.
   const std::int64_t e0 = head_block ? 0 : (block - H) * plan.out_rows;
   const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
-  if (tid == 0) {
-    red_add_release_gpu(p.sync + 0, 1u);
-    stamp(12);
-  }
   if (tid == 0 && e1 > e0) {
     const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
     mbarrier_expect_tx(&landed, bytes);
@@ -317,43 +351,51 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (head_block) {
     // ---- 2. the head's step ----
-    if (tid == 0) {
-      if (!wait_count(p.sync + 0, static_cast<std::uint32_t>(blocks))) {
-        report(kDeviceStatusStepTimeout);
-      }
-      stamp(11);
-    }
     cp_async_wait<0>();  // the head's region: every thread's copies, then the barrier
     if (steps) mbarrier_wait(&landed, 0);
     __syncthreads();
-    stamp(3);
     if (!steps) {
-      for (int i = tid; i < D / 8; i += kThreads) {
-        reinterpret_cast<uint4*>(p.y + h * D)[i] = make_uint4(0, 0, 0, 0);
-      }
+      for (int i = tid; i < D / 2; i += kThreads)
+        put_word(exchange + y_word0 + h * D / 2 + i, tag, 0);
     } else {
-      // What the step reads of the projection (written by other blocks: from L2, not L1).
-      const std::uint16_t* proj = p.proj;
-      if (tid < D) {
-        fa_s[tid] = bits_to_float(__ldcg(proj + p.f_a_col + tid));
-      } else if (tid < 2 * D) {
-        if constexpr (kLowRank) {
-          ga_s[tid - D] = bits_to_float(__ldcg(proj + p.g_a_col + tid - D));
-        } else {
-          gate_s[tid - D] = __ldcg(p.gate + h * D + tid - D);
+      // What the step reads of the projection: each thread its words.
+      bool late = false;
+      {
+        const std::uint64_t* at[1] = {nullptr};
+        if (tid < D) {
+          at[0] = exchange + p.f_a_col + tid;
+        } else if (tid < 2 * D) {
+          at[0] = exchange + (kLowRank ? p.g_a_col + tid - D : p.proj_rows + h * D + tid - D);
+        } else if (tid == 2 * D) {
+          at[0] = exchange + p.beta_col + h;
         }
-      } else if (tid == 2 * D) {
-        beta_s = sigmoid_f(bits_to_float(__ldcg(proj + p.beta_col + h)));
+        std::uint32_t v[1];
+        take_words(at, tag, v, late);
+        const auto bits = static_cast<std::uint16_t>(v[0]);
+        if (tid < D) {
+          fa_s[tid] = bits_to_float(bits);
+        } else if (tid < 2 * D) {
+          if constexpr (kLowRank) {
+            ga_s[tid - D] = bits_to_float(bits);
+          } else {
+            gate_s[tid - D] = __uint_as_float(v[0]);
+          }
+        } else if (tid == 2 * D) {
+          beta_s = sigmoid_f(bits_to_float(bits));
+        }
       }
+      stamp(11);
       // The conv: the last 3 D / 2 threads, two channels each of q, k or v, from the conv states
       // above; each writes its channels' new conv states.
       const int conv_index = tid - (kThreads - 3 * D / 2);
       if (conv_index >= 0) {
         const int branch = conv_index / (D / 2), channel = 2 * (conv_index % (D / 2));
         const std::int64_t cc = h * D + channel;
-        const std::uint32_t pair =
-            __ldcg(reinterpret_cast<const unsigned int*>(proj + branch * Cl + cc));
-        const float x[2] = {__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u)};
+        const std::uint64_t* at[2] = {exchange + branch * Cl + cc, exchange + branch * Cl + cc + 1};
+        std::uint32_t v[2];
+        take_words(at, tag, v, late);
+        const float x[2] = {bits_to_float(static_cast<std::uint16_t>(v[0])),
+                            bits_to_float(static_cast<std::uint16_t>(v[1]))};
         std::uint16_t* conv_state = p.conv_pools[branch] + (slot * Cl + cc) * kHist;
         const std::uint16_t* old = hist_s + (branch * D + channel) * kHist;
 #pragma unroll
@@ -369,7 +411,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           conv_state[i * kHist + kHist - 1] = float_to_bits(x[i]);
         }
       }
+      if (late) report(kDeviceStatusStepTimeout);
       __syncthreads();
+      stamp(3);
       // The second factors: thread r < D g of channel r, thread D + r the output gate of row r.
       if (tid < D) {
         g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
@@ -427,31 +471,40 @@ __global__ void __launch_bounds__(kThreads, 1)
         float o[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
-        *reinterpret_cast<uint2*>(p.y + h * D + k0) =
-            gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
-                        p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
+        const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
+                                    p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
+        put_word(exchange + y_word0 + (h * D + k0) / 2, tag, y.x);
+        put_word(exchange + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
       }
       stamp(10);
     }
-    __syncthreads();
     stamp(5);
-    if (tid == 0) red_add_release_gpu(p.sync + 1, 1u);
   } else {
     // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a row ----
-    if (tid == 0) {
-      if (!wait_count(p.sync + 1, static_cast<std::uint32_t>(H))) {
-        report(kDeviceStatusStepTimeout);
+    // y's words (two values each), four a thread at a time.
+    const std::int64_t y_words = Cl / 2;
+    auto* y_pairs = reinterpret_cast<std::uint32_t*>(y_s);
+    bool late = false;
+    for (std::int64_t base = 0; base < y_words; base += 4 * kThreads) {
+      const std::uint64_t* at[4];
+      std::uint32_t v[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const std::int64_t i = base + tid + k * kThreads;
+        at[k] = i < y_words ? exchange + y_word0 + i : nullptr;
       }
-      stamp(11);
+      take_words(at, tag, v, late);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (at[k] != nullptr) y_pairs[base + tid + k * kThreads] = v[k];
+      }
     }
+    if (late) report(kDeviceStatusStepTimeout);
+    stamp(11);
     __syncthreads();
     stamp(3);
     const std::int64_t y_chunks = Cl / 8;
-    for (std::int64_t i = tid; i < y_chunks; i += kThreads) {
-      y_s[i] = __ldcg(reinterpret_cast<const uint4*>(p.y) + i);
-    }
     if (e1 > e0) mbarrier_wait(&landed, 0);
-    __syncthreads();
     stamp(4);
     const auto* rows = reinterpret_cast<const uint4*>(region);
     const int L = plan.out_lanes, sub = tid % L;
@@ -479,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     stamp(5);
   }
 
-  // The last block out resets the counters: every block has read them by the time it arrives here.
+  // The last block out advances the epoch: every block has read it by the time it arrives here.
   __syncthreads();
   stamp(6);
   if (steps && tid == 0)
@@ -487,11 +540,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                       // memory) goes
   if (tid == 0) {
     __threadfence();
-    if (atomicAdd(p.sync + 2, 1u) == static_cast<unsigned>(blocks - 1)) {
-      __threadfence();  // the resets after every block's arrivals
-      atomicExch(p.sync + 0, 0u);
-      atomicExch(p.sync + 1, 0u);
-      atomicExch(p.sync + 2, 0u);
+    if (atomicAdd(p.sync + kLeavingWord, 1u) == static_cast<unsigned>(blocks - 1)) {
+      __threadfence();  // after every block's arrival
+      atomicExch(p.sync + kLeavingWord, 0u);
+      atomicAdd(p.sync + kEpochWord, 1u);
     }
   }
 }
@@ -559,17 +611,16 @@ cudaError_t launch_width(const OneLaunchStepParams& p, const SmemPlan& plan, int
 bool one_launch_step_fits(const OneLaunchStepParams& p) {
   const int blocks = kda::detail::current_device_sm_count();
   if (p.heads < 1 || p.heads >= blocks || p.width < 2 || p.width > 4 || p.hidden_size < 8 ||
-      p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr ||
-      (p.w_gb == nullptr && (p.w_g == nullptr || p.gate == nullptr))) {
+      p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr || p.exchange == nullptr ||
+      (p.w_gb == nullptr && p.w_g == nullptr)) {
     return false;
   }
   for (const void* required :
        {static_cast<const void*>(p.hidden), static_cast<const void*>(p.w_in),
-        static_cast<const void*>(p.proj), static_cast<const void*>(p.conv_weight),
-        static_cast<const void*>(p.conv_pools[0]), static_cast<const void*>(p.conv_pools[1]),
-        static_cast<const void*>(p.conv_pools[2]), static_cast<const void*>(p.A_log),
-        static_cast<const void*>(p.dt_bias), static_cast<const void*>(p.o_norm),
-        static_cast<const void*>(p.state), static_cast<const void*>(p.y),
+        static_cast<const void*>(p.conv_weight), static_cast<const void*>(p.conv_pools[0]),
+        static_cast<const void*>(p.conv_pools[1]), static_cast<const void*>(p.conv_pools[2]),
+        static_cast<const void*>(p.A_log), static_cast<const void*>(p.dt_bias),
+        static_cast<const void*>(p.o_norm), static_cast<const void*>(p.state),
         static_cast<const void*>(p.w_o), static_cast<const void*>(p.out)}) {
     if (required == nullptr) return false;
   }
@@ -577,7 +628,7 @@ bool one_launch_step_fits(const OneLaunchStepParams& p) {
   if (plan.total + kStaticSmemBytes > max_block_smem()) return false;
   return aligned(p.hidden, 16) && aligned(p.w_in, 16) && aligned(p.w_o, 16) &&
          aligned(p.w_fb, 16) && (p.w_gb == nullptr || aligned(p.w_gb, 16)) &&
-         (p.w_g == nullptr || aligned(p.w_g, 16)) && aligned(p.y, 16) && aligned(p.proj, 4) &&
+         (p.w_g == nullptr || aligned(p.w_g, 16)) && aligned(p.exchange, 8) &&
          aligned(p.state, 16) && aligned(p.conv_pools[0], 16) && aligned(p.conv_pools[1], 16) &&
          aligned(p.conv_pools[2], 16) && aligned(p.conv_weight, 16) && aligned(p.dt_bias, 16) &&
          aligned(p.o_norm, 16) && aligned(p.g_bias, 16);
