@@ -41,7 +41,7 @@
 
 #include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
-static_assert(kda::layer::cuda::kOneLaunchSyncWords == 4, "the weight image's step counters");
+static_assert(kda::layer::cuda::kOneLaunchSyncWords == 4, "the weight image's step sync words");
 #if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
 #include <nvtx3/nvToolsExtMemCudaRt.h>
 #endif

@@ -8,13 +8,13 @@
 // through the layer's exchange words in global memory (below):
 //   1. Every block computes its share of the input projection's rows (a warp a row, 16-byte weight
 //      loads past L1, the hidden row from shared memory), each row's value one exchange word.
-//      Before it, the
-//      blocks that own a head (block h < heads) start copying into shared memory everything of the
-//      head that does not depend on the step: the recurrent state (cp.async.bulk), its W_fb (and
-//      W_gb) rows, conv states, conv taps, dt_bias, the norm's weight and the gate's bias
-//      (cp.async), so that no load after the projection leaves the multiprocessor but the
-//      projection's own outputs (from L2). After it, the other blocks start copying their share
-//      of W_o's rows into shared memory (cp.async.bulk), so that W_o streams while the heads step.
+//      Before it, the blocks that own a head (block h < heads) start copying into shared memory
+//      everything of the head that does not depend on the step: the recurrent state
+//      (cp.async.bulk), its W_fb (and W_gb) rows, conv states, conv taps, dt_bias, the norm's
+//      weight and the gate's bias (cp.async), so that no load after the projection leaves the
+//      multiprocessor but the projection's own outputs (from L2). After it, the other blocks start
+//      copying their share of W_o's rows into shared memory (cp.async.bulk), so that W_o streams
+//      while the heads step.
 //   2. Block h < heads takes the words of the rows its head reads (each thread its own), then steps
 //      its head as the fused kernel does (fused_decode.cu: the same operations in the same order,
 //      one block a head, 16 warps of 8 value rows), and writes the states and y's words.
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
-  // slots, the states, the counters) is read after this.
+  // slots, the states, the epoch and the exchange words) is read after this.
   griddep_wait();
   const std::uint32_t tag = load_relaxed_gpu_u32(p.sync + kEpochWord) + 1u;
   std::uint64_t* const exchange = p.exchange;
