@@ -63,9 +63,8 @@ struct WeightCopy {
     p.dt_bias = static_cast<const float*>(take(Cl * 4, 0));
     p.o_norm = static_cast<const float*>(take(D * 4, 0x3c));
     p.sync = static_cast<std::uint32_t*>(take(kda::layer::cuda::kOneLaunchSyncWords * 4, 0));
-    // The exchange (OneLaunchStepParams::exchange): a word a projection row, then a word a pair
-    // of y's values.
-    const std::int64_t words = proj_rows + (s.full_rank ? Cl : 0) + Cl / 2;
+    const std::int64_t words =
+        kda::layer::cuda::one_launch_exchange_words(proj_rows, Cl, s.full_rank);
     p.exchange = static_cast<std::uint64_t*>(take(words * 8, 0));
   }
   std::size_t bytes(const Shape& s, std::int64_t proj_rows) const {

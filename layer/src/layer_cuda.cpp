@@ -30,6 +30,7 @@
 #include "aligned_regions.hpp"
 #include "backends.hpp"
 #include "checks.hpp"
+#include "cuda/one_launch_exchange.hpp"
 #include "kda/detail/checked_math.hpp"
 #include "kda/error.hpp"
 #include "kda/nvtx.hpp"
@@ -77,12 +78,10 @@ struct WeightLayout {
 };
 constexpr std::int64_t kStepSyncWords = 4;
 
-// The one-launch step's exchange words (OneLaunchStepParams::exchange): a word a row it projects
-// and a word a pair of y's values.
+// The one-launch step's exchange words for the rows it projects (q | k | v | f_a | g_a | beta).
 std::int64_t step_exchange_words(const Config& c) {
-  const std::int64_t Cl = c.local_channels();
-  const std::int64_t proj_rows = proj_columns(c).b + c.local_heads();
-  return proj_rows + (c.full_rank_gate ? Cl : 0) + Cl / 2;
+  return cuda::one_launch_exchange_words(proj_columns(c).b + c.local_heads(), c.local_channels(),
+                                         c.full_rank_gate);
 }
 
 WeightLayout make_weight_layout(const Config& c) {
