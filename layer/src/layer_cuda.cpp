@@ -235,6 +235,10 @@ struct GemmKnobs {
   // wait for the projection (FusedDecodeParams::late_dependents). With the streamed o_proj, whose
   // blocks start its weights' reads at once, this keeps them from queuing with the step's loads.
   bool fused_late_dependents = false;
+  // KDA_LAYER_SIDE_GEMMS=0: a decode step's output gate and second factors by GEMMs on the
+  // forward's stream before the conv, as every other GEMM, rather than on the layer's side stream
+  // beside the conv (for measuring what the side stream gives).
+  bool side_gemms = true;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -260,6 +264,7 @@ const GemmKnobs& gemm_knobs() {
     k.input = site("KDA_LAYER_INPUT_GEMM");
     k.output = site("KDA_LAYER_OUTPUT_GEMM");
     k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
+    k.side_gemms = value("KDA_LAYER_SIDE_GEMMS") != "0";
     return k;
   }();
   return knobs;
@@ -416,6 +421,10 @@ class CudaLayer final : public Layer {
     for (cudaEvent_t event : events) {
       if (event != nullptr) (void)cudaEventDestroy(event);
     }
+    for (cudaEvent_t event : {side_fork, side_done}) {
+      if (event != nullptr) (void)cudaEventDestroy(event);
+    }
+    if (side != nullptr) (void)cudaStreamDestroy(side);
     if (handle != nullptr) cublasDestroy(handle);
     if (owned_image != nullptr) cudaFree(owned_image);
   }
@@ -433,6 +442,11 @@ class CudaLayer final : public Layer {
   unsigned char* owned_image = nullptr;  // the layer's own allocation, else null
   // Phase boundaries: before the projections, after them, the conv, the core, the norm, o_proj.
   cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+  // The stream a decode step's GEMMs that only the core reads run on beside the conv, and the
+  // events that fork it from the forward's stream and join it back. Waits between streams on the
+  // device only: the host never waits, and a capture takes both streams into one graph.
+  cudaStream_t side = nullptr;
+  cudaEvent_t side_fork = nullptr, side_done = nullptr;
   const bf16_bits* w_in = nullptr;  // WeightLayout says what each points at
   const bf16_bits* w_fb = nullptr;
   const bf16_bits* w_gb = nullptr;    // the low-rank gate, else null
@@ -506,6 +520,10 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   step_exchange = reinterpret_cast<std::uint64_t*>(image + layout.step_exchange);
   check_cublas(cublasCreate(&handle), "cublasCreate");
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
+  for (cudaEvent_t* event : {&side_fork, &side_done}) {
+    check_cuda(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "cudaEventCreate");
+  }
+  check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate");
 }
 
 void CudaLayer::add_times(Times* times) const {
@@ -775,6 +793,16 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     }
   }
   const bool factor_gemms = !fuse_factors && conv_factors.w_fb == nullptr;
+  // A decode step's output gate (x·W_gᵀ, or g_a·W_gbᵀ where the second factors are GEMMs) and
+  // f_a·W_fbᵀ are read first by the core (the gate by its norm epilogue): their GEMMs run on the
+  // side stream beside the conv, forked after the input projection (one cuBLAS workspace: no two
+  // GEMMs at once) and joined before the core. Not beside a fused step (launched as a programmatic
+  // dependent of the GEMMs), nor with phase events (each phase its own kernels), nor in a prefill,
+  // where the conv and the GEMMs are each bound by memory bandwidth or the tensor cores and gained
+  // nothing from running together (docs/design/layer.md).
+  const bool gate_gemm = inputs == nullptr && (c.full_rank_gate || factor_gemms);
+  const bool sided = decode && !fuse && options.times == nullptr && gemm_knobs().side_gemms &&
+                     (gate_gemm || factor_gemms);
 
   mark(0);
   GemmContext gemms;
@@ -790,17 +818,30 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
          gemm_knobs().programmatic_input, gemm_knobs().input);
+    GemmContext at = gemms;  // where the factors' and the gate's GEMMs run
+    if (sided) {
+      check_cuda(cudaEventRecord(side_fork, stream), "cudaEventRecord(side fork)");
+      check_cuda(cudaStreamWaitEvent(side, side_fork, 0), "cudaStreamWaitEvent(side fork)");
+      check_cublas(cublasSetStream(handle, side), "cublasSetStream(side)");
+      check_cublas(cublasSetWorkspace(handle, gemms.scratch, gemms.scratch_bytes),
+                   "cublasSetWorkspace");
+      at.stream = side;
+    }
     if (factor_gemms) {
-      gemm(gemms, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
+      gemm(at, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
     }
     // The output gate in f32, so that the norm kernel adds its bias before rounding it. The
     // full-rank gate's columns would come out of the fused GEMM in bf16: it has a GEMM of its own.
-    if (inputs != nullptr) {
-      // The core's inputs need no output gate.
-    } else if (c.full_rank_gate) {
-      gemm(gemms, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
-    } else if (factor_gemms) {
-      gemm(gemms, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl, "g_a·W_gbᵀ");
+    if (gate_gemm && c.full_rank_gate) {
+      gemm(at, hidden, E, T, E, w_g, Cl, gate, CUDA_R_32F, Cl, "x·W_gᵀ");
+    } else if (gate_gemm) {
+      gemm(at, proj + cols.g_a, cols.stride, T, D, w_gb, Cl, gate, CUDA_R_32F, Cl, "g_a·W_gbᵀ");
+    }
+    if (sided) {
+      check_cuda(cudaEventRecord(side_done, side), "cudaEventRecord(side done)");
+      check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
+      check_cublas(cublasSetWorkspace(handle, gemms.scratch, gemms.scratch_bytes),
+                   "cublasSetWorkspace");
     }
   }
   mark(1);
@@ -852,6 +893,10 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     }
   }
   mark(2);
+  // The side stream's GEMMs before the core (and before a caller's core inputs are there).
+  if (sided) {
+    check_cuda(cudaStreamWaitEvent(stream, side_done, 0), "cudaStreamWaitEvent(side join)");
+  }
   if (inputs != nullptr) return;  // q, k, v, beta from the conv, g from f_a·W_fbᵀ: all there
   cuda::GatedNormParams norm;
   norm.o = o;

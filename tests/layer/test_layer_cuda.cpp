@@ -146,10 +146,21 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 8, 2));
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
-    // Decode of three rows (cuBLAS's products) and of one (the small-row kernel's).
-    for (std::int64_t decode_rows : {0, 3, 1}) {
+    // Decode of three rows (cuBLAS's products; on the fused step, and on the separate kernels,
+    // where the output gate's GEMM runs on the layer's side stream beside the conv) and of one (the
+    // small-row kernel's).
+    struct Step {
+      std::int64_t decode_rows;
+      layer::DecodeKernel kernel;
+    };
+    for (const Step& s :
+         {Step{0, layer::DecodeKernel::kAuto}, Step{3, layer::DecodeKernel::kAuto},
+          Step{3, layer::DecodeKernel::kSeparate}, Step{1, layer::DecodeKernel::kAuto}}) {
+      const std::int64_t decode_rows = s.decode_rows;
+      const layer::DecodeKernel kernel = s.kernel;
       CAPTURE(full_rank);
       CAPTURE(decode_rows);
+      CAPTURE(layer::to_string(kernel));
       const std::vector<std::int32_t> slots = {3, 0, 1};
       const BatchSpec batch =
           decode_rows > 0
@@ -164,7 +175,10 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
       // Eager, on the stream, pointers checked; no host copies (a graph replays without them).
       ForwardSettings eager_settings;
       eager_settings.host_copies = false;
-      eager_settings.change = [stream](ForwardCall& call) { call.options.stream = stream; };
+      eager_settings.change = [stream, kernel](ForwardCall& call) {
+        call.options.stream = stream;
+        call.options.decode_kernel = kernel;
+      };
       Pools eager = initial;
       const LayerRun eager_run = cuda.forward(*layer, hidden, batch, &eager, eager_settings);
       REQUIRE_MESSAGE(eager_run.error.empty(), eager_run.error);
@@ -176,6 +190,7 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
           hidden, batch, initial,
           layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
       ForwardCall call = buffers.call(batch, initial, false);
+      call.options.decode_kernel = kernel;
       Graph graph;
       capture_forward(*layer, call, stream, &graph);
       const cudaGraphExec_t exec = graph.exec;
