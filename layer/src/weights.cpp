@@ -2,9 +2,11 @@
 // tensor-parallel shards.
 #include "kda/layer/weights.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
+#include <thread>
 
 #include "kda/error.hpp"
 
@@ -122,54 +124,125 @@ GateParameters random_gate_parameters(std::uint64_t seed, int layer_index, std::
   return parameters;
 }
 
+namespace {
+
+// A counter-based stream of uniform values in [-1, 1): value i of a tensor is a function of (seed,
+// layer, tensor, i) alone (SplitMix64's finalizer on the key plus i times its increment), so a
+// shard's rows and columns are the whole tensor's values there without generating the rest, and
+// a rank of a model of many layers builds in the time of its own shard (a sequential generator
+// made each rank of Kimi K3's TP8 shard generate the whole layer: 9.6 s a layer on one core).
+class UniformStream {
+ public:
+  UniformStream(std::uint64_t seed, int layer_index, std::uint64_t tensor)
+      : key_(mix(mix(seed ^ 0x6c61796e00000000ull) ^
+                 (static_cast<std::uint64_t>(static_cast<std::uint32_t>(layer_index)) << 16) ^
+                 tensor)) {}
+  float at(std::uint64_t i) const {
+    const std::uint64_t bits = mix(key_ + (i + 1) * kIncrement);
+    // The top 24 bits as a float in [0, 1) exactly, then scaled to [-1, 1).
+    return static_cast<float>(bits >> 40) * (2.0f / 16777216.0f) - 1.0f;
+  }
+
+ private:
+  static constexpr std::uint64_t kIncrement = 0x9e3779b97f4a7c15ull;
+  static std::uint64_t mix(std::uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  std::uint64_t key_;
+};
+
+}  // namespace
+
 Weights random_weights(const Config& config, std::uint64_t seed, int layer_index) {
   validate(config);
   const std::int64_t E = config.hidden_size, H = config.num_heads, D = config.head_dim;
   const std::int64_t W = config.conv_width, C = H * D;
-  std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
-                    static_cast<std::uint32_t>(layer_index), 0x6c61796eu};
-  std::mt19937_64 generator(seq);
-  auto uniform_bf16 = [&](std::int64_t count, std::int64_t fan_in) {
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  // The shard's heads and channels (all of them without tensor parallelism).
+  const std::int64_t Hl = config.local_heads(), Cl = config.local_channels();
+  const std::int64_t h0 = config.tp_rank * Hl, c0 = config.tp_rank * Cl;
+  enum Tensor : std::uint64_t {
+    kQ = 1,
+    kK,
+    kV,
+    kQConv,
+    kKConv,
+    kVConv,
+    kFa,
+    kFb,
+    kB,
+    kGa,
+    kGb,
+    kG,
+    kO
+  };
+  // Rows [first, first + count) of tensor `t`, a row-major [rows, cols] matrix, columns
+  // [col0, col0 + width): U(-1/sqrt(fan_in), 1/sqrt(fan_in)) rounded to bf16.
+  auto uniform_bf16 = [&](Tensor t, std::int64_t cols, std::int64_t first, std::int64_t count,
+                          std::int64_t fan_in, std::int64_t col0 = 0, std::int64_t width = -1) {
+    if (width < 0) width = cols;
+    const UniformStream stream(seed, layer_index, t);
     const float bound = 1.0f / std::sqrt(static_cast<float>(fan_in));
-    std::vector<bf16_bits> values(to_size(count));
-    for (bf16_bits& v : values) v = float_to_bf16(bound * dist(generator));
+    std::vector<bf16_bits> values(to_size(count * width));
+    auto fill = [&](std::int64_t row_begin, std::int64_t row_end) {
+      for (std::int64_t r = row_begin; r < row_end; ++r) {
+        const std::uint64_t base = static_cast<std::uint64_t>((first + r) * cols + col0);
+        bf16_bits* row = values.data() + r * width;
+        for (std::int64_t c = 0; c < width; ++c) {
+          row[c] = float_to_bf16(bound * stream.at(base + static_cast<std::uint64_t>(c)));
+        }
+      }
+    };
+    // Every value is a function of its index alone: the threads' split does not change them.
+    const std::int64_t threads = std::min<std::int64_t>(
+        std::max(1u, std::thread::hardware_concurrency()), count * width / (std::int64_t{1} << 20));
+    if (threads <= 1) {
+      fill(0, count);
+      return values;
+    }
+    std::vector<std::thread> pool;
+    for (std::int64_t t = 0; t < threads; ++t) {
+      pool.emplace_back(fill, count * t / threads, count * (t + 1) / threads);
+    }
+    for (std::thread& thread : pool) thread.join();
     return values;
   };
-  auto uniform_conv = [&](std::int64_t count) {  // bf16-representable, as in a bf16 checkpoint
-    std::vector<float> values(to_size(count));
-    const std::vector<bf16_bits> bits = uniform_bf16(count, W);
+  auto uniform_conv = [&](Tensor t) {  // bf16-representable, as in a bf16 checkpoint
+    const std::vector<bf16_bits> bits = uniform_bf16(t, W, c0, Cl, W);
+    std::vector<float> values(bits.size());
     for (std::size_t i = 0; i < values.size(); ++i) values[i] = bf16_to_float(bits[i]);
     return values;
   };
 
-  Weights full;
-  full.config = config;
-  full.config.tp_size = 1;
-  full.config.tp_rank = 0;
-  full.q_proj = uniform_bf16(C * E, E);
-  full.k_proj = uniform_bf16(C * E, E);
-  full.v_proj = uniform_bf16(C * E, E);
-  full.q_conv = uniform_conv(C * W);
-  full.k_conv = uniform_conv(C * W);
-  full.v_conv = uniform_conv(C * W);
-  full.f_a_proj = uniform_bf16(D * E, E);
-  full.f_b_proj = uniform_bf16(C * D, D);
-  full.b_proj = uniform_bf16(H * E, E);
+  Weights w;
+  w.config = config;
+  w.q_proj = uniform_bf16(kQ, E, c0, Cl, E);
+  w.k_proj = uniform_bf16(kK, E, c0, Cl, E);
+  w.v_proj = uniform_bf16(kV, E, c0, Cl, E);
+  w.q_conv = uniform_conv(kQConv);
+  w.k_conv = uniform_conv(kKConv);
+  w.v_conv = uniform_conv(kVConv);
+  w.f_a_proj = uniform_bf16(kFa, E, 0, D, E);  // replicated: every rank needs all of it
+  w.f_b_proj = uniform_bf16(kFb, D, c0, Cl, D);
+  w.b_proj = uniform_bf16(kB, E, h0, Hl, E);
   if (config.full_rank_gate) {
-    full.g_proj = uniform_bf16(C * E, E);
+    w.g_proj = uniform_bf16(kG, E, c0, Cl, E);
   } else {
-    full.g_a_proj = uniform_bf16(D * E, E);
-    full.g_b_proj = uniform_bf16(C * D, D);
+    w.g_a_proj = uniform_bf16(kGa, E, 0, D, E);
+    w.g_b_proj = uniform_bf16(kGb, D, c0, Cl, D);
   }
-  full.o_norm.assign(to_size(D), float_to_bf16(1.0f));
-  full.o_proj = uniform_bf16(E * C, C);
+  w.o_norm.assign(to_size(D), float_to_bf16(1.0f));
+  w.o_proj = uniform_bf16(kO, C, 0, E, C, c0, Cl);  // [E, C]: the shard's columns
   GateParameters gate = random_gate_parameters(seed, layer_index, H, D);
-  full.A_log = std::move(gate.A_log);
-  full.dt_bias = std::move(gate.dt_bias);
-  full.origin = "random (seed " + std::to_string(seed) + ")";
-  if (config.tp_size == 1) return full;
-  return shard_weights(full, config.tp_size, config.tp_rank);
+  w.A_log = rows(gate.A_log, 1, h0, Hl);
+  w.dt_bias = rows(gate.dt_bias, 1, c0, Cl);
+  w.origin = "random (seed " + std::to_string(seed) + ")";
+  if (config.tp_size > 1) {
+    w.origin += " (tp rank " + std::to_string(config.tp_rank) + " of " +
+                std::to_string(config.tp_size) + ")";
+  }
+  return w;
 }
 
 Weights shard_weights(const Weights& full, int tp_size, int tp_rank) {

@@ -347,22 +347,57 @@ KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both bac
 }
 
 KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole layer's") {
+  // Every tensor of a rank's random weights, generated for the shard alone, equals the shard
+  // taken of the whole layer's.
+  auto check_same = [](const layer::Weights& a, const layer::Weights& b) {
+    CHECK(a.q_proj == b.q_proj);
+    CHECK(a.k_proj == b.k_proj);
+    CHECK(a.v_proj == b.v_proj);
+    CHECK(a.q_conv == b.q_conv);
+    CHECK(a.k_conv == b.k_conv);
+    CHECK(a.v_conv == b.v_conv);
+    CHECK(a.f_a_proj == b.f_a_proj);
+    CHECK(a.f_b_proj == b.f_b_proj);
+    CHECK(a.b_proj == b.b_proj);
+    CHECK(a.g_a_proj == b.g_a_proj);
+    CHECK(a.g_b_proj == b.g_b_proj);
+    CHECK(a.g_proj == b.g_proj);
+    CHECK(a.g_b_bias == b.g_b_bias);
+    CHECK(a.A_log == b.A_log);
+    CHECK(a.dt_bias == b.dt_bias);
+    CHECK(a.o_norm == b.o_norm);
+    CHECK(a.o_proj == b.o_proj);
+    CHECK(a.origin == b.origin);
+  };
   layer::Config config = cpu_layer_runner().config();
   const layer::Weights full = layer::random_weights(config, 5, 4);
-  // Reproducible for (seed, layer), and other for another layer.
-  CHECK(layer::random_weights(config, 5, 4).q_proj == full.q_proj);
+  // Reproducible for (seed, layer), and other for another layer, another seed, another tensor.
+  check_same(layer::random_weights(config, 5, 4), full);
   CHECK(layer::random_weights(config, 5, 3).q_proj != full.q_proj);
-  for (int rank = 0; rank < 2; ++rank) {
-    CAPTURE(rank);
-    config.tp_size = 2;
-    config.tp_rank = rank;
-    const layer::Weights shard = layer::shard_weights(full, 2, rank);
-    const layer::Weights random_rank = layer::random_weights(config, 5, 4);
-    CHECK(random_rank.q_proj == shard.q_proj);
-    CHECK(random_rank.o_proj == shard.o_proj);
-    CHECK(random_rank.A_log == shard.A_log);
-    CHECK(shard.A_log.size() == 2);
-    CHECK(shard.f_a_proj == full.f_a_proj);  // replicated
+  CHECK(layer::random_weights(config, 6, 4).q_proj != full.q_proj);
+  CHECK(full.k_proj != full.q_proj);
+  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)): every value inside, and they spread over it.
+  const float bound = 1.0f / std::sqrt(static_cast<float>(config.hidden_size));
+  double sum = 0.0, largest = 0.0;
+  for (const bf16_bits bits : full.q_proj) {
+    const double value = bf16_to_float(bits);
+    sum += value;
+    largest = std::max(largest, std::abs(value));
+  }
+  CHECK(largest <= bound * (1.0 + 1.0 / 128));  // bf16 rounding
+  CHECK(largest >= 0.99 * bound);
+  CHECK(std::abs(sum / static_cast<double>(full.q_proj.size())) < 0.01 * bound);
+  for (const int tp : {2, 4}) {
+    for (int rank = 0; rank < tp; ++rank) {
+      CAPTURE(tp);
+      CAPTURE(rank);
+      config.tp_size = tp;
+      config.tp_rank = rank;
+      const layer::Weights shard = layer::shard_weights(full, tp, rank);
+      check_same(layer::random_weights(config, 5, 4), shard);
+      CHECK(shard.A_log.size() == static_cast<std::size_t>(config.num_heads / tp));
+      CHECK(shard.f_a_proj == full.f_a_proj);  // replicated
+    }
   }
   // The full-rank gate is column-parallel: rank r holds rows [r Cl, (r + 1) Cl) of g_proj.
   layer::Config full_rank = cpu_layer_runner().config(GateMode::kSoftplus, true);
@@ -378,6 +413,7 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
     CHECK(std::equal(shard.g_proj.begin(), shard.g_proj.end(),
                      whole.g_proj.begin() + static_cast<std::ptrdiff_t>(rank * rows * E)));
     CHECK(layer::random_weights(full_rank, 5, 4).g_proj == shard.g_proj);
+    CHECK(layer::random_weights(full_rank, 5, 4).o_proj == shard.o_proj);
     CHECK(shard.g_a_proj.empty());
     CHECK(shard.g_b_proj.empty());
   }

@@ -81,8 +81,9 @@ struct GateParameters {
 GateParameters random_gate_parameters(std::uint64_t seed, int layer_index, std::int64_t num_heads,
                                       std::int64_t head_dim);
 
-// Seeded random weights of the whole layer, then config's shard of them (so every rank of one
-// seed holds a shard of the same layer). Linear and conv weights ~ U(-1/sqrt(fan_in),
+// Seeded random weights of config's shard of a layer: what shard_weights() takes of the whole
+// layer's random weights of the same seed and layer (so every rank of one seed holds a shard of
+// the same layer), generated for the shard alone. Linear and conv weights ~ U(-1/sqrt(fan_in),
 // 1/sqrt(fan_in)) as PyTorch initialises them, o_norm = 1, no g_b bias, A_log and dt_bias as
 // random_gate_parameters(). Reproducible for (seed, layer_index).
 Weights random_weights(const Config& config, std::uint64_t seed, int layer_index);
