@@ -414,10 +414,21 @@ class CudaLayer final : public Layer {
       owned_image = static_cast<unsigned char*>(weight_image);
       bytes = weight_bytes();
     }
-    check_weight_region(weight_image, bytes, weight_bytes(), kAlignment, "KDA layer (CUDA)");
-    initialize(w, static_cast<unsigned char*>(weight_image));
+    try {
+      check_weight_region(weight_image, bytes, weight_bytes(), kAlignment, "KDA layer (CUDA)");
+      initialize(w, static_cast<unsigned char*>(weight_image));
+    } catch (...) {  // no destructor runs for an object whose constructor throws
+      release();
+      throw;
+    }
   }
-  ~CudaLayer() override {
+  ~CudaLayer() override { release(); }
+
+  Backend backend() const noexcept override { return Backend::kCuda; }
+
+ private:
+  // What the layer holds (whatever of it was created): events, side stream, handle, own image.
+  void release() noexcept {
     for (cudaEvent_t event : events) {
       if (event != nullptr) (void)cudaEventDestroy(event);
     }
@@ -428,10 +439,6 @@ class CudaLayer final : public Layer {
     if (handle != nullptr) cublasDestroy(handle);
     if (owned_image != nullptr) cudaFree(owned_image);
   }
-
-  Backend backend() const noexcept override { return Backend::kCuda; }
-
- private:
   void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
            Workspace workspace, const RunOptions& options, CoreInputs* inputs) const override;
   void initialize(const Weights& w, unsigned char* image);
@@ -803,6 +810,23 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   const bool gate_gemm = inputs == nullptr && (c.full_rank_gate || factor_gemms);
   const bool sided = decode && !fuse && options.times == nullptr && gemm_knobs().side_gemms &&
                      (gate_gemm || factor_gemms);
+  // Joins the side stream back into the forward's, and gives the cuBLAS handle the forward's
+  // stream again, where a throw leaves the forward between the fork and the join: a capture then
+  // ends without an unjoined branch, and the side GEMMs stay ordered before the caller's next work.
+  struct SideBranch {
+    cudaStream_t stream, side;
+    cudaEvent_t done;
+    cublasHandle_t handle;
+    bool open = false;
+    void fork() { open = true; }
+    void joined() { open = false; }
+    ~SideBranch() {
+      if (!open) return;
+      (void)cudaEventRecord(done, side);
+      (void)cudaStreamWaitEvent(stream, done, 0);
+      (void)cublasSetStream(handle, stream);
+    }
+  } side_branch{stream, side, side_done, handle};
 
   mark(0);
   GemmContext gemms;
@@ -822,6 +846,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     if (sided) {
       check_cuda(cudaEventRecord(side_fork, stream), "cudaEventRecord(side fork)");
       check_cuda(cudaStreamWaitEvent(side, side_fork, 0), "cudaStreamWaitEvent(side fork)");
+      side_branch.fork();
       check_cublas(cublasSetStream(handle, side), "cublasSetStream(side)");
       check_cublas(cublasSetWorkspace(handle, gemms.scratch, gemms.scratch_bytes),
                    "cublasSetWorkspace");
@@ -896,6 +921,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   // The side stream's GEMMs before the core (and before a caller's core inputs are there).
   if (sided) {
     check_cuda(cudaStreamWaitEvent(stream, side_done, 0), "cudaStreamWaitEvent(side join)");
+    side_branch.joined();
   }
   if (inputs != nullptr) return;  // q, k, v, beta from the conv, g from f_a·W_fbᵀ: all there
   cuda::GatedNormParams norm;

@@ -202,9 +202,15 @@ Weights random_weights(const Config& config, std::uint64_t seed, int layer_index
       return values;
     }
     std::vector<std::thread> pool;
-    for (std::int64_t t = 0; t < threads; ++t) {
-      pool.emplace_back(fill, count * t / threads, count * (t + 1) / threads);
+    try {
+      for (std::int64_t t = 1; t < threads; ++t) {
+        pool.emplace_back(fill, count * t / threads, count * (t + 1) / threads);
+      }
+    } catch (...) {  // a thread that could not start: its rows below, on this one
     }
+    const std::int64_t started = static_cast<std::int64_t>(pool.size()) + 1;
+    fill(0, count / threads);
+    if (started < threads) fill(count * started / threads, count);
     for (std::thread& thread : pool) thread.join();
     return values;
   };

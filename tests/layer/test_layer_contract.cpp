@@ -376,17 +376,23 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
   CHECK(layer::random_weights(config, 5, 3).q_proj != full.q_proj);
   CHECK(layer::random_weights(config, 6, 4).q_proj != full.q_proj);
   CHECK(full.k_proj != full.q_proj);
-  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)): every value inside, and they spread over it.
-  const float bound = 1.0f / std::sqrt(static_cast<float>(config.hidden_size));
-  double sum = 0.0, largest = 0.0;
+  // U(-b, b), b = 1/sqrt(fan_in): every value inside, none beyond, and the mean and the mean
+  // square those of the distribution (within four standard deviations of their estimates).
+  const double bound = 1.0 / std::sqrt(static_cast<double>(config.hidden_size));
+  double sum = 0.0, sum_squares = 0.0, largest = 0.0;
   for (const bf16_bits bits : full.q_proj) {
     const double value = bf16_to_float(bits);
     sum += value;
+    sum_squares += value * value;
     largest = std::max(largest, std::abs(value));
   }
+  const double n = static_cast<double>(full.q_proj.size());
   CHECK(largest <= bound * (1.0 + 1.0 / 128));  // bf16 rounding
   CHECK(largest >= 0.99 * bound);
-  CHECK(std::abs(sum / static_cast<double>(full.q_proj.size())) < 0.01 * bound);
+  // The mean's standard deviation is b / sqrt(3 n); the mean square's b^2 sqrt(4 / 45 / n).
+  CHECK(std::abs(sum / n) < 4.0 * bound / std::sqrt(3.0 * n));
+  CHECK(std::abs(sum_squares / n - bound * bound / 3.0) <
+        4.0 * bound * bound * std::sqrt(4.0 / 45.0 / n));
   for (const int tp : {2, 4}) {
     for (int rank = 0; rank < tp; ++rank) {
       CAPTURE(tp);
@@ -399,6 +405,17 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
       CHECK(shard.f_a_proj == full.f_a_proj);  // replicated
     }
   }
+  // Tensors of 2^21 values and more are filled by several threads where the machine has them:
+  // the same values, and the same shards.
+  layer::Config large = cpu_layer_runner().config();
+  large.hidden_size = 2048;
+  large.num_heads = 8;
+  large.head_dim = 128;
+  const layer::Weights large_full = layer::random_weights(large, 7, 1);
+  REQUIRE(large_full.q_proj.size() >= (std::size_t{1} << 21));
+  large.tp_size = 2;
+  large.tp_rank = 1;
+  check_same(layer::random_weights(large, 7, 1), layer::shard_weights(large_full, 2, 1));
   // The full-rank gate is column-parallel: rank r holds rows [r Cl, (r + 1) Cl) of g_proj.
   layer::Config full_rank = cpu_layer_runner().config(GateMode::kSoftplus, true);
   const layer::Weights whole = layer::random_weights(full_rank, 5, 4);
@@ -412,8 +429,7 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
     REQUIRE(shard.g_proj.size() == rows * E);
     CHECK(std::equal(shard.g_proj.begin(), shard.g_proj.end(),
                      whole.g_proj.begin() + static_cast<std::ptrdiff_t>(rank * rows * E)));
-    CHECK(layer::random_weights(full_rank, 5, 4).g_proj == shard.g_proj);
-    CHECK(layer::random_weights(full_rank, 5, 4).o_proj == shard.o_proj);
+    check_same(layer::random_weights(full_rank, 5, 4), shard);
     CHECK(shard.g_a_proj.empty());
     CHECK(shard.g_b_proj.empty());
   }

@@ -146,28 +146,28 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 8, 2));
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
-    // Decode of three rows (cuBLAS's products; on the fused step, and on the separate kernels,
-    // where the output gate's GEMM runs on the layer's side stream beside the conv) and of one (the
-    // small-row kernel's).
+    // Decode of three rows (the fragment kernel's products, on the fused step), of twelve on the
+    // separate kernels (cuBLAS's; the full-rank gate's GEMM on the layer's side stream beside the
+    // conv, cuBLAS switched to that stream and back) and of one (the small-row kernel's).
     struct Step {
       std::int64_t decode_rows;
       layer::DecodeKernel kernel;
     };
     for (const Step& s :
          {Step{0, layer::DecodeKernel::kAuto}, Step{3, layer::DecodeKernel::kAuto},
-          Step{3, layer::DecodeKernel::kSeparate}, Step{1, layer::DecodeKernel::kAuto}}) {
+          Step{12, layer::DecodeKernel::kSeparate}, Step{1, layer::DecodeKernel::kAuto}}) {
       const std::int64_t decode_rows = s.decode_rows;
       const layer::DecodeKernel kernel = s.kernel;
       CAPTURE(full_rank);
       CAPTURE(decode_rows);
       CAPTURE(layer::to_string(kernel));
-      const std::vector<std::int32_t> slots = {3, 0, 1};
+      const std::vector<std::int32_t> slots = {3, 0, 1, 12, 5, -1, 7, 15, 2, 9, 10, 4};
       const BatchSpec batch =
           decode_rows > 0
               ? decode_batch(decode_rows, 1,
                              std::vector<std::int32_t>(slots.begin(), slots.begin() + decode_rows))
-              : prefill_batch({7, 0, 33}, slots);
-      Pools initial(config, 4);
+              : prefill_batch({7, 0, 33}, {3, 0, 1});
+      Pools initial(config, 16);
       initial.randomize(12);
       const std::vector<bf16_bits> hidden =
           random_bf16(static_cast<std::size_t>(batch.tokens() * E), 2.0f, 13);
@@ -188,7 +188,7 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
       // Captured into a graph from fresh copies of the same inputs and states, then replayed.
       ForwardBuffers<DeviceBuffer> buffers(
           hidden, batch, initial,
-          layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 4));
+          layer::workspace_bytes(Backend::kCuda, config, batch.tokens(), batch.sequences(), 16));
       ForwardCall call = buffers.call(batch, initial, false);
       call.options.decode_kernel = kernel;
       Graph graph;
