@@ -391,6 +391,14 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   }
 }
 
+// Gives `handle` the stream and workspace of `context`: cublasSetStream resets the workspace to
+// cuBLAS's own pool, so the workspace is set after it.
+void bind_cublas(const GemmContext& context) {
+  check_cublas(cublasSetStream(context.handle, context.stream), "cublasSetStream");
+  check_cublas(cublasSetWorkspace(context.handle, context.scratch, context.scratch_bytes),
+               "cublasSetWorkspace");
+}
+
 // A CUDA device is present and one the operator supports.
 void require_device() {
   if (cuda_device_count() <= 0) {
@@ -832,13 +840,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   GemmContext gemms;
   {
     KDA_NVTX_RANGE("projections");
-    // cublasSetStream resets the workspace to cuBLAS's own pool: set the workspace after it.
-    check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
-    check_cublas(
-        cublasSetWorkspace(handle, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes),
-        "cublasSetWorkspace");
     gemms =
         GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes};
+    bind_cublas(gemms);
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
          gemm_knobs().programmatic_input, gemm_knobs().input);
@@ -847,10 +851,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       check_cuda(cudaEventRecord(side_fork, stream), "cudaEventRecord(side fork)");
       check_cuda(cudaStreamWaitEvent(side, side_fork, 0), "cudaStreamWaitEvent(side fork)");
       side_branch.fork();
-      check_cublas(cublasSetStream(handle, side), "cublasSetStream(side)");
-      check_cublas(cublasSetWorkspace(handle, gemms.scratch, gemms.scratch_bytes),
-                   "cublasSetWorkspace");
       at.stream = side;
+      bind_cublas(at);
     }
     if (factor_gemms) {
       gemm(at, proj + cols.f_a, cols.stride, T, D, w_fb, Cl, g, CUDA_R_16BF, Cl, "f_a·W_fbᵀ");
@@ -864,9 +866,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     }
     if (sided) {
       check_cuda(cudaEventRecord(side_done, side), "cudaEventRecord(side done)");
-      check_cublas(cublasSetStream(handle, stream), "cublasSetStream");
-      check_cublas(cublasSetWorkspace(handle, gemms.scratch, gemms.scratch_bytes),
-                   "cublasSetWorkspace");
+      bind_cublas(gemms);
     }
   }
   mark(1);

@@ -42,6 +42,11 @@ std::vector<T> columns(const std::vector<T>& matrix, std::int64_t cols, std::int
   return out;
 }
 
+// A shard's origin: the whole layer's, and which rank of how many.
+std::string shard_origin(const std::string& origin, int tp_size, int tp_rank) {
+  return origin + " (tp rank " + std::to_string(tp_rank) + " of " + std::to_string(tp_size) + ")";
+}
+
 }  // namespace
 
 void validate(const Config& c) {
@@ -244,10 +249,7 @@ Weights random_weights(const Config& config, std::uint64_t seed, int layer_index
   w.A_log = rows(gate.A_log, 1, h0, Hl);
   w.dt_bias = rows(gate.dt_bias, 1, c0, Cl);
   w.origin = "random (seed " + std::to_string(seed) + ")";
-  if (config.tp_size > 1) {
-    w.origin += " (tp rank " + std::to_string(config.tp_rank) + " of " +
-                std::to_string(config.tp_size) + ")";
-  }
+  if (config.tp_size > 1) w.origin = shard_origin(w.origin, config.tp_size, config.tp_rank);
   return w;
 }
 
@@ -281,8 +283,7 @@ Weights shard_weights(const Weights& full, int tp_size, int tp_rank) {
   shard.dt_bias = rows(full.dt_bias, 1, c0, Cl);
   shard.o_norm = full.o_norm;
   shard.o_proj = columns(full.o_proj, Cl * tp_size, c0, Cl);
-  shard.origin =
-      full.origin + " (tp rank " + std::to_string(tp_rank) + " of " + std::to_string(tp_size) + ")";
+  shard.origin = shard_origin(full.origin, tp_size, tp_rank);
   return shard;
 }
 

@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   griddep_wait();
   const std::uint32_t tag = load_relaxed_gpu_u32(p.sync + kEpochWord) + 1u;
   std::uint64_t* const exchange = p.exchange;
-  const std::int64_t y_word0 = p.proj_rows + (kLowRank ? 0 : Cl);  // y's words after the rows'
+  const std::int64_t y_word0 = one_launch_y_word0(p.proj_rows, Cl, !kLowRank);
   for (std::int64_t i = tid; i < E / 8; i += kThreads) {
     x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
   }
