@@ -14,12 +14,12 @@
 // the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from memory,
 // as in a model, where a single layer replayed alone would find a small shard's weights in L2.
 // Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto, which
-// at one sequence of one token is the one-launch step, fused with the second factors inside, fused
-// after GEMMs, separate kernels; the fused ones with RunOptions::fused_cluster chosen by shape),
-// then the fused step with each fused_cluster (1, 2, 4, 8 blocks a head), in the same run. The
-// GEMMs of few rows are the layer's default kernels unless KDA_LAYER_SMALL_GEMM=streamed (or 0:
-// cuBLAS). Floors (bench_floors.hpp; bw = the device-to-device copy bandwidth measured at start,
-// peak = 989 TFLOP/s, the H200's dense bf16 spec):
+// at one token of up to a few sequences is the one-launch step, fused with the second factors
+// inside, fused after GEMMs, separate kernels; the fused ones with RunOptions::fused_cluster chosen
+// by shape), then the fused step with each fused_cluster (1, 2, 4, 8 blocks a head), in the same
+// run. The GEMMs of few rows are the layer's default kernels unless KDA_LAYER_SMALL_GEMM=streamed
+// (or 0: cuBLAS). Floors (bench_floors.hpp; bw = the device-to-device copy bandwidth measured at
+// start, peak = 989 TFLOP/s, the H200's dense bf16 spec):
 //   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors (full-
 //                rank gate: x·W_inᵀ without g_a, f_a·W_fbᵀ, x·W_gᵀ); bytes = their weights, hidden
 //                read (once), proj, g and the f32 gate written, f_a|g_a (f_a) read

@@ -6,12 +6,15 @@
 // block's device-clock stamps where its phases end, as microseconds from the first block's start
 // (the minimum, median and maximum over the head blocks and over the o_proj blocks). The weights'
 // values are arbitrary (every byte 0x3c); the timing does not depend on them. CUDA only.
+// Usage: kda-step-probe [--rows R]...: steps of R rows (sequences of one token; default 1), each
+// R a table of its own per shape.
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "cuda/kernels.hpp"
@@ -38,13 +41,13 @@ struct Shape {
   bool full_rank;
 };
 
-constexpr std::int64_t D = 128, W = 4, kSlots = 4;
+constexpr std::int64_t D = 128, W = 4, kSlots = 8;
 
 // One copy of a layer's weights (the parts the step reads), freed with it.
 struct WeightCopy {
   std::vector<void*> owned;
   kda::layer::cuda::OneLaunchStepParams p;
-  WeightCopy(const Shape& s, std::int64_t proj_rows) {
+  WeightCopy(const Shape& s, std::int64_t proj_rows, int rows) {
     const std::int64_t E = s.hidden, Cl = s.heads * D;
     auto take = [&](std::size_t bytes, int fill) {
       owned.push_back(device_bytes(bytes, fill));
@@ -64,7 +67,7 @@ struct WeightCopy {
     p.o_norm = static_cast<const float*>(take(D * 4, 0x3c));
     p.sync = static_cast<std::uint32_t*>(take(kda::layer::cuda::kOneLaunchSyncWords * 4, 0));
     const std::int64_t words =
-        kda::layer::cuda::one_launch_exchange_words(proj_rows, Cl, s.full_rank);
+        kda::layer::cuda::one_launch_exchange_words(rows, proj_rows, Cl, s.full_rank);
     p.exchange = static_cast<std::uint64_t*>(take(words * 8, 0));
   }
   std::size_t bytes(const Shape& s, std::int64_t proj_rows) const {
@@ -87,7 +90,18 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::vector<int> row_counts;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--rows") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) >= 1 &&
+        std::atoi(argv[i + 1]) <= kSlots) {
+      row_counts.push_back(std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: %s [--rows R (1..%d)]...\n", argv[0], static_cast<int>(kSlots));
+      return 2;
+    }
+  }
+  if (row_counts.empty()) row_counts.push_back(1);
   cudaDeviceProp prop{};
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   const Shape shapes[] = {{"H = 32", 2304, 32, false},
@@ -108,117 +122,126 @@ int main() {
       "own words taken (thread 0)"};
   std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
   for (const Shape& s : shapes) {
-    const std::int64_t E = s.hidden, H = s.heads, Cl = H * D;
-    const std::int64_t proj_rows = 3 * Cl + D + (s.full_rank ? 0 : D) + H;
-    std::vector<WeightCopy*> copies;
-    copies.push_back(new WeightCopy(s, proj_rows));
-    const std::size_t copy_bytes = copies[0]->bytes(s, proj_rows);
-    const std::size_t wanted =
-        std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / copy_bytes + 1);
-    while (copies.size() < wanted) copies.push_back(new WeightCopy(s, proj_rows));
-    // The batch's buffers, shared by the copies.
-    void* hidden = device_bytes(E * 2, 0x3c);
-    void* out = device_bytes(E * 2, 0);
-    void* state = device_bytes(kSlots * H * D * D * 4, 0x3c);
-    void* conv[3] = {device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
-                     device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
-                     device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c)};
-    void* status = device_bytes(4, 0);
-    const int blocks = prop.multiProcessorCount;
-    auto* trace = static_cast<std::uint64_t*>(
-        device_bytes(blocks * kda::layer::cuda::kOneLaunchTraceStamps * 8, 0));
-    for (WeightCopy* c : copies) {
-      auto& p = c->p;
-      p.hidden = static_cast<const std::uint16_t*>(hidden);
-      p.hidden_size = E;
-      p.proj_rows = proj_rows;
-      p.f_a_col = 3 * Cl;
-      p.g_a_col = 3 * Cl + D;
-      p.beta_col = 3 * Cl + D + (s.full_rank ? 0 : D);
-      for (int b = 0; b < 3; ++b) p.conv_pools[b] = static_cast<std::uint16_t*>(conv[b]);
-      p.state = state;
-      p.f32_state = true;
-      p.num_slots = kSlots;
-      p.heads = static_cast<int>(H);
-      p.width = static_cast<int>(W);
-      p.gate_mode = s.full_rank ? kda::GateMode::kLowerBound : kda::GateMode::kSoftplus;
-      p.scale = 0.0883883f;
-      p.out = static_cast<std::uint16_t*>(out);
-      p.status = static_cast<std::uint32_t*>(status);
-    }
-    if (!kda::layer::cuda::one_launch_step_fits(copies[0]->p)) {
-      std::printf("\n## %s: the one-launch step does not take this shape\n", s.name);
-      continue;
-    }
-    cudaEvent_t start, stop;
-    check(cudaEventCreate(&start), "cudaEventCreate");
-    check(cudaEventCreate(&stop), "cudaEventCreate");
-    std::size_t next = 0;
-    auto launch = [&]() {
-      check(kda::layer::cuda::launch_one_launch_step(copies[next]->p, nullptr), "launch");
-      next = (next + 1) % copies.size();
-    };
-    for (int i = 0; i < 10; ++i) launch();
-    std::vector<double> rounds;
-    for (int r = 0; r < 5; ++r) {
-      check(cudaEventRecord(start), "cudaEventRecord");
-      for (int i = 0; i < 50; ++i) launch();
-      check(cudaEventRecord(stop), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
-      float ms = 0.0f;
-      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      rounds.push_back(ms * 1e3 / 50.0);
-    }
-    std::vector<double> traced_rounds;
-    std::vector<std::uint64_t> stamps(static_cast<std::size_t>(blocks) *
-                                      kda::layer::cuda::kOneLaunchTraceStamps);
-    // The traced launch: the median of 5 (each after 3 untraced launches) by its span.
-    std::vector<std::vector<std::uint64_t>> traces;
-    for (int r = 0; r < 5; ++r) {
-      for (int i = 0; i < 3; ++i) launch();
-      copies[next]->p.trace = trace;
-      launch();
-      copies[(next + copies.size() - 1) % copies.size()]->p.trace = nullptr;
-      check(cudaDeviceSynchronize(), "traced launch");
-      check(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost), "copy");
-      traces.push_back(stamps);
-    }
-    std::uint32_t status_word = 0;
-    check(cudaMemcpy(&status_word, status, 4, cudaMemcpyDeviceToHost), "copy");
-    const double weight_mb = static_cast<double>(copy_bytes) / 1e6;
-    std::printf(
-        "\n## %s: %.1f us a launch (median of 5 rounds of 50), %.1f MB of weights, %.2f TB/s;"
-        " status %u\n\n",
-        s.name, median(rounds), weight_mb, weight_mb / median(rounds), status_word);
-    std::printf(
-        "| stamp | head blocks min / median / max (us) | o_proj blocks min / median / max |\n"
-        "|---|---|---|\n");
-    const std::vector<std::uint64_t>& t = traces[2];
-    std::uint64_t t0 = ~0ull;
-    for (int b = 0; b < blocks; ++b)
-      t0 = std::min(t0, t[b * kda::layer::cuda::kOneLaunchTraceStamps]);
-    for (int k = 0; k < kda::layer::cuda::kOneLaunchTraceStamps; ++k) {
-      std::vector<double> head, rest;
-      for (int b = 0; b < blocks; ++b) {
-        const std::uint64_t v = t[b * kda::layer::cuda::kOneLaunchTraceStamps + k];
-        if (v == 0) continue;
-        (b < H ? head : rest).push_back(static_cast<double>(v - t0) * 1e-3);
+    for (const int R : row_counts) {
+      const std::int64_t E = s.hidden, H = s.heads, Cl = H * D;
+      const std::int64_t proj_rows = 3 * Cl + D + (s.full_rank ? 0 : D) + H;
+      std::vector<WeightCopy*> copies;
+      copies.push_back(new WeightCopy(s, proj_rows, R));
+      const std::size_t copy_bytes = copies[0]->bytes(s, proj_rows);
+      const std::size_t wanted =
+          std::max<std::size_t>(2, 3 * static_cast<std::size_t>(prop.l2CacheSize) / copy_bytes + 1);
+      while (copies.size() < wanted) copies.push_back(new WeightCopy(s, proj_rows, R));
+      // The batch's buffers, shared by the copies.
+      void* hidden = device_bytes(R * E * 2, 0x3c);
+      void* out = device_bytes(R * E * 2, 0);
+      void* state = device_bytes(kSlots * H * D * D * 4, 0x3c);
+      void* conv[3] = {device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
+                       device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c),
+                       device_bytes(kSlots * Cl * (W - 1) * 2, 0x3c)};
+      void* status = device_bytes(4, 0);
+      const int blocks = prop.multiProcessorCount;
+      auto* trace = static_cast<std::uint64_t*>(
+          device_bytes(blocks * kda::layer::cuda::kOneLaunchTraceStamps * 8, 0));
+      for (WeightCopy* c : copies) {
+        auto& p = c->p;
+        p.rows = R;
+        p.hidden = static_cast<const std::uint16_t*>(hidden);
+        p.hidden_size = E;
+        p.proj_rows = proj_rows;
+        p.f_a_col = 3 * Cl;
+        p.g_a_col = 3 * Cl + D;
+        p.beta_col = 3 * Cl + D + (s.full_rank ? 0 : D);
+        for (int b = 0; b < 3; ++b) p.conv_pools[b] = static_cast<std::uint16_t*>(conv[b]);
+        p.state = state;
+        p.f32_state = true;
+        p.num_slots = kSlots;
+        p.heads = static_cast<int>(H);
+        p.width = static_cast<int>(W);
+        p.gate_mode = s.full_rank ? kda::GateMode::kLowerBound : kda::GateMode::kSoftplus;
+        p.scale = 0.0883883f;
+        p.out = static_cast<std::uint16_t*>(out);
+        p.status = static_cast<std::uint32_t*>(status);
       }
-      auto cell = [](std::vector<double> v) {
-        if (v.empty()) return std::string("-");
-        std::sort(v.begin(), v.end());
-        char buf[64];
-        std::snprintf(buf, sizeof buf, "%.2f / %.2f / %.2f", v.front(), v[v.size() / 2], v.back());
-        return std::string(buf);
+      if (!kda::layer::cuda::one_launch_step_fits(copies[0]->p)) {
+        std::printf("\n## %s, %d rows: the one-launch step does not take this shape\n", s.name, R);
+        for (WeightCopy* c : copies) delete c;
+        for (void* q :
+             {hidden, out, state, conv[0], conv[1], conv[2], status, static_cast<void*>(trace)}) {
+          cudaFree(q);
+        }
+        continue;
+      }
+      cudaEvent_t start, stop;
+      check(cudaEventCreate(&start), "cudaEventCreate");
+      check(cudaEventCreate(&stop), "cudaEventCreate");
+      std::size_t next = 0;
+      auto launch = [&]() {
+        check(kda::layer::cuda::launch_one_launch_step(copies[next]->p, nullptr), "launch");
+        next = (next + 1) % copies.size();
       };
-      std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
-                  cell(rest).c_str());
-    }
-    check(cudaMemset(trace, 0, stamps.size() * 8), "cudaMemset");
-    for (WeightCopy* c : copies) delete c;
-    for (void* q :
-         {hidden, out, state, conv[0], conv[1], conv[2], status, static_cast<void*>(trace)}) {
-      cudaFree(q);
+      for (int i = 0; i < 10; ++i) launch();
+      std::vector<double> rounds;
+      for (int r = 0; r < 5; ++r) {
+        check(cudaEventRecord(start), "cudaEventRecord");
+        for (int i = 0; i < 50; ++i) launch();
+        check(cudaEventRecord(stop), "cudaEventRecord");
+        check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+        float ms = 0.0f;
+        check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+        rounds.push_back(ms * 1e3 / 50.0);
+      }
+      std::vector<double> traced_rounds;
+      std::vector<std::uint64_t> stamps(static_cast<std::size_t>(blocks) *
+                                        kda::layer::cuda::kOneLaunchTraceStamps);
+      // The traced launch: the median of 5 (each after 3 untraced launches) by its span.
+      std::vector<std::vector<std::uint64_t>> traces;
+      for (int r = 0; r < 5; ++r) {
+        for (int i = 0; i < 3; ++i) launch();
+        copies[next]->p.trace = trace;
+        launch();
+        copies[(next + copies.size() - 1) % copies.size()]->p.trace = nullptr;
+        check(cudaDeviceSynchronize(), "traced launch");
+        check(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost), "copy");
+        traces.push_back(stamps);
+      }
+      std::uint32_t status_word = 0;
+      check(cudaMemcpy(&status_word, status, 4, cudaMemcpyDeviceToHost), "copy");
+      const double weight_mb = static_cast<double>(copy_bytes) / 1e6;
+      std::printf(
+          "\n## %s, %d rows: %.1f us a launch (median of 5 rounds of 50), %.1f MB of weights,"
+          " %.2f TB/s; status %u\n\n",
+          s.name, R, median(rounds), weight_mb, weight_mb / median(rounds), status_word);
+      std::printf(
+          "| stamp | head blocks min / median / max (us) | o_proj blocks min / median / max |\n"
+          "|---|---|---|\n");
+      const std::vector<std::uint64_t>& t = traces[2];
+      std::uint64_t t0 = ~0ull;
+      for (int b = 0; b < blocks; ++b)
+        t0 = std::min(t0, t[b * kda::layer::cuda::kOneLaunchTraceStamps]);
+      for (int k = 0; k < kda::layer::cuda::kOneLaunchTraceStamps; ++k) {
+        std::vector<double> head, rest;
+        for (int b = 0; b < blocks; ++b) {
+          const std::uint64_t v = t[b * kda::layer::cuda::kOneLaunchTraceStamps + k];
+          if (v == 0) continue;
+          (b < R * H ? head : rest).push_back(static_cast<double>(v - t0) * 1e-3);
+        }
+        auto cell = [](std::vector<double> v) {
+          if (v.empty()) return std::string("-");
+          std::sort(v.begin(), v.end());
+          char buf[64];
+          std::snprintf(buf, sizeof buf, "%.2f / %.2f / %.2f", v.front(), v[v.size() / 2],
+                        v.back());
+          return std::string(buf);
+        };
+        std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
+                    cell(rest).c_str());
+      }
+      check(cudaMemset(trace, 0, stamps.size() * 8), "cudaMemset");
+      for (WeightCopy* c : copies) delete c;
+      for (void* q :
+           {hidden, out, state, conv[0], conv[1], conv[2], status, static_cast<void*>(trace)}) {
+        cudaFree(q);
+      }
     }
   }
   return 0;

@@ -78,9 +78,11 @@ struct WeightLayout {
 };
 constexpr std::int64_t kStepSyncWords = 4;
 
-// The one-launch step's exchange words for the rows it projects (q | k | v | f_a | g_a | beta).
+// The one-launch step's exchange words: for the rows it projects (q | k | v | f_a | g_a | beta) of
+// as many sequences as a step of the layer's heads takes.
 std::int64_t step_exchange_words(const Config& c) {
-  return cuda::one_launch_exchange_words(proj_columns(c).b + c.local_heads(), c.local_channels(),
+  return cuda::one_launch_exchange_words(cuda::one_launch_max_rows(c.local_heads()),
+                                         proj_columns(c).b + c.local_heads(), c.local_channels(),
                                          c.full_rank_gate);
 }
 
@@ -717,13 +719,15 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     p.status = batch.device_status;
   };
 
-  // A plain step of one token of one sequence in one launch (one_launch_step.cu), where it fits.
+  // A plain step of one token of each of a few sequences in one launch (one_launch_step.cu), where
+  // it fits.
   const DecodeKernel kernel = options.decode_kernel;
-  if (decode && N == 1 && batch.decode_tokens == 1 && batch.num_accepted == nullptr &&
-      !batch.records && !folds && inputs == nullptr &&
+  if (decode && N >= 1 && N <= cuda::one_launch_max_rows(Hl) && batch.decode_tokens == 1 &&
+      batch.num_accepted == nullptr && !batch.records && !folds && inputs == nullptr &&
       (kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch)) {
     cuda::OneLaunchStepParams whole;
     set_step_fields(whole);
+    whole.rows = static_cast<int>(N);
     whole.hidden = hidden;
     whole.hidden_size = E;
     whole.w_in = w_in;

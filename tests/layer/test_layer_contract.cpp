@@ -294,11 +294,13 @@ KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both bac
   // The full-rank gate: g_proj [Cl, E] in place of g_a_proj [D, E] and g_b_proj [Cl, D] (every
   // tensor here a multiple of either backend's alignment, so the images differ by exactly that);
   // on CUDA the fused input projection loses its D columns of g_a, in the image and in the
-  // workspace, the one-launch step's exchange words (8 bytes a projected row, in the image) gain
-  // the gate's Cl rows for g_a's D, and the CPU's workspace stays as it is.
+  // workspace, the one-launch step's exchange words (8 bytes a projected row for each row of a
+  // step, in the image: a step of the config's 4 heads takes up to 8 rows) gain the gate's Cl rows
+  // for g_a's D, and the CPU's workspace stays as it is.
   layer::Config full_rank = config;
   full_rank.full_rank_gate = true;
   {
+    REQUIRE(config.local_heads() == 4);
     const std::int64_t E = config.hidden_size, D = config.head_dim, Cl = config.local_channels();
     const auto delta = [](std::size_t full, std::size_t low) {
       return static_cast<std::int64_t>(full) - static_cast<std::int64_t>(low);
@@ -307,7 +309,7 @@ KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both bac
                 layer::weight_image_bytes(Backend::kCpu, config)) == 4 * (Cl * E - D * E - Cl * D));
     CHECK(delta(layer::weight_image_bytes(Backend::kCuda, full_rank),
                 layer::weight_image_bytes(Backend::kCuda, config)) ==
-          2 * (Cl * E - Cl * D - D * E) + 8 * (Cl - D));
+          2 * (Cl * E - Cl * D - D * E) + 8 * 8 * (Cl - D));
     const std::int64_t T = 8192;
     CHECK(layer::workspace_bytes(Backend::kCpu, full_rank, T, 64, 64) ==
           layer::workspace_bytes(Backend::kCpu, config, T, 64, 64));

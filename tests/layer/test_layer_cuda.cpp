@@ -213,8 +213,9 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
 // CPU layer (check_forward: padding rows zeros, their states untouched), and the fused kernel
 // against the separate ones: out and the recurrent state within rounding, the conv states bit for
 // bit (they are copies of the projection's inputs). Both gates and output gate forms, f32 and bf16
-// pools, conv widths 2 to 4, 1 to 16 tokens a row, and a batch past kAuto's 64 rows of in-kernel
-// second factors.
+// pools, conv widths 2 to 4, 1 to 16 tokens a row, one-token steps of 1, 3 and 8 rows (the
+// one-launch step's one and several rows: H = 4 takes up to 8) and 9 (past it), and a batch past
+// kAuto's 64 rows of in-kernel second factors.
 KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second factors, and separate") {
   using layer::DecodeKernel;
   struct Variant {
@@ -248,7 +249,9 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
     for (const BatchSpec& step :
-         {decode_batch(1, 1, {3}), decode_batch(1, 1, {-1}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
+         {decode_batch(1, 1, {3}), decode_batch(1, 1, {-1}), decode_batch(3, 1, {4, -1, 0}),
+          decode_batch(8, 1, {7, 2, -1, 0, 5, 1, 6, 3}),
+          decode_batch(9, 1, {8, 0, 3, -1, 11, 2, 6, 1, 4}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
           decode_batch(2, 16, {1, 6}), decode_batch(70, 1, many)}) {
       CAPTURE(step.sequences());
       CAPTURE(step.decode_tokens);
@@ -389,12 +392,60 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
   }
 }
 
-// The one-launch step (a plain decode step of one sequence): one captured graph, replayed with a
-// new slot written before each replay (pool rows, a negative entry, the caller's null slot), equals
-// an eager step of the same slot bit for bit, out and every pool byte, and a padding step changes
-// no pool byte. Each replay reads a new hidden row, so that a head that read the projection before
-// this launch's was written would show (each launch's values carry a new tag: a value left by the
-// launch before must never pass for this one's). The status word stays clear.
+// The one-launch step of several rows at head counts other than the test config's: H = 3 (8 rows,
+// the cap: 24 (row, head) blocks; a 16-row projection tile spans rows of q, k and v) and H = 8 (4
+// rows, the most a step of 8 heads takes), with padding rows and scattered slots, both output
+// gates, against the CPU layer and the fp64 reference; and a step of one more row than a step
+// takes, which runs the other kernels, equal to it within rounding.
+KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
+  struct Variant {
+    std::int64_t heads;
+    std::vector<std::int32_t> slots;
+  };
+  std::uint64_t seed = 170;
+  for (const Variant& v : {Variant{3, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, {6, 1, -1, 3}}}) {
+    for (const bool full_rank : {false, true}) {
+      CAPTURE(v.heads);
+      CAPTURE(full_rank);
+      layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+      config.num_heads = v.heads;
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, ++seed, 4));
+      const auto layer = cuda.make(weights);
+      std::vector<std::int32_t> more = v.slots;
+      more.push_back(10);
+      const std::vector<std::int32_t>* lists[2] = {&v.slots, &more};
+      for (const std::vector<std::int32_t>* slots : lists) {
+        const BatchSpec step = decode_batch(static_cast<std::int64_t>(slots->size()), 1, *slots);
+        CAPTURE(step.sequences());
+        Pools before(config, 11);
+        before.randomize(++seed);
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
+        LayerRun runs[2];
+        for (int k = 0; k < 2; ++k) {
+          ForwardSettings settings;
+          const layer::DecodeKernel kernel =
+              k == 0 ? layer::DecodeKernel::kOneLaunch : layer::DecodeKernel::kSeparate;
+          settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+          Pools after = before;
+          runs[k] = cuda.forward(*layer, hidden, step, &after, settings);
+          check_forward(cuda, weights, hidden, step, before, runs[k], after);
+        }
+        const double error = relative_error(runs[0].out, runs[1].out);
+        MESSAGE("one launch (or as auto past its rows) vs separate: out " << error);
+        CHECK(error < 5e-3);
+      }
+    }
+  }
+}
+
+// The one-launch step (a plain decode step of one token of each of up to a few sequences): one
+// captured graph of one row and one of three rows, each replayed with new slots written before each
+// replay (pool rows, negative entries, the caller's null slot), equals eager steps of the same
+// slots bit for bit, out and every pool byte; padding rows output zeros, and a step of padding
+// alone changes no pool byte. Each replay reads new hidden rows, so that a head that read the
+// projection before this launch's was written would show (each launch's values carry a new tag: a
+// value left by the launch before must never pass for this one's). The status word stays clear.
 KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equals eager steps") {
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
@@ -402,70 +453,87 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
   const Stream owned_stream;
   const cudaStream_t stream = owned_stream.stream;
   REQUIRE(stream != nullptr);
+  using Slots = std::vector<std::int32_t>;
+  const std::vector<Slots> one_row = {{2}, {0}, {-1}, {3}, {2}, {1}};
+  const std::vector<Slots> three_rows = {{2, 0, 1}, {1, -1, 4}, {4, 3, 0}, {-1, 3, -1}, {0, 2, 1}};
   for (const bool full_rank : {false, true}) {
     for (const DType dtype : {DType::kF32, DType::kBF16}) {
-      CAPTURE(full_rank);
-      const std::string dtype_name = to_string(dtype);
-      CAPTURE(dtype_name);
-      const layer::Config config =
-          cuda.config(full_rank ? GateMode::kLowerBound : GateMode::kSoftplus, full_rank);
-      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 90, 1));
-      const auto layer = cuda.make(weights);
-      BatchSpec step = decode_batch(1, 1, {2});
-      step.padding_slot = 3;
-      Pools initial(config, 4, dtype);
-      initial.randomize(91);
-      std::vector<bf16_bits> hidden =
-          random_bf16(static_cast<std::size_t>(config.hidden_size), 2.0f, 92);
-      ForwardBuffers<DeviceBuffer> buffers(hidden, step, initial,
-                                           layer::workspace_bytes(Backend::kCuda, config, 1, 1, 4));
-      ForwardCall call = buffers.call(step, initial, false);
-      call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
-      Graph graph;
-      capture_forward(*layer, call, stream, &graph);
-      const cudaGraphExec_t exec = graph.exec;
-      REQUIRE(exec != nullptr);
-      Pools expected = initial;  // the eager steps' pools, one step after another
-      std::uint64_t seed = 93;
-      for (const std::int32_t slot : {2, 0, -1, 3, 2, 1}) {
-        CAPTURE(slot);
-        hidden = random_bf16(hidden.size(), 2.0f, ++seed);
-        // On the replay's stream: a copy on the null stream need not have landed when a
-        // non-blocking stream's replay starts.
-        REQUIRE(
-            memcpy_to_device(buffers.hidden.get(), hidden.data(), hidden.size() * 2, stream).ok());
-        REQUIRE(memcpy_to_device(buffers.slots.get(), &slot, sizeof slot, stream).ok());
-        REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
-        REQUIRE(stream_synchronize(stream).ok());
-        const std::vector<bf16_bits> replay_out = buffers.out.download<bf16_bits>();
-        Pools replayed = initial;
-        buffers.download(&replayed);
+      for (const std::vector<Slots>* lists : {&one_row, &three_rows}) {
+        CAPTURE(full_rank);
+        const std::string dtype_name = to_string(dtype);
+        CAPTURE(dtype_name);
+        const std::int64_t rows = static_cast<std::int64_t>(lists->front().size());
+        CAPTURE(rows);
+        const layer::Config config =
+            cuda.config(full_rank ? GateMode::kLowerBound : GateMode::kSoftplus, full_rank);
+        const std::int64_t E = config.hidden_size;
+        const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 90, 1));
+        const auto layer = cuda.make(weights);
+        BatchSpec step = decode_batch(rows, 1, lists->front());
+        step.padding_slot = 3;
+        Pools initial(config, 5, dtype);
+        initial.randomize(91);
+        std::vector<bf16_bits> hidden = random_bf16(static_cast<std::size_t>(rows * E), 2.0f, 92);
+        ForwardBuffers<DeviceBuffer> buffers(
+            hidden, step, initial, layer::workspace_bytes(Backend::kCuda, config, rows, rows, 5));
+        ForwardCall call = buffers.call(step, initial, false);
+        call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
+        Graph graph;
+        capture_forward(*layer, call, stream, &graph);
+        const cudaGraphExec_t exec = graph.exec;
+        REQUIRE(exec != nullptr);
+        Pools expected = initial;  // the eager steps' pools, one step after another
+        std::uint64_t seed = 93;
+        for (const Slots& slots : *lists) {
+          std::string slot_list;
+          for (const std::int32_t slot : slots) slot_list += std::to_string(slot) + " ";
+          CAPTURE(slot_list);
+          hidden = random_bf16(hidden.size(), 2.0f, ++seed);
+          // On the replay's stream: a copy on the null stream need not have landed when a
+          // non-blocking stream's replay starts.
+          REQUIRE(memcpy_to_device(buffers.hidden.get(), hidden.data(), hidden.size() * 2, stream)
+                      .ok());
+          REQUIRE(
+              memcpy_to_device(buffers.slots.get(), slots.data(), slots.size() * 4, stream).ok());
+          REQUIRE(cudaGraphLaunch(exec, stream) == cudaSuccess);
+          REQUIRE(stream_synchronize(stream).ok());
+          const std::vector<bf16_bits> replay_out = buffers.out.download<bf16_bits>();
+          Pools replayed = initial;
+          buffers.download(&replayed);
 
-        BatchSpec eager_step = step;
-        eager_step.slots = {slot};
-        ForwardSettings settings;
-        settings.change = [](ForwardCall& c) {
-          c.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
-        };
-        Pools after = expected;
-        const LayerRun eager = cuda.forward(*layer, hidden, eager_step, &after, settings);
-        // (The references know negative padding only; the null slot's step is checked as the
-        // negative one's below: the same zeros, no pool byte changed.)
-        if (slot != step.padding_slot) {
-          check_forward(cuda, weights, hidden, eager_step, expected, eager, after);
+          BatchSpec eager_step = step;
+          eager_step.slots = slots;
+          ForwardSettings settings;
+          settings.change = [](ForwardCall& c) {
+            c.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
+          };
+          Pools after = expected;
+          const LayerRun eager = cuda.forward(*layer, hidden, eager_step, &after, settings);
+          // (The references know negative padding only; a step with the null slot is checked
+          // against the replay and for its padding rows' zeros.)
+          const bool null_slot =
+              std::find(slots.begin(), slots.end(), step.padding_slot) != slots.end();
+          if (!null_slot) check_forward(cuda, weights, hidden, eager_step, expected, eager, after);
+          CHECK(same_bits(replay_out, eager.out));
+          CHECK(replayed == after);
+          bool all_padding = true;
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const std::int32_t slot = slots[static_cast<std::size_t>(r)];
+            if (slot >= 0 && slot != step.padding_slot) {
+              all_padding = false;
+              continue;
+            }
+            CAPTURE(r);
+            CHECK(std::all_of(eager.out.begin() + r * E, eager.out.begin() + (r + 1) * E,
+                              [](bf16_bits b) { return b == 0; }));
+          }
+          if (all_padding) CHECK(after == expected);
+          expected = after;
         }
-        CHECK(same_bits(replay_out, eager.out));
-        CHECK(replayed == after);
-        if (slot < 0 || slot == step.padding_slot) {
-          CHECK(after == expected);
-          CHECK(
-              std::all_of(eager.out.begin(), eager.out.end(), [](bf16_bits b) { return b == 0; }));
-        }
-        expected = after;
+        const std::vector<std::uint32_t> status = buffers.status.download<std::uint32_t>();
+        CHECK(status[0] == 0u);
+        CHECK(buffers.guards_intact());
       }
-      const std::vector<std::uint32_t> status = buffers.status.download<std::uint32_t>();
-      CHECK(status[0] == 0u);
-      CHECK(buffers.guards_intact());
     }
   }
 #endif

@@ -235,11 +235,13 @@ int fused_decode_cluster(const FusedDecodeParams& p);
 bool fused_decode_fits(const FusedDecodeParams& p);
 cudaError_t launch_fused_decode(const FusedDecodeParams& p, cudaStream_t stream);
 
-// A whole decode step of one token of one sequence in one launch (one_launch_step.cu): the input
-// projection, each head's fused step (as launch_fused_decode computes it) and o_proj. One block a
-// multiprocessor, every block resident at once, handing values on through `exchange`.
+// A whole decode step of one token of each of a few sequences (rows) in one launch
+// (one_launch_step.cu): the input projection, each (row, head)'s fused step (as launch_fused_decode
+// computes it) and o_proj. One block a multiprocessor, every block resident at once, handing values
+// on through `exchange`.
 struct OneLaunchStepParams {
-  const std::uint16_t* hidden = nullptr;  // bf16 [E]
+  int rows = 1;                           // 1..one_launch_max_rows(heads)
+  const std::uint16_t* hidden = nullptr;  // bf16 [rows, E]
   std::int64_t hidden_size = 0;           // E, a multiple of 8
   // The input projection: rows [0, proj_rows) of w_in (bf16 [proj_rows, E]: q | k | v | f_a |
   // g_a | beta; bf16 values), and with the full-rank gate (w_gb null) w_g (bf16 [Cl, E]; f32
@@ -259,7 +261,7 @@ struct OneLaunchStepParams {
   const float* o_norm = nullptr;
   void* state = nullptr;
   bool f32_state = true;
-  const std::int32_t* slots = nullptr;  // [1]; null: slot 0
+  const std::int32_t* slots = nullptr;  // [rows]; null: slots 0..rows-1
   std::int64_t num_slots = 0;
   std::int32_t padding_slot = -1;
   int heads = 0;
@@ -268,12 +270,14 @@ struct OneLaunchStepParams {
   float lower_bound = -5.0f;
   float scale = 0.0f;
   float eps = 1e-5f;
-  // o_proj: out (bf16 [E]) = w_o (bf16 [E, Cl]) · y, y (bf16 [Cl]) the norm's output.
+  // o_proj: out (bf16 [rows, E]) = y · w_oᵀ (w_o bf16 [E, Cl]), y (bf16 [rows, Cl]) the norm's
+  // output.
   const std::uint16_t* w_o = nullptr;
   std::uint16_t* out = nullptr;
   std::uint32_t* status = nullptr;
-  // kOneLaunchSyncWords words, and the exchange: a word a projection row (proj_rows, then the
-  // full-rank gate's Cl rows), then a word a pair of y's Cl values (one_launch_exchange_words).
+  // kOneLaunchSyncWords words, and the exchange: a row's words (one_launch_row_words) for each of
+  // one_launch_max_rows(heads) rows: a word a projection row (proj_rows, then the full-rank gate's
+  // Cl rows), then a word a pair of y's Cl values.
   // Both the layer's own (no other layer's launch may use them), zero before its first launch; the
   // kernel keeps them between launches (a count of blocks out, an epoch, each row's and y's last
   // values with their tags).
@@ -285,9 +289,10 @@ struct OneLaunchStepParams {
 };
 inline constexpr int kOneLaunchTraceStamps = 12;
 inline constexpr int kOneLaunchSyncWords = 4;
-// Whether launch_one_launch_step takes `p` on the current device: every head a block of its own
-// with a block to spare for o_proj, each block's share of W_o in shared memory beside the hidden
-// row and y, width 2..4, the alignments its 16-byte accesses need.
+// Whether launch_one_launch_step takes `p` on the current device: rows within
+// one_launch_max_rows(heads), every (row, head) a block of its own with a block to spare for
+// o_proj, each block's share of W_o in shared memory beside the hidden rows and y, width 2..4, the
+// alignments its 16-byte accesses need.
 bool one_launch_step_fits(const OneLaunchStepParams& p);
 cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t stream);
 

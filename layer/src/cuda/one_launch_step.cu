@@ -1,6 +1,6 @@
-// layer/src/cuda/one_launch_step.cu — a whole decode step of one token of one sequence in one
-// launch: the input projection, every head's fused step (conv + SiLU, the low-rank second
-// factors, beta, the KDA step, the gated RMSNorm) and o_proj.
+// layer/src/cuda/one_launch_step.cu — a whole decode step of one token of each of a few sequences
+// (rows) in one launch: the input projection, every (row, head)'s fused step (conv + SiLU, the
+// low-rank second factors, beta, the KDA step, the gated RMSNorm) and o_proj.
 //
 // At one row the layer's three launches (projection, fused step, o_proj) each pay their ramp and
 // drain in turn, and the step's latency chain runs while no weights stream
@@ -8,18 +8,23 @@
 // through the layer's exchange words in global memory (below):
 //   1. Every block computes its share of the input projection's rows (a warp a row, 16-byte weight
 //      loads past L1, the hidden row from shared memory), each row's value one exchange word.
-//      Before it, the blocks that own a head (block h < heads) start copying into shared memory
+//      With several rows, a block takes 16 weight rows at a time on the tensor cores instead
+//      (mma.m16n8k16 with the weights as A, loaded as the layer's fragment GEMM loads them, and the
+//      hidden rows as B's columns; K split over the block's warps, their sums added in warp
+//      order), so that each weight is read once for every row.
+//      Before it, the blocks that own a (row, head) (block b < rows x heads: row b / heads, head
+//      b % heads) start copying into shared memory
 //      everything of the head that does not depend on the step: the recurrent state
 //      (cp.async.bulk), its W_fb (and W_gb) rows, conv states, conv taps, dt_bias, the norm's
 //      weight and the gate's bias (cp.async), so that no load after the projection leaves the
 //      multiprocessor but the projection's own outputs (from L2). After it, the other blocks start
 //      copying their share of W_o's rows into shared memory (cp.async.bulk), so that W_o streams
 //      while the heads step.
-//   2. Block h < heads takes the words of the rows its head reads (each thread its own), then steps
-//      its head as the fused kernel does (fused_decode.cu: the same operations in the same order,
-//      one block a head, 16 warps of 8 value rows), and writes the states and y's words.
-//   3. The other blocks take y's words, then their W_o rows · y -> out, SmemPlan::out_lanes
-//      threads a row.
+//   2. A (row, head) block takes the words of the rows its head reads (each thread its own), then
+//      steps its head as the fused kernel does (fused_decode.cu: the same operations in the same
+//      order, one block a head, 16 warps of 8 value rows), and writes the states and y's words.
+//   3. The other blocks take y's words (every row's), then their W_o rows · y -> out,
+//      SmemPlan::out_lanes threads a weight row.
 // An exchange word carries its value in its low half and the launch's tag in its high half (the
 // epoch word of `sync` plus one), written and read as one relaxed 64-bit access: a reader waits
 // until the words it needs carry this launch's tag. No fence and no counter stand between a value
@@ -60,8 +65,11 @@ namespace {
 constexpr int D = 128;
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = D / kWarps;    // value rows of Sᵀ a warp
-constexpr int kLoadsPerLane = 16;           // 16-byte weight loads a lane in flight (projection)
+constexpr int kRowsPerWarp = D / kWarps;  // value rows of Sᵀ a warp
+constexpr int kLoadsPerLane = 16;         // 16-byte weight loads a lane in flight (projection)
+constexpr int kRoundSteps = kLoadsPerLane / 4;  // 64-column steps a round, several rows (4 loads)
+constexpr int kReduceBytes = kWarps * 4 * 32 * 4;  // the warps' tile sums, several rows
+static_assert(kOneLaunchMaxRows <= 8, "the rows are the columns of an m16n8 tile");
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
 constexpr int kLeavingWord = 0;  // sync: blocks out of this launch (zero between launches)
@@ -109,24 +117,31 @@ __host__ __device__ constexpr HeadRegion head_region(bool f32_state, bool low_ra
   return r;
 }
 
-// The dynamic shared memory of a launch: the hidden row, y, then either a head's region (blocks <
-// heads) or the block's W_o rows (the others). o_proj gives each of a block's rows out_lanes
-// threads (a power of two, the most with which all its rows run in one round; 1 when even that
-// takes several).
+// The dynamic shared memory of a launch: the hidden rows, y's rows, with several rows the warps'
+// tile sums, then either a (row, head)'s region (blocks < rows x heads) or the block's W_o rows
+// (the others). With several rows a hidden row takes 16 bytes more than its values (x_chunks
+// 16-byte chunks), so that the eight rows' chunks a warp reads at once fall on distinct banks.
+// o_proj gives each of a block's weight rows out_lanes threads (a power of two, the most with which
+// all its rows run in one round; 1 when even that takes several).
 struct SmemPlan {
-  std::int64_t x_bytes = 0, y_bytes = 0, head_bytes = 0, out_rows = 0, out_bytes = 0, total = 0;
+  std::int64_t x_chunks = 0, x_bytes = 0, y_bytes = 0, reduce_bytes = 0, head_bytes = 0,
+               out_rows = 0, out_bytes = 0, total = 0;
   int out_lanes = 1;
 };
 SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   SmemPlan s;
   const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
-  s.x_bytes = align128(p.hidden_size * 2);
-  s.y_bytes = align128(Cl * 2);
+  const bool multi = p.rows > 1;
+  s.x_chunks = p.hidden_size / 8 + (multi ? 1 : 0);
+  s.x_bytes = align128(p.rows * s.x_chunks * 16);
+  s.y_bytes = align128(p.rows * Cl * 2);
+  s.reduce_bytes = multi ? kReduceBytes : 0;
   s.head_bytes = head_region(p.f32_state, p.w_gb != nullptr, p.width).bytes;
-  const int out_blocks = blocks - p.heads;
+  const int out_blocks = blocks - p.rows * p.heads;
   s.out_rows = out_blocks > 0 ? (p.hidden_size + out_blocks - 1) / out_blocks : 0;
   s.out_bytes = s.out_rows * Cl * 2;
-  s.total = s.x_bytes + s.y_bytes + (s.head_bytes > s.out_bytes ? s.head_bytes : s.out_bytes);
+  s.total = s.x_bytes + s.y_bytes + s.reduce_bytes +
+            (s.head_bytes > s.out_bytes ? s.head_bytes : s.out_bytes);
   while (s.out_lanes < 32 && s.out_rows * s.out_lanes * 2 <= kThreads) s.out_lanes *= 2;
   return s;
 }
@@ -174,7 +189,128 @@ __device__ void take_words(const std::uint64_t* const (&at)[N], std::uint32_t ta
   for (int k = 0; k < N; ++k) value[k] = static_cast<std::uint32_t>(w[k]);
 }
 
-template <int W, bool kF32State, bool kLowRank>
+// The input projection of several rows (p.rows, at most 8) on the tensor cores: the block takes
+// tiles of 16 weight rows (those of w_in, then with the full-rank gate w_g's), block b tiles b,
+// b + blocks, ...; its warps split K in 64-column steps, each lane loading 16 bytes of weight rows
+// g and g + 8 (g = lane / 4) at chunk 8 s + 2 q + c (q = lane % 4, c = 0, 1) of step s, and the
+// same chunk of hidden row g from shared memory: mma.m16n8k16 sums each chunk's words in the order
+// of the layer's fragment GEMM (small_gemm.cu says why any order of K is the sum). The warps' sums
+// meet in `partial` and are added in warp order; each (weight row, row) value becomes row's word.
+template <bool kLowRank>
+__device__ void project_rows_mma(const OneLaunchStepParams& p, const SmemPlan& plan,
+                                 const uint4* x_s, float* partial, std::uint64_t* exchange,
+                                 std::int64_t row_words, std::uint32_t tag) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5, g = lane / 4, q = lane % 4;
+  const int R = p.rows;
+  const std::int64_t E = p.hidden_size, chunks = E / 8;
+  const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
+  const std::int64_t rows_total = p.proj_rows + (kLowRank ? 0 : Cl);
+  const int steps = static_cast<int>((chunks + 7) / 8);
+  const int per_warp = (steps + kWarps - 1) / kWarps;
+  const int s_begin = min(steps, warp * per_warp), s_end = min(steps, s_begin + per_warp);
+  const uint4* x_row = x_s + (g < R ? g : 0) * plan.x_chunks;
+  const std::int64_t tiles = (rows_total + 15) / 16;
+  for (std::int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const uint4* w_row[2];
+    bool w_ok[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const std::int64_t n = 16 * t + 8 * half + g;
+      w_ok[half] = n < rows_total;
+      const bool gate_row = !kLowRank && n >= p.proj_rows;
+      w_row[half] = reinterpret_cast<const uint4*>(!w_ok[half] ? p.w_in
+                                                   : gate_row  ? p.w_g + (n - p.proj_rows) * E
+                                                               : p.w_in + n * E);
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s0 = s_begin; s0 < s_end; s0 += kRoundSteps) {
+      uint4 w[kRoundSteps][2][2];  // [step][half][chunk]
+#pragma unroll
+      for (int u = 0; u < kRoundSteps; ++u) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const std::int64_t chunk = static_cast<std::int64_t>(s0 + u) * 8 + 2 * q + c;
+          const bool in_k = s0 + u < s_end && chunk < chunks;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            w[u][half][c] =
+                in_k && w_ok[half] ? load_streaming(w_row[half] + chunk) : make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRoundSteps; ++u) {
+        if (s0 + u >= s_end) break;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const std::int64_t chunk = static_cast<std::int64_t>(s0 + u) * 8 + 2 * q + c;
+          // Past K (a last step of fewer than 64 columns) and past the rows, both operands are 0.
+          const uint4 xv = chunk < chunks && g < R ? x_row[chunk] : make_uint4(0, 0, 0, 0);
+          fragment_mma(acc, w[u][0][c], w[u][1][c], xv);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
+    __syncthreads();
+    if (tid < 4 * 32) {
+      // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of the tile, row 2 (l % 4) + j % 2.
+      const int j = tid / 32, l = tid % 32;
+      float sum = 0.0f;
+      for (int other = 0; other < kWarps; ++other) sum += partial[(other * 4 + j) * 32 + l];
+      const std::int64_t n = 16 * t + l / 4 + (j >= 2 ? 8 : 0);
+      const int r = 2 * (l % 4) + j % 2;
+      if (n < rows_total && r < R) {
+        const bool gate_row = !kLowRank && n >= p.proj_rows;
+        put_word(exchange + r * row_words + n, tag,
+                 gate_row ? __float_as_uint(sum) : float_to_bits(sum));
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// o_proj of several rows in an o_proj block: out[r, e] for its weight rows e in [e0, e1) (from
+// shared memory, `rows`), kPass rows a pass (the last row's y again past R, not stored), the passes
+// not unrolled. A body unrolled over every row took longer than its arithmetic (kda-step-probe at
+// two rows: 2.3 us from W_o landed to the rows done, against 0.8 for one row's); and each row a
+// pass costs its shared-memory reads of y whether stored or not (two rows by passes of four took
+// 0.8 us longer than by one pass of two), hence passes of two for two rows, of four above.
+template <int kPass>
+__device__ void o_proj_rows(const OneLaunchStepParams& p, const SmemPlan& plan, const uint4* rows,
+                            const uint4* y_s, int R, std::int64_t e0, std::int64_t e1) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const std::int64_t E = p.hidden_size, y_chunks = static_cast<std::int64_t>(p.heads) * D / 8;
+  const int L = plan.out_lanes, sub = tid % L;
+#pragma unroll 1
+  for (int r0 = 0; r0 < R; r0 += kPass) {
+    const uint4* y[kPass];
+#pragma unroll
+    for (int j = 0; j < kPass; ++j) y[j] = y_s + min(r0 + j, R - 1) * y_chunks;
+    for (std::int64_t base = e0; base < e1; base += kThreads / L) {  // warp-uniform
+      const std::int64_t e = base + tid / L;
+      float acc[kPass] = {};
+      if (e < e1) {
+        const uint4* row = rows + (e - e0) * y_chunks;
+        for (std::int64_t c = sub; c < y_chunks; c += L) {
+          const uint4 w = row[c];
+#pragma unroll
+          for (int j = 0; j < kPass; ++j) acc[j] = dot8(w, y[j][c], acc[j]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPass; ++j) {
+        for (int offset = L / 2; offset > 0; offset /= 2) {
+          acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], offset);
+        }
+        if (e < e1 && sub == 0 && r0 + j < R) p.out[(r0 + j) * E + e] = float_to_bits(acc[j]);
+      }
+    }
+  }
+}
+
+template <int W, bool kF32State, bool kLowRank, bool kMulti>
 __global__ void __launch_bounds__(kThreads, 1)
     one_launch_step_kernel(const OneLaunchStepParams p, const SmemPlan plan) {
   constexpr int kHist = W - 1;
@@ -191,13 +327,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
   const int blocks = static_cast<int>(gridDim.x), block = static_cast<int>(blockIdx.x);
-  const int H = p.heads, h = block;
+  const int R = kMulti ? p.rows : 1;
+  const int H = p.heads;
+  // A head block's head and row.
+  const int h = kMulti ? block % H : block, m = kMulti ? block / H : 0;
   const std::int64_t E = p.hidden_size, Cl = static_cast<std::int64_t>(H) * D;
-  const bool head_block = block < H;
+  const bool head_block = block < R * H;
   auto* x_s = reinterpret_cast<uint4*>(smem);
   auto* y_s = reinterpret_cast<uint4*>(smem + plan.x_bytes);
-  unsigned char* region = smem + plan.x_bytes + plan.y_bytes;
-  const bool reporter = block == 0 && tid == 0 && p.status != nullptr;
+  unsigned char* region = smem + plan.x_bytes + plan.y_bytes + plan.reduce_bytes;
+  const bool reporter = head_block && h == 0 && tid == 0 && p.status != nullptr;
   auto report = [&](std::uint32_t bit) {
     if (p.status != nullptr) atomicOr(p.status, bit);
   };
@@ -264,18 +403,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::uint32_t tag = load_relaxed_gpu_u32(p.sync + kEpochWord) + 1u;
   std::uint64_t* const exchange = p.exchange;
   const std::int64_t y_word0 = one_launch_y_word0(p.proj_rows, Cl, !kLowRank);
-  for (std::int64_t i = tid; i < E / 8; i += kThreads) {
-    x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
+  const std::int64_t row_words = one_launch_row_words(p.proj_rows, Cl, !kLowRank);
+  std::uint64_t* const my_words = exchange + m * row_words;  // a head block's row's
+  if constexpr (kMulti) {
+    const std::int64_t chunks = E / 8;
+    for (std::int64_t i = tid; i < R * chunks; i += kThreads) {
+      x_s[i / chunks * plan.x_chunks + i % chunks] =
+          __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
+    }
+  } else {
+    for (std::int64_t i = tid; i < E / 8; i += kThreads) {
+      x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
+    }
   }
 
   // ---- a head block: its slot, its state and conv states ----
   std::int64_t slot = -1;
   float a_log = 0.0f;
   if (head_block) {
-    slot = p.slots != nullptr ? p.slots[0] : 0;
+    slot = p.slots != nullptr ? p.slots[m] : m;
     a_log = p.A_log[h];
     if (slot >= p.num_slots && reporter) report(kDeviceStatusSlot);
-    if (tid < D && gate_params_bad(tid == 0 ? a_log : 0.0f, p.dt_bias[h * D + tid])) {
+    // The first row's blocks check the gate parameters.
+    if (m == 0 && tid < D && gate_params_bad(tid == 0 ? a_log : 0.0f, p.dt_bias[h * D + tid])) {
       report(kDeviceStatusGateParams);
     }
     if (slot >= p.num_slots || slot == p.padding_slot) slot = -1;
@@ -302,8 +452,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   stamp(1);
 
-  // ---- 1. the input projection: a warp a row ----
-  {
+  // ---- 1. the input projection: a warp a row (one row), or 16 rows a block (several) ----
+  if constexpr (kMulti) {
+    project_rows_mma<kLowRank>(p, plan, x_s,
+                               reinterpret_cast<float*>(smem + plan.x_bytes + plan.y_bytes),
+                               exchange, row_words, tag);
+  } else {
     const std::int64_t chunks = E / 8;
     const std::int64_t rows = p.proj_rows + (kLowRank ? 0 : Cl);
     const std::int64_t stride = static_cast<std::int64_t>(blocks) * kWarps;
@@ -337,7 +491,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   stamp(2);
   // The o_proj blocks' W_o rows, contiguous: streamed into shared memory from here on.
-  const std::int64_t e0 = head_block ? 0 : (block - H) * plan.out_rows;
+  const std::int64_t e0 = head_block ? 0 : (block - R * H) * plan.out_rows;
   const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
   if (tid == 0 && e1 > e0) {
     const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
@@ -356,18 +510,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     if (!steps) {
       for (int i = tid; i < D / 2; i += kThreads)
-        put_word(exchange + y_word0 + h * D / 2 + i, tag, 0);
+        put_word(my_words + y_word0 + h * D / 2 + i, tag, 0);
     } else {
       // What the step reads of the projection: each thread its words.
       bool late = false;
       {
         const std::uint64_t* at[1] = {nullptr};
         if (tid < D) {
-          at[0] = exchange + p.f_a_col + tid;
+          at[0] = my_words + p.f_a_col + tid;
         } else if (tid < 2 * D) {
-          at[0] = exchange + (kLowRank ? p.g_a_col + tid - D : p.proj_rows + h * D + tid - D);
+          at[0] = my_words + (kLowRank ? p.g_a_col + tid - D : p.proj_rows + h * D + tid - D);
         } else if (tid == 2 * D) {
-          at[0] = exchange + p.beta_col + h;
+          at[0] = my_words + p.beta_col + h;
         }
         std::uint32_t v[1];
         take_words(at, tag, v, late);
@@ -391,7 +545,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (conv_index >= 0) {
         const int branch = conv_index / (D / 2), channel = 2 * (conv_index % (D / 2));
         const std::int64_t cc = h * D + channel;
-        const std::uint64_t* at[2] = {exchange + branch * Cl + cc, exchange + branch * Cl + cc + 1};
+        const std::uint64_t* at[2] = {my_words + branch * Cl + cc, my_words + branch * Cl + cc + 1};
         std::uint32_t v[2];
         take_words(at, tag, v, late);
         const float x[2] = {bits_to_float(static_cast<std::uint16_t>(v[0])),
@@ -473,25 +627,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
         const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
                                     p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
-        put_word(exchange + y_word0 + (h * D + k0) / 2, tag, y.x);
-        put_word(exchange + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
+        put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
+        put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
       }
       stamp(10);
     }
     stamp(5);
   } else {
-    // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a row ----
-    // y's words (two values each), four a thread at a time.
-    const std::int64_t y_words = Cl / 2;
+    // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a weight row ----
+    // y's words (two values each) of every row, four a thread at a time.
+    const std::int64_t y_words = Cl / 2;  // a row's
     auto* y_pairs = reinterpret_cast<std::uint32_t*>(y_s);
     bool late = false;
-    for (std::int64_t base = 0; base < y_words; base += 4 * kThreads) {
+    for (std::int64_t base = 0; base < R * y_words; base += 4 * kThreads) {
       const std::uint64_t* at[4];
       std::uint32_t v[4];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const std::int64_t i = base + tid + k * kThreads;
-        at[k] = i < y_words ? exchange + y_word0 + i : nullptr;
+        const std::int64_t word =
+            kMulti ? i / y_words * row_words + y_word0 + i % y_words : y_word0 + i;
+        at[k] = i < R * y_words ? exchange + word : nullptr;
       }
       take_words(at, tag, v, late);
 #pragma unroll
@@ -508,7 +664,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     stamp(4);
     const auto* rows = reinterpret_cast<const uint4*>(region);
     const int L = plan.out_lanes, sub = tid % L;
-    for (std::int64_t base = e0; base < e1; base += kThreads / L) {  // warp-uniform
+    if constexpr (kMulti) {
+      if (R <= 2) {
+        o_proj_rows<2>(p, plan, reinterpret_cast<const uint4*>(region), y_s, R, e0, e1);
+      } else {
+        o_proj_rows<4>(p, plan, reinterpret_cast<const uint4*>(region), y_s, R, e0, e1);
+      }
+    }
+    for (std::int64_t base = e0; !kMulti && base < e1; base += kThreads / L) {  // warp-uniform
       const std::int64_t e = base + tid / L;
       float acc = 0.0f;
       if (e < e1) {
@@ -574,12 +737,13 @@ int max_block_smem() {
 // Room for the kernel's static shared memory (the arrays above: 4.2 KB), beside the dynamic plan.
 constexpr int kStaticSmemBytes = 8 * 1024;
 
-template <int W, bool kF32State, bool kLowRank>
+template <int W, bool kF32State, bool kLowRank, bool kMulti>
 cudaError_t launch_kernel(const OneLaunchStepParams& p, const SmemPlan& plan, int blocks,
                           cudaStream_t stream) {
-  auto* kernel = one_launch_step_kernel<W, kF32State, kLowRank>;
-  const cudaError_t raised = allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank>>(
-      static_cast<int>(plan.total));
+  auto* kernel = one_launch_step_kernel<W, kF32State, kLowRank, kMulti>;
+  const cudaError_t raised =
+      allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank, kMulti>>(
+          static_cast<int>(plan.total));
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
@@ -594,25 +758,33 @@ cudaError_t launch_kernel(const OneLaunchStepParams& p, const SmemPlan& plan, in
   return cudaLaunchKernelEx(&config, kernel, p, plan);
 }
 
-template <int W>
+template <int W, bool kMulti>
 cudaError_t launch_width(const OneLaunchStepParams& p, const SmemPlan& plan, int blocks,
                          cudaStream_t stream) {
   const bool low_rank = p.w_gb != nullptr;
   if (p.f32_state) {
-    return low_rank ? launch_kernel<W, true, true>(p, plan, blocks, stream)
-                    : launch_kernel<W, true, false>(p, plan, blocks, stream);
+    return low_rank ? launch_kernel<W, true, true, kMulti>(p, plan, blocks, stream)
+                    : launch_kernel<W, true, false, kMulti>(p, plan, blocks, stream);
   }
-  return low_rank ? launch_kernel<W, false, true>(p, plan, blocks, stream)
-                  : launch_kernel<W, false, false>(p, plan, blocks, stream);
+  return low_rank ? launch_kernel<W, false, true, kMulti>(p, plan, blocks, stream)
+                  : launch_kernel<W, false, false, kMulti>(p, plan, blocks, stream);
+}
+
+template <int W>
+cudaError_t launch_rows(const OneLaunchStepParams& p, const SmemPlan& plan, int blocks,
+                        cudaStream_t stream) {
+  return p.rows > 1 ? launch_width<W, true>(p, plan, blocks, stream)
+                    : launch_width<W, false>(p, plan, blocks, stream);
 }
 
 }  // namespace
 
 bool one_launch_step_fits(const OneLaunchStepParams& p) {
   const int blocks = kda::detail::current_device_sm_count();
-  if (p.heads < 1 || p.heads >= blocks || p.width < 2 || p.width > 4 || p.hidden_size < 8 ||
-      p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr || p.exchange == nullptr ||
-      (p.w_gb == nullptr && p.w_g == nullptr)) {
+  if (p.heads < 1 || p.rows < 1 || p.rows > one_launch_max_rows(p.heads) ||
+      static_cast<std::int64_t>(p.rows) * p.heads >= blocks || p.width < 2 || p.width > 4 ||
+      p.hidden_size < 8 || p.hidden_size % 8 != 0 || p.sync == nullptr || p.w_fb == nullptr ||
+      p.exchange == nullptr || (p.w_gb == nullptr && p.w_g == nullptr)) {
     return false;
   }
   for (const void* required :
@@ -640,11 +812,11 @@ cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t st
   const SmemPlan plan = smem_plan(p, blocks);
   switch (p.width) {
     case 2:
-      return launch_width<2>(p, plan, blocks, stream);
+      return launch_rows<2>(p, plan, blocks, stream);
     case 3:
-      return launch_width<3>(p, plan, blocks, stream);
+      return launch_rows<3>(p, plan, blocks, stream);
     default:
-      return launch_width<4>(p, plan, blocks, stream);
+      return launch_rows<4>(p, plan, blocks, stream);
   }
 }
 

@@ -448,12 +448,7 @@ __global__ void __launch_bounds__(kFragmentWarps * 32)
         const uint4 xv = chunk < chunks && x_ok ? __ldg(x_row + chunk) : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int r = 0; r < RT; ++r) {
-          const unsigned a0[4] = {w[u][r][0][c].x, w[u][r][1][c].x, w[u][r][0][c].y,
-                                  w[u][r][1][c].y};
-          kda::detail::mma_bf16(acc[r], a0, xv.x, xv.y);
-          const unsigned a1[4] = {w[u][r][0][c].z, w[u][r][1][c].z, w[u][r][0][c].w,
-                                  w[u][r][1][c].w};
-          kda::detail::mma_bf16(acc[r], a1, xv.z, xv.w);
+          fragment_mma(acc[r], w[u][r][0][c], w[u][r][1][c], xv);
         }
       }
     }

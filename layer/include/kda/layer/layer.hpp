@@ -187,8 +187,9 @@ enum class DecodeKernel : int {
   kFused,         // fused, the second factors by GEMMs before it
   kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each),
                   // then the core's decode kernel with the gated norm as its epilogue
-  kOneLaunch,     // a plain step of one token of one sequence: projections, step and o_proj in
-                  // one launch (kAuto's choice there, where it fits; else as kAuto)
+  kOneLaunch,     // a plain step of one token of each of up to 8 sequences, at most 32 (row,
+                  // head) pairs: projections, step and o_proj in one launch (kAuto's choice
+                  // there, where it fits; else as kAuto)
 };
 // "auto", "fused", "fused-after-gemms", "separate", "one-launch" (kAuto .. kOneLaunch in order);
 // "unknown" for a value that is none of them.

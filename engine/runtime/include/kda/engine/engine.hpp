@@ -116,8 +116,9 @@ struct EngineOptions {
   // the schedule in effect. Unknown values throw at construction.
   std::optional<PrefillSchedule> prefill_schedule;
   // CUDA whole layers: how a decode step runs (kda::layer::RunOptions::decode_kernel; kAuto runs a
-  // step of one sequence in one launch, LAYER.md). Unset: the spec's runtime.decode_step (auto by
-  // default); Engine::spec() reports the choice in effect. Unknown values throw at construction.
+  // step of up to a few sequences in one launch, LAYER.md). Unset: the spec's runtime.decode_step
+  // (auto by default); Engine::spec() reports the choice in effect. Unknown values throw at
+  // construction.
   std::optional<layer::DecodeKernel> decode_step;
   // Unset: the spec's runtime.layers (whole by default). Engine::spec() reports the mode in effect.
   std::optional<LayerMode> layer_mode;
