@@ -394,21 +394,25 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 
 // The one-launch step of several rows at head counts other than the test config's: H = 3 (8 rows,
 // the cap: 24 (row, head) blocks; a 16-row projection tile spans rows of q, k and v) and H = 8 (4
-// rows, the most a step of 8 heads takes), with padding rows and scattered slots, both output
-// gates, against the CPU layer and the fp64 reference; and a step of one more row than a step
-// takes, which runs the other kernels, equal to it within rounding.
+// rows, the most a step of 8 heads takes), and at hidden size 4104 (5 rows; K's last 64-column
+// step partial, two rounds of weight loads a warp), with padding rows and scattered slots, both
+// output gates, against the CPU layer and the fp64 reference; and a step of one more row than a
+// step takes, which runs the other kernels, equal to it within rounding.
 KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
   struct Variant {
-    std::int64_t heads;
+    std::int64_t heads, hidden;  // hidden 0: the test config's
     std::vector<std::int32_t> slots;
   };
   std::uint64_t seed = 170;
-  for (const Variant& v : {Variant{3, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, {6, 1, -1, 3}}}) {
+  for (const Variant& v : {Variant{3, 0, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, 0, {6, 1, -1, 3}},
+                           Variant{4, 4104, {2, 8, -1, 0, 6}}}) {
     for (const bool full_rank : {false, true}) {
       CAPTURE(v.heads);
+      CAPTURE(v.hidden);
       CAPTURE(full_rank);
       layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
       config.num_heads = v.heads;
+      if (v.hidden != 0) config.hidden_size = v.hidden;
       const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, ++seed, 4));
       const auto layer = cuda.make(weights);
       std::vector<std::int32_t> more = v.slots;
