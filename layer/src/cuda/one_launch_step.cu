@@ -404,7 +404,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   std::uint64_t* const exchange = p.exchange;
   const std::int64_t y_word0 = one_launch_y_word0(p.proj_rows, Cl, !kLowRank);
   const std::int64_t row_words = one_launch_row_words(p.proj_rows, Cl, !kLowRank);
-  std::uint64_t* const my_words = exchange + m * row_words;  // a head block's row's
+  std::uint64_t* const my_words =
+      exchange + (head_block ? m * row_words : 0);  // a head block's row's
   if constexpr (kMulti) {
     const std::int64_t chunks = E / 8;
     for (std::int64_t i = tid; i < R * chunks; i += kThreads) {
@@ -666,30 +667,31 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int L = plan.out_lanes, sub = tid % L;
     if constexpr (kMulti) {
       if (R <= 2) {
-        o_proj_rows<2>(p, plan, reinterpret_cast<const uint4*>(region), y_s, R, e0, e1);
+        o_proj_rows<2>(p, plan, rows, y_s, R, e0, e1);
       } else {
-        o_proj_rows<4>(p, plan, reinterpret_cast<const uint4*>(region), y_s, R, e0, e1);
+        o_proj_rows<4>(p, plan, rows, y_s, R, e0, e1);
       }
-    }
-    for (std::int64_t base = e0; !kMulti && base < e1; base += kThreads / L) {  // warp-uniform
-      const std::int64_t e = base + tid / L;
-      float acc = 0.0f;
-      if (e < e1) {
-        // Four sums in flight a thread (chunks sub, sub + L, ... in turn), added pairwise.
-        const uint4* row = rows + (e - e0) * y_chunks;
-        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        std::int64_t c = sub;
-        for (; c + 3 * L < y_chunks; c += 4 * L) {
+    } else {
+      for (std::int64_t base = e0; base < e1; base += kThreads / L) {  // warp-uniform
+        const std::int64_t e = base + tid / L;
+        float acc = 0.0f;
+        if (e < e1) {
+          // Four sums in flight a thread (chunks sub, sub + L, ... in turn), added pairwise.
+          const uint4* row = rows + (e - e0) * y_chunks;
+          float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          std::int64_t c = sub;
+          for (; c + 3 * L < y_chunks; c += 4 * L) {
 #pragma unroll
-          for (int u = 0; u < 4; ++u) a[u] = dot8(row[c + u * L], y_s[c + u * L], a[u]);
+            for (int u = 0; u < 4; ++u) a[u] = dot8(row[c + u * L], y_s[c + u * L], a[u]);
+          }
+          for (; c < y_chunks; c += L) a[0] = dot8(row[c], y_s[c], a[0]);
+          acc = (a[0] + a[1]) + (a[2] + a[3]);
         }
-        for (; c < y_chunks; c += L) a[0] = dot8(row[c], y_s[c], a[0]);
-        acc = (a[0] + a[1]) + (a[2] + a[3]);
+        for (int offset = L / 2; offset > 0; offset /= 2) {
+          acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+        }
+        if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
       }
-      for (int offset = L / 2; offset > 0; offset /= 2) {
-        acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-      }
-      if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
     }
     __syncthreads();
     stamp(5);
