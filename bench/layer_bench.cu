@@ -17,9 +17,10 @@
 // at one token of up to a few sequences is the one-launch step, fused with the second factors
 // inside, fused after GEMMs, separate kernels; the fused ones with RunOptions::fused_cluster chosen
 // by shape), then the fused step with each fused_cluster (1, 2, 4, 8 blocks a head), in the same
-// run. The GEMMs of few rows are the layer's default kernels unless KDA_LAYER_SMALL_GEMM=streamed
-// (or 0: cuBLAS). Floors (bench_floors.hpp; bw = the device-to-device copy bandwidth measured at
-// start, peak = 989 TFLOP/s, the H200's dense bf16 spec):
+// run. The first table's decode cases name the kernel auto ran (RunOptions::decode_kernel_ran). The
+// GEMMs of few rows are the layer's default kernels unless KDA_LAYER_SMALL_GEMM=streamed (or 0:
+// cuBLAS). Floors (bench_floors.hpp; bw = the device-to-device copy bandwidth measured at start,
+// peak = 989 TFLOP/s, the H200's dense bf16 spec):
 //   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors (full-
 //                rank gate: x·W_inᵀ without g_a, f_a·W_fbᵀ, x·W_gᵀ); bytes = their weights, hidden
 //                read (once), proj, g and the f32 gate written, f_a|g_a (f_a) read
@@ -544,6 +545,8 @@ int main(int argc, char** argv) {
         }
         // The forwards of every layer captured in one graph, replayed: each replay timed with
         // events around it, per layer.
+        // What kAuto's decode steps ran, named in the case column.
+        kda::layer::DecodeKernel auto_ran = kda::layer::DecodeKernel::kAuto;
         auto forwards = [&](kda::layer::DecodeKernel kernel, int cluster) {
           return [&, kernel, cluster] {
             kda::layer::RunOptions capture_options;
@@ -551,6 +554,9 @@ int main(int argc, char** argv) {
             capture_options.check_pointers = false;
             capture_options.decode_kernel = kernel;
             capture_options.fused_cluster = cluster;
+            if (kernel == kda::layer::DecodeKernel::kAuto) {
+              capture_options.decode_kernel_ran = &auto_ran;
+            }
             for (int l = 0; l < instances; ++l) {
               layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
                                  static_cast<kda::bf16_bits*>(d_out.ptr), state_of(l),
@@ -624,8 +630,12 @@ int main(int argc, char** argv) {
                         plain_graph, graph, graph / plain_graph);
           checkpoint_rows.push_back(line);
         }
+        const std::string case_name =
+            c.name + (auto_ran == kda::layer::DecodeKernel::kAuto
+                          ? std::string()
+                          : std::string(" (") + kda::layer::to_string(auto_ran) + ")");
         std::printf("| %s | %s | %.1f | %.1f | %.2fx | %.1f | %.2fx |", layer_name.c_str(),
-                    c.name.c_str(), median(total), floor_sum, median(total) / floor_sum, graph,
+                    case_name.c_str(), median(total), floor_sum, median(total) / floor_sum, graph,
                     graph / floor_sum);
         for (int p = 0; p < 5; ++p) std::printf(" %.1f (%.1f) |", median(phase[p]), floors[p]);
         std::printf("\n");

@@ -946,14 +946,29 @@ int run_model(const Options& o) {
                                  : "verify steps of " + std::to_string(o.verify_tokens) +
                                        " tokens (" + forms[static_cast<int>(o.verify_form)] + ")";
     const std::int64_t step_tokens = o.sequences * std::max(o.verify_tokens, 1);
+    // Which kernels the CUDA whole layers' steps ran (what --decode-step auto chose), in layer
+    // order without repeats: "; one-launch step".
+    std::string ran;
+    for (int l = 0; l < engine.num_layers(); ++l) {
+      const kda::layer::DecodeKernel kernel = engine.decode_step_ran(l);
+      if (kernel == kda::layer::DecodeKernel::kAuto) continue;
+      const std::string name = kda::layer::to_string(kernel);
+      if (ran.find(" " + name + ",") != std::string::npos) continue;
+      ran += " " + name + ",";
+    }
+    if (!ran.empty()) {
+      ran.pop_back();
+      ran = ";" + ran + " step";
+    }
     std::printf(
         "decode: %lld %s x %lld sequence%s through %d KDA layers: median "
-        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s)\n",
+        "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s%s)\n",
         static_cast<long long>(o.decode_steps), kind.c_str(), static_cast<long long>(o.sequences),
         o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
         step > 0 ? static_cast<double>(step_tokens) / step : 0.0, step * 1e6 / engine.num_layers(),
         report.decode_graphs ? report.decode_mode.c_str()
-                             : ("eager: " + report.decode_mode).c_str());
+                             : ("eager: " + report.decode_mode).c_str(),
+        ran.c_str());
   }
   // What the kernels found that the host could not see (CUDA; throws kda::Error naming it).
   engine.check_device_status();

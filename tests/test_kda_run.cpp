@@ -1116,6 +1116,29 @@ TEST_CASE("kda-run --case: prefill checkpoints equal the final states of the pre
   check_rejected(bad, "tensor 'checkpoint_offsets' has dtype F32, expected I64 or I32");
 }
 
+// On CUDA the decode line names the kernel the whole layers' steps ran: auto's one launch for one
+// sequence of one token, or the kernel --decode-step forces.
+TEST_CASE("kda-run: the decode line names the kernel the CUDA steps ran") {
+  if (!kda::engine::cuda_backend_available()) {
+    MESSAGE("KDA_SKIP: no CUDA device (this test needs one)");
+    return;
+  }
+  const struct {
+    const char* flag;
+    const char* ends;
+  } runs[] = {{"auto", "(CUDA graph replays; one-launch step)\n"},
+              {"separate", "(CUDA graph replays; separate step)\n"},
+              {"fused", "(CUDA graph replays; fused step)\n"}};
+  for (const auto& run : runs) {
+    CAPTURE(run.flag);
+    const Result r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "16", "--decode-steps",
+                              "3", "--backend", "cuda", "--decode-step", run.flag});
+    INFO(r.out << r.err);
+    REQUIRE(r.rc == 0);
+    CHECK(r.out.find(run.ends) != std::string::npos);
+  }
+}
+
 // The same file at K = V = 128 on CUDA: the checkpoints within the CUDA tolerance of the CPU's, and
 // the one at a sequence's length its final state, bit for bit.
 TEST_CASE("kda-run --case: prefill checkpoints on CUDA equal the CPU's within tolerance") {

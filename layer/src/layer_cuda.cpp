@@ -748,6 +748,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       }
       for (int boundary = 1; boundary <= 5; ++boundary) mark(boundary);
       if (options.times != nullptr) add_times(options.times);
+      if (options.decode_kernel_ran != nullptr)
+        *options.decode_kernel_ran = DecodeKernel::kOneLaunch;
       return;
     }
   }
@@ -986,6 +988,11 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   }
   mark(5);
   if (options.times != nullptr) add_times(options.times);
+  if (decode && options.decode_kernel_ran != nullptr) {
+    *options.decode_kernel_ran = !fuse          ? DecodeKernel::kSeparate
+                                 : fuse_factors ? DecodeKernel::kFusedFactors
+                                                : DecodeKernel::kFused;
+  }
 }
 
 std::unique_ptr<Layer> make_cuda_layer(const Weights& weights, void* weight_image,

@@ -1017,6 +1017,128 @@ TEST_CASE(
 #endif
 }
 
+// The C API's forwards on a kda_batch (kda_engine_forward_hidden_batch for whole layers,
+// kda_engine_forward_batch for KDA cores) are what a C runtime captures: a decode step of every
+// layer captured once on one engine and replayed as the slot list changes (fragmented, reversed,
+// padding rows) equals the same C calls made eagerly on a twin engine, bit for bit, every layer's
+// output; eager calls of another layout between replays change nothing a later replay computes;
+// and a last eager step of every slot on both engines (which reads each slot's state) agrees too.
+// The whole layers' captured step is the one-launch step (four rows of four heads), as
+// kda_engine_decode_step_ran reports.
+TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eager calls [cuda]") {
+  if (!usable(Backend::kCuda)) return;
+#ifdef KDA_HAVE_CUDA
+  Stream stream;
+  REQUIRE(stream.stream != nullptr);
+  constexpr int kRows = 4, kSlots = 6;
+  constexpr std::int64_t kHeads = 4, kDim = 128;
+  for (const bool whole : {true, false}) {
+    CAPTURE(whole);
+    const std::string yaml = std::string(kSpec) + (whole ? "" : "  layers: core\n");
+    kda_engine_options options;
+    REQUIRE(kda_engine_options_init(&options) == KDA_OK);
+    options.backend = KDA_BACKEND_CUDA;
+    options.cuda_stream = stream.stream;
+    options.seed = 29;
+    kda_engine* engines[2] = {nullptr, nullptr};  // graphs, eager
+    char err[512];
+    for (kda_engine*& e : engines) {
+      REQUIRE_MESSAGE(
+          kda_engine_create_from_string(yaml.c_str(), &options, &e, err, sizeof err) == KDA_OK,
+          err);
+      for (int s = 0; s < kSlots; ++s) {
+        int slot = -1;
+        REQUIRE(kda_engine_acquire_slot(e, &slot) == KDA_OK);
+      }
+    }
+    kda_engine* const g = engines[0];
+    kda_engine* const x = engines[1];
+    int layers = 0;
+    REQUIRE(kda_engine_num_layers(g, &layers) == KDA_OK);
+    // A row's input: hidden [E] for whole layers; q, k, v, g, beta for the cores (one buffer of
+    // q | k | v | g [H, D] and beta [H] a row, beside each other).
+    const std::int64_t row_values = whole ? kHidden : 4 * kHeads * kDim + kHeads;
+    const std::int64_t row_out = whole ? kHidden : kHeads * kDim;
+    std::uint64_t seed = 300;
+    // Each step's inputs are new values, so that a replay reading the wrong slot's state shows.
+    Memory input(Backend::kCuda, kda::test::random_bf16(kSlots * row_values, 1.0f, ++seed));
+    std::vector<Memory> outs;
+    for (int e = 0; e < 2 * layers; ++e) outs.emplace_back(Backend::kCuda, kSlots * row_out * 2);
+    Memory slots_g(Backend::kCuda, kSlots * 4), slots_x(Backend::kCuda, kSlots * 4);
+    // One decode step of `rows` rows through every layer of engine `which`; the C status of the
+    // first call that failed, KDA_OK otherwise (no REQUIRE inside a capture).
+    auto step = [&](int which, const Memory& slots, int rows) {
+      kda_batch b = c_batch(rows, rows, 1, slots.as<std::int32_t>());
+      for (int l = 0; l < layers; ++l) {
+        void* out = outs[static_cast<std::size_t>(which * layers + l)].get();
+        const auto* in = input.as<std::uint16_t>();
+        kda_status status;
+        if (whole) {
+          status = kda_engine_forward_hidden_batch(engines[which], l, in, out, &b);
+        } else {
+          const std::int64_t plane = rows * kHeads * kDim;  // q, k, v and g of `rows` rows
+          status = kda_engine_forward_batch(engines[which], l, in, in + plane, in + 2 * plane,
+                                            in + 3 * plane, in + 4 * plane, out, &b);
+        }
+        if (status != KDA_OK) return status;
+      }
+      return KDA_OK;
+    };
+    // The same history on both: a prefill of every slot would do, one eager step of all slots is
+    // enough (states start at zero).
+    const std::vector<std::int32_t> all = {0, 1, 2, 3, 4, 5};
+    slots_g.write(all);
+    slots_x.write(all);
+    REQUIRE(step(0, slots_g, kSlots) == KDA_OK);
+    REQUIRE(step(1, slots_x, kSlots) == KDA_OK);
+    REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);  // before the slots change
+    slots_g.write(std::vector<std::int32_t>{0, 1, 2, 3});
+    Graph graph;
+    kda_status captured = KDA_OK;
+    const std::string error =
+        capture(stream.stream, &graph, [&] { captured = step(0, slots_g, kRows); });
+    REQUIRE_MESSAGE(error.empty(), "decode under capture: " << error);
+    REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
+    kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
+    REQUIRE(kda_engine_decode_step_ran(g, 0, &ran) == KDA_OK);
+    CHECK(ran == (whole ? KDA_DECODE_STEP_ONE_LAUNCH : KDA_DECODE_STEP_AUTO));
+    auto compare = [&] {
+      REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);
+      for (int l = 0; l < layers; ++l) {
+        CAPTURE(l);
+        CHECK(outs[static_cast<std::size_t>(l)].read<std::uint16_t>() ==
+              outs[static_cast<std::size_t>(layers + l)].read<std::uint16_t>());
+      }
+    };
+    const std::vector<std::vector<std::int32_t>> layouts = {
+        {3, 1, 5, 0}, {5, 4, 3, 2}, {-1, 2, -1, 4}, {0, -1, -1, -1}, {-1, -1, -1, -1}};
+    for (const auto& slots : layouts) {
+      input.write(kda::test::random_bf16(kSlots * row_values, 1.0f, ++seed));
+      slots_g.write(slots);
+      slots_x.write(slots);
+      for (Memory& out : outs) out.poison();
+      CUDA_REQUIRE(cudaGraphLaunch(graph.exec, stream.stream));
+      REQUIRE(step(1, slots_x, kRows) == KDA_OK);
+      compare();
+      // An eager call of another layout in between.
+      slots_g.write(std::vector<std::int32_t>{1, 0});
+      slots_x.write(std::vector<std::int32_t>{1, 0});
+      REQUIRE(step(0, slots_g, 2) == KDA_OK);
+      REQUIRE(step(1, slots_x, 2) == KDA_OK);
+      compare();
+    }
+    // Every slot's state, through one more eager step of all of them.
+    slots_g.write(all);
+    slots_x.write(all);
+    REQUIRE(step(0, slots_g, kSlots) == KDA_OK);
+    REQUIRE(step(1, slots_x, kSlots) == KDA_OK);
+    compare();
+    CHECK(kda_engine_check_device_status(g) == KDA_OK);
+    for (kda_engine* e : engines) kda_engine_destroy(e);
+  }
+#endif
+}
+
 namespace {
 
 // A prefix-cache round trip through the C API: a 48-token prompt prefilled on slot a with a

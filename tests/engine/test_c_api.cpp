@@ -667,8 +667,15 @@ KDA_MATRIX_CASE(
     const int c_rows[3] = {c_slots[1], -1, c_slots[0]};
     Out step_c(runner, static_cast<std::size_t>(6 * E), 1);
     std::vector<std::uint16_t> step_cpp(static_cast<std::size_t>(6 * E), 1);
+    kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
+    REQUIRE(kda_engine_decode_step_ran(handle, layer, &ran) == KDA_OK);
+    CHECK(ran == KDA_DECODE_STEP_AUTO);  // no decode step yet
     REQUIRE(kda_engine_decode_hidden(handle, layer, x_in.get(), step_c.get(), c_rows, 3, 2) ==
             KDA_OK);
+    // Three rows of two tokens: the fused step on CUDA (auto's choice); the CPU has no kernels.
+    REQUIRE(kda_engine_decode_step_ran(handle, layer, &ran) == KDA_OK);
+    CHECK(ran ==
+          (runner.backend() == kda::Backend::kCuda ? KDA_DECODE_STEP_FUSED : KDA_DECODE_STEP_AUTO));
     engine.decode_hidden(layer, x.data(), step_cpp.data(), {slots[1], -1, slots[0]}, 2);
     const std::vector<std::uint16_t> got = step_c.download(handle);
     CHECK(deviation(kda::test::rows_of(got, E, 0, 2), kda::test::rows_of(step_cpp, E, 0, 2)) <=
@@ -686,11 +693,19 @@ KDA_MATRIX_CASE(
   CHECK(kda_engine_decode_hidden(handle, 0, x_in.get(), out.get(), c_slots, 1, 17) ==
         KDA_INVALID_ARGUMENT);
   CHECK(contains(last_error(handle), "tokens 17"));
+  kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
+  CHECK(kda_engine_decode_step_ran(handle, 0, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(handle), "out"));
+  CHECK(kda_engine_decode_step_ran(handle, 2, &ran) == KDA_INVALID_ARGUMENT);
+  CHECK(contains(last_error(handle), "KDA layer 2 is out of range"));
+  CHECK(ran == KDA_DECODE_STEP_MAX_ENUM_);
   const std::string core_yaml = std::string(kMatrixSpec) + "  layers: core\n";
   Handle core;
   create(&core, core_yaml.c_str(), seed, backend_of(runner));
   REQUIRE(kda_engine_whole_layers(core, &whole) == KDA_OK);
   CHECK(whole == 0);
+  REQUIRE(kda_engine_decode_step_ran(core, 0, &ran) == KDA_OK);
+  CHECK(ran == KDA_DECODE_STEP_AUTO);
   int slot = -1;
   REQUIRE(kda_engine_acquire_slot(core, &slot) == KDA_OK);
   CHECK(kda_engine_prefill_hidden(core, 0, x_in.get(), out.get(), &slot, 1, cu.data()) ==

@@ -341,10 +341,26 @@ KDA_MATRIX_CASE(
     Memory out = poisoned(runner, 16);
     bf16_bits* dst = out.as<bf16_bits>();
     engine.prefill_hidden(0, in, dst, {slot}, {0, 12});
+    CHECK(engine.decode_step_ran(0) == kda::layer::DecodeKernel::kAuto);  // no decode yet
     for (std::int64_t t = 12; t < 16; ++t)
       engine.decode_hidden(0, in + t * E, dst + t * E, {slot}, 1);
     outs.push_back(result(engine, out));
     CHECK(deviation(outs.back(), outs.front()) <= allowed(runner, 1e-2, 0.0));
+    // The kernel layer 0's steps ran (a one-token step of one row: the one launch where asked
+    // for or left to auto); the CPU and layer 1, which decoded nothing, report none.
+    const kda::layer::DecodeKernel ran = engine.decode_step_ran(0);
+    const std::string ran_name = kda::layer::to_string(ran);
+    CAPTURE(ran_name);
+    if (runner.backend() == kda::Backend::kCuda) {
+      const bool one_launch =
+          step == kda::layer::DecodeKernel::kAuto || step == kda::layer::DecodeKernel::kOneLaunch;
+      CHECK(ran == (one_launch ? kda::layer::DecodeKernel::kOneLaunch : step));
+    } else {
+      CHECK(ran == kda::layer::DecodeKernel::kAuto);
+    }
+    CHECK(engine.decode_step_ran(1) == kda::layer::DecodeKernel::kAuto);
+    CHECK_THROWS_WITH_AS(engine.decode_step_ran(2),
+                         doctest::Contains("KDA layer 2 is out of range"), kda::Error);
   }
   EngineOptions bad = options(runner);
   bad.decode_step = static_cast<kda::layer::DecodeKernel>(9);

@@ -264,6 +264,44 @@ KDA_LAYER_CASE("phase times are added when asked, and change nothing") {
   }
 }
 
+// RunOptions::decode_kernel_ran: a CUDA decode step names the kernel it ran (never kAuto), and
+// changes nothing by being asked; a prefill, a step of no tokens and the CPU leave it untouched.
+KDA_LAYER_CASE("the kernel a decode step ran is reported, and a prefill leaves it untouched") {
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 9, 1);
+  const auto layer = runner.make(weights);
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(40 * config.hidden_size), 2.0f, 16);
+  const bool cuda = runner.backend() == Backend::kCuda;
+  for (const BatchSpec& batch :
+       {prefill_batch({13, 7}), prefill_batch({0, 0}), decode_batch(0, 1), decode_batch(1, 1),
+        decode_batch(3, 1), decode_batch(4, 5), decode_batch(40, 1)}) {
+    CAPTURE(batch.decode_tokens);
+    CAPTURE(batch.sequences());
+    Pools start(config, 40);
+    start.randomize(17);
+    Pools plain_pools = start, asked_pools = start;
+    const LayerRun plain = runner.forward(*layer, hidden, batch, &plain_pools);
+    // An out-of-range value, so that "untouched" cannot pass by chance.
+    auto ran = static_cast<layer::DecodeKernel>(77);
+    ForwardSettings settings;
+    settings.change = [&ran](ForwardCall& call) { call.options.decode_kernel_ran = &ran; };
+    const LayerRun asked = runner.forward(*layer, hidden, batch, &asked_pools, settings);
+    CHECK(same_bits(asked.out, plain.out));
+    CHECK(asked_pools == plain_pools);
+    const std::string ran_name = layer::to_string(ran);
+    CAPTURE(ran_name);
+    if (cuda && batch.decode_tokens > 0 && batch.sequences() > 0) {
+      CHECK(is_known(ran));
+      CHECK(ran != layer::DecodeKernel::kAuto);
+      CHECK((ran == layer::DecodeKernel::kOneLaunch) ==
+            (batch.decode_tokens == 1 && batch.sequences() <= 8));
+    } else {
+      CHECK(static_cast<int>(ran) == 77);
+    }
+  }
+}
+
 KDA_LAYER_CPU_CASE("sizes need no device: workspace and weight image on both backends") {
   layer::Config config = cpu_layer_runner().config();
   config.head_dim = 128;  // a layer either backend runs

@@ -52,6 +52,15 @@ void capture_forward(const layer::Layer& layer, ForwardCall call, cudaStream_t s
 
 namespace {
 
+// What kAuto runs for a plain decode step of `rows` rows of `tokens` tokens a row on `heads` heads
+// (layer.hpp, DecodeKernel; the one-launch step's cap: one_launch_max_rows), on buffers it can
+// take: what RunOptions::decode_kernel_ran must report.
+layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads) {
+  const std::int64_t one_launch_rows = std::min<std::int64_t>(8, 32 / heads);
+  if (tokens == 1 && rows >= 1 && rows <= one_launch_rows) return layer::DecodeKernel::kOneLaunch;
+  return rows * heads <= 128 ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;
+}
+
 // A decode step on the separate conv, core and norm kernels (DecodeKernel::kSeparate) from
 // `before`, checked against the CPU layer and the fp64 reference.
 void check_separate_step(const LayerRunner& cuda, const layer::Weights& weights,
@@ -265,11 +274,23 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         CAPTURE(kernel_names[k]);
         ForwardSettings settings;
         const DecodeKernel kernel = kernels[k];
-        settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+        DecodeKernel ran = DecodeKernel::kAuto;
+        settings.change = [kernel, &ran](ForwardCall& call) {
+          call.options.decode_kernel = kernel;
+          call.options.decode_kernel_ran = &ran;
+        };
         Pools after = before;
         runs.push_back(cuda.forward(*layer, hidden, step, &after, settings));
         check_forward(cuda, weights, hidden, step, before, runs.back(), after);
         afters.push_back(after);
+        // A forced kernel runs; kAuto and kOneLaunch (kAuto where the one launch does not take
+        // the step) run kAuto's choice.
+        const bool as_auto = kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch;
+        const std::string ran_name = layer::to_string(ran);
+        CAPTURE(ran_name);
+        CHECK(ran ==
+              (as_auto ? auto_decode_kernel(step.sequences(), step.decode_tokens, config.num_heads)
+                       : kernel));
       }
       // The fused step with each cluster size (blocks a head) computes the same bits as the
       // size chosen by shape (the runs above, RunOptions::fused_cluster 0).
@@ -430,10 +451,17 @@ KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts eq
           ForwardSettings settings;
           const layer::DecodeKernel kernel =
               k == 0 ? layer::DecodeKernel::kOneLaunch : layer::DecodeKernel::kSeparate;
-          settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+          layer::DecodeKernel ran = layer::DecodeKernel::kAuto;
+          settings.change = [kernel, &ran](ForwardCall& call) {
+            call.options.decode_kernel = kernel;
+            call.options.decode_kernel_ran = &ran;
+          };
           Pools after = before;
           runs[k] = cuda.forward(*layer, hidden, step, &after, settings);
           check_forward(cuda, weights, hidden, step, before, runs[k], after);
+          // The one launch takes the step up to its rows, and only then.
+          CHECK(ran == (k == 1 ? layer::DecodeKernel::kSeparate
+                               : auto_decode_kernel(step.sequences(), 1, v.heads)));
         }
         const double error = relative_error(runs[0].out, runs[1].out);
         MESSAGE("one launch (or as auto past its rows) vs separate: out " << error);
@@ -482,10 +510,13 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
             hidden, step, initial, layer::workspace_bytes(Backend::kCuda, config, rows, rows, 5));
         ForwardCall call = buffers.call(step, initial, false);
         call.options.decode_kernel = layer::DecodeKernel::kOneLaunch;
+        layer::DecodeKernel captured = layer::DecodeKernel::kAuto;
+        call.options.decode_kernel_ran = &captured;
         Graph graph;
         capture_forward(*layer, call, stream, &graph);
         const cudaGraphExec_t exec = graph.exec;
         REQUIRE(exec != nullptr);
+        CHECK(captured == layer::DecodeKernel::kOneLaunch);  // what the graph holds
         Pools expected = initial;  // the eager steps' pools, one step after another
         std::uint64_t seed = 93;
         for (const Slots& slots : *lists) {

@@ -474,6 +474,28 @@ kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
   });
 }
 
+kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_step* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_decode_step_ran", "out");
+    switch (e.decode_step_ran(layer)) {
+      case kda::layer::DecodeKernel::kOneLaunch:
+        *out = KDA_DECODE_STEP_ONE_LAUNCH;
+        break;
+      case kda::layer::DecodeKernel::kFusedFactors:
+        *out = KDA_DECODE_STEP_FUSED;
+        break;
+      case kda::layer::DecodeKernel::kFused:
+        *out = KDA_DECODE_STEP_FUSED_AFTER_GEMMS;
+        break;
+      case kda::layer::DecodeKernel::kSeparate:
+        *out = KDA_DECODE_STEP_SEPARATE;
+        break;
+      default:
+        *out = KDA_DECODE_STEP_AUTO;
+    }
+  });
+}
+
 kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
                                      const int* slots, int num_sequences,
                                      const int64_t* cu_seqlens) {

@@ -711,7 +711,9 @@ struct Engine::Impl {
     batch.cu_seqlens_host = cu_host;
     batch.slots_host = slots_host;
     batch.device_status = device_status;
-    layer.forward(batch, hidden, out, layer_options(times), b.records_region,
+    layer::RunOptions options = layer_options(times);
+    options.decode_kernel_ran = &decode_kernels_ran[static_cast<std::size_t>(kda_index)];
+    layer.forward(batch, hidden, out, options, b.records_region,
                   b.fold_rows != nullptr ? b.fold_region : -1);
     note_records(kda_index, b);
     // A tensor-parallel rank's partial sum, summed over the group in place.
@@ -731,6 +733,8 @@ struct Engine::Impl {
   };
   // One per KDA layer and records region.
   mutable std::vector<std::array<PendingRecords, 2>> pending_records;
+  // One per KDA layer: the kernel its last CUDA decode step ran (kAuto: none yet).
+  mutable std::vector<layer::DecodeKernel> decode_kernels_ran;
   // The layers' States and the cores' commit layers for each records region, built once for
   // commit().
   std::array<std::vector<layer::State>, 2> commit_states;
@@ -992,6 +996,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     staging->uploaded.reserve(slots);
   }
   m.pending_records.assign(m.layers.size(), {});
+  m.decode_kernels_ran.assign(m.layers.size(), layer::DecodeKernel::kAuto);
   for (int region = 0; region < m.spec.runtime.record_regions; ++region) {
     for (const auto& layer : m.layers) {
       m.commit_states[static_cast<std::size_t>(region)].push_back(layer->state(region));
@@ -1017,6 +1022,11 @@ const LayerInfo& Engine::layer(int kda_index) const {
 }
 
 LayerMode Engine::layer_mode() const noexcept { return impl_->spec.runtime.layer_mode; }
+
+layer::DecodeKernel Engine::decode_step_ran(int kda_index) const {
+  impl_->check_layer(kda_index);
+  return impl_->decode_kernels_ran[static_cast<std::size_t>(kda_index)];
+}
 const std::string& Engine::weights_origin() const noexcept { return impl_->weights_origin; }
 std::uint64_t Engine::weight_bytes() const noexcept { return impl_->weight_bytes; }
 

@@ -206,6 +206,10 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
 kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out);
 /* *out = 1 when the engine runs whole layers, 0 when KDA cores only (runtime.layers: core). */
 kda_status kda_engine_whole_layers(kda_engine* engine, int* out);
+/* *out = the kernel the last decode step of CUDA whole layer `layer` ran: ONE_LAUNCH, FUSED,
+ * FUSED_AFTER_GEMMS or SEPARATE (kda::engine::Engine::decode_step_ran); AUTO where it has run
+ * none (none yet, the CPU, core-only engines). A captured step records it when captured. */
+kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_step* out);
 /* Prefill of whole layer `layer` on hidden states [T, hidden_size] (T = cu_seqlens[num_sequences]);
  * slots and cu_seqlens as kda_engine_prefill. KDA_INVALID_ARGUMENT on a core-only engine. */
 kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,

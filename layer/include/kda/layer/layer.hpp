@@ -227,6 +227,12 @@ struct RunOptions {
   int fused_cluster = 0;
   // Adds each phase's seconds. CUDA: measured with events, and the call waits for the layer.
   Times* times = nullptr;
+  // Optional: a CUDA decode step sets it to the kernel it ran (kOneLaunch, kFusedFactors, kFused
+  // or kSeparate; never kAuto), once its work is enqueued. decode_kernel is a request that a step
+  // of another shape may not take (kOneLaunch: a step of more rows; a fused step that does not
+  // fit), so this says which launches a captured graph holds and which batch sizes share a
+  // kernel. A step of no tokens, prefills, core_inputs() and the CPU leave it untouched.
+  DecodeKernel* decode_kernel_ran = nullptr;
 };
 
 class Layer {

@@ -286,6 +286,12 @@ class Engine {
   int num_layers() const noexcept;              // KDA layers
   const LayerInfo& layer(int kda_index) const;  // by KDA index
   LayerMode layer_mode() const noexcept;
+  // The kernel the last decode step of a CUDA whole layer ran (kOneLaunch, kFusedFactors, kFused or
+  // kSeparate: layer::RunOptions::decode_kernel_ran), so that a runtime sees what its captured
+  // graphs hold and which batch sizes take the one-launch step; kAuto where the layer has run no
+  // such step (none yet, the CPU, core-only layers). Recorded when the step is enqueued: a
+  // capture records it once, its replays do not change it. Throws kda::Error for a bad index.
+  layer::DecodeKernel decode_step_ran(int kda_index) const;
   // Where the layers' weights came from ("random (seed S)" or the checkpoint), and, whole layers,
   // the bytes they take in the arena: each layer's persistent `layer{n}.weights` buffer of the
   // plan, kda::layer's weight image of the backend (bf16 on CUDA, fp32 on the CPU); 0 for cores.
