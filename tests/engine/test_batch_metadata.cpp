@@ -1019,19 +1019,21 @@ TEST_CASE(
 
 // The C API's forwards on a kda_batch (kda_engine_forward_hidden_batch for whole layers,
 // kda_engine_forward_batch for KDA cores) are what a C runtime captures: a decode step of every
-// layer captured once on one engine and replayed as the slot list changes (fragmented, reversed,
-// padding rows) equals the same C calls made eagerly on a twin engine, bit for bit, every layer's
-// output; eager calls of another layout between replays change nothing a later replay computes;
-// and a last eager step of every slot on both engines (which reads each slot's state) agrees too.
-// The whole layers' captured step is the one-launch step (four rows of four heads), as
-// kda_engine_decode_step_ran reports.
-TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eager calls [cuda]") {
+// layer and a prefill bucket (48 tokens in 4 sequences), each captured once on one engine and
+// replayed as the slots (fragmented, reversed, padding rows, all padding) and cu_seqlens (empty
+// sequences, a padding sequence) change, equal the same C calls made eagerly on a twin engine, bit
+// for bit, every layer's output; eager calls of another layout between replays change nothing a
+// later replay computes; and a last eager step of every slot on both engines (which reads each
+// slot's state) agrees too. The whole layers' captured decode step is the one-launch step (four
+// rows of four heads), as kda_engine_decode_step_ran reports.
+TEST_CASE(
+    "C API: kda_batch steps and prefills captured once and replayed equal eager calls [cuda]") {
   if (!usable(Backend::kCuda)) return;
 #ifdef KDA_HAVE_CUDA
   Stream stream;
   REQUIRE(stream.stream != nullptr);
   constexpr int kRows = 4, kSlots = 6;
-  constexpr std::int64_t kHeads = 4, kDim = 128;
+  constexpr std::int64_t kHeads = 4, kDim = 128, kBucket = 48;
   for (const bool whole : {true, false}) {
     CAPTURE(whole);
     const std::string yaml = std::string(kSpec) + (whole ? "" : "  layers: core\n");
@@ -1052,23 +1054,22 @@ TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eage
       }
     }
     kda_engine* const g = engines[0];
-    kda_engine* const x = engines[1];
     int layers = 0;
     REQUIRE(kda_engine_num_layers(g, &layers) == KDA_OK);
-    // A row's input: hidden [E] for whole layers; q, k, v, g, beta for the cores (one buffer of
-    // q | k | v | g [H, D] and beta [H] a row, beside each other).
-    const std::int64_t row_values = whole ? kHidden : 4 * kHeads * kDim + kHeads;
-    const std::int64_t row_out = whole ? kHidden : kHeads * kDim;
+    // A token's input: hidden [E] for whole layers; for the cores q, k, v, g [H, D] and beta [H]
+    // (the five tensors of a call one after the other in one buffer).
+    const std::int64_t token_values = whole ? kHidden : 4 * kHeads * kDim + kHeads;
+    const std::int64_t token_out = whole ? kHidden : kHeads * kDim;
     std::uint64_t seed = 300;
-    // Each step's inputs are new values, so that a replay reading the wrong slot's state shows.
-    Memory input(Backend::kCuda, kda::test::random_bf16(kSlots * row_values, 1.0f, ++seed));
-    std::vector<Memory> outs;
-    for (int e = 0; e < 2 * layers; ++e) outs.emplace_back(Backend::kCuda, kSlots * row_out * 2);
+    // Each replay reads new inputs, so that one reading the wrong slot's state shows.
+    Memory input(Backend::kCuda, kda::test::random_bf16(kBucket * token_values, 1.0f, ++seed));
+    std::vector<Memory> outs;  // engine e's layer l: outs[e * layers + l]
+    for (int e = 0; e < 2 * layers; ++e) outs.emplace_back(Backend::kCuda, kBucket * token_out * 2);
     Memory slots_g(Backend::kCuda, kSlots * 4), slots_x(Backend::kCuda, kSlots * 4);
-    // One decode step of `rows` rows through every layer of engine `which`; the C status of the
-    // first call that failed, KDA_OK otherwise (no REQUIRE inside a capture).
-    auto step = [&](int which, const Memory& slots, int rows) {
-      kda_batch b = c_batch(rows, rows, 1, slots.as<std::int32_t>());
+    Memory cu_g(Backend::kCuda, (kRows + 1) * 8), cu_x(Backend::kCuda, (kRows + 1) * 8);
+    // One call of every layer of engine `which` on `b` (tokens rows of input); the C status of
+    // the first that failed, KDA_OK otherwise (no REQUIRE inside a capture).
+    auto forward = [&](int which, const kda_batch& b) {
       for (int l = 0; l < layers; ++l) {
         void* out = outs[static_cast<std::size_t>(which * layers + l)].get();
         const auto* in = input.as<std::uint16_t>();
@@ -1076,7 +1077,7 @@ TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eage
         if (whole) {
           status = kda_engine_forward_hidden_batch(engines[which], l, in, out, &b);
         } else {
-          const std::int64_t plane = rows * kHeads * kDim;  // q, k, v and g of `rows` rows
+          const std::int64_t plane = b.tokens * kHeads * kDim;  // q, k, v and g
           status = kda_engine_forward_batch(engines[which], l, in, in + plane, in + 2 * plane,
                                             in + 3 * plane, in + 4 * plane, out, &b);
         }
@@ -1084,24 +1085,39 @@ TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eage
       }
       return KDA_OK;
     };
-    // The same history on both: a prefill of every slot would do, one eager step of all slots is
-    // enough (states start at zero).
+    auto decode = [&](int which, int rows) {
+      return forward(which,
+                     c_batch(rows, rows, 1, (which == 0 ? slots_g : slots_x).as<std::int32_t>()));
+    };
+    auto prefill = [&](int which) {
+      return forward(which,
+                     c_batch(kBucket, kRows, 0, (which == 0 ? slots_g : slots_x).as<std::int32_t>(),
+                             (which == 0 ? cu_g : cu_x).as<std::int64_t>()));
+    };
+    auto write_both = [&](Memory& a, Memory& b, const auto& values) {
+      a.write(values);
+      b.write(values);
+    };
+    // The same history on both (states start at zero): one eager step of every slot.
     const std::vector<std::int32_t> all = {0, 1, 2, 3, 4, 5};
-    slots_g.write(all);
-    slots_x.write(all);
-    REQUIRE(step(0, slots_g, kSlots) == KDA_OK);
-    REQUIRE(step(1, slots_x, kSlots) == KDA_OK);
-    REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);  // before the slots change
-    slots_g.write(std::vector<std::int32_t>{0, 1, 2, 3});
-    Graph graph;
+    write_both(slots_g, slots_x, all);
+    REQUIRE(decode(0, kSlots) == KDA_OK);
+    REQUIRE(decode(1, kSlots) == KDA_OK);
+    REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);  // before the metadata changes
+    write_both(slots_g, slots_x, std::vector<std::int32_t>{0, 1, 2, 3});
+    write_both(cu_g, cu_x, std::vector<std::int64_t>{0, 12, 24, 36, 48});
+    Graph decode_graph, prefill_graph;
     kda_status captured = KDA_OK;
-    const std::string error =
-        capture(stream.stream, &graph, [&] { captured = step(0, slots_g, kRows); });
+    std::string error = capture(stream.stream, &decode_graph, [&] { captured = decode(0, kRows); });
     REQUIRE_MESSAGE(error.empty(), "decode under capture: " << error);
     REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
     kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
     REQUIRE(kda_engine_decode_step_ran(g, 0, &ran) == KDA_OK);
     CHECK(ran == (whole ? KDA_DECODE_STEP_ONE_LAUNCH : KDA_DECODE_STEP_AUTO));
+    error = capture(stream.stream, &prefill_graph, [&] { captured = prefill(0); });
+    REQUIRE_MESSAGE(error.empty(), "prefill under capture: " << error);
+    REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
+
     auto compare = [&] {
       REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);
       for (int l = 0; l < layers; ++l) {
@@ -1110,28 +1126,40 @@ TEST_CASE("C API: a kda_batch decode step captured once and replayed equals eage
               outs[static_cast<std::size_t>(layers + l)].read<std::uint16_t>());
       }
     };
+    auto new_inputs = [&] {
+      input.write(kda::test::random_bf16(kBucket * token_values, 1.0f, ++seed));
+      for (Memory& out : outs) out.poison();
+    };
     const std::vector<std::vector<std::int32_t>> layouts = {
         {3, 1, 5, 0}, {5, 4, 3, 2}, {-1, 2, -1, 4}, {0, -1, -1, -1}, {-1, -1, -1, -1}};
     for (const auto& slots : layouts) {
-      input.write(kda::test::random_bf16(kSlots * row_values, 1.0f, ++seed));
-      slots_g.write(slots);
-      slots_x.write(slots);
-      for (Memory& out : outs) out.poison();
-      CUDA_REQUIRE(cudaGraphLaunch(graph.exec, stream.stream));
-      REQUIRE(step(1, slots_x, kRows) == KDA_OK);
+      new_inputs();
+      write_both(slots_g, slots_x, slots);
+      CUDA_REQUIRE(cudaGraphLaunch(decode_graph.exec, stream.stream));
+      REQUIRE(decode(1, kRows) == KDA_OK);
       compare();
       // An eager call of another layout in between.
-      slots_g.write(std::vector<std::int32_t>{1, 0});
-      slots_x.write(std::vector<std::int32_t>{1, 0});
-      REQUIRE(step(0, slots_g, 2) == KDA_OK);
-      REQUIRE(step(1, slots_x, 2) == KDA_OK);
+      write_both(slots_g, slots_x, std::vector<std::int32_t>{1, 0});
+      REQUIRE(decode(0, 2) == KDA_OK);
+      REQUIRE(decode(1, 2) == KDA_OK);
+      compare();
+    }
+    // The prefill bucket with other lengths and slots.
+    const std::vector<std::vector<std::int64_t>> lengths = {
+        {0, 12, 24, 36, 48}, {0, 0, 1, 47, 48}, {0, 30, 30, 40, 48}};
+    for (const auto& cu : lengths) {
+      new_inputs();
+      write_both(slots_g, slots_x, std::vector<std::int32_t>{5, -1, 0, 3});
+      write_both(cu_g, cu_x, cu);
+      CUDA_REQUIRE(cudaGraphLaunch(prefill_graph.exec, stream.stream));
+      REQUIRE(prefill(1) == KDA_OK);
       compare();
     }
     // Every slot's state, through one more eager step of all of them.
-    slots_g.write(all);
-    slots_x.write(all);
-    REQUIRE(step(0, slots_g, kSlots) == KDA_OK);
-    REQUIRE(step(1, slots_x, kSlots) == KDA_OK);
+    new_inputs();
+    write_both(slots_g, slots_x, all);
+    REQUIRE(decode(0, kSlots) == KDA_OK);
+    REQUIRE(decode(1, kSlots) == KDA_OK);
     compare();
     CHECK(kda_engine_check_device_status(g) == KDA_OK);
     for (kda_engine* e : engines) kda_engine_destroy(e);

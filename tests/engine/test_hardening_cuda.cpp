@@ -106,20 +106,22 @@ constexpr int kGraphLayer = 1;                              // the middle KDA la
 
 struct Snapshot {
   std::vector<std::uint16_t> prefill_out, decode_out;
-  std::vector<std::uint8_t> states;  // the two slots' states of kGraphLayer
+  std::vector<std::uint8_t> states;  // the two slots' states of kGraphLayer (whole: conv too)
 };
 
 // An engine on a non-blocking stream, two acquired slots, and the forward that gets captured: one
 // layer's prefill of two sequences, then one decode step of that layer (rows: second slot, padding,
-// first slot).
+// first slot); the KDA core's calls (prefill / decode on q, k, v, g, beta), or with `whole` the
+// whole layer's (prefill_hidden / decode_hidden on hidden states).
 class GraphFixture {
  public:
-  GraphFixture()
-      : spec_(cuda_spec()),
+  explicit GraphFixture(bool whole = false)
+      : whole_(whole),
+        spec_(cuda_spec()),
         engine_(spec_, cuda_options(61, stream_.stream)),
         synthetic_(engine_, kGraphTokens + 3),
-        prefill_out_(static_cast<std::size_t>(kGraphTokens * spec_.num_heads * spec_.head_dim * 2)),
-        decode_out_(static_cast<std::size_t>(3 * spec_.num_heads * spec_.head_dim * 2)) {
+        prefill_out_(static_cast<std::size_t>(kGraphTokens * token_out() * 2)),
+        decode_out_(static_cast<std::size_t>(3 * token_out() * 2)) {
     slots_ = {engine_.acquire_slot(), engine_.acquire_slot()};
     rows_ = {slots_[1], -1, slots_[0]};
     ok_or_throw(kda::stream_synchronize(nullptr), "buffer setup");  // legacy-stream memsets done
@@ -128,6 +130,13 @@ class GraphFixture {
 
   // The captured work: only engine calls.
   void forward() {
+    if (whole_) {
+      engine_.prefill_hidden(kGraphLayer, synthetic_.hidden(0), prefill_out_.get(), slots_,
+                             kGraphCu);
+      engine_.decode_hidden(kGraphLayer, synthetic_.hidden(kGraphTokens), decode_out_.get(), rows_,
+                            1);
+      return;
+    }
     engine_.prefill(kGraphLayer, synthetic_.inputs(0), prefill_out_.get(), slots_, kGraphCu);
     engine_.decode(kGraphLayer, synthetic_.inputs(kGraphTokens), decode_out_.get(), rows_, 1);
   }
@@ -152,11 +161,26 @@ class GraphFixture {
     for (std::size_t j = 0; j < slots_.size(); ++j) {
       engine_.read_slot_state(kGraphLayer, slots_[j], s.states.data() + slot_bytes * j);
     }
+    if (whole_) {
+      std::vector<std::uint8_t> conv(static_cast<std::size_t>(engine_.conv_state_slot_bytes()));
+      for (const int slot : slots_) {
+        for (int projection = 0; projection < 3; ++projection) {
+          engine_.read_slot_conv_state(kGraphLayer, slot, projection, conv.data());
+          s.states.insert(s.states.end(), conv.begin(), conv.end());
+        }
+      }
+    }
     return s;
   }
 
  private:
-  Stream stream_;  // first member: destroyed after the engine
+  // Output values a token: the core's H * V, the whole layer's hidden size.
+  std::int64_t token_out() const {
+    return whole_ ? spec_.hidden_size : spec_.num_heads * spec_.head_dim;
+  }
+
+  bool whole_;
+  Stream stream_;  // destroyed after the engine
   ModelSpec spec_;
   Engine engine_;
   SyntheticInputs synthetic_;
@@ -193,12 +217,13 @@ void check_same(const Snapshot& got, const Snapshot& want) {
 }  // namespace
 #endif  // KDA_HAVE_CUDA
 
-TEST_CASE(
-    "engine prefill and decode captured in a CUDA graph and replayed with new inputs equal eager "
-    "runs (bitwise)") {
-  if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
-  GraphFixture f;
+namespace {
+
+// The fixture's forward captured once and replayed with new inputs, against eager runs.
+void captured_forward_equals_eager(bool whole) {
+  CAPTURE(whole);
+  GraphFixture f(whole);
   REQUIRE(f.stream() != nullptr);
   const std::uint64_t seeds[3] = {101, 102, 103};
 
@@ -242,6 +267,19 @@ TEST_CASE(
   f.prepare(seeds[1]);
   f.forward();
   check_same(f.collect(), eager[1]);
+}
+
+}  // namespace
+#endif
+
+TEST_CASE(
+    "engine prefill and decode captured in a CUDA graph and replayed with new inputs equal eager "
+    "runs (bitwise)") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  // The KDA cores' calls, and the whole layer's (prefill_hidden / decode_hidden), on host spans.
+  captured_forward_equals_eager(false);
+  captured_forward_equals_eager(true);
 #endif
 }
 
