@@ -438,6 +438,23 @@ double median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
+// The kernels the CUDA whole layers' decode steps ran (what --decode-step auto chose), in layer
+// order without repeats, for the decode line: "; one-launch step"; "" where none ran (the CPU,
+// core-only layers).
+std::string decode_steps_ran(const kda::engine::Engine& engine) {
+  std::string ran;
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    const kda::layer::DecodeKernel kernel = engine.decode_step_ran(l);
+    if (kernel == kda::layer::DecodeKernel::kAuto) continue;
+    const std::string name = kda::layer::to_string(kernel);
+    if (ran.find(" " + name + ",") != std::string::npos) continue;
+    ran += " " + name + ",";
+  }
+  if (ran.empty()) return ran;
+  ran.pop_back();
+  return ";" + ran + " step";
+}
+
 std::string describe_model(const kda::engine::ModelSpec& spec) {
   std::string text = spec.name + ": " + std::to_string(spec.num_hidden_layers) + " layers, " +
                      std::to_string(spec.num_kda_layers()) +
@@ -656,6 +673,7 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
     kda::examples::RunReport report;
     double all_reduce_seconds = 0.0;
     std::vector<int> model_layers;
+    std::string decode_ran;  // decode_steps_ran()
     std::string error;
   };
   std::vector<Rank> ranks(static_cast<std::size_t>(n));
@@ -709,6 +727,7 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
         run.graphs = false;  // the in-process CUDA communicator cannot be captured
         run.seed = o.seed;
         mine.report = kda::examples::run_synthetic(engine, inputs, run);
+        mine.decode_ran = decode_steps_ran(engine);
         // The all-reduce alone: what each layer's prefill ends with, on the same buffer.
         const std::size_t count = static_cast<std::size_t>(tokens * spec.hidden_size);
         engine.synchronize();
@@ -775,9 +794,9 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
     const double step = median(first.report.decode_step_seconds);
     std::printf(
         "decode: %lld steps of 1 token x %lld sequence%s through %zu KDA layers on %d ranks: "
-        "median %.3f ms per step (rank 0, eager)\n",
+        "median %.3f ms per step (rank 0, eager%s)\n",
         static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
-        o.sequences == 1 ? "" : "s", layers, n, step * 1e3);
+        o.sequences == 1 ? "" : "s", layers, n, step * 1e3, first.decode_ran.c_str());
   }
   return 0;
 }
@@ -946,20 +965,7 @@ int run_model(const Options& o) {
                                  : "verify steps of " + std::to_string(o.verify_tokens) +
                                        " tokens (" + forms[static_cast<int>(o.verify_form)] + ")";
     const std::int64_t step_tokens = o.sequences * std::max(o.verify_tokens, 1);
-    // Which kernels the CUDA whole layers' steps ran (what --decode-step auto chose), in layer
-    // order without repeats: "; one-launch step".
-    std::string ran;
-    for (int l = 0; l < engine.num_layers(); ++l) {
-      const kda::layer::DecodeKernel kernel = engine.decode_step_ran(l);
-      if (kernel == kda::layer::DecodeKernel::kAuto) continue;
-      const std::string name = kda::layer::to_string(kernel);
-      if (ran.find(" " + name + ",") != std::string::npos) continue;
-      ran += " " + name + ",";
-    }
-    if (!ran.empty()) {
-      ran.pop_back();
-      ran = ";" + ran + " step";
-    }
+    const std::string ran = decode_steps_ran(engine);
     std::printf(
         "decode: %lld %s x %lld sequence%s through %d KDA layers: median "
         "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s%s)\n",

@@ -1117,7 +1117,7 @@ TEST_CASE("kda-run --case: prefill checkpoints equal the final states of the pre
 }
 
 // On CUDA the decode line names the kernel the whole layers' steps ran: auto's one launch for one
-// sequence of one token, or the kernel --decode-step forces.
+// sequence of one token, or the kernel --decode-step forces; with --ranks, rank 0's.
 TEST_CASE("kda-run: the decode line names the kernel the CUDA steps ran") {
   if (!kda::engine::cuda_backend_available()) {
     MESSAGE("KDA_SKIP: no CUDA device (this test needs one)");
@@ -1137,6 +1137,12 @@ TEST_CASE("kda-run: the decode line names the kernel the CUDA steps ran") {
     REQUIRE(r.rc == 0);
     CHECK(r.out.find(run.ends) != std::string::npos);
   }
+  // Tensor-parallel ranks on streams of one GPU take the fused step unless told otherwise.
+  const Result ranks = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "16", "--ranks", "2",
+                                "--decode-steps", "2", "--backend", "cuda"});
+  INFO(ranks.out << ranks.err);
+  REQUIRE(ranks.rc == 0);
+  CHECK(ranks.out.find("(rank 0, eager; fused step)\n") != std::string::npos);
 }
 
 // The same file at K = V = 128 on CUDA: the checkpoints within the CUDA tolerance of the CPU's, and
