@@ -26,7 +26,8 @@
 //   3. The other blocks take y's words (every row's), then their W_o rows · y -> out,
 //      SmemPlan::out_lanes threads a weight row.
 // An exchange word carries its value in its low half and the launch's tag in its high half (the
-// epoch word of `sync` plus one), written and read as one relaxed 64-bit access: a reader waits
+// count of blocks left in `sync` over the grid, plus one), written and read as one relaxed 64-bit
+// access: a reader waits
 // until the words it needs carry this launch's tag. No fence and no counter stand between a value
 // and its reader (a release reduction after each block's rows and an acquire poll of the count
 // cost about 1 us more a step: kda-step-probe, docs/design/layer.md). Every word is written in
@@ -36,10 +37,12 @@
 // kernel before leaves them, issue their head's weight copies (nothing writes the weight image
 // inside a forward but `sync` and the exchange words), and wait (griddepcontrol.wait) before they
 // read the hidden row, the slots, the states or `sync`. That hides most of the launch between two
-// steps. The last block to leave advances the epoch and resets the count of blocks out: the layer
-// keeps both and the exchange words in its weight image, zeroed when it is written, so a captured
-// graph replays the launch as it is. A wait that outlasts kSpinLimitNs (the device did not run
-// every block at once) gives up and reports kDeviceStatusStepTimeout rather than hang.
+// steps. Each block adds one to the count of blocks left as it leaves, by a reduction with no fence
+// (the next launch reads the count after this one completed; an epoch advanced by the last block
+// out, behind a fence and an atomic's round trip, cost each launch 0.8-1 us at its end): the layer
+// keeps the count and the exchange words in its weight image, zeroed when it is written, so a
+// captured graph replays the launch as it is. A wait that outlasts kSpinLimitNs (the device did not
+// run every block at once) gives up and reports kDeviceStatusStepTimeout rather than hang.
 //
 // The projections' sums run in another order than the small-row kernel's (a warp a whole row of
 // the input projection; four partial sums a thread, then shuffles, in o_proj), so out may differ
@@ -72,8 +75,14 @@ constexpr int kReduceBytes = kWarps * 4 * 32 * 4;  // the warps' tile sums, seve
 static_assert(kOneLaunchMaxRows <= 8, "the rows are the columns of an m16n8 tile");
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
-constexpr int kLeavingWord = 0;  // sync: blocks out of this launch (zero between launches)
-constexpr int kEpochWord = 1;    // sync: launches completed; this launch's tag is it plus one
+// sync words 0-1, one 64-bit count: the blocks that have left this layer's launches (every block
+// of every launch adds one as it leaves). A launch's grid is the device's multiprocessor count, the
+// same every launch, so once a launch's blocks have all left the count is a multiple of it; its
+// tag is the count over the grid plus one, read after griddepcontrol.wait (the launch before
+// complete). Until all of a launch's blocks have read it fewer than a grid's of them can have left
+// (each waits, directly or through the others, on words every block writes after reading it), so
+// every block reads the same tag.
+constexpr int kLeftWord = 0;
 
 using kda::detail::gate_params_bad;
 using kda::detail::sigmoid_f;
@@ -398,9 +407,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
-  // slots, the states, the epoch and the exchange words) is read after this.
+  // slots, the states, the count of blocks left and the exchange words) is read after this.
   griddep_wait();
-  const std::uint32_t tag = load_relaxed_gpu_u32(p.sync + kEpochWord) + 1u;
+  auto* const left = reinterpret_cast<unsigned long long*>(p.sync + kLeftWord);
+  const std::uint32_t tag =
+      static_cast<std::uint32_t>(load_relaxed_gpu_u64(reinterpret_cast<std::uint64_t*>(left)) /
+                                 static_cast<std::uint64_t>(blocks)) +
+      1u;
   std::uint64_t* const exchange = p.exchange;
   const std::int64_t y_word0 = one_launch_y_word0(p.proj_rows, Cl, !kLowRank);
   const std::int64_t row_words = one_launch_row_words(p.proj_rows, Cl, !kLowRank);
@@ -697,20 +710,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     stamp(5);
   }
 
-  // The last block out advances the epoch: every block has read it by the time it arrives here.
+  // The block leaves: one more in the count the next launch's tag comes from (a reduction, no
+  // fence: the next launch reads it after this one has completed).
   __syncthreads();
   stamp(6);
   if (steps && tid == 0)
     bulk_wait_all();  // the state's store, before the block (and its shared
                       // memory) goes
-  if (tid == 0) {
-    __threadfence();
-    if (atomicAdd(p.sync + kLeavingWord, 1u) == static_cast<unsigned>(blocks - 1)) {
-      __threadfence();  // after every block's arrival
-      atomicExch(p.sync + kLeavingWord, 0u);
-      atomicAdd(p.sync + kEpochWord, 1u);
-    }
-  }
+  if (tid == 0) atomicAdd(left, 1ull);
 }
 
 bool aligned(const void* p, std::size_t bytes) {
@@ -802,7 +809,7 @@ bool one_launch_step_fits(const OneLaunchStepParams& p) {
   if (plan.total + kStaticSmemBytes > max_block_smem()) return false;
   return aligned(p.hidden, 16) && aligned(p.w_in, 16) && aligned(p.w_o, 16) &&
          aligned(p.w_fb, 16) && (p.w_gb == nullptr || aligned(p.w_gb, 16)) &&
-         (p.w_g == nullptr || aligned(p.w_g, 16)) && aligned(p.exchange, 8) &&
+         (p.w_g == nullptr || aligned(p.w_g, 16)) && aligned(p.exchange, 8) && aligned(p.sync, 8) &&
          aligned(p.state, 16) && aligned(p.conv_pools[0], 16) && aligned(p.conv_pools[1], 16) &&
          aligned(p.conv_pools[2], 16) && aligned(p.conv_weight, 16) && aligned(p.dt_bias, 16) &&
          aligned(p.o_norm, 16) && aligned(p.g_bias, 16);
