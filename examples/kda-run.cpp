@@ -442,17 +442,19 @@ double median(std::vector<double> values) {
 // order without repeats, for the decode line: "; one-launch step"; "" where none ran (the CPU,
 // core-only layers).
 std::string decode_steps_ran(const kda::engine::Engine& engine) {
-  std::string ran;
+  std::vector<kda::layer::DecodeKernel> kernels;
   for (int l = 0; l < engine.num_layers(); ++l) {
     const kda::layer::DecodeKernel kernel = engine.decode_step_ran(l);
-    if (kernel == kda::layer::DecodeKernel::kAuto) continue;
-    const std::string name = kda::layer::to_string(kernel);
-    if (ran.find(" " + name + ",") != std::string::npos) continue;
-    ran += " " + name + ",";
+    if (kernel != kda::layer::DecodeKernel::kAuto &&
+        std::find(kernels.begin(), kernels.end(), kernel) == kernels.end()) {
+      kernels.push_back(kernel);
+    }
   }
-  if (ran.empty()) return ran;
-  ran.pop_back();
-  return ";" + ran + " step";
+  std::string ran;
+  for (const kda::layer::DecodeKernel kernel : kernels) {
+    ran += std::string(ran.empty() ? "; " : ", ") + kda::layer::to_string(kernel);
+  }
+  return ran.empty() ? ran : ran + " step";
 }
 
 std::string describe_model(const kda::engine::ModelSpec& spec) {

@@ -1025,7 +1025,8 @@ TEST_CASE(
 // for bit, every layer's output; eager calls of another layout between replays change nothing a
 // later replay computes; and a last eager step of every slot on both engines (which reads each
 // slot's state) agrees too. The whole layers' captured decode step is the one-launch step (four
-// rows of four heads), as kda_engine_decode_step_ran reports.
+// rows of four heads), as kda_engine_decode_step_ran reports once it is captured (after an eager
+// step of two tokens that ran the fused kernel).
 TEST_CASE(
     "C API: kda_batch steps and prefills captured once and replayed equal eager calls [cuda]") {
   if (!usable(Backend::kCuda)) return;
@@ -1042,7 +1043,13 @@ TEST_CASE(
     options.backend = KDA_BACKEND_CUDA;
     options.cuda_stream = stream.stream;
     options.seed = 29;
-    kda_engine* engines[2] = {nullptr, nullptr};  // graphs, eager
+    struct Handles {                                // destroyed before the stream they run on
+      kda_engine* engines[2] = {nullptr, nullptr};  // graphs, eager
+      ~Handles() {
+        for (kda_engine* e : engines) kda_engine_destroy(e);
+      }
+    } handles;
+    kda_engine*(&engines)[2] = handles.engines;
     char err[512];
     for (kda_engine*& e : engines) {
       REQUIRE_MESSAGE(
@@ -1104,17 +1111,33 @@ TEST_CASE(
     REQUIRE(decode(0, kSlots) == KDA_OK);
     REQUIRE(decode(1, kSlots) == KDA_OK);
     REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);  // before the metadata changes
-    write_both(slots_g, slots_x, std::vector<std::int32_t>{0, 1, 2, 3});
-    write_both(cu_g, cu_x, std::vector<std::int64_t>{0, 12, 24, 36, 48});
-    Graph decode_graph, prefill_graph;
-    kda_status captured = KDA_OK;
-    std::string error = capture(stream.stream, &decode_graph, [&] { captured = decode(0, kRows); });
-    REQUIRE_MESSAGE(error.empty(), "decode under capture: " << error);
-    REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
+    // A step of two tokens on two rows, eagerly on both: the whole layers' fused kernel, so that
+    // the capture below must record the one launch for it to be reported.
+    write_both(slots_g, slots_x, std::vector<std::int32_t>{4, 5});
+    for (int which = 0; which < 2; ++which) {
+      REQUIRE(
+          forward(which, c_batch(4, 2, 2, (which == 0 ? slots_g : slots_x).as<std::int32_t>())) ==
+          KDA_OK);
+    }
     kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
     REQUIRE(kda_engine_decode_step_ran(g, 0, &ran) == KDA_OK);
+    CHECK(ran == (whole ? KDA_DECODE_STEP_FUSED : KDA_DECODE_STEP_AUTO));
+    REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);
+    write_both(slots_g, slots_x, std::vector<std::int32_t>{0, 1, 2, 3});
+    write_both(cu_g, cu_x, std::vector<std::int64_t>{0, 12, 24, 36, 48});
+    // The captured calls' batches, made before the captures (no REQUIRE inside one).
+    const kda_batch step_batch = c_batch(kRows, kRows, 1, slots_g.as<std::int32_t>());
+    const kda_batch bucket_batch =
+        c_batch(kBucket, kRows, 0, slots_g.as<std::int32_t>(), cu_g.as<std::int64_t>());
+    Graph decode_graph, prefill_graph;
+    kda_status captured = KDA_OK;
+    std::string error =
+        capture(stream.stream, &decode_graph, [&] { captured = forward(0, step_batch); });
+    REQUIRE_MESSAGE(error.empty(), "decode under capture: " << error);
+    REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
+    REQUIRE(kda_engine_decode_step_ran(g, 0, &ran) == KDA_OK);
     CHECK(ran == (whole ? KDA_DECODE_STEP_ONE_LAUNCH : KDA_DECODE_STEP_AUTO));
-    error = capture(stream.stream, &prefill_graph, [&] { captured = prefill(0); });
+    error = capture(stream.stream, &prefill_graph, [&] { captured = forward(0, bucket_batch); });
     REQUIRE_MESSAGE(error.empty(), "prefill under capture: " << error);
     REQUIRE_MESSAGE(captured == KDA_OK, kda_engine_last_error(g));
 
@@ -1162,7 +1185,6 @@ TEST_CASE(
     REQUIRE(decode(1, kSlots) == KDA_OK);
     compare();
     CHECK(kda_engine_check_device_status(g) == KDA_OK);
-    for (kda_engine* e : engines) kda_engine_destroy(e);
   }
 #endif
 }

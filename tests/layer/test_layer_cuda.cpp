@@ -54,9 +54,12 @@ namespace {
 
 // What kAuto runs for a plain decode step of `rows` rows of `tokens` tokens a row on `heads` heads
 // (layer.hpp, DecodeKernel; the one-launch step's cap: one_launch_max_rows), on buffers it can
-// take: what RunOptions::decode_kernel_ran must report.
+// take: what RunOptions::decode_kernel_ran must report. Only for shapes whose one-launch step fits
+// the device within that cap (this file's: hidden sizes up to 4104; not Kimi K3's shard, whose two
+// rows do not fit shared memory).
 layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads) {
-  const std::int64_t one_launch_rows = std::min<std::int64_t>(8, 32 / heads);
+  const std::int64_t one_launch_rows =
+      std::max<std::int64_t>(1, std::min<std::int64_t>(8, 32 / heads));
   if (tokens == 1 && rows >= 1 && rows <= one_launch_rows) return layer::DecodeKernel::kOneLaunch;
   return rows * heads <= 128 ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;
 }

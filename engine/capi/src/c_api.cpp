@@ -477,7 +477,11 @@ kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
 kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_step* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_decode_step_ran", "out");
-    switch (e.decode_step_ran(layer)) {
+    const kda::layer::DecodeKernel ran = e.decode_step_ran(layer);
+    *out = KDA_DECODE_STEP_AUTO;  // kAuto: none ran
+    switch (ran) {
+      case kda::layer::DecodeKernel::kAuto:
+        break;
       case kda::layer::DecodeKernel::kOneLaunch:
         *out = KDA_DECODE_STEP_ONE_LAUNCH;
         break;
@@ -490,8 +494,6 @@ kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_
       case kda::layer::DecodeKernel::kSeparate:
         *out = KDA_DECODE_STEP_SEPARATE;
         break;
-      default:
-        *out = KDA_DECODE_STEP_AUTO;
     }
   });
 }

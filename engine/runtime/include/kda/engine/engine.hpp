@@ -289,8 +289,9 @@ class Engine {
   // The kernel the last decode step of a CUDA whole layer ran (kOneLaunch, kFusedFactors, kFused or
   // kSeparate: layer::RunOptions::decode_kernel_ran), so that a runtime sees what its captured
   // graphs hold and which batch sizes take the one-launch step; kAuto where the layer has run no
-  // such step (none yet, the CPU, core-only layers). Recorded when the step is enqueued: a
-  // capture records it once, its replays do not change it. Throws kda::Error for a bad index.
+  // such step (none yet, the CPU, core-only layers); a step of no rows leaves it as it was.
+  // Recorded when the step is enqueued: a capture records it once, its replays do not change it.
+  // Throws kda::Error for a bad index.
   layer::DecodeKernel decode_step_ran(int kda_index) const;
   // Where the layers' weights came from ("random (seed S)" or the checkpoint), and, whole layers,
   // the bytes they take in the arena: each layer's persistent `layer{n}.weights` buffer of the
