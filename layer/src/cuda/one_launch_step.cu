@@ -613,9 +613,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           step_rows(S, alpha, kh, qh, beta_s, &qkv_s[2][v_row0], lane, [](int, float) {});
       if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
       stamp(8);
+      __syncthreads();  // o_s whole
+      // The gated RMSNorm of the head (the norm kernel's operations), one warp, before the state
+      // goes back to shared memory: y is what o_proj waits for, the state's store is not.
+      if (warp == 0) {
+        float o[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
+        const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
+                                    p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
+        put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
+        put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
+      }
+      stamp(10);
       // The new state back into shared memory, whence the copy engine stores it (one bulk copy,
-      // drained while the norm and o_proj run): plain stores of 64 KB from one multiprocessor
-      // took 3.5-7 us to issue (kda-step-probe), longer than the rest of the step.
+      // drained while o_proj runs): plain stores of 64 KB from one multiprocessor took 3.5-7 us
+      // to issue (kda-step-probe), longer than the rest of the step.
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int off = (v_row0 + i) * D + k0;
@@ -634,17 +647,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                             state_s, D * D * (kF32State ? 4 : 2));
         bulk_commit();
       }
-      // The gated RMSNorm of the head (the norm kernel's operations), one warp.
-      if (warp == 0) {
-        float o[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
-        const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
-                                    p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
-        put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
-        put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
-      }
-      stamp(10);
     }
     stamp(5);
   } else {
