@@ -113,12 +113,12 @@ int main(int argc, char** argv) {
       "projection rows done",
       "values taken (head: projection, conv done; o_proj: y)",
       "head: second factors; o_proj: W_o landed",
-      "head: y written; o_proj: rows done",
+      "head: state's store issued; o_proj: rows done",
       "leaving",
       "head: state in registers",
       "head: step computed",
       "head: state back in shared memory",
-      "head: norm done (warp 0)",
+      "head: norm done, y written (warp 0)",
       "own words taken (thread 0)"};
   std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
   for (const Shape& s : shapes) {

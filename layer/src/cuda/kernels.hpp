@@ -279,8 +279,8 @@ struct OneLaunchStepParams {
   // `rows` rows (the layer's hold one_launch_max_rows(heads)): a word a projection row (proj_rows,
   // then the full-rank gate's Cl rows), then a word a pair of y's Cl values. Both the layer's own
   // (no other layer's launch may use them), zero before its first launch; the kernel keeps them
-  // between launches (a 64-bit count of the blocks that have left, each row's and y's last values
-  // with their tags).
+  // between launches (a 64-bit count of the blocks that have left, in the first two words, so
+  // `sync` is 8-byte aligned; each row's and y's last values with their tags).
   std::uint32_t* sync = nullptr;
   std::uint64_t* exchange = nullptr;
   // Optional: kOneLaunchTraceStamps device-clock stamps (ns) a block, [grid][stamps], where its

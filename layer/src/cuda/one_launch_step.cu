@@ -75,13 +75,14 @@ constexpr int kReduceBytes = kWarps * 4 * 32 * 4;  // the warps' tile sums, seve
 static_assert(kOneLaunchMaxRows <= 8, "the rows are the columns of an m16n8 tile");
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
-// sync words 0-1, one 64-bit count: the blocks that have left this layer's launches (every block
-// of every launch adds one as it leaves). A launch's grid is the device's multiprocessor count, the
-// same every launch, so once a launch's blocks have all left the count is a multiple of it; its
-// tag is the count over the grid plus one, read after griddepcontrol.wait (the launch before
-// complete). Until all of a launch's blocks have read it fewer than a grid's of them can have left
-// (each waits, directly or through the others, on words every block writes after reading it), so
-// every block reads the same tag.
+// sync words 0-1, one 64-bit count (8-byte aligned): the blocks that have left this layer's
+// launches (every block of every launch adds one as it leaves). A launch's grid is the device's
+// multiprocessor count, the same every launch, so once a launch's blocks have all left the count is
+// a multiple of it; its tag is the count over the grid plus one, read after griddepcontrol.wait
+// (the launch before complete). A block adds its one after a barrier that follows all its threads'
+// reads, so whenever any thread reads the count at most grid - 1 of this launch's blocks (not its
+// own) can have added theirs: every read of a launch gives the same quotient, however late a block
+// starts or whatever it waits on.
 constexpr int kLeftWord = 0;
 
 using kda::detail::gate_params_bad;
@@ -98,7 +99,6 @@ using kda::detail::fence_proxy_async;
 using kda::detail::global_timer_ns;
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
-using kda::detail::load_relaxed_gpu_u32;
 using kda::detail::load_relaxed_gpu_u64;
 using kda::detail::mbarrier_expect_tx;
 using kda::detail::mbarrier_init;
