@@ -27,11 +27,10 @@
 //      SmemPlan::out_lanes threads a weight row.
 // An exchange word carries its value in its low half and the launch's tag in its high half (the
 // count of blocks left in `sync` over the grid, plus one), written and read as one relaxed 64-bit
-// access: a reader waits
-// until the words it needs carry this launch's tag. No fence and no counter stand between a value
-// and its reader (a release reduction after each block's rows and an acquire poll of the count
-// cost about 1 us more a step: kda-step-probe, docs/design/layer.md). Every word is written in
-// every launch, so a word left from an earlier launch carries an earlier tag.
+// access: a reader waits until the words it needs carry this launch's tag. No fence and no counter
+// stand between a value and its reader (a release reduction after each block's rows and an acquire
+// poll of the count cost about 1 us more a step: kda-step-probe, docs/design/layer.md). Every word
+// is written in every launch, so a word left from an earlier launch carries an earlier tag.
 // The launch is a programmatic dependent of the kernel before it, and lets the kernel after it
 // launch as soon as all its own blocks have started: its blocks take multiprocessors as the
 // kernel before leaves them, issue their head's weight copies (nothing writes the weight image
