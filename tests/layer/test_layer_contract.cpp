@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/one_launch_exchange.hpp"  // one_launch_max_rows (layer/src)
 #include "layer_runner.hpp"
 
 using namespace kda;
@@ -294,11 +295,9 @@ KDA_LAYER_CASE("the kernel a decode step ran is reported, and a prefill leaves i
     if (cuda && batch.decode_tokens > 0 && batch.sequences() > 0) {
       CHECK(is_known(ran));
       CHECK(ran != layer::DecodeKernel::kAuto);
-      // The one launch's rows (one_launch_max_rows): up to 8, at most 32 (row, head) pairs.
-      const std::int64_t one_launch_rows =
-          std::max<std::int64_t>(1, std::min<std::int64_t>(8, 32 / config.num_heads));
       CHECK((ran == layer::DecodeKernel::kOneLaunch) ==
-            (batch.decode_tokens == 1 && batch.sequences() <= one_launch_rows));
+            (batch.decode_tokens == 1 &&
+             batch.sequences() <= layer::cuda::one_launch_max_rows(config.num_heads)));
     } else {
       CHECK(static_cast<int>(ran) == 77);
     }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/one_launch_exchange.hpp"  // one_launch_max_rows (layer/src)
 #include "layer_runner.hpp"
 
 #ifdef KDA_HAVE_CUDA
@@ -58,9 +59,9 @@ namespace {
 // the device within that cap (this file's: hidden sizes up to 4104; not Kimi K3's shard, whose two
 // rows do not fit shared memory).
 layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads) {
-  const std::int64_t one_launch_rows =
-      std::max<std::int64_t>(1, std::min<std::int64_t>(8, 32 / heads));
-  if (tokens == 1 && rows >= 1 && rows <= one_launch_rows) return layer::DecodeKernel::kOneLaunch;
+  if (tokens == 1 && rows >= 1 && rows <= layer::cuda::one_launch_max_rows(heads)) {
+    return layer::DecodeKernel::kOneLaunch;
+  }
   return rows * heads <= 128 ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;
 }
 
