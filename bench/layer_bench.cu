@@ -543,10 +543,10 @@ int main(int argc, char** argv) {
           }
           total.push_back(sum);
         }
-        // The forwards of every layer captured in one graph, replayed: each replay timed with
-        // events around it, per layer.
         // What kAuto's decode steps ran, named in the case column.
         kda::layer::DecodeKernel auto_ran = kda::layer::DecodeKernel::kAuto;
+        // The forwards of every layer captured in one graph, replayed: each replay timed with
+        // events around it, per layer.
         auto forwards = [&](kda::layer::DecodeKernel kernel, int cluster) {
           return [&, kernel, cluster] {
             kda::layer::RunOptions capture_options;
