@@ -8,7 +8,8 @@
 // through the layer's exchange words in global memory (below):
 //   1. Every block computes its share of the input projection's rows (a warp a row, 16-byte weight
 //      loads past L1, the hidden row from shared memory), each row's value one exchange word.
-//      Its first round of weight loads is issued before the wait for the kernel before.
+//      Its first round of weight loads is issued before the wait for the kernel before, and the
+//      hidden rows come in by the copy engine after it.
 //      With several rows, a block takes 16 weight rows at a time on the tensor cores instead
 //      (mma.m16n8k16 with the weights as A, loaded as the layer's fragment GEMM loads them, and the
 //      hidden rows as B's columns; K split over the block's warps, their sums added in warp
@@ -361,6 +362,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr HeadRegion kRegion = head_region(kF32State, kLowRank, W);
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ std::uint64_t landed;    // the head's state, or the W_o rows (cp.async.bulk)
+  __shared__ std::uint64_t x_landed;  // the hidden rows (cp.async.bulk)
   __shared__ float fa_s[D], ga_s[D];  // f_a and g_a (bf16 values)
   __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values)
   __shared__ float g_s[D];            // g = f_a·W_fbᵀ (bf16 values)
@@ -393,7 +395,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The kernel after this one (launched as a programmatic dependent) may start its blocks as this
   // grid's leave, and waits for it to complete before it reads what it wrote.
   griddep_launch_dependents();
-  if (tid == 0) mbarrier_init(&landed, 1);
+  if (tid == 0) {
+    mbarrier_init(&landed, 1);
+    mbarrier_init(&x_landed, 1);
+  }
   unsigned char* state_s = region;
   auto* w_rows = reinterpret_cast<uint4*>(region + kRegion.factors);
   auto* hist_s = reinterpret_cast<std::uint16_t*>(region + kRegion.hist);
@@ -473,15 +478,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const std::int64_t row_words = one_launch_row_words(p.proj_rows, Cl, !kLowRank);
   std::uint64_t* const my_words =
       exchange + (head_block ? m * row_words : 0);  // a head block's row's
-  if constexpr (kMulti) {
-    const std::int64_t chunks = E / 8;
-    for (std::int64_t i = tid; i < R * chunks; i += kThreads) {
-      x_s[i / chunks * plan.x_chunks + i % chunks] =
-          __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
-    }
-  } else {
-    for (std::int64_t i = tid; i < E / 8; i += kThreads) {
-      x_s[i] = __ldg(reinterpret_cast<const uint4*>(p.hidden) + i);
+  // The hidden rows by the copy engine, a copy a row (a row's shared-memory slot is x_chunks
+  // chunks): threads' loads would queue behind the weight loads in flight.
+  if (tid == 0) {
+    const auto row_bytes = static_cast<unsigned>(E * 2);
+    mbarrier_expect_tx(&x_landed, row_bytes * static_cast<unsigned>(R));
+    for (int r = 0; r < R; ++r) {
+      bulk_copy_to_shared(x_s + r * plan.x_chunks,
+                          reinterpret_cast<const uint4*>(p.hidden) + r * (E / 8), row_bytes,
+                          &x_landed);
     }
   }
 
@@ -518,6 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (head_block) cp_async_commit();
   __syncthreads();
+  mbarrier_wait(&x_landed, 0);
   stamp(1);
 
   // ---- 1. the input projection: a warp a row (one row), or 16 rows a block (several) ----
