@@ -606,6 +606,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       stamp(11);
+      // The second factors, while the conv runs on other threads: once the first 2 D threads
+      // (warps 0-7) have f_a and g_a in shared memory, thread r < D computes g of channel r,
+      // thread D + r the output gate of row r.
+      static_assert(2 * D < kThreads - 3 * D / 2,
+                    "the factors' threads and beta's are not the conv's");
+      if (tid < 2 * D) {
+        kda::detail::named_barrier_sync(1, 2 * D);
+        if (tid < D) {
+          g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
+        } else if (kLowRank) {
+          gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
+        }
+      }
       // The conv: the last 3 D / 2 threads, two channels each of q, k or v, from the conv states
       // above; each writes its channels' new conv states.
       const int conv_index = tid - (kThreads - 3 * D / 2);
@@ -635,13 +648,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (late) report(kDeviceStatusStepTimeout);
       __syncthreads();
       stamp(3);
-      // The second factors: thread r < D g of channel r, thread D + r the output gate of row r.
-      if (tid < D) {
-        g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
-      } else if (kLowRank && tid < 2 * D) {
-        gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
-      }
-      __syncthreads();
       stamp(4);
 
       // The KDA step (the fused kernel's operations in its order), Sᵀ from shared memory.
