@@ -179,22 +179,34 @@ __device__ __forceinline__ float head_inv_rms(const float (&o)[4], float eps) {
   sum_over_warp(sum_squares);
   return head_inv_rms_of(sum_squares[0], eps);
 }
-__device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
-                                             const std::uint16_t* bias, int d0,
-                                             const float* o_norm) {
+// The output gates of a lane's four channels, og[j] = sigmoid(round_bf16(gate[j] + bias[d0 + j]))
+// (bias null: none): what y takes besides o, so a kernel may compute them before o is known.
+__device__ __forceinline__ void output_gates4(const float* gate, const std::uint16_t* bias, int d0,
+                                              float (&og)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float b = bias != nullptr ? bits_to_float(bias[d0 + j]) : 0.0f;
+    og[j] = output_gate(gate[j], b);
+  }
+}
+__device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms,
+                                             const float (&og)[4], const float* o_norm) {
   std::uint32_t words[2];
 #pragma unroll
   for (int j = 0; j < 4; j += 2) {
-    float y[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float b = bias != nullptr ? bits_to_float(bias[d0 + j + i]) : 0.0f;
-      y[i] = gated_norm1(o[j + i], inv_rms, o_norm[j + i], output_gate(gate[j + i], b));
-    }
-    words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y[0])) |
-                   (static_cast<std::uint32_t>(float_to_bits(y[1])) << 16);
+    const float y0 = gated_norm1(o[j], inv_rms, o_norm[j], og[j]);
+    const float y1 = gated_norm1(o[j + 1], inv_rms, o_norm[j + 1], og[j + 1]);
+    words[j / 2] = static_cast<std::uint32_t>(float_to_bits(y0)) |
+                   (static_cast<std::uint32_t>(float_to_bits(y1)) << 16);
   }
   return make_uint2(words[0], words[1]);
+}
+__device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
+                                             const std::uint16_t* bias, int d0,
+                                             const float* o_norm) {
+  float og[4];
+  output_gates4(gate, bias, d0, og);
+  return gated_norm4(o, inv_rms, og, o_norm);
 }
 
 }  // namespace kda::layer::cuda

@@ -579,6 +579,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = tid; i < D / 2; i += kThreads)
         put_word(my_words + y_word0 + h * D / 2 + i, tag, 0);
     } else {
+      // The thread's state values into registers now, off the chain after the projection.
+      const int k0 = 4 * lane;
+      const int v_row0 = warp * kRowsPerWarp;
+      float S[kRowsPerWarp][4];
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int off = (v_row0 + i) * D + k0;
+        if constexpr (kF32State) {
+          const float4 f = reinterpret_cast<const float4*>(state_s)[off / 4];
+          S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
+        } else {
+          unpack_bf16x4(reinterpret_cast<const uint2*>(state_s)[off / 4], S[i]);
+        }
+      }
       // What the step reads of the projection: each thread its words.
       bool late = false;
       {
@@ -649,21 +663,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
       stamp(3);
       stamp(4);
+      // Warp 0's output gates (its lanes' channels), before the step: y waits only for o.
+      float og[4];
+      if (warp == 0) {
+        output_gates4(gate_s + k0, p.g_bias != nullptr ? g_bias_s : nullptr, k0, og);
+      }
 
       // The KDA step (the fused kernel's operations in its order), Sᵀ from shared memory.
-      const int k0 = 4 * lane;
-      const int v_row0 = warp * kRowsPerWarp;
-      float S[kRowsPerWarp][4];
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int off = (v_row0 + i) * D + k0;
-        if constexpr (kF32State) {
-          const float4 f = reinterpret_cast<const float4*>(state_s)[off / 4];
-          S[i][0] = f.x, S[i][1] = f.y, S[i][2] = f.z, S[i][3] = f.w;
-        } else {
-          unpack_bf16x4(reinterpret_cast<const uint2*>(state_s)[off / 4], S[i]);
-        }
-      }
       stamp(7);
       float qh[4], kh[4], alpha[4];
       step_factors(&qkv_s[0][k0], &qkv_s[1][k0], g_s + k0, dtb_s + k0, __expf(a_log), p.gate_mode,
@@ -679,8 +685,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         float o[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
-        const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), gate_s + k0,
-                                    p.g_bias != nullptr ? g_bias_s : nullptr, k0, o_norm_s + k0);
+        const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), og, o_norm_s + k0);
         put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
         put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
       }
