@@ -200,11 +200,11 @@ __global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDe
     if constexpr (kHist > 0) hist[i][kHist - 1] = x;
   };
 
-  __shared__ float fa_s[D], ga_s[D];  // this token's f_a and g_a rows
-  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values; v: this slice's)
-  __shared__ float g_s[D];            // the gate's raw input g = f_a·W_fbᵀ (a bf16 value)
-  __shared__ float gate_s[kSlice];    // the output gate before its bias, fp32, this slice's rows
-  __shared__ float o_s[2][D];         // the core's output (bf16 values), by token parity
+  __shared__ __align__(16) float fa_s[D], ga_s[D];  // this token's f_a and g_a rows (dot_row)
+  __shared__ float qkv_s[3][D];     // q, k, v after the conv (bf16 values; v: this slice's)
+  __shared__ float g_s[D];          // the gate's raw input g = f_a·W_fbᵀ (a bf16 value)
+  __shared__ float gate_s[kSlice];  // the output gate before its bias, fp32, this slice's rows
+  __shared__ float o_s[2][D];       // the core's output (bf16 values), by token parity
   __shared__ float beta_s;
 
   // The recurrent state of this block's rows and the conv state of this thread's channels, written

@@ -363,11 +363,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ std::uint64_t landed;    // the head's state, or the W_o rows (cp.async.bulk)
   __shared__ std::uint64_t x_landed;  // the hidden rows (cp.async.bulk)
-  __shared__ float fa_s[D], ga_s[D];  // f_a and g_a (bf16 values)
-  __shared__ float qkv_s[3][D];       // q, k, v after the conv (bf16 values)
-  __shared__ float g_s[D];            // g = f_a·W_fbᵀ (bf16 values)
-  __shared__ float gate_s[D];         // the output gate before its bias, fp32
-  __shared__ float o_s[D];            // the core's output (bf16 values)
+  __shared__ __align__(16) float fa_s[D], ga_s[D];  // f_a and g_a (bf16 values; dot_row)
+  __shared__ float qkv_s[3][D];                     // q, k, v after the conv (bf16 values)
+  __shared__ float g_s[D];                          // g = f_a·W_fbᵀ (bf16 values)
+  __shared__ float gate_s[D];  // the full-rank output gate before its bias, fp32
+  __shared__ float og_s[D];    // sigmoid(round_bf16(gate + bias)): what y takes of the gate
+  __shared__ float o_s[D];     // the core's output (bf16 values)
   __shared__ float beta_s;
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -593,6 +594,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           unpack_bf16x4(reinterpret_cast<const uint2*>(state_s)[off / 4], S[i]);
         }
       }
+      stamp(7);
       // What the step reads of the projection: each thread its words.
       bool late = false;
       {
@@ -622,15 +624,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       stamp(11);
       // The second factors, while the conv runs on other threads: once the first 2 D threads
       // (warps 0-7) have f_a and g_a in shared memory, thread r < D computes g of channel r,
-      // thread D + r the output gate of row r.
+      // thread D + r the output gate of row r and what y takes of it (so that warp 0's norm after
+      // the step waits on nothing but o).
       static_assert(2 * D < kThreads - 3 * D / 2,
                     "the factors' threads and beta's are not the conv's");
       if (tid < 2 * D) {
         kda::detail::named_barrier_sync(1, 2 * D);
         if (tid < D) {
           g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
-        } else if (kLowRank) {
-          gate_s[tid - D] = dot_row(w_rows, tid, ga_s);
+        } else {
+          const int r = tid - D;
+          const float gate = kLowRank ? dot_row(w_rows, tid, ga_s) : gate_s[r];
+          og_s[r] = output_gate(gate, p.g_bias != nullptr ? bits_to_float(g_bias_s[r]) : 0.0f);
         }
       }
       // The conv: the last 3 D / 2 threads, two channels each of q, k or v, from the conv states
@@ -662,15 +667,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (late) report(kDeviceStatusStepTimeout);
       __syncthreads();
       stamp(3);
-      stamp(4);
-      // Warp 0's output gates (its lanes' channels), before the step: y waits only for o.
-      float og[4];
-      if (warp == 0) {
-        output_gates4(gate_s + k0, p.g_bias != nullptr ? g_bias_s : nullptr, k0, og);
-      }
 
-      // The KDA step (the fused kernel's operations in its order), Sᵀ from shared memory.
-      stamp(7);
+      // The KDA step (the fused kernel's operations in its order), Sᵀ in registers.
       float qh[4], kh[4], alpha[4];
       step_factors(&qkv_s[0][k0], &qkv_s[1][k0], g_s + k0, dtb_s + k0, __expf(a_log), p.gate_mode,
                    p.lower_bound, p.scale, qh, kh, alpha);
@@ -684,7 +682,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (warp == 0) {
         float o[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j];
+        float og[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j], og[j] = og_s[k0 + j];
         const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), og, o_norm_s + k0);
         put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
         put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
