@@ -621,34 +621,32 @@ __global__ void __launch_bounds__(kThreads, 1)
           beta_s = sigmoid_f(bits_to_float(bits));
         }
       }
-      stamp(11);
-      // The second factors, while the conv runs on other threads: once the first 2 D threads
-      // (warps 0-7) have f_a and g_a in shared memory, thread r < D computes g of channel r,
-      // thread D + r the output gate of row r and what y takes of it (so that warp 0's norm after
-      // the step waits on nothing but o).
+      // The conv's threads (the last 3 D / 2, two channels each of q, k or v) take their words
+      // too; then, behind one barrier, warps 0-7 compute the second factors (thread r < D g of
+      // channel r, thread D + r the output gate of row r and what y takes of it, so that warp 0's
+      // norm after the step waits on nothing but o) while the conv's threads convolve.
       static_assert(2 * D < kThreads - 3 * D / 2,
                     "the factors' threads and beta's are not the conv's");
-      if (tid < 2 * D) {
-        kda::detail::named_barrier_sync(1, 2 * D);
-        if (tid < D) {
-          g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
-        } else {
-          const int r = tid - D;
-          const float gate = kLowRank ? dot_row(w_rows, tid, ga_s) : gate_s[r];
-          og_s[r] = output_gate(gate, p.g_bias != nullptr ? bits_to_float(g_bias_s[r]) : 0.0f);
-        }
-      }
-      // The conv: the last 3 D / 2 threads, two channels each of q, k or v, from the conv states
-      // above; each writes its channels' new conv states.
       const int conv_index = tid - (kThreads - 3 * D / 2);
+      const int branch = conv_index / (D / 2), channel = 2 * (conv_index % (D / 2));
+      const std::int64_t cc = h * D + channel;
+      float x[2] = {0.0f, 0.0f};
       if (conv_index >= 0) {
-        const int branch = conv_index / (D / 2), channel = 2 * (conv_index % (D / 2));
-        const std::int64_t cc = h * D + channel;
         const std::uint64_t* at[2] = {my_words + branch * Cl + cc, my_words + branch * Cl + cc + 1};
         std::uint32_t v[2];
         take_words(at, tag, v, late);
-        const float x[2] = {bits_to_float(static_cast<std::uint16_t>(v[0])),
-                            bits_to_float(static_cast<std::uint16_t>(v[1]))};
+        x[0] = bits_to_float(static_cast<std::uint16_t>(v[0]));
+        x[1] = bits_to_float(static_cast<std::uint16_t>(v[1]));
+      }
+      stamp(11);
+      __syncthreads();
+      if (tid < D) {
+        g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
+      } else if (tid < 2 * D) {
+        const int r = tid - D;
+        const float gate = kLowRank ? dot_row(w_rows, tid, ga_s) : gate_s[r];
+        og_s[r] = output_gate(gate, p.g_bias != nullptr ? bits_to_float(g_bias_s[r]) : 0.0f);
+      } else if (conv_index >= 0) {
         std::uint16_t* conv_state = p.conv_pools[branch] + (slot * Cl + cc) * kHist;
         const std::uint16_t* old = hist_s + (branch * D + channel) * kHist;
 #pragma unroll
@@ -680,9 +678,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // The gated RMSNorm of the head (the norm kernel's operations), one warp, before the state
       // goes back to shared memory: y is what o_proj waits for, the state's store is not.
       if (warp == 0) {
-        float o[4];
-#pragma unroll
-        float og[4];
+        float o[4], og[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) o[j] = o_s[k0 + j], og[j] = og_s[k0 + j];
         const uint2 y = gated_norm4(o, head_inv_rms(o, p.eps), og, o_norm_s + k0);
