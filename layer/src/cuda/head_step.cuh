@@ -172,15 +172,15 @@ __device__ __forceinline__ float gated_norm1(float o, float inv_rms, float o_nor
 
 // The gated RMSNorm of a head's 128 outputs over a warp (the norm kernel, gated_rmsnorm.cu): 1 /
 // rms from the lane's four values o, then a lane's four y = o / rms · o_norm ·
-// sigmoid(round_bf16(gate + bias)), bf16-packed. gate and o_norm point at the lane's four channels,
-// bias (null: none) at the head's values, the lane's at bias[d0] .. bias[d0 + 3].
+// sigmoid(round_bf16(gate + bias)), bf16-packed (gated_norm4 below).
 __device__ __forceinline__ float head_inv_rms(const float (&o)[4], float eps) {
   float sum_squares[1] = {o[0] * o[0] + o[1] * o[1] + o[2] * o[2] + o[3] * o[3]};
   sum_over_warp(sum_squares);
   return head_inv_rms_of(sum_squares[0], eps);
 }
+
 // The output gates of a lane's four channels, og[j] = sigmoid(round_bf16(gate[j] + bias[d0 + j]))
-// (bias null: none): what y takes besides o, so a kernel may compute them before o is known.
+// (bias null: none): what y takes of the gate.
 __device__ __forceinline__ void output_gates4(const float* gate, const std::uint16_t* bias, int d0,
                                               float (&og)[4]) {
 #pragma unroll
@@ -189,6 +189,8 @@ __device__ __forceinline__ void output_gates4(const float* gate, const std::uint
     og[j] = output_gate(gate[j], b);
   }
 }
+
+// A lane's four y from its output gates og and o_norm (the lane's four channels).
 __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms,
                                              const float (&og)[4], const float* o_norm) {
   std::uint32_t words[2];
@@ -201,6 +203,9 @@ __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms,
   }
   return make_uint2(words[0], words[1]);
 }
+
+// The same from the gate itself: gate and o_norm point at the lane's four channels, bias (null:
+// none) is indexed by d0 .. d0 + 3 (the lane's channels, counted as the bias array counts them).
 __device__ __forceinline__ uint2 gated_norm4(const float (&o)[4], float inv_rms, const float* gate,
                                              const std::uint16_t* bias, int d0,
                                              const float* o_norm) {

@@ -35,8 +35,9 @@
 // is written in every launch, so a word left from an earlier launch carries an earlier tag.
 // The launch is a programmatic dependent of the kernel before it, and lets the kernel after it
 // launch as soon as all its own blocks have started: its blocks take multiprocessors as the
-// kernel before leaves them, issue their head's weight copies (nothing writes the weight image
-// inside a forward but `sync` and the exchange words), and wait (griddepcontrol.wait) before they
+// kernel before leaves them, issue their first round of input-projection weight loads and their
+// head's weight copies (nothing writes the weight image inside a forward but `sync` and the
+// exchange words), and wait (griddepcontrol.wait) before they
 // read the hidden row, the slots, the states or `sync`. That hides most of the launch between two
 // steps. Each block adds one to the count of blocks left as it leaves, by a reduction with no fence
 // (the next launch reads the count after this one completed; an epoch advanced by the last block
@@ -412,8 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // ---- the input projection's first round of weight loads (one row: a warp's from its first
   // weight row; several: the block's first tile), in flight before the wait for the kernel
   // before, which writes no weight: the weights stream while that kernel drains and while the
-  // hidden rows come in (one row on the TP8 shard: 12.1 -> 11.3 us a layer, the hidden row loaded
-  // only after the wait) ----
+  // hidden rows come in (the TP8 shard's step of one row: 12.1 -> 11.3 us a layer) ----
   const std::int64_t proj_rows_all = p.proj_rows + (kLowRank ? 0 : Cl);
   const std::int64_t first_row = static_cast<std::int64_t>(block) * kWarps + warp;
   uint4 wv[kLoadsPerLane];      // one row
