@@ -20,13 +20,15 @@
 //      (cp.async.bulk), its W_fb (and W_gb) rows, conv states, conv taps, dt_bias, the norm's
 //      weight and the gate's bias (cp.async), so that no load after the projection leaves the
 //      multiprocessor but the projection's own outputs (from L2). After it, the other blocks start
-//      copying their share of W_o's rows into shared memory (cp.async.bulk), so that W_o streams
+//      loading their share of W_o's rows, into their threads' registers where it fits
+//      (SmemPlan::out_in_registers) or into shared memory (cp.async.bulk), so that W_o streams
 //      while the heads step.
 //   2. A (row, head) block takes the words of the rows its head reads (each thread its own), then
 //      steps its head as the fused kernel does (fused_decode.cu: the same operations in the same
 //      order, one block a head, 16 warps of 8 value rows), and writes the states and y's words.
-//   3. The other blocks take y's words (every row's), then their W_o rows · y -> out,
-//      SmemPlan::out_lanes threads a weight row.
+//   3. The other blocks take y's words (every row's), then their W_o rows · y -> out: on the
+//      tensor cores from registers (o_proj_rows_mma), or SmemPlan::out_lanes threads a weight row
+//      from shared memory.
 // An exchange word carries its value in its low half and the launch's tag in its high half (the
 // count of blocks left in `sync` over the grid, plus one), written and read as one relaxed 64-bit
 // access: a reader waits until the words it needs carry this launch's tag. No fence and no counter
@@ -102,6 +104,7 @@ using kda::detail::global_timer_ns;
 using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
 using kda::detail::load_relaxed_gpu_u64;
+using kda::detail::mbarrier_arrive;
 using kda::detail::mbarrier_expect_tx;
 using kda::detail::mbarrier_init;
 using kda::detail::mbarrier_wait;
@@ -138,6 +141,10 @@ struct SmemPlan {
   std::int64_t x_chunks = 0, x_bytes = 0, y_bytes = 0, reduce_bytes = 0, head_bytes = 0,
                out_rows = 0, out_bytes = 0, total = 0;
   int out_lanes = 1;
+  // Where a block's rows are at most two tiles of 16 and each warp has one 64-column step of one
+  // tile (the TP8 shard's: 18-24 rows of 512 columns), W_o's rows go to the threads' registers
+  // instead, and o_proj runs on the tensor cores (o_proj_rows_mma).
+  bool out_in_registers = false;
 };
 SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   SmemPlan s;
@@ -154,6 +161,8 @@ SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   s.total = s.x_bytes + s.y_bytes + s.reduce_bytes +
             (s.head_bytes > s.out_bytes ? s.head_bytes : s.out_bytes);
   while (s.out_lanes < 32 && s.out_rows * s.out_lanes * 2 <= kThreads) s.out_lanes *= 2;
+  const std::int64_t out_tiles = (s.out_rows + 15) / 16;
+  s.out_in_registers = s.out_rows > 0 && out_tiles <= 2 && Cl / 64 * out_tiles <= kWarps;
   return s;
 }
 
@@ -356,14 +365,75 @@ __device__ void o_proj_rows(const OneLaunchStepParams& p, const SmemPlan& plan, 
   }
 }
 
+// o_proj on the tensor cores from W_o in registers (SmemPlan::out_in_registers): the block's rows
+// e0 .. e1 as one or two tiles of 16 weight rows (A), the rows' y as B's columns (mma.m16n8k16 as
+// the projection of several rows runs it); warp w takes tile w % tiles and the 64 columns of step
+// w / tiles, loaded by load_out_fragments as the fragment GEMM lays them (fragment_mma) when the
+// block's projection rows are done. The warps' sums meet in `partial` (8 KB of shared memory,
+// here the W_o region's start, unused) and are added in step order. From shared memory, one
+// weight row a group of threads with fp32 FMAs (o_proj_rows), the TP8 shard's step took 15.1 us
+// at eight rows (12.7 now) and 10.8 at one (10.4-10.5): every thread unpacked every bf16 pair of
+// W_o and of y, once a row.
+__device__ __forceinline__ int out_tiles(std::int64_t e0, std::int64_t e1) {
+  return e1 - e0 > 16 ? 2 : 1;
+}
+__device__ void load_out_fragments(const OneLaunchStepParams& p, std::int64_t e0, std::int64_t e1,
+                                   uint4 (&wo)[2][2]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane / 4, q = lane % 4, tiles = out_tiles(e0, e1);
+  const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
+  const int t = warp % tiles, step = warp / tiles;
+  const bool in_k = step < Cl / 64;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const std::int64_t e = e0 + 16 * t + 8 * half + g;
+    const auto* row = reinterpret_cast<const uint4*>(p.w_o + e * Cl);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      wo[c][half] =
+          in_k && e < e1 ? load_streaming(row + 8 * step + 2 * q + c) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+__device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[2][2],
+                                const uint4* y_s, float* partial, int R, std::int64_t e0,
+                                std::int64_t e1) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5, g = lane / 4, q = lane % 4;
+  const int tiles = out_tiles(e0, e1);
+  const std::int64_t E = p.hidden_size, y_chunks = static_cast<std::int64_t>(p.heads) * D / 8;
+  const int step = warp / tiles;  // of tile warp % tiles (load_out_fragments)
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  if (step < y_chunks / 8) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const uint4 xv = g < R ? y_s[g * y_chunks + 8 * step + 2 * q + c] : make_uint4(0, 0, 0, 0);
+      fragment_mma(acc, wo[c][0], wo[c][1], xv);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
+  __syncthreads();
+  if (tid < tiles * 128) {
+    // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of tile t, row 2 (l % 4) + j % 2.
+    const int tile = tid / 128, j = (tid / 32) % 4, l = tid % 32;
+    float sum = 0.0f;
+    for (int w = tile; w < kWarps; w += tiles) sum += partial[(w * 4 + j) * 32 + l];
+    const std::int64_t e = e0 + 16 * tile + l / 4 + (j >= 2 ? 8 : 0);
+    const int r = 2 * (l % 4) + j % 2;
+    if (e < e1 && r < R) p.out[r * E + e] = float_to_bits(sum);
+  }
+}
+
 template <int W, bool kF32State, bool kLowRank, bool kMulti>
 __global__ void __launch_bounds__(kThreads, 1)
     one_launch_step_kernel(const OneLaunchStepParams p, const SmemPlan plan) {
   constexpr int kHist = W - 1;
   constexpr HeadRegion kRegion = head_region(kF32State, kLowRank, W);
   extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ std::uint64_t landed;    // the head's state, or the W_o rows (cp.async.bulk)
-  __shared__ std::uint64_t x_landed;  // the hidden rows (cp.async.bulk)
+  __shared__ std::uint64_t landed;      // the head's state, or the W_o rows (cp.async.bulk)
+  __shared__ std::uint64_t x_landed;    // the hidden rows (cp.async.bulk)
+  __shared__ std::uint64_t factors_in;  // f_a and g_a (or the gate) in shared memory: 2 D arrivals
   __shared__ __align__(16) float fa_s[D], ga_s[D];  // f_a and g_a (bf16 values; dot_row)
   __shared__ float qkv_s[3][D];                     // q, k, v after the conv (bf16 values)
   __shared__ float g_s[D];                          // g = f_a·W_fbᵀ (bf16 values)
@@ -400,6 +470,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     mbarrier_init(&landed, 1);
     mbarrier_init(&x_landed, 1);
+    mbarrier_init(&factors_in, 2 * D);
   }
   unsigned char* state_s = region;
   auto* w_rows = reinterpret_cast<uint4*>(region + kRegion.factors);
@@ -558,10 +629,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   stamp(2);
-  // The o_proj blocks' W_o rows, contiguous: streamed into shared memory from here on.
+  // The o_proj blocks' W_o rows, from here on: into the threads' registers (out_in_registers) or,
+  // contiguous, into shared memory by the copy engine.
   const std::int64_t e0 = head_block ? 0 : (block - R * H) * plan.out_rows;
   const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
-  if (tid == 0 && e1 > e0) {
+  uint4 wo[2][2];  // out_in_registers: this lane's chunks of W_o (o_proj_rows_mma)
+  if (!head_block && plan.out_in_registers) {
+    load_out_fragments(p, e0, e1, wo);
+  } else if (tid == 0 && e1 > e0) {
     const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
     mbarrier_expect_tx(&landed, bytes);
     const auto* src = reinterpret_cast<const unsigned char*>(p.w_o + e0 * Cl);
@@ -622,9 +697,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       // The conv's threads (the last 3 D / 2, two channels each of q, k or v) take their words
-      // too; then, behind one barrier, warps 0-7 compute the second factors (thread r < D g of
-      // channel r, thread D + r the output gate of row r and what y takes of it, so that warp 0's
-      // norm after the step waits on nothing but o) while the conv's threads convolve.
+      // too; then warps 0-7 compute the second factors (thread r < D g of channel r, thread D + r
+      // the output gate of row r and what y takes of it, so that warp 0's norm after the step
+      // waits on nothing but o) while the conv's threads convolve, and one block barrier ends it.
       static_assert(2 * D < kThreads - 3 * D / 2,
                     "the factors' threads and beta's are not the conv's");
       const int conv_index = tid - (kThreads - 3 * D / 2);
@@ -639,7 +714,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         x[1] = bits_to_float(static_cast<std::uint16_t>(v[1]));
       }
       stamp(11);
-      __syncthreads();
+      // Warps 0-7 go on once f_a and g_a (or the gate) are in, without waiting for the conv's
+      // words: an mbarrier of their 256 arrivals (a block barrier here cost the TP8 shard's step
+      // 0.3 us; a named barrier drew racecheck reports on the block barrier after it, an
+      // mbarrier does not: SANITIZERS.md).
+      if (tid < 2 * D) {
+        mbarrier_arrive(&factors_in);
+        mbarrier_wait(&factors_in, 0);
+      }
       if (tid < D) {
         g_s[tid] = round_bf16(dot_row(w_rows, tid, fa_s));
       } else if (tid < 2 * D) {
@@ -736,11 +818,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     stamp(3);
     const std::int64_t y_chunks = Cl / 8;
-    if (e1 > e0) mbarrier_wait(&landed, 0);
+    if (e1 > e0 && !plan.out_in_registers) mbarrier_wait(&landed, 0);
     stamp(4);
     const auto* rows = reinterpret_cast<const uint4*>(region);
     const int L = plan.out_lanes, sub = tid % L;
-    if constexpr (kMulti) {
+    if (plan.out_in_registers) {
+      o_proj_rows_mma(p, wo, y_s, reinterpret_cast<float*>(region), R, e0, e1);
+    } else if constexpr (kMulti) {
       if (R <= 2) {
         o_proj_rows<2>(p, plan, rows, y_s, R, e0, e1);
       } else {
