@@ -422,15 +422,18 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 // rows, the most a step of 8 heads takes), and at hidden size 4104 (5 rows; K's last 64-column
 // step partial, two rounds of weight loads a warp), with padding rows and scattered slots, both
 // output gates, against the CPU layer and the fp64 reference; and a step of one more row than a
-// step takes, which runs the other kernels, equal to it within rounding.
+// step takes, which runs the other kernels, equal to it within rounding. At hidden size 2312 and
+// 4 heads (one row, and three) the o_proj blocks hold W_o in registers as two tiles of 16 rows,
+// the last block's rows fewer than the others' (o_proj_rows_mma; the TP8 shard's shape has 2304).
 KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
   struct Variant {
     std::int64_t heads, hidden;  // hidden 0: the test config's
     std::vector<std::int32_t> slots;
   };
   std::uint64_t seed = 170;
-  for (const Variant& v : {Variant{3, 0, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, 0, {6, 1, -1, 3}},
-                           Variant{4, 4104, {2, 8, -1, 0, 6}}}) {
+  for (const Variant& v :
+       {Variant{3, 0, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, 0, {6, 1, -1, 3}},
+        Variant{4, 4104, {2, 8, -1, 0, 6}}, Variant{4, 2312, {3}}, Variant{4, 2312, {7, -1, 2}}}) {
     for (const bool full_rank : {false, true}) {
       CAPTURE(v.heads);
       CAPTURE(v.hidden);
