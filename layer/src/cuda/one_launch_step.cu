@@ -26,9 +26,10 @@
 //   2. A (row, head) block takes the words of the rows its head reads (each thread its own), then
 //      steps its head as the fused kernel does (fused_decode.cu: the same operations in the same
 //      order, one block a head, 16 warps of 8 value rows), and writes the states and y's words.
-//   3. The other blocks take y's words (every row's), then their W_o rows · y -> out: on the
-//      tensor cores from registers (o_proj_rows_mma), or SmemPlan::out_lanes threads a weight row
-//      from shared memory.
+//   3. The other blocks take y's words (every row's), then their W_o rows · y -> out: from
+//      registers where they fit (one row: SmemPlan::out_lanes threads a weight row,
+//      o_proj_row_held; several: on the tensor cores, o_proj_rows_mma), else out_lanes threads a
+//      weight row from shared memory.
 // An exchange word carries its value in its low half and the launch's tag in its high half (the
 // count of blocks left in `sync` over the grid, plus one), written and read as one relaxed 64-bit
 // access: a reader waits until the words it needs carry this launch's tag. No fence and no counter
@@ -141,9 +142,9 @@ struct SmemPlan {
   std::int64_t x_chunks = 0, x_bytes = 0, y_bytes = 0, reduce_bytes = 0, head_bytes = 0,
                out_rows = 0, out_bytes = 0, total = 0;
   int out_lanes = 1;
-  // Where a block's rows are at most two tiles of 16 and each warp has one 64-column step of one
-  // tile (the TP8 shard's: 18-24 rows of 512 columns), W_o's rows go to the threads' registers
-  // instead, and o_proj runs on the tensor cores (o_proj_rows_mma).
+  // Where a block's W_o rows fit in its threads' registers (the TP8 shard's 18-24 rows of 512
+  // columns), they go there instead of shared memory, and o_proj runs from them
+  // (o_proj_row_held, o_proj_rows_mma).
   bool out_in_registers = false;
 };
 SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
@@ -162,7 +163,12 @@ SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
             (s.head_bytes > s.out_bytes ? s.head_bytes : s.out_bytes);
   while (s.out_lanes < 32 && s.out_rows * s.out_lanes * 2 <= kThreads) s.out_lanes *= 2;
   const std::int64_t out_tiles = (s.out_rows + 15) / 16;
-  s.out_in_registers = s.out_rows > 0 && out_tiles <= 2 && Cl / 64 * out_tiles <= kWarps;
+  // One row: every weight row's out_lanes threads in one pass, at most four 16-byte chunks a
+  // thread (o_proj_row_held); several: at most two tiles of 16 rows, a 64-column step of one tile
+  // a warp (o_proj_rows_mma).
+  s.out_in_registers =
+      s.out_rows > 0 && (multi ? out_tiles <= 2 && Cl / 64 * out_tiles <= kWarps
+                               : s.out_rows * s.out_lanes <= kThreads && Cl / 8 <= 4 * s.out_lanes);
   return s;
 }
 
@@ -371,14 +377,14 @@ __device__ void o_proj_rows(const OneLaunchStepParams& p, const SmemPlan& plan, 
 // w / tiles, loaded by load_out_fragments as the fragment GEMM lays them (fragment_mma) when the
 // block's projection rows are done. The warps' sums meet in `partial` (8 KB of shared memory,
 // here the W_o region's start, unused) and are added in step order. From shared memory, one
-// weight row a group of threads with fp32 FMAs (o_proj_rows), the TP8 shard's step took 15.1 us
-// at eight rows (12.7 now) and 10.8 at one (10.4-10.5): every thread unpacked every bf16 pair of
-// W_o and of y, once a row.
+// weight row a group of threads with fp32 FMAs (o_proj_rows), the TP8 shard's step of eight rows
+// took 15.1 us (12.7 now; those FMAs from registers 14.8-14.9): every thread unpacked every bf16
+// pair of W_o and of y, once a row.
 __device__ __forceinline__ int out_tiles(std::int64_t e0, std::int64_t e1) {
   return e1 - e0 > 16 ? 2 : 1;
 }
 __device__ void load_out_fragments(const OneLaunchStepParams& p, std::int64_t e0, std::int64_t e1,
-                                   uint4 (&wo)[2][2]) {
+                                   uint4 (&wo)[4]) {
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane / 4, q = lane % 4, tiles = out_tiles(e0, e1);
   const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D;
@@ -390,12 +396,12 @@ __device__ void load_out_fragments(const OneLaunchStepParams& p, std::int64_t e0
     const auto* row = reinterpret_cast<const uint4*>(p.w_o + e * Cl);
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      wo[c][half] =
+      wo[2 * c + half] =
           in_k && e < e1 ? load_streaming(row + 8 * step + 2 * q + c) : make_uint4(0, 0, 0, 0);
     }
   }
 }
-__device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[2][2],
+__device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[4],
                                 const uint4* y_s, float* partial, int R, std::int64_t e0,
                                 std::int64_t e1) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -408,7 +414,7 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const uint4 xv = g < R ? y_s[g * y_chunks + 8 * step + 2 * q + c] : make_uint4(0, 0, 0, 0);
-      fragment_mma(acc, wo[c][0], wo[c][1], xv);
+      fragment_mma(acc, wo[2 * c], wo[2 * c + 1], xv);
     }
   }
 #pragma unroll
@@ -423,6 +429,39 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
     const int r = 2 * (l % 4) + j % 2;
     if (e < e1 && r < R) p.out[r * E + e] = float_to_bits(sum);
   }
+}
+
+// One row: thread tid holds chunks sub, sub + L, sub + 2 L, sub + 3 L of W_o row e0 + tid / L
+// (L = out_lanes, sub = tid % L; zeros past the row or the block's rows), loaded when the block's
+// projection rows are done; o_proj_row_held sums them with y as the one-row pass from shared
+// memory does (four sums, added pairwise, then the L lanes' by shuffles), without a barrier. At one
+// row it took the TP8 shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against
+// 10.4-10.5 us).
+__device__ void load_out_row(const OneLaunchStepParams& p, const SmemPlan& plan, std::int64_t e0,
+                             std::int64_t e1, uint4 (&wo)[4]) {
+  const int tid = static_cast<int>(threadIdx.x), L = plan.out_lanes;
+  const std::int64_t Cl = static_cast<std::int64_t>(p.heads) * D, e = e0 + tid / L;
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    const std::int64_t c = tid % L + u * L;
+    wo[u] = e < e1 && c < Cl / 8
+                ? load_streaming(reinterpret_cast<const uint4*>(p.w_o + e * Cl) + c)
+                : make_uint4(0, 0, 0, 0);
+  }
+}
+__device__ void o_proj_row_held(const OneLaunchStepParams& p, const SmemPlan& plan,
+                                const uint4 (&wo)[4], const uint4* y_s, std::int64_t e0,
+                                std::int64_t e1) {
+  const int tid = static_cast<int>(threadIdx.x), L = plan.out_lanes, sub = tid % L;
+  const std::int64_t y_chunks = static_cast<std::int64_t>(p.heads) * D / 8, e = e0 + tid / L;
+  float a[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+    a[u] = sub + u * L < y_chunks ? dot8(wo[u], y_s[sub + u * L], 0.0f) : 0.0f;
+  float acc = (a[0] + a[1]) + (a[2] + a[3]);
+  for (int offset = L / 2; offset > 0; offset /= 2)
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
 }
 
 template <int W, bool kF32State, bool kLowRank, bool kMulti>
@@ -633,9 +672,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // contiguous, into shared memory by the copy engine.
   const std::int64_t e0 = head_block ? 0 : (block - R * H) * plan.out_rows;
   const std::int64_t e1 = head_block ? 0 : (e0 + plan.out_rows < E ? e0 + plan.out_rows : E);
-  uint4 wo[2][2];  // out_in_registers: this lane's chunks of W_o (o_proj_rows_mma)
+  uint4 wo[4];  // out_in_registers: this thread's chunks of W_o (several rows: fragments)
   if (!head_block && plan.out_in_registers) {
-    load_out_fragments(p, e0, e1, wo);
+    if constexpr (kMulti) {
+      load_out_fragments(p, e0, e1, wo);
+    } else {
+      load_out_row(p, plan, e0, e1, wo);
+    }
   } else if (tid == 0 && e1 > e0) {
     const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
     mbarrier_expect_tx(&landed, bytes);
@@ -823,7 +866,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto* rows = reinterpret_cast<const uint4*>(region);
     const int L = plan.out_lanes, sub = tid % L;
     if (plan.out_in_registers) {
-      o_proj_rows_mma(p, wo, y_s, reinterpret_cast<float*>(region), R, e0, e1);
+      if constexpr (kMulti) {
+        o_proj_rows_mma(p, wo, y_s, reinterpret_cast<float*>(region), R, e0, e1);
+      } else {
+        o_proj_row_held(p, plan, wo, y_s, e0, e1);
+      }
     } else if constexpr (kMulti) {
       if (R <= 2) {
         o_proj_rows<2>(p, plan, rows, y_s, R, e0, e1);
