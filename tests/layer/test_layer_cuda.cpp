@@ -423,8 +423,10 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 // step partial, two rounds of weight loads a warp), with padding rows and scattered slots, both
 // output gates, against the CPU layer and the fp64 reference; and a step of one more row than a
 // step takes, which runs the other kernels, equal to it within rounding. At hidden size 2312 and
-// 4 heads (one row, and three) the o_proj blocks hold W_o in registers as two tiles of 16 rows,
-// the last block's rows fewer than the others' (o_proj_rows_mma; the TP8 shard's shape has 2304).
+// 4 heads the o_proj blocks hold W_o in registers, the last block's rows fewer than the others'
+// (on a device of 132 multiprocessors, as the H200: 19-20 rows a block): at one row a group of
+// threads a weight row (o_proj_row_held), at two to four rows two tiles of 16 rows on the tensor
+// cores (o_proj_rows_mma). The TP8 shard's hidden size is 2304.
 KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
   struct Variant {
     std::int64_t heads, hidden;  // hidden 0: the test config's

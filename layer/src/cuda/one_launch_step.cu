@@ -49,9 +49,10 @@
 // captured graph replays the launch as it is. A wait that outlasts kSpinLimitNs (the device did not
 // run every block at once) gives up and reports kDeviceStatusStepTimeout rather than hang.
 //
-// The projections' sums run in another order than the small-row kernel's (a warp a whole row of
-// the input projection; four partial sums a thread, then shuffles, in o_proj), so out may differ
-// from the three-launch step's in its last bits; the step itself is the fused kernel's arithmetic.
+// The projections' sums run in another order than the small-row kernel's (one row: a warp a whole
+// row of the input projection, four partial sums a thread, then shuffles, in o_proj; several rows:
+// mma.m16n8k16 tiles, the warps' sums added in order), so out may differ from the three-launch
+// step's in its last bits; the step itself is the fused kernel's arithmetic.
 #include <cuda_bf16.h>
 
 #include <atomic>
@@ -134,10 +135,11 @@ __host__ __device__ constexpr HeadRegion head_region(bool f32_state, bool low_ra
 
 // The dynamic shared memory of a launch: the hidden rows, y's rows, with several rows the warps'
 // tile sums, then either a (row, head)'s region (blocks < rows x heads) or the block's W_o rows
-// (the others). With several rows a hidden row takes 16 bytes more than its values (x_chunks
-// 16-byte chunks), so that the eight rows' chunks a warp reads at once fall on distinct banks.
-// o_proj gives each of a block's weight rows out_lanes threads (a power of two, the most with which
-// all its rows run in one round; 1 when even that takes several).
+// (the others; where those are in registers instead, the region holds nothing, or with several
+// rows o_proj_rows_mma's warp sums). With several rows a hidden row takes 16 bytes more than its
+// values (x_chunks 16-byte chunks), so that the eight rows' chunks a warp reads at once fall on
+// distinct banks. o_proj gives each of a block's weight rows out_lanes threads (a power of two, the
+// most with which all its rows run in one round; 1 when even that takes several).
 struct SmemPlan {
   std::int64_t x_chunks = 0, x_bytes = 0, y_bytes = 0, reduce_bytes = 0, head_bytes = 0,
                out_rows = 0, out_bytes = 0, total = 0;
@@ -433,8 +435,9 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
 
 // One row: thread tid holds chunks sub, sub + L, sub + 2 L, sub + 3 L of W_o row e0 + tid / L
 // (L = out_lanes, sub = tid % L; zeros past the row or the block's rows), loaded when the block's
-// projection rows are done; o_proj_row_held sums them with y as the one-row pass from shared
-// memory does (four sums, added pairwise, then the L lanes' by shuffles), without a barrier. At one
+// projection rows are done; o_proj_row_held sums them with y (chunk sub + u L into sum u, the four
+// sums added pairwise, then the L lanes' by shuffles: the one-row pass from shared memory's order
+// where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one
 // row it took the TP8 shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against
 // 10.4-10.5 us).
 __device__ void load_out_row(const OneLaunchStepParams& p, const SmemPlan& plan, std::int64_t e0,
@@ -835,7 +838,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     stamp(5);
   } else {
-    // ---- 3. o_proj: this block's W_o rows · y, out_lanes threads a weight row ----
+    // ---- 3. o_proj: this block's W_o rows · y (from registers where they fit: o_proj_row_held,
+    // o_proj_rows_mma; else out_lanes threads a weight row from shared memory) ----
     // y's words (two values each) of every row, four a thread at a time.
     const std::int64_t y_words = Cl / 2;  // a row's
     auto* y_pairs = reinterpret_cast<std::uint32_t*>(y_s);
