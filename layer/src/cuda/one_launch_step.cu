@@ -423,7 +423,7 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
   for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
   __syncthreads();
   if (tid < tiles * 128) {
-    // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of tile t, row 2 (l % 4) + j % 2.
+    // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of the tile, row 2 (l % 4) + j % 2.
     const int tile = tid / 128, j = (tid / 32) % 4, l = tid % 32;
     float sum = 0.0f;
     for (int w = tile; w < kWarps; w += tiles) sum += partial[(w * 4 + j) * 32 + l];
@@ -437,9 +437,8 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
 // (L = out_lanes, sub = tid % L; zeros past the row or the block's rows), loaded when the block's
 // projection rows are done; o_proj_row_held sums them with y (chunk sub + u L into sum u, the four
 // sums added pairwise, then the L lanes' by shuffles: the one-row pass from shared memory's order
-// where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one
-// row it took the TP8 shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against
-// 10.4-10.5 us).
+// where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one row it took the TP8
+// shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against 10.4-10.5 us).
 __device__ void load_out_row(const OneLaunchStepParams& p, const SmemPlan& plan, std::int64_t e0,
                              std::int64_t e1, uint4 (&wo)[4]) {
   const int tid = static_cast<int>(threadIdx.x), L = plan.out_lanes;
@@ -762,7 +761,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       stamp(11);
       // Warps 0-7 go on once f_a and g_a (or the gate) are in, without waiting for the conv's
       // words: an mbarrier of their 256 arrivals (a block barrier here cost the TP8 shard's step
-      // 0.3 us; a named barrier drew racecheck reports on the block barrier after it, an
+      // 0.2 us; a named barrier drew racecheck reports on the block barrier after it, an
       // mbarrier does not: SANITIZERS.md).
       if (tid < 2 * D) {
         mbarrier_arrive(&factors_in);
