@@ -382,6 +382,8 @@ __device__ void o_proj_rows(const OneLaunchStepParams& p, const SmemPlan& plan, 
 // weight row a group of threads with fp32 FMAs (o_proj_rows), the TP8 shard's step of eight rows
 // took 15.1 us (12.7 now; those FMAs from registers 14.8-14.9): every thread unpacked every bf16
 // pair of W_o and of y, once a row.
+// `partial` is the start of an o_proj block's region, at least a head region's bytes.
+static_assert(head_region(false, false, 2).bytes >= kReduceBytes, "o_proj's warp sums fit");
 __device__ __forceinline__ int out_tiles(std::int64_t e0, std::int64_t e1) {
   return e1 - e0 > 16 ? 2 : 1;
 }
