@@ -4,8 +4,11 @@
 // on copies of the weights beyond three times L2 (each launch reads the next copy), CUDA events
 // around 50 launches after 10 warm-up (the median of 5 such rounds), then one launch traced: each
 // block's device-clock stamps where its phases end, as microseconds from the first block's start
-// (the minimum, median and maximum over the head blocks and over the o_proj blocks). The weights'
-// values are arbitrary (every byte 0x3c); the timing does not depend on them. CUDA only.
+// (the minimum, median and maximum over the head blocks and over the o_proj blocks). A stamp is
+// thread 0 reading the global timer and storing it; on the H200 two stamps with only a branch on a
+// kernel parameter between them came out 0.3 us apart, so a short interval holds costs beside its
+// code. The weights' values are arbitrary (every byte 0x3c); the timing does not depend on them.
+// CUDA only.
 // Usage: kda-step-probe [--rows R]...: steps of R rows (sequences of one token; default 1), each
 // R a table of its own per shape.
 
