@@ -76,6 +76,7 @@ struct DecodeCase {
   std::vector<std::int32_t> slots;         // [B], or [B, tokens] with problem.verify
   std::vector<std::int32_t> num_accepted;  // [B] with problem.verify
   std::vector<float> pool;  // [num_slots, H, V, K] as values (bf16-representable when bf16)
+  CudaOptions cuda;         // the CUDA runner's options (the CPU runner ignores them)
 };
 
 // The pool as the operator sees it (f32 or bf16 bytes), and bytes of a pool as values.
@@ -257,7 +258,9 @@ class BufferRunner : public Runner {
     if (backend() == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
     t.state_pool = pool.get();
     t.out = out.get();
-    for (int i = 0; i < repeats && r.status.ok(); ++i) r.status = decode_call(dc.problem, t);
+    for (int i = 0; i < repeats && r.status.ok(); ++i) {
+      r.status = decode_call(dc.problem, t, dc.cuda);
+    }
     if (r.status.ok()) r.status = Buffer::synchronize();
     r.pool = pool.template download<unsigned char>();
     r.out = out.template download<std::uint16_t>();
@@ -311,7 +314,8 @@ class BufferRunner : public Runner {
   // The backend's entry points. `c` carries the problem and the host copies of the inputs (the
   // CUDA prefill is given cu_seqlens_host from it).
   virtual Status forward(const KdaCase& c, Tensors t, Workspace ws, const PrefillOptions& opt) = 0;
-  virtual Status decode_call(const DecodeProblem& p, const DecodeTensors& t) = 0;
+  virtual Status decode_call(const DecodeProblem& p, const DecodeTensors& t,
+                             const CudaOptions& cuda) = 0;
   virtual Status transition_call(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                                  Workspace ws, const CpuOptions& cpu) = 0;
   virtual Status apply_call(std::int64_t pairs, std::int64_t K, std::int64_t V, const float* s,
@@ -327,7 +331,7 @@ class CpuRunner final : public BufferRunner<HostBuffer> {
   Status forward(const KdaCase& c, Tensors t, Workspace ws, const PrefillOptions& opt) override {
     return forward_cpu(c.problem, t, ws, opt.cpu);
   }
-  Status decode_call(const DecodeProblem& p, const DecodeTensors& t) override {
+  Status decode_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions&) override {
     return decode_cpu(p, t);
   }
   Status transition_call(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace ws,
@@ -350,8 +354,9 @@ class CudaRunner final : public BufferRunner<DeviceBuffer> {
     t.cu_seqlens_host = c.cu_seqlens_ptr();
     return forward_cuda(c.problem, t, ws, nullptr, opt.cuda);
   }
-  Status decode_call(const DecodeProblem& p, const DecodeTensors& t) override {
-    return decode_cuda(p, t, nullptr);
+  Status decode_call(const DecodeProblem& p, const DecodeTensors& t,
+                     const CudaOptions& cuda) override {
+    return decode_cuda(p, t, nullptr, cuda);
   }
   Status transition_call(const Problem& p, const Tensors& t, float* p_t, float* h_t, Workspace ws,
                          const CpuOptions&) override {

@@ -500,6 +500,71 @@ KDA_CUDA_CASE("prefill n tokens then m decode steps equals one prefill of n + m"
   CHECK(e_state <= kGpuTol);
 }
 
+// A plain step's 8 warps a (sequence, head) run as 1, 2 or 4 blocks (CudaOptions::
+// decode_blocks_per_head; 0 chooses by shape). The warps never meet, so every count must give the
+// same bits: out, the pool, padding rows (every fourth) left poisoned and their slots untouched,
+// and against the CPU within the usual tolerance. A count other than 0, 1, 2 or 4 is refused before
+// anything is written.
+KDA_CUDA_CASE("decode: 1, 2 or 4 blocks a head give the same bits") {
+  struct Shape {
+    std::int64_t B, tokens, H;
+    DType state;
+    GateMode gate;
+  };
+  const Shape shapes[] = {{1, 1, 3, DType::kF32, GateMode::kSoftplus},
+                          {9, 1, 4, DType::kF32, GateMode::kLowerBound},
+                          {6, 3, 2, DType::kF32, GateMode::kSoftplus},
+                          {7, 1, 5, DType::kBF16, GateMode::kSoftplus},
+                          {5, 2, 4, DType::kBF16, GateMode::kLowerBound}};
+  std::uint64_t seed = 4200;
+  for (const Shape& s : shapes) {
+    DecodeCase d = make_decode_case(s.B, s.tokens, s.H, s.B + 3, s.state, s.gate, ++seed);
+    const std::string label = "B " + std::to_string(s.B) + " T " + std::to_string(s.tokens) +
+                              " H " + std::to_string(s.H) +
+                              (s.state == DType::kF32 ? " f32" : " bf16");
+    const DecodeRun cpu = cpu_runner().decode(d);
+    REQUIRE(cpu.status.ok());
+    DecodeRun first;
+    for (const int blocks : {1, 2, 4, 0}) {
+      d.cuda.decode_blocks_per_head = blocks;
+      const DecodeRun r = cuda.decode(d);
+      REQUIRE_MESSAGE(r.status.ok(), label << ", " << blocks << ": " << r.status.to_string());
+      CHECK_MESSAGE(r.guards_intact, label << ", " << blocks << ": guard bytes changed");
+      CHECK(r.device_status == 0);
+      if (blocks == 1) {
+        first = r;
+        CHECK(rel_error(pool_values(r.pool, s.state), pool_values(cpu.pool, s.state)) <= kGpuTol);
+        std::vector<double> g_rows, c_rows;
+        const std::size_t row = static_cast<std::size_t>(s.tokens * s.H * 128);
+        for (std::int64_t b = 0; b < s.B; ++b) {
+          const bool pad = d.slots[static_cast<std::size_t>(b)] < 0;
+          for (std::size_t i = b * row; i < (b + 1) * row; ++i) {
+            if (pad) {
+              CHECK(r.out[i] == 0xFFFF);
+            } else {
+              g_rows.push_back(bf16_to_float(r.out[i]));
+              c_rows.push_back(bf16_to_float(cpu.out[i]));
+            }
+          }
+        }
+        CHECK(rel_error(g_rows, c_rows) <= kGpuTol);
+        continue;
+      }
+      CHECK_MESSAGE(r.out == first.out, label << ": out with " << blocks << " blocks a head");
+      CHECK_MESSAGE(r.pool == first.pool, label << ": pool with " << blocks << " blocks a head");
+    }
+  }
+  DecodeCase d = make_decode_case(3, 1, 2, 4, DType::kF32, GateMode::kSoftplus, 4300);
+  for (const int bad : {3, -1, 8}) {
+    d.cuda.decode_blocks_per_head = bad;
+    const DecodeRun r = cuda.decode(d);
+    CHECK(r.status.code() == StatusCode::kInvalidArgument);
+    CHECK(r.status.message().find("decode_blocks_per_head") != std::string::npos);
+    CHECK(r.pool == pool_bytes(d));
+    for (const std::uint16_t x : r.out) CHECK(x == 0xFFFF);
+  }
+}
+
 // The contract asks q, k, g and a bf16 state pool to be 8-byte aligned; the bf16-state kernel's
 // wide lane layout loads 16 bytes, so such pointers must take the narrow one (decode_kernel.cuh,
 // decode_vec) and give the same values as the aligned run (up to summation order).

@@ -274,6 +274,10 @@ struct CudaOptions {
   // The prefill's schedule (forward_cuda only; the decode and the segment transition ignore it).
   // A value outside the enum is kInvalidArgument.
   PrefillSchedule schedule = PrefillSchedule::kAuto;
+  // The decode's thread blocks per (sequence, head) of a plain step (decode_cuda only): its 8 warps
+  // in 1, 2 or 4 blocks; 0 chooses by the step's shape (docs/design/decode.md). The same bits
+  // whatever the count; another value is kInvalidArgument.
+  int decode_blocks_per_head = 0;
 };
 
 // CUDA forward on `stream` (a cudaStream_t; nullptr = default stream). Asynchronous: returns once

@@ -1,14 +1,14 @@
 // kda/src/cuda/decode_kernel.cuh — the CUDA decode step of KDA: 1..16 new tokens per sequence on a
 // pool of state slots, updated in place (decode.cu launches it for kda::decode_cuda).
 //
-// One block per (sequence, head), 8 warps; warp w owns rows v in [16w, 16w + 16) of S^T (V-first
-// state) and each lane 4 consecutive channels of K of every row (fp32 state: a row is one
-// 512-byte warp access), or 8 of every other row (bf16 state: a half-warp per row, one warp access
-// covers two rows, fewer instructions per state byte); the state stays in registers (64 floats a
-// thread) across the step's tokens. The kernel is meant to be bound by moving the state (read and
-// written once per step); the dot products are shuffle reductions (DecodeLanes). A step that
-// folds the records step before it (kda.hpp, "Fold") applies that step's accepted records to the
-// state right after loading it, with the commit's operations (commit.cu).
+// 8 warps per (sequence, head), in 1, 2 or 4 blocks (blocks_per_head below); warp w owns rows v in
+// [16w, 16w + 16) of S^T (V-first state) and each lane 4 consecutive channels of K of every row
+// (fp32 state: a row is one 512-byte warp access), or 8 of every other row (bf16 state: a half-warp
+// per row, one warp access covers two rows, fewer instructions per state byte); the state stays in
+// registers (64 floats a thread) across the step's tokens. The kernel is meant to be bound by
+// moving the state (read and written once per step); the dot products are shuffle reductions
+// (DecodeLanes). A step that folds the records step before it (kda.hpp, "Fold") applies that step's
+// accepted records to the state right after loading it, with the commit's operations (commit.cu).
 //
 // The step's output goes through an epilogue (StoreOut for the operator's out): launch_decode is
 // a template over it, so that a caller inside the project (the whole layer's gated RMSNorm,
@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -31,7 +32,7 @@
 namespace kda::detail {
 
 constexpr int D = 128;
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;          // a (sequence, head)'s warps, in all its blocks
 constexpr int kRows = D / kWarps;  // 16 rows of S^T per warp
 
 // The kernel's parameters in two structs: what every step reads, kept within 128 bytes, and what
@@ -104,10 +105,13 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
 // ahead() before the step's arithmetic (what the epilogue loads for the lane's row, so that its
 // latency hides behind the step's) and token() after it, with the value of row `row` of token
 // `tok`, head h, where `holds` says the lane holds one. A row the step skips (padding, or bad
-// metadata reported) gets skipped() from the whole block, which then returns. The operator's:
-// out stored, a skipped row's left as it was. A caller that consumes the rows in the same launch
-// (the layer's gated norm, layer/src/cuda/decode_norm.cu) passes its own.
+// metadata reported) gets skipped() from the whole block, which then returns. An epilogue that
+// combines a head's rows across its warps says so (kWholeHead): its step runs one block a head
+// (decode_blocks_per_head). The operator's: out stored, a skipped row's left as it was. A caller
+// that consumes the rows in the same launch (the layer's gated norm, layer/src/cuda/decode_norm.cu)
+// passes its own.
 struct StoreOut {
+  static constexpr bool kWholeHead = false;
   struct Nothing {};
   __device__ __forceinline__ Nothing ahead(const DecodeParams&, std::int64_t, int, int,
                                            bool) const {
@@ -125,22 +129,32 @@ struct StoreOut {
 // the pool only read, each token's record (alpha, k^, u) written instead of its state.
 // kFold: a plain or records step that folds the records step before it (kda.hpp, "Fold";
 // compiled apart, as the verify forms are, so that a step without a fold runs the kernel it ran).
-template <bool kF32State, int kVec, bool kVerify, bool kRecords, bool kFold, class Epilogue>
-__global__ void __launch_bounds__(kWarps * 32, 2)
+// kSplit: the blocks a (sequence, head)'s 8 warps are cut into (1, 2 or 4), block blockIdx.z
+// holding warps [blockIdx.z 8 / kSplit, ...). The warps never meet (but in a kWholeHead epilogue,
+// which takes one block), so the cut is only the block scheduler's granularity: below.
+template <bool kF32State, int kVec, bool kVerify, bool kRecords, bool kFold, class Epilogue,
+          int kSplit>
+__global__ void __launch_bounds__(kWarps / kSplit * 32, 2 * kSplit)
     kda_decode_kernel(const DecodeParams p, const DecodeExtras x, const Epilogue epilogue) {
   static_assert(!(kVerify && kRecords), "the records form reads slots as a plain step does");
   static_assert(!(kVerify && kFold), "a per-token-states verify step does not fold");
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "1, 2 or 4 blocks a head");
+  static_assert(!Epilogue::kWholeHead || kSplit == 1, "an epilogue over a head's warps: one block");
+  const int lane = threadIdx.x & 31;
+  // The warp and thread over the head's blocks (one block: the same as within it).
+  const int warp = static_cast<int>(
+      kSplit == 1 ? threadIdx.x >> 5 : (threadIdx.x >> 5) + blockIdx.z * (kWarps / kSplit));
+  const int tid = kSplit == 1 ? static_cast<int>(threadIdx.x) : 32 * warp + lane;
   // A verify step starts from the slot after the row's last accepted token (kda.hpp).
   constexpr bool verify = kVerify;
   std::int32_t slot = -1;
   if constexpr (verify) {
     const std::int32_t accepted = p.num_accepted[b];
     if (accepted < 1 || accepted > p.tokens) {
-      if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
+      if (h == 0 && tid == 0) report_status(p.status, kDeviceStatusAccepted);
     } else {
       slot = p.slots[b * p.tokens + accepted - 1];
     }
@@ -148,12 +162,12 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     slot = p.slots[b];
   }
   if (b == 0) {  // the first row's blocks (one per head) check the gate parameters for everyone
-    const int k = threadIdx.x & (D - 1);
-    if (gate_params_bad(threadIdx.x == 0 ? p.in.A_log[h] : 0.f, p.in.dt_bias[h * D + k])) {
+    const int k = tid & (D - 1);
+    if (gate_params_bad(tid == 0 ? p.in.A_log[h] : 0.f, p.in.dt_bias[h * D + k])) {
       report_status(p.status, kDeviceStatusGateParams);
     }
   }
-  if (slot >= p.num_slots && h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
+  if (slot >= p.num_slots && h == 0 && tid == 0) report_status(p.status, kDeviceStatusSlot);
   // Padding (a negative entry or the caller's null slot), or out of range: skipped, never indexed.
   if (slot < 0 || slot >= p.num_slots || slot == p.padding_slot) {
     epilogue.skipped(p, b, h);
@@ -164,7 +178,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
   if (kFold && (fold_row = x.fold_rows[b]) >= 0) {
     fold_count = x.fold_counts[b];
     if (fold_row >= x.fold_batch || fold_count < 1 || fold_count > x.fold_tokens) {
-      if (h == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusAccepted);
+      if (h == 0 && tid == 0) report_status(p.status, kDeviceStatusAccepted);
       epilogue.skipped(p, b, h);
       return;
     }
@@ -374,7 +388,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2)
     epilogue.token(p, tok, h, row_of(i_mine), mine, i_mine < L::kSteps, ahead);
     if constexpr (verify) {  // the state after this token, where the row keeps it
       const std::int32_t keep = p.slots[b * p.tokens + t];
-      if (keep >= p.num_slots && h == 0 && threadIdx.x == 0) {
+      if (keep >= p.num_slots && h == 0 && tid == 0) {
         report_status(p.status, kDeviceStatusSlot);
       }
       if (keep >= 0 && keep < p.num_slots && keep != p.padding_slot)
@@ -399,6 +413,34 @@ inline int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
   return wide ? 8 : 4;
 }
 
+// The blocks a (sequence, head)'s warps are cut into, for a plain step (the verify, records and
+// fold forms keep one, as does an epilogue over a head's warps). The warps never meet, so the cut
+// changes no bit; it changes what the block scheduler hands out. Smaller blocks win where the grid
+// is a few waves (the last blocks' ramp and drain are shorter) and lose where it is many (more
+// blocks to hand out: more per-block cost). Measured on the H200 (kda-bench --decode, H = 32, one
+// token, two rounds, us at B = 1 / 16 / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41
+// / 3.19, 15.50 / 14.78 / 14.46, 74.8 / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76
+// / 2.70, 9.19 / 8.77 / 8.76, 45.6 / 42.0 / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by
+// the step's (sequence, head) pairs: fp32 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048,
+// else 2. CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in
+// the environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces
+// the rule where the options leave it open. The whole layer's gated norm (kWholeHead) was measured
+// with its head's blocks as a thread block cluster meeting for the sum of squares in distributed
+// shared memory, and lost (docs/design/decode.md): it keeps one block.
+inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt, bool whole_head) {
+  if (p.verify || p.records || p.folds() || whole_head) return 1;
+  if (opt.decode_blocks_per_head != 0) return opt.decode_blocks_per_head;
+  static const int forced = [] {
+    const char* env = std::getenv("KDA_DECODE_BLOCKS_PER_HEAD");
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v == 1 || v == 2 || v == 4 ? v : 0;
+  }();
+  if (forced != 0) return forced;
+  const std::int64_t pairs = p.batch * p.num_heads;
+  if (p.state_dtype == DType::kF32) return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
+  return pairs <= 2048 ? 4 : 2;
+}
+
 // kda::decode_cuda with `epilogue` in place of StoreOut: the same checks, then the kernel compiled
 // for the step's form and state.
 template <class Epilogue>
@@ -414,6 +456,12 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
   if (opt.check_pointers) {
     st = check_device_arguments(args);
     if (!st.ok()) return st;
+  }
+  if (opt.decode_blocks_per_head != 0 && opt.decode_blocks_per_head != 1 &&
+      opt.decode_blocks_per_head != 2 && opt.decode_blocks_per_head != 4) {
+    return Status(StatusCode::kInvalidArgument, "CudaOptions::decode_blocks_per_head is " +
+                                                    std::to_string(opt.decode_blocks_per_head) +
+                                                    ", not 0, 1, 2 or 4");
   }
   if (p.batch == 0) return Status::Ok();
   DecodeParams prm{};
@@ -439,31 +487,49 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
   prm.lower_bound = p.lower_bound;
   prm.scale = p.effective_scale();
   prm.status = t.device_status;
+  const int split = decode_blocks_per_head(p, opt, Epilogue::kWholeHead);
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads));
-  cfg.blockDim = dim3(kWarps * 32);
+  cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads),
+                     static_cast<unsigned>(split));
+  cfg.blockDim = dim3(kWarps / split * 32);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
   const bool wide = decode_vec(p, t) == 8;
-  // The kernel compiled for the step's form (kVerify, kRecords, kFold) and its state: fp32, or bf16
-  // at eight or four channels a lane.
-  auto launch = [&](auto verify, auto records, auto fold) {
+  // The kernel compiled for the step's form (kVerify, kRecords, kFold), its state (fp32, or bf16
+  // at eight or four channels a lane) and its blocks a head.
+  auto launch = [&](auto verify, auto records, auto fold, auto blocks) {
     constexpr bool kV = decltype(verify)::value, kR = decltype(records)::value;
     constexpr bool kF = decltype(fold)::value;
+    constexpr int kS = decltype(blocks)::value;
     return p.state_dtype == DType::kF32
-               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, kV, kR, kF, Epilogue>, prm,
+               ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<true, 4, kV, kR, kF, Epilogue, kS>, prm,
                                     extras, epilogue)
-           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, kV, kR, kF, Epilogue>, prm,
-                                       extras, epilogue)
-                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, kV, kR, kF, Epilogue>, prm,
-                                       extras, epilogue);
+           : wide ? cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 8, kV, kR, kF, Epilogue, kS>,
+                                       prm, extras, epilogue)
+                  : cudaLaunchKernelEx(&cfg, kda_decode_kernel<false, 4, kV, kR, kF, Epilogue, kS>,
+                                       prm, extras, epilogue);
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  const cudaError_t err = p.folds()   ? (p.records ? launch(No{}, Yes{}, Yes{})  // records, folding
-                                                   : launch(No{}, No{}, Yes{}))  // plain, folding
-                          : p.records ? launch(No{}, Yes{}, No{})
-                          : p.verify  ? launch(Yes{}, No{}, No{})
-                                      : launch(No{}, No{}, No{});
+  using One = std::integral_constant<int, 1>;
+  // A plain step in 2 or 4 blocks a head (never an epilogue over a head's warps: not compiled).
+  auto launch_plain = [&]() {
+    if constexpr (!Epilogue::kWholeHead) {
+      if (split == 4) return launch(No{}, No{}, No{}, std::integral_constant<int, 4>{});
+      if (split == 2) return launch(No{}, No{}, No{}, std::integral_constant<int, 2>{});
+    }
+    return launch(No{}, No{}, No{}, One{});
+  };
+  cudaError_t err;
+  if (p.folds()) {
+    err = p.records ? launch(No{}, Yes{}, Yes{}, One{})  // records, folding
+                    : launch(No{}, No{}, Yes{}, One{});  // plain, folding
+  } else if (p.records) {
+    err = launch(No{}, Yes{}, No{}, One{});
+  } else if (p.verify) {
+    err = launch(Yes{}, No{}, No{}, One{});
+  } else {
+    err = launch_plain();
+  }
   return cuda_status(err, "kda_decode_kernel");
 }
 

@@ -16,6 +16,7 @@ namespace {
 constexpr int D = kNormHeadDim;
 
 struct GatedNormEpilogue {
+  static constexpr bool kWholeHead = true;  // the head's sum of squares spans its 8 warps
   const float* gate;
   const std::uint16_t* bias;
   const float* o_norm;
