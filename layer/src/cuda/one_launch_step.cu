@@ -280,6 +280,29 @@ __device__ __forceinline__ void load_tile_round(const OneLaunchStepParams& p, co
   }
 }
 
+// The warps' m16n8 sums of a tile, as project_rows_mma and o_proj_rows_mma add them: warp w's
+// acc[j] of lane l is stored at `partial` [(4 w + j) 32 + l] (stash_warp_sums, then a block
+// barrier); entry i in [0, 128) of a tile, acc[j = i / 32] of lane l = i % 32, is weight row
+// l / 4 (+ 8 for j >= 2) of the tile and input row 2 (l % 4) + j % 2, summed over warps first,
+// first + stride, ... in that order.
+__device__ __forceinline__ void stash_warp_sums(float* partial, const float (&acc)[4]) {
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
+}
+struct TileEntry {
+  int weight_row;  // in the tile
+  int input_row;
+  float sum;
+};
+__device__ __forceinline__ TileEntry sum_warp_tiles(const float* partial, int i, int first,
+                                                    int stride) {
+  const int j = i / 32, l = i % 32;
+  float sum = 0.0f;
+  for (int w = first; w < kWarps; w += stride) sum += partial[(w * 4 + j) * 32 + l];
+  return {l / 4 + (j >= 2 ? 8 : 0), 2 * (l % 4) + j % 2, sum};
+}
+
 // The input projection of several rows (p.rows, at most 8) on the tensor cores: the block takes
 // tiles of 16 weight rows (those of w_in, then with the full-rank gate w_g's), block b tiles b,
 // b + blocks, ...; its warps split K in 64-column steps, each lane loading 16 bytes of weight rows
@@ -295,7 +318,7 @@ __device__ void project_rows_mma(const OneLaunchStepParams& p, const SmemPlan& p
                                  const uint4* x_s, float* partial, std::uint64_t* exchange,
                                  std::int64_t row_words, std::uint32_t tag) {
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31, warp = tid >> 5, g = lane / 4, q = lane % 4;
+  const int lane = tid & 31, g = lane / 4, q = lane % 4;
   const int R = p.rows;
   const uint4* x_row = x_s + (g < R ? g : 0) * plan.x_chunks;
   for (std::int64_t t = blockIdx.x; t < work.tiles; t += gridDim.x) {
@@ -314,20 +337,16 @@ __device__ void project_rows_mma(const OneLaunchStepParams& p, const SmemPlan& p
         }
       }
     }
-#pragma unroll
-    for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
+    stash_warp_sums(partial, acc);
     __syncthreads();
     if (tid < 4 * 32) {
-      // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of the tile, row 2 (l % 4) + j % 2.
-      const int j = tid / 32, l = tid % 32;
-      float sum = 0.0f;
-      for (int other = 0; other < kWarps; ++other) sum += partial[(other * 4 + j) * 32 + l];
-      const std::int64_t n = 16 * t + l / 4 + (j >= 2 ? 8 : 0);
-      const int r = 2 * (l % 4) + j % 2;
+      const TileEntry entry = sum_warp_tiles(partial, tid, 0, 1);
+      const std::int64_t n = 16 * t + entry.weight_row;
+      const int r = entry.input_row;
       if (n < work.rows_total && r < R) {
         const bool gate_row = !kLowRank && n >= p.proj_rows;
         put_word(exchange + r * row_words + n, tag,
-                 gate_row ? __float_as_uint(sum) : float_to_bits(sum));
+                 gate_row ? __float_as_uint(entry.sum) : float_to_bits(entry.sum));
       }
     }
     __syncthreads();
@@ -397,7 +416,8 @@ __device__ void load_out_fragments(const OneLaunchStepParams& p, std::int64_t e0
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const std::int64_t e = e0 + 16 * t + 8 * half + g;
-    const auto* row = reinterpret_cast<const uint4*>(p.w_o + e * Cl);
+    // Past the block's rows the lane loads nothing; its pointer stays at W_o's start.
+    const auto* row = reinterpret_cast<const uint4*>(e < e1 ? p.w_o + e * Cl : p.w_o);
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       wo[2 * c + half] =
@@ -421,17 +441,14 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
       fragment_mma(acc, wo[2 * c], wo[2 * c + 1], xv);
     }
   }
-#pragma unroll
-  for (int j = 0; j < 4; ++j) partial[(warp * 4 + j) * 32 + lane] = acc[j];
+  stash_warp_sums(partial, acc);
   __syncthreads();
   if (tid < tiles * 128) {
-    // acc[j] of lane l: weight row l / 4 (+ 8 for j >= 2) of the tile, row 2 (l % 4) + j % 2.
-    const int tile = tid / 128, j = (tid / 32) % 4, l = tid % 32;
-    float sum = 0.0f;
-    for (int w = tile; w < kWarps; w += tiles) sum += partial[(w * 4 + j) * 32 + l];
-    const std::int64_t e = e0 + 16 * tile + l / 4 + (j >= 2 ? 8 : 0);
-    const int r = 2 * (l % 4) + j % 2;
-    if (e < e1 && r < R) p.out[r * E + e] = float_to_bits(sum);
+    const int tile = tid / 128;
+    const TileEntry entry = sum_warp_tiles(partial, tid % 128, tile, tiles);
+    const std::int64_t e = e0 + 16 * tile + entry.weight_row;
+    const int r = entry.input_row;
+    if (e < e1 && r < R) p.out[r * E + e] = float_to_bits(entry.sum);
   }
 }
 
@@ -441,6 +458,15 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
 // sums added pairwise, then the L lanes' by shuffles: the one-row pass from shared memory's order
 // where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one row it took the TP8
 // shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against 10.4-10.5 us).
+// A weight row's four partial sums a thread added pairwise, then over the row's L threads by
+// shuffles (both one-row o_proj paths: o_proj_row_held and the pass from shared memory).
+__device__ __forceinline__ float sum_row(const float (&a)[4], int L) {
+  float acc = (a[0] + a[1]) + (a[2] + a[3]);
+  for (int offset = L / 2; offset > 0; offset /= 2) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  }
+  return acc;
+}
 __device__ void load_out_row(const OneLaunchStepParams& p, const SmemPlan& plan, std::int64_t e0,
                              std::int64_t e1, uint4 (&wo)[4]) {
   const int tid = static_cast<int>(threadIdx.x), L = plan.out_lanes;
@@ -462,9 +488,7 @@ __device__ void o_proj_row_held(const OneLaunchStepParams& p, const SmemPlan& pl
 #pragma unroll
   for (int u = 0; u < 4; ++u)
     a[u] = sub + u * L < y_chunks ? dot8(wo[u], y_s[sub + u * L], 0.0f) : 0.0f;
-  float acc = (a[0] + a[1]) + (a[2] + a[3]);
-  for (int offset = L / 2; offset > 0; offset /= 2)
-    acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  const float acc = sum_row(a, L);
   if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
 }
 
@@ -885,22 +909,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       for (std::int64_t base = e0; base < e1; base += kThreads / L) {  // warp-uniform
         const std::int64_t e = base + tid / L;
-        float acc = 0.0f;
+        // Four sums in flight a thread (chunks sub, sub + L, ... in turn), added pairwise.
+        float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (e < e1) {
-          // Four sums in flight a thread (chunks sub, sub + L, ... in turn), added pairwise.
           const uint4* row = rows + (e - e0) * y_chunks;
-          float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           std::int64_t c = sub;
           for (; c + 3 * L < y_chunks; c += 4 * L) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) a[u] = dot8(row[c + u * L], y_s[c + u * L], a[u]);
           }
           for (; c < y_chunks; c += L) a[0] = dot8(row[c], y_s[c], a[0]);
-          acc = (a[0] + a[1]) + (a[2] + a[3]);
         }
-        for (int offset = L / 2; offset > 0; offset /= 2) {
-          acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-        }
+        const float acc = sum_row(a, L);
         if (e < e1 && sub == 0) p.out[e] = float_to_bits(acc);
       }
     }
