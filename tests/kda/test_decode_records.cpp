@@ -83,7 +83,7 @@ RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsi
     t.fold_counts = static_cast<const std::int32_t*>(fold_counts.get());
   }
   if (backend == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
-  r.status = backend == Backend::kCpu ? decode_cpu(p, t) : decode_cuda(p, t, nullptr);
+  r.status = backend == Backend::kCpu ? decode_cpu(p, t) : decode_cuda(p, t, nullptr, dc.cuda);
   if (r.status.ok()) r.status = Buffer::synchronize();
   r.pool = pool.template download<unsigned char>();
   r.out = out.template download<std::uint16_t>();
@@ -775,6 +775,35 @@ KDA_MATRIX_CASE(
       const std::size_t row_out = static_cast<std::size_t>(T2 * H * D);
       CHECK(std::all_of(got.out.begin() + row_out, got.out.begin() + 2 * row_out,
                         [](std::uint16_t x) { return x == 0xFFFF; }));
+      // CUDA: the per-token-states, records and folding steps in 1, 2 or 4 blocks a head
+      // (CudaOptions::decode_blocks_per_head) compute the same bits as the count by shape.
+      if (runner.backend() == Backend::kCuda) {
+        const auto same_bytes = [](const std::vector<float>& a, const std::vector<float>& b) {
+          return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+        };
+        const DecodeRun per_token = runner.decode(f.per_token);
+        REQUIRE(per_token.status.ok());
+        for (const int blocks : {1, 2, 4}) {
+          CAPTURE(blocks);
+          DecodeCase per_token_cut = f.per_token, first_cut = f.records, next_cut = next;
+          per_token_cut.cuda.decode_blocks_per_head = first_cut.cuda.decode_blocks_per_head =
+              next_cut.cuda.decode_blocks_per_head = blocks;
+          const DecodeRun a = runner.decode(per_token_cut);
+          REQUIRE(a.status.ok());
+          CHECK(a.out == per_token.out);
+          CHECK(a.pool == per_token.pool);
+          const RecordsRun b = records_step(runner, first_cut);
+          REQUIRE(b.status.ok());
+          CHECK(b.out == first.out);
+          CHECK(same_bytes(b.records, first.records));
+          const RecordsRun c = step(runner, next_cut, p0, &fold);
+          REQUIRE(c.status.ok());
+          CHECK(c.device_status == 0);
+          CHECK(c.out == got.out);
+          CHECK(c.pool == got.pool);
+          CHECK(same_bytes(c.records, got.records));
+        }
+      }
     }
   }
 }

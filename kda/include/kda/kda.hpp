@@ -274,9 +274,9 @@ struct CudaOptions {
   // The prefill's schedule (forward_cuda only; the decode and the segment transition ignore it).
   // A value outside the enum is kInvalidArgument.
   PrefillSchedule schedule = PrefillSchedule::kAuto;
-  // The decode's thread blocks per (sequence, head) of a plain step (decode_cuda only): its 8 warps
-  // in 1, 2 or 4 blocks; 0 chooses by the step's shape (docs/design/decode.md). The same bits
-  // whatever the count; another value is kInvalidArgument.
+  // The decode's thread blocks per (sequence, head) (decode_cuda only): a step's 8 warps a head in
+  // 1, 2 or 4 blocks; 0 chooses by the step's shape (docs/design/decode.md). The same bits whatever
+  // the count; another value is kInvalidArgument.
   int decode_blocks_per_head = 0;
 };
 

@@ -413,22 +413,25 @@ inline int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
   return wide ? 8 : 4;
 }
 
-// The blocks a (sequence, head)'s warps are cut into, for a plain step (the verify, records and
-// fold forms keep one, as does an epilogue over a head's warps). The warps never meet, so the cut
-// changes no bit; it changes what the block scheduler hands out. Smaller blocks win where the grid
-// is a few waves (the last blocks' ramp and drain are shorter) and lose where it is many (more
-// blocks to hand out: more per-block cost). Measured on the H200 (kda-bench --decode, H = 32, one
-// token, two rounds, us at B = 1 / 16 / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41
-// / 3.19, 15.50 / 14.78 / 14.46, 74.8 / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76
-// / 2.70, 9.19 / 8.77 / 8.76, 45.6 / 42.0 / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by
-// the step's (sequence, head) pairs: fp32 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048,
-// else 2. CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in
-// the environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces
-// the rule where the options leave it open. The whole layer's gated norm (kWholeHead) was measured
-// with its head's blocks as a thread block cluster meeting for the sum of squares in distributed
-// shared memory, and lost (docs/design/decode.md): it keeps one block.
+// The blocks a (sequence, head)'s warps are cut into, for every form of the step (an epilogue
+// over a head's warps keeps one). The warps never meet, so the cut changes no bit; it changes what
+// the block scheduler hands out. Smaller blocks win where the grid is a few waves (the last blocks'
+// ramp and drain are shorter) and lose where it is many (more blocks to hand out: more per-block
+// cost). Measured on the H200 (kda-bench --decode, H = 32, one token, two rounds, us at B = 1 / 16
+// / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41 / 3.19, 15.50 / 14.78 / 14.46, 74.8
+// / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76 / 2.70, 9.19 / 8.77 / 8.76, 45.6 / 42.0
+// / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by the step's (sequence, head) pairs: fp32
+// 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048, else 2. The verify forms of 4 and 8 tokens
+// (kda-bench --verify) follow it but for the per-token-states form with an fp32 state, which at B
+// = 64 (2048 pairs) took 1.03-1.04x longer in 2 blocks than in 1 (196.1 against 190.7 us at T = 4)
+// and keeps 1 above 1024 pairs.
+// CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in the
+// environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces the
+// rule where the options leave it open. The whole layer's gated norm (kWholeHead) was measured with
+// its head's blocks as a thread block cluster meeting for the sum of squares in distributed shared
+// memory, and lost (docs/design/decode.md): it keeps one block.
 inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt, bool whole_head) {
-  if (p.verify || p.records || p.folds() || whole_head) return 1;
+  if (whole_head) return 1;
   if (opt.decode_blocks_per_head != 0) return opt.decode_blocks_per_head;
   static const int forced = [] {
     const char* env = std::getenv("KDA_DECODE_BLOCKS_PER_HEAD");
@@ -437,7 +440,10 @@ inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt
   }();
   if (forced != 0) return forced;
   const std::int64_t pairs = p.batch * p.num_heads;
-  if (p.state_dtype == DType::kF32) return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
+  if (p.state_dtype == DType::kF32) {
+    if (p.verify) return pairs <= 1024 ? 4 : 1;
+    return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
+  }
   return pairs <= 2048 ? 4 : 2;
 }
 
@@ -510,25 +516,25 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  using One = std::integral_constant<int, 1>;
-  // A plain step in 2 or 4 blocks a head (never an epilogue over a head's warps: not compiled).
-  auto launch_plain = [&]() {
+  // In 2 or 4 blocks a head where the split asks it (never for an epilogue over a head's warps:
+  // not compiled).
+  auto launch_split = [&](auto verify, auto records, auto fold) {
     if constexpr (!Epilogue::kWholeHead) {
-      if (split == 4) return launch(No{}, No{}, No{}, std::integral_constant<int, 4>{});
-      if (split == 2) return launch(No{}, No{}, No{}, std::integral_constant<int, 2>{});
+      if (split == 4) return launch(verify, records, fold, std::integral_constant<int, 4>{});
+      if (split == 2) return launch(verify, records, fold, std::integral_constant<int, 2>{});
     }
-    return launch(No{}, No{}, No{}, One{});
+    return launch(verify, records, fold, std::integral_constant<int, 1>{});
   };
   cudaError_t err;
   if (p.folds()) {
-    err = p.records ? launch(No{}, Yes{}, Yes{}, One{})  // records, folding
-                    : launch(No{}, No{}, Yes{}, One{});  // plain, folding
+    err = p.records ? launch_split(No{}, Yes{}, Yes{})  // records, folding
+                    : launch_split(No{}, No{}, Yes{});  // plain, folding
   } else if (p.records) {
-    err = launch(No{}, Yes{}, No{}, One{});
+    err = launch_split(No{}, Yes{}, No{});
   } else if (p.verify) {
-    err = launch(Yes{}, No{}, No{}, One{});
+    err = launch_split(Yes{}, No{}, No{});
   } else {
-    err = launch_plain();
+    err = launch_split(No{}, No{}, No{});
   }
   return cuda_status(err, "kda_decode_kernel");
 }
