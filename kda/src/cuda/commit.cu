@@ -2,15 +2,16 @@
 // folded into its state in place, for every head of up to kMaxCommitLayers layers in one launch.
 //
 // Bound by moving the state (read and written once; the records are a few percent of its bytes).
-// One block per (layer, row, head, 64 rows of S^T), 256 threads: each thread holds kVec consecutive
-// channels of K (one 16-byte access: 4 fp32 or 8 bf16) of kSteps rows in registers. The block
-// first starts asynchronous copies of the row's accepted records (alpha and k^ whole, u of its 64
-// rows) into shared memory, then loads its part of the state, so that both are in flight together;
-// then it applies the records in token order with the verify kernel's element operations
-// (decode_kernel.cuh: S *= alpha, then S = fma(u, k^, S)), which makes the result equal bit for bit
-// to the state the per-token-states verify step keeps; a bf16 state rounds once, at the store, as
-// there. The layers' pointers travel by value in the kernel's parameters (__grid_constant__, so
-// that the kernel indexes them where they lie instead of copying the array to local memory).
+// One block per (layer, row, head), or two of half its rows where the grid is small, 256 threads:
+// each thread holds kVec consecutive channels of K (one 16-byte access: 4 fp32 or 8 bf16) of kSteps
+// rows in registers. The block first starts asynchronous copies of the row's accepted records
+// (alpha, k^ and u of its rows) into shared memory, then loads its rows of the state, so that both
+// are in flight together; then it applies the records in token order with the verify kernel's
+// element operations (decode_kernel.cuh: S *= alpha, then S = fma(u, k^, S)), which makes the
+// result equal bit for bit to the state the per-token-states verify step keeps; a bf16 state rounds
+// once, at the store, as there. The layers' pointers travel by value in the kernel's parameters
+// (__grid_constant__, so that the kernel indexes them where they lie instead of copying the array
+// to local memory).
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
@@ -28,7 +29,16 @@ namespace {
 
 constexpr int D = 128;
 constexpr int kThreads = 256;
-constexpr int kRowsPerBlock = 64;  // rows of S^T a block updates: D / 64 = 2 blocks per head
+// Rows of S^T a block updates: the whole head (kRowsPerBlock = D), or half of it where one block a
+// head leaves the multiprocessors with fewer than two blocks each. Every block of a head reads the
+// head's alpha and k^ whole, so one block a head reads them once; a grid too small for the
+// device is bound by its blocks' latency instead, and halves halve it. On the H200 (kda-bench
+// --verify): one commit over 20 layers at B = 64, two rounds, one block a head against two of 64
+// rows, fp32 T = 4 / 8 1466 / 1504 us against 1507 / 1581, bf16 784 / 948 against 993-996 / 1285
+// (four blocks of 32 rows: 1606-1609 / 1815-1817 and 1290 / 1875); one layer (two calls, so
+// roughly) at B = 64 fp32 76.5 / 81.9 against 78.0 / 84.2, bf16 42.6 / 52.2 against 50.7 / 68.9,
+// at B = 1 (32 blocks against 64) fp32 3.69 / 4.96 against 2.83 / 3.35, bf16 3.18 / 4.19 against
+// 2.82 / 3.51.
 constexpr int kRecordFloats = 3 * D;
 
 struct CommitPointers {
@@ -49,13 +59,13 @@ struct CommitParams {
 };
 static_assert(sizeof(CommitParams) <= 4096, "kernel parameters must stay within 4 KiB");
 
-template <bool kF32State>
+template <bool kF32State, int kRowsPerBlock>
 __global__ void __launch_bounds__(kThreads)
     kda_commit_kernel(const __grid_constant__ CommitParams p) {
   constexpr int kVec = kF32State ? 4 : 8;                // state elements per 16-byte access
   constexpr int kLanesPerRow = D / kVec;                 // 32 or 16 threads per row
   constexpr int kRowsPerPass = kThreads / kLanesPerRow;  // 8 or 16 rows per block-wide access
-  constexpr int kSteps = kRowsPerBlock / kRowsPerPass;   // 8 or 4 accesses per thread
+  constexpr int kSteps = kRowsPerBlock / kRowsPerPass;   // 16 or 8 accesses per thread
   constexpr int kPieces = (D + D + kRowsPerBlock) / 4;   // 16-byte pieces of a token's record
   __shared__ __align__(16) float s_alpha[kMaxDecodeTokens][D];
   __shared__ __align__(16) float s_k[kMaxDecodeTokens][D];
@@ -208,14 +218,20 @@ Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_la
   prm.tokens = static_cast<int>(p.tokens);
   prm.num_heads = static_cast<int>(p.num_heads);
   for (int i = 0; i < num_layers; ++i) prm.layers[i] = {layers[i].records, layers[i].state_pool};
+  const std::int64_t heads = p.batch * num_layers * p.num_heads;
+  const bool halves = heads < 2 * static_cast<std::int64_t>(current_device_sm_count());
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch * num_layers),
-                     static_cast<unsigned>(p.num_heads), D / kRowsPerBlock);
+                     static_cast<unsigned>(p.num_heads), halves ? 2 : 1);
   cfg.blockDim = dim3(kThreads);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
-  const cudaError_t err = p.state_dtype == DType::kF32
-                              ? cudaLaunchKernelEx(&cfg, kda_commit_kernel<true>, prm)
-                              : cudaLaunchKernelEx(&cfg, kda_commit_kernel<false>, prm);
+  const bool f32 = p.state_dtype == DType::kF32;
+  const cudaError_t err =
+      halves
+          ? cudaLaunchKernelEx(
+                &cfg, f32 ? kda_commit_kernel<true, D / 2> : kda_commit_kernel<false, D / 2>, prm)
+          : cudaLaunchKernelEx(&cfg, f32 ? kda_commit_kernel<true, D> : kda_commit_kernel<false, D>,
+                               prm);
   return cuda_status(err, "kda_commit_kernel");
 }
 
