@@ -29,16 +29,6 @@ namespace {
 
 constexpr int D = 128;
 constexpr int kThreads = 256;
-// Rows of S^T a block updates: the whole head (kRowsPerBlock = D), or half of it where one block a
-// head leaves the multiprocessors with fewer than two blocks each. Every block of a head reads the
-// head's alpha and k^ whole, so one block a head reads them once; a grid too small for the
-// device is bound by its blocks' latency instead, and halves halve it. On the H200 (kda-bench
-// --verify): one commit over 20 layers at B = 64, two rounds, one block a head against two of 64
-// rows, fp32 T = 4 / 8 1466 / 1504 us against 1507 / 1581, bf16 784 / 948 against 993-996 / 1285
-// (four blocks of 32 rows: 1606-1609 / 1815-1817 and 1290 / 1875); one layer (two calls, so
-// roughly) at B = 64 fp32 76.5 / 81.9 against 78.0 / 84.2, bf16 42.6 / 52.2 against 50.7 / 68.9,
-// at B = 1 (32 blocks against 64) fp32 3.69 / 4.96 against 2.83 / 3.35, bf16 3.18 / 4.19 against
-// 2.82 / 3.51.
 constexpr int kRecordFloats = 3 * D;
 
 struct CommitPointers {
@@ -59,13 +49,23 @@ struct CommitParams {
 };
 static_assert(sizeof(CommitParams) <= 4096, "kernel parameters must stay within 4 KiB");
 
+// kRowsPerBlock: the rows of S^T a block updates, the whole head (D), or half of it where one block
+// a head leaves the multiprocessors with fewer than two blocks each. Every block of a head reads
+// the head's alpha and k^ whole, so one block a head reads them once; a grid too small for the
+// device is bound by its blocks' latency instead, and halves halve it. On the H200 (kda-bench
+// --verify): one commit over 20 layers at B = 64, two rounds, one block a head against two of 64
+// rows, fp32 T = 4 / 8 1466 / 1504 us against 1507 / 1581, bf16 784 / 948 against 993-996 / 1285
+// (four blocks of 32 rows: 1606-1609 / 1815-1817 and 1290 / 1875); one layer (two calls, so
+// roughly) at B = 64 fp32 76.5 / 81.9 against 78.0 / 84.2, bf16 42.6 / 52.2 against 50.7 / 68.9,
+// at B = 1 (32 blocks against 64) fp32 3.69 / 4.96 against 2.83 / 3.35, bf16 3.18 / 4.19 against
+// 2.82 / 3.51.
 template <bool kF32State, int kRowsPerBlock>
 __global__ void __launch_bounds__(kThreads)
     kda_commit_kernel(const __grid_constant__ CommitParams p) {
   constexpr int kVec = kF32State ? 4 : 8;                // state elements per 16-byte access
   constexpr int kLanesPerRow = D / kVec;                 // 32 or 16 threads per row
   constexpr int kRowsPerPass = kThreads / kLanesPerRow;  // 8 or 16 rows per block-wide access
-  constexpr int kSteps = kRowsPerBlock / kRowsPerPass;   // 16 or 8 accesses per thread
+  constexpr int kSteps = kRowsPerBlock / kRowsPerPass;   // accesses per thread
   constexpr int kPieces = (D + D + kRowsPerBlock) / 4;   // 16-byte pieces of a token's record
   __shared__ __align__(16) float s_alpha[kMaxDecodeTokens][D];
   __shared__ __align__(16) float s_k[kMaxDecodeTokens][D];

@@ -1,7 +1,7 @@
 // kda/src/cuda/decode_kernel.cuh — the CUDA decode step of KDA: 1..16 new tokens per sequence on a
 // pool of state slots, updated in place (decode.cu launches it for kda::decode_cuda).
 //
-// 8 warps per (sequence, head), in 1, 2 or 4 blocks (blocks_per_head below); warp w owns rows v in
+// 8 warps per (sequence, head), in 1, 2 or 4 blocks (decode_blocks_per_head); warp w owns rows v in
 // [16w, 16w + 16) of S^T (V-first state) and each lane 4 consecutive channels of K of every row
 // (fp32 state: a row is one 512-byte warp access), or 8 of every other row (bf16 state: a half-warp
 // per row, one warp access covers two rows, fewer instructions per state byte); the state stays in
