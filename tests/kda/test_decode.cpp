@@ -563,6 +563,27 @@ KDA_CUDA_CASE("decode: 1, 2 or 4 blocks a head give the same bits") {
     CHECK(r.pool == pool_bytes(d));
     for (const std::uint16_t x : r.out) CHECK(x == 0xFFFF);
   }
+  // Bad metadata only the device sees, at every count: a slot past the pool is skipped and
+  // reported (kDeviceStatusSlot, from one block of the head), its out left poisoned; the other
+  // rows the same bits whatever the count.
+  DecodeCase bad = make_decode_case(6, 1, 3, 9, DType::kF32, GateMode::kSoftplus, 4400);
+  bad.slots[2] = 9 + 4;
+  DecodeRun first_bad;
+  for (const int blocks : {1, 2, 4}) {
+    CAPTURE(blocks);
+    bad.cuda.decode_blocks_per_head = blocks;
+    const DecodeRun r = cuda.decode(bad);
+    REQUIRE(r.status.ok());
+    CHECK(r.device_status == kDeviceStatusSlot);
+    const std::size_t row = 3 * 128;
+    for (std::size_t i = 2 * row; i < 3 * row; ++i) CHECK(r.out[i] == 0xFFFF);
+    if (blocks == 1) {
+      first_bad = r;
+    } else {
+      CHECK(r.out == first_bad.out);
+      CHECK(r.pool == first_bad.pool);
+    }
+  }
 }
 
 // The contract asks q, k, g and a bf16 state pool to be 8-byte aligned; the bf16-state kernel's

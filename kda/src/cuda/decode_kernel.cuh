@@ -105,11 +105,12 @@ __device__ __forceinline__ void load_bf16(const bf16* p, float (&x)[kVec]) {
 // ahead() before the step's arithmetic (what the epilogue loads for the lane's row, so that its
 // latency hides behind the step's) and token() after it, with the value of row `row` of token
 // `tok`, head h, where `holds` says the lane holds one. A row the step skips (padding, or bad
-// metadata reported) gets skipped() from the whole block, which then returns. An epilogue that
-// combines a head's rows across its warps says so (kWholeHead): its step runs one block a head
-// (decode_blocks_per_head). The operator's: out stored, a skipped row's left as it was. A caller
-// that consumes the rows in the same launch (the layer's gated norm, layer/src/cuda/decode_norm.cu)
-// passes its own.
+// metadata reported) gets skipped() from the whole block, which then returns. Where a head's warps
+// are cut into several blocks (decode_blocks_per_head), every block of the head calls all three
+// and threadIdx.x counts within the block, not the head; an epilogue that combines a head's rows
+// across its warps says so (kWholeHead) and runs one block a head. The operator's: out stored, a
+// skipped row's left as it was. A caller that consumes the rows in the same launch (the layer's
+// gated norm, layer/src/cuda/decode_norm.cu) passes its own.
 struct StoreOut {
   static constexpr bool kWholeHead = false;
   struct Nothing {};
@@ -129,6 +130,10 @@ struct StoreOut {
 // the pool only read, each token's record (alpha, k^, u) written instead of its state.
 // kFold: a plain or records step that folds the records step before it (kda.hpp, "Fold";
 // compiled apart, as the verify forms are, so that a step without a fold runs the kernel it ran).
+__host__ __device__ constexpr bool valid_blocks_per_head(int blocks) {
+  return blocks == 1 || blocks == 2 || blocks == 4;
+}
+
 // kSplit: the blocks a (sequence, head)'s 8 warps are cut into (1, 2 or 4), block blockIdx.z
 // holding warps [blockIdx.z 8 / kSplit, ...). The warps never meet (but in a kWholeHead epilogue,
 // which takes one block), so the cut is only the block scheduler's granularity: below.
@@ -141,7 +146,7 @@ __global__ void __launch_bounds__(kWarps / kSplit * 32, 2 * kSplit)
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
-  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "1, 2 or 4 blocks a head");
+  static_assert(valid_blocks_per_head(kSplit), "1, 2 or 4 blocks a head");
   static_assert(!Epilogue::kWholeHead || kSplit == 1, "an epilogue over a head's warps: one block");
   const int lane = threadIdx.x & 31;
   // The warp and thread over the head's blocks (one block: the same as within it).
@@ -161,7 +166,7 @@ __global__ void __launch_bounds__(kWarps / kSplit * 32, 2 * kSplit)
   } else {
     slot = p.slots[b];
   }
-  if (b == 0) {  // the first row's blocks (one per head) check the gate parameters for everyone
+  if (b == 0) {  // the first row's blocks (1-4 a head) check the gate parameters for everyone
     const int k = tid & (D - 1);
     if (gate_params_bad(tid == 0 ? p.in.A_log[h] : 0.f, p.in.dt_bias[h * D + k])) {
       report_status(p.status, kDeviceStatusGateParams);
@@ -436,12 +441,12 @@ inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt
   static const int forced = [] {
     const char* env = std::getenv("KDA_DECODE_BLOCKS_PER_HEAD");
     const int v = env != nullptr ? std::atoi(env) : 0;
-    return v == 1 || v == 2 || v == 4 ? v : 0;
+    return valid_blocks_per_head(v) ? v : 0;
   }();
   if (forced != 0) return forced;
   const std::int64_t pairs = p.batch * p.num_heads;
   if (p.state_dtype == DType::kF32) {
-    if (p.verify) return pairs <= 1024 ? 4 : 1;
+    if (p.verify && !p.records) return pairs <= 1024 ? 4 : 1;  // per-token states
     return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
   }
   return pairs <= 2048 ? 4 : 2;
@@ -463,8 +468,7 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
     st = check_device_arguments(args);
     if (!st.ok()) return st;
   }
-  if (opt.decode_blocks_per_head != 0 && opt.decode_blocks_per_head != 1 &&
-      opt.decode_blocks_per_head != 2 && opt.decode_blocks_per_head != 4) {
+  if (opt.decode_blocks_per_head != 0 && !valid_blocks_per_head(opt.decode_blocks_per_head)) {
     return Status(StatusCode::kInvalidArgument, "CudaOptions::decode_blocks_per_head is " +
                                                     std::to_string(opt.decode_blocks_per_head) +
                                                     ", not 0, 1, 2 or 4");

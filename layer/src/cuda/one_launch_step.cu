@@ -452,12 +452,6 @@ __device__ void o_proj_rows_mma(const OneLaunchStepParams& p, const uint4 (&wo)[
   }
 }
 
-// One row: thread tid holds chunks sub, sub + L, sub + 2 L, sub + 3 L of W_o row e0 + tid / L
-// (L = out_lanes, sub = tid % L; zeros past the row or the block's rows), loaded when the block's
-// projection rows are done; o_proj_row_held sums them with y (chunk sub + u L into sum u, the four
-// sums added pairwise, then the L lanes' by shuffles: the one-row pass from shared memory's order
-// where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one row it took the TP8
-// shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against 10.4-10.5 us).
 // A weight row's four partial sums a thread added pairwise, then over the row's L threads by
 // shuffles (both one-row o_proj paths: o_proj_row_held and the pass from shared memory).
 __device__ __forceinline__ float sum_row(const float (&a)[4], int L) {
@@ -467,6 +461,12 @@ __device__ __forceinline__ float sum_row(const float (&a)[4], int L) {
   }
   return acc;
 }
+// One row: thread tid holds chunks sub, sub + L, sub + 2 L, sub + 3 L of W_o row e0 + tid / L
+// (L = out_lanes, sub = tid % L; zeros past the row or the block's rows), loaded when the block's
+// projection rows are done; o_proj_row_held sums them with y (chunk sub + u L into sum u, the four
+// sums added pairwise, then the L lanes' by shuffles: the one-row pass from shared memory's order
+// where a row has 4 L chunks, as the TP8 shard's), without a barrier. At one row it took the TP8
+// shard's step 0.2 us less than the tensor cores' tiles (10.2-10.3 against 10.4-10.5 us).
 __device__ void load_out_row(const OneLaunchStepParams& p, const SmemPlan& plan, std::int64_t e0,
                              std::int64_t e1, uint4 (&wo)[4]) {
   const int tid = static_cast<int>(threadIdx.x), L = plan.out_lanes;
