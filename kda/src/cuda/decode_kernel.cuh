@@ -419,24 +419,21 @@ inline int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
 }
 
 // The blocks a (sequence, head)'s warps are cut into, for every form of the step (an epilogue
-// over a head's warps keeps one). The warps never meet, so the cut changes no bit; it changes what
-// the block scheduler hands out. Smaller blocks win where the grid is a few waves (the last blocks'
-// ramp and drain are shorter) and lose where it is many (more blocks to hand out: more per-block
-// cost). Measured on the H200 (kda-bench --decode, H = 32, one token, two rounds, us at B = 1 / 16
-// / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41 / 3.19, 15.50 / 14.78 / 14.46, 74.8
-// / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76 / 2.70, 9.19 / 8.77 / 8.76, 45.6 / 42.0
-// / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by the step's (sequence, head) pairs: fp32
-// 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048, else 2. The verify forms of 4 and 8 tokens
-// (kda-bench --verify) follow it but for the per-token-states form with an fp32 state, which at B
-// = 64 (2048 pairs) took 1.03-1.04x longer in 2 blocks than in 1 (196.1 against 190.7 us at T = 4)
-// and keeps 1 above 1024 pairs.
+// over a head's warps keeps one: launch_decode). The warps never meet, so the cut changes no bit;
+// it changes what the block scheduler hands out. Smaller blocks win where the grid is a few waves
+// (the last blocks' ramp and drain are shorter) and lose where it is many (more blocks to hand out:
+// more per-block cost). Measured on the H200 (kda-bench --decode, H = 32, one token, two rounds, us
+// at B = 1 / 16 / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41 / 3.19, 15.50 / 14.78
+// / 14.46, 74.8 / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76 / 2.70, 9.19 / 8.77
+// / 8.76, 45.6 / 42.0 / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by the step's
+// (sequence, head) pairs: fp32 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048, else 2. The
+// verify forms of 4 and 8 tokens (kda-bench --verify) follow it but for the per-token-states form
+// with an fp32 state, which at B = 64 (2048 pairs) took 1.03-1.04x longer in 2 blocks than in 1
+// (196.1 against 190.7 us at T = 4) and keeps 1 above 1024 pairs.
 // CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in the
 // environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces the
-// rule where the options leave it open. The whole layer's gated norm (kWholeHead) was measured with
-// its head's blocks as a thread block cluster meeting for the sum of squares in distributed shared
-// memory, and lost (docs/design/decode.md): it keeps one block.
-inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt, bool whole_head) {
-  if (whole_head) return 1;
+// rule where the options leave it open.
+inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt) {
   if (opt.decode_blocks_per_head != 0) return opt.decode_blocks_per_head;
   static const int forced = [] {
     const char* env = std::getenv("KDA_DECODE_BLOCKS_PER_HEAD");
@@ -497,7 +494,10 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
   prm.lower_bound = p.lower_bound;
   prm.scale = p.effective_scale();
   prm.status = t.device_status;
-  const int split = decode_blocks_per_head(p, opt, Epilogue::kWholeHead);
+  // An epilogue over a head's warps (the whole layer's gated norm) runs one block a head: with its
+  // blocks as a thread block cluster meeting for the sum of squares in distributed shared memory it
+  // was measured slower (docs/design/decode.md), and its cut kernels are not compiled below.
+  const int split = Epilogue::kWholeHead ? 1 : decode_blocks_per_head(p, opt);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.batch), static_cast<unsigned>(p.num_heads),
                      static_cast<unsigned>(split));
@@ -520,8 +520,7 @@ Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* strea
   };
   using Yes = std::true_type;
   using No = std::false_type;
-  // In 2 or 4 blocks a head where the split asks it (never for an epilogue over a head's warps:
-  // not compiled).
+  // In 2 or 4 blocks a head where the split asks it.
   auto launch_split = [&](auto verify, auto records, auto fold) {
     if constexpr (!Epilogue::kWholeHead) {
       if (split == 4) return launch(verify, records, fold, std::integral_constant<int, 4>{});
