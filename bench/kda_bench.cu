@@ -5,9 +5,11 @@
 // (q, k, v, g, beta read, out written, fp32 state read and written) over the device-to-device copy
 // bandwidth measured at start. Prints markdown tables.
 //
-//   kda-bench [--prefill] [--decode] [--verify] [--host] [--iters N] [--case NAME]
+//   kda-bench [--prefill] [--decode] [--verify] [--host] [--iters N] [--case NAME] [--batch B]...
 //   (--verify: a speculative verify step, per-token states against records + commit and records
-//   folding the step before; not in the default set, which stays prefill, decode and host)
+//   folding the step before; not in the default set, which stays prefill, decode and host;
+//   --batch: the decode and verify rows' batch sizes instead of theirs, B = 1, 16, 64, 256 and
+//   B = 1, 64, 256)
 //   kda-bench --paths [--case NAME]   (host only: the softplus cases' prepare paths)
 #include <cuda_runtime.h>
 
@@ -566,10 +568,11 @@ std::int32_t* device_ints(Allocations& a, const std::vector<std::int32_t>& host)
   return d;
 }
 
-void run_decode(double bw, int iters) {
+void run_decode(double bw, int iters, std::vector<int> batches) {
   const int H = 32, D = 128;
-  const double fla_ms[] = {0, 0.061, 0.094, 0.379};
-  const int batches[] = {1, 16, 64, 256};
+  if (batches.empty()) batches = {1, 16, 64, 256};
+  // fla's fused_recurrent_kda (KDA.md §6), ms, where it was measured.
+  auto fla_ms = [](int B) { return B == 16 ? 0.061 : B == 64 ? 0.094 : B == 256 ? 0.379 : 0.0; };
   std::printf(
       "\n### CUDA decode (one token per sequence, H = 32, K = V = 128, state in place in a pool)"
       "\n\n");
@@ -580,8 +583,7 @@ void run_decode(double bw, int iters) {
   for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
     const bool bf16_state = state == kda::DType::kBF16;
     const int state_size = bf16_state ? 2 : 4;
-    for (int bi = 0; bi < 4; ++bi) {
-      const int B = batches[bi];
+    for (const int B : batches) {
       kda::DecodeProblem p;
       p.batch = B;
       p.tokens = 1;
@@ -601,11 +603,11 @@ void run_decode(double bw, int iters) {
       const double bytes = kda::bench::kda_core_bytes(B, B, H, D, state_size, true);
       const double gbps = bytes / (step_us * 1e-6) / 1e9;
       // fla's figure (KDA.md §6) is for an fp32 state.
-      const bool fla = fla_ms[bi] > 0 && !bf16_state;
+      const bool fla = fla_ms(B) > 0 && !bf16_state;
       std::printf("| %d | %s | %.2f | %.4f | %.0f | %.0f%% | %.2f | %s |\n", B,
                   bf16_state ? "bf16" : "f32", step_us, bytes / 1e9, gbps,
                   100.0 * bytes / (step_us * 1e-6) / bw, bytes / bw * 1e6,
-                  fla ? std::to_string(static_cast<int>(fla_ms[bi] * 1e3 + 0.5)).c_str() : "-");
+                  fla ? std::to_string(static_cast<int>(fla_ms(B) * 1e3 + 0.5)).c_str() : "-");
       std::fflush(stdout);
     }
   }
@@ -620,8 +622,9 @@ void run_decode(double bw, int iters) {
 // verify step's time over it, the records step without its commit).
 // ---------------------------------------------------------------------------------------------
 
-void run_verify(double bw, int iters) {
+void run_verify(double bw, int iters, std::vector<int> batches) {
   const int H = 32, D = 128;
+  if (batches.empty()) batches = {1, 64, 256};
   const double record_bytes = 3.0 * D * 4;  // one (token, head) record: alpha, k^, u in fp32
   std::printf(
       "\n### CUDA verify step: per-token states vs records + commit vs records folding the step "
@@ -636,7 +639,7 @@ void run_verify(double bw, int iters) {
     const double state_bytes = static_cast<double>(kda::dtype_size(state)) * D * D;
     const char* state_name = state == kda::DType::kBF16 ? "bf16" : "f32";
     for (const int T : {4, 8}) {
-      for (const int B : {1, 64, 256}) {
+      for (const int B : batches) {
         Allocations a;
         kda::DecodeTensors t = decode_inputs(a, B, T, H, D);
         // q, k, v, g, beta read and out written: the same in both forms.
@@ -981,6 +984,7 @@ int main(int argc, char** argv) {
        verify = false;
   int iters = 30;
   std::string only;
+  std::vector<int> batches;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--prefill")
@@ -999,10 +1003,13 @@ int main(int argc, char** argv) {
       iters = std::max(3, std::atoi(argv[++i]));
     else if (a == "--case" && i + 1 < argc)
       only = argv[++i];
+    else if (a == "--batch" && i + 1 < argc && std::atoi(argv[i + 1]) >= 1 &&
+             std::atoi(argv[i + 1]) <= 4096)
+      batches.push_back(std::atoi(argv[++i]));
     else {
       std::fprintf(stderr,
                    "usage: kda-bench [--prefill] [--decode] [--verify] [--checkpoints] [--host] "
-                   "[--paths] [--iters N] [--case NAME]\n");
+                   "[--paths] [--iters N] [--case NAME] [--batch B (1..4096)]...\n");
       return 2;
     }
   }
@@ -1020,8 +1027,8 @@ int main(int argc, char** argv) {
               kda::device_name(0).c_str(), bw / 1e12);
   if (prefill) run_prefill(bw, iters, only);
   if (checkpoints) run_checkpoints(bw, iters, only);
-  if (decode) run_decode(bw, iters);
-  if (verify) run_verify(bw, iters);
+  if (decode) run_decode(bw, iters, batches);
+  if (verify) run_verify(bw, iters, batches);
   if (host) run_host_overhead();
   return 0;
 }

@@ -426,10 +426,15 @@ inline int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
 // at B = 1 / 16 / 64 / 256 for 1 / 2 / 4 blocks): fp32 state 4.64 / 3.41 / 3.19, 15.50 / 14.78
 // / 14.46, 74.8 / 74.2 / 74.4, 280-282 / 285 / 290; bf16 3.59 / 2.76 / 2.70, 9.19 / 8.77
 // / 8.76, 45.6 / 42.0 / 40.7-41.0, 164.8-165.0 / 150.7 / 155.8-156.0. Hence by the step's
-// (sequence, head) pairs: fp32 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048, else 2. The
-// verify forms of 4 and 8 tokens (kda-bench --verify) follow it but for the per-token-states form
-// with an fp32 state, which at B = 64 (2048 pairs) took 1.03-1.04x longer in 2 blocks than in 1
-// (196.1 against 190.7 us at T = 4) and keeps 1 above 1024 pairs.
+// (sequence, head) pairs: fp32 4 up to 1024, 2 up to 2048, else 1; bf16 4 up to 2048, else 2.
+// Checked at B = 8-192 (kda-bench --decode --batch, two rounds): the rule's count within 0.4 %
+// (fp32) and 0.9 % (bf16) of the best at every B. A step of several tokens a row with an fp32
+// state (kda-bench --verify --batch, T = 4 and 8, B = 1-64) differs: the per-token-states form is
+// fastest in 4 blocks up to 128 pairs and in 1 from 256 (at 256-1024 pairs 4 blocks took 1.03-1.07x
+// one's: B = 32, T = 8, 184.8 against 173.0 us); the plain, records and folding forms keep 4 blocks
+// up to 2048 pairs (at 1536 and 2048, 2 blocks took 1.016-1.028x four's in the plain and records
+// forms, 0.995-0.996x in the folding form). Hence fp32: per-token states 4 up to 128 pairs, else
+// 1; other steps of several tokens 4 up to 2048, else 1.
 // CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in the
 // environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces the
 // rule where the options leave it open.
@@ -443,7 +448,8 @@ inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt
   if (forced != 0) return forced;
   const std::int64_t pairs = p.batch * p.num_heads;
   if (p.state_dtype == DType::kF32) {
-    if (p.verify && !p.records) return pairs <= 1024 ? 4 : 1;  // per-token states
+    if (p.verify && !p.records) return pairs <= 128 ? 4 : 1;  // per-token states
+    if (p.tokens > 1) return pairs <= 2048 ? 4 : 1;
     return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
   }
   return pairs <= 2048 ? 4 : 2;
