@@ -37,7 +37,8 @@
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
-// --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else).
+// --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else;
+// verify steps of any B asked for, else of B = 1, 64 and 256).
 // Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
 // --timeline (built with CUPTI, which comes with the CUDA Toolkit): for each row run (decode steps
 // and prefills), the kernels and memsets of one graph replay of the row's default forward as
@@ -645,8 +646,10 @@ int main(int argc, char** argv) {
       // B = 256, T = 8 would not fit beside its weights' copies: the two Kimi-Linear shapes only).
       if (shape.full_rank_gate || graph_only) continue;
       for (const std::int64_t T : {std::int64_t{4}, std::int64_t{8}}) {
-        for (const std::int64_t B : {std::int64_t{1}, std::int64_t{64}, std::int64_t{256}}) {
-          if (!wanted_batch(B)) continue;
+        // B = 1, 64 and 256, or the batch sizes asked for (--batch).
+        const std::vector<std::int64_t> verify_batches =
+            batches_wanted.empty() ? std::vector<std::int64_t>{1, 64, 256} : batches_wanted;
+        for (const std::int64_t B : verify_batches) {
           const std::int64_t W = config.conv_width, tokens = B * T, pool = B * T;
           std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(tokens * E));
           std::mt19937 rng(11);

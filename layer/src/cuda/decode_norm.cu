@@ -3,7 +3,9 @@
 // rows to GatedNormEpilogue instead of storing o; each lane normalizes the row it holds and writes
 // its y (the norm kernel's operations, gated_rmsnorm.cu, but the sum of squares taken in another
 // order: y may differ from the separate kernels' in its last bits): one launch and o's round trip
-// fewer a step. A row the step skips (padding, bad metadata) gets zeros in y.
+// fewer a step. A row the step skips (padding, bad metadata) gets zeros in y. A step of several
+// tokens a row whose core the operator's rule cuts into several blocks a head takes that cut
+// instead, o stored (zeros for the rows it skips), then the norm kernel (below).
 #include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
 #include "cuda/factor_rows.cuh"    // round_bf16
 #include "cuda/head_step.cuh"      // sum_over_warp, the norm's arithmetic
@@ -69,6 +71,42 @@ struct GatedNormEpilogue {
   }
 };
 
+// The core's rows stored into o as the operator stores its out, a skipped row's as zeros (so that
+// the norm kernel after it writes zeros into y), for a head cut into several blocks.
+struct StoreOZeroSkipped {
+  static constexpr bool kWholeHead = false;
+  std::uint16_t* o;
+  struct Nothing {};
+  __device__ __forceinline__ Nothing ahead(const kda::detail::DecodeParams&, std::int64_t, int, int,
+                                           bool) const {
+    return {};
+  }
+  __device__ __forceinline__ void token(const kda::detail::DecodeParams& p, std::int64_t tok, int h,
+                                        int row, float value, bool holds, Nothing) const {
+    if (holds) o[(tok * p.num_heads + h) * D + row] = float_to_bits(value);
+  }
+  // The head's first block writes the zeros (each of its blocks calls this).
+  __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,
+                                          int h) const {
+    if (blockIdx.z != 0 || threadIdx.x >= 32) return;
+    for (int t = 0; t < p.tokens; ++t) {
+      const std::int64_t at =
+          ((b * p.tokens + t) * p.num_heads + h) * D + 4 * static_cast<int>(threadIdx.x);
+      *reinterpret_cast<uint2*>(o + at) = make_uint2(0, 0);
+    }
+  }
+};
+
+// KDA_LAYER_SPLIT_CORE=0: a decode step of several tokens keeps the norm in the core's launch, one
+// block a head (a benchmark knob, read once; not part of the contract).
+bool split_core_allowed() {
+  static const bool allowed = [] {
+    const char* env = std::getenv("KDA_LAYER_SPLIT_CORE");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return allowed;
+}
+
 }  // namespace
 
 kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
@@ -80,6 +118,21 @@ kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
       reinterpret_cast<std::uintptr_t>(norm.o_norm) % 4 != 0) {
     return kda::Status(kda::StatusCode::kInvalidArgument,
                        "decode with the gated norm: gate, o_norm and y must be set and aligned");
+  }
+  if (problem.tokens > 1 && split_core_allowed() &&
+      kda::detail::decode_blocks_per_head(problem, options) > 1) {
+    if (norm.o == nullptr || reinterpret_cast<std::uintptr_t>(norm.o) % 8 != 0 ||
+        norm.rows != problem.batch * problem.tokens * problem.num_heads ||
+        norm.heads != problem.num_heads) {
+      return kda::Status(kda::StatusCode::kInvalidArgument,
+                         "decode with the gated norm: o (8-byte aligned), rows and heads must be "
+                         "set for a step of several tokens");
+    }
+    // (o is the norm's input, const there; the core writes it here)
+    const StoreOZeroSkipped store{const_cast<std::uint16_t*>(norm.o)};
+    const kda::Status st = kda::detail::launch_decode(problem, tensors, stream, options, store);
+    if (!st.ok() || problem.batch == 0) return st;
+    return kda::detail::cuda_status(launch_gated_rmsnorm(norm, stream), "gated_rmsnorm_kernel");
   }
   const GatedNormEpilogue epilogue{norm.gate, norm.bias, norm.o_norm, norm.y, norm.eps};
   return kda::detail::launch_decode(problem, tensors, stream, options, epilogue);
