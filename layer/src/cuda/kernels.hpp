@@ -159,11 +159,11 @@ cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
 // kda::decode_cuda with the gated RMSNorm above as its epilogue (decode_norm.cu): y from each
 // head's rows of o in the same launch, o itself not stored; a row the step skips (padding, bad
 // metadata) gets zeros in y. y may be the step's q: a block writes a token's y only after it has
-// read that token's q. A step of several tokens a row that the operator's rule
-// (CudaOptions::decode_blocks_per_head, by shape) cuts into several blocks a head runs cut
-// instead: o stored (norm.o, norm.rows = batch x tokens x heads and norm.heads must be set; zeros
-// for the skipped rows), then launch_gated_rmsnorm; y may differ from the one-launch form's in its
-// last bits (the sum of squares in another order). The operator's checks and statuses;
+// read that token's q. A step of several tokens a row instead stores o from the operator's kernel,
+// in as many blocks a head as its rule (CudaOptions::decode_blocks_per_head) gives (norm.o,
+// norm.rows = batch x tokens x heads and norm.heads must be set; zeros for the skipped rows), then
+// runs launch_gated_rmsnorm; y may differ from the one-launch form's in its last bits (the sum of
+// squares in another order). The operator's checks and statuses;
 // kInvalidArgument if gate, o_norm or y is null or misaligned (4, 4, 8 bytes).
 kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
                                    const kda::DecodeTensors& tensors, const GatedNormParams& norm,
