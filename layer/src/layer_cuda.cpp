@@ -945,8 +945,10 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   } else {
     KDA_NVTX_RANGE("core");
     if (decode) {
-      // The norm runs in the core's launch, as its epilogue (decode_norm.cu): y straight from the
-      // step's rows, zeros for the rows it skips (padding), o never stored.
+      // One token a row: the norm runs in the core's launch, as its epilogue (decode_norm.cu): y
+      // straight from the step's rows, zeros for the rows it skips (padding), o never stored.
+      // Several: o stored (zeros for the rows it skips), then the norm's own launch, both in
+      // decode_with_gated_norm (their time counts as the core's).
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
       t.slots = batch.slots != nullptr ? batch.slots : identity;
       t.num_accepted = batch.num_accepted;

@@ -434,7 +434,8 @@ inline int decode_vec(const DecodeProblem& p, const DecodeTensors& t) {
 // one's: B = 32, T = 8, 184.8 against 173.0 us); the plain, records and folding forms keep 4 blocks
 // up to 2048 pairs (at 1536 and 2048, 2 blocks took 1.016-1.028x four's in the plain and records
 // forms, 0.995-0.996x in the folding form). Hence fp32: per-token states 4 up to 128 pairs, else
-// 1; other steps of several tokens 4 up to 2048, else 1.
+// 1 (of one token: 4 up to 1024, else 1, the rule measured before); other steps of several tokens
+// 4 up to 2048, else 1.
 // CudaOptions::decode_blocks_per_head forces a count; KDA_DECODE_BLOCKS_PER_HEAD=1|2|4 in the
 // environment (read once; a knob for the benchmarks' A/B, not part of the contract) replaces the
 // rule where the options leave it open.
@@ -448,7 +449,9 @@ inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt
   if (forced != 0) return forced;
   const std::int64_t pairs = p.batch * p.num_heads;
   if (p.state_dtype == DType::kF32) {
-    if (p.verify && !p.records) return pairs <= 128 ? 4 : 1;  // per-token states
+    if (p.verify && !p.records) {  // per-token states
+      return pairs <= (p.tokens > 1 ? 128 : 1024) ? 4 : 1;
+    }
     if (p.tokens > 1) return pairs <= 2048 ? 4 : 1;
     return pairs <= 1024 ? 4 : pairs <= 2048 ? 2 : 1;
   }

@@ -123,12 +123,16 @@ kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
                        "decode with the gated norm: gate, o_norm and y must be set and aligned");
   }
   if (problem.tokens > 1 && split_core_allowed()) {
+    // The problem's own checks first (its sizes bounded before their product below).
+    if (const kda::Status st = kda::can_implement(problem, kda::Backend::kCuda); !st.ok())
+      return st;
     if (norm.o == nullptr || reinterpret_cast<std::uintptr_t>(norm.o) % 8 != 0 ||
+        reinterpret_cast<std::uintptr_t>(norm.gate) % 16 != 0 ||
         norm.rows != problem.batch * problem.tokens * problem.num_heads ||
         norm.heads != problem.num_heads) {
       return kda::Status(kda::StatusCode::kInvalidArgument,
-                         "decode with the gated norm: o (8-byte aligned), rows and heads must be "
-                         "set for a step of several tokens");
+                         "decode with the gated norm: o (8-byte aligned), gate (16-byte aligned), "
+                         "rows and heads must be set for a step of several tokens");
     }
     // (o is the norm's input, const there; the core writes it here)
     const StoreOZeroSkipped store{const_cast<std::uint16_t*>(norm.o)};
