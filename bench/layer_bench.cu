@@ -645,10 +645,10 @@ int main(int argc, char** argv) {
       // Speculative verify steps of T = 1 + k tokens a row, both forms (the K3 shard's pools at
       // B = 256, T = 8 would not fit beside its weights' copies: the two Kimi-Linear shapes only).
       if (shape.full_rank_gate || graph_only) continue;
+      // B = 1, 64 and 256, or the batch sizes asked for (--batch).
+      const std::vector<std::int64_t> verify_batches =
+          batches_wanted.empty() ? std::vector<std::int64_t>{1, 64, 256} : batches_wanted;
       for (const std::int64_t T : {std::int64_t{4}, std::int64_t{8}}) {
-        // B = 1, 64 and 256, or the batch sizes asked for (--batch).
-        const std::vector<std::int64_t> verify_batches =
-            batches_wanted.empty() ? std::vector<std::int64_t>{1, 64, 256} : batches_wanted;
         for (const std::int64_t B : verify_batches) {
           const std::int64_t W = config.conv_width, tokens = B * T, pool = B * T;
           std::vector<kda::bf16_bits> hidden(static_cast<std::size_t>(tokens * E));

@@ -20,6 +20,19 @@ namespace {
 
 constexpr int D = kNormHeadDim;
 
+// A skipped (row b, head h)'s rows of dst (bf16 [tokens, heads, D]): zeros for each of its tokens,
+// four values a thread of the block's first 32.
+__device__ __forceinline__ void zero_skipped_rows(std::uint16_t* dst,
+                                                  const kda::detail::DecodeParams& p,
+                                                  std::int64_t b, int h) {
+  if (threadIdx.x >= 32) return;
+  for (int t = 0; t < p.tokens; ++t) {
+    const std::int64_t at =
+        ((b * p.tokens + t) * p.num_heads + h) * D + 4 * static_cast<int>(threadIdx.x);
+    *reinterpret_cast<uint2*>(dst + at) = make_uint2(0, 0);
+  }
+}
+
 struct GatedNormEpilogue {
   static constexpr bool kWholeHead = true;  // the head's sum of squares spans its 8 warps
   const float* gate;
@@ -65,12 +78,7 @@ struct GatedNormEpilogue {
   // A skipped row's y: zeros for each of its tokens.
   __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,
                                           int h) const {
-    if (threadIdx.x >= 32) return;
-    for (int t = 0; t < p.tokens; ++t) {
-      const std::int64_t at =
-          ((b * p.tokens + t) * p.num_heads + h) * D + 4 * static_cast<int>(threadIdx.x);
-      *reinterpret_cast<uint2*>(y + at) = make_uint2(0, 0);
-    }
+    zero_skipped_rows(y, p, b, h);
   }
 };
 
@@ -91,12 +99,7 @@ struct StoreOZeroSkipped {
   // The head's first block writes the zeros (each of its blocks calls this).
   __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,
                                           int h) const {
-    if (blockIdx.z != 0 || threadIdx.x >= 32) return;
-    for (int t = 0; t < p.tokens; ++t) {
-      const std::int64_t at =
-          ((b * p.tokens + t) * p.num_heads + h) * D + 4 * static_cast<int>(threadIdx.x);
-      *reinterpret_cast<uint2*>(o + at) = make_uint2(0, 0);
-    }
+    if (blockIdx.z == 0) zero_skipped_rows(o, p, b, h);
   }
 };
 
