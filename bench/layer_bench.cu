@@ -1,20 +1,20 @@
 // kda-layer-bench — one whole KDA layer on CUDA (kda::layer), random weights, D = 128, conv width
-// 4, f32 recurrent state, in three shapes: Kimi-Linear-48B (hidden 2304, H = 32, softplus gate),
-// its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12 of 96, bounded gate
-// -5, and K3's full-rank output gate g_proj [C, E] in place of the low-rank g_a/g_b pair); prefill
-// T = 8192 (one sequence) and decode steps of B = 1, 2, 4, 8, 64, 256 sequences (one token each;
-// 2 and 4 place the fused step's limits: H = 32 B = 2 / 4 are 64 / 128 (row, head) pairs). Each
-// phase (projections, conv, core, norm, o_proj) is timed with the layer's CUDA events
-// (RunOptions::times; the call then waits for the layer); the table shows the median over the
-// timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole layer's
-// total against the sum of the phase floors, and "graph": the median of one forward captured in a
-// CUDA graph and replayed (events around each replay, no host in between: what a serving
-// runtime's captured decode step pays per layer). The graph holds the forwards of L layers of the
-// shape, each with its own weights and state pools, L the fewest whose weights exceed three times
-// the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from memory,
-// as in a model, where a single layer replayed alone would find a small shard's weights in L2.
-// Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto, which
-// at one token of up to a few sequences is the one-launch step, fused with the second factors
+// 4, f32 recurrent state (bf16 with --state bf16), in three shapes: Kimi-Linear-48B (hidden 2304, H
+// = 32, softplus gate), its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12
+// of 96, bounded gate -5, and K3's full-rank output gate g_proj [C, E] in place of the low-rank
+// g_a/g_b pair); prefill T = 8192 (one sequence) and decode steps of B = 1, 2, 4, 8, 64, 256
+// sequences (one token each; 2 and 4 place the fused step's limits: H = 32 B = 2 / 4 are 64 / 128
+// (row, head) pairs). Each phase (projections, conv, core, norm, o_proj) is timed with the layer's
+// CUDA events (RunOptions::times; the call then waits for the layer); the table shows the median
+// over the timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole
+// layer's total against the sum of the phase floors, and "graph": the median of one forward
+// captured in a CUDA graph and replayed (events around each replay, no host in between: what a
+// serving runtime's captured decode step pays per layer). The graph holds the forwards of L layers
+// of the shape, each with its own weights and state pools, L the fewest whose weights exceed three
+// times the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from
+// memory, as in a model, where a single layer replayed alone would find a small shard's weights in
+// L2. Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto,
+// which at one token of up to a few sequences is the one-launch step, fused with the second factors
 // inside, fused after GEMMs, separate kernels; the fused ones with RunOptions::fused_cluster chosen
 // by shape), then the fused step with each fused_cluster (1, 2, 4, 8 blocks a head), in the same
 // run. The first table's decode cases name the kernel auto ran (RunOptions::decode_kernel_ran). The
@@ -27,18 +27,19 @@
 //   conv         bytes / bw: q|k|v read and written (bf16), beta read and written, conv states
 //                read and written, taps
 //   core         bytes / bw: the KDA core's bytes as kda-bench counts them (q, k, v, g, beta read,
-//                out written, f32 states read and written, the slot list in decode)
+//                out written, states read and written in their dtype, the slot list in decode)
 //   norm         bytes / bw: o read (bf16), gate read (f32), y written (bf16)
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
-//                        [--batch B]... [--timeline] [--graph-only]
+//                        [--batch B]... [--state f32|bf16] [--timeline] [--graph-only]
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
+// --state bf16 keeps every recurrent state pool (and checkpoint) in bf16; records stay f32.
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
-// --batch only the decode rows and verify steps of B sequences (with --decode-only: nothing else;
-// verify steps of any B asked for, else of B = 1, 64 and 256).
+// --batch only the decode rows and verify steps of B sequences, any B (with --decode-only: nothing
+// else; verify steps of any B asked for, else of B = 1, 64 and 256).
 // Both repeat; without them, everything. Device time is short: a run of the rows an A/B needs.
 // --timeline (built with CUPTI, which comes with the CUDA Toolkit): for each row run (decode steps
 // and prefills), the kernels and memsets of one graph replay of the row's default forward as
@@ -337,6 +338,7 @@ int main(int argc, char** argv) {
   bool decode_only = false, timeline = false, graph_only = false;
   std::vector<std::string> shapes_wanted;
   std::vector<std::int64_t> batches_wanted;
+  kda::DType state_dtype = kda::DType::kF32;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--decode-only") == 0) {
       decode_only = true;
@@ -352,6 +354,9 @@ int main(int argc, char** argv) {
       shapes_wanted.emplace_back(argv[++i]);
     } else if (std::strcmp(argv[i], "--batch") == 0 && i + 1 < argc && std::atoi(argv[i + 1]) > 0) {
       batches_wanted.push_back(std::atoi(argv[++i]));
+    } else if (std::strcmp(argv[i], "--state") == 0 && i + 1 < argc &&
+               (std::strcmp(argv[i + 1], "f32") == 0 || std::strcmp(argv[i + 1], "bf16") == 0)) {
+      state_dtype = std::strcmp(argv[++i], "bf16") == 0 ? kda::DType::kBF16 : kda::DType::kF32;
     } else if (std::strcmp(argv[i], "--timeline") == 0) {
 #if defined(KDA_HAVE_CUPTI)
       timeline = true;
@@ -362,7 +367,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
-                   "[--batch B]... [--timeline] [--graph-only]\n",
+                   "[--batch B]... [--state f32|bf16] [--timeline] [--graph-only]\n",
                    argv[0]);
       return 2;
     }
@@ -375,13 +380,14 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
     const double bw = kda::bench::measure_copy_bandwidth();
+    const std::int64_t state_bytes = state_dtype == kda::DType::kBF16 ? 2 : 4;
     const double peak = kda::bench::kPeakBf16Flops;
     std::printf(
         "kda-layer-bench on %s: Kimi-Linear-48B KDA layer (hidden 2304, H 32, D 128, W 4),"
-        " median of %d runs after %d warm-up, microseconds; each phase \"time (floor)\"; floors"
-        " from device-to-device copy %.2f TB/s (measured, bytes read + written) and %.0f"
-        " TFLOP/s bf16 (H200 dense spec)\n\n",
-        prop.name, iters, warmup, bw / 1e12, peak / 1e12);
+        " %s recurrent state, median of %d runs after %d warm-up, microseconds; each phase"
+        " \"time (floor)\"; floors from device-to-device copy %.2f TB/s (measured, bytes read +"
+        " written) and %.0f TFLOP/s bf16 (H200 dense spec)\n\n",
+        prop.name, state_bytes == 2 ? "bf16" : "f32", iters, warmup, bw / 1e12, peak / 1e12);
     std::printf(
         "| layer | case | total | floor sum | x floor | graph | graph x floor | projections | conv "
         "|"
@@ -434,13 +440,18 @@ int main(int argc, char** argv) {
       const std::int64_t Hl = config.local_heads(), D = config.head_dim;
       const std::string layer_name = shape.name;
       double plain_graph = 0.0;  // the prefill without checkpoints, graph per layer
-      for (const Case& c :
-           {Case{"prefill T = 8192", 1, 8192, false},
-            Case{"prefill T = 8192, 2 checkpoints", 1, 8192, false, -1},
-            Case{"prefill T = 8192, 1 checkpoint / 256", 1, 8192, false, 256},
-            Case{"decode B = 1", 1, 1, true}, Case{"decode B = 2", 2, 1, true},
-            Case{"decode B = 4", 4, 1, true}, Case{"decode B = 8", 8, 1, true},
-            Case{"decode B = 64", 64, 1, true}, Case{"decode B = 256", 256, 1, true}}) {
+      std::vector<Case> cases = {Case{"prefill T = 8192", 1, 8192, false},
+                                 Case{"prefill T = 8192, 2 checkpoints", 1, 8192, false, -1},
+                                 Case{"prefill T = 8192, 1 checkpoint / 256", 1, 8192, false, 256}};
+      // The default decode rows, and any other batch size asked for (--batch), in order.
+      std::vector<std::int64_t> decode_batches = {1, 2, 4, 8, 64, 256};
+      for (const std::int64_t B : batches_wanted) decode_batches.push_back(B);
+      std::sort(decode_batches.begin(), decode_batches.end());
+      decode_batches.erase(std::unique(decode_batches.begin(), decode_batches.end()),
+                           decode_batches.end());
+      for (const std::int64_t B : decode_batches)
+        cases.push_back(Case{"decode B = " + std::to_string(B), B, 1, true});
+      for (const Case& c : cases) {
         if (decode_only && !c.decode) continue;
         if (c.decode && !wanted_batch(c.sequences)) continue;
         const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
@@ -475,7 +486,7 @@ int main(int argc, char** argv) {
         for (int l = 0; l < instances; ++l) {
           pools.push_back(
               std::make_unique<Pools>(static_cast<std::size_t>(slots * Cl * 3 * 2),
-                                      static_cast<std::size_t>(slots * Hl * D * D * 4)));
+                                      static_cast<std::size_t>(slots * Hl * D * D * state_bytes)));
         }
         const std::size_t ws_bytes =
             kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, slots);
@@ -516,7 +527,7 @@ int main(int argc, char** argv) {
           state.conv_k = static_cast<kda::bf16_bits*>(pools[l]->conv_k.ptr);
           state.conv_v = static_cast<kda::bf16_bits*>(pools[l]->conv_v.ptr);
           state.recurrent = pools[l]->recurrent.ptr;
-          state.recurrent_dtype = kda::DType::kF32;
+          state.recurrent_dtype = state_dtype;
           return state;
         };
         const kda::layer::State state = state_of(0);
@@ -610,11 +621,12 @@ int main(int argc, char** argv) {
                                   2.0 * 2 * 3 * n * Cl * (W - 1) + 4.0 * 3 * Cl * W;
         // Checkpoints write a recurrent state and three conv states each.
         const double checkpoint_bytes =
-            static_cast<double>(N * K) *
-            (static_cast<double>(Hl * D * D) * 4 + static_cast<double>(3 * Cl * (W - 1)) * 2);
-        const double core_bytes = kda::bench::kda_core_bytes(t, n, static_cast<double>(Hl),
-                                                             static_cast<double>(D), 4, c.decode) +
-                                  checkpoint_bytes;
+            static_cast<double>(N * K) * (static_cast<double>(Hl * D * D * state_bytes) +
+                                          static_cast<double>(3 * Cl * (W - 1)) * 2);
+        const double core_bytes =
+            kda::bench::kda_core_bytes(t, n, static_cast<double>(Hl), static_cast<double>(D),
+                                       static_cast<double>(state_bytes), c.decode) +
+            checkpoint_bytes;
         const double norm_bytes = (2.0 + 4.0 + 2.0) * t * Cl;
         const double o_flops = 2.0 * t * Cl * E;
         const double o_bytes = 2.0 * E * Cl + 2.0 * t * Cl + 2.0 * t * E;
@@ -642,9 +654,8 @@ int main(int argc, char** argv) {
         std::printf("\n");
         std::fflush(stdout);
       }
-      // Speculative verify steps of T = 1 + k tokens a row, both forms (the K3 shard's pools at
-      // B = 256, T = 8 would not fit beside its weights' copies: the two Kimi-Linear shapes only).
-      if (shape.full_rank_gate || graph_only) continue;
+      // Speculative verify steps of T = 1 + k tokens a row, both forms, every shape.
+      if (graph_only) continue;
       // B = 1, 64 and 256, or the batch sizes asked for (--batch).
       const std::vector<std::int64_t> verify_batches =
           batches_wanted.empty() ? std::vector<std::int64_t>{1, 64, 256} : batches_wanted;
@@ -698,18 +709,18 @@ int main(int argc, char** argv) {
           std::vector<std::unique_ptr<VerifyState>> vs;
           std::vector<kda::layer::State> states;
           for (int l = 0; l < instances; ++l) {
-            vs.push_back(
-                std::make_unique<VerifyState>(static_cast<std::size_t>(pool * Cl * (W - 1) * 2),
-                                              static_cast<std::size_t>(pool * Hl * D * D * 4),
-                                              static_cast<std::size_t>(tokens * Hl * 3 * D * 4),
-                                              static_cast<std::size_t>(tokens * 3 * Cl * 2)));
+            vs.push_back(std::make_unique<VerifyState>(
+                static_cast<std::size_t>(pool * Cl * (W - 1) * 2),
+                static_cast<std::size_t>(pool * Hl * D * D * state_bytes),
+                static_cast<std::size_t>(tokens * Hl * 3 * D * 4),
+                static_cast<std::size_t>(tokens * 3 * Cl * 2)));
             kda::layer::State st;
             st.num_slots = pool;
             st.conv_q = static_cast<kda::bf16_bits*>(vs.back()->conv_q.ptr);
             st.conv_k = static_cast<kda::bf16_bits*>(vs.back()->conv_k.ptr);
             st.conv_v = static_cast<kda::bf16_bits*>(vs.back()->conv_v.ptr);
             st.recurrent = vs.back()->recurrent.ptr;
-            st.recurrent_dtype = kda::DType::kF32;
+            st.recurrent_dtype = state_dtype;
             st.recurrent_records = static_cast<float*>(vs.back()->records.ptr);
             st.conv_records = static_cast<kda::bf16_bits*>(vs.back()->conv_records.ptr);
             st.record_rows = tokens;

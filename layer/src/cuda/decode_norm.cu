@@ -3,12 +3,14 @@
 // rows to GatedNormEpilogue instead of storing o; each lane normalizes the row it holds and writes
 // its y (the norm kernel's operations, gated_rmsnorm.cu, but the sum of squares taken in another
 // order: y may differ from the separate kernels' in its last bits): one launch and o's round trip
-// fewer a step. A row the step skips (padding, bad metadata) gets zeros in y. That is for a step
-// of one token a row: the epilogue meets the head's warps at a block barrier for every token, and
-// at several tokens a row those barriers cost more than o's round trip and a launch (H200: the
-// records step at H = 32, B = 256, T = 4 652 against 545 us), so such a step stores o (zeros for
-// the rows it skips) from the operator's kernel, cut into blocks as the operator's rule cuts it,
-// then runs the norm kernel.
+// fewer a step. A row the step skips (padding, bad metadata) gets zeros in y. The epilogue needs
+// one block a head (the head's sum of squares spans its warps) and meets them at a block barrier
+// for every token. At several tokens a row those barriers cost more than o's round trip and a
+// launch (H200: the records step at H = 32, B = 256, T = 4 652 against 545 us), and a step of one
+// token a row of more (row, head) pairs than about a wave of blocks loses more to the single
+// block a head than the launch costs (bf16 state, H = 32 B = 256: 266 against 220 us): such steps
+// store o (zeros for the rows they skip) from the operator's kernel, cut into blocks as the
+// operator's rule cuts it, then run the norm kernel (split_core below).
 #include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
 #include "cuda/factor_rows.cuh"    // round_bf16
 #include "cuda/head_step.cuh"      // sum_over_warp, the norm's arithmetic
@@ -103,14 +105,28 @@ struct StoreOZeroSkipped {
   }
 };
 
-// KDA_LAYER_SPLIT_CORE=0: a decode step of several tokens keeps the norm in the core's launch, one
-// block a head, as a step of one token (a benchmark knob, read once; not part of the contract).
-bool split_core_allowed() {
-  static const bool allowed = [] {
+// A step of one token a row splits above this many (row, head) pairs where the operator's rule
+// cuts a head into several blocks. Below it the step's blocks are about one wave at one block a
+// head, and the norm's launch costs more than the finer cut gains (H200, graph replays per layer,
+// the epilogue against the split step: 1.00-1.04x at 192-256 pairs, 0.96-0.99x from 384 with an
+// fp32 state, 0.81-0.98x from 288 with a bf16 state; docs/design/layer.md).
+constexpr std::int64_t kSplitOneTokenAbovePairs = 256;
+
+// Whether a step stores o and runs the norm's own launch (below) rather than the epilogue: every
+// step of several tokens, and a step of one token a row above kSplitOneTokenAbovePairs pairs that
+// the operator's rule cuts. KDA_LAYER_SPLIT_CORE (a benchmark knob, read once; not part of the
+// contract): 0 keeps every step on the epilogue, 1 splits every step. The problem must have passed
+// can_implement (its sizes bounded).
+bool split_core(const kda::DecodeProblem& problem, const kda::CudaOptions& options) {
+  static const int knob = [] {
     const char* env = std::getenv("KDA_LAYER_SPLIT_CORE");
-    return env == nullptr || std::string(env) != "0";
+    if (env == nullptr) return -1;
+    return std::string(env) == "0" ? 0 : 1;
   }();
-  return allowed;
+  if (knob >= 0) return knob == 1;
+  if (problem.tokens > 1) return true;
+  return problem.batch * problem.num_heads > kSplitOneTokenAbovePairs &&
+         kda::detail::decode_blocks_per_head(problem, options) > 1;
 }
 
 }  // namespace
@@ -125,17 +141,16 @@ kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
     return kda::Status(kda::StatusCode::kInvalidArgument,
                        "decode with the gated norm: gate, o_norm and y must be set and aligned");
   }
-  if (problem.tokens > 1 && split_core_allowed()) {
-    // The problem's own checks first (its sizes bounded before their product below).
-    if (const kda::Status st = kda::can_implement(problem, kda::Backend::kCuda); !st.ok())
-      return st;
+  // The problem's own checks first (its sizes bounded before the products below).
+  if (const kda::Status st = kda::can_implement(problem, kda::Backend::kCuda); !st.ok()) return st;
+  if (split_core(problem, options)) {
     if (norm.o == nullptr || reinterpret_cast<std::uintptr_t>(norm.o) % 8 != 0 ||
         reinterpret_cast<std::uintptr_t>(norm.gate) % 16 != 0 ||
         norm.rows != problem.batch * problem.tokens * problem.num_heads ||
         norm.heads != problem.num_heads) {
       return kda::Status(kda::StatusCode::kInvalidArgument,
                          "decode with the gated norm: o (8-byte aligned), gate (16-byte aligned), "
-                         "rows and heads must be set for a step of several tokens");
+                         "rows and heads must be set for a step that stores o");
     }
     // (o is the norm's input, const there; the core writes it here)
     const StoreOZeroSkipped store{const_cast<std::uint16_t*>(norm.o)};

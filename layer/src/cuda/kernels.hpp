@@ -159,8 +159,10 @@ cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
 // kda::decode_cuda with the gated RMSNorm above as its epilogue (decode_norm.cu): y from each
 // head's rows of o in the same launch, o itself not stored; a row the step skips (padding, bad
 // metadata) gets zeros in y. y may be the step's q: a block writes a token's y only after it has
-// read that token's q. A step of several tokens a row instead stores o from the operator's kernel,
-// in as many blocks a head as its rule (CudaOptions::decode_blocks_per_head) gives (norm.o,
+// read that token's q. A step of several tokens a row, and one of one token a row above 256 (row,
+// head) pairs that the operator's rule cuts into several blocks a head, instead stores o from the
+// operator's kernel, in as many blocks a head as its rule (CudaOptions::decode_blocks_per_head)
+// gives (norm.o,
 // norm.rows = batch x tokens x heads and norm.heads must be set, the gate 16-byte aligned; zeros
 // for the skipped rows), then runs launch_gated_rmsnorm; y may differ from the one-launch form's
 // in its last bits (the sum of squares in another order), and a skipped row's y is the norm of
