@@ -279,6 +279,25 @@ const GemmKnobs& gemm_knobs() {
 // (measured on the H200: docs/PERFORMANCE.md).
 constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 
+// A step of one token a row takes the fused kernel over fewer pairs: with an fp32 state up to 32,
+// and with the full-rank output gate never (the separate kernels run that gate's GEMM on the side
+// stream beside the conv). Measured on the H200 (kda-layer-bench --decode-only, the table by
+// decode kernel, graph replays per layer, fp32 state), fused against separate: H = 32 B = 2 / 3 /
+// 4 (64-128 pairs) 41.1 / 44.8 / 45.8 against 37.7 / 39.1 / 40.2 us, the TP8 shard B = 12-32
+// (48-128 pairs) 22.9-26.7 against 20.9-23.9 but B = 2-8 (8-32 pairs) 15.7-19.2 against
+// 17.2-20.1, K3's shard B = 2-8 (24-96 pairs) 49.3-57.5 against 47.3-50.3 (bf16 state 47.6-50.9
+// against 46.8-48.2); with a bf16 state and the low-rank gate the fused kernel held its own up to
+// 128 pairs (H = 32 B = 2 35.4 against 36.7, B = 3-8 within 0.3 us; the TP8 shard B = 12 / 16 18.9
+// / 19.4 against 20.0 / 20.3). Steps of several tokens a row were not measured against it.
+constexpr std::int64_t kFusedOneTokenF32MaxBlocks = 32;
+
+std::int64_t fused_decode_max_blocks(const Config& c, std::int64_t decode_tokens,
+                                     DType state_dtype) {
+  if (decode_tokens != 1) return kFusedDecodeMaxBlocks;
+  if (c.full_rank_gate) return 0;
+  return state_dtype == DType::kF32 ? kFusedOneTokenF32MaxBlocks : kFusedDecodeMaxBlocks;
+}
+
 // Up to how many warp tiles (16 rows x 16 channels) of each low-rank second factor a decode step
 // computes them in the conv's launch (conv_decode.cu) instead of two GEMMs. The GEMMs cost about
 // 3.3 us each whatever the rows (launch and latency); the tiles cost the conv's launch about 1 ns
@@ -756,7 +775,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
 
   // A decode step in one kernel after the input projection (fused_decode.cu), where it fits.
   cuda::FusedDecodeParams fused;
-  const bool auto_fused = N * Hl <= kFusedDecodeMaxBlocks;
+  const bool auto_fused =
+      N * Hl <= fused_decode_max_blocks(c, batch.decode_tokens, state.recurrent_dtype);
   bool fuse =
       decode &&
       (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||

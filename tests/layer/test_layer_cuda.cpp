@@ -57,12 +57,17 @@ namespace {
 // (layer.hpp, DecodeKernel; the one-launch step's cap: one_launch_max_rows), on buffers it can
 // take: what RunOptions::decode_kernel_ran must report. Only for shapes whose one-launch step fits
 // the device within that cap (this file's: hidden sizes up to 4104; not Kimi K3's shard, whose two
-// rows do not fit shared memory).
-layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads) {
+// rows do not fit shared memory). The fused kernel up to 128 (row, head) pairs; at one token a
+// row up to 32 with an fp32 state, and never with the full-rank output gate.
+layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads,
+                                       bool full_rank_gate, DType state_dtype) {
   if (tokens == 1 && rows >= 1 && rows <= layer::cuda::one_launch_max_rows(heads)) {
     return layer::DecodeKernel::kOneLaunch;
   }
-  return rows * heads <= 128 ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;
+  std::int64_t fused_pairs = 128;
+  if (tokens == 1) fused_pairs = full_rank_gate ? 0 : state_dtype == DType::kF32 ? 32 : 128;
+  return rows * heads <= fused_pairs ? layer::DecodeKernel::kFusedFactors
+                                     : layer::DecodeKernel::kSeparate;
 }
 
 // A decode step on the separate conv, core and norm kernels (DecodeKernel::kSeparate) from
@@ -292,9 +297,9 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         const bool as_auto = kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch;
         const std::string ran_name = layer::to_string(ran);
         CAPTURE(ran_name);
-        CHECK(ran ==
-              (as_auto ? auto_decode_kernel(step.sequences(), step.decode_tokens, config.num_heads)
-                       : kernel));
+        CHECK(ran == (as_auto ? auto_decode_kernel(step.sequences(), step.decode_tokens,
+                                                   config.num_heads, v.full_rank, v.pool)
+                              : kernel));
       }
       // The fused step with each cluster size (blocks a head) computes the same bits as the
       // size chosen by shape (the runs above, RunOptions::fused_cluster 0).
@@ -470,7 +475,8 @@ KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts eq
           check_forward(cuda, weights, hidden, step, before, runs[k], after);
           // The one launch takes the step up to its rows, and only then.
           CHECK(ran == (k == 1 ? layer::DecodeKernel::kSeparate
-                               : auto_decode_kernel(step.sequences(), 1, v.heads)));
+                               : auto_decode_kernel(step.sequences(), 1, v.heads, full_rank,
+                                                    DType::kF32)));
         }
         const double error = relative_error(runs[0].out, runs[1].out);
         MESSAGE("one launch (or as auto past its rows) vs separate: out " << error);

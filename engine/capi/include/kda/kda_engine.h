@@ -94,7 +94,8 @@ typedef enum kda_prefill_schedule {
 /* How a CUDA whole layer runs a decode step (kda::layer::DecodeKernel, docs/LAYER.md): DEFAULT is
  * the YAML's runtime.decode_step (itself auto by default); AUTO runs a step of up to 8 sequences
  * (at most 32 (sequence, head) pairs) in one launch where it fits, the fused kernel up to 128 (row,
- * head) pairs and the separate kernels above; ONE_LAUNCH is the one launch where it fits and AUTO's
+ * head) pairs (a step of one token a row: 32 with an fp32 state, none with the full-rank output
+ * gate) and the separate kernels above; ONE_LAUNCH is the one launch where it fits and AUTO's
  * choice elsewhere; FUSED (the fused kernel, second factors inside: kFusedFactors),
  * FUSED_AFTER_GEMMS (kFused) and SEPARATE force one. Same results to rounding. The one-launch step
  * needs every multiprocessor at once: engines that run decode steps on concurrent streams of one
