@@ -32,11 +32,15 @@
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
-//                        [--batch B]... [--state f32|bf16] [--timeline] [--graph-only]
+//                        [--batch B]... [--state f32|bf16] [--verify-kernel auto|fused|separate]
+//                        [--timeline] [--graph-only]
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
 // --state bf16 keeps every recurrent state pool (and checkpoint) in bf16; records stay f32.
+// --verify-kernel runs the verify rows' steps (not the commit) on the fused kernel with its second
+// factors inside or on the separate kernels (RunOptions::decode_kernel; a step the fused kernel
+// does not fit runs separate), for an A/B of the two at several tokens a row; auto by default.
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
 // --batch only the decode rows and verify steps of B sequences, any B (with --decode-only: nothing
 // else; verify steps of any B asked for, else of B = 1, 64 and 256).
@@ -339,6 +343,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> shapes_wanted;
   std::vector<std::int64_t> batches_wanted;
   kda::DType state_dtype = kda::DType::kF32;
+  kda::layer::DecodeKernel verify_kernel = kda::layer::DecodeKernel::kAuto;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--decode-only") == 0) {
       decode_only = true;
@@ -357,6 +362,13 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--state") == 0 && i + 1 < argc &&
                (std::strcmp(argv[i + 1], "f32") == 0 || std::strcmp(argv[i + 1], "bf16") == 0)) {
       state_dtype = std::strcmp(argv[++i], "bf16") == 0 ? kda::DType::kBF16 : kda::DType::kF32;
+    } else if (std::strcmp(argv[i], "--verify-kernel") == 0 && i + 1 < argc &&
+               (std::strcmp(argv[i + 1], "auto") == 0 || std::strcmp(argv[i + 1], "fused") == 0 ||
+                std::strcmp(argv[i + 1], "separate") == 0)) {
+      ++i;
+      verify_kernel = std::strcmp(argv[i], "fused") == 0 ? kda::layer::DecodeKernel::kFusedFactors
+                      : std::strcmp(argv[i], "separate") == 0 ? kda::layer::DecodeKernel::kSeparate
+                                                              : kda::layer::DecodeKernel::kAuto;
     } else if (std::strcmp(argv[i], "--timeline") == 0) {
 #if defined(KDA_HAVE_CUPTI)
       timeline = true;
@@ -367,7 +379,8 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
-                   "[--batch B]... [--state f32|bf16] [--timeline] [--graph-only]\n",
+                   "[--batch B]... [--state f32|bf16] [--verify-kernel auto|fused|separate] "
+                   "[--timeline] [--graph-only]\n",
                    argv[0]);
       return 2;
     }
@@ -755,7 +768,8 @@ int main(int argc, char** argv) {
             return replay_per_layer(stream, instances, warmup, iters, [&] { enqueue(o); });
           };
           auto layers_of = [&](const kda::layer::Batch& batch) {
-            return [&, batch](const kda::layer::RunOptions& o) {
+            return [&, batch](kda::layer::RunOptions o) {
+              o.decode_kernel = verify_kernel;
               for (int l = 0; l < instances; ++l) {
                 layers[l]->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
                                    static_cast<kda::bf16_bits*>(d_out.ptr), states[l],
@@ -792,7 +806,8 @@ int main(int argc, char** argv) {
             fold_states[l].fold_conv_records =
                 static_cast<const kda::bf16_bits*>(vs[l]->fold_conv_records.ptr);
           }
-          const double fold_us = replay([&](const kda::layer::RunOptions& o) {
+          const double fold_us = replay([&](kda::layer::RunOptions o) {
+            o.decode_kernel = verify_kernel;
             for (int l = 0; l < instances; ++l) {
               layers[l]->forward(folding, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
                                  static_cast<kda::bf16_bits*>(d_out.ptr), fold_states[l],
@@ -833,11 +848,13 @@ int main(int argc, char** argv) {
           "\nSpeculative verify steps, graph replays per layer (us), same run: per-token states "
           "(Batch::num_accepted) against records (Batch::records) and the commit over all the "
           "graph's layers in one call, the records step that folds the one before it instead of a "
-          "commit (Batch::fold_sequences), and the plain step of the same T tokens a row:\n\n| "
+          "commit (Batch::fold_sequences), and the plain step of the same T tokens a row; the "
+          "steps' RunOptions::decode_kernel %s:\n\n| "
           "layer | T | B | plain step | per-token states | records step | commit | records + "
           "commit | records step, folding | records + commit / per-token | folding / per-token | "
           "records step / plain | folding / plain |\n"
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+          kda::layer::to_string(verify_kernel));
     }
     for (const std::string& row : verify_rows) std::printf("%s\n", row.c_str());
     for (const std::string& table : timelines) std::printf("%s", table.c_str());
