@@ -3,24 +3,25 @@
 // = 32, softplus gate), its TP8 shard (H = 4 of 32), and Kimi K3's TP8 shard (hidden 7168, H = 12
 // of 96, bounded gate -5, and K3's full-rank output gate g_proj [C, E] in place of the low-rank
 // g_a/g_b pair); prefill T = 8192 (one sequence) and decode steps of B = 1, 2, 4, 8, 64, 256
-// sequences (one token each; 2 and 4 place the fused step's limits: H = 32 B = 2 / 4 are 64 / 128
-// (row, head) pairs). Each phase (projections, conv, core, norm, o_proj) is timed with the layer's
-// CUDA events (RunOptions::times; the call then waits for the layer); the table shows the median
-// over the timed runs, after warm-up, in microseconds, each phase as "time (floor)", the whole
-// layer's total against the sum of the phase floors, and "graph": the median of one forward
-// captured in a CUDA graph and replayed (events around each replay, no host in between: what a
-// serving runtime's captured decode step pays per layer). The graph holds the forwards of L layers
-// of the shape, each with its own weights and state pools, L the fewest whose weights exceed three
-// times the L2 cache (1 to 32), and its time is divided by L: every layer reads its weights from
-// memory, as in a model, where a single layer replayed alone would find a small shard's weights in
-// L2. Decode cases are replayed once for each RunOptions::decode_kernel (the second table: auto,
-// which at one token of up to a few sequences is the one-launch step, fused with the second factors
-// inside, fused after GEMMs, separate kernels; the fused ones with RunOptions::fused_cluster chosen
-// by shape), then the fused step with each fused_cluster (1, 2, 4, 8 blocks a head), in the same
-// run. The first table's decode cases name the kernel auto ran (RunOptions::decode_kernel_ran). The
-// GEMMs of few rows are the layer's default kernels unless KDA_LAYER_SMALL_GEMM=streamed (or 0:
-// cuBLAS). Floors (bench_floors.hpp; bw = the device-to-device copy bandwidth measured at start,
-// peak = 989 TFLOP/s, the H200's dense bf16 spec):
+// sequences (one token each; H = 32 B = 2 / 4 are 64 / 128 (row, head) pairs: past the fused
+// step's 32 with an fp32 state, within its 128 with a bf16 one). Each phase (projections, conv,
+// core, norm, o_proj) is timed with the layer's CUDA events (RunOptions::times; the call then waits
+// for the layer); the table shows the median over the timed runs, after warm-up, in microseconds,
+// each phase as "time (floor)", the whole layer's total against the sum of the phase floors, and
+// "graph": the median of one forward captured in a CUDA graph and replayed (events around each
+// replay, no host in between: what a serving runtime's captured decode step pays per layer). The
+// graph holds the forwards of L layers of the shape, each with its own weights and state pools, L
+// the fewest whose weights exceed three times the L2 cache (1 to 32), and its time is divided by L:
+// every layer reads its weights from memory, as in a model, where a single layer replayed alone
+// would find a small shard's weights in L2. Decode cases are replayed once for each
+// RunOptions::decode_kernel (the second table: auto, which at one token of up to a few sequences is
+// the one-launch step, fused with the second factors inside, fused after GEMMs, separate kernels;
+// the fused ones with RunOptions::fused_cluster chosen by shape), then the fused step with each
+// fused_cluster (1, 2, 4, 8 blocks a head), in the same run. The first table's decode cases name
+// the kernel auto ran (RunOptions::decode_kernel_ran). The GEMMs of few rows are the layer's
+// default kernels unless KDA_LAYER_SMALL_GEMM=streamed (or 0: cuBLAS). Floors (bench_floors.hpp; bw
+// = the device-to-device copy bandwidth measured at start, peak = 989 TFLOP/s, the H200's dense
+// bf16 spec):
 //   projections  max(FLOPs / peak, bytes / bw): x·W_inᵀ and the two low-rank second factors (full-
 //                rank gate: x·W_inᵀ without g_a, f_a·W_fbᵀ, x·W_gᵀ); bytes = their weights, hidden
 //                read (once), proj, g and the f32 gate written, f_a|g_a (f_a) read

@@ -11,8 +11,8 @@
 //                kConvFactorMaxTiles tiles computes the second factors in the conv's launch
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or the operator's decode step (decode), states in
-//                the pool; a decode step runs the gated RMSNorm as its epilogue
-//                (cuda/decode_norm.cu)
+//                the pool; a decode step runs the gated RMSNorm as its epilogue, or stores o
+//                and runs the norm's kernel after it (cuda/decode_norm.cu)
 //   norm         prefill: one fused kernel, gated RMSNorm
 //   decode       conv, the low-rank second factors (RunOptions::decode_kernel), core and norm in
 //                one kernel instead (cuda/fused_decode.cu)
@@ -283,11 +283,11 @@ constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 // and with the full-rank output gate never (the separate kernels run that gate's GEMM on the side
 // stream beside the conv). Measured on the H200 (kda-layer-bench --decode-only, the table by
 // decode kernel, graph replays per layer, fp32 state), fused against separate: H = 32 B = 2 / 3 /
-// 4 (64-128 pairs) 41.1 / 44.8 / 45.8 against 37.7 / 39.1 / 40.2 us, the TP8 shard B = 12-32
-// (48-128 pairs) 22.9-26.7 against 20.9-23.9 but B = 2-8 (8-32 pairs) 15.7-19.2 against
-// 17.2-20.1, K3's shard B = 2-8 (24-96 pairs) 49.3-57.5 against 47.3-50.3 (bf16 state 47.6-50.9
+// 4 (64-128 pairs) 41.3 / 44.6 / 46.1 against 37.7 / 39.1 / 40.2 us, the TP8 shard B = 12-32
+// (48-128 pairs) 23.0-26.7 against 20.9-23.9 but B = 2-8 (8-32 pairs) 15.7-19.2 against
+// 17.2-20.1, K3's shard B = 2-8 (24-96 pairs) 49.6-57.1 against 47.3-50.3 (bf16 state 47.8-50.9
 // against 46.8-48.2); with a bf16 state and the low-rank gate the fused kernel held its own up to
-// 128 pairs (H = 32 B = 2 35.4 against 36.7, B = 3-8 within 0.3 us; the TP8 shard B = 12 / 16 18.9
+// 128 pairs (H = 32 B = 2 35.3 against 36.7, B = 3-8 within 0.4 us; the TP8 shard B = 12 / 16 18.9
 // / 19.4 against 20.0 / 20.3). Steps of several tokens a row were not measured against it.
 constexpr std::int64_t kFusedOneTokenF32MaxBlocks = 32;
 
@@ -965,10 +965,11 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   } else {
     KDA_NVTX_RANGE("core");
     if (decode) {
-      // One token a row: the norm runs in the core's launch, as its epilogue (decode_norm.cu): y
-      // straight from the step's rows, zeros for the rows it skips (padding), o never stored.
-      // Several: o stored (zeros for the rows it skips), then the norm's own launch, both in
-      // decode_with_gated_norm (their time counts as the core's).
+      // One token a row up to 256 (row, head) pairs (or at one block a head): the norm runs in
+      // the core's launch, as its epilogue (decode_norm.cu): y straight from the step's rows,
+      // zeros for the rows it skips (padding), o never stored. Otherwise o stored (zeros for the
+      // rows it skips), then the norm's own launch, both in decode_with_gated_norm (their time
+      // counts as the core's).
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
       t.slots = batch.slots != nullptr ? batch.slots : identity;
       t.num_accepted = batch.num_accepted;

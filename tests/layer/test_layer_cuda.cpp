@@ -164,7 +164,7 @@ KDA_LAYER_CUDA_CASE("a graph-captured forward equals the eager one (prefill and 
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 8, 2));
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
-    // Decode of three rows (the fragment kernel's products, on the fused step), of twelve on the
+    // Decode of three rows (kAuto's choice: at 4 heads the one-launch step), of twelve on the
     // separate kernels (cuBLAS's; the full-rank gate's GEMM on the layer's side stream beside the
     // conv, cuBLAS switched to that stream and back) and of one (the small-row kernel's).
     struct Step {

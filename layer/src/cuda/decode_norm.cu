@@ -8,7 +8,7 @@
 // for every token. At several tokens a row those barriers cost more than o's round trip and a
 // launch (H200: the records step at H = 32, B = 256, T = 4 652 against 545 us), and a step of one
 // token a row of more (row, head) pairs than about a wave of blocks loses more to the single
-// block a head than the launch costs (bf16 state, H = 32 B = 256: 266 against 220 us): such steps
+// block a head than the launch costs (bf16 state, H = 32 B = 256: 267 against 219 us): such steps
 // store o (zeros for the rows they skip) from the operator's kernel, cut into blocks as the
 // operator's rule cuts it, then run the norm kernel (split_core below).
 #include "cuda/decode_kernel.cuh"  // the operator's decode step (kda/src/cuda)
