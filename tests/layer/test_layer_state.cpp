@@ -273,7 +273,8 @@ std::vector<double> conv_values(const Pools& p) {
 // The reference: plain one-token decode steps of the same rows on working slots of their own, the
 // states copied out after every step. Rows: 1 of 4 accepted; 3 accepted and the last token's
 // states not kept; a padding row (its start entry negative: zeros out, none of its slots
-// touched). On CUDA with the fused kernel (kAuto at this size) and the separate kernels.
+// touched). Both output gate forms (the low-rank pair, Kimi K3's full-rank g_proj). On CUDA with
+// the fused kernel (kAuto at this size) and the separate kernels.
 KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last accepted one") {
   const std::vector<std::int32_t> slots = {5, 1, 9, 2, 7, 0, 4, -1, 10, -1, 11, 12};
   const std::vector<std::int32_t> accepted = {1, 3, 2};
@@ -281,86 +282,89 @@ KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
     for (const layer::DecodeKernel kernel :
          {layer::DecodeKernel::kAuto, layer::DecodeKernel::kSeparate}) {
-      const bool bf16_pool = dtype == DType::kBF16;
-      const bool separate = kernel == layer::DecodeKernel::kSeparate;
-      CAPTURE(bf16_pool);
-      CAPTURE(separate);
-      const layer::Config config = runner.config(GateMode::kLowerBound);
-      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 44, 1));
-      const auto layer = runner.make(weights);
-      const std::int64_t E = config.hidden_size;
-      ForwardSettings settings;
-      settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
-      Pools before(config, 14, dtype);
-      before.randomize(45);
-      const std::vector<bf16_bits> hidden =
-          random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 46);
-      BatchSpec verify = decode_batch(N, T, slots);
-      verify.num_accepted = accepted;
-      Pools after = before;
-      const LayerRun run = runner.forward(*layer, hidden, verify, &after, settings);
-      REQUIRE_MESSAGE(run.error.empty(), run.error);
-      CHECK(run.device_status == 0);
-      CHECK(run.all_written);
-      CHECK(run.guards_intact);
-      // CUDA's fused step with 1, 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the
-      // bits of the size chosen by shape: each block its own rows' per-token states, its own
-      // channels' conv states.
-      if (runner.backend() == Backend::kCuda && !separate) {
-        for (const int cluster : {1, 2, 4, 8}) {
-          CAPTURE(cluster);
-          ForwardSettings clustered;
-          clustered.change = [cluster](ForwardCall& call) {
-            call.options.decode_kernel = layer::DecodeKernel::kFusedFactors;
-            call.options.fused_cluster = cluster;
-          };
-          Pools split_after = before;
-          const LayerRun split = runner.forward(*layer, hidden, verify, &split_after, clustered);
-          REQUIRE_MESSAGE(split.error.empty(), split.error);
-          CHECK(split.out == run.out);
-          CHECK(split_after == after);
+      for (const bool full_rank : {false, true}) {
+        CAPTURE(full_rank);
+        const bool bf16_pool = dtype == DType::kBF16;
+        const bool separate = kernel == layer::DecodeKernel::kSeparate;
+        CAPTURE(bf16_pool);
+        CAPTURE(separate);
+        const layer::Config config = runner.config(GateMode::kLowerBound, full_rank);
+        const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 44, 1));
+        const auto layer = runner.make(weights);
+        const std::int64_t E = config.hidden_size;
+        ForwardSettings settings;
+        settings.change = [kernel](ForwardCall& call) { call.options.decode_kernel = kernel; };
+        Pools before(config, 14, dtype);
+        before.randomize(45);
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 46);
+        BatchSpec verify = decode_batch(N, T, slots);
+        verify.num_accepted = accepted;
+        Pools after = before;
+        const LayerRun run = runner.forward(*layer, hidden, verify, &after, settings);
+        REQUIRE_MESSAGE(run.error.empty(), run.error);
+        CHECK(run.device_status == 0);
+        CHECK(run.all_written);
+        CHECK(run.guards_intact);
+        // CUDA's fused step with 1, 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the
+        // bits of the size chosen by shape: each block its own rows' per-token states, its own
+        // channels' conv states.
+        if (runner.backend() == Backend::kCuda && !separate) {
+          for (const int cluster : {1, 2, 4, 8}) {
+            CAPTURE(cluster);
+            ForwardSettings clustered;
+            clustered.change = [cluster](ForwardCall& call) {
+              call.options.decode_kernel = layer::DecodeKernel::kFusedFactors;
+              call.options.fused_cluster = cluster;
+            };
+            Pools split_after = before;
+            const LayerRun split = runner.forward(*layer, hidden, verify, &split_after, clustered);
+            REQUIRE_MESSAGE(split.error.empty(), split.error);
+            CHECK(split.out == run.out);
+            CHECK(split_after == after);
+          }
         }
-      }
 
-      // Rows 0 and 1 on working slots 3 and 6, one token at a time.
-      Pools work = before, expected = before;
-      copy_row(before, 5, &work, 3);
-      copy_row(before, 4, &work, 6);
-      std::vector<bf16_bits> want(hidden.size(), 0);  // the padding row's out: zeros
-      for (std::int64_t t = 0; t < T; ++t) {
-        std::vector<bf16_bits> step_in;
-        append_rows(&step_in, hidden, E, t, t + 1);
-        append_rows(&step_in, hidden, E, T + t, T + t + 1);
-        const LayerRun step =
-            runner.forward(*layer, step_in, decode_batch(2, 1, {3, 6}), &work, settings);
-        REQUIRE_MESSAGE(step.error.empty(), step.error);
-        for (std::int64_t n = 0; n < 2; ++n) {
-          std::copy(step.out.begin() + n * E, step.out.begin() + (n + 1) * E,
-                    want.begin() + (n * T + t) * E);
-          const std::int32_t keep = slots[static_cast<std::size_t>(n * T + t)];
-          if (keep >= 0) copy_row(work, n == 0 ? 3 : 6, &expected, keep);
+        // Rows 0 and 1 on working slots 3 and 6, one token at a time.
+        Pools work = before, expected = before;
+        copy_row(before, 5, &work, 3);
+        copy_row(before, 4, &work, 6);
+        std::vector<bf16_bits> want(hidden.size(), 0);  // the padding row's out: zeros
+        for (std::int64_t t = 0; t < T; ++t) {
+          std::vector<bf16_bits> step_in;
+          append_rows(&step_in, hidden, E, t, t + 1);
+          append_rows(&step_in, hidden, E, T + t, T + t + 1);
+          const LayerRun step =
+              runner.forward(*layer, step_in, decode_batch(2, 1, {3, 6}), &work, settings);
+          REQUIRE_MESSAGE(step.error.empty(), step.error);
+          for (std::int64_t n = 0; n < 2; ++n) {
+            std::copy(step.out.begin() + n * E, step.out.begin() + (n + 1) * E,
+                      want.begin() + (n * T + t) * E);
+            const std::int32_t keep = slots[static_cast<std::size_t>(n * T + t)];
+            if (keep >= 0) copy_row(work, n == 0 ? 3 : 6, &expected, keep);
+          }
         }
-      }
-      const Tolerances tol = runner.tolerances();
-      const double out_error = relative_error(run.out, want);
-      const double state_error = relative_error(after.recurrent(), expected.recurrent());
-      const double conv_error = relative_error(conv_values(after), conv_values(expected));
-      MESSAGE(runner.name() << " verify against one-token steps: out " << out_error << ", state "
-                            << state_error << ", conv " << conv_error);
-      // A bf16 pool: the one-token steps round the state after every token, the verify step only
-      // where it keeps one, so they differ by rounding.
-      CHECK(out_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_out));
-      CHECK(state_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_state));
-      CHECK(conv_error <= (tol.split_conv_exact ? 0.0 : tol.split_out));
-      for (std::int64_t i = 2 * T * E; i < N * T * E; ++i) {
-        if (run.out[static_cast<std::size_t>(i)] != 0) {
-          FAIL_CHECK("the padding row's out is not zero at " << i);
-          break;
+        const Tolerances tol = runner.tolerances();
+        const double out_error = relative_error(run.out, want);
+        const double state_error = relative_error(after.recurrent(), expected.recurrent());
+        const double conv_error = relative_error(conv_values(after), conv_values(expected));
+        MESSAGE(runner.name() << " verify against one-token steps: out " << out_error << ", state "
+                              << state_error << ", conv " << conv_error);
+        // A bf16 pool: the one-token steps round the state after every token, the verify step only
+        // where it keeps one, so they differ by rounding.
+        CHECK(out_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_out));
+        CHECK(state_error <= (bf16_pool ? kBf16PoolTolerance : tol.split_state));
+        CHECK(conv_error <= (tol.split_conv_exact ? 0.0 : tol.split_out));
+        for (std::int64_t i = 2 * T * E; i < N * T * E; ++i) {
+          if (run.out[static_cast<std::size_t>(i)] != 0) {
+            FAIL_CHECK("the padding row's out is not zero at " << i);
+            break;
+          }
         }
-      }
-      for (const std::int64_t r : {3, 6, 8, 13, 10, 11, 12}) {
-        CAPTURE(r);
-        CHECK(after.row_equal(before, r));
+        for (const std::int64_t r : {3, 6, 8, 13, 10, 11, 12}) {
+          CAPTURE(r);
+          CHECK(after.row_equal(before, r));
+        }
       }
     }
   }
@@ -410,7 +414,7 @@ KDA_LAYER_CASE("a verify step's bad num_accepted or slots are refused before any
 // the padding slot) touch no state and leave their records as they were. On CUDA both steps run
 // the same decode kernels, each of: the separate kernels, the fused step with its second factors
 // inside (blocks a head chosen by shape, 2 and 8) and the fused step after the factors' GEMMs with
-// one block a head.
+// one block a head. Both output gate forms.
 KDA_LAYER_CASE(
     "a records verify step and its commit over two layers equal the per-token-states verify") {
   const std::int64_t N = 5, T = 4, slots_in_pool = 24;
@@ -439,106 +443,109 @@ KDA_LAYER_CASE(
     }
   }
   for (const Variant& v : variants) {
-    const DType dtype = v.dtype;
-    CAPTURE(static_cast<int>(v.kernel));
-    CAPTURE(v.cluster);
-    const std::string dtype_name = to_string(dtype);
-    CAPTURE(dtype_name);
-    ForwardSettings same_kernel;
-    same_kernel.change = [v](ForwardCall& call) {
-      call.options.decode_kernel = v.kernel;
-      call.options.fused_cluster = v.cluster;
-    };
-    const layer::Config config = runner.config(GateMode::kLowerBound);
-    const std::int64_t E = config.hidden_size;
-    std::vector<layer::Weights> weights;
-    std::vector<Pools> before;
-    for (int l = 0; l < 2; ++l) {
-      weights.push_back(with_bias_and_norm(layer::random_weights(config, 60 + l, 1)));
-      before.emplace_back(config, slots_in_pool, dtype);
-      before.back().randomize(70 + l);
-      before.back().add_records(config, N * T + 3);  // a region larger than the step needs
-    }
-    for (std::uint64_t trial = 0; trial < 3; ++trial) {
-      CAPTURE(trial);
-      std::vector<std::int32_t> accepted(static_cast<std::size_t>(N));
-      for (std::int64_t n = 0; n < N; ++n) {
-        accepted[static_cast<std::size_t>(n)] =
-            static_cast<std::int32_t>(1 + (n * 7 + trial * 3 + n * trial) % T);
-      }
-      std::string accepted_list;
-      for (const std::int32_t a : accepted) accepted_list += std::to_string(a) + " ";
-      CAPTURE(accepted_list);
-      std::vector<Pools> got, want_pools;  // per layer: the records step's, the per-token step's
+    for (const bool full_rank : {false, true}) {
+      CAPTURE(full_rank);
+      const DType dtype = v.dtype;
+      CAPTURE(static_cast<int>(v.kernel));
+      CAPTURE(v.cluster);
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
+      ForwardSettings same_kernel;
+      same_kernel.change = [v](ForwardCall& call) {
+        call.options.decode_kernel = v.kernel;
+        call.options.fused_cluster = v.cluster;
+      };
+      const layer::Config config = runner.config(GateMode::kLowerBound, full_rank);
+      const std::int64_t E = config.hidden_size;
+      std::vector<layer::Weights> weights;
+      std::vector<Pools> before;
       for (int l = 0; l < 2; ++l) {
-        CAPTURE(l);
-        const auto layer = runner.make(weights[static_cast<std::size_t>(l)]);
-        const std::vector<bf16_bits> hidden =
-            random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 80 + l + 10 * trial);
-        // The per-token-states reference.
-        BatchSpec verify = decode_batch(N, T, per_token);
-        verify.num_accepted.assign(static_cast<std::size_t>(N), 1);
-        verify.padding_slot = padding_slot;
-        Pools expected = before[static_cast<std::size_t>(l)];
-        const LayerRun want = runner.forward(*layer, hidden, verify, &expected, same_kernel);
-        REQUIRE_MESSAGE(want.error.empty(), want.error);
-        // The records step.
-        BatchSpec records = decode_batch(N, T, committed);
-        records.records = true;
-        records.padding_slot = padding_slot;
-        Pools pools = before[static_cast<std::size_t>(l)];
-        const LayerRun run = runner.forward(*layer, hidden, records, &pools, same_kernel);
-        REQUIRE_MESSAGE(run.error.empty(), run.error);
-        CHECK(run.device_status == 0);
-        CHECK(run.all_written);
-        CHECK(run.guards_intact);
-        CHECK(same_bits(run.out, want.out));
-        Pools states_only = pools;  // the step wrote records only
-        states_only.recurrent_records = before[static_cast<std::size_t>(l)].recurrent_records;
-        states_only.conv_records = before[static_cast<std::size_t>(l)].conv_records;
-        CHECK(states_only == before[static_cast<std::size_t>(l)]);
-        // The padding rows' records are as they were (NaN poison).
-        for (const std::int64_t n : {2, 4}) {
-          const std::size_t conv_pair = static_cast<std::size_t>(3 * config.local_channels());
-          const std::size_t rec_pair =
-              static_cast<std::size_t>(config.local_heads() * 3 * config.head_dim);
-          CHECK(std::equal(
-              pools.conv_records.begin() + n * T * conv_pair,
-              pools.conv_records.begin() + (n + 1) * T * conv_pair,
-              before[static_cast<std::size_t>(l)].conv_records.begin() + n * T * conv_pair));
-          CHECK(std::memcmp(
-                    pools.recurrent_records.data() + n * T * rec_pair,
-                    before[static_cast<std::size_t>(l)].recurrent_records.data() + n * T * rec_pair,
-                    T * rec_pair * sizeof(float)) == 0);
-        }
-        got.push_back(pools);
-        want_pools.push_back(expected);
+        weights.push_back(with_bias_and_norm(layer::random_weights(config, 60 + l, 1)));
+        before.emplace_back(config, slots_in_pool, dtype);
+        before.back().randomize(70 + l);
+        before.back().add_records(config, N * T + 3);  // a region larger than the step needs
       }
-      std::vector<Pools*> commit_layers = {&got[0], &got[1]};
-      BatchSpec commit = decode_batch(N, T, committed);
-      commit.num_accepted = accepted;
-      commit.padding_slot = padding_slot;
-      const LayerRun done = runner.commit(config, commit, commit_layers);
-      REQUIRE_MESSAGE(done.error.empty(), done.error);
-      CHECK(done.device_status == 0);
-      CHECK(done.guards_intact);
-      for (int l = 0; l < 2; ++l) {
-        CAPTURE(l);
-        const Pools& mine = got[static_cast<std::size_t>(l)];
-        const Pools& want = want_pools[static_cast<std::size_t>(l)];
+      for (std::uint64_t trial = 0; trial < 3; ++trial) {
+        CAPTURE(trial);
+        std::vector<std::int32_t> accepted(static_cast<std::size_t>(N));
         for (std::int64_t n = 0; n < N; ++n) {
-          CAPTURE(n);
-          const std::int32_t s = committed[static_cast<std::size_t>(n)];
-          if (s < 0 || s == padding_slot) continue;
-          const std::int32_t kept = per_token[static_cast<std::size_t>(
-              n * T + accepted[static_cast<std::size_t>(n)] - 1)];
-          CHECK(mine.row_equal(want, s, kept));
+          accepted[static_cast<std::size_t>(n)] =
+              static_cast<std::int32_t>(1 + (n * 7 + trial * 3 + n * trial) % T);
         }
-        // Every other slot as before: the padding slot included.
-        for (std::int64_t r = 0; r < slots_in_pool; ++r) {
-          if (r == 7 || r == 2 || r == 11) continue;
-          CAPTURE(r);
-          CHECK(mine.row_equal(before[static_cast<std::size_t>(l)], r));
+        std::string accepted_list;
+        for (const std::int32_t a : accepted) accepted_list += std::to_string(a) + " ";
+        CAPTURE(accepted_list);
+        std::vector<Pools> got, want_pools;  // per layer: the records step's, the per-token step's
+        for (int l = 0; l < 2; ++l) {
+          CAPTURE(l);
+          const auto layer = runner.make(weights[static_cast<std::size_t>(l)]);
+          const std::vector<bf16_bits> hidden =
+              random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 80 + l + 10 * trial);
+          // The per-token-states reference.
+          BatchSpec verify = decode_batch(N, T, per_token);
+          verify.num_accepted.assign(static_cast<std::size_t>(N), 1);
+          verify.padding_slot = padding_slot;
+          Pools expected = before[static_cast<std::size_t>(l)];
+          const LayerRun want = runner.forward(*layer, hidden, verify, &expected, same_kernel);
+          REQUIRE_MESSAGE(want.error.empty(), want.error);
+          // The records step.
+          BatchSpec records = decode_batch(N, T, committed);
+          records.records = true;
+          records.padding_slot = padding_slot;
+          Pools pools = before[static_cast<std::size_t>(l)];
+          const LayerRun run = runner.forward(*layer, hidden, records, &pools, same_kernel);
+          REQUIRE_MESSAGE(run.error.empty(), run.error);
+          CHECK(run.device_status == 0);
+          CHECK(run.all_written);
+          CHECK(run.guards_intact);
+          CHECK(same_bits(run.out, want.out));
+          Pools states_only = pools;  // the step wrote records only
+          states_only.recurrent_records = before[static_cast<std::size_t>(l)].recurrent_records;
+          states_only.conv_records = before[static_cast<std::size_t>(l)].conv_records;
+          CHECK(states_only == before[static_cast<std::size_t>(l)]);
+          // The padding rows' records are as they were (NaN poison).
+          for (const std::int64_t n : {2, 4}) {
+            const std::size_t conv_pair = static_cast<std::size_t>(3 * config.local_channels());
+            const std::size_t rec_pair =
+                static_cast<std::size_t>(config.local_heads() * 3 * config.head_dim);
+            CHECK(std::equal(
+                pools.conv_records.begin() + n * T * conv_pair,
+                pools.conv_records.begin() + (n + 1) * T * conv_pair,
+                before[static_cast<std::size_t>(l)].conv_records.begin() + n * T * conv_pair));
+            CHECK(std::memcmp(pools.recurrent_records.data() + n * T * rec_pair,
+                              before[static_cast<std::size_t>(l)].recurrent_records.data() +
+                                  n * T * rec_pair,
+                              T * rec_pair * sizeof(float)) == 0);
+          }
+          got.push_back(pools);
+          want_pools.push_back(expected);
+        }
+        std::vector<Pools*> commit_layers = {&got[0], &got[1]};
+        BatchSpec commit = decode_batch(N, T, committed);
+        commit.num_accepted = accepted;
+        commit.padding_slot = padding_slot;
+        const LayerRun done = runner.commit(config, commit, commit_layers);
+        REQUIRE_MESSAGE(done.error.empty(), done.error);
+        CHECK(done.device_status == 0);
+        CHECK(done.guards_intact);
+        for (int l = 0; l < 2; ++l) {
+          CAPTURE(l);
+          const Pools& mine = got[static_cast<std::size_t>(l)];
+          const Pools& want = want_pools[static_cast<std::size_t>(l)];
+          for (std::int64_t n = 0; n < N; ++n) {
+            CAPTURE(n);
+            const std::int32_t s = committed[static_cast<std::size_t>(n)];
+            if (s < 0 || s == padding_slot) continue;
+            const std::int32_t kept = per_token[static_cast<std::size_t>(
+                n * T + accepted[static_cast<std::size_t>(n)] - 1)];
+            CHECK(mine.row_equal(want, s, kept));
+          }
+          // Every other slot as before: the padding slot included.
+          for (std::int64_t r = 0; r < slots_in_pool; ++r) {
+            if (r == 7 || r == 2 || r == 11) continue;
+            CAPTURE(r);
+            CHECK(mine.row_equal(before[static_cast<std::size_t>(l)], r));
+          }
         }
       }
     }
@@ -550,7 +557,8 @@ KDA_LAYER_CASE(
 // followed by the same step computes: out, and the pools (a plain step), or the records and the
 // folded states (a records step, which stores them). The next step takes the records step's rows
 // reversed (its padding rows included, their fold entries garbage), and one row on a slot the
-// records step did not read, which folds nothing. Every decode kernel on CUDA, both state dtypes.
+// records step did not read, which folds nothing. Every decode kernel on CUDA, both state dtypes,
+// both output gate forms.
 KDA_LAYER_CASE("a step that folds the records step before it equals commit() and then that step") {
   const std::int64_t N = 5, T = 4, slots_in_pool = 24;
   const std::int32_t padding_slot = 23;
@@ -565,84 +573,87 @@ KDA_LAYER_CASE("a step that folds the records step before it equals commit() and
     variants.push_back({layer::DecodeKernel::kFusedFactors, 8});
     variants.push_back({layer::DecodeKernel::kFused, 1});
   }
-  const layer::Config config = runner.config(GateMode::kLowerBound);
-  const std::int64_t E = config.hidden_size;
-  const auto layer = runner.make(with_bias_and_norm(layer::random_weights(config, 90, 1)));
-  for (const DType dtype : {DType::kF32, DType::kBF16}) {
-    for (const Variant& v : variants) {
-      for (const bool next_records : {false, true}) {
-        const std::string dtype_name = to_string(dtype);
-        CAPTURE(dtype_name);
-        CAPTURE(static_cast<int>(v.kernel));
-        CAPTURE(v.cluster);
-        CAPTURE(next_records);
-        ForwardSettings same_kernel;
-        same_kernel.change = [v](ForwardCall& call) {
-          call.options.decode_kernel = v.kernel;
-          call.options.fused_cluster = v.cluster;
-        };
-        Pools start(config, slots_in_pool, dtype);
-        start.randomize(91);
-        start.add_records(config, N * T);
-        // The records step, then the commit of random counts: the reference's starting pools.
-        BatchSpec records = decode_batch(N, T, committed);
-        records.records = true;
-        records.padding_slot = padding_slot;
-        Pools p0 = start;
-        const LayerRun first =
-            runner.forward(*layer, random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 92),
-                           records, &p0, same_kernel);
-        REQUIRE_MESSAGE(first.error.empty(), first.error);
-        const std::vector<std::int32_t> accepted = {3, 1, 2, 4, 2};
-        BatchSpec commit = decode_batch(N, T, committed);
-        commit.num_accepted = accepted;
-        commit.padding_slot = padding_slot;
-        Pools p1 = p0;
-        std::vector<Pools*> commit_layers = {&p1};
-        const LayerRun done = runner.commit(config, commit, commit_layers);
-        REQUIRE_MESSAGE(done.error.empty(), done.error);
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = runner.config(GateMode::kLowerBound, full_rank);
+    const std::int64_t E = config.hidden_size;
+    const auto layer = runner.make(with_bias_and_norm(layer::random_weights(config, 90, 1)));
+    for (const DType dtype : {DType::kF32, DType::kBF16}) {
+      for (const Variant& v : variants) {
+        for (const bool next_records : {false, true}) {
+          const std::string dtype_name = to_string(dtype);
+          CAPTURE(dtype_name);
+          CAPTURE(static_cast<int>(v.kernel));
+          CAPTURE(v.cluster);
+          CAPTURE(next_records);
+          ForwardSettings same_kernel;
+          same_kernel.change = [v](ForwardCall& call) {
+            call.options.decode_kernel = v.kernel;
+            call.options.fused_cluster = v.cluster;
+          };
+          Pools start(config, slots_in_pool, dtype);
+          start.randomize(91);
+          start.add_records(config, N * T);
+          // The records step, then the commit of random counts: the reference's starting pools.
+          BatchSpec records = decode_batch(N, T, committed);
+          records.records = true;
+          records.padding_slot = padding_slot;
+          Pools p0 = start;
+          const LayerRun first =
+              runner.forward(*layer, random_bf16(static_cast<std::size_t>(N * T * E), 2.0f, 92),
+                             records, &p0, same_kernel);
+          REQUIRE_MESSAGE(first.error.empty(), first.error);
+          const std::vector<std::int32_t> accepted = {3, 1, 2, 4, 2};
+          BatchSpec commit = decode_batch(N, T, committed);
+          commit.num_accepted = accepted;
+          commit.padding_slot = padding_slot;
+          Pools p1 = p0;
+          std::vector<Pools*> commit_layers = {&p1};
+          const LayerRun done = runner.commit(config, commit, commit_layers);
+          REQUIRE_MESSAGE(done.error.empty(), done.error);
 
-        // The next step: rows reversed, then slot 5 (read by no row of the records step).
-        const std::int64_t N2 = N + 1, T2 = next_records ? 3 : 1;
-        std::vector<std::int32_t> slots2;
-        BatchSpec next;
-        for (std::int64_t n = N - 1; n >= 0; --n) {
-          const std::int32_t s = committed[static_cast<std::size_t>(n)];
-          slots2.push_back(s);
-          const bool padding = s < 0 || s == padding_slot;
-          next.fold_rows.push_back(padding ? 777 : static_cast<std::int32_t>(n));
-          next.fold_counts.push_back(padding ? -3 : accepted[static_cast<std::size_t>(n)]);
+          // The next step: rows reversed, then slot 5 (read by no row of the records step).
+          const std::int64_t N2 = N + 1, T2 = next_records ? 3 : 1;
+          std::vector<std::int32_t> slots2;
+          BatchSpec next;
+          for (std::int64_t n = N - 1; n >= 0; --n) {
+            const std::int32_t s = committed[static_cast<std::size_t>(n)];
+            slots2.push_back(s);
+            const bool padding = s < 0 || s == padding_slot;
+            next.fold_rows.push_back(padding ? 777 : static_cast<std::int32_t>(n));
+            next.fold_counts.push_back(padding ? -3 : accepted[static_cast<std::size_t>(n)]);
+          }
+          slots2.push_back(5);
+          next.fold_rows.push_back(-1);
+          next.fold_counts.push_back(0);
+          BatchSpec plain = decode_batch(N2, T2, slots2);
+          plain.padding_slot = padding_slot;
+          plain.records = next_records;
+          const std::vector<bf16_bits> hidden =
+              random_bf16(static_cast<std::size_t>(N2 * T2 * E), 2.0f, 93);
+          Pools want_pools = p1;
+          want_pools.add_records(config, N * T);  // both regions sized alike (at least N2 x T2)
+          const LayerRun want = runner.forward(*layer, hidden, plain, &want_pools, same_kernel);
+          REQUIRE_MESSAGE(want.error.empty(), want.error);
+
+          BatchSpec folding = plain;
+          folding.fold_sequences = N;
+          folding.fold_decode_tokens = T;
+          folding.fold_rows = next.fold_rows;
+          folding.fold_counts = next.fold_counts;
+          Pools got_pools = p0;  // the records step's pools: nothing committed
+          got_pools.fold_recurrent_records = p0.recurrent_records;
+          got_pools.fold_conv_records = p0.conv_records;
+          got_pools.add_records(config, N * T);
+          const LayerRun got = runner.forward(*layer, hidden, folding, &got_pools, same_kernel);
+          REQUIRE_MESSAGE(got.error.empty(), got.error);
+          CHECK(got.device_status == 0);
+          CHECK(got.guards_intact);
+          CHECK(same_bits(got.out, want.out));
+          got_pools.fold_recurrent_records.clear();
+          got_pools.fold_conv_records.clear();
+          CHECK(got_pools == want_pools);  // pools (folded, stepped) and this step's records
         }
-        slots2.push_back(5);
-        next.fold_rows.push_back(-1);
-        next.fold_counts.push_back(0);
-        BatchSpec plain = decode_batch(N2, T2, slots2);
-        plain.padding_slot = padding_slot;
-        plain.records = next_records;
-        const std::vector<bf16_bits> hidden =
-            random_bf16(static_cast<std::size_t>(N2 * T2 * E), 2.0f, 93);
-        Pools want_pools = p1;
-        want_pools.add_records(config, N * T);  // both regions sized alike (at least N2 x T2)
-        const LayerRun want = runner.forward(*layer, hidden, plain, &want_pools, same_kernel);
-        REQUIRE_MESSAGE(want.error.empty(), want.error);
-
-        BatchSpec folding = plain;
-        folding.fold_sequences = N;
-        folding.fold_decode_tokens = T;
-        folding.fold_rows = next.fold_rows;
-        folding.fold_counts = next.fold_counts;
-        Pools got_pools = p0;  // the records step's pools: nothing committed
-        got_pools.fold_recurrent_records = p0.recurrent_records;
-        got_pools.fold_conv_records = p0.conv_records;
-        got_pools.add_records(config, N * T);
-        const LayerRun got = runner.forward(*layer, hidden, folding, &got_pools, same_kernel);
-        REQUIRE_MESSAGE(got.error.empty(), got.error);
-        CHECK(got.device_status == 0);
-        CHECK(got.guards_intact);
-        CHECK(same_bits(got.out, want.out));
-        got_pools.fold_recurrent_records.clear();
-        got_pools.fold_conv_records.clear();
-        CHECK(got_pools == want_pools);  // pools (folded, stepped) and this step's records
       }
     }
   }
