@@ -80,9 +80,10 @@ const char* const kUsage =
   kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
           [--verify-tokens K [--verify-form tokens|records|fold]]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan] [--ranks N]
-          [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
+          [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N] [--state-dtype fp32|bf16]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
           [--backend auto|cpu|cuda] [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
+          [--state-dtype fp32|bf16]
   kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --layer-case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --help | --version
@@ -118,6 +119,8 @@ Options:
                        the engine is planned for, all sequences together
   --max-sequences N    replaces the model's runtime.max_sequences (default 8; 1..1048576): the
                        state slots of every KDA layer
+  --state-dtype D      fp32 or bf16: replaces the model's runtime.state_dtype (default fp32): the
+                       recurrent states' dtype (a bf16 state halves their bytes)
   --decode-steps S     decode steps after the prefill (default 0)
   --graphs on|off      CUDA: each decode step replays one CUDA graph of every layer, captured once
                        on batch metadata in device memory, as a serving runtime runs decode
@@ -344,6 +347,15 @@ Options parse_args(int argc, char** argv) {
         throw UsageError{"--workspace-plan expects reuse or sum, got '" + text + "'"};
       }
       o.runtime.workspace_plan = mode;
+    } else if (arg == "--state-dtype") {
+      const std::string text = value();
+      if (text == "fp32") {
+        o.runtime.state_dtype = kda::DType::kF32;
+      } else if (text == "bf16") {
+        o.runtime.state_dtype = kda::DType::kBF16;
+      } else {
+        throw UsageError{"--state-dtype expects fp32 or bf16, got '" + text + "'"};
+      }
     } else if (arg == "--max-tokens") {
       o.runtime.max_tokens = parse_int(arg, value(), 1, kMax);
     } else if (arg == "--max-sequences") {
@@ -370,7 +382,7 @@ Options parse_args(int argc, char** argv) {
     if (o.plan_only || o.json || o.full_plan || o.tokens || o.sequences_given || o.decode_given ||
         o.graphs_given || o.seed_given || o.threads_given || o.core_only || o.strict_config ||
         o.schedule || o.decode_step || r.workspace_plan || r.max_tokens || r.max_sequences ||
-        o.ranks != 1 || o.verify_tokens != 0 || o.verify_form_given) {
+        r.state_dtype || o.ranks != 1 || o.verify_tokens != 0 || o.verify_form_given) {
       throw UsageError{flag + " takes only --output and --backend"};
     }
     return o;
@@ -393,7 +405,7 @@ Options parse_args(int argc, char** argv) {
        o.schedule || o.decode_step || o.ranks != 1 || o.verify_tokens != 0)) {
     throw UsageError{
         "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
-        "--workspace-plan, --max-tokens and --max-sequences"};
+        "--workspace-plan, --max-tokens, --max-sequences and --state-dtype"};
   }
   return o;
 }

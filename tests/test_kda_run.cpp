@@ -1656,8 +1656,10 @@ TEST_CASE("kda-run: a typo in runtime is a warning, and an error with --strict-c
 // ---- runtime overrides, file errors, output as it happens, scripts ---------------------------
 
 TEST_CASE(
-    "kda-run: --workspace-plan, --max-tokens and --max-sequences replace the runtime values") {
-  const std::string tiny = kModels + "tiny.yaml";  // reuse, max_tokens 2048, max_sequences 4
+    "kda-run: --workspace-plan, --max-tokens, --max-sequences and --state-dtype replace the "
+    "runtime values") {
+  // reuse, max_tokens 2048, max_sequences 4, state_dtype fp32
+  const std::string tiny = kModels + "tiny.yaml";
   auto plan_of = [](const Result& r) {
     INFO(r.err);
     REQUIRE(r.rc == 0);
@@ -1679,6 +1681,12 @@ TEST_CASE(
   CHECK(overridden["mode"] == "sum");
   CHECK(state_bytes(overridden) == 4 * state_bytes(file));  // 16 slots instead of 4
   CHECK(overridden["arena_bytes"].get<std::uint64_t>() > file["arena_bytes"].get<std::uint64_t>());
+  // A bf16 state: every layer's recurrent states in half the bytes.
+  const nlohmann::json bf16 = plan_of(kda_run(
+      {"--model", tiny, "--plan-only", "--json", "--backend", "cpu", "--state-dtype", "bf16"}));
+  CHECK(2 * state_bytes(bf16) == state_bytes(file));
+  CHECK(plan_of(kda_run({"--model", tiny, "--plan-only", "--json", "--backend", "cpu",
+                         "--state-dtype", "fp32"})) == file);
 
   // A run with more sequences than the file allows.
   const Result run = kda_run({"--model", tiny, "--max-sequences", "6", "--sequences", "6",
@@ -1686,6 +1694,13 @@ TEST_CASE(
   INFO(run.out << run.err);
   REQUIRE(run.rc == 0);
   CHECK(run.out.find("prefill: 12 tokens in 6 sequences") != std::string::npos);
+  // A run on bf16 states, prefill and decode steps, says so in its model line.
+  const Result bf16_run =
+      kda_run({"--model", tiny, "--state-dtype", "bf16", "--tokens", "12", "--sequences", "2",
+               "--decode-steps", "2", "--backend", "cpu", "--threads", "1"});
+  INFO(bf16_run.out << bf16_run.err);
+  REQUIRE(bf16_run.rc == 0);
+  CHECK(bf16_run.out.find("state bf16") != std::string::npos);
 
   // Bad values are usage errors; the model's limits say how to raise them.
   for (const std::vector<std::string>& args :
@@ -1693,7 +1708,8 @@ TEST_CASE(
         {"--max-tokens", "0"},
         {"--max-tokens", "many"},
         {"--max-sequences", "0"},
-        {"--max-sequences", "1048577"}}) {
+        {"--max-sequences", "1048577"},
+        {"--state-dtype", "f16"}}) {
     std::vector<std::string> full = {"--model", tiny, "--plan-only"};
     full.insert(full.end(), args.begin(), args.end());
     CAPTURE(args.front());
@@ -1703,7 +1719,10 @@ TEST_CASE(
   }
   CHECK(kda_run({"--model", tiny, "--workspace-plan", "greedy"})
             .err.find("--workspace-plan expects reuse or sum, got 'greedy'") != std::string::npos);
+  CHECK(kda_run({"--model", tiny, "--state-dtype", "fp16"})
+            .err.find("--state-dtype expects fp32 or bf16, got 'fp16'") != std::string::npos);
   CHECK(kda_run({"--case", "a", "--output", "b", "--max-tokens", "8"}).rc == 2);
+  CHECK(kda_run({"--case", "a", "--output", "b", "--state-dtype", "bf16"}).rc == 2);
   CHECK(kda_run({"--model", tiny, "--tokens", "4096"}).err.find("(--max-tokens raises it)") !=
         std::string::npos);
   CHECK(kda_run({"--model", tiny, "--sequences", "5"}).err.find("(--max-sequences raises it)") !=

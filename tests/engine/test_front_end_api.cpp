@@ -77,6 +77,17 @@ TEST_CASE("model spec: reuse by default, and runtime overrides replace the file'
   CHECK(spec.runtime.max_sequences == 3);
   spec = parse_model_spec(kNoRuntime, "m.yaml", {}, options);  // no section to replace
   CHECK(spec.runtime.max_sequences == 3);
+  CHECK(spec.runtime.state_dtype == kda::DType::kF32);
+  options.runtime.state_dtype = kda::DType::kBF16;
+  spec = parse_model_spec(std::string(kNoRuntime) + "runtime: {state_dtype: fp32}\n", "m.yaml", {},
+                          options);
+  CHECK(spec.runtime.state_dtype == kda::DType::kBF16);
+  const std::uint64_t bf16_slot = spec.state_slot_bytes();
+  options.runtime.state_dtype = kda::DType::kF32;
+  spec = parse_model_spec(std::string(kNoRuntime) + "runtime: {state_dtype: bf16}\n", "m.yaml", {},
+                          options);
+  CHECK(spec.runtime.state_dtype == kda::DType::kF32);
+  CHECK(spec.state_slot_bytes() == 2 * bf16_slot);
 
   // Out of range, or sizes that overflow: the key, the override, and no line and column.
   ModelSpecOptions bad;
@@ -86,6 +97,11 @@ TEST_CASE("model spec: reuse by default, and runtime overrides replace the file'
         "[1, 1048576]");
   bad.runtime.max_sequences = (1 << 20) + 1;
   CHECK(error_of(kNoRuntime, bad).find("is out of range [1, 1048576]") != std::string::npos);
+  bad = {};
+  bad.runtime.state_dtype = kda::DType::kI32;
+  CHECK(error_of(kNoRuntime, bad) ==
+        "m.yaml: runtime.state_dtype: " + std::string(kda::to_string(kda::DType::kI32)) +
+            " (overriding the model description's) is not fp32 or bf16");
   bad = {};
   bad.runtime.max_tokens = 0;
   CHECK(error_of(kNoRuntime, bad).find("m.yaml: runtime.max_tokens: 0 (overriding") == 0);

@@ -456,6 +456,14 @@ void apply_runtime_overrides(const Context& ctx, const RuntimeOverrides& overrid
     runtime->max_sequences = in_range(*overrides.max_sequences, "max_sequences", kMaxSequences);
   }
   if (overrides.workspace_plan) runtime->workspace_plan = *overrides.workspace_plan;
+  if (overrides.state_dtype) {
+    if (*overrides.state_dtype != DType::kF32 && *overrides.state_dtype != DType::kBF16) {
+      ctx.fail(
+          YAML::Mark::null_mark(), "runtime.state_dtype",
+          std::string(to_string(*overrides.state_dtype)) + kOverridden + " is not fp32 or bf16");
+    }
+    runtime->state_dtype = *overrides.state_dtype;
+  }
 }
 
 // The byte counts an engine for this spec will plan; each, and their sum, must fit in 64 bits.

@@ -192,6 +192,7 @@ struct RuntimeOverrides {
   std::optional<std::int64_t> max_tokens;
   std::optional<std::int64_t> max_sequences;
   std::optional<planner::PlanMode> workspace_plan;
+  std::optional<DType> state_dtype;  // kF32 or kBF16
 };
 
 struct ModelSpecOptions {
