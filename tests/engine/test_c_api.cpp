@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -144,6 +145,12 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(options.check_pointers == 1);
   CHECK(options.prefill_schedule == KDA_PREFILL_SCHEDULE_DEFAULT);
   CHECK(options.decode_step == KDA_DECODE_STEP_DEFAULT);
+  CHECK(options.null_slot == -1);
+  CHECK(options.reserved2 == 0);
+  CHECK(options.max_tokens == 0);
+  CHECK(options.max_sequences == 0);
+  CHECK(options.state_dtype == KDA_STATE_DTYPE_DEFAULT);
+  CHECK(options.reserved3 == 0);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
@@ -202,6 +209,44 @@ KDA_CPU_CASE("create from string and from file, every query") {
   Handle defaults;
   REQUIRE(kda_engine_create_from_file(path.c_str(), nullptr, &defaults.engine, nullptr, 0) ==
           KDA_OK);
+  // The runtime overrides replace the description's max_tokens (2048), max_sequences (4) and
+  // state_dtype (fp32), from a file and from a string: a bf16 state is half the bytes.
+  auto state_bytes = [](kda_engine* engine) {
+    std::size_t length = 0;
+    REQUIRE(kda_engine_plan_json(engine, nullptr, 0, &length) == KDA_OK);
+    std::vector<char> json(length + 1);
+    REQUIRE(kda_engine_plan_json(engine, json.data(), json.size(), nullptr) == KDA_OK);
+    const nlohmann::json plan = nlohmann::json::parse(json.data());
+    for (const auto& buffer : plan["buffers"]) {
+      if (buffer["name"] == "layer1.state") return buffer["bytes"].get<std::uint64_t>();
+    }
+    FAIL("no layer1.state buffer");
+    return std::uint64_t{0};
+  };
+  kda_engine_options overridden = options;
+  overridden.max_tokens = 64;
+  overridden.max_sequences = 6;
+  overridden.state_dtype = KDA_STATE_DTYPE_BF16;
+  Handle small;
+  REQUIRE_MESSAGE(kda_engine_create_from_file(path.c_str(), &overridden, &small.engine, err,
+                                              sizeof err) == KDA_OK,
+                  err);
+  // (max_tokens, max_sequences) as the engine reports them.
+  auto sizes = [](kda_engine* engine) {
+    std::int64_t tokens = 0, sequences = 0;
+    CHECK(kda_engine_max_tokens(engine, &tokens) == KDA_OK);
+    CHECK(kda_engine_max_sequences(engine, &sequences) == KDA_OK);
+    return std::vector<std::int64_t>{tokens, sequences};
+  };
+  CHECK(sizes(small) == std::vector<std::int64_t>{64, 6});
+  // 6 bf16 slots against 4 fp32 ones.
+  CHECK(4 * state_bytes(small) == 3 * state_bytes(tiny));
+  overridden.max_sequences = 0;  // the description's
+  Handle from_string;
+  REQUIRE_MESSAGE(kda_engine_create_from_string(kSpec, &overridden, &from_string.engine, err,
+                                                sizeof err) == KDA_OK,
+                  err);
+  CHECK(sizes(from_string) == std::vector<std::int64_t>{64, 4});
 }
 
 KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
@@ -238,37 +283,41 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
     CHECK(contains(err, "out_engine is null"));
   }
   SUBCASE("bad options") {
-    kda_engine_options bad = options;
-    bad.struct_size = sizeof bad - 8;  // a struct from another version of the header
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "struct_size"));
-    bad = options;
-    bad.backend = static_cast<kda_backend>(7);
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.backend is 7"));
-    bad = options;
-    bad.cpu_threads = -3;
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "cpu_threads is -3"));
-    bad = options;
-    bad.check_pointers = 2;
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.check_pointers is 2, expected 0 or 1"));
-    bad = options;
-    bad.prefill_schedule = static_cast<kda_prefill_schedule>(4);
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.prefill_schedule is 4"));
-    bad = options;
-    bad.decode_step = static_cast<kda_decode_step>(6);
-    CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
-          KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "options.decode_step is 6"));
-    CHECK(engine == nullptr);
+    // Each a change to valid options, and what the refusal names.
+    struct Bad {
+      void (*change)(kda_engine_options*);
+      const char* message;
+    };
+    const Bad cases[] = {
+        // a struct from another version of the header
+        {[](kda_engine_options* o) { o->struct_size -= 8; }, "struct_size"},
+        {[](kda_engine_options* o) { o->backend = static_cast<kda_backend>(7); },
+         "options.backend is 7"},
+        {[](kda_engine_options* o) { o->cpu_threads = -3; }, "cpu_threads is -3"},
+        {[](kda_engine_options* o) { o->check_pointers = 2; },
+         "options.check_pointers is 2, expected 0 or 1"},
+        {[](kda_engine_options* o) { o->prefill_schedule = static_cast<kda_prefill_schedule>(4); },
+         "options.prefill_schedule is 4"},
+        {[](kda_engine_options* o) { o->decode_step = static_cast<kda_decode_step>(6); },
+         "options.decode_step is 6"},
+        {[](kda_engine_options* o) { o->max_tokens = -1; }, "options.max_tokens is -1"},
+        {[](kda_engine_options* o) { o->max_sequences = -2; }, "options.max_sequences is -2"},
+        // the loader's range, as for the description's own value
+        {[](kda_engine_options* o) { o->max_sequences = (1 << 20) + 1; },
+         "runtime.max_sequences: 1048577 (overriding the model description's)"},
+        {[](kda_engine_options* o) { o->state_dtype = static_cast<kda_state_dtype>(3); },
+         "options.state_dtype is 3"},
+        {[](kda_engine_options* o) { o->reserved3 = 1; }, "options.reserved3 is 1, expected 0"},
+    };
+    for (const Bad& b : cases) {
+      CAPTURE(b.message);
+      kda_engine_options bad = options;
+      b.change(&bad);
+      CHECK(kda_engine_create_from_string(kSpec, &bad, &engine, err, sizeof err) ==
+            KDA_INVALID_ARGUMENT);
+      CHECK(contains(err, b.message));
+      CHECK(engine == nullptr);
+    }
   }
   SUBCASE("CUDA without a device; head_dim the CUDA backend cannot run") {
     kda_engine_options cuda = options;

@@ -32,8 +32,10 @@ static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUn
 static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
-// before prefill_schedule was 48 bytes on LP64, the one before null_slot 56.
-static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 64,
+// before prefill_schedule was 48 bytes on LP64, the one before null_slot 56, the one before the
+// runtime overrides (max_tokens .. reserved3) 64.
+static_assert(sizeof(kda_state_dtype) == sizeof(int), "kda_state_dtype is int-sized");
+static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 88,
               "kda_engine_options changed size: keep it apart from earlier versions");
 // decode_step took the place of an int `reserved` that callers set to 0 (the default).
 static_assert(sizeof(void*) != 8 || offsetof(kda_engine_options, decode_step) == 48,
@@ -209,6 +211,42 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
   return result;
 }
 
+// The options' runtime overrides for the description's loader (none without options).
+kda::engine::ModelSpecOptions to_spec_options(const kda_engine_options* options,
+                                              const char* function) {
+  kda::engine::ModelSpecOptions result;
+  if (options == nullptr) return result;
+  if (options->max_tokens < 0) {
+    invalid(function, "options.max_tokens is " + std::to_string(options->max_tokens) +
+                          ", expected >= 0 (0: the description's runtime.max_tokens)");
+  }
+  if (options->max_sequences < 0) {
+    invalid(function, "options.max_sequences is " + std::to_string(options->max_sequences) +
+                          ", expected >= 0 (0: the description's runtime.max_sequences)");
+  }
+  if (options->max_tokens > 0) result.runtime.max_tokens = options->max_tokens;
+  if (options->max_sequences > 0) result.runtime.max_sequences = options->max_sequences;
+  switch (options->state_dtype) {
+    case KDA_STATE_DTYPE_DEFAULT:
+      break;
+    case KDA_STATE_DTYPE_FP32:
+      result.runtime.state_dtype = kda::DType::kF32;
+      break;
+    case KDA_STATE_DTYPE_BF16:
+      result.runtime.state_dtype = kda::DType::kBF16;
+      break;
+    default:
+      invalid(function, "options.state_dtype is " +
+                            std::to_string(static_cast<int>(options->state_dtype)) +
+                            ", expected KDA_STATE_DTYPE_DEFAULT, _FP32 or _BF16");
+  }
+  if (options->reserved3 != 0) {
+    invalid(function,
+            "options.reserved3 is " + std::to_string(options->reserved3) + ", expected 0");
+  }
+  return result;
+}
+
 kda_status create(const char* function, bool from_file, const char* yaml,
                   const kda_engine_options* options, kda_engine** out_engine, char* err,
                   std::size_t err_size) noexcept {
@@ -217,8 +255,10 @@ kda_status create(const char* function, bool from_file, const char* yaml,
     require(out_engine, function, "out_engine");
     require(yaml, function, from_file ? "yaml_path" : "yaml_text");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    kda::engine::ModelSpec spec = from_file ? kda::engine::load_model_spec(yaml)
-                                            : kda::engine::parse_model_spec(yaml, "<yaml string>");
+    const kda::engine::ModelSpecOptions spec_options = to_spec_options(options, function);
+    kda::engine::ModelSpec spec =
+        from_file ? kda::engine::load_model_spec(yaml, spec_options)
+                  : kda::engine::parse_model_spec(yaml, "<yaml string>", {}, spec_options);
     auto handle = std::make_unique<kda_engine>();
     handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
     handle->plan_json = handle->engine->plan().to_json();
@@ -310,6 +350,10 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->decode_step = KDA_DECODE_STEP_DEFAULT;
   options->null_slot = -1;
   options->reserved2 = 0;
+  options->max_tokens = 0;
+  options->max_sequences = 0;
+  options->state_dtype = KDA_STATE_DTYPE_DEFAULT;
+  options->reserved3 = 0;
   return KDA_OK;
 }
 

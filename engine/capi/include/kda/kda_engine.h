@@ -110,6 +110,15 @@ typedef enum kda_decode_step {
   KDA_DECODE_STEP_MAX_ENUM_ = 0x7FFFFFFF /* not a decode step (see KDA_STATUS_MAX_ENUM_) */
 } kda_decode_step;
 
+/* The recurrent states' dtype (the description's runtime.state_dtype, docs/MODEL.md): DEFAULT keeps
+ * the description's (itself fp32 by default). */
+typedef enum kda_state_dtype {
+  KDA_STATE_DTYPE_DEFAULT = 0,
+  KDA_STATE_DTYPE_FP32 = 1,
+  KDA_STATE_DTYPE_BF16 = 2,
+  KDA_STATE_DTYPE_MAX_ENUM_ = 0x7FFFFFFF /* not a dtype (see KDA_STATUS_MAX_ENUM_) */
+} kda_state_dtype;
+
 /* Creation options. Always start from kda_engine_options_init(): it sets struct_size, which
  * creation checks (so a struct from a different version of this header is refused, not misread). */
 typedef struct kda_engine_options {
@@ -128,8 +137,15 @@ typedef struct kda_engine_options {
   int null_slot; /* a slot index that is padding in every batch, as a negative one, and is never
                     acquired (kda::engine::EngineOptions::null_slot: one of the max_sequences
                     slots); default -1: none */
-  int reserved2; /* must be 0; with null_slot, keeps this version's size (64 bytes on LP64) apart
-                    from the one before (56) */
+  int reserved2; /* must be 0; with null_slot, kept the size of the version that added it (64 bytes
+                    on LP64) apart from the one before (56) */
+  /* Values that replace the description's runtime keys, each checked as the description's own
+   * (kda::engine::RuntimeOverrides; an error names the key and says it was overridden): */
+  int64_t max_tokens;          /* > 0: runtime.max_tokens; 0 (default): the description's */
+  int64_t max_sequences;       /* > 0: runtime.max_sequences (the state slots); 0 (default): the
+                                  description's */
+  kda_state_dtype state_dtype; /* runtime.state_dtype; default KDA_STATE_DTYPE_DEFAULT */
+  int reserved3;               /* must be 0 (88 bytes on LP64) */
 } kda_engine_options;
 
 /* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
