@@ -349,13 +349,11 @@ Options parse_args(int argc, char** argv) {
       o.runtime.workspace_plan = mode;
     } else if (arg == "--state-dtype") {
       const std::string text = value();
-      if (text == "fp32") {
-        o.runtime.state_dtype = kda::DType::kF32;
-      } else if (text == "bf16") {
-        o.runtime.state_dtype = kda::DType::kBF16;
-      } else {
+      kda::DType dtype;
+      if (!kda::engine::parse_state_dtype(text, &dtype)) {
         throw UsageError{"--state-dtype expects fp32 or bf16, got '" + text + "'"};
       }
+      o.runtime.state_dtype = dtype;
     } else if (arg == "--max-tokens") {
       o.runtime.max_tokens = parse_int(arg, value(), 1, kMax);
     } else if (arg == "--max-sequences") {

@@ -598,6 +598,17 @@ TEST_CASE("runtime.prefill_schedule: every name, and its parser") {
   CHECK_FALSE(kda::engine::parse_prefill_schedule("auto", nullptr));
 }
 
+TEST_CASE("runtime.state_dtype's parser: fp32 and bf16, nothing else") {
+  kda::DType dtype = kda::DType::kBF16;
+  CHECK(kda::engine::parse_state_dtype("fp32", &dtype));
+  CHECK(dtype == kda::DType::kF32);
+  CHECK(kda::engine::parse_state_dtype("bf16", &dtype));
+  CHECK(dtype == kda::DType::kBF16);
+  CHECK_FALSE(kda::engine::parse_state_dtype("f32", &dtype));
+  CHECK(dtype == kda::DType::kBF16);
+  CHECK_FALSE(kda::engine::parse_state_dtype("fp32", nullptr));
+}
+
 TEST_CASE("runtime.decode_step: every name, its parser, and an unknown one") {
   CHECK(parse_model_spec(kValid, "m.yaml").runtime.decode_step == kda::layer::DecodeKernel::kAuto);
   for (const kda::layer::DecodeKernel k :

@@ -1019,6 +1019,18 @@ bool parse_prefill_schedule(const std::string& text, PrefillSchedule* schedule) 
   return false;
 }
 
+bool parse_state_dtype(const std::string& text, DType* dtype) noexcept {
+  if (dtype == nullptr) return false;
+  if (text == "fp32") {
+    *dtype = DType::kF32;
+  } else if (text == "bf16") {
+    *dtype = DType::kBF16;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 const char* to_string(LayerMode mode) noexcept {
   return mode == LayerMode::kWhole ? "whole" : mode == LayerMode::kCoreOnly ? "core" : "unknown";
 }
@@ -1166,13 +1178,10 @@ ModelSpec parse_description(const std::string& text, const std::string& source_n
       }
       if (const YAML::Node n = optional(runtime, "state_dtype"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".state_dtype");
-        if (value == "fp32")
-          spec.runtime.state_dtype = DType::kF32;
-        else if (value == "bf16")
-          spec.runtime.state_dtype = DType::kBF16;
-        else
+        if (!parse_state_dtype(value, &spec.runtime.state_dtype)) {
           ctx.fail(n, r + ".state_dtype",
                    "unknown state dtype '" + value + "' (expected fp32 or bf16)");
+        }
       }
       if (const YAML::Node n = optional(runtime, "workspace_plan"); n.IsDefined()) {
         const std::string value = as_string(ctx, n, r + ".workspace_plan");

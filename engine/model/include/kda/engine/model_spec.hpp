@@ -111,6 +111,9 @@ bool parse_layer_mode(const std::string& text, LayerMode* mode) noexcept;
 // "auto" / "two-phase" / "pipelined" (kda::to_string's names) -> PrefillSchedule; false for
 // anything else (*schedule untouched).
 bool parse_prefill_schedule(const std::string& text, PrefillSchedule* schedule) noexcept;
+// "fp32" / "bf16" (runtime.state_dtype's names) -> DType::kF32 / kBF16; false for anything else
+// (*dtype untouched).
+bool parse_state_dtype(const std::string& text, DType* dtype) noexcept;
 
 struct RuntimeSpec {
   std::int64_t max_tokens = 8192;
