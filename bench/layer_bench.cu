@@ -33,15 +33,16 @@
 //   o_proj       max(FLOPs / peak, bytes / bw): y·W_oᵀ; W_o, y read, out written
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
-//                        [--batch B]... [--state f32|bf16] [--verify-kernel auto|fused|separate]
+//                        [--batch B]... [--state f32|bf16] [--verify-kernel K]
 //                        [--timeline] [--graph-only]
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
 // --state bf16 keeps every recurrent state pool (and checkpoint) in bf16; records stay f32.
-// --verify-kernel runs the verify rows' steps (not the commit) on the fused kernel with its second
-// factors inside or on the separate kernels (RunOptions::decode_kernel; a step the fused kernel
-// does not fit runs separate), for an A/B of the two at several tokens a row; auto by default.
+// --verify-kernel K runs the verify rows' steps (not the commit) on one RunOptions::decode_kernel
+// (parse_decode_kernel's names: fused, the fused kernel with its second factors inside, or
+// separate, for an A/B of the two at several tokens a row; a step the fused kernel does not fit
+// runs separate); auto by default.
 // --shape runs only the shapes named (Kimi-Linear-48B, its TP8 shard, Kimi K3's TP8 shard);
 // --batch only the decode rows and verify steps of B sequences, any B (with --decode-only: nothing
 // else; verify steps of any B asked for, else of B = 1, 64 and 256).
@@ -364,12 +365,8 @@ int main(int argc, char** argv) {
                (std::strcmp(argv[i + 1], "f32") == 0 || std::strcmp(argv[i + 1], "bf16") == 0)) {
       state_dtype = std::strcmp(argv[++i], "bf16") == 0 ? kda::DType::kBF16 : kda::DType::kF32;
     } else if (std::strcmp(argv[i], "--verify-kernel") == 0 && i + 1 < argc &&
-               (std::strcmp(argv[i + 1], "auto") == 0 || std::strcmp(argv[i + 1], "fused") == 0 ||
-                std::strcmp(argv[i + 1], "separate") == 0)) {
+               kda::layer::parse_decode_kernel(argv[i + 1], &verify_kernel)) {
       ++i;
-      verify_kernel = std::strcmp(argv[i], "fused") == 0 ? kda::layer::DecodeKernel::kFusedFactors
-                      : std::strcmp(argv[i], "separate") == 0 ? kda::layer::DecodeKernel::kSeparate
-                                                              : kda::layer::DecodeKernel::kAuto;
     } else if (std::strcmp(argv[i], "--timeline") == 0) {
 #if defined(KDA_HAVE_CUPTI)
       timeline = true;
@@ -380,7 +377,7 @@ int main(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
-                   "[--batch B]... [--state f32|bf16] [--verify-kernel auto|fused|separate] "
+                   "[--batch B]... [--state f32|bf16] [--verify-kernel K] "
                    "[--timeline] [--graph-only]\n",
                    argv[0]);
       return 2;
@@ -394,7 +391,7 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
     const double bw = kda::bench::measure_copy_bandwidth();
-    const std::int64_t state_bytes = state_dtype == kda::DType::kBF16 ? 2 : 4;
+    const auto state_bytes = static_cast<std::int64_t>(kda::dtype_size(state_dtype));
     const double peak = kda::bench::kPeakBf16Flops;
     std::printf(
         "kda-layer-bench on %s: Kimi-Linear-48B KDA layer (hidden 2304, H 32, D 128, W 4),"
