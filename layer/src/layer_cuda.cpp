@@ -275,27 +275,36 @@ const GemmKnobs& gemm_knobs() {
 // Up to how many (row, head) blocks DecodeKernel::kAuto runs the fused kernel, with the low-rank
 // second factors inside it: about one block per multiprocessor, where a step is bound by latency
 // and every launch saved counts. Above, the separate kernels: their decode kernel keeps more state
-// loads in flight than the fused one, whose blocks also read their head's 64 KB of W_fb and W_gb
-// (measured on the H200: docs/PERFORMANCE.md).
-constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
-
-// A step of one token a row takes the fused kernel over fewer pairs: with an fp32 state up to 32,
-// and with the full-rank output gate never (the separate kernels run that gate's GEMM on the side
-// stream beside the conv). Measured on the H200 (kda-layer-bench --decode-only, the table by
-// decode kernel, graph replays per layer, fp32 state), fused against separate: H = 32 B = 2 / 3 /
-// 4 (64-128 pairs) 41.3 / 44.6 / 46.1 against 37.7 / 39.1 / 40.2 us, the TP8 shard B = 12-32
+// loads in flight than the fused one, whose blocks also read their head's 64 KB of W_fb and W_gb.
+// A step of one token a row takes it over fewer pairs: with an fp32 state up to 32, and with the
+// full-rank output gate never (the separate kernels run that gate's GEMM on the side stream
+// beside the conv). Measured on the H200 (kda-layer-bench --decode-only, the table by decode
+// kernel, graph replays per layer, fp32 state), fused against separate: H = 32 B = 2 / 3 / 4
+// (64-128 pairs) 41.3 / 44.6 / 46.1 against 37.7 / 39.1 / 40.2 us, the TP8 shard B = 12-32
 // (48-128 pairs) 23.0-26.7 against 20.9-23.9 but B = 2-8 (8-32 pairs) 15.7-19.2 against
 // 17.2-20.1, K3's shard B = 2-8 (24-96 pairs) 49.6-57.1 against 47.3-50.3 (bf16 state 47.8-50.9
 // against 46.8-48.2); with a bf16 state and the low-rank gate the fused kernel held its own up to
 // 128 pairs (H = 32 B = 2 35.3 against 36.7, B = 3-8 within 0.4 us; the TP8 shard B = 12 / 16 18.9
-// / 19.4 against 20.0 / 20.3). Steps of several tokens a row were not measured against it.
+// / 19.4 against 20.0 / 20.3).
+constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 constexpr std::int64_t kFusedOneTokenF32MaxBlocks = 32;
 
-std::int64_t fused_decode_max_blocks(const Config& c, std::int64_t decode_tokens,
-                                     DType state_dtype) {
-  if (decode_tokens != 1) return kFusedDecodeMaxBlocks;
-  if (c.full_rank_gate) return 0;
-  return state_dtype == DType::kF32 ? kFusedOneTokenF32MaxBlocks : kFusedDecodeMaxBlocks;
+// A step of several tokens a row takes the fused kernel under kAuto only for one row (up to 128
+// pairs, as before; not measured against the separate kernels at one row). From two rows the
+// separate kernels win: the fused kernel's blocks run their tokens one after the other with a
+// head's whole state each, where the separate core cuts a head into several blocks and the norm
+// runs over every token at once. Measured on the H200 (kda-layer-bench --decode-only
+// --verify-kernel fused, then separate, B = 2-48, T = 4 and 8, two rounds, graph replays per
+// layer), fused over separate for the plain step, per-token states, the records step and the
+// folding step within the 128 pairs: H = 32 (B = 2-4) 1.14-1.63x with an fp32 state and
+// 1.10-1.33x with a bf16 one, the TP8 shard (B = 2-32) 0.98-2.01x and 0.98-1.60x (below 1 only
+// the folding step at B = 3 and 6, T = 4), K3's shard (B = 2-8) 1.01-1.52x and 1.02-1.34x.
+bool auto_runs_fused(const Config& c, std::int64_t rows, std::int64_t heads,
+                     std::int64_t decode_tokens, DType state_dtype) {
+  const std::int64_t pairs = rows * heads;
+  if (decode_tokens != 1) return rows == 1 && pairs <= kFusedDecodeMaxBlocks;
+  if (c.full_rank_gate) return false;
+  return pairs <= (state_dtype == DType::kF32 ? kFusedOneTokenF32MaxBlocks : kFusedDecodeMaxBlocks);
 }
 
 // Up to how many warp tiles (16 rows x 16 channels) of each low-rank second factor a decode step
@@ -775,8 +784,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
 
   // A decode step in one kernel after the input projection (fused_decode.cu), where it fits.
   cuda::FusedDecodeParams fused;
-  const bool auto_fused =
-      N * Hl <= fused_decode_max_blocks(c, batch.decode_tokens, state.recurrent_dtype);
+  const bool auto_fused = auto_runs_fused(c, N, Hl, batch.decode_tokens, state.recurrent_dtype);
   bool fuse =
       decode &&
       (kernel == DecodeKernel::kFusedFactors || kernel == DecodeKernel::kFused ||

@@ -1111,8 +1111,8 @@ TEST_CASE(
     REQUIRE(decode(0, kSlots) == KDA_OK);
     REQUIRE(decode(1, kSlots) == KDA_OK);
     REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);  // before the metadata changes
-    // A step of two tokens on two rows, eagerly on both: the whole layers' fused kernel, so that
-    // the capture below must record the one launch for it to be reported.
+    // A step of two tokens on two rows, eagerly on both: the whole layers' separate kernels, so
+    // that the capture below must record the one launch for it to be reported.
     write_both(slots_g, slots_x, std::vector<std::int32_t>{4, 5});
     for (int which = 0; which < 2; ++which) {
       REQUIRE(
@@ -1121,7 +1121,7 @@ TEST_CASE(
     }
     kda_decode_step ran = KDA_DECODE_STEP_MAX_ENUM_;
     REQUIRE(kda_engine_decode_step_ran(g, 0, &ran) == KDA_OK);
-    CHECK(ran == (whole ? KDA_DECODE_STEP_FUSED : KDA_DECODE_STEP_AUTO));
+    CHECK(ran == (whole ? KDA_DECODE_STEP_SEPARATE : KDA_DECODE_STEP_AUTO));
     REQUIRE(cudaStreamSynchronize(stream.stream) == cudaSuccess);
     write_both(slots_g, slots_x, std::vector<std::int32_t>{0, 1, 2, 3});
     write_both(cu_g, cu_x, std::vector<std::int64_t>{0, 12, 24, 36, 48});

@@ -721,10 +721,10 @@ KDA_MATRIX_CASE(
     CHECK(ran == KDA_DECODE_STEP_AUTO);  // no decode step yet
     REQUIRE(kda_engine_decode_hidden(handle, layer, x_in.get(), step_c.get(), c_rows, 3, 2) ==
             KDA_OK);
-    // Three rows of two tokens: the fused step on CUDA (auto's choice); the CPU has no kernels.
+    // Three rows of two tokens: the separate kernels on CUDA (auto's choice); the CPU has none.
     REQUIRE(kda_engine_decode_step_ran(handle, layer, &ran) == KDA_OK);
-    CHECK(ran ==
-          (runner.backend() == kda::Backend::kCuda ? KDA_DECODE_STEP_FUSED : KDA_DECODE_STEP_AUTO));
+    CHECK(ran == (runner.backend() == kda::Backend::kCuda ? KDA_DECODE_STEP_SEPARATE
+                                                          : KDA_DECODE_STEP_AUTO));
     engine.decode_hidden(layer, x.data(), step_cpp.data(), {slots[1], -1, slots[0]}, 2);
     const std::vector<std::uint16_t> got = step_c.download(handle);
     CHECK(deviation(kda::test::rows_of(got, E, 0, 2), kda::test::rows_of(step_cpp, E, 0, 2)) <=

@@ -57,14 +57,15 @@ namespace {
 // (layer.hpp, DecodeKernel; the one-launch step's cap: one_launch_max_rows), on buffers it can
 // take: what RunOptions::decode_kernel_ran must report. Only for shapes whose one-launch step fits
 // the device within that cap (this file's: hidden sizes up to 4104; not Kimi K3's shard, whose two
-// rows do not fit shared memory). The fused kernel up to 128 (row, head) pairs; at one token a
-// row up to 32 with an fp32 state, and never with the full-rank output gate.
+// rows do not fit shared memory). The fused kernel for one token a row up to 128 (row, head) pairs,
+// 32 with an fp32 state, and never with the full-rank output gate; for several tokens a row only
+// at one row (up to 128 pairs).
 layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads,
                                        bool full_rank_gate, DType state_dtype) {
   if (tokens == 1 && rows >= 1 && rows <= layer::cuda::one_launch_max_rows(heads)) {
     return layer::DecodeKernel::kOneLaunch;
   }
-  std::int64_t fused_pairs = 128;
+  std::int64_t fused_pairs = rows == 1 ? 128 : 0;
   if (tokens == 1) fused_pairs = full_rank_gate ? 0 : state_dtype == DType::kF32 ? 32 : 128;
   return rows * heads <= fused_pairs ? layer::DecodeKernel::kFusedFactors
                                      : layer::DecodeKernel::kSeparate;

@@ -183,7 +183,8 @@ struct Times {
 enum class DecodeKernel : int {
   kAuto = 0,      // one launch where kOneLaunch fits; else fused with its second factors up to
                   // 128 (row, head) pairs (a step of one token a row: up to 32 with an fp32
-                  // state, never with the full-rank output gate), else separate
+                  // state, never with the full-rank output gate; of several tokens a row: only at
+                  // one row), else separate
   kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
   kFused,         // fused, the second factors by GEMMs before it
   kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each),
