@@ -24,6 +24,30 @@ bool overlap(const void* a, std::int64_t a_bytes, const void* b, std::int64_t b_
 
 }  // namespace
 
+DecodeProblem decode_step_problem(const Config& c, const Batch& batch, const State& state) {
+  DecodeProblem step =
+      core_decode_problem(c, batch.sequences, std::max<std::int64_t>(batch.decode_tokens, 1),
+                          state.num_slots, state.recurrent_dtype);
+  step.verify = batch.num_accepted != nullptr || batch.records;
+  step.records = batch.records;
+  step.padding_slot = batch.padding_slot;
+  step.fold_batch = batch.fold_sequences;
+  step.fold_tokens = batch.fold_decode_tokens;
+  return step;
+}
+
+void add_step_batch(DecodeTensors& t, const Batch& batch, const State& state) {
+  t.slots = batch.slots;
+  t.num_accepted = batch.num_accepted;
+  t.state_pool = state.recurrent;
+  t.records = batch.records ? state.recurrent_records : nullptr;
+  if (batch.fold_sequences > 0) {
+    t.fold_records = state.fold_recurrent_records;
+    t.fold_rows = batch.fold_rows;
+    t.fold_counts = batch.fold_counts;
+  }
+}
+
 void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                    const std::int32_t* slots_host, const std::int32_t* accepted_host,
                    HostFold fold_host, const State& state, const void* hidden, const void* out,
@@ -228,13 +252,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     if (overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   if (decode) {
-    DecodeProblem step =
-        core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
-    step.verify = verify || batch.records;
-    step.records = batch.records;
-    step.fold_batch = batch.fold_sequences;
-    step.fold_tokens = batch.fold_decode_tokens;
-    throw_if_error(validate(step), (std::string(what) + ": decode core problem").c_str());
+    throw_if_error(validate(decode_step_problem(c, batch, state)),
+                   (std::string(what) + ": decode core problem").c_str());
   } else {
     throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
   }

@@ -43,6 +43,17 @@ inline DType cu_seqlens_dtype(const Batch& batch) noexcept {
   return batch.cu_seqlens_i32 != nullptr && batch.cu_seqlens == nullptr ? DType::kI32 : DType::kI64;
 }
 
+// The core's decode step for a batch: its rows, tokens (Batch::decode_tokens, at least one: a
+// prefill batch gets a step it never runs) and states, the verify form (per-token states where
+// num_accepted is set, records), the padding slot, and the fold of the records step before it
+// (Batch::fold_sequences).
+DecodeProblem decode_step_problem(const Config& c, const Batch& batch, const State& state);
+
+// What a decode step's core tensors take from the batch and the states, beside the forward's
+// intermediates (core_tensors): slots, accepted counts, the recurrent pool, the records and the
+// fold's records, rows and counts.
+void add_step_batch(DecodeTensors& t, const Batch& batch, const State& state);
+
 // Every check of a forward that needs no device, before anything is written:
 //   - tokens, sequences >= 0; decode_tokens in [0, kMaxDecodeTokens]; a decode batch has
 //     tokens == sequences * decode_tokens; a prefill with tokens has sequences and cu_seqlens;

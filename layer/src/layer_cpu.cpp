@@ -453,23 +453,9 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   // leave their o rows unwritten, so they are zeroed first.)
   // (A fold: the operator's decode too, which folds the records into each state first.)
   if (verify || batch.records || folds) {
-    DecodeProblem step =
-        core_decode_problem(c, N, batch.decode_tokens, state.num_slots, state.recurrent_dtype);
-    step.verify = verify || batch.records;
-    step.records = batch.records;
-    step.padding_slot = batch.padding_slot;
-    step.fold_batch = batch.fold_sequences;
-    step.fold_tokens = batch.fold_decode_tokens;
+    const DecodeProblem step = decode_step_problem(c, batch, state);
     DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
-    t.slots = batch.slots;
-    t.num_accepted = batch.num_accepted;
-    t.state_pool = state.recurrent;
-    t.records = batch.records ? state.recurrent_records : nullptr;
-    if (folds) {
-      t.fold_records = state.fold_recurrent_records;
-      t.fold_rows = batch.fold_rows;
-      t.fold_counts = batch.fold_counts;
-    }
+    add_step_batch(t, batch, state);
     std::fill(o, o + T * Cl, bf16_bits{0});
     KDA_NVTX_RANGE("core");
     throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");

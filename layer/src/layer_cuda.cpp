@@ -631,15 +631,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   core.cu_seqlens_dtype = cu_seqlens_dtype(batch);  // the core reads int32 ones as they are
   core.padding_slot = batch.padding_slot;           // and skips the rows the conv skipped
   const bool cu_i32 = core.cu_seqlens_dtype == DType::kI32;
-  DecodeProblem step = core_decode_problem(c, N, std::max<std::int64_t>(batch.decode_tokens, 1),
-                                           state.num_slots, state.recurrent_dtype);
-  step.verify = batch.num_accepted != nullptr || batch.records;
-  step.records = batch.records;
-  step.padding_slot = batch.padding_slot;
+  const DecodeProblem step = decode_step_problem(c, batch, state);
   // The commit of the records step before, deferred into this one (Batch::fold_sequences).
   const bool folds = decode && batch.fold_sequences > 0;
-  step.fold_batch = folds ? batch.fold_sequences : 0;
-  step.fold_tokens = batch.fold_decode_tokens;
   const bool per_token_slots = batch.num_accepted != nullptr;
   // The records regions are read and written 16 bytes at a time.
   auto require_aligned16 = [&](bool used, const void* a, const void* b, const char* names) {
@@ -979,15 +973,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       // rows it skips), then the norm's own launch, both in decode_with_gated_norm (their time
       // counts as the core's).
       DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
-      t.slots = batch.slots != nullptr ? batch.slots : identity;
-      t.num_accepted = batch.num_accepted;
-      t.state_pool = state.recurrent;
-      t.records = batch.records ? state.recurrent_records : nullptr;
-      if (folds) {
-        t.fold_records = state.fold_recurrent_records;
-        t.fold_rows = batch.fold_rows;
-        t.fold_counts = batch.fold_counts;
-      }
+      add_step_batch(t, batch, state);
+      if (t.slots == nullptr) t.slots = identity;
       t.device_status = batch.device_status;
       throw_if_error(cuda::decode_with_gated_norm(step, t, norm, stream, core_options),
                      "KDA layer forward (CUDA): core");
