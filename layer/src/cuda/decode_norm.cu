@@ -84,24 +84,14 @@ struct GatedNormEpilogue {
   }
 };
 
-// The core's rows stored into o as the operator stores its out, a skipped row's as zeros (so that
-// the norm kernel after it writes zeros into y); a head may be cut into several blocks.
-struct StoreOZeroSkipped {
-  static constexpr bool kWholeHead = false;
-  std::uint16_t* o;
-  struct Nothing {};
-  __device__ __forceinline__ Nothing ahead(const kda::detail::DecodeParams&, std::int64_t, int, int,
-                                           bool) const {
-    return {};
-  }
-  __device__ __forceinline__ void token(const kda::detail::DecodeParams& p, std::int64_t tok, int h,
-                                        int row, float value, bool holds, Nothing) const {
-    if (holds) o[(tok * p.num_heads + h) * D + row] = float_to_bits(value);
-  }
+// The core's rows stored into its out (the norm's o) as the operator stores them, a skipped row's
+// as zeros (so that the norm kernel after it writes zeros into y); a head may be cut into several
+// blocks.
+struct StoreOZeroSkipped : kda::detail::StoreOut {
   // The head's first block writes the zeros (each of its blocks calls this).
   __device__ __forceinline__ void skipped(const kda::detail::DecodeParams& p, std::int64_t b,
                                           int h) const {
-    if (blockIdx.z == 0) zero_skipped_rows(o, p, b, h);
+    if (blockIdx.z == 0) zero_skipped_rows(reinterpret_cast<std::uint16_t*>(p.out), p, b, h);
   }
 };
 
@@ -144,16 +134,16 @@ kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
   // The problem's own checks first (its sizes bounded before the products below).
   if (const kda::Status st = kda::can_implement(problem, kda::Backend::kCuda); !st.ok()) return st;
   if (split_core(problem, options)) {
-    if (norm.o == nullptr || reinterpret_cast<std::uintptr_t>(norm.o) % 8 != 0 ||
+    if (norm.o == nullptr || norm.o != tensors.out ||
+        reinterpret_cast<std::uintptr_t>(norm.o) % 8 != 0 ||
         reinterpret_cast<std::uintptr_t>(norm.gate) % 16 != 0 ||
         norm.rows != problem.batch * problem.tokens * problem.num_heads ||
         norm.heads != problem.num_heads) {
       return kda::Status(kda::StatusCode::kInvalidArgument,
-                         "decode with the gated norm: o (8-byte aligned), gate (16-byte aligned), "
-                         "rows and heads must be set for a step that stores o");
+                         "decode with the gated norm: o (the core's out, 8-byte aligned), gate "
+                         "(16-byte aligned), rows and heads must be set for a step that stores o");
     }
-    // (o is the norm's input, const there; the core writes it here)
-    const StoreOZeroSkipped store{const_cast<std::uint16_t*>(norm.o)};
+    const StoreOZeroSkipped store{};
     const kda::Status st = kda::detail::launch_decode(problem, tensors, stream, options, store);
     if (!st.ok() || problem.batch == 0) return st;
     return kda::detail::cuda_status(launch_gated_rmsnorm(norm, stream), "gated_rmsnorm_kernel");

@@ -162,11 +162,12 @@ cudaError_t launch_gated_rmsnorm(const GatedNormParams& p, cudaStream_t stream);
 // read that token's q. A step of several tokens a row, and one of one token a row above 256 (row,
 // head) pairs that the operator's rule cuts into several blocks a head, instead stores o from the
 // operator's kernel, in as many blocks a head as its rule (CudaOptions::decode_blocks_per_head)
-// gives (norm.o, norm.rows = batch x tokens x heads and norm.heads must be set, the gate 16-byte
-// aligned; zeros for the skipped rows), then runs launch_gated_rmsnorm; y may differ from the
-// one-launch form's in its last bits (the sum of squares in another order), and a skipped row's y
-// is the norm of zeros (zero where the row's gate is finite). The operator's checks and statuses;
-// kInvalidArgument if gate, o_norm or y is null or misaligned (4, 4, 8 bytes).
+// gives (norm.o, which must be the core's out, tensors.out, norm.rows = batch x tokens x heads and
+// norm.heads must be set, the gate 16-byte aligned; zeros for the skipped rows), then runs
+// launch_gated_rmsnorm; y may differ from the one-launch form's in its last bits (the sum of
+// squares in another order), and a skipped row's y is the norm of zeros (zero where the row's gate
+// is finite). The operator's checks and statuses; kInvalidArgument if gate, o_norm or y is null or
+// misaligned (4, 4, 8 bytes).
 kda::Status decode_with_gated_norm(const kda::DecodeProblem& problem,
                                    const kda::DecodeTensors& tensors, const GatedNormParams& norm,
                                    cudaStream_t stream, const kda::CudaOptions& options);
