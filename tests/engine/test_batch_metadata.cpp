@@ -1026,7 +1026,7 @@ TEST_CASE(
 // later replay computes; and a last eager step of every slot on both engines (which reads each
 // slot's state) agrees too. The whole layers' captured decode step is the one-launch step (four
 // rows of four heads), as kda_engine_decode_step_ran reports once it is captured (after an eager
-// step of two tokens that ran the fused kernel).
+// step of two tokens that ran the separate kernels).
 TEST_CASE(
     "C API: kda_batch steps and prefills captured once and replayed equal eager calls [cuda]") {
   if (!usable(Backend::kCuda)) return;
