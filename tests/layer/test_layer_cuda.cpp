@@ -65,10 +65,13 @@ layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, s
   if (tokens == 1 && rows >= 1 && rows <= layer::cuda::one_launch_max_rows(heads)) {
     return layer::DecodeKernel::kOneLaunch;
   }
-  std::int64_t fused_pairs = rows == 1 ? 128 : 0;
-  if (tokens == 1) fused_pairs = full_rank_gate ? 0 : state_dtype == DType::kF32 ? 32 : 128;
-  return rows * heads <= fused_pairs ? layer::DecodeKernel::kFusedFactors
-                                     : layer::DecodeKernel::kSeparate;
+  bool fused = false;
+  if (tokens > 1) {
+    fused = rows == 1 && heads <= 128;
+  } else if (!full_rank_gate) {
+    fused = rows * heads <= (state_dtype == DType::kF32 ? 32 : 128);
+  }
+  return fused ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;
 }
 
 // A decode step on the separate conv, core and norm kernels (DecodeKernel::kSeparate) from
