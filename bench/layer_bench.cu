@@ -398,7 +398,7 @@ int main(int argc, char** argv) {
         " %s recurrent state, median of %d runs after %d warm-up, microseconds; each phase"
         " \"time (floor)\"; floors from device-to-device copy %.2f TB/s (measured, bytes read +"
         " written) and %.0f TFLOP/s bf16 (H200 dense spec)\n\n",
-        prop.name, state_bytes == 2 ? "bf16" : "f32", iters, warmup, bw / 1e12, peak / 1e12);
+        prop.name, kda::to_string(state_dtype), iters, warmup, bw / 1e12, peak / 1e12);
     std::printf(
         "| layer | case | total | floor sum | x floor | graph | graph x floor | projections | conv "
         "|"
