@@ -5,11 +5,12 @@
 // (q, k, v, g, beta read, out written, fp32 state read and written) over the device-to-device copy
 // bandwidth measured at start. Prints markdown tables.
 //
-//   kda-bench [--prefill] [--decode] [--verify] [--host] [--iters N] [--case NAME] [--batch B]...
+//   kda-bench [--prefill] [--decode] [--verify] [--copy] [--host] [--iters N] [--case NAME]
+//             [--batch B]...
 //   (--verify: a speculative verify step, per-token states against records + commit and records
-//   folding the step before; not in the default set, which stays prefill, decode and host;
-//   --batch: the decode and verify rows' batch sizes instead of theirs, B = 1, 16, 64, 256 and
-//   B = 1, 64, 256)
+//   folding the step before; --copy: the slot copy of a model's states; neither in the default
+//   set, which stays prefill, decode and host; --batch: the decode, verify and copy rows' batch
+//   sizes instead of theirs, B = 1, 16, 64, 256, B = 1, 64, 256 and 1, 8, 64 pairs)
 //   kda-bench --paths [--case NAME]   (host only: the softplus cases' prepare paths)
 #include <cuda_runtime.h>
 
@@ -797,6 +798,58 @@ void run_verify(double bw, int iters, std::vector<int> batches) {
   }
 }
 
+// The slot copy of a model's states (kda::copy_slots_cuda, what Engine::copy_slots launches): 20
+// layers of H = 32, each its recurrent pool and three conv pools (4096 bf16 channels x W - 1 = 3),
+// P pairs copying slots [0, P) into [P, 2P) of a set. Below 8 pairs the captured calls rotate over
+// sets of slots of their own, so that every call's bytes come from memory, not the L2.
+void run_copy(double bw, int iters, std::vector<int> batches) {
+  const int H = 32, D = 128, layers = 20;
+  const std::uint64_t conv_bytes = 4096 * 3 * 2;
+  if (batches.empty()) batches = {1, 8, 64};
+  std::printf(
+      "\n### CUDA slot copy of %d layers in one launch (H = 32, recurrent and conv states)\n\n",
+      layers);
+  std::printf("| pairs | state | us | MB moved | floor us | x floor |\n");
+  std::printf("|---:|---|---:|---:|---:|---:|\n");
+  for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
+    const std::uint64_t state_bytes = kda::dtype_size(state) * H * D * D;
+    for (const int P : batches) {
+      Allocations a;
+      const int sets = P >= 8 ? 1 : (8 + P - 1) / P;
+      kda::SlotCopyProblem p;
+      p.pairs = P;
+      p.num_slots = 2 * static_cast<std::int64_t>(P) * sets;
+      std::vector<kda::SlotPool> pools;
+      for (int l = 0; l < layers; ++l) {
+        pools.push_back({a.get(p.num_slots * state_bytes), state_bytes});
+        for (int c = 0; c < 3; ++c) pools.push_back({a.get(p.num_slots * conv_bytes), conv_bytes});
+      }
+      std::vector<const std::int32_t*> src, dst;
+      for (int set = 0; set < sets; ++set) {
+        std::vector<std::int32_t> from(P), into(P);
+        for (int i = 0; i < P; ++i) {
+          from[i] = 2 * P * set + i;
+          into[i] = 2 * P * set + P + i;
+        }
+        src.push_back(device_ints(a, from));
+        dst.push_back(device_ints(a, into));
+      }
+      int call = 0;
+      const double us = graph_us(iters, [&](cudaStream_t s) {
+        const int set = call++ % sets;
+        check(kda::copy_slots_cuda(p, pools.data(), static_cast<int>(pools.size()), src[set],
+                                   dst[set], nullptr, s),
+              "copy_slots");
+      });
+      const double bytes = 2.0 * P * layers * (state_bytes + 3.0 * conv_bytes) + 8.0 * P;
+      const double floor = bytes / bw * 1e6;
+      std::printf("| %d | %s | %.2f | %.1f | %.2f | %.2fx |\n", P, kda::to_string(state), us,
+                  bytes / 1e6, floor, us / floor);
+      std::fflush(stdout);
+    }
+  }
+}
+
 // Host time per call (enqueue only, no sync inside), median over repeats of 100 calls: what the
 // checks of CudaOptions::check_pointers (driver queries per pointer) cost on top of validation
 // and the launches. The GPU keeps up (100 short kernels), so the loop measures the host.
@@ -981,7 +1034,7 @@ void run_host_overhead() {
 
 int main(int argc, char** argv) {
   bool prefill = false, decode = false, host = false, paths = false, checkpoints = false,
-       verify = false;
+       verify = false, copy = false;
   int iters = 30;
   std::string only;
   std::vector<int> batches;
@@ -993,6 +1046,8 @@ int main(int argc, char** argv) {
       decode = true;
     else if (a == "--verify")
       verify = true;
+    else if (a == "--copy")
+      copy = true;
     else if (a == "--host")
       host = true;
     else if (a == "--paths")
@@ -1007,17 +1062,19 @@ int main(int argc, char** argv) {
              std::atoi(argv[i + 1]) <= 4096)
       batches.push_back(std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr,
-                   "usage: kda-bench [--prefill] [--decode] [--verify] [--checkpoints] [--host] "
-                   "[--paths] [--iters N] [--case NAME] [--batch B (1..4096)]...\n");
+      std::fprintf(
+          stderr,
+          "usage: kda-bench [--prefill] [--decode] [--verify] [--copy] [--checkpoints] [--host] "
+          "[--paths] [--iters N] [--case NAME] [--batch B (1..4096)]...\n");
       return 2;
     }
   }
   if (paths) {  // host only: before the device check
     print_paths(only);
-    if (!prefill && !decode && !host && !checkpoints && !verify) return 0;
+    if (!prefill && !decode && !host && !checkpoints && !verify && !copy) return 0;
   }
-  if (!prefill && !decode && !host && !checkpoints && !verify) prefill = decode = host = true;
+  if (!prefill && !decode && !host && !checkpoints && !verify && !copy)
+    prefill = decode = host = true;
   if (kda::cuda_device_count() == 0) {
     std::fprintf(stderr, "kda-bench: no CUDA device\n");
     return 1;
@@ -1029,6 +1086,7 @@ int main(int argc, char** argv) {
   if (checkpoints) run_checkpoints(bw, iters, only);
   if (decode) run_decode(bw, iters, batches);
   if (verify) run_verify(bw, iters, batches);
+  if (copy) run_copy(bw, iters, batches);
   if (host) run_host_overhead();
   return 0;
 }

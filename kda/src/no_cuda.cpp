@@ -28,6 +28,13 @@ Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_la
   return unavailable();
 }
 
+Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* src, const std::int32_t* dst, std::uint32_t*, void*,
+                       const CudaOptions&) {
+  if (Status st = validate(p, pools, num_pools, src, dst); !st) return st;
+  return unavailable();
+}
+
 Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                                Workspace, void*, const CudaOptions&) {
   if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;

@@ -144,7 +144,8 @@ Status describe_device_status(std::uint32_t bits) {
     message += sep;
     message +=
         "a state slot index >= the pool size (decode: that row was skipped; prefill: that sequence "
-        "ran as padding, from a zero state, with no final state written)";
+        "ran as padding, from a zero state, with no final state written; slot copy: that pair was "
+        "skipped)";
     sep = "; ";
   }
   if (bits & kDeviceStatusAccepted) {

@@ -485,6 +485,142 @@ KDA_ENGINE_CASE("engine: prefill checkpoints on caller-owned metadata, and conti
 
 namespace {
 
+// One slot's states in every layer (recurrent and conv), as bytes.
+std::vector<std::uint8_t> slot_states(const Engine& e, int slot) {
+  std::vector<std::uint8_t> states;
+  for (int l = 0; l < e.num_layers(); ++l) {
+    std::vector<std::uint8_t> s(static_cast<std::size_t>(e.state_slot_bytes()));
+    e.read_slot_state(l, slot, s.data());
+    states.insert(states.end(), s.begin(), s.end());
+    for (int p = 0; p < 3; ++p) {
+      std::vector<std::uint8_t> c(static_cast<std::size_t>(e.conv_state_slot_bytes()));
+      e.read_slot_conv_state(l, slot, p, c.data());
+      states.insert(states.end(), c.begin(), c.end());
+    }
+  }
+  return states;
+}
+
+// A prefix shared by two requests: a 48-token prompt prefilled on slot a with a checkpoint after
+// 32 tokens into slot c; two requests copy slot c into slots of their own (copy_slots on
+// caller-owned pairs, a padding pair among them) and continue from there, one with the prompt's
+// last 16 tokens (the one-pass prefill's outputs: the CPU bit for bit, CUDA within rounding), one
+// with other tokens (equal bitwise to the same tokens continued from a copy made through host
+// spans). The checkpoint stays as it was, every copy of it equals it bit for bit, and no slot
+// outside the pairs changes.
+void shared_prefix(Backend backend) {
+  Engine e(spec(), EnginePair::options(backend, nullptr));
+  const int a = e.acquire_slot(), c = e.acquire_slot();
+  const std::vector<std::uint16_t> prompt = kda::test::random_bf16(48 * kHidden, 1.0f, 95);
+  Memory hidden(backend, prompt), out(backend, 48 * kHidden * 2);
+  Memory slot_a(backend, std::vector<std::int32_t>{a}),
+      cu(backend, std::vector<std::int64_t>{0, 48});
+  Memory offsets(backend, std::vector<std::int64_t>{32}),
+      rows(backend, std::vector<std::int32_t>{c});
+  BatchMetadata whole;
+  whole.tokens = 48;
+  whole.sequences = 1;
+  whole.slots = slot_a.as<std::int32_t>();
+  whole.cu_seqlens = cu.as<std::int64_t>();
+  whole.checkpoints = 1;
+  whole.checkpoint_offsets = offsets.as<std::int64_t>();
+  whole.checkpoint_slots = rows.as<std::int32_t>();
+  std::vector<std::vector<std::uint16_t>> one_pass;
+  for (int l = 0; l < 2; ++l) {
+    e.prefill_hidden(l, hidden.get(), out.get(), whole);
+    const std::vector<std::uint16_t> all = out.read<std::uint16_t>();
+    one_pass.emplace_back(all.begin() + 32 * kHidden, all.end());
+  }
+  e.release_slot(a);
+  const std::vector<std::uint8_t> checkpoint = slot_states(e, c);
+  const int r1 = e.acquire_slot(), r2 = e.acquire_slot(), r3 = e.acquire_slot();
+  const int spare = e.acquire_slot();  // slot 5 stays free
+  const std::vector<std::uint8_t> spare_before = slot_states(e, spare);
+
+  Memory src(backend, std::vector<std::int32_t>{c, -1, c}),
+      dst(backend, std::vector<std::int32_t>{r1, spare, r2});
+  e.copy_slots(3, src.as<std::int32_t>(), dst.as<std::int32_t>());
+  e.check_device_status();
+  CHECK(slot_states(e, r1) == checkpoint);
+  CHECK(slot_states(e, r2) == checkpoint);
+  CHECK(slot_states(e, spare) == spare_before);  // its pair was padding
+  CHECK(slot_states(e, c) == checkpoint);
+
+  const std::vector<std::uint16_t> tail(prompt.begin() + 32 * kHidden, prompt.end());
+  const std::vector<std::uint16_t> other = kda::test::random_bf16(16 * kHidden, 1.0f, 96);
+  Memory tail_hidden(backend, tail), other_hidden(backend, other);
+  Memory tail_out(backend, 16 * kHidden * 2), other_out(backend, 16 * kHidden * 2);
+  std::vector<std::vector<std::uint16_t>> other_outs;
+  for (int l = 0; l < 2; ++l) {
+    CAPTURE(l);
+    e.prefill_hidden(l, tail_hidden.get(), tail_out.get(), {r1}, {0, 16});
+    e.prefill_hidden(l, other_hidden.get(), other_out.get(), {r2}, {0, 16});
+    const std::vector<std::uint16_t> got = tail_out.read<std::uint16_t>();
+    if (backend == Backend::kCpu) {
+      CHECK(got == one_pass[static_cast<std::size_t>(l)]);
+    } else {
+      CHECK(kda::test::relative_error(got, one_pass[static_cast<std::size_t>(l)]) <= 1e-2);
+    }
+    other_outs.push_back(other_out.read<std::uint16_t>());
+  }
+  CHECK(slot_states(e, c) == checkpoint);  // the continuations ran on the copies
+
+  // The same request again, from a copy made through host spans: the same bits.
+  e.copy_slots({c}, {r3});
+  CHECK(slot_states(e, r3) == checkpoint);
+  for (int l = 0; l < 2; ++l) {
+    e.prefill_hidden(l, other_hidden.get(), other_out.get(), {r3}, {0, 16});
+    CHECK(other_out.read<std::uint16_t>() == other_outs[static_cast<std::size_t>(l)]);
+  }
+  CHECK(slot_states(e, r3) == slot_states(e, r2));
+
+  // A fork of a running sequence: r1 into r2 and r3 (their states replaced).
+  e.copy_slots({r1, r1}, {r2, r3});
+  CHECK(slot_states(e, r2) == slot_states(e, r1));
+  CHECK(slot_states(e, r3) == slot_states(e, r1));
+
+  // Bad pairs: the host spans are checked on both backends; caller-owned pairs on the CPU, and on
+  // CUDA a slot outside the pool is reported by the device and its pair skipped.
+  const std::vector<std::uint8_t> r2_before = slot_states(e, r2);
+  CHECK(kda::test::error_of([&] { e.copy_slots({c}, {5}); }) ==
+        "copy_slots: pair 0 copies into slot 5, which is not an acquired slot");
+  CHECK(kda::test::error_of([&] {
+          e.copy_slots({c, r1}, {r2, r2});
+        }) == "copy_slots: slot " + std::to_string(r2) + " is the destination of two pairs");
+  CHECK(kda::test::error_of([&] {
+          e.copy_slots({c, r2}, {r2, r3});
+        }) == "copy_slots: slot " + std::to_string(r2) +
+                  " is both a source (pair 1) and a destination of the copy");
+  CHECK(kda::test::error_of([&] {
+          e.copy_slots({c, c}, {r2});
+        }) == "copy_slots: src has 2 entries, dst 1");
+  CHECK(kda::test::error_of([&] {
+          e.copy_slots(7, src.as<std::int32_t>(), dst.as<std::int32_t>());
+        }) == "copy_slots: 7 pairs, expected 0..6 (runtime.max_sequences)");
+  CHECK(kda::test::error_of([&] { e.copy_slots(1, nullptr, dst.as<std::int32_t>()); }) ==
+        "copy_slots: src or dst is null");
+  src.write(std::vector<std::int32_t>{c, -1, 6});
+  dst.write(std::vector<std::int32_t>{r2, spare, r3});
+  if (backend == Backend::kCpu) {
+    CHECK(kda::test::error_of([&] {
+            e.copy_slots(3, src.as<std::int32_t>(), dst.as<std::int32_t>());
+          }) == "copy_slots: pair 2 copies from slot 6, which is not an acquired slot");
+    CHECK(slot_states(e, r2) == r2_before);  // nothing written
+  } else {
+    e.copy_slots(3, src.as<std::int32_t>(), dst.as<std::int32_t>());
+    const std::string error = kda::test::error_of([&] { e.check_device_status(); });
+    CHECK(error.find("slot index") != std::string::npos);
+    CHECK(slot_states(e, r2) == checkpoint);  // the good pair ran
+  }
+}
+
+}  // namespace
+
+KDA_ENGINE_CASE("engine: a prefix checkpoint shared by two requests through copy_slots",
+                shared_prefix)
+
+namespace {
+
 // The same varlen prefill on caller-owned metadata with int64 cu_seqlens (one engine of the pair)
 // and int32 ones (the other), whole layers then the core alone: out and every state bit for bit.
 // A prefill naming both dtypes or neither is refused, naming both fields.
@@ -1192,9 +1328,11 @@ TEST_CASE(
 namespace {
 
 // A prefix-cache round trip through the C API: a 48-token prompt prefilled on slot a with a
-// checkpoint after 32 tokens into slot c; slot a released and acquired again for another request;
-// then the prompt's last 16 tokens prefilled from the checkpoint slot give the one-pass prefill's
-// outputs for those tokens (the CPU: bit for bit; CUDA: within rounding), in both layers.
+// checkpoint after 32 tokens into slot c; slot a released and acquired again for another request,
+// which copies the checkpoint into it (kda_engine_copy_slots, pairs in the backend's memory); then
+// the prompt's last 16 tokens prefilled from that copy, and from the checkpoint slot itself, give
+// the one-pass prefill's outputs for those tokens (the CPU: bit for bit; CUDA: within rounding), in
+// both layers.
 void c_api_prefix_cache(Backend backend) {
   kda_engine_options options;
   REQUIRE(kda_engine_options_init(&options) == KDA_OK);
@@ -1235,23 +1373,30 @@ void c_api_prefix_cache(Backend backend) {
   REQUIRE(kda_engine_acquire_slot(e, &other) == KDA_OK);
   const std::vector<std::uint16_t> tail(prompt.begin() + 32 * kHidden, prompt.end());
   Memory tail_hidden(backend, tail), tail_out(backend, 16 * kHidden * 2);
-  Memory slot_c(backend, std::vector<std::int32_t>{c}),
-      tail_cu(backend, std::vector<std::int64_t>{0, 16});
-  kda_batch rest = c_batch();
-  rest.tokens = 16;
-  rest.sequences = 1;
-  rest.slots = slot_c.as<std::int32_t>();
-  rest.cu_seqlens = tail_cu.as<std::int64_t>();
-  for (int l = 0; l < 2; ++l) {
-    CAPTURE(l);
-    REQUIRE(kda_engine_forward_hidden_batch(e, l, tail_hidden.get(), tail_out.get(), &rest) ==
-            KDA_OK);
-    REQUIRE(kda_engine_synchronize(e) == KDA_OK);
-    const std::vector<std::uint16_t> got = tail_out.read<std::uint16_t>();
-    if (backend == Backend::kCpu) {
-      CHECK(got == one_pass[static_cast<std::size_t>(l)]);
-    } else {
-      CHECK(kda::test::relative_error(got, one_pass[static_cast<std::size_t>(l)]) <= 1e-2);
+  Memory copy_src(backend, std::vector<std::int32_t>{c}),
+      copy_dst(backend, std::vector<std::int32_t>{other});
+  REQUIRE(kda_engine_copy_slots(e, 1, copy_src.as<std::int32_t>(), copy_dst.as<std::int32_t>()) ==
+          KDA_OK);
+  Memory tail_cu(backend, std::vector<std::int64_t>{0, 16});
+  for (const int start : {other, c}) {
+    CAPTURE(start);
+    Memory slot(backend, std::vector<std::int32_t>{start});
+    kda_batch rest = c_batch();
+    rest.tokens = 16;
+    rest.sequences = 1;
+    rest.slots = slot.as<std::int32_t>();
+    rest.cu_seqlens = tail_cu.as<std::int64_t>();
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      REQUIRE(kda_engine_forward_hidden_batch(e, l, tail_hidden.get(), tail_out.get(), &rest) ==
+              KDA_OK);
+      REQUIRE(kda_engine_synchronize(e) == KDA_OK);
+      const std::vector<std::uint16_t> got = tail_out.read<std::uint16_t>();
+      if (backend == Backend::kCpu) {
+        CHECK(got == one_pass[static_cast<std::size_t>(l)]);
+      } else {
+        CHECK(kda::test::relative_error(got, one_pass[static_cast<std::size_t>(l)]) <= 1e-2);
+      }
     }
   }
   REQUIRE(kda_engine_check_device_status(e) == KDA_OK);

@@ -418,6 +418,8 @@ KDA_CPU_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, de
   CHECK(kda_engine_acquire_slot(nullptr, &i) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_release_slot(nullptr, 0) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_reset_slot(nullptr, 0) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_copy_slot(nullptr, 0, 1) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_copy_slots(nullptr, 0, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_prefill(nullptr, 0, data, data, data, data, data, data, &slot, 1, cu) ==
         KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_decode(nullptr, 0, data, data, data, data, data, data, &slot, 1, 1) ==
@@ -479,6 +481,18 @@ KDA_CPU_CASE(
     CHECK(kda_engine_reset_slot(handle, 1) == KDA_OK);
     CHECK(kda_engine_acquire_slot(handle, &fifth) == KDA_OK);
     CHECK(fifth == 2);
+    // Copies between acquired slots only, and never a slot onto itself.
+    CHECK(kda_engine_copy_slot(handle, 0, 1) == KDA_OK);
+    CHECK(kda_engine_copy_slot(handle, -1, 1) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "kda_engine_copy_slot: src slot -1 is not acquired"));
+    CHECK(kda_engine_release_slot(handle, 3) == KDA_OK);
+    CHECK(kda_engine_copy_slot(handle, 0, 3) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "dst slot 3 is not acquired"));
+    CHECK(kda_engine_copy_slot(handle, 1, 1) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "slot 1 is both a source (pair 0) and a destination"));
+    CHECK(kda_engine_copy_slots(handle, 0, nullptr, nullptr) == KDA_OK);  // nothing to copy
+    CHECK(kda_engine_copy_slots(handle, 1, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "copy_slots: src or dst is null"));
   }
   SUBCASE("prefill and decode arguments") {
     int slot = -1;

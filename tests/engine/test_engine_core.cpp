@@ -552,6 +552,39 @@ KDA_MATRIX_CASE("slots: a second prefill continues from the slot's state (chunke
                   kda::test::rows_of(out_whole.download(engine), kRow, 17, 40)) <= 5e-3);
 }
 
+KDA_MATRIX_CASE("slots: a copied slot continues as its source does, in every layer (copy_slots)") {
+  Engine engine(spec_from(kSpec), engine_options(runner));
+  const int source = engine.acquire_slot(), fork = engine.acquire_slot();
+  const int other = engine.acquire_slot();
+  const Activations prompt(21, H, D, 12);
+  const OnBackend prompt_in(runner, prompt);
+  Out out(runner, 21 * kRow);
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    engine.prefill(l, prompt_in.inputs(), out.get(), {source, other}, {0, 13, 21});
+  }
+  const std::vector<std::uint8_t> other_before = slot_bytes(engine, 1, other);
+  // Caller-owned pairs (the backend's memory): source into fork; a padding pair into `other`.
+  const Memory src = Memory::from(runner, std::vector<std::int32_t>{source, -1});
+  const Memory dst = Memory::from(runner, std::vector<std::int32_t>{fork, other});
+  engine.copy_slots(2, src.as<std::int32_t>(), dst.as<std::int32_t>());
+  engine.check_device_status();
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    CAPTURE(l);
+    CHECK(slot_bytes(engine, l, fork) == slot_bytes(engine, l, source));
+  }
+  CHECK(slot_bytes(engine, 1, other) == other_before);
+  // Both continue with the same two tokens: the same outputs and states, bit for bit.
+  const OnBackend step_in(runner, Activations(2, H, D, 13));
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    CAPTURE(l);
+    Out a(runner, 2 * kRow), b(runner, 2 * kRow);
+    engine.decode(l, step_in.inputs(), a.get(), {source}, 2);
+    engine.decode(l, step_in.inputs(), b.get(), {fork}, 2);
+    CHECK(a.download(engine) == b.download(engine));
+    CHECK(slot_bytes(engine, l, fork) == slot_bytes(engine, l, source));
+  }
+}
+
 KDA_MATRIX_CASE(
     "slots: slots not named in a step stay bitwise untouched / padding rows are skipped") {
   Engine engine(spec_from(kSpec), engine_options(runner));

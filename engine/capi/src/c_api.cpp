@@ -475,6 +475,25 @@ kda_status kda_engine_reset_slot(kda_engine* engine, int slot) {
   return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slot(slot); });
 }
 
+kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    // One pair names two slots: neither is padding here.
+    for (const auto& [slot, name] :
+         {std::pair<int, const char*>{src, "src"}, std::pair<int, const char*>{dst, "dst"}}) {
+      if (!e.slot_in_use(slot)) {
+        invalid("kda_engine_copy_slot",
+                std::string(name) + " slot " + std::to_string(slot) + " is not acquired");
+      }
+    }
+    e.copy_slots({src}, {dst});
+  });
+}
+
+kda_status kda_engine_copy_slots(kda_engine* engine, int64_t pairs, const int32_t* src,
+                                 const int32_t* dst) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.copy_slots(pairs, src, dst); });
+}
+
 kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
                               const void* v, const void* g, const void* beta, void* out,
                               const int* slots, int num_sequences, const int64_t* cu_seqlens) {

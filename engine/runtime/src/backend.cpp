@@ -66,6 +66,12 @@ class HostBackend final : public EngineBackend {
                           const float* p_t, const float* h_t, float* s_out) const override {
     return apply_transition_cpu(pairs, k, v, s_in, p_t, h_t, s_out);
   }
+  Status copy_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                    const std::int32_t* src, const std::int32_t* dst,
+                    std::uint32_t*) const override {
+    KDA_NVTX_RANGE("slots.copy_cpu");
+    return copy_slots_cpu(p, pools, num_pools, src, dst);
+  }
 
   bool has_device_status() const noexcept override { return false; }
   Status clear_device_status(std::uint32_t*) override { return Status(); }
@@ -136,6 +142,14 @@ class CudaBackend final : public EngineBackend {
   Status apply_transition(std::int64_t pairs, std::int64_t k, std::int64_t v, const float* s_in,
                           const float* p_t, const float* h_t, float* s_out) const override {
     return apply_transition_cuda(pairs, k, v, s_in, p_t, h_t, s_out, stream());
+  }
+  Status copy_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                    const std::int32_t* src, const std::int32_t* dst,
+                    std::uint32_t* device_status) const override {
+    KDA_NVTX_RANGE("slots.copy_cuda");
+    CudaOptions unchecked;
+    unchecked.check_pointers = false;
+    return copy_slots_cuda(p, pools, num_pools, src, dst, device_status, stream(), unchecked);
   }
 
   bool has_device_status() const noexcept override { return true; }

@@ -739,6 +739,61 @@ struct Engine::Impl {
   // commit().
   std::array<std::vector<layer::State>, 2> commit_states;
   std::array<std::vector<CommitLayer>, 2> commit_layers;
+  // Every pool a slot has an entry in (each layer's recurrent states, and with whole layers its
+  // three conv states), built once for copy_slots().
+  std::vector<SlotPool> copy_pools;
+
+  // A slot copy's pairs (host memory): each pair that is not padding copies an acquired slot into
+  // an acquired slot, no destination twice or also a source.
+  template <typename Slot>
+  void check_copy_pairs(const std::string& call, const Slot* src, const Slot* dst,
+                        std::size_t pairs) {
+    next_stamp();
+    for (std::size_t j = 0; j < pairs; ++j) {
+      if (padding(src[j]) || padding(dst[j])) continue;
+      for (const auto& [slot, side] : {std::pair<int, const char*>{src[j], "from"},
+                                       std::pair<int, const char*>{dst[j], "into"}}) {
+        if (!in_use(slot)) {
+          fail(call + ": pair " + std::to_string(j) + " copies " + side + " slot " +
+               std::to_string(slot) + ", which is not an acquired slot");
+        }
+      }
+      if (seen_stamp[static_cast<std::size_t>(dst[j])] == stamp) {
+        fail(call + ": slot " + std::to_string(dst[j]) + " is the destination of two pairs");
+      }
+      seen_stamp[static_cast<std::size_t>(dst[j])] = stamp;
+    }
+    for (std::size_t j = 0; j < pairs; ++j) {
+      if (padding(src[j]) || padding(dst[j])) continue;
+      if (seen_stamp[static_cast<std::size_t>(src[j])] == stamp) {
+        fail(call + ": slot " + std::to_string(src[j]) + " is both a source (pair " +
+             std::to_string(j) + ") and a destination of the copy");
+      }
+    }
+  }
+
+  void check_copy_count(const std::string& call, std::int64_t pairs) const {
+    if (pairs < 0 || pairs > num_slots()) {
+      fail(call + ": " + std::to_string(pairs) + " pairs, expected 0.." +
+           std::to_string(num_slots()) + " (runtime.max_sequences)");
+    }
+  }
+
+  void run_copy(const std::string& call, std::int64_t pairs, const std::int32_t* src,
+                const std::int32_t* dst) {
+    KDA_NVTX_RANGE("engine.copy_slots");
+    SlotCopyProblem problem;
+    problem.pairs = pairs;
+    problem.num_slots = num_slots();
+    problem.padding_slot = null_slot;
+    const int pools = static_cast<int>(copy_pools.size());
+    for (int at = 0; at < pools; at += kMaxCopyPools) {
+      const int count = std::min(kMaxCopyPools, pools - at);
+      const Status st =
+          backend->copy_slots(problem, copy_pools.data() + at, count, src, dst, device_status);
+      if (!st.ok()) throw Error(st, call);
+    }
+  }
 
   void note_records(int kda_index, const BatchMetadata& b) const {
     if (!b.records) return;
@@ -1002,6 +1057,15 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
       m.commit_states[static_cast<std::size_t>(region)].push_back(layer->state(region));
       m.commit_layers[static_cast<std::size_t>(region)].push_back(
           CommitLayer{layer->records(region), layer->state_pool()});
+    }
+  }
+  for (int l = 0; l < m.num_layers(); ++l) {
+    m.copy_pools.push_back(
+        SlotPool{m.layers[static_cast<std::size_t>(l)]->state_pool(), m.slot_bytes});
+    if (!m.whole) continue;
+    for (int projection = 0; projection < 3; ++projection) {
+      m.copy_pools.push_back(SlotPool{m.layers[static_cast<std::size_t>(l)]->conv_pool(projection),
+                                      m.conv_slot_bytes});
     }
   }
   synchronize();
@@ -1412,6 +1476,40 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
       if (!st.ok()) throw Error(st, call);
     }
   }
+}
+
+void Engine::copy_slots(std::int64_t pairs, const std::int32_t* src, const std::int32_t* dst) {
+  Impl& m = *impl_;
+  const std::string call = "copy_slots";
+  m.check_copy_count(call, pairs);
+  if (pairs == 0) return;
+  if (src == nullptr || dst == nullptr) fail(call + ": src or dst is null");
+  const auto n = static_cast<std::size_t>(pairs);
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
+                                  std::pair<const void*, const char*>{dst, "dst"}}) {
+    if (const Status st = m.backend->check_caller_buffer(ptr, n * 4, name); !st.ok()) {
+      throw Error(st, call);
+    }
+  }
+  // Host memory: checked before anything is written. The device's: its kernel checks the range.
+  if (!m.backend->has_device_status()) m.check_copy_pairs(call, src, dst, n);
+  m.run_copy(call, pairs, src, dst);
+}
+
+void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
+  Impl& m = *impl_;
+  const std::string call = "copy_slots";
+  if (src.size() != dst.size()) {
+    fail(call + ": src has " + std::to_string(src.size()) + " entries, dst " +
+         std::to_string(dst.size()));
+  }
+  m.check_copy_count(call, static_cast<std::int64_t>(src.size()));
+  if (src.empty()) return;
+  m.check_copy_pairs(call, src.data(), dst.data(), src.size());
+  m.stage_slots(src, &m.prefill_slots);
+  m.stage_slots(dst, &m.decode_slots);
+  m.run_copy(call, static_cast<std::int64_t>(src.size()), m.prefill_slots.device,
+             m.decode_slots.device);
 }
 
 void Engine::decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,

@@ -221,7 +221,8 @@ enum DeviceStatusBit : std::uint32_t {
   kDeviceStatusCuSeqlens = 1u << 0,    // cu_seqlens[0] != 0, decreasing, or cu_seqlens[N] != T
   kDeviceStatusGateParams = 1u << 1,   // an A_log or dt_bias value not finite or out of range
   kDeviceStatusSlot = 1u << 2,         // a slot index >= the pool size (decode: that row was
-                                       // skipped; prefill: that sequence ran as padding)
+                                       // skipped; prefill: that sequence ran as padding; slot
+                                       // copy: that pair was skipped)
   kDeviceStatusAccepted = 1u << 3,     // a verify step's or a commit's num_accepted outside
                                        // [1, tokens], or a decode step's fold row or count out
                                        // of range (that row was skipped)
@@ -503,6 +504,50 @@ Status commit_cpu(const CommitProblem& p, const CommitLayer* layers, int num_lay
 Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_layers,
                    const std::int32_t* slots, const std::int32_t* num_accepted,
                    std::uint32_t* device_status, void* stream, const CudaOptions& opt = {});
+
+// ---------------------------------------------------------------------------------------------
+// Slot copy: the states of one pool entry copied into another
+// ---------------------------------------------------------------------------------------------
+// A runtime that lets a request start from a cached prefix's checkpoint without consuming it, or
+// forks a sequence (parallel sampling, beam search), gives the new request a slot of its own that
+// holds another slot's states. Pair i copies entry src[i] of every pool given into entry dst[i] of
+// the same pool. A pool is any array of num_slots entries of entry_bytes each (a layer's recurrent
+// states, its conv states), so that one call copies a sequence's states in every layer of a model:
+//   pools:    host array of {base, entry_bytes}, the bases backend memory, no two pools overlapping
+//   src, dst: int32 [pairs], backend memory; a pair with a negative entry or padding_slot on
+//             either side is padding: nothing read or written
+// The destinations are distinct and none is also a source of the call (one source may be copied
+// into several destinations). The CPU backend checks the pairs before it writes anything (an
+// entry >= num_slots, a destination named twice or also a source: kInvalidArgument naming the
+// pair); CUDA skips a pair with an entry >= num_slots and sets kDeviceStatusSlot in device_status
+// (optional), the rest being the caller's promise there. CUDA: up to kMaxCopyPools pools travel by
+// value in the kernel's parameters, every base and entry_bytes a multiple of 16; no workspace, no
+// allocation, no synchronization: capturable in a CUDA graph and replayed with new pairs.
+inline constexpr int kMaxCopyPools = 128;
+
+struct SlotPool {
+  void* base = nullptr;           // entry s at base + s * entry_bytes
+  std::uint64_t entry_bytes = 0;  // one slot's bytes in this pool
+};
+
+struct SlotCopyProblem {
+  std::int64_t pairs = 0;      // entries of src and dst
+  std::int64_t num_slots = 0;  // entries of every pool
+  // A caller-chosen null slot (as DecodeProblem::padding_slot): a pair naming it is padding.
+  std::int32_t padding_slot = -1;
+};
+
+// The problem, the pools and the index arrays: pairs >= 0, num_pools in [0, kMaxCopyPools], no
+// size overflowing, no null pointer where bytes move, no pool overlapping another pool, src or dst.
+Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                const std::int32_t* src, const std::int32_t* dst);
+// CPU: src and dst host memory, checked as above before anything is written; one thread.
+Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                      const std::int32_t* src, const std::int32_t* dst);
+// CUDA on `stream`, asynchronous: one launch per call.
+Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* src, const std::int32_t* dst,
+                       std::uint32_t* device_status, void* stream, const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a

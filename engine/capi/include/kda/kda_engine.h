@@ -195,6 +195,20 @@ kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
 kda_status kda_engine_release_slot(kda_engine* engine, int slot);
 /* Zeroes the slot's state in every layer; the slot stays acquired. */
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
+/* Copies slot src's states into slot dst in every layer (recurrent states, and conv states with
+ * whole layers): a request that starts from a cached prefix's checkpoint slot without consuming
+ * it, or a forked sequence. Both acquired and different; checked on the host, then enqueued
+ * (asynchronous on CUDA; not for capture: kda_engine_copy_slots is). */
+kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst);
+/* The same for `pairs` pairs (0..max_sequences) in the backend's memory (device memory on CUDA,
+ * as kda_batch's arrays): src[i] into dst[i], int32 each; a pair with a negative entry or the null
+ * slot is padding. The destinations are distinct acquired slots, none also a source (one source
+ * may go to several destinations). CPU: KDA_INVALID_ARGUMENT before anything is written when not;
+ * CUDA: read on the device only (nothing staged or synchronized: capturable, replayed with new
+ * pairs), an entry outside the pool reported by kda_engine_check_device_status() and its pair
+ * skipped, the rest the caller's promise (kda::engine::Engine::copy_slots). */
+kda_status kda_engine_copy_slots(kda_engine* engine, int64_t pairs, const int32_t* src,
+                                 const int32_t* dst);
 
 /* ---- forward -------------------------------------------------------------------------------- */
 /* Prefill of KDA layer `layer` (0-based among the KDA layers; run them in order) for

@@ -379,6 +379,26 @@ class Engine {
   void commit(std::int64_t sequences, const std::int32_t* slots, const std::int32_t* num_accepted,
               int records_region = 0);
 
+  // ---- copying states between slots -----------------------------------------------------------
+  // Copies slot src[i]'s states into slot dst[i] in EVERY KDA layer: the recurrent states, and
+  // with whole layers the conv states. For a request that starts from a cached prefix's checkpoint
+  // slot without consuming it (the checkpoint stays for the next request), and for a sequence
+  // forked for parallel sampling or beam search. src and dst: int32 [pairs] in the backend's memory
+  // (as BatchMetadata's), pairs in 0..max_sequences; a pair with a negative entry or the null slot
+  // on either side is padding (nothing copied). Every other entry is an acquired slot, the
+  // destinations distinct and none of them also a source (one source may be copied into several
+  // destinations). The CPU checks all of it and throws before writing; CUDA reads the pairs on the
+  // device only, one operator launch per kda::kMaxCopyPools pools (a layer has one, four with its
+  // conv states): nothing staged, allocated or synchronized, so it is captured in a CUDA graph and
+  // replays with the pairs the caller wrote since. There an entry outside the pool is reported by
+  // check_device_status() and its pair skipped; that the entries are acquired and the
+  // destinations distinct is the caller's promise. Ordered with the forwards on the engine's
+  // stream; records waiting for a commit are not copied.
+  void copy_slots(std::int64_t pairs, const std::int32_t* src, const std::int32_t* dst);
+  // The same from host spans of equal length, checked as on the CPU on both backends, then staged
+  // into the engine's scratch (not for capture).
+  void copy_slots(Span<const int> src, Span<const int> dst);
+
   // Context parallelism (EngineOptions::context_group): the prefill of one long sequence split
   // over the group, this rank holding `tokens` consecutive tokens of it (rank r the r-th range;
   // q..beta of its range back to back, out the same rows), every rank with the sequence's initial

@@ -1,0 +1,161 @@
+// CUDA slot copy (kda.hpp, "Slot copy"): entry src[i] of every pool copied into entry dst[i], up
+// to kMaxCopyPools pools in one launch.
+//
+// A copy moves bytes and nothing else, so the kernel is a plain streaming copy: blockIdx.x walks
+// 16 KB tiles of the pools' entries (the pools laid end to end: a block finds its pool by a binary
+// search over the tiles where each starts), blockIdx.y the pairs (striding where there are more
+// than a grid's y dimension holds). Each of 256 threads loads its four 16-byte pieces of the tile
+// before it stores any, so that a block has the whole tile in flight. The pairs are read on the
+// device, so a captured copy replays with whatever pairs the caller wrote since.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "argument_table.hpp"
+#include "cuda/common.cuh"
+#include "cuda/cuda_check.hpp"
+#include "kda/kda.hpp"
+#include "kda/nvtx.hpp"
+
+namespace kda::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPiecesPerThread = 4;
+constexpr std::uint64_t kTileBytes = 16ull * kThreads * kPiecesPerThread;  // 16 KB
+constexpr unsigned kMaxGridY = 65535;
+
+struct CopyPool {
+  unsigned char* base;
+  std::uint64_t entry_bytes;
+  std::uint32_t first_tile;  // the pool's first tile among the launch's
+};
+
+struct CopyParams {
+  const std::int32_t* src;
+  const std::int32_t* dst;
+  std::uint32_t* status;  // caller's device status word, or null
+  std::int64_t pairs;
+  std::int64_t num_slots;
+  std::int32_t padding_slot;
+  int num_pools;  // pools with at least one tile
+  CopyPool pools[kMaxCopyPools];
+};
+static_assert(sizeof(CopyParams) <= 4096, "kernel parameters must stay within 4 KiB");
+
+__global__ void __launch_bounds__(kThreads)
+    kda_copy_slots_kernel(const __grid_constant__ CopyParams p) {
+  // The pool whose tiles hold this block's: the last with first_tile <= blockIdx.x.
+  int lo = 0, hi = p.num_pools - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.pools[mid].first_tile <= blockIdx.x) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const CopyPool& pool = p.pools[lo];
+  const std::uint64_t offset =
+      static_cast<std::uint64_t>(blockIdx.x - pool.first_tile) * kTileBytes;
+  const int pieces = static_cast<int>(min(kTileBytes, pool.entry_bytes - offset) / 16);
+  for (std::int64_t pair = blockIdx.y; pair < p.pairs; pair += gridDim.y) {
+    const std::int32_t s = p.src[pair], d = p.dst[pair];
+    if (s < 0 || d < 0 || s == p.padding_slot || d == p.padding_slot) continue;  // padding
+    if (s >= p.num_slots || d >= p.num_slots) {
+      if (blockIdx.x == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
+      continue;
+    }
+    const auto* from = reinterpret_cast<const uint4*>(
+        pool.base + static_cast<std::uint64_t>(s) * pool.entry_bytes + offset);
+    auto* to = reinterpret_cast<uint4*>(pool.base +
+                                        static_cast<std::uint64_t>(d) * pool.entry_bytes + offset);
+    uint4 v[kPiecesPerThread];
+#pragma unroll
+    for (int i = 0; i < kPiecesPerThread; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (j < pieces) v[i] = from[j];
+    }
+#pragma unroll
+    for (int i = 0; i < kPiecesPerThread; ++i) {
+      const int j = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (j < pieces) to[j] = v[i];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kda::detail
+
+namespace kda {
+
+Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* src, const std::int32_t* dst,
+                       std::uint32_t* device_status, void* stream_ptr, const CudaOptions& opt) {
+  using namespace detail;
+  KDA_NVTX_RANGE("kda.copy_slots");
+  Status st = validate(p, pools, num_pools, src, dst);
+  if (!st.ok()) return st;
+  auto invalid = [](std::string message) {
+    return Status(StatusCode::kInvalidArgument, "slot copy: " + std::move(message));
+  };
+  if (reinterpret_cast<std::uintptr_t>(device_status) % 4 != 0) {
+    return invalid("device_status must be 4-byte aligned");
+  }
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
+                                  std::pair<const void*, const char*>{dst, "dst"}}) {
+    if (reinterpret_cast<std::uintptr_t>(ptr) % 4 != 0) {
+      return invalid(std::string(name) + " must be 4-byte aligned");
+    }
+  }
+  CopyParams prm{};
+  std::uint64_t tiles = 0;
+  for (int i = 0; i < num_pools; ++i) {
+    const std::string name = "pools[" + std::to_string(i) + "]";
+    if (reinterpret_cast<std::uintptr_t>(pools[i].base) % 16 != 0 ||
+        pools[i].entry_bytes % 16 != 0) {
+      return invalid(name + ": base and entry_bytes must be multiples of 16 for the CUDA copy");
+    }
+    if (opt.check_pointers && p.pairs > 0) {
+      st = check_device_pointer(
+          pools[i].base, static_cast<std::size_t>(p.num_slots * pools[i].entry_bytes), "pool");
+      if (!st.ok()) return Status(st.code(), "slot copy: " + name + ": " + st.message());
+    }
+    if (pools[i].entry_bytes == 0) continue;
+    CopyPool& pool = prm.pools[prm.num_pools++];
+    pool.base = static_cast<unsigned char*>(pools[i].base);
+    pool.entry_bytes = pools[i].entry_bytes;
+    pool.first_tile = static_cast<std::uint32_t>(tiles);
+    tiles += (pools[i].entry_bytes + kTileBytes - 1) / kTileBytes;
+    if (tiles > 0x7fffffffull) {
+      return Status(StatusCode::kUnsupported,
+                    "slot copy: the pools' entries exceed the CUDA grid (2^31 - 1 tiles of 16 KB)");
+    }
+  }
+  if (opt.check_pointers && p.pairs > 0) {
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
+                                    std::pair<const void*, const char*>{dst, "dst"}}) {
+      st = check_device_pointer(ptr, static_cast<std::size_t>(p.pairs) * 4, name);
+      if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
+    }
+    st = check_device_pointer(device_status, device_status != nullptr ? 4 : 0, "device_status");
+    if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
+  }
+  if (p.pairs == 0 || tiles == 0) return Status::Ok();
+  prm.src = src;
+  prm.dst = dst;
+  prm.status = device_status;
+  prm.pairs = p.pairs;
+  prm.num_slots = p.num_slots;
+  prm.padding_slot = p.padding_slot;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(tiles),
+                     static_cast<unsigned>(std::min<std::int64_t>(p.pairs, kMaxGridY)));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = static_cast<cudaStream_t>(stream_ptr);
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel, prm), "kda_copy_slots_kernel");
+}
+
+}  // namespace kda

@@ -1,0 +1,131 @@
+// Slot copy (kda.hpp, "Slot copy"): the checks both backends share, and the CPU backend's copy.
+#include <cstring>
+#include <string>
+
+#include "argument_table.hpp"
+#include "kda/detail/checked_math.hpp"
+#include "kda/kda.hpp"
+
+namespace kda {
+namespace {
+
+Status invalid(std::string message) {
+  return Status(StatusCode::kInvalidArgument, "slot copy: " + std::move(message));
+}
+
+std::string pool_name(int i) { return "pools[" + std::to_string(i) + "]"; }
+
+detail::Argument range(const void* ptr, std::uint64_t bytes) {
+  detail::Argument a;
+  a.ptr = ptr;
+  a.bytes = bytes;
+  return a;
+}
+
+bool padding(const SlotCopyProblem& p, std::int32_t slot) {
+  return slot < 0 || slot == p.padding_slot;
+}
+
+// Every pair that is not padding: both entries inside the pools, no destination named twice or
+// also a source. Pairwise comparisons, so that nothing is allocated: pairs^2 / 2 of them, far below
+// the bytes a pair copies for any real pool.
+Status check_pairs(const SlotCopyProblem& p, const std::int32_t* src, const std::int32_t* dst) {
+  for (std::int64_t i = 0; i < p.pairs; ++i) {
+    if (padding(p, src[i]) || padding(p, dst[i])) continue;
+    const std::string pair = std::to_string(i);
+    for (const auto& [slot, name] : {std::pair<std::int32_t, const char*>{src[i], "src"},
+                                     std::pair<std::int32_t, const char*>{dst[i], "dst"}}) {
+      if (slot >= p.num_slots) {
+        return invalid(std::string(name) + "[" + pair + "] = " + std::to_string(slot) +
+                       " is out of range (num_slots " + std::to_string(p.num_slots) + ")");
+      }
+    }
+    for (std::int64_t j = 0; j < p.pairs; ++j) {
+      if (padding(p, src[j]) || padding(p, dst[j])) continue;
+      if (j < i && dst[j] == dst[i]) {
+        return invalid("dst[" + std::to_string(j) + "] and dst[" + pair + "] both name slot " +
+                       std::to_string(dst[i]));
+      }
+      if (src[j] == dst[i]) {
+        return invalid("dst[" + pair + "] = " + std::to_string(dst[i]) + " is also src[" +
+                       std::to_string(j) + "] (a copy's destinations are not its sources)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                const std::int32_t* src, const std::int32_t* dst) {
+  if (p.pairs < 0) return invalid("pairs must be >= 0 (got " + std::to_string(p.pairs) + ")");
+  if (p.num_slots < 0) {
+    return invalid("num_slots must be >= 0 (got " + std::to_string(p.num_slots) + ")");
+  }
+  if (p.padding_slot < -1) {
+    return invalid("padding_slot must be -1 (none) or a slot index (got " +
+                   std::to_string(p.padding_slot) + ")");
+  }
+  if (num_pools < 0 || num_pools > kMaxCopyPools) {
+    return invalid("num_pools must be in [0, " + std::to_string(kMaxCopyPools) + "] (got " +
+                   std::to_string(num_pools) + ")");
+  }
+  if (num_pools > 0 && pools == nullptr) {
+    return invalid("pools is null but num_pools is " + std::to_string(num_pools));
+  }
+  std::uint64_t index_bytes = 0;
+  if (!detail::checked_mul(static_cast<std::uint64_t>(p.pairs), 4, &index_bytes) ||
+      index_bytes > detail::kMaxSize) {
+    return Status(StatusCode::kOverflow, "slot copy: src / dst bytes pairs*4 overflow");
+  }
+  if (p.pairs > 0 && (src == nullptr || dst == nullptr)) {
+    return invalid(std::string(src == nullptr ? "src" : "dst") + " is null but pairs is " +
+                   std::to_string(p.pairs));
+  }
+  for (int i = 0; i < num_pools; ++i) {
+    std::uint64_t bytes = 0;
+    if (!detail::checked_mul(static_cast<std::uint64_t>(p.num_slots), pools[i].entry_bytes,
+                             &bytes) ||
+        bytes > detail::kMaxSize) {
+      return Status(
+          StatusCode::kOverflow,
+          "slot copy: " + pool_name(i) + " bytes num_slots*entry_bytes overflow 64-bit sizes");
+    }
+    if (pools[i].base == nullptr && bytes > 0 && p.pairs > 0) {
+      return invalid(pool_name(i) + ".base is null");
+    }
+    const detail::Argument pool = range(pools[i].base, bytes);
+    for (int j = 0; j < i; ++j) {
+      if (detail::overlaps(pool, range(pools[j].base, p.num_slots * pools[j].entry_bytes))) {
+        return invalid(pool_name(i) + " overlaps " + pool_name(j) + " (each pool is its own)");
+      }
+    }
+    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
+                                    std::pair<const void*, const char*>{dst, "dst"}}) {
+      if (detail::overlaps(pool, range(ptr, index_bytes))) {
+        return invalid(pool_name(i) + " overlaps " + name + " (a pool is written)");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                      const std::int32_t* src, const std::int32_t* dst) {
+  if (Status st = validate(p, pools, num_pools, src, dst); !st) return st;
+  if (Status st = check_pairs(p, src, dst); !st) return st;
+  for (std::int64_t i = 0; i < p.pairs; ++i) {
+    if (padding(p, src[i]) || padding(p, dst[i])) continue;
+    for (int k = 0; k < num_pools; ++k) {
+      const std::uint64_t bytes = pools[k].entry_bytes;
+      if (bytes == 0) continue;
+      auto* base = static_cast<unsigned char*>(pools[k].base);
+      std::memcpy(base + static_cast<std::uint64_t>(dst[i]) * bytes,
+                  base + static_cast<std::uint64_t>(src[i]) * bytes, bytes);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kda
