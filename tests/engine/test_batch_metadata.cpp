@@ -485,6 +485,64 @@ KDA_ENGINE_CASE("engine: prefill checkpoints on caller-owned metadata, and conti
 
 namespace {
 
+// A serving step that carries decode rows and prefill sequences in one hidden tensor (vLLM's order:
+// the decodes first) is two calls a layer on row offsets of it and sub-arrays of one slot list
+// (caller-owned metadata): outputs and every state equal the same batches run from buffers and
+// slot lists of their own, bit for bit.
+void mixed_step(Backend backend) {
+  EnginePair pair(backend);
+  const std::int64_t decode_rows = 3, prefill_tokens = 14;
+  const std::vector<std::int32_t> slots = {0, 2, 4, 1, 3};  // three decode rows, two sequences
+  const std::vector<std::uint16_t> all =
+      kda::test::random_bf16((decode_rows + prefill_tokens) * kHidden, 1.0f, 97);
+  Memory hidden(backend, all), out(backend, all.size() * 2), slot_list(backend, slots);
+  Memory cu(backend, std::vector<std::int64_t>{0, 5, 14});
+  BatchMetadata decode;
+  decode.tokens = decode_rows;
+  decode.sequences = decode_rows;
+  decode.decode_tokens = 1;
+  decode.slots = slot_list.as<std::int32_t>();
+  BatchMetadata prefill;
+  prefill.tokens = prefill_tokens;
+  prefill.sequences = 2;
+  prefill.slots = slot_list.as<std::int32_t>() + decode_rows;
+  prefill.cu_seqlens = cu.as<std::int64_t>();
+  const std::size_t offset = static_cast<std::size_t>(decode_rows * kHidden) * 2;
+  Memory decode_hidden(
+      backend, std::vector<std::uint16_t>(all.begin(), all.begin() + decode_rows * kHidden));
+  Memory prefill_hidden(backend,
+                        std::vector<std::uint16_t>(all.begin() + decode_rows * kHidden, all.end()));
+  Memory decode_out(backend, offset), prefill_out(backend, all.size() * 2 - offset);
+  // The same batches from buffers and slot lists of their own, on caller-owned metadata too (a
+  // CUDA prefill plans from its bounds there, from the lengths on host spans).
+  Memory decode_slots(backend, std::vector<std::int32_t>{0, 2, 4}),
+      prefill_slots(backend, std::vector<std::int32_t>{1, 3});
+  BatchMetadata decode_alone = decode, prefill_alone = prefill;
+  decode_alone.slots = decode_slots.as<std::int32_t>();
+  prefill_alone.slots = prefill_slots.as<std::int32_t>();
+  for (int l = 0; l < 2; ++l) {
+    pair.meta.decode_hidden(l, hidden.get(), out.get(), decode);
+    pair.meta.prefill_hidden(l, static_cast<unsigned char*>(hidden.get()) + offset,
+                             static_cast<unsigned char*>(out.get()) + offset, prefill);
+    pair.spans.decode_hidden(l, decode_hidden.get(), decode_out.get(), decode_alone);
+    pair.spans.prefill_hidden(l, prefill_hidden.get(), prefill_out.get(), prefill_alone);
+    std::vector<std::uint16_t> want = decode_out.read<std::uint16_t>();
+    const std::vector<std::uint16_t> rest = prefill_out.read<std::uint16_t>();
+    want.insert(want.end(), rest.begin(), rest.end());
+    CAPTURE(l);
+    CHECK(out.read<std::uint16_t>() == want);
+  }
+  pair.meta.check_device_status();
+  CHECK(all_states(pair.meta) == all_states(pair.spans));
+}
+
+}  // namespace
+
+KDA_ENGINE_CASE("engine: a step of decode rows and prefill sequences as two calls on one tensor",
+                mixed_step)
+
+namespace {
+
 // One slot's states in every layer (recurrent and conv), as bytes.
 std::vector<std::uint8_t> slot_states(const Engine& e, int slot) {
   std::vector<std::uint8_t> states;
