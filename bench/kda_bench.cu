@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_device.cuh"
@@ -798,7 +799,8 @@ void run_verify(double bw, int iters, std::vector<int> batches) {
   }
 }
 
-// The slot copy of a model's states (kda::copy_slots_cuda, what Engine::copy_slots launches): 20
+// The slot copy of a model's states (kda::copy_slots_cuda, what Engine::copy_slots launches) and
+// the zeroing of its destinations (kda::zero_slots_cuda, Engine::reset_slots): 20
 // layers of H = 32, each its recurrent pool and three conv pools (4096 bf16 channels x W - 1 = 3),
 // P pairs copying slots [0, P) into [P, 2P) of a set. Below 8 pairs the captured calls rotate over
 // sets of slots of their own, so that every call's bytes come from memory, not the L2.
@@ -809,8 +811,8 @@ void run_copy(double bw, int iters, std::vector<int> batches) {
   std::printf(
       "\n### CUDA slot copy of %d layers in one launch (H = 32, recurrent and conv states)\n\n",
       layers);
-  std::printf("| pairs | state | us | MB moved | floor us | x floor |\n");
-  std::printf("|---:|---|---:|---:|---:|---:|\n");
+  std::printf("| pairs | state | form | us | MB moved | floor us | x floor |\n");
+  std::printf("|---:|---|---|---:|---:|---:|---:|\n");
   for (const kda::DType state : {kda::DType::kF32, kda::DType::kBF16}) {
     const std::uint64_t state_bytes = kda::dtype_size(state) * H * D * D;
     for (const int P : batches) {
@@ -834,17 +836,28 @@ void run_copy(double bw, int iters, std::vector<int> batches) {
         src.push_back(device_ints(a, from));
         dst.push_back(device_ints(a, into));
       }
+      const int num_pools = static_cast<int>(pools.size());
       int call = 0;
-      const double us = graph_us(iters, [&](cudaStream_t s) {
+      const double copy_us = graph_us(iters, [&](cudaStream_t s) {
         const int set = call++ % sets;
-        check(kda::copy_slots_cuda(p, pools.data(), static_cast<int>(pools.size()), src[set],
-                                   dst[set], nullptr, s),
+        check(kda::copy_slots_cuda(p, pools.data(), num_pools, src[set], dst[set], nullptr, s),
               "copy_slots");
       });
-      const double bytes = 2.0 * P * layers * (state_bytes + 3.0 * conv_bytes) + 8.0 * P;
-      const double floor = bytes / bw * 1e6;
-      std::printf("| %d | %s | %.2f | %.1f | %.2f | %.2fx |\n", P, kda::to_string(state), us,
-                  bytes / 1e6, floor, us / floor);
+      // The zeroing of the destinations (Engine::reset_slots): their bytes written only.
+      call = 0;
+      const double zero_us = graph_us(iters, [&](cudaStream_t s) {
+        const int set = call++ % sets;
+        check(kda::zero_slots_cuda(p, pools.data(), num_pools, dst[set], nullptr, s), "zero_slots");
+      });
+      const double slot_bytes = static_cast<double>(layers) * (state_bytes + 3.0 * conv_bytes);
+      for (const auto& [form, us, bytes] :
+           {std::tuple<const char*, double, double>{"copy", copy_us,
+                                                    2.0 * P * slot_bytes + 8.0 * P},
+            std::tuple<const char*, double, double>{"zero", zero_us, P * slot_bytes + 4.0 * P}}) {
+        const double floor = bytes / bw * 1e6;
+        std::printf("| %d | %s | %s | %.2f | %.1f | %.2f | %.2fx |\n", P, kda::to_string(state),
+                    form, us, bytes / 1e6, floor, us / floor);
+      }
       std::fflush(stdout);
     }
   }

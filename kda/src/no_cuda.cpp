@@ -35,6 +35,12 @@ Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_
   return unavailable();
 }
 
+Status zero_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* slots, std::uint32_t*, void*, const CudaOptions&) {
+  if (Status st = validate(p, pools, num_pools, slots); !st) return st;
+  return unavailable();
+}
+
 Status segment_transition_cuda(const Problem& p, const Tensors& t, float* p_t, float* h_t,
                                Workspace, void*, const CudaOptions&) {
   if (Status st = detail::validate_transition(p, t, p_t, h_t); !st) return st;

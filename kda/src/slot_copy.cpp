@@ -1,4 +1,5 @@
-// Slot copy (kda.hpp, "Slot copy"): the checks both backends share, and the CPU backend's copy.
+// Slot copy (kda.hpp, "Slot copy"): the checks both backends share, and the CPU backend's copy and
+// zeroing.
 #include <cstring>
 #include <string>
 
@@ -27,8 +28,8 @@ bool padding(const SlotCopyProblem& p, std::int32_t slot) {
 }
 
 // Every pair that is not padding: both entries inside the pools, no destination named twice or
-// also a source. Pairwise comparisons, so that nothing is allocated: pairs^2 / 2 of them, far below
-// the bytes a pair copies for any real pool.
+// also a source. Pairwise comparisons, so that nothing is allocated: pairs^2 of them, far below the
+// bytes a pair copies for any real pool.
 Status check_pairs(const SlotCopyProblem& p, const std::int32_t* src, const std::int32_t* dst) {
   for (std::int64_t i = 0; i < p.pairs; ++i) {
     if (padding(p, src[i]) || padding(p, dst[i])) continue;
@@ -55,11 +56,14 @@ Status check_pairs(const SlotCopyProblem& p, const std::int32_t* src, const std:
   return Status::Ok();
 }
 
-}  // namespace
-
-Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
-                const std::int32_t* src, const std::int32_t* dst) {
-  if (p.pairs < 0) return invalid("pairs must be >= 0 (got " + std::to_string(p.pairs) + ")");
+// The checks of both forms: `dst` null for a zeroing, whose one index array is `src` ("slots").
+Status validate_pools(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                      const std::int32_t* src, const std::int32_t* dst) {
+  const bool zeroing = dst == nullptr;
+  if (p.pairs < 0) {
+    return invalid(std::string(zeroing ? "the entries" : "pairs") + " must be >= 0 (got " +
+                   std::to_string(p.pairs) + ")");
+  }
   if (p.num_slots < 0) {
     return invalid("num_slots must be >= 0 (got " + std::to_string(p.num_slots) + ")");
   }
@@ -79,9 +83,9 @@ Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
       index_bytes > detail::kMaxSize) {
     return Status(StatusCode::kOverflow, "slot copy: src / dst bytes pairs*4 overflow");
   }
-  if (p.pairs > 0 && (src == nullptr || dst == nullptr)) {
-    return invalid(std::string(src == nullptr ? "src" : "dst") + " is null but pairs is " +
-                   std::to_string(p.pairs));
+  if (p.pairs > 0 && src == nullptr) {
+    return invalid(std::string(zeroing ? "slots" : "src") + " is null but " +
+                   (zeroing ? "the entries are " : "pairs is ") + std::to_string(p.pairs));
   }
   for (int i = 0; i < num_pools; ++i) {
     std::uint64_t bytes = 0;
@@ -101,14 +105,30 @@ Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
         return invalid(pool_name(i) + " overlaps " + pool_name(j) + " (each pool is its own)");
       }
     }
-    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                    std::pair<const void*, const char*>{dst, "dst"}}) {
+    for (const auto& [ptr, name] :
+         {std::pair<const void*, const char*>{src, zeroing ? "slots" : "src"},
+          std::pair<const void*, const char*>{dst, "dst"}}) {
       if (detail::overlaps(pool, range(ptr, index_bytes))) {
         return invalid(pool_name(i) + " overlaps " + name + " (a pool is written)");
       }
     }
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                const std::int32_t* src, const std::int32_t* dst) {
+  if (p.pairs > 0 && dst == nullptr) {
+    return invalid("dst is null but pairs is " + std::to_string(p.pairs));
+  }
+  return validate_pools(p, pools, num_pools, src, dst);
+}
+
+Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                const std::int32_t* slots) {
+  return validate_pools(p, pools, num_pools, slots, nullptr);
 }
 
 Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
@@ -123,6 +143,28 @@ Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_p
       auto* base = static_cast<unsigned char*>(pools[k].base);
       std::memcpy(base + static_cast<std::uint64_t>(dst[i]) * bytes,
                   base + static_cast<std::uint64_t>(src[i]) * bytes, bytes);
+    }
+  }
+  return Status::Ok();
+}
+
+Status zero_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                      const std::int32_t* slots) {
+  if (Status st = validate(p, pools, num_pools, slots); !st) return st;
+  for (std::int64_t i = 0; i < p.pairs; ++i) {
+    if (!padding(p, slots[i]) && slots[i] >= p.num_slots) {
+      return invalid("slots[" + std::to_string(i) + "] = " + std::to_string(slots[i]) +
+                     " is out of range (num_slots " + std::to_string(p.num_slots) + ")");
+    }
+  }
+  for (std::int64_t i = 0; i < p.pairs; ++i) {
+    if (padding(p, slots[i])) continue;
+    for (int k = 0; k < num_pools; ++k) {
+      const std::uint64_t bytes = pools[k].entry_bytes;
+      if (bytes == 0) continue;
+      std::memset(
+          static_cast<unsigned char*>(pools[k].base) + static_cast<std::uint64_t>(slots[i]) * bytes,
+          0, bytes);
     }
   }
   return Status::Ok();

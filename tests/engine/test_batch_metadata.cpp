@@ -637,6 +637,17 @@ void shared_prefix(Backend backend) {
   CHECK(slot_states(e, r2) == slot_states(e, r1));
   CHECK(slot_states(e, r3) == slot_states(e, r1));
 
+  // The requests end: their slots zeroed for the next ones, conv states too, on the device.
+  const std::vector<std::uint8_t> zeros(checkpoint.size(), 0);
+  {
+    Memory ended(backend, std::vector<std::int32_t>{r3, -1});
+    const std::vector<std::uint8_t> r2_kept = slot_states(e, r2);
+    e.reset_slots(2, ended.as<std::int32_t>());
+    CHECK(slot_states(e, r3) == zeros);
+    CHECK(slot_states(e, r2) == r2_kept);
+    CHECK(slot_states(e, c) == checkpoint);
+  }
+
   // Bad pairs: the host spans are checked on both backends; caller-owned pairs on the CPU, and on
   // CUDA a slot outside the pool is reported by the device and its pair skipped.
   const std::vector<std::uint8_t> r2_before = slot_states(e, r2);

@@ -420,6 +420,7 @@ KDA_CPU_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, de
   CHECK(kda_engine_reset_slot(nullptr, 0) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_copy_slot(nullptr, 0, 1) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_copy_slots(nullptr, 0, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_reset_slots(nullptr, 0, nullptr) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_prefill(nullptr, 0, data, data, data, data, data, data, &slot, 1, cu) ==
         KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_decode(nullptr, 0, data, data, data, data, data, data, &slot, 1, 1) ==
@@ -493,6 +494,11 @@ KDA_CPU_CASE(
     CHECK(kda_engine_copy_slots(handle, 0, nullptr, nullptr) == KDA_OK);  // nothing to copy
     CHECK(kda_engine_copy_slots(handle, 1, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "copy_slots: src or dst is null"));
+    const std::int32_t to_reset[2] = {0, -1};
+    CHECK(kda_engine_reset_slots(handle, 2, to_reset) == KDA_OK);
+    const std::int32_t released[1] = {3};
+    CHECK(kda_engine_reset_slots(handle, 1, released) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "reset_slots: entry 0 names slot 3"));
   }
   SUBCASE("prefill and decode arguments") {
     int slot = -1;

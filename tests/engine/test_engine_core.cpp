@@ -585,6 +585,41 @@ KDA_MATRIX_CASE("slots: a copied slot continues as its source does, in every lay
   }
 }
 
+KDA_MATRIX_CASE("slots: reset_slots zeroes the named slots in every layer, as reset_slot does") {
+  Engine engine(spec_from(kSpec), engine_options(runner));
+  const int a = engine.acquire_slot(), b = engine.acquire_slot(), c = engine.acquire_slot();
+  const Activations prompt(19, H, D, 14);
+  const OnBackend prompt_in(runner, prompt);
+  Out out(runner, 19 * kRow);
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    engine.prefill(l, prompt_in.inputs(), out.get(), {a, b, c}, {0, 6, 11, 19});
+  }
+  const std::vector<std::uint8_t> zeros(engine.state_slot_bytes(), 0);
+  const std::vector<std::uint8_t> c_before = slot_bytes(engine, 0, c);
+  REQUIRE(c_before != zeros);
+  const Memory slots = Memory::from(runner, std::vector<std::int32_t>{b, -1, a, b});
+  engine.reset_slots(4, slots.as<std::int32_t>());
+  engine.check_device_status();
+  for (int l = 0; l < engine.num_layers(); ++l) {
+    CAPTURE(l);
+    CHECK(slot_bytes(engine, l, a) == zeros);
+    CHECK(slot_bytes(engine, l, b) == zeros);
+    CHECK(slot_bytes(engine, l, c) != zeros);
+  }
+  CHECK(slot_bytes(engine, 0, c) == c_before);
+  engine.reset_slots(0, nullptr);  // nothing to do
+  CHECK_THROWS_WITH_AS(engine.reset_slots(1, nullptr), "reset_slots: slots is null", kda::Error);
+  CHECK_THROWS_WITH_AS(engine.reset_slots(5, slots.as<std::int32_t>()),
+                       "reset_slots: 5 entries, expected 0..4 (runtime.max_sequences)", kda::Error);
+  if (runner.backend() == kda::Backend::kCpu) {
+    engine.release_slot(b);
+    const std::string message =
+        "reset_slots: entry 0 names slot " + std::to_string(b) + ", which is not an acquired slot";
+    CHECK_THROWS_WITH_AS(engine.reset_slots(4, slots.as<std::int32_t>()), message.c_str(),
+                         kda::Error);
+  }
+}
+
 KDA_MATRIX_CASE(
     "slots: slots not named in a step stay bitwise untouched / padding rows are skipped") {
   Engine engine(spec_from(kSpec), engine_options(runner));

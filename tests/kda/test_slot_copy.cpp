@@ -4,6 +4,7 @@
 // replays with new pairs.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -58,10 +59,11 @@ struct CopyRun {
   bool guards_intact = true;
 };
 
+// A copy of src[i] into dst[i], or with `zero` a zeroing of the entries dst names (src unused).
 template <class Buffer>
 CopyRun copy_on(Backend backend, const SlotCopyProblem& p, const std::vector<Bytes>& pools,
                 const std::vector<std::uint64_t>& entry_bytes, const std::vector<std::int32_t>& src,
-                const std::vector<std::int32_t>& dst) {
+                const std::vector<std::int32_t>& dst, bool zero = false) {
   CopyRun r;
   std::vector<Buffer> buffers;
   std::vector<SlotPool> list;
@@ -73,10 +75,14 @@ CopyRun copy_on(Backend backend, const SlotCopyProblem& p, const std::vector<Byt
   const auto* ps = static_cast<const std::int32_t*>(s.get());
   const auto* pd = static_cast<const std::int32_t*>(d.get());
   const int n = static_cast<int>(list.size());
-  r.status = backend == Backend::kCpu
-                 ? copy_slots_cpu(p, list.data(), n, ps, pd)
-                 : copy_slots_cuda(p, list.data(), n, ps, pd,
-                                   static_cast<std::uint32_t*>(status.get()), nullptr);
+  auto* word = static_cast<std::uint32_t*>(status.get());
+  if (zero) {
+    r.status = backend == Backend::kCpu ? zero_slots_cpu(p, list.data(), n, pd)
+                                        : zero_slots_cuda(p, list.data(), n, pd, word, nullptr);
+  } else {
+    r.status = backend == Backend::kCpu ? copy_slots_cpu(p, list.data(), n, ps, pd)
+                                        : copy_slots_cuda(p, list.data(), n, ps, pd, word, nullptr);
+  }
   if (r.status.ok()) r.status = Buffer::synchronize();
   for (const Buffer& b : buffers) {
     r.pools.push_back(b.template download<unsigned char>());
@@ -88,10 +94,31 @@ CopyRun copy_on(Backend backend, const SlotCopyProblem& p, const std::vector<Byt
 
 CopyRun copy(const Runner& runner, const SlotCopyProblem& p, const std::vector<Bytes>& pools,
              const std::vector<std::uint64_t>& entry_bytes, const std::vector<std::int32_t>& src,
-             const std::vector<std::int32_t>& dst) {
+             const std::vector<std::int32_t>& dst, bool zero = false) {
   return runner.backend() == Backend::kCpu
-             ? copy_on<HostBuffer>(Backend::kCpu, p, pools, entry_bytes, src, dst)
-             : copy_on<DeviceBuffer>(Backend::kCuda, p, pools, entry_bytes, src, dst);
+             ? copy_on<HostBuffer>(Backend::kCpu, p, pools, entry_bytes, src, dst, zero)
+             : copy_on<DeviceBuffer>(Backend::kCuda, p, pools, entry_bytes, src, dst, zero);
+}
+
+CopyRun zero(const Runner& runner, const SlotCopyProblem& p, const std::vector<Bytes>& pools,
+             const std::vector<std::uint64_t>& entry_bytes,
+             const std::vector<std::int32_t>& slots) {
+  return copy(runner, p, pools, entry_bytes, {}, slots, true);
+}
+
+// What a zeroing must leave: the entries named (not padding, inside the pools) zero bytes.
+std::vector<Bytes> zeroed_pools(std::vector<Bytes> pools,
+                                const std::vector<std::uint64_t>& entry_bytes,
+                                std::int64_t num_slots, std::int32_t padding_slot,
+                                const std::vector<std::int32_t>& slots) {
+  for (const std::int32_t s : slots) {
+    if (s < 0 || s == padding_slot || s >= num_slots) continue;
+    for (std::size_t k = 0; k < pools.size(); ++k) {
+      std::fill_n(pools[k].begin() + static_cast<std::ptrdiff_t>(s * entry_bytes[k]),
+                  entry_bytes[k], 0);
+    }
+  }
+  return pools;
 }
 
 SlotCopyProblem problem(std::int64_t pairs, std::int64_t num_slots,
@@ -129,7 +156,7 @@ KDA_MATRIX_CASE(
     CHECK(r.pools[k] == want[k]);
     CHECK(r.pools[k] != pools[k]);  // the copies changed something
   }
-  // No pairs, no pools: nothing to do.
+  // No pairs: nothing to do.
   CHECK(copy(runner, problem(0, num_slots), pools, kEntryBytes, {}, {}).status.ok());
 }
 
@@ -149,6 +176,30 @@ KDA_MATRIX_CASE(
     REQUIRE(r.status.ok());
     CHECK(r.device_status == kDeviceStatusSlot);
     CHECK(r.pools == expected_pools(pools, kEntryBytes, num_slots, -1, src, dst));
+  }
+}
+
+KDA_MATRIX_CASE(
+    "slot zeroing: the named entries zeroed in every pool, padding and the rest untouched") {
+  const std::int64_t num_slots = 7;
+  const std::int32_t null_slot = 6;
+  const std::vector<Bytes> pools = random_pools(num_slots, kEntryBytes, 16);
+  const std::vector<std::int32_t> slots = {5, -1, 2, null_slot, 5};  // 5 twice: zeros either way
+  const CopyRun r = zero(runner, problem(5, num_slots, null_slot), pools, kEntryBytes, slots);
+  REQUIRE(r.status.ok());
+  CHECK(r.guards_intact);
+  CHECK(r.device_status == 0);
+  CHECK(r.pools == zeroed_pools(pools, kEntryBytes, num_slots, null_slot, slots));
+  // A slot outside the pool: refused before anything is written, or skipped and reported.
+  const CopyRun bad = zero(runner, problem(2, num_slots), pools, kEntryBytes, {1, 7});
+  if (runner.backend() == Backend::kCpu) {
+    CHECK(bad.status.message().find("slots[1] = 7 is out of range (num_slots 7)") !=
+          std::string::npos);
+    CHECK(bad.pools == pools);
+  } else {
+    REQUIRE(bad.status.ok());
+    CHECK(bad.device_status == kDeviceStatusSlot);
+    CHECK(bad.pools == zeroed_pools(pools, kEntryBytes, num_slots, -1, {1}));
   }
 }
 
@@ -190,6 +241,11 @@ KDA_CPU_CASE("slot copy: a destination twice or also a source, and bad arguments
   expect(copy_slots_cpu(problem(1, num_slots), &huge, 1, one, two), "overflow");
   SlotPool null_base = {nullptr, 64};
   expect(copy_slots_cpu(problem(1, num_slots), &null_base, 1, one, two), "pools[0].base is null");
+  expect(zero_slots_cpu(problem(1, num_slots), list.data(), 2, nullptr),
+         "slots is null but the entries are 1");
+  expect(zero_slots_cpu(problem(-2, num_slots), list.data(), 2, one), "the entries must be >= 0");
+  expect(copy_slots_cpu(problem(1, num_slots), list.data(), 2, one, nullptr),
+         "dst is null but pairs is 1");
   // A pair that is padding on one side is not checked: 0 is no source here.
   CHECK(run({-7}, {-2}).ok());
   CHECK(run({0, 4}, {-1, 0}).ok());
@@ -241,7 +297,12 @@ KDA_CUDA_CASE("slot copy: a captured copy replays with the pairs written since")
   Stream stream;
   REQUIRE(stream.stream != nullptr);
   Graph graph;
-  CUDA_REQUIRE(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeGlobal));
+  // One eager copy of no pairs first (it launches nothing), then the capture.
+  REQUIRE(copy_slots_cuda(problem(0, num_slots), list.data(), static_cast<int>(list.size()),
+                          static_cast<const std::int32_t*>(s.get()),
+                          static_cast<const std::int32_t*>(d.get()), nullptr, stream.stream)
+              .ok());
+  CUDA_REQUIRE(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeThreadLocal));
   const Status st = copy_slots_cuda(
       problem(3, num_slots), list.data(), static_cast<int>(list.size()),
       static_cast<const std::int32_t*>(s.get()), static_cast<const std::int32_t*>(d.get()),
@@ -255,8 +316,12 @@ KDA_CUDA_CASE("slot copy: a captured copy replays with the pairs written since")
   const std::vector<std::vector<std::int32_t>> dsts = {{1, 2, 6}, {4, 0, 5}, {3, 4, 0}};
   for (std::size_t round = 0; round < srcs.size(); ++round) {
     CAPTURE(round);
-    CUDA_REQUIRE(cudaMemcpy(s.get(), srcs[round].data(), 12, cudaMemcpyHostToDevice));
-    CUDA_REQUIRE(cudaMemcpy(d.get(), dsts[round].data(), 12, cudaMemcpyHostToDevice));
+    // On the graph's stream: a copy from pageable memory may still be in flight when cudaMemcpy
+    // returns, and a non-blocking stream does not wait for the null stream.
+    CUDA_REQUIRE(
+        cudaMemcpyAsync(s.get(), srcs[round].data(), 12, cudaMemcpyHostToDevice, stream.stream));
+    CUDA_REQUIRE(
+        cudaMemcpyAsync(d.get(), dsts[round].data(), 12, cudaMemcpyHostToDevice, stream.stream));
     CUDA_REQUIRE(cudaGraphLaunch(graph.exec, stream.stream));
     CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
     want = expected_pools(want, kEntryBytes, num_slots, -1, srcs[round], dsts[round]);

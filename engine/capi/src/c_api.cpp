@@ -494,6 +494,10 @@ kda_status kda_engine_copy_slots(kda_engine* engine, int64_t pairs, const int32_
   return on_handle(engine, [&](kda::engine::Engine& e) { e.copy_slots(pairs, src, dst); });
 }
 
+kda_status kda_engine_reset_slots(kda_engine* engine, int64_t count, const int32_t* slots) {
+  return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slots(count, slots); });
+}
+
 kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
                               const void* v, const void* g, const void* beta, void* out,
                               const int* slots, int num_sequences, const int64_t* cu_seqlens) {

@@ -72,6 +72,11 @@ class HostBackend final : public EngineBackend {
     KDA_NVTX_RANGE("slots.copy_cpu");
     return copy_slots_cpu(p, pools, num_pools, src, dst);
   }
+  Status zero_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                    const std::int32_t* slots, std::uint32_t*) const override {
+    KDA_NVTX_RANGE("slots.zero_cpu");
+    return zero_slots_cpu(p, pools, num_pools, slots);
+  }
 
   bool has_device_status() const noexcept override { return false; }
   Status clear_device_status(std::uint32_t*) override { return Status(); }
@@ -150,6 +155,13 @@ class CudaBackend final : public EngineBackend {
     CudaOptions unchecked;
     unchecked.check_pointers = false;
     return copy_slots_cuda(p, pools, num_pools, src, dst, device_status, stream(), unchecked);
+  }
+  Status zero_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                    const std::int32_t* slots, std::uint32_t* device_status) const override {
+    KDA_NVTX_RANGE("slots.zero_cuda");
+    CudaOptions unchecked;
+    unchecked.check_pointers = false;
+    return zero_slots_cuda(p, pools, num_pools, slots, device_status, stream(), unchecked);
   }
 
   bool has_device_status() const noexcept override { return true; }

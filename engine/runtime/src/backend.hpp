@@ -60,11 +60,13 @@ class EngineBackend {
                                   std::int64_t head_dim_v, const float* s_in, const float* p_t,
                                   const float* h_t, float* s_out) const = 0;
 
-  // Slot copy on this backend (kda.hpp): the engine checks its caller's src and dst first, and
-  // the pools are its own, so no pointer is checked here.
+  // Slot copy and zeroing on this backend (kda.hpp): the engine checks its caller's arrays first,
+  // and the pools are its own, so no pointer is checked here.
   virtual Status copy_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
                             const std::int32_t* src, const std::int32_t* dst,
                             std::uint32_t* device_status) const = 0;
+  virtual Status zero_slots(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                            const std::int32_t* slots, std::uint32_t* device_status) const = 0;
 
   // Whether the kernels report through a device status word (CUDA), which the engine then plans
   // in its arena and checks with check_device_status(); the host reports at once instead.

@@ -86,7 +86,7 @@ void load_layers(const ModelSpec& spec, std::uint64_t seed,
 
 // The engine's own buffers besides the layers': handles into the plan.
 struct EngineBuffers {
-  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, device_status;
+  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, copy_src, copy_dst, device_status;
   // Context parallelism: this rank's transition and every rank's (context.transitions), and the
   // operator's workspace for computing one (context.workspace).
   planner::BufferHandle context_transitions, context_workspace;
@@ -153,6 +153,10 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
   // not re-upload (and a captured graph replays without host-to-device copies).
   buffers->prefill_slots = scratch("prefill.slots", seqs * sizeof(std::int32_t));
   buffers->decode_slots = scratch("decode.slots", seqs * sizeof(std::int32_t));
+  // A host-span slot copy's pairs, apart from the forwards' lists, which captured host-span
+  // forwards read at replay.
+  buffers->copy_src = scratch("copy.src", seqs * sizeof(std::int32_t));
+  buffers->copy_dst = scratch("copy.dst", seqs * sizeof(std::int32_t));
   buffers->device_status = backend_has_device_status(backend)
                                ? scratch("engine.device_status", sizeof(std::uint32_t))
                                : planner::BufferHandle{};
@@ -246,7 +250,7 @@ struct Engine::Impl {
   std::vector<std::int64_t> cu_uploaded;  // what cu_scratch holds now (skip repeat uploads)
   std::vector<unsigned> seen_stamp;       // duplicate-slot detection without clearing
   unsigned stamp = 0;
-  SlotStaging prefill_slots, decode_slots;
+  SlotStaging prefill_slots, decode_slots, copy_src, copy_dst;
 
   ~Impl() {
     // Kernels may still use the arena; freeing it must wait for them (nothing to do with a
@@ -772,13 +776,15 @@ struct Engine::Impl {
     }
   }
 
-  void check_copy_count(const std::string& call, std::int64_t pairs) const {
-    if (pairs < 0 || pairs > num_slots()) {
-      fail(call + ": " + std::to_string(pairs) + " pairs, expected 0.." +
+  void check_copy_count(const std::string& call, std::int64_t count, const char* what) const {
+    if (count < 0 || count > num_slots()) {
+      fail(call + ": " + std::to_string(count) + " " + what + ", expected 0.." +
            std::to_string(num_slots()) + " (runtime.max_sequences)");
     }
   }
 
+  // A copy of slots src[i] into dst[i], or (src null) a zeroing of the slots dst names, over
+  // every pool a slot has an entry in.
   void run_copy(const std::string& call, std::int64_t pairs, const std::int32_t* src,
                 const std::int32_t* dst) {
     KDA_NVTX_RANGE("engine.copy_slots");
@@ -789,8 +795,10 @@ struct Engine::Impl {
     const int pools = static_cast<int>(copy_pools.size());
     for (int at = 0; at < pools; at += kMaxCopyPools) {
       const int count = std::min(kMaxCopyPools, pools - at);
-      const Status st =
-          backend->copy_slots(problem, copy_pools.data() + at, count, src, dst, device_status);
+      const SlotPool* some = copy_pools.data() + at;
+      const Status st = src != nullptr
+                            ? backend->copy_slots(problem, some, count, src, dst, device_status)
+                            : backend->zero_slots(problem, some, count, dst, device_status);
       if (!st.ok()) throw Error(st, call);
     }
   }
@@ -1000,6 +1008,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.cu_scratch = static_cast<std::int64_t*>(locate(buffers.cu_seqlens));
   m.prefill_slots.device = static_cast<std::int32_t*>(locate(buffers.prefill_slots));
   m.decode_slots.device = static_cast<std::int32_t*>(locate(buffers.decode_slots));
+  m.copy_src.device = static_cast<std::int32_t*>(locate(buffers.copy_src));
+  m.copy_dst.device = static_cast<std::int32_t*>(locate(buffers.copy_dst));
   m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
   m.context_transitions = static_cast<float*>(locate(buffers.context_transitions));
   m.context_workspace = locate(buffers.context_workspace);
@@ -1046,7 +1056,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.cu_staging.reserve(slots + 1);
   m.cu_uploaded.reserve(slots + 1);
   m.seen_stamp.assign(slots, 0);
-  for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots}) {
+  for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots, &m.copy_src, &m.copy_dst}) {
     staging->host.reserve(slots);
     staging->uploaded.reserve(slots);
   }
@@ -1481,7 +1491,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
 void Engine::copy_slots(std::int64_t pairs, const std::int32_t* src, const std::int32_t* dst) {
   Impl& m = *impl_;
   const std::string call = "copy_slots";
-  m.check_copy_count(call, pairs);
+  m.check_copy_count(call, pairs, "pairs");
   if (pairs == 0) return;
   if (src == nullptr || dst == nullptr) fail(call + ": src or dst is null");
   const auto n = static_cast<std::size_t>(pairs);
@@ -1496,6 +1506,27 @@ void Engine::copy_slots(std::int64_t pairs, const std::int32_t* src, const std::
   m.run_copy(call, pairs, src, dst);
 }
 
+void Engine::reset_slots(std::int64_t count, const std::int32_t* slots) {
+  Impl& m = *impl_;
+  const std::string call = "reset_slots";
+  m.check_copy_count(call, count, "entries");
+  if (count == 0) return;
+  if (slots == nullptr) fail(call + ": slots is null");
+  const auto n = static_cast<std::size_t>(count);
+  if (const Status st = m.backend->check_caller_buffer(slots, n * 4, "slots"); !st.ok()) {
+    throw Error(st, call);
+  }
+  if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
+    for (std::size_t j = 0; j < n; ++j) {
+      if (!m.padding(slots[j]) && !m.in_use(slots[j])) {
+        fail(call + ": entry " + std::to_string(j) + " names slot " + std::to_string(slots[j]) +
+             ", which is not an acquired slot");
+      }
+    }
+  }
+  m.run_copy(call, count, nullptr, slots);
+}
+
 void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
   Impl& m = *impl_;
   const std::string call = "copy_slots";
@@ -1503,13 +1534,12 @@ void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
     fail(call + ": src has " + std::to_string(src.size()) + " entries, dst " +
          std::to_string(dst.size()));
   }
-  m.check_copy_count(call, static_cast<std::int64_t>(src.size()));
+  m.check_copy_count(call, static_cast<std::int64_t>(src.size()), "pairs");
   if (src.empty()) return;
   m.check_copy_pairs(call, src.data(), dst.data(), src.size());
-  m.stage_slots(src, &m.prefill_slots);
-  m.stage_slots(dst, &m.decode_slots);
-  m.run_copy(call, static_cast<std::int64_t>(src.size()), m.prefill_slots.device,
-             m.decode_slots.device);
+  m.stage_slots(src, &m.copy_src);
+  m.stage_slots(dst, &m.copy_dst);
+  m.run_copy(call, static_cast<std::int64_t>(src.size()), m.copy_src.device, m.copy_dst.device);
 }
 
 void Engine::decode_hidden(int kda_index, const void* hidden, void* out, Span<const int> slots,

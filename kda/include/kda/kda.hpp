@@ -531,7 +531,7 @@ struct SlotPool {
 };
 
 struct SlotCopyProblem {
-  std::int64_t pairs = 0;      // entries of src and dst
+  std::int64_t pairs = 0;      // entries of src and dst (zeroing: of slots)
   std::int64_t num_slots = 0;  // entries of every pool
   // A caller-chosen null slot (as DecodeProblem::padding_slot): a pair naming it is padding.
   std::int32_t padding_slot = -1;
@@ -548,6 +548,18 @@ Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_p
 Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
                        const std::int32_t* src, const std::int32_t* dst,
                        std::uint32_t* device_status, void* stream, const CudaOptions& opt = {});
+
+// Zeroing: entry slots[i] of every pool set to zero bytes (a new sequence's states), for
+// p.pairs entries of `slots` (int32, backend memory; negative or padding_slot: padding). The same
+// checks but for the sources; an entry may repeat. CPU: an entry >= num_slots is kInvalidArgument
+// before anything is written; CUDA: skipped and reported (kDeviceStatusSlot); one launch.
+Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                const std::int32_t* slots);
+Status zero_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                      const std::int32_t* slots);
+Status zero_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* slots, std::uint32_t* device_status, void* stream,
+                       const CudaOptions& opt = {});
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers, so that layers above need no CUDA headers. All return kBackendUnavailable in a

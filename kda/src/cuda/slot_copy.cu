@@ -1,5 +1,5 @@
-// CUDA slot copy (kda.hpp, "Slot copy"): entry src[i] of every pool copied into entry dst[i], up
-// to kMaxCopyPools pools in one launch.
+// CUDA slot copy (kda.hpp, "Slot copy"): entry src[i] of every pool copied into entry dst[i] (or,
+// a zeroing, entry slots[i] set to zeros), up to kMaxCopyPools pools in one launch.
 //
 // A copy moves bytes and nothing else, so the kernel is a plain streaming copy: blockIdx.x walks
 // 16 KB tiles of the pools' entries (the pools laid end to end: a block finds its pool by a binary
@@ -34,7 +34,7 @@ struct CopyPool {
 };
 
 struct CopyParams {
-  const std::int32_t* src;
+  const std::int32_t* src;  // null: a zeroing of the entries `dst` names
   const std::int32_t* dst;
   std::uint32_t* status;  // caller's device status word, or null
   std::int64_t pairs;
@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kThreads)
       static_cast<std::uint64_t>(blockIdx.x - pool.first_tile) * kTileBytes;
   const int pieces = static_cast<int>(min(kTileBytes, pool.entry_bytes - offset) / 16);
   for (std::int64_t pair = blockIdx.y; pair < p.pairs; pair += gridDim.y) {
-    const std::int32_t s = p.src[pair], d = p.dst[pair];
+    const std::int32_t d = p.dst[pair];
+    const std::int32_t s = p.src != nullptr ? p.src[pair] : d;
     if (s < 0 || d < 0 || s == p.padding_slot || d == p.padding_slot) continue;  // padding
     if (s >= p.num_slots || d >= p.num_slots) {
       if (blockIdx.x == 0 && threadIdx.x == 0) report_status(p.status, kDeviceStatusSlot);
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < kPiecesPerThread; ++i) {
       const int j = static_cast<int>(threadIdx.x) + i * kThreads;
-      if (j < pieces) v[i] = from[j];
+      v[i] = make_uint4(0, 0, 0, 0);
+      if (j < pieces && p.src != nullptr) v[i] = from[j];
     }
 #pragma unroll
     for (int i = 0; i < kPiecesPerThread; ++i) {
@@ -86,34 +88,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace
-}  // namespace kda::detail
-
-namespace kda {
-
-Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
-                       const std::int32_t* src, const std::int32_t* dst,
-                       std::uint32_t* device_status, void* stream_ptr, const CudaOptions& opt) {
-  using namespace detail;
-  KDA_NVTX_RANGE("kda.copy_slots");
-  Status st = validate(p, pools, num_pools, src, dst);
-  if (!st.ok()) return st;
+// Both forms after their validation: src null for a zeroing of the entries `dst` names.
+Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                          const std::int32_t* src, const std::int32_t* dst,
+                          std::uint32_t* device_status, void* stream_ptr, const CudaOptions& opt) {
   auto invalid = [](std::string message) {
     return Status(StatusCode::kInvalidArgument, "slot copy: " + std::move(message));
   };
   if (reinterpret_cast<std::uintptr_t>(device_status) % 4 != 0) {
     return invalid("device_status must be 4-byte aligned");
   }
+  const char* dst_name = src != nullptr ? "dst" : "slots";
   for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                  std::pair<const void*, const char*>{dst, "dst"}}) {
+                                  std::pair<const void*, const char*>{dst, dst_name}}) {
     if (reinterpret_cast<std::uintptr_t>(ptr) % 4 != 0) {
       return invalid(std::string(name) + " must be 4-byte aligned");
     }
   }
+  Status st;
   CopyParams prm{};
   std::uint64_t tiles = 0;
   for (int i = 0; i < num_pools; ++i) {
     const std::string name = "pools[" + std::to_string(i) + "]";
+    if (pools[i].entry_bytes == 0) continue;  // nothing of it is touched
     if (reinterpret_cast<std::uintptr_t>(pools[i].base) % 16 != 0 ||
         pools[i].entry_bytes % 16 != 0) {
       return invalid(name + ": base and entry_bytes must be multiples of 16 for the CUDA copy");
@@ -123,7 +120,13 @@ Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_
           pools[i].base, static_cast<std::size_t>(p.num_slots * pools[i].entry_bytes), "pool");
       if (!st.ok()) return Status(st.code(), "slot copy: " + name + ": " + st.message());
     }
-    if (pools[i].entry_bytes == 0) continue;
+    // The status word is written by the kernel too: no pool may hold it.
+    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(pools[i].base);
+    const std::uintptr_t word = reinterpret_cast<std::uintptr_t>(device_status);
+    if (device_status != nullptr && word + 4 > base &&
+        word < base + static_cast<std::uintptr_t>(p.num_slots) * pools[i].entry_bytes) {
+      return invalid(name + " overlaps device_status");
+    }
     CopyPool& pool = prm.pools[prm.num_pools++];
     pool.base = static_cast<unsigned char*>(pools[i].base);
     pool.entry_bytes = pools[i].entry_bytes;
@@ -136,14 +139,26 @@ Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_
   }
   if (opt.check_pointers && p.pairs > 0) {
     for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                    std::pair<const void*, const char*>{dst, "dst"}}) {
+                                    std::pair<const void*, const char*>{dst, dst_name}}) {
+      if (ptr == nullptr) continue;  // a zeroing's src
       st = check_device_pointer(ptr, static_cast<std::size_t>(p.pairs) * 4, name);
       if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
     }
     st = check_device_pointer(device_status, device_status != nullptr ? 4 : 0, "device_status");
     if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
   }
+  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
+                                  std::pair<const void*, const char*>{dst, dst_name}}) {
+    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(ptr);
+    const std::uintptr_t word = reinterpret_cast<std::uintptr_t>(device_status);
+    if (ptr != nullptr && device_status != nullptr && word + 4 > at &&
+        word < at + static_cast<std::uintptr_t>(p.pairs) * 4) {
+      return invalid(std::string(name) + " overlaps device_status");
+    }
+  }
+  // With no bytes in any pool nothing is read: not even the pairs (the CPU still checks them).
   if (p.pairs == 0 || tiles == 0) return Status::Ok();
+  if (Status supported = cuda_device_supported(); !supported.ok()) return supported;
   prm.src = src;
   prm.dst = dst;
   prm.status = device_status;
@@ -156,6 +171,28 @@ Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_
   cfg.blockDim = dim3(kThreads);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
   return cuda_status(cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel, prm), "kda_copy_slots_kernel");
+}
+
+}  // namespace
+}  // namespace kda::detail
+
+namespace kda {
+
+Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* src, const std::int32_t* dst,
+                       std::uint32_t* device_status, void* stream, const CudaOptions& opt) {
+  KDA_NVTX_RANGE("kda.copy_slots");
+  if (Status st = validate(p, pools, num_pools, src, dst); !st.ok()) return st;
+  return detail::launch_slot_kernel(p, pools, num_pools, src, dst, device_status, stream, opt);
+}
+
+Status zero_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
+                       const std::int32_t* slots, std::uint32_t* device_status, void* stream,
+                       const CudaOptions& opt) {
+  KDA_NVTX_RANGE("kda.zero_slots");
+  if (Status st = validate(p, pools, num_pools, slots); !st.ok()) return st;
+  return detail::launch_slot_kernel(p, pools, num_pools, nullptr, slots, device_status, stream,
+                                    opt);
 }
 
 }  // namespace kda

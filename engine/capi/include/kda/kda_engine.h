@@ -209,6 +209,12 @@ kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst);
  * skipped, the rest the caller's promise (kda::engine::Engine::copy_slots). */
 kda_status kda_engine_copy_slots(kda_engine* engine, int64_t pairs, const int32_t* src,
                                  const int32_t* dst);
+/* Zeroes `count` slots (0..max_sequences) in every layer, as kda_engine_reset_slot does one:
+ * slots int32 [count] in the backend's memory, a negative entry or the null slot padding, an entry
+ * may repeat. CPU: KDA_INVALID_ARGUMENT before anything is written for an entry that is not an
+ * acquired slot; CUDA: read on the device only (capturable), an entry outside the pool reported
+ * by kda_engine_check_device_status() (kda::engine::Engine::reset_slots). */
+kda_status kda_engine_reset_slots(kda_engine* engine, int64_t count, const int32_t* slots);
 
 /* ---- forward -------------------------------------------------------------------------------- */
 /* Prefill of KDA layer `layer` (0-based among the KDA layers; run them in order) for

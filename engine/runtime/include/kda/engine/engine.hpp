@@ -398,6 +398,15 @@ class Engine {
   // The same from host spans of equal length, checked as on the CPU on both backends, then staged
   // into the engine's scratch (not for capture).
   void copy_slots(Span<const int> src, Span<const int> dst);
+  // Zeroes the states of `count` slots in every KDA layer (recurrent and conv states), as
+  // reset_slot() does one at a time: slots int32 [count] in the backend's memory, count in
+  // 0..max_sequences, a negative entry or the null slot padding, an entry may repeat. The CPU
+  // checks that every other entry is an acquired slot and throws before writing; CUDA reads them
+  // on the device only (the operator's zeroing, kda::zero_slots_cuda: one launch per
+  // kda::kMaxCopyPools pools, capturable), reports an entry outside the pool through
+  // check_device_status() and skips it. For a runtime that starts new sequences inside a captured
+  // prefill bucket: their slots zeroed in the same graph, before the prefill.
+  void reset_slots(std::int64_t count, const std::int32_t* slots);
 
   // Context parallelism (EngineOptions::context_group): the prefill of one long sequence split
   // over the group, this rank holding `tokens` consecutive tokens of it (rank r the r-th range;
