@@ -690,6 +690,61 @@ KDA_ENGINE_CASE("engine: a prefix checkpoint shared by two requests through copy
 
 namespace {
 
+// A sequence moved to host memory and back, and into another engine of the same model: the block
+// read_sequence_state() gives is every layer's recurrent and conv states in slot_states()' order;
+// written into another slot (or engine) it continues as the original does, bit for bit.
+void sequence_state_round_trip(Backend backend) {
+  Engine e(spec(), EnginePair::options(backend, nullptr));
+  Engine other(spec(), EnginePair::options(backend, nullptr));  // the same seed: the same weights
+  const int a = e.acquire_slot(), b = e.acquire_slot();
+  const int there = other.acquire_slot();
+  Memory hidden(backend, kda::test::random_bf16(21 * kHidden, 1.0f, 98)),
+      out(backend, 21 * kHidden * 2);
+  for (int l = 0; l < 2; ++l) e.prefill_hidden(l, hidden.get(), out.get(), {a}, {0, 21});
+  const std::uint64_t bytes = e.sequence_state_bytes();
+  CHECK(bytes == 2 * (e.state_slot_bytes() + 3 * e.conv_state_slot_bytes()));
+  std::vector<std::uint8_t> block(bytes);
+  e.read_sequence_state(a, block.data(), bytes);
+  CHECK(block == slot_states(e, a));
+  e.write_sequence_state(b, block.data(), bytes);
+  other.write_sequence_state(there, block.data(), bytes);
+  CHECK(slot_states(e, b) == block);
+  CHECK(slot_states(other, there) == block);
+  // One decode token on each copy: the same outputs and states.
+  Memory step(backend, kda::test::random_bf16(kHidden, 1.0f, 99));
+  Memory out_a(backend, kHidden * 2), out_b(backend, kHidden * 2), out_there(backend, kHidden * 2);
+  for (int l = 0; l < 2; ++l) {
+    e.decode_hidden(l, step.get(), out_a.get(), {a}, 1);
+    e.decode_hidden(l, step.get(), out_b.get(), {b}, 1);
+    other.decode_hidden(l, step.get(), out_there.get(), {there}, 1);
+    CAPTURE(l);
+    CHECK(out_b.read<std::uint16_t>() == out_a.read<std::uint16_t>());
+    CHECK(out_there.read<std::uint16_t>() == out_a.read<std::uint16_t>());
+  }
+  CHECK(slot_states(e, b) == slot_states(e, a));
+  CHECK(slot_states(other, there) == slot_states(e, a));
+  // Bad calls, nothing written.
+  const std::vector<std::uint8_t> b_before = slot_states(e, b);
+  CHECK(kda::test::error_of([&] { e.write_sequence_state(b, block.data(), bytes - 1); }) ==
+        "write_sequence_state: " + std::to_string(bytes - 1) +
+            " bytes, the sequence's states are " + std::to_string(bytes) +
+            " (sequence_state_bytes)");
+  CHECK(kda::test::error_of([&] { e.write_sequence_state(5, block.data(), bytes); }) ==
+        "write_sequence_state: slot 5 is not acquired");
+  CHECK(kda::test::error_of([&] { e.read_sequence_state(6, block.data(), bytes); }) ==
+        "read_sequence_state: slot 6 out of range");
+  CHECK(kda::test::error_of([&] { e.read_sequence_state(a, nullptr, bytes); }) ==
+        "read_sequence_state: the host buffer is null");
+  CHECK(slot_states(e, b) == b_before);
+}
+
+}  // namespace
+
+KDA_ENGINE_CASE("engine: a sequence's states to host memory and back, and into another engine",
+                sequence_state_round_trip)
+
+namespace {
+
 // The same varlen prefill on caller-owned metadata with int64 cu_seqlens (one engine of the pair)
 // and int32 ones (the other), whole layers then the core alone: out and every state bit for bit.
 // A prefill naming both dtypes or neither is refused, naming both fields.

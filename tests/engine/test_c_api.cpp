@@ -421,6 +421,9 @@ KDA_CPU_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, de
   CHECK(kda_engine_copy_slot(nullptr, 0, 1) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_copy_slots(nullptr, 0, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_reset_slots(nullptr, 0, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_sequence_state_bytes(nullptr, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_read_sequence_state(nullptr, 0, nullptr, 0) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_write_sequence_state(nullptr, 0, nullptr, 0) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_prefill(nullptr, 0, data, data, data, data, data, data, &slot, 1, cu) ==
         KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_decode(nullptr, 0, data, data, data, data, data, data, &slot, 1, 1) ==
@@ -499,6 +502,19 @@ KDA_CPU_CASE(
     const std::int32_t released[1] = {3};
     CHECK(kda_engine_reset_slots(handle, 1, released) == KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "reset_slots: entry 0 names slot 3"));
+    // A sequence's states through host memory: slot 0's into slot 1.
+    std::uint64_t bytes = 0;
+    REQUIRE(kda_engine_sequence_state_bytes(handle, &bytes) == KDA_OK);
+    CHECK(bytes > 0);
+    std::vector<unsigned char> block(bytes, 0x5A), again(bytes);
+    CHECK(kda_engine_write_sequence_state(handle, 0, block.data(), bytes) == KDA_OK);
+    CHECK(kda_engine_read_sequence_state(handle, 0, again.data(), bytes) == KDA_OK);
+    CHECK(again == block);
+    CHECK(kda_engine_read_sequence_state(handle, 0, again.data(), bytes + 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "(sequence_state_bytes)"));
+    CHECK(kda_engine_write_sequence_state(handle, 3, block.data(), bytes) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_sequence_state_bytes(handle, nullptr) == KDA_INVALID_ARGUMENT);
   }
   SUBCASE("prefill and decode arguments") {
     int slot = -1;

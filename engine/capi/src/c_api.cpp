@@ -475,6 +475,25 @@ kda_status kda_engine_reset_slot(kda_engine* engine, int slot) {
   return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slot(slot); });
 }
 
+kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_sequence_state_bytes", "out");
+    *out = e.sequence_state_bytes();
+  });
+}
+
+kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
+                                          uint64_t bytes) {
+  return on_handle(engine,
+                   [&](kda::engine::Engine& e) { e.read_sequence_state(slot, host_dst, bytes); });
+}
+
+kda_status kda_engine_write_sequence_state(kda_engine* engine, int slot, const void* host_src,
+                                           uint64_t bytes) {
+  return on_handle(engine,
+                   [&](kda::engine::Engine& e) { e.write_sequence_state(slot, host_src, bytes); });
+}
+
 kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     // One pair names two slots: neither is padding here.

@@ -292,15 +292,35 @@ struct Engine::Impl {
            static_cast<std::uint64_t>(slot) * conv_slot_bytes;
   }
 
-  void zero_slot(int slot) {
+  // Every entry slot `slot` has, in sequence_state_bytes()'s order: each layer's recurrent
+  // state, then (whole layers) its q, k and v conv states.
+  template <typename Fn>
+  void for_each_slot_entry(int slot, Fn fn) const {
     for (int l = 0; l < num_layers(); ++l) {
-      backend->memset(slot_state(l, slot), 0, static_cast<std::size_t>(slot_bytes));
+      fn(slot_state(l, slot), slot_bytes);
       if (!whole) continue;
       for (int projection = 0; projection < 3; ++projection) {
-        backend->memset(slot_conv_state(l, slot, projection), 0,
-                        static_cast<std::size_t>(conv_slot_bytes));
+        fn(slot_conv_state(l, slot, projection), conv_slot_bytes);
       }
     }
+  }
+
+  void check_sequence_state_access(const char* what, int slot, const void* host,
+                                   std::uint64_t bytes, std::uint64_t expected) const {
+    if (slot < 0 || slot >= num_slots()) {
+      fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
+    }
+    if (host == nullptr) fail(std::string(what) + ": the host buffer is null");
+    if (bytes != expected) {
+      fail(std::string(what) + ": " + std::to_string(bytes) + " bytes, the sequence's states are " +
+           std::to_string(expected) + " (sequence_state_bytes)");
+    }
+  }
+
+  void zero_slot(int slot) {
+    for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t bytes) {
+      backend->memset(entry, 0, static_cast<std::size_t>(bytes));
+    });
   }
 
   void check_whole(const char* what) const {
@@ -1369,6 +1389,38 @@ void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void*
   m.check_conv_state_access("read_slot_conv_state", kda_index, slot, projection);
   m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_index, slot, projection),
                           static_cast<std::size_t>(m.conv_slot_bytes));
+}
+
+std::uint64_t Engine::sequence_state_bytes() const noexcept {
+  const Impl& m = *impl_;
+  return static_cast<std::uint64_t>(m.num_layers()) *
+         (m.slot_bytes + (m.whole ? 3 * m.conv_slot_bytes : 0));
+}
+
+void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
+  const Impl& m = *impl_;
+  m.check_sequence_state_access("read_sequence_state", slot, host_dst, bytes,
+                                sequence_state_bytes());
+  auto* at = static_cast<std::uint8_t*>(host_dst);
+  m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
+    m.backend->copy_to_host(at, entry, static_cast<std::size_t>(entry_bytes));
+    at += entry_bytes;
+  });
+}
+
+void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t bytes) {
+  Impl& m = *impl_;
+  m.check_sequence_state_access("write_sequence_state", slot, host_src, bytes,
+                                sequence_state_bytes());
+  if (!m.in_use(slot)) {
+    fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
+  }
+  const auto* at = static_cast<const std::uint8_t*>(host_src);
+  m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
+    m.backend->copy_to_device(entry, at, static_cast<std::size_t>(entry_bytes));
+    at += entry_bytes;
+  });
+  synchronize();  // the host block may go when this returns
 }
 
 void Engine::write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src) {

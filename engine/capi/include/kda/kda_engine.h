@@ -195,6 +195,16 @@ kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
 kda_status kda_engine_release_slot(kda_engine* engine, int slot);
 /* Zeroes the slot's state in every layer; the slot stays acquired. */
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
+/* A sequence's whole state as one host block (kda::engine::Engine::read_sequence_state): per KDA
+ * layer, in order, the recurrent state [H, V, K] of the state dtype, then with whole layers the q,
+ * k and v conv states (bf16 [heads * head_dim, W - 1]). For moving a sequence to host memory and
+ * back, or between engines of one model. Synchronous. `bytes` must equal
+ * kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
+kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out);
+kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
+                                          uint64_t bytes);
+kda_status kda_engine_write_sequence_state(kda_engine* engine, int slot, const void* host_src,
+                                           uint64_t bytes);
 /* Copies slot src's states into slot dst in every layer (recurrent states, and conv states with
  * whole layers): a request that starts from a cached prefix's checkpoint slot without consuming
  * it, or a forked sequence. Both acquired and different; checked on the host, then enqueued

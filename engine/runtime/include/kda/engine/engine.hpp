@@ -322,6 +322,15 @@ class Engine {
   std::uint64_t conv_state_slot_bytes() const noexcept;
   void read_slot_conv_state(int kda_index, int slot, int projection, void* host_dst) const;
   void write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src);
+  // A sequence's whole state, every layer's, as one host block (synchronous): for a runtime that
+  // moves sequences to host memory and back (preemption, a host-side prefix cache) or between
+  // engines of one model. sequence_state_bytes() is its size: per KDA layer, in order, the
+  // recurrent state [H, V, K] (state dtype), then with whole layers the q, k and v conv states
+  // (bf16 [local_heads * head_dim, W - 1] each). read_sequence_state() copies slot `slot`'s states
+  // out, write_sequence_state() into an acquired slot; `bytes` must equal sequence_state_bytes().
+  std::uint64_t sequence_state_bytes() const noexcept;
+  void read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const;
+  void write_sequence_state(int slot, const void* host_src, std::uint64_t bytes);
 
   // ---- forward ----------------------------------------------------------------------------
   // Prefill of one KDA layer for a batch: sequence j (tokens cu_seqlens[j] .. cu_seqlens[j+1]) uses
