@@ -502,7 +502,7 @@ KDA_CPU_CASE(
     const std::int32_t released[1] = {3};
     CHECK(kda_engine_reset_slots(handle, 1, released) == KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "reset_slots: entry 0 names slot 3"));
-    // A sequence's states through host memory: slot 0's into slot 1.
+    // A sequence's states through host memory: a block written into slot 0 and read back.
     std::uint64_t bytes = 0;
     REQUIRE(kda_engine_sequence_state_bytes(handle, &bytes) == KDA_OK);
     CHECK(bytes > 0);

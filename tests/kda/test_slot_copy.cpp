@@ -285,46 +285,57 @@ KDA_CUDA_CASE("slot copy: more pairs than a grid's y dimension, and pools the ke
             .code() == StatusCode::kInvalidArgument);
 }
 
-KDA_CUDA_CASE("slot copy: a captured copy replays with the pairs written since") {
+KDA_CUDA_CASE("slot copy: a captured copy and zeroing replay with the entries written since") {
   const std::int64_t num_slots = 8;
   const std::vector<Bytes> pools = random_pools(num_slots, kEntryBytes, 15);
   std::vector<DeviceBuffer> buffers;
   std::vector<SlotPool> list;
   for (const Bytes& pool : pools) buffers.push_back(DeviceBuffer::from(pool));
   for (std::size_t k = 0; k < pools.size(); ++k) list.push_back({buffers[k].get(), kEntryBytes[k]});
-  DeviceBuffer s(3 * 4), d(3 * 4), status(4);
+  const int n = static_cast<int>(list.size());
+  DeviceBuffer s(3 * 4), d(3 * 4), z(3 * 4), status(4);
+  for (DeviceBuffer* b : {&s, &d, &z}) b->fill(0xFF);  // -1 everywhere: padding
   status.fill(0);
+  auto* word = static_cast<std::uint32_t*>(status.get());
+  const auto* src = static_cast<const std::int32_t*>(s.get());
+  const auto* dst = static_cast<const std::int32_t*>(d.get());
+  const auto* zeros = static_cast<const std::int32_t*>(z.get());
   Stream stream;
   REQUIRE(stream.stream != nullptr);
+  // One eager launch of a padding pair first (it writes nothing), then the capture: the copy of
+  // three pairs, then the zeroing of three entries.
+  REQUIRE(
+      copy_slots_cuda(problem(1, num_slots), list.data(), n, src, dst, word, stream.stream).ok());
+  CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
   Graph graph;
-  // One eager copy of no pairs first (it launches nothing), then the capture.
-  REQUIRE(copy_slots_cuda(problem(0, num_slots), list.data(), static_cast<int>(list.size()),
-                          static_cast<const std::int32_t*>(s.get()),
-                          static_cast<const std::int32_t*>(d.get()), nullptr, stream.stream)
-              .ok());
   CUDA_REQUIRE(cudaStreamBeginCapture(stream.stream, cudaStreamCaptureModeThreadLocal));
-  const Status st = copy_slots_cuda(
-      problem(3, num_slots), list.data(), static_cast<int>(list.size()),
-      static_cast<const std::int32_t*>(s.get()), static_cast<const std::int32_t*>(d.get()),
-      static_cast<std::uint32_t*>(status.get()), stream.stream);
+  const Status copied =
+      copy_slots_cuda(problem(3, num_slots), list.data(), n, src, dst, word, stream.stream);
+  const Status zeroed =
+      zero_slots_cuda(problem(3, num_slots), list.data(), n, zeros, word, stream.stream);
   CUDA_REQUIRE(cudaStreamEndCapture(stream.stream, &graph.graph));
-  REQUIRE(st.ok());
+  REQUIRE(copied.ok());
+  REQUIRE(zeroed.ok());
   CUDA_REQUIRE(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
 
   std::vector<Bytes> want = pools;
   const std::vector<std::vector<std::int32_t>> srcs = {{0, 0, 5}, {3, -1, 6}, {7, 2, 1}};
   const std::vector<std::vector<std::int32_t>> dsts = {{1, 2, 6}, {4, 0, 5}, {3, 4, 0}};
+  const std::vector<std::vector<std::int32_t>> zeroings = {{4, -1, 7}, {1, 1, -1}, {-1, 6, 2}};
   for (std::size_t round = 0; round < srcs.size(); ++round) {
     CAPTURE(round);
     // On the graph's stream: a copy from pageable memory may still be in flight when cudaMemcpy
     // returns, and a non-blocking stream does not wait for the null stream.
-    CUDA_REQUIRE(
-        cudaMemcpyAsync(s.get(), srcs[round].data(), 12, cudaMemcpyHostToDevice, stream.stream));
-    CUDA_REQUIRE(
-        cudaMemcpyAsync(d.get(), dsts[round].data(), 12, cudaMemcpyHostToDevice, stream.stream));
+    for (const auto& [to, from] :
+         {std::pair<void*, const std::vector<std::int32_t>*>{s.get(), &srcs[round]},
+          std::pair<void*, const std::vector<std::int32_t>*>{d.get(), &dsts[round]},
+          std::pair<void*, const std::vector<std::int32_t>*>{z.get(), &zeroings[round]}}) {
+      CUDA_REQUIRE(cudaMemcpyAsync(to, from->data(), 12, cudaMemcpyHostToDevice, stream.stream));
+    }
     CUDA_REQUIRE(cudaGraphLaunch(graph.exec, stream.stream));
     CUDA_REQUIRE(cudaStreamSynchronize(stream.stream));
     want = expected_pools(want, kEntryBytes, num_slots, -1, srcs[round], dsts[round]);
+    want = zeroed_pools(want, kEntryBytes, num_slots, -1, zeroings[round]);
     for (std::size_t k = 0; k < pools.size(); ++k) {
       CHECK(buffers[k].download<unsigned char>() == want[k]);
       CHECK(buffers[k].guards_intact());

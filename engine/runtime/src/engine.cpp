@@ -1416,10 +1416,20 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
     fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
   }
   const auto* at = static_cast<const std::uint8_t*>(host_src);
-  m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
-    m.backend->copy_to_device(entry, at, static_cast<std::size_t>(entry_bytes));
-    at += entry_bytes;
-  });
+  try {
+    m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
+      m.backend->copy_to_device(entry, at, static_cast<std::size_t>(entry_bytes));
+      at += entry_bytes;
+    });
+  } catch (const Error&) {
+    // The copies already enqueued still read the caller's block: let them finish before it may go
+    // (the slot's states are then undefined: reset or rewrite it).
+    try {
+      synchronize();
+    } catch (const Error&) {
+    }
+    throw;
+  }
   synchronize();  // the host block may go when this returns
 }
 

@@ -197,9 +197,9 @@ kda_status kda_engine_release_slot(kda_engine* engine, int slot);
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
 /* A sequence's whole state as one host block (kda::engine::Engine::read_sequence_state): per KDA
  * layer, in order, the recurrent state [H, V, K] of the state dtype, then with whole layers the q,
- * k and v conv states (bf16 [heads * head_dim, W - 1]). For moving a sequence to host memory and
- * back, or between engines of one model. Synchronous. `bytes` must equal
- * kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
+ * k and v conv states (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory
+ * and back, or between engines of one model, state dtype and tensor-parallel rank. Synchronous.
+ * `bytes` must equal kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out);
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
                                           uint64_t bytes);

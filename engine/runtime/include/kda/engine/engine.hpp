@@ -328,6 +328,9 @@ class Engine {
   // recurrent state [H, V, K] (state dtype), then with whole layers the q, k and v conv states
   // (bf16 [local_heads * head_dim, W - 1] each). read_sequence_state() copies slot `slot`'s states
   // out, write_sequence_state() into an acquired slot; `bytes` must equal sequence_state_bytes().
+  // The block carries no description of itself: it is for an engine of the same model, state
+  // dtype and tensor-parallel rank (another rank's block has the same size and other heads). A
+  // write that fails part way leaves the slot's states undefined.
   std::uint64_t sequence_state_bytes() const noexcept;
   void read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const;
   void write_sequence_state(int slot, const void* host_src, std::uint64_t bytes);
