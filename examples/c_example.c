@@ -3,8 +3,9 @@
  *   kda-c-example MODEL.yaml      (e.g. examples/models/tiny.yaml)
  *
  * Creates a CPU engine, prints its memory plan's size, acquires a state slot, prefills a few tokens
- * of random bf16 inputs through every KDA layer, runs two decode steps, and shows how errors come
- * back (a bad YAML string, a layer out of range). Exits 0 when everything behaved as expected. */
+ * of random bf16 inputs through every KDA layer, forks the sequence into a second slot, runs two
+ * decode steps on both (the same outputs, bit for bit), and shows how errors come back (a bad YAML
+ * string, a layer out of range). Exits 0 when everything behaved as expected. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -63,11 +64,11 @@ int main(int argc, char** argv) {
   kda_engine_options options;
   char err[512];
   int exit_code = 1;
-  int num_layers = 0, slot = -1, layer, step;
+  int num_layers = 0, slot = -1, fork = -1, layer, step;
   int64_t heads = 0, head_dim = 0;
   uint64_t arena_bytes = 0;
   size_t json_length = 0, width, i;
-  uint16_t *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *out = NULL;
+  uint16_t *q = NULL, *k = NULL, *v = NULL, *g = NULL, *beta = NULL, *out = NULL, *out_fork = NULL;
   int64_t cu_seqlens[2] = {0, kPrefillTokens};
   double checksum = 0.0;
 
@@ -111,7 +112,8 @@ int main(int argc, char** argv) {
   g = random_bf16(kPrefillTokens * width);
   beta = random_bf16(kPrefillTokens * (size_t)heads);
   out = (uint16_t*)calloc(kPrefillTokens * width, sizeof *out);
-  if (!q || !k || !v || !g || !beta || !out) {
+  out_fork = (uint16_t*)calloc(width, sizeof *out_fork);
+  if (!q || !k || !v || !g || !beta || !out || !out_fork) {
     fprintf(stderr, "kda-c-example: out of memory\n");
     goto done;
   }
@@ -122,12 +124,22 @@ int main(int argc, char** argv) {
   for (layer = 0; layer < num_layers; ++layer) {
     CHECK(kda_engine_prefill(engine, layer, q, k, v, g, beta, out, &slot, 1, cu_seqlens));
   }
+  /* A fork: the prefilled sequence's states copied into a slot of its own, in every layer (a
+   * shared prompt prefix, parallel sampling). Both then decode the same tokens. */
+  CHECK(kda_engine_acquire_slot(engine, &fork));
+  CHECK(kda_engine_copy_slot(engine, slot, fork));
   for (step = 0; step < kDecodeSteps; ++step) {
     for (layer = 0; layer < num_layers; ++layer) {
       CHECK(kda_engine_decode(engine, layer, q, k, v, g, beta, out, &slot, 1, 1));
+      CHECK(kda_engine_decode(engine, layer, q, k, v, g, beta, out_fork, &fork, 1, 1));
     }
   }
   CHECK(kda_engine_synchronize(engine));
+  if (memcmp(out, out_fork, width * sizeof *out) != 0) {
+    fprintf(stderr, "kda-c-example: the fork decoded other values than its source\n");
+    goto done;
+  }
+  printf("the fork on slot %d decoded the same %d steps bit for bit\n", fork, kDecodeSteps);
   for (i = 0; i < width; ++i) {
     const float value = from_bf16(out[i]);
     if (!isfinite(value)) {
@@ -149,6 +161,7 @@ int main(int argc, char** argv) {
   }
   printf("expected error (layer %d): %s\n", num_layers, kda_engine_last_error(engine));
 
+  CHECK(kda_engine_release_slot(engine, fork));
   CHECK(kda_engine_release_slot(engine, slot));
   exit_code = 0;
 
@@ -160,6 +173,7 @@ done:
   free(g);
   free(beta);
   free(out);
+  free(out_fork);
   if (exit_code == 0) printf("kda-c-example: ok\n");
   return exit_code;
 }
