@@ -544,7 +544,8 @@ Status validate(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
 // CPU: src and dst host memory, checked as above before anything is written; one thread.
 Status copy_slots_cpu(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
                       const std::int32_t* src, const std::int32_t* dst);
-// CUDA on `stream`, asynchronous: one launch per call.
+// CUDA on `stream`, asynchronous: one launch per call (none without pairs or pool bytes, when the
+// pairs are not read either); device_status must lie outside every pool, src and dst.
 Status copy_slots_cuda(const SlotCopyProblem& p, const SlotPool* pools, int num_pools,
                        const std::int32_t* src, const std::int32_t* dst,
                        std::uint32_t* device_status, void* stream, const CudaOptions& opt = {});
