@@ -505,21 +505,15 @@ Status validate(const CommitProblem& p, const CommitLayer* layers, int num_layer
   // ranges: about 1 us of host time for 20 layers.)
   if (num_layers < 2) return Status::Ok();
   const std::uint64_t record_bytes = table.items[0].bytes, pool_bytes = table.items[1].bytes;
-  auto range = [](const void* ptr, std::uint64_t bytes) {
-    detail::Argument a;
-    a.ptr = ptr;
-    a.bytes = bytes;
-    return a;
-  };
   for (int i = 0; i < num_layers; ++i) {
-    const detail::Argument pool = range(layers[i].state_pool, pool_bytes);
+    const detail::Argument pool = detail::byte_range(layers[i].state_pool, pool_bytes);
     for (int j = 0; j < num_layers; ++j) {
       if (j == i) continue;
-      if (j > i && detail::overlaps(pool, range(layers[j].state_pool, pool_bytes))) {
+      if (j > i && detail::overlaps(pool, detail::byte_range(layers[j].state_pool, pool_bytes))) {
         return invalid_commit(layer_name(i) + ".state_pool overlaps " + layer_name(j) +
                               ".state_pool (each layer updates its own pool)");
       }
-      if (detail::overlaps(pool, range(layers[j].records, record_bytes))) {
+      if (detail::overlaps(pool, detail::byte_range(layers[j].records, record_bytes))) {
         return invalid_commit(layer_name(i) + ".state_pool overlaps " + layer_name(j) +
                               ".records (outputs must not alias inputs)");
       }

@@ -129,6 +129,13 @@ Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, Argume
 
 // Whether two rows' byte ranges overlap (a null pointer or 0 bytes overlaps nothing).
 bool overlaps(const Argument& a, const Argument& b);
+// A bare byte range as a row, for overlap checks between ranges no table holds.
+inline Argument byte_range(const void* ptr, std::uint64_t bytes) {
+  Argument a;
+  a.ptr = ptr;
+  a.bytes = bytes;
+  return a;
+}
 
 // ---- The walks. Each returns the first failing row's kInvalidArgument, in table order. ----------
 // Presence: required rows set, unused rows null.

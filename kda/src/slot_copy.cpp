@@ -16,13 +16,6 @@ Status invalid(std::string message) {
 
 std::string pool_name(int i) { return "pools[" + std::to_string(i) + "]"; }
 
-detail::Argument range(const void* ptr, std::uint64_t bytes) {
-  detail::Argument a;
-  a.ptr = ptr;
-  a.bytes = bytes;
-  return a;
-}
-
 bool padding(const SlotCopyProblem& p, std::int32_t slot) {
   return slot < 0 || slot == p.padding_slot;
 }
@@ -99,16 +92,17 @@ Status validate_pools(const SlotCopyProblem& p, const SlotPool* pools, int num_p
     if (pools[i].base == nullptr && bytes > 0 && p.pairs > 0) {
       return invalid(pool_name(i) + ".base is null");
     }
-    const detail::Argument pool = range(pools[i].base, bytes);
+    const detail::Argument pool = detail::byte_range(pools[i].base, bytes);
     for (int j = 0; j < i; ++j) {
-      if (detail::overlaps(pool, range(pools[j].base, p.num_slots * pools[j].entry_bytes))) {
+      if (detail::overlaps(pool,
+                           detail::byte_range(pools[j].base, p.num_slots * pools[j].entry_bytes))) {
         return invalid(pool_name(i) + " overlaps " + pool_name(j) + " (each pool is its own)");
       }
     }
     for (const auto& [ptr, name] :
          {std::pair<const void*, const char*>{src, zeroing ? "slots" : "src"},
           std::pair<const void*, const char*>{dst, "dst"}}) {
-      if (detail::overlaps(pool, range(ptr, index_bytes))) {
+      if (detail::overlaps(pool, detail::byte_range(ptr, index_bytes))) {
         return invalid(pool_name(i) + " overlaps " + name + " (a pool is written)");
       }
     }

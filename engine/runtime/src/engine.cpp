@@ -9,6 +9,7 @@
 #include <array>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <limits>
 #include <string>
 #include <system_error>
@@ -292,16 +293,13 @@ struct Engine::Impl {
            static_cast<std::uint64_t>(slot) * conv_slot_bytes;
   }
 
-  // Every entry slot `slot` has, in sequence_state_bytes()'s order: each layer's recurrent
-  // state, then (whole layers) its q, k and v conv states.
+  // Every entry slot `slot` has, in slot_pools' order.
   template <typename Fn>
   void for_each_slot_entry(int slot, Fn fn) const {
-    for (int l = 0; l < num_layers(); ++l) {
-      fn(slot_state(l, slot), slot_bytes);
-      if (!whole) continue;
-      for (int projection = 0; projection < 3; ++projection) {
-        fn(slot_conv_state(l, slot, projection), conv_slot_bytes);
-      }
+    for (const SlotPool& pool : slot_pools) {
+      fn(static_cast<std::uint8_t*>(pool.base) +
+             static_cast<std::uint64_t>(slot) * pool.entry_bytes,
+         pool.entry_bytes);
     }
   }
 
@@ -763,9 +761,10 @@ struct Engine::Impl {
   // commit().
   std::array<std::vector<layer::State>, 2> commit_states;
   std::array<std::vector<CommitLayer>, 2> commit_layers;
-  // Every pool a slot has an entry in (each layer's recurrent states, and with whole layers its
-  // three conv states), built once for copy_slots().
-  std::vector<SlotPool> copy_pools;
+  // Every pool a slot has an entry in, built once: per KDA layer its recurrent states, then with
+  // whole layers its q, k and v conv states (sequence_state_bytes()'s order). What a slot copy,
+  // zeroing and sequence-state transfer walk.
+  std::vector<SlotPool> slot_pools;
 
   // A slot copy's pairs (host memory): each pair that is not padding copies an acquired slot into
   // an acquired slot, no destination twice or also a source.
@@ -796,6 +795,17 @@ struct Engine::Impl {
     }
   }
 
+  // The caller's int32 arrays of `count` entries each, usable by the backend (CUDA: device memory
+  // of the current device, long enough; throws).
+  void check_index_arrays(
+      const std::string& call, std::size_t count,
+      std::initializer_list<std::pair<const std::int32_t*, const char*>> arrays) const {
+    for (const auto& [ptr, name] : arrays) {
+      const Status st = backend->check_caller_buffer(ptr, count * sizeof(std::int32_t), name);
+      if (!st.ok()) throw Error(st, call);
+    }
+  }
+
   void check_copy_count(const std::string& call, std::int64_t count, const char* what) const {
     if (count < 0 || count > num_slots()) {
       fail(call + ": " + std::to_string(count) + " " + what + ", expected 0.." +
@@ -812,10 +822,10 @@ struct Engine::Impl {
     problem.pairs = pairs;
     problem.num_slots = num_slots();
     problem.padding_slot = null_slot;
-    const int pools = static_cast<int>(copy_pools.size());
+    const int pools = static_cast<int>(slot_pools.size());
     for (int at = 0; at < pools; at += kMaxCopyPools) {
       const int count = std::min(kMaxCopyPools, pools - at);
-      const SlotPool* some = copy_pools.data() + at;
+      const SlotPool* some = slot_pools.data() + at;
       const Status st = src != nullptr
                             ? backend->copy_slots(problem, some, count, src, dst, device_status)
                             : backend->zero_slots(problem, some, count, dst, device_status);
@@ -1090,11 +1100,11 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     }
   }
   for (int l = 0; l < m.num_layers(); ++l) {
-    m.copy_pools.push_back(
+    m.slot_pools.push_back(
         SlotPool{m.layers[static_cast<std::size_t>(l)]->state_pool(), m.slot_bytes});
     if (!m.whole) continue;
     for (int projection = 0; projection < 3; ++projection) {
-      m.copy_pools.push_back(SlotPool{m.layers[static_cast<std::size_t>(l)]->conv_pool(projection),
+      m.slot_pools.push_back(SlotPool{m.layers[static_cast<std::size_t>(l)]->conv_pool(projection),
                                       m.conv_slot_bytes});
     }
   }
@@ -1392,9 +1402,9 @@ void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void*
 }
 
 std::uint64_t Engine::sequence_state_bytes() const noexcept {
-  const Impl& m = *impl_;
-  return static_cast<std::uint64_t>(m.num_layers()) *
-         (m.slot_bytes + (m.whole ? 3 * m.conv_slot_bytes : 0));
+  std::uint64_t bytes = 0;
+  for (const SlotPool& pool : impl_->slot_pools) bytes += pool.entry_bytes;
+  return bytes;
 }
 
 void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
@@ -1498,13 +1508,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
   }
   if (slots == nullptr || num_accepted == nullptr) fail(call + ": slots or num_accepted is null");
   const auto n = static_cast<std::size_t>(sequences);
-  for (const auto& [ptr, name] :
-       {std::pair<const void*, const char*>{slots, "slots"},
-        std::pair<const void*, const char*>{num_accepted, "num_accepted"}}) {
-    if (const Status st = m.backend->check_caller_buffer(ptr, n * 4, name); !st.ok()) {
-      throw Error(st, call);
-    }
-  }
+  m.check_index_arrays(call, n, {{slots, "slots"}, {num_accepted, "num_accepted"}});
   if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
     m.claim_slots(call, "row", slots, n);
     for (std::size_t r = 0; r < n; ++r) {
@@ -1557,12 +1561,7 @@ void Engine::copy_slots(std::int64_t pairs, const std::int32_t* src, const std::
   if (pairs == 0) return;
   if (src == nullptr || dst == nullptr) fail(call + ": src or dst is null");
   const auto n = static_cast<std::size_t>(pairs);
-  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                  std::pair<const void*, const char*>{dst, "dst"}}) {
-    if (const Status st = m.backend->check_caller_buffer(ptr, n * 4, name); !st.ok()) {
-      throw Error(st, call);
-    }
-  }
+  m.check_index_arrays(call, n, {{src, "src"}, {dst, "dst"}});
   // Host memory: checked before anything is written. The device's: its kernel checks the range.
   if (!m.backend->has_device_status()) m.check_copy_pairs(call, src, dst, n);
   m.run_copy(call, pairs, src, dst);
@@ -1575,9 +1574,7 @@ void Engine::reset_slots(std::int64_t count, const std::int32_t* slots) {
   if (count == 0) return;
   if (slots == nullptr) fail(call + ": slots is null");
   const auto n = static_cast<std::size_t>(count);
-  if (const Status st = m.backend->check_caller_buffer(slots, n * 4, "slots"); !st.ok()) {
-    throw Error(st, call);
-  }
+  m.check_index_arrays(call, n, {{slots, "slots"}});
   if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
     for (std::size_t j = 0; j < n; ++j) {
       if (!m.padding(slots[j]) && !m.in_use(slots[j])) {

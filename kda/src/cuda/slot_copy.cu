@@ -98,11 +98,16 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
   if (reinterpret_cast<std::uintptr_t>(device_status) % 4 != 0) {
     return invalid("device_status must be 4-byte aligned");
   }
-  const char* dst_name = src != nullptr ? "dst" : "slots";
-  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                  std::pair<const void*, const char*>{dst, dst_name}}) {
+  // The status word is written by the kernel too: nothing it reads or writes may hold it.
+  const Argument word = byte_range(device_status, device_status != nullptr ? 4 : 0);
+  const std::pair<const void*, const char*> indices[] = {{src, "src"},
+                                                         {dst, src != nullptr ? "dst" : "slots"}};
+  for (const auto& [ptr, name] : indices) {
     if (reinterpret_cast<std::uintptr_t>(ptr) % 4 != 0) {
       return invalid(std::string(name) + " must be 4-byte aligned");
+    }
+    if (overlaps(word, byte_range(ptr, static_cast<std::uint64_t>(p.pairs) * 4))) {
+      return invalid(std::string(name) + " overlaps device_status");
     }
   }
   Status st;
@@ -120,11 +125,7 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
           pools[i].base, static_cast<std::size_t>(p.num_slots * pools[i].entry_bytes), "pool");
       if (!st.ok()) return Status(st.code(), "slot copy: " + name + ": " + st.message());
     }
-    // The status word is written by the kernel too: no pool may hold it.
-    const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(pools[i].base);
-    const std::uintptr_t word = reinterpret_cast<std::uintptr_t>(device_status);
-    if (device_status != nullptr && word + 4 > base &&
-        word < base + static_cast<std::uintptr_t>(p.num_slots) * pools[i].entry_bytes) {
+    if (overlaps(word, byte_range(pools[i].base, p.num_slots * pools[i].entry_bytes))) {
       return invalid(name + " overlaps device_status");
     }
     CopyPool& pool = prm.pools[prm.num_pools++];
@@ -138,23 +139,13 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
     }
   }
   if (opt.check_pointers && p.pairs > 0) {
-    for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                    std::pair<const void*, const char*>{dst, dst_name}}) {
+    for (const auto& [ptr, name] : indices) {
       if (ptr == nullptr) continue;  // a zeroing's src
       st = check_device_pointer(ptr, static_cast<std::size_t>(p.pairs) * 4, name);
       if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
     }
     st = check_device_pointer(device_status, device_status != nullptr ? 4 : 0, "device_status");
     if (!st.ok()) return Status(st.code(), "slot copy: " + st.message());
-  }
-  for (const auto& [ptr, name] : {std::pair<const void*, const char*>{src, "src"},
-                                  std::pair<const void*, const char*>{dst, dst_name}}) {
-    const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(ptr);
-    const std::uintptr_t word = reinterpret_cast<std::uintptr_t>(device_status);
-    if (ptr != nullptr && device_status != nullptr && word + 4 > at &&
-        word < at + static_cast<std::uintptr_t>(p.pairs) * 4) {
-      return invalid(std::string(name) + " overlaps device_status");
-    }
   }
   // With no bytes in any pool nothing is read: not even the pairs (the CPU still checks them).
   if (p.pairs == 0 || tiles == 0) return Status::Ok();
