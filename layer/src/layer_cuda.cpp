@@ -289,20 +289,21 @@ const GemmKnobs& gemm_knobs() {
 constexpr std::int64_t kFusedDecodeMaxBlocks = 128;
 constexpr std::int64_t kFusedOneTokenF32MaxBlocks = 32;
 
-// A step of several tokens a row takes the fused kernel under kAuto only for one row (up to 128
-// pairs, as before; not measured against the separate kernels at one row). From two rows the
-// separate kernels win: the fused kernel's blocks run their tokens one after the other with a
-// head's whole state each, where the separate core cuts a head into several blocks and the norm
-// runs over every token at once. Measured on the H200 (kda-layer-bench --decode-only
-// --verify-kernel fused, then separate, B = 2-48, T = 4 and 8, two rounds, graph replays per
-// layer), fused over separate for the plain step, per-token states, the records step and the
-// folding step within the 128 pairs: H = 32 (B = 2-4) 1.14-1.63x with an fp32 state and
-// 1.10-1.33x with a bf16 one, the TP8 shard (B = 2-32) 0.98-2.01x and 0.98-1.60x (below 1 only
-// the folding step at B = 3 and 6, T = 4), K3's shard (B = 2-8) 1.01-1.52x and 1.02-1.34x.
+// A step of several tokens a row never takes the fused kernel under kAuto: the fused kernel's
+// blocks run their tokens one after the other with a head's whole state each, where the separate
+// core cuts a head into several blocks and the norm runs over every token at once. Measured on the
+// H200 (kda-layer-bench --decode-only --verify-kernel fused, then separate, T = 4 and 8, two
+// rounds, graph replays per layer), fused over separate for the plain step, per-token states, the
+// records step and the folding step within the 128 pairs: at B = 2-48 H = 32 1.14-1.63x with an
+// fp32 state and 1.10-1.33x with a bf16 one, the TP8 shard 0.98-2.01x and 0.98-1.60x (below 1
+// only the folding step at B = 3 and 6, T = 4), K3's shard 1.01-1.52x and 1.02-1.34x; at B = 1
+// 1.03-1.60x with an fp32 state (H = 32 T = 4 plain 48.7 against 41.7 us, T = 8 64.1 against
+// 47.9; the TP8 shard T = 8 41.8 against 27.9) and 0.99-1.53x with a bf16 one (below 1 only K3's
+// folding step at T = 4, 58.0 against 58.2 and 58.8).
 bool auto_runs_fused(const Config& c, std::int64_t rows, std::int64_t heads,
                      std::int64_t decode_tokens, DType state_dtype) {
   const std::int64_t pairs = rows * heads;
-  if (decode_tokens != 1) return rows == 1 && pairs <= kFusedDecodeMaxBlocks;
+  if (decode_tokens != 1) return false;
   if (c.full_rank_gate) return false;
   return pairs <= (state_dtype == DType::kF32 ? kFusedOneTokenF32MaxBlocks : kFusedDecodeMaxBlocks);
 }

@@ -58,17 +58,14 @@ namespace {
 // take: what RunOptions::decode_kernel_ran must report. Only for shapes whose one-launch step fits
 // the device within that cap (this file's: hidden sizes up to 4104; not Kimi K3's shard, whose two
 // rows do not fit shared memory). The fused kernel for one token a row up to 128 (row, head) pairs,
-// 32 with an fp32 state, and never with the full-rank output gate; for several tokens a row only
-// at one row (up to 128 pairs).
+// 32 with an fp32 state, and never with the full-rank output gate; for several tokens a row never.
 layer::DecodeKernel auto_decode_kernel(std::int64_t rows, std::int64_t tokens, std::int64_t heads,
                                        bool full_rank_gate, DType state_dtype) {
   if (tokens == 1 && rows >= 1 && rows <= layer::cuda::one_launch_max_rows(heads)) {
     return layer::DecodeKernel::kOneLaunch;
   }
-  bool fused = false;
-  if (tokens > 1) {
-    fused = rows == 1 && heads <= 128;
-  } else if (!full_rank_gate) {
+  bool fused = false;  // several tokens a row: never
+  if (tokens == 1 && !full_rank_gate) {
     fused = rows * heads <= (state_dtype == DType::kF32 ? 32 : 128);
   }
   return fused ? layer::DecodeKernel::kFusedFactors : layer::DecodeKernel::kSeparate;

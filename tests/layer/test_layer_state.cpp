@@ -274,14 +274,15 @@ std::vector<double> conv_values(const Pools& p) {
 // states copied out after every step. Rows: 1 of 4 accepted; 3 accepted and the last token's
 // states not kept; a padding row (its start entry negative: zeros out, none of its slots
 // touched). Both output gate forms (the low-rank pair, Kimi K3's full-rank g_proj). On CUDA with
-// the fused kernel (kAuto at this size) and the separate kernels.
+// the separate kernels (kAuto's choice at three rows) and the fused kernel.
 KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last accepted one") {
   const std::vector<std::int32_t> slots = {5, 1, 9, 2, 7, 0, 4, -1, 10, -1, 11, 12};
   const std::vector<std::int32_t> accepted = {1, 3, 2};
   const std::int64_t N = 3, T = 4;
+  std::vector<layer::DecodeKernel> kernels = {layer::DecodeKernel::kSeparate};
+  if (runner.backend() == Backend::kCuda) kernels.push_back(layer::DecodeKernel::kFusedFactors);
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
-    for (const layer::DecodeKernel kernel :
-         {layer::DecodeKernel::kAuto, layer::DecodeKernel::kSeparate}) {
+    for (const layer::DecodeKernel kernel : kernels) {
       for (const bool full_rank : {false, true}) {
         CAPTURE(full_rank);
         const bool bf16_pool = dtype == DType::kBF16;
@@ -306,10 +307,11 @@ KDA_LAYER_CASE("a verify step keeps each token's states, starting after the last
         CHECK(run.device_status == 0);
         CHECK(run.all_written);
         CHECK(run.guards_intact);
-        // CUDA's fused step with 1, 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the
+        // The fused step with 1, 2, 4 and 8 blocks a head (RunOptions::fused_cluster) keeps the
         // bits of the size chosen by shape: each block its own rows' per-token states, its own
-        // channels' conv states.
-        if (runner.backend() == Backend::kCuda && !separate) {
+        // channels' conv states. (The separate kernels keep other bits of a bf16 state: its
+        // decode kernel sums each row's dot product over 8 channels a lane, not 4.)
+        if (!separate) {
           for (const int cluster : {1, 2, 4, 8}) {
             CAPTURE(cluster);
             ForwardSettings clustered;

@@ -93,13 +93,13 @@ typedef enum kda_prefill_schedule {
 
 /* How a CUDA whole layer runs a decode step (kda::layer::DecodeKernel, docs/LAYER.md): DEFAULT is
  * the YAML's runtime.decode_step (itself auto by default); AUTO runs a step of up to 8 sequences
- * (at most 32 (sequence, head) pairs) in one launch where it fits, the fused kernel up to 128 (row,
- * head) pairs (a step of one token a row: 32 with an fp32 state, none with the full-rank output
- * gate; of several tokens a row: one row only) and the separate kernels otherwise; ONE_LAUNCH is
- * the one launch where it fits and AUTO's choice elsewhere; FUSED (the fused kernel, second factors
- * inside: kFusedFactors), FUSED_AFTER_GEMMS (kFused) and SEPARATE force one. Same results to
- * rounding. The one-launch step needs every multiprocessor at once: engines that run decode steps
- * on concurrent streams of one device should choose FUSED. */
+ * (at most 32 (sequence, head) pairs) in one launch where it fits, the fused kernel for a step of
+ * one token a row up to 128 (row, head) pairs (32 with an fp32 state, none with the full-rank
+ * output gate) and the separate kernels otherwise (every step of several tokens a row); ONE_LAUNCH
+ * is the one launch where it fits and AUTO's choice elsewhere; FUSED (the fused kernel, second
+ * factors inside: kFusedFactors), FUSED_AFTER_GEMMS (kFused) and SEPARATE force one. Same results
+ * to rounding. The one-launch step needs every multiprocessor at once: engines that run decode
+ * steps on concurrent streams of one device should choose FUSED. */
 typedef enum kda_decode_step {
   KDA_DECODE_STEP_DEFAULT = 0,
   KDA_DECODE_STEP_AUTO = 1,

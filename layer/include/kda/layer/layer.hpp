@@ -181,10 +181,10 @@ struct Times {
 // Every choice computes the same layer; they differ in launches and bytes moved (fused: one kernel
 // instead of the conv and the core and their round trips through the workspace).
 enum class DecodeKernel : int {
-  kAuto = 0,      // one launch where kOneLaunch fits; else fused with its second factors up to
-                  // 128 (row, head) pairs (a step of one token a row: up to 32 with an fp32
-                  // state, never with the full-rank output gate; of several tokens a row: only at
-                  // one row), else separate
+  kAuto = 0,      // one launch where kOneLaunch fits; else, for a step of one token a row,
+                  // fused with its second factors up to 128 (row, head) pairs (32 with an fp32
+                  // state, none with the full-rank output gate); else separate (every step of
+                  // several tokens a row)
   kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
   kFused,         // fused, the second factors by GEMMs before it
   kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each),
