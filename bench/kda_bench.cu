@@ -508,6 +508,41 @@ double graph_us(int iters, F&& enqueue) {
   return ms[iters / 2] * 1e3 / steps;
 }
 
+// Eager calls, as a runtime makes host-driven ones: events around `steps` enqueues, the median of
+// `iters` rounds after one; the device's time a call and the host's (enqueue only) a call.
+struct EagerTimes {
+  double device_us, host_us;
+};
+template <typename F>
+EagerTimes eager_us(int iters, F&& enqueue) {
+  const int steps = 50;
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  for (int i = 0; i < steps; ++i) enqueue(s);
+  CK(cudaStreamSynchronize(s));
+  std::vector<float> ms(iters);
+  std::vector<double> host(iters);
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(e0, s));
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int j = 0; j < steps; ++j) enqueue(s);
+    host[i] =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+    CK(cudaEventRecord(e1, s));
+    CK(cudaEventSynchronize(e1));
+    CK(cudaEventElapsedTime(&ms[i], e0, e1));
+  }
+  std::sort(ms.begin(), ms.end());
+  std::sort(host.begin(), host.end());
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  CK(cudaStreamDestroy(s));
+  return {ms[iters / 2] * 1e3 / steps, host[iters / 2] / steps};
+}
+
 // Device allocations freed together.
 struct Allocations {
   std::vector<void*> ptrs;
@@ -808,6 +843,11 @@ void run_copy(double bw, int iters, std::vector<int> batches) {
   const int H = 32, D = 128, layers = 20;
   const std::uint64_t conv_bytes = 4096 * 3 * 2;
   if (batches.empty()) batches = {1, 8, 64};
+  struct EagerZero {
+    const char* state;
+    EagerTimes one_launch, memsets;
+  };
+  std::vector<EagerZero> eager;
   std::printf(
       "\n### CUDA slot copy of %d layers in one launch (H = 32, recurrent and conv states)\n\n",
       layers);
@@ -858,8 +898,40 @@ void run_copy(double bw, int iters, std::vector<int> batches) {
         std::printf("| %d | %s | %s | %.2f | %.1f | %.2f | %.2fx |\n", P, kda::to_string(state),
                     form, us, bytes / 1e6, floor, us / floor);
       }
+      if (P == 1) {
+        // One slot zeroed eagerly, as Engine::acquire_slot and reset_slot zero it: the zeroing
+        // kernel's one launch (the pools the engine's own: no pointer queries), against a
+        // cudaMemsetAsync of the slot's entry in each pool.
+        kda::CudaOptions unchecked;
+        unchecked.check_pointers = false;
+        call = 0;
+        const EagerTimes one_launch = eager_us(iters, [&](cudaStream_t s) {
+          const int set = call++ % sets;
+          check(kda::zero_slots_cuda(p, pools.data(), num_pools, dst[set], nullptr, s, unchecked),
+                "zero_slots");
+        });
+        call = 0;
+        const EagerTimes memsets = eager_us(iters, [&](cudaStream_t s) {
+          const std::int64_t slot = 2 * (call++ % sets) + 1;  // dst[set]'s one entry
+          for (const kda::SlotPool& pool : pools) {
+            CK(cudaMemsetAsync(static_cast<std::uint8_t*>(pool.base) + slot * pool.entry_bytes, 0,
+                               pool.entry_bytes, s));
+          }
+        });
+        eager.push_back({kda::to_string(state), one_launch, memsets});
+      }
       std::fflush(stdout);
     }
+  }
+  if (eager.empty()) return;  // no row of one pair asked for
+  std::printf(
+      "\n### One slot zeroed eagerly (%d pools): one launch against a memset a pool\n\n"
+      "| state | one launch: device us | host us | a memset a pool: device us | host us |\n"
+      "|---|---:|---:|---:|---:|\n",
+      4 * layers);
+  for (const EagerZero& z : eager) {
+    std::printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", z.state, z.one_launch.device_us,
+                z.one_launch.host_us, z.memsets.device_us, z.memsets.host_us);
   }
 }
 

@@ -87,7 +87,8 @@ void load_layers(const ModelSpec& spec, std::uint64_t seed,
 
 // The engine's own buffers besides the layers': handles into the plan.
 struct EngineBuffers {
-  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, copy_src, copy_dst, device_status;
+  planner::BufferHandle cu_seqlens, prefill_slots, decode_slots, copy_src, copy_dst, reset_slot,
+      device_status;
   // Context parallelism: this rank's transition and every rank's (context.transitions), and the
   // operator's workspace for computing one (context.workspace).
   planner::BufferHandle context_transitions, context_workspace;
@@ -158,6 +159,8 @@ planner::MemoryPlan make_plan(const ModelSpec& spec, Backend backend,
   // forwards read at replay.
   buffers->copy_src = scratch("copy.src", seqs * sizeof(std::int32_t));
   buffers->copy_dst = scratch("copy.dst", seqs * sizeof(std::int32_t));
+  // The one slot acquire_slot and reset_slot zero, apart from every list above.
+  buffers->reset_slot = scratch("reset.slot", sizeof(std::int32_t));
   buffers->device_status = backend_has_device_status(backend)
                                ? scratch("engine.device_status", sizeof(std::uint32_t))
                                : planner::BufferHandle{};
@@ -251,7 +254,7 @@ struct Engine::Impl {
   std::vector<std::int64_t> cu_uploaded;  // what cu_scratch holds now (skip repeat uploads)
   std::vector<unsigned> seen_stamp;       // duplicate-slot detection without clearing
   unsigned stamp = 0;
-  SlotStaging prefill_slots, decode_slots, copy_src, copy_dst;
+  SlotStaging prefill_slots, decode_slots, copy_src, copy_dst, reset_slot;
 
   ~Impl() {
     // Kernels may still use the arena; freeing it must wait for them (nothing to do with a
@@ -315,10 +318,12 @@ struct Engine::Impl {
     }
   }
 
-  void zero_slot(int slot) {
-    for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t bytes) {
-      backend->memset(entry, 0, static_cast<std::size_t>(bytes));
-    });
+  // One slot zeroed in every pool by the zeroing's one launch (a memset a pool had cost a call
+  // each: 80 for Kimi-Linear-48B's 20 layers, PERFORMANCE.md).
+  void zero_slot(const std::string& call, int slot) {
+    const int one[1] = {slot};
+    stage_slots(Span<const int>(one, 1), &reset_slot);
+    run_copy(call, 1, nullptr, reset_slot.device);
   }
 
   void check_whole(const char* what) const {
@@ -1040,6 +1045,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.decode_slots.device = static_cast<std::int32_t*>(locate(buffers.decode_slots));
   m.copy_src.device = static_cast<std::int32_t*>(locate(buffers.copy_src));
   m.copy_dst.device = static_cast<std::int32_t*>(locate(buffers.copy_dst));
+  m.reset_slot.device = static_cast<std::int32_t*>(locate(buffers.reset_slot));
   m.device_status = static_cast<std::uint32_t*>(locate(buffers.device_status));
   m.context_transitions = static_cast<float*>(locate(buffers.context_transitions));
   m.context_workspace = locate(buffers.context_workspace);
@@ -1086,7 +1092,8 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.cu_staging.reserve(slots + 1);
   m.cu_uploaded.reserve(slots + 1);
   m.seen_stamp.assign(slots, 0);
-  for (Impl::SlotStaging* staging : {&m.prefill_slots, &m.decode_slots, &m.copy_src, &m.copy_dst}) {
+  for (Impl::SlotStaging* staging :
+       {&m.prefill_slots, &m.decode_slots, &m.copy_src, &m.copy_dst, &m.reset_slot}) {
     staging->host.reserve(slots);
     staging->uploaded.reserve(slots);
   }
@@ -1167,7 +1174,7 @@ int Engine::acquire_slot() {
   Impl& m = *impl_;
   for (int slot = 0; slot < m.num_slots(); ++slot) {
     if (slot != m.null_slot && m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
-      m.zero_slot(slot);
+      m.zero_slot("acquire_slot", slot);
       m.slot_in_use[static_cast<std::size_t>(slot)] = 1;
       return slot;
     }
@@ -1186,7 +1193,7 @@ void Engine::release_slot(int slot) {
 
 void Engine::reset_slot(int slot) {
   if (!slot_in_use(slot)) fail("reset_slot: slot " + std::to_string(slot) + " is not acquired");
-  impl_->zero_slot(slot);
+  impl_->zero_slot("reset_slot", slot);
 }
 
 void Engine::read_slot_state(int kda_index, int slot, void* host_dst) const {
