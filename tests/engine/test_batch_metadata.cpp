@@ -691,8 +691,9 @@ KDA_ENGINE_CASE("engine: a prefix checkpoint shared by two requests through copy
 namespace {
 
 // A sequence moved to host memory and back, and into another engine of the same model: the block
-// read_sequence_state() gives is every layer's recurrent and conv states in slot_states()' order;
-// written into another slot (or engine) it continues as the original does, bit for bit.
+// read_sequence_state() gives is its header, then every layer's recurrent and conv states in
+// slot_states()' order; written into another slot (or engine) it continues as the original does,
+// bit for bit. A block whose header does not describe the engine is refused, nothing written.
 void sequence_state_round_trip(Backend backend) {
   Engine e(spec(), EnginePair::options(backend, nullptr));
   Engine other(spec(), EnginePair::options(backend, nullptr));  // the same seed: the same weights
@@ -702,14 +703,31 @@ void sequence_state_round_trip(Backend backend) {
       out(backend, 21 * kHidden * 2);
   for (int l = 0; l < 2; ++l) e.prefill_hidden(l, hidden.get(), out.get(), {a}, {0, 21});
   const std::uint64_t bytes = e.sequence_state_bytes();
-  CHECK(bytes == 2 * (e.state_slot_bytes() + 3 * e.conv_state_slot_bytes()));
-  std::vector<std::uint8_t> block(bytes);
+  const std::size_t header_bytes = sizeof(kda::engine::SequenceStateHeader);
+  CHECK(bytes == header_bytes + 2 * (e.state_slot_bytes() + 3 * e.conv_state_slot_bytes()));
+  std::vector<std::uint8_t> block(bytes, 0xA5);
   e.read_sequence_state(a, block.data(), bytes);
-  CHECK(block == slot_states(e, a));
+  kda::engine::SequenceStateHeader header;
+  std::memcpy(&header, block.data(), header_bytes);
+  CHECK(std::string(header.magic, 8) == "KDASTATE");
+  CHECK(header.version == 1);
+  CHECK(header.header_bytes == header_bytes);
+  CHECK(header.payload_bytes == bytes - header_bytes);
+  CHECK(header.kda_layers == 2);
+  CHECK(header.num_heads == e.spec().num_heads);
+  CHECK(header.head_dim == e.spec().head_dim);
+  CHECK(header.conv_width == e.spec().short_conv_kernel_size);
+  CHECK(header.state_value_bytes == 4);
+  CHECK(header.tp_rank == 0);
+  CHECK(header.tp_size == 1);
+  CHECK(header.reserved[0] == 0);
+  CHECK(header.reserved[2] == 0);
+  const std::vector<std::uint8_t> payload(block.begin() + header_bytes, block.end());
+  CHECK(payload == slot_states(e, a));
   e.write_sequence_state(b, block.data(), bytes);
   other.write_sequence_state(there, block.data(), bytes);
-  CHECK(slot_states(e, b) == block);
-  CHECK(slot_states(other, there) == block);
+  CHECK(slot_states(e, b) == payload);
+  CHECK(slot_states(other, there) == payload);
   // One decode token on each copy: the same outputs and states.
   Memory step(backend, kda::test::random_bf16(kHidden, 1.0f, 99));
   Memory out_a(backend, kHidden * 2), out_b(backend, kHidden * 2), out_there(backend, kHidden * 2);
@@ -735,6 +753,39 @@ void sequence_state_round_trip(Backend backend) {
         "read_sequence_state: slot 6 out of range");
   CHECK(kda::test::error_of([&] { e.read_sequence_state(a, nullptr, bytes); }) ==
         "read_sequence_state: the host buffer is null");
+  // Headers that do not describe this engine: each named, the block's value then the engine's.
+  auto with = [&](auto change) {
+    std::vector<std::uint8_t> bad = block;
+    kda::engine::SequenceStateHeader h;
+    std::memcpy(&h, bad.data(), header_bytes);
+    change(h);
+    std::memcpy(bad.data(), &h, header_bytes);
+    return kda::test::error_of([&] { e.write_sequence_state(b, bad.data(), bytes); });
+  };
+  const std::string prefix = "write_sequence_state: ";
+  CHECK(with([](auto& h) { h.magic[0] = 'X'; }) ==
+        prefix +
+            "the block does not begin with a sequence-state header (KDASTATE, as "
+            "read_sequence_state writes it)");
+  CHECK(with([](auto& h) { h.version = 2; }) ==
+        prefix + "the block's header is version 2 of 64 bytes; this engine reads version 1 of 64");
+  CHECK(with([](auto& h) { h.tp_rank = 1, h.tp_size = 2; }) ==
+        prefix + "the block holds tensor-parallel rank 1 of 2, this engine rank 0 of 1");
+  CHECK(with([](auto& h) { h.state_value_bytes = 2; }) ==
+        prefix + "the block holds bf16 states, this engine fp32");
+  CHECK(with([](auto& h) { h.conv_width = 0; }) ==
+        prefix + "the block holds no conv states (KDA cores), this engine conv states of width " +
+            std::to_string(e.spec().short_conv_kernel_size) + " (whole layers)");
+  CHECK(with([&](auto& h) {
+          h.kda_layers = 3;
+          h.head_dim *= 2;
+          h.payload_bytes += 1;
+        }) == prefix + "the block holds 3 KDA layers, this engine 2; head_dim " +
+                  std::to_string(2 * e.spec().head_dim) + ", this engine " +
+                  std::to_string(e.spec().head_dim) + "; " +
+                  std::to_string(bytes - header_bytes + 1) + " bytes of states, this engine " +
+                  std::to_string(bytes - header_bytes));
+  CHECK(with([](auto& h) { h.num_heads += 1; }).find("heads, this engine") != std::string::npos);
   CHECK(slot_states(e, b) == b_before);
 }
 

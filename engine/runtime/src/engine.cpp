@@ -306,6 +306,11 @@ struct Engine::Impl {
     }
   }
 
+  // The sequence-state block's header for this engine, and the check of a block's (below).
+  SequenceStateHeader sequence_state_header(std::uint64_t payload_bytes) const;
+  void check_sequence_state_header(const SequenceStateHeader& got,
+                                   std::uint64_t payload_bytes) const;
+
   void check_sequence_state_access(const char* what, int slot, const void* host,
                                    std::uint64_t bytes, std::uint64_t expected) const {
     if (slot < 0 || slot >= num_slots()) {
@@ -1409,16 +1414,86 @@ void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void*
 }
 
 std::uint64_t Engine::sequence_state_bytes() const noexcept {
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = sizeof(SequenceStateHeader);
   for (const SlotPool& pool : impl_->slot_pools) bytes += pool.entry_bytes;
   return bytes;
+}
+
+namespace {
+
+constexpr char kSequenceStateMagic[8] = {'K', 'D', 'A', 'S', 'T', 'A', 'T', 'E'};
+
+}  // namespace
+
+SequenceStateHeader Engine::Impl::sequence_state_header(std::uint64_t payload_bytes) const {
+  SequenceStateHeader h{};
+  std::memcpy(h.magic, kSequenceStateMagic, sizeof(h.magic));
+  h.version = SequenceStateHeader::kVersion;
+  h.header_bytes = sizeof(SequenceStateHeader);
+  h.payload_bytes = payload_bytes;
+  h.kda_layers = static_cast<std::uint32_t>(num_layers());
+  h.num_heads = static_cast<std::uint32_t>(spec.num_heads);
+  h.head_dim = static_cast<std::uint32_t>(spec.head_dim);
+  h.conv_width = whole ? static_cast<std::uint32_t>(spec.short_conv_kernel_size) : 0;
+  h.state_value_bytes = static_cast<std::uint32_t>(dtype_size(spec.runtime.state_dtype));
+  h.tp_rank = static_cast<std::uint32_t>(spec.runtime.tp_rank);
+  h.tp_size = static_cast<std::uint32_t>(spec.runtime.tp_size);
+  return h;
+}
+
+// Refuses a block whose header differs from this engine's, naming each field that differs.
+void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
+                                               std::uint64_t payload_bytes) const {
+  const std::string what = "write_sequence_state: ";
+  if (std::memcmp(got.magic, kSequenceStateMagic, sizeof(got.magic)) != 0) {
+    fail(what +
+         "the block does not begin with a sequence-state header (KDASTATE, as "
+         "read_sequence_state writes it)");
+  }
+  if (got.version != SequenceStateHeader::kVersion || got.header_bytes != sizeof(got)) {
+    fail(what + "the block's header is version " + std::to_string(got.version) + " of " +
+         std::to_string(got.header_bytes) + " bytes; this engine reads version " +
+         std::to_string(SequenceStateHeader::kVersion) + " of " + std::to_string(sizeof(got)));
+  }
+  const SequenceStateHeader want = sequence_state_header(payload_bytes);
+  auto conv = [](std::uint32_t w) {
+    return w == 0 ? std::string("no conv states (KDA cores)")
+                  : "conv states of width " + std::to_string(w) + " (whole layers)";
+  };
+  auto dtype = [](std::uint32_t bytes) {
+    return bytes == 4   ? std::string("fp32")
+           : bytes == 2 ? std::string("bf16")
+                        : std::to_string(bytes) + "-byte";
+  };
+  std::string differs;
+  auto field = [&](bool same, const std::string& block, const std::string& engine) {
+    if (!same) differs += (differs.empty() ? "" : "; ") + block + ", this engine " + engine;
+  };
+  field(got.kda_layers == want.kda_layers, std::to_string(got.kda_layers) + " KDA layers",
+        std::to_string(want.kda_layers));
+  field(got.num_heads == want.num_heads, std::to_string(got.num_heads) + " heads",
+        std::to_string(want.num_heads));
+  field(got.head_dim == want.head_dim, "head_dim " + std::to_string(got.head_dim),
+        std::to_string(want.head_dim));
+  field(got.conv_width == want.conv_width, conv(got.conv_width), conv(want.conv_width));
+  field(got.state_value_bytes == want.state_value_bytes, dtype(got.state_value_bytes) + " states",
+        dtype(want.state_value_bytes));
+  field(
+      got.tp_rank == want.tp_rank && got.tp_size == want.tp_size,
+      "tensor-parallel rank " + std::to_string(got.tp_rank) + " of " + std::to_string(got.tp_size),
+      "rank " + std::to_string(want.tp_rank) + " of " + std::to_string(want.tp_size));
+  field(got.payload_bytes == want.payload_bytes,
+        std::to_string(got.payload_bytes) + " bytes of states", std::to_string(want.payload_bytes));
+  if (!differs.empty()) fail(what + "the block holds " + differs);
 }
 
 void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
   const Impl& m = *impl_;
   m.check_sequence_state_access("read_sequence_state", slot, host_dst, bytes,
                                 sequence_state_bytes());
-  auto* at = static_cast<std::uint8_t*>(host_dst);
+  const SequenceStateHeader header = m.sequence_state_header(bytes - sizeof(SequenceStateHeader));
+  std::memcpy(host_dst, &header, sizeof(header));
+  auto* at = static_cast<std::uint8_t*>(host_dst) + sizeof(header);
   m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
     m.backend->copy_to_host(at, entry, static_cast<std::size_t>(entry_bytes));
     at += entry_bytes;
@@ -1432,7 +1507,10 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
   if (!m.in_use(slot)) {
     fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
   }
-  const auto* at = static_cast<const std::uint8_t*>(host_src);
+  SequenceStateHeader header;
+  std::memcpy(&header, host_src, sizeof(header));
+  m.check_sequence_state_header(header, bytes - sizeof(SequenceStateHeader));
+  const auto* at = static_cast<const std::uint8_t*>(host_src) + sizeof(header);
   try {
     m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
       m.backend->copy_to_device(entry, at, static_cast<std::size_t>(entry_bytes));

@@ -195,11 +195,16 @@ kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
 kda_status kda_engine_release_slot(kda_engine* engine, int slot);
 /* Zeroes the slot's state in every layer; the slot stays acquired. */
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
-/* A sequence's whole state as one host block (kda::engine::Engine::read_sequence_state): per KDA
- * layer, in order, the recurrent state [H, V, K] of the state dtype, then with whole layers the q,
- * k and v conv states (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory
- * and back, or between engines of one model, state dtype and tensor-parallel rank. Synchronous.
- * `bytes` must equal kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
+/* A sequence's whole state as one host block (kda::engine::Engine::read_sequence_state): a
+ * 64-byte header (kda::engine::SequenceStateHeader: "KDASTATE", version 1, its size, the payload's
+ * bytes, then uint32 KDA layers, heads, head_dim, conv width (0: no conv states), state value
+ * bytes, tensor-parallel rank and size, three zero words; the host's byte order), then per KDA
+ * layer, in order, the recurrent state [H, V, K] of the state dtype and with whole layers the q, k
+ * and v conv states (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory
+ * and back, or between engines of one model, state dtype and tensor-parallel rank: a write refuses
+ * a block whose header differs (KDA_INVALID_ARGUMENT, each field named) before it copies anything.
+ * Synchronous. `bytes` must equal kda_engine_sequence_state_bytes(); the write's slot must be
+ * acquired. */
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out);
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
                                           uint64_t bytes);

@@ -265,6 +265,24 @@ bool cuda_backend_available(std::string* why_not = nullptr);
 // --plan-only) call it themselves.
 void check_weights_file(const ModelSpec& spec);
 
+// The first 64 bytes of a sequence-state block (Engine::read_sequence_state), in the host's byte
+// order: what the block holds, so that a write can refuse a block of another layout.
+struct SequenceStateHeader {
+  char magic[8];                // "KDASTATE"
+  std::uint32_t version;        // kVersion
+  std::uint32_t header_bytes;   // sizeof(SequenceStateHeader): the payload's offset
+  std::uint64_t payload_bytes;  // the states' bytes after the header
+  std::uint32_t kda_layers;     // layers in the block, in the engine's order
+  std::uint32_t num_heads;      // every rank's heads (ModelSpec::num_heads)
+  std::uint32_t head_dim;       // K = V
+  std::uint32_t conv_width;     // W of the conv states that follow each recurrent state; 0: none
+  std::uint32_t state_value_bytes;  // 4 (fp32 states) or 2 (bf16)
+  std::uint32_t tp_rank, tp_size;   // whose heads: local_heads = num_heads / tp_size
+  std::uint32_t reserved[3];        // zero
+  static constexpr std::uint32_t kVersion = 1;
+};
+static_assert(sizeof(SequenceStateHeader) == 64, "a sequence-state header is 64 bytes");
+
 class Engine {
  public:
   // Loads parameters, plans, allocates the arena, copies parameters in and zeroes every state
@@ -324,13 +342,15 @@ class Engine {
   void write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src);
   // A sequence's whole state, every layer's, as one host block (synchronous): for a runtime that
   // moves sequences to host memory and back (preemption, a host-side prefix cache) or between
-  // engines of one model. sequence_state_bytes() is its size: per KDA layer, in order, the
-  // recurrent state [H, V, K] (state dtype), then with whole layers the q, k and v conv states
-  // (bf16 [local_heads * head_dim, W - 1] each). read_sequence_state() copies slot `slot`'s states
-  // out, write_sequence_state() into an acquired slot; `bytes` must equal sequence_state_bytes().
-  // The block carries no description of itself: it is for an engine of the same model, state
-  // dtype and tensor-parallel rank (another rank's block has the same size and other heads). A
-  // write that fails part way leaves the slot's states undefined.
+  // engines of one model. sequence_state_bytes() is its size: a SequenceStateHeader, then per KDA
+  // layer, in order, the recurrent state [H, V, K] (state dtype), then with whole layers the q, k
+  // and v conv states (bf16 [local_heads * head_dim, W - 1] each). read_sequence_state() copies
+  // slot `slot`'s states out, write_sequence_state() into an acquired slot; `bytes` must equal
+  // sequence_state_bytes(). The write refuses, before it copies anything, a block whose header
+  // does not describe this engine's layout: another layer count, head count, head size, conv
+  // width, state dtype or tensor-parallel rank (another rank's block has the same size and other
+  // heads). A block of another model of the same layout is not told apart. A write that fails
+  // part way (a CUDA error) leaves the slot's states undefined.
   std::uint64_t sequence_state_bytes() const noexcept;
   void read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const;
   void write_sequence_state(int slot, const void* host_src, std::uint64_t bytes);
