@@ -786,6 +786,17 @@ void sequence_state_round_trip(Backend backend) {
                   std::to_string(bytes - header_bytes + 1) + " bytes of states, this engine " +
                   std::to_string(bytes - header_bytes));
   CHECK(with([](auto& h) { h.num_heads += 1; }).find("heads, this engine") != std::string::npos);
+  // A whole block of an engine with bf16 states (of its own size): named by its header's fields.
+  ModelSpec half_spec = spec();
+  half_spec.runtime.state_dtype = kda::DType::kBF16;
+  Engine half(half_spec, EnginePair::options(backend, nullptr));
+  const std::uint64_t half_bytes = half.sequence_state_bytes();
+  std::vector<std::uint8_t> half_block(half_bytes);
+  half.read_sequence_state(half.acquire_slot(), half_block.data(), half_bytes);
+  CHECK(kda::test::error_of([&] { e.write_sequence_state(b, half_block.data(), half_bytes); }) ==
+        prefix + "the block holds bf16 states, this engine fp32; " +
+            std::to_string(half_bytes - header_bytes) + " bytes of states, this engine " +
+            std::to_string(bytes - header_bytes));
   CHECK(slot_states(e, b) == b_before);
 }
 

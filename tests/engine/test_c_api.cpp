@@ -506,11 +506,13 @@ KDA_CPU_CASE(
     std::uint64_t bytes = 0;
     REQUIRE(kda_engine_sequence_state_bytes(handle, &bytes) == KDA_OK);
     CHECK(bytes > 0);
-    std::vector<unsigned char> block(bytes, 0x5A), again(bytes);
+    std::vector<unsigned char> block(bytes, 0x5A), again(bytes), before(bytes);
     // A block without the header read_sequence_state writes: refused, nothing written.
+    CHECK(kda_engine_read_sequence_state(handle, 0, before.data(), bytes) == KDA_OK);
     CHECK(kda_engine_write_sequence_state(handle, 0, block.data(), bytes) == KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "does not begin with a sequence-state header"));
     CHECK(kda_engine_read_sequence_state(handle, 0, block.data(), bytes) == KDA_OK);
+    CHECK(block == before);
     CHECK(std::string(reinterpret_cast<const char*>(block.data()), 8) == "KDASTATE");
     std::fill(block.begin() + 64, block.end(), static_cast<unsigned char>(0x5A));
     CHECK(kda_engine_write_sequence_state(handle, 0, block.data(), bytes) == KDA_OK);

@@ -271,7 +271,7 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
          {decode_batch(1, 1, {3}), decode_batch(1, 1, {-1}), decode_batch(3, 1, {4, -1, 0}),
           decode_batch(8, 1, {7, 2, -1, 0, 5, 1, 6, 3}),
           decode_batch(9, 1, {8, 0, 3, -1, 11, 2, 6, 1, 4}), decode_batch(5, 3, {4, -1, 0, 7, 2}),
-          decode_batch(2, 16, {1, 6}), decode_batch(70, 1, many)}) {
+          decode_batch(2, 16, {1, 6}), decode_batch(1, 4, {3}), decode_batch(70, 1, many)}) {
       CAPTURE(step.sequences());
       CAPTURE(step.decode_tokens);
       Pools before(config, 72, v.pool);

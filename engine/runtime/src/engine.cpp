@@ -311,20 +311,28 @@ struct Engine::Impl {
   void check_sequence_state_header(const SequenceStateHeader& got,
                                    std::uint64_t payload_bytes) const;
 
+  // `block_in`: the host buffer holds a block to write, whose header is checked before its size,
+  // so that a block of another layout is named by the fields that differ.
   void check_sequence_state_access(const char* what, int slot, const void* host,
-                                   std::uint64_t bytes, std::uint64_t expected) const {
+                                   std::uint64_t bytes, std::uint64_t expected,
+                                   bool block_in) const {
     if (slot < 0 || slot >= num_slots()) {
       fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
     }
     if (host == nullptr) fail(std::string(what) + ": the host buffer is null");
+    if (block_in && bytes >= sizeof(SequenceStateHeader)) {
+      SequenceStateHeader header;
+      std::memcpy(&header, host, sizeof(header));
+      check_sequence_state_header(header, expected - sizeof(SequenceStateHeader));
+    }
     if (bytes != expected) {
       fail(std::string(what) + ": " + std::to_string(bytes) + " bytes, the sequence's states are " +
            std::to_string(expected) + " (sequence_state_bytes)");
     }
   }
 
-  // One slot zeroed in every pool by the zeroing's one launch (a memset a pool had cost a call
-  // each: 80 for Kimi-Linear-48B's 20 layers, PERFORMANCE.md).
+  // One slot zeroed in every pool by the zeroing's one launch, not a memset a pool (80 calls for
+  // Kimi-Linear-48B's 20 layers: PERFORMANCE.md, "Copying states between slots").
   void zero_slot(const std::string& call, int slot) {
     const int one[1] = {slot};
     stage_slots(Span<const int>(one, 1), &reset_slot);
@@ -1490,7 +1498,7 @@ void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
 void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
   const Impl& m = *impl_;
   m.check_sequence_state_access("read_sequence_state", slot, host_dst, bytes,
-                                sequence_state_bytes());
+                                sequence_state_bytes(), false);
   const SequenceStateHeader header = m.sequence_state_header(bytes - sizeof(SequenceStateHeader));
   std::memcpy(host_dst, &header, sizeof(header));
   auto* at = static_cast<std::uint8_t*>(host_dst) + sizeof(header);
@@ -1503,14 +1511,11 @@ void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) 
 void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t bytes) {
   Impl& m = *impl_;
   m.check_sequence_state_access("write_sequence_state", slot, host_src, bytes,
-                                sequence_state_bytes());
+                                sequence_state_bytes(), true);
   if (!m.in_use(slot)) {
     fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
   }
-  SequenceStateHeader header;
-  std::memcpy(&header, host_src, sizeof(header));
-  m.check_sequence_state_header(header, bytes - sizeof(SequenceStateHeader));
-  const auto* at = static_cast<const std::uint8_t*>(host_src) + sizeof(header);
+  const auto* at = static_cast<const std::uint8_t*>(host_src) + sizeof(SequenceStateHeader);
   try {
     m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
       m.backend->copy_to_device(entry, at, static_cast<std::size_t>(entry_bytes));

@@ -193,18 +193,21 @@ kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_
  * KDA_INVALID_ARGUMENT when all are in use. */
 kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot);
 kda_status kda_engine_release_slot(kda_engine* engine, int slot);
-/* Zeroes the slot's state in every layer; the slot stays acquired. */
+/* Zeroes the slot's state in every layer; the slot stays acquired. acquire and reset stage the slot
+ * index from pageable host memory, then zero it in one launch: eager calls, not for a stream
+ * capture (kda_engine_reset_slots zeroes slots a device array names inside a captured graph). */
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
 /* A sequence's whole state as one host block (kda::engine::Engine::read_sequence_state): a
- * 64-byte header (kda::engine::SequenceStateHeader: "KDASTATE", version 1, its size, the payload's
- * bytes, then uint32 KDA layers, heads, head_dim, conv width (0: no conv states), state value
- * bytes, tensor-parallel rank and size, three zero words; the host's byte order), then per KDA
- * layer, in order, the recurrent state [H, V, K] of the state dtype and with whole layers the q, k
- * and v conv states (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory
- * and back, or between engines of one model, state dtype and tensor-parallel rank: a write refuses
- * a block whose header differs (KDA_INVALID_ARGUMENT, each field named) before it copies anything.
- * Synchronous. `bytes` must equal kda_engine_sequence_state_bytes(); the write's slot must be
- * acquired. */
+ * 64-byte header (kda::engine::SequenceStateHeader, the host's byte order: char[8] "KDASTATE",
+ * uint32 version 1, uint32 header bytes 64, uint64 payload bytes, then uint32 KDA layers, heads,
+ * head_dim, conv width (0: no conv states), state value bytes (4 fp32, 2 bf16), tensor-parallel
+ * rank and size, and three words written zero and not read), then per KDA layer, in order, the
+ * recurrent state [H, V, K] of the state dtype and with whole layers the q, k and v conv states
+ * (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory and back, or
+ * between engines of one model, state dtype and tensor-parallel rank: a write refuses a block
+ * whose header differs (KDA_INVALID_ARGUMENT, each field named, the header checked before the
+ * size) before it copies anything. Synchronous. `bytes` must equal
+ * kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out);
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
                                           uint64_t bytes);

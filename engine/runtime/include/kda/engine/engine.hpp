@@ -278,10 +278,15 @@ struct SequenceStateHeader {
   std::uint32_t conv_width;     // W of the conv states that follow each recurrent state; 0: none
   std::uint32_t state_value_bytes;  // 4 (fp32 states) or 2 (bf16)
   std::uint32_t tp_rank, tp_size;   // whose heads: local_heads = num_heads / tp_size
-  std::uint32_t reserved[3];        // zero
+  std::uint32_t reserved[3];        // written zero, not read
   static constexpr std::uint32_t kVersion = 1;
 };
-static_assert(sizeof(SequenceStateHeader) == 64, "a sequence-state header is 64 bytes");
+static_assert(sizeof(SequenceStateHeader) == 64 &&
+                  offsetof(SequenceStateHeader, payload_bytes) == 16 &&
+                  offsetof(SequenceStateHeader, kda_layers) == 24 &&
+                  offsetof(SequenceStateHeader, tp_size) == 48 &&
+                  std::is_trivially_copyable<SequenceStateHeader>::value,
+              "a sequence-state header is the 64 bytes kda_engine.h describes");
 
 class Engine {
  public:
@@ -329,6 +334,9 @@ class Engine {
   int acquire_slot();
   void release_slot(int slot);
   // Zeroes the slot's state in every layer, conv states included (the slot stays acquired).
+  // acquire_slot and reset_slot stage the slot's index in the engine's scratch (reset.slot) from
+  // pageable host memory, then zero it in one launch: eager calls, not for a stream capture
+  // (reset_slots zeroes slots a device array names inside a captured graph).
   void reset_slot(int slot);
   std::uint64_t state_slot_bytes() const noexcept;
   // Copies one slot's state of one layer ([H, V, K] in the state dtype) to / from host memory
