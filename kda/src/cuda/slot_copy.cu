@@ -2,15 +2,20 @@
 // a zeroing, entry slots[i] set to zeros), up to kMaxCopyPools pools in one launch.
 //
 // A copy moves bytes and nothing else, so the kernel is a plain streaming copy: blockIdx.x walks
-// 16 KB tiles of the pools' entries (the pools laid end to end: a block finds its pool by a binary
+// 32 KB tiles of the pools' entries (the pools laid end to end: a block finds its pool by a binary
 // search over the tiles where each starts), blockIdx.y the pairs (striding where there are more
-// than a grid's y dimension holds). Each of 256 threads loads its four 16-byte pieces of the tile
-// before it stores any, so that a block has the whole tile in flight. The pairs are read on the
-// device, so a captured copy replays with whatever pairs the caller wrote since.
+// than a grid's y dimension holds). Each of 256 threads loads its eight 16-byte pieces of the tile
+// before it stores any, so that a block has the whole tile in flight. 32 KB tiles against 16 and
+// 64 KB, measured on the H200 (kda-bench --copy, two rounds, 20 layers of H = 32): one pair 24.7
+// against 25.3 / 25.0 us (fp32), 14.7 against 15.8 / 15.0-15.3 (bf16), its zeroing 11.8 against
+// 12.8 / 12.6 and 7.5 against 9.0 / 8.3-8.4; 8 and 64 pairs 0.3-1 % faster (zeroing 1-5 %). The
+// pairs are read on the device, so a captured copy replays with whatever pairs the caller wrote
+// since.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "argument_table.hpp"
@@ -23,8 +28,21 @@ namespace kda::detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPiecesPerThread = 4;
-constexpr std::uint64_t kTileBytes = 16ull * kThreads * kPiecesPerThread;  // 16 KB
+constexpr int kPiecesPerThread = 8;  // the default; KDA_SLOT_COPY_PIECES 4 or 16 for the A/B
+template <int kPieces>
+constexpr std::uint64_t kTileBytesOf = 16ull * kThreads* kPieces;
+
+// Pieces of 16 bytes a thread (and so the tile: 16, 32 or 64 KB): the environment's
+// KDA_SLOT_COPY_PIECES (read once; a knob for the benchmark's A/B, not part of the contract),
+// else kPiecesPerThread.
+int slot_copy_pieces() {
+  static const int pieces = [] {
+    const char* env = std::getenv("KDA_SLOT_COPY_PIECES");
+    const int v = env != nullptr ? std::atoi(env) : 0;
+    return v == 4 || v == 8 || v == 16 ? v : kPiecesPerThread;
+  }();
+  return pieces;
+}
 constexpr unsigned kMaxGridY = 65535;
 
 struct CopyPool {
@@ -45,8 +63,10 @@ struct CopyParams {
 };
 static_assert(sizeof(CopyParams) <= 4096, "kernel parameters must stay within 4 KiB");
 
+template <int kPieces>
 __global__ void __launch_bounds__(kThreads)
     kda_copy_slots_kernel(const __grid_constant__ CopyParams p) {
+  constexpr std::uint64_t kTileBytes = kTileBytesOf<kPieces>;
   // The pool whose tiles hold this block's: the last with first_tile <= blockIdx.x.
   int lo = 0, hi = p.num_pools - 1;
   while (lo < hi) {
@@ -73,15 +93,15 @@ __global__ void __launch_bounds__(kThreads)
         pool.base + static_cast<std::uint64_t>(s) * pool.entry_bytes + offset);
     auto* to = reinterpret_cast<uint4*>(pool.base +
                                         static_cast<std::uint64_t>(d) * pool.entry_bytes + offset);
-    uint4 v[kPiecesPerThread];
+    uint4 v[kPieces];
 #pragma unroll
-    for (int i = 0; i < kPiecesPerThread; ++i) {
+    for (int i = 0; i < kPieces; ++i) {
       const int j = static_cast<int>(threadIdx.x) + i * kThreads;
       v[i] = make_uint4(0, 0, 0, 0);
       if (j < pieces && p.src != nullptr) v[i] = from[j];
     }
 #pragma unroll
-    for (int i = 0; i < kPiecesPerThread; ++i) {
+    for (int i = 0; i < kPieces; ++i) {
       const int j = static_cast<int>(threadIdx.x) + i * kThreads;
       if (j < pieces) to[j] = v[i];
     }
@@ -112,6 +132,8 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
   }
   Status st;
   CopyParams prm{};
+  const int pieces = slot_copy_pieces();
+  const std::uint64_t tile_bytes = 16ull * kThreads * static_cast<unsigned>(pieces);
   std::uint64_t tiles = 0;
   for (int i = 0; i < num_pools; ++i) {
     const std::string name = "pools[" + std::to_string(i) + "]";
@@ -132,10 +154,11 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
     pool.base = static_cast<unsigned char*>(pools[i].base);
     pool.entry_bytes = pools[i].entry_bytes;
     pool.first_tile = static_cast<std::uint32_t>(tiles);
-    tiles += (pools[i].entry_bytes + kTileBytes - 1) / kTileBytes;
+    tiles += (pools[i].entry_bytes + tile_bytes - 1) / tile_bytes;
     if (tiles > 0x7fffffffull) {
       return Status(StatusCode::kUnsupported,
-                    "slot copy: the pools' entries exceed the CUDA grid (2^31 - 1 tiles of 16 KB)");
+                    "slot copy: the pools' entries exceed the CUDA grid (2^31 - 1 tiles of " +
+                        std::to_string(tile_bytes / 1024) + " KB)");
     }
   }
   if (opt.check_pointers && p.pairs > 0) {
@@ -161,7 +184,10 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
                      static_cast<unsigned>(std::min<std::int64_t>(p.pairs, kMaxGridY)));
   cfg.blockDim = dim3(kThreads);
   cfg.stream = static_cast<cudaStream_t>(stream_ptr);
-  return cuda_status(cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel, prm), "kda_copy_slots_kernel");
+  const cudaError_t err = pieces == 16  ? cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel<16>, prm)
+                          : pieces == 8 ? cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel<8>, prm)
+                                        : cudaLaunchKernelEx(&cfg, kda_copy_slots_kernel<4>, prm);
+  return cuda_status(err, "kda_copy_slots_kernel");
 }
 
 }  // namespace
