@@ -907,16 +907,17 @@ void run_copy(double bw, int iters, std::vector<int> batches) {
         kda::CudaOptions unchecked;
         unchecked.check_pointers = false;
         auto* staged = static_cast<std::int32_t*>(a.get(sizeof(std::int32_t)));
+        auto next_slot = [&] { return 2 * (call++ % sets) + 1; };  // dst[set]'s one entry
         call = 0;
         const EagerTimes one_launch = eager_us(iters, [&](cudaStream_t s) {
-          const std::int32_t slot = 2 * (call++ % sets) + 1;  // dst[set]'s one entry
+          const std::int32_t slot = next_slot();
           CK(cudaMemcpyAsync(staged, &slot, sizeof(slot), cudaMemcpyHostToDevice, s));
           check(kda::zero_slots_cuda(p, pools.data(), num_pools, staged, nullptr, s, unchecked),
                 "zero_slots");
         });
         call = 0;
         const EagerTimes memsets = eager_us(iters, [&](cudaStream_t s) {
-          const std::int64_t slot = 2 * (call++ % sets) + 1;  // dst[set]'s one entry
+          const std::int64_t slot = next_slot();
           for (const kda::SlotPool& pool : pools) {
             CK(cudaMemsetAsync(static_cast<std::uint8_t*>(pool.base) + slot * pool.entry_bytes, 0,
                                pool.entry_bytes, s));

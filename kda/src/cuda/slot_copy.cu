@@ -29,8 +29,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kPiecesPerThread = 8;  // the default; KDA_SLOT_COPY_PIECES 4 or 16 for the A/B
-template <int kPieces>
-constexpr std::uint64_t kTileBytesOf = 16ull * kThreads* kPieces;
+// A tile's bytes: 16-byte pieces, `pieces` a thread (the kernel's template argument, the launch's
+// grid).
+__host__ __device__ constexpr std::uint64_t tile_bytes_of(int pieces) {
+  return 16ull * kThreads * static_cast<unsigned>(pieces);
+}
 
 // Pieces of 16 bytes a thread (and so the tile: 16, 32 or 64 KB): the environment's
 // KDA_SLOT_COPY_PIECES (read once; a knob for the benchmark's A/B, not part of the contract),
@@ -66,7 +69,7 @@ static_assert(sizeof(CopyParams) <= 4096, "kernel parameters must stay within 4 
 template <int kPieces>
 __global__ void __launch_bounds__(kThreads)
     kda_copy_slots_kernel(const __grid_constant__ CopyParams p) {
-  constexpr std::uint64_t kTileBytes = kTileBytesOf<kPieces>;
+  constexpr std::uint64_t kTileBytes = tile_bytes_of(kPieces);
   // The pool whose tiles hold this block's: the last with first_tile <= blockIdx.x.
   int lo = 0, hi = p.num_pools - 1;
   while (lo < hi) {
@@ -133,7 +136,7 @@ Status launch_slot_kernel(const SlotCopyProblem& p, const SlotPool* pools, int n
   Status st;
   CopyParams prm{};
   const int pieces = slot_copy_pieces();
-  const std::uint64_t tile_bytes = 16ull * kThreads * static_cast<unsigned>(pieces);
+  const std::uint64_t tile_bytes = tile_bytes_of(pieces);
   std::uint64_t tiles = 0;
   for (int i = 0; i < num_pools; ++i) {
     const std::string name = "pools[" + std::to_string(i) + "]";
