@@ -27,8 +27,9 @@ inline void check(cudaError_t err, const char* what) {
 }
 
 // One shape's operands, freed with it: copies of the weights beyond three times L2 (each call
-// reads the next), an input of up to 64 rows, an output of up to 64 f32 rows.
+// reads the next), an input of up to kMaxRows rows, an output of up to kMaxRows f32 rows.
 struct Operands {
+  static constexpr std::int64_t kMaxRows = 256;
   std::size_t bytes = 0;  // of one weight copy
   std::vector<void*> weights;
   void* in = nullptr;
@@ -41,9 +42,9 @@ struct Operands {
       CK(cudaMalloc(&w, bytes));
       CK(cudaMemset(w, 0x3c, bytes));
     }
-    CK(cudaMalloc(&in, 64 * s.k * 2));
-    CK(cudaMemset(in, 0x3c, 64 * s.k * 2));
-    CK(cudaMalloc(&out, 64 * s.n * 4));
+    CK(cudaMalloc(&in, kMaxRows * s.k * 2));
+    CK(cudaMemset(in, 0x3c, kMaxRows * s.k * 2));
+    CK(cudaMalloc(&out, kMaxRows * s.n * 4));
   }
   ~Operands() {
     for (void* w : weights) cudaFree(w);

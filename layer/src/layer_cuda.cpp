@@ -204,15 +204,18 @@ void mark_initialized(cudaStream_t stream, const void* ptr, std::size_t bytes) {
 
 // The benchmark's knobs for the layer's decode GEMMs: environment variables read once a process,
 // for A/B runs of kernels not (or not yet) the default; not part of the contract.
-enum class SmallGemmChoice { kSliced, kStreamed, kCublas };
+enum class SmallGemmChoice { kSliced, kStreamed, kCublas, kWarpgroup };
 struct GemmKnobs {
   // KDA_LAYER_SMALL_GEMM: unset, one row on the sliced kernel, 2 to 8 rows of up to kFragmentMaxK
   // columns on the fragment kernel and the rest on cuBLAS; "streamed", one row on the streamed
   // kernel and 2 to 64 rows on the tiled one (where they take the shape; else as unset); "0",
-  // cuBLAS for every GEMM. Neither the streamed nor the tiled kernel is the
+  // cuBLAS for every GEMM; "warpgroup", every GEMM of 2 to 256 rows on the warpgroup kernel
+  // (warpgroup_gemm.cu), "warpgroup9" those of 9 to 256 (the rest as unset). Neither the streamed
+  // nor the tiled kernel is the
   // default: on the H200 neither beat the sliced kernel or cuBLAS inside the layer
   // (docs/PERFORMANCE.md).
   SmallGemmChoice choice = SmallGemmChoice::kSliced;
+  std::int64_t warpgroup_min_rows = 2;
   // KDA_LAYER_SLICED_SPLIT: 1, 2, 4 or 8 forces the sliced kernel's slices a weight row
   // (SmallGemmParams::split) for every one-row GEMM; anything else (or unset) chooses by shape.
   int split = 0;
@@ -250,9 +253,11 @@ const GemmKnobs& gemm_knobs() {
     };
     GemmKnobs k;
     const std::string choice = value("KDA_LAYER_SMALL_GEMM");
-    k.choice = choice == "0"          ? SmallGemmChoice::kCublas
-               : choice == "streamed" ? SmallGemmChoice::kStreamed
-                                      : SmallGemmChoice::kSliced;
+    k.choice = choice == "0"                                     ? SmallGemmChoice::kCublas
+               : choice == "streamed"                            ? SmallGemmChoice::kStreamed
+               : choice == "warpgroup" || choice == "warpgroup9" ? SmallGemmChoice::kWarpgroup
+                                                                 : SmallGemmChoice::kSliced;
+    if (choice == "warpgroup9") k.warpgroup_min_rows = 9;
     const std::string split = value("KDA_LAYER_SLICED_SPLIT");
     if (split == "1" || split == "2" || split == "4" || split == "8") k.split = std::stoi(split);
     k.programmatic_input = value("KDA_LAYER_PROGRAMMATIC_INPUT") == "1";
@@ -389,6 +394,14 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
     small.split = 2;
   }
   if (site == GemmKnobs::SiteGemm::kStreamed && rows == 1) choice = SmallGemmChoice::kStreamed;
+  if (choice == SmallGemmChoice::kWarpgroup && rows >= gemm_knobs().warpgroup_min_rows) {
+    small.kernel = cuda::SmallGemmKernel::kWarpgroup;
+    if (cuda::warpgroup_gemm_fits(small)) {
+      check_cuda(cuda::launch_small_gemm(small, stream), what);
+      return;
+    }
+  }
+  if (choice == SmallGemmChoice::kWarpgroup) choice = SmallGemmChoice::kSliced;
   if (choice == SmallGemmChoice::kSliced && rows > 1 && n_in <= kFragmentMaxK &&
       cuda::fragment_gemm_fits(small)) {
     small.kernel = cuda::SmallGemmKernel::kFragment;

@@ -1,9 +1,10 @@
 // The whole layer's small-row GEMMs (layer/src/cuda/small_gemm.cu; label `gpu`) against an fp64
 // product of the same bf16 operands: the one-row streamed and sliced kernels, the tiled kernel of
-// 1 to 64 rows with and without split K, and the fragment kernel of 1 to 8 rows in every variant,
-// on the decode shapes of the layers the benchmarks run and on shapes that end in partial tiles and
-// stages, bf16 and f32 outputs, plain and programmatic launches; outputs poisoned first and
-// guarded, two runs bitwise equal.
+// 1 to 64 rows with and without split K, the fragment kernel of 1 to 8 rows in every variant, and
+// the warpgroup kernel (warpgroup_gemm.cu) of 1 to 256 rows in its plans, on the decode shapes of
+// the layers the benchmarks run and on shapes that end in partial tiles and stages, bf16 and f32
+// outputs, plain and programmatic launches; outputs poisoned first and guarded, two runs bitwise
+// equal.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -178,6 +179,29 @@ void check_few_row_gemm(const SmallGemmParams& p, DeviceBuffer& out, const std::
   CHECK(gaps);
 }
 
+// What a few-row kernel refuses, through `fits` and its launch: rows past `max_rows`, a K not a
+// multiple of 8, ldi below k, an input not 16-byte aligned.
+void check_refusals(SmallGemmKernel kernel, std::int64_t max_rows,
+                    bool (*fits)(const SmallGemmParams&)) {
+  const DeviceBuffer dw(64 * 64 * 2), dx(16 * 72 * 2), dout(16 * 64 * 4);
+  SmallGemmParams bad = gemm_operands(dx, 64, dw, dout, 64, 4, 64, 64);
+  bad.kernel = kernel;
+  CHECK(fits(bad));
+  bad.rows = max_rows + 1;
+  CHECK_FALSE(fits(bad));
+  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+  bad.rows = 4;
+  bad.k = 60;
+  CHECK_FALSE(fits(bad));
+  bad.k = 64;
+  bad.ldi = 56;
+  CHECK_FALSE(fits(bad));
+  bad.ldi = 64;
+  bad.in = static_cast<const std::uint16_t*>(dx.get()) + 4;
+  CHECK_FALSE(fits(bad));
+  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+}
+
 }  // namespace
 #endif
 
@@ -347,39 +371,76 @@ TEST_CASE("few-row GEMM: the fragment kernel against fp64, every variant, 1 to 8
       }
     }
   }
-  // What it refuses: rows past kFragmentGemmMaxRows, a K not a multiple of 8, ldi below k, an
-  // input not 16-byte aligned.
-  const DeviceBuffer dw(64 * 64 * 2), dx(16 * 72 * 2), dout(16 * 64 * 4);
-  SmallGemmParams bad = gemm_operands(dx, 64, dw, dout, 64, 4, 64, 64);
-  bad.kernel = SmallGemmKernel::kFragment;
-  CHECK(kda::layer::cuda::fragment_gemm_fits(bad));
-  bad.rows = kda::layer::cuda::kFragmentGemmMaxRows + 1;
-  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
-  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
-  bad.rows = 4;
-  bad.k = 60;
-  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
-  bad.k = 64;
-  bad.ldi = 56;
-  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
-  bad.ldi = 64;
-  bad.in = static_cast<const std::uint16_t*>(dx.get()) + 4;
-  CHECK_FALSE(kda::layer::cuda::fragment_gemm_fits(bad));
-  CHECK(kda::layer::cuda::launch_small_gemm(bad, nullptr) == cudaErrorInvalidValue);
+  check_refusals(SmallGemmKernel::kFragment, kda::layer::cuda::kFragmentGemmMaxRows,
+                 kda::layer::cuda::fragment_gemm_fits);
+#endif
+}
+
+TEST_CASE("few-row GEMM: the warpgroup kernel against fp64, 1 to 256 rows, every plan") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  // The decode shapes, tails of N (not a multiple of 64) and of K (not a multiple of 64: the last
+  // stage's columns past K arrive as zeros), K of one stage, and the smallest K.
+  const Shape shapes[] = {{12576, 2304}, {2304, 4096}, {1800, 2304}, {2304, 512}, {4760, 7168},
+                          {1536, 7168},  {7168, 1536}, {4096, 128},  {100, 40},   {129, 200},
+                          {3, 8},        {70, 136},    {65, 1000}};
+  std::uint64_t seed = 1200;
+  for (const Shape& s : shapes) {
+    for (const std::int64_t rows : {1, 2, 7, 8, 9, 16, 33, 64, 65, 128, 200, 256}) {
+      CAPTURE(s.n);
+      CAPTURE(s.k);
+      CAPTURE(rows);
+      auto sampled = [&](std::int64_t r) { return r % 13 == 0 || r >= s.n - 70; };
+      const FewRowCase c(s, rows, seed, sampled);
+      // The plan by shape, then forced consumer warpgroups (64 weight rows each) and K slices
+      // (blocks a cluster); bf16 and f32 out, plain and programmatic.
+      const int plans[][2] = {{0, 0}, {1, 1}, {2, 2}, {3, 3}, {4, 8}, {1, 5}, {2, 1}};
+      int variant = 0;
+      for (const auto& plan : plans) {
+        const bool f32 = variant % 2 == 1, programmatic = variant % 3 == 2;
+        ++variant;
+        CAPTURE(plan[0]);
+        CAPTURE(plan[1]);
+        CAPTURE(f32);
+        CAPTURE(programmatic);
+        DeviceBuffer out = c.output(f32);
+        SmallGemmParams p = c.params(out, f32);
+        p.kernel = SmallGemmKernel::kWarpgroup;
+        p.programmatic = programmatic;
+        p.warpgroup_consumers = plan[0];
+        p.warpgroup_splits = plan[1];
+        if (!kda::layer::cuda::warpgroup_gemm_fits(p)) {
+          // Forced plans the kernel has no variant for (registers) or with more slices than
+          // stages of K; the plan by shape always has one.
+          CHECK(plan[0] + plan[1] > 0);
+          const std::int64_t chunks = (s.k + 63) / 64;
+          const bool registers = (rows > 64 && plan[0] == 4) || (rows > 128 && plan[0] >= 3);
+          CHECK((registers || plan[1] > chunks));
+          continue;
+        }
+        const kda::layer::cuda::WarpgroupGemmPlan chosen = kda::layer::cuda::warpgroup_gemm_plan(p);
+        CHECK(chosen.n_rows >= rows);
+        CHECK(chosen.tiles * 64 * chosen.consumers >= s.n);
+        check_few_row_gemm(p, out, c.ref, sampled);
+      }
+    }
+  }
+  check_refusals(SmallGemmKernel::kWarpgroup, kda::layer::cuda::kWarpgroupGemmMaxRows,
+                 kda::layer::cuda::warpgroup_gemm_fits);
 #endif
 }
 
 // A programmatic launch reads its input only after the kernel before it is done: that kernel (the
-// sliced one-row kernel, or the tiled kernel) writes the input, the streamed / tiled kernel
-// launched right after it as its programmatic dependent reads it, against fp64 of what the first
-// one wrote.
+// sliced one-row kernel, the tiled kernel, or past its 64 rows the warpgroup kernel) writes the
+// input, the streamed / tiled / warpgroup kernel launched right after it as its programmatic
+// dependent reads it, against fp64 of what the first one wrote.
 TEST_CASE(
     "few-row GEMMs launched as programmatic dependents read the input the kernel before wrote") {
   if (!kda::test::gpu_or_skip()) return;
 #ifdef KDA_HAVE_CUDA
   const std::int64_t k0 = 4096, k = 2304, n = 12576;
   std::uint64_t seed = 700;
-  for (const std::int64_t rows : {1, 64}) {
+  for (const std::int64_t rows : {1, 64, 200}) {
     CAPTURE(rows);
     const std::vector<std::uint16_t> w0 =
         random_bits(static_cast<std::size_t>(k * k0), 0.05f, ++seed);
@@ -392,11 +453,15 @@ TEST_CASE(
         out(static_cast<std::size_t>(rows * n) * 2);
     DeviceBuffer scratch(std::size_t{8} << 20);
     SmallGemmParams first = gemm_operands(dx0, k0, dw0, x, k, rows, k, k0);
-    first.kernel = rows == 1 ? SmallGemmKernel::kSliced : SmallGemmKernel::kTiled;
+    first.kernel = rows == 1    ? SmallGemmKernel::kSliced
+                   : rows <= 64 ? SmallGemmKernel::kTiled
+                                : SmallGemmKernel::kWarpgroup;
     first.workspace = scratch.get();
     first.workspace_bytes = scratch.bytes();
     SmallGemmParams second = gemm_operands(x, k, dw, out, n, rows, n, k);
-    second.kernel = rows == 1 ? SmallGemmKernel::kStreamed : SmallGemmKernel::kTiled;
+    second.kernel = rows == 1    ? SmallGemmKernel::kStreamed
+                    : rows <= 64 ? SmallGemmKernel::kTiled
+                                 : SmallGemmKernel::kWarpgroup;
     second.programmatic = true;
     second.workspace = first.workspace;
     second.workspace_bytes = first.workspace_bytes;

@@ -308,7 +308,7 @@ cudaError_t launch_one_launch_step(const OneLaunchStepParams& p, cudaStream_t st
 // batches of at most kSmallGemmMaxRows tokens (decode steps of one sequence: the sliced kernel),
 // of up to kFragmentGemmMaxRows (the fragment kernel, on the shapes where it beat cuBLAS), and with
 // KDA_LAYER_SMALL_GEMM=streamed up to kTiledGemmMaxRows (small_gemm.cu).
-enum class SmallGemmKernel { kSliced, kStreamed, kTiled, kFragment };
+enum class SmallGemmKernel { kSliced, kStreamed, kTiled, kFragment, kWarpgroup };
 struct SmallGemmParams {
   const std::uint16_t* in = nullptr;
   std::int64_t ldi = 0;
@@ -334,6 +334,10 @@ struct SmallGemmParams {
   // split between a block's warps); 0 chooses by shape.
   int fragment_row_tiles = 0;
   int fragment_loads = 0;
+  // The warpgroup kernel's consumer warpgroups a block (1-4: 64 weight rows each) and K slices a
+  // tile (1-8: the blocks of a cluster); 0 chooses by shape (warpgroup_gemm_plan).
+  int warpgroup_consumers = 0;
+  int warpgroup_splits = 0;
 };
 inline constexpr std::int64_t kSmallGemmMaxRows = 1;
 // Whether launch_small_gemm takes `p`: 1..kSmallGemmMaxRows rows, k and ldi multiples of 8, in and
@@ -351,5 +355,24 @@ bool tiled_gemm_fits(const SmallGemmParams& p);
 inline constexpr std::int64_t kFragmentGemmMaxRows = 8;
 bool fragment_gemm_fits(const SmallGemmParams& p);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);
+
+// The warpgroup kernel (SmallGemmKernel::kWarpgroup, warpgroup_gemm.cu): 1..kWarpgroupGemmMaxRows
+// rows on wgmma, the weights and input rows brought in by tensor copies; K split over the blocks
+// of a thread block cluster, whose partial sums meet in distributed shared memory (no workspace).
+// Its plan for `p` on the current device: `consumers` warpgroups a block (64 weight rows each),
+// `splits` blocks a tile (the cluster), `tiles` tiles of 64 x consumers weight rows, and the rows a
+// product `n_rows` (8, 16, 32, 64, 128 or 256). Invalid (consumers 0) where no variant runs.
+inline constexpr std::int64_t kWarpgroupGemmMaxRows = 256;
+struct WarpgroupGemmPlan {
+  int consumers = 0, splits = 0, n_rows = 0;
+  std::int64_t tiles = 0;
+  bool valid() const { return consumers > 0; }
+};
+WarpgroupGemmPlan warpgroup_gemm_plan(const SmallGemmParams& p);
+// Whether it takes `p`: rows within kWarpgroupGemmMaxRows, k a multiple of 8 up to 2^30, ldi a
+// multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned, out aligned to its element,
+// and a plan on the current device.
+bool warpgroup_gemm_fits(const SmallGemmParams& p);
+cudaError_t launch_warpgroup_gemm(const SmallGemmParams& p, cudaStream_t stream);
 
 }  // namespace kda::layer::cuda

@@ -682,6 +682,7 @@ bool streamed_gemm_fits(const SmallGemmParams& p) {
 }
 
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream) {
+  if (p.kernel == SmallGemmKernel::kWarpgroup) return launch_warpgroup_gemm(p, stream);
   const bool fits = p.kernel == SmallGemmKernel::kTiled      ? tiled_gemm_fits(p)
                     : p.kernel == SmallGemmKernel::kFragment ? fragment_gemm_fits(p)
                                                              : small_gemm_fits(p);
