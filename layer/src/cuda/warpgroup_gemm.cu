@@ -19,8 +19,9 @@
 //     block r of the cluster adds the S blocks' sums of its share of the rows, in rank order
 //     (through distributed shared memory), and stores them as bf16 or f32. No workspace, no second
 //     launch, and the same bits on every run for one plan.
-// The plan (C, S) is chosen by shape for the device: the fewest waves of clusters, then the fewest
-// bytes a block streams (an input byte from L2 counted half a weight byte from memory).
+// The plan (C, S) is chosen by shape for the device: the least waves of clusters times the bytes a
+// block streams (an input byte from L2 counted half a weight byte from memory), then the fewest
+// blocks.
 #include <cuda.h>
 #include <cuda_bf16.h>
 
@@ -103,6 +104,8 @@ __global__ void __launch_bounds__(C * 128 + 32, 1)
   constexpr int kStages = stages<N, C>();
   constexpr int kStageBytes = stage_bytes<N, C>();
   constexpr int kWeightBytes = BN * kRowBytes;
+  // A stage goes back only once the next one's products are issued: one stage would deadlock.
+  static_assert(kStages >= 2, "the ring needs two stages");
   extern __shared__ unsigned char smem_raw[];
   __shared__ std::uint64_t full[kStages], empty[kStages];
   unsigned char* ring = reinterpret_cast<unsigned char*>(
@@ -342,31 +345,73 @@ int cluster_capacity(int n_rows, int c, int splits) {
   if (known >= 0) return known;
   int clusters = 0;
   const Variant v = variant_for(n_rows, c);
-  if (v.fn != nullptr && v.allow() == cudaSuccess) {
-    if (splits == 1) {
-      int per_sm = 0;
-      if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-              &per_sm, v.fn, c * 128 + 32, static_cast<std::size_t>(v.smem)) == cudaSuccess) {
-        clusters = per_sm * kda::detail::current_device_sm_count();
-      }
-    } else {
-      cudaLaunchConfig_t config{};
-      config.gridDim = dim3(static_cast<unsigned>(splits * kda::detail::current_device_sm_count()));
-      config.blockDim = dim3(static_cast<unsigned>(c * 128 + 32));
-      config.dynamicSmemBytes = static_cast<std::size_t>(v.smem);
-      cudaLaunchAttribute attribute{};
-      attribute.id = cudaLaunchAttributeClusterDimension;
-      attribute.val.clusterDim.x = static_cast<unsigned>(splits);
-      attribute.val.clusterDim.y = 1;
-      attribute.val.clusterDim.z = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
-      if (cudaOccupancyMaxActiveClusters(&clusters, v.fn, &config) != cudaSuccess) clusters = 0;
-    }
+  if (v.fn == nullptr) return 0;
+  cudaError_t err = v.allow();
+  if (err == cudaSuccess && splits == 1) {
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, v.fn, c * 128 + 32,
+                                                        static_cast<std::size_t>(v.smem));
+    clusters = per_sm * kda::detail::current_device_sm_count();
+  } else if (err == cudaSuccess) {
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(static_cast<unsigned>(splits * kda::detail::current_device_sm_count()));
+    config.blockDim = dim3(static_cast<unsigned>(c * 128 + 32));
+    config.dynamicSmemBytes = static_cast<std::size_t>(v.smem);
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(splits);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    err = cudaOccupancyMaxActiveClusters(&clusters, v.fn, &config);
+  }
+  if (err != cudaSuccess) {
+    // This call's own error, cleared; not remembered, so that a later call asks again.
     cudaGetLastError();
+    return 0;
   }
   slot.store(clusters, std::memory_order_release);
   return clusters;
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's cuTensorMapEncodeTiled, looked up once (the runtime hands it out; nothing links the
+// driver library).
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<EncodeTiled>(nullptr);
+    }
+    return reinterpret_cast<EncodeTiled>(ptr);
+  }();
+  return fn;
+}
+
+// The operands the kernel takes, whatever the plan. The tensor maps' limits: global strides
+// multiples of 16 bytes below 2^40, dimensions below 2^32.
+bool operands_fit(const SmallGemmParams& p) {
+  const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
+    return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
+  };
+  return p.rows >= 1 && p.rows <= kWarpgroupGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
+         p.k <= (std::int64_t{1} << 30) && p.n <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 &&
+         p.ldi >= p.k && p.ldi < (std::int64_t{1} << 39) && p.ldo >= p.n && aligned(p.in, 16) &&
+         aligned(p.weight, 16) && aligned(p.out, p.out_f32 ? 4 : 2) && encode_tiled() != nullptr;
+}
+
+// A plan the launch can run: some variant, and a grid within its x limit.
+bool plan_runs(const WarpgroupGemmPlan& plan) {
+  return plan.valid() && plan.tiles <= 0x7fffffff / kMaxCluster;
 }
 
 }  // namespace
@@ -407,41 +452,10 @@ WarpgroupGemmPlan warpgroup_gemm_plan(const SmallGemmParams& p) {
 }
 
 bool warpgroup_gemm_fits(const SmallGemmParams& p) {
-  const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
-    return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
-  };
-  // The tensor maps' limits: global strides multiples of 16 bytes below 2^40, dimensions below
-  // 2^32.
-  return p.rows >= 1 && p.rows <= kWarpgroupGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
-         p.k <= (std::int64_t{1} << 30) && p.n <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 &&
-         p.ldi >= p.k && p.ldo >= p.n && aligned(p.in, 16) && aligned(p.weight, 16) &&
-         aligned(p.out, p.out_f32 ? 4 : 2) && warpgroup_gemm_plan(p).valid() &&
-         warpgroup_gemm_plan(p).tiles <= 0x7fffffff / kMaxCluster;
+  return operands_fit(p) && plan_runs(warpgroup_gemm_plan(p));
 }
 
 namespace {
-
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's cuTensorMapEncodeTiled, looked up once (the runtime hands it out; nothing links the
-// driver library).
-EncodeTiled encode_tiled() {
-  static const EncodeTiled fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<EncodeTiled>(nullptr);
-    }
-    return reinterpret_cast<EncodeTiled>(ptr);
-  }();
-  return fn;
-}
 
 // A bf16 matrix [rows, cols] (row stride `stride` elements) as boxes of [box_rows x 64] with the
 // 128-byte swizzle.
@@ -462,8 +476,9 @@ bool encode_bf16_map(CUtensorMap* map, const void* base, std::int64_t rows, std:
 }  // namespace
 
 cudaError_t launch_warpgroup_gemm(const SmallGemmParams& p, cudaStream_t stream) {
-  if (!warpgroup_gemm_fits(p)) return cudaErrorInvalidValue;
+  if (!operands_fit(p)) return cudaErrorInvalidValue;
   const WarpgroupGemmPlan plan = warpgroup_gemm_plan(p);
+  if (!plan_runs(plan)) return cudaErrorInvalidValue;
   CUtensorMap weight_map, in_map;
   if (!encode_bf16_map(&weight_map, p.weight, p.n, p.k, p.k, 64 * plan.consumers) ||
       !encode_bf16_map(&in_map, p.in, p.rows, p.k, p.ldi, plan.n_rows)) {
