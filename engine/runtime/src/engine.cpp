@@ -311,20 +311,17 @@ struct Engine::Impl {
   void check_sequence_state_header(const SequenceStateHeader& got,
                                    std::uint64_t payload_bytes) const;
 
-  // `block_in`: the host buffer holds a block to write, whose header is checked before its size,
-  // so that a block of another layout is named by the fields that differ.
-  void check_sequence_state_access(const char* what, int slot, const void* host,
-                                   std::uint64_t bytes, std::uint64_t expected,
-                                   bool block_in) const {
+  // A sequence-state call's slot and host buffer; its size is checked apart (a block to write has
+  // its header checked first, so that a block of another layout is named by the fields that
+  // differ).
+  void check_sequence_state_buffer(const char* what, int slot, const void* host) const {
     if (slot < 0 || slot >= num_slots()) {
       fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
     }
     if (host == nullptr) fail(std::string(what) + ": the host buffer is null");
-    if (block_in && bytes >= sizeof(SequenceStateHeader)) {
-      SequenceStateHeader header;
-      std::memcpy(&header, host, sizeof(header));
-      check_sequence_state_header(header, expected - sizeof(SequenceStateHeader));
-    }
+  }
+  void check_sequence_state_size(const char* what, std::uint64_t bytes,
+                                 std::uint64_t expected) const {
     if (bytes != expected) {
       fail(std::string(what) + ": " + std::to_string(bytes) + " bytes, the sequence's states are " +
            std::to_string(expected) + " (sequence_state_bytes)");
@@ -1497,8 +1494,8 @@ void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
 
 void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
   const Impl& m = *impl_;
-  m.check_sequence_state_access("read_sequence_state", slot, host_dst, bytes,
-                                sequence_state_bytes(), false);
+  m.check_sequence_state_buffer("read_sequence_state", slot, host_dst);
+  m.check_sequence_state_size("read_sequence_state", bytes, sequence_state_bytes());
   const SequenceStateHeader header = m.sequence_state_header(bytes - sizeof(SequenceStateHeader));
   std::memcpy(host_dst, &header, sizeof(header));
   auto* at = static_cast<std::uint8_t*>(host_dst) + sizeof(header);
@@ -1510,8 +1507,14 @@ void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) 
 
 void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t bytes) {
   Impl& m = *impl_;
-  m.check_sequence_state_access("write_sequence_state", slot, host_src, bytes,
-                                sequence_state_bytes(), true);
+  const std::uint64_t expected = sequence_state_bytes();
+  m.check_sequence_state_buffer("write_sequence_state", slot, host_src);
+  if (bytes >= sizeof(SequenceStateHeader)) {
+    SequenceStateHeader header;
+    std::memcpy(&header, host_src, sizeof(header));
+    m.check_sequence_state_header(header, expected - sizeof(SequenceStateHeader));
+  }
+  m.check_sequence_state_size("write_sequence_state", bytes, expected);
   if (!m.in_use(slot)) {
     fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
   }
