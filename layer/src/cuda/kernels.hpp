@@ -354,6 +354,10 @@ bool tiled_gemm_fits(const SmallGemmParams& p);
 // rows, and operands as the tiled kernel's (it needs no workspace).
 inline constexpr std::int64_t kFragmentGemmMaxRows = 8;
 bool fragment_gemm_fits(const SmallGemmParams& p);
+// The operands the tiled, fragment and warpgroup kernels share: 1..max_rows rows, k a multiple of
+// 8 up to 2^30, n up to 2^30, ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte
+// aligned, out aligned to its element.
+bool few_row_operands_fit(const SmallGemmParams& p, std::int64_t max_rows);
 cudaError_t launch_small_gemm(const SmallGemmParams& p, cudaStream_t stream);
 
 // The warpgroup kernel (SmallGemmKernel::kWarpgroup, warpgroup_gemm.cu): 1..kWarpgroupGemmMaxRows

@@ -652,20 +652,20 @@ cudaError_t launch_tiled(const SmallGemmParams& p, const TiledPlan& plan,
   }
 }
 
-// The operands of the tiled and fragment kernels: 1..max_rows rows, k a multiple of 8 up to 2^30,
-// ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned, out aligned to its
-// element.
+}  // namespace
+
+// The operands of the tiled, fragment and warpgroup kernels (kernels.hpp): 1..max_rows rows, k a
+// multiple of 8 up to 2^30, ldi a multiple of 8 and >= k, ldo >= n, in and weight 16-byte aligned,
+// out aligned to its element.
 bool few_row_operands_fit(const SmallGemmParams& p, std::int64_t max_rows) {
   const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
     return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
   };
   return p.rows >= 1 && p.rows <= max_rows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
          p.k <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 && p.ldi >= p.k && p.ldo >= p.n &&
-         aligned16(p.in) && aligned16(p.weight) && aligned(p.out, p.out_f32 ? 4 : 2) &&
+         aligned(p.in, 16) && aligned(p.weight, 16) && aligned(p.out, p.out_f32 ? 4 : 2) &&
          p.n <= (std::int64_t{1} << 30);
 }
-
-}  // namespace
 
 bool tiled_gemm_fits(const SmallGemmParams& p) {
   return few_row_operands_fit(p, kTiledGemmMaxRows) &&

@@ -25,10 +25,8 @@
 #include <cuda.h>
 #include <cuda_bf16.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 
 #include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
@@ -327,22 +325,15 @@ Variant variant_for(int n_rows, int c) {
 // looked up once a device and kernel (0 where the kernel or the cluster cannot run).
 int cluster_capacity(int n_rows, int c, int splits) {
   constexpr int kMaxDevices = 64;
-  // [device][log2(N / 8)][C - 1][splits - 1]; -1: not looked up yet.
-  static std::atomic<int> table[kMaxDevices][6][4][kMaxCluster];
-  static std::once_flag once;
-  std::call_once(once, [] {
-    for (auto& device : table)
-      for (auto& nr : device)
-        for (auto& cc : nr)
-          for (auto& v : cc) v.store(-1, std::memory_order_relaxed);
-  });
+  // [device][log2(N / 8)][C - 1][splits - 1]: the capacity plus one; 0, not looked up yet.
+  static std::atomic<int> table[kMaxDevices][6][4][kMaxCluster] = {};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
   int log = 0;
   while ((8 << log) < n_rows) ++log;
   std::atomic<int>& slot = table[device][log][c - 1][splits - 1];
-  int known = slot.load(std::memory_order_acquire);
-  if (known >= 0) return known;
+  const int known = slot.load(std::memory_order_acquire);
+  if (known > 0) return known - 1;
   int clusters = 0;
   const Variant v = variant_for(n_rows, c);
   if (v.fn == nullptr) return 0;
@@ -371,7 +362,7 @@ int cluster_capacity(int n_rows, int c, int splits) {
     cudaGetLastError();
     return 0;
   }
-  slot.store(clusters, std::memory_order_release);
+  slot.store(clusters + 1, std::memory_order_release);
   return clusters;
 }
 
@@ -397,16 +388,11 @@ EncodeTiled encode_tiled() {
   return fn;
 }
 
-// The operands the kernel takes, whatever the plan. The tensor maps' limits: global strides
-// multiples of 16 bytes below 2^40, dimensions below 2^32.
+// The operands the kernel takes, whatever the plan: the few-row kernels' (small_gemm.cu), an input
+// row stride within the tensor map's limit (strides below 2^40 bytes), and the driver's encoder.
 bool operands_fit(const SmallGemmParams& p) {
-  const auto aligned = [](const void* ptr, std::uintptr_t bytes) {
-    return (reinterpret_cast<std::uintptr_t>(ptr) & (bytes - 1)) == 0;
-  };
-  return p.rows >= 1 && p.rows <= kWarpgroupGemmMaxRows && p.n >= 1 && p.k >= 8 && p.k % 8 == 0 &&
-         p.k <= (std::int64_t{1} << 30) && p.n <= (std::int64_t{1} << 30) && p.ldi % 8 == 0 &&
-         p.ldi >= p.k && p.ldi < (std::int64_t{1} << 39) && p.ldo >= p.n && aligned(p.in, 16) &&
-         aligned(p.weight, 16) && aligned(p.out, p.out_f32 ? 4 : 2) && encode_tiled() != nullptr;
+  return few_row_operands_fit(p, kWarpgroupGemmMaxRows) && p.ldi < (std::int64_t{1} << 39) &&
+         encode_tiled() != nullptr;
 }
 
 // A plan the launch can run: some variant, and a grid within its x limit.
