@@ -1533,6 +1533,38 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   CHECK(read_text(dir.file("in.safetensors")) == before);
 }
 
+// Kimi K3's layer: the file holds g_proj instead of g_a_proj / g_b_proj, and the case runs the
+// full-rank output gate; a file holding both forms is refused, naming them.
+TEST_CASE("kda-run --layer-case: the full-rank output gate (g_proj) equals the CPU layer") {
+  kda::layer::Config config = layer_config();
+  config.full_rank_gate = true;
+  const auto weights = kda::layer::random_weights(config, 9, 2);
+  REQUIRE(!weights.g_proj.empty());
+  const std::vector<std::uint16_t> hidden = random_bits(9 * kLayerE, 1.0f, 14);
+  CaseFile f = layer_case(weights, hidden);
+  REQUIRE(f.tensors.count("g_proj.weight") == 1);
+  REQUIRE(f.tensors.count("g_a_proj.weight") == 0);
+  f.tensors.emplace("cu_seqlens", typed_tensor("cu_seqlens", DType::kI64,
+                                               std::vector<std::int64_t>{0, 4, 9}, {3}));
+  TempDir dir;
+  f.save(dir.file("k3.safetensors"));
+  const Result r = kda_run({"--layer-case", dir.file("k3.safetensors"), "--output",
+                            dir.file("k3-out.safetensors"), "--backend", "cpu"});
+  INFO(r.err);
+  REQUIRE(r.rc == 0);
+  const auto out = kda::engine::SafetensorsFile::open(dir.file("k3-out.safetensors"));
+  const LayerRun expected = run_direct(weights, hidden, {0, 4, 9});
+  CHECK(values_of<std::uint16_t>(out.read("out")) == expected.out);
+  CHECK(values_of<float>(out.read("recurrent_state")) == expected.recurrent);
+
+  const auto low_rank = kda::layer::random_weights(layer_config(), 9, 2);
+  CaseFile both = f;
+  for (const Tensor& t : kda::engine::layer_weight_tensors(low_rank)) {
+    if (t.name == "g_a_proj.weight" || t.name == "g_b_proj.weight") both.tensors.emplace(t.name, t);
+  }
+  check_layer_rejected(both, "both output gate forms present: 'g_proj.weight' (full rank)");
+}
+
 TEST_CASE("kda-run --layer-case: prefill checkpoints equal the states of the prefixes") {
   const auto weights = kda::layer::random_weights(layer_config(), 5, 0);
   const std::vector<std::int64_t> lengths = {37, 20}, cu = {0, 37, 57};

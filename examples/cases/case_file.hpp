@@ -88,7 +88,9 @@ void run_case_file(const std::string& input_path, const std::string& output_path
 //            the layer's weights under their checkpoint names without the layer prefix
 //              (q_proj.weight, ..., o_proj.weight; kda/engine/layer_weights_io.hpp has the table),
 //              which also give the sizes: H from b_proj.weight [H, E], D from o_norm.weight [D],
-//              the conv width W from q_conv1d.weight [C, 1, W]
+//              the conv width W from q_conv1d.weight [C, 1, W]; and the output gate's form:
+//              g_proj.weight [C, E] (full rank, Kimi K3) or g_a_proj / g_b_proj (low rank), not
+//              both; g_b_proj.bias [C] when present
 //            cu_seqlens     I64 or I32 [N + 1]            (optional; else N = 1, the T tokens)
 //            conv_state_q, conv_state_k, conv_state_v  BF16 [N, H*D, W-1]   (optional; else zeros)
 //            recurrent_state  F32 or BF16 [N, H, V, K]   (optional; else zeros)

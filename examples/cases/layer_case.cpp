@@ -97,6 +97,9 @@ LayerCase load_layer_case(const std::string& path) {
   config.num_heads = beta.shape[0];
   config.head_dim = norm.shape[0];
   config.conv_width = conv.shape.back();
+  // The output gate's form is told by its tensors: g_proj (full rank, Kimi K3) or g_a_proj /
+  // g_b_proj (low rank); a file holding both is refused when the weights are read.
+  config.full_rank_gate = file.find("g_proj.weight") != nullptr;
 
   // Metadata.
   detail::read_case_gate(metadata, path, &config.gate, &config.lower_bound);

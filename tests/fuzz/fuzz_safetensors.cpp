@@ -2,10 +2,12 @@
 //
 // The input is the content of a file. It is written to an in-memory file (memfd; a temporary file
 // where memfd is missing) and read back through the public path: SafetensorsFile::open (framing and
-// header validation), read_all (every tensor's data), then load_case (the case-file contract) and,
-// for tiny valid cases, one CPU forward. Contract under test: kda::Error is the only failure;
-// a crash, undefined behaviour, a leak, another exception type, or an accepted file whose tensors
-// break the documented invariants is a finding (abort, so that libFuzzer keeps the input).
+// header validation), read_all (every tensor's data), then both case-file contracts: load_case (the
+// KDA core: prefill, checkpoints, decode mode) and load_layer_case (the whole layer), and for tiny
+// valid cases one CPU forward of each. Contract under test: kda::Error is the only failure; a
+// crash, undefined behaviour, a leak, another exception type, an accepted file whose tensors break
+// the documented invariants, or a forward whose outputs are not the documented tensors of the
+// documented shapes is a finding (abort, so that libFuzzer keeps the input).
 //
 // Mutations that insert or delete bytes in the JSON header break the 8-byte length field, so each
 // input is also tried with that field rewritten to end the header at the input's last '}': the
@@ -113,10 +115,95 @@ void check_file(const kda::engine::SafetensorsFile& file, std::size_t file_size)
 }
 
 // A forward is run only on tiny cases: the point is the validation, not the arithmetic.
-bool tiny(const kda::Problem& p) {
+bool tiny(const kda::engine::KdaCase& c) {
+  if (c.mode == kda::engine::CaseMode::kDecode) {
+    const kda::DecodeProblem& d = c.decode;
+    return d.batch * d.tokens <= 64 && d.num_heads <= 4 && d.head_dim_k <= 64 && d.head_dim_v <= 64;
+  }
+  const kda::Problem& p = c.problem;
   const std::int64_t tokens = p.batch * p.seq_len;
   return tokens <= 64 && p.num_heads <= 4 && p.head_dim_k <= 64 && p.head_dim_v <= 64 &&
-         p.sequences() <= 8;
+         p.sequences() <= 8 && p.checkpoints <= 4;
+}
+
+bool tiny(const kda::engine::LayerCase& c) {
+  const kda::layer::Config& config = c.weights.config;
+  return c.tokens <= 64 && c.sequences <= 8 && config.hidden_size <= 128 &&
+         config.num_heads * config.head_dim <= 128 && config.conv_width <= 8 && c.checkpoints <= 4;
+}
+
+using Shape = std::vector<std::int64_t>;
+
+// The output named `name` with `shape`, at position `index` of `outputs`.
+void expect_output(const std::vector<kda::engine::Tensor>& outputs, std::size_t index,
+                   const std::string& name, const Shape& shape) {
+  expect(index < outputs.size() && outputs[index].name == name,
+         "output " + std::to_string(index) + " is '" + name + "'");
+  expect(outputs[index].shape == shape, "output '" + name + "' has shape " +
+                                            kda::engine::shape_to_string(shape) + ", not " +
+                                            kda::engine::shape_to_string(outputs[index].shape));
+}
+
+void run_kda_case(const std::string& path) {
+  const kda::engine::KdaCase c = kda::engine::load_case(path);
+  if (!tiny(c)) return;
+  const std::vector<kda::engine::Tensor> outputs =
+      kda::engine::run_case(c, kda::engine::BackendChoice::kCpu);
+  if (c.mode == kda::engine::CaseMode::kDecode) {
+    const kda::DecodeProblem& d = c.decode;
+    const std::int64_t H = d.num_heads, K = d.head_dim_k, V = d.head_dim_v;
+    expect(outputs.size() == 3,
+           "a decode case's outputs are out, final_state, intermediate_states");
+    expect_output(outputs, 0, "out", {d.batch, d.tokens, H, V});
+    expect_output(outputs, 1, "final_state", {d.batch, H, V, K});
+    expect_output(outputs, 2, "intermediate_states", {d.batch, d.tokens, H, V, K});
+    return;
+  }
+  const kda::Problem& p = c.problem;
+  const std::int64_t N = p.sequences(), H = p.num_heads, K = p.head_dim_k, V = p.head_dim_v;
+  expect_output(outputs, 0, "out", {p.batch, p.seq_len, H, V});
+  std::size_t next = 1;
+  if (next < outputs.size() && outputs[next].name == "final_state") {
+    expect_output(outputs, next++, "final_state", {N, H, V, K});
+  }
+  if (p.checkpoints > 0) {
+    expect_output(outputs, next++, "checkpoint_states", {N, p.checkpoints, H, V, K});
+  }
+  expect(outputs.size() == next, "a prefill case's outputs are the documented ones");
+}
+
+void run_layer_case(const std::string& path) {
+  const kda::engine::LayerCase c = kda::engine::load_layer_case(path);
+  if (!tiny(c)) return;
+  const std::vector<kda::engine::Tensor> outputs =
+      kda::engine::run_layer_case(c, kda::engine::BackendChoice::kCpu);
+  const kda::layer::Config& config = c.weights.config;
+  const std::int64_t N = c.sequences, H = config.num_heads, D = config.head_dim;
+  const std::int64_t C = H * D, W1 = config.conv_width - 1;
+  expect_output(outputs, 0, "out", {c.tokens, config.hidden_size});
+  std::size_t next = 1;
+  if (c.final_dtype != kda::DType::kNone) {
+    for (const char* name : {"conv_state_q", "conv_state_k", "conv_state_v"}) {
+      expect_output(outputs, next++, name, {N, C, W1});
+    }
+    expect_output(outputs, next++, "recurrent_state", {N, H, D, D});
+  }
+  if (c.checkpoints > 0) {
+    expect_output(outputs, next++, "checkpoint_states", {N, c.checkpoints, H, D, D});
+    for (const char* name :
+         {"checkpoint_conv_state_q", "checkpoint_conv_state_k", "checkpoint_conv_state_v"}) {
+      expect_output(outputs, next++, name, {N, c.checkpoints, C, W1});
+    }
+  }
+  if (c.decode_tokens > 0) {
+    const std::int64_t T = c.decode_tokens;
+    expect_output(outputs, next++, "intermediate_states", {N, T, H, D, D});
+    for (const char* name :
+         {"intermediate_conv_state_q", "intermediate_conv_state_k", "intermediate_conv_state_v"}) {
+      expect_output(outputs, next++, name, {N, T, C, W1});
+    }
+  }
+  expect(outputs.size() == next, "a layer case's outputs are the documented ones");
 }
 
 void run_one(const std::string& path, std::size_t file_size) {
@@ -124,15 +211,14 @@ void run_one(const std::string& path, std::size_t file_size) {
     const kda::engine::SafetensorsFile file = kda::engine::SafetensorsFile::open(path);
     check_file(file, file_size);
   } catch (const kda::Error&) {
-    return;  // a bad file: the documented outcome (the case path would fail the same way)
+    return;  // a bad file: the documented outcome (the case paths would fail the same way)
   }
   try {
-    const kda::engine::KdaCase kda_case = kda::engine::load_case(path);
-    if (tiny(kda_case.problem)) {
-      const std::vector<kda::engine::Tensor> outputs =
-          kda::engine::run_case(kda_case, kda::engine::BackendChoice::kCpu);
-      expect(!outputs.empty() && outputs[0].name == "out", "run_case returns out first");
-    }
+    run_kda_case(path);
+  } catch (const kda::Error&) {
+  }
+  try {
+    run_layer_case(path);
   } catch (const kda::Error&) {
   }
 }

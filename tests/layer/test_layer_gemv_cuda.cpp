@@ -386,6 +386,9 @@ TEST_CASE("few-row GEMM: the warpgroup kernel against fp64, 1 to 256 rows, every
                           {1536, 7168},  {7168, 1536}, {4096, 128},  {100, 40},   {129, 200},
                           {3, 8},        {70, 136},    {65, 1000}};
   std::uint64_t seed = 1200;
+  // Runs whose plan splits K over a cluster: a forced split plan may be refused (the device's
+  // cluster capacity), but not all of them, or the distributed shared memory sums went untested.
+  int cluster_runs = 0;
   for (const Shape& s : shapes) {
     for (const std::int64_t rows : {1, 2, 7, 8, 9, 16, 32, 33, 64, 65, 128, 200, 256}) {
       CAPTURE(s.n);
@@ -424,10 +427,13 @@ TEST_CASE("few-row GEMM: the warpgroup kernel against fp64, 1 to 256 rows, every
         const kda::layer::cuda::WarpgroupGemmPlan chosen = kda::layer::cuda::warpgroup_gemm_plan(p);
         CHECK(chosen.n_rows >= rows);
         CHECK(chosen.tiles * 64 * chosen.consumers >= s.n);
+        if (chosen.splits > 1) ++cluster_runs;
         check_few_row_gemm(p, out, c.ref, sampled);
       }
     }
   }
+  INFO("no plan ran K split over a cluster");
+  CHECK(cluster_runs > 0);
   check_refusals(SmallGemmKernel::kWarpgroup, kda::layer::cuda::kWarpgroupGemmMaxRows,
                  kda::layer::cuda::warpgroup_gemm_fits);
 #endif

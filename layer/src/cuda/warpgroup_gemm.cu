@@ -214,6 +214,8 @@ __global__ void __launch_bounds__(C * 128 + 32, 1)
   constexpr int kQuads = BN / 4;
   for (int at = tid; at < (r1 - r0) * kQuads; at += blockDim.x) {
     const int row = r0 + at / kQuads, quad = at % kQuads;
+    const std::int64_t col = col0 + 4 * quad;
+    if (col >= a.n) continue;  // the last tile's columns past n: nothing to read or store
     const float* local = sums + row * kSumsStride + 4 * quad;
     float4 v;
     if (a.splits == 1) {
@@ -225,8 +227,6 @@ __global__ void __launch_bounds__(C * 128 + 32, 1)
         v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
       }
     }
-    const std::int64_t col = col0 + 4 * quad;
-    if (col >= a.n) continue;
     const std::int64_t at_out = row * a.ldo + col;
     const float values[4] = {v.x, v.y, v.z, v.w};
     if (vector_out && col + 4 <= a.n) {
