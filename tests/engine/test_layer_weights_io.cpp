@@ -113,6 +113,22 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
   const std::string message = error_of([&] { Checkpoint::open(dir.path.string()); });
   CHECK(message.find("model.layers.2.self_attn.o_proj.weight") != std::string::npos);
   CHECK(message.find("model-00001-of-00002.safetensors") != std::string::npos);
+
+  // Shards outside the index's directory are refused before anything is opened, although the
+  // files named exist.
+  TempDir inner_dir;
+  const std::string outside = dir.file("model-00002-of-00002.safetensors");
+  for (const std::string& shard :
+       {std::string(""), outside,
+        "../" + dir.path.filename().string() + "/model-00002-of-00002.safetensors"}) {
+    CAPTURE(shard);
+    nlohmann::json inner;
+    inner["weight_map"]["model.embed_tokens.weight"] = shard;
+    std::ofstream(inner_dir.file("model.safetensors.index.json")) << inner.dump();
+    const std::string refusal = error_of([&] { Checkpoint::open(inner_dir.path.string()); });
+    CHECK(refusal.find("names the shard '" + shard + "', not a file under the index's directory") !=
+          std::string::npos);
+  }
 }
 
 TEST_CASE("bad layer weights: missing, misshapen or wrongly typed tensors are refused by name") {

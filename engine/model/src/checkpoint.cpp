@@ -78,6 +78,16 @@ Checkpoint Checkpoint::open(const std::string& path) {
       fail(index_path, "weight_map entry '" + it.key() + "' is not a file name");
     }
     const std::string shard = it.value().get<std::string>();
+    // Shards lie beside the index (Hugging Face's layout): an index downloaded with a model must
+    // not make the loader open files elsewhere.
+    const fs::path shard_path(shard);
+    const bool climbs = std::any_of(shard_path.begin(), shard_path.end(),
+                                    [](const fs::path& part) { return part == ".."; });
+    if (shard.empty() || shard_path.has_root_path() || climbs) {
+      fail(index_path, "weight_map entry '" + it.key() + "' names the shard '" + shard +
+                           "', not a file under the index's directory (empty, absolute or "
+                           "climbing with '..')");
+    }
     auto [position, added] = file_of_shard.emplace(shard, checkpoint.files_.size());
     if (added) checkpoint.files_.push_back(SafetensorsFile::open((dir / shard).string()));
     const SafetensorsFile& file = checkpoint.files_[position->second];

@@ -4,7 +4,8 @@
 // Checkpoint::open(path) accepts
 //   - a .safetensors file;
 //   - an index file (`*.index.json`, Hugging Face's sharded layout): {"weight_map": {"tensor name":
-//     "shard file name", ...}, ...}, shard names relative to the index's directory;
+//     "shard file name", ...}, ...}, shard names relative to the index's directory (an empty or
+//     absolute name, or one with a '..' component, is refused);
 //   - a directory holding `model.safetensors.index.json` or else `model.safetensors`.
 // Every shard the index names is opened (its header read and validated, no tensor data) when the
 // checkpoint is opened; tensor data is read on demand. An index entry whose shard lacks the tensor,
