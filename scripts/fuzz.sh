@@ -20,7 +20,7 @@ seed="${KDA_FUZZ_SEED:-1}"
 build_dir="${KDA_FUZZ_BUILD_DIR:-$root/build-fuzz}"
 artifacts="${KDA_FUZZ_ARTIFACTS:-$build_dir/fuzz-artifacts}"
 jobs="${KDA_JOBS:-$(nproc 2>/dev/null || echo 2)}"
-harnesses=(model_spec safetensors)
+harnesses=(model_spec safetensors operator)
 
 if ! [[ "$seconds" =~ ^[0-9]+$ ]] || [[ "$seconds" -lt 1 ]]; then
   echo "fuzz.sh: SECONDS must be a positive integer, got '$seconds'" >&2
@@ -79,8 +79,11 @@ for name in "${harnesses[@]}"; do
   log="$artifacts/fuzz_$name.log"
   echo "fuzz.sh: fuzz_$name for ${seconds}s (log: $log)"
   # -timeout: one input running 30 s is a hang; -rss_limit_mb: runaway memory is a finding too.
+  # A dictionary where the input is text (the structured operator harness has none).
+  dict=()
+  if [[ -f "$root/tests/fuzz/$name.dict" ]]; then dict=(-dict="$root/tests/fuzz/$name.dict"); fi
   if "$harness" "$work/$name" -seed="$seed" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=2560 \
-       -dict="$root/tests/fuzz/$name.dict" -artifact_prefix="$artifacts/fuzz_$name-" \
+       "${dict[@]}" -artifact_prefix="$artifacts/fuzz_$name-" \
        -print_final_stats=1 >"$log" 2>&1; then
     grep -E '^stat::number_of_executed_units' "$log" | sed "s/^/fuzz.sh: fuzz_$name /" || true
   else
