@@ -78,7 +78,9 @@ class Stream {
 const char* const kUsage =
     R"(Usage:
   kda-run --model M.yaml [--core-only] [--strict-config] [--tokens T] [--sequences N] [--decode-steps S]
-          [--verify-tokens K [--verify-form tokens|records|fold]]
+          [--verify-tokens K [--verify-form tokens|records|fold]] [--graphs on|off]
+          [--prefill-schedule auto|two-phase|pipelined]
+          [--decode-step auto|one-launch|fused|fused-after-gemms|separate]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan] [--ranks N]
           [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N] [--state-dtype fp32|bf16]
   kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
@@ -448,6 +450,11 @@ double median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[mid] : 0.5 * (values[mid - 1] + values[mid]);
 }
 
+// "1 step", "2 steps": a count and its noun, plural where it is not one.
+std::string counted(long long count, const char* noun) {
+  return std::to_string(count) + " " + noun + (count == 1 ? "" : "s");
+}
+
 // The kernels the CUDA whole layers' decode steps ran (what --decode-step auto chose), in layer
 // order without repeats, for the decode line: "; one-launch step"; "" where none ran (the CPU,
 // core-only layers).
@@ -798,17 +805,20 @@ int run_ranks(const Options& o, const kda::engine::ModelSpec& spec, BackendChoic
   }
   const std::size_t layers = first.report.layer_seconds.size();
   std::printf(
-      "total: %zu KDA layers in %.3f s: %.0f tokens/s through the whole stack; the all-reduces "
+      "total: %s in %.3f s: %.0f tokens/s through the whole stack; the all-reduces "
       "%.1f%% of it\n",
-      layers, total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+      counted(static_cast<long long>(layers), "KDA layer").c_str(), total,
+      total > 0 ? static_cast<double>(tokens) / total : 0.0,
       total > 0 ? 100.0 * all_reduce * static_cast<double>(layers) / total : 0.0);
   if (o.decode_steps > 0) {
     const double step = median(first.report.decode_step_seconds);
     std::printf(
-        "decode: %lld steps of 1 token x %lld sequence%s through %zu KDA layers on %d ranks: "
-        "median %.3f ms per step (rank 0, eager%s)\n",
-        static_cast<long long>(o.decode_steps), static_cast<long long>(o.sequences),
-        o.sequences == 1 ? "" : "s", layers, n, step * 1e3, first.decode_ran.c_str());
+        "decode: %s of 1 token x %s through %s on %d ranks: median %.3f ms per step (rank 0, "
+        "eager%s)\n",
+        counted(static_cast<long long>(o.decode_steps), "step").c_str(),
+        counted(static_cast<long long>(o.sequences), "sequence").c_str(),
+        counted(static_cast<long long>(layers), "KDA layer").c_str(), n, step * 1e3,
+        first.decode_ran.c_str());
   }
   return 0;
 }
@@ -961,9 +971,10 @@ int run_model(const Options& o) {
 
   const double total = report.prefill_seconds;
   std::printf(
-      "total: %d KDA layers in %.3f s: %.0f tokens/s through the whole stack, "
+      "total: %s in %.3f s: %.0f tokens/s through the whole stack, "
       "%.0f tokens/s per layer\n",
-      engine.num_layers(), total, total > 0 ? static_cast<double>(tokens) / total : 0.0,
+      counted(engine.num_layers(), "KDA layer").c_str(), total,
+      total > 0 ? static_cast<double>(tokens) / total : 0.0,
       total > 0 ? static_cast<double>(tokens) * engine.num_layers() / total : 0.0);
 
   if (o.decode_steps > 0) {
@@ -972,17 +983,19 @@ int run_model(const Options& o) {
         *std::min_element(report.decode_step_seconds.begin(), report.decode_step_seconds.end());
     const char* const forms[] = {"per-token states", "records + a commit",
                                  "records, each folding the step before"};
+    const long long steps = static_cast<long long>(o.decode_steps);
     const std::string kind = o.verify_tokens == 0
-                                 ? std::string("steps of 1 token")
-                                 : "verify steps of " + std::to_string(o.verify_tokens) +
-                                       " tokens (" + forms[static_cast<int>(o.verify_form)] + ")";
+                                 ? counted(steps, "step") + " of 1 token"
+                                 : counted(steps, "verify step") + " of " +
+                                       std::to_string(o.verify_tokens) + " tokens (" +
+                                       forms[static_cast<int>(o.verify_form)] + ")";
     const std::int64_t step_tokens = o.sequences * std::max(o.verify_tokens, 1);
     const std::string ran = decode_steps_ran(engine);
     std::printf(
-        "decode: %lld %s x %lld sequence%s through %d KDA layers: median "
+        "decode: %s x %s through %s: median "
         "%.3f ms per step (min %.3f ms), %.0f tokens/s, %.1f us per layer-step (%s%s)\n",
-        static_cast<long long>(o.decode_steps), kind.c_str(), static_cast<long long>(o.sequences),
-        o.sequences == 1 ? "" : "s", engine.num_layers(), step * 1e3, best * 1e3,
+        kind.c_str(), counted(static_cast<long long>(o.sequences), "sequence").c_str(),
+        counted(engine.num_layers(), "KDA layer").c_str(), step * 1e3, best * 1e3,
         step > 0 ? static_cast<double>(step_tokens) / step : 0.0, step * 1e6 / engine.num_layers(),
         report.decode_graphs ? report.decode_mode.c_str()
                              : ("eager: " + report.decode_mode).c_str(),

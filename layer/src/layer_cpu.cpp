@@ -111,7 +111,7 @@ void conv_silu_kept(const float* pre, std::int64_t length, std::int64_t channels
                     std::int64_t width, const float* weight, const bf16_bits* start,
                     bf16_bits* const* keep, bf16_bits* out) {
   const std::int64_t history = width - 1;
-  constexpr std::int64_t kMaxInputs = 15 + kMaxDecodeTokens;  // conv_width <= 16
+  constexpr std::int64_t kMaxInputs = kMaxConvWidth - 1 + kMaxDecodeTokens;
   for (std::int64_t c = 0; c < channels; ++c) {
     float x[kMaxInputs];  // x[history + t]: input t; x[0 .. history): the start state
     for (std::int64_t i = 0; i < history; ++i) x[i] = bf16_to_float(start[c * history + i]);

@@ -59,8 +59,9 @@ void validate(const Config& c) {
           "num_heads " + std::to_string(c.num_heads) + " is not in [1, 4096]");
   require(c.head_dim > 0 && c.head_dim <= 1024,
           "head_dim " + std::to_string(c.head_dim) + " is not in [1, 1024]");
-  require(c.conv_width >= 1 && c.conv_width <= 16,
-          "conv_width " + std::to_string(c.conv_width) + " is not in [1, 16]");
+  require(c.conv_width >= 1 && c.conv_width <= kMaxConvWidth,
+          "conv_width " + std::to_string(c.conv_width) + " is not in [1, " +
+              std::to_string(kMaxConvWidth) + "]");
   require(c.gate != GateMode::kLowerBound ||
               (std::isfinite(c.lower_bound) && c.lower_bound >= -5.0f && c.lower_bound < 0.0f),
           "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)");

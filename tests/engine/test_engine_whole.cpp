@@ -709,6 +709,18 @@ KDA_MATRIX_CASE("whole layers: bad calls and bad settings are refused with a cle
   core_tp.layer_mode = kda::engine::LayerMode::kCoreOnly;
   CHECK_THROWS_WITH_AS(Engine(spec_with("  tp_size: 2\n"), core_tp),
                        doctest::Contains("runtime.tp_size 2 needs whole layers"), kda::Error);
+  // A conv width of 1 keeps no conv state: whole layers refuse it by name (the plan too), the
+  // cores alone run.
+  ModelSpec width_one = spec_from(kSpec);
+  width_one.short_conv_kernel_size = 1;
+  CHECK_THROWS_WITH_AS(Engine(width_one, options(runner)),
+                       doctest::Contains("short_conv_kernel_size 1 leaves no conv state"),
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(Engine::plan_for(width_one, runner.backend()),
+                       doctest::Contains("short_conv_kernel_size 1"), kda::Error);
+  EngineOptions width_one_core = options(runner);
+  width_one_core.layer_mode = kda::engine::LayerMode::kCoreOnly;
+  CHECK(Engine(width_one, width_one_core).layer_mode() == kda::engine::LayerMode::kCoreOnly);
   // The schedule in effect: the YAML's, unless EngineOptions sets one.
   CHECK(Engine(spec_from(kSpec), options(runner)).spec().runtime.prefill_schedule ==
         kda::PrefillSchedule::kAuto);

@@ -361,6 +361,16 @@ KDA_CPU_CASE("the family table: keys, look-ups, the tensor prefixes") {
   REQUIRE(found.size() == 1);
   CHECK(found.front() == &families[2]);
   CHECK(kda::engine::families_holding(names, 2, "A_log").empty());
+  // A family's other prefix: Kimi K3's short form is K3's alone; GLM's text-only form is
+  // Kimi-Linear's first, which wins.
+  const auto k3_short =
+      kda::engine::families_holding({"language_model.layers.0.self_attn.A_log", "z"}, 0, "A_log");
+  REQUIRE(k3_short.size() == 1);
+  CHECK(k3_short.front() == &families[1]);
+  const auto text_only =
+      kda::engine::families_holding({"model.layers.0.self_attn.A_log"}, 0, "A_log");
+  REQUIRE(text_only.size() == 1);
+  CHECK(text_only.front() == &families[0]);
 }
 
 KDA_CPU_CASE(
@@ -775,6 +785,24 @@ KDA_CPU_CASE("a description that names no family: the checkpoint's tensor names 
                          "linear_attn_config: {num_heads: 4, head_dim: 8, kda_layers: [1, 3], "
                          "gate: softplus, use_full_rank_gate: false}\n";
   CHECK_FALSE(kda::engine::load_model_spec(yaml).full_rank_gate);
+  // Kimi K3's other prefix (language_model.layers.{i}): the family and that prefix.
+  TempDir short_form;
+  std::vector<Tensor> short_tensors;
+  const std::string k3_short = "language_model.layers.{i}.self_attn.";
+  for (const int index : {0, 2}) {
+    LayerCheckpoint l =
+        layer_checkpoint(config, index, k3_short, DType::kBF16, DType::kF32, true, 40 + index);
+    short_tensors.insert(short_tensors.end(), l.tensors.begin(), l.tensors.end());
+  }
+  write_sharded(short_form, short_tensors, 2);
+  std::ofstream(short_form.file("m.yaml"))
+      << "hidden_size: 32\nnum_hidden_layers: 3\nweights: .\n"
+         "linear_attn_config: {num_heads: 4, head_dim: 8, kda_layers: [1, 3], "
+         "full_attn_layers: [2], gate: lower_bound, gate_lower_bound: -5.0}\n";
+  const ModelSpec short_spec = kda::engine::load_model_spec(short_form.file("m.yaml"));
+  CHECK(short_spec.family == "Kimi K3");
+  CHECK(short_spec.tensor_prefix == k3_short);
+  CHECK(short_spec.full_rank_gate);
   // Names of no family: Kimi-Linear's prefix, as before families.
   TempDir bare;
   kda::engine::save_safetensors(bare.file("w.safetensors"),

@@ -142,6 +142,37 @@ TEST_CASE("writer refuses bad tensors and leaves the destination untouched") {
   CHECK(dir.entries() == 1);
 }
 
+TEST_CASE("writer: a symbolic link is written through, a path that is not a file refused") {
+  TempDir dir;
+  std::mt19937_64 rng(8);
+  const Tensor x = random_tensor("x", DType::kF32, {3}, rng);
+  fs::create_directory(dir.path / "data");
+  // A link (relative, through a second link) to a file that does not exist yet, then to it.
+  fs::create_symlink("data/real.safetensors", dir.path / "hop");
+  fs::create_symlink("hop", dir.path / "out.safetensors");
+  for (int round = 0; round < 2; ++round) {
+    kda::engine::save_safetensors(dir.file("out.safetensors"), {x});
+    CHECK(fs::is_symlink(dir.path / "out.safetensors"));
+    CHECK(fs::is_symlink(dir.path / "hop"));
+    CHECK(fs::is_regular_file(dir.path / "data" / "real.safetensors"));
+    CHECK(SafetensorsFile::open(dir.file("out.safetensors")).find("x") != nullptr);
+  }
+  CHECK(dir.entries() == 3);  // no temporary file left beside the link or the target
+  // A directory, directly or through a link: refused, nothing written.
+  fs::create_symlink("data", dir.path / "to-dir");
+  for (const std::string& path : {dir.file("data"), dir.file("to-dir")}) {
+    CAPTURE(path);
+    CHECK_THROWS_WITH_AS(kda::engine::save_safetensors(path, {x}),
+                         doctest::Contains("is not a regular file"), kda::Error);
+  }
+  CHECK(fs::is_directory(dir.path / "data"));
+  // A loop of links: refused by name.
+  fs::create_symlink("loop-b", dir.path / "loop-a");
+  fs::create_symlink("loop-a", dir.path / "loop-b");
+  CHECK_THROWS_WITH_AS(kda::engine::save_safetensors(dir.file("loop-a"), {x}),
+                       doctest::Contains("too many levels"), kda::Error);
+}
+
 TEST_CASE("malformed files: empty / truncated / absurd or overlong header length") {
   TempDir dir;
   check_bad(dir, std::string(), {"file is empty"});

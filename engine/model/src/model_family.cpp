@@ -137,14 +137,22 @@ std::string prefix_holding(const std::vector<std::string>& tensor_names,
 
 std::vector<const ModelFamily*> families_holding(const std::vector<std::string>& tensor_names,
                                                  int layer_index, const std::string& tensor) {
-  std::vector<const ModelFamily*> found;
-  for (const ModelFamily& family : model_families()) {
-    if (!prefix_holding(tensor_names, {family.tensor_prefixes.front()}, layer_index, tensor)
-             .empty()) {
-      found.push_back(&family);
+  // First prefixes first: a family's later prefix may be another family's first (GLM's text-only
+  // checkpoints use Kimi-Linear's), and then the names say the family whose own layout it is.
+  for (const bool first_only : {true, false}) {
+    std::vector<const ModelFamily*> found;
+    for (const ModelFamily& family : model_families()) {
+      const std::vector<std::string> patterns =
+          first_only ? std::vector<std::string>{family.tensor_prefixes.front()}
+                     : std::vector<std::string>(family.tensor_prefixes.begin() + 1,
+                                                family.tensor_prefixes.end());
+      if (!prefix_holding(tensor_names, patterns, layer_index, tensor).empty()) {
+        found.push_back(&family);
+      }
     }
+    if (!found.empty()) return found;
   }
-  return found;
+  return {};
 }
 
 std::string expand_tensor_prefix(const std::string& pattern, int layer_index) {

@@ -33,7 +33,6 @@ constexpr std::int64_t kMaxHiddenSize = 1 << 20;
 constexpr std::int64_t kMaxLayers = 4096;
 constexpr std::int64_t kMaxHeads = 1024;
 constexpr std::int64_t kMaxHeadDim = 1024;
-constexpr std::int64_t kMaxConvKernel = 64;
 constexpr std::int64_t kMaxSequences = 1 << 20;  // slots are int32 indices
 
 // Everything the parser needs to phrase an error or a warning, and where warnings go.
@@ -866,7 +865,7 @@ void read_model(const ModelConfig& m, const ModelFamily* family,
   const Found dim = require_first(ctx, m.text, m.text_key, keys.head_dim, known);
   spec->head_dim = as_int_in(ctx, dim.node, dim.key, 1, kMaxHeadDim);
   if (const Found conv = find_first(m.text, m.text_key, keys.conv_kernel); conv.node.IsDefined()) {
-    spec->short_conv_kernel_size = as_int_in(ctx, conv.node, conv.key, 1, kMaxConvKernel);
+    spec->short_conv_kernel_size = as_int_in(ctx, conv.node, conv.key, 1, layer::kMaxConvWidth);
   }
 
   // KDA layers: a 1-based list (with its full-attention list) or layer_types, or the family's
@@ -925,7 +924,8 @@ void read_model(const ModelConfig& m, const ModelFamily* family,
              found.size() == 1) {
     spec->family = found.front()->name;
     spec->family_source = "the checkpoint's tensor names";
-    spec->tensor_prefix = found.front()->tensor_prefixes.front();
+    spec->tensor_prefix =
+        prefix_holding(tensor_names, found.front()->tensor_prefixes, first, "A_log");
   }
 
   // The output gate's form: the config's key, else whether the checkpoint has g_proj.

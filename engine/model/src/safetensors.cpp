@@ -412,13 +412,34 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
                       const std::map<std::string, std::string>& metadata) {
   const std::vector<std::uint8_t> bytes = serialize_safetensors(tensors, metadata);
 
-  const fs::path target(path);
+  // A symbolic link is written through, as a plain write would: its final target is replaced and
+  // the link kept. The temporary file lies beside that target, so the rename stays in one
+  // directory.
+  fs::path target(path);
+  std::error_code link_ec;
+  for (int hops = 0; fs::is_symlink(fs::symlink_status(target, link_ec)); ++hops) {
+    const fs::path link = fs::read_symlink(target, link_ec);
+    if (link_ec || hops == 40) {
+      fail(path, "cannot follow the symbolic link " + target.string() +
+                     (link_ec ? " (" + link_ec.message() + ")" : " (too many levels)"));
+    }
+    target = link.is_absolute() ? link : target.parent_path() / link;
+  }
+  // Messages name the path given and, where links led elsewhere, where they led.
+  const std::string where =
+      target.string() == path ? path : path + " (through links: " + target.string() + ")";
+  if (fs::exists(fs::status(target, link_ec)) &&
+      !fs::is_regular_file(fs::status(target, link_ec))) {
+    fail(where,
+         "is not a regular file (a directory, device or pipe): the output is a file written "
+         "whole, then moved into place");
+  }
   std::random_device random;
   const std::string suffix = ".tmp-" + std::to_string(random()) + std::to_string(random());
   const fs::path temp = target.parent_path() / (target.filename().string() + suffix);
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    if (!out) fail(path, std::string("cannot create output (") + std::strerror(errno) + ")");
+    if (!out) fail(where, std::string("cannot create output (") + std::strerror(errno) + ")");
     out.write(reinterpret_cast<const char*>(bytes.data()),
               static_cast<std::streamsize>(bytes.size()));
     out.flush();
@@ -427,13 +448,13 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
       out.close();
       std::error_code ignored;
       fs::remove(temp, ignored);
-      fail(path, std::string("cannot write output (") + std::strerror(saved) + ")");
+      fail(where, std::string("cannot write output (") + std::strerror(saved) + ")");
     }
     out.close();
     if (out.fail()) {
       std::error_code ignored;
       fs::remove(temp, ignored);
-      fail(path, "cannot close output");
+      fail(where, "cannot close output");
     }
   }
   std::error_code ec;
@@ -441,7 +462,7 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
   if (ec) {
     std::error_code ignored;
     fs::remove(temp, ignored);
-    fail(path, "cannot move the finished output into place (" + ec.message() + ")");
+    fail(where, "cannot move the finished output into place (" + ec.message() + ")");
   }
 }
 

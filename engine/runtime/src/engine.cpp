@@ -32,6 +32,16 @@ namespace {
 }
 
 void check_layer_mode(const ModelSpec& spec) {
+  // A slot keeps W - 1 columns of conv state a projection: none at W = 1, which the engine's
+  // slots (their pools, reads, writes and copies) do not represent.
+  if (spec.runtime.layer_mode == LayerMode::kWhole && spec.short_conv_kernel_size < 2) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": short_conv_kernel_size " +
+                    std::to_string(spec.short_conv_kernel_size) +
+                    " leaves no conv state, which a whole-layer engine's slots need: 2.." +
+                    std::to_string(layer::kMaxConvWidth) +
+                    " (the cores alone, runtime.layers: core, take any width)");
+  }
   if (spec.runtime.layer_mode == LayerMode::kCoreOnly && spec.runtime.tp_size != 1) {
     throw Error(StatusCode::kInvalidArgument,
                 spec.source + ": runtime.tp_size " + std::to_string(spec.runtime.tp_size) +

@@ -26,6 +26,9 @@
 
 namespace kda::layer {
 
+// The widest short convolution a layer takes (its conv state keeps W - 1 columns).
+inline constexpr std::int64_t kMaxConvWidth = 16;
+
 // The sizes and settings of one whole KDA layer, and which tensor-parallel shard of it this is.
 struct Config {
   std::int64_t hidden_size = 0;  // E

@@ -81,7 +81,8 @@ std::string prefix_holding(const std::vector<std::string>& tensor_names,
                            const std::string& tensor);
 
 // The families whose first tensor prefix holds `tensor` of layer `layer_index` in
-// `tensor_names` (sorted), in table order: what a checkpoint's names say of its family.
+// `tensor_names` (sorted), in table order: what a checkpoint's names say of its family; when no
+// first prefix holds it, the families whose other prefixes do.
 std::vector<const ModelFamily*> families_holding(const std::vector<std::string>& tensor_names,
                                                  int layer_index, const std::string& tensor);
 

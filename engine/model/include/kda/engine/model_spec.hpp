@@ -18,7 +18,7 @@
 //   linear_attn_config:              # required map
 //     num_heads: 32                  # required, 1..1024 (H)
 //     head_dim: 128                  # required, 1..1024 (K = V)
-//     short_conv_kernel_size: 4      # optional, 1..64, default 4 (W: the whole layer's short
+//     short_conv_kernel_size: 4      # optional, 1..16, default 4 (W: the whole layer's short
 //                                    #   convolution; not used by the KDA core alone)
 //     kda_layers: [1, 2, 3, 5]       # required, 1-based, each in [1, num_hidden_layers], unique,
 //                                    #   at least one

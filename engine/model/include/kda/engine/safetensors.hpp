@@ -109,8 +109,10 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 std::vector<std::uint8_t> serialize_safetensors(
     const std::vector<Tensor>& tensors, const std::map<std::string, std::string>& metadata = {});
 
-// serialize_safetensors() written atomically to `path` (temporary file + rename). Throws
-// kda::Error; on failure `path` is left as it was and no temporary file remains.
+// serialize_safetensors() written atomically to `path` (temporary file + rename). A symbolic link
+// is written through (its final target replaced, the link kept); a path that is not a regular
+// file (a directory, a device, a pipe) is refused. Throws kda::Error; on failure `path` is left as
+// it was and no temporary file remains.
 void save_safetensors(const std::string& path, const std::vector<Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 
