@@ -1500,6 +1500,13 @@ TEST_CASE("kda-run --layer-case: bad files exit 1 / name the problem and write n
   bad.tensors.emplace("v_proj.weight",
                       Tensor::zeros("v_proj.weight", DType::kBF16, {kLayerH * kLayerD, 40}));
   check_layer_rejected(bad, "v_proj.weight");
+  // A hidden_states of the wrong width: the weights' message says where the width came from.
+  bad = good;
+  bad.tensors.erase("hidden_states");
+  bad.tensors.emplace("hidden_states",
+                      Tensor::zeros("hidden_states", DType::kBF16, {6, kLayerE + 1}));
+  check_layer_rejected(bad, "(the sizes expected: hidden " + std::to_string(kLayerE + 1) +
+                                " from hidden_states, heads " + std::to_string(kLayerH));
   bad = good;
   bad.tensors.emplace("conv_state_k", Tensor::zeros("conv_state_k", DType::kBF16, {1, 64, 2}));
   check_layer_rejected(bad, "tensor 'conv_state_k' has shape [1, 64, 2], expected [1, 64, 3]");

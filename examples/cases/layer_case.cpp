@@ -218,7 +218,14 @@ LayerCase load_layer_case(const std::string& path) {
   try {
     c.weights = load_layer_weights(checkpoint, -1, config);
   } catch (const Error& e) {
-    throw naming(e, path);
+    // The shapes a weight is held to come from other tensors: say which, so that a wrong
+    // hidden_states width is not taken for a wrong weight.
+    const Error named = naming(e, path);
+    throw Error(named.code(), std::string(named.what()) + " (the sizes expected: hidden " +
+                                  std::to_string(E) + " from hidden_states, heads " +
+                                  std::to_string(H) + " from b_proj.weight, head_dim " +
+                                  std::to_string(D) + " from o_norm.weight, W " +
+                                  std::to_string(config.conv_width) + " from q_conv1d.weight)");
   }
   return c;
 }
