@@ -187,6 +187,15 @@ KDA_CPU_CASE("create from string and from file, every query") {
   REQUIRE(kda_engine_plan_json(handle, json.data(), json.size(), nullptr) == KDA_OK);
   CHECK(std::string(json.data()) == plan.to_json());
   CHECK(last_error(handle).empty());
+  // Too small: refused, the buffer's first byte cleared; of 0 bytes: not written at all.
+  std::vector<char> short_buffer(8, 'x');
+  CHECK(kda_engine_plan_json(handle, short_buffer.data(), short_buffer.size(), nullptr) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(short_buffer[0] == '\0');
+  CHECK(short_buffer[1] == 'x');
+  char untouched = 'x';
+  CHECK(kda_engine_plan_json(handle, &untouched, 0, &length) == KDA_INVALID_ARGUMENT);
+  CHECK(untouched == 'x');
 
   // From the example model's file, backend left to the options' default (the YAML's `auto`, which
   // is the CPU here unless a CUDA device is present).

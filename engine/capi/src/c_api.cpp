@@ -450,7 +450,7 @@ kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_
     if (buffer == nullptr && buffer_size == 0) return;  // size query
     require(buffer, "kda_engine_plan_json", "buffer (with buffer_size > 0)");
     if (buffer_size < json.size() + 1) {
-      buffer[0] = '\0';
+      if (buffer_size > 0) buffer[0] = '\0';
       invalid("kda_engine_plan_json", "buffer of " + std::to_string(buffer_size) +
                                           " bytes is too small: the plan JSON needs " +
                                           std::to_string(json.size() + 1) +

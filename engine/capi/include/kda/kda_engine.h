@@ -125,15 +125,15 @@ typedef struct kda_engine_options {
   size_t struct_size;  /* sizeof(kda_engine_options), set by kda_engine_options_init */
   kda_backend backend; /* default KDA_BACKEND_DEFAULT */
   void* cuda_stream;   /* cudaStream_t for everything the engine enqueues; NULL: default stream */
-  int cpu_threads;     /* CPU backend threads; 0 (default): all hardware threads */
+  int cpu_threads;     /* CPU backend threads, at most; 0 (default): the hardware's. A call uses
+                          no more than its work pays for, and at most 64 */
   uint64_t seed;       /* random layer parameters when the YAML names no weights; default 0 */
   int check_pointers;  /* CUDA: check on every call that the caller's pointers are device memory
                           of the current device and large enough; default 1, 0 skips the driver
                           queries (host time) */
   kda_prefill_schedule prefill_schedule; /* CUDA prefill; default KDA_PREFILL_SCHEDULE_DEFAULT */
-  kda_decode_step decode_step; /* CUDA whole layers' decode steps; default KDA_DECODE_STEP_DEFAULT
-                                  (0: a struct of the version before, whose field this was, reads
-                                  as the default) */
+  kda_decode_step decode_step;           /* CUDA whole layers' decode steps; default
+                                            KDA_DECODE_STEP_DEFAULT (0) */
   int null_slot; /* a slot index that is padding in every batch, as a negative one, and is never
                     acquired (kda::engine::EngineOptions::null_slot: one of the max_sequences
                     slots); default -1: none */
@@ -183,8 +183,8 @@ kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out);
  * *length (may be NULL) receives the JSON's length without the terminating NUL, always. With
  * buffer == NULL and buffer_size == 0 it only reports the length (KDA_OK). Otherwise the buffer
  * needs length + 1 bytes: when it has them the JSON is copied (NUL-terminated) and KDA_OK returned;
- * when not, buffer[0] is set to '\0' (no half JSON) and KDA_INVALID_ARGUMENT returned with a
- * message giving the size needed. */
+ * when not, buffer[0] is set to '\0' where buffer_size > 0 (no half JSON; nothing is written to a
+ * buffer of 0 bytes) and KDA_INVALID_ARGUMENT returned with a message giving the size needed. */
 kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_size,
                                 size_t* length);
 
@@ -239,7 +239,8 @@ kda_status kda_engine_reset_slots(kda_engine* engine, int64_t count, const int32
  * `num_sequences` sequences: sequence j has tokens cu_seqlens[j] .. cu_seqlens[j+1] and uses
  * slots[j], starting from that slot's state and leaving its final state there. cu_seqlens has
  * num_sequences + 1 entries: 0, non-decreasing, the last (T) at most max_tokens; 1..max_sequences
- * sequences on distinct acquired slots. Asynchronous on CUDA. */
+ * sequences on distinct acquired slots, or a negative slot (or the null slot): a padding sequence,
+ * run from a zero state, its out written and no state read or written. Asynchronous on CUDA. */
 kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
                               const void* v, const void* g, const void* beta, void* out,
                               const int* slots, int num_sequences, const int64_t* cu_seqlens);
@@ -352,9 +353,13 @@ kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const 
  * every KDA layer, in one operator commit launch and one conv launch on CUDA (nothing staged or
  * synchronized: capturable). slots and num_accepted: int32 [sequences] in the backend's memory,
  * the records step's slots and each count in 1..decode_tokens. KDA_INVALID_ARGUMENT (message:
- * kda_engine_last_error) without runtime.max_verify_tokens, when some layer ran no records step of
- * `sequences` rows since the last commit, or (CPU) for a count out of range or a slot not
- * acquired; on CUDA a bad count or slot is reported by kda_engine_check_device_status(). */
+ * kda_engine_last_error) without runtime.max_verify_tokens, when some layer's last records step
+ * (of this region) was not of `sequences` rows or no layer ran one, or (CPU) for a count out of
+ * range or a slot not acquired; on CUDA a bad count or slot is reported by
+ * kda_engine_check_device_status(). The host checks only that shape and a commit does not consume
+ * the records (a graph of records steps may be replayed before each eager commit): committing the
+ * same records twice folds them in twice; calling it once per records step is the caller's part
+ * (docs/API.md, the record-and-commit order). */
 kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_t* slots,
                              const int32_t* num_accepted);
 /* The same for the records step that wrote records region `records_region` (0 or 1, below the
