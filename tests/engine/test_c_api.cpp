@@ -154,6 +154,64 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
+KDA_CPU_CASE("plan without creating: the arena creation would allocate, and its backend") {
+  kda_engine_options options = cpu_options();
+  std::uint64_t planned = 0;
+  kda_backend backend = KDA_BACKEND_DEFAULT;
+  char err[512] = "untouched";
+  REQUIRE(kda_engine_plan_from_string(kSpec, &options, &planned, &backend, err, sizeof err) ==
+          KDA_OK);
+  CHECK(std::string(err).empty());
+  CHECK(backend == KDA_BACKEND_CPU);
+  Handle made;
+  create(&made);
+  std::uint64_t arena = 0;
+  REQUIRE(kda_engine_arena_bytes(made, &arena) == KDA_OK);
+  CHECK(planned == arena);
+  // The overrides count: twice the slots, a larger arena; the same as an engine made so.
+  options.max_sequences = 8;
+  std::uint64_t larger = 0;
+  REQUIRE(kda_engine_plan_from_string(kSpec, &options, &larger, nullptr, err, sizeof err) ==
+          KDA_OK);
+  CHECK(larger > planned);
+  Handle eight;
+  REQUIRE(kda_engine_create_from_string(kSpec, &options, &eight.engine, nullptr, 0) == KDA_OK);
+  REQUIRE(kda_engine_arena_bytes(eight, &arena) == KDA_OK);
+  CHECK(larger == arena);
+  // From a file, the backend left to the description (auto).
+  const std::string path = std::string(KDA_SOURCE_DIR) + "/examples/models/tiny.yaml";
+  kda_engine_options defaults = cpu_options();
+  defaults.backend = KDA_BACKEND_DEFAULT;
+  REQUIRE(kda_engine_plan_from_file(path.c_str(), &defaults, &planned, &backend, err, sizeof err) ==
+          KDA_OK);
+  CHECK(backend == (kda::cuda_device_count() > 0 ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU));
+  Handle tiny;
+  REQUIRE(kda_engine_create_from_file(path.c_str(), &defaults, &tiny.engine, nullptr, 0) == KDA_OK);
+  REQUIRE(kda_engine_arena_bytes(tiny, &arena) == KDA_OK);
+  CHECK(planned == arena);
+  // Refusals: a message, *arena_bytes untouched.
+  planned = 7;
+  CHECK(kda_engine_plan_from_string("hidden_size: [", &options, &planned, nullptr, err,
+                                    sizeof err) == KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("<yaml string>") != std::string::npos);
+  CHECK(kda_engine_plan_from_file("/no/such/model.yaml", nullptr, &planned, nullptr, err,
+                                  sizeof err) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_plan_from_string(kSpec, nullptr, nullptr, nullptr, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("arena_bytes is null") != std::string::npos);
+  CHECK(kda_engine_plan_from_string(nullptr, nullptr, &planned, nullptr, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  options.max_sequences = -1;
+  CHECK(kda_engine_plan_from_string(kSpec, &options, &planned, nullptr, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(planned == 7);
+  // A weights file that does not exist is named, as creation would.
+  const std::string missing = std::string(kSpec) + "weights: /no/such/weights.safetensors\n";
+  CHECK(kda_engine_plan_from_string(missing.c_str(), nullptr, &planned, nullptr, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("does not exist") != std::string::npos);
+}
+
 KDA_CPU_CASE("create from string and from file, every query") {
   Handle handle;
   create(&handle);
@@ -196,6 +254,56 @@ KDA_CPU_CASE("create from string and from file, every query") {
   char untouched = 'x';
   CHECK(kda_engine_plan_json(handle, &untouched, 0, &length) == KDA_INVALID_ARGUMENT);
   CHECK(untouched == 'x');
+
+  // What the engine was made with: the model layers it runs, W, the state dtype, tensor
+  // parallelism, the verify settings, the null slot, the slots in use.
+  int model_layers[3] = {0, 0, 0}, value = -7, rank = -1, ranks = -1;
+  for (int l = 0; l < 3; ++l) CHECK(kda_engine_model_layer(handle, l, &model_layers[l]) == KDA_OK);
+  CHECK(std::vector<int>(model_layers, model_layers + 3) == std::vector<int>{1, 2, 4});
+  CHECK(kda_engine_model_layer(handle, 3, &value) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_model_layer(handle, -1, &value) == KDA_INVALID_ARGUMENT);
+  CHECK(value == -7);  // written only on success
+  CHECK(kda_engine_conv_width(handle, &value) == KDA_OK);
+  CHECK(value == 4);
+  kda_state_dtype dtype = KDA_STATE_DTYPE_DEFAULT;
+  CHECK(kda_engine_state_dtype(handle, &dtype) == KDA_OK);
+  CHECK(dtype == KDA_STATE_DTYPE_FP32);
+  CHECK(kda_engine_tensor_parallel(handle, &rank, &ranks) == KDA_OK);
+  CHECK((rank == 0 && ranks == 1));
+  CHECK(kda_engine_tensor_parallel(handle, nullptr, &ranks) == KDA_OK);
+  CHECK(kda_engine_tensor_parallel(handle, nullptr, nullptr) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_max_verify_tokens(handle, &value) == KDA_OK);
+  CHECK(value == 0);
+  CHECK(kda_engine_record_regions(handle, &value) == KDA_OK);
+  CHECK(value == 1);
+  CHECK(kda_engine_null_slot(handle, &value) == KDA_OK);
+  CHECK(value == -1);
+  int slot = -1, in_use = -1;
+  REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+  CHECK(kda_engine_slot_in_use(handle, slot, &in_use) == KDA_OK);
+  CHECK(in_use == 1);
+  CHECK(kda_engine_slot_in_use(handle, 3, &in_use) == KDA_OK);
+  CHECK(in_use == 0);
+  CHECK(kda_engine_slot_in_use(handle, 4, &in_use) == KDA_INVALID_ARGUMENT);
+  CHECK(last_error(handle).find("slot 4 is not in 0..3") != std::string::npos);
+  CHECK(kda_engine_release_slot(handle, slot) == KDA_OK);
+  {  // A bf16 state, records of 4 tokens in two regions, a null slot.
+    const std::string text = std::string(kSpec) + "  max_verify_tokens: 4\n  record_regions: 2\n";
+    kda_engine_options options = cpu_options();
+    options.state_dtype = KDA_STATE_DTYPE_BF16;
+    options.null_slot = 3;
+    Handle verify;
+    REQUIRE(kda_engine_create_from_string(text.c_str(), &options, &verify.engine, nullptr, 0) ==
+            KDA_OK);
+    CHECK(kda_engine_state_dtype(verify, &dtype) == KDA_OK);
+    CHECK(dtype == KDA_STATE_DTYPE_BF16);
+    CHECK(kda_engine_max_verify_tokens(verify, &value) == KDA_OK);
+    CHECK(value == 4);
+    CHECK(kda_engine_record_regions(verify, &value) == KDA_OK);
+    CHECK(value == 2);
+    CHECK(kda_engine_null_slot(verify, &value) == KDA_OK);
+    CHECK(value == 3);
+  }
 
   // From the example model's file, backend left to the options' default (the YAML's `auto`, which
   // is the CPU here unless a CUDA device is present).
@@ -422,6 +530,15 @@ KDA_CPU_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, de
   CHECK(kda_engine_max_tokens(nullptr, &n) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_max_sequences(nullptr, &n) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_free_slots(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_model_layer(nullptr, 0, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_conv_width(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  kda_state_dtype dtype = KDA_STATE_DTYPE_DEFAULT;
+  CHECK(kda_engine_state_dtype(nullptr, &dtype) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_tensor_parallel(nullptr, &i, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_max_verify_tokens(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_record_regions(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_null_slot(nullptr, &i) == KDA_INVALID_ARGUMENT);
+  CHECK(kda_engine_slot_in_use(nullptr, 0, &i) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_arena_bytes(nullptr, &u) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_plan_json(nullptr, nullptr, 0, &length) == KDA_INVALID_ARGUMENT);
   CHECK(kda_engine_acquire_slot(nullptr, &i) == KDA_INVALID_ARGUMENT);
@@ -464,6 +581,13 @@ KDA_CPU_CASE(
     CHECK(kda_engine_max_tokens(handle, nullptr) == KDA_INVALID_ARGUMENT);
     CHECK(kda_engine_max_sequences(handle, nullptr) == KDA_INVALID_ARGUMENT);
     CHECK(kda_engine_free_slots(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_model_layer(handle, 0, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_conv_width(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_state_dtype(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_max_verify_tokens(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_record_regions(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_null_slot(handle, nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(kda_engine_slot_in_use(handle, 0, nullptr) == KDA_INVALID_ARGUMENT);
     CHECK(kda_engine_arena_bytes(handle, nullptr) == KDA_INVALID_ARGUMENT);
     CHECK(last_error(handle) == "kda_engine_arena_bytes: out is null");
     CHECK(kda_engine_acquire_slot(handle, nullptr) == KDA_INVALID_ARGUMENT);

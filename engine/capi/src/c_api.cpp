@@ -247,18 +247,41 @@ kda::engine::ModelSpecOptions to_spec_options(const kda_engine_options* options,
   return result;
 }
 
+// The description as creation reads it: from a file or text, with the options' overrides.
+kda::engine::ModelSpec load_spec(const char* function, bool from_file, const char* yaml,
+                                 const kda_engine_options* options) {
+  require(yaml, function, from_file ? "yaml_path" : "yaml_text");
+  const kda::engine::ModelSpecOptions spec_options = to_spec_options(options, function);
+  return from_file ? kda::engine::load_model_spec(yaml, spec_options)
+                   : kda::engine::parse_model_spec(yaml, "<yaml string>", {}, spec_options);
+}
+
+kda_status plan(const char* function, bool from_file, const char* yaml,
+                const kda_engine_options* options, std::uint64_t* arena_bytes, kda_backend* backend,
+                char* err, std::size_t err_size) noexcept {
+  return guarded(err, err_size, [&] {
+    require(arena_bytes, function, "arena_bytes");
+    const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+    const kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+    kda::engine::check_weights_file(spec);
+    const kda::Backend kind =
+        kda::engine::resolve_backend(spec, engine_options.backend.value_or(spec.runtime.backend));
+    const std::uint64_t bytes = kda::engine::Engine::plan_for(spec, kind).arena_bytes;
+    *arena_bytes = bytes;
+    if (backend != nullptr) {
+      *backend = kind == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
+    }
+  });
+}
+
 kda_status create(const char* function, bool from_file, const char* yaml,
                   const kda_engine_options* options, kda_engine** out_engine, char* err,
                   std::size_t err_size) noexcept {
   if (out_engine != nullptr) *out_engine = nullptr;
   return guarded(err, err_size, [&] {
     require(out_engine, function, "out_engine");
-    require(yaml, function, from_file ? "yaml_path" : "yaml_text");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    const kda::engine::ModelSpecOptions spec_options = to_spec_options(options, function);
-    kda::engine::ModelSpec spec =
-        from_file ? kda::engine::load_model_spec(yaml, spec_options)
-                  : kda::engine::parse_model_spec(yaml, "<yaml string>", {}, spec_options);
+    kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
     auto handle = std::make_unique<kda_engine>();
     handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
     handle->plan_json = handle->engine->plan().to_json();
@@ -368,6 +391,20 @@ kda_status kda_engine_create_from_string(const char* yaml_text, const kda_engine
                 err_size);
 }
 
+kda_status kda_engine_plan_from_file(const char* yaml_path, const kda_engine_options* options,
+                                     uint64_t* arena_bytes, kda_backend* backend, char* err,
+                                     size_t err_size) {
+  return plan("kda_engine_plan_from_file", true, yaml_path, options, arena_bytes, backend, err,
+              err_size);
+}
+
+kda_status kda_engine_plan_from_string(const char* yaml_text, const kda_engine_options* options,
+                                       uint64_t* arena_bytes, kda_backend* backend, char* err,
+                                       size_t err_size) {
+  return plan("kda_engine_plan_from_string", false, yaml_text, options, arena_bytes, backend, err,
+              err_size);
+}
+
 kda_status kda_engine_destroy(kda_engine* engine) {
   if (engine == nullptr) return KDA_OK;
   // ~Engine waits for the stream and frees the arena; it does not throw.
@@ -439,6 +476,71 @@ kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
     require(out, "kda_engine_arena_bytes", "out");
     *out = e.arena_bytes();
+  });
+}
+
+kda_status kda_engine_model_layer(kda_engine* engine, int layer, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_model_layer", "out");
+    *out = e.layer(layer).model_layer;
+  });
+}
+
+kda_status kda_engine_conv_width(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_conv_width", "out");
+    *out = static_cast<int>(e.spec().short_conv_kernel_size);
+  });
+}
+
+kda_status kda_engine_state_dtype(kda_engine* engine, kda_state_dtype* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_state_dtype", "out");
+    *out = e.spec().runtime.state_dtype == kda::DType::kBF16 ? KDA_STATE_DTYPE_BF16
+                                                             : KDA_STATE_DTYPE_FP32;
+  });
+}
+
+kda_status kda_engine_tensor_parallel(kda_engine* engine, int* rank, int* size) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    if (rank == nullptr && size == nullptr) {
+      invalid("kda_engine_tensor_parallel", "rank and size are both null");
+    }
+    if (rank != nullptr) *rank = e.spec().runtime.tp_rank;
+    if (size != nullptr) *size = e.spec().runtime.tp_size;
+  });
+}
+
+kda_status kda_engine_max_verify_tokens(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_max_verify_tokens", "out");
+    *out = static_cast<int>(e.spec().runtime.max_verify_tokens);
+  });
+}
+
+kda_status kda_engine_record_regions(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_record_regions", "out");
+    *out = static_cast<int>(e.spec().runtime.record_regions);
+  });
+}
+
+kda_status kda_engine_null_slot(kda_engine* engine, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_null_slot", "out");
+    *out = e.null_slot();
+  });
+}
+
+kda_status kda_engine_slot_in_use(kda_engine* engine, int slot, int* out) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    require(out, "kda_engine_slot_in_use", "out");
+    if (slot < 0 || slot >= e.num_slots()) {
+      invalid("kda_engine_slot_in_use", "slot " + std::to_string(slot) + " is not in 0.." +
+                                            std::to_string(e.num_slots() - 1) +
+                                            " (runtime.max_sequences)");
+    }
+    *out = e.slot_in_use(slot) ? 1 : 0;
   });
 }
 

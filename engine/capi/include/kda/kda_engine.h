@@ -162,6 +162,18 @@ kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_o
  * used as written (relative to the current directory). */
 kda_status kda_engine_create_from_string(const char* yaml_text, const kda_engine_options* options,
                                          kda_engine** out_engine, char* err, size_t err_size);
+/* What kda_engine_create_from_file / _from_string would allocate, with the same description and
+ * options, without making the engine: nothing is allocated and no weights are read (a `weights`
+ * path is checked to exist). *arena_bytes gets the one allocation's size and *backend (may be
+ * NULL) the backend creation would take on this machine (options.backend resolved as creation
+ * resolves it). For sizing max_sequences or max_tokens (options.max_sequences, .max_tokens) to the
+ * memory at hand before committing to it. On failure `err` holds the message, as for creation. */
+kda_status kda_engine_plan_from_file(const char* yaml_path, const kda_engine_options* options,
+                                     uint64_t* arena_bytes, kda_backend* backend, char* err,
+                                     size_t err_size);
+kda_status kda_engine_plan_from_string(const char* yaml_text, const kda_engine_options* options,
+                                       uint64_t* arena_bytes, kda_backend* backend, char* err,
+                                       size_t err_size);
 /* Waits for the engine's work (CUDA) and frees everything. NULL is a no-op (KDA_OK). */
 kda_status kda_engine_destroy(kda_engine* engine);
 
@@ -179,6 +191,28 @@ kda_status kda_engine_max_sequences(kda_engine* engine, int64_t* out); /* = stat
 kda_status kda_engine_free_slots(kda_engine* engine, int* out);
 /* The size of the one allocation (Engine::arena_bytes(), "arena_bytes" in the plan JSON). */
 kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out);
+/* What the engine was made with, for a runtime that routes its decoder layers to the engine and
+ * sizes its batches without reading the model description itself: */
+/* The 1-based model layer (the description's kda_layers entry) of KDA layer `layer` (0-based):
+ * which decoder layers run through the engine. KDA_INVALID_ARGUMENT for `layer` outside
+ * 0..num_layers-1. */
+kda_status kda_engine_model_layer(kda_engine* engine, int layer, int* out);
+kda_status kda_engine_conv_width(kda_engine* engine, int* out); /* W, the short conv's width */
+/* The recurrent states' dtype: KDA_STATE_DTYPE_FP32 or _BF16 (runtime.state_dtype, after
+ * options.state_dtype). */
+kda_status kda_engine_state_dtype(kda_engine* engine, kda_state_dtype* out);
+/* This engine's tensor-parallel rank and the ranks (runtime.tp_rank, tp_size); with size > 1 the
+ * whole-layer calls' out is a partial sum the runtime all-reduces over the ranks. Either pointer
+ * may be NULL, not both. */
+kda_status kda_engine_tensor_parallel(kda_engine* engine, int* rank, int* size);
+/* runtime.max_verify_tokens (0: no record-and-commit verify steps) and runtime.record_regions. */
+kda_status kda_engine_max_verify_tokens(kda_engine* engine, int* out);
+kda_status kda_engine_record_regions(kda_engine* engine, int* out);
+/* The null slot in effect (options.null_slot; -1: none). */
+kda_status kda_engine_null_slot(kda_engine* engine, int* out);
+/* *out = 1 when `slot` is acquired, 0 when free (the null slot: 0). KDA_INVALID_ARGUMENT for a
+ * slot outside 0..max_sequences-1. */
+kda_status kda_engine_slot_in_use(kda_engine* engine, int slot, int* out);
 /* The memory plan as JSON ({"mode", "alignment", "arena_bytes", "buffers": [...]}), snprintf-like:
  * *length (may be NULL) receives the JSON's length without the terminating NUL, always. With
  * buffer == NULL and buffer_size == 0 it only reports the length (KDA_OK). Otherwise the buffer
