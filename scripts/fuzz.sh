@@ -20,7 +20,7 @@ seed="${KDA_FUZZ_SEED:-1}"
 build_dir="${KDA_FUZZ_BUILD_DIR:-$root/build-fuzz}"
 artifacts="${KDA_FUZZ_ARTIFACTS:-$build_dir/fuzz-artifacts}"
 jobs="${KDA_JOBS:-$(nproc 2>/dev/null || echo 2)}"
-harnesses=(model_spec safetensors operator)
+harnesses=(model_spec safetensors operator engine)
 
 if ! [[ "$seconds" =~ ^[0-9]+$ ]] || [[ "$seconds" -lt 1 ]]; then
   echo "fuzz.sh: SECONDS must be a positive integer, got '$seconds'" >&2

@@ -29,10 +29,14 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_metadata.hpp"
 #include "kda/bf16.hpp"
 #include "kda/kda.hpp"
 
 namespace {
+
+using kda::fuzz::metadata_array;
+using kda::fuzz::metadata_value;
 
 [[noreturn]] void finding(const std::string& what) {
   std::fprintf(stderr, "fuzz_operator: FINDING: %s\n", what.c_str());
@@ -78,25 +82,6 @@ class Values {
   std::mt19937 rng_;
 };
 
-// An int32 of batch metadata: mostly in or near [0, n), sometimes far outside.
-std::int32_t metadata_value(FuzzedDataProvider& in, std::int64_t n) {
-  switch (in.ConsumeIntegralInRange<int>(0, 15)) {
-    case 0:
-      return std::numeric_limits<std::int32_t>::max();
-    case 1:
-      return std::numeric_limits<std::int32_t>::min();
-    default:
-      return in.ConsumeIntegralInRange<std::int32_t>(-2, static_cast<std::int32_t>(n) + 1);
-  }
-}
-
-std::vector<std::int32_t> metadata_array(FuzzedDataProvider& in, std::int64_t count,
-                                         std::int64_t n) {
-  std::vector<std::int32_t> a(static_cast<std::size_t>(count > 0 ? count : 0));
-  for (auto& v : a) v = metadata_value(in, n);
-  return a;
-}
-
 float gate_bound(FuzzedDataProvider& in) {
   return in.PickValueInArray<float>(
       {-5.0f, -1.0f, -0.25f, 0.0f, -6.0f, kNaN, -kInf, in.ConsumeFloatingPoint<float>()});
@@ -121,7 +106,7 @@ void gate_parameters(FuzzedDataProvider& in, Values& values, std::int64_t heads,
                      std::int64_t head_dim, Bytes* a_log, Bytes* dt_bias) {
   *a_log = values.f32(heads, -1.0f, 1.0f);
   *dt_bias = values.f32(heads * head_dim, -1.0f, 1.0f);
-  if (in.ConsumeIntegralInRange<int>(0, 7) == 0) {
+  if (in.ConsumeIntegralInRange<int>(0, 7) == 7) {
     const float bad = in.PickValueInArray<float>({kNaN, kInf, 25.0f, -21.0f});
     Bytes& target = in.ConsumeBool() || dt_bias->empty() ? *a_log : *dt_bias;
     if (!target.empty()) std::memcpy(target.data(), &bad, 4);
@@ -245,7 +230,7 @@ void fuzz_prefill(FuzzedDataProvider& in) {
       cu.push_back(cu.back() + lengths.back());
     }
     p.seq_len = cu.back();
-    if (in.ConsumeIntegralInRange<int>(0, 5) == 0) {  // a broken entry, or a wrong total
+    if (in.ConsumeIntegralInRange<int>(0, 5) == 5) {  // a broken entry, or a wrong total
       const std::size_t at = in.ConsumeIntegralInRange<std::size_t>(0, cu.size() - 1);
       cu[at] = metadata_value(in, p.seq_len + 1);
     }
@@ -308,7 +293,7 @@ void fuzz_prefill(FuzzedDataProvider& in) {
   std::size_t ws_bytes = 0;
   const kda::Status ws_status = kda::workspace_size(p, kda::Backend::kCpu, &ws_bytes);
   ws_bytes = workspace_bytes_or_zero(ws_status, ws_bytes);
-  if (ws_bytes > 0 && in.ConsumeIntegralInRange<int>(0, 15) == 0) ws_bytes /= 2;  // too small
+  if (ws_bytes > 0 && in.ConsumeIntegralInRange<int>(0, 15) == 15) ws_bytes /= 2;  // too small
   f.workspace.assign(ws_bytes, 0xA5);
 
   const Prefill before = f;
@@ -393,7 +378,7 @@ void fuzz_decode(FuzzedDataProvider& in) {
   p.verify = in.ConsumeBool();
   p.records = p.verify && in.ConsumeBool();
   p.padding_slot = in.ConsumeBool() ? -1 : metadata_value(in, p.num_slots);
-  if (in.ConsumeIntegralInRange<int>(0, 2) == 0) {
+  if (in.ConsumeIntegralInRange<int>(0, 2) == 2) {
     p.fold_batch = in.ConsumeIntegralInRange<std::int64_t>(1, 3);
     p.fold_tokens = in.ConsumeIntegralInRange<std::int64_t>(1, 4);
   }
@@ -401,10 +386,10 @@ void fuzz_decode(FuzzedDataProvider& in) {
   const std::int64_t K = p.head_dim_k, V = p.head_dim_v, state = H * V * K;
   const bool per_token = p.verify && !p.records;
   d.slots = metadata_array(in, per_token ? B * T : B, p.num_slots);
-  d.pass_accepted = per_token != (in.ConsumeIntegralInRange<int>(0, 9) == 0);
+  d.pass_accepted = per_token != (in.ConsumeIntegralInRange<int>(0, 9) == 9);
   d.accepted.resize(static_cast<std::size_t>(B));
   for (auto& a : d.accepted) {
-    a = in.ConsumeIntegralInRange<int>(0, 7) == 0
+    a = in.ConsumeIntegralInRange<int>(0, 7) == 7
             ? metadata_value(in, T + 1)
             : in.ConsumeIntegralInRange<std::int32_t>(1, static_cast<std::int32_t>(T > 0 ? T : 1));
   }
@@ -433,7 +418,7 @@ void fuzz_decode(FuzzedDataProvider& in) {
   std::size_t ws_bytes = 0;
   const kda::Status ws_status = kda::decode_workspace_size(p, kda::Backend::kCpu, &ws_bytes);
   ws_bytes = workspace_bytes_or_zero(ws_status, ws_bytes);
-  if (ws_bytes > 0 && in.ConsumeIntegralInRange<int>(0, 15) == 0) ws_bytes /= 2;  // too small
+  if (ws_bytes > 0 && in.ConsumeIntegralInRange<int>(0, 15) == 15) ws_bytes /= 2;  // too small
   d.workspace.assign(ws_bytes, 0x5A);
 
   const Decode before = d;
