@@ -12,10 +12,11 @@
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
-# layer: the whole layer's decode kernels: the one-row GEMM test and the layer's CUDA cases,
-# kda-gemv-probe, kda-layer-bench, then its decode rows twice over four variants: the defaults,
-# the input projection on cuBLAS (KDA_LAYER_INPUT_GEMM=cublas), the input projection at two
-# slices a row (KDA_LAYER_INPUT_GEMM=split2), o_proj on cuBLAS (KDA_LAYER_OUTPUT_GEMM=cublas).
+# layer: the whole layer's decode kernels: the few-row GEMM tests and the layer's CUDA cases (also
+# with every GEMM of 2 to 256 rows on the warpgroup kernel), kda-gemv-probe and its --warpgroup
+# table, kda-layer-bench, then its decode rows twice over four variants: the defaults, the input
+# projection on cuBLAS (KDA_LAYER_INPUT_GEMM=cublas), the warpgroup kernel for the GEMMs of 9 to
+# 256 rows (KDA_LAYER_SMALL_GEMM=warpgroup9) and of 2 to 256 (warpgroup).
 # layer-sanitize: memcheck and racecheck over the layer's
 # decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
 # it takes over ten minutes).
@@ -99,19 +100,21 @@ fi
 if [ "$what" = layer ]; then
   # Under ten minutes with the build, and few files in $OUT (the decode variants share one).
   t=$build/tests
-  { timeout 300 "$t/test_layer_gemv_cuda"; timeout 400 "$t/test_layer" '-tc=*[cuda]'; } \
+  { timeout 300 "$t/test_layer_gemv_cuda"; timeout 400 "$t/test_layer" '-tc=*[cuda]'
+    KDA_LAYER_SMALL_GEMM=warpgroup timeout 400 "$t/test_layer" '-tc=*[cuda]'; } \
     > "$OUT/layer-tests.log" 2>&1 || rc=1
   grep -E '^\[doctest\] (test cases|assertions)' "$OUT/layer-tests.log"
-  timeout 200 "$build/bench/kda-gemv-probe" > "$OUT/gemv-probe.md" 2>&1 || rc=1
+  { timeout 200 "$build/bench/kda-gemv-probe"; timeout 200 "$build/bench/kda-gemv-probe" --warpgroup; } \
+    > "$OUT/gemv-probe.md" 2>&1 || rc=1
   timeout 120 "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench.md" 2>&1 || rc=1
-  # The decode rows again, alternating: the defaults, the input projection on cuBLAS, the input
-  # projection at two slices a row, o_proj on cuBLAS; one file, a header a run.
+  # The decode rows again, alternating: the defaults, the input projection on cuBLAS, the
+  # warpgroup kernel from 9 rows and from 2; one file, a header a run.
   for round in 1 2; do
-    for variant in default input-cublas input-split2 output-cublas; do
+    for variant in default input-cublas warpgroup9 warpgroup; do
       env_args=()
       [ "$variant" = input-cublas ] && env_args=(KDA_LAYER_INPUT_GEMM=cublas)
-      [ "$variant" = input-split2 ] && env_args=(KDA_LAYER_INPUT_GEMM=split2)
-      [ "$variant" = output-cublas ] && env_args=(KDA_LAYER_OUTPUT_GEMM=cublas)
+      [ "$variant" = warpgroup9 ] && env_args=(KDA_LAYER_SMALL_GEMM=warpgroup9)
+      [ "$variant" = warpgroup ] && env_args=(KDA_LAYER_SMALL_GEMM=warpgroup)
       echo "## $variant, round $round" >> "$OUT/layer-bench-decode.md"
       env "${env_args[@]}" timeout 60 "$build/bench/kda-layer-bench" --decode-only "$@" \
         >> "$OUT/layer-bench-decode.md" 2>&1 || rc=1
