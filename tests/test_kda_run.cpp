@@ -739,9 +739,12 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
   bad.metadata["scale"] = "-1";
   check_rejected(bad, "scale");
 
-  bad = good;  // dt_bias flat [H * K] instead of [H, K]
-  bad.tensors.at("dt_bias").shape = {16};
-  check_rejected(bad, "tensor 'dt_bias' has shape [16], expected [2, 8]");
+  bad = good;  // dt_bias neither [H, K] nor [H * K]
+  bad.tensors.at("dt_bias").shape = {16, 1};
+  check_rejected(bad, "tensor 'dt_bias' has shape [16, 1], expected [2, 8] ([H, K] or [H * K])");
+  bad = good;
+  bad.tensors.at("A_log").shape = {1, 2, 1};
+  check_rejected(bad, "tensor 'A_log' has shape [1, 2, 1], expected [2] ([H] or [1, 1, H, 1])");
   bad = good;
   bad.tensors.erase("q");
   {
@@ -759,6 +762,31 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
   bad = good;
   bad.tensors.at("A_log").data_as<float>()[0] = std::numeric_limits<float>::quiet_NaN();
   check_rejected(bad, "in.safetensors: CPU forward: A_log[0] is not finite");
+}
+
+// A_log and dt_bias as Kimi-Linear's checkpoints store them ([1, 1, H, 1], [H * K]): the same
+// forward, bit for bit.
+TEST_CASE("kda-run --case: A_log and dt_bias in their checkpoint shapes run the same forward") {
+  const CaseFile plain = to_case_file(small_case());
+  CaseFile released = plain;
+  const std::int64_t H = plain.tensors.at("A_log").shape[0];
+  const std::int64_t K = plain.tensors.at("dt_bias").shape[1];
+  released.tensors.at("A_log").shape = {1, 1, H, 1};
+  released.tensors.at("dt_bias").shape = {H * K};
+  TempDir dir;
+  plain.save(dir.file("plain.safetensors"));
+  released.save(dir.file("released.safetensors"));
+  for (const char* name : {"plain", "released"}) {
+    const Result r =
+        kda_run({"--case", dir.file(std::string(name) + ".safetensors"), "--output",
+                 dir.file(std::string(name) + "-out.safetensors"), "--backend", "cpu"});
+    INFO(r.err);
+    REQUIRE(r.rc == 0);
+  }
+  const auto a = kda::engine::SafetensorsFile::open(dir.file("plain-out.safetensors"));
+  const auto b = kda::engine::SafetensorsFile::open(dir.file("released-out.safetensors"));
+  CHECK(a.read("out").data == b.read("out").data);
+  CHECK(a.read("final_state").data == b.read("final_state").data);
 }
 
 TEST_CASE("kda-run --case: an --output that is the case file is refused, the file kept") {

@@ -106,8 +106,14 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
   }
   const std::int64_t V = v.shape[3];
   expect_shape(beta, {B, T, H}, "[B, T, H]", source);
-  expect_shape(a_log, {H}, "[H]", source);
-  expect_shape(dt_bias, {H, K}, "[H, K]", source);
+  // Also as Kimi-Linear's checkpoints store them (A_log [1, 1, H, 1], dt_bias [H * K]): the same
+  // values in the same order, so a checkpoint's tensors go into a case as they are.
+  if (a_log.shape != std::vector<std::int64_t>{1, 1, H, 1}) {
+    expect_shape(a_log, {H}, "[H] or [1, 1, H, 1]", source);
+  }
+  if (dt_bias.shape != std::vector<std::int64_t>{H * K}) {
+    expect_shape(dt_bias, {H, K}, "[H, K] or [H * K]", source);
+  }
 
   CaseMode mode = CaseMode::kPrefill;
   if (const auto it = metadata.find("mode"); it != metadata.end()) {

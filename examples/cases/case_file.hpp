@@ -11,6 +11,7 @@
 //   Prefill (mode prefill): one forward of B rows of T tokens, or of N varlen sequences
 //   Inputs   q, k, g  BF16 [B, T, H, K]     v BF16 [B, T, H, V]     beta BF16 [B, T, H]
 //            A_log F32 [H]                  dt_bias F32 [H, K]
+//              (or as checkpoints store them: A_log [1, 1, H, 1], dt_bias [H * K])
 //            initial_state F32 or BF16 [N, H, V, K]   (optional)
 //            cu_seqlens I64 or I32 [N + 1]           (optional; then B = 1, N sequences; else N =
 //            B)
