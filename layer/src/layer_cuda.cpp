@@ -110,13 +110,10 @@ WeightLayout make_weight_layout(const Config& c) {
   return layout;
 }
 
-// The CUDA path's limits, as a status (can_implement) and as the throw of make_cuda_layer().
+// The CUDA path's limits, as a status (can_implement) and as the throw of make_cuda_layer(): the
+// model's first (kUnsupported wherever it runs), then the build's (kBackendUnavailable), as the
+// operator orders them, so that a caller planning for CUDA on any machine tells the two apart.
 Status cuda_limits(const Config& c) {
-  if (!cuda_compiled()) {
-    return Status(
-        StatusCode::kBackendUnavailable,
-        "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
-  }
   if (c.head_dim != 128) {
     return Status(StatusCode::kUnsupported,
                   "KDA layer (CUDA): head_dim " + std::to_string(c.head_dim) +
@@ -126,6 +123,11 @@ Status cuda_limits(const Config& c) {
     return Status(StatusCode::kUnsupported, "KDA layer (CUDA): conv_width " +
                                                 std::to_string(c.conv_width) +
                                                 " is not in [2, 4] (the conv kernels' widths)");
+  }
+  if (!cuda_compiled()) {
+    return Status(
+        StatusCode::kBackendUnavailable,
+        "KDA layer (CUDA): this build has no CUDA backend (configure with -DKDA_CUDA=ON)");
   }
   return Status::Ok();
 }

@@ -917,6 +917,22 @@ KDA_MATRIX_CASE("backends: each backend as asked / auto picks CUDA when it can r
         kda::Backend::kCpu);
   CHECK(Engine(small).backend() == kda::Backend::kCpu);
   CHECK(Engine(cuda_sized, engine_options(runner)).backend() == runner.backend());
+  // A CUDA plan is made on any machine, of a model the CUDA backend can run; one it cannot is
+  // refused naming why (the cores' head_dim; with whole layers, the layer's).
+  CHECK(Engine::plan_for(cuda_sized, kda::Backend::kCuda).arena_bytes > 0);
+  if (kda::cuda_device_count() == 0 || kda::cuda_device_supported().ok()) {
+    CHECK_THROWS_WITH_AS(Engine::plan_for(small, kda::Backend::kCuda),
+                         doctest::Contains("the CUDA backend cannot run this model: prefill: the "
+                                           "CUDA backend needs head_dim_k == head_dim_v == 128"),
+                         kda::Error);
+    ModelSpec whole = small;
+    whole.runtime.layer_mode = LayerMode::kWhole;
+    CHECK_THROWS_WITH_AS(Engine::plan_for(whole, kda::Backend::kCuda),
+                         doctest::Contains("the CUDA backend cannot run this model: KDA layer "
+                                           "(CUDA): head_dim 32 is not 128"),
+                         kda::Error);
+    CHECK(Engine::plan_for(whole, kda::Backend::kCpu).arena_bytes > 0);
+  }
   if (runner.backend() == kda::Backend::kCuda) {
     CHECK(kda::engine::resolve_backend(cuda_sized, kda::engine::BackendChoice::kAuto) ==
           kda::Backend::kCuda);

@@ -903,23 +903,41 @@ struct Engine::Impl {
 
 // ---- construction ----------------------------------------------------------------------------
 
+namespace {
+
+// Why the CUDA backend cannot run `spec`: the whole layer's limits, then the core's prefill and
+// decode at the runtime's bounds; ok when it can. Each check names the model's obstacles
+// (kUnsupported) before this machine's (kBackendUnavailable, or kUnsupported for a device the
+// kernels are not built for).
+Status cuda_status(const ModelSpec& spec) {
+  if (spec.runtime.layer_mode == LayerMode::kWhole) {
+    if (Status st = layer::can_implement(Backend::kCuda, layer_config(spec)); !st.ok()) return st;
+  }
+  if (const Status st = can_implement(max_prefill_problem(spec), Backend::kCuda); !st.ok()) {
+    return Status(st.code(), "prefill: " + st.message());
+  }
+  if (const Status st = can_implement(max_decode_problem(spec), Backend::kCuda); !st.ok()) {
+    return Status(st.code(), "decode: " + st.message());
+  }
+  return Status::Ok();
+}
+
+// A plan for CUDA is made on any machine, of a model the CUDA backend can run: the model's
+// obstacles are refused, this machine's are not. (A device the kernels are not built for reads as
+// kUnsupported too; there nothing is refused, since the two cannot be told apart.)
+void check_cuda_can_run_model(const ModelSpec& spec) {
+  if (cuda_device_count() > 0 && !cuda_device_supported().ok()) return;
+  const Status st = cuda_status(spec);
+  if (st.code() == StatusCode::kUnsupported) {
+    throw Error(st, spec.source + ": the CUDA backend cannot run this model");
+  }
+}
+
+}  // namespace
+
 Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string* why) {
-  auto why_cuda_cannot_run = [&spec]() -> std::string {
-    // Whole layers on CUDA: the layer's limits (kda::layer::can_implement).
-    if (spec.runtime.layer_mode == LayerMode::kWhole) {
-      if (const Status st = layer::can_implement(Backend::kCuda, layer_config(spec)); !st.ok()) {
-        return st.message();
-      }
-    }
-    if (const Status st = can_implement(max_prefill_problem(spec), Backend::kCuda); !st.ok()) {
-      return "prefill: " + st.message();
-    }
-    if (const Status st = can_implement(max_decode_problem(spec), Backend::kCuda); !st.ok()) {
-      return "decode: " + st.message();
-    }
-    return std::string();
-  };
-  return choose_backend(choice, why_cuda_cannot_run, why);
+  return choose_backend(
+      choice, [&spec] { return cuda_status(spec).message(); }, why);
 }
 
 void check_weights_file(const ModelSpec& spec) {
@@ -949,6 +967,7 @@ void check_weights_file(const ModelSpec& spec) {
 
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
   check_layer_mode(spec);
+  if (backend == Backend::kCuda) check_cuda_can_run_model(spec);
   EngineBuffers buffers;
   return make_plan(spec, backend, make_layers(spec, backend), 0, &buffers);
 }

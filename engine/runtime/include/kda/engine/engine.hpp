@@ -298,7 +298,9 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // The memory plan an engine for `spec` would use on `backend` (with spec.runtime.layer_mode),
-  // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error.
+  // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error;
+  // for kCuda, kUnsupported naming why when the CUDA backend cannot run the model (head_dim not
+  // 128, a conv width outside 2..4, a grid too large), whatever this machine has.
   static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend);
 
   const ModelSpec& spec() const noexcept;
