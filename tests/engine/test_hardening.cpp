@@ -154,16 +154,18 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
                      kda::StatusCode::kOverflow);
     CHECK(message.find("synthetic inputs") != std::string::npos);
   }
-  {  // Valid for the loader (inputs fit in 64 bits) but the CUDA workspace at max_tokens does not:
-    // the CUDA plan reports it, even on a machine without a GPU.
+  {  // Valid for the loader (inputs fit in 64 bits), but more 16-token chunks at max_tokens than a
+    // CUDA grid holds (and a CUDA workspace past 64 bits): the CUDA plan refuses it, even on a
+    // machine without a GPU (a build with CUDA or without).
     const std::string yaml = with_runtime_value(
         with_runtime_value(tiny_yaml(), "max_tokens", "10000000000000"), "max_sequences", "8");
     std::string wide = yaml;
     wide.replace(wide.find("num_heads: 4"), 12, "num_heads: 1024");
     const ModelSpec spec = kda::engine::parse_model_spec(wide, "wide.yaml");
     const std::string message = expect_error([&] { Engine::plan_for(spec, kda::Backend::kCuda); },
-                                             kda::StatusCode::kOverflow);
-    CHECK(message.find("workspace") != std::string::npos);
+                                             kda::StatusCode::kUnsupported);
+    CHECK(message.find("the CUDA backend cannot run this model: prefill: the CUDA backend runs at "
+                       "most 2147483647 16-token chunk slots") != std::string::npos);
     // The CPU core's workspace does not grow with the tokens: the same spec plans there with
     // core-only layers; a whole layer's intermediates do grow, and overflow the same way.
     ModelSpec core = spec;

@@ -905,31 +905,31 @@ struct Engine::Impl {
 
 namespace {
 
-// Why the CUDA backend cannot run `spec`: the whole layer's limits, then the core's prefill and
-// decode at the runtime's bounds; ok when it can. Each check names the model's obstacles
-// (kUnsupported) before this machine's (kBackendUnavailable, or kUnsupported for a device the
-// kernels are not built for).
-Status cuda_status(const ModelSpec& spec) {
+// The CUDA backend's checks of `spec`: the whole layer's limits, then the core's prefill and
+// decode at the runtime's bounds. Each names the model's obstacles (kUnsupported) before this
+// machine's (kBackendUnavailable, or kUnsupported for a device the kernels are not built for).
+std::vector<Status> cuda_checks(const ModelSpec& spec) {
+  std::vector<Status> checks;
   if (spec.runtime.layer_mode == LayerMode::kWhole) {
-    if (Status st = layer::can_implement(Backend::kCuda, layer_config(spec)); !st.ok()) return st;
+    checks.push_back(layer::can_implement(Backend::kCuda, layer_config(spec)));
   }
-  if (const Status st = can_implement(max_prefill_problem(spec), Backend::kCuda); !st.ok()) {
-    return Status(st.code(), "prefill: " + st.message());
-  }
-  if (const Status st = can_implement(max_decode_problem(spec), Backend::kCuda); !st.ok()) {
-    return Status(st.code(), "decode: " + st.message());
-  }
-  return Status::Ok();
+  const Status prefill = can_implement(max_prefill_problem(spec), Backend::kCuda);
+  checks.emplace_back(prefill.code(), prefill.ok() ? "" : "prefill: " + prefill.message());
+  const Status decode = can_implement(max_decode_problem(spec), Backend::kCuda);
+  checks.emplace_back(decode.code(), decode.ok() ? "" : "decode: " + decode.message());
+  return checks;
 }
 
 // A plan for CUDA is made on any machine, of a model the CUDA backend can run: the model's
-// obstacles are refused, this machine's are not. (A device the kernels are not built for reads as
-// kUnsupported too; there nothing is refused, since the two cannot be told apart.)
+// obstacles are refused, this machine's are not, whichever check they come from. (A device the
+// kernels are not built for reads as kUnsupported too; there nothing is refused, since the two
+// cannot be told apart.)
 void check_cuda_can_run_model(const ModelSpec& spec) {
   if (cuda_device_count() > 0 && !cuda_device_supported().ok()) return;
-  const Status st = cuda_status(spec);
-  if (st.code() == StatusCode::kUnsupported) {
-    throw Error(st, spec.source + ": the CUDA backend cannot run this model");
+  for (const Status& st : cuda_checks(spec)) {
+    if (st.code() == StatusCode::kUnsupported) {
+      throw Error(st, spec.source + ": the CUDA backend cannot run this model");
+    }
   }
 }
 
@@ -937,7 +937,14 @@ void check_cuda_can_run_model(const ModelSpec& spec) {
 
 Backend resolve_backend(const ModelSpec& spec, BackendChoice choice, std::string* why) {
   return choose_backend(
-      choice, [&spec] { return cuda_status(spec).message(); }, why);
+      choice,
+      [&spec] {
+        for (const Status& st : cuda_checks(spec)) {
+          if (!st.ok()) return st.message();
+        }
+        return std::string();
+      },
+      why);
 }
 
 void check_weights_file(const ModelSpec& spec) {
