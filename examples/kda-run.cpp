@@ -90,13 +90,14 @@ const char* const kUsage =
   kda-run --layer-case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
   kda-run --help | --version
 
-Runs every KDA layer of the model described by M.yaml on synthetic inputs (T tokens split evenly
-over N sequences, each on its own state slot) and prints a summary of the memory plan, the time of
-each layer, the total and tokens/s. A KDA layer is the whole layer (hidden states in and out:
-projections, short convolutions, the KDA core, gated RMSNorm, output projection; its time split
-into those phases) unless --core-only or the model's runtime.layers: core asks for the KDA core
-alone. With --decode-steps S, then runs S decode steps of one token per sequence through every KDA
-layer and prints the median step latency and tokens/s.
+Runs every KDA layer of the model described by M.yaml on synthetic inputs (T tokens split as
+evenly as they go over N sequences, so with T < N some have none; each on its own state slot)
+and prints a summary of the memory plan, the time of each layer, the total and tokens/s. A KDA
+layer is the whole layer (hidden states in and out: projections, short convolutions, the KDA
+core, gated RMSNorm, output projection; its time split into those phases) unless --core-only or
+the model's runtime.layers: core asks for the KDA core alone. With --decode-steps S, then runs S
+decode steps of one token per sequence through every KDA layer and prints the median step latency
+and tokens/s.
 
 Layers are numbered as in the YAML's kda_layers (model layer, 1-based); "KDA index" is the 0-based
 position among the KDA layers (the layer argument of Engine::prefill / decode and the C API).
