@@ -124,6 +124,15 @@ kda_status on_handle(kda_engine* handle, Body&& body) noexcept {
   return guarded(handle->last_error, sizeof handle->last_error, [&] { body(*handle->engine); });
 }
 
+// A query: *out, written only on success, is `get` of the engine.
+template <typename T, typename Get>
+kda_status query(kda_engine* handle, const char* function, T* out, Get&& get) noexcept {
+  return on_handle(handle, [&](kda::engine::Engine& e) {
+    require(out, function, "out");
+    *out = get(e);
+  });
+}
+
 kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                                              const char* function) {
   kda::engine::EngineOptions result;
@@ -417,24 +426,18 @@ const char* kda_engine_last_error(const kda_engine* engine) {
 }
 
 kda_status kda_engine_num_layers(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_num_layers", "out");
-    *out = e.num_layers();
-  });
+  return query(engine, "kda_engine_num_layers", out,
+               [&](const kda::engine::Engine& e) { return e.num_layers(); });
 }
 
 kda_status kda_engine_num_heads(kda_engine* engine, int64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_num_heads", "out");
-    *out = e.spec().num_heads;
-  });
+  return query(engine, "kda_engine_num_heads", out,
+               [&](const kda::engine::Engine& e) { return e.spec().num_heads; });
 }
 
 kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_head_dim", "out");
-    *out = e.spec().head_dim;
-  });
+  return query(engine, "kda_engine_head_dim", out,
+               [&](const kda::engine::Engine& e) { return e.spec().head_dim; });
 }
 
 kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
@@ -452,51 +455,39 @@ kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
 }
 
 kda_status kda_engine_max_tokens(kda_engine* engine, int64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_max_tokens", "out");
-    *out = e.spec().runtime.max_tokens;
-  });
+  return query(engine, "kda_engine_max_tokens", out,
+               [&](const kda::engine::Engine& e) { return e.spec().runtime.max_tokens; });
 }
 
 kda_status kda_engine_max_sequences(kda_engine* engine, int64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_max_sequences", "out");
-    *out = e.spec().runtime.max_sequences;
-  });
+  return query(engine, "kda_engine_max_sequences", out,
+               [&](const kda::engine::Engine& e) { return e.spec().runtime.max_sequences; });
 }
 
 kda_status kda_engine_free_slots(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_free_slots", "out");
-    *out = e.free_slots();
-  });
+  return query(engine, "kda_engine_free_slots", out,
+               [&](const kda::engine::Engine& e) { return e.free_slots(); });
 }
 
 kda_status kda_engine_arena_bytes(kda_engine* engine, uint64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_arena_bytes", "out");
-    *out = e.arena_bytes();
-  });
+  return query(engine, "kda_engine_arena_bytes", out,
+               [&](const kda::engine::Engine& e) { return e.arena_bytes(); });
 }
 
 kda_status kda_engine_model_layer(kda_engine* engine, int layer, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_model_layer", "out");
-    *out = e.layer(layer).model_layer;
-  });
+  return query(engine, "kda_engine_model_layer", out,
+               [&](const kda::engine::Engine& e) { return e.layer(layer).model_layer; });
 }
 
 kda_status kda_engine_conv_width(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_conv_width", "out");
-    *out = static_cast<int>(e.spec().short_conv_kernel_size);
+  return query(engine, "kda_engine_conv_width", out, [&](const kda::engine::Engine& e) {
+    return static_cast<int>(e.spec().short_conv_kernel_size);
   });
 }
 
 kda_status kda_engine_state_dtype(kda_engine* engine, kda_state_dtype* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_state_dtype", "out");
-    *out = e.spec().runtime.state_dtype == kda::DType::kBF16 ? KDA_STATE_DTYPE_BF16
+  return query(engine, "kda_engine_state_dtype", out, [&](const kda::engine::Engine& e) {
+    return e.spec().runtime.state_dtype == kda::DType::kBF16 ? KDA_STATE_DTYPE_BF16
                                                              : KDA_STATE_DTYPE_FP32;
   });
 }
@@ -512,24 +503,20 @@ kda_status kda_engine_tensor_parallel(kda_engine* engine, int* rank, int* size) 
 }
 
 kda_status kda_engine_max_verify_tokens(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_max_verify_tokens", "out");
-    *out = static_cast<int>(e.spec().runtime.max_verify_tokens);
+  return query(engine, "kda_engine_max_verify_tokens", out, [&](const kda::engine::Engine& e) {
+    return static_cast<int>(e.spec().runtime.max_verify_tokens);
   });
 }
 
 kda_status kda_engine_record_regions(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_record_regions", "out");
-    *out = static_cast<int>(e.spec().runtime.record_regions);
+  return query(engine, "kda_engine_record_regions", out, [&](const kda::engine::Engine& e) {
+    return static_cast<int>(e.spec().runtime.record_regions);
   });
 }
 
 kda_status kda_engine_null_slot(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_null_slot", "out");
-    *out = e.null_slot();
-  });
+  return query(engine, "kda_engine_null_slot", out,
+               [&](const kda::engine::Engine& e) { return e.null_slot(); });
 }
 
 kda_status kda_engine_slot_in_use(kda_engine* engine, int slot, int* out) {
@@ -578,10 +565,8 @@ kda_status kda_engine_reset_slot(kda_engine* engine, int slot) {
 }
 
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_sequence_state_bytes", "out");
-    *out = e.sequence_state_bytes();
-  });
+  return query(engine, "kda_engine_sequence_state_bytes", out,
+               [&](const kda::engine::Engine& e) { return e.sequence_state_bytes(); });
 }
 
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
@@ -649,16 +634,13 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
 }
 
 kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_hidden_size", "out");
-    *out = e.spec().hidden_size;
-  });
+  return query(engine, "kda_engine_hidden_size", out,
+               [&](const kda::engine::Engine& e) { return e.spec().hidden_size; });
 }
 
 kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    require(out, "kda_engine_whole_layers", "out");
-    *out = e.layer_mode() == kda::engine::LayerMode::kWhole ? 1 : 0;
+  return query(engine, "kda_engine_whole_layers", out, [&](const kda::engine::Engine& e) {
+    return e.layer_mode() == kda::engine::LayerMode::kWhole ? 1 : 0;
   });
 }
 
