@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "fuzz_metadata.hpp"
+#include "fuzz_support.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
@@ -36,17 +36,10 @@ namespace {
 
 using kda::engine::BatchMetadata;
 using kda::engine::Engine;
+using kda::fuzz::expect;
+using kda::fuzz::finding;
 using kda::fuzz::metadata_array;
 using kda::fuzz::metadata_value;
-
-[[noreturn]] void finding(const std::string& what) {
-  std::fprintf(stderr, "fuzz_engine: FINDING: %s\n", what.c_str());
-  std::abort();
-}
-
-void expect(bool condition, const std::string& what) {
-  if (!condition) finding(what);
-}
 
 constexpr int kSlots = 6;
 constexpr std::int64_t kHidden = 16;

@@ -15,16 +15,14 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_support.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
 
 namespace {
 
-[[noreturn]] void finding(const std::string& what) {
-  std::fprintf(stderr, "fuzz_model_spec: FINDING: %s\n", what.c_str());
-  std::abort();
-}
+using kda::fuzz::finding;
 
 void expect(bool condition, const char* what) {
   if (!condition) finding(std::string("accepted spec breaks: ") + what);

@@ -29,23 +29,16 @@
 #include <string>
 #include <vector>
 
-#include "fuzz_metadata.hpp"
+#include "fuzz_support.hpp"
 #include "kda/bf16.hpp"
 #include "kda/kda.hpp"
 
 namespace {
 
+using kda::fuzz::expect;
+using kda::fuzz::finding;
 using kda::fuzz::metadata_array;
 using kda::fuzz::metadata_value;
-
-[[noreturn]] void finding(const std::string& what) {
-  std::fprintf(stderr, "fuzz_operator: FINDING: %s\n", what.c_str());
-  std::abort();
-}
-
-void expect(bool condition, const std::string& what) {
-  if (!condition) finding(what);
-}
 
 using Bytes = std::vector<std::uint8_t>;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();

@@ -27,15 +27,13 @@
 #include <vector>
 
 #include "case_file.hpp"
+#include "fuzz_support.hpp"
 #include "kda/engine/safetensors.hpp"
 #include "kda/error.hpp"
 
 namespace {
 
-[[noreturn]] void finding(const std::string& what) {
-  std::fprintf(stderr, "fuzz_safetensors: FINDING: %s\n", what.c_str());
-  std::abort();
-}
+using kda::fuzz::finding;
 
 // One file, rewritten for every input; its /proc/self/fd path (memfd) or its real path.
 class ScratchFile {

@@ -1,15 +1,29 @@
-// tests/fuzz/fuzz_metadata.hpp — batch metadata drawn from a fuzzer's input, for the harnesses
-// that drive the operator and the engine: slot indices, counts, rows, offsets.
+// tests/fuzz/fuzz_support.hpp — what the libFuzzer harnesses share: how a finding is reported,
+// and batch metadata drawn from a fuzzer's input (slot indices, counts, rows, offsets) for the
+// harnesses that drive the operator and the engine.
 #pragma once
 
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace kda::fuzz {
+
+// A broken property: said on stderr, then abort, so that libFuzzer keeps the input.
+[[noreturn]] inline void finding(const std::string& what) {
+  std::fprintf(stderr, "FINDING: %s\n", what.c_str());
+  std::abort();
+}
+
+inline void expect(bool condition, const std::string& what) {
+  if (!condition) finding(what);
+}
 
 // An int32 of batch metadata: mostly in [0, n), sometimes just outside it, sometimes far outside.
 // (An input that has run out reads as zeros, which gives the common case.)
