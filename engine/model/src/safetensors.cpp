@@ -428,8 +428,8 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
   // Messages name the path given and, where links led elsewhere, where they led.
   const std::string where =
       target.string() == path ? path : path + " (through links: " + target.string() + ")";
-  if (fs::exists(fs::status(target, link_ec)) &&
-      !fs::is_regular_file(fs::status(target, link_ec))) {
+  if (const fs::file_status status = fs::status(target, link_ec);
+      fs::exists(status) && !fs::is_regular_file(status)) {
     fail(where,
          "is not a regular file (a directory, device or pipe): the output is a file written "
          "whole, then moved into place");
