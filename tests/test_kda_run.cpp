@@ -733,6 +733,9 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
   bad.metadata.erase("lower_bound");
   check_rejected(bad, "'lower_bound' is required");
   bad = good;
+  bad.metadata["gate"] = "softplus";  // the bound of a bounded gate left beside softplus
+  check_rejected(bad, "'lower_bound' is given with gate softplus");
+  bad = good;
   bad.metadata["final_state"] = "fp64";
   check_rejected(bad, "final_state");
   bad = good;

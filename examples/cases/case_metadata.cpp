@@ -50,6 +50,11 @@ void read_case_gate(const CaseMetadata& metadata, const std::string& source, Gat
   if (*gate == GateMode::kLowerBound && bound_it == metadata.end()) {
     case_fail(source, "metadata 'lower_bound' is required with gate lower_bound");
   }
+  if (*gate == GateMode::kSoftplus && bound_it != metadata.end()) {
+    // A model description refuses a stray bound too: a file that names one probably meant the
+    // bounded gate, and running it as softplus would compare against the wrong reference.
+    case_fail(source, "metadata 'lower_bound' is given with gate softplus, which takes none");
+  }
   if (bound_it != metadata.end()) {
     double bound = 0.0;
     if (!parse_case_number(bound_it->second, &bound)) {
