@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -251,6 +252,12 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
   const char* kernel_names[5] = {"auto", "fused, factors inside", "fused after GEMMs", "separate",
                                  "one launch"};
   constexpr int kSeparateRun = 3;
+  // The GEMM benchmark knobs (LAYER.md) may put the separate and fused steps' input projection on
+  // a kernel that adds each row's products in another order than the one-launch step's own rows:
+  // their bf16 conv states may then differ from its in the last place. Without a knob (as the
+  // library runs) they are bit for bit the same.
+  const bool gemm_knob = std::getenv("KDA_LAYER_SMALL_GEMM") != nullptr ||
+                         std::getenv("KDA_LAYER_INPUT_GEMM") != nullptr;
   std::uint64_t seed = 60;
   for (const Variant& v : {Variant{GateMode::kSoftplus, false, 4, DType::kF32},
                            Variant{GateMode::kLowerBound, false, 3, DType::kBF16},
@@ -280,6 +287,7 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
           random_bf16(static_cast<std::size_t>(step.tokens() * E), 2.0f, ++seed);
       std::vector<LayerRun> runs;
       std::vector<Pools> afters;
+      std::vector<DecodeKernel> ran_kernels;
       for (int k = 0; k < 5; ++k) {
         CAPTURE(kernel_names[k]);
         ForwardSettings settings;
@@ -296,6 +304,7 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
         // A forced kernel runs; kAuto and kOneLaunch (kAuto where the one launch does not take
         // the step) run kAuto's choice.
         const bool as_auto = kernel == DecodeKernel::kAuto || kernel == DecodeKernel::kOneLaunch;
+        ran_kernels.push_back(ran);
         const std::string ran_name = layer::to_string(ran);
         CAPTURE(ran_name);
         CHECK(ran == (as_auto ? auto_decode_kernel(step.sequences(), step.decode_tokens,
@@ -331,6 +340,12 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
                 << " vs separate: out " << out_error << ", state " << state_error);
         CHECK(out_error < 5e-3);
         CHECK(state_error < (bf16_pool ? kBf16PoolTolerance : 1e-4));
+        if (gemm_knob && ran_kernels[k] == DecodeKernel::kOneLaunch) {
+          CHECK(relative_error(afters[k].conv_q, afters[kSeparateRun].conv_q) < 1e-3);
+          CHECK(relative_error(afters[k].conv_k, afters[kSeparateRun].conv_k) < 1e-3);
+          CHECK(relative_error(afters[k].conv_v, afters[kSeparateRun].conv_v) < 1e-3);
+          continue;
+        }
         CHECK(same_bits(afters[k].conv_q, afters[kSeparateRun].conv_q));
         CHECK(same_bits(afters[k].conv_k, afters[kSeparateRun].conv_k));
         CHECK(same_bits(afters[k].conv_v, afters[kSeparateRun].conv_v));
