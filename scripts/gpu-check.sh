@@ -14,9 +14,9 @@
 # (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
 # layer: the whole layer's decode kernels: the few-row GEMM tests and the layer's CUDA cases (also
 # with every GEMM of 2 to 256 rows on the warpgroup kernel), kda-gemv-probe and its --warpgroup
-# table, kda-layer-bench, then its decode rows twice over four variants: the defaults, the input
-# projection on cuBLAS (KDA_LAYER_INPUT_GEMM=cublas), the warpgroup kernel for the GEMMs of 9 to
-# 256 rows (KDA_LAYER_SMALL_GEMM=warpgroup9) and of 2 to 256 (warpgroup).
+# table, kda-layer-bench, then its decode rows twice over the variants KDA_LAYER_VARIANTS names
+# (default "default"; also input-cublas: the input projection on cuBLAS, warpgroup9 / warpgroup:
+# the warpgroup kernel for the GEMMs of 9 / 2 to 256 rows), alternating.
 # layer-sanitize: memcheck and racecheck over the layer's
 # decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
 # it takes over ten minutes).
@@ -107,10 +107,11 @@ if [ "$what" = layer ]; then
   { timeout 200 "$build/bench/kda-gemv-probe"; timeout 200 "$build/bench/kda-gemv-probe" --warpgroup; } \
     > "$OUT/gemv-probe.md" 2>&1 || rc=1
   timeout 120 "$build/bench/kda-layer-bench" "$@" > "$OUT/layer-bench.md" 2>&1 || rc=1
-  # The decode rows again, alternating: the defaults, the input projection on cuBLAS, the
-  # warpgroup kernel from 9 rows and from 2; one file, a header a run.
+  # The decode rows again, the variants alternating; one file, a header a run.
   for round in 1 2; do
-    for variant in default input-cublas warpgroup9 warpgroup; do
+    for variant in ${KDA_LAYER_VARIANTS:-default}; do
+      case "$variant" in default | input-cublas | warpgroup9 | warpgroup) ;;
+        *) echo "KDA_LAYER_VARIANTS: unknown variant '$variant'"; rc=1; continue ;; esac
       env_args=()
       [ "$variant" = input-cublas ] && env_args=(KDA_LAYER_INPUT_GEMM=cublas)
       [ "$variant" = warpgroup9 ] && env_args=(KDA_LAYER_SMALL_GEMM=warpgroup9)
