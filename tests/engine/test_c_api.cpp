@@ -13,10 +13,14 @@
 #include <vector>
 
 #include "engine_matrix.hpp"
+#include "kda/bf16.hpp"
+#include "kda/engine/communicator.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/error.hpp"
 #include "kda/kda_engine.h"
 #include "kda_reference.hpp"
+#include "layer_test_util.hpp"
+#include "rank_threads.hpp"
 
 using kda::engine::Engine;
 using kda::engine::EngineOptions;
@@ -151,6 +155,8 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(options.max_sequences == 0);
   CHECK(options.state_dtype == KDA_STATE_DTYPE_DEFAULT);
   CHECK(options.reserved3 == 0);
+  CHECK(options.communicator == nullptr);
+  CHECK(options.context_group == nullptr);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
 }
 
@@ -996,4 +1002,291 @@ KDA_CUDA_CASE(
   CHECK(kda_engine_check_device_status(gpu) == KDA_OK);
   CHECK(last_error(gpu).empty());
   CHECK(out.memory.guards_intact());
+}
+
+// ---- communicators ------------------------------------------------------------------------------
+
+namespace {
+
+// Callbacks that forward to a rank of the C++ in-process group (`user`): what is under test is the
+// C API's adapter, over a transport test_parallel tests on its own.
+int forward_all_reduce(void* user, void* data, size_t count, kda_collective_dtype dtype,
+                       void* stream) {
+  try {
+    static_cast<kda::engine::Communicator*>(user)->all_reduce_sum(
+        data, count, dtype == KDA_COLLECTIVE_F32 ? kda::DType::kF32 : kda::DType::kBF16, stream);
+    return 0;
+  } catch (...) {
+    return 99;
+  }
+}
+
+int forward_all_gather(void* user, const void* send, void* recv, size_t bytes, void* stream) {
+  try {
+    static_cast<kda::engine::Communicator*>(user)->all_gather(send, recv, bytes, stream);
+    return 0;
+  } catch (...) {
+    return 99;
+  }
+}
+
+void forward_abort(void* user) { static_cast<kda::engine::Communicator*>(user)->abort(); }
+
+kda_communicator c_communicator(kda::engine::Communicator* c) {
+  kda_communicator result;
+  std::memset(&result, 0, sizeof result);
+  result.struct_size = sizeof result;
+  result.user = c;
+  result.rank = c->rank();
+  result.size = c->size();
+  result.memory = KDA_BACKEND_CPU;
+  result.all_reduce_sum = forward_all_reduce;
+  result.all_gather = forward_all_gather;
+  result.abort = forward_abort;
+  return result;
+}
+
+// Two KDA layers of 4 heads of 16, whole layers or cores, on tp_size ranks.
+std::string parallel_spec(int tp_size, int tp_rank, const char* layers) {
+  return "name: c-parallel\nhidden_size: 64\nnum_hidden_layers: 2\n"
+         "linear_attn_config: {num_heads: 4, head_dim: 16, kda_layers: [1, 2], "
+         "full_attn_layers: [], gate: softplus}\n"
+         "runtime: {max_tokens: 64, max_sequences: 2, layers: " +
+         std::string(layers) + ", tp_size: " + std::to_string(tp_size) +
+         ", tp_rank: " + std::to_string(tp_rank) + "}\n";
+}
+
+kda_status create_with(const std::string& yaml, const kda_communicator* communicator,
+                       const kda_communicator* context_group, kda_engine** engine,
+                       std::string* message) {
+  kda_engine_options options;
+  if (kda_engine_options_init(&options) != KDA_OK) return KDA_INTERNAL;
+  options.backend = KDA_BACKEND_CPU;
+  options.cpu_threads = 1;
+  options.seed = 5;
+  options.communicator = communicator;
+  options.context_group = context_group;
+  char err[512] = "";
+  const kda_status status =
+      kda_engine_create_from_string(yaml.c_str(), &options, engine, err, sizeof err);
+  *message = err;
+  return status;
+}
+
+// Whether a's rows [0, count) are b's, bit for bit.
+bool same_prefix(const std::vector<std::uint16_t>& a, const std::vector<std::uint16_t>& b,
+                 std::size_t count) {
+  return std::equal(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(count), b.begin());
+}
+
+}  // namespace
+
+// Each rank's engine made through the C API with a kda_communicator (its callbacks forwarding to a
+// C++ in-process group), on threads: tensor-parallel ranks return the all-reduce of their partial
+// sums (every rank the same bits); context-parallel ranges of one sequence (whole layers and
+// cores) return one engine's prefill (rank 0's rows bit for bit); a failing callback fails the
+// call with its name and value; malformed communicators are refused at creation.
+KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") {
+  const std::int64_t T = 40, E = 64, H = 4, D = 16;
+  const std::vector<std::uint16_t> x =
+      kda::test::random_bf16(static_cast<std::size_t>(T * E), 1.0f, 11);
+  const std::int64_t cu[2] = {0, T};
+
+  SUBCASE("tensor parallel: the ranks' outputs are the all-reduce of their partial sums") {
+    const int ranks = 2;
+    std::vector<std::vector<std::vector<std::uint16_t>>> got(ranks), partial(ranks);
+    std::vector<std::string> failures(ranks);
+    auto group = kda::engine::make_local_communicators(ranks);
+    const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, [&](int r) {
+      const kda_communicator c = c_communicator(group[static_cast<std::size_t>(r)].get());
+      for (const bool with_group : {true, false}) {
+        kda_engine* e = nullptr;
+        std::string message;
+        if (create_with(parallel_spec(ranks, r, "whole"), with_group ? &c : nullptr, nullptr, &e,
+                        &message) != KDA_OK) {
+          failures[static_cast<std::size_t>(r)] = message;
+          return;
+        }
+        int slot = -1;
+        kda_status st = kda_engine_acquire_slot(e, &slot);
+        for (int l = 0; l < 2 && st == KDA_OK; ++l) {
+          std::vector<std::uint16_t> out(static_cast<std::size_t>(T * E), 0xFFFF);
+          st = kda_engine_prefill_hidden(e, l, x.data(), out.data(), &slot, 1, cu);
+          (with_group ? got : partial)[static_cast<std::size_t>(r)].push_back(out);
+        }
+        if (st != KDA_OK) failures[static_cast<std::size_t>(r)] = kda_engine_last_error(e);
+        kda_engine_destroy(e);
+      }
+    });
+    for (int r = 0; r < ranks; ++r) {
+      CAPTURE(r);
+      CHECK(errors[static_cast<std::size_t>(r)].empty());
+      CHECK(failures[static_cast<std::size_t>(r)].empty());
+    }
+    REQUIRE(got[0].size() == 2);
+    REQUIRE(got[1].size() == 2);
+    REQUIRE(partial[0].size() == 2);
+    REQUIRE(partial[1].size() == 2);
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      CHECK(got[1][l] == got[0][l]);
+      std::vector<std::uint16_t> summed(got[0][l].size());
+      for (std::size_t j = 0; j < summed.size(); ++j) {
+        summed[j] = kda::float_to_bf16(kda::bf16_to_float(partial[0][l][j]) +
+                                       kda::bf16_to_float(partial[1][l][j]));
+      }
+      CHECK(got[0][l] == summed);
+      CHECK(got[0][l] != partial[0][l]);  // the partial sum is not the whole layer's output
+    }
+  }
+
+  SUBCASE("context parallel: ranges of one sequence equal one engine's prefill") {
+    const std::vector<std::int64_t> ranges = {23, 0, 17};
+    const int ranks = static_cast<int>(ranges.size());
+    const std::size_t qk = static_cast<std::size_t>(T * H * D);
+    const std::vector<std::uint16_t> q = kda::test::random_bf16(qk, 1.0f, 21),
+                                     k = kda::test::random_bf16(qk, 1.0f, 22),
+                                     v = kda::test::random_bf16(qk, 1.0f, 23),
+                                     g = kda::test::random_bf16(qk, 1.0f, 24),
+                                     beta = kda::test::random_bf16(static_cast<std::size_t>(T * H),
+                                                                   1.0f, 25);
+    for (const char* layers : {"whole", "core"}) {
+      CAPTURE(std::string(layers));
+      const bool whole = std::string(layers) == "whole";
+      const std::int64_t width = whole ? E : H * D;  // out's values a token
+      // One engine, no group.
+      std::vector<std::vector<std::uint16_t>> want;
+      {
+        Handle one;
+        std::string message;
+        REQUIRE(create_with(parallel_spec(1, 0, layers), nullptr, nullptr, &one.engine, &message) ==
+                KDA_OK);
+        int slot = -1;
+        REQUIRE(kda_engine_acquire_slot(one, &slot) == KDA_OK);
+        for (int l = 0; l < 2; ++l) {
+          std::vector<std::uint16_t> out(static_cast<std::size_t>(T * width), 0xFFFF);
+          const kda_status st =
+              whole ? kda_engine_prefill_hidden(one, l, x.data(), out.data(), &slot, 1, cu)
+                    : kda_engine_prefill(one, l, q.data(), k.data(), v.data(), g.data(),
+                                         beta.data(), out.data(), &slot, 1, cu);
+          REQUIRE(st == KDA_OK);
+          want.push_back(out);
+        }
+      }
+      std::vector<std::vector<std::uint16_t>> out(
+          2, std::vector<std::uint16_t>(static_cast<std::size_t>(T * width), 0xFFFF));
+      std::vector<std::string> failures(static_cast<std::size_t>(ranks));
+      auto group = kda::engine::make_local_communicators(ranks);
+      const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, [&](int r) {
+        const kda_communicator c = c_communicator(group[static_cast<std::size_t>(r)].get());
+        kda_engine* e = nullptr;
+        std::string& failure = failures[static_cast<std::size_t>(r)];
+        if (create_with(parallel_spec(1, 0, layers), nullptr, &c, &e, &failure) != KDA_OK) {
+          // A rank that cannot take part wakes the others' collectives.
+          group[static_cast<std::size_t>(r)]->abort();
+          return;
+        }
+        std::int64_t begin = 0;
+        for (int j = 0; j < r; ++j) begin += ranges[static_cast<std::size_t>(j)];
+        const std::int64_t n = ranges[static_cast<std::size_t>(r)];
+        int slot = -1;
+        kda_status st = kda_engine_acquire_slot(e, &slot);
+        for (int l = 0; l < 2 && st == KDA_OK; ++l) {
+          std::uint16_t* o = out[static_cast<std::size_t>(l)].data() + begin * width;
+          const std::int64_t at = begin * H * D;
+          st = whole ? kda_engine_prefill_hidden_context_parallel(e, l, x.data() + begin * E, o,
+                                                                  slot, n)
+                     : kda_engine_prefill_context_parallel(e, l, q.data() + at, k.data() + at,
+                                                           v.data() + at, g.data() + at,
+                                                           beta.data() + begin * H, o, slot, n);
+        }
+        if (st != KDA_OK) failure = kda_engine_last_error(e);
+        kda_engine_destroy(e);
+      });
+      for (int r = 0; r < ranks; ++r) {
+        CAPTURE(r);
+        CHECK(errors[static_cast<std::size_t>(r)].empty());
+        CHECK(failures[static_cast<std::size_t>(r)].empty());
+      }
+      for (int l = 0; l < 2; ++l) {
+        CAPTURE(l);
+        const double error = kda::test::relative_error(out[static_cast<std::size_t>(l)],
+                                                       want[static_cast<std::size_t>(l)]);
+        MESSAGE(std::string(layers) << " layer " << l << " over 23/0/17 tokens: out " << error);
+        CHECK(error < 2e-4);
+        CHECK(same_prefix(out[static_cast<std::size_t>(l)], want[static_cast<std::size_t>(l)],
+                          static_cast<std::size_t>(ranges[0] * width)));
+      }
+    }
+  }
+
+  SUBCASE("a failing callback fails the call, naming it; bad communicators are refused") {
+    kda_communicator failing;
+    std::memset(&failing, 0, sizeof failing);
+    failing.struct_size = sizeof failing;
+    failing.size = 1;
+    failing.memory = KDA_BACKEND_CPU;
+    failing.all_reduce_sum = [](void*, void*, size_t, kda_collective_dtype, void*) { return 7; };
+    failing.all_gather = [](void*, const void*, void*, size_t, void*) { return 7; };
+    Handle e;
+    std::string message;
+    REQUIRE(create_with(parallel_spec(1, 0, "whole"), nullptr, &failing, &e.engine, &message) ==
+            KDA_OK);
+    int slot = -1;
+    REQUIRE(kda_engine_acquire_slot(e, &slot) == KDA_OK);
+    std::vector<std::uint16_t> out(static_cast<std::size_t>(T * E), 0xFFFF);
+    CHECK(kda_engine_prefill_hidden_context_parallel(e, 0, x.data(), out.data(), slot, T) ==
+          KDA_INTERNAL);
+    CHECK(std::string(kda_engine_last_error(e)) == "options.context_group: all_gather returned 7");
+    // Tensors missing for tokens the rank holds: refused, not read.
+    CHECK(kda_engine_prefill_hidden_context_parallel(e, 0, nullptr, out.data(), slot, T) ==
+          KDA_INVALID_ARGUMENT);
+    // A group whose size is not the model's tp_size, through the engine's own check.
+    kda_communicator two = failing;
+    two.size = 2;
+    Handle wrong;
+    CHECK(create_with(parallel_spec(1, 0, "whole"), &two, nullptr, &wrong.engine, &message) !=
+          KDA_OK);
+    CHECK(wrong.engine == nullptr);
+    CHECK(!message.empty());
+    MESSAGE("a two-rank communicator for tp_size 1: " << message);
+
+    struct Bad {
+      const char* name;
+      void (*spoil)(kda_communicator*);
+      const char* expected;
+    };
+    const Bad bad[] = {
+        {"struct_size", [](kda_communicator* c) { c->struct_size = 8; },
+         "options.context_group->struct_size is 8, expected "},
+        {"rank", [](kda_communicator* c) { c->rank = 1; },
+         "options.context_group is rank 1 of 1, expected size >= 1 and rank in [0, size)"},
+        {"size", [](kda_communicator* c) { c->size = 0; },
+         "options.context_group is rank 0 of 0, expected size >= 1 and rank in [0, size)"},
+        {"memory", [](kda_communicator* c) { c->memory = KDA_BACKEND_AUTO; },
+         "options.context_group->memory is 1, expected KDA_BACKEND_CPU or KDA_BACKEND_CUDA"},
+        {"reserved", [](kda_communicator* c) { c->reserved = 3; },
+         "options.context_group->reserved is 3, must be 0"},
+        {"callback", [](kda_communicator* c) { c->all_gather = nullptr; },
+         "options.context_group needs all_reduce_sum and all_gather (abort may be NULL)"},
+    };
+    for (const Bad& b : bad) {
+      CAPTURE(std::string(b.name));
+      kda_communicator c = failing;
+      b.spoil(&c);
+      Handle refused;
+      CHECK(create_with(parallel_spec(1, 0, "whole"), nullptr, &c, &refused.engine, &message) ==
+            KDA_INVALID_ARGUMENT);
+      CHECK(refused.engine == nullptr);
+      CHECK(message.find(b.expected) != std::string::npos);
+      // A plan checks them as creation does.
+      kda_engine_options options = cpu_options();
+      options.context_group = &c;
+      std::uint64_t bytes = 0;
+      char err[512] = "";
+      CHECK(kda_engine_plan_from_string(parallel_spec(1, 0, "whole").c_str(), &options, &bytes,
+                                        nullptr, err, sizeof err) == KDA_INVALID_ARGUMENT);
+      CHECK(std::string(err).find(b.expected) != std::string::npos);
+    }
+  }
 }

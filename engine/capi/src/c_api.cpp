@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "kda/engine/communicator.hpp"
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
@@ -33,9 +34,9 @@ static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
 // before prefill_schedule was 48 bytes on LP64, the one before null_slot 56, the one before the
-// runtime overrides (max_tokens .. reserved3) 64.
+// runtime overrides (max_tokens .. reserved3) 64, the one before the communicators 88.
 static_assert(sizeof(kda_state_dtype) == sizeof(int), "kda_state_dtype is int-sized");
-static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 88,
+static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 104,
               "kda_engine_options changed size: keep it apart from earlier versions");
 // decode_step took the place of an int `reserved` that callers set to 0 (the default).
 static_assert(sizeof(void*) != 8 || offsetof(kda_engine_options, decode_step) == 48,
@@ -104,9 +105,90 @@ kda_status guarded(char* dst, std::size_t size, Body&& body) noexcept {
   }
 }
 
+// A caller's kda_communicator as the engine's Communicator: each collective one callback, a
+// non-zero return thrown as kda::Error (kInternal) naming the options field, the callback and the
+// value, so that the engine call that made it fails with that message.
+class CallbackCommunicator final : public kda::engine::Communicator {
+ public:
+  CallbackCommunicator(const kda_communicator& c, std::string name)
+      : c_(c), name_(std::move(name)) {}
+  int rank() const noexcept override { return c_.rank; }
+  int size() const noexcept override { return c_.size; }
+  kda::Backend backend() const noexcept override {
+    return c_.memory == KDA_BACKEND_CUDA ? kda::Backend::kCuda : kda::Backend::kCpu;
+  }
+  void all_reduce_sum(void* data, std::size_t count, kda::DType dtype, void* stream) override {
+    if (dtype != kda::DType::kF32 && dtype != kda::DType::kBF16) {
+      throw kda::Error(StatusCode::kInvalidArgument,
+                       name_ + ": all_reduce_sum sums f32 and bf16 values only");
+    }
+    const kda_collective_dtype d =
+        dtype == kda::DType::kF32 ? KDA_COLLECTIVE_F32 : KDA_COLLECTIVE_BF16;
+    returned("all_reduce_sum", c_.all_reduce_sum(c_.user, data, count, d, stream));
+  }
+  void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
+    returned("all_gather", c_.all_gather(c_.user, send, recv, bytes, stream));
+  }
+  void abort() noexcept override {
+    if (c_.abort != nullptr) c_.abort(c_.user);
+  }
+
+ private:
+  void returned(const char* callback, int value) const {
+    if (value != 0) {
+      throw kda::Error(StatusCode::kInternal,
+                       name_ + ": " + callback + " returned " + std::to_string(value));
+    }
+  }
+  kda_communicator c_;
+  std::string name_;
+};
+
+// The options' communicator `given` (may be NULL: none), checked, as the engine's.
+std::unique_ptr<CallbackCommunicator> adapt(const kda_communicator* given, const char* function,
+                                            const char* field) {
+  if (given == nullptr) return nullptr;
+  const std::string name = std::string("options.") + field;
+  if (given->struct_size != sizeof(kda_communicator)) {
+    invalid(function, name + "->struct_size is " + std::to_string(given->struct_size) +
+                          ", expected " + std::to_string(sizeof(kda_communicator)));
+  }
+  if (given->size < 1 || given->rank < 0 || given->rank >= given->size) {
+    invalid(function, name + " is rank " + std::to_string(given->rank) + " of " +
+                          std::to_string(given->size) +
+                          ", expected size >= 1 and rank in [0, size)");
+  }
+  if (given->memory != KDA_BACKEND_CPU && given->memory != KDA_BACKEND_CUDA) {
+    invalid(function, name + "->memory is " + std::to_string(static_cast<int>(given->memory)) +
+                          ", expected KDA_BACKEND_CPU or KDA_BACKEND_CUDA");
+  }
+  if (given->reserved != 0) {
+    invalid(function, name + "->reserved is " + std::to_string(given->reserved) + ", must be 0");
+  }
+  if (given->all_reduce_sum == nullptr || given->all_gather == nullptr) {
+    invalid(function, name + " needs all_reduce_sum and all_gather (abort may be NULL)");
+  }
+  return std::make_unique<CallbackCommunicator>(*given, name);
+}
+
+// The options' two communicators, which the handle owns (they outlive its engine).
+struct Communicators {
+  std::unique_ptr<CallbackCommunicator> tensor_parallel, context_group;
+};
+
+Communicators adapt_communicators(const kda_engine_options* options, const char* function) {
+  Communicators c;
+  if (options == nullptr) return c;
+  c.tensor_parallel = adapt(options->communicator, function, "communicator");
+  c.context_group = adapt(options->context_group, function, "context_group");
+  return c;
+}
+
 }  // namespace
 
 struct kda_engine {
+  // Before the engine, so that they are destroyed after it.
+  Communicators communicators;
   std::unique_ptr<kda::engine::Engine> engine;
   std::string plan_json;  // the plan never changes after creation: rendered once
   char last_error[kMessageCapacity] = {};
@@ -271,6 +353,7 @@ kda_status plan(const char* function, bool from_file, const char* yaml,
   return guarded(err, err_size, [&] {
     require(arena_bytes, function, "arena_bytes");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+    adapt_communicators(options, function);  // checked as creation checks them; a plan needs none
     const kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
     kda::engine::check_weights_file(spec);
     const kda::Backend kind =
@@ -289,9 +372,12 @@ kda_status create(const char* function, bool from_file, const char* yaml,
   if (out_engine != nullptr) *out_engine = nullptr;
   return guarded(err, err_size, [&] {
     require(out_engine, function, "out_engine");
-    const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+    kda::engine::EngineOptions engine_options = to_engine_options(options, function);
     kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
     auto handle = std::make_unique<kda_engine>();
+    handle->communicators = adapt_communicators(options, function);
+    engine_options.communicator = handle->communicators.tensor_parallel.get();
+    engine_options.context_group = handle->communicators.context_group.get();
     handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
     handle->plan_json = handle->engine->plan().to_json();
     *out_engine = handle.release();
@@ -386,6 +472,8 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->max_sequences = 0;
   options->state_dtype = KDA_STATE_DTYPE_DEFAULT;
   options->reserved3 = 0;
+  options->communicator = nullptr;
+  options->context_group = nullptr;
   return KDA_OK;
 }
 
@@ -630,6 +718,25 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
     check_count(batch, e, function, "batch");
     e.decode(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out,
              {slots, static_cast<std::size_t>(batch)}, tokens);
+  });
+}
+
+kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, const void* q,
+                                               const void* k, const void* v, const void* g,
+                                               const void* beta, void* out, int slot,
+                                               int64_t tokens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    // The engine checks the tensors against `tokens` (a rank may hold none).
+    e.prefill_context_parallel(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, slot,
+                               tokens);
+  });
+}
+
+kda_status kda_engine_prefill_hidden_context_parallel(kda_engine* engine, int layer,
+                                                      const void* hidden, void* out, int slot,
+                                                      int64_t tokens) {
+  return on_handle(engine, [&](kda::engine::Engine& e) {
+    e.prefill_hidden_context_parallel(layer, hidden, out, slot, tokens);
   });
 }
 

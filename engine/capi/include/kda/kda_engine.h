@@ -119,6 +119,41 @@ typedef enum kda_state_dtype {
   KDA_STATE_DTYPE_MAX_ENUM_ = 0x7FFFFFFF /* not a dtype (see KDA_STATUS_MAX_ENUM_) */
 } kda_state_dtype;
 
+/* The element type of an all-reduce (kda_communicator). */
+typedef enum kda_collective_dtype {
+  KDA_COLLECTIVE_F32 = 0,
+  KDA_COLLECTIVE_BF16 = 1,
+  KDA_COLLECTIVE_MAX_ENUM_ = 0x7FFFFFFF /* not a dtype (see KDA_STATUS_MAX_ENUM_) */
+} kda_collective_dtype;
+
+/* One rank's collectives over a group of engines, implemented by the caller (over NCCL, MPI, or
+ * threads of one process): the C form of kda::engine::Communicator (docs/INTEGRATION.md,
+ * "Transports"). Given at creation (kda_engine_options.communicator, .context_group);
+ * the engine copies the struct, and `user` must stay valid until the engine is destroyed. A
+ * callback returns 0 on success; any other value fails the engine call that made it
+ * (KDA_INTERNAL, the message naming the callback and the value). Every rank of the group makes
+ * the same collectives in the same order; a collective returns once every rank has called it. */
+typedef struct kda_communicator {
+  size_t struct_size; /* sizeof(kda_communicator) */
+  void* user;         /* handed to every callback */
+  int rank;           /* this engine's rank, 0..size-1 */
+  int size;           /* ranks in the group, >= 1 */
+  kda_backend memory; /* where the collectives' buffers live: KDA_BACKEND_CPU (host memory) or
+                         KDA_BACKEND_CUDA (device memory); the engine's backend's */
+  int reserved;       /* must be 0 */
+  /* data[i] = the sum over the ranks of their data[i], in place, `count` elements of `dtype`;
+   * every rank must get the same bits (bf16: sum in fp32 in rank order and round once, as the
+   * engine's own transports do). `stream` is the engine's cudaStream_t (NULL on the CPU): the
+   * work may be enqueued on it, behind what is already there. */
+  int (*all_reduce_sum)(void* user, void* data, size_t count, kda_collective_dtype dtype,
+                        void* stream);
+  /* recv[r * bytes .. (r + 1) * bytes) = rank r's send, for every rank r. */
+  int (*all_gather)(void* user, const void* send, void* recv, size_t bytes, void* stream);
+  /* May be NULL. Called when this rank fails between collectives and will not make the next one:
+   * wake the other ranks waiting in a collective (kda::engine::Communicator::abort). */
+  void (*abort)(void* user);
+} kda_communicator;
+
 /* Creation options. Always start from kda_engine_options_init(): it sets struct_size, which
  * creation checks (so a struct from a different version of this header is refused, not misread). */
 typedef struct kda_engine_options {
@@ -146,6 +181,15 @@ typedef struct kda_engine_options {
                                   description's */
   kda_state_dtype state_dtype; /* runtime.state_dtype; default KDA_STATE_DTYPE_DEFAULT */
   int reserved3;               /* must be 0 (88 bytes on LP64) */
+  /* Tensor parallelism (runtime.tp_size > 1, whole layers): this rank's group, of tp_size ranks
+   * with rank tp_rank. With it every whole-layer call all-reduces its output over the ranks
+   * (bf16), so that each rank returns the whole layer's output; NULL (default): `out` is this
+   * rank's partial sum, which the runtime all-reduces. */
+  const kda_communicator* communicator;
+  /* Context parallelism (tp_size 1, an fp32 state): the group whose ranks share long prefills
+   * (kda_engine_prefill_context_parallel, kda_engine_prefill_hidden_context_parallel); NULL
+   * (default): none. (104 bytes on LP64.) */
+  const kda_communicator* context_group;
 } kda_engine_options;
 
 /* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
@@ -291,8 +335,9 @@ kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const
  * RMSNorm, output projection), bf16 [T, hidden_size] both, on the engine's backend. A slot then
  * holds the sequence's whole state in every layer (conv states and recurrent state), zeroed by
  * acquire / reset. With runtime.tp_size > 1, `out` is this rank's PARTIAL SUM of the layer output:
- * the host runtime all-reduces it over the ranks. kda_engine_prefill / kda_engine_decode still run
- * the KDA core alone on the same recurrent states. */
+ * the host runtime all-reduces it over the ranks, unless the engine was given a communicator
+ * (kda_engine_options.communicator), which does so inside each call. kda_engine_prefill /
+ * kda_engine_decode still run the KDA core alone on the same recurrent states. */
 kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out);
 /* *out = 1 when the engine runs whole layers, 0 when KDA cores only (runtime.layers: core). */
 kda_status kda_engine_whole_layers(kda_engine* engine, int* out);
@@ -310,6 +355,26 @@ kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* 
  * touched). */
 kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
                                     const int* slots, int batch, int tokens);
+
+/* ---- context parallelism (kda_engine_options.context_group) ----------------------------------
+ * The prefill of one long sequence split over the group's ranks, each holding `tokens` consecutive
+ * tokens of it (rank r the r-th range; 0 tokens allowed, then the tensors may be NULL), every rank
+ * with the sequence's initial state in its acquired `slot` (the same state on each: zeros for a
+ * new sequence). out is the one-engine prefill's to rounding, and afterwards every rank's `slot`
+ * holds the sequence's final state (kda::engine::Engine::prefill_context_parallel). Every rank
+ * calls it for the same layer. */
+/* The KDA core: q, k, v, g [tokens, H, K], beta [tokens, H], out [tokens, H, V], as
+ * kda_engine_prefill. */
+kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, const void* q,
+                                               const void* k, const void* v, const void* g,
+                                               const void* beta, void* out, int slot,
+                                               int64_t tokens);
+/* Whole layers (tp_size 1): hidden and out bf16 [tokens, hidden_size], as
+ * kda_engine_prefill_hidden. On CUDA the host reads the gathered conv histories: the call waits
+ * for the work before it, once. */
+kda_status kda_engine_prefill_hidden_context_parallel(kda_engine* engine, int layer,
+                                                      const void* hidden, void* out, int slot,
+                                                      int64_t tokens);
 
 /* ---- batch metadata owned by the caller (CUDA graphs) ----------------------------------------
  * The forwards above on metadata the caller keeps in the engine's backend memory (device memory on
