@@ -1,9 +1,10 @@
 // The C API (kda/kda_engine.h): every entry point and its errors (null handle and pointers, bad
-// YAML, options, layer and slot out of range, the plan-JSON buffer) on the CPU; on the backend
-// matrix, prefill + decode and their whole-layer twins through a handle on either backend equal
-// the same calls on the C++ Engine on the CPU (bitwise on the CPU; 5e-3 on CUDA, 1e-2 for whole
-// layers), and check_pointers = 0 changes no bit; on CUDA alone, host pointers and short buffers
-// come back as status codes and per-handle messages, never as exceptions or faults.
+// YAML, options, layer and slot out of range, the plan-JSON buffer), the layer mode, and tensor
+// and context parallelism through a caller's kda_communicator (ranks as threads) on the CPU; on the
+// backend matrix, prefill + decode and their whole-layer twins through a handle on either backend
+// equal the same calls on the C++ Engine on the CPU (bitwise on the CPU; 5e-3 on CUDA, 1e-2 for
+// whole layers), and check_pointers = 0 changes no bit; on CUDA alone, host pointers and short
+// buffers come back as status codes and per-handle messages, never as exceptions or faults.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -155,6 +156,8 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(options.max_sequences == 0);
   CHECK(options.state_dtype == KDA_STATE_DTYPE_DEFAULT);
   CHECK(options.reserved3 == 0);
+  CHECK(options.layer_mode == KDA_LAYER_MODE_DEFAULT);
+  CHECK(options.reserved4 == 0);
   CHECK(options.communicator == nullptr);
   CHECK(options.context_group == nullptr);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
@@ -518,6 +521,51 @@ KDA_CPU_CASE("every decode step is accepted") {
     CHECK(e != nullptr);
     CHECK(kda_engine_destroy(e) == KDA_OK);
   }
+}
+
+// options.layer_mode replaces the description's runtime.layers, in creation and in the plan alike;
+// a value outside the enum and a non-zero reserved4 are refused, naming the field.
+KDA_CPU_CASE("options.layer_mode: whole layers or cores, as the plan says") {
+  const char* const whole_spec =
+      "name: c-layer-mode\nhidden_size: 64\nnum_hidden_layers: 1\n"
+      "linear_attn_config: {num_heads: 2, head_dim: 32, kda_layers: [1], full_attn_layers: [], "
+      "gate: softplus}\nruntime: {max_tokens: 32, max_sequences: 2}\n";
+  std::uint64_t arena[3] = {};
+  const kda_layer_mode modes[3] = {KDA_LAYER_MODE_DEFAULT, KDA_LAYER_MODE_WHOLE,
+                                   KDA_LAYER_MODE_CORE};
+  for (int i = 0; i < 3; ++i) {
+    CAPTURE(i);
+    kda_engine_options options = cpu_options();
+    options.layer_mode = modes[i];
+    char err[512] = "";
+    std::uint64_t planned = 0;
+    REQUIRE(kda_engine_plan_from_string(whole_spec, &options, &planned, nullptr, err, sizeof err) ==
+            KDA_OK);
+    Handle e;
+    REQUIRE(kda_engine_create_from_string(whole_spec, &options, &e.engine, err, sizeof err) ==
+            KDA_OK);
+    int whole = -1;
+    REQUIRE(kda_engine_whole_layers(e, &whole) == KDA_OK);
+    CHECK(whole == (modes[i] == KDA_LAYER_MODE_CORE ? 0 : 1));
+    REQUIRE(kda_engine_arena_bytes(e, &arena[i]) == KDA_OK);
+    CHECK(planned == arena[i]);
+  }
+  CHECK(arena[0] == arena[1]);
+  CHECK(arena[2] < arena[1]);  // cores alone: no weights of the projections, no conv states
+  kda_engine_options options = cpu_options();
+  char err[512] = "";
+  kda_engine* e = nullptr;
+  options.layer_mode = static_cast<kda_layer_mode>(7);
+  CHECK(kda_engine_create_from_string(whole_spec, &options, &e, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("options.layer_mode is 7, expected KDA_LAYER_MODE_DEFAULT, _WHOLE "
+                              "or _CORE") != std::string::npos);
+  options = cpu_options();
+  options.reserved4 = 1;
+  CHECK(kda_engine_create_from_string(whole_spec, &options, &e, err, sizeof err) ==
+        KDA_INVALID_ARGUMENT);
+  CHECK(std::string(err).find("options.reserved4 is 1, expected 0") != std::string::npos);
+  CHECK(e == nullptr);
 }
 
 KDA_CPU_CASE("a NULL handle: KDA_INVALID_ARGUMENT from every call, a message, destroy is a no-op") {

@@ -34,9 +34,11 @@ static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
 // before prefill_schedule was 48 bytes on LP64, the one before null_slot 56, the one before the
-// runtime overrides (max_tokens .. reserved3) 64, the one before the communicators 88.
+// runtime overrides (max_tokens .. reserved3) 64, the one before layer_mode and the communicators
+// 88.
 static_assert(sizeof(kda_state_dtype) == sizeof(int), "kda_state_dtype is int-sized");
-static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 104,
+static_assert(sizeof(kda_layer_mode) == sizeof(int), "kda_layer_mode is int-sized");
+static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 112,
               "kda_engine_options changed size: keep it apart from earlier versions");
 // decode_step took the place of an int `reserved` that callers set to 0 (the default).
 static_assert(sizeof(void*) != 8 || offsetof(kda_engine_options, decode_step) == 48,
@@ -298,6 +300,24 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
     invalid(function,
             "options.reserved2 is " + std::to_string(options->reserved2) + ", expected 0");
   }
+  switch (options->layer_mode) {
+    case KDA_LAYER_MODE_DEFAULT:
+      break;
+    case KDA_LAYER_MODE_WHOLE:
+      result.layer_mode = kda::engine::LayerMode::kWhole;
+      break;
+    case KDA_LAYER_MODE_CORE:
+      result.layer_mode = kda::engine::LayerMode::kCoreOnly;
+      break;
+    default:
+      invalid(function, "options.layer_mode is " +
+                            std::to_string(static_cast<int>(options->layer_mode)) +
+                            ", expected KDA_LAYER_MODE_DEFAULT, _WHOLE or _CORE");
+  }
+  if (options->reserved4 != 0) {
+    invalid(function,
+            "options.reserved4 is " + std::to_string(options->reserved4) + ", expected 0");
+  }
   result.null_slot = options->null_slot;
   return result;
 }
@@ -354,7 +374,8 @@ kda_status plan(const char* function, bool from_file, const char* yaml,
     require(arena_bytes, function, "arena_bytes");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
     adapt_communicators(options, function);  // checked as creation checks them; a plan needs none
-    const kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+    kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+    if (engine_options.layer_mode) spec.runtime.layer_mode = *engine_options.layer_mode;
     kda::engine::check_weights_file(spec);
     const kda::Backend kind =
         kda::engine::resolve_backend(spec, engine_options.backend.value_or(spec.runtime.backend));
@@ -472,6 +493,8 @@ kda_status kda_engine_options_init(kda_engine_options* options) {
   options->max_sequences = 0;
   options->state_dtype = KDA_STATE_DTYPE_DEFAULT;
   options->reserved3 = 0;
+  options->layer_mode = KDA_LAYER_MODE_DEFAULT;
+  options->reserved4 = 0;
   options->communicator = nullptr;
   options->context_group = nullptr;
   return KDA_OK;

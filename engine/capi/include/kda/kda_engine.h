@@ -119,6 +119,16 @@ typedef enum kda_state_dtype {
   KDA_STATE_DTYPE_MAX_ENUM_ = 0x7FFFFFFF /* not a dtype (see KDA_STATUS_MAX_ENUM_) */
 } kda_state_dtype;
 
+/* What each KDA layer of the engine runs (the description's runtime.layers, docs/MODEL.md): the
+ * whole layer (hidden states in and out) or the KDA core alone; DEFAULT keeps the description's
+ * (itself whole by default). */
+typedef enum kda_layer_mode {
+  KDA_LAYER_MODE_DEFAULT = 0,
+  KDA_LAYER_MODE_WHOLE = 1,
+  KDA_LAYER_MODE_CORE = 2,
+  KDA_LAYER_MODE_MAX_ENUM_ = 0x7FFFFFFF /* not a layer mode (see KDA_STATUS_MAX_ENUM_) */
+} kda_layer_mode;
+
 /* The element type of an all-reduce (kda_communicator). */
 typedef enum kda_collective_dtype {
   KDA_COLLECTIVE_F32 = 0,
@@ -181,6 +191,8 @@ typedef struct kda_engine_options {
                                   description's */
   kda_state_dtype state_dtype; /* runtime.state_dtype; default KDA_STATE_DTYPE_DEFAULT */
   int reserved3;               /* must be 0 (88 bytes on LP64) */
+  kda_layer_mode layer_mode;   /* runtime.layers; default KDA_LAYER_MODE_DEFAULT */
+  int reserved4;               /* must be 0 */
   /* Tensor parallelism (runtime.tp_size > 1, whole layers): this rank's group, of tp_size ranks
    * with rank tp_rank. With it every whole-layer call all-reduces its output over the ranks
    * (bf16), so that each rank returns the whole layer's output; NULL (default): `out` is this
@@ -188,7 +200,7 @@ typedef struct kda_engine_options {
   const kda_communicator* communicator;
   /* Context parallelism (tp_size 1, an fp32 state): the group whose ranks share long prefills
    * (kda_engine_prefill_context_parallel, kda_engine_prefill_hidden_context_parallel); NULL
-   * (default): none. (104 bytes on LP64.) */
+   * (default): none. (112 bytes on LP64.) */
   const kda_communicator* context_group;
 } kda_engine_options;
 
