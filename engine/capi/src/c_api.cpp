@@ -11,6 +11,7 @@
 #include <exception>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -217,8 +218,31 @@ kda_status query(kda_engine* handle, const char* function, T* out, Get&& get) no
   });
 }
 
+// An option that must be 0.
+void require_zero(std::int64_t value, const char* function, const char* name) {
+  if (value != 0) {
+    invalid(function,
+            std::string("options.") + name + " is " + std::to_string(value) + ", expected 0");
+  }
+}
+
+// The C enum option `name` as its C++ value: unset for its DEFAULT (0 in every such enum), the
+// table's value for the others, refused naming the values there are otherwise.
+template <typename C, typename T, std::size_t N>
+std::optional<T> mapped(C value, const std::pair<C, T> (&table)[N], const char* function,
+                        const char* name, const char* expected) {
+  if (static_cast<int>(value) == 0) return std::nullopt;
+  for (const auto& entry : table) {
+    if (entry.first == value) return entry.second;
+  }
+  invalid(function, std::string("options.") + name + " is " +
+                        std::to_string(static_cast<int>(value)) + ", expected " + expected);
+}
+
 kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                                              const char* function) {
+  using kda::engine::BackendChoice;
+  using kda::layer::DecodeKernel;
   kda::engine::EngineOptions result;
   if (options == nullptr) return result;
   if (options->struct_size != sizeof(kda_engine_options)) {
@@ -226,22 +250,12 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                           ", expected " + std::to_string(sizeof(kda_engine_options)) +
                           " (initialise options with kda_engine_options_init)");
   }
-  switch (options->backend) {
-    case KDA_BACKEND_DEFAULT:
-      break;
-    case KDA_BACKEND_AUTO:
-      result.backend = kda::engine::BackendChoice::kAuto;
-      break;
-    case KDA_BACKEND_CPU:
-      result.backend = kda::engine::BackendChoice::kCpu;
-      break;
-    case KDA_BACKEND_CUDA:
-      result.backend = kda::engine::BackendChoice::kCuda;
-      break;
-    default:
-      invalid(function, "options.backend is " + std::to_string(static_cast<int>(options->backend)) +
-                            ", expected KDA_BACKEND_DEFAULT, _AUTO, _CPU or _CUDA");
-  }
+  static const std::pair<kda_backend, BackendChoice> backends[] = {
+      {KDA_BACKEND_AUTO, BackendChoice::kAuto},
+      {KDA_BACKEND_CPU, BackendChoice::kCpu},
+      {KDA_BACKEND_CUDA, BackendChoice::kCuda}};
+  result.backend = mapped(options->backend, backends, function, "backend",
+                          "KDA_BACKEND_DEFAULT, _AUTO, _CPU or _CUDA");
   if (options->cpu_threads < 0) {
     invalid(function, "options.cpu_threads is " + std::to_string(options->cpu_threads) +
                           ", expected >= 0 (0: all hardware threads)");
@@ -254,70 +268,29 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
                           ", expected 0 or 1");
   }
   result.check_pointers = options->check_pointers != 0;
-  switch (options->prefill_schedule) {
-    case KDA_PREFILL_SCHEDULE_DEFAULT:
-      break;
-    case KDA_PREFILL_SCHEDULE_AUTO:
-      result.prefill_schedule = kda::PrefillSchedule::kAuto;
-      break;
-    case KDA_PREFILL_SCHEDULE_TWO_PHASE:
-      result.prefill_schedule = kda::PrefillSchedule::kTwoPhase;
-      break;
-    case KDA_PREFILL_SCHEDULE_PIPELINED:
-      result.prefill_schedule = kda::PrefillSchedule::kPipelined;
-      break;
-    default:
-      invalid(function, "options.prefill_schedule is " +
-                            std::to_string(static_cast<int>(options->prefill_schedule)) +
-                            ", expected KDA_PREFILL_SCHEDULE_DEFAULT, _AUTO, _TWO_PHASE or "
-                            "_PIPELINED");
-  }
-  switch (options->decode_step) {
-    case KDA_DECODE_STEP_DEFAULT:
-      break;
-    case KDA_DECODE_STEP_AUTO:
-      result.decode_step = kda::layer::DecodeKernel::kAuto;
-      break;
-    case KDA_DECODE_STEP_ONE_LAUNCH:
-      result.decode_step = kda::layer::DecodeKernel::kOneLaunch;
-      break;
-    case KDA_DECODE_STEP_FUSED:
-      result.decode_step = kda::layer::DecodeKernel::kFusedFactors;
-      break;
-    case KDA_DECODE_STEP_FUSED_AFTER_GEMMS:
-      result.decode_step = kda::layer::DecodeKernel::kFused;
-      break;
-    case KDA_DECODE_STEP_SEPARATE:
-      result.decode_step = kda::layer::DecodeKernel::kSeparate;
-      break;
-    default:
-      invalid(function, "options.decode_step is " +
-                            std::to_string(static_cast<int>(options->decode_step)) +
-                            ", expected KDA_DECODE_STEP_DEFAULT, _AUTO, _ONE_LAUNCH, _FUSED, "
-                            "_FUSED_AFTER_GEMMS or _SEPARATE");
-  }
-  if (options->reserved2 != 0) {
-    invalid(function,
-            "options.reserved2 is " + std::to_string(options->reserved2) + ", expected 0");
-  }
-  switch (options->layer_mode) {
-    case KDA_LAYER_MODE_DEFAULT:
-      break;
-    case KDA_LAYER_MODE_WHOLE:
-      result.layer_mode = kda::engine::LayerMode::kWhole;
-      break;
-    case KDA_LAYER_MODE_CORE:
-      result.layer_mode = kda::engine::LayerMode::kCoreOnly;
-      break;
-    default:
-      invalid(function, "options.layer_mode is " +
-                            std::to_string(static_cast<int>(options->layer_mode)) +
-                            ", expected KDA_LAYER_MODE_DEFAULT, _WHOLE or _CORE");
-  }
-  if (options->reserved4 != 0) {
-    invalid(function,
-            "options.reserved4 is " + std::to_string(options->reserved4) + ", expected 0");
-  }
+  static const std::pair<kda_prefill_schedule, kda::PrefillSchedule> schedules[] = {
+      {KDA_PREFILL_SCHEDULE_AUTO, kda::PrefillSchedule::kAuto},
+      {KDA_PREFILL_SCHEDULE_TWO_PHASE, kda::PrefillSchedule::kTwoPhase},
+      {KDA_PREFILL_SCHEDULE_PIPELINED, kda::PrefillSchedule::kPipelined}};
+  result.prefill_schedule =
+      mapped(options->prefill_schedule, schedules, function, "prefill_schedule",
+             "KDA_PREFILL_SCHEDULE_DEFAULT, _AUTO, _TWO_PHASE or _PIPELINED");
+  static const std::pair<kda_decode_step, DecodeKernel> steps[] = {
+      {KDA_DECODE_STEP_AUTO, DecodeKernel::kAuto},
+      {KDA_DECODE_STEP_ONE_LAUNCH, DecodeKernel::kOneLaunch},
+      {KDA_DECODE_STEP_FUSED, DecodeKernel::kFusedFactors},
+      {KDA_DECODE_STEP_FUSED_AFTER_GEMMS, DecodeKernel::kFused},
+      {KDA_DECODE_STEP_SEPARATE, DecodeKernel::kSeparate}};
+  result.decode_step = mapped(options->decode_step, steps, function, "decode_step",
+                              "KDA_DECODE_STEP_DEFAULT, _AUTO, _ONE_LAUNCH, _FUSED, "
+                              "_FUSED_AFTER_GEMMS or _SEPARATE");
+  require_zero(options->reserved2, function, "reserved2");
+  static const std::pair<kda_layer_mode, kda::engine::LayerMode> modes[] = {
+      {KDA_LAYER_MODE_WHOLE, kda::engine::LayerMode::kWhole},
+      {KDA_LAYER_MODE_CORE, kda::engine::LayerMode::kCoreOnly}};
+  result.layer_mode = mapped(options->layer_mode, modes, function, "layer_mode",
+                             "KDA_LAYER_MODE_DEFAULT, _WHOLE or _CORE");
+  require_zero(options->reserved4, function, "reserved4");
   result.null_slot = options->null_slot;
   return result;
 }
@@ -337,24 +310,11 @@ kda::engine::ModelSpecOptions to_spec_options(const kda_engine_options* options,
   }
   if (options->max_tokens > 0) result.runtime.max_tokens = options->max_tokens;
   if (options->max_sequences > 0) result.runtime.max_sequences = options->max_sequences;
-  switch (options->state_dtype) {
-    case KDA_STATE_DTYPE_DEFAULT:
-      break;
-    case KDA_STATE_DTYPE_FP32:
-      result.runtime.state_dtype = kda::DType::kF32;
-      break;
-    case KDA_STATE_DTYPE_BF16:
-      result.runtime.state_dtype = kda::DType::kBF16;
-      break;
-    default:
-      invalid(function, "options.state_dtype is " +
-                            std::to_string(static_cast<int>(options->state_dtype)) +
-                            ", expected KDA_STATE_DTYPE_DEFAULT, _FP32 or _BF16");
-  }
-  if (options->reserved3 != 0) {
-    invalid(function,
-            "options.reserved3 is " + std::to_string(options->reserved3) + ", expected 0");
-  }
+  static const std::pair<kda_state_dtype, kda::DType> dtypes[] = {
+      {KDA_STATE_DTYPE_FP32, kda::DType::kF32}, {KDA_STATE_DTYPE_BF16, kda::DType::kBF16}};
+  result.runtime.state_dtype = mapped(options->state_dtype, dtypes, function, "state_dtype",
+                                      "KDA_STATE_DTYPE_DEFAULT, _FP32 or _BF16");
+  require_zero(options->reserved3, function, "reserved3");
   return result;
 }
 
