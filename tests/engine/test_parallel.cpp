@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -296,6 +297,34 @@ TEST_CASE("context parallel needs a group, tp_size 1 and an f32 state") {
   CHECK(kda::test::error_of([&] {
           Engine e(bf16_state, core_options(group[0].get()));
         }).find("an f32 state") != std::string::npos);
+  // The tensors are checked before the first collective: a rank refused after it would leave the
+  // others' gathers without it and its slot half updated. A group whose gathers count their calls
+  // shows none was made.
+  struct Counting final : Communicator {
+    int gathers = 0;
+    int rank() const noexcept override { return 0; }
+    int size() const noexcept override { return 1; }
+    kda::Backend backend() const noexcept override { return kda::Backend::kCpu; }
+    void all_reduce_sum(void*, std::size_t, kda::DType, void*) override {}
+    void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
+      ++gathers;
+      std::memcpy(recv, send, bytes);
+    }
+  } counting;
+  Engine e(core_spec(), core_options(&counting));
+  const int s = e.acquire_slot();
+  const std::vector<bf16_bits> x(16 * 2 * 16, 0);
+  const kda::engine::LayerInputs inputs{x.data(), x.data(), x.data(), x.data(), x.data()};
+  CHECK(kda::test::error_of([&] { e.prefill_context_parallel(0, inputs, nullptr, s, 16); }) ==
+        "prefill_context_parallel: out is null");
+  kda::engine::LayerInputs no_beta = inputs;
+  no_beta.beta = nullptr;
+  std::vector<bf16_bits> out(x.size());
+  CHECK(kda::test::error_of([&] { e.prefill_context_parallel(0, no_beta, out.data(), s, 16); }) ==
+        "prefill_context_parallel: beta is null");
+  CHECK(counting.gathers == 0);
+  e.prefill_context_parallel(0, inputs, out.data(), s, 16);  // one rank: one gather
+  CHECK(counting.gathers == 1);
 }
 
 namespace {

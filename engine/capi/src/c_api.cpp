@@ -39,6 +39,9 @@ static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
 // 88.
 static_assert(sizeof(kda_state_dtype) == sizeof(int), "kda_state_dtype is int-sized");
 static_assert(sizeof(kda_layer_mode) == sizeof(int), "kda_layer_mode is int-sized");
+// kda_communicator is matched by its exact struct_size: fields only ever added at its end.
+static_assert(sizeof(void*) != 8 || sizeof(kda_communicator) == 48,
+              "kda_communicator changed size: add fields at its end");
 static_assert(sizeof(void*) != 8 || sizeof(kda_engine_options) == 112,
               "kda_engine_options changed size: keep it apart from earlier versions");
 // decode_step took the place of an int `reserved` that callers set to 0 (the default).
@@ -132,9 +135,6 @@ class CallbackCommunicator final : public kda::engine::Communicator {
   void all_gather(const void* send, void* recv, std::size_t bytes, void* stream) override {
     returned("all_gather", c_.all_gather(c_.user, send, recv, bytes, stream));
   }
-  void abort() noexcept override {
-    if (c_.abort != nullptr) c_.abort(c_.user);
-  }
 
  private:
   void returned(const char* callback, int value) const {
@@ -169,7 +169,7 @@ std::unique_ptr<CallbackCommunicator> adapt(const kda_communicator* given, const
     invalid(function, name + "->reserved is " + std::to_string(given->reserved) + ", must be 0");
   }
   if (given->all_reduce_sum == nullptr || given->all_gather == nullptr) {
-    invalid(function, name + " needs all_reduce_sum and all_gather (abort may be NULL)");
+    invalid(function, name + " needs all_reduce_sum and all_gather");
   }
   return std::make_unique<CallbackCommunicator>(*given, name);
 }
@@ -333,13 +333,16 @@ kda_status plan(const char* function, bool from_file, const char* yaml,
   return guarded(err, err_size, [&] {
     require(arena_bytes, function, "arena_bytes");
     const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    adapt_communicators(options, function);  // checked as creation checks them; a plan needs none
     kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+    // The communicators checked in creation's order; the plan needs the context group's size.
+    const Communicators communicators = adapt_communicators(options, function);
+    const int context_ranks = communicators.context_group ? communicators.context_group->size() : 0;
     if (engine_options.layer_mode) spec.runtime.layer_mode = *engine_options.layer_mode;
     kda::engine::check_weights_file(spec);
     const kda::Backend kind =
         kda::engine::resolve_backend(spec, engine_options.backend.value_or(spec.runtime.backend));
-    const std::uint64_t bytes = kda::engine::Engine::plan_for(spec, kind).arena_bytes;
+    const std::uint64_t bytes =
+        kda::engine::Engine::plan_for(spec, kind, context_ranks).arena_bytes;
     *arena_bytes = bytes;
     if (backend != nullptr) {
       *backend = kind == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
@@ -709,7 +712,9 @@ kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, co
                                                const void* beta, void* out, int slot,
                                                int64_t tokens) {
   return on_handle(engine, [&](kda::engine::Engine& e) {
-    // The engine checks the tensors against `tokens` (a rank may hold none).
+    // A rank may hold no tokens, and then no tensors; the engine checks the rest before its
+    // first collective.
+    if (tokens > 0) require_tensors("kda_engine_prefill_context_parallel", q, k, v, g, beta, out);
     e.prefill_context_parallel(layer, kda::engine::LayerInputs{q, k, v, g, beta}, out, slot,
                                tokens);
   });

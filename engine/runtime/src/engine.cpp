@@ -14,6 +14,7 @@
 #include <string>
 #include <system_error>
 #include <tuple>
+#include <utility>
 
 #include "backend.hpp"
 #include "engine_layer.hpp"
@@ -972,11 +973,16 @@ void check_weights_file(const ModelSpec& spec) {
        " (a relative path is resolved against the YAML's directory)");
 }
 
-planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend) {
+planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend, int context_ranks) {
   check_layer_mode(spec);
   if (backend == Backend::kCuda) check_cuda_can_run_model(spec);
+  if (context_ranks < 0) {
+    throw Error(StatusCode::kInvalidArgument, spec.source + ": plan_for: context_ranks is " +
+                                                  std::to_string(context_ranks) +
+                                                  ", expected >= 0 (0: no context_group)");
+  }
   EngineBuffers buffers;
-  return make_plan(spec, backend, make_layers(spec, backend), 0, &buffers);
+  return make_plan(spec, backend, make_layers(spec, backend), context_ranks, &buffers);
 }
 
 Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_unique<Impl>()) {
@@ -1312,6 +1318,19 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   const char* what = "prefill_context_parallel";
   m.check_context_call(what, slot, tokens);
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
+  // The caller's tensors before the first collective, as the whole-layer call checks its own:
+  // a rank that fails after it would leave the others' gathers without it, and its slot half
+  // updated.
+  if (tokens > 0) {
+    const std::pair<const void*, const char*> given[] = {{inputs.q, "q"},       {inputs.k, "k"},
+                                                         {inputs.v, "v"},       {inputs.g, "g"},
+                                                         {inputs.beta, "beta"}, {out, "out"}};
+    for (const auto& [pointer, name] : given) {
+      if (pointer == nullptr) fail(std::string(what) + ": " + name + " is null");
+    }
+    m.check_caller_tensors(layer, what, layer.prefill_problem(tokens, 1),
+                           caller_tensors<Tensors>(inputs, out));
+  }
   // 1. This range's transition (P^T, H^T per head), from its tokens alone.
   m.stage_cu_seqlens({0, tokens});
   m.range_transition(layer, caller_tensors<Tensors>(inputs, nullptr), tokens);

@@ -142,7 +142,10 @@ typedef enum kda_collective_dtype {
  * the engine copies the struct, and `user` must stay valid until the engine is destroyed. A
  * callback returns 0 on success; any other value fails the engine call that made it
  * (KDA_INTERNAL, the message naming the callback and the value). Every rank of the group makes
- * the same collectives in the same order; a collective returns once every rank has called it. */
+ * the same collectives in the same order, and a collective's result holds every rank's part (on
+ * CUDA it may be enqueued on `stream` rather than done when the callback returns). The engine
+ * never aborts a group: a runtime whose rank fails between collectives wakes the other ranks
+ * through its own transport. The struct is matched by its exact size (48 bytes on LP64). */
 typedef struct kda_communicator {
   size_t struct_size; /* sizeof(kda_communicator) */
   void* user;         /* handed to every callback */
@@ -152,16 +155,13 @@ typedef struct kda_communicator {
                          KDA_BACKEND_CUDA (device memory); the engine's backend's */
   int reserved;       /* must be 0 */
   /* data[i] = the sum over the ranks of their data[i], in place, `count` elements of `dtype`;
-   * every rank must get the same bits (bf16: sum in fp32 in rank order and round once, as the
-   * engine's own transports do). `stream` is the engine's cudaStream_t (NULL on the CPU): the
-   * work may be enqueued on it, behind what is already there. */
+   * every rank must get the same bits (bf16: e.g. sum in fp32 in rank order and round once, as
+   * the engine's in-process transports do). `stream` is the engine's cudaStream_t (NULL on the
+   * CPU): the work may be enqueued on it, behind what is already there. */
   int (*all_reduce_sum)(void* user, void* data, size_t count, kda_collective_dtype dtype,
                         void* stream);
   /* recv[r * bytes .. (r + 1) * bytes) = rank r's send, for every rank r. */
   int (*all_gather)(void* user, const void* send, void* recv, size_t bytes, void* stream);
-  /* May be NULL. Called when this rank fails between collectives and will not make the next one:
-   * wake the other ranks waiting in a collective (kda::engine::Communicator::abort). */
-  void (*abort)(void* user);
 } kda_communicator;
 
 /* Creation options. Always start from kda_engine_options_init(): it sets struct_size, which

@@ -301,7 +301,10 @@ class Engine {
   // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error;
   // for kCuda, kUnsupported naming why when the CUDA backend cannot run the model (head_dim not
   // 128, a conv width outside 2..4, a grid too large), whatever this machine has.
-  static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend);
+  // `context_ranks`: the size of the EngineOptions::context_group the engine will have (its
+  // context-parallel buffers grow with it); 0, the default: none.
+  static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend,
+                                      int context_ranks = 0);
 
   const ModelSpec& spec() const noexcept;
   Backend backend() const noexcept;
