@@ -2,13 +2,15 @@
 // in-process communicator's collectives over threads, each rank on its own stream of the one
 // device, against host sums and the CPU communicator's bits; engines of tensor-parallel ranks and
 // a context-parallel prefill on CUDA through it, equal to one engine (test_parallel.cpp's CPU
-// cases on CUDA); and, where NCCL is built, one rank's NCCL communicator.
+// cases on CUDA); the C API's kda_communicator over that group; and, where NCCL is built, one
+// rank's NCCL communicator.
 #include <doctest/doctest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +22,7 @@
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
+#include "kda/kda_engine.h"
 #include "layer_test_util.hpp"
 #include "rank_threads.hpp"
 
@@ -560,5 +563,115 @@ TEST_CASE("nccl communicator: one rank's all-reduce and all-gather [cuda]") {
   CHECK(kda::test::error_of([&] {
           c.all_reduce_sum(d_f32.get(), 4, kda::DType::kI32, stream.stream);
         }) == "nccl communicator: all_reduce_sum of i32 (it sums bf16 and f32)");
+#endif
+}
+
+#ifdef KDA_HAVE_CUDA
+namespace {
+
+// A kda_communicator (the C API's) forwarding to a rank of a C++ in-process group on CUDA.
+kda_communicator c_communicator(Communicator* c) {
+  kda_communicator result;
+  std::memset(&result, 0, sizeof result);
+  result.struct_size = sizeof result;
+  result.user = c;
+  result.rank = c->rank();
+  result.size = c->size();
+  result.memory = KDA_BACKEND_CUDA;
+  result.all_reduce_sum = [](void* user, void* data, size_t count, kda_collective_dtype dtype,
+                             void* stream) {
+    try {
+      static_cast<Communicator*>(user)->all_reduce_sum(
+          data, count, dtype == KDA_COLLECTIVE_F32 ? kda::DType::kF32 : kda::DType::kBF16, stream);
+      return 0;
+    } catch (...) {
+      return 99;
+    }
+  };
+  result.all_gather = [](void* user, const void* send, void* recv, size_t bytes, void* stream) {
+    try {
+      static_cast<Communicator*>(user)->all_gather(send, recv, bytes, stream);
+      return 0;
+    } catch (...) {
+      return 99;
+    }
+  };
+  return result;
+}
+
+}  // namespace
+#endif  // KDA_HAVE_CUDA
+
+// The C API's communicator on CUDA memory: tensor-parallel ranks made through kda_engine.h with a
+// kda_communicator over the CUDA in-process group return, bit for bit, what the C++ engines with
+// that group return (run_tp's prefill of two sequences and decode step, both layers).
+TEST_CASE("tensor parallel on CUDA through the C API's kda_communicator [cuda]") {
+  if (!kda::test::gpu_or_skip()) return;  // prints the skip marker without CUDA too
+#ifdef KDA_HAVE_CUDA
+  const int tp = 2;
+  const std::int64_t E = 256;
+  auto cpp_group = kda::engine::make_cuda_local_communicators(tp);
+  auto c_group = kda::engine::make_cuda_local_communicators(tp);
+  std::vector<std::vector<std::vector<bf16_bits>>> want(tp), got(tp);
+  check_no_errors(run_on_rank_threads(tp, [&](int r) {
+    Stream stream;
+    {
+      EngineOptions o = cuda_options(23, stream.stream);
+      o.communicator = cpp_group[static_cast<std::size_t>(r)].get();
+      Engine rank(tp_spec(tp, r), o);
+      want[r] = run_tp(rank, stream.stream);
+    }
+    const kda_communicator c = c_communicator(c_group[static_cast<std::size_t>(r)].get());
+    kda_engine_options options;
+    if (kda_engine_options_init(&options) != KDA_OK) throw std::runtime_error("options_init");
+    options.backend = KDA_BACKEND_CUDA;
+    options.seed = 23;
+    options.cuda_stream = stream.stream;
+    options.communicator = &c;
+    const std::string yaml =
+        "name: tp\nhidden_size: 256\nnum_hidden_layers: 2\n"
+        "linear_attn_config: {num_heads: 4, head_dim: 128, kda_layers: [1, 2], "
+        "full_attn_layers: [], gate: lower_bound, gate_lower_bound: -5.0}\n"
+        "runtime: {max_tokens: 64, max_sequences: 3, tp_size: " +
+        std::to_string(tp) + ", tp_rank: " + std::to_string(r) + "}\n";
+    kda_engine* e = nullptr;
+    char err[512] = "";
+    if (kda_engine_create_from_string(yaml.c_str(), &options, &e, err, sizeof err) != KDA_OK) {
+      c_group[static_cast<std::size_t>(r)]->abort();
+      throw std::runtime_error(err);
+    }
+    const std::vector<bf16_bits> prompt = kda::test::random_bf16(23 * E, 1.0f, 31);
+    const std::vector<bf16_bits> step = kda::test::random_bf16(2 * E, 1.0f, 32);
+    DeviceBuffer d_prompt = DeviceBuffer::from(prompt), d_step = DeviceBuffer::from(step);
+    DeviceBuffer out(prompt.size() * sizeof(bf16_bits));
+    ok_or_throw(DeviceBuffer::synchronize(), "buffer setup");
+    int slots[2] = {-1, -1};
+    kda_status st = kda_engine_acquire_slot(e, &slots[0]);
+    if (st == KDA_OK) st = kda_engine_acquire_slot(e, &slots[1]);
+    const std::int64_t cu[3] = {0, 9, 23};
+    for (int l = 0; l < 2 && st == KDA_OK; ++l) {
+      st = kda_engine_prefill_hidden(e, l, d_prompt.get(), out.get(), slots, 2, cu);
+      if (st == KDA_OK)
+        got[r].push_back(download<bf16_bits>(out.get(), prompt.size(), stream.stream));
+    }
+    const int reversed[2] = {slots[1], slots[0]};
+    for (int l = 0; l < 2 && st == KDA_OK; ++l) {
+      st = kda_engine_decode_hidden(e, l, d_step.get(), out.get(), reversed, 2, 1);
+      if (st == KDA_OK)
+        got[r].push_back(download<bf16_bits>(out.get(), step.size(), stream.stream));
+    }
+    const std::string message = st == KDA_OK ? "" : kda_engine_last_error(e);
+    if (st != KDA_OK) c_group[static_cast<std::size_t>(r)]->abort();
+    kda_engine_destroy(e);
+    if (st != KDA_OK) throw std::runtime_error(message);
+  }));
+  for (int r = 0; r < tp; ++r) {
+    CAPTURE(r);
+    REQUIRE(got[r].size() == want[r].size());
+    for (std::size_t i = 0; i < want[r].size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[r][i] == want[r][i]);
+    }
+  }
 #endif
 }
