@@ -265,6 +265,14 @@ std::vector<std::vector<bf16_bits>> run_tp(Engine& e, void* stream) {
   return outs;
 }
 
+// run_tp on rank r of `tp` whose engine all-reduces through `c` (null: its partial sums).
+std::vector<std::vector<bf16_bits>> run_tp_rank(int tp, int r, Communicator* c, void* stream) {
+  EngineOptions o = cuda_options(23, stream);
+  o.communicator = c;
+  Engine rank(tp_spec(tp, r), o);
+  return run_tp(rank, stream);
+}
+
 }  // namespace
 #endif  // KDA_HAVE_CUDA
 
@@ -283,14 +291,8 @@ TEST_CASE(
   std::vector<std::vector<std::vector<bf16_bits>>> got(tp), partial(tp);
   check_no_errors(run_on_rank_threads(tp, [&](int r) {
     Stream stream;
-    {
-      EngineOptions o = cuda_options(23, stream.stream);
-      o.communicator = group[static_cast<std::size_t>(r)].get();
-      Engine rank(tp_spec(tp, r), o);
-      got[r] = run_tp(rank, stream.stream);
-    }
-    Engine alone(tp_spec(tp, r), cuda_options(23, stream.stream));  // the partial sums
-    partial[r] = run_tp(alone, stream.stream);
+    got[r] = run_tp_rank(tp, r, group[static_cast<std::size_t>(r)].get(), stream.stream);
+    partial[r] = run_tp_rank(tp, r, nullptr, stream.stream);  // the partial sums
   }));
   for (std::size_t i = 0; i < want.size(); ++i) {
     CAPTURE(i);
@@ -615,12 +617,7 @@ TEST_CASE("tensor parallel on CUDA through the C API's kda_communicator [cuda]")
   std::vector<std::vector<std::vector<bf16_bits>>> want(tp), got(tp);
   check_no_errors(run_on_rank_threads(tp, [&](int r) {
     Stream stream;
-    {
-      EngineOptions o = cuda_options(23, stream.stream);
-      o.communicator = cpp_group[static_cast<std::size_t>(r)].get();
-      Engine rank(tp_spec(tp, r), o);
-      want[r] = run_tp(rank, stream.stream);
-    }
+    want[r] = run_tp_rank(tp, r, cpp_group[static_cast<std::size_t>(r)].get(), stream.stream);
     const kda_communicator c = c_communicator(c_group[static_cast<std::size_t>(r)].get());
     kda_engine_options options;
     if (kda_engine_options_init(&options) != KDA_OK) throw std::runtime_error("options_init");
