@@ -750,6 +750,8 @@ KDA_CPU_CASE(
     CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, out.data(), &unacquired, 1, cu) ==
           KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "slot 3, which is not an acquired slot"));
+    // The engine's message after the C function's name (the C API's own errors begin with it).
+    CHECK(last_error(handle).rfind("kda_engine_prefill: prefill: ", 0) == 0);
     CHECK(kda_engine_decode(handle, 0, q, k, v, g, beta, out.data(), &unacquired, 1, 1) ==
           KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "slot 3, which is not an acquired slot"));
@@ -1289,7 +1291,9 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     std::vector<std::uint16_t> out(static_cast<std::size_t>(T * E), 0xFFFF);
     CHECK(kda_engine_prefill_hidden_context_parallel(e, 0, x.data(), out.data(), slot, T) ==
           KDA_INTERNAL);
-    CHECK(std::string(kda_engine_last_error(e)) == "options.context_group: all_gather returned 7");
+    CHECK(
+        std::string(kda_engine_last_error(e)) ==
+        "kda_engine_prefill_hidden_context_parallel: options.context_group: all_gather returned 7");
     // Tensors missing for tokens the rank holds: refused before the first collective.
     CHECK(kda_engine_prefill_hidden_context_parallel(e, 0, nullptr, out.data(), slot, T) ==
           KDA_INVALID_ARGUMENT);
@@ -1326,7 +1330,7 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
       CHECK(kda_engine_prefill_context_parallel(core, 0, nullptr, nullptr, nullptr, nullptr,
                                                 nullptr, nullptr, core_slot, 0) == KDA_INTERNAL);
       CHECK(std::string(kda_engine_last_error(core)) ==
-            "options.context_group: all_gather returned 7");
+            "kda_engine_prefill_context_parallel: options.context_group: all_gather returned 7");
     }
     // A tensor-parallel rank's failing all-reduce.
     {
@@ -1340,7 +1344,7 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
       CHECK(kda_engine_prefill_hidden(rank0, 0, x.data(), out.data(), &tp_slot, 1, cu) ==
             KDA_INTERNAL);
       CHECK(std::string(kda_engine_last_error(rank0)) ==
-            "options.communicator: all_reduce_sum returned 7");
+            "kda_engine_prefill_hidden: options.communicator: all_reduce_sum returned 7");
     }
     // A group whose size is not the model's tp_size, through the engine's own check.
     kda_communicator two = failing;

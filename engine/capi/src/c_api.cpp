@@ -66,11 +66,20 @@ kda_status to_c(StatusCode code) noexcept {
   return static_cast<kda_status>(value);
 }
 
-// Copies `prefix` + `message` into dst[size], truncated, NUL-terminated when size > 0.
-void write_message(char* dst, std::size_t size, const char* prefix, const char* message) noexcept {
+// Copies `prefix` + `message` into dst[size], truncated, NUL-terminated when size > 0; a
+// `function` (may be null) goes first, with ": ", unless the message already begins with it (the
+// C API's own argument errors name their function).
+void write_message(char* dst, std::size_t size, const char* prefix, const char* message,
+                   const char* function = nullptr) noexcept {
   if (dst == nullptr || size == 0) return;
+  if (function != nullptr && message != nullptr && message[0] != '\0') {
+    const std::size_t length = std::strlen(function);
+    if (std::strncmp(message, function, length) == 0 && message[length] == ':') function = nullptr;
+  } else {
+    function = nullptr;
+  }
   std::size_t used = 0;
-  for (const char* part : {prefix, message}) {
+  for (const char* part : {function, function != nullptr ? ": " : nullptr, prefix, message}) {
     if (part == nullptr) continue;
     const std::size_t n = std::min(std::strlen(part), size - 1 - used);
     std::memcpy(dst + used, part, n);
@@ -89,24 +98,26 @@ void require(const void* pointer, const char* function, const char* name) {
   if (pointer == nullptr) invalid(function, std::string(name) + " is null");
 }
 
-// Runs `body`; on an exception writes its message to dst[size] and returns its status.
+// Runs `body`; on an exception writes its message to dst[size] (after `function`, where given and
+// not already there) and returns its status.
 template <typename Body>
-kda_status guarded(char* dst, std::size_t size, Body&& body) noexcept {
+kda_status guarded(char* dst, std::size_t size, Body&& body,
+                   const char* function = nullptr) noexcept {
   try {
     body();
     write_message(dst, size, nullptr, "");
     return KDA_OK;
   } catch (const kda::Error& e) {
-    write_message(dst, size, nullptr, e.what());
+    write_message(dst, size, nullptr, e.what(), function);
     return to_c(e.code());
   } catch (const std::bad_alloc&) {
-    write_message(dst, size, nullptr, "out of host memory (std::bad_alloc)");
+    write_message(dst, size, nullptr, "out of host memory (std::bad_alloc)", function);
     return KDA_INTERNAL;
   } catch (const std::exception& e) {
-    write_message(dst, size, "internal error: ", e.what());
+    write_message(dst, size, "internal error: ", e.what(), function);
     return KDA_INTERNAL;
   } catch (...) {
-    write_message(dst, size, nullptr, "internal error: unknown exception");
+    write_message(dst, size, nullptr, "internal error: unknown exception", function);
     return KDA_INTERNAL;
   }
 }
@@ -201,18 +212,19 @@ namespace {
 
 const char kNullHandle[] = "the kda_engine handle is null";
 
-// guarded() on a handle: a NULL handle is KDA_INVALID_ARGUMENT (nowhere to keep a message; the
-// message is what kda_engine_last_error(NULL) returns).
+// guarded() on a handle, its message naming `function`: a NULL handle is KDA_INVALID_ARGUMENT
+// (nowhere to keep a message; the message is what kda_engine_last_error(NULL) returns).
 template <typename Body>
-kda_status on_handle(kda_engine* handle, Body&& body) noexcept {
+kda_status on_handle(kda_engine* handle, const char* function, Body&& body) noexcept {
   if (handle == nullptr || !handle->engine) return KDA_INVALID_ARGUMENT;
-  return guarded(handle->last_error, sizeof handle->last_error, [&] { body(*handle->engine); });
+  return guarded(
+      handle->last_error, sizeof handle->last_error, [&] { body(*handle->engine); }, function);
 }
 
 // A query: *out, written only on success, is `get` of the engine.
 template <typename T, typename Get>
 kda_status query(kda_engine* handle, const char* function, T* out, Get&& get) noexcept {
-  return on_handle(handle, [&](kda::engine::Engine& e) {
+  return on_handle(handle, function, [&](kda::engine::Engine& e) {
     require(out, function, "out");
     *out = get(e);
   });
@@ -515,7 +527,7 @@ kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out) {
 }
 
 kda_status kda_engine_backend(kda_engine* engine, kda_backend* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_backend", [&](kda::engine::Engine& e) {
     require(out, "kda_engine_backend", "out");
     switch (e.backend()) {  // the C names of kda::Backend
       case kda::Backend::kCpu:
@@ -567,7 +579,7 @@ kda_status kda_engine_state_dtype(kda_engine* engine, kda_state_dtype* out) {
 }
 
 kda_status kda_engine_tensor_parallel(kda_engine* engine, int* rank, int* size) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_tensor_parallel", [&](kda::engine::Engine& e) {
     if (rank == nullptr && size == nullptr) {
       invalid("kda_engine_tensor_parallel", "rank and size are both null");
     }
@@ -594,7 +606,7 @@ kda_status kda_engine_null_slot(kda_engine* engine, int* out) {
 }
 
 kda_status kda_engine_slot_in_use(kda_engine* engine, int slot, int* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_slot_in_use", [&](kda::engine::Engine& e) {
     require(out, "kda_engine_slot_in_use", "out");
     if (slot < 0 || slot >= e.num_slots()) {
       invalid("kda_engine_slot_in_use", "slot " + std::to_string(slot) + " is not in 0.." +
@@ -607,7 +619,7 @@ kda_status kda_engine_slot_in_use(kda_engine* engine, int slot, int* out) {
 
 kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_size,
                                 size_t* length) {
-  return on_handle(engine, [&](kda::engine::Engine&) {
+  return on_handle(engine, "kda_engine_plan_json", [&](kda::engine::Engine&) {
     const std::string& json = engine->plan_json;
     if (length != nullptr) *length = json.size();
     if (buffer == nullptr && buffer_size == 0) return;  // size query
@@ -624,18 +636,20 @@ kda_status kda_engine_plan_json(kda_engine* engine, char* buffer, size_t buffer_
 }
 
 kda_status kda_engine_acquire_slot(kda_engine* engine, int* out_slot) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_acquire_slot", [&](kda::engine::Engine& e) {
     require(out_slot, "kda_engine_acquire_slot", "out_slot");
     *out_slot = e.acquire_slot();
   });
 }
 
 kda_status kda_engine_release_slot(kda_engine* engine, int slot) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.release_slot(slot); });
+  return on_handle(engine, "kda_engine_release_slot",
+                   [&](kda::engine::Engine& e) { e.release_slot(slot); });
 }
 
 kda_status kda_engine_reset_slot(kda_engine* engine, int slot) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slot(slot); });
+  return on_handle(engine, "kda_engine_reset_slot",
+                   [&](kda::engine::Engine& e) { e.reset_slot(slot); });
 }
 
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out) {
@@ -645,18 +659,18 @@ kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out) {
 
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
                                           uint64_t bytes) {
-  return on_handle(engine,
+  return on_handle(engine, "kda_engine_read_sequence_state",
                    [&](kda::engine::Engine& e) { e.read_sequence_state(slot, host_dst, bytes); });
 }
 
 kda_status kda_engine_write_sequence_state(kda_engine* engine, int slot, const void* host_src,
                                            uint64_t bytes) {
-  return on_handle(engine,
+  return on_handle(engine, "kda_engine_write_sequence_state",
                    [&](kda::engine::Engine& e) { e.write_sequence_state(slot, host_src, bytes); });
 }
 
 kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_copy_slot", [&](kda::engine::Engine& e) {
     // One pair names two slots: neither is padding here.
     for (const auto& [slot, name] :
          {std::pair<int, const char*>{src, "src"}, std::pair<int, const char*>{dst, "dst"}}) {
@@ -671,17 +685,19 @@ kda_status kda_engine_copy_slot(kda_engine* engine, int src, int dst) {
 
 kda_status kda_engine_copy_slots(kda_engine* engine, int64_t pairs, const int32_t* src,
                                  const int32_t* dst) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.copy_slots(pairs, src, dst); });
+  return on_handle(engine, "kda_engine_copy_slots",
+                   [&](kda::engine::Engine& e) { e.copy_slots(pairs, src, dst); });
 }
 
 kda_status kda_engine_reset_slots(kda_engine* engine, int64_t count, const int32_t* slots) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.reset_slots(count, slots); });
+  return on_handle(engine, "kda_engine_reset_slots",
+                   [&](kda::engine::Engine& e) { e.reset_slots(count, slots); });
 }
 
 kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, const void* k,
                               const void* v, const void* g, const void* beta, void* out,
                               const int* slots, int num_sequences, const int64_t* cu_seqlens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_prefill", [&](kda::engine::Engine& e) {
     const char* const function = "kda_engine_prefill";
     require_tensors(function, q, k, v, g, beta, out);
     require(slots, function, "slots");
@@ -697,7 +713,7 @@ kda_status kda_engine_prefill(kda_engine* engine, int layer, const void* q, cons
 kda_status kda_engine_decode(kda_engine* engine, int layer, const void* q, const void* k,
                              const void* v, const void* g, const void* beta, void* out,
                              const int* slots, int batch, int tokens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_decode", [&](kda::engine::Engine& e) {
     const char* const function = "kda_engine_decode";
     require_tensors(function, q, k, v, g, beta, out);
     require(slots, function, "slots");
@@ -711,7 +727,7 @@ kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, co
                                                const void* k, const void* v, const void* g,
                                                const void* beta, void* out, int slot,
                                                int64_t tokens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_prefill_context_parallel", [&](kda::engine::Engine& e) {
     // A rank may hold no tokens, and then no tensors; the engine checks the rest before its
     // first collective.
     if (tokens > 0) require_tensors("kda_engine_prefill_context_parallel", q, k, v, g, beta, out);
@@ -723,9 +739,10 @@ kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, co
 kda_status kda_engine_prefill_hidden_context_parallel(kda_engine* engine, int layer,
                                                       const void* hidden, void* out, int slot,
                                                       int64_t tokens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
-    e.prefill_hidden_context_parallel(layer, hidden, out, slot, tokens);
-  });
+  return on_handle(engine, "kda_engine_prefill_hidden_context_parallel",
+                   [&](kda::engine::Engine& e) {
+                     e.prefill_hidden_context_parallel(layer, hidden, out, slot, tokens);
+                   });
 }
 
 kda_status kda_engine_hidden_size(kda_engine* engine, int64_t* out) {
@@ -740,7 +757,7 @@ kda_status kda_engine_whole_layers(kda_engine* engine, int* out) {
 }
 
 kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_step* out) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_decode_step_ran", [&](kda::engine::Engine& e) {
     require(out, "kda_engine_decode_step_ran", "out");
     const kda::layer::DecodeKernel ran = e.decode_step_ran(layer);
     *out = KDA_DECODE_STEP_AUTO;  // kAuto: none ran
@@ -766,7 +783,7 @@ kda_status kda_engine_decode_step_ran(kda_engine* engine, int layer, kda_decode_
 kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
                                      const int* slots, int num_sequences,
                                      const int64_t* cu_seqlens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_prefill_hidden", [&](kda::engine::Engine& e) {
     const char* const function = "kda_engine_prefill_hidden";
     require(slots, function, "slots");
     require(cu_seqlens, function, "cu_seqlens");
@@ -779,7 +796,7 @@ kda_status kda_engine_prefill_hidden(kda_engine* engine, int layer, const void* 
 
 kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* hidden, void* out,
                                     const int* slots, int batch, int tokens) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_decode_hidden", [&](kda::engine::Engine& e) {
     const char* const function = "kda_engine_decode_hidden";
     require(hidden, function, "hidden");
     require(out, function, "out");
@@ -792,7 +809,7 @@ kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* h
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
                                     const void* v, const void* g, const void* beta, void* out,
                                     const kda_batch* batch) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_forward_batch", [&](kda::engine::Engine& e) {
     const kda::engine::BatchMetadata b = batch_metadata(batch, "kda_engine_forward_batch");
     const kda::engine::LayerInputs inputs{q, k, v, g, beta};
     if (b.decode_tokens == 0) {
@@ -805,7 +822,7 @@ kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q
 
 kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const void* hidden,
                                            void* out, const kda_batch* batch) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_forward_hidden_batch", [&](kda::engine::Engine& e) {
     const kda::engine::BatchMetadata b = batch_metadata(batch, "kda_engine_forward_hidden_batch");
     if (b.decode_tokens == 0) {
       e.prefill_hidden(layer, hidden, out, b);
@@ -817,23 +834,25 @@ kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const 
 
 kda_status kda_engine_commit(kda_engine* engine, int64_t sequences, const int32_t* slots,
                              const int32_t* num_accepted) {
-  return on_handle(engine,
+  return on_handle(engine, "kda_engine_commit",
                    [&](kda::engine::Engine& e) { e.commit(sequences, slots, num_accepted); });
 }
 
 kda_status kda_engine_commit_region(kda_engine* engine, int64_t sequences, const int32_t* slots,
                                     const int32_t* num_accepted, int records_region) {
-  return on_handle(engine, [&](kda::engine::Engine& e) {
+  return on_handle(engine, "kda_engine_commit_region", [&](kda::engine::Engine& e) {
     e.commit(sequences, slots, num_accepted, records_region);
   });
 }
 
 kda_status kda_engine_synchronize(kda_engine* engine) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.synchronize(); });
+  return on_handle(engine, "kda_engine_synchronize",
+                   [&](kda::engine::Engine& e) { e.synchronize(); });
 }
 
 kda_status kda_engine_check_device_status(kda_engine* engine) {
-  return on_handle(engine, [&](kda::engine::Engine& e) { e.check_device_status(); });
+  return on_handle(engine, "kda_engine_check_device_status",
+                   [&](kda::engine::Engine& e) { e.check_device_status(); });
 }
 
 }  // extern "C"

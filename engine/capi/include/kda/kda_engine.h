@@ -28,8 +28,9 @@
  * KDA_INTERNAL ("out of host memory"), anything else KDA_INTERNAL. A NULL handle or a NULL pointer
  * argument is KDA_INVALID_ARGUMENT.
  *   - On a handle, the message of a failed call is kept per handle: kda_engine_last_error(engine)
- *     returns it until the next call on that handle (a successful call clears it to "").
- *     Messages longer than 1023 bytes are truncated.
+ *     returns it until the next call on that handle (a successful call clears it to ""). It
+ *     begins with the function's name ("kda_engine_prefill: prefill: sequence 0 uses slot 3,
+ *     which is not an acquired slot"). Messages longer than 1023 bytes are truncated.
  *   - Creation has no handle yet: the create functions write the message into the caller's buffer
  *     `err` of `err_size` bytes (truncated to fit, always NUL-terminated when err_size > 0; "" on
  *     success). err may be NULL when err_size is 0.
@@ -141,11 +142,12 @@ typedef enum kda_collective_dtype {
  * "Transports"). Given at creation (kda_engine_options.communicator, .context_group);
  * the engine copies the struct, and `user` must stay valid until the engine is destroyed. A
  * callback returns 0 on success; any other value fails the engine call that made it
- * (KDA_INTERNAL, the message naming the callback and the value). Every rank of the group makes
- * the same collectives in the same order, and a collective's result holds every rank's part (on
- * CUDA it may be enqueued on `stream` rather than done when the callback returns). The engine
- * never aborts a group: a runtime whose rank fails between collectives wakes the other ranks
- * through its own transport. The struct is matched by its exact size (48 bytes on LP64). */
+ * (KDA_INTERNAL, the message naming the function, the options field, the callback and the
+ * value). Every rank of the group makes the same collectives in the same order, and a
+ * collective's result holds every rank's part (on CUDA it may be enqueued on `stream` rather
+ * than done when the callback returns). The engine never aborts a group: a runtime whose rank
+ * fails between collectives wakes the other ranks through its own transport. The struct is
+ * matched by its exact size (48 bytes on LP64). */
 typedef struct kda_communicator {
   size_t struct_size; /* sizeof(kda_communicator) */
   void* user;         /* handed to every callback */
