@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "c_communicator.hpp"
 #include "engine_matrix.hpp"
 #include "kda/bf16.hpp"
 #include "kda/engine/communicator.hpp"
@@ -1058,41 +1059,6 @@ KDA_CUDA_CASE(
 
 namespace {
 
-// Callbacks that forward to a rank of the C++ in-process group (`user`): what is under test is the
-// C API's adapter, over a transport test_parallel tests on its own.
-int forward_all_reduce(void* user, void* data, size_t count, kda_collective_dtype dtype,
-                       void* stream) {
-  try {
-    static_cast<kda::engine::Communicator*>(user)->all_reduce_sum(
-        data, count, dtype == KDA_COLLECTIVE_F32 ? kda::DType::kF32 : kda::DType::kBF16, stream);
-    return 0;
-  } catch (...) {
-    return 99;
-  }
-}
-
-int forward_all_gather(void* user, const void* send, void* recv, size_t bytes, void* stream) {
-  try {
-    static_cast<kda::engine::Communicator*>(user)->all_gather(send, recv, bytes, stream);
-    return 0;
-  } catch (...) {
-    return 99;
-  }
-}
-
-kda_communicator c_communicator(kda::engine::Communicator* c) {
-  kda_communicator result;
-  std::memset(&result, 0, sizeof result);
-  result.struct_size = sizeof result;
-  result.user = c;
-  result.rank = c->rank();
-  result.size = c->size();
-  result.memory = KDA_BACKEND_CPU;
-  result.all_reduce_sum = forward_all_reduce;
-  result.all_gather = forward_all_gather;
-  return result;
-}
-
 // Two KDA layers of 4 heads of 16, whole layers or cores, on tp_size ranks.
 std::string parallel_spec(int tp_size, int tp_rank, const char* layers) {
   return "name: c-parallel\nhidden_size: 64\nnum_hidden_layers: 2\n"
@@ -1120,6 +1086,15 @@ kda_status create_with(const std::string& yaml, const kda_communicator* communic
   return status;
 }
 
+// Every rank's thread ended without an exception (errors) and without a failed call (failures).
+void check_ranks(const std::vector<std::string>& errors, const std::vector<std::string>& failures) {
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    CAPTURE(r);
+    CHECK(errors[r].empty());
+    CHECK(failures[r].empty());
+  }
+}
+
 // Whether a's rows [0, count) are b's, bit for bit.
 bool same_prefix(const std::vector<std::uint16_t>& a, const std::vector<std::uint16_t>& b,
                  std::size_t count) {
@@ -1145,7 +1120,8 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     std::vector<std::string> failures(ranks);
     auto group = kda::engine::make_local_communicators(ranks);
     const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, [&](int r) {
-      const kda_communicator c = c_communicator(group[static_cast<std::size_t>(r)].get());
+      const kda_communicator c =
+          kda::test::c_communicator(group[static_cast<std::size_t>(r)].get(), KDA_BACKEND_CPU);
       for (const bool with_group : {true, false}) {
         kda_engine* e = nullptr;
         std::string message;
@@ -1169,11 +1145,7 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
         kda_engine_destroy(e);
       }
     });
-    for (int r = 0; r < ranks; ++r) {
-      CAPTURE(r);
-      CHECK(errors[static_cast<std::size_t>(r)].empty());
-      CHECK(failures[static_cast<std::size_t>(r)].empty());
-    }
+    check_ranks(errors, failures);
     REQUIRE(got[0].size() == 2);
     REQUIRE(got[1].size() == 2);
     REQUIRE(partial[0].size() == 2);
@@ -1229,7 +1201,8 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
       std::vector<std::string> failures(static_cast<std::size_t>(ranks));
       auto group = kda::engine::make_local_communicators(ranks);
       const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, [&](int r) {
-        const kda_communicator c = c_communicator(group[static_cast<std::size_t>(r)].get());
+        const kda_communicator c =
+            kda::test::c_communicator(group[static_cast<std::size_t>(r)].get(), KDA_BACKEND_CPU);
         kda_engine* e = nullptr;
         std::string& failure = failures[static_cast<std::size_t>(r)];
         if (create_with(parallel_spec(1, 0, layers), nullptr, &c, &e, &failure) != KDA_OK) {
@@ -1257,11 +1230,7 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
         }
         kda_engine_destroy(e);
       });
-      for (int r = 0; r < ranks; ++r) {
-        CAPTURE(r);
-        CHECK(errors[static_cast<std::size_t>(r)].empty());
-        CHECK(failures[static_cast<std::size_t>(r)].empty());
-      }
+      check_ranks(errors, failures);
       for (int l = 0; l < 2; ++l) {
         CAPTURE(l);
         const double error = kda::test::relative_error(out[static_cast<std::size_t>(l)],

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "c_communicator.hpp"
 #include "cuda_runtime_util.hpp"
 #include "cuda_test_util.hpp"
 #include "kda/bf16.hpp"
@@ -22,7 +23,6 @@
 #include "kda/engine/engine.hpp"
 #include "kda/engine/model_spec.hpp"
 #include "kda/error.hpp"
-#include "kda/kda_engine.h"
 #include "layer_test_util.hpp"
 #include "rank_threads.hpp"
 
@@ -568,42 +568,6 @@ TEST_CASE("nccl communicator: one rank's all-reduce and all-gather [cuda]") {
 #endif
 }
 
-#ifdef KDA_HAVE_CUDA
-namespace {
-
-// A kda_communicator (the C API's) forwarding to a rank of a C++ in-process group on CUDA.
-kda_communicator c_communicator(Communicator* c) {
-  kda_communicator result;
-  std::memset(&result, 0, sizeof result);
-  result.struct_size = sizeof result;
-  result.user = c;
-  result.rank = c->rank();
-  result.size = c->size();
-  result.memory = KDA_BACKEND_CUDA;
-  result.all_reduce_sum = [](void* user, void* data, size_t count, kda_collective_dtype dtype,
-                             void* stream) {
-    try {
-      static_cast<Communicator*>(user)->all_reduce_sum(
-          data, count, dtype == KDA_COLLECTIVE_F32 ? kda::DType::kF32 : kda::DType::kBF16, stream);
-      return 0;
-    } catch (...) {
-      return 99;
-    }
-  };
-  result.all_gather = [](void* user, const void* send, void* recv, size_t bytes, void* stream) {
-    try {
-      static_cast<Communicator*>(user)->all_gather(send, recv, bytes, stream);
-      return 0;
-    } catch (...) {
-      return 99;
-    }
-  };
-  return result;
-}
-
-}  // namespace
-#endif  // KDA_HAVE_CUDA
-
 // The C API's communicator on CUDA memory: tensor-parallel ranks made through kda_engine.h with a
 // kda_communicator over the CUDA in-process group return, bit for bit, what the C++ engines with
 // that group return (run_tp's prefill of two sequences and decode step, both layers).
@@ -618,7 +582,8 @@ TEST_CASE("tensor parallel on CUDA through the C API's kda_communicator [cuda]")
   check_no_errors(run_on_rank_threads(tp, [&](int r) {
     Stream stream;
     want[r] = run_tp_rank(tp, r, cpp_group[static_cast<std::size_t>(r)].get(), stream.stream);
-    const kda_communicator c = c_communicator(c_group[static_cast<std::size_t>(r)].get());
+    const kda_communicator c =
+        kda::test::c_communicator(c_group[static_cast<std::size_t>(r)].get(), KDA_BACKEND_CUDA);
     kda_engine_options options;
     if (kda_engine_options_init(&options) != KDA_OK) throw std::runtime_error("options_init");
     options.backend = KDA_BACKEND_CUDA;
