@@ -583,6 +583,21 @@ struct Engine::Impl {
     if (!st.ok()) throw Error(st, call);
   }
 
+  // The KDA core's twin of check_hidden for one range of `tokens` tokens (a context-parallel
+  // prefill): q..beta and out set, and usable by the backend.
+  void check_core_range(const EngineLayer& layer, const char* what, const LayerInputs& inputs,
+                        void* out, std::int64_t tokens) const {
+    if (tokens == 0) return;
+    const std::pair<const void*, const char*> given[] = {{inputs.q, "q"},       {inputs.k, "k"},
+                                                         {inputs.v, "v"},       {inputs.g, "g"},
+                                                         {inputs.beta, "beta"}, {out, "out"}};
+    for (const auto& [pointer, name] : given) {
+      if (pointer == nullptr) fail(std::string(what) + ": " + name + " is null");
+    }
+    check_caller_tensors(layer, what, layer.prefill_problem(tokens, 1),
+                         caller_tensors<Tensors>(inputs, out));
+  }
+
   // Copies the batch's cu_seqlens to the arena, unless it holds them already.
   void stage_cu_seqlens(Span<const std::int64_t> cu_seqlens) {
     cu_staging.assign(cu_seqlens.begin(), cu_seqlens.end());  // capacity reserved: no allocation
@@ -1318,19 +1333,9 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   const char* what = "prefill_context_parallel";
   m.check_context_call(what, slot, tokens);
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
-  // The caller's tensors before the first collective, as the whole-layer call checks its own:
-  // a rank that fails after it would leave the others' gathers without it, and its slot half
-  // updated.
-  if (tokens > 0) {
-    const std::pair<const void*, const char*> given[] = {{inputs.q, "q"},       {inputs.k, "k"},
-                                                         {inputs.v, "v"},       {inputs.g, "g"},
-                                                         {inputs.beta, "beta"}, {out, "out"}};
-    for (const auto& [pointer, name] : given) {
-      if (pointer == nullptr) fail(std::string(what) + ": " + name + " is null");
-    }
-    m.check_caller_tensors(layer, what, layer.prefill_problem(tokens, 1),
-                           caller_tensors<Tensors>(inputs, out));
-  }
+  // Before the first collective: a rank that fails after it would leave the others' gathers
+  // without it, and its slot half updated.
+  m.check_core_range(layer, what, inputs, out, tokens);
   // 1. This range's transition (P^T, H^T per head), from its tokens alone.
   m.stage_cu_seqlens({0, tokens});
   m.range_transition(layer, caller_tensors<Tensors>(inputs, nullptr), tokens);
