@@ -386,9 +386,14 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
         std::string(kSpec).replace(std::string(kSpec).find("num_heads: 2"), 12, "num_heads: many");
     CHECK(kda_engine_create_from_string(bad.c_str(), &options, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
-    CHECK(contains(err, "<yaml string>:5:"));
+    // The loader's message after the C function's name, as every failed call's.
+    CHECK(std::string(err).rfind("kda_engine_create_from_string: <yaml string>:5:", 0) == 0);
     CHECK(contains(err, "linear_attn_config.num_heads"));
     CHECK(contains(err, "many"));
+    std::uint64_t arena_bytes = 0;
+    CHECK(kda_engine_plan_from_string(bad.c_str(), &options, &arena_bytes, nullptr, err,
+                                      sizeof err) == KDA_INVALID_ARGUMENT);
+    CHECK(std::string(err).rfind("kda_engine_plan_from_string: <yaml string>:5:", 0) == 0);
     CHECK(kda_engine_create_from_string("[1, 2", &options, &engine, err, sizeof err) ==
           KDA_INVALID_ARGUMENT);
     CHECK(std::strlen(err) > 0);
@@ -396,6 +401,7 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
   SUBCASE("missing file") {
     CHECK(kda_engine_create_from_file("/nonexistent/model.yaml", &options, &engine, err,
                                       sizeof err) == KDA_INVALID_ARGUMENT);
+    CHECK(std::string(err).rfind("kda_engine_create_from_file: ", 0) == 0);
     CHECK(contains(err, "/nonexistent/model.yaml"));
   }
   SUBCASE("null arguments") {
@@ -483,7 +489,7 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
     CHECK(kda_engine_create_from_string("hidden_size: many", &options, &engine, small,
                                         sizeof small) == KDA_INVALID_ARGUMENT);
     CHECK(std::strlen(small) == sizeof small - 1);
-    CHECK(std::string(small) == "<yaml s");
+    CHECK(std::string(small) == "kda_eng");
     // No buffer at all is allowed.
     CHECK(kda_engine_create_from_string("hidden_size: many", &options, &engine, nullptr, 0) ==
           KDA_INVALID_ARGUMENT);
@@ -1101,6 +1107,38 @@ bool same_prefix(const std::vector<std::uint16_t>& a, const std::vector<std::uin
   return std::equal(a.begin(), a.begin() + static_cast<std::ptrdiff_t>(count), b.begin());
 }
 
+// A slot's sequence state block (kda_engine_read_sequence_state) cut at its layout: per KDA layer
+// the fp32 recurrent state [H, V, K], then with whole layers the q, k and v conv states (bf16
+// bits).
+struct SequenceStates {
+  std::vector<std::vector<float>> recurrent;
+  std::vector<std::vector<std::uint16_t>> conv;  // the layers' three conv states, one after another
+};
+
+SequenceStates read_sequence_states(kda_engine* engine, int slot) {
+  std::uint64_t bytes = 0;
+  REQUIRE(kda_engine_sequence_state_bytes(engine, &bytes) == KDA_OK);
+  std::vector<unsigned char> block(bytes);
+  REQUIRE(kda_engine_read_sequence_state(engine, slot, block.data(), bytes) == KDA_OK);
+  std::uint32_t f[5];  // layers, heads, head_dim, conv width, state value bytes (from byte 24)
+  std::memcpy(f, block.data() + 24, sizeof f);
+  REQUIRE(f[4] == 4);
+  const std::size_t state = std::size_t{f[1]} * f[2] * f[2];
+  const std::size_t conv = f[3] == 0 ? 0 : 3 * std::size_t{f[1]} * f[2] * (f[3] - 1);
+  REQUIRE(bytes == 64 + f[0] * (state * 4 + conv * 2));
+  SequenceStates s;
+  const unsigned char* at = block.data() + 64;
+  for (std::uint32_t l = 0; l < f[0]; ++l) {
+    s.recurrent.emplace_back(state);
+    std::memcpy(s.recurrent.back().data(), at, state * 4);
+    at += state * 4;
+    s.conv.emplace_back(conv);
+    std::memcpy(s.conv.back().data(), at, conv * 2);
+    at += conv * 2;
+  }
+  return s;
+}
+
 }  // namespace
 
 // Each rank's engine made through the C API with a kda_communicator (its callbacks forwarding to a
@@ -1179,6 +1217,7 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
       const std::int64_t width = whole ? E : H * D;  // out's values a token
       // One engine, no group.
       std::vector<std::vector<std::uint16_t>> want;
+      SequenceStates want_states;
       {
         Handle one;
         std::string message;
@@ -1195,10 +1234,12 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
           REQUIRE(st == KDA_OK);
           want.push_back(out);
         }
+        want_states = read_sequence_states(one, slot);
       }
       std::vector<std::vector<std::uint16_t>> out(
           2, std::vector<std::uint16_t>(static_cast<std::size_t>(T * width), 0xFFFF));
       std::vector<std::string> failures(static_cast<std::size_t>(ranks));
+      std::vector<SequenceStates> states(static_cast<std::size_t>(ranks));
       auto group = kda::engine::make_local_communicators(ranks);
       const std::vector<std::string> errors = kda::test::run_on_rank_threads(ranks, [&](int r) {
         const kda_communicator c =
@@ -1227,10 +1268,25 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
         if (st != KDA_OK) {
           failure = kda_engine_last_error(e);
           group[static_cast<std::size_t>(r)]->abort();
+        } else {
+          states[static_cast<std::size_t>(r)] = read_sequence_states(e, slot);
         }
         kda_engine_destroy(e);
       });
       check_ranks(errors, failures);
+      // Every rank's slot ends with the sequence's final state: the recurrent states through the
+      // gathered fp32 transitions (to rounding), the conv states the last inputs (bit for bit).
+      for (int r = 0; r < ranks; ++r) {
+        CAPTURE(r);
+        const SequenceStates& got = states[static_cast<std::size_t>(r)];
+        REQUIRE(got.recurrent.size() == want_states.recurrent.size());
+        for (std::size_t l = 0; l < got.recurrent.size(); ++l) {
+          CAPTURE(l);
+          CHECK(kda::test::relative_error(got.recurrent[l], want_states.recurrent[l]) < 1e-4);
+          CHECK(got.conv[l].size() == (whole ? want_states.conv[l].size() : 0));
+          CHECK(got.conv[l] == want_states.conv[l]);
+        }
+      }
       for (int l = 0; l < 2; ++l) {
         CAPTURE(l);
         const double error = kda::test::relative_error(out[static_cast<std::size_t>(l)],

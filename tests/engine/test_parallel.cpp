@@ -297,8 +297,18 @@ TEST_CASE("context parallel needs a group, tp_size 1 and an f32 state") {
   CHECK(kda::test::error_of([&] {
           Engine e(bf16_state, core_options(group[0].get()));
         }).find("an f32 state") != std::string::npos);
-  // The tensors are checked before the first collective: a rank refused after it would leave the
-  // others' gathers without it and its slot half updated. A group whose gathers count their calls
+  // plan_for with context ranks refuses what creation refuses.
+  CHECK(kda::test::error_of([&] { Engine::plan_for(bf16_state, kda::Backend::kCpu, 2); })
+            .find("plan_for: a context group (2 ranks) needs tp_size 1 (every head on each rank) "
+                  "and an f32 state") != std::string::npos);
+  CHECK(kda::test::error_of([&] {
+          Engine::plan_for(spec(2, 0), kda::Backend::kCpu, 1);
+        }).find("needs tp_size 1") != std::string::npos);
+  CHECK(Engine::plan_for(bf16_state, kda::Backend::kCpu, 0).arena_bytes > 0);
+  CHECK(Engine::plan_for(core_spec(), kda::Backend::kCpu, 2).arena_bytes >
+        Engine::plan_for(core_spec(), kda::Backend::kCpu, 0).arena_bytes);
+  // The tensors are checked before the first collective: a rank refused after it would leave its
+  // slot half updated. A group whose gathers count their calls
   // shows none was made.
   struct Counting final : Communicator {
     int gathers = 0;

@@ -342,42 +342,49 @@ kda::engine::ModelSpec load_spec(const char* function, bool from_file, const cha
 kda_status plan(const char* function, bool from_file, const char* yaml,
                 const kda_engine_options* options, std::uint64_t* arena_bytes, kda_backend* backend,
                 char* err, std::size_t err_size) noexcept {
-  return guarded(err, err_size, [&] {
-    require(arena_bytes, function, "arena_bytes");
-    const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
-    // The communicators checked in creation's order; the plan needs the context group's size.
-    const Communicators communicators = adapt_communicators(options, function);
-    const int context_ranks = communicators.context_group ? communicators.context_group->size() : 0;
-    if (engine_options.layer_mode) spec.runtime.layer_mode = *engine_options.layer_mode;
-    kda::engine::check_weights_file(spec);
-    const kda::Backend kind =
-        kda::engine::resolve_backend(spec, engine_options.backend.value_or(spec.runtime.backend));
-    const std::uint64_t bytes =
-        kda::engine::Engine::plan_for(spec, kind, context_ranks).arena_bytes;
-    *arena_bytes = bytes;
-    if (backend != nullptr) {
-      *backend = kind == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
-    }
-  });
+  return guarded(
+      err, err_size,
+      [&] {
+        require(arena_bytes, function, "arena_bytes");
+        const kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+        kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+        // The communicators checked in creation's order; the plan needs the context group's size.
+        const Communicators communicators = adapt_communicators(options, function);
+        const int context_ranks =
+            communicators.context_group ? communicators.context_group->size() : 0;
+        if (engine_options.layer_mode) spec.runtime.layer_mode = *engine_options.layer_mode;
+        kda::engine::check_weights_file(spec);
+        const kda::Backend kind = kda::engine::resolve_backend(
+            spec, engine_options.backend.value_or(spec.runtime.backend));
+        const std::uint64_t bytes =
+            kda::engine::Engine::plan_for(spec, kind, context_ranks).arena_bytes;
+        *arena_bytes = bytes;
+        if (backend != nullptr) {
+          *backend = kind == kda::Backend::kCuda ? KDA_BACKEND_CUDA : KDA_BACKEND_CPU;
+        }
+      },
+      function);
 }
 
 kda_status create(const char* function, bool from_file, const char* yaml,
                   const kda_engine_options* options, kda_engine** out_engine, char* err,
                   std::size_t err_size) noexcept {
   if (out_engine != nullptr) *out_engine = nullptr;
-  return guarded(err, err_size, [&] {
-    require(out_engine, function, "out_engine");
-    kda::engine::EngineOptions engine_options = to_engine_options(options, function);
-    kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
-    auto handle = std::make_unique<kda_engine>();
-    handle->communicators = adapt_communicators(options, function);
-    engine_options.communicator = handle->communicators.tensor_parallel.get();
-    engine_options.context_group = handle->communicators.context_group.get();
-    handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
-    handle->plan_json = handle->engine->plan().to_json();
-    *out_engine = handle.release();
-  });
+  return guarded(
+      err, err_size,
+      [&] {
+        require(out_engine, function, "out_engine");
+        kda::engine::EngineOptions engine_options = to_engine_options(options, function);
+        kda::engine::ModelSpec spec = load_spec(function, from_file, yaml, options);
+        auto handle = std::make_unique<kda_engine>();
+        handle->communicators = adapt_communicators(options, function);
+        engine_options.communicator = handle->communicators.tensor_parallel.get();
+        engine_options.context_group = handle->communicators.context_group.get();
+        handle->engine = std::make_unique<kda::engine::Engine>(std::move(spec), engine_options);
+        handle->plan_json = handle->engine->plan().to_json();
+        *out_engine = handle.release();
+      },
+      function);
 }
 
 void check_count(int count, const kda::engine::Engine& engine, const char* function,
@@ -442,37 +449,6 @@ const char* kda_status_string(kda_status status) {
   const int value = static_cast<int>(status);
   if (value < KDA_OK || value > KDA_INTERNAL) return "unknown status";
   return kda::to_string(static_cast<StatusCode>(value));
-}
-
-kda_status kda_batch_init(kda_batch* batch) {
-  if (batch == nullptr) return KDA_INVALID_ARGUMENT;
-  std::memset(batch, 0, sizeof(kda_batch));
-  batch->struct_size = sizeof(kda_batch);
-  return KDA_OK;
-}
-
-kda_status kda_engine_options_init(kda_engine_options* options) {
-  if (options == nullptr) return KDA_INVALID_ARGUMENT;
-  *options = kda_engine_options{};
-  options->struct_size = sizeof(kda_engine_options);
-  options->backend = KDA_BACKEND_DEFAULT;
-  options->cuda_stream = nullptr;
-  options->cpu_threads = 0;
-  options->check_pointers = 1;
-  options->seed = 0;
-  options->prefill_schedule = KDA_PREFILL_SCHEDULE_DEFAULT;
-  options->decode_step = KDA_DECODE_STEP_DEFAULT;
-  options->null_slot = -1;
-  options->reserved2 = 0;
-  options->max_tokens = 0;
-  options->max_sequences = 0;
-  options->state_dtype = KDA_STATE_DTYPE_DEFAULT;
-  options->reserved3 = 0;
-  options->layer_mode = KDA_LAYER_MODE_DEFAULT;
-  options->reserved4 = 0;
-  options->communicator = nullptr;
-  options->context_group = nullptr;
-  return KDA_OK;
 }
 
 kda_status kda_engine_create_from_file(const char* yaml_path, const kda_engine_options* options,

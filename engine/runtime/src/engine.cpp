@@ -32,6 +32,12 @@ namespace {
   throw Error(code, what);
 }
 
+// What a context group needs of the model: every head on each rank, and an f32 state (the ranks'
+// segment transitions are composed in fp32). Creation and plan_for ask the same.
+bool context_parallel_fits(const ModelSpec& spec) {
+  return spec.runtime.tp_size == 1 && spec.runtime.state_dtype == DType::kF32;
+}
+
 void check_layer_mode(const ModelSpec& spec) {
   // A slot keeps W - 1 columns of conv state a projection: none at W = 1, which the engine's
   // slots (their pools, reads, writes and copies) do not represent.
@@ -996,6 +1002,11 @@ planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend, int
                                                   std::to_string(context_ranks) +
                                                   ", expected >= 0 (0: no context_group)");
   }
+  if (context_ranks > 0 && !context_parallel_fits(spec)) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": plan_for: a context group (" + std::to_string(context_ranks) +
+                    " ranks) needs tp_size 1 (every head on each rank) and an f32 state");
+  }
   EngineBuffers buffers;
   return make_plan(spec, backend, make_layers(spec, backend), context_ranks, &buffers);
 }
@@ -1053,8 +1064,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.communicator = options.communicator;
   if (options.context_group != nullptr) {
     const Communicator& c = *options.context_group;
-    if (m.spec.runtime.tp_size != 1 || m.spec.runtime.state_dtype != DType::kF32 ||
-        c.backend() != kind) {
+    if (!context_parallel_fits(m.spec) || c.backend() != kind) {
       throw Error(StatusCode::kInvalidArgument,
                   where + ": EngineOptions::context_group (rank " + std::to_string(c.rank()) +
                       " of " + std::to_string(c.size()) + " on " + to_string(c.backend()) +
@@ -1333,8 +1343,9 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   const char* what = "prefill_context_parallel";
   m.check_context_call(what, slot, tokens);
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
-  // Before the first collective: a rank that fails after it would leave the others' gathers
-  // without it, and its slot half updated.
+  // Before the first collective, so that a refused call leaves this rank's slot as it was (a
+  // failure after it would leave the slot half updated). The other ranks still go on into the
+  // gather: the runtime wakes them (Communicator's contract).
   m.check_core_range(layer, what, inputs, out, tokens);
   // 1. This range's transition (P^T, H^T per head), from its tokens alone.
   m.stage_cu_seqlens({0, tokens});

@@ -51,6 +51,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h> /* memset, in the two *_init functions below */
 
 #ifdef __cplusplus
 extern "C" {
@@ -145,9 +146,10 @@ typedef enum kda_collective_dtype {
  * (KDA_INTERNAL, the message naming the function, the options field, the callback and the
  * value). Every rank of the group makes the same collectives in the same order, and a
  * collective's result holds every rank's part (on CUDA it may be enqueued on `stream` rather
- * than done when the callback returns). The engine never aborts a group: a runtime whose rank
- * fails between collectives wakes the other ranks through its own transport. The struct is
- * matched by its exact size (48 bytes on LP64). */
+ * than done when the callback returns). The engine never aborts a group, and a call refused on
+ * one rank (its arguments checked before the first collective) is not known to the others, which
+ * go on into that collective: a runtime whose call fails on any rank wakes or aborts the other
+ * ranks through its own transport. The struct is matched by its exact size (48 bytes on LP64). */
 typedef struct kda_communicator {
   size_t struct_size; /* sizeof(kda_communicator) */
   void* user;         /* handed to every callback */
@@ -206,8 +208,18 @@ typedef struct kda_engine_options {
   const kda_communicator* context_group;
 } kda_engine_options;
 
-/* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. */
-kda_status kda_engine_options_init(kda_engine_options* options);
+/* Fills *options with the defaults. KDA_INVALID_ARGUMENT when options is NULL. Defined in this
+ * header, so that it runs in the caller's code with the caller's sizeof(kda_engine_options): a
+ * library of another version then refuses the struct at creation, where a function of the library
+ * would have written its own version's size into the caller's smaller struct. */
+static inline kda_status kda_engine_options_init(kda_engine_options* options) {
+  if (options == NULL) return KDA_INVALID_ARGUMENT;
+  memset(options, 0, sizeof *options); /* every enum's DEFAULT is 0, every pointer NULL */
+  options->struct_size = sizeof *options;
+  options->check_pointers = 1;
+  options->null_slot = -1;
+  return KDA_OK;
+}
 
 typedef struct kda_engine kda_engine; /* opaque */
 
@@ -376,7 +388,8 @@ kda_status kda_engine_decode_hidden(kda_engine* engine, int layer, const void* h
  * with the sequence's initial state in its acquired `slot` (the same state on each: zeros for a
  * new sequence). out is the one-engine prefill's to rounding, and afterwards every rank's `slot`
  * holds the sequence's final state (kda::engine::Engine::prefill_context_parallel). Every rank
- * calls it for the same layer. */
+ * calls it for the same layer; where it fails on one rank the others wait in a collective
+ * (kda_communicator says what the runtime does then). */
 /* The KDA core: q, k, v, g [tokens, H, K], beta [tokens, H], out [tokens, H, V], as
  * kda_engine_prefill. */
 kda_status kda_engine_prefill_context_parallel(kda_engine* engine, int layer, const void* q,
@@ -450,9 +463,15 @@ typedef struct kda_batch {
   const int32_t* fold_counts;
 } kda_batch;
 /* Sets every field of *batch to 0 / NULL (every optional field unset) and struct_size to
- * sizeof(kda_batch). Start every kda_batch from it: the calls refuse a struct_size they cannot
- * read (KDA_INVALID_ARGUMENT). KDA_INVALID_ARGUMENT when batch is NULL. */
-kda_status kda_batch_init(kda_batch* batch);
+ * sizeof(kda_batch) as the caller's header has it (defined here, as kda_engine_options_init is).
+ * Start every kda_batch from it: the calls refuse a struct_size they cannot read
+ * (KDA_INVALID_ARGUMENT). KDA_INVALID_ARGUMENT when batch is NULL. */
+static inline kda_status kda_batch_init(kda_batch* batch) {
+  if (batch == NULL) return KDA_INVALID_ARGUMENT;
+  memset(batch, 0, sizeof *batch);
+  batch->struct_size = sizeof *batch;
+  return KDA_OK;
+}
 /* The KDA core of layer `layer` (prefill or decode by batch->decode_tokens). */
 kda_status kda_engine_forward_batch(kda_engine* engine, int layer, const void* q, const void* k,
                                     const void* v, const void* g, const void* beta, void* out,

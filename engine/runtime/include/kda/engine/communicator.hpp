@@ -14,7 +14,11 @@
 //   make_nccl_communicator(s)()      NCCL (built with it: nccl_compiled()), one device per rank,
 //                                    in one process or one per rank. Graph-capturable as NCCL is.
 // Every rank calls the same collectives in the same order, as NCCL requires; a collective returns
-// once this rank's result is in place (CPU) or enqueued on `stream` (CUDA transports).
+// once this rank's result is in place (CPU) or enqueued on `stream` (CUDA transports). The engine
+// never aborts a group: a call refused on one rank (its arguments are checked before the first
+// collective, so that rank's states stay as they were) is not known to the other ranks, which go
+// on into the collective; the runtime wakes or aborts them through its transport (NCCL:
+// ncclCommAbort).
 //
 // Which bits an all-reduce gives: the local transports (CPU and CUDA) sum bf16 in fp32 in rank
 // order and round once, so every rank gets the same bits and the CPU and CUDA ones agree bitwise.
