@@ -18,6 +18,7 @@
 #include <exception>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <string>
 #include <thread>
@@ -610,6 +611,13 @@ int run_case_mode(const Options& o) {
     const std::string what = e.what();
     if (what.rfind(o.output, 0) == 0) throw;
     throw naming(e, o.case_path);
+  } catch (const std::bad_alloc&) {
+    // A small file can ask for much: its cu_seqlens may hold a million sequences, each with its
+    // states. Nothing was written (the output is written last).
+    throw kda::Error(kda::StatusCode::kInternal,
+                     o.case_path +
+                         ": out of host memory: the case's tensors, states and outputs (one "
+                         "state a sequence of its cu_seqlens) do not fit in this machine's memory");
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

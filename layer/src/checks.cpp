@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "kda/error.hpp"
@@ -183,6 +184,15 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     }
   }
   if (batch.checkpoints < 0) invalid(what, "checkpoints must be >= 0");
+  // The requests' [N, checkpoints] int64 offsets in bytes must fit 64 bits before anything indexes
+  // them (the operator's sizes are checked the same way).
+  if (batch.checkpoints > 0 && batch.checkpoints > std::numeric_limits<std::int64_t>::max() / 8 /
+                                                       std::max<std::int64_t>(N, 1)) {
+    throw Error(StatusCode::kOverflow,
+                std::string(what) + ": checkpoint_offsets bytes N*checkpoints*8 (" +
+                    std::to_string(N) + " x " + std::to_string(batch.checkpoints) +
+                    " x 8) overflow 64-bit sizes");
+  }
   if (batch.checkpoints > 0) {
     if (decode || batch.slots == nullptr) {
       invalid(what, "checkpoints need a prefill with slots");

@@ -467,6 +467,16 @@ void prefill_checkpoints(Backend backend) {
       CHECK(deviation(slot_values(e, l, 3), one_pass) <= 5e-3);
     }
   }
+  // More checkpoint columns than a sequence of max_tokens (256) has offsets (256 / 16 + 2): refused
+  // on either backend before any [sequences, checkpoints] array is read (a count such as 2^61
+  // would wrap their byte counts).
+  for (const std::int64_t columns : {std::int64_t{19}, std::int64_t{1} << 61}) {
+    BatchMetadata wide = b;
+    wide.checkpoints = columns;
+    CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), wide); }) ==
+          "prefill_hidden: checkpoints " + std::to_string(columns) +
+              ", expected at most 18 (runtime.max_tokens / 16 + 2: every offset a sequence has)");
+  }
   // CUDA reads the requests on the device only (the operator's and the layer's tests cover what
   // it reports); the CPU refuses slots not acquired, or named twice.
   if (backend == Backend::kCuda) return;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -441,6 +442,18 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
         {[](kda_engine_options* o) { o->state_dtype = static_cast<kda_state_dtype>(3); },
          "options.state_dtype is 3"},
         {[](kda_engine_options* o) { o->reserved3 = 1; }, "options.reserved3 is 1, expected 0"},
+        // a negative int, as a C caller may store (written as bytes: in C++ the enums' values
+        // are 0..INT_MAX)
+        {[](kda_engine_options* o) {
+           const int minus_one = -1;
+           std::memcpy(&o->backend, &minus_one, sizeof minus_one);
+         },
+         "options.backend is -1"},
+        {[](kda_engine_options* o) {
+           const int minimum = std::numeric_limits<int>::min();
+           std::memcpy(&o->layer_mode, &minimum, sizeof minimum);
+         },
+         "options.layer_mode is -2147483648"},
     };
     for (const Bad& b : cases) {
       CAPTURE(b.message);

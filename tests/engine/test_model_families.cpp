@@ -862,6 +862,16 @@ KDA_CPU_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 
       load_error(replaced(o, tensor_of(o, DType::kF32, {32, 32}, huge)), kGlmPrefix, 0);
   CHECK(overflow.find("tensor '" + o + "' holds 3.4e+38 at element 5, not a finite bf16 value") !=
         std::string::npos);
+  // BF16 as stored is taken as it is, but not an Inf or a NaN.
+  for (const std::uint16_t bits : {std::uint16_t{0x7F80}, std::uint16_t{0xFFC1}}) {
+    std::vector<std::uint16_t> stored(32 * 32, 0x3F00);  // 0.5
+    stored[7] = bits;
+    const std::string error =
+        load_error(replaced(o, tensor_of(o, DType::kBF16, {32, 32}, stored)), kGlmPrefix, 0);
+    CAPTURE(error);
+    CHECK(error.find("tensor '" + o + "' holds " + (bits == 0x7F80 ? "inf" : "-nan") +
+                     " at element 7, not a finite bf16 value") != std::string::npos);
+  }
   // A non-finite vector value is named too.
   const std::string a = "model.language_model.layers.0.self_attn.A_log";
   const std::string nan = load_error(

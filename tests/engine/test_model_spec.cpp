@@ -560,6 +560,11 @@ TEST_CASE("gate and lower bound") {
     check_error(replace(kValid, "-5.0\n", std::string(bad) + "\n"),
                 {"m.yaml:11:21:", "gate_lower_bound", "outside [-5, 0)"});
   }
+  // Shown as written (not rounded to -5), and refused where the float the layers take is -0.
+  check_error(replace(kValid, "-5.0\n", "-5.0000000001\n"),
+              {"value -5.0000000001 is outside [-5, 0) or not finite"});
+  check_error(replace(kValid, "-5.0\n", "-1e-300\n"),
+              {"value -1e-300 is outside [-5, 0) or not finite (as a float it is -0)"});
   CHECK(parse_model_spec(replace(kValid, "-5.0\n", "-0.5\n"), "m.yaml").gate_lower_bound == -0.5f);
   CHECK(parse_model_spec(replace(kValid, "-5.0\n", "-5\n"), "m.yaml").gate_lower_bound == -5.0f);
   // Softplus needs no lower bound.
@@ -662,6 +667,24 @@ TEST_CASE("files: weights resolve against the YAML's directory / unreadable file
   const std::string missing = (dir / "nope.yaml").string();
   CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(missing), doctest::Contains("nope.yaml"),
                        kda::Error);
+  // Binary data (a checkpoint's weights named as the description), and a file past 16 MiB, are
+  // refused by name before being parsed (or read whole).
+  const fs::path binary = dir / "model.safetensors";
+  {
+    std::ofstream out(binary, std::ios::binary);
+    out << kValid;
+    out.put('\0');
+    out << "rest";
+  }
+  const std::string binary_message =
+      binary.string() + ": the model description holds binary data (a zero byte at offset " +
+      std::to_string(std::string(kValid).size()) +
+      "), not YAML or JSON text (a .safetensors file is named by the description's `weights` key)";
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(binary.string()), binary_message.c_str(),
+                       kda::Error);
+  fs::resize_file(binary, (std::uintmax_t{16} << 20) + 1);
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(binary.string()),
+                       doctest::Contains(": the model description is over 16 MiB"), kda::Error);
   fs::remove_all(dir);
 }
 

@@ -1013,6 +1013,17 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
     CHECK(run.error == runner.forward_error_prefix() + bad.message);
     CHECK(pools == before);
   }
+  // A column count whose [N, checkpoints] int64 byte count wraps 64 bits: kOverflow, before the
+  // requests are read (the arrays here hold two columns).
+  std::vector<std::int64_t> offsets{16, 37, 0, 16};
+  std::vector<std::int32_t> rows{2, 3, 4, 5};
+  const LayerRun run = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
+                                      with_checkpoints(&offsets, &rows, std::int64_t{1} << 62));
+  CHECK(run.code == StatusCode::kOverflow);
+  CHECK(run.error == runner.forward_error_prefix() +
+                         "checkpoint_offsets bytes N*checkpoints*8 (2 x 4611686018427387904 x 8) "
+                         "overflow 64-bit sizes");
+  CHECK(pools == before);
 }
 
 namespace {

@@ -13,6 +13,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -122,6 +123,17 @@ kda_status guarded(char* dst, std::size_t size, Body&& body,
   }
 }
 
+// A C enum field as the int it holds. A C caller may store any int there, and in C++ a value
+// outside the enum's range (a negative one: the enums' values are 0..INT_MAX) must not be loaded
+// as the enum, so its bytes are read as an int.
+template <typename C>
+int enum_bits(const C& field) {
+  static_assert(std::is_enum_v<C> && sizeof(C) == sizeof(int), "an int-sized C enum");
+  int value = 0;
+  std::memcpy(&value, &field, sizeof value);
+  return value;
+}
+
 // A caller's kda_communicator as the engine's Communicator: each collective one callback, a
 // non-zero return thrown as kda::Error (kInternal) naming the options field, the callback and the
 // value, so that the engine call that made it fails with that message.
@@ -172,8 +184,9 @@ std::unique_ptr<CallbackCommunicator> adapt(const kda_communicator* given, const
                           std::to_string(given->size) +
                           ", expected size >= 1 and rank in [0, size)");
   }
-  if (given->memory != KDA_BACKEND_CPU && given->memory != KDA_BACKEND_CUDA) {
-    invalid(function, name + "->memory is " + std::to_string(static_cast<int>(given->memory)) +
+  if (const int memory = enum_bits(given->memory);
+      memory != KDA_BACKEND_CPU && memory != KDA_BACKEND_CUDA) {
+    invalid(function, name + "->memory is " + std::to_string(memory) +
                           ", expected KDA_BACKEND_CPU or KDA_BACKEND_CUDA");
   }
   if (given->reserved != 0) {
@@ -241,14 +254,15 @@ void require_zero(std::int64_t value, const char* function, const char* name) {
 // The C enum option `name` as its C++ value: unset for its DEFAULT (0 in every such enum), the
 // table's value for the others, refused naming the values there are otherwise.
 template <typename C, typename T, std::size_t N>
-std::optional<T> mapped(C value, const std::pair<C, T> (&table)[N], const char* function,
+std::optional<T> mapped(const C& field, const std::pair<C, T> (&table)[N], const char* function,
                         const char* name, const char* expected) {
-  if (static_cast<int>(value) == 0) return std::nullopt;
+  const int value = enum_bits(field);
+  if (value == 0) return std::nullopt;
   for (const auto& entry : table) {
-    if (entry.first == value) return entry.second;
+    if (static_cast<int>(entry.first) == value) return entry.second;
   }
-  invalid(function, std::string("options.") + name + " is " +
-                        std::to_string(static_cast<int>(value)) + ", expected " + expected);
+  invalid(function, std::string("options.") + name + " is " + std::to_string(value) +
+                        ", expected " + expected);
 }
 
 kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
@@ -446,7 +460,7 @@ kda::engine::BatchMetadata batch_metadata(const kda_batch* given, const char* fu
 extern "C" {
 
 const char* kda_status_string(kda_status status) {
-  const int value = static_cast<int>(status);
+  const int value = enum_bits(status);  // any int a C caller passes, negative ones too
   if (value < KDA_OK || value > KDA_INTERNAL) return "unknown status";
   return kda::to_string(static_cast<StatusCode>(value));
 }

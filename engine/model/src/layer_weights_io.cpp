@@ -143,12 +143,20 @@ class LayerTensors {
   }
 
   // A matrix of exactly `shape` as bf16 bits: BF16 as stored, F32 and F16 rounded to nearest
-  // even once, here (a value that is not finite once rounded is refused).
+  // even once, here; a value that is not finite (stored so, or once rounded) is refused.
   std::vector<bf16_bits> bf16(const std::string& name, const Shape& shape) const {
     const Tensor t = read(name, {shape});
     std::vector<bf16_bits> values(to_size(t.numel()));
     if (t.dtype == DType::kBF16) {
       std::memcpy(values.data(), t.data.data(), values.size() * sizeof(bf16_bits));
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        if ((values[i] & 0x7F80u) == 0x7F80u) {  // exponent all ones: Inf or NaN
+          std::ostringstream shown;
+          shown << bf16_to_float(values[i]);
+          invalid(holder(t.name) + ": tensor '" + t.name + "' holds " + shown.str() +
+                  " at element " + std::to_string(i) + ", not a finite bf16 value");
+        }
+      }
       return values;
     }
     const std::vector<float> wide = widen(t);

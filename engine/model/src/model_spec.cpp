@@ -591,15 +591,18 @@ bool as_bool(const Context& ctx, const YAML::Node& node, const std::string& key)
   ctx.fail(node, key, "expected true or false, got " + describe(node));
 }
 
-// A lower bound: finite, in [-5, 0).
+// A lower bound: finite, in [-5, 0), as written and as the float the layers take (-1e-300 is
+// below 0 but rounds to -0). The message shows the value as written.
 float gate_bound(const Context& ctx, const Found& found) {
   const double bound = as_double(ctx, found.node, found.key);
-  if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0) {
-    std::ostringstream shown;
-    shown << bound;
-    ctx.fail(found.node, found.key, "value " + shown.str() + " is outside [-5, 0) or not finite");
+  const float used = static_cast<float>(bound);
+  if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0 || used >= 0.0f) {
+    ctx.fail(
+        found.node, found.key,
+        "value " + found.node.Scalar() + " is outside [-5, 0) or not finite" +
+            (std::isfinite(bound) && bound < 0.0 && used >= 0.0f ? " (as a float it is -0)" : ""));
   }
-  return static_cast<float>(bound);
+  return used;
 }
 
 // The KDA layers of a `layer_types` list (one string per layer, "linear_attention" or
@@ -958,14 +961,29 @@ std::string read_text_file(const std::string& path, const char* what) {
     throw Error(StatusCode::kInvalidArgument,
                 path + ": " + file_failure(std::string("cannot open ") + what, path, errno));
   }
-  std::ostringstream text;
+  // A description is a short text: read at most one byte past the cap (a character device or a
+  // checkpoint's weights named by mistake would otherwise be read whole), and no binary data.
+  constexpr std::size_t kMaxBytes = std::size_t{16} << 20;
+  std::string text(kMaxBytes + 1, '\0');
   errno = 0;
-  text << in.rdbuf();
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (in.bad()) {
     throw Error(StatusCode::kInvalidArgument,
                 path + ": " + file_failure(std::string("cannot read ") + what, path, errno));
   }
-  return text.str();
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxBytes) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + what + " is over 16 MiB: it is a YAML or JSON text of a few KB (a " +
+                    "checkpoint's weights are named by its `weights` key, or found in its folder)");
+  }
+  if (const std::size_t nul = text.find('\0'); nul != std::string::npos) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + what + " holds binary data (a zero byte at offset " +
+                    std::to_string(nul) + "), not YAML or JSON text (a .safetensors file is " +
+                    "named by the description's `weights` key)");
+  }
+  return text;
 }
 
 // A YAML or JSON document that is a map with unique keys.

@@ -496,6 +496,13 @@ struct Engine::Impl {
       fail(call + ": checkpoints " + std::to_string(b.checkpoints) +
            (decode ? " in a decode (checkpoints are a prefill's)" : ", expected >= 0"));
     }
+    // A sequence of at most max_tokens tokens has max_tokens / 16 + 2 distinct offsets to ask for
+    // (the multiples of 16 from 0, and its length): more columns can only repeat them or be -1,
+    // and a larger count is taken for a mistake before any [sequences, checkpoints] array is read.
+    if (const std::int64_t most = spec.runtime.max_tokens / 16 + 2; b.checkpoints > most) {
+      fail(call + ": checkpoints " + std::to_string(b.checkpoints) + ", expected at most " +
+           std::to_string(most) + " (runtime.max_tokens / 16 + 2: every offset a sequence has)");
+    }
     if (b.checkpoints > 0 && (b.checkpoint_offsets == nullptr || b.checkpoint_slots == nullptr)) {
       fail(call + ": checkpoint_offsets or checkpoint_slots is null");
     }
