@@ -1,6 +1,7 @@
 // Safetensors: round trip of every supported dtype, atomic writes, one clear error per kind of
 // malformed file, and tensors of dtypes not read (a quantized checkpoint's) listed but refused.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
@@ -166,6 +167,18 @@ TEST_CASE("writer: a symbolic link is written through, a path that is not a file
                          doctest::Contains("is not a regular file"), kda::Error);
   }
   CHECK(fs::is_directory(dir.path / "data"));
+  // A pipe through a /proc link (as /dev/stdout into a pipe is): refused as what it is, not as a
+  // path that cannot be created.
+  int ends[2];
+  REQUIRE(pipe(ends) == 0);
+  const std::string through_proc = "/proc/self/fd/" + std::to_string(ends[1]);
+  if (fs::exists(through_proc)) {
+    const std::string refused = through_proc + ": is not a regular file";
+    CHECK_THROWS_WITH_AS(kda::engine::save_safetensors(through_proc, {x}),
+                         doctest::Contains(refused.c_str()), kda::Error);
+  }
+  close(ends[0]);
+  close(ends[1]);
   // A loop of links: refused by name.
   fs::create_symlink("loop-b", dir.path / "loop-a");
   fs::create_symlink("loop-a", dir.path / "loop-b");
