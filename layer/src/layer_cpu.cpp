@@ -311,7 +311,6 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     check_checkpoints(batch, cu_host, batch.slots, state.num_slots,
                       regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
   }
-  if (T == 0) return;  // nothing to compute; every state stays as it is
   // A verify step's rows start from their slot at num_accepted - 1 (kda.hpp).
   const bool verify = batch.num_accepted != nullptr;
   const bool folds = batch.fold_sequences > 0;  // the last records step's commit, deferred here
@@ -340,11 +339,48 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     for (std::int64_t n = 0; n <= N; ++n) cu[n] = decode ? n * batch.decode_tokens : cu_host[n];
     cu_seqlens = cu;
   }
+  const std::int64_t conv_row = Cl * (W - 1);  // one sequence's conv state, in elements
+  // The conv states of sequence n's checkpoint requests into `pool`'s rows: from its pre-conv
+  // inputs `seq_pre` and its initial state `conv_state`, which its conv then replaces.
+  auto conv_checkpoints = [&](std::int64_t n, const float* seq_pre, const bf16_bits* conv_state,
+                              bf16_bits* pool) {
+    for (std::int64_t r = 0; r < batch.checkpoints; ++r) {
+      const std::int64_t offset = batch.checkpoint_offsets[n * batch.checkpoints + r];
+      const std::int32_t slot = batch.checkpoint_slots[n * batch.checkpoints + r];
+      if (offset < 0 || is_padding(batch, slot)) continue;
+      conv_state_at(seq_pre, offset, Cl, W, conv_state, pool + std::int64_t{slot} * conv_row);
+    }
+  };
+  // The core's prefill, states in place in the pool.
+  auto run_core_prefill = [&] {
+    Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
+    t.cu_seqlens = cu_seqlens;
+    t.initial_state = state.recurrent;
+    t.final_state = state.recurrent;  // updated in place
+    t.state_slots = batch.slots;
+    const Problem prefill = with_checkpoints(core, batch, &t);
+    KDA_NVTX_RANGE("core");
+    throw_if_error(forward_cpu(prefill, t, regions.core(), cpu), "KDA layer forward (CPU): core");
+  };
+  if (T == 0) {
+    // Nothing to compute, every sequence's state stays as it is; but a checkpoint request of an
+    // empty sequence (offset 0) holds its initial states, as in a batch with tokens (the core's
+    // part the caller's, given core inputs).
+    if (!decode && batch.checkpoints > 0) {
+      for (std::int64_t n = 0; n < N; ++n) {
+        if (is_padding(batch, slot_of(n))) continue;
+        for (bf16_bits* pool : {state.conv_q, state.conv_k, state.conv_v}) {
+          conv_checkpoints(n, nullptr, pool + slot_of(n) * conv_row, pool);
+        }
+      }
+      if (inputs == nullptr) run_core_prefill();
+    }
+    return;
+  }
   PhaseTimer timer(options.times);
 
   // ---- q, k, v: projection, then conv + SiLU per sequence ------------------------------------
   for (std::int64_t i = 0; i < T * E; ++i) xf[i] = bf16_to_float(hidden[i]);
-  const std::int64_t conv_row = Cl * (W - 1);  // one sequence's conv state, in elements
   struct ConvBranch {
     const float* proj;
     const float* conv;
@@ -384,13 +420,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
         if (batch.checkpoints > 0 && !padding) {
           // Checkpoints first: they read the sequence's initial conv state, which the conv
           // below replaces.
-          for (std::int64_t k = 0; k < batch.checkpoints; ++k) {
-            const std::int64_t offset = batch.checkpoint_offsets[n * batch.checkpoints + k];
-            const std::int32_t slot = batch.checkpoint_slots[n * batch.checkpoints + k];
-            if (offset < 0 || is_padding(batch, slot)) continue;
-            conv_state_at(pre + begin * Cl, offset, Cl, W, conv_state,
-                          branch.pool + std::int64_t{slot} * conv_row);
-          }
+          conv_checkpoints(n, pre + begin * Cl, conv_state, branch.pool);
         }
         if ((verify || batch.records) && !padding) {
           bf16_bits* keep[kMaxDecodeTokens] = {};  // a records step keeps none
@@ -460,14 +490,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     KDA_NVTX_RANGE("core");
     throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");
   } else {
-    Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
-    t.cu_seqlens = cu_seqlens;
-    t.initial_state = state.recurrent;
-    t.final_state = state.recurrent;  // updated in place
-    t.state_slots = batch.slots;
-    const Problem prefill = with_checkpoints(core, batch, &t);
-    KDA_NVTX_RANGE("core");
-    throw_if_error(forward_cpu(prefill, t, regions.core(), cpu), "KDA layer forward (CPU): core");
+    run_core_prefill();
   }
   timer.lap(&Times::core);
 

@@ -710,7 +710,6 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   const WorkspaceRegions regions(layout, workspace.ptr);
   const Intermediates m = regions.intermediates();
   if (inputs != nullptr) *inputs = CoreInputs{m.q, m.k, m.v, m.g, m.beta, A_log, dt_bias};
-  if (T == 0) return;  // nothing to compute; every state stays as it is
 
   // ---- enqueue -----------------------------------------------------------------------------
   cudaStream_t stream = static_cast<cudaStream_t>(options.stream);
@@ -728,6 +727,65 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   CudaOptions core_options;
   core_options.check_pointers = options.check_pointers;
   core_options.schedule = options.schedule;
+  // The conv's launch: what its prefill and decode forms share.
+  auto conv_params = [&] {
+    cuda::ConvParams p;
+    p.proj = proj;
+    p.proj_stride = cols.stride;
+    p.tokens = T;
+    p.sequences = N;
+    p.channels = Cl;
+    p.width = static_cast<int>(W);
+    p.conv_weight = conv;
+    p.pools[0] = state.conv_q;
+    p.pools[1] = state.conv_k;
+    p.pools[2] = state.conv_v;
+    p.out[0] = q;
+    p.out[1] = k;
+    p.out[2] = v;
+    p.beta_col = cols.b;
+    p.heads = Hl;
+    p.beta = beta;
+    p.slots = batch.slots;
+    p.num_slots = state.num_slots;
+    p.padding_slot = batch.padding_slot;
+    p.status = batch.device_status;
+    return p;
+  };
+  auto launch_conv_prefill = [&] {
+    cuda::ConvParams p = conv_params();
+    p.cu_seqlens = batch.cu_seqlens;
+    p.checkpoints = batch.checkpoints;
+    p.checkpoint_offsets = batch.checkpoint_offsets;
+    p.checkpoint_slots = batch.checkpoint_slots;
+    p.cu_seqlens_i32 = batch.cu_seqlens_i32;
+    check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
+  };
+  // The core's prefill, states in place in the pool.
+  auto run_core_prefill = [&] {
+    Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
+    t.cu_seqlens = cu_i32 ? static_cast<const void*>(batch.cu_seqlens_i32) : batch.cu_seqlens;
+    // Checked above already (O(N) again); the core also plans its segments from it.
+    t.cu_seqlens_host =
+        cu_i32 ? static_cast<const void*>(batch.cu_seqlens_host_i32) : batch.cu_seqlens_host;
+    t.initial_state = state.recurrent;
+    t.final_state = state.recurrent;  // updated in place
+    t.state_slots = batch.slots;
+    t.device_status = batch.device_status;
+    const Problem prefill = with_checkpoints(core, batch, &t);
+    throw_if_error(forward_cuda(prefill, t, regions.core(), stream, core_options),
+                   "KDA layer forward (CUDA): core");
+  };
+  if (T == 0) {
+    // Nothing to compute, every sequence's state stays as it is; but a checkpoint request of an
+    // empty sequence (offset 0) holds its initial states, as in a batch with tokens: the conv's
+    // checkpoint blocks and the core (the caller's, given core inputs) copy them.
+    if (!decode && batch.checkpoints > 0 && N > 0) {
+      launch_conv_prefill();
+      if (inputs == nullptr) run_core_prefill();
+    }
+    return;
+  }
 
   // What the one-launch and the fused step both take of the layer and the batch (the fields of the
   // same names in OneLaunchStepParams and FusedDecodeParams).
@@ -917,28 +975,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   // A fused step runs conv, core and norm in one kernel: its time counts as the core's.
   if (!fuse) {
     KDA_NVTX_RANGE("conv");
-    cuda::ConvParams p;
-    p.proj = proj;
-    p.proj_stride = cols.stride;
-    p.tokens = T;
-    p.sequences = N;
-    p.channels = Cl;
-    p.width = static_cast<int>(W);
-    p.conv_weight = conv;
-    p.pools[0] = state.conv_q;
-    p.pools[1] = state.conv_k;
-    p.pools[2] = state.conv_v;
-    p.out[0] = q;
-    p.out[1] = k;
-    p.out[2] = v;
-    p.beta_col = cols.b;
-    p.heads = Hl;
-    p.beta = beta;
-    p.slots = batch.slots;
-    p.num_slots = state.num_slots;
-    p.padding_slot = batch.padding_slot;
-    p.status = batch.device_status;
     if (decode) {
+      cuda::ConvParams p = conv_params();
       p.decode_tokens = batch.decode_tokens;
       p.identity_slots = batch.slots == nullptr ? identity : nullptr;
       p.num_accepted = batch.num_accepted;
@@ -953,12 +991,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       p.factors = conv_factors;
       check_cuda(cuda::launch_conv_decode(p, stream), "conv_decode_kernel");
     } else {
-      p.cu_seqlens = batch.cu_seqlens;
-      p.checkpoints = batch.checkpoints;
-      p.checkpoint_offsets = batch.checkpoint_offsets;
-      p.checkpoint_slots = batch.checkpoint_slots;
-      p.cu_seqlens_i32 = batch.cu_seqlens_i32;
-      check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
+      launch_conv_prefill();
     }
   }
   mark(2);
@@ -995,18 +1028,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       throw_if_error(cuda::decode_with_gated_norm(step, t, norm, stream, core_options),
                      "KDA layer forward (CUDA): core");
     } else {
-      Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
-      t.cu_seqlens = cu_i32 ? static_cast<const void*>(batch.cu_seqlens_i32) : batch.cu_seqlens;
-      // Checked above already (O(N) again); the core also plans its segments from it.
-      t.cu_seqlens_host =
-          cu_i32 ? static_cast<const void*>(batch.cu_seqlens_host_i32) : batch.cu_seqlens_host;
-      t.initial_state = state.recurrent;
-      t.final_state = state.recurrent;  // updated in place
-      t.state_slots = batch.slots;
-      t.device_status = batch.device_status;
-      const Problem prefill = with_checkpoints(core, batch, &t);
-      throw_if_error(forward_cuda(prefill, t, regions.core(), stream, core_options),
-                     "KDA layer forward (CUDA): core");
+      run_core_prefill();
     }
   }
   mark(3);

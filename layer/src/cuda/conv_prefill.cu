@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(kConvThreads, 3)
 }  // namespace
 
 cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
-  if (p.tokens == 0 || p.sequences == 0) return cudaSuccess;
+  // Without tokens, only checkpoint requests (of empty sequences) have anything to write.
+  if (p.sequences == 0 || (p.tokens == 0 && p.checkpoints == 0)) return cudaSuccess;
   bool vector_state = false;
   if (const cudaError_t err = check_conv_layout(p, &vector_state); err != cudaSuccess) return err;
   // The chunks' rows of blocks, then one row a checkpoint request (checkpoint_block).

@@ -160,7 +160,7 @@ struct Batch {
   // sequence's requests are not read. The CPU checks the requests before anything is written;
   // CUDA reads them on the device only (kda.hpp, Problem::checkpoints: kDeviceStatusCheckpoint,
   // that request skipped; a row named by two requests may then hold a mix of both). A call of 0
-  // tokens writes nothing, checkpoints included.
+  // tokens computes nothing and writes only its requests (each at offset 0: the initial states).
   std::int64_t checkpoints = 0;
   const std::int64_t* checkpoint_offsets = nullptr;
   const std::int32_t* checkpoint_slots = nullptr;
