@@ -727,6 +727,14 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
     bad.metadata["lower_bound"] = bound;
     check_rejected(bad, "outside [-5, 0)");
   }
+  // Shown as written; checked as written and as the float the core takes.
+  bad = good;
+  bad.metadata["lower_bound"] = "-5.0000000001";
+  check_rejected(bad, "metadata 'lower_bound' is -5.0000000001, outside [-5, 0) or not finite");
+  bad.metadata["lower_bound"] = "-1e-300";
+  check_rejected(bad,
+                 "metadata 'lower_bound' is -1e-300, outside [-5, 0) or not finite (as a "
+                 "float it is -0)");
   bad = good;
   bad.metadata["lower_bound"] = "minus two";
   check_rejected(bad, "not a number");

@@ -9,6 +9,7 @@
 
 #include "kda/bf16.hpp"
 #include "kda/error.hpp"
+#include "kda/kda.hpp"
 
 namespace kda::engine::detail {
 
@@ -60,16 +61,10 @@ void read_case_gate(const CaseMetadata& metadata, const std::string& source, Gat
     if (!parse_case_number(bound_it->second, &bound)) {
       case_fail(source, "metadata 'lower_bound' is '" + bound_it->second + "', not a number");
     }
-    // As written and as the float the core takes (-1e-300 rounds to -0); shown as written.
-    const float used = static_cast<float>(bound);
-    if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0 || used >= 0.0f) {
-      case_fail(source,
-                "metadata 'lower_bound' is " + bound_it->second +
-                    ", outside [-5, 0) or not finite" +
-                    (std::isfinite(bound) && bound < 0.0 && used >= 0.0f ? " (as a float it is -0)"
-                                                                         : ""));
+    // Shown as written.
+    if (const Status st = lower_bound_from_double(bound, lower_bound); !st.ok()) {
+      case_fail(source, "metadata 'lower_bound' is " + bound_it->second + ", " + st.message());
     }
-    *lower_bound = used;
   }
 }
 

@@ -399,6 +399,14 @@ Status check_backend(Backend backend) {
 }
 }  // namespace
 
+Status lower_bound_from_double(double bound, float* used) {
+  *used = static_cast<float>(bound);
+  if (std::isfinite(bound) && bound >= -5.0 && bound < 0.0 && *used < 0.0f) return Status::Ok();
+  const bool rounded_to_zero = std::isfinite(bound) && bound < 0.0 && *used >= 0.0f;
+  return invalid(std::string("outside [-5, 0) or not finite") +
+                 (rounded_to_zero ? " (as a float it is -0)" : ""));
+}
+
 Status can_implement(const Problem& p, Backend backend) {
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;

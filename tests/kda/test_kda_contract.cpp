@@ -116,6 +116,28 @@ TEST_CASE("effective scale: 0 selects K^-0.5") {
   CHECK(d.effective_scale() == 2.0f);
 }
 
+TEST_CASE("lower_bound_from_double: -5 up to 0 as written and as the float the operator takes") {
+  float used = 1.0f;
+  CHECK(lower_bound_from_double(-5.0, &used).ok());
+  CHECK(used == -5.0f);
+  CHECK(lower_bound_from_double(-0.25, &used).ok());
+  CHECK(used == -0.25f);
+  CHECK(lower_bound_from_double(-1e-30, &used).ok());  // a float still below 0
+  CHECK(used < 0.0f);
+  // Outside as written, though its float is -5; 0; not finite: the reason alone.
+  for (const double bad : {-5.0000000001, 0.0, -0.0, 1.0, -6.0, std::nan(""),
+                           -std::numeric_limits<double>::infinity()}) {
+    CAPTURE(bad);
+    const Status st = lower_bound_from_double(bad, &used);
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK(st.message() == "outside [-5, 0) or not finite");
+  }
+  // Below 0 as written, -0 as a float.
+  const Status st = lower_bound_from_double(-1e-300, &used);
+  CHECK(st.code() == StatusCode::kInvalidArgument);
+  CHECK(st.message() == "outside [-5, 0) or not finite (as a float it is -0)");
+}
+
 TEST_CASE("validate(Problem): every shape and value check trips with the field named") {
   const Fixture f;
   REQUIRE(validate(f.p).ok());

@@ -21,6 +21,7 @@
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/model_family.hpp"
 #include "kda/error.hpp"
+#include "kda/kda.hpp"
 
 namespace kda::engine {
 
@@ -594,14 +595,10 @@ bool as_bool(const Context& ctx, const YAML::Node& node, const std::string& key)
 // A lower bound: finite, in [-5, 0), as written and as the float the layers take (-1e-300 is
 // below 0 but rounds to -0). The message shows the value as written.
 float gate_bound(const Context& ctx, const Found& found) {
-  const double bound = as_double(ctx, found.node, found.key);
-  const float used = static_cast<float>(bound);
-  if (!std::isfinite(bound) || bound < -5.0 || bound >= 0.0 || used >= 0.0f) {
-    ctx.fail(
-        found.node, found.key,
-        "value " + found.node.Scalar() + " is outside [-5, 0) or not finite" +
-            (std::isfinite(bound) && bound < 0.0 && used >= 0.0f ? " (as a float it is -0)" : ""));
-  }
+  float used = 0.0f;
+  const Status st = lower_bound_from_double(as_double(ctx, found.node, found.key), &used);
+  if (!st.ok())
+    ctx.fail(found.node, found.key, "value " + found.node.Scalar() + " is " + st.message());
   return used;
 }
 

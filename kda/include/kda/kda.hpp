@@ -215,6 +215,13 @@ inline constexpr float kMaxAbsALog = 20.0f;
 Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
                                 std::int64_t head_dim);
 
+// The bounded gate's lower bound as a model description or a case file writes it, before it
+// becomes Problem::lower_bound: finite, in [-5, 0), and still below 0 as the float the operator
+// takes (-1e-300 rounds to -0). *used receives that float. kInvalidArgument's message is the
+// reason alone ("outside [-5, 0) or not finite", with " (as a float it is -0)" where rounding
+// made it so), for the caller to put after the value as written.
+Status lower_bound_from_double(double bound, float* used);
+
 // Bits the CUDA kernels OR into a caller's device status word (Tensors::device_status,
 // DecodeTensors::device_status).
 enum DeviceStatusBit : std::uint32_t {
