@@ -146,7 +146,7 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
-    case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata | test_engine_threads)
+    case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata | test_engine_threads | test_model_families | test_parallel_cuda)
       args=("-tc=*[cuda]") ;;
     esac
     [[ "$filter" == *"|"* ]] && args+=("-sc=${filter#*|}")
@@ -176,7 +176,7 @@ if [ "$what" = sanitize-all ]; then
   [ "$part" = others ] || [ "$part" = all ] && others_part=true
   bins=
   $op_part && bins="test_kda_operator"
-  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer test_batch_metadata test_engine_threads"
+  $others_part && bins="$bins test_validation_cuda test_c_api test_engine_core test_engine_whole test_layer test_batch_metadata test_engine_threads test_layer_gemv_cuda test_parallel_cuda test_model_families"
   {
     echo "| tool | binary | exit | summary | doctest | time |"
     echo "|---|---|---|---|---|---|"
