@@ -311,6 +311,9 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     check_checkpoints(batch, cu_host, batch.slots, state.num_slots,
                       regions.at<std::uint64_t>(&L::slot_bitmap), kForward);
   }
+  // Nothing to compute, every state stays as it is; but a prefill's checkpoint requests of empty
+  // sequences (offset 0) hold their initial states, as in a batch with tokens (below).
+  if (T == 0 && (batch.checkpoints == 0 || N == 0)) return;
   // A verify step's rows start from their slot at num_accepted - 1 (kda.hpp).
   const bool verify = batch.num_accepted != nullptr;
   const bool folds = batch.fold_sequences > 0;  // the last records step's commit, deferred here
@@ -363,18 +366,15 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
     throw_if_error(forward_cpu(prefill, t, regions.core(), cpu), "KDA layer forward (CPU): core");
   };
   if (T == 0) {
-    // Nothing to compute, every sequence's state stays as it is; but a checkpoint request of an
-    // empty sequence (offset 0) holds its initial states, as in a batch with tokens (the core's
-    // part the caller's, given core inputs).
-    if (!decode && batch.checkpoints > 0) {
-      for (std::int64_t n = 0; n < N; ++n) {
-        if (is_padding(batch, slot_of(n))) continue;
-        for (bf16_bits* pool : {state.conv_q, state.conv_k, state.conv_v}) {
-          conv_checkpoints(n, nullptr, pool + slot_of(n) * conv_row, pool);
-        }
+    // A prefill of empty sequences with checkpoint requests (checked: a prefill, not core inputs):
+    // each request's conv states and recurrent state are its sequence's initial ones.
+    for (std::int64_t n = 0; n < N; ++n) {
+      if (is_padding(batch, slot_of(n))) continue;
+      for (bf16_bits* pool : {state.conv_q, state.conv_k, state.conv_v}) {
+        conv_checkpoints(n, nullptr, pool + slot_of(n) * conv_row, pool);
       }
-      if (inputs == nullptr) run_core_prefill();
     }
+    run_core_prefill();
     return;
   }
   PhaseTimer timer(options.times);

@@ -777,12 +777,13 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                    "KDA layer forward (CUDA): core");
   };
   if (T == 0) {
-    // Nothing to compute, every sequence's state stays as it is; but a checkpoint request of an
-    // empty sequence (offset 0) holds its initial states, as in a batch with tokens: the conv's
-    // checkpoint blocks and the core (the caller's, given core inputs) copy them.
-    if (!decode && batch.checkpoints > 0 && N > 0) {
+    // Nothing to compute, every sequence's state stays as it is; but a prefill's checkpoint
+    // requests of empty sequences (offset 0; checked: a prefill, not core inputs) hold their
+    // initial states, as in a batch with tokens: the conv's checkpoint blocks and the core copy
+    // them.
+    if (batch.checkpoints > 0 && N > 0) {
       launch_conv_prefill();
-      if (inputs == nullptr) run_core_prefill();
+      run_core_prefill();
     }
     return;
   }

@@ -238,6 +238,20 @@ KDA_LAYER_CASE("a batch of no tokens writes nothing and keeps every state") {
     CHECK(run.guards_intact);
     CHECK(after == before);
   }
+  // No sequence and no cu_seqlens at all (a default Batch's), which a prefill of no sequences may
+  // leave out.
+  ForwardSettings bare;
+  bare.change = [](ForwardCall& call) {
+    call.batch.cu_seqlens = nullptr;
+    call.batch.cu_seqlens_i32 = nullptr;
+    call.batch.cu_seqlens_host = nullptr;
+    call.batch.cu_seqlens_host_i32 = nullptr;
+  };
+  Pools after = before;
+  const LayerRun run = runner.forward(*layer, {}, prefill_batch({}), &after, bare);
+  CHECK_MESSAGE(run.error.empty(), run.error);
+  CHECK(run.guards_intact);
+  CHECK(after == before);
 }
 
 namespace {
