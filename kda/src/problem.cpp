@@ -400,11 +400,12 @@ Status check_backend(Backend backend) {
 }  // namespace
 
 Status lower_bound_from_double(double bound, float* used) {
-  *used = static_cast<float>(bound);
-  if (std::isfinite(bound) && bound >= -5.0 && bound < 0.0 && *used < 0.0f) return Status::Ok();
-  const bool rounded_to_zero = std::isfinite(bound) && bound < 0.0 && *used >= 0.0f;
+  // Cast only in range: a double beyond float's range has no float (the conversion is undefined).
+  const bool in_range = std::isfinite(bound) && bound >= -5.0 && bound < 0.0;
+  *used = in_range ? static_cast<float>(bound) : 0.0f;
+  if (in_range && *used < 0.0f) return Status::Ok();
   return invalid(std::string("outside [-5, 0) or not finite") +
-                 (rounded_to_zero ? " (as a float it is -0)" : ""));
+                 (in_range ? " (as a float it is -0)" : ""));
 }
 
 Status can_implement(const Problem& p, Backend backend) {

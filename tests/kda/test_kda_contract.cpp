@@ -125,7 +125,7 @@ TEST_CASE("lower_bound_from_double: -5 up to 0 as written and as the float the o
   CHECK(lower_bound_from_double(-1e-30, &used).ok());  // a float still below 0
   CHECK(used < 0.0f);
   // Outside as written, though its float is -5; 0; not finite: the reason alone.
-  for (const double bad : {-5.0000000001, 0.0, -0.0, 1.0, -6.0, std::nan(""),
+  for (const double bad : {-5.0000000001, 0.0, -0.0, 1.0, -6.0, -1e300, 1e300, std::nan(""),
                            -std::numeric_limits<double>::infinity()}) {
     CAPTURE(bad);
     const Status st = lower_bound_from_double(bad, &used);
