@@ -1205,12 +1205,12 @@ KDA_LAYER_CUDA_CASE("prefill checkpoints from an empty sequence to many a sequen
 
 // A prefill of empty sequences only: nothing computed, but each checkpoint request (offset 0, all
 // such a sequence takes) holds its sequence's initial states bit for bit, as a request of an empty
-// sequence beside sequences with tokens does; a padding sequence's request is not read, and every
-// other row keeps its bits. Both state dtypes.
+// sequence beside sequences with tokens does; a padding sequence's request (a negative slot, or
+// the caller's padding slot) is not read, and every other row keeps its bits. Both state dtypes,
+// int64 and int32 cu_seqlens.
 KDA_LAYER_CASE("a prefill of empty sequences writes their checkpoints' initial states") {
   const layer::Config config = runner.config();
   const auto layer = runner.make(layer::random_weights(config, 81, 0));
-  const BatchSpec batch = prefill_batch({0, 0, 0, 0}, {2, 0, 1, -1});
   const std::vector<std::int64_t> offsets = {0, -1, 0, 0, -1, -1, 0, -1};
   const std::vector<std::int32_t> rows = {4, -1, 5, 6, -1, -1, 7, -1};
   const bool on_device = runner.backend() == Backend::kCuda;
@@ -1219,22 +1219,35 @@ KDA_LAYER_CASE("a prefill of empty sequences writes their checkpoints' initial s
   const ForwardSettings requests = on_device ? with_device_checkpoints(offsets_dev, rows_dev, 2)
                                              : with_checkpoints(&offsets, &rows, 2);
   for (const DType dtype : {DType::kF32, DType::kBF16}) {
-    const std::string dtype_name = to_string(dtype);
-    CAPTURE(dtype_name);
-    Pools before(config, 9, dtype);
-    before.randomize(82);
-    Pools after = before;
-    const LayerRun run = runner.forward(*layer, {}, batch, &after, requests);
-    REQUIRE_MESSAGE(run.error.empty(), run.error);
-    CHECK(run.out.empty());
-    CHECK(run.guards_intact);
-    CHECK(run.device_status == 0u);
-    CHECK(after.row_equal(before, 4, 2));
-    CHECK(after.row_equal(before, 5, 0));
-    CHECK(after.row_equal(before, 6, 0));
-    for (const std::int64_t r : {0, 1, 2, 3, 7, 8}) {
-      CAPTURE(r);
-      CHECK(after.row_equal(before, r));
+    for (const bool padding_slot : {false, true}) {
+      const std::string dtype_name = to_string(dtype);
+      CAPTURE(dtype_name);
+      CAPTURE(padding_slot);
+      // Sequence 3 is padding: slot -1, or slot 8 named as the padding slot.
+      BatchSpec batch = prefill_batch({0, 0, 0, 0}, {2, 0, 1, padding_slot ? 8 : -1});
+      batch.int32_cu_seqlens = padding_slot;
+      ForwardSettings settings = requests;
+      if (padding_slot) {
+        settings.change = [base = requests.change](ForwardCall& call) {
+          base(call);
+          call.batch.padding_slot = 8;
+        };
+      }
+      Pools before(config, 9, dtype);
+      before.randomize(82);
+      Pools after = before;
+      const LayerRun run = runner.forward(*layer, {}, batch, &after, settings);
+      REQUIRE_MESSAGE(run.error.empty(), run.error);
+      CHECK(run.out.empty());
+      CHECK(run.guards_intact);
+      CHECK(run.device_status == 0u);
+      CHECK(after.row_equal(before, 4, 2));
+      CHECK(after.row_equal(before, 5, 0));
+      CHECK(after.row_equal(before, 6, 0));
+      for (const std::int64_t r : {0, 1, 2, 3, 7, 8}) {
+        CAPTURE(r);
+        CHECK(after.row_equal(before, r));
+      }
     }
   }
 }
