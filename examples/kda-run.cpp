@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -231,7 +232,10 @@ std::int64_t parse_int(const std::string& flag, const std::string& text, std::in
   errno = 0;
   char* end = nullptr;
   const long long value = std::strtoll(text.c_str(), &end, 10);
-  if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
+  // Digits as written, with an optional '-' (strtoll would also skip blanks and take a '+').
+  const std::size_t first_digit = !text.empty() && text[0] == '-' ? 1 : 0;
+  if (text.size() <= first_digit || !std::isdigit(static_cast<unsigned char>(text[first_digit])) ||
+      end != text.c_str() + text.size() || errno == ERANGE) {
     throw UsageError{flag + " expects an integer, got '" + text + "'"};
   }
   if (value < lo || value > hi) {

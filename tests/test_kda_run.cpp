@@ -321,6 +321,17 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   CHECK(r.rc == 2);
   CHECK(r.err.find("--decode-step expects auto, one-launch, fused, fused-after-gemms or separate, "
                    "got 'one_launch'") != std::string::npos);
+  // Integers as written: digits with an optional '-', nothing around them.
+  for (const char* text : {" 5", "+5", "5 ", "0x10", "-", "", "1e3", "99999999999999999999"}) {
+    CAPTURE(text);
+    r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", text});
+    CHECK(r.rc == 2);
+    CHECK(r.err.find(std::string("--tokens expects an integer, got '") + text + "'") !=
+          std::string::npos);
+  }
+  r = kda_run({"--model", kModels + "tiny.yaml", "--decode-steps", "-1"});
+  CHECK(r.rc == 2);
+  CHECK(r.err.find("--decode-steps -1 is out of range [0, 16777216]") != std::string::npos);
   // A forced schedule and decode step run (on the CPU they change nothing).
   r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", "64", "--backend", "cpu",
                "--prefill-schedule", "two-phase", "--decode-step", "separate", "--decode-steps",
