@@ -467,6 +467,35 @@ void prefill_checkpoints(Backend backend) {
       CHECK(deviation(slot_values(e, l, 3), one_pass) <= 5e-3);
     }
   }
+  // A prefill of empty sequences only (no tokens, no hidden): each request at offset 0 holds its
+  // sequence's states as they are, bit for bit, in every layer (into fresh slots 4 and 5, zero
+  // before); the sequences' own slots unchanged.
+  {
+    CHECK(e.acquire_slot() == 4);
+    CHECK(e.acquire_slot() == 5);
+    Memory empty_cu(backend, std::vector<std::int64_t>{0, 0, 0});
+    Memory empty_offsets(backend, std::vector<std::int64_t>{0, 0});
+    Memory empty_rows(backend, std::vector<std::int32_t>{5, 4});
+    BatchMetadata empty = b;
+    empty.tokens = 0;
+    empty.cu_seqlens = empty_cu.as<std::int64_t>();
+    empty.checkpoints = 1;
+    empty.checkpoint_offsets = empty_offsets.as<std::int64_t>();
+    empty.checkpoint_slots = empty_rows.as<std::int32_t>();
+    std::vector<std::vector<double>> own[2];
+    for (int l = 0; l < 2; ++l) own[l] = {slot_values(e, l, 0), slot_values(e, l, 1)};
+    for (int l = 0; l < 2; ++l) e.prefill_hidden(l, nullptr, nullptr, empty);
+    e.check_device_status();
+    for (int l = 0; l < 2; ++l) {
+      CAPTURE(l);
+      CHECK(slot_values(e, l, 5) == own[l][0]);
+      CHECK(slot_values(e, l, 4) == own[l][1]);
+      CHECK(slot_values(e, l, 0) == own[l][0]);
+      CHECK(slot_values(e, l, 1) == own[l][1]);
+    }
+    e.release_slot(4);
+    e.release_slot(5);
+  }
   // More checkpoint columns than a sequence of max_tokens (256) has offsets (256 / 16 + 2): refused
   // on either backend before any [sequences, checkpoints] array is read (a count such as 2^61
   // would wrap their byte counts).
