@@ -417,17 +417,15 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
   // directory.
   fs::path target(path);
   std::error_code link_ec;
-  auto refuse_unless_regular = [&](const fs::path& p, const std::string& where) {
-    if (const fs::file_status status = fs::status(p, link_ec);
-        fs::exists(status) && !fs::is_regular_file(status)) {
-      fail(where,
-           "is not a regular file (a directory, device or pipe): the output is a file written "
-           "whole, then moved into place");
-    }
-  };
-  // First as the system resolves the path: a link into /proc to a pipe (/dev/stdout) leads to no
-  // path the loop below could follow.
-  refuse_unless_regular(target, path);
+  // What the path resolves to, as the system resolves it (through every link), before the links
+  // are followed by hand: a link into /proc to a pipe (/dev/stdout) leads to no path the loop
+  // below could follow.
+  if (const fs::file_status status = fs::status(target, link_ec);
+      fs::exists(status) && !fs::is_regular_file(status)) {
+    fail(path,
+         "is not a regular file (a directory, device or pipe): the output is a file written "
+         "whole, then moved into place");
+  }
   for (int hops = 0; fs::is_symlink(fs::symlink_status(target, link_ec)); ++hops) {
     const fs::path link = fs::read_symlink(target, link_ec);
     if (link_ec || hops == 40) {
@@ -439,7 +437,6 @@ void save_safetensors(const std::string& path, const std::vector<Tensor>& tensor
   // Messages name the path given and, where links led elsewhere, where they led.
   const std::string where =
       target.string() == path ? path : path + " (through links: " + target.string() + ")";
-  refuse_unless_regular(target, where);
   std::random_device random;
   const std::string suffix = ".tmp-" + std::to_string(random()) + std::to_string(random());
   const fs::path temp = target.parent_path() / (target.filename().string() + suffix);
