@@ -147,24 +147,17 @@ class LayerTensors {
   std::vector<bf16_bits> bf16(const std::string& name, const Shape& shape) const {
     const Tensor t = read(name, {shape});
     std::vector<bf16_bits> values(to_size(t.numel()));
+    std::vector<float> wide;  // F32 and F16: the values as stored, which a message shows
     if (t.dtype == DType::kBF16) {
       std::memcpy(values.data(), t.data.data(), values.size() * sizeof(bf16_bits));
-      for (std::size_t i = 0; i < values.size(); ++i) {
-        if ((values[i] & 0x7F80u) == 0x7F80u) {  // exponent all ones: Inf or NaN
-          std::ostringstream shown;
-          shown << bf16_to_float(values[i]);
-          invalid(holder(t.name) + ": tensor '" + t.name + "' holds " + shown.str() +
-                  " at element " + std::to_string(i) + ", not a finite bf16 value");
-        }
-      }
-      return values;
+    } else {
+      wide = widen(t);
+      for (std::size_t i = 0; i < values.size(); ++i) values[i] = float_to_bf16(wide[i]);
     }
-    const std::vector<float> wide = widen(t);
     for (std::size_t i = 0; i < values.size(); ++i) {
-      values[i] = float_to_bf16(wide[i]);
       if (!std::isfinite(bf16_to_float(values[i]))) {
         std::ostringstream shown;
-        shown << wide[i];
+        shown << (wide.empty() ? bf16_to_float(values[i]) : wide[i]);
         invalid(holder(t.name) + ": tensor '" + t.name + "' holds " + shown.str() + " at element " +
                 std::to_string(i) + ", not a finite bf16 value");
       }
