@@ -8,7 +8,8 @@
 //                gate's own GEMM x·W_gᵀ (f32 out, as g_a·W_gbᵀ). cuBLAS (bf16 in, fp32
 //                accumulation, CUBLAS_COMPUTE_32F), or for batches of one token (decode of one
 //                sequence) the small-row kernel of cuda/small_gemm.cu; a decode step of up to
-//                kConvFactorMaxTiles tiles computes the second factors in the conv's launch
+//                kConvFactorMaxTiles tiles (kConvFactorMaxTilesOneToken at one token a row)
+//                computes the second factors in the conv's launch
 //   conv         one fused kernel: causal conv + SiLU of q, k, v from and to the conv states
 //   core         kda::forward_cuda (prefill) or the operator's decode step (decode), states in
 //                the pool; a decode step runs the gated RMSNorm as its epilogue, or stores o
@@ -322,7 +323,17 @@ bool auto_runs_fused(const Config& c, std::int64_t rows, std::int64_t heads,
 // layer, against the GEMMs): H = 32 B = 64 (1024 tiles a factor) 118.5 against 124.4 us, the TP8
 // shard B = 256 (512) 61.8 against 68.6, K3's shard B = 256 (1536, f_b alone) 184.7 against 186.9;
 // H = 32 B = 256 (4096) 351.5 against 353.2, the conv then 34.2 against 25.5 us.
+// A step of one token a row takes them up to 4096 tiles (H = 32 up to B = 256), since the GEMMs
+// moved to the side stream beside the conv: there the second GEMM's blocks wait for the conv's
+// last wave, and the core for them. Graph replays per layer, one H200, 2026-12-05, three rounds
+// alternating, 4096 against 2048, us: H = 32 B = 136 / 160 / 192 / 224 / 256 201.3-201.9 /
+// 231.7-232.1 / 267.2-267.6 / 306.1-306.5 / 342.8-343.2 against 203.9-204.3 / 233.6-234.0 /
+// 268.9-269.1 / 306.8-307.5 / 343.0-344.0 (fp32 state), 134.2-134.4 / 153.0-153.6 / 173.1-173.4 /
+// 196.4-196.9 / 218.3-218.5 against 136.6-136.9 / 155.4-156.8 / 175.1-175.4 / 197.1-197.8 /
+// 218.8-218.9 (bf16). Steps of several tokens a row keep 2048: at 256 tokens (B = 64 T = 4, B =
+// 32 T = 8) the plain, records and folding steps took 0.7-1.9 us more with 4096.
 constexpr std::int64_t kConvFactorMaxTiles = 2048;
+constexpr std::int64_t kConvFactorMaxTilesOneToken = 4096;
 
 // The fused step's blocks a (row, head) for RunOptions::fused_cluster 0: the most of 1, 2, 4 and 8
 // that keep every block on a multiprocessor of its own. A step of few rows is bound by each
@@ -905,8 +916,9 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       fit.factors.g_a_col = cols.g_a;
       fit.factors.gate = gate;
     }
-    if (cuda::conv_decode_factor_tiles(T, Cl) <= kConvFactorMaxTiles &&
-        cuda::conv_decode_factors_fit(fit)) {
+    const std::int64_t max_tiles =
+        batch.decode_tokens == 1 ? kConvFactorMaxTilesOneToken : kConvFactorMaxTiles;
+    if (cuda::conv_decode_factor_tiles(T, Cl) <= max_tiles && cuda::conv_decode_factors_fit(fit)) {
       conv_factors = fit.factors;
     }
   }

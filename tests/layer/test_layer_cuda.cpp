@@ -354,26 +354,41 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
   }
 }
 
-// A decode step with more 16 x 16 tiles of a low-rank second factor than the conv's launch takes
-// (here 1040 rows: 65 x 32 tiles a factor, past the layer's 2048) gets its factors from the GEMMs,
-// and the rest of the step as below that: against the CPU layer and the fp64 reference (padding
-// rows zeros), the low-rank and the full-rank output gate.
+// The low-rank second factors of a decode step in the conv's launch up to 2048 16 x 16 tiles a
+// factor (4096 at one token a row), past that from the GEMMs on the side stream: each side of
+// both limits against the CPU layer and the fp64 reference (padding rows zeros), the low-rank and
+// the full-rank output gate. The test config's H = 4 has 32 tiles a row of 16 tokens: 130 rows of
+// 8 tokens (2080 tiles) take the GEMMs, 1040 rows of one token (2080) the conv's launch; at H = 8
+// (64 tiles a row of 16) 1040 rows of one token (4160) take the GEMMs again.
 KDA_LAYER_CUDA_CASE(
     "a decode step past the conv's factor tiles takes the GEMMs and equals the CPU") {
-  std::vector<std::int32_t> slots;  // 130 rows on a pool of 262, every 17th from the 4th padding
-  for (std::int32_t r = 0; r < 130; ++r) slots.push_back(r % 17 == 3 ? -1 : 2 * r + 1);
+  struct Step {
+    std::int64_t heads, rows, decode_tokens;
+  };
   std::uint64_t seed = 90;
-  for (const bool full_rank : {false, true}) {
-    CAPTURE(full_rank);
-    const layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
-    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 41, 4));
-    const auto layer = cuda.make(weights);
-    const BatchSpec step = decode_batch(130, 8, slots);
-    Pools before(config, 262);
-    before.randomize(++seed);
-    const std::vector<bf16_bits> hidden =
-        random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
-    check_separate_step(cuda, weights, *layer, hidden, step, before);
+  for (const Step& s : {Step{4, 130, 8}, Step{4, 1040, 1}, Step{8, 1040, 1}}) {
+    for (const bool full_rank : {false, true}) {
+      CAPTURE(s.heads);
+      CAPTURE(s.rows);
+      CAPTURE(s.decode_tokens);
+      CAPTURE(full_rank);
+      // The rows reversed on a pool of rows + 2 entries, every 17th from the 4th padding.
+      std::vector<std::int32_t> slots;
+      for (std::int64_t r = 0; r < s.rows; ++r) {
+        slots.push_back(r % 17 == 3 ? -1 : static_cast<std::int32_t>(s.rows - r));
+      }
+      layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+      config.num_heads = s.heads;
+      const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 41, 4));
+      const auto layer = cuda.make(weights);
+      const BatchSpec step = decode_batch(s.rows, s.decode_tokens, slots);
+      // A bf16 pool where the rows are many (its states' bytes halved).
+      Pools before(config, s.rows + 2, s.rows > 200 ? DType::kBF16 : DType::kF32);
+      before.randomize(++seed);
+      const std::vector<bf16_bits> hidden =
+          random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
+      check_separate_step(cuda, weights, *layer, hidden, step, before);
+    }
   }
 }
 

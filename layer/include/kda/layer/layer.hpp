@@ -187,9 +187,10 @@ enum class DecodeKernel : int {
                   // several tokens a row)
   kFusedFactors,  // fused, the low-rank second factors (f_b, g_b) inside it at any batch
   kFused,         // fused, the second factors by GEMMs before it
-  kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each),
-                  // then the core's decode kernel with the gated norm as its epilogue (or, for
-                  // steps the operator's rule cuts finer, o stored and the norm's kernel)
+  kSeparate,      // the conv (with the low-rank second factors up to 2048 16 x 16 tiles each,
+                  // 4096 at one token a row), then the core's decode kernel with the gated norm
+                  // as its epilogue (or, for steps the operator's rule cuts finer, o stored and
+                  // the norm's kernel)
   kOneLaunch,     // a plain step of one token of each of up to 8 sequences, at most 32 (row,
                   // head) pairs: projections, step and o_proj in one launch (kAuto's choice
                   // there, where it fits; else as kAuto)
