@@ -360,8 +360,7 @@ KDA_LAYER_CUDA_CASE("every decode kernel: fused with or without its second facto
 // the full-rank output gate. The test config's H = 4 has 32 tiles a row of 16 tokens: 130 rows of
 // 8 tokens (2080 tiles) take the GEMMs, 1040 rows of one token (2080) the conv's launch; at H = 8
 // (64 tiles a row of 16) 1040 rows of one token (4160) take the GEMMs again.
-KDA_LAYER_CUDA_CASE(
-    "a decode step past the conv's factor tiles takes the GEMMs and equals the CPU") {
+KDA_LAYER_CUDA_CASE("decode steps on each side of the conv's factor-tile limits equal the CPU") {
   struct Step {
     std::int64_t heads, rows, decode_tokens;
   };
