@@ -2,10 +2,13 @@
 // every sequence has the same few tokens (rows n * k .. n * k + k - 1), each starts from its conv
 // state and leaves the new one behind. Fused with the copy of beta into the core's layout and, when
 // the caller gave no slot list, the identity slot list kda::decode_cuda needs. One thread: eight
-// channels of one sequence (16-byte loads and stores, 16-byte state accesses when the pools are
-// 16-byte aligned; a one-token step's taps fetched by the warp in whole lines). Blocks past the
-// sequences' compute the low-rank second factors (ConvParams::factors), which read only the
-// projection too: one launch instead of three.
+// channels of one sequence, of two in a plain one-token step (16-byte loads and stores, 16-byte
+// state accesses when the pools are 16-byte aligned; a one-token step's taps fetched by the warp in
+// whole lines). Blocks past the sequences' compute the low-rank second factors
+// (ConvParams::factors), which read only the projection too: one launch instead of three.
+#include <cstdlib>
+#include <string>
+
 #include "cuda/conv_silu.cuh"
 #include "cuda/ptx.cuh"  // mma_bf16 (kda/src/cuda)
 
@@ -155,39 +158,56 @@ __device__ __forceinline__ void load_taps_coalesced(const ConvParams& p, std::in
 // i * kHist + k of the channel-major slice in word m / 2) rather than a register a value, and no
 // group of rows: conv8's registers (162 at W = 4, its group of eight rows holding the one row eight
 // times) kept three blocks on a multiprocessor, and a large batch's step was bound by latency.
+// In two parts, so that a thread can take several rows (conv8_one_token_rows): what a row loads
+// (its conv state and its input), then the arithmetic and the stores.
 template <int W>
-__device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
-                                                std::int64_t c, std::int64_t row, std::int64_t slot,
-                                                int lanes, unsigned mask) {
+struct OneTokenRow {
+  std::uint16_t* state = nullptr;  // null: padding (no state read or written)
+  std::uint32_t old[kConvVec * (W - 1) / 2];
+  uint4 in;
+};
+
+template <int W>
+__device__ __forceinline__ void load_one_token_row(const ConvParams& p, bool vector_state,
+                                                   std::int64_t c, std::int64_t row,
+                                                   std::int64_t slot, OneTokenRow<W>& r) {
   constexpr int kHist = W - 1;
   constexpr int kWords = kConvVec * kHist / 2;
   const int branch = static_cast<int>(c / p.channels);
   const std::int64_t cc = c - branch * p.channels;
-  std::uint16_t* state = slot >= 0 ? p.pools[branch] + (slot * p.channels + cc) * kHist : nullptr;
-  std::uint32_t old[kWords];
-  if (state == nullptr) {
+  r.state = slot >= 0 ? p.pools[branch] + (slot * p.channels + cc) * kHist : nullptr;
+  if (r.state == nullptr) {
 #pragma unroll
-    for (int q = 0; q < kWords; ++q) old[q] = 0;
+    for (int q = 0; q < kWords; ++q) r.old[q] = 0;
   } else if (vector_state) {
 #pragma unroll
     for (int q = 0; q < kHist; ++q) {
-      const uint4 u = reinterpret_cast<const uint4*>(state)[q];
-      old[4 * q] = u.x, old[4 * q + 1] = u.y, old[4 * q + 2] = u.z, old[4 * q + 3] = u.w;
+      const uint4 u = reinterpret_cast<const uint4*>(r.state)[q];
+      r.old[4 * q] = u.x, r.old[4 * q + 1] = u.y, r.old[4 * q + 2] = u.z, r.old[4 * q + 3] = u.w;
     }
   } else {
 #pragma unroll
     for (int q = 0; q < kWords; ++q) {
-      old[q] = static_cast<std::uint32_t>(state[2 * q]) |
-               (static_cast<std::uint32_t>(state[2 * q + 1]) << 16);
+      r.old[q] = static_cast<std::uint32_t>(r.state[2 * q]) |
+                 (static_cast<std::uint32_t>(r.state[2 * q + 1]) << 16);
     }
   }
+  r.in = __ldg(reinterpret_cast<const uint4*>(p.proj + c) + row * (p.proj_stride / 8));
+}
+
+template <int W>
+__device__ __forceinline__ void finish_one_token_row(const ConvParams& p, bool vector_state,
+                                                     std::int64_t c, std::int64_t row,
+                                                     const OneTokenRow<W>& r,
+                                                     const float (&taps)[kConvVec * W]) {
+  constexpr int kHist = W - 1;
+  constexpr int kWords = kConvVec * kHist / 2;
+  const int branch = static_cast<int>(c / p.channels);
+  const std::int64_t cc = c - branch * p.channels;
   auto value = [&](int m) {  // value m of the old slice, as a float
-    return __uint_as_float(m % 2 == 0 ? old[m / 2] << 16 : old[m / 2] & 0xffff0000u);
+    return __uint_as_float(m % 2 == 0 ? r.old[m / 2] << 16 : r.old[m / 2] & 0xffff0000u);
   };
-  const uint4 in = __ldg(reinterpret_cast<const uint4*>(p.proj + c) + row * (p.proj_stride / 8));
-  const std::uint32_t x_words[4] = {in.x, in.y, in.z, in.w};
-  float taps[kConvVec * W];
-  load_taps_coalesced<W>(p, c, lanes, mask, taps);
+  const std::uint32_t x_words[4] = {r.in.x, r.in.y, r.in.z, r.in.w};
   float y[kConvVec];
 #pragma unroll
   for (int i = 0; i < kConvVec; ++i) {
@@ -200,13 +220,13 @@ __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector
     y[i] = silu(a);
   }
   reinterpret_cast<uint4*>(p.out[branch] + cc)[row * (p.channels / kConvVec)] = pack8(y);
-  if (state == nullptr || p.conv_records != nullptr) return;
+  if (r.state == nullptr || p.conv_records != nullptr) return;
   // The new slice: each channel's history shifted by one, the token's input last (bf16 bits moved).
   auto next_bits = [&](int m) -> std::uint32_t {
     const int i = m / kHist, k = m % kHist;
     if (k + 1 < kHist) {
       const int from = m + 1;
-      return from % 2 == 0 ? old[from / 2] & 0xffffu : old[from / 2] >> 16;
+      return from % 2 == 0 ? r.old[from / 2] & 0xffffu : r.old[from / 2] >> 16;
     }
     return i % 2 == 0 ? x_words[i / 2] & 0xffffu : x_words[i / 2] >> 16;
   };
@@ -216,72 +236,144 @@ __device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector
   if (vector_state) {
 #pragma unroll
     for (int q = 0; q < kHist; ++q) {
-      reinterpret_cast<uint4*>(state)[q] =
+      reinterpret_cast<uint4*>(r.state)[q] =
           make_uint4(next[4 * q], next[4 * q + 1], next[4 * q + 2], next[4 * q + 3]);
     }
   } else {
 #pragma unroll
     for (int q = 0; q < kWords; ++q) {
-      state[2 * q] = static_cast<std::uint16_t>(next[q] & 0xffffu);
-      state[2 * q + 1] = static_cast<std::uint16_t>(next[q] >> 16);
+      r.state[2 * q] = static_cast<std::uint16_t>(next[q] & 0xffffu);
+      r.state[2 * q + 1] = static_cast<std::uint16_t>(next[q] >> 16);
     }
-  }
-}
-
-// kOneToken: a step of one token a row that is not a verify step (conv8_one_token).
-template <int W, bool kVerify, bool kOneToken>
-__global__ void __launch_bounds__(kConvThreads)
-    conv_decode_kernel(ConvParams p, bool vector_state) {
-  if (blockIdx.x >= p.sequences) {  // the factors' blocks: a warp a tile
-    const std::int64_t tile =
-        ((blockIdx.x - p.sequences) * gridDim.y + blockIdx.y) * (blockDim.x / 32) +
-        threadIdx.x / 32;
-    if (tile < factor_warp_tiles(p)) factor_tile(p, tile);
-    return;
-  }
-  const std::int64_t n = blockIdx.x;
-  const std::int64_t bos = n * p.decode_tokens, eos = bos + p.decode_tokens;
-  if (blockIdx.y == 0) {
-    if (threadIdx.x == 0 && p.identity_slots != nullptr) {
-      p.identity_slots[n] = static_cast<std::int32_t>(n);
-    }
-    copy_beta(p, bos, eos);
-  }
-  const std::int64_t c =
-      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
-  // The warp's lanes with channels: the lowest (the one-token step's taps are the warp's to load).
-  const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
-  if (c >= 3 * p.channels) return;
-  std::int64_t slot = state_row<kVerify>(p, n, c == 0);
-  if (p.fold_rows != nullptr && slot >= 0 && p.fold_rows[n] >= 0) {
-    const std::int64_t row = p.fold_rows[n], accepted = p.fold_counts[n];
-    if (row >= p.fold_sequences || accepted < 1 || accepted > p.fold_tokens) {
-      if (c == 0 && p.status != nullptr) atomicOr(p.status, kDeviceStatusAccepted);
-      slot = -1;  // padding, as the core takes it
-    } else {
-      fold_conv_state<W>(p, vector_state, c, row, accepted, slot);
-    }
-  }
-  if constexpr (kOneToken) {
-    conv8_one_token<W>(p, vector_state, c, bos, slot, __popc(mask), mask);
-  } else {
-    conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot, ProjRows(p, c));
-  }
-  if (p.conv_records != nullptr && slot >= 0) {
-    // A records step: the row's conv inputs, which the commit shifts into the conv state (the
-    // projection's own bf16 values, so the committed state is exact).
-    const std::int64_t in_stride = p.proj_stride / kConvVec, rec_stride = 3 * p.channels / kConvVec;
-    const uint4* column = reinterpret_cast<const uint4*>(p.proj + c);
-    uint4* record = reinterpret_cast<uint4*>(p.conv_records + c);
-    for (std::int64_t t = bos; t < eos; ++t) record[t * rec_stride] = __ldg(column + t * in_stride);
   }
 }
 
 template <int W>
-void launch_width(const ConvParams& p, bool vector_state, bool verify, dim3 grid, unsigned threads,
-                  cudaStream_t stream) {
+__device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
+                                                std::int64_t c, std::int64_t row, std::int64_t slot,
+                                                int lanes, unsigned mask) {
+  OneTokenRow<W> r;
+  load_one_token_row<W>(p, vector_state, c, row, slot, r);
+  float taps[kConvVec * W];
+  load_taps_coalesced<W>(p, c, lanes, mask, taps);
+  finish_one_token_row<W>(p, vector_state, c, row, r, taps);
+}
+
+// The same for `count` (1..R) consecutive rows from `row0` (a plain one-token step: no records,
+// no folds): every row's loads first, the taps once for all of them, then each row's arithmetic.
+template <int W, int R>
+__device__ __forceinline__ void conv8_one_token_rows(const ConvParams& p, bool vector_state,
+                                                     std::int64_t c, std::int64_t row0,
+                                                     const std::int64_t (&slots)[R], int count,
+                                                     int lanes, unsigned mask) {
+  OneTokenRow<W> r[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i < count) load_one_token_row<W>(p, vector_state, c, row0 + i, slots[i], r[i]);
+  }
+  float taps[kConvVec * W];
+  load_taps_coalesced<W>(p, c, lanes, mask, taps);
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (i < count) finish_one_token_row<W>(p, vector_state, c, row0 + i, r[i], taps);
+  }
+}
+
+// kOneToken: a step of one token a row that is not a verify step (conv8_one_token). kRows: the
+// rows a block column takes (conv8_one_token_rows; more than one only for a plain one-token step
+// without records or folds).
+template <int W, bool kVerify, bool kOneToken, int kRows = 1>
+__global__ void __launch_bounds__(kConvThreads)
+    conv_decode_kernel(ConvParams p, bool vector_state) {
+  static_assert(kRows == 1 || (kOneToken && !kVerify), "several rows: a plain one-token step");
+  const std::int64_t sequence_blocks = (p.sequences + kRows - 1) / kRows;
+  if (blockIdx.x >= sequence_blocks) {  // the factors' blocks: a warp a tile
+    const std::int64_t tile =
+        ((blockIdx.x - sequence_blocks) * gridDim.y + blockIdx.y) * (blockDim.x / 32) +
+        threadIdx.x / 32;
+    if (tile < factor_warp_tiles(p)) factor_tile(p, tile);
+    return;
+  }
+  if constexpr (kRows > 1) {
+    const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x) * kRows;
+    const int count = static_cast<int>(p.sequences - row0 < kRows ? p.sequences - row0 : kRows);
+    if (blockIdx.y == 0) {
+      if (threadIdx.x == 0 && p.identity_slots != nullptr) {
+        for (int i = 0; i < count; ++i)
+          p.identity_slots[row0 + i] = static_cast<std::int32_t>(row0 + i);
+      }
+      copy_beta(p, row0, row0 + count);
+    }
+    const std::int64_t c =
+        kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+    const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
+    if (c >= 3 * p.channels) return;
+    std::int64_t slots[kRows];
+#pragma unroll
+    for (int i = 0; i < kRows; ++i)
+      slots[i] = i < count ? state_row<false>(p, row0 + i, c == 0) : -1;
+    conv8_one_token_rows<W, kRows>(p, vector_state, c, row0, slots, count, __popc(mask), mask);
+    return;
+  } else {
+    const std::int64_t n = blockIdx.x;
+    const std::int64_t bos = n * p.decode_tokens, eos = bos + p.decode_tokens;
+    if (blockIdx.y == 0) {
+      if (threadIdx.x == 0 && p.identity_slots != nullptr) {
+        p.identity_slots[n] = static_cast<std::int32_t>(n);
+      }
+      copy_beta(p, bos, eos);
+    }
+    const std::int64_t c =
+        kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+    // The warp's lanes with channels: the lowest (the one-token step's taps are the warp's to
+    // load).
+    const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
+    if (c >= 3 * p.channels) return;
+    std::int64_t slot = state_row<kVerify>(p, n, c == 0);
+    if (p.fold_rows != nullptr && slot >= 0 && p.fold_rows[n] >= 0) {
+      const std::int64_t row = p.fold_rows[n], accepted = p.fold_counts[n];
+      if (row >= p.fold_sequences || accepted < 1 || accepted > p.fold_tokens) {
+        if (c == 0 && p.status != nullptr) atomicOr(p.status, kDeviceStatusAccepted);
+        slot = -1;  // padding, as the core takes it
+      } else {
+        fold_conv_state<W>(p, vector_state, c, row, accepted, slot);
+      }
+    }
+    if constexpr (kOneToken) {
+      conv8_one_token<W>(p, vector_state, c, bos, slot, __popc(mask), mask);
+    } else {
+      conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot, ProjRows(p, c));
+    }
+    if (p.conv_records != nullptr && slot >= 0) {
+      // A records step: the row's conv inputs, which the commit shifts into the conv state (the
+      // projection's own bf16 values, so the committed state is exact).
+      const std::int64_t in_stride = p.proj_stride / kConvVec,
+                         rec_stride = 3 * p.channels / kConvVec;
+      const uint4* column = reinterpret_cast<const uint4*>(p.proj + c);
+      uint4* record = reinterpret_cast<uint4*>(p.conv_records + c);
+      for (std::int64_t t = bos; t < eos; ++t)
+        record[t * rec_stride] = __ldg(column + t * in_stride);
+    }
+  }
+}
+
+// The rows a thread takes in a plain one-token step: 2, or 1 under KDA_LAYER_CONV_ROWS=1 (a
+// benchmark knob, read once; not part of the contract).
+int conv_one_token_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("KDA_LAYER_CONV_ROWS");
+    return env != nullptr && std::string(env) == "1" ? 1 : 2;
+  }();
+  return rows;
+}
+
+template <int W>
+void launch_width(const ConvParams& p, bool vector_state, bool verify, int rows, dim3 grid,
+                  unsigned threads, cudaStream_t stream) {
   if (verify) {
     conv_decode_kernel<W, true, false><<<grid, threads, 0, stream>>>(p, vector_state);
+  } else if (p.decode_tokens == 1 && rows == 2) {
+    conv_decode_kernel<W, false, true, 2><<<grid, threads, 0, stream>>>(p, vector_state);
   } else if (p.decode_tokens == 1) {
     conv_decode_kernel<W, false, true><<<grid, threads, 0, stream>>>(p, vector_state);
   } else {
@@ -301,22 +393,27 @@ cudaError_t launch_conv_decode(const ConvParams& p, cudaStream_t stream) {
   const std::int64_t factor_blocks =
       (factor_warp_tiles(p) + shape.threads / 32 - 1) / (shape.threads / 32);
   const std::int64_t factor_columns = (factor_blocks + shape.tiles - 1) / shape.tiles;
-  if (p.sequences + factor_columns > 0x7fffffff) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(p.sequences + factor_columns), shape.tiles);
+  const bool verify = p.num_accepted != nullptr;
+  const int rows =
+      !verify && p.decode_tokens == 1 && p.conv_records == nullptr && p.fold_rows == nullptr
+          ? conv_one_token_rows()
+          : 1;
+  const std::int64_t sequence_blocks = (p.sequences + rows - 1) / rows;
+  if (sequence_blocks + factor_columns > 0x7fffffff) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(sequence_blocks + factor_columns), shape.tiles);
   if (p.conv_records != nullptr && !aligned16(p.conv_records)) return cudaErrorInvalidValue;
   if (p.fold_rows != nullptr && (p.fold_counts == nullptr || !aligned16(p.fold_conv_records))) {
     return cudaErrorInvalidValue;
   }
-  const bool verify = p.num_accepted != nullptr;
   switch (p.width) {
     case 2:
-      launch_width<2>(p, vector_state, verify, grid, shape.threads, stream);
+      launch_width<2>(p, vector_state, verify, rows, grid, shape.threads, stream);
       break;
     case 3:
-      launch_width<3>(p, vector_state, verify, grid, shape.threads, stream);
+      launch_width<3>(p, vector_state, verify, rows, grid, shape.threads, stream);
       break;
     case 4:
-      launch_width<4>(p, vector_state, verify, grid, shape.threads, stream);
+      launch_width<4>(p, vector_state, verify, rows, grid, shape.threads, stream);
       break;
     default:
       return cudaErrorInvalidValue;
