@@ -158,8 +158,8 @@ __device__ __forceinline__ void load_taps_coalesced(const ConvParams& p, std::in
 // i * kHist + k of the channel-major slice in word m / 2) rather than a register a value, and no
 // group of rows: conv8's registers (162 at W = 4, its group of eight rows holding the one row eight
 // times) kept three blocks on a multiprocessor, and a large batch's step was bound by latency.
-// In two parts, so that a thread can take several rows (conv8_one_token_rows): what a row loads
-// (its conv state and its input), then the arithmetic and the stores.
+// In two parts, so that a thread can take several rows (below): what a row loads (its conv state
+// and its input), then the arithmetic and the stores.
 template <int W>
 struct OneTokenRow {
   std::uint16_t* state = nullptr;  // null: padding (no state read or written)
@@ -248,24 +248,13 @@ __device__ __forceinline__ void finish_one_token_row(const ConvParams& p, bool v
   }
 }
 
-template <int W>
-__device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
-                                                std::int64_t c, std::int64_t row, std::int64_t slot,
-                                                int lanes, unsigned mask) {
-  OneTokenRow<W> r;
-  load_one_token_row<W>(p, vector_state, c, row, slot, r);
-  float taps[kConvVec * W];
-  load_taps_coalesced<W>(p, c, lanes, mask, taps);
-  finish_one_token_row<W>(p, vector_state, c, row, r, taps);
-}
-
-// The same for `count` (1..R) consecutive rows from `row0` (a plain one-token step: no records,
-// no folds): every row's loads first, the taps once for all of them, then each row's arithmetic.
+// `count` (1..R) consecutive rows from `row0` (R > 1: a plain one-token step, no records or
+// folds): every row's loads first, the taps once for all of them, then each row's arithmetic.
 template <int W, int R>
-__device__ __forceinline__ void conv8_one_token_rows(const ConvParams& p, bool vector_state,
-                                                     std::int64_t c, std::int64_t row0,
-                                                     const std::int64_t (&slots)[R], int count,
-                                                     int lanes, unsigned mask) {
+__device__ __forceinline__ void conv8_one_token(const ConvParams& p, bool vector_state,
+                                                std::int64_t c, std::int64_t row0,
+                                                const std::int64_t (&slots)[R], int count,
+                                                int lanes, unsigned mask) {
   OneTokenRow<W> r[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -280,8 +269,7 @@ __device__ __forceinline__ void conv8_one_token_rows(const ConvParams& p, bool v
 }
 
 // kOneToken: a step of one token a row that is not a verify step (conv8_one_token). kRows: the
-// rows a block column takes (conv8_one_token_rows; more than one only for a plain one-token step
-// without records or folds).
+// rows a block column takes, more than one only for a plain one-token step (no records or folds).
 template <int W, bool kVerify, bool kOneToken, int kRows = 1>
 __global__ void __launch_bounds__(kConvThreads)
     conv_decode_kernel(ConvParams p, bool vector_state) {
@@ -312,7 +300,7 @@ __global__ void __launch_bounds__(kConvThreads)
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
       slots[i] = i < count ? state_row<false>(p, row0 + i, c == 0) : -1;
-    conv8_one_token_rows<W, kRows>(p, vector_state, c, row0, slots, count, __popc(mask), mask);
+    conv8_one_token<W, kRows>(p, vector_state, c, row0, slots, count, __popc(mask), mask);
     return;
   } else {
     const std::int64_t n = blockIdx.x;
@@ -340,7 +328,8 @@ __global__ void __launch_bounds__(kConvThreads)
       }
     }
     if constexpr (kOneToken) {
-      conv8_one_token<W>(p, vector_state, c, bos, slot, __popc(mask), mask);
+      const std::int64_t one[1] = {slot};
+      conv8_one_token<W, 1>(p, vector_state, c, bos, one, 1, __popc(mask), mask);
     } else {
       conv8<W, kVerify>(p, vector_state, c, bos, eos, bos, eos, true, slot, ProjRows(p, c));
     }
