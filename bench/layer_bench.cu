@@ -79,6 +79,7 @@
 #include "kda/bf16.hpp"
 #include "kda/error.hpp"
 #include "kda/layer/layer.hpp"
+#include "layer_shapes.hpp"
 
 namespace {
 
@@ -411,32 +412,12 @@ int main(int argc, char** argv) {
     std::vector<std::string> verify_rows;      // the fourth
     std::vector<std::string> timelines;        // --timeline
 
-    struct Shape {
-      const char* key;  // --shape
-      const char* name;
-      std::int64_t hidden, heads;
-      int tp_size;
-      kda::GateMode gate;
-      bool full_rank_gate;
-    };
-    for (const Shape& shape :
-         {Shape{"h32", "H = 32", 2304, 32, 1, kda::GateMode::kSoftplus, false},
-          Shape{"tp8", "TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus, false},
-          Shape{"k3", "K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound, true}}) {
+    for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
       if (!shapes_wanted.empty() &&
           std::find(shapes_wanted.begin(), shapes_wanted.end(), shape.key) == shapes_wanted.end()) {
         continue;
       }
-      kda::layer::Config config;
-      config.hidden_size = shape.hidden;
-      config.num_heads = shape.heads;
-      config.head_dim = 128;
-      config.conv_width = 4;
-      config.gate = shape.gate;
-      config.lower_bound = -5.0f;
-      config.full_rank_gate = shape.full_rank_gate;
-      config.tp_size = shape.tp_size;
-      config.tp_rank = 0;
+      const kda::layer::Config& config = shape.config;
       const std::size_t weight_bytes = kda::layer::weight_image_bytes(kda::Backend::kCuda, config);
       const std::size_t l2 = static_cast<std::size_t>(std::max(prop.l2CacheSize, 1));
       const int instances = static_cast<int>(

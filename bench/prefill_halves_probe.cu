@@ -19,6 +19,7 @@
 
 #include "kda/bf16.hpp"
 #include "kda/layer/layer.hpp"
+#include "layer_shapes.hpp"
 
 namespace {
 void check(cudaError_t err, const char* what) {
@@ -106,29 +107,11 @@ int main(int argc, char** argv) {
   cudaEventCreate(&e1);
   cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
   cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
-  struct Shape {
-    const char* name;
-    int hidden, heads, tp;
-    kda::GateMode gate;
-    bool full;
-  };
   std::printf(
       "| layer | one prefill of T | two of T/2 in series | two of T/2 at once | at once / one "
       "|\n|---|---:|---:|---:|---:|\n");
-  for (const Shape& sh :
-       {Shape{"H = 32", 2304, 32, 1, kda::GateMode::kSoftplus, false},
-        Shape{"TP8 shard (H = 4)", 2304, 32, 8, kda::GateMode::kSoftplus, false},
-        Shape{"K3 TP8 shard (H = 12)", 7168, 96, 8, kda::GateMode::kLowerBound, true}}) {
-    kda::layer::Config c;
-    c.hidden_size = sh.hidden;
-    c.num_heads = sh.heads;
-    c.head_dim = 128;
-    c.conv_width = 4;
-    c.gate = sh.gate;
-    c.lower_bound = -5.0f;
-    c.full_rank_gate = sh.full;
-    c.tp_size = sh.tp;
-    c.tp_rank = 0;
+  for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
+    const kda::layer::Config& c = shape.config;
     Run whole(c, 0, T), a(c, 1, T / 2), b(c, 2, T - T / 2);
     auto timed = [&](const std::function<void()>& f) {
       std::vector<double> v;
@@ -157,8 +140,8 @@ int main(int argc, char** argv) {
       cudaStreamWaitEvent(s0, join, 0);
     });
     const double one2 = timed([&] { whole.forward(s0); });
-    std::printf("| %s | %.1f / %.1f | %.1f | %.1f | %.3f |\n", sh.name, one, one2, series, at_once,
-                at_once / std::min(one, one2));
+    std::printf("| %s | %.1f / %.1f | %.1f | %.1f | %.3f |\n", shape.name, one, one2, series,
+                at_once, at_once / std::min(one, one2));
   }
   check(cudaDeviceSynchronize(), "end");
   return 0;
