@@ -2290,7 +2290,10 @@ void records_cores(Backend backend) {
   CHECK_NOTHROW(records.check_device_status());
   std::vector<float> got(records.state_slot_bytes() / sizeof(float)), want(got.size());
   for (int l = 0; l < 2; ++l) {
-    for (const auto& [mine, theirs] : {std::pair<int, int>{0, 2}, {3, 4}}) {
+    for (const std::pair<int, int>& slots : {std::pair<int, int>{0, 2}, {3, 4}}) {
+      // Named copies: doctest's CAPTURE takes its argument in a lambda, which may not capture a
+      // structured binding before C++20.
+      const int mine = slots.first, theirs = slots.second;
       CAPTURE(l);
       CAPTURE(mine);
       records.read_slot_state(l, mine, got.data());
