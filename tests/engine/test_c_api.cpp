@@ -1146,7 +1146,7 @@ SequenceStates read_sequence_states(kda_engine* engine, int slot) {
     std::memcpy(s.recurrent.back().data(), at, state * 4);
     at += state * 4;
     s.conv.emplace_back(conv);
-    std::memcpy(s.conv.back().data(), at, conv * 2);
+    if (conv > 0) std::memcpy(s.conv.back().data(), at, conv * 2);  // no conv: data() may be null
     at += conv * 2;
   }
   return s;
