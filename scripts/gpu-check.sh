@@ -11,7 +11,8 @@
 # sanitize-all: every GPU test binary, every case, under memcheck, racecheck, initcheck and synccheck
 # (KDA_SANITIZER_TIMEOUT seconds each, default 480; KDA_SANITIZER_JOBS at once, default 8; the
 # 2^31-element test serially). KDA_SANITIZE_PART=operator (test_kda_operator's runs) or others
-# (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes).
+# (the other binaries) runs half of it, for runs shorter than the whole (~15 minutes);
+# KDA_SANITIZE_TOOLS="memcheck ..." only the tools named (default all four).
 # layer: the whole layer's decode kernels: the few-row GEMM tests and the layer's CUDA cases (also
 # with every GEMM of 2 to 256 rows on the warpgroup kernel), kda-gemv-probe and its --warpgroup
 # table, kda-layer-bench, then its decode rows twice over the variants KDA_LAYER_VARIANTS names
@@ -146,6 +147,13 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && args=("-tc=${filter%%|*}")  # its CPU cases need no tool
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
+    # test_layer's CUDA cases in shards by position, FIRST-LAST or FIRST- (doctest's --first and
+    # --last count the cases that pass the filter, from 1): whole, racecheck of the binary runs past
+    # any limit a run can take.
+    if [ "$bin" = test_layer ] && [ -n "$filter" ]; then
+      args+=("--first=${filter%%-*}")
+      [ -n "${filter#*-}" ] && args+=("--last=${filter#*-}")
+    fi
     case "$bin" in test_engine_core | test_engine_whole | test_c_api | test_batch_metadata | test_engine_threads | test_model_families | test_parallel_cuda)
       args=("-tc=*[cuda]") ;;
     esac
@@ -175,6 +183,7 @@ if [ "$what" = sanitize-all ]; then
   }
   export -f one; export t logs
   part=${KDA_SANITIZE_PART:-all}
+  tools=${KDA_SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}
   op_part=false; others_part=false
   [ "$part" = operator ] || [ "$part" = all ] && op_part=true
   [ "$part" = others ] || [ "$part" = all ] && others_part=true
@@ -189,9 +198,13 @@ if [ "$what" = sanitize-all ]; then
     # racecheck), so that comparison's subcases are split by name into eight shards and the other
     # test cases into five, each under the limit with eight processes at once (the longest,
     # "H96*,split*", ~430 s).
-    { for tool in memcheck racecheck initcheck synccheck; do for b in $bins; do
-        [ $tool = racecheck ] && [ $b = test_kda_operator ] || echo "$tool $b"; done; done
-      $op_part && for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \
+    { for tool in $tools; do for b in $bins; do
+        if [ $b = test_layer ]; then
+          for shard in 1-5 6-10 11-15 16-20 21-25 26-30 31-35 36-40 41-; do echo "$tool $b $shard"; done
+        else
+          [ $tool = racecheck ] && [ $b = test_kda_operator ] || echo "$tool $b"
+        fi; done; done
+      $op_part && [[ " $tools " == *" racecheck "* ]] && for shard in 'prefill?matches?the?CPU?backend?[cuda]|T=*' \
         'prefill?matches?the?CPU?backend?[cuda]|varlen*,KDA*,strong*' \
         'prefill?matches?the?CPU?backend?[cuda]|long*,very*,state*' \
         'prefill?matches?the?CPU?backend?[cuda]|H96*,split*' \
@@ -208,7 +221,7 @@ if [ "$what" = sanitize-all ]; then
       | xargs -P ${KDA_SANITIZER_JOBS:-8} -L 1 bash -c 'one "$0" "$1" "$2"'
     # test_hardening_cuda after them, alone: its leak test measures device-wide free memory, which
     # other processes disturb, and its 2^31-element case needs ~50 GB.
-    $others_part && for tool in memcheck synccheck racecheck initcheck; do
+    $others_part && for tool in $tools; do
       one $tool test_hardening_cuda
     done
   } | tee "$OUT/sanitizers.md"
