@@ -148,8 +148,8 @@ if [ "$what" = sanitize-all ]; then
     [ "$bin" = test_kda_operator ] && [ -z "$filter" ] && args=("-tc=*[cuda]")
     [ "$bin" = test_layer ] && args=("-tc=*[cuda]")
     # test_layer's CUDA cases in shards by position, FIRST-LAST or FIRST- (doctest's --first and
-    # --last count the cases that pass the filter, from 1): whole, racecheck of the binary runs past
-    # any limit a run can take.
+    # --last count the cases that pass the filter, from 1): racecheck over all of them in one
+    # process runs past any limit a run can take.
     if [ "$bin" = test_layer ] && [ -n "$filter" ]; then
       args+=("--first=${filter%%-*}")
       [ -n "${filter#*-}" ] && args+=("--last=${filter#*-}")
