@@ -85,7 +85,7 @@ const char* const kUsage =
           [--decode-step auto|one-launch|fused|fused-after-gemms|separate]
           [--backend auto|cpu|cuda] [--seed S] [--threads N] [--plan] [--ranks N]
           [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N] [--state-dtype fp32|bf16]
-  kda-run --model M.yaml --plan-only [--core-only] [--plan | --json] [--tokens T]
+  kda-run --model M.yaml --plan-only [--core-only] [--strict-config] [--plan | --json] [--tokens T]
           [--backend auto|cpu|cuda] [--workspace-plan reuse|sum] [--max-tokens N] [--max-sequences N]
           [--state-dtype fp32|bf16]
   kda-run --case IN.safetensors --output OUT.safetensors [--backend auto|cpu|cuda]
@@ -410,8 +410,8 @@ Options parse_args(int argc, char** argv) {
       (o.sequences_given || o.decode_given || o.graphs_given || o.seed_given || o.threads_given ||
        o.schedule || o.decode_step || o.ranks != 1 || o.verify_tokens != 0)) {
     throw UsageError{
-        "--plan-only takes only --plan, --json, --tokens, --core-only, --backend, "
-        "--workspace-plan, --max-tokens, --max-sequences and --state-dtype"};
+        "--plan-only takes only --plan, --json, --tokens, --core-only, --strict-config, "
+        "--backend, --workspace-plan, --max-tokens, --max-sequences and --state-dtype"};
   }
   return o;
 }

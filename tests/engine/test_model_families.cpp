@@ -470,6 +470,19 @@ KDA_CPU_CASE("GLM-5.3-Flash's config: its keys, layer_types, the bounded gate by
   CHECK(old_spec.warnings.empty());
   CHECK(parse(replace(older, "\"safe_gate\": true", "\"safe_gate\": false")).gate ==
         kda::GateMode::kSoftplus);
+  // use_full_rank_gate is Moonshot's key: GLM takes the gate's form from the checkpoint (g_proj),
+  // so the key is reported as unknown, and refused when strict.
+  const std::string said_full_rank =
+      replace(older, "\"safe_gate\": true", "\"safe_gate\": true, \"use_full_rank_gate\": true");
+  const ModelSpec not_read = parse(said_full_rank);
+  CHECK_FALSE(not_read.full_rank_gate);
+  REQUIRE(not_read.warnings.size() == 1);
+  CHECK(not_read.warnings[0].find(
+            "text_config.linear_attn_config.use_full_rank_gate: unknown key, ignored") !=
+        std::string::npos);
+  CHECK(error_of([&] {
+          kda::engine::parse_model_spec(said_full_rank, "c.json", {}, strict);
+        }).find("use_full_rank_gate") != std::string::npos);
   // Without layer_types: every fourth layer is full attention, as transformers defaults.
   const ModelSpec pattern =
       parse(replace(config,

@@ -714,10 +714,15 @@ std::vector<std::string> checkpoint_tensor_names(const std::string& weights) {
   }
 }
 
-// The keys of the linear_attn_config section: the engine's and the family's.
+// The keys of the linear_attn_config section: the engine's and the family's. A family that takes
+// the output gate's form from the checkpoint alone (GLM) does not read use_full_rank_gate: there
+// the key is unknown (a warning, an error when strict), not silently ignored.
 std::vector<std::string> linear_attn_keys(const ModelFamily* family) {
   std::vector<std::string> keys = kLinearAttnKeys;
   if (family == nullptr) return keys;
+  if (family->full_rank_gate.empty()) {
+    keys.erase(std::remove(keys.begin(), keys.end(), "use_full_rank_gate"), keys.end());
+  }
   const std::string section = "linear_attn_config.";
   for (const std::vector<std::string>* paths :
        {&family->num_heads, &family->head_dim, &family->conv_kernel, &family->kda_layers,
