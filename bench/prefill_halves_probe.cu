@@ -3,7 +3,8 @@
 // two prefills of T / 2 tokens one after the other on that stream; and the same two on two streams
 // at once (independent layers, states and workspaces: an upper bound for any schedule that
 // overlaps a prefill's halves, which would also carry the first half's states into the second).
-// Median of events around each form, after warm-up.
+// Median of events around each form, after warm-up; the one prefill is timed before and after the
+// other two (both shown), to show the run's drift.
 //   kda-prefill-halves-probe [--tokens T] [--iters N]
 #include <cuda_runtime.h>
 
