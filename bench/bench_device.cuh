@@ -1,5 +1,5 @@
-// bench_device.cuh — what the CUDA benchmarks and probes share: the CUDA call check and the
-// device-side fills of random inputs.
+// bench_device.cuh — what the CUDA benchmarks and probes share: the CUDA call check, a zeroed
+// device buffer, the device-side fills of random inputs and the events' median.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -23,6 +23,19 @@
   } while (0)
 
 namespace kda_bench {
+
+// `bytes` of device memory (at least one), zeroed, freed with the object.
+struct DeviceMemory {
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit DeviceMemory(std::size_t size) : bytes(size) {
+    CK(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)));
+    CK(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)));
+  }
+  ~DeviceMemory() { cudaFree(ptr); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+};
 
 // Uniform values in [lo, hi) from a counter-based hash (fast to fill gigabytes): element i of a
 // fill with `seed`, the same on the host (kda-bench --paths replays the inputs there).

@@ -74,6 +74,7 @@
 #include <mutex>
 #endif
 
+#include "bench_device.cuh"
 #include "bench_floors.hpp"
 #include "checkpoint_requests.hpp"
 #include "kda/bf16.hpp"
@@ -90,17 +91,7 @@ void check(cudaError_t err, const char* what) {
   }
 }
 
-struct DeviceMemory {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  explicit DeviceMemory(std::size_t size) : bytes(size) {
-    check(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    check(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)), "cudaMemset");
-  }
-  ~DeviceMemory() { cudaFree(ptr); }
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
-};
+using kda_bench::DeviceMemory;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

@@ -12,35 +12,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "bench_device.cuh"
 #include "kda/bf16.hpp"
 #include "kda/layer/layer.hpp"
 #include "layer_shapes.hpp"
 
 namespace {
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
-struct DeviceMemory {
-  void* ptr = nullptr;
-  explicit DeviceMemory(std::size_t bytes) {
-    check(cudaMalloc(&ptr, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-    check(cudaMemset(ptr, 0, std::max<std::size_t>(bytes, 1)), "cudaMemset");
-  }
-  ~DeviceMemory() { cudaFree(ptr); }
-};
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+
+using kda_bench::DeviceMemory;
 
 struct Run {  // one layer's forward of one sequence of `tokens` on its own buffers
   std::unique_ptr<kda::layer::Layer> layer;
@@ -61,9 +45,9 @@ struct Run {  // one layer's forward of one sequence of `tokens` on its own buff
     for (auto& x : h) x = kda::float_to_bf16(dist(rng));
     hidden = std::make_unique<DeviceMemory>(h.size() * 2);
     out = std::make_unique<DeviceMemory>(h.size() * 2);
-    check(cudaMemcpy(hidden->ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "hidden");
+    CK(cudaMemcpy(hidden->ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     d_cu = std::make_unique<DeviceMemory>(16);
-    check(cudaMemcpy(d_cu->ptr, cu.data(), 16, cudaMemcpyHostToDevice), "cu");
+    CK(cudaMemcpy(d_cu->ptr, cu.data(), 16, cudaMemcpyHostToDevice));
     conv_q = std::make_unique<DeviceMemory>(Cl * 3 * 2);
     conv_k = std::make_unique<DeviceMemory>(Cl * 3 * 2);
     conv_v = std::make_unique<DeviceMemory>(Cl * 3 * 2);
@@ -101,31 +85,19 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--iters")) iters = std::atoi(argv[i + 1]);
   }
   cudaStream_t s0, s1;
-  check(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking), "stream");
-  check(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking), "stream");
-  cudaEvent_t e0, e1, fork, join;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  cudaEventCreateWithFlags(&fork, cudaEventDisableTiming);
-  cudaEventCreateWithFlags(&join, cudaEventDisableTiming);
+  CK(cudaStreamCreateWithFlags(&s0, cudaStreamNonBlocking));
+  CK(cudaStreamCreateWithFlags(&s1, cudaStreamNonBlocking));
+  cudaEvent_t fork, join;
+  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  CK(cudaEventCreateWithFlags(&join, cudaEventDisableTiming));
   std::printf(
       "| layer | one prefill of T | two of T/2 in series | two of T/2 at once | at once / one "
       "|\n|---|---:|---:|---:|---:|\n");
   for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
     const kda::layer::Config& c = shape.config;
     Run whole(c, 0, T), a(c, 1, T / 2), b(c, 2, T - T / 2);
-    auto timed = [&](const std::function<void()>& f) {
-      std::vector<double> v;
-      for (int it = 0; it < iters + 3; ++it) {
-        check(cudaEventRecord(e0, s0), "rec");
-        f();
-        check(cudaEventRecord(e1, s0), "rec");
-        check(cudaEventSynchronize(e1), "sync");
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (it >= 3) v.push_back(ms * 1e3);
-      }
-      return median(v);
+    auto timed = [&](auto&& f) {  // us, the median after 3 warm-ups, events on s0
+      return 1e3 * kda_bench::median_ms([&](int) { f(); }, 3, iters, s0);
     };
     const double one = timed([&] { whole.forward(s0); });
     const double series = timed([&] {
@@ -144,6 +116,6 @@ int main(int argc, char** argv) {
     std::printf("| %s | %.1f / %.1f | %.1f | %.1f | %.3f |\n", shape.name, one, one2, series,
                 at_once, at_once / std::min(one, one2));
   }
-  check(cudaDeviceSynchronize(), "end");
+  CK(cudaDeviceSynchronize());
   return 0;
 }
