@@ -282,41 +282,33 @@ __global__ void __launch_bounds__(kConvThreads)
     if (tile < factor_warp_tiles(p)) factor_tile(p, tile);
     return;
   }
-  if constexpr (kRows > 1) {
-    const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x) * kRows;
-    const int count = static_cast<int>(p.sequences - row0 < kRows ? p.sequences - row0 : kRows);
-    if (blockIdx.y == 0) {
-      if (threadIdx.x == 0 && p.identity_slots != nullptr) {
-        for (int i = 0; i < count; ++i)
-          p.identity_slots[row0 + i] = static_cast<std::int32_t>(row0 + i);
-      }
-      copy_beta(p, row0, row0 + count);
+  // The block column's rows [row0, row0 + count) and their tokens [bos, eos): the identity slots
+  // and beta it writes.
+  const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x) * kRows;
+  const int count =
+      kRows == 1 ? 1 : static_cast<int>(p.sequences - row0 < kRows ? p.sequences - row0 : kRows);
+  const std::int64_t tokens = kRows == 1 ? p.decode_tokens : 1;  // several rows: one token each
+  const std::int64_t bos = row0 * tokens, eos = bos + count * tokens;
+  if (blockIdx.y == 0) {
+    if (threadIdx.x == 0 && p.identity_slots != nullptr) {
+      for (int i = 0; i < count; ++i)
+        p.identity_slots[row0 + i] = static_cast<std::int32_t>(row0 + i);
     }
-    const std::int64_t c =
-        kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
-    const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
-    if (c >= 3 * p.channels) return;
+    copy_beta(p, bos, eos);
+  }
+  const std::int64_t c =
+      kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
+  // The warp's lanes with channels: the lowest (the one-token step's taps are the warp's to load).
+  const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
+  if (c >= 3 * p.channels) return;
+  if constexpr (kRows > 1) {
     std::int64_t slots[kRows];
 #pragma unroll
     for (int i = 0; i < kRows; ++i)
       slots[i] = i < count ? state_row<false>(p, row0 + i, c == 0) : -1;
     conv8_one_token<W, kRows>(p, vector_state, c, row0, slots, count, __popc(mask), mask);
-    return;
   } else {
-    const std::int64_t n = blockIdx.x;
-    const std::int64_t bos = n * p.decode_tokens, eos = bos + p.decode_tokens;
-    if (blockIdx.y == 0) {
-      if (threadIdx.x == 0 && p.identity_slots != nullptr) {
-        p.identity_slots[n] = static_cast<std::int32_t>(n);
-      }
-      copy_beta(p, bos, eos);
-    }
-    const std::int64_t c =
-        kConvVec * (static_cast<std::int64_t>(blockIdx.y) * blockDim.x + threadIdx.x);
-    // The warp's lanes with channels: the lowest (the one-token step's taps are the warp's to
-    // load).
-    const unsigned mask = __ballot_sync(0xffffffffu, c < 3 * p.channels);
-    if (c >= 3 * p.channels) return;
+    const std::int64_t n = row0;
     std::int64_t slot = state_row<kVerify>(p, n, c == 0);
     if (p.fold_rows != nullptr && slot >= 0 && p.fold_rows[n] >= 0) {
       const std::int64_t row = p.fold_rows[n], accepted = p.fold_counts[n];
