@@ -68,8 +68,12 @@ using kda::detail::griddep_launch_dependents;
 using kda::detail::griddep_wait;
 using kda::detail::store_shared_cluster;
 
+// One block a (row, head) asks for one block a multiprocessor: `kAuto` runs this step only up to
+// 128 (row, head) pairs, one wave at one block a multiprocessor, and held to two the kernel spilled
+// 200-220 bytes a thread (163-233 registers now, no spills).
 template <int W, bool kF32State, int NC, bool kRecords>
-__global__ void __launch_bounds__(kThreads, 2) fused_decode_kernel(const FusedDecodeParams p) {
+__global__ void __launch_bounds__(kThreads, NC == 1 ? 1 : 2)
+    fused_decode_kernel(const FusedDecodeParams p) {
   constexpr int kHist = W - 1;
   constexpr int kSlice = D / NC;                 // value rows (and v, gate channels) a block
   constexpr int kRowsPerWarp = kSlice / kWarps;  // rows of Sᵀ a warp
