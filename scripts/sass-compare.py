@@ -12,14 +12,15 @@ kernel's code section (.text.<kernel>) is compared byte for byte. Prints a line 
 when every kernel of every file is the same, 1 when any differs or is only on one side, 2 on a
 usage or build error. Needs nvcc, no GPU.
 """
-import json
-import re
 import os
-import shlex
+import re
 import struct
 import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cuda_compile  # noqa: E402
 
 
 def text_sections(path):
@@ -42,40 +43,13 @@ def text_sections(path):
     return sections
 
 
-def cubin_command(entry, root, source_root, out):
-    """The build's compile command for one source, rewritten to write a cubin of source_root's."""
-    args = shlex.split(entry["command"])
-    result, skip = [], False
-    for i, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if arg in ("-o", "-MT", "-MF"):
-            skip = True
-            continue
-        if arg in ("-c", "-lineinfo", "-MD", "-G"):
-            continue
-        if arg.startswith("--generate-code=") or arg.startswith("-gencode"):
-            continue
-        result.append(arg.replace(root, source_root))
-    return result + ["-arch=sm_90a", "-cubin", "-o", out]
-
-
 def main():
     if len(sys.argv) < 3:
         print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
         return 2
     rev, files = sys.argv[1], sys.argv[2:]
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    build = os.path.join(root, os.environ.get("KDA_CUDA_BUILD", "build-cuda"))
-    try:
-        commands = json.load(open(os.path.join(build, "compile_commands.json")))
-    except OSError as err:
-        print(f"no compile commands in {build} ({err}): configure a CUDA build first "
-              "(cmake --preset cuda)", file=sys.stderr)
-        return 2
-    by_file = {os.path.realpath(e["file"]): e for e in commands}
+    root = cuda_compile.repository_root()
+    by_file = cuda_compile.compile_commands(root)
     status = 0
     with tempfile.TemporaryDirectory() as tmp:
         old_root = os.path.join(tmp, "rev")
@@ -88,14 +62,14 @@ def main():
         for rel in files:
             entry = by_file.get(os.path.realpath(os.path.join(root, rel)))
             if entry is None:
-                print(f"{rel}: not a source of {build}", file=sys.stderr)
+                print(f"{rel}: not a CUDA source of the build", file=sys.stderr)
                 return 2
             sides = {}
             for side, source_root in (("rev", old_root), ("tree", root)):
                 out = os.path.join(tmp, f"{side}.cubin")
-                cmd = cubin_command(entry, root, source_root, out)
+                cmd = cuda_compile.sm90a_command(entry, root, source_root, out, ["-cubin"])
                 built = subprocess.run(cmd, capture_output=True, text=True,
-                                       cwd=entry.get("directory", build))
+                                       cwd=entry.get("directory", root))
                 if built.returncode != 0:
                     print(f"{rel} ({side}): nvcc failed\n{built.stderr[-2000:]}", file=sys.stderr)
                     return 2
