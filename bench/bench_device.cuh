@@ -1,5 +1,5 @@
 // bench_device.cuh — what the CUDA benchmarks and probes share: the CUDA call check, a zeroed
-// device buffer, the device-side fills of random inputs and the events' median.
+// device buffer, a median, the device-side fills of random inputs and the events' median.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -36,6 +36,12 @@ struct DeviceMemory {
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
 };
+
+// The median of samples (the upper one of an even count; 0 for none).
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
 
 // Uniform values in [lo, hi) from a counter-based hash (fast to fill gigabytes): element i of a
 // fill with `seed`, the same on the host (kda-bench --paths replays the inputs there).

@@ -84,29 +84,19 @@
 
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
-
 using kda_bench::DeviceMemory;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using kda_bench::median;
 
 // What `enqueue` puts on `stream`, captured in one graph and instantiated.
 struct CapturedGraph {
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) {
-    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     enqueue();
-    check(cudaStreamEndCapture(stream, &graph), "end capture");
-    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    CK(cudaStreamEndCapture(stream, &graph));
+    CK(cudaGraphInstantiate(&exec, graph, 0));
   }
   ~CapturedGraph() {
     cudaGraphExecDestroy(exec);
@@ -124,16 +114,16 @@ double replay_per_layer(cudaStream_t stream, int layers, int warmup, int iters,
   const CapturedGraph captured(stream, enqueue);
   cudaGraphExec_t exec = captured.exec;
   cudaEvent_t before = nullptr, after = nullptr;
-  check(cudaEventCreate(&before), "cudaEventCreate");
-  check(cudaEventCreate(&after), "cudaEventCreate");
+  CK(cudaEventCreate(&before));
+  CK(cudaEventCreate(&after));
   std::vector<double> per_layer;
   for (int it = 0; it < warmup + iters; ++it) {
-    check(cudaEventRecord(before, stream), "cudaEventRecord");
-    check(cudaGraphLaunch(exec, stream), "cudaGraphLaunch");
-    check(cudaEventRecord(after, stream), "cudaEventRecord");
-    check(cudaEventSynchronize(after), "replay");
+    CK(cudaEventRecord(before, stream));
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaEventRecord(after, stream));
+    CK(cudaEventSynchronize(after));
     float ms = 0.0f;
-    check(cudaEventElapsedTime(&ms, before, after), "cudaEventElapsedTime");
+    CK(cudaEventElapsedTime(&ms, before, after));
     if (it >= warmup) per_layer.push_back(ms * 1e3 / layers);
   }
   cudaEventDestroy(before);
@@ -258,16 +248,16 @@ std::vector<KernelSpan> traced_replay(cudaStream_t stream, const std::function<v
   bool ok = true;
   {
     const CapturedGraph captured(stream, enqueue);
-    for (int it = 0; it < 3; ++it) check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
-    check(cudaStreamSynchronize(stream), "warm-up replays");
+    for (int it = 0; it < 3; ++it) CK(cudaGraphLaunch(captured.exec, stream));
+    CK(cudaStreamSynchronize(stream));
     ok = cupti_ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
     {
       const std::lock_guard<std::mutex> lock(g_spans_mutex);
       g_spans.clear();
       g_untimed = 0;
     }
-    check(cudaGraphLaunch(captured.exec, stream), "cudaGraphLaunch");
-    check(cudaStreamSynchronize(stream), "traced replay");
+    CK(cudaGraphLaunch(captured.exec, stream));
+    CK(cudaStreamSynchronize(stream));
     ok = ok &&
          cupti_ok(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
   }
@@ -381,7 +371,7 @@ int main(int argc, char** argv) {
   };
   try {
     cudaDeviceProp prop{};
-    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    CK(cudaGetDeviceProperties(&prop, 0));
     const double bw = kda::bench::measure_copy_bandwidth();
     const auto state_bytes = static_cast<std::int64_t>(kda::dtype_size(state_dtype));
     const double peak = kda::bench::kPeakBf16Flops;
@@ -397,7 +387,7 @@ int main(int argc, char** argv) {
         " core | norm | o_proj |\n");
     std::printf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     cudaStream_t stream = nullptr;
-    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     std::vector<std::string> kernel_rows;      // the second table
     std::vector<std::string> checkpoint_rows;  // the third
     std::vector<std::string> verify_rows;      // the fourth
@@ -474,20 +464,14 @@ int main(int argc, char** argv) {
         const std::size_t ws_bytes =
             kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, slots);
         DeviceMemory workspace(ws_bytes);
-        check(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice),
-              "upload hidden");
-        check(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice),
-              "upload cu_seqlens");
+        CK(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice));
         DeviceMemory d_own(own.size() * 4 + 4), d_offsets(offsets.size() * 8 + 8),
             d_rows(rows.size() * 4 + 4);
         if (K > 0) {
-          check(cudaMemcpy(d_own.ptr, own.data(), own.size() * 4, cudaMemcpyHostToDevice),
-                "upload slots");
-          check(
-              cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice),
-              "upload checkpoint offsets");
-          check(cudaMemcpy(d_rows.ptr, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice),
-                "upload checkpoint rows");
+          CK(cudaMemcpy(d_own.ptr, own.data(), own.size() * 4, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(d_offsets.ptr, offsets.data(), offsets.size() * 8, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(d_rows.ptr, rows.data(), rows.size() * 4, cudaMemcpyHostToDevice));
         }
 
         kda::layer::Batch batch;
@@ -527,7 +511,7 @@ int main(int argc, char** argv) {
           layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
                          static_cast<kda::bf16_bits*>(d_out.ptr), state,
                          kda::Workspace{workspace.ptr, ws_bytes}, options);
-          check(cudaStreamSynchronize(stream), "forward");
+          CK(cudaStreamSynchronize(stream));
           if (it < warmup) continue;
           const double seconds[5] = {times.projections, times.conv, times.core, times.norm,
                                      times.o_proj};
@@ -663,16 +647,12 @@ int main(int argc, char** argv) {
           DeviceMemory d_hidden(hidden.size() * 2), d_out(hidden.size() * 2);
           DeviceMemory d_pt(per_token_slots.size() * 4), d_rs(record_slots.size() * 4),
               d_na(accepted.size() * 4);
-          check(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice),
-                "upload hidden");
-          check(cudaMemcpy(d_pt.ptr, per_token_slots.data(), per_token_slots.size() * 4,
-                           cudaMemcpyHostToDevice),
-                "upload slots");
-          check(cudaMemcpy(d_rs.ptr, record_slots.data(), record_slots.size() * 4,
-                           cudaMemcpyHostToDevice),
-                "upload slots");
-          check(cudaMemcpy(d_na.ptr, accepted.data(), accepted.size() * 4, cudaMemcpyHostToDevice),
-                "upload num_accepted");
+          CK(cudaMemcpy(d_hidden.ptr, hidden.data(), hidden.size() * 2, cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(d_pt.ptr, per_token_slots.data(), per_token_slots.size() * 4,
+                        cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(d_rs.ptr, record_slots.data(), record_slots.size() * 4,
+                        cudaMemcpyHostToDevice));
+          CK(cudaMemcpy(d_na.ptr, accepted.data(), accepted.size() * 4, cudaMemcpyHostToDevice));
           // records / conv_records: what a records step writes; fold_*: a second region, the
           // records step before's, that a folding step reads.
           struct VerifyState {
@@ -734,7 +714,7 @@ int main(int argc, char** argv) {
             o.stream = stream;
             o.check_pointers = false;
             enqueue(o);  // eager once: checks the arguments outside the capture
-            check(cudaStreamSynchronize(stream), "eager call");
+            CK(cudaStreamSynchronize(stream));
             return replay_per_layer(stream, instances, warmup, iters, [&] { enqueue(o); });
           };
           auto layers_of = [&](const kda::layer::Batch& batch) {
@@ -765,12 +745,10 @@ int main(int argc, char** argv) {
           folding.fold_counts = static_cast<const std::int32_t*>(d_na.ptr);
           std::vector<kda::layer::State> fold_states = states;
           for (int l = 0; l < instances; ++l) {
-            check(cudaMemcpy(vs[l]->fold_records.ptr, vs[l]->records.ptr, vs[l]->records.bytes,
-                             cudaMemcpyDeviceToDevice),
-                  "copy records");
-            check(cudaMemcpy(vs[l]->fold_conv_records.ptr, vs[l]->conv_records.ptr,
-                             vs[l]->conv_records.bytes, cudaMemcpyDeviceToDevice),
-                  "copy conv records");
+            CK(cudaMemcpy(vs[l]->fold_records.ptr, vs[l]->records.ptr, vs[l]->records.bytes,
+                          cudaMemcpyDeviceToDevice));
+            CK(cudaMemcpy(vs[l]->fold_conv_records.ptr, vs[l]->conv_records.ptr,
+                          vs[l]->conv_records.bytes, cudaMemcpyDeviceToDevice));
             fold_states[l].fold_recurrent_records =
                 static_cast<const float*>(vs[l]->fold_records.ptr);
             fold_states[l].fold_conv_records =

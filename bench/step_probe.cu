@@ -20,21 +20,15 @@
 #include <cstring>
 #include <vector>
 
+#include "bench_device.cuh"
 #include "cuda/kernels.hpp"
 
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(err));
-    std::exit(1);
-  }
-}
-
 void* device_bytes(std::size_t bytes, int fill) {
   void* p = nullptr;
-  check(cudaMalloc(&p, bytes), "cudaMalloc");
-  check(cudaMemset(p, fill, bytes), "cudaMemset");
+  CK(cudaMalloc(&p, bytes));
+  CK(cudaMemset(p, fill, bytes));
   return p;
 }
 
@@ -86,10 +80,7 @@ struct WeightCopy {
   WeightCopy& operator=(const WeightCopy&) = delete;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using kda_bench::median;
 
 }  // namespace
 
@@ -106,7 +97,7 @@ int main(int argc, char** argv) {
   }
   if (row_counts.empty()) row_counts.push_back(1);
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  CK(cudaGetDeviceProperties(&prop, 0));
   const Shape shapes[] = {{"H = 32", 2304, 32, false},
                           {"TP8 shard (H = 4)", 2304, 4, false},
                           {"K3 TP8 shard (H = 12)", 7168, 12, true}};
@@ -175,22 +166,22 @@ int main(int argc, char** argv) {
         continue;
       }
       cudaEvent_t start, stop;
-      check(cudaEventCreate(&start), "cudaEventCreate");
-      check(cudaEventCreate(&stop), "cudaEventCreate");
+      CK(cudaEventCreate(&start));
+      CK(cudaEventCreate(&stop));
       std::size_t next = 0;
       auto launch = [&]() {
-        check(kda::layer::cuda::launch_one_launch_step(copies[next]->p, nullptr), "launch");
+        CK(kda::layer::cuda::launch_one_launch_step(copies[next]->p, nullptr));
         next = (next + 1) % copies.size();
       };
       for (int i = 0; i < 10; ++i) launch();
       std::vector<double> rounds;
       for (int r = 0; r < 5; ++r) {
-        check(cudaEventRecord(start), "cudaEventRecord");
+        CK(cudaEventRecord(start));
         for (int i = 0; i < 50; ++i) launch();
-        check(cudaEventRecord(stop), "cudaEventRecord");
-        check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+        CK(cudaEventRecord(stop));
+        CK(cudaEventSynchronize(stop));
         float ms = 0.0f;
-        check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+        CK(cudaEventElapsedTime(&ms, start, stop));
         rounds.push_back(ms * 1e3 / 50.0);
       }
       std::vector<double> traced_rounds;
@@ -203,12 +194,12 @@ int main(int argc, char** argv) {
         copies[next]->p.trace = trace;
         launch();
         copies[(next + copies.size() - 1) % copies.size()]->p.trace = nullptr;
-        check(cudaDeviceSynchronize(), "traced launch");
-        check(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost), "copy");
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost));
         traces.push_back(stamps);
       }
       std::uint32_t status_word = 0;
-      check(cudaMemcpy(&status_word, status, 4, cudaMemcpyDeviceToHost), "copy");
+      CK(cudaMemcpy(&status_word, status, 4, cudaMemcpyDeviceToHost));
       const double weight_mb = static_cast<double>(copy_bytes) / 1e6;
       std::printf(
           "\n## %s, %d rows: %.1f us a launch (median of 5 rounds of 50), %.1f MB of weights,"
@@ -239,7 +230,7 @@ int main(int argc, char** argv) {
         std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
                     cell(rest).c_str());
       }
-      check(cudaMemset(trace, 0, stamps.size() * 8), "cudaMemset");
+      CK(cudaMemset(trace, 0, stamps.size() * 8));
       for (WeightCopy* c : copies) delete c;
       for (void* q :
            {hidden, out, state, conv[0], conv[1], conv[2], status, static_cast<void*>(trace)}) {
