@@ -261,11 +261,13 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     const std::int64_t bytes = T * c.hidden_size * static_cast<std::int64_t>(sizeof(bf16_bits));
     if (overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
+  // The messages' context only for an error: a forward allocates nothing.
   if (decode) {
-    throw_if_error(validate(decode_step_problem(c, batch, state)),
-                   (std::string(what) + ": decode core problem").c_str());
-  } else {
-    throw_if_error(validate(core), (std::string(what) + ": core problem").c_str());
+    if (const Status st = validate(decode_step_problem(c, batch, state)); !st.ok()) {
+      throw Error(st, std::string(what) + ": decode core problem");
+    }
+  } else if (const Status st = validate(core); !st.ok()) {
+    throw Error(st, std::string(what) + ": core problem");
   }
 }
 
@@ -287,22 +289,23 @@ void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int
     for (std::int64_t k = 0; k < K; ++k) {
       const std::int64_t offset = batch.checkpoint_offsets[n * K + k];
       const std::int64_t slot = batch.checkpoint_slots[n * K + k];
-      const std::string request =
-          "sequence " + std::to_string(n) + " checkpoint " + std::to_string(k);
+      auto request = [&] {  // only for an error: a forward allocates nothing
+        return "sequence " + std::to_string(n) + " checkpoint " + std::to_string(k);
+      };
       if (offset < -1 || offset > length ||
           (offset >= 0 && offset % kCheckpointAlignment != 0 && offset != length)) {
-        invalid(what, request + ": offset " + std::to_string(offset) +
+        invalid(what, request() + ": offset " + std::to_string(offset) +
                           " is not -1, a multiple of " + std::to_string(kCheckpointAlignment) +
                           " up to the sequence's length " + std::to_string(length) +
                           ", or that length");
       }
       if (slot >= num_slots) {
-        invalid(what, request + ": slot " + std::to_string(slot) +
+        invalid(what, request() + ": slot " + std::to_string(slot) +
                           " is outside [0, num_slots = " + std::to_string(num_slots) + ")");
       }
       if (is_padding(batch, slot) || offset < 0 || is_padding(batch, slots_host[n])) continue;
       if (mark(slot)) {
-        invalid(what, request + ": slot " + std::to_string(slot) +
+        invalid(what, request() + ": slot " + std::to_string(slot) +
                           " is written twice in the call (another checkpoint or a sequence's "
                           "state)");
       }

@@ -1335,6 +1335,41 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     // Tensors missing for tokens the rank holds: refused before the first collective.
     CHECK(kda_engine_prefill_hidden_context_parallel(e, 0, nullptr, out.data(), slot, T) ==
           KDA_INVALID_ARGUMENT);
+    // A collective that fails after an earlier one succeeded (the transitions' all_gather, after
+    // the conv histories') still leaves the slot's states as they were.
+    {
+      kda_communicator second_fails = failing;
+      int gathers = 0;
+      second_fails.user = &gathers;
+      second_fails.rank = 1;
+      second_fails.size = 2;
+      second_fails.all_gather = [](void* user, const void* send, void* recv, size_t bytes, void*) {
+        if (++*static_cast<int*>(user) == 2) return 7;
+        // Rank 0's conv-history block: 3 tokens of inputs 1.0, after its 8-byte token count.
+        auto* block = static_cast<unsigned char*>(recv);
+        std::memset(block, 0, bytes);
+        const std::int64_t held = 3;
+        std::memcpy(block, &held, sizeof held);
+        const std::uint16_t one = 0x3f80;
+        for (size_t i = 16; i + 2 <= bytes; i += 2) std::memcpy(block + i, &one, 2);
+        std::memcpy(block + bytes, send, bytes);  // this rank's
+        return 0;
+      };
+      Handle ranked;
+      REQUIRE(create_with(parallel_spec(1, 0, "whole"), nullptr, &second_fails, &ranked.engine,
+                          &message) == KDA_OK);
+      int s = -1;
+      REQUIRE(kda_engine_acquire_slot(ranked, &s) == KDA_OK);
+      std::uint64_t bytes = 0;
+      REQUIRE(kda_engine_sequence_state_bytes(ranked, &bytes) == KDA_OK);
+      std::vector<unsigned char> before(bytes), after(bytes);
+      REQUIRE(kda_engine_read_sequence_state(ranked, s, before.data(), bytes) == KDA_OK);
+      CHECK(kda_engine_prefill_hidden_context_parallel(ranked, 0, x.data(), out.data(), s, T) ==
+            KDA_INTERNAL);
+      CHECK(gathers == 2);
+      REQUIRE(kda_engine_read_sequence_state(ranked, s, after.data(), bytes) == KDA_OK);
+      CHECK(after == before);
+    }
     // A plan counts the context group's buffers, as creation does.
     {
       kda_engine_options options = cpu_options(5);

@@ -716,7 +716,42 @@ KDA_MATRIX_CASE("slots: acquire / release / reset / reuse / misuse") {
   CHECK_THROWS_WITH_AS(engine.decode(0, in, out.get(), {0, 0}, 1), doctest::Contains("twice"),
                        kda::Error);
   CHECK_THROWS_AS(engine.decode(0, in, out.get(), {7}, 1), kda::Error);
+  // A slot's state to or from a null host buffer.
+  CHECK_THROWS_WITH_AS(engine.read_slot_state(0, 0, nullptr),
+                       doctest::Contains("read_slot_state: the host buffer is null"), kda::Error);
+  CHECK_THROWS_WITH_AS(engine.write_slot_state(0, 0, nullptr),
+                       doctest::Contains("write_slot_state: the host buffer is null"), kda::Error);
   CHECK(out.memory.guards_intact());
+}
+
+KDA_CPU_CASE("options of unknown enum values, and a commit with no KDA layer, are refused") {
+  EngineOptions bad_mode;
+  bad_mode.layer_mode = static_cast<LayerMode>(7);
+  CHECK_THROWS_WITH_AS(Engine(spec_from(kSpec), bad_mode),
+                       doctest::Contains("the layer mode (runtime.layers, "
+                                         "EngineOptions::layer_mode) is 7, expected kWhole or "
+                                         "kCoreOnly"),
+                       kda::Error);
+  EngineOptions bad_backend;
+  bad_backend.backend = static_cast<kda::engine::BackendChoice>(9);
+  CHECK_THROWS_WITH_AS(Engine(spec_from(kSpec), bad_backend),
+                       doctest::Contains("the backend (runtime.backend, EngineOptions::backend) "
+                                         "is 9, expected kAuto, kCpu or kCuda"),
+                       kda::Error);
+  // A spec built in code with no KDA layer makes an engine of none; its commit has nothing to
+  // take records from.
+  kda::engine::ModelSpec none = spec_from(kSpec);
+  none.kda_layers.clear();
+  none.kda_layer_indices.clear();
+  none.runtime.max_verify_tokens = 2;
+  none.runtime.layer_mode = LayerMode::kCoreOnly;
+  EngineOptions cpu;
+  cpu.backend = kda::engine::BackendChoice::kCpu;
+  Engine engine(none, cpu);
+  REQUIRE(engine.num_layers() == 0);
+  const std::int32_t slots[1] = {-1}, accepted[1] = {1};
+  CHECK_THROWS_WITH_AS(engine.commit(1, slots, accepted), doctest::Contains("has no KDA layer"),
+                       kda::Error);
 }
 
 KDA_MATRIX_CASE("a batch of scattered slots equals each sequence run alone") {

@@ -687,6 +687,12 @@ KDA_MATRIX_CASE("whole layers: bad calls and bad settings are refused with a cle
                        doctest::Contains("hidden is null"), kda::Error);
   CHECK_THROWS_WITH_AS(engine.prefill_hidden(2, x.get(), out.get(), {slot}, {0, 4}),
                        doctest::Contains("KDA layer 2 is out of range"), kda::Error);
+  CHECK_THROWS_WITH_AS(engine.read_slot_conv_state(0, slot, 0, nullptr),
+                       doctest::Contains("read_slot_conv_state: the host buffer is null"),
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(engine.write_slot_conv_state(0, slot, 1, nullptr),
+                       doctest::Contains("write_slot_conv_state: the host buffer is null"),
+                       kda::Error);
   CHECK(result(engine, out) == untouched);
   CHECK(all_zero(read_state(engine, 0, slot)));
   // The core alone still runs on a whole-layer engine (its recurrent states).

@@ -307,6 +307,27 @@ TEST_CASE("context parallel needs a group, tp_size 1 and an f32 state") {
   CHECK(Engine::plan_for(bf16_state, kda::Backend::kCpu, 0).arena_bytes > 0);
   CHECK(Engine::plan_for(core_spec(), kda::Backend::kCpu, 2).arena_bytes >
         Engine::plan_for(core_spec(), kda::Backend::kCpu, 0).arena_bytes);
+  // A group's rank and size are checked at creation: the plan is sized by the size, and a
+  // prefill reads the transitions of the ranks before this one.
+  struct Ranked final : Communicator {
+    int r, s;
+    Ranked(int rank, int size) : r(rank), s(size) {}
+    int rank() const noexcept override { return r; }
+    int size() const noexcept override { return s; }
+    kda::Backend backend() const noexcept override { return kda::Backend::kCpu; }
+    void all_reduce_sum(void*, std::size_t, kda::DType, void*) override {}
+    void all_gather(const void*, void*, std::size_t, void*) override {}
+  };
+  for (const auto& [rank, size] : {std::pair<int, int>{0, 0}, {0, -1}, {5, 2}, {-1, 2}, {2, 2}}) {
+    CAPTURE(rank);
+    CAPTURE(size);
+    Ranked bad(rank, size);
+    CHECK(kda::test::error_of([&] { Engine e(core_spec(), core_options(&bad)); })
+              .find("EngineOptions::context_group is rank " + std::to_string(rank) + " of " +
+                    std::to_string(size) +
+                    ", expected a size of at least 1 and a rank in [0, size)") !=
+          std::string::npos);
+  }
   // The tensors are checked before the first collective: a rank refused after it would leave its
   // slot half updated. A group whose gathers count their calls
   // shows none was made.

@@ -39,6 +39,13 @@ bool context_parallel_fits(const ModelSpec& spec) {
 }
 
 void check_layer_mode(const ModelSpec& spec) {
+  if (spec.runtime.layer_mode != LayerMode::kWhole &&
+      spec.runtime.layer_mode != LayerMode::kCoreOnly) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": the layer mode (runtime.layers, EngineOptions::layer_mode) is " +
+                    std::to_string(static_cast<int>(spec.runtime.layer_mode)) +
+                    ", expected kWhole or kCoreOnly");
+  }
   // A slot keeps W - 1 columns of conv state a projection: none at W = 1, which the engine's
   // slots (their pools, reads, writes and copies) do not represent.
   if (spec.runtime.layer_mode == LayerMode::kWhole && spec.short_conv_kernel_size < 2) {
@@ -328,9 +335,9 @@ struct Engine::Impl {
   void check_sequence_state_header(const SequenceStateHeader& got,
                                    std::uint64_t payload_bytes) const;
 
-  // A sequence-state call's slot and host buffer; its size is checked apart (a block to write has
-  // its header checked first, so that a block of another layout is named by the fields that
-  // differ).
+  // A slot-state or sequence-state call's slot and host buffer; a sequence state's size is checked
+  // apart (a block to write has its header checked first, so that a block of another layout is
+  // named by the fields that differ).
   void check_sequence_state_buffer(const char* what, int slot, const void* host) const {
     if (slot < 0 || slot >= num_slots()) {
       fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
@@ -362,12 +369,11 @@ struct Engine::Impl {
   }
 
   // The checks of read_slot_conv_state / write_slot_conv_state, one message each.
-  void check_conv_state_access(const char* what, int kda_index, int slot, int projection) const {
+  void check_conv_state_access(const char* what, int kda_index, int slot, int projection,
+                               const void* host) const {
     check_layer(kda_index);
     check_whole(what);
-    if (slot < 0 || slot >= num_slots()) {
-      fail(std::string(what) + ": slot " + std::to_string(slot) + " out of range");
-    }
+    check_sequence_state_buffer(what, slot, host);
     if (projection < 0 || projection > 2) {
       fail(std::string(what) + ": projection " + std::to_string(projection) +
            " is not 0 (q), 1 (k) or 2 (v)");
@@ -581,19 +587,20 @@ struct Engine::Impl {
   // the arena, usable by the backend (CUDA: device memory of the current device; throws).
   void check_hidden(const EngineLayer& layer, const char* what, const void* hidden, const void* out,
                     std::int64_t tokens) const {
-    const std::string call = layer.info().label + " " + what;
+    // The call's name only for an error: a forward allocates nothing.
+    auto call = [&] { return layer.info().label + " " + what; };
     if (tokens == 0) return;
-    if (hidden == nullptr) fail(call + ": hidden is null");
-    if (out == nullptr) fail(call + ": out is null");
+    if (hidden == nullptr) fail(call() + ": hidden is null");
+    if (out == nullptr) fail(call() + ": out is null");
     const auto bytes = static_cast<std::size_t>(tokens) *
                        static_cast<std::size_t>(spec.hidden_size) * sizeof(std::uint16_t);
     for (const auto& [ptr, name] : {std::pair<const void*, const char*>{hidden, "hidden"},
                                     std::pair<const void*, const char*>{out, "out"}}) {
       const Status st = backend->check_caller_buffer(ptr, bytes, name);
-      if (!st.ok()) throw Error(st, call);
+      if (!st.ok()) throw Error(st, call());
     }
     const Status st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
-    if (!st.ok()) throw Error(st, call);
+    if (!st.ok()) throw Error(st, call());
   }
 
   // The KDA core's twin of check_hidden for one range of `tokens` tokens (a context-parallel
@@ -1026,7 +1033,14 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   if (options.decode_step) m.spec.runtime.decode_step = *options.decode_step;
   check_layer_mode(m.spec);
   m.cpu_threads = options.cpu_threads;
-  const Backend kind = resolve_backend(m.spec, options.backend.value_or(m.spec.runtime.backend));
+  const BackendChoice choice = options.backend.value_or(m.spec.runtime.backend);
+  if (choice != BackendChoice::kAuto && choice != BackendChoice::kCpu &&
+      choice != BackendChoice::kCuda) {
+    throw Error(StatusCode::kInvalidArgument,
+                m.spec.source + ": the backend (runtime.backend, EngineOptions::backend) is " +
+                    std::to_string(static_cast<int>(choice)) + ", expected kAuto, kCpu or kCuda");
+  }
+  const Backend kind = resolve_backend(m.spec, choice);
   const std::string where = m.spec.name + " on " + to_string(kind);
   // Checked before the backend is made: nothing is created for options that will be refused.
   if (!is_known(m.spec.runtime.prefill_schedule)) {
@@ -1071,6 +1085,12 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   m.communicator = options.communicator;
   if (options.context_group != nullptr) {
     const Communicator& c = *options.context_group;
+    if (c.size() < 1 || c.rank() < 0 || c.rank() >= c.size()) {
+      throw Error(StatusCode::kInvalidArgument,
+                  where + ": EngineOptions::context_group is rank " + std::to_string(c.rank()) +
+                      " of " + std::to_string(c.size()) +
+                      ", expected a size of at least 1 and a rank in [0, size)");
+    }
     if (!context_parallel_fits(m.spec) || c.backend() != kind) {
       throw Error(StatusCode::kInvalidArgument,
                   where + ": EngineOptions::context_group (rank " + std::to_string(c.rank()) +
@@ -1283,9 +1303,7 @@ void Engine::reset_slot(int slot) {
 void Engine::read_slot_state(int kda_index, int slot, void* host_dst) const {
   const Impl& m = *impl_;
   m.check_layer(kda_index);
-  if (slot < 0 || slot >= m.num_slots()) {
-    fail("read_slot_state: slot " + std::to_string(slot) + " out of range");
-  }
+  m.check_sequence_state_buffer("read_slot_state", slot, host_dst);
   m.backend->copy_to_host(host_dst, m.slot_state(kda_index, slot),
                           static_cast<std::size_t>(m.slot_bytes));
 }
@@ -1293,9 +1311,7 @@ void Engine::read_slot_state(int kda_index, int slot, void* host_dst) const {
 void Engine::write_slot_state(int kda_index, int slot, const void* host_src) {
   Impl& m = *impl_;
   m.check_layer(kda_index);
-  if (slot < 0 || slot >= m.num_slots()) {
-    fail("write_slot_state: slot " + std::to_string(slot) + " out of range");
-  }
+  m.check_sequence_state_buffer("write_slot_state", slot, host_src);
   m.backend->copy_to_device(m.slot_state(kda_index, slot), host_src,
                             static_cast<std::size_t>(m.slot_bytes));
   synchronize();
@@ -1453,21 +1469,25 @@ void Engine::prefill_hidden_context_parallel(int kda_index, const void* hidden, 
       }
     }
   }
-  // 3. This range's conv state at its start: into the slot, for the prefill below, and into the
-  // block's conv states, for the transition pass (which moves them on as a forward would).
+  // 3. This range's conv state at its start, into the block's conv states for the transition
+  // pass (which moves them on as a forward would).
   for (int p = 0; p < 3; ++p) {
-    m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, p), start + p * elements,
-                              conv_bytes);
     m.backend->copy_to_device(scratch[p], start + p * elements, conv_bytes);
   }
   // 4. This range's segment transition from its core inputs (projections and conv from that
-  // state), every rank's gathered, and the recurrent state at this range's start.
+  // state), every rank's gathered; then, past the last collective (a refused one leaves the slot
+  // as it was), the slot's conv state at this range's start, for the prefill below, and its
+  // recurrent state there.
   m.stage_cu_seqlens({0, tokens});
   const layer::CoreInputs in = layer.core_inputs(range(tokens), hidden, scratch.data(), options);
   LayerInputs core_in{in.q, in.k, in.v, in.g, in.beta};
   m.range_transition(layer, caller_tensors<Tensors>(core_in, nullptr), tokens);
   group.all_gather(m.context_transitions, m.context_transitions + transition_floats(m.spec),
                    transition_floats(m.spec) * sizeof(float), m.backend->stream());
+  for (int p = 0; p < 3; ++p) {
+    m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, p), start + p * elements,
+                              conv_bytes);
+  }
   m.apply_transitions(kda_index, slot, what, 0, rank);
   // 5. The whole layer on this range from (that recurrent state, that conv state): its out rows,
   // and the states at its end in the slot.
@@ -1491,7 +1511,7 @@ std::uint64_t Engine::conv_state_slot_bytes() const noexcept { return impl_->con
 
 void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void* host_dst) const {
   const Impl& m = *impl_;
-  m.check_conv_state_access("read_slot_conv_state", kda_index, slot, projection);
+  m.check_conv_state_access("read_slot_conv_state", kda_index, slot, projection, host_dst);
   m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_index, slot, projection),
                           static_cast<std::size_t>(m.conv_slot_bytes));
 }
@@ -1616,7 +1636,7 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
 
 void Engine::write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src) {
   Impl& m = *impl_;
-  m.check_conv_state_access("write_slot_conv_state", kda_index, slot, projection);
+  m.check_conv_state_access("write_slot_conv_state", kda_index, slot, projection, host_src);
   m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, projection), host_src,
                             static_cast<std::size_t>(m.conv_slot_bytes));
   synchronize();
@@ -1662,6 +1682,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
   // is what the host can check; it is not consumed by a commit, so that a graph of records steps
   // replayed before each eager commit (or a graph holding both) commits what its last replay
   // wrote. That the records are the last step's of these slots is the caller's promise.
+  if (m.num_layers() == 0) fail(call + ": " + m.spec.name + " has no KDA layer, so no records");
   int decode_tokens = 0;
   for (int l = 0; l < m.num_layers(); ++l) {
     const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)][region];
