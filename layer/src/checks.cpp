@@ -6,11 +6,15 @@
 #include <limits>
 #include <string>
 
+#include "kda/detail/checked_math.hpp"
 #include "kda/error.hpp"
 
 namespace kda::layer::detail {
 
 namespace {
+
+using kda::detail::checked_mul;
+using kda::detail::checked_product;
 
 [[noreturn]] void invalid(const char* what, const std::string& message) {
   throw Error(StatusCode::kInvalidArgument, std::string(what) + ": " + message);
@@ -83,7 +87,7 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
             "cu_seqlens_i32)");
   }
   if (decode) {
-    if (T != N * batch.decode_tokens) {
+    if (T % batch.decode_tokens != 0 || T / batch.decode_tokens != N) {  // T != N x decode_tokens
       invalid(what, "decode: tokens " + std::to_string(T) + " is not sequences " +
                         std::to_string(N) + " x decode_tokens " +
                         std::to_string(batch.decode_tokens));
@@ -135,7 +139,8 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
       invalid(what, "fold_decode_tokens " + std::to_string(batch.fold_decode_tokens) +
                         " is not in [1, " + std::to_string(kMaxDecodeTokens) + "]");
     }
-    if (state.record_rows < batch.fold_sequences * batch.fold_decode_tokens) {
+    // record_rows < fold_sequences x fold_decode_tokens, which could overflow
+    if (state.record_rows / batch.fold_decode_tokens < batch.fold_sequences) {
       invalid(what, "fold: State::record_rows " + std::to_string(state.record_rows) +
                         " is below the records step's " + std::to_string(batch.fold_sequences) +
                         " x " + std::to_string(batch.fold_decode_tokens) + " row-token pairs");
@@ -148,11 +153,27 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     }
     // A records step writes its region while it reads the fold's: they may not overlap.
     const std::int64_t Hl = c.local_heads(), Cl = c.local_channels(), D = c.head_dim;
+    // Both at most record_rows row-token pairs (above), whose bytes may still overflow.
     const std::int64_t fold_pairs = batch.fold_sequences * batch.fold_decode_tokens;
-    if (batch.records && (overlap(state.fold_recurrent_records, fold_pairs * Hl * 3 * D * 4,
-                                  state.recurrent_records, state.record_rows * Hl * 3 * D * 4) ||
-                          overlap(state.fold_conv_records, fold_pairs * 3 * Cl * 2,
-                                  state.conv_records, state.record_rows * 3 * Cl * 2))) {
+    std::uint64_t recurrent_row = 0, conv_row = 0, fold_recurrent = 0, fold_conv = 0,
+                  records_recurrent = 0, records_conv = 0;
+    const auto rows = static_cast<std::uint64_t>(state.record_rows);
+    if (!checked_product({static_cast<std::uint64_t>(Hl), 3, static_cast<std::uint64_t>(D), 4},
+                         &recurrent_row) ||
+        !checked_product({3, static_cast<std::uint64_t>(Cl), 2}, &conv_row) ||
+        !checked_mul(rows, recurrent_row, &records_recurrent) ||
+        !checked_mul(rows, conv_row, &records_conv)) {
+      throw Error(StatusCode::kOverflow,
+                  std::string(what) + ": fold: the records regions' bytes (State::record_rows " +
+                      std::to_string(state.record_rows) + ") overflow 64-bit sizes");
+    }
+    fold_recurrent = static_cast<std::uint64_t>(fold_pairs) * recurrent_row;
+    fold_conv = static_cast<std::uint64_t>(fold_pairs) * conv_row;
+    if (batch.records &&
+        (overlap(state.fold_recurrent_records, static_cast<std::int64_t>(fold_recurrent),
+                 state.recurrent_records, static_cast<std::int64_t>(records_recurrent)) ||
+         overlap(state.fold_conv_records, static_cast<std::int64_t>(fold_conv), state.conv_records,
+                 static_cast<std::int64_t>(records_conv)))) {
       invalid(what,
               "fold: a records step folds records that overlap the region it writes (keep two "
               "records regions a layer and alternate)");
@@ -285,6 +306,7 @@ void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int
     if (!is_padding(batch, slots_host[n])) mark(slots_host[n]);
   }
   for (std::int64_t n = 0; n < N; ++n) {
+    if (is_padding(batch, slots_host[n])) continue;  // a padding sequence's requests are not read
     const std::int64_t length = cu_host[n + 1] - cu_host[n];
     for (std::int64_t k = 0; k < K; ++k) {
       const std::int64_t offset = batch.checkpoint_offsets[n * K + k];
@@ -303,7 +325,7 @@ void check_checkpoints(const Batch& batch, HostCuSeqlens cu_host, const std::int
         invalid(what, request() + ": slot " + std::to_string(slot) +
                           " is outside [0, num_slots = " + std::to_string(num_slots) + ")");
       }
-      if (is_padding(batch, slot) || offset < 0 || is_padding(batch, slots_host[n])) continue;
+      if (is_padding(batch, slot) || offset < 0) continue;
       if (mark(slot)) {
         invalid(what, request() + ": slot " + std::to_string(slot) +
                           " is written twice in the call (another checkpoint or a sequence's "

@@ -7,6 +7,7 @@
 
 #include "backends.hpp"
 #include "checks.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/error.hpp"
 #include "kda/layer/layer.hpp"
 #include "kda/nvtx.hpp"
@@ -49,20 +50,20 @@ void check_commit(const Config& c, const CommitBatch& b, const State* states, in
   const State& first = states[0];
   for (int l = 0; l < num_layers; ++l) {
     const State& s = states[l];
-    const std::string layer = "layer " + std::to_string(l) + " of the call";
+    auto layer = [l] { return "layer " + std::to_string(l) + " of the call"; };  // for an error
     if (s.num_slots != first.num_slots || s.recurrent_dtype != first.recurrent_dtype ||
         s.record_rows != first.record_rows) {
-      invalid(what, layer + ": num_slots, recurrent_dtype or record_rows differs from layer 0's");
+      invalid(what, layer() + ": num_slots, recurrent_dtype or record_rows differs from layer 0's");
     }
-    if (s.record_rows < N * T) {
-      invalid(what, layer + ": record_rows " + std::to_string(s.record_rows) + " is below " +
+    if (s.record_rows / T < N) {  // record_rows < N x T, T in [1, kMaxDecodeTokens]
+      invalid(what, layer() + ": record_rows " + std::to_string(s.record_rows) + " is below " +
                         std::to_string(N) + " x " + std::to_string(T) + " row-token pairs");
     }
     const bool conv_missing =
         c.conv_width > 1 && (s.conv_q == nullptr || s.conv_k == nullptr || s.conv_v == nullptr ||
                              s.conv_records == nullptr);
     if (s.recurrent == nullptr || s.recurrent_records == nullptr || conv_missing) {
-      invalid(what, layer + ": a state pool or a records region is null");
+      invalid(what, layer() + ": a state pool or a records region is null");
     }
   }
   if (b.padding_slot >= first.num_slots) {
@@ -120,6 +121,41 @@ void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
   }
 }
 
+// With more layers than the operator's commit takes a call, its groups are checked one by one:
+// the recurrent pools of layers in different groups, against each other and against the other's
+// records (which the commit reads while it writes the pool), here. O(num_layers^2) comparisons,
+// only past kMaxCommitLayers layers.
+void check_pools_across_groups(const Config& c, const State* states, int num_layers,
+                               const char* what) {
+  const auto Hl = static_cast<std::uint64_t>(c.local_heads());
+  const auto D = static_cast<std::uint64_t>(c.head_dim);
+  std::uint64_t pool_bytes = 0, record_bytes = 0;
+  if (!kda::detail::checked_product(
+          {static_cast<std::uint64_t>(states[0].num_slots), Hl, D, D,
+           static_cast<std::uint64_t>(dtype_size(states[0].recurrent_dtype))},
+          &pool_bytes) ||
+      !kda::detail::checked_product(
+          {static_cast<std::uint64_t>(states[0].record_rows), Hl, 3, D, 4}, &record_bytes)) {
+    throw Error(StatusCode::kOverflow,
+                std::string(what) + ": a layer's pool or records bytes overflow 64-bit sizes");
+  }
+  auto overlap = [](const void* a, std::uint64_t a_bytes, const void* b, std::uint64_t b_bytes) {
+    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+    return a != nullptr && b != nullptr && x < y + b_bytes && y < x + a_bytes;
+  };
+  for (int l = 0; l < num_layers; ++l) {
+    for (int m = (l / kMaxCommitLayers + 1) * kMaxCommitLayers; m < num_layers; ++m) {
+      const State &a = states[l], &b = states[m];
+      if (overlap(a.recurrent, pool_bytes, b.recurrent, pool_bytes) ||
+          overlap(a.recurrent, pool_bytes, b.recurrent_records, record_bytes) ||
+          overlap(b.recurrent, pool_bytes, a.recurrent_records, record_bytes)) {
+        invalid(what, "layers " + std::to_string(l) + " and " + std::to_string(m) +
+                          " of the call: a recurrent pool overlaps the other's pool or records");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void commit(Backend backend, const Config& config, const CommitBatch& batch, const State* states,
@@ -138,21 +174,29 @@ void commit(Backend backend, const Config& config, const CommitBatch& batch, con
   KDA_NVTX_RANGE("commit");
   const CommitProblem problem = commit_problem(config, batch, states[0]);
   CommitLayer layers[kMaxCommitLayers];
-  for (int first = 0; first < num_layers; first += kMaxCommitLayers) {
+  // The operator's commit takes kMaxCommitLayers layers a call: `layers` holds the group from
+  // `first` on, and its count is returned.
+  auto group = [&](int first) {
     const int count = std::min(kMaxCommitLayers, num_layers - first);
     for (int l = 0; l < count; ++l) {
       layers[l].records = states[first + l].recurrent_records;
       layers[l].state_pool = states[first + l].recurrent;
     }
-    if (cpu) {
-      throw_if_error(commit_cpu(problem, layers, count, batch.slots, batch.num_accepted,
-                                CpuOptions{options.cpu_threads}),
-                     what);
-      for (int l = 0; l < count; ++l) commit_conv_cpu(config, batch, states[first + l]);
-      continue;
+    return count;
+  };
+  // Every group checked before any is committed, so that a refused call writes nothing: the
+  // operator's checks of each group (its pools against each other and the records), the pools of
+  // different groups against each other, and on CUDA the pointers.
+  for (int first = 0; first < num_layers; first += kMaxCommitLayers) {
+    const int count = group(first);
+    if (const Status st = validate(problem, layers, count, batch.slots, batch.num_accepted);
+        !st.ok()) {
+      throw Error(st, std::string(what) + ": layers " + std::to_string(first) + " to " +
+                          std::to_string(first + count - 1) +
+                          " of the call (the message counts from the first of them)");
     }
 #ifdef KDA_HAVE_CUDA
-    if (options.check_pointers) {
+    if (!cpu && options.check_pointers) {
       throw_if_error(check_device_pointers(problem, layers, count, batch.slots, batch.num_accepted),
                      what);
       throw_if_error(check_device_pointer(batch.device_status, 4, "device_status"), what);
@@ -168,6 +212,19 @@ void commit(Backend backend, const Config& config, const CommitBatch& batch, con
         throw_if_error(check_device_pointer(s.conv_records, record_bytes, "conv_records"), what);
       }
     }
+#endif
+  }
+  if (num_layers > kMaxCommitLayers) check_pools_across_groups(config, states, num_layers, what);
+  for (int first = 0; first < num_layers; first += kMaxCommitLayers) {
+    const int count = group(first);
+    if (cpu) {
+      throw_if_error(commit_cpu(problem, layers, count, batch.slots, batch.num_accepted,
+                                CpuOptions{options.cpu_threads}),
+                     what);
+      for (int l = 0; l < count; ++l) commit_conv_cpu(config, batch, states[first + l]);
+      continue;
+    }
+#ifdef KDA_HAVE_CUDA
     CudaOptions cuda_options;
     cuda_options.check_pointers = false;  // checked above when asked
     throw_if_error(commit_cuda(problem, layers, count, batch.slots, batch.num_accepted,

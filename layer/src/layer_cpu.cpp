@@ -354,17 +354,41 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
       conv_state_at(seq_pre, offset, Cl, W, conv_state, pool + std::int64_t{slot} * conv_row);
     }
   };
-  // The core's prefill, states in place in the pool.
-  auto run_core_prefill = [&] {
+  // The core's call: a prefill, states in place in the pool, or (a verify step, a records step,
+  // a fold) the operator's decode.
+  const bool core_steps = verify || batch.records || folds;
+  auto core_prefill_tensors = [&](Problem* prefill) {
     Tensors t = core_tensors<Tensors>(m, A_log_, dt_bias_);
     t.cu_seqlens = cu_seqlens;
     t.initial_state = state.recurrent;
     t.final_state = state.recurrent;  // updated in place
     t.state_slots = batch.slots;
-    const Problem prefill = with_checkpoints(core, batch, &t);
+    *prefill = with_checkpoints(core, batch, &t);
+    return t;
+  };
+  auto core_step_tensors = [&] {
+    DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
+    add_step_batch(t, batch, state);
+    return t;
+  };
+  auto run_core_prefill = [&] {
+    Problem prefill;
+    const Tensors t = core_prefill_tensors(&prefill);
     KDA_NVTX_RANGE("core");
     throw_if_error(forward_cpu(prefill, t, regions.core(), cpu), "KDA layer forward (CPU): core");
   };
+  // The core's own checks of its call (its tensors against each other: the pools, the workspace,
+  // the records) before the conv below writes any state.
+  if (inputs == nullptr) {
+    if (core_steps) {
+      throw_if_error(validate(decode_step_problem(c, batch, state), core_step_tensors()),
+                     "KDA layer forward (CPU): core");
+    } else {
+      Problem prefill;
+      const Tensors t = core_prefill_tensors(&prefill);
+      throw_if_error(validate(prefill, t), "KDA layer forward (CPU): core");
+    }
+  }
   if (T == 0) {
     // A prefill of empty sequences with checkpoint requests (checked: a prefill, not core inputs):
     // each request's conv states and recurrent state are its sequence's initial ones.
@@ -482,10 +506,9 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
   // (A verify step: the operator's decode, which keeps the state after every token; padding rows
   // leave their o rows unwritten, so they are zeroed first.)
   // (A fold: the operator's decode too, which folds the records into each state first.)
-  if (verify || batch.records || folds) {
+  if (core_steps) {
     const DecodeProblem step = decode_step_problem(c, batch, state);
-    DecodeTensors t = core_tensors<DecodeTensors>(m, A_log_, dt_bias_);
-    add_step_batch(t, batch, state);
+    const DecodeTensors t = core_step_tensors();
     std::fill(o, o + T * Cl, bf16_bits{0});
     KDA_NVTX_RANGE("core");
     throw_if_error(decode_cpu(step, t, regions.core(), cpu), "KDA layer forward (CPU): core");

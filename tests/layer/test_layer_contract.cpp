@@ -202,6 +202,14 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
     settings.change = [](ForwardCall& call) { call.batch.decode_tokens = 2; };
     refused("decode: tokens 6 is not sequences 2 x decode_tokens 2");
   }
+  SUBCASE("decode rows whose token count overflows 64 bits") {
+    settings.change = [](ForwardCall& call) {
+      call.batch.sequences = std::int64_t{1} << 62;
+      call.batch.decode_tokens = 4;
+      call.batch.tokens = 0;
+    };
+    refused("decode: tokens 0 is not sequences 4611686018427387904 x decode_tokens 4");
+  }
   SUBCASE("decode_tokens above kMaxDecodeTokens") {
     settings.change = [](ForwardCall& call) { call.batch.decode_tokens = kMaxDecodeTokens + 1; };
     refused("decode_tokens 17 is not in [0, 16]");
@@ -231,6 +239,16 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
       call.out = const_cast<bf16_bits*>(call.hidden) + E;
     };
     refused("out overlaps hidden");
+  }
+  SUBCASE("the recurrent pool inside the workspace") {
+    // What only the core's own checks find (its state against its intermediates): still before
+    // the conv writes the conv states. (CUDA's pointer checks find the pool past the workspace's
+    // allocation first.)
+    if (runner.backend() != Backend::kCpu) return;
+    settings.change = [](ForwardCall& call) {
+      call.state.recurrent = static_cast<unsigned char*>(call.workspace.ptr) + 256;
+    };
+    refused("core: out overlaps initial_state");
   }
 }
 

@@ -945,6 +945,77 @@ KDA_LAYER_CPU_CASE(
 // length and at 0, 14 a sequence in any order): each row bit for bit the states of a prefill of
 // that many of its sequence's tokens (offset 0: the initial states), rows no request names
 // untouched, out and the sequences' own rows those of the call without checkpoints.
+// Past kda::kMaxCommitLayers layers the operator's commit runs a group at a time: every group is
+// checked, and the pools of different groups against each other, before any layer is committed.
+KDA_LAYER_CPU_CASE(
+    "a commit of more layers than one operator call refuses bad input before writing") {
+  const layer::Config config = cpu_layer_runner().config();
+  const int L = kMaxCommitLayers + 3;
+  std::vector<Pools> pools;
+  pools.reserve(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    pools.emplace_back(config, 2);
+    pools.back().randomize(static_cast<std::uint64_t>(l) + 1);
+    pools.back().add_records(config, 4);
+  }
+  const std::vector<Pools> before = pools;
+  std::vector<layer::State> states(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    Pools& p = pools[static_cast<std::size_t>(l)];
+    layer::State& s = states[static_cast<std::size_t>(l)];
+    s.num_slots = p.num_slots;
+    s.conv_q = p.conv_q.data();
+    s.conv_k = p.conv_k.data();
+    s.conv_v = p.conv_v.data();
+    s.recurrent = p.rec_f32.data();
+    s.record_rows = p.record_rows;
+    s.recurrent_records = p.recurrent_records.data();
+    s.conv_records = p.conv_records.data();
+  }
+  const std::int32_t slots[2] = {0, 1}, accepted[2] = {1, 2};
+  layer::CommitBatch batch;
+  batch.sequences = 2;
+  batch.slots = slots;
+  batch.num_accepted = accepted;
+  batch.decode_tokens = 2;
+  auto error_of = [&] {
+    try {
+      layer::commit(Backend::kCpu, config, batch, states.data(), L);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  // Two layers of the last group on one pool: found by that group's check, before the first
+  // group is committed.
+  states[L - 1].recurrent = states[L - 2].recurrent;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layers 128 to 130 of the call (the message counts "
+        "from the first of them): layers[1].state_pool overlaps layers[2].state_pool "
+        "(each layer updates its own pool)");
+  CHECK(pools == before);
+  // Layers of different groups on one pool: no group's check sees both.
+  states[L - 1].recurrent = pools[static_cast<std::size_t>(L - 1)].rec_f32.data();
+  states[kMaxCommitLayers].recurrent = states[0].recurrent;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layers 0 and 128 of the call: a recurrent pool "
+        "overlaps the other's pool or records");
+  CHECK(pools == before);
+  // A row count whose row-token pairs overflow 64 bits is below any record_rows.
+  states[kMaxCommitLayers].recurrent = pools[kMaxCommitLayers].rec_f32.data();
+  batch.sequences = (std::int64_t{1} << 60) + 1;
+  batch.decode_tokens = 16;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layer 0 of the call: record_rows 4 is below "
+        "1152921504606846977 x 16 row-token pairs");
+  CHECK(pools == before);
+  // The same layers, well formed, commit.
+  batch.sequences = 2;
+  batch.decode_tokens = 2;
+  CHECK(error_of().empty());
+  CHECK(pools != before);
+}
+
 KDA_LAYER_CPU_CASE("prefill checkpoints from an empty sequence to many a sequence") {
   LayerRunner& runner = cpu_layer_runner();
   const layer::Config config = runner.config(GateMode::kLowerBound, false);
@@ -1038,6 +1109,16 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
                          "checkpoint_offsets bytes N*checkpoints*8 (2 x 4611686018427387904 x 8) "
                          "overflow 64-bit sizes");
   CHECK(pools == before);
+  // A padding sequence's requests are not read: offsets and rows no request may name pass there
+  // and write nothing; the other sequence's requests are written.
+  std::vector<std::int64_t> padded_offsets{16, 37, 7, 99};
+  std::vector<std::int32_t> padded_rows{2, 3, 99, 1};
+  const LayerRun padded = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, -1}), &pools,
+                                         with_checkpoints(&padded_offsets, &padded_rows, 2));
+  CHECK(padded.error.empty());
+  CHECK(padded.code == StatusCode::kOk);
+  for (const std::int64_t row : {1, 4, 5}) CHECK(pools.row_equal(before, row));
+  for (const std::int64_t row : {0, 2, 3}) CHECK_FALSE(pools.row_equal(before, row));
 }
 
 namespace {
