@@ -574,13 +574,22 @@ std::string plan_summary(const kda::engine::ModelSpec& spec, const MemoryPlan& p
   other.runtime.workspace_plan = plan.mode == kda::planner::PlanMode::kSum
                                      ? kda::planner::PlanMode::kReuse
                                      : kda::planner::PlanMode::kSum;
-  const MemoryPlan other_plan = kda::engine::Engine::plan_for(other, backend);
-  const MemoryPlan& sum = plan.mode == kda::planner::PlanMode::kSum ? plan : other_plan;
-  const MemoryPlan& reuse = plan.mode == kda::planner::PlanMode::kSum ? other_plan : plan;
+  // The other mode's arena, for comparison: a sum of every buffer may overflow 64 bits where
+  // reuse does not (the planner allows it), which only this line says.
+  std::string other_bytes;
+  try {
+    other_bytes = format_bytes(kda::engine::Engine::plan_for(other, backend).arena_bytes);
+  } catch (const kda::Error& e) {
+    if (e.code() != kda::StatusCode::kOverflow) throw;
+    other_bytes = "more than 64-bit sizes hold";
+  }
+  const std::string this_bytes = format_bytes(plan.arena_bytes);
+  const bool is_sum = plan.mode == kda::planner::PlanMode::kSum;
   std::snprintf(line, sizeof line,
                 "  plan sum: %s (each buffer its own memory), plan reuse: %s (workspaces and "
                 "scratch share)\n",
-                format_bytes(sum.arena_bytes).c_str(), format_bytes(reuse.arena_bytes).c_str());
+                (is_sum ? this_bytes : other_bytes).c_str(),
+                (is_sum ? other_bytes : this_bytes).c_str());
   text += line;
   text += "  (--plan prints every buffer)\n";
   return text;

@@ -4,6 +4,8 @@
 // written), runtime overrides, output line by line; and the scripts around it (run-example.sh's
 // arguments, build.sh's choice of CPU architecture).
 #include <doctest/doctest.h>
+
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -351,6 +353,12 @@ TEST_CASE("kda-run: bad model descriptions exit 1 naming file:line:column and ke
   r = kda_run({"--model", dir.file("missing.yaml"), "--plan-only"});
   CHECK(r.rc == 1);
   CHECK(r.err.find("missing.yaml") != std::string::npos);
+  // A FIFO would block the reader: refused, naming it.
+  const std::string fifo = dir.file("fifo.yaml");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  r = kda_run({"--model", fifo, "--plan-only"});
+  CHECK(r.rc == 1);
+  CHECK(r.err.find(fifo + ": the model description is not a regular file") != std::string::npos);
 }
 
 TEST_CASE("kda-run --plan-only --json: the fields of the plan") {
@@ -444,6 +452,25 @@ TEST_CASE("kda-run --plan-only: a summary by default, every buffer with --plan")
   CHECK(run.out.find("layer1.state") != std::string::npos);
   // --plan belongs to model runs only.
   CHECK(kda_run({"--case", "a", "--output", "b", "--plan"}).rc == 2);
+}
+
+// A reuse plan that fits 64-bit sizes where the sum of its buffers does not (the planner allows
+// it): the summary still prints, its sum figure saying so.
+TEST_CASE("kda-run --plan-only: a summary whose sum plan overflows 64 bits") {
+  TempDir dir;
+  const std::string yaml = dir.file("many.yaml");
+  std::string layers;
+  for (int i = 1; i <= 4096; ++i) layers += (i > 1 ? ", " : "") + std::to_string(i);
+  std::ofstream(yaml) << "name: many\nhidden_size: 1\nnum_hidden_layers: 4096\n"
+                         "linear_attn_config:\n  num_heads: 1\n  head_dim: 1\n  kda_layers: ["
+                      << layers
+                      << "]\n  full_attn_layers: []\n  gate: softplus\nruntime:\n"
+                         "  max_tokens: 1000000000000000\n";
+  const Result r = kda_run({"--model", yaml, "--plan-only", "--backend", "cpu"});
+  INFO(r.out << r.err);
+  CHECK(r.rc == 0);
+  CHECK(r.out.find("plan sum: more than 64-bit sizes hold") != std::string::npos);
+  CHECK(r.out.find("plan reuse: ") != std::string::npos);
 }
 
 TEST_CASE("kda-run: layers are numbered as the YAML's kda_layers, with the KDA index labelled") {

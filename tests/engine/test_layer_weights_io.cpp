@@ -106,6 +106,36 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
     CHECK(loaded.o_proj == weights.o_proj);
   }
 
+  // Gate parameters outside the operator's range: the error names the shard that holds A_log.
+  {
+    Weights bad = weights;
+    bad.A_log[0] = 80.0f;
+    const std::vector<Tensor> bad_tensors =
+        kda::engine::layer_weight_tensors(bad, kda::engine::layer_tensor_prefix(2));
+    TempDir bad_dir;
+    nlohmann::json bad_index;
+    std::vector<Tensor> first(bad_tensors.begin(), bad_tensors.begin() + 7);
+    std::vector<Tensor> second(bad_tensors.begin() + 7, bad_tensors.end());
+    kda::engine::save_safetensors(bad_dir.file("a.safetensors"), first);
+    kda::engine::save_safetensors(bad_dir.file("b.safetensors"), second);
+    std::string holder;
+    for (const Tensor& t : first) {
+      bad_index["weight_map"][t.name] = "a.safetensors";
+      if (t.name == "model.layers.2.self_attn.A_log") holder = bad_dir.file("a.safetensors");
+    }
+    for (const Tensor& t : second) {
+      bad_index["weight_map"][t.name] = "b.safetensors";
+      if (t.name == "model.layers.2.self_attn.A_log") holder = bad_dir.file("b.safetensors");
+    }
+    REQUIRE_FALSE(holder.empty());
+    std::ofstream(bad_dir.file("model.safetensors.index.json")) << bad_index.dump();
+    const std::string refusal = error_of([&] {
+      kda::engine::load_layer_weights(Checkpoint::open(bad_dir.path.string()), 2, config);
+    });
+    CHECK(refusal.find(holder + ": tensor 'model.layers.2.self_attn.A_log': A_log[0] = 80") !=
+          std::string::npos);
+  }
+
   // An index that puts a tensor in the wrong shard names both.
   index["weight_map"]["model.layers.2.self_attn.o_proj.weight"] =
       "model-00001-of-00002.safetensors";

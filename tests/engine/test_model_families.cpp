@@ -719,6 +719,15 @@ KDA_CPU_CASE(
   CHECK(via_yaml.name == "folder");
   CHECK(via_yaml.runtime.max_tokens == 32);
   CHECK(via_yaml.weights == dir.path.string());
+  // One of the model's keys beside such weights would not be merged with config.json: refused,
+  // named, rather than ignored.
+  std::ofstream(twin.file("eps.yaml"))
+      << "weights: " << dir.path.string() << "\nrms_norm_eps: 0.5\n";
+  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(twin.file("eps.yaml")),
+                       doctest::Contains("eps.yaml:2:15: rms_norm_eps: a description whose "
+                                         "weights name a Hugging Face folder takes the model's "
+                                         "keys from its config.json"),
+                       kda::Error);
 }
 
 KDA_CPU_CASE("Kimi-Linear saved by transformers: one model.safetensors, every tensor F32") {

@@ -409,6 +409,14 @@ TEST_CASE("JSON: errors and warnings carry positions, what yaml-cpp cannot read,
   CHECK(error_in("c.json", replace(emoji, "\"head_dim\": 16", "\"head_dim\": \"16\"")) ==
         "c.json: linear_attn_config.head_dim: expected an integer, got the string '16'");
 
+  // A key twice in one object, in a file only the JSON parser reads: refused as the YAML reader
+  // refuses it, at the second one.
+  const std::string twice = error_in(
+      "c.json", replace(emoji, "  \"model_type\"", "  \"hidden_size\": 32,\n  \"model_type\""));
+  INFO(twice);
+  CHECK(twice.rfind("c.json:", 0) == 0);
+  CHECK(twice.find("hidden_size: key appears twice") != std::string::npos);
+
   // A number no double holds, in a file only the JSON parser reads: an error naming it, at its
   // line (the parser's out_of_range exception, not a parse_error, once escaped as itself).
   const std::string huge =

@@ -1,6 +1,7 @@
 // Safetensors: round trip of every supported dtype, atomic writes, one clear error per kind of
 // malformed file, and tensors of dtypes not read (a quantized checkpoint's) listed but refused.
 #include <doctest/doctest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -207,6 +208,12 @@ TEST_CASE("malformed files: empty / truncated / absurd or overlong header length
                        kda::Error);
   CHECK_THROWS_WITH_AS(SafetensorsFile::open(dir.file("missing.safetensors")),
                        doctest::Contains("cannot open"), kda::Error);
+  // A FIFO would block the reader forever: refused before it is opened.
+  const std::string fifo = dir.file("fifo.safetensors");
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  CHECK_THROWS_WITH_AS(SafetensorsFile::open(fifo),
+                       doctest::Contains("is not a regular file (a FIFO, socket or device)"),
+                       kda::Error);
 }
 
 TEST_CASE("malformed files: header garbage") {

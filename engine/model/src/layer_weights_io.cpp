@@ -118,6 +118,16 @@ class LayerTensors {
 
   bool has(const std::string& name) const { return !stored_name(name).empty(); }
 
+  // The file that holds `name` (a shard of an index), or the checkpoint's path when absent.
+  std::string holding_file(const std::string& name) const {
+    const SafetensorsFile* file = nullptr;
+    const std::string stored = stored_name(name);
+    if (stored.empty() || checkpoint_.find(stored, &file) == nullptr || file == nullptr) {
+      return checkpoint_.path();
+    }
+    return file->path();
+  }
+
   // Reads `name`, a float tensor whose shape is one of `shapes`; errors name the file holding it.
   Tensor read(const std::string& name, const std::vector<Shape>& shapes) const {
     const std::string stored = stored_name(name);
@@ -346,8 +356,8 @@ Weights load_layer_weights(const Checkpoint& checkpoint, int layer_index, const 
   full.dt_bias = tensors.floats("dt_bias", {{C}, {H, D}});
   full.o_norm = tensors.bf16("o_norm.weight", {D});
   full.o_proj = tensors.bf16("o_proj.weight", {E, C});
-  check_gate_parameters(checkpoint.path(), tensors.stored_name("A_log"), full.A_log, full.dt_bias,
-                        D);
+  check_gate_parameters(tensors.holding_file("A_log"), tensors.stored_name("A_log"), full.A_log,
+                        full.dt_bias, D);
   full.origin = checkpoint.path();
   if (config.tp_size == 1) return full;
   return layer::shard_weights(full, config.tp_size, config.tp_rank);

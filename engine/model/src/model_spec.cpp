@@ -352,7 +352,33 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
   } catch (const YAML::Exception& e) {
     if (looks_like_json(text)) {
       try {
-        return yaml_from_json(ctx, nlohmann::json::parse(text));
+        // A key twice in one object: refused, as the YAML reader does (nlohmann would keep the
+        // last value).
+        std::vector<std::set<std::string>> open_objects;
+        std::string duplicate;
+        const auto on_event = [&](int, nlohmann::json::parse_event_t event,
+                                  nlohmann::json& parsed) {
+          using Event = nlohmann::json::parse_event_t;
+          if (event == Event::object_start) {
+            open_objects.emplace_back();
+          } else if (event == Event::object_end) {
+            if (!open_objects.empty()) open_objects.pop_back();
+          } else if (event == Event::key && duplicate.empty() && !open_objects.empty() &&
+                     parsed.is_string() &&
+                     !open_objects.back().insert(parsed.get<std::string>()).second) {
+            duplicate = parsed.get<std::string>();
+          }
+          return true;
+        };
+        nlohmann::json parsed = nlohmann::json::parse(text, on_event);
+        if (!duplicate.empty()) {
+          // Marked at the key's second spelling where it is written plainly.
+          const std::string quoted = "\"" + duplicate + "\"";
+          std::size_t at = text.find(quoted);
+          at = at == std::string::npos ? 0 : text.find(quoted, at + 1);
+          ctx.fail(mark_at(text, at == std::string::npos ? 0 : at), duplicate, "key appears twice");
+        }
+        return yaml_from_json(ctx, parsed);
       } catch (const nlohmann::json::parse_error& json_error) {
         // what() is "[json.exception.parse_error.101] parse error at line 1, column 12: ...".
         std::string what = json_error.what();
@@ -945,18 +971,35 @@ void read_model(const ModelConfig& m, const ModelFamily* family,
   }
 }
 
-// Whether a description holds any of a model's keys (else the folder `weights` names may give
-// them, in its config.json).
-bool has_model_keys(const YAML::Node& root) {
-  for (const char* key : {"hidden_size", "num_hidden_layers", "linear_attn_config", "text_config",
-                          "model_type", "architectures"}) {
-    if (root[key].IsDefined()) return true;
+// The first of a model's keys a description holds, or "" for none (then the folder `weights`
+// names may give them, in its config.json): the engine's model keys, the wrapper's, and any
+// family's top-level keys (a description that gives some of them gives them all, rather than have
+// them ignored).
+std::string first_model_key(const YAML::Node& root) {
+  for (const std::string& key : kModelKeys) {
+    if (root[key].IsDefined()) return key;
   }
-  return false;
+  for (const char* key : {"text_config", "architectures"}) {
+    if (root[key].IsDefined()) return key;
+  }
+  for (const ModelFamily& family : model_families()) {
+    for (const std::string& key : text_keys(&family)) {
+      if (!contains(kTopLevelKeys, key) && root[key].IsDefined()) return key;
+    }
+  }
+  return "";
 }
 
 // The text of `path`, or an error naming it and why it cannot be read.
 std::string read_text_file(const std::string& path, const char* what) {
+  // A FIFO, socket or device would block or never end: refused before it is opened.
+  std::error_code ec;
+  if (const fs::file_status st = fs::status(path, ec); !ec && st.type() != fs::file_type::regular &&
+                                                       st.type() != fs::file_type::not_found &&
+                                                       st.type() != fs::file_type::directory) {
+    throw Error(StatusCode::kInvalidArgument,
+                path + ": " + what + " is not a regular file (a FIFO, socket or device)");
+  }
   errno = 0;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
@@ -1121,8 +1164,20 @@ ModelSpec parse_description(const std::string& text, const std::string& source_n
     // its `weights` names.
     std::error_code ec;
     const fs::path folder_config = fs::path(spec.weights) / "config.json";
-    const bool from_folder = weights.IsDefined() && !has_model_keys(root) &&
-                             fs::is_directory(spec.weights, ec) && fs::exists(folder_config, ec);
+    const bool folder_has_config =
+        weights.IsDefined() && fs::is_directory(spec.weights, ec) && fs::exists(folder_config, ec);
+    const std::string model_key = first_model_key(root);
+    const bool from_folder = folder_has_config && model_key.empty();
+    if (folder_has_config && !model_key.empty() && !root["hidden_size"].IsDefined() &&
+        !root["text_config"].IsDefined()) {
+      // Some of the model's keys here, the rest in the folder's config.json: the description
+      // would be read alone and those keys not merged, so say so rather than "hidden_size is
+      // missing".
+      ctx.fail(root[model_key], model_key,
+               "a description whose weights name a Hugging Face folder takes the model's keys from "
+               "its config.json, or every one of them from here (hidden_size is not); remove " +
+                   model_key + " or give the model's keys here");
+    }
     const Context config_ctx(from_folder ? folder_config.string() : source_name, options.strict,
                              &spec.warnings);
     const Context& mctx = from_folder ? config_ctx : ctx;
