@@ -50,29 +50,34 @@ std::string shard_origin(const std::string& origin, int tp_size, int tp_rank) {
 }  // namespace
 
 void validate(const Config& c) {
-  auto require = [](bool ok, const std::string& what) {
-    if (!ok) invalid("KDA layer config: " + what);
+  // Each message built only when its check fails: a commit validates the config on every call and
+  // allocates nothing.
+  auto require = [](bool ok, auto&& what) {
+    if (!ok) invalid("KDA layer config: " + what());
   };
   require(c.hidden_size > 0 && c.hidden_size <= (std::int64_t{1} << 20),
-          "hidden_size " + std::to_string(c.hidden_size) + " is not in [1, 2^20]");
+          [&] { return "hidden_size " + std::to_string(c.hidden_size) + " is not in [1, 2^20]"; });
   require(c.num_heads > 0 && c.num_heads <= 4096,
-          "num_heads " + std::to_string(c.num_heads) + " is not in [1, 4096]");
+          [&] { return "num_heads " + std::to_string(c.num_heads) + " is not in [1, 4096]"; });
   require(c.head_dim > 0 && c.head_dim <= 1024,
-          "head_dim " + std::to_string(c.head_dim) + " is not in [1, 1024]");
-  require(c.conv_width >= 1 && c.conv_width <= kMaxConvWidth,
-          "conv_width " + std::to_string(c.conv_width) + " is not in [1, " +
-              std::to_string(kMaxConvWidth) + "]");
+          [&] { return "head_dim " + std::to_string(c.head_dim) + " is not in [1, 1024]"; });
+  require(c.conv_width >= 1 && c.conv_width <= kMaxConvWidth, [&] {
+    return "conv_width " + std::to_string(c.conv_width) + " is not in [1, " +
+           std::to_string(kMaxConvWidth) + "]";
+  });
   require(c.gate != GateMode::kLowerBound ||
               (std::isfinite(c.lower_bound) && c.lower_bound >= -5.0f && c.lower_bound < 0.0f),
-          "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)");
+          [&] { return "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)"; });
   require(std::isfinite(c.norm_eps) && c.norm_eps > 0.0f,
-          "norm_eps " + std::to_string(c.norm_eps) + " is not finite and > 0");
-  require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0, "tp_size " + std::to_string(c.tp_size) +
-                                                              " does not divide num_heads " +
-                                                              std::to_string(c.num_heads));
-  require(c.tp_rank >= 0 && c.tp_rank < c.tp_size, "tp_rank " + std::to_string(c.tp_rank) +
-                                                       " is not in [0, tp_size " +
-                                                       std::to_string(c.tp_size) + ")");
+          [&] { return "norm_eps " + std::to_string(c.norm_eps) + " is not finite and > 0"; });
+  require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0, [&] {
+    return "tp_size " + std::to_string(c.tp_size) + " does not divide num_heads " +
+           std::to_string(c.num_heads);
+  });
+  require(c.tp_rank >= 0 && c.tp_rank < c.tp_size, [&] {
+    return "tp_rank " + std::to_string(c.tp_rank) + " is not in [0, tp_size " +
+           std::to_string(c.tp_size) + ")";
+  });
 }
 
 void check_sizes(const Weights& w) {

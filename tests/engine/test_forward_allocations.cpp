@@ -1,6 +1,7 @@
 // Forwards allocate nothing: after a warm-up call of the same kind, the engine's forwards on the
 // CPU backend (the KDA core and whole layers, host spans and BatchMetadata, a prefill with
-// checkpoints) make no heap allocation. Counted by replacing the global operator new in this
+// checkpoints, a records step and its commit) and a sequence state's write make no heap
+// allocation. Counted by replacing the global operator new in this
 // binary, only while a forward runs; error paths may allocate (their message), the success path
 // may not.
 #include <doctest/doctest.h>
@@ -65,6 +66,7 @@ constexpr const char* kModel =
     "  max_sequences: 4\n"
     "  state_dtype: fp32\n"
     "  workspace_plan: reuse\n"
+    "  max_verify_tokens: 4\n"
     "  backend: cpu\n";
 
 }  // namespace
@@ -114,6 +116,22 @@ TEST_CASE("forward allocations: none on the CPU backend after a warm-up call") {
         }) == 0);
   CHECK(allocations_of(
             [&] { engine.decode_hidden(0, hidden.data(), hidden_out.data(), decode); }) == 0);
+  // A records step of two tokens, its commit, and a sequence state written back.
+  BatchMetadata records = decode;
+  records.tokens = 2;
+  records.decode_tokens = 2;
+  records.records = true;
+  const std::int32_t accepted[1] = {1};
+  for (int layer = 0; layer < 2; ++layer) {
+    engine.decode_hidden(layer, hidden.data(), hidden_out.data(), records);
+  }
+  CHECK(allocations_of(
+            [&] { engine.decode_hidden(0, hidden.data(), hidden_out.data(), records); }) == 0);
+  CHECK(allocations_of([&] { engine.commit(1, slots32, accepted); }) == 0);
+  std::vector<unsigned char> state(engine.sequence_state_bytes());
+  engine.read_sequence_state(slot, state.data(), state.size());
+  CHECK(allocations_of([&] { engine.write_sequence_state(slot, state.data(), state.size()); }) ==
+        0);
   // The counter counts: a failing call's message is built on the heap.
   CHECK_THROWS(
       allocations_of([&] { engine.prefill_hidden(0, nullptr, hidden_out.data(), slots, cu); }));

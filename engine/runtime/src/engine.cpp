@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <tuple>
 #include <utility>
@@ -1547,18 +1548,25 @@ SequenceStateHeader Engine::Impl::sequence_state_header(std::uint64_t payload_by
 // Refuses a block whose header differs from this engine's, naming each field that differs.
 void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
                                                std::uint64_t payload_bytes) const {
-  const std::string what = "write_sequence_state: ";
+  const std::string_view what = "write_sequence_state: ";
   if (std::memcmp(got.magic, kSequenceStateMagic, sizeof(got.magic)) != 0) {
-    fail(what +
+    fail(std::string(what) +
          "the block does not begin with a sequence-state header (KDASTATE, as "
          "read_sequence_state writes it)");
   }
   if (got.version != SequenceStateHeader::kVersion || got.header_bytes != sizeof(got)) {
-    fail(what + "the block's header is version " + std::to_string(got.version) + " of " +
-         std::to_string(got.header_bytes) + " bytes; this engine reads version " +
+    fail(std::string(what) + "the block's header is version " + std::to_string(got.version) +
+         " of " + std::to_string(got.header_bytes) + " bytes; this engine reads version " +
          std::to_string(SequenceStateHeader::kVersion) + " of " + std::to_string(sizeof(got)));
   }
   const SequenceStateHeader want = sequence_state_header(payload_bytes);
+  // The message only for a block that differs: a write allocates nothing.
+  if (got.kda_layers == want.kda_layers && got.num_heads == want.num_heads &&
+      got.head_dim == want.head_dim && got.conv_width == want.conv_width &&
+      got.state_value_bytes == want.state_value_bytes && got.tp_rank == want.tp_rank &&
+      got.tp_size == want.tp_size && got.payload_bytes == want.payload_bytes) {
+    return;
+  }
   auto conv = [](std::uint32_t w) {
     return w == 0 ? std::string("no conv states (KDA cores)")
                   : "conv states of width " + std::to_string(w) + " (whole layers)";
@@ -1587,7 +1595,7 @@ void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
       "rank " + std::to_string(want.tp_rank) + " of " + std::to_string(want.tp_size));
   field(got.payload_bytes == want.payload_bytes,
         std::to_string(got.payload_bytes) + " bytes of states", std::to_string(want.payload_bytes));
-  if (!differs.empty()) fail(what + "the block holds " + differs);
+  if (!differs.empty()) fail(std::string(what) + "the block holds " + differs);
 }
 
 void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) const {
@@ -1686,7 +1694,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
   int decode_tokens = 0;
   for (int l = 0; l < m.num_layers(); ++l) {
     const Impl::PendingRecords& p = m.pending_records[static_cast<std::size_t>(l)][region];
-    const std::string label = m.layers[static_cast<std::size_t>(l)]->info().label;
+    const std::string& label = m.layers[static_cast<std::size_t>(l)]->info().label;
     if (!p.pending) {
       fail(call + ": " + label + " has no records to commit (no records verify step ran on it)");
     }
