@@ -229,6 +229,11 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
   if (batch.slots == nullptr && batch.slots_host != nullptr) {
     invalid(what, "slots_host is given but slots is null");
   }
+  if (batch.slots != nullptr && N > 0 && state.num_slots < 1) {
+    // Every row would be padding; the core takes slots only into a pool of entries.
+    invalid(what, "slots are given but State::num_slots is " + std::to_string(state.num_slots) +
+                      " (a pool of no entries)");
+  }
   if (batch.padding_slot >= 0 &&
       (batch.slots == nullptr || batch.padding_slot >= state.num_slots)) {
     invalid(what, "padding_slot " + std::to_string(batch.padding_slot) +

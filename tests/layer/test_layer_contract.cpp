@@ -226,6 +226,10 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
     settings.change = [](ForwardCall& call) { call.batch.tokens = -1; };
     refused("tokens and sequences must be >= 0");
   }
+  SUBCASE("slots into a pool of no entries") {
+    settings.change = [](ForwardCall& call) { call.state.num_slots = 0; };
+    refused("slots are given but State::num_slots is 0 (a pool of no entries)");
+  }
   SUBCASE("a null state pool") {
     settings.change = [](ForwardCall& call) { call.state.conv_k = nullptr; };
     refused("a state pool is null");
