@@ -773,7 +773,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     check_cuda(cuda::launch_conv_prefill(p, stream), "conv_prefill_kernel");
   };
   // The core's prefill, states in place in the pool.
-  auto run_core_prefill = [&] {
+  auto core_prefill_tensors = [&](Problem* prefill) {
     Tensors t = core_tensors<Tensors>(m, A_log, dt_bias);
     t.cu_seqlens = cu_i32 ? static_cast<const void*>(batch.cu_seqlens_i32) : batch.cu_seqlens;
     // Checked above already (O(N) again); the core also plans its segments from it.
@@ -783,10 +783,34 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     t.final_state = state.recurrent;  // updated in place
     t.state_slots = batch.slots;
     t.device_status = batch.device_status;
-    const Problem prefill = with_checkpoints(core, batch, &t);
+    *prefill = with_checkpoints(core, batch, &t);
+    return t;
+  };
+  auto run_core_prefill = [&] {
+    Problem prefill;
+    const Tensors t = core_prefill_tensors(&prefill);
     throw_if_error(forward_cuda(prefill, t, regions.core(), stream, core_options),
                    "KDA layer forward (CUDA): core");
   };
+  // The separate kernels' step (decode_with_gated_norm).
+  auto core_step_tensors = [&] {
+    DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
+    add_step_batch(t, batch, state);
+    if (t.slots == nullptr) t.slots = identity;
+    t.device_status = batch.device_status;
+    return t;
+  };
+  // The core's own checks of its call (its tensors against each other: the pools, the workspace,
+  // the records) before the conv is enqueued to write any state.
+  if (inputs == nullptr && N > 0) {
+    if (decode) {
+      throw_if_error(validate(step, core_step_tensors()), "KDA layer forward (CUDA): core");
+    } else {
+      Problem prefill;
+      const Tensors t = core_prefill_tensors(&prefill);
+      throw_if_error(validate(prefill, t), "KDA layer forward (CUDA): core");
+    }
+  }
   if (T == 0) {
     // Nothing to compute, every sequence's state stays as it is; but a prefill's checkpoint
     // requests of empty sequences (offset 0; checked: a prefill, not core inputs) hold their
@@ -1034,10 +1058,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       // zeros for the rows it skips (padding), o never stored. Otherwise o stored (zeros for the
       // rows it skips), then the norm's own launch, both in decode_with_gated_norm (their time
       // counts as the core's).
-      DecodeTensors t = core_tensors<DecodeTensors>(m, A_log, dt_bias);
-      add_step_batch(t, batch, state);
-      if (t.slots == nullptr) t.slots = identity;
-      t.device_status = batch.device_status;
+      const DecodeTensors t = core_step_tensors();
       throw_if_error(cuda::decode_with_gated_norm(step, t, norm, stream, core_options),
                      "KDA layer forward (CUDA): core");
     } else {
