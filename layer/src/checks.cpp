@@ -20,13 +20,6 @@ using kda::detail::checked_product;
   throw Error(StatusCode::kInvalidArgument, std::string(what) + ": " + message);
 }
 
-// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) overlap (a null one: never).
-bool overlap(const void* a, std::int64_t a_bytes, const void* b, std::int64_t b_bytes) {
-  const auto* x = static_cast<const unsigned char*>(a);
-  const auto* y = static_cast<const unsigned char*>(b);
-  return x != nullptr && y != nullptr && x < y + b_bytes && y < x + a_bytes;
-}
-
 }  // namespace
 
 DecodeProblem decode_step_problem(const Config& c, const Batch& batch, const State& state) {
@@ -155,8 +148,7 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     const std::int64_t Hl = c.local_heads(), Cl = c.local_channels(), D = c.head_dim;
     // Both at most record_rows row-token pairs (above), whose bytes may still overflow.
     const std::int64_t fold_pairs = batch.fold_sequences * batch.fold_decode_tokens;
-    std::uint64_t recurrent_row = 0, conv_row = 0, fold_recurrent = 0, fold_conv = 0,
-                  records_recurrent = 0, records_conv = 0;
+    std::uint64_t recurrent_row = 0, conv_row = 0, records_recurrent = 0, records_conv = 0;
     const auto rows = static_cast<std::uint64_t>(state.record_rows);
     if (!checked_product({static_cast<std::uint64_t>(Hl), 3, static_cast<std::uint64_t>(D), 4},
                          &recurrent_row) ||
@@ -167,13 +159,11 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                   std::string(what) + ": fold: the records regions' bytes (State::record_rows " +
                       std::to_string(state.record_rows) + ") overflow 64-bit sizes");
     }
-    fold_recurrent = static_cast<std::uint64_t>(fold_pairs) * recurrent_row;
-    fold_conv = static_cast<std::uint64_t>(fold_pairs) * conv_row;
+    const auto pairs = static_cast<std::uint64_t>(fold_pairs);
     if (batch.records &&
-        (overlap(state.fold_recurrent_records, static_cast<std::int64_t>(fold_recurrent),
-                 state.recurrent_records, static_cast<std::int64_t>(records_recurrent)) ||
-         overlap(state.fold_conv_records, static_cast<std::int64_t>(fold_conv), state.conv_records,
-                 static_cast<std::int64_t>(records_conv)))) {
+        (overlap(state.fold_recurrent_records, pairs * recurrent_row, state.recurrent_records,
+                 records_recurrent) ||
+         overlap(state.fold_conv_records, pairs * conv_row, state.conv_records, records_conv))) {
       invalid(what,
               "fold: a records step folds records that overlap the region it writes (keep two "
               "records regions a layer and alternate)");
@@ -284,7 +274,7 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     } else if (hidden == nullptr || out == nullptr) {
       invalid(what, "hidden or out is null");
     }
-    const std::int64_t bytes = T * c.hidden_size * static_cast<std::int64_t>(sizeof(bf16_bits));
+    const auto bytes = static_cast<std::uint64_t>(T * c.hidden_size) * sizeof(bf16_bits);
     if (overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   // The messages' context only for an error: a forward allocates nothing.

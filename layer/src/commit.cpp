@@ -139,16 +139,12 @@ void check_pools_across_groups(const Config& c, const State* states, int num_lay
     throw Error(StatusCode::kOverflow,
                 std::string(what) + ": a layer's pool or records bytes overflow 64-bit sizes");
   }
-  auto overlap = [](const void* a, std::uint64_t a_bytes, const void* b, std::uint64_t b_bytes) {
-    const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
-    return a != nullptr && b != nullptr && x < y + b_bytes && y < x + a_bytes;
-  };
   for (int l = 0; l < num_layers; ++l) {
     for (int m = (l / kMaxCommitLayers + 1) * kMaxCommitLayers; m < num_layers; ++m) {
       const State &a = states[l], &b = states[m];
-      if (overlap(a.recurrent, pool_bytes, b.recurrent, pool_bytes) ||
-          overlap(a.recurrent, pool_bytes, b.recurrent_records, record_bytes) ||
-          overlap(b.recurrent, pool_bytes, a.recurrent_records, record_bytes)) {
+      if (detail::overlap(a.recurrent, pool_bytes, b.recurrent, pool_bytes) ||
+          detail::overlap(a.recurrent, pool_bytes, b.recurrent_records, record_bytes) ||
+          detail::overlap(b.recurrent, pool_bytes, a.recurrent_records, record_bytes)) {
         invalid(what, "layers " + std::to_string(l) + " and " + std::to_string(m) +
                           " of the call: a recurrent pool overlaps the other's pool or records");
       }

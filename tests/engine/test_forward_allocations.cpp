@@ -51,31 +51,19 @@ int allocations_of(const std::function<void()>& forward) {
   return allocations;
 }
 
-constexpr const char* kModel =
-    "name: allocations\n"
-    "hidden_size: 64\n"
-    "num_hidden_layers: 2\n"
-    "linear_attn_config:\n"
-    "  num_heads: 2\n"
-    "  head_dim: 32\n"
-    "  kda_layers: [1, 2]\n"
-    "  full_attn_layers: []\n"
-    "  gate: softplus\n"
-    "runtime:\n"
-    "  max_tokens: 128\n"
-    "  max_sequences: 4\n"
-    "  state_dtype: fp32\n"
-    "  workspace_plan: reuse\n"
-    "  max_verify_tokens: 4\n"
-    "  backend: cpu\n";
-
 }  // namespace
 
 TEST_CASE("forward allocations: none on the CPU backend after a warm-up call") {
+  // The example model, with records regions for the records step below.
+  kda::engine::ModelSpec spec =
+      kda::engine::load_model_spec(std::string(KDA_SOURCE_DIR) + "/examples/models/tiny.yaml");
+  spec.runtime.max_verify_tokens = 4;
   EngineOptions options;
+  options.backend = kda::engine::BackendChoice::kCpu;
   options.cpu_threads = 1;
-  Engine engine(kda::engine::parse_model_spec(kModel, "allocations.yaml"), options);
-  constexpr std::int64_t T = 32, H = 2, D = 32, E = 64;
+  Engine engine(spec, options);
+  constexpr std::int64_t T = 32;
+  const std::int64_t H = spec.num_heads, D = spec.head_dim, E = spec.hidden_size;
   std::vector<std::uint16_t> q(T * H * D, 0x3c00), beta(T * H, 0x3f00), out(T * H * D);
   std::vector<std::uint16_t> hidden(T * E, 0x3c00), hidden_out(T * E);
   const int slot = engine.acquire_slot(), checkpoint = engine.acquire_slot();
@@ -122,7 +110,7 @@ TEST_CASE("forward allocations: none on the CPU backend after a warm-up call") {
   records.decode_tokens = 2;
   records.records = true;
   const std::int32_t accepted[1] = {1};
-  for (int layer = 0; layer < 2; ++layer) {
+  for (int layer = 0; layer < engine.num_layers(); ++layer) {
     engine.decode_hidden(layer, hidden.data(), hidden_out.data(), records);
   }
   CHECK(allocations_of(

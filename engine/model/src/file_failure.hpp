@@ -1,4 +1,5 @@
-// engine/model/src/file_failure.hpp — internal: the words for a file that cannot be opened or read.
+// engine/model/src/file_failure.hpp — internal: the words for a file that cannot be opened or read,
+// and which files are not to be opened at all.
 #pragma once
 
 #include <cstring>
@@ -20,6 +21,17 @@ inline std::string file_failure(const std::string& action, const std::string& pa
   const std::filesystem::path absolute = std::filesystem::absolute(path, ec).lexically_normal();
   if (!ec && absolute.string() != path) text += " '" + absolute.string() + "'";
   return text + ": " + (error_number != 0 ? std::strerror(error_number) : "reason unknown");
+}
+
+// Whether `path` names something that exists but is neither a regular file nor a directory: a
+// FIFO, socket or device, whose reader would block or never reach an end, so the readers refuse it
+// before opening it.
+inline bool is_special_file(const std::string& path) {
+  std::error_code ec;
+  const std::filesystem::file_type type = std::filesystem::status(path, ec).type();
+  return !ec && type != std::filesystem::file_type::regular &&
+         type != std::filesystem::file_type::directory &&
+         type != std::filesystem::file_type::not_found;
 }
 
 }  // namespace kda::engine

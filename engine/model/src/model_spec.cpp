@@ -992,11 +992,7 @@ std::string first_model_key(const YAML::Node& root) {
 
 // The text of `path`, or an error naming it and why it cannot be read.
 std::string read_text_file(const std::string& path, const char* what) {
-  // A FIFO, socket or device would block or never end: refused before it is opened.
-  std::error_code ec;
-  if (const fs::file_status st = fs::status(path, ec); !ec && st.type() != fs::file_type::regular &&
-                                                       st.type() != fs::file_type::not_found &&
-                                                       st.type() != fs::file_type::directory) {
+  if (is_special_file(path)) {
     throw Error(StatusCode::kInvalidArgument,
                 path + ": " + what + " is not a regular file (a FIFO, socket or device)");
   }

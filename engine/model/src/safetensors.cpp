@@ -275,9 +275,7 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 SafetensorsFile SafetensorsFile::open(const std::string& path) {
   std::error_code ec;
   if (fs::is_directory(path, ec)) fail(path, "is a directory, not a safetensors file");
-  // A FIFO, socket or device would block or never end: refused before it is opened.
-  if (const fs::file_status st = fs::status(path, ec);
-      !ec && st.type() != fs::file_type::regular && st.type() != fs::file_type::not_found) {
+  if (is_special_file(path)) {
     fail(path, "is not a regular file (a FIFO, socket or device), not a safetensors file");
   }
   errno = 0;

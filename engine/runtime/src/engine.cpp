@@ -1560,13 +1560,6 @@ void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
          std::to_string(SequenceStateHeader::kVersion) + " of " + std::to_string(sizeof(got)));
   }
   const SequenceStateHeader want = sequence_state_header(payload_bytes);
-  // The message only for a block that differs: a write allocates nothing.
-  if (got.kda_layers == want.kda_layers && got.num_heads == want.num_heads &&
-      got.head_dim == want.head_dim && got.conv_width == want.conv_width &&
-      got.state_value_bytes == want.state_value_bytes && got.tp_rank == want.tp_rank &&
-      got.tp_size == want.tp_size && got.payload_bytes == want.payload_bytes) {
-    return;
-  }
   auto conv = [](std::uint32_t w) {
     return w == 0 ? std::string("no conv states (KDA cores)")
                   : "conv states of width " + std::to_string(w) + " (whole layers)";
@@ -1576,25 +1569,41 @@ void Engine::Impl::check_sequence_state_header(const SequenceStateHeader& got,
            : bytes == 2 ? std::string("bf16")
                         : std::to_string(bytes) + "-byte";
   };
+  // Each field's words built only where it differs: a write allocates nothing.
   std::string differs;
-  auto field = [&](bool same, const std::string& block, const std::string& engine) {
-    if (!same) differs += (differs.empty() ? "" : "; ") + block + ", this engine " + engine;
+  auto field = [&](bool same, auto&& block, auto&& engine) {
+    if (!same) differs += (differs.empty() ? "" : "; ") + block() + ", this engine " + engine();
   };
-  field(got.kda_layers == want.kda_layers, std::to_string(got.kda_layers) + " KDA layers",
-        std::to_string(want.kda_layers));
-  field(got.num_heads == want.num_heads, std::to_string(got.num_heads) + " heads",
-        std::to_string(want.num_heads));
-  field(got.head_dim == want.head_dim, "head_dim " + std::to_string(got.head_dim),
-        std::to_string(want.head_dim));
-  field(got.conv_width == want.conv_width, conv(got.conv_width), conv(want.conv_width));
-  field(got.state_value_bytes == want.state_value_bytes, dtype(got.state_value_bytes) + " states",
-        dtype(want.state_value_bytes));
+  field(
+      got.kda_layers == want.kda_layers,
+      [&] { return std::to_string(got.kda_layers) + " KDA layers"; },
+      [&] { return std::to_string(want.kda_layers); });
+  field(
+      got.num_heads == want.num_heads, [&] { return std::to_string(got.num_heads) + " heads"; },
+      [&] { return std::to_string(want.num_heads); });
+  field(
+      got.head_dim == want.head_dim, [&] { return "head_dim " + std::to_string(got.head_dim); },
+      [&] { return std::to_string(want.head_dim); });
+  field(
+      got.conv_width == want.conv_width, [&] { return conv(got.conv_width); },
+      [&] { return conv(want.conv_width); });
+  field(
+      got.state_value_bytes == want.state_value_bytes,
+      [&] { return dtype(got.state_value_bytes) + " states"; },
+      [&] { return dtype(want.state_value_bytes); });
   field(
       got.tp_rank == want.tp_rank && got.tp_size == want.tp_size,
-      "tensor-parallel rank " + std::to_string(got.tp_rank) + " of " + std::to_string(got.tp_size),
-      "rank " + std::to_string(want.tp_rank) + " of " + std::to_string(want.tp_size));
-  field(got.payload_bytes == want.payload_bytes,
-        std::to_string(got.payload_bytes) + " bytes of states", std::to_string(want.payload_bytes));
+      [&] {
+        return "tensor-parallel rank " + std::to_string(got.tp_rank) + " of " +
+               std::to_string(got.tp_size);
+      },
+      [&] {
+        return "rank " + std::to_string(want.tp_rank) + " of " + std::to_string(want.tp_size);
+      });
+  field(
+      got.payload_bytes == want.payload_bytes,
+      [&] { return std::to_string(got.payload_bytes) + " bytes of states"; },
+      [&] { return std::to_string(want.payload_bytes); });
   if (!differs.empty()) fail(std::string(what) + "the block holds " + differs);
 }
 
