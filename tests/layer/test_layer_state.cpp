@@ -941,10 +941,6 @@ KDA_LAYER_CPU_CASE(
   }
 }
 
-// The same requests as the CUDA case below (an empty sequence at offset 0, a two-token one at its
-// length and at 0, 14 a sequence in any order): each row bit for bit the states of a prefill of
-// that many of its sequence's tokens (offset 0: the initial states), rows no request names
-// untouched, out and the sequences' own rows those of the call without checkpoints.
 // Past kda::kMaxCommitLayers layers the operator's commit runs a group at a time: every group is
 // checked, and the pools of different groups against each other, before any layer is committed.
 KDA_LAYER_CPU_CASE(
@@ -1001,8 +997,28 @@ KDA_LAYER_CPU_CASE(
         "KDA layer commit (CPU): layers 0 and 128 of the call: a recurrent pool "
         "overlaps the other's pool or records");
   CHECK(pools == before);
-  // A row count whose row-token pairs overflow 64 bits is below any record_rows.
+  // The last layer against the first group (the last pair the cross-group check compares).
   states[kMaxCommitLayers].recurrent = pools[kMaxCommitLayers].rec_f32.data();
+  states[L - 1].recurrent = states[0].recurrent;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layers 0 and 130 of the call: a recurrent pool "
+        "overlaps the other's pool or records");
+  CHECK(pools == before);
+  states[L - 1].recurrent = pools[static_cast<std::size_t>(L - 1)].rec_f32.data();
+  // Layers whose records hold different row counts.
+  states[L - 1].record_rows = 3;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layer 130 of the call: num_slots, recurrent_dtype or "
+        "record_rows differs from layer 0's");
+  CHECK(pools == before);
+  // Records of fewer rows than the call's row-token pairs (3 < 2 x 2), in every layer.
+  for (layer::State& s : states) s.record_rows = 3;
+  CHECK(error_of() ==
+        "KDA layer commit (CPU): layer 0 of the call: record_rows 3 is below 2 x 2 "
+        "row-token pairs");
+  CHECK(pools == before);
+  for (layer::State& s : states) s.record_rows = 4;
+  // A row count whose row-token pairs overflow 64 bits is below any record_rows.
   batch.sequences = (std::int64_t{1} << 60) + 1;
   batch.decode_tokens = 16;
   CHECK(error_of() ==
@@ -1016,6 +1032,10 @@ KDA_LAYER_CPU_CASE(
   CHECK(pools != before);
 }
 
+// The same requests as the CUDA case below (an empty sequence at offset 0, a two-token one at its
+// length and at 0, 14 a sequence in any order): each row bit for bit the states of a prefill of
+// that many of its sequence's tokens (offset 0: the initial states), rows no request names
+// untouched, out and the sequences' own rows those of the call without checkpoints.
 KDA_LAYER_CPU_CASE("prefill checkpoints from an empty sequence to many a sequence") {
   LayerRunner& runner = cpu_layer_runner();
   const layer::Config config = runner.config(GateMode::kLowerBound, false);
@@ -1119,6 +1139,31 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
   CHECK(padded.code == StatusCode::kOk);
   for (const std::int64_t row : {1, 4, 5}) CHECK(pools.row_equal(before, row));
   for (const std::int64_t row : {0, 2, 3}) CHECK_FALSE(pools.row_equal(before, row));
+}
+
+// A request whose slot is -1 or the batch's padding slot asks for nothing: neither its conv states
+// nor its recurrent state are written anywhere, while the call's other requests are.
+KDA_LAYER_CPU_CASE("checkpoint requests naming no slot or the padding slot write nothing") {
+  LayerRunner& runner = cpu_layer_runner();
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 5, 0));
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(57 * config.hidden_size), 1.0f, 6);
+  Pools pools(config, 6);
+  pools.randomize(7);
+  const Pools before = pools;
+  BatchSpec batch = prefill_batch({37, 20}, {0, 1});
+  batch.padding_slot = 5;
+  // Sequence 0: after 16 tokens into no slot, after 37 into the padding slot; sequence 1: after
+  // 16 into the padding slot, after 20 into row 3.
+  const std::vector<std::int64_t> offsets{16, 37, 16, 20};
+  const std::vector<std::int32_t> rows{-1, 5, 5, 3};
+  const LayerRun run =
+      runner.forward(*layer, hidden, batch, &pools, with_checkpoints(&offsets, &rows, 2));
+  REQUIRE_MESSAGE(run.error.empty(), run.error);
+  for (const std::int64_t row : {2, 4, 5}) CHECK(pools.row_equal(before, row));
+  for (const std::int64_t row : {0, 1, 3}) CHECK_FALSE(pools.row_equal(before, row));
+  CHECK(pools.row_equal(pools, 3, 1));  // the request at the length: the sequence's final state
 }
 
 namespace {
