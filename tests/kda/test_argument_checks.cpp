@@ -154,6 +154,26 @@ TEST_CASE("prefill: every tensor is in the aliasing checks under its own name") 
         "final_state partially overlaps initial_state (only an exact alias is allowed)");
 }
 
+TEST_CASE("prefill: a one-byte overlap at either end of out is refused") {
+  Prefill f;
+  auto* out = static_cast<unsigned char*>(f.at("out"));
+  auto* q = static_cast<unsigned char*>(f.at("q"));
+  const std::size_t out_bytes = 6 * 2 * 4 * 2;  // B*T*H*V bf16, as q's B*T*H*K
+  const std::string refused = "out overlaps q (outputs must not alias inputs)";
+  // q starting at out's last byte, then right after it.
+  Tensors t = f.t;
+  t.q = out + out_bytes - 1;
+  CHECK(message_of(validate(f.p, t)) == refused);
+  t.q = out + out_bytes;
+  CHECK(validate(f.p, t).ok());
+  // out starting at q's last byte, then right after it.
+  t = f.t;
+  t.out = q + out_bytes - 1;
+  CHECK(message_of(validate(f.p, t)) == refused);
+  t.out = q + out_bytes;
+  CHECK(validate(f.p, t).ok());
+}
+
 TEST_CASE("prefill: host copies are named in their own messages") {
   Prefill f;
   f.p.cu_seqlens_dtype = DType::kNone;
@@ -192,6 +212,62 @@ TEST_CASE("decode: every tensor is in the aliasing checks under its own name") {
   CHECK(validate(f.p).ok());
   f.p.tokens = kMaxDecodeTokens + 1;
   CHECK(message_of(validate(f.p)) == "tokens must be in [1, 16] (got 17)");
+}
+
+TEST_CASE("decode: a per-token-states verify step needs num_accepted") {
+  Decode f;
+  f.p.verify = true;  // slots [B, tokens], num_accepted [B]
+  f.buffers["num_accepted"].assign(64, 0);
+  f.t.num_accepted = static_cast<const std::int32_t*>(f.at("num_accepted"));
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  DecodeTensors t = f.t;
+  t.num_accepted = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "num_accepted is null");
+}
+
+// The records step's pool is an input unless it folds: then it stores the folded states, and no
+// input (the fold's own tensors included) may share its memory.
+TEST_CASE("decode: a records step that folds writes the pool, which may alias no input") {
+  Decode f;
+  f.p.verify = f.p.records = true;
+  f.p.fold_batch = 2;
+  f.p.fold_tokens = 1;
+  for (const char* name : {"records", "fold_records", "fold_rows", "fold_counts"}) {
+    f.buffers[name].assign(64, 0);
+  }
+  f.t.records = static_cast<float*>(f.at("records"));
+  f.t.fold_records = static_cast<const float*>(f.at("fold_records"));
+  f.t.fold_rows = static_cast<const std::int32_t*>(f.at("fold_rows"));
+  f.t.fold_counts = static_cast<const std::int32_t*>(f.at("fold_counts"));
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  std::vector<const char*> inputs = kDecodeInputs;
+  inputs.insert(inputs.end(), {"fold_records", "fold_rows", "fold_counts"});
+  check_over_each(f, inputs, "state_pool", [](DecodeTensors& t, void* at) { t.state_pool = at; });
+  // Without the fold the pool is only read: an input may share its memory.
+  f.p.fold_batch = 0;
+  DecodeTensors t = f.t;
+  t.fold_records = nullptr;
+  t.fold_rows = t.fold_counts = nullptr;
+  t.state_pool = f.at("q");
+  CHECK(validate(f.p, t).ok());
+}
+
+// A records step writes 2K + V floats per (token, head): alpha, k^ and u. An input over the u of
+// its last token is refused; one right after the records is not.
+TEST_CASE("decode: the records tensor's range covers u, its last V floats") {
+  Decode f;
+  f.p.verify = f.p.records = true;
+  f.buffers["records"].assign(256, 0);  // 2 KiB: records, then room for the pool after them
+  auto* records = static_cast<unsigned char*>(f.at("records"));
+  f.t.records = reinterpret_cast<float*>(records);
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  const std::size_t bytes = 2 * 2 * 2 * (2 * 4 + 4) * 4;  // B*tokens*H*(2K+V) floats
+  DecodeTensors t = f.t;
+  t.state_pool = records + bytes - 4;  // the pool's first float is the records' last u
+  CHECK(message_of(validate(f.p, t)) ==
+        "records overlaps state_pool (outputs must not alias inputs)");
+  t.state_pool = records + bytes;
+  CHECK(validate(f.p, t).ok());
 }
 
 TEST_CASE("segment transitions: p_t, h_t and s_out are in the aliasing checks") {

@@ -51,10 +51,10 @@ struct Fold {
 };
 
 // A plain or records step (dc.problem.records: d.slots is [B], num_accepted not passed) on the
-// pool `pool_in`, folding `fold` first where given.
+// pool `pool_in`, folding `fold` first where given (`cpu`: the CPU backend's options).
 template <class Buffer>
 RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsigned char>& pool_in,
-                   const Fold* fold) {
+                   const Fold* fold, const CpuOptions& cpu = {}) {
   RecordsRun r;
   DecodeProblem p = dc.problem;
   CaseBuffers<Buffer> d(dc.tokens);
@@ -83,7 +83,7 @@ RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsi
     t.fold_counts = static_cast<const std::int32_t*>(fold_counts.get());
   }
   if (backend == Backend::kCuda) t.device_status = static_cast<std::uint32_t*>(status.get());
-  r.status = backend == Backend::kCpu ? decode_cpu(p, t) : decode_cuda(p, t, nullptr, dc.cuda);
+  r.status = backend == Backend::kCpu ? decode_cpu(p, t, cpu) : decode_cuda(p, t, nullptr, dc.cuda);
   if (r.status.ok()) r.status = Buffer::synchronize();
   r.pool = pool.template download<unsigned char>();
   r.out = out.template download<std::uint16_t>();
@@ -95,8 +95,8 @@ RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsi
 }
 
 RecordsRun step(const Runner& runner, const DecodeCase& dc, const std::vector<unsigned char>& pool,
-                const Fold* fold) {
-  return runner.backend() == Backend::kCpu ? step_on<HostBuffer>(Backend::kCpu, dc, pool, fold)
+                const Fold* fold, const CpuOptions& cpu = {}) {
+  return runner.backend() == Backend::kCpu ? step_on<HostBuffer>(Backend::kCpu, dc, pool, fold, cpu)
                                            : step_on<DeviceBuffer>(Backend::kCuda, dc, pool, fold);
 }
 
@@ -117,7 +117,7 @@ CommitRun commit_on(Backend backend, const CommitProblem& p,
                     const std::vector<std::vector<float>>& records,
                     const std::vector<std::vector<unsigned char>>& pools,
                     const std::vector<std::int32_t>& slots,
-                    const std::vector<std::int32_t>& num_accepted) {
+                    const std::vector<std::int32_t>& num_accepted, const CpuOptions& cpu) {
   CommitRun r;
   std::vector<Buffer> rec, pool;
   std::vector<CommitLayer> layers;
@@ -135,7 +135,7 @@ CommitRun commit_on(Backend backend, const CommitProblem& p,
   const auto* pa = static_cast<const std::int32_t*>(na.get());
   const int n = static_cast<int>(layers.size());
   r.status = backend == Backend::kCpu
-                 ? commit_cpu(p, layers.data(), n, ps, pa)
+                 ? commit_cpu(p, layers.data(), n, ps, pa, cpu)
                  : commit_cuda(p, layers.data(), n, ps, pa,
                                static_cast<std::uint32_t*>(status.get()), nullptr);
   if (r.status.ok()) r.status = Buffer::synchronize();
@@ -151,10 +151,10 @@ CommitRun commit(const Runner& runner, const CommitProblem& p,
                  const std::vector<std::vector<float>>& records,
                  const std::vector<std::vector<unsigned char>>& pools,
                  const std::vector<std::int32_t>& slots,
-                 const std::vector<std::int32_t>& num_accepted) {
+                 const std::vector<std::int32_t>& num_accepted, const CpuOptions& cpu = {}) {
   return runner.backend() == Backend::kCpu
-             ? commit_on<HostBuffer>(Backend::kCpu, p, records, pools, slots, num_accepted)
-             : commit_on<DeviceBuffer>(Backend::kCuda, p, records, pools, slots, num_accepted);
+             ? commit_on<HostBuffer>(Backend::kCpu, p, records, pools, slots, num_accepted, cpu)
+             : commit_on<DeviceBuffer>(Backend::kCuda, p, records, pools, slots, num_accepted, cpu);
 }
 
 CommitProblem commit_problem(const DecodeProblem& d) {
@@ -910,4 +910,170 @@ TEST_CASE(
   CHECK(st.message().find("fold_rows") != std::string::npos);
   t.fold_rows = rows.data();
   CHECK(validate(p, t).ok());
+}
+
+// A records step that folds stores its rows' folded states, so its rows' slots must be distinct,
+// as a plain step's (without the fold it only reads the pool and rows may share a slot).
+KDA_CPU_CASE("a records step that folds refuses two rows on one slot") {
+  const std::int64_t B = 3, T = 4, H = 1;
+  const TwoForms f = two_forms(B, T, H, DType::kF32, GateMode::kSoftplus, 1700);
+  const RecordsRun first = records_step(cpu_runner(), f.records);
+  REQUIRE(first.status.ok());
+  DecodeCase next = make_decode_case(B, 2, H, f.records.problem.num_slots, DType::kF32,
+                                     GateMode::kLowerBound, 1701);
+  next.problem.verify = next.problem.records = true;
+  const std::int32_t s0 = f.records.slots[0], s2 = f.records.slots[2];
+  next.slots = {s0, s2, s2};
+  Fold fold;
+  fold.batch = B;
+  fold.tokens = T;
+  fold.records = first.records;
+  fold.rows = {0, 1, 2};
+  fold.counts = {1, 2, 1};
+  const std::vector<unsigned char> p0 = pool_bytes(f.records);
+  const RecordsRun r = step(cpu_runner(), next, p0, &fold);
+  CHECK(r.status.code() == StatusCode::kInvalidArgument);
+  CHECK(r.status.message() == "slots[1] and slots[2] both name slot " + std::to_string(s2));
+  CHECK(r.guards_intact);
+  CHECK(r.pool == p0);
+  CHECK(std::all_of(r.out.begin(), r.out.end(), [](std::uint16_t x) { return x == 0xFFFF; }));
+  const RecordsRun shared = step(cpu_runner(), next, p0, nullptr);
+  CHECK_MESSAGE(shared.status.ok(), shared.status.to_string());
+}
+
+// CpuOptions::fp64 on an f32 pool: the fold stores the folded state rounded to f32, as the commit
+// does, and the step goes on from that stored state, so a folding step equals the fp64 commit
+// followed by the same step bit for bit (a plain step and a records step).
+KDA_CPU_CASE(
+    "under fp64 a step that folds into an f32 pool equals the fp64 commit, then that step") {
+  const std::int64_t B = 5, T = 4, H = 2;
+  CpuOptions fp64;
+  fp64.fp64 = true;
+  const Runner& cpu = cpu_runner();
+  for (const bool next_records : {false, true}) {
+    CAPTURE(next_records);
+    const std::uint64_t seed = next_records ? 1610 : 1600;
+    const TwoForms f = two_forms(B, T, H, DType::kF32, GateMode::kSoftplus, seed);
+    const std::vector<unsigned char> p0 = pool_bytes(f.records);
+    const RecordsRun first = step(cpu, f.records, p0, nullptr, fp64);
+    REQUIRE_MESSAGE(first.status.ok(), first.status.to_string());
+    const std::vector<std::int32_t> na = random_accepted(f.records.slots, T, seed + 1);
+    const CommitRun committed = commit(cpu, commit_problem(f.records.problem), {first.records},
+                                       {p0}, f.records.slots, na, fp64);
+    REQUIRE_MESSAGE(committed.status.ok(), committed.status.to_string());
+    const std::vector<unsigned char>& p1 = committed.pools[0];
+    REQUIRE(p1 != p0);
+
+    // The next step on the same slots, row b folding the records step's row b (padding: none).
+    DecodeCase next = make_decode_case(B, 2, H, f.records.problem.num_slots, DType::kF32,
+                                       GateMode::kSoftplus, seed + 2);
+    next.problem.verify = next.problem.records = next_records;
+    next.slots = f.records.slots;
+    Fold fold;
+    fold.batch = B;
+    fold.tokens = T;
+    fold.records = first.records;
+    for (std::int64_t b = 0; b < B; ++b) {
+      const bool padding = f.records.slots[static_cast<std::size_t>(b)] < 0;
+      fold.rows.push_back(padding ? -1 : static_cast<std::int32_t>(b));
+      fold.counts.push_back(padding ? 0 : na[static_cast<std::size_t>(b)]);
+    }
+    const RecordsRun want = step(cpu, next, p1, nullptr, fp64);
+    REQUIRE_MESSAGE(want.status.ok(), want.status.to_string());
+    const RecordsRun got = step(cpu, next, p0, &fold, fp64);
+    REQUIRE_MESSAGE(got.status.ok(), got.status.to_string());
+    CHECK(got.guards_intact);
+    CHECK(got.out == want.out);
+    if (next_records) {
+      // Bytes, not floats: the padding row's records are the poison (a NaN) in both.
+      REQUIRE(got.records.size() == want.records.size());
+      CHECK(std::memcmp(got.records.data(), want.records.data(), got.records.size() * 4) == 0);
+      CHECK(got.pool == p1);
+    } else {
+      CHECK(got.pool == want.pool);
+    }
+  }
+}
+
+// The commit works on a state row in pieces of 256 channels (a buffer on the stack): with K = 320
+// a row has a second, partial piece. A records step and its commit still keep, bit for bit, the
+// state the per-token-states verify step keeps (f32 pool, fp32), and touch no other entry.
+KDA_CPU_CASE("records step + commit equal the per-token-states verify step with K = 320") {
+  const std::int64_t B = 3, T = 3, H = 2, K = 320, V = 8, num_slots = B * T + 1;
+  CaseOptions o;
+  o.heads = H;
+  o.head_dim_k = K;
+  o.head_dim_v = V;
+  o.batch = B;
+  o.seq_len = T;
+  o.final_state_dtype = DType::kNone;
+  o.seed = 1800;
+  DecodeCase per_token;
+  per_token.tokens = make_case(o);
+  DecodeProblem& p = per_token.problem;
+  p.batch = B;
+  p.tokens = T;
+  p.num_heads = H;
+  p.head_dim_k = K;
+  p.head_dim_v = V;
+  p.num_slots = num_slots;
+  p.state_dtype = DType::kF32;
+  p.verify = true;
+  Rng rng(1801);
+  per_token.pool.resize(static_cast<std::size_t>(num_slots * H * V * K));
+  for (float& x : per_token.pool) x = static_cast<float>(0.3 * rng.normal());
+  // Row b starts from slots[b][0] = b * T + 1 and keeps the state after token t in b * T + t + 1;
+  // no row names slot 0.
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t t = 0; t < T; ++t) {
+      per_token.slots.push_back(static_cast<std::int32_t>(b * T + t + 1));
+    }
+  }
+  per_token.num_accepted.assign(static_cast<std::size_t>(B), 1);
+  const DecodeRun full = cpu_runner().decode(per_token);
+  REQUIRE_MESSAGE(full.status.ok(), full.status.to_string());
+
+  DecodeProblem rp = p;
+  rp.records = true;
+  std::vector<std::int32_t> slots;
+  for (std::int64_t b = 0; b < B; ++b)
+    slots.push_back(per_token.slots[static_cast<std::size_t>(b * T)]);
+  const KdaCase& c = per_token.tokens;
+  std::vector<float> records(static_cast<std::size_t>(B * T * H * (2 * K + V)),
+                             std::numeric_limits<float>::quiet_NaN());
+  std::vector<std::uint16_t> out(static_cast<std::size_t>(c.out_elems()), kPoisonBf16);
+  const std::vector<unsigned char> before = pool_bytes(per_token);
+  std::vector<unsigned char> pool = before;
+  DecodeTensors t;
+  t.q = c.q.data();
+  t.k = c.k.data();
+  t.v = c.v.data();
+  t.g = c.g.data();
+  t.beta = c.beta.data();
+  t.A_log = c.A_log.data();
+  t.dt_bias = c.dt_bias.data();
+  t.slots = slots.data();
+  t.state_pool = pool.data();
+  t.out = out.data();
+  t.records = records.data();
+  REQUIRE(decode_cpu(rp, t).ok());
+  CHECK(out == full.out);
+  CHECK(all_finite(records));
+
+  const std::vector<std::int32_t> na = {1, static_cast<std::int32_t>(T), 2};
+  const CommitProblem cp = commit_problem(rp);
+  const CommitLayer layer{records.data(), pool.data()};
+  REQUIRE(commit_cpu(cp, &layer, 1, slots.data(), na.data()).ok());
+  const std::size_t bytes = static_cast<std::size_t>(H * V * K) * 4;
+  for (std::int64_t b = 0; b < B; ++b) {
+    CAPTURE(b);
+    const std::int64_t n = na[static_cast<std::size_t>(b)];
+    const std::int32_t kept = per_token.slots[static_cast<std::size_t>(b * T + n - 1)];
+    CHECK(same_entry(pool, slots[static_cast<std::size_t>(b)], full.pool, kept, bytes));
+  }
+  for (std::int64_t s = 0; s < num_slots; ++s) {
+    if (std::find(slots.begin(), slots.end(), s) != slots.end()) continue;
+    CAPTURE(s);
+    CHECK(same_entry(pool, s, before, s, bytes));
+  }
 }

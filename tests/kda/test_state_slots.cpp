@@ -248,10 +248,18 @@ struct CheckpointCall {
     out.assign(static_cast<std::size_t>(c.out_elems()), kPoisonBf16);
   }
   std::size_t per_slot() const { return pool.size() / 12; }
-  Status run() {
+  Status run() { return run(pool.data()); }
+  // The call on a copy of the pool at `states` (pool.size() floats), copied back afterwards.
+  Status run(float* states) {
+    if (states != pool.data()) std::copy(pool.begin(), pool.end(), states);
+    const Status st = run_in_place(states);
+    if (states != pool.data()) std::copy(states, states + pool.size(), pool.begin());
+    return st;
+  }
+  Status run_in_place(float* states) {
     Tensors t = c.inputs();
-    t.initial_state = pool.data();
-    t.final_state = pool.data();
+    t.initial_state = states;
+    t.final_state = states;
     t.state_slots = slots.data();
     t.checkpoint_offsets = offsets.data();
     t.checkpoint_slots = checkpoint_slots.data();
@@ -362,6 +370,50 @@ KDA_CPU_CASE("bad checkpoint requests are refused before anything is written") {
   p.num_state_slots = 0;
   CHECK(validate(p).message().find("checkpoints (3) need state slots and a final state") !=
         std::string::npos);
+}
+
+// A request with an offset but no slot (-1) writes nothing, also when the call names a padding slot
+// of its own: the pool lies between two guard entries of random values, which must survive, and
+// the call equals the one without a padding slot.
+KDA_CPU_CASE("a checkpoint request with slot -1 writes nothing when padding_slot is set") {
+  CheckpointCall want;
+  REQUIRE(want.run().ok());
+  CheckpointCall call;
+  REQUIRE(call.offsets[7] == 32);
+  REQUIRE(call.checkpoint_slots[7] == -1);  // row 2's request after 32 tokens, not kept
+  call.p.padding_slot = 11;                 // no request or sequence names it
+  const std::size_t per_slot = call.per_slot();
+  std::vector<float> framed(call.pool.size() + 2 * per_slot);
+  Rng rng(1501);
+  for (float& x : framed) x = static_cast<float>(rng.normal());
+  const std::vector<float> guards = framed;
+  REQUIRE(call.run(framed.data() + per_slot).ok());
+  CHECK(std::equal(guards.begin(), guards.begin() + per_slot, framed.begin()));  // entry -1
+  CHECK(std::equal(guards.end() - per_slot, guards.end(), framed.end() - per_slot));
+  CHECK(call.pool == want.pool);
+  CHECK(call.out == want.out);
+}
+
+// A request with offset -1 is no request: its slot may be the sequence's own or another request's
+// (no write twice), and the call equals the one where it names an unused slot.
+KDA_CPU_CASE("a checkpoint request with offset -1 may name a slot the call writes") {
+  CheckpointCall want;
+  REQUIRE(want.run().ok());
+  struct Case {
+    std::size_t request;  // [row][2], offset -1
+    std::int32_t slot;
+  };
+  for (const Case& k : {Case{2, 0}, Case{2, 3}, Case{2, 10}, Case{8, 2}, Case{8, 9}}) {
+    CAPTURE(k.request);
+    CAPTURE(k.slot);
+    CheckpointCall call;
+    REQUIRE(call.offsets[k.request] == -1);
+    call.checkpoint_slots[k.request] = k.slot;
+    const Status st = call.run();
+    REQUIRE_MESSAGE(st.ok(), st.to_string());
+    CHECK(call.pool == want.pool);
+    CHECK(call.out == want.out);
+  }
 }
 
 namespace {

@@ -106,6 +106,33 @@ KDA_MATRIX_CASE("apply_transition equals the CPU's, also in place") {
   }
 }
 
+// The workspace is scratch: what it holds before the call (here 0xFF bytes, NaN in bf16 and f32)
+// must not reach P^T or H^T. The runner's workspace starts zeroed; this one is poisoned.
+KDA_CPU_CASE("segment transitions do not depend on the workspace's contents") {
+  for (const TransitionCase& tc : transition_cases()) {
+    if (!runs_on(tc.backends, cpu_runner())) continue;
+    CAPTURE(tc.name);
+    CaseOptions o = tc.options;
+    o.seed += 1000;
+    const KdaCase c = make_case(o);
+    const TransitionRun clean = cpu_runner().transition(c);
+    REQUIRE(clean.status.ok());
+    Problem p = c.problem;
+    p.initial_state_dtype = p.final_state_dtype = DType::kNone;
+    std::size_t bytes = 0;
+    REQUIRE(transition_workspace_size(p, Backend::kCpu, &bytes).ok());
+    std::vector<unsigned char> ws(bytes, kPoisonByte);
+    std::vector<float> pt(clean.p_t.size()), ht(clean.h_t.size());
+    Tensors t = c.inputs();
+    t.initial_state = nullptr;
+    REQUIRE(
+        segment_transition_cpu(p, t, pt.data(), ht.data(), Workspace{ws.data(), ws.size()}).ok());
+    CHECK(all_finite(pt));
+    CHECK(pt == clean.p_t);
+    CHECK(ht == clean.h_t);
+  }
+}
+
 KDA_CPU_CASE("segment transitions refuse what they cannot do") {
   CaseOptions o = transition_cases().front().options;  // H = 2, K = 16, V = 24, four sequences
   o.seed = 4;

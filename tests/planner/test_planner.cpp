@@ -369,6 +369,21 @@ TEST_CASE("planner: reuse mode best fit picks the smallest adequate gap") {
   CHECK(no_fit_result.plan.arena_bytes == 9 * u);
 }
 
+TEST_CASE("planner: reuse mode places a buffer in a gap it fills exactly") {
+  constexpr std::uint64_t u = 256;
+  // X 3u [0,0] -> [0, 3u);  Y 3u [0,1] -> [3u, 6u);  W 3u [1,1] is live with Y only: X's memory
+  // below Y is a gap of exactly 3u, so W goes to 0 and the arena stays 6u (not 9u).
+  const std::vector<BufferRequest> requests = {make_request("X", 3 * u, 0, 0),
+                                               make_request("Y", 3 * u, 0, 1),
+                                               make_request("W", 3 * u, 1, 1)};
+  const PlanResult result = plan_of(requests, PlanMode::kReuse);
+  check_common_invariants(requests, result, 256);
+  CHECK(result.plan.find("X")->offset == 0);
+  CHECK(result.plan.find("Y")->offset == 3 * u);
+  CHECK(result.plan.find("W")->offset == 0);
+  CHECK(result.plan.arena_bytes == 6 * u);
+}
+
 TEST_CASE("planner: errors name the buffer and the problem") {
   SUBCASE("zero size") {
     const std::string error =
