@@ -644,8 +644,9 @@ TEST_CASE("kda-run --verify-tokens: speculative verify steps in each form") {
   CHECK(few.rc == 0);
   for (const std::vector<std::string>& args :
        {std::vector<std::string>{"--verify-form", "fold"},
-        {"--verify-tokens", "1"},
-        {"--verify-tokens", "17"},
+        // out of [2, 16], with decode steps to verify (so that only the bound refuses them)
+        {"--verify-tokens", "1", "--decode-steps", "1"},
+        {"--verify-tokens", "17", "--decode-steps", "1"},
         {"--verify-tokens", "4", "--verify-form", "both"},
         {"--verify-tokens", "4", "--ranks", "2"},
         {"--verify-tokens", "4", "--plan-only"},

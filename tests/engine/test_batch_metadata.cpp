@@ -400,6 +400,10 @@ void bad_verify(Backend backend) {
     if (backend == Backend::kCpu) {
       CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), b); }) ==
             "decode_hidden: row 1 has num_accepted 3, expected 1..2 (decode_tokens)");
+      accepted.write(std::vector<std::int32_t>{0, 1});  // no token accepted: no state to start from
+      CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out.get(), b); }) ==
+            "decode_hidden: row 0 has num_accepted 0, expected 1..2 (decode_tokens)");
+      accepted.write(std::vector<std::int32_t>{1, 3});
       BatchMetadata twice = b;
       accepted.write(std::vector<std::int32_t>{1, 1});
       slots.write(std::vector<std::int32_t>{0, 1, 2, 1});
@@ -512,6 +516,11 @@ void prefill_checkpoints(Backend backend) {
   cp_dev.write(std::vector<std::int32_t>{5, -1, 3, -1});
   CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
         "prefill_hidden: checkpoint 0 uses slot 5, which is not an acquired slot");
+  // A request at offset 0 (the sequence's initial states) is a write like any other.
+  off_dev.write(std::vector<std::int64_t>{0, -1, 32, -1});
+  CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
+        "prefill_hidden: checkpoint 0 uses slot 5, which is not an acquired slot");
+  off_dev.write(offsets);
   cp_dev.write(std::vector<std::int32_t>{1, -1, 3, -1});
   CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
         "prefill_hidden: slot 1 appears twice in the batch");
@@ -808,8 +817,13 @@ void sequence_state_round_trip(Backend backend) {
             "read_sequence_state writes it)");
   CHECK(with([](auto& h) { h.version = 2; }) ==
         prefix + "the block's header is version 2 of 64 bytes; this engine reads version 1 of 64");
+  CHECK(with([](auto& h) { h.header_bytes = 72; }) ==
+        prefix + "the block's header is version 1 of 72 bytes; this engine reads version 1 of 64");
   CHECK(with([](auto& h) { h.tp_rank = 1, h.tp_size = 2; }) ==
         prefix + "the block holds tensor-parallel rank 1 of 2, this engine rank 0 of 1");
+  // Another rank of as many ranks: its heads are not this engine's.
+  CHECK(with([](auto& h) { h.tp_rank = 1; }) ==
+        prefix + "the block holds tensor-parallel rank 1 of 1, this engine rank 0 of 1");
   CHECK(with([](auto& h) { h.state_value_bytes = 2; }) ==
         prefix + "the block holds bf16 states, this engine fp32");
   CHECK(with([](auto& h) { h.conv_width = 0; }) ==

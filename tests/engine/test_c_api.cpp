@@ -693,7 +693,18 @@ KDA_CPU_CASE(
     CHECK(kda_engine_acquire_slot(handle, &fifth) == KDA_OK);
     CHECK(fifth == 2);
     // Copies between acquired slots only, and never a slot onto itself.
+    // The copy goes from src to dst: slot 0 given states of its own, slot 1 then holds them.
+    std::uint64_t block_bytes = 0;
+    REQUIRE(kda_engine_sequence_state_bytes(handle, &block_bytes) == KDA_OK);
+    std::vector<unsigned char> written(block_bytes), copied(block_bytes, 0xFF);
+    REQUIRE(kda_engine_read_sequence_state(handle, 0, written.data(), block_bytes) == KDA_OK);
+    std::fill(written.begin() + 64, written.end(), std::uint8_t{0x3F});  // past the header
+    REQUIRE(kda_engine_write_sequence_state(handle, 0, written.data(), block_bytes) == KDA_OK);
     CHECK(kda_engine_copy_slot(handle, 0, 1) == KDA_OK);
+    REQUIRE(kda_engine_read_sequence_state(handle, 1, copied.data(), block_bytes) == KDA_OK);
+    CHECK(copied == written);
+    CHECK(kda_engine_copy_slots(handle, -1, slots, slots) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "-1 pairs, expected 0..4"));
     CHECK(kda_engine_copy_slot(handle, -1, 1) == KDA_INVALID_ARGUMENT);
     CHECK(contains(last_error(handle), "kda_engine_copy_slot: src slot -1 is not acquired"));
     CHECK(kda_engine_release_slot(handle, 3) == KDA_OK);

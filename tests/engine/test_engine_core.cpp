@@ -611,6 +611,9 @@ KDA_MATRIX_CASE("slots: reset_slots zeroes the named slots in every layer, as re
   CHECK_THROWS_WITH_AS(engine.reset_slots(1, nullptr), "reset_slots: slots is null", kda::Error);
   CHECK_THROWS_WITH_AS(engine.reset_slots(5, slots.as<std::int32_t>()),
                        "reset_slots: 5 entries, expected 0..4 (runtime.max_sequences)", kda::Error);
+  CHECK_THROWS_WITH_AS(engine.reset_slots(-1, slots.as<std::int32_t>()),
+                       "reset_slots: -1 entries, expected 0..4 (runtime.max_sequences)",
+                       kda::Error);
   if (runner.backend() == kda::Backend::kCpu) {
     engine.release_slot(b);
     const std::string message =

@@ -522,6 +522,13 @@ KDA_CPU_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_t
   CHECK(spec.kda_layers == std::vector<int>{1, 2, 3});
   CHECK(spec.full_attn_layers == std::vector<int>{4});
   CHECK(spec.gate == kda::GateMode::kSoftplus);
+  // "kda_attention" names a KDA layer as "linear_attention" does.
+  const ModelSpec named = parse(R"({"model_type": "kimi_linear", "hidden_size": 64,
+      "num_hidden_layers": 3, "linear_num_heads": 2, "linear_head_dim": 16,
+      "linear_conv_kernel_dim": 4,
+      "layer_types": ["kda_attention", "full_attention", "kda_attention"]})");
+  CHECK(named.kda_layers == std::vector<int>{1, 3});
+  CHECK(named.full_attn_layers == std::vector<int>{2});
 }
 
 KDA_CPU_CASE("unknown families are refused, naming what was looked for") {

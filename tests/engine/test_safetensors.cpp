@@ -303,6 +303,11 @@ TEST_CASE("malformed files: data offsets past the end / reversed / overlapping /
       dir,
       file_with_header(R"({"t": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 10]}})", 10),
       {"tensor 't'", "shape [2, 3] of BF16 needs 12 bytes but data_offsets hold 10"});
+  // More bytes than the shape needs is as wrong as fewer: the header does not describe the data.
+  check_bad(
+      dir,
+      file_with_header(R"({"t": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 14]}})", 14),
+      {"tensor 't'", "shape [2, 3] of BF16 needs 12 bytes but data_offsets hold 14"});
 
   const std::string path = dir.file("overflow.safetensors");
   write_bytes(
