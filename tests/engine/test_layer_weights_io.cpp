@@ -106,6 +106,21 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
     CHECK(loaded.o_proj == weights.o_proj);
   }
 
+  // The index decides where a tensor is: one a shard holds but weight_map does not list is not
+  // found (here a name that sorts just before a listed one of the same shard).
+  {
+    TempDir unlisted_dir;
+    std::vector<Tensor> second = shard2;
+    const std::string unlisted = "model.layers.2.self_attn.o_proj";
+    second.push_back(Tensor::zeros(unlisted, DType::kBF16, {2}));
+    kda::engine::save_safetensors(unlisted_dir.file("model-00001-of-00002.safetensors"), shard1);
+    kda::engine::save_safetensors(unlisted_dir.file("model-00002-of-00002.safetensors"), second);
+    std::ofstream(unlisted_dir.file("model.safetensors.index.json")) << index.dump(2);
+    const Checkpoint checkpoint = Checkpoint::open(unlisted_dir.path.string());
+    CHECK(checkpoint.find(unlisted) == nullptr);
+    CHECK(checkpoint.find("model.layers.2.self_attn.o_proj.weight") != nullptr);
+  }
+
   // Gate parameters outside the operator's range: the error names the shard that holds A_log.
   {
     Weights bad = weights;
