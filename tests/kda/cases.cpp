@@ -504,11 +504,12 @@ const std::vector<DecodeShape>& decode_shapes() {
 
 DecodeCase make_decode_case(std::int64_t B, std::int64_t tokens, std::int64_t H,
                             std::int64_t num_slots, DType state_dtype, GateMode gate,
-                            std::uint64_t seed) {
+                            std::uint64_t seed, std::int64_t head_dim_k, std::int64_t head_dim_v) {
   DecodeCase d;
   CaseOptions o;
   o.heads = H;
-  o.head_dim_k = o.head_dim_v = 128;
+  o.head_dim_k = head_dim_k;
+  o.head_dim_v = head_dim_v;
   o.batch = B;
   o.seq_len = tokens;
   o.gate = gate;
@@ -518,11 +519,13 @@ DecodeCase make_decode_case(std::int64_t B, std::int64_t tokens, std::int64_t H,
   d.problem.batch = B;
   d.problem.tokens = tokens;
   d.problem.num_heads = H;
+  d.problem.head_dim_k = head_dim_k;
+  d.problem.head_dim_v = head_dim_v;
   d.problem.num_slots = num_slots;
   d.problem.state_dtype = state_dtype;
   d.problem.gate = gate;
   Rng rng(seed + 1);
-  d.pool.resize(static_cast<std::size_t>(num_slots * H * 128 * 128));
+  d.pool.resize(static_cast<std::size_t>(num_slots * H * head_dim_v * head_dim_k));
   for (auto& x : d.pool) x = static_cast<float>(0.3 * rng.normal());
   if (state_dtype == DType::kBF16) d.pool = to_floats(to_bf16(d.pool));
   // Distinct slots, shuffled, with padding rows (-1) every fourth sequence.

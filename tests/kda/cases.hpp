@@ -77,10 +77,12 @@ struct DecodeShape {
   std::string name() const;
 };
 const std::vector<DecodeShape>& decode_shapes();
-// B rows of `tokens` tokens, K = V = 128, pool values ~ N(0, 0.09), distinct shuffled slots.
+// B rows of `tokens` tokens, K = V = 128 unless given, pool values ~ N(0, 0.09), distinct
+// shuffled slots.
 DecodeCase make_decode_case(std::int64_t B, std::int64_t tokens, std::int64_t H,
                             std::int64_t num_slots, DType state_dtype, GateMode gate,
-                            std::uint64_t seed);
+                            std::uint64_t seed, std::int64_t head_dim_k = 128,
+                            std::int64_t head_dim_v = 128);
 
 // Segment transitions. kFp64: applied to the initial state, equal to the fp64 final state within
 // tol (and the empty first sequence's P^T is the identity); kCpu: P^T and H^T equal the CPU's.

@@ -62,8 +62,9 @@ RecordsRun step_on(Backend backend, const DecodeCase& dc, const std::vector<unsi
   Buffer pool = Buffer::from(pool_in);
   Buffer out(static_cast<std::size_t>(dc.tokens.out_elems()) * 2);
   out.fill(kPoisonByte);
-  Buffer records(
-      p.records ? static_cast<std::size_t>(p.batch * p.tokens * p.num_heads * kRecord) * 4 : 0);
+  const std::int64_t record = 2 * p.head_dim_k + p.head_dim_v;  // kRecord at K = V = 128
+  Buffer records(p.records ? static_cast<std::size_t>(p.batch * p.tokens * p.num_heads * record) * 4
+                           : 0);
   records.fill(kPoisonByte);
   Buffer fold_records = Buffer::from(fold != nullptr ? fold->records : std::vector<float>(1));
   Buffer fold_rows = Buffer::from(fold != nullptr ? fold->rows : std::vector<std::int32_t>(1));
@@ -1000,30 +1001,12 @@ KDA_CPU_CASE(
 // state the per-token-states verify step keeps (f32 pool, fp32), and touch no other entry.
 KDA_CPU_CASE("records step + commit equal the per-token-states verify step with K = 320") {
   const std::int64_t B = 3, T = 3, H = 2, K = 320, V = 8, num_slots = B * T + 1;
-  CaseOptions o;
-  o.heads = H;
-  o.head_dim_k = K;
-  o.head_dim_v = V;
-  o.batch = B;
-  o.seq_len = T;
-  o.final_state_dtype = DType::kNone;
-  o.seed = 1800;
-  DecodeCase per_token;
-  per_token.tokens = make_case(o);
-  DecodeProblem& p = per_token.problem;
-  p.batch = B;
-  p.tokens = T;
-  p.num_heads = H;
-  p.head_dim_k = K;
-  p.head_dim_v = V;
-  p.num_slots = num_slots;
-  p.state_dtype = DType::kF32;
-  p.verify = true;
-  Rng rng(1801);
-  per_token.pool.resize(static_cast<std::size_t>(num_slots * H * V * K));
-  for (float& x : per_token.pool) x = static_cast<float>(0.3 * rng.normal());
-  // Row b starts from slots[b][0] = b * T + 1 and keeps the state after token t in b * T + t + 1;
-  // no row names slot 0.
+  DecodeCase per_token =
+      make_decode_case(B, T, H, num_slots, DType::kF32, GateMode::kSoftplus, 1800, K, V);
+  per_token.problem.verify = true;
+  per_token.slots.clear();
+  // [B, T] slots instead of the shuffled ones: row b starts from slots[b][0] = b * T + 1 and keeps
+  // the state after token t in b * T + t + 1; no row names slot 0.
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t t = 0; t < T; ++t) {
       per_token.slots.push_back(static_cast<std::int32_t>(b * T + t + 1));
@@ -1033,37 +1016,27 @@ KDA_CPU_CASE("records step + commit equal the per-token-states verify step with 
   const DecodeRun full = cpu_runner().decode(per_token);
   REQUIRE_MESSAGE(full.status.ok(), full.status.to_string());
 
-  DecodeProblem rp = p;
-  rp.records = true;
-  std::vector<std::int32_t> slots;
-  for (std::int64_t b = 0; b < B; ++b)
-    slots.push_back(per_token.slots[static_cast<std::size_t>(b * T)]);
-  const KdaCase& c = per_token.tokens;
-  std::vector<float> records(static_cast<std::size_t>(B * T * H * (2 * K + V)),
-                             std::numeric_limits<float>::quiet_NaN());
-  std::vector<std::uint16_t> out(static_cast<std::size_t>(c.out_elems()), kPoisonBf16);
-  const std::vector<unsigned char> before = pool_bytes(per_token);
-  std::vector<unsigned char> pool = before;
-  DecodeTensors t;
-  t.q = c.q.data();
-  t.k = c.k.data();
-  t.v = c.v.data();
-  t.g = c.g.data();
-  t.beta = c.beta.data();
-  t.A_log = c.A_log.data();
-  t.dt_bias = c.dt_bias.data();
-  t.slots = slots.data();
-  t.state_pool = pool.data();
-  t.out = out.data();
-  t.records = records.data();
-  REQUIRE(decode_cpu(rp, t).ok());
-  CHECK(out == full.out);
-  CHECK(all_finite(records));
+  // The records step on each row's first slot, then the commit of its accepted tokens.
+  DecodeCase records = per_token;
+  records.problem.records = true;
+  records.slots.clear();
+  for (std::int64_t b = 0; b < B; ++b) {
+    records.slots.push_back(per_token.slots[static_cast<std::size_t>(b * T)]);
+  }
+  const std::vector<std::int32_t>& slots = records.slots;
+  const RecordsRun step_run = records_step(cpu_runner(), records);
+  REQUIRE_MESSAGE(step_run.status.ok(), step_run.status.to_string());
+  CHECK(step_run.guards_intact);
+  CHECK(step_run.out == full.out);
+  CHECK(all_finite(step_run.records));
 
   const std::vector<std::int32_t> na = {1, static_cast<std::int32_t>(T), 2};
-  const CommitProblem cp = commit_problem(rp);
-  const CommitLayer layer{records.data(), pool.data()};
-  REQUIRE(commit_cpu(cp, &layer, 1, slots.data(), na.data()).ok());
+  const CommitRun committed = commit(cpu_runner(), commit_problem(records.problem),
+                                     {step_run.records}, {step_run.pool}, slots, na);
+  REQUIRE_MESSAGE(committed.status.ok(), committed.status.to_string());
+  CHECK(committed.guards_intact);
+  const std::vector<unsigned char>& pool = committed.pools[0];
+  const std::vector<unsigned char> before = pool_bytes(per_token);
   const std::size_t bytes = static_cast<std::size_t>(H * V * K) * 4;
   for (std::int64_t b = 0; b < B; ++b) {
     CAPTURE(b);

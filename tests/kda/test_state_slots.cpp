@@ -248,15 +248,16 @@ struct CheckpointCall {
     out.assign(static_cast<std::size_t>(c.out_elems()), kPoisonBf16);
   }
   std::size_t per_slot() const { return pool.size() / 12; }
-  Status run() { return run(pool.data()); }
-  // The call on a copy of the pool at `states` (pool.size() floats), copied back afterwards.
-  Status run(float* states) {
-    if (states != pool.data()) std::copy(pool.begin(), pool.end(), states);
-    const Status st = run_in_place(states);
-    if (states != pool.data()) std::copy(states, states + pool.size(), pool.begin());
+  Status run() { return run_at(pool.data()); }
+  // The call on a copy of the pool placed at `states` (pool.size() floats, not the pool itself),
+  // copied back afterwards.
+  Status run_moved_to(float* states) {
+    std::copy(pool.begin(), pool.end(), states);
+    const Status st = run_at(states);
+    std::copy(states, states + pool.size(), pool.begin());
     return st;
   }
-  Status run_in_place(float* states) {
+  Status run_at(float* states) {
     Tensors t = c.inputs();
     t.initial_state = states;
     t.final_state = states;
@@ -387,7 +388,7 @@ KDA_CPU_CASE("a checkpoint request with slot -1 writes nothing when padding_slot
   Rng rng(1501);
   for (float& x : framed) x = static_cast<float>(rng.normal());
   const std::vector<float> guards = framed;
-  REQUIRE(call.run(framed.data() + per_slot).ok());
+  REQUIRE(call.run_moved_to(framed.data() + per_slot).ok());
   CHECK(std::equal(guards.begin(), guards.begin() + per_slot, framed.begin()));  // entry -1
   CHECK(std::equal(guards.end() - per_slot, guards.end(), framed.end() - per_slot));
   CHECK(call.pool == want.pool);
