@@ -159,6 +159,24 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
   CHECK(message.find("model.layers.2.self_attn.o_proj.weight") != std::string::npos);
   CHECK(message.find("model-00001-of-00002.safetensors") != std::string::npos);
 
+  // An index that is not JSON names where its text stops parsing; one that is JSON but not an
+  // object, or has no weight_map object, says so.
+  TempDir broken_dir;
+  const std::string broken_index = broken_dir.file("model.safetensors.index.json");
+  std::ofstream(broken_index) << "{\n  \"weight_map\": {\n    \"a\": \"b.safetensors\",\n  }\n}\n";
+  const std::string syntax = error_of([&] { Checkpoint::open(broken_dir.path.string()); });
+  CHECK(syntax.find(broken_index + ": is not valid JSON: parse error at line 4, column 3") !=
+        std::string::npos);
+  CHECK(syntax.find("[json.exception") == std::string::npos);
+  std::ofstream(broken_index) << "[\"weight_map\"]";
+  CHECK(error_of([&] {
+          Checkpoint::open(broken_dir.path.string());
+        }).find(broken_index + ": is not a JSON object") != std::string::npos);
+  std::ofstream(broken_index) << "{\"weight_map\": [\"b.safetensors\"]}";
+  CHECK(error_of([&] {
+          Checkpoint::open(broken_dir.path.string());
+        }).find(broken_index + ": has no \"weight_map\" object") != std::string::npos);
+
   // Shards outside the index's directory are refused before anything is opened, although the
   // files named exist.
   TempDir inner_dir;

@@ -61,9 +61,18 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (!in) fail(index_path, file_failure("cannot open the checkpoint index", index_path, errno));
   std::stringstream text;
   text << in.rdbuf();
-  const nlohmann::json index =
-      nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (index.is_discarded() || !index.is_object()) fail(index_path, "is not a JSON object");
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    // what() is "[json.exception.parse_error.101] parse error at line 3, column 7: ...": the
+    // position is kept, the library's tag is not.
+    std::string what = e.what();
+    const std::size_t tag_end = what.find("] ");
+    if (tag_end != std::string::npos) what = what.substr(tag_end + 2);
+    fail(index_path, "is not valid JSON: " + what);
+  }
+  if (!index.is_object()) fail(index_path, "is not a JSON object");
   const auto map_it = index.find("weight_map");
   if (map_it == index.end() || !map_it->is_object()) {
     fail(index_path, "has no \"weight_map\" object (tensor name -> shard file)");
