@@ -2,10 +2,10 @@
 //
 // Every operator test is written once, against a Runner: the backend as a test sees it. A runner
 // uploads a case's inputs (the host vectors of kda_reference.hpp) into buffers with guard bytes,
-// poisons every output with 0xFF bytes (NaN in bf16 and in f32), runs the prefill, decode or
-// segment transition, downloads the results and reports whether every guard byte survived. One
-// implementation (BufferRunner) serves both backends; they differ only in the buffer type and the
-// operator entry points:
+// poisons every output and the workspace with 0xFF bytes (NaN in bf16 and in f32), runs the
+// prefill, decode or segment transition, downloads the results and reports whether every guard
+// byte survived. One implementation (BufferRunner) serves both backends; they differ only in the
+// buffer type and the operator entry points:
 //   cpu_runner()           always: HostBuffer, forward_cpu / decode_cpu / segment_transition_cpu
 //   cuda_runner_or_skip()  the CUDA backend when a device exists (DeviceBuffer, forward_cuda, ...);
 //                          otherwise it prints "KDA_SKIP: no CUDA device" (CTest: skipped) and
@@ -167,6 +167,7 @@ class BufferRunner : public Runner {
     if (!r.status.ok()) return r;
     ws_bytes = ws_bytes > opt.workspace_shortfall ? ws_bytes - opt.workspace_shortfall : 0;
     Buffer ws(ws_bytes);
+    ws.fill(kPoisonByte);  // no call may depend on what a workspace held before it
     Tensors t = d.tensors();
     t.out = out.get();
     t.final_state = p.final_state_dtype == DType::kNone ? nullptr
@@ -219,6 +220,7 @@ class BufferRunner : public Runner {
     r.status = workspace_size(sc.problem, backend(), &ws_bytes);
     if (!r.status.ok()) return r;
     Buffer ws(ws_bytes);
+    ws.fill(kPoisonByte);  // no call may depend on what a workspace held before it
     Tensors t = d.tensors();
     t.initial_state = pool.get();
     t.final_state = pool.get();
@@ -281,6 +283,7 @@ class BufferRunner : public Runner {
     Buffer pt(pairs * static_cast<std::size_t>(p.head_dim_k * p.head_dim_k) * 4);
     Buffer ht(pairs * static_cast<std::size_t>(p.head_dim_v * p.head_dim_k) * 4);
     Buffer ws(bytes);
+    ws.fill(kPoisonByte);  // no call may depend on what a workspace held before it
     pt.fill(kPoisonByte);
     ht.fill(kPoisonByte);
     Tensors t = d.tensors();

@@ -3,11 +3,11 @@
 //
 // Every behaviour of kda::layer is written once, against a LayerRunner: the backend as a test sees
 // it. A runner uploads a forward's inputs and state pools (host vectors) into buffers with guard
-// bytes (HostBuffer on the CPU, DeviceBuffer on CUDA, common/cuda_test_util.hpp), poisons out with
-// 0xFF bytes (NaN in bf16), runs make_layer(backend, ...)->forward with a workspace of exactly
-// workspace_bytes(), downloads out and the pools, and reports what the call threw, the device
-// status word and whether every guard byte survived. One implementation (BufferLayerRunner) serves
-// both backends; they differ in the buffer type only.
+// bytes (HostBuffer on the CPU, DeviceBuffer on CUDA, common/cuda_test_util.hpp), poisons out and
+// the workspace with 0xFF bytes (NaN in bf16 and fp32), runs make_layer(backend, ...)->forward with
+// a workspace of exactly workspace_bytes(), downloads out and the pools, and reports what the call
+// threw, the device status word and whether every guard byte survived. One implementation
+// (BufferLayerRunner) serves both backends; they differ in the buffer type only.
 //
 // check_forward() then holds a forward to the fp64 reference (layer_reference.cpp) of the same call
 // from the same pools, and, on CUDA, to the CPU layer as well (the CPU layer being the one the
@@ -132,7 +132,7 @@ LayerReference reference_layer(const layer::Weights& w, const std::vector<bf16_b
 // Runners
 // ---------------------------------------------------------------------------------------------
 
-constexpr unsigned char kPoisonByte = 0xFF;  // out is filled with it before every forward
+constexpr unsigned char kPoisonByte = 0xFF;  // out and the workspace hold it before every forward
 
 // What one forward did.
 struct LayerRun {
@@ -212,9 +212,9 @@ class LayerRunner {
                           const std::vector<Pools*>& layers, bool host_copies = true) const = 0;
 };
 
-// A forward's buffers on one backend: the inputs and pools uploaded, out poisoned, the workspace of
-// `workspace_bytes` (the runner's forward, and tests that drive the layer themselves, e.g. a graph
-// capture).
+// A forward's buffers on one backend: the inputs and pools uploaded, out and the workspace of
+// `workspace_bytes` poisoned (the runner's forward, and tests that drive the layer themselves, e.g.
+// a graph capture).
 template <class Buffer>
 struct ForwardBuffers {
   Buffer hidden, out, cu_seqlens, cu_seqlens_i32, slots, accepted, status, conv_q, conv_k, conv_v,
@@ -243,6 +243,10 @@ struct ForwardBuffers {
         fold_recurrent_records(Buffer::from(pools.fold_recurrent_records)),
         fold_conv_records(Buffer::from(pools.fold_conv_records)) {
     out.fill(kPoisonByte);
+    // The workspace too: no forward may read a workspace byte it did not write in the same call
+    // (an arena's workspace holds whatever the layer before left there), and NaN bytes read by any
+    // kernel or library call would show in out or the states.
+    workspace.fill(kPoisonByte);
     status.fill(0);
     (void)Buffer::synchronize();
   }
