@@ -531,6 +531,64 @@ KDA_CPU_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_t
   CHECK(named.full_attn_layers == std::vector<int>{2});
 }
 
+KDA_CPU_CASE("GLM-5.3-Flash: which key wins where several are written, and layer_types checked") {
+  const std::string config = glm_config();
+  // An older linear_attn_config dict beside transformers' top-level keys.
+  auto with_dict = [&](const std::string& dict) {
+    return replace(config, "\"linear_lower_bound\": -5.0",
+                   "\"linear_lower_bound\": -5.0,\n    \"linear_attn_config\": " + dict);
+  };
+  // transformers' top-level conv width is read (W = 3, not the default 4).
+  CHECK(parse(replace(config, "\"linear_conv_kernel_dim\": 4", "\"linear_conv_kernel_dim\": 3"))
+            .short_conv_kernel_size == 3);
+  // KDA layers: layer_types wins over the dict's kda_layers; without layer_types, the dict's list
+  // (not the every-fourth-layer default).
+  const std::string both = with_dict("{\"kda_layers\": [1, 3], \"full_attn_layers\": [2, 4]}");
+  const ModelSpec typed = parse(both);
+  CHECK(typed.kda_layers == std::vector<int>{1, 2, 4});
+  CHECK(typed.full_attn_layers == std::vector<int>{3});
+  const std::string layer_types =
+      "\"layer_types\": [\"linear_attention\", \"linear_attention\", "
+      "\"deepseek_sparse_attention\",\n                    \"linear_attention\"],\n";
+  const ModelSpec listed = parse(replace(both, layer_types, ""));
+  CHECK(listed.kda_layers == std::vector<int>{1, 3});
+  CHECK(listed.full_attn_layers == std::vector<int>{2, 4});
+  // The bound: the dict's lower_bound wins over linear_lower_bound; Moonshot's gate_lower_bound,
+  // the last key looked for, is read when it is the only one.
+  const ModelSpec dict_bound = parse(with_dict("{\"lower_bound\": -2.5}"));
+  CHECK(dict_bound.gate == kda::GateMode::kLowerBound);
+  CHECK(dict_bound.gate_lower_bound == -2.5f);
+  const ModelSpec moonshot_bound =
+      parse(replace(config, "\"linear_lower_bound\": -5.0",
+                    "\"linear_attn_config\": {\"gate_lower_bound\": -3.0}"));
+  CHECK(moonshot_bound.gate == kda::GateMode::kLowerBound);
+  CHECK(moonshot_bound.gate_lower_bound == -3.0f);
+  // An explicit gate: softplus wins over the family's bounded default, and the bound it leaves
+  // unused (here linear_lower_bound, not the first key looked for) is still checked.
+  CHECK(parse(with_dict("{\"gate\": \"softplus\"}")).gate == kda::GateMode::kSoftplus);
+  CHECK(parse_error(replace(with_dict("{\"gate\": \"softplus\"}"), "-5.0", "0.5"))
+            .find("text_config.linear_lower_bound: value 0.5 is outside [-5, 0)") !=
+        std::string::npos);
+  // safe_gate is a boolean even where no bound key makes it matter.
+  CHECK(parse_error(replace(config, "\"linear_lower_bound\": -5.0",
+                            "\"linear_attn_config\": {\"safe_gate\": \"yes\"}"))
+            .find("text_config.linear_attn_config.safe_gate: expected true or false") !=
+        std::string::npos);
+  // layer_types: one entry per layer, too few as well as too many, and at least one KDA layer.
+  CHECK(parse_error(replace(config, "\"deepseek_sparse_attention\",", ""))
+            .find("text_config.layer_types: has 3 entries, expected num_hidden_layers 4") !=
+        std::string::npos);
+  CHECK(parse_error(replace(config, layer_types,
+                            "\"layer_types\": [\"full_attention\", \"full_attention\", "
+                            "\"full_attention\", \"full_attention\"],\n"))
+            .find("text_config.layer_types: names no KDA layer") != std::string::npos);
+  // architectures: the first entry the table knows, not only the first entry.
+  const ModelSpec second = parse(R"({"architectures": ["SomeWrapperModel", "Glm5NextForCausalLM"],
+      "hidden_size": 32, "num_hidden_layers": 4, "linear_num_heads": 4, "linear_head_dim": 8})");
+  CHECK(second.family == "GLM-5.3-Flash");
+  CHECK(second.family_source == "architectures Glm5NextForCausalLM");
+}
+
 KDA_CPU_CASE("unknown families are refused, naming what was looked for") {
   const std::string sizes =
       R"("hidden_size": 64, "num_hidden_layers": 2,
@@ -727,14 +785,24 @@ KDA_CPU_CASE(
   CHECK(via_yaml.runtime.max_tokens == 32);
   CHECK(via_yaml.weights == dir.path.string());
   // One of the model's keys beside such weights would not be merged with config.json: refused,
-  // named, rather than ignored.
-  std::ofstream(twin.file("eps.yaml"))
-      << "weights: " << dir.path.string() << "\nrms_norm_eps: 0.5\n";
-  CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(twin.file("eps.yaml")),
-                       doctest::Contains("eps.yaml:2:15: rms_norm_eps: a description whose "
-                                         "weights name a Hugging Face folder takes the model's "
-                                         "keys from its config.json"),
-                       kda::Error);
+  // named, rather than ignored; a family's own top-level key (transformers' linear_num_heads) is
+  // one of them too.
+  struct ModelKey {
+    std::string file, line;
+  };
+  for (const ModelKey& given :
+       {ModelKey{"eps.yaml", "rms_norm_eps: 0.5"}, ModelKey{"heads.yaml", "linear_num_heads: 8"}}) {
+    CAPTURE(given.line);
+    std::ofstream(twin.file(given.file)) << "weights: " << dir.path.string() << "\n"
+                                         << given.line << "\n";
+    const std::string key = given.line.substr(0, given.line.find(':'));
+    // Marked at the value: line 2, the column after "key: ".
+    const std::string expected = given.file + ":2:" + std::to_string(key.size() + 3) + ": " + key +
+                                 ": a description whose weights name a Hugging Face folder takes "
+                                 "the model's keys from its config.json";
+    CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(twin.file(given.file)),
+                         doctest::Contains(expected.c_str()), kda::Error);
+  }
 }
 
 KDA_CPU_CASE("Kimi-Linear saved by transformers: one model.safetensors, every tensor F32") {
@@ -843,6 +911,57 @@ KDA_CPU_CASE("a description that names no family: the checkpoint's tensor names 
   const ModelSpec unnamed = kda::engine::load_model_spec(bare.file("m.yaml"));
   CHECK(unnamed.family.empty());
   CHECK(unnamed.tensor_prefix == kKimiPrefix);
+}
+
+KDA_CPU_CASE("the tensor names beside a config: a family's other prefix, the first KDA layer") {
+  // A checkpoint that holds only `names` (F32 zeros): enough for the description to read them.
+  auto names_only = [](const TempDir& dir, const std::vector<std::string>& names) {
+    std::vector<Tensor> tensors;
+    for (const std::string& name : names) tensors.push_back(Tensor::zeros(name, DType::kF32, {4}));
+    kda::engine::save_safetensors(dir.file("model.safetensors"), tensors);
+    return dir.file("model.safetensors");
+  };
+  // GLM's text-only checkpoint keeps its layers under model.layers.: a GLM config read beside it
+  // takes that prefix (its second), and g_proj.weight there makes the output gate full rank.
+  TempDir text_only;
+  const std::string weights = names_only(
+      text_only, {"model.layers.0.self_attn.A_log", "model.layers.0.self_attn.g_proj.weight"});
+  const ModelSpec glm =
+      parse(replace(glm_config(), "\"model_type\": \"glm5_next\",",
+                    "\"model_type\": \"glm5_next\", \"weights\": \"" + weights + "\","));
+  CHECK(glm.family == "GLM-5.3-Flash");
+  CHECK(glm.tensor_prefix == kKimiPrefix);
+  CHECK(glm.full_rank_gate);
+  // Without names under either prefix: the family's first.
+  TempDir elsewhere;
+  const std::string other = names_only(elsewhere, {"backbone.0.A_log"});
+  CHECK(parse(replace(glm_config(), "\"model_type\": \"glm5_next\",",
+                      "\"model_type\": \"glm5_next\", \"weights\": \"" + other + "\","))
+            .tensor_prefix == kGlmPrefix);
+
+  // A description that names no family: the first KDA layer's names say the layout (model layer
+  // 2, index 1; layer 3's are not there).
+  const std::string yaml =
+      "hidden_size: 32\nnum_hidden_layers: 3\n"
+      "linear_attn_config: {num_heads: 4, head_dim: 8, kda_layers: [2, 3], "
+      "full_attn_layers: [1], gate: softplus}\n";
+  TempDir first_layer;
+  const ModelSpec k3 =
+      parse(yaml + "weights: " +
+                names_only(first_layer, {"language_model.model.layers.1.self_attn.A_log"}) + "\n",
+            "m.yaml");
+  CHECK(k3.family == "Kimi K3");
+  CHECK(k3.tensor_prefix == kK3Prefix);
+  // Names that two families' first prefixes hold say neither: no family, Kimi-Linear's prefix.
+  TempDir two;
+  const ModelSpec neither =
+      parse(yaml + "weights: " +
+                names_only(two, {"language_model.model.layers.1.self_attn.A_log",
+                                 "model.language_model.layers.1.self_attn.A_log"}) +
+                "\n",
+            "m.yaml");
+  CHECK(neither.family.empty());
+  CHECK(neither.tensor_prefix == kKimiPrefix);
 }
 
 KDA_CPU_CASE("bad checkpoints: a wrong prefix, an integer or FP8 tensor, an F32 value past bf16") {

@@ -524,6 +524,13 @@ TEST_CASE("out-of-range and absurd sizes are rejected") {
               {"runtime.max_sequences", "out of range"});
   check_error(replace(kValid, "  short_conv_kernel_size: 4\n", "  short_conv_kernel_size: 0\n"),
               {"short_conv_kernel_size"});
+  check_error(replace(kValid, "  short_conv_kernel_size: 4\n", "  short_conv_kernel_size: 17\n"),
+              {"short_conv_kernel_size", "[1, 16]"});
+  // The description's range is 1..16 (an engine's whole layers need 2 or more; a case may not).
+  CHECK(parse_model_spec(
+            replace(kValid, "  short_conv_kernel_size: 4\n", "  short_conv_kernel_size: 1\n"),
+            "m.yaml")
+            .short_conv_kernel_size == 1);
   // Beyond int64: not an integer this parser can hold.
   check_error(replace(kValid, "  max_tokens: 4096\n", "  max_tokens: 99999999999999999999999\n"),
               {"runtime.max_tokens", "integer"});
@@ -575,6 +582,10 @@ TEST_CASE("gate and lower bound") {
               {"value -1e-300 is outside [-5, 0) or not finite (as a float it is -0)"});
   CHECK(parse_model_spec(replace(kValid, "-5.0\n", "-0.5\n"), "m.yaml").gate_lower_bound == -0.5f);
   CHECK(parse_model_spec(replace(kValid, "-5.0\n", "-5\n"), "m.yaml").gate_lower_bound == -5.0f);
+  // With gate: softplus a lower bound is unused, but checked all the same.
+  check_error(replace(kValid, "  gate: lower_bound\n  gate_lower_bound: -5.0\n",
+                      "  gate: softplus\n  gate_lower_bound: 7\n"),
+              {"m.yaml:11:21:", "gate_lower_bound", "outside [-5, 0)"});
   // Softplus needs no lower bound.
   const ModelSpec softplus = parse_model_spec(
       replace(replace(kValid, "  gate_lower_bound: -5.0\n", ""), "lower_bound\n", "softplus\n"),

@@ -10,7 +10,8 @@ namespace {
 
 // Moonshot's configs keep the sizes in linear_attn_config; transformers' KimiLinearConfig and
 // Glm5NextTextConfig write them at the top level (linear_num_heads, ...) and, like this table, let
-// a linear_attn_config dict win where both are given.
+// a linear_attn_config dict win where both are given. Each list is looked up in order, the first
+// key present wins: for GLM's KDA layers that is layer_types, before the dict's kda_layers.
 const std::vector<std::string> kHeads = {"linear_attn_config.num_heads", "linear_num_heads"};
 const std::vector<std::string> kHeadDim = {"linear_attn_config.head_dim", "linear_head_dim"};
 const std::vector<std::string> kConv = {"linear_attn_config.short_conv_kernel_size",
