@@ -174,6 +174,59 @@ TEST_CASE("prefill: a one-byte overlap at either end of out is refused") {
   CHECK(validate(f.p, t).ok());
 }
 
+// The byte counts of the ranges compared: cu_seqlens holds N + 1 entries, a pool num_state_slots
+// entries (not N), and a tensor of no bytes overlaps nothing, wherever it points.
+TEST_CASE("prefill: cu_seqlens, pooled states and empty tensors have their own byte ranges") {
+  Prefill f;
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  auto* cu = static_cast<unsigned char*>(f.at("cu_seqlens"));
+  Tensors t = f.t;
+  t.out = cu + 2 * 8;  // cu_seqlens[2], the last of the N + 1 = 3 int64 entries
+  CHECK(message_of(validate(f.p, t)) == "out overlaps cu_seqlens (outputs must not alias inputs)");
+  t.out = cu + 3 * 8;
+  CHECK(validate(f.p, t).ok());
+  // Pool entry 2 of num_state_slots = 3 (N = 2): H*V*K*4 = 128 bytes an entry.
+  auto* initial = static_cast<unsigned char*>(f.at("initial_state"));
+  t = f.t;
+  t.out = initial + 2 * 128;
+  CHECK(message_of(validate(f.p, t)) ==
+        "out overlaps initial_state (outputs must not alias inputs)");
+  t.out = initial + 3 * 128;
+  CHECK(validate(f.p, t).ok());
+  // state_slots: N int32 entries.
+  auto* state_slots = static_cast<unsigned char*>(f.at("state_slots"));
+  t = f.t;
+  t.out = state_slots + 4;
+  CHECK(message_of(validate(f.p, t)) == "out overlaps state_slots (outputs must not alias inputs)");
+  t.out = state_slots + 2 * 4;
+  CHECK(validate(f.p, t).ok());
+  // No tokens: q, k, v, g, beta and out are empty ranges, which overlap nothing.
+  Prefill empty;
+  empty.p.seq_len = 0;
+  for (const char* name : {"cu_seqlens", "cu_seqlens_host"}) empty.buffers[name] = {0, 0, 0};
+  t = empty.t;
+  t.out = static_cast<unsigned char*>(empty.at("initial_state")) + 4;
+  t.q = static_cast<unsigned char*>(empty.at("final_state")) + 4;
+  CHECK(message_of(validate(empty.p, t)) == "ok");
+}
+
+TEST_CASE("prefill: checkpoints need both their offsets and their slots") {
+  Prefill f;
+  f.p.checkpoints = 1;
+  f.p.checkpoint_offsets_dtype = DType::kI64;
+  f.buffers["checkpoint_offsets"] = {16, 16};
+  f.buffers["checkpoint_slots"].assign(1, 0);
+  f.t.checkpoint_offsets = f.at("checkpoint_offsets");
+  f.t.checkpoint_slots = static_cast<const std::int32_t*>(f.at("checkpoint_slots"));
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  Tensors t = f.t;
+  t.checkpoint_slots = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "checkpoint_slots is null");
+  t = f.t;
+  t.checkpoint_offsets = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "checkpoint_offsets is null");
+}
+
 TEST_CASE("prefill: host copies are named in their own messages") {
   Prefill f;
   f.p.cu_seqlens_dtype = DType::kNone;
@@ -223,6 +276,21 @@ TEST_CASE("decode: a per-token-states verify step needs num_accepted") {
   DecodeTensors t = f.t;
   t.num_accepted = nullptr;
   CHECK(message_of(validate(f.p, t)) == "num_accepted is null");
+  // Its slots are [B, tokens] int32: out over row 1's entries is refused, right after them not.
+  auto* slots = static_cast<unsigned char*>(f.at("slots"));
+  t = f.t;
+  t.out = slots + 2 * 4;
+  CHECK(message_of(validate(f.p, t)) == "out overlaps slots (outputs must not alias inputs)");
+  t.out = slots + 2 * 2 * 4;
+  CHECK(validate(f.p, t).ok());
+  // num_accepted: B int32 entries.
+  auto* accepted = static_cast<unsigned char*>(f.at("num_accepted"));
+  t = f.t;
+  t.out = accepted + 4;
+  CHECK(message_of(validate(f.p, t)) ==
+        "out overlaps num_accepted (outputs must not alias inputs)");
+  t.out = accepted + 2 * 4;
+  CHECK(validate(f.p, t).ok());
 }
 
 // The records step's pool is an input unless it folds: then it stores the folded states, and no
@@ -250,6 +318,44 @@ TEST_CASE("decode: a records step that folds writes the pool, which may alias no
   t.fold_rows = t.fold_counts = nullptr;
   t.state_pool = f.at("q");
   CHECK(validate(f.p, t).ok());
+}
+
+// The fold's records are fold_batch x fold_tokens row-token pairs of H x (2K + V) floats each, and
+// a step that folds needs them: the pool it writes over the last pair is refused. fold_rows and
+// fold_counts hold one entry a row of the step.
+TEST_CASE("decode: the fold's records cover every fold token, and are required") {
+  Decode f;
+  f.p.verify = f.p.records = true;
+  f.p.fold_batch = 1;  // of the step's B = 2 rows
+  f.p.fold_tokens = 2;
+  for (const char* name : {"records", "fold_rows", "fold_counts"}) f.buffers[name].assign(64, 0);
+  f.buffers["fold_records"].assign(128, 0);  // 1 KiB: the fold's records, then room for the pool
+  f.t.records = static_cast<float*>(f.at("records"));
+  auto* fold = static_cast<unsigned char*>(f.at("fold_records"));
+  f.t.fold_records = reinterpret_cast<const float*>(fold);
+  f.t.fold_rows = static_cast<const std::int32_t*>(f.at("fold_rows"));
+  f.t.fold_counts = static_cast<const std::int32_t*>(f.at("fold_counts"));
+  REQUIRE(message_of(validate(f.p, f.t)) == "ok");
+  const std::size_t bytes = 1 * 2 * 2 * (2 * 4 + 4) * 4;  // fold_batch*fold_tokens*H*(2K+V) floats
+  DecodeTensors t = f.t;
+  t.state_pool = fold + bytes - 4;
+  CHECK(message_of(validate(f.p, t)) ==
+        "state_pool overlaps fold_records (outputs must not alias inputs)");
+  t.state_pool = fold + bytes;
+  CHECK(validate(f.p, t).ok());
+  // fold_rows and fold_counts are the step's: B int32 entries each, whatever fold_batch is.
+  for (const char* name : {"fold_rows", "fold_counts"}) {
+    CAPTURE(name);
+    t = f.t;
+    t.out = static_cast<unsigned char*>(f.at(name)) + 4;
+    CHECK(message_of(validate(f.p, t)) ==
+          std::string("out overlaps ") + name + " (outputs must not alias inputs)");
+    t.out = static_cast<unsigned char*>(f.at(name)) + 2 * 4;
+    CHECK(validate(f.p, t).ok());
+  }
+  t = f.t;
+  t.fold_records = nullptr;
+  CHECK(message_of(validate(f.p, t)) == "fold_records is null");
 }
 
 // A records step writes 2K + V floats per (token, head): alpha, k^ and u. An input over the u of

@@ -568,6 +568,11 @@ KDA_CPU_CASE("records step and commit: argument errors name the field") {
                                        {reinterpret_cast<const float*>(pool.data()), pool2.data()}};
   expect(commit_cpu(cp, over_records, 2, slots, na.data()),
          "layers[0].state_pool overlaps layers[1].records");
+  // ... and over an earlier layer's records: every pair of layers, either order.
+  const CommitLayer under_records[2] = {{reinterpret_cast<const float*>(pool2.data()), pool.data()},
+                                        {records.data(), pool2.data()}};
+  expect(commit_cpu(cp, under_records, 2, slots, na.data()),
+         "layers[1].state_pool overlaps layers[0].records");
   CommitProblem bad_p = cp;
   bad_p.state_dtype = DType::kF16;
   expect(validate(bad_p), "state_dtype must be bf16 or f32 (got f16)");

@@ -214,6 +214,10 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
     settings.change = [](ForwardCall& call) { call.batch.decode_tokens = kMaxDecodeTokens + 1; };
     refused("decode_tokens 17 is not in [0, 16]");
   }
+  SUBCASE("negative decode_tokens") {
+    settings.change = [](ForwardCall& call) { call.batch.decode_tokens = -1; };
+    refused("decode_tokens -1 is not in [0, 16]");
+  }
   SUBCASE("tokens but no sequence") {
     settings.change = [](ForwardCall& call) {
       call.batch.sequences = 0;
@@ -241,6 +245,55 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
   SUBCASE("out overlapping hidden") {
     settings.change = [E](ForwardCall& call) {
       call.out = const_cast<bf16_bits*>(call.hidden) + E;
+    };
+    refused("out overlaps hidden");
+  }
+  SUBCASE("negative sequences") {
+    settings.change = [](ForwardCall& call) { call.batch.sequences = -1; };
+    refused("tokens and sequences must be >= 0");
+  }
+  SUBCASE("decode tokens that are not a multiple of decode_tokens") {
+    // 5 / 2 rounds to the 2 sequences: the remainder is refused too.
+    settings.change = [](ForwardCall& call) {
+      call.batch.decode_tokens = 2;
+      call.batch.tokens = 5;
+    };
+    refused("decode: tokens 5 is not sequences 2 x decode_tokens 2");
+  }
+  SUBCASE("one token but no sequence") {
+    settings.change = [](ForwardCall& call) {
+      call.batch.tokens = 1;
+      call.batch.sequences = 0;
+      call.batch.slots = nullptr;
+      call.batch.slots_host = nullptr;
+    };
+    refused("1 tokens but no sequence");
+  }
+  SUBCASE("a host copy of num_accepted without num_accepted") {
+    static const std::int32_t accepted[2] = {1, 1};
+    settings.change = [](ForwardCall& call) { call.batch.num_accepted_host = accepted; };
+    refused("num_accepted_host is given but num_accepted is null");
+  }
+  SUBCASE("a host copy of slots without slots") {
+    static const std::int32_t rows[2] = {0, 1};
+    settings.change = [](ForwardCall& call) {
+      call.batch.slots = nullptr;
+      call.batch.slots_host = rows;
+    };
+    refused("slots_host is given but slots is null");
+  }
+  SUBCASE("a null conv_v pool") {
+    settings.change = [](ForwardCall& call) { call.state.conv_v = nullptr; };
+    refused("a state pool is null");
+  }
+  SUBCASE("a null out") {
+    settings.change = [](ForwardCall& call) { call.out = nullptr; };
+    refused("hidden or out is null");
+  }
+  SUBCASE("out overlapping the last tokens of hidden") {
+    // Out starts at token 5 of 6: the ranges share one token's E bf16 values (2E bytes).
+    settings.change = [E](ForwardCall& call) {
+      call.out = const_cast<bf16_bits*>(call.hidden) + 5 * E;
     };
     refused("out overlaps hidden");
   }
@@ -507,4 +560,58 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
   layer::Weights broken = full;
   broken.o_proj.pop_back();
   CHECK(error_of([&] { layer::check_sizes(broken); }).find("o_proj") != std::string::npos);
+}
+
+// decode_tokens at its limit, kda::kMaxDecodeTokens, is a decode step like any other (the limit
+// itself is taken; one more is refused, "bad calls are refused before anything is written").
+KDA_LAYER_CPU_CASE("a decode step of kMaxDecodeTokens tokens a row runs") {
+  LayerRunner& runner = cpu_layer_runner();
+  const layer::Config config = runner.config();
+  const layer::Weights weights = layer::random_weights(config, 1, 0);
+  const auto layer = runner.make(weights);
+  const std::int64_t N = 2, T = N * kMaxDecodeTokens;
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(T * config.hidden_size), 1.0f, 3);
+  Pools pools(config, 3);
+  pools.randomize(5);
+  const Pools before = pools;
+  const BatchSpec batch = decode_batch(N, kMaxDecodeTokens, {2, 0});
+  const LayerRun run = runner.forward(*layer, hidden, batch, &pools);
+  REQUIRE_MESSAGE(run.error.empty(), run.error);
+  check_forward(runner, weights, hidden, batch, before, run, pools);
+}
+
+// Layer::core_inputs() is a prefill's: checkpoints (as decode, verify and records) are refused
+// before the conv writes a state.
+KDA_LAYER_CPU_CASE("core_inputs refuses checkpoints before anything is written") {
+  LayerRunner& runner = cpu_layer_runner();
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(20 * config.hidden_size), 1.0f, 3);
+  Pools pools(config, 4);
+  pools.randomize(4);
+  const BatchSpec batch = prefill_batch({16, 4}, {0, 1});
+  ForwardBuffers<HostBuffer> buffers(
+      hidden, batch, pools,
+      layer::workspace_bytes(Backend::kCpu, config, batch.tokens(), batch.sequences(), 4));
+  ForwardCall call = buffers.call(batch, pools, true);
+  const std::vector<std::int64_t> offsets{16, -1};
+  const std::vector<std::int32_t> rows{2, -1};
+  call.batch.checkpoints = 1;
+  call.batch.checkpoint_offsets = offsets.data();
+  call.batch.checkpoint_slots = rows.data();
+  std::string error;
+  try {
+    layer->core_inputs(call.batch, call.hidden, call.state, call.workspace);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  CHECK(error ==
+        "KDA layer core inputs (CPU): core inputs are a prefill's: no decode, verify, records or "
+        "checkpoints");
+  Pools after = pools;
+  buffers.download(&after);
+  CHECK(after == pools);
+  CHECK(buffers.guards_intact());
 }

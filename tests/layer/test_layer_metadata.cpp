@@ -212,6 +212,9 @@ KDA_LAYER_CASE("a padding_slot outside the pool or without slots is refused") {
   rows.padding_slot = 1;
   CHECK(contains(check_refused(runner, *layer, hidden, rows, before, {}).error,
                  "padding_slot 1 needs slots"));
+  rows.padding_slot = 0;  // the first entry is a slots entry too
+  CHECK(contains(check_refused(runner, *layer, hidden, rows, before, {}).error,
+                 "padding_slot 0 needs slots (it names a slots entry)"));
   // Several sequences may name it; two naming another row still may not.
   BatchSpec twice = prefill_batch({1, 1}, {2, 2});
   twice.padding_slot = 0;

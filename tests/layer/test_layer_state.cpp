@@ -252,6 +252,32 @@ KDA_LAYER_CASE("a batch of no tokens writes nothing and keeps every state") {
   CHECK_MESSAGE(run.error.empty(), run.error);
   CHECK(run.guards_intact);
   CHECK(after == before);
+  // A records step and a fold of no rows read and write no records: their regions (and the fold's
+  // rows and counts) may be null.
+  static const std::int32_t no_rows[1] = {0};
+  BatchSpec records = decode_batch(0, 2);
+  records.records = true;
+  BatchSpec fold = decode_batch(0, 1);
+  fold.fold_sequences = 1;
+  for (const BatchSpec& batch : {records, fold}) {
+    CAPTURE(batch.records);
+    ForwardSettings no_records;
+    no_records.change = [](ForwardCall& call) {
+      call.batch.slots = no_rows;
+      call.batch.slots_host = no_rows;
+      call.state.record_rows = 1;
+      call.state.recurrent_records = nullptr;
+      call.state.conv_records = nullptr;
+      call.batch.fold_rows = call.batch.fold_counts = nullptr;
+      call.state.fold_recurrent_records = nullptr;
+      call.state.fold_conv_records = nullptr;
+    };
+    Pools kept = before;
+    const LayerRun empty = runner.forward(*layer, {}, batch, &kept, no_records);
+    CHECK_MESSAGE(empty.error.empty(), empty.error);
+    CHECK(empty.guards_intact);
+    CHECK(kept == before);
+  }
 }
 
 namespace {
@@ -718,6 +744,11 @@ KDA_LAYER_CASE("a fold refuses bad input before anything is written") {
     b.fold_decode_tokens = 17;
     cases.push_back({b, "fold_decode_tokens 17 is not in [1, 16]"});
   }
+  {
+    BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
+    b.fold_decode_tokens = 0;
+    cases.push_back({b, "fold_decode_tokens 0 is not in [1, 16]"});
+  }
   if (runner.backend() == Backend::kCpu) {  // CUDA reads them on the device (below)
     BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
     b.fold_rows = {1, 2};
@@ -763,6 +794,48 @@ KDA_LAYER_CASE("a fold refuses bad input before anything is written") {
     CHECK(run.error == runner.forward_error_prefix() + bad.message);
     CHECK(p == before);
   }
+  // Refusals of the step's arguments themselves: a null fold region; a records step that folds
+  // (it writes its records while it reads the fold's), whose rows share a slot or whose fold
+  // regions overlap the records regions it writes, the conv's or the recurrent's from the fold's
+  // second row-token pair on (a fold of 2 x 2 pairs reads four).
+  const std::size_t recurrent_pair = before.recurrent_records.size() / 4;
+  Pools wide = before;  // fold regions of 8 pairs: the records regions fit inside after one pair
+  wide.fold_recurrent_records.resize(8 * recurrent_pair);
+  struct BadCall {
+    BatchSpec batch;
+    std::function<void(ForwardCall&)> change;
+    std::string message;
+  };
+  BatchSpec records_fold = folding(decode_batch(2, 2, {0, 1}));
+  records_fold.records = true;
+  BatchSpec shared = records_fold;
+  shared.slots = {3, 3};
+  const std::string overlap =
+      "fold: a records step folds records that overlap the region it writes (keep two records "
+      "regions a layer and alternate)";
+  for (const BadCall& bad :
+       {BadCall{folding(decode_batch(2, 1, {0, 1})),
+                [](ForwardCall& call) { call.state.fold_conv_records = nullptr; },
+                "fold: fold_rows, fold_counts, State::fold_recurrent_records or "
+                "State::fold_conv_records is null"},
+        BadCall{shared, nullptr, "sequences 0 and 1 share slot 3"},
+        BadCall{records_fold,
+                [](ForwardCall& call) { call.state.fold_conv_records = call.state.conv_records; },
+                overlap},
+        BadCall{records_fold,
+                [recurrent_pair](ForwardCall& call) {
+                  call.state.recurrent_records =
+                      const_cast<float*>(call.state.fold_recurrent_records) + recurrent_pair;
+                },
+                overlap}}) {
+    CAPTURE(bad.message);
+    ForwardSettings settings;
+    settings.change = bad.change;
+    const std::vector<bf16_bits> in(hidden.begin(),
+                                    hidden.begin() + bad.batch.tokens() * config.hidden_size);
+    const LayerRun run = check_refused(runner, *layer, in, bad.batch, wide, settings);
+    CHECK(run.error == runner.forward_error_prefix() + bad.message);
+  }
 }
 
 KDA_LAYER_CASE("a records verify step and a commit refuse bad input before anything is written") {
@@ -795,6 +868,15 @@ KDA_LAYER_CASE("a records verify step and a commit refuse bad input before anyth
                            "records: State::record_rows 3 is below the step's 2 x 2 row-token "
                            "pairs");
     CHECK(small == small_before);
+  }
+  {
+    BatchSpec batch = decode_batch(2, 2, {0, 1});
+    batch.records = true;
+    ForwardSettings settings;
+    settings.change = [](ForwardCall& call) { call.state.conv_records = nullptr; };
+    const LayerRun run = check_refused(runner, *layer, hidden, batch, before, settings);
+    CHECK(run.error == runner.forward_error_prefix() +
+                           "records: State::recurrent_records or State::conv_records is null");
   }
   {
     BatchSpec batch = decode_batch(2, 2);
@@ -1129,6 +1211,48 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
                          "checkpoint_offsets bytes N*checkpoints*8 (2 x 4611686018427387904 x 8) "
                          "overflow 64-bit sizes");
   CHECK(pools == before);
+  // The same with a column count that wraps 64 bits only times the N = 2 sequences.
+  const LayerRun wraps_with_n =
+      runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
+                     with_checkpoints(&offsets, &rows, std::int64_t{1} << 59));
+  CHECK(wraps_with_n.code == StatusCode::kOverflow);
+  CHECK(wraps_with_n.error == runner.forward_error_prefix() +
+                                  "checkpoint_offsets bytes N*checkpoints*8 (2 x "
+                                  "576460752303423488 x 8) overflow 64-bit sizes");
+  CHECK(pools == before);
+  // A negative column count, requests of a decode step, a null checkpoint_slots.
+  const LayerRun negative = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
+                                           with_checkpoints(&offsets, &rows, -1));
+  CHECK(negative.code == StatusCode::kInvalidArgument);
+  CHECK(negative.error == runner.forward_error_prefix() + "checkpoints must be >= 0");
+  CHECK(pools == before);
+  const LayerRun decode = runner.forward(*layer, hidden, decode_batch(2, 1, {0, 1}), &pools,
+                                         with_checkpoints(&offsets, &rows, 1));
+  CHECK(decode.code == StatusCode::kInvalidArgument);
+  CHECK(decode.error == runner.forward_error_prefix() + "checkpoints need a prefill with slots");
+  CHECK(pools == before);
+  ForwardSettings no_slots = with_checkpoints(&offsets, &rows, 2);
+  no_slots.change = [&offsets](ForwardCall& call) {
+    call.batch.checkpoints = 2;
+    call.batch.checkpoint_offsets = offsets.data();
+    call.batch.checkpoint_slots = nullptr;
+  };
+  const LayerRun null_slots =
+      runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools, no_slots);
+  CHECK(null_slots.code == StatusCode::kInvalidArgument);
+  CHECK(null_slots.error ==
+        runner.forward_error_prefix() + "checkpoint_offsets or checkpoint_slots is null");
+  CHECK(pools == before);
+  // A request of offset -1 asks for nothing: its slot may be a sequence's own or another
+  // request's, and is not written by it.
+  std::vector<std::int64_t> none_offsets{16, -1, -1, 16};
+  std::vector<std::int32_t> none_rows{2, 0, 2, 5};
+  const LayerRun none = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
+                                       with_checkpoints(&none_offsets, &none_rows, 2));
+  CHECK_MESSAGE(none.error.empty(), none.error);
+  for (const std::int64_t row : {3, 4}) CHECK(pools.row_equal(before, row));
+  for (const std::int64_t row : {0, 1, 2, 5}) CHECK_FALSE(pools.row_equal(before, row));
+  pools = before;
   // A padding sequence's requests are not read: offsets and rows no request may name pass there
   // and write nothing; the other sequence's requests are written.
   std::vector<std::int64_t> padded_offsets{16, 37, 7, 99};
