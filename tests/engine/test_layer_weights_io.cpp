@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -331,5 +332,190 @@ TEST_CASE("a full-rank output gate: g_proj round trips, shards by rows, the wron
     CHECK(
         message.find("'model.layers.3.self_attn.g_a_proj.weight', 'g_b_proj.weight' (low rank)") !=
         std::string::npos);
+  }
+}
+
+TEST_CASE("tensors as written: the checkpoint's shapes and dtypes, A_log as Kimi-Linear's") {
+  const Config config = small_config();  // E 48, H 4, D 16, W 4: C 64
+  const Weights weights = with_bias_and_norm(kda::layer::random_weights(config, 3, 1));
+  using Shape = std::vector<std::int64_t>;
+  struct Expected {
+    const char* name;
+    DType dtype;
+    Shape shape;
+  };
+  const std::vector<Expected> expected = {
+      {"q_proj.weight", DType::kBF16, {64, 48}},    {"k_proj.weight", DType::kBF16, {64, 48}},
+      {"v_proj.weight", DType::kBF16, {64, 48}},    {"q_conv1d.weight", DType::kF32, {64, 1, 4}},
+      {"k_conv1d.weight", DType::kF32, {64, 1, 4}}, {"v_conv1d.weight", DType::kF32, {64, 1, 4}},
+      {"f_a_proj.weight", DType::kBF16, {16, 48}},  {"f_b_proj.weight", DType::kBF16, {64, 16}},
+      {"b_proj.weight", DType::kBF16, {4, 48}},     {"g_a_proj.weight", DType::kBF16, {16, 48}},
+      {"g_b_proj.weight", DType::kBF16, {64, 16}},  {"g_b_proj.bias", DType::kBF16, {64}},
+      {"A_log", DType::kF32, {1, 1, 4, 1}},         {"dt_bias", DType::kF32, {64}},
+      {"o_norm.weight", DType::kBF16, {16}},        {"o_proj.weight", DType::kBF16, {48, 64}}};
+  const std::vector<Tensor> tensors = kda::engine::layer_weight_tensors(weights, "p.");
+  REQUIRE(tensors.size() == expected.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    CAPTURE(tensors[i].name);
+    CHECK(tensors[i].name == std::string("p.") + expected[i].name);
+    CHECK(tensors[i].dtype == expected[i].dtype);
+    CHECK(tensors[i].shape == expected[i].shape);
+  }
+}
+
+TEST_CASE("the other accepted shapes load as the released ones, their transposes are refused") {
+  const Config config = small_config();  // E 48, H 4, D 16, W 4: C 64
+  const Weights weights = with_bias_and_norm(kda::layer::random_weights(config, 3, 1));
+  using Shape = std::vector<std::int64_t>;
+  // The released tensors with some given other shapes of the same values (row-major, so the same
+  // bytes): conv weights [C, W] for [C, 1, W], dt_bias [H, D] for [C], A_log [H] for [1, 1, H, 1].
+  auto reshaped = [&](const std::vector<std::pair<std::string, Shape>>& shapes) {
+    std::vector<Tensor> tensors = kda::engine::layer_weight_tensors(weights);
+    for (Tensor& t : tensors) {
+      for (const auto& [name, shape] : shapes) {
+        if (t.name == name) t.shape = shape;
+      }
+    }
+    return tensors;
+  };
+  TempDir dir;
+  const std::string path = dir.file("layer.safetensors");
+  kda::engine::save_safetensors(path, reshaped({{"q_conv1d.weight", {64, 4}},
+                                                {"k_conv1d.weight", {64, 4}},
+                                                {"v_conv1d.weight", {64, 4}},
+                                                {"dt_bias", {4, 16}},
+                                                {"A_log", {4}}}));
+  const Weights loaded = kda::engine::load_layer_weights(Checkpoint::open(path), -1, config);
+  CHECK(loaded.q_conv == weights.q_conv);
+  CHECK(loaded.k_conv == weights.k_conv);
+  CHECK(loaded.v_conv == weights.v_conv);
+  CHECK(loaded.dt_bias == weights.dt_bias);
+  CHECK(loaded.A_log == weights.A_log);
+  // Rank 1 of 2 from those shapes: channels [32, 64) (each conv's rows, dt_bias's values), heads
+  // [2, 4) of A_log, taken here of the whole layer's tensors.
+  Config rank1 = config;
+  rank1.tp_size = 2;
+  rank1.tp_rank = 1;
+  const Weights shard = kda::engine::load_layer_weights(Checkpoint::open(path), -1, rank1);
+  CHECK(shard.q_conv == std::vector<float>(weights.q_conv.begin() + 32 * 4, weights.q_conv.end()));
+  CHECK(shard.v_conv == std::vector<float>(weights.v_conv.begin() + 32 * 4, weights.v_conv.end()));
+  CHECK(shard.dt_bias == std::vector<float>(weights.dt_bias.begin() + 32, weights.dt_bias.end()));
+  CHECK(shard.A_log == std::vector<float>(weights.A_log.begin() + 2, weights.A_log.end()));
+  CHECK(shard.g_b_bias ==
+        std::vector<kda::bf16_bits>(weights.g_b_bias.begin() + 32, weights.g_b_bias.end()));
+
+  // A conv weight [W, C] or dt_bias [D, H] (transposed, the same number of values) is refused.
+  auto load_error = [&](const std::vector<Tensor>& tensors) {
+    kda::engine::save_safetensors(path, tensors);
+    return error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), -1, config); });
+  };
+  for (const char* conv : {"q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"}) {
+    CAPTURE(conv);
+    CHECK(load_error(reshaped({{conv, {4, 64}}}))
+              .find(std::string("'") + conv +
+                    "' has shape [4, 64], expected [64, 1, 4] or [64, 4]") != std::string::npos);
+    CHECK(load_error(reshaped({{conv, {64, 4, 1}}})).find("has shape [64, 4, 1]") !=
+          std::string::npos);
+  }
+  CHECK(load_error(reshaped({{"dt_bias", {16, 4}}}))
+            .find("'dt_bias' has shape [16, 4], expected [64] or [4, 16]") != std::string::npos);
+  CHECK(load_error(reshaped({{"A_log", {1, 1, 1, 4}}}))
+            .find("'A_log' has shape [1, 1, 1, 4], expected [1, 1, 4, 1] or [4]") !=
+        std::string::npos);
+
+  // load_gate_parameters (a core-only engine's reader) takes the same shapes of A_log and dt_bias,
+  // and refuses the transposed dt_bias and a tensor that is not a float one.
+  const std::string gate_path = dir.file("gate.safetensors");
+  auto gate = [&](Shape a_shape, DType a_dtype, Shape dt_shape) {
+    Tensor a_log = Tensor::zeros(kda::engine::a_log_tensor_name(1), a_dtype, std::move(a_shape));
+    if (a_dtype == DType::kF32) {
+      std::memcpy(a_log.data.data(), weights.A_log.data(), a_log.data.size());
+    }
+    Tensor dt =
+        Tensor::zeros(kda::engine::dt_bias_tensor_name(1), DType::kF32, std::move(dt_shape));
+    std::memcpy(dt.data.data(), weights.dt_bias.data(), dt.data.size());
+    kda::engine::save_safetensors(gate_path, {a_log, dt});
+    return Checkpoint::open(gate_path);
+  };
+  for (const Shape& dt_shape : {Shape{64}, Shape{4, 16}}) {
+    for (const Shape& a_shape : {Shape{4}, Shape{1, 1, 4, 1}}) {
+      CAPTURE(dt_shape.size());
+      CAPTURE(a_shape.size());
+      const kda::layer::GateParameters p =
+          kda::engine::load_gate_parameters(gate(a_shape, DType::kF32, dt_shape), 1, 4, 16);
+      CHECK(p.A_log == weights.A_log);
+      CHECK(p.dt_bias == weights.dt_bias);
+    }
+  }
+  CHECK(error_of([&] {
+          kda::engine::load_gate_parameters(gate({4}, DType::kF32, {16, 4}), 1, 4, 16);
+        }).find("'model.layers.1.self_attn.dt_bias' has shape [16, 4], expected [64] or [4, 16]") !=
+        std::string::npos);
+  CHECK(error_of([&] { kda::engine::load_gate_parameters(gate({4}, DType::kI32, {64}), 1, 4, 16); })
+            .find(gate_path + ": tensor 'model.layers.1.self_attn.A_log' has dtype I32, expected a "
+                              "float dtype") != std::string::npos);
+}
+
+TEST_CASE("the layer prefix's name wins over a bare one, and a hint needs a whole path segment") {
+  const Config config = small_config();
+  const Weights prefixed = with_bias_and_norm(kda::layer::random_weights(config, 5, 5));
+  const Weights bare = kda::layer::random_weights(config, 6, 5);
+  std::vector<Tensor> tensors =
+      kda::engine::layer_weight_tensors(prefixed, kda::engine::layer_tensor_prefix(5));
+  for (const Tensor& t : kda::engine::layer_weight_tensors(bare)) tensors.push_back(t);
+  TempDir dir;
+  const std::string path = dir.file("both.safetensors");
+  kda::engine::save_safetensors(path, tensors);
+  // Layer 5 finds its prefixed tensors first; layer 2 has none, and reads the bare ones.
+  const Weights five = kda::engine::load_layer_weights(Checkpoint::open(path), 5, config);
+  CHECK(five.q_proj == prefixed.q_proj);
+  CHECK(five.o_proj == prefixed.o_proj);
+  CHECK(five.A_log == prefixed.A_log);
+  CHECK(five.g_b_bias == prefixed.g_b_bias);
+  const Weights two = kda::engine::load_layer_weights(Checkpoint::open(path), 2, config);
+  CHECK(two.q_proj == bare.q_proj);
+  CHECK(two.A_log == bare.A_log);
+  CHECK(two.g_b_bias.empty());
+
+  // A missing tensor's message names where the checkpoint has the same weight under another
+  // prefix, "layers.5.self_attn.q_proj.weight" after a '.'; "sublayers.5..." is another weight.
+  for (const std::string& other : {std::string("backbone.layers.5.self_attn.q_proj.weight"),
+                                   std::string("model.sublayers.5.self_attn.q_proj.weight")}) {
+    CAPTURE(other);
+    std::vector<Tensor> moved;
+    for (const Tensor& t :
+         kda::engine::layer_weight_tensors(prefixed, kda::engine::layer_tensor_prefix(5))) {
+      moved.push_back(t);
+      if (t.name == "model.layers.5.self_attn.q_proj.weight") moved.back().name = other;
+    }
+    kda::engine::save_safetensors(path, moved);
+    const std::string message =
+        error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), 5, config); });
+    CHECK(message.find("no tensor 'model.layers.5.self_attn.q_proj.weight'") != std::string::npos);
+    CHECK((message.find("the checkpoint has '" + other + "'") != std::string::npos) ==
+          (other.rfind("backbone.", 0) == 0));
+  }
+}
+
+TEST_CASE("an F16 matrix holding a NaN or an infinity is refused showing that value") {
+  const Config config = small_config();
+  const Weights weights = kda::layer::random_weights(config, 7, 0);
+  TempDir dir;
+  const std::string path = dir.file("f16.safetensors");
+  for (const auto& [bits, shown] :
+       {std::pair<std::uint16_t, std::string>{0x7e00, "nan"}, {0xfc00, "-inf"}, {0x7c00, "inf"}}) {
+    CAPTURE(shown);
+    std::vector<Tensor> tensors = kda::engine::layer_weight_tensors(weights);
+    for (Tensor& t : tensors) {
+      if (t.name != "q_proj.weight") continue;
+      t = Tensor::zeros("q_proj.weight", DType::kF16, {64, 48});
+      for (std::int64_t i = 0; i < t.numel(); ++i) t.data_as<std::uint16_t>()[i] = 0x3c00;  // 1
+      t.data_as<std::uint16_t>()[3] = bits;
+    }
+    kda::engine::save_safetensors(path, tensors);
+    const std::string message =
+        error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), -1, config); });
+    CHECK(message == path + ": tensor 'q_proj.weight' holds " + shown +
+                         " at element 3, not a finite bf16 value");
   }
 }

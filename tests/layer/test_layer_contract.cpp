@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -560,6 +561,161 @@ KDA_LAYER_CPU_CASE("weights: a rank's random weights are its shard of the whole 
   layer::Weights broken = full;
   broken.o_proj.pop_back();
   CHECK(error_of([&] { layer::check_sizes(broken); }).find("o_proj") != std::string::npos);
+}
+
+KDA_LAYER_CPU_CASE("random weights: each tensor uniform within 1/sqrt(fan_in), its own fan_in") {
+  // PyTorch's default bound, 1/sqrt(fan_in), with each weight's own fan_in: E for the [., E]
+  // matrices, D for the low-rank second factors, C for o_proj, W for a depthwise conv ([C, 1, W]).
+  // Every value within it (bf16 rounding aside), the largest of each tensor near it.
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = cpu_layer_runner().config(GateMode::kSoftplus, full_rank);
+    const std::int64_t E = config.hidden_size, D = config.head_dim, W = config.conv_width;
+    const std::int64_t C = config.num_heads * D;
+    REQUIRE(E != D);
+    REQUIRE(E != C);
+    const layer::Weights w = layer::random_weights(config, 11, 2);
+    auto check_bound = [](const char* name, auto values, std::int64_t fan_in) {
+      CAPTURE(name);
+      REQUIRE(!values.empty());
+      const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+      double largest = 0.0;
+      for (const auto value : values) largest = std::max(largest, std::abs(double{value}));
+      CHECK(largest <= bound * (1.0 + 1.0 / 128));
+      CHECK(largest >= 0.9 * bound);
+    };
+    auto floats = [](const std::vector<bf16_bits>& bits) {
+      std::vector<float> values;
+      for (const bf16_bits b : bits) values.push_back(bf16_to_float(b));
+      return values;
+    };
+    check_bound("q_proj", floats(w.q_proj), E);
+    check_bound("k_proj", floats(w.k_proj), E);
+    check_bound("v_proj", floats(w.v_proj), E);
+    check_bound("q_conv", w.q_conv, W);
+    check_bound("k_conv", w.k_conv, W);
+    check_bound("v_conv", w.v_conv, W);
+    check_bound("f_a_proj", floats(w.f_a_proj), E);
+    check_bound("f_b_proj", floats(w.f_b_proj), D);
+    check_bound("b_proj", floats(w.b_proj), E);
+    if (full_rank) {
+      check_bound("g_proj", floats(w.g_proj), E);
+    } else {
+      check_bound("g_a_proj", floats(w.g_a_proj), E);
+      check_bound("g_b_proj", floats(w.g_b_proj), D);
+    }
+    check_bound("o_proj", floats(w.o_proj), C);
+    // o_norm is 1, no g_b bias.
+    CHECK(w.o_norm == std::vector<bf16_bits>(static_cast<std::size_t>(D), float_to_bf16(1.0f)));
+    CHECK(w.g_b_bias.empty());
+  }
+}
+
+KDA_LAYER_CPU_CASE(
+    "validate: each range holds its ends, refuses one past them, and a rank past the last") {
+  const layer::Config base = cpu_layer_runner().config();
+  // `change` applied to the base config: the message of validate's refusal, or "(no error)".
+  auto refusal = [&](const std::function<void(layer::Config&)>& change) {
+    layer::Config c = base;
+    change(c);
+    return error_of([&] { layer::validate(c); });
+  };
+  auto refused = [&](const std::function<void(layer::Config&)>& change, const std::string& what) {
+    const std::string message = refusal(change);
+    CAPTURE(message);
+    return message.find("KDA layer config: " + what) != std::string::npos;
+  };
+  CHECK(refusal([](layer::Config&) {}) == "(no error)");
+  // hidden_size [1, 2^20], num_heads [1, 4096], head_dim [1, 1024], conv_width [1, 16]: both ends
+  // held, one past each refused.
+  CHECK(refusal([](layer::Config& c) { c.hidden_size = std::int64_t{1} << 20; }) == "(no error)");
+  CHECK(refused([](layer::Config& c) { c.hidden_size = (std::int64_t{1} << 20) + 1; },
+                "hidden_size 1048577 is not in [1, 2^20]"));
+  CHECK(refusal([](layer::Config& c) { c.hidden_size = 1; }) == "(no error)");
+  CHECK(refused([](layer::Config& c) { c.hidden_size = 0; }, "hidden_size 0"));
+  CHECK(refusal([](layer::Config& c) { c.num_heads = 4096; }) == "(no error)");
+  CHECK(
+      refused([](layer::Config& c) { c.num_heads = 4097; }, "num_heads 4097 is not in [1, 4096]"));
+  CHECK(refusal([](layer::Config& c) { c.head_dim = 1024; }) == "(no error)");
+  CHECK(refused([](layer::Config& c) { c.head_dim = 1025; }, "head_dim 1025 is not in [1, 1024]"));
+  CHECK(refusal([](layer::Config& c) { c.conv_width = layer::kMaxConvWidth; }) == "(no error)");
+  CHECK(refused([](layer::Config& c) { c.conv_width = layer::kMaxConvWidth + 1; },
+                "conv_width 17 is not in [1, 16]"));
+  CHECK(refusal([](layer::Config& c) { c.conv_width = 1; }) == "(no error)");
+  CHECK(refused([](layer::Config& c) { c.conv_width = 0; }, "conv_width 0"));
+  // The lower bound [-5, 0): -5 held, 0 and NaN refused (only where the gate uses it).
+  auto bounded = [](float bound) {
+    return [bound](layer::Config& c) {
+      c.gate = GateMode::kLowerBound;
+      c.lower_bound = bound;
+    };
+  };
+  CHECK(refusal(bounded(-5.0f)) == "(no error)");
+  CHECK(refusal(bounded(-1e-6f)) == "(no error)");
+  CHECK(refused(bounded(0.0f), "lower_bound 0.000000 is not in [-5, 0)"));
+  CHECK(refused(bounded(std::nanf("")), "lower_bound"));
+  CHECK(refused(bounded(-5.01f), "lower_bound"));
+  CHECK(refusal([](layer::Config& c) { c.lower_bound = 0.0f; }) == "(no error)");  // softplus
+  // norm_eps finite and > 0: an infinite or NaN epsilon is refused as 0 is.
+  CHECK(refused([](layer::Config& c) { c.norm_eps = std::numeric_limits<float>::infinity(); },
+                "norm_eps inf is not finite and > 0"));
+  CHECK(refused([](layer::Config& c) { c.norm_eps = std::nanf(""); }, "norm_eps"));
+  CHECK(refused([](layer::Config& c) { c.norm_eps = 0.0f; }, "norm_eps"));
+  // tp_rank in [0, tp_size): the last rank held, tp_size itself and -1 refused.
+  CHECK(refusal([](layer::Config& c) {
+          c.tp_size = 4;
+          c.tp_rank = 3;
+        }) == "(no error)");
+  CHECK(refused(
+      [](layer::Config& c) {
+        c.tp_size = 4;
+        c.tp_rank = 4;
+      },
+      "tp_rank 4 is not in [0, tp_size 4)"));
+  CHECK(refused(
+      [](layer::Config& c) {
+        c.tp_size = 2;
+        c.tp_rank = -1;
+      },
+      "tp_rank -1 is not in [0, tp_size 2)"));
+  // A shard of a rank outside the ranks is refused, not read past the whole layer's tensors.
+  const layer::Weights full = layer::random_weights(base, 3, 0);
+  CHECK(error_of([&] { layer::shard_weights(full, 2, 2); }).find("tp_rank 2") != std::string::npos);
+  CHECK(error_of([&] { layer::shard_weights(full, 2, -1); }).find("tp_rank -1") !=
+        std::string::npos);
+}
+
+KDA_LAYER_CPU_CASE("check_sizes names each vector of the wrong size: A_log, o_norm, g_b_bias") {
+  const layer::Config config = cpu_layer_runner().config();
+  const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 2, 1));
+  CHECK(error_of([&] { layer::check_sizes(weights); }) == "(no error)");
+  auto refusal = [&](const std::function<void(layer::Weights&)>& change) {
+    layer::Weights broken = weights;
+    change(broken);
+    return error_of([&] { layer::check_sizes(broken); });
+  };
+  // One value a head of A_log, one a channel of the bias, head_dim of the norm; each name and size.
+  CHECK(refusal([](layer::Weights& w) {
+          w.A_log.pop_back();
+        }).find("KDA layer weights: A_log holds 3 values, expected 4") != std::string::npos);
+  CHECK(refusal([](layer::Weights& w) {
+          w.A_log.push_back(0.5f);
+        }).find("A_log holds 5 values, expected 4") != std::string::npos);
+  CHECK(refusal([](layer::Weights& w) {
+          w.o_norm.pop_back();
+        }).find("o_norm holds 15 values, expected 16") != std::string::npos);
+  CHECK(refusal([](layer::Weights& w) {
+          w.g_b_bias.pop_back();
+        }).find("g_b_bias holds 63 values, expected 64") != std::string::npos);
+  // A rank's bias is its channels': the whole layer's is refused for a shard.
+  layer::Weights shard = layer::shard_weights(weights, 2, 1);
+  CHECK(error_of([&] { layer::check_sizes(shard); }) == "(no error)");
+  shard.g_b_bias = weights.g_b_bias;
+  CHECK(error_of([&] {
+          layer::check_sizes(shard);
+        }).find("g_b_bias holds 64 values, expected 32") != std::string::npos);
+  // No bias at all is a layer without one.
+  CHECK(refusal([](layer::Weights& w) { w.g_b_bias.clear(); }) == "(no error)");
 }
 
 // decode_tokens at its limit, kda::kMaxDecodeTokens, is a decode step like any other (the limit
