@@ -799,6 +799,14 @@ void sequence_state_round_trip(Backend backend) {
         "write_sequence_state: slot 5 is not acquired");
   CHECK(kda::test::error_of([&] { e.read_sequence_state(6, block.data(), bytes); }) ==
         "read_sequence_state: slot 6 out of range");
+  // Below the pool too: nothing before slot 0 is read or written.
+  CHECK(kda::test::error_of([&] { e.read_sequence_state(-1, block.data(), bytes); }) ==
+        "read_sequence_state: slot -1 out of range");
+  std::vector<std::uint8_t> one_state(e.state_slot_bytes());
+  CHECK(kda::test::error_of([&] { e.read_slot_state(0, -1, one_state.data()); }) ==
+        "read_slot_state: slot -1 out of range");
+  CHECK(kda::test::error_of([&] { e.write_slot_state(0, -1, one_state.data()); }) ==
+        "write_slot_state: slot -1 out of range");
   CHECK(kda::test::error_of([&] { e.read_sequence_state(a, nullptr, bytes); }) ==
         "read_sequence_state: the host buffer is null");
   // Headers that do not describe this engine: each named, the block's value then the engine's.
@@ -839,6 +847,26 @@ void sequence_state_round_trip(Backend backend) {
                   std::to_string(bytes - header_bytes + 1) + " bytes of states, this engine " +
                   std::to_string(bytes - header_bytes));
   CHECK(with([](auto& h) { h.num_heads += 1; }).find("heads, this engine") != std::string::npos);
+  // The ranks' count alone differing, and any one byte of the magic, are refused too.
+  CHECK(with([](auto& h) { h.tp_size = 2; }) ==
+        prefix + "the block holds tensor-parallel rank 0 of 2, this engine rank 0 of 1");
+  for (std::size_t i = 0; i < sizeof(kda::engine::SequenceStateHeader::magic); ++i) {
+    CAPTURE(i);
+    CHECK(with([i](auto& h) {
+            h.magic[i] ^= 0x20;
+          }).find("does not begin with a sequence-state header") != std::string::npos);
+  }
+  // A block cut to its header alone: named by the header's fields, which are checked first.
+  {
+    std::vector<std::uint8_t> cut(block.begin(), block.begin() + header_bytes);
+    kda::engine::SequenceStateHeader h;
+    std::memcpy(&h, cut.data(), header_bytes);
+    h.num_heads += 1;
+    std::memcpy(cut.data(), &h, header_bytes);
+    CHECK(kda::test::error_of([&] {
+            e.write_sequence_state(b, cut.data(), header_bytes);
+          }).find("heads, this engine") != std::string::npos);
+  }
   // A whole block of an engine with bf16 states (of its own size): named by its header's fields.
   ModelSpec half_spec = spec();
   half_spec.runtime.state_dtype = kda::DType::kBF16;
@@ -1104,11 +1132,24 @@ void null_slot(Backend backend) {
     CHECK(kda::test::error_of([&] { e.decode_hidden(0, hidden.get(), out_e.get(), v); }) ==
           "decode_hidden: slot 2 appears twice in the batch");
   }
+  // A slot copy naming the null slot on either side skips that pair as padding: nothing changes.
+  const std::vector<std::uint8_t> slot1 = slot_states(e, 1);
+  e.copy_slots({0, 1}, {1, 0});
+  e.synchronize();
+  CHECK(slot_poisoned(e, 0));
+  CHECK(slot_states(e, 1) == slot1);
   // A null slot outside the pool, or a pool with no other slot, is refused at construction.
   EngineOptions bad = EnginePair::options(backend, nullptr);
   bad.null_slot = 6;
   CHECK(kda::test::error_of([&] { Engine x(spec(), bad); }).find("EngineOptions::null_slot 6") !=
         std::string::npos);
+  ModelSpec one_slot = spec();
+  one_slot.runtime.max_sequences = 1;
+  bad.null_slot = 0;
+  CHECK(kda::test::error_of([&] { Engine x(one_slot, bad); }).find("EngineOptions::null_slot 0") !=
+        std::string::npos);
+  bad.null_slot = -1;
+  CHECK_NOTHROW(Engine(one_slot, bad));
 }
 
 }  // namespace

@@ -685,6 +685,13 @@ KDA_MATRIX_CASE("slots: acquire / release / reset / reuse / misuse") {
   CHECK_FALSE(engine.slot_in_use(1));
   CHECK_THROWS_AS(engine.release_slot(1), kda::Error);  // twice
   CHECK_THROWS_AS(engine.reset_slot(1), kda::Error);    // not acquired
+  // Just past either end of the pool: never acquired, so neither released nor reset.
+  for (const int outside : {-1, engine.num_slots()}) {
+    CAPTURE(outside);
+    CHECK_FALSE(engine.slot_in_use(outside));
+    CHECK_THROWS_AS(engine.release_slot(outside), kda::Error);
+    CHECK_THROWS_AS(engine.reset_slot(outside), kda::Error);
+  }
   CHECK_THROWS_WITH_AS(engine.prefill(1, in, out.get(), {1}, {0, 16}), doctest::Contains("slot 1"),
                        kda::Error);
   CHECK_THROWS_AS(engine.decode(1, in, out.get(), {1}, 1), kda::Error);

@@ -404,6 +404,30 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     CHECK(at_limit.ok);
     CHECK(at_limit.plan.arena_bytes == kMaxU64 - 255);
   }
+  SUBCASE("a buffer whose end cannot round up to the alignment") {
+    // Each size rounds up within 64 bits alone, but the second, after the first, ends at
+    // 2^64 - 101, which rounds up to 2^64: the arena total would not fit.
+    const std::uint64_t second = kMaxU64 - 356;
+    REQUIRE(align_up(second, 256) == kMaxU64 - 255);
+    const std::vector<BufferRequest> together = {make_request("first", 256, 0, 0),
+                                                 make_request("second", second, 0, 0)};
+    const std::string error = error_of(together, PlanMode::kSum);
+    CHECK(contains(error, "second"));
+    CHECK(contains(error, "overflow"));
+    CHECK(status_of(together, PlanMode::kSum) == PlanStatus::kOverflow);
+    CHECK(status_of(together, PlanMode::kReuse) == PlanStatus::kOverflow);
+    const std::vector<BufferRequest> stacked = {make_persistent("first", 256),
+                                                make_persistent("second", second)};
+    for (const PlanMode mode : {PlanMode::kSum, PlanMode::kReuse}) {
+      CHECK(status_of(stacked, mode) == PlanStatus::kOverflow);
+    }
+    // Live one after another, reuse puts both at 0.
+    const std::vector<BufferRequest> apart = {make_request("first", 256, 0, 0),
+                                              make_request("second", second, 1, 1)};
+    const PlanResult reuse = plan_of(apart, PlanMode::kReuse);
+    check_common_invariants(apart, reuse, 256);
+    CHECK(reuse.plan.arena_bytes == kMaxU64 - 255);
+  }
   SUBCASE("many big buffers summing past 2^64") {
     std::vector<BufferRequest> requests;
     for (int i = 0; i < 20; ++i) {
@@ -433,6 +457,11 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     CHECK(status_of({request}, PlanMode::kSum) == PlanStatus::kBadAlignment);
     CHECK(contains(error_of({make_request("x", 1, 0, 0)}, PlanMode::kSum, 384), "384"));
     CHECK(contains(error_of({make_request("x", 1, 0, 0)}, PlanMode::kReuse, 0), "alignment"));
+    // Zero is no power of two: a plan alignment of 0 is refused as such, even with no buffers.
+    for (const PlanMode mode : {PlanMode::kSum, PlanMode::kReuse}) {
+      CHECK(status_of({make_request("x", 1, 0, 0)}, mode, 0) == PlanStatus::kBadAlignment);
+      CHECK(status_of({}, mode, 0) == PlanStatus::kBadAlignment);
+    }
   }
   SUBCASE("duplicate and empty names") {
     const std::string error = error_of(
@@ -463,6 +492,11 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     const std::string negative = error_of({make_request("before_start", 1, -1, 2)}, PlanMode::kSum);
     CHECK(contains(negative, "before_start"));
     CHECK(contains(negative, "negative"));
+    // A negative last step is named as such too, not as a first step after the last.
+    const std::string negative_last =
+        error_of({make_request("ends_before", 1, 0, -1)}, PlanMode::kSum);
+    CHECK(contains(negative_last, "ends_before"));
+    CHECK(contains(negative_last, "negative"));
     CHECK(status_of({make_request("backwards", 1, 3, 2)}, PlanMode::kSum) ==
           PlanStatus::kBadLifetime);
     // A persistent buffer's steps do not matter.
@@ -565,6 +599,44 @@ TEST_CASE("planner: to_json has the documented shape and parses back") {
   const nlohmann::json json = nlohmann::json::parse(broken.plan.to_json());
   CHECK(json.at("buffers")[0].at("name").get<std::string>() == "bad\xef\xbf\xbd\xef\xbf\xbd(");
   CHECK(json.at("arena_bytes").get<std::uint64_t>() == kMaxU64 - 255);
+}
+
+TEST_CASE("planner: to_json keeps every well-formed UTF-8 sequence and replaces the others") {
+  // RFC 3629: the shortest form only, nothing past U+10FFFF, no surrogates. The bounds of each
+  // rule pass through unchanged; one past them becomes U+FFFD, one per byte not consumed.
+  const std::string fffd = "\xef\xbf\xbd";
+  const std::vector<std::pair<std::string, std::string>> names = {
+      {"space here", "space here"},
+      {"\x7f", "\x7f"},
+      {"\xc2\x80", "\xc2\x80"},                         // U+0080, the first two-byte one
+      {"\xdf\xbf", "\xdf\xbf"},                         // U+07FF
+      {"\xe0\xa0\x80", "\xe0\xa0\x80"},                 // U+0800, the first three-byte one
+      {"\xed\x9f\xbf", "\xed\x9f\xbf"},                 // U+D7FF, below the surrogates
+      {"\xee\x80\x80", "\xee\x80\x80"},                 // U+E000, above them
+      {"\xf0\x90\x80\x80", "\xf0\x90\x80\x80"},         // U+10000, the first four-byte one
+      {"\xf4\x8f\xbf\xbf", "\xf4\x8f\xbf\xbf"},         // U+10FFFF, the last
+      {"\xc1\xbf", fffd + fffd},                        // U+007F in two bytes
+      {"\xe0\x9f\xbf", fffd + fffd + fffd},             // U+07FF in three
+      {"\xf0\x8f\xbf\xbf", fffd + fffd + fffd + fffd},  // U+FFFF in four
+      {"\xed\xa0\x80", fffd + fffd + fffd},             // U+D800, the first surrogate
+      {"\xed\xbf\xbf", fffd + fffd + fffd},             // U+DFFF, the last
+      {"\xf4\x90\x80\x80", fffd + fffd + fffd + fffd},  // U+110000
+  };
+  std::vector<BufferRequest> requests;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    requests.push_back(make_request(std::to_string(i) + names[i].first, 1, 0, 0));
+  }
+  const PlanResult result = plan_of(requests, PlanMode::kSum);
+  REQUIRE(result.ok);
+  const std::string text = result.plan.to_json();
+  CHECK(contains(text, "\"name\": \"0space here\""));  // printable ASCII as itself
+  const nlohmann::json json = nlohmann::json::parse(text);
+  REQUIRE(json.at("buffers").size() == names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    CAPTURE(i);
+    CHECK(json.at("buffers")[i].at("name").get<std::string>() ==
+          std::to_string(i) + names[i].second);
+  }
 }
 
 TEST_CASE("planner: to_table lists every buffer / the mode and the total") {
