@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <nlohmann/json.hpp>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -133,6 +135,14 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(std::string(kda_status_string(KDA_BACKEND_UNAVAILABLE)) == "backend unavailable");
   CHECK(std::string(kda_status_string(static_cast<kda_status>(99))) == "unknown status");
   CHECK(std::string(kda_status_string(static_cast<kda_status>(8))) == "unknown status");
+  // A negative int, as a C caller may store (written as bytes: in C++ the enum's values are
+  // 0..INT_MAX).
+  {
+    kda_status negative;
+    const int minus_one = -1;
+    std::memcpy(&negative, &minus_one, sizeof minus_one);
+    CHECK(std::string(kda_status_string(negative)) == "unknown status");
+  }
   // Value for value the C++ codes, with the same names.
   for (int code = 0; code <= static_cast<int>(kda::StatusCode::kInternal); ++code) {
     CAPTURE(code);
@@ -425,9 +435,15 @@ KDA_CPU_CASE("creation errors: message in the caller's buffer, no handle") {
     const Bad cases[] = {
         // a struct from another version of the header
         {[](kda_engine_options* o) { o->struct_size -= 8; }, "struct_size"},
+        // a later, larger version is refused as well: the size is matched exactly
+        {[](kda_engine_options* o) { o->struct_size += 8; },
+         "options.struct_size is 120, expected 112"},
         {[](kda_engine_options* o) { o->backend = static_cast<kda_backend>(7); },
          "options.backend is 7"},
         {[](kda_engine_options* o) { o->cpu_threads = -3; }, "cpu_threads is -3"},
+        {[](kda_engine_options* o) { o->cpu_threads = -1; },
+         "options.cpu_threads is -1, expected >= 0"},
+        {[](kda_engine_options* o) { o->reserved2 = 1; }, "options.reserved2 is 1, expected 0"},
         {[](kda_engine_options* o) { o->check_pointers = 2; },
          "options.check_pointers is 2, expected 0 or 1"},
         {[](kda_engine_options* o) { o->prefill_schedule = static_cast<kda_prefill_schedule>(4); },
@@ -756,6 +772,14 @@ KDA_CPU_CASE(
     CHECK(kda_engine_prefill(handle, 0, nullptr, k, v, g, beta, out.data(), &slot, 1, cu) ==
           KDA_INVALID_ARGUMENT);
     CHECK(last_error(handle) == "kda_engine_prefill: q is null");
+    // Null tensors are named by the C function before the engine sees the call: a token held
+    // needs them (no context group here either), and so does a hidden decode on a core engine.
+    CHECK(kda_engine_prefill_context_parallel(handle, 0, nullptr, nullptr, nullptr, nullptr,
+                                              nullptr, nullptr, slot, 1) == KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_prefill_context_parallel: q is null");
+    CHECK(kda_engine_decode_hidden(handle, 0, nullptr, out.data(), &slot, 1, 1) ==
+          KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_decode_hidden: hidden is null");
     CHECK(kda_engine_prefill(handle, 0, q, k, v, g, beta, nullptr, &slot, 1, cu) ==
           KDA_INVALID_ARGUMENT);
     CHECK(last_error(handle) == "kda_engine_prefill: out is null");
@@ -1439,6 +1463,48 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     CHECK(wrong.engine == nullptr);
     CHECK(message.find("EngineOptions::communicator is rank 0 of 2 on cpu; the engine is "
                        "tensor-parallel rank 0 of 1") != std::string::npos);
+    // A group whose buffers live in device memory, for an engine on the CPU.
+    kda_communicator device = failing;
+    device.memory = KDA_BACKEND_CUDA;
+    Handle elsewhere;
+    CHECK(create_with(parallel_spec(1, 0, "whole"), &device, nullptr, &elsewhere.engine,
+                      &message) == KDA_INVALID_ARGUMENT);
+    CHECK(elsewhere.engine == nullptr);
+    CHECK(message.find("EngineOptions::communicator is rank 0 of 1 on cuda; the engine is "
+                       "tensor-parallel rank 0 of 1 on cpu") != std::string::npos);
+
+    // A callback that throws (a C++ caller's) fails the call with KDA_INTERNAL and a message;
+    // nothing crosses the C API.
+    {
+      struct Thrower {
+        int (*all_reduce_sum)(void*, void*, size_t, kda_collective_dtype, void*);
+        const char* expected;
+      };
+      const Thrower throwers[] = {
+          {[](void*, void*, size_t, kda_collective_dtype, void*) -> int {
+             throw std::runtime_error("transport down");
+           },
+           "kda_engine_prefill_hidden: internal error: transport down"},
+          {[](void*, void*, size_t, kda_collective_dtype, void*) -> int { throw std::bad_alloc(); },
+           "kda_engine_prefill_hidden: out of host memory (std::bad_alloc)"},
+          {[](void*, void*, size_t, kda_collective_dtype, void*) -> int { throw 42; },
+           "kda_engine_prefill_hidden: internal error: unknown exception"},
+      };
+      for (const Thrower& t : throwers) {
+        CAPTURE(std::string(t.expected));
+        kda_communicator throwing = failing;
+        throwing.size = 2;
+        throwing.all_reduce_sum = t.all_reduce_sum;
+        Handle rank0;
+        REQUIRE(create_with(parallel_spec(2, 0, "whole"), &throwing, nullptr, &rank0.engine,
+                            &message) == KDA_OK);
+        int tp_slot = -1;
+        REQUIRE(kda_engine_acquire_slot(rank0, &tp_slot) == KDA_OK);
+        CHECK(kda_engine_prefill_hidden(rank0, 0, x.data(), out.data(), &tp_slot, 1, cu) ==
+              KDA_INTERNAL);
+        CHECK(std::string(kda_engine_last_error(rank0)) == t.expected);
+      }
+    }
 
     struct Bad {
       const char* name;
@@ -1448,6 +1514,11 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     const Bad bad[] = {
         {"struct_size", [](kda_communicator* c) { c->struct_size = 8; },
          "options.context_group->struct_size is 8, expected "},
+        {"larger struct_size",
+         [](kda_communicator* c) { c->struct_size = sizeof(kda_communicator) + 8; },
+         "options.context_group->struct_size is 56, expected 48"},
+        {"negative rank", [](kda_communicator* c) { c->rank = -1; },
+         "options.context_group is rank -1 of 1, expected size >= 1 and rank in [0, size)"},
         {"rank", [](kda_communicator* c) { c->rank = 1; },
          "options.context_group is rank 1 of 1, expected size >= 1 and rank in [0, size)"},
         {"size", [](kda_communicator* c) { c->size = 0; },
@@ -1477,5 +1548,102 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
                                         nullptr, err, sizeof err) == KDA_INVALID_ARGUMENT);
       CHECK(std::string(err).find(b.expected) != std::string::npos);
     }
+  }
+}
+
+KDA_CPU_CASE("the caller's kda_batch: struct_size of either version, reserved, decode equals") {
+  Handle handle;
+  create(&handle);
+  const Activations x(8, 2, 32, 5);  // host memory: a CPU handle
+  const Activations step(1, 2, 32, 6);
+  std::vector<std::uint16_t> out(8 * 2 * 32);
+  const std::int64_t cu[2] = {0, 8};
+  int slots[3] = {-1, -1, -1};
+  for (int& slot : slots) {
+    REQUIRE(kda_engine_acquire_slot(handle, &slot) == KDA_OK);
+    REQUIRE(kda_engine_prefill(handle, 0, x.q.data(), x.k.data(), x.v.data(), x.g.data(),
+                               x.beta.data(), out.data(), &slot, 1, cu) == KDA_OK);
+  }
+  const auto decode_batch = [&](int slot) {
+    kda_batch b;
+    REQUIRE(kda_batch_init(&b) == KDA_OK);
+    b.tokens = 1;
+    b.sequences = 1;
+    b.decode_tokens = 1;
+    b.slots = &slots[slot];
+    return b;
+  };
+  const auto forward = [&](const kda_batch& b, std::vector<std::uint16_t>* result) {
+    return kda_engine_forward_batch(handle, 0, step.q.data(), step.k.data(), step.v.data(),
+                                    step.g.data(), step.beta.data(), result->data(), &b);
+  };
+
+  SUBCASE("refused: a size between the versions or past the last, reserved, NULL") {
+    for (const std::size_t size : {std::size_t{100}, sizeof(kda_batch) + 8, std::size_t{8}}) {
+      CAPTURE(size);
+      kda_batch b = decode_batch(0);
+      b.struct_size = size;
+      CHECK(forward(b, &out) == KDA_INVALID_ARGUMENT);
+      CHECK(last_error(handle) == "kda_engine_forward_batch: batch->struct_size is " +
+                                      std::to_string(size) +
+                                      ", expected 96 or 120 (initialise the batch with "
+                                      "kda_batch_init)");
+    }
+    kda_batch b = decode_batch(0);
+    b.reserved = 1;
+    CHECK(forward(b, &out) == KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_forward_batch: batch->reserved is 1, must be 0");
+    // A records step needs runtime.max_verify_tokens, which this model has not.
+    b = decode_batch(0);
+    b.records = 1;
+    CHECK(forward(b, &out) == KDA_INVALID_ARGUMENT);
+    CHECK(contains(last_error(handle), "max_verify_tokens"));
+    CHECK(kda_engine_forward_batch(handle, 0, step.q.data(), step.k.data(), step.v.data(),
+                                   step.g.data(), step.beta.data(), out.data(),
+                                   nullptr) == KDA_INVALID_ARGUMENT);
+    CHECK(last_error(handle) == "kda_engine_forward_batch: batch is null");
+  }
+  SUBCASE("a decode step of one token equals kda_engine_decode, in either version") {
+    std::vector<std::uint16_t> direct(2 * 32, 0), full(2 * 32, 1), first(2 * 32, 2);
+    REQUIRE(kda_engine_decode(handle, 0, step.q.data(), step.k.data(), step.v.data(), step.g.data(),
+                              step.beta.data(), direct.data(), &slots[0], 1, 1) == KDA_OK);
+    CHECK(forward(decode_batch(1), &full) == KDA_OK);
+    CHECK(last_error(handle).empty());
+    CHECK(full == direct);
+    // The first version (96 bytes, up to `reserved`): the fields after it are not read, whatever
+    // the caller's memory holds there.
+    kda_batch b = decode_batch(2);
+    b.struct_size = 96;
+    const std::int32_t rows[1] = {0}, counts[1] = {1};
+    b.records_region = 1;
+    b.fold_region = 1;
+    b.fold_rows = rows;
+    b.fold_counts = counts;
+    CHECK(forward(b, &first) == KDA_OK);
+    CHECK(last_error(handle).empty());
+    CHECK(first == direct);
+  }
+  SUBCASE("a prefill's checkpoint is written to its checkpoint slot") {
+    int checkpoint = -1;
+    REQUIRE(kda_engine_acquire_slot(handle, &checkpoint) == KDA_OK);
+    std::uint64_t bytes = 0;
+    REQUIRE(kda_engine_sequence_state_bytes(handle, &bytes) == KDA_OK);
+    std::vector<unsigned char> before(bytes), after(bytes);
+    REQUIRE(kda_engine_read_sequence_state(handle, checkpoint, before.data(), bytes) == KDA_OK);
+    const std::int64_t offsets[1] = {8};  // the sequence's length
+    kda_batch b;
+    REQUIRE(kda_batch_init(&b) == KDA_OK);
+    b.tokens = 8;
+    b.sequences = 1;
+    b.slots = &slots[0];
+    b.cu_seqlens = cu;
+    b.checkpoints = 1;
+    b.checkpoint_offsets = offsets;
+    b.checkpoint_slots = &checkpoint;
+    CHECK(kda_engine_forward_batch(handle, 0, x.q.data(), x.k.data(), x.v.data(), x.g.data(),
+                                   x.beta.data(), out.data(), &b) == KDA_OK);
+    CHECK_MESSAGE(last_error(handle).empty(), last_error(handle));
+    REQUIRE(kda_engine_read_sequence_state(handle, checkpoint, after.data(), bytes) == KDA_OK);
+    CHECK(after != before);
   }
 }
