@@ -1440,20 +1440,6 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
       CHECK(std::string(kda_engine_last_error(core)) ==
             "kda_engine_prefill_context_parallel: options.context_group: all_gather returned 7");
     }
-    // A tensor-parallel rank's failing all-reduce.
-    {
-      kda_communicator reduce = failing;
-      reduce.size = 2;
-      Handle rank0;
-      REQUIRE(create_with(parallel_spec(2, 0, "whole"), &reduce, nullptr, &rank0.engine,
-                          &message) == KDA_OK);
-      int tp_slot = -1;
-      REQUIRE(kda_engine_acquire_slot(rank0, &tp_slot) == KDA_OK);
-      CHECK(kda_engine_prefill_hidden(rank0, 0, x.data(), out.data(), &tp_slot, 1, cu) ==
-            KDA_INTERNAL);
-      CHECK(std::string(kda_engine_last_error(rank0)) ==
-            "kda_engine_prefill_hidden: options.communicator: all_reduce_sum returned 7");
-    }
     // A group whose size is not the model's tp_size, through the engine's own check.
     kda_communicator two = failing;
     two.size = 2;
@@ -1473,14 +1459,16 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
     CHECK(message.find("EngineOptions::communicator is rank 0 of 1 on cuda; the engine is "
                        "tensor-parallel rank 0 of 1 on cpu") != std::string::npos);
 
-    // A callback that throws (a C++ caller's) fails the call with KDA_INTERNAL and a message;
-    // nothing crosses the C API.
+    // A tensor-parallel rank's all-reduce that fails (returns 7) or throws (a C++ caller's
+    // callback) fails the call with KDA_INTERNAL and a message; nothing crosses the C API.
     {
-      struct Thrower {
+      struct FailingReduce {
         int (*all_reduce_sum)(void*, void*, size_t, kda_collective_dtype, void*);
         const char* expected;
       };
-      const Thrower throwers[] = {
+      const FailingReduce reduces[] = {
+          {failing.all_reduce_sum,
+           "kda_engine_prefill_hidden: options.communicator: all_reduce_sum returned 7"},
           {[](void*, void*, size_t, kda_collective_dtype, void*) -> int {
              throw std::runtime_error("transport down");
            },
@@ -1490,13 +1478,13 @@ KDA_CPU_CASE("communicators: tensor and context parallelism through callbacks") 
           {[](void*, void*, size_t, kda_collective_dtype, void*) -> int { throw 42; },
            "kda_engine_prefill_hidden: internal error: unknown exception"},
       };
-      for (const Thrower& t : throwers) {
+      for (const FailingReduce& t : reduces) {
         CAPTURE(std::string(t.expected));
-        kda_communicator throwing = failing;
-        throwing.size = 2;
-        throwing.all_reduce_sum = t.all_reduce_sum;
+        kda_communicator reduce = failing;
+        reduce.size = 2;
+        reduce.all_reduce_sum = t.all_reduce_sum;
         Handle rank0;
-        REQUIRE(create_with(parallel_spec(2, 0, "whole"), &throwing, nullptr, &rank0.engine,
+        REQUIRE(create_with(parallel_spec(2, 0, "whole"), &reduce, nullptr, &rank0.engine,
                             &message) == KDA_OK);
         int tp_slot = -1;
         REQUIRE(kda_engine_acquire_slot(rank0, &tp_slot) == KDA_OK);

@@ -502,20 +502,24 @@ TEST_CASE("an F16 matrix holding a NaN or an infinity is refused showing that va
   const Weights weights = kda::layer::random_weights(config, 7, 0);
   TempDir dir;
   const std::string path = dir.file("f16.safetensors");
-  for (const auto& [bits, shown] :
-       {std::pair<std::uint16_t, std::string>{0x7e00, "nan"}, {0xfc00, "-inf"}, {0x7c00, "inf"}}) {
-    CAPTURE(shown);
+  struct NonFinite {
+    std::uint16_t bits;  // F16
+    std::string shown;
+  };
+  for (const NonFinite& value :
+       {NonFinite{0x7e00, "nan"}, NonFinite{0xfc00, "-inf"}, NonFinite{0x7c00, "inf"}}) {
+    CAPTURE(value.shown);
     std::vector<Tensor> tensors = kda::engine::layer_weight_tensors(weights);
     for (Tensor& t : tensors) {
       if (t.name != "q_proj.weight") continue;
       t = Tensor::zeros("q_proj.weight", DType::kF16, {64, 48});
       for (std::int64_t i = 0; i < t.numel(); ++i) t.data_as<std::uint16_t>()[i] = 0x3c00;  // 1
-      t.data_as<std::uint16_t>()[3] = bits;
+      t.data_as<std::uint16_t>()[3] = value.bits;
     }
     kda::engine::save_safetensors(path, tensors);
     const std::string message =
         error_of([&] { kda::engine::load_layer_weights(Checkpoint::open(path), -1, config); });
-    CHECK(message == path + ": tensor 'q_proj.weight' holds " + shown +
+    CHECK(message == path + ": tensor 'q_proj.weight' holds " + value.shown +
                          " at element 3, not a finite bf16 value");
   }
 }

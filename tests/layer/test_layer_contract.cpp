@@ -757,15 +757,10 @@ KDA_LAYER_CPU_CASE("core_inputs refuses checkpoints before anything is written")
   call.batch.checkpoints = 1;
   call.batch.checkpoint_offsets = offsets.data();
   call.batch.checkpoint_slots = rows.data();
-  std::string error;
-  try {
-    layer->core_inputs(call.batch, call.hidden, call.state, call.workspace);
-  } catch (const Error& e) {
-    error = e.what();
-  }
-  CHECK(error ==
-        "KDA layer core inputs (CPU): core inputs are a prefill's: no decode, verify, records or "
-        "checkpoints");
+  CHECK(
+      error_of([&] { layer->core_inputs(call.batch, call.hidden, call.state, call.workspace); }) ==
+      "KDA layer core inputs (CPU): core inputs are a prefill's: no decode, verify, records or "
+      "checkpoints");
   Pools after = pools;
   buffers.download(&after);
   CHECK(after == pools);

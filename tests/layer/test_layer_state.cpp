@@ -739,15 +739,10 @@ KDA_LAYER_CASE("a fold refuses bad input before anything is written") {
                      "fold: State::record_rows 4 is below the records step's 2 x 3 row-token "
                      "pairs"});
   }
-  {
+  for (const std::int64_t tokens : {17, 0}) {  // one past either end of [1, 16]
     BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
-    b.fold_decode_tokens = 17;
-    cases.push_back({b, "fold_decode_tokens 17 is not in [1, 16]"});
-  }
-  {
-    BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
-    b.fold_decode_tokens = 0;
-    cases.push_back({b, "fold_decode_tokens 0 is not in [1, 16]"});
+    b.fold_decode_tokens = tokens;
+    cases.push_back({b, "fold_decode_tokens " + std::to_string(tokens) + " is not in [1, 16]"});
   }
   if (runner.backend() == Backend::kCpu) {  // CUDA reads them on the device (below)
     BatchSpec b = folding(decode_batch(2, 1, {0, 1}));
@@ -1200,49 +1195,45 @@ KDA_LAYER_CPU_CASE("bad checkpoint requests are refused before anything is writt
     CHECK(run.error == runner.forward_error_prefix() + bad.message);
     CHECK(pools == before);
   }
-  // A column count whose [N, checkpoints] int64 byte count wraps 64 bits: kOverflow, before the
-  // requests are read (the arrays here hold two columns).
+  // Refusals of the call before its requests are read (the arrays here hold two columns): a column
+  // count whose [N, checkpoints] int64 byte count wraps 64 bits (kOverflow), alone or only times
+  // the N = 2 sequences; a negative count; requests of a decode step; a null checkpoint_slots.
   std::vector<std::int64_t> offsets{16, 37, 0, 16};
   std::vector<std::int32_t> rows{2, 3, 4, 5};
-  const LayerRun run = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
-                                      with_checkpoints(&offsets, &rows, std::int64_t{1} << 62));
-  CHECK(run.code == StatusCode::kOverflow);
-  CHECK(run.error == runner.forward_error_prefix() +
-                         "checkpoint_offsets bytes N*checkpoints*8 (2 x 4611686018427387904 x 8) "
-                         "overflow 64-bit sizes");
-  CHECK(pools == before);
-  // The same with a column count that wraps 64 bits only times the N = 2 sequences.
-  const LayerRun wraps_with_n =
-      runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
-                     with_checkpoints(&offsets, &rows, std::int64_t{1} << 59));
-  CHECK(wraps_with_n.code == StatusCode::kOverflow);
-  CHECK(wraps_with_n.error == runner.forward_error_prefix() +
-                                  "checkpoint_offsets bytes N*checkpoints*8 (2 x "
-                                  "576460752303423488 x 8) overflow 64-bit sizes");
-  CHECK(pools == before);
-  // A negative column count, requests of a decode step, a null checkpoint_slots.
-  const LayerRun negative = runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools,
-                                           with_checkpoints(&offsets, &rows, -1));
-  CHECK(negative.code == StatusCode::kInvalidArgument);
-  CHECK(negative.error == runner.forward_error_prefix() + "checkpoints must be >= 0");
-  CHECK(pools == before);
-  const LayerRun decode = runner.forward(*layer, hidden, decode_batch(2, 1, {0, 1}), &pools,
-                                         with_checkpoints(&offsets, &rows, 1));
-  CHECK(decode.code == StatusCode::kInvalidArgument);
-  CHECK(decode.error == runner.forward_error_prefix() + "checkpoints need a prefill with slots");
-  CHECK(pools == before);
-  ForwardSettings no_slots = with_checkpoints(&offsets, &rows, 2);
+  ForwardSettings no_slots;
   no_slots.change = [&offsets](ForwardCall& call) {
     call.batch.checkpoints = 2;
     call.batch.checkpoint_offsets = offsets.data();
     call.batch.checkpoint_slots = nullptr;
   };
-  const LayerRun null_slots =
-      runner.forward(*layer, hidden, prefill_batch({37, 20}, {0, 1}), &pools, no_slots);
-  CHECK(null_slots.code == StatusCode::kInvalidArgument);
-  CHECK(null_slots.error ==
-        runner.forward_error_prefix() + "checkpoint_offsets or checkpoint_slots is null");
-  CHECK(pools == before);
+  const BatchSpec two = prefill_batch({37, 20}, {0, 1});
+  struct BadCall {
+    BatchSpec batch;
+    ForwardSettings settings;
+    StatusCode code;
+    std::string message;
+  };
+  for (const BadCall& bad :
+       {BadCall{two, with_checkpoints(&offsets, &rows, std::int64_t{1} << 62),
+                StatusCode::kOverflow,
+                "checkpoint_offsets bytes N*checkpoints*8 (2 x 4611686018427387904 x 8) overflow "
+                "64-bit sizes"},
+        BadCall{two, with_checkpoints(&offsets, &rows, std::int64_t{1} << 59),
+                StatusCode::kOverflow,
+                "checkpoint_offsets bytes N*checkpoints*8 (2 x 576460752303423488 x 8) overflow "
+                "64-bit sizes"},
+        BadCall{two, with_checkpoints(&offsets, &rows, -1), StatusCode::kInvalidArgument,
+                "checkpoints must be >= 0"},
+        BadCall{decode_batch(2, 1, {0, 1}), with_checkpoints(&offsets, &rows, 1),
+                StatusCode::kInvalidArgument, "checkpoints need a prefill with slots"},
+        BadCall{two, no_slots, StatusCode::kInvalidArgument,
+                "checkpoint_offsets or checkpoint_slots is null"}}) {
+    CAPTURE(bad.message);
+    const LayerRun run = runner.forward(*layer, hidden, bad.batch, &pools, bad.settings);
+    CHECK(run.code == bad.code);
+    CHECK(run.error == runner.forward_error_prefix() + bad.message);
+    CHECK(pools == before);
+  }
   // A request of offset -1 asks for nothing: its slot may be a sequence's own or another
   // request's, and is not written by it.
   std::vector<std::int64_t> none_offsets{16, -1, -1, 16};
