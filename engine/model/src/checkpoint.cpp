@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "file_failure.hpp"
+#include "json_error.hpp"
 #include "kda/error.hpp"
 
 namespace kda::engine {
@@ -65,12 +66,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
   try {
     index = nlohmann::json::parse(text.str());
   } catch (const nlohmann::json::exception& e) {
-    // what() is "[json.exception.parse_error.101] parse error at line 3, column 7: ...": the
-    // position is kept, the library's tag is not.
-    std::string what = e.what();
-    const std::size_t tag_end = what.find("] ");
-    if (tag_end != std::string::npos) what = what.substr(tag_end + 2);
-    fail(index_path, "is not valid JSON: " + what);
+    // "parse error at line 3, column 7: ...": the position is kept, the library's tag is not.
+    fail(index_path, "is not valid JSON: " + json_error_text(e));
   }
   if (!index.is_object()) fail(index_path, "is not a JSON object");
   const auto map_it = index.find("weight_map");

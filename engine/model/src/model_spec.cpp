@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "file_failure.hpp"
+#include "json_error.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/model_family.hpp"
 #include "kda/error.hpp"
@@ -380,8 +381,8 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
         }
         return yaml_from_json(ctx, parsed);
       } catch (const nlohmann::json::parse_error& json_error) {
-        // what() is "[json.exception.parse_error.101] parse error at line 1, column 12: ...".
-        std::string what = json_error.what();
+        // "parse error at line 1, column 12: syntax error ...": the mark gives the position.
+        std::string what = json_error_text(json_error);
         const std::size_t colon = what.find(": ");
         if (colon != std::string::npos) what = what.substr(colon + 2);
         const std::size_t at = json_error.byte > 0 ? json_error.byte - 1 : 0;
@@ -389,11 +390,9 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
         ctx.fail(mark_at(text, at), "",
                  says_syntax ? "JSON " + what : "JSON syntax error: " + what);
       } catch (const nlohmann::json::exception& json_error) {
-        // Not a syntax error: a number too large for a double ("[json.exception.out_of_range.406]
-        // number overflow parsing '1e705'"), ... . Reported at the quoted text when it is found.
-        std::string what = json_error.what();
-        const std::size_t bracket = what.find("] ");
-        if (bracket != std::string::npos) what = what.substr(bracket + 2);
+        // Not a syntax error: a number too large for a double ("number overflow parsing
+        // '1e705'"), ... . Reported at the quoted text when it is found.
+        const std::string what = json_error_text(json_error);
         std::size_t at = 0;
         const std::size_t open = what.find('\'');
         const std::size_t close = open == std::string::npos ? open : what.find('\'', open + 1);
