@@ -391,6 +391,33 @@ KDA_LAYER_CUDA_CASE("decode steps on each side of the conv's factor-tile limits 
   }
 }
 
+// A one-token step of more than 2,048 (row, head) pairs with an fp32 state runs its core in one
+// block a head with the gated norm as its epilogue (the operator's rule cuts such a step no finer,
+// decode_norm.cu): 530 rows of the test config's 4 heads (2,120 pairs), reversed slots with padding
+// rows, both output gates, against the CPU layer and the fp64 reference (padding rows zeros, their
+// states untouched).
+KDA_LAYER_CUDA_CASE("a one-token step of over 2,048 pairs with an fp32 state equals the CPU") {
+  const std::int64_t rows = 530;
+  std::vector<std::int32_t> slots;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    slots.push_back(r % 13 == 5 ? -1 : static_cast<std::int32_t>(rows - r));
+  }
+  std::uint64_t seed = 110;
+  for (const bool full_rank : {false, true}) {
+    CAPTURE(full_rank);
+    const layer::Config config = cuda.config(GateMode::kSoftplus, full_rank);
+    REQUIRE(rows * config.num_heads > 2048);
+    const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, ++seed, 4));
+    const auto layer = cuda.make(weights);
+    const BatchSpec step = decode_batch(rows, 1, slots);
+    Pools before(config, rows + 2, DType::kF32);
+    before.randomize(++seed);
+    const std::vector<bf16_bits> hidden =
+        random_bf16(static_cast<std::size_t>(step.tokens() * config.hidden_size), 2.0f, ++seed);
+    check_separate_step(cuda, weights, *layer, hidden, step, before);
+  }
+}
+
 // The prefill conv stages each block's input rows (its chunk of up to 32 tokens and the W-1 rows
 // before it, its tile of channels) in shared memory. Head counts whose channel tiles are not all
 // full (H = 3: 144 groups of eight channels in tiles of 96 and 48; H = 12: four of 128, one of
