@@ -38,10 +38,7 @@ bool in_place_pair(const Argument& out, const Argument& in) {
 }  // namespace
 
 bool overlaps(const Argument& a, const Argument& b) {
-  if (a.ptr == nullptr || b.ptr == nullptr || a.bytes == 0 || b.bytes == 0) return false;
-  const std::uintptr_t a0 = reinterpret_cast<std::uintptr_t>(a.ptr);
-  const std::uintptr_t b0 = reinterpret_cast<std::uintptr_t>(b.ptr);
-  return a0 < b0 + b.bytes && b0 < a0 + a.bytes;
+  return byte_ranges_overlap(a.ptr, a.bytes, b.ptr, b.bytes);
 }
 
 Argument& ArgumentTable::add(const char* name, const void* ptr, std::uint64_t bytes, DType dtype,

@@ -160,10 +160,10 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
                       std::to_string(state.record_rows) + ") overflow 64-bit sizes");
     }
     const auto pairs = static_cast<std::uint64_t>(fold_pairs);
-    if (batch.records &&
-        (overlap(state.fold_recurrent_records, pairs * recurrent_row, state.recurrent_records,
-                 records_recurrent) ||
-         overlap(state.fold_conv_records, pairs * conv_row, state.conv_records, records_conv))) {
+    if (batch.records && (byte_ranges_overlap(state.fold_recurrent_records, pairs * recurrent_row,
+                                              state.recurrent_records, records_recurrent) ||
+                          byte_ranges_overlap(state.fold_conv_records, pairs * conv_row,
+                                              state.conv_records, records_conv))) {
       invalid(what,
               "fold: a records step folds records that overlap the region it writes (keep two "
               "records regions a layer and alternate)");
@@ -275,7 +275,7 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
       invalid(what, "hidden or out is null");
     }
     const auto bytes = static_cast<std::uint64_t>(T * c.hidden_size) * sizeof(bf16_bits);
-    if (overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
+    if (byte_ranges_overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   // The messages' context only for an error: a forward allocates nothing.
   if (decode) {

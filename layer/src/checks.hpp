@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kda/detail/checked_math.hpp"
 #include "kda/kda.hpp"
 #include "kda/layer/layer.hpp"
 #include "workspace_layout.hpp"
@@ -102,10 +103,6 @@ void check_gate_weights(const Weights& weights);
 void check_weight_region(const void* image, std::size_t bytes, std::size_t needed,
                          std::size_t alignment, const char* what);
 
-// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) overlap (a null one: never).
-inline bool overlap(const void* a, std::uint64_t a_bytes, const void* b, std::uint64_t b_bytes) {
-  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
-  return a != nullptr && b != nullptr && x < y + b_bytes && y < x + a_bytes;
-}
+using kda::detail::byte_ranges_overlap;
 
 }  // namespace kda::layer::detail

@@ -142,9 +142,9 @@ void check_pools_across_groups(const Config& c, const State* states, int num_lay
   for (int l = 0; l < num_layers; ++l) {
     for (int m = (l / kMaxCommitLayers + 1) * kMaxCommitLayers; m < num_layers; ++m) {
       const State &a = states[l], &b = states[m];
-      if (detail::overlap(a.recurrent, pool_bytes, b.recurrent, pool_bytes) ||
-          detail::overlap(a.recurrent, pool_bytes, b.recurrent_records, record_bytes) ||
-          detail::overlap(b.recurrent, pool_bytes, a.recurrent_records, record_bytes)) {
+      if (detail::byte_ranges_overlap(a.recurrent, pool_bytes, b.recurrent, pool_bytes) ||
+          detail::byte_ranges_overlap(a.recurrent, pool_bytes, b.recurrent_records, record_bytes) ||
+          detail::byte_ranges_overlap(b.recurrent, pool_bytes, a.recurrent_records, record_bytes)) {
         invalid(what, "layers " + std::to_string(l) + " and " + std::to_string(m) +
                           " of the call: a recurrent pool overlaps the other's pool or records");
       }

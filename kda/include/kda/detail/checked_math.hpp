@@ -1,6 +1,7 @@
-// kda/detail/checked_math.hpp — overflow-checked size arithmetic and align-up, the one copy shared
-// by the operator (kda/src) and the engine. Not part of the operator's contract: layers above may
-// use it, users need not. The planner keeps its own (it does not depend on kda).
+// kda/detail/checked_math.hpp — overflow-checked size arithmetic, align-up and byte-range overlap,
+// the one copy shared by the operator (kda/src), the layer and the engine. Not part of the
+// operator's contract: layers above may use it, users need not. The planner keeps its own (it does
+// not depend on kda).
 #pragma once
 
 #include <cstdint>
@@ -49,6 +50,15 @@ constexpr bool checked_align_up(std::uint64_t value, std::uint64_t alignment, st
   if (!checked_add(value, alignment - 1, &end)) return false;
   *out = end / alignment * alignment;
   return true;
+}
+
+// Whether the byte ranges [a, a + a_bytes) and [b, b + b_bytes) share a byte: never where either
+// is null or empty (an empty tensor overlaps nothing, wherever its pointer points).
+inline bool byte_ranges_overlap(const void* a, std::uint64_t a_bytes, const void* b,
+                                std::uint64_t b_bytes) {
+  if (a == nullptr || b == nullptr || a_bytes == 0 || b_bytes == 0) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x < y + b_bytes && y < x + a_bytes;
 }
 
 }  // namespace kda::detail
