@@ -376,14 +376,14 @@ Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const 
 }
 
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table) {
-  if (Status st = validate(p); !st) return st;
+  if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = prefill_arguments(p, t, table); !st) return st;
   if (Status st = check_presence(*table); !st) return st;
   return check_no_overlap(*table);
 }
 
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table) {
-  if (Status st = validate(p); !st) return st;
+  if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = decode_arguments(p, t, table); !st) return st;
   if (Status st = check_presence(*table); !st) return st;
   return check_no_overlap(*table);
@@ -406,6 +406,7 @@ Status check_presence(const ArgumentTable& table) {
 Status check_no_overlap(const ArgumentTable& table) {
   // In-place update: final_state may be initial_state itself (same dtype), never a partial overlap.
   for (const Argument& out : table) {
+    if (out.role != ArgumentRole::kStateOut) continue;  // in_place_pair's first half, hoisted
     for (const Argument& in : table) {
       if (!in_place_pair(out, in)) continue;
       if (out.ptr != nullptr && out.ptr == in.ptr) {
@@ -423,7 +424,7 @@ Status check_no_overlap(const ArgumentTable& table) {
   // Every written row against every other row; a pair of written rows once, named by the first.
   for (int i = 0; i < table.count; ++i) {
     const Argument& out = table.items[i];
-    if (!writes(out.role)) continue;
+    if (!writes(out.role) || out.ptr == nullptr || out.bytes == 0) continue;  // overlaps nothing
     for (int j = 0; j < table.count; ++j) {
       const Argument& other = table.items[j];
       if (j == i || (j < i && writes(other.role)) || in_place_pair(out, other)) continue;

@@ -123,6 +123,12 @@ Status apply_transition_arguments(std::int64_t pairs, std::int64_t head_dim_k,
 Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const std::int32_t* slots,
                         const std::int32_t* num_accepted, ArgumentTable* table);
 
+// validate(p)'s checks of the problem's fields, without building its table (problem.cpp): a
+// table built with the tensors fails where validate(p)'s empty one would, so validate_arguments
+// builds one table, not two.
+Status check_problem_fields(const Problem& p);
+Status check_problem_fields(const DecodeProblem& p);
+
 // validate(p, t) that also hands back the table, for the backends' further walks.
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);

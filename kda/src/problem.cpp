@@ -110,7 +110,7 @@ Status check_step_shape(std::int64_t batch, std::int64_t tokens, std::int64_t nu
 // ---------------------------------------------------------------------------------------------
 // Prefill
 // ---------------------------------------------------------------------------------------------
-Status validate(const Problem& p) {
+Status detail::check_problem_fields(const Problem& p) {
   if (p.batch < 1) return invalid("batch must be >= 1 (got " + str(p.batch) + ")");
   if (p.seq_len < 0) return invalid("seq_len must be >= 0 (got " + str(p.seq_len) + ")");
   if (p.num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(p.num_heads) + ")");
@@ -168,6 +168,11 @@ Status validate(const Problem& p) {
                      dtype_name(p.checkpoint_offsets_dtype) + ")");
     }
   }
+  return Status::Ok();
+}
+
+Status validate(const Problem& p) {
+  if (Status st = detail::check_problem_fields(p); !st) return st;
   // Every size the problem implies fits: the table of its (absent) tensors can be built.
   detail::ArgumentTable table;
   return detail::prefill_arguments(p, Tensors{}, &table);
@@ -502,7 +507,7 @@ Status transition_workspace_size(const Problem& p, Backend backend, std::size_t*
 // ---------------------------------------------------------------------------------------------
 // Decode
 // ---------------------------------------------------------------------------------------------
-Status validate(const DecodeProblem& p) {
+Status detail::check_problem_fields(const DecodeProblem& p) {
   if (Status st = check_step_shape(p.batch, p.tokens, p.num_heads, p.head_dim_k, p.head_dim_v,
                                    p.num_slots, p.padding_slot, p.state_dtype);
       !st) {
@@ -524,6 +529,12 @@ Status validate(const DecodeProblem& p) {
           "fold)");
     }
   }
+  return Status::Ok();
+}
+
+Status validate(const DecodeProblem& p) {
+  if (Status st = detail::check_problem_fields(p); !st) return st;
+  // Every size the problem implies fits: the table of its (absent) tensors can be built.
   detail::ArgumentTable table;
   return detail::decode_arguments(p, DecodeTensors{}, &table);
 }
