@@ -3,7 +3,8 @@
 // get). A case is written once against `runner`, the backend as the test sees it; an engine test
 // only needs to know which backend that is, because an engine takes its caller's tensors on its
 // own backend (host pointers on the CPU, device pointers on CUDA). So this header adds:
-//   engine_options(runner, seed)  EngineOptions for an engine on the runner's backend
+//   engine_options(runner, seed)  EngineOptions for an engine on the runner's backend, its arena
+//                                 poisoned
 //   Memory(runner, bytes)         caller memory on that backend (HostBuffer / DeviceBuffer: guard
 //                                 bytes on both sides), Memory::from(runner, host) uploads,
 //                                 download<T>() brings it back
@@ -38,12 +39,14 @@ inline engine::BackendChoice backend_choice(const Runner& runner) {
 }
 
 // An engine on the runner's backend with seeded random weights; two CPU threads (CI has two
-// cores; the results do not depend on the count).
+// cores; the results do not depend on the count); its arena poisoned (EngineOptions::
+// poison_arena), so that every case also checks that no call reads arena memory nothing wrote.
 inline engine::EngineOptions engine_options(const Runner& runner, std::uint64_t seed = 0) {
   engine::EngineOptions options;
   options.backend = backend_choice(runner);
   options.seed = seed;
   options.cpu_threads = 2;
+  options.poison_arena = true;
   return options;
 }
 

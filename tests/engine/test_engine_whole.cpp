@@ -368,6 +368,51 @@ KDA_MATRIX_CASE(
                        kda::Error);
 }
 
+// EngineOptions::poison_arena fills the arena before anything is written into it (every other
+// case here runs with it on): an engine with it and one without compute the same bits, a prefill
+// of two sequences on fragmented slots and a decode step with a padding row, their outputs and
+// both layers' states; the padding row's out is zeros.
+KDA_MATRIX_CASE("whole layers: a poisoned arena changes no output and no state") {
+  EngineOptions plain = options(runner);
+  plain.poison_arena = false;
+  EngineOptions poisoned_arena = options(runner);
+  REQUIRE(poisoned_arena.poison_arena);
+  Engine a(spec_from(kSpec), plain), b(spec_from(kSpec), poisoned_arena);
+  for (int i = 0; i < 4; ++i) {
+    REQUIRE(a.acquire_slot() == i);
+    REQUIRE(b.acquire_slot() == i);
+  }
+  const Memory x = Memory::from(runner, random_hidden(14, 11));
+  const Memory step = Memory::from(runner, random_hidden(3, 12));
+  REQUIRE(a.num_layers() == 2);
+  std::vector<bf16_bits> outs[2][2][2];  // [engine][layer][prefill, decode]
+  Engine* engines[2] = {&a, &b};
+  for (int e = 0; e < 2; ++e) {
+    for (int l = 0; l < 2; ++l) {
+      Memory prefill_out = poisoned(runner, 14), step_out = poisoned(runner, 3);
+      engines[e]->prefill_hidden(l, x.get(), prefill_out.get(), {3, 1}, {0, 9, 14});
+      engines[e]->decode_hidden(l, step.get(), step_out.get(), {1, -1, 3}, 1);
+      outs[e][l][0] = result(*engines[e], prefill_out);
+      outs[e][l][1] = result(*engines[e], step_out);
+    }
+  }
+  for (int l = 0; l < 2; ++l) {
+    CAPTURE(l);
+    CHECK(outs[0][l][0] == outs[1][l][0]);
+    CHECK(outs[0][l][1] == outs[1][l][1]);
+    CHECK(kda::test::rows_of(outs[1][l][1], E, 1, 2) == std::vector<bf16_bits>(E, 0));
+  }
+  for (int l = 0; l < a.num_layers(); ++l) {
+    for (const int slot : {0, 1, 2, 3}) {
+      CAPTURE(l);
+      CAPTURE(slot);
+      const SlotState sa = read_state(a, l, slot), sb = read_state(b, l, slot);
+      CHECK(sa.recurrent == sb.recurrent);
+      for (int p = 0; p < 3; ++p) CHECK(sa.conv[p] == sb.conv[p]);
+    }
+  }
+}
+
 KDA_MATRIX_CASE("whole layers: fragmented slots and padding rows equal the same sequences alone") {
   // Bitwise on the CPU; on CUDA the same to 1e-3 (the GEMMs' shapes differ).
   Engine engine(spec_from(kSpec), options(runner));

@@ -111,6 +111,12 @@ struct EngineOptions {
   // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
+  // Fill the arena with 0xFF bytes (NaN in bf16 and f32) as soon as it is allocated, before the
+  // weights and the zeroed state pools are written into it: a debugging aid, so that a read of
+  // arena memory no call wrote shows as NaN in an output rather than as whatever the allocator
+  // left there. Costs one memset of the arena at construction (on the CPU it also touches every
+  // page of it); no call changes. Off by default; the project's engine tests run with it on.
+  bool poison_arena = false;
   // CUDA: the prefill's schedule (kda::CudaOptions::schedule); kAuto picks per call from the
   // shape. Unset: the spec's runtime.prefill_schedule (auto by default); Engine::spec() reports
   // the schedule in effect. Unknown values throw at construction.
