@@ -1136,8 +1136,12 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     throw Error(e.code(), where + ": " + e.what());
   }
   std::uint8_t* base = m.arena.get();
-  // On CUDA on the engine's stream, which also carries the weights' and pools' writes below.
-  if (options.poison_arena) m.backend->memset(base, 0xFF, static_cast<std::size_t>(total));
+  if (options.poison_arena) {
+    m.backend->memset(base, 0xFF, static_cast<std::size_t>(total));
+    // Done before the weights are written: a CUDA layer copies its image by cudaMemcpy, which does
+    // not wait for work on a non-blocking stream of the caller's.
+    m.backend->synchronize();
+  }
   for (const auto& layer : m.layers) layer->bind(base, m.plan, *m.backend);
   load_layers(m.spec, options.seed, m.layers);
   m.weights_origin = m.layers.empty() ? std::string() : m.layers[0]->info().origin;
