@@ -129,6 +129,14 @@ Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const 
 Status check_problem_fields(const Problem& p);
 Status check_problem_fields(const DecodeProblem& p);
 
+// can_implement(p, backend) and then validate(p, t), for the backends' own calls: the same checks
+// in the same order (the backend, the problem's fields, its sizes, the backend's limits, the
+// tensors), with one argument table built (handed back) where the two calls built three.
+Status implement_and_validate(const Problem& p, const Tensors& t, Backend backend,
+                              ArgumentTable* table);
+Status implement_and_validate(const DecodeProblem& p, const DecodeTensors& t, Backend backend,
+                              ArgumentTable* table);
+
 // validate(p, t) that also hands back the table, for the backends' further walks.
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);

@@ -9,6 +9,7 @@
 #include <string>
 #include <thread>
 
+#include "argument_table.hpp"
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
 #include "state_slots.hpp"
@@ -196,7 +197,8 @@ Status workspace_slots(Workspace ws, std::size_t needed, const char* what, unsig
 }  // namespace
 
 Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOptions& opt) {
-  if (Status st = validate(p, t); !st) return st;
+  detail::ArgumentTable table;  // validate(p, t), as the CUDA backend checks its calls
+  if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, &table); !st) return st;
   if (Status st = check_host_inputs(p, t); !st) return st;
   std::size_t needed = 0;
   if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "argument_table.hpp"
 #include "cpu_recurrence.hpp"
 #include "kda/kda.hpp"
 
@@ -193,7 +194,8 @@ Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* 
 }
 
 Status decode_checks(const DecodeProblem& p, const DecodeTensors& t) {
-  if (Status st = validate(p, t); !st) return st;
+  detail::ArgumentTable table;  // validate(p, t), as the CUDA backend checks its calls
+  if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, &table); !st) return st;
   if (Status st = validate_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k); !st) {
     return st;
   }

@@ -413,9 +413,9 @@ Status lower_bound_from_double(double bound, float* used) {
                  (in_range ? " (as a float it is -0)" : ""));
 }
 
-Status can_implement(const Problem& p, Backend backend) {
-  if (Status st = check_backend(backend); !st) return st;
-  if (Status st = validate(p); !st) return st;
+namespace {
+// can_implement's limits of a backend, for a problem validate() accepts.
+Status backend_limits(const Problem& p, Backend backend) {
   if (backend == Backend::kCuda) {
     std::uint64_t slots = 0;
     detail::num_chunk_slots(static_cast<std::uint64_t>(p.total_tokens()),
@@ -433,6 +433,23 @@ Status can_implement(const Problem& p, Backend backend) {
     return can_run_cuda(p.head_dim_k, p.head_dim_v);
   }
   return Status::Ok();
+}
+}  // namespace
+
+Status can_implement(const Problem& p, Backend backend) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  return backend_limits(p, backend);
+}
+
+Status detail::implement_and_validate(const Problem& p, const Tensors& t, Backend backend,
+                                      ArgumentTable* table) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = check_problem_fields(p); !st) return st;
+  if (Status st = prefill_arguments(p, t, table); !st) return st;  // the sizes, as validate(p)
+  if (Status st = backend_limits(p, backend); !st) return st;
+  if (Status st = check_presence(*table); !st) return st;
+  return check_no_overlap(*table);
 }
 
 // CPU: one scratch slot (state + token vectors, sized for fp64) per thread, for up to
@@ -544,9 +561,8 @@ Status validate(const DecodeProblem& p, const DecodeTensors& t) {
   return detail::validate_arguments(p, t, &table);
 }
 
-Status can_implement(const DecodeProblem& p, Backend backend) {
-  if (Status st = check_backend(backend); !st) return st;
-  if (Status st = validate(p); !st) return st;
+namespace {
+Status backend_limits(const DecodeProblem& p, Backend backend) {
   if (backend == Backend::kCuda) {
     if (Status st =
             check_cuda_grid(p.num_heads, "decode rows", static_cast<std::uint64_t>(p.batch));
@@ -556,6 +572,23 @@ Status can_implement(const DecodeProblem& p, Backend backend) {
     return can_run_cuda(p.head_dim_k, p.head_dim_v);
   }
   return Status::Ok();
+}
+}  // namespace
+
+Status can_implement(const DecodeProblem& p, Backend backend) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = validate(p); !st) return st;
+  return backend_limits(p, backend);
+}
+
+Status detail::implement_and_validate(const DecodeProblem& p, const DecodeTensors& t,
+                                      Backend backend, ArgumentTable* table) {
+  if (Status st = check_backend(backend); !st) return st;
+  if (Status st = check_problem_fields(p); !st) return st;
+  if (Status st = decode_arguments(p, t, table); !st) return st;  // the sizes, as validate(p)
+  if (Status st = backend_limits(p, backend); !st) return st;
+  if (Status st = check_presence(*table); !st) return st;
+  return check_no_overlap(*table);
 }
 
 // ---------------------------------------------------------------------------------------------

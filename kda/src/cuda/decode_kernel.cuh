@@ -463,10 +463,8 @@ inline int decode_blocks_per_head(const DecodeProblem& p, const CudaOptions& opt
 template <class Epilogue>
 Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr,
                      const CudaOptions& opt, const Epilogue& epilogue) {
-  Status st = can_implement(p, Backend::kCuda);
-  if (!st.ok()) return st;
   ArgumentTable args;
-  st = validate_arguments(p, t, &args);
+  Status st = implement_and_validate(p, t, Backend::kCuda, &args);
   if (!st.ok()) return st;
   st = check_cuda_alignment(args, "the CUDA decode");
   if (!st.ok()) return st;

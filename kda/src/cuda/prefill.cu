@@ -161,10 +161,9 @@ class PrefillLaunch {
                     "CudaOptions::schedule is " + std::to_string(static_cast<int>(opt.schedule)) +
                         ", expected kAuto, kTwoPhase or kPipelined");
     }
-    Status st = can_implement(p, Backend::kCuda);
-    if (!st.ok()) return st;
     ArgumentTable args;
-    if (!(st = validate_arguments(p, t, &args))) return st;
+    Status st = implement_and_validate(p, t, Backend::kCuda, &args);
+    if (!st.ok()) return st;
     if (!(st = check_host_copies(p, t))) return st;
     if (!(st = check_cuda_alignment(args, "the CUDA backend"))) return st;
     std::size_t need = 0;
