@@ -169,7 +169,7 @@ KDA_CPU_CASE("status strings and options_init") {
   CHECK(options.state_dtype == KDA_STATE_DTYPE_DEFAULT);
   CHECK(options.reserved3 == 0);
   CHECK(options.layer_mode == KDA_LAYER_MODE_DEFAULT);
-  CHECK(options.reserved4 == 0);
+  CHECK(options.poison_arena == 0);
   CHECK(options.communicator == nullptr);
   CHECK(options.context_group == nullptr);
   CHECK(kda_engine_options_init(nullptr) == KDA_INVALID_ARGUMENT);
@@ -560,7 +560,7 @@ KDA_CPU_CASE("every decode step is accepted") {
 }
 
 // options.layer_mode replaces the description's runtime.layers, in creation and in the plan alike;
-// a value outside the enum and a non-zero reserved4 are refused, naming the field.
+// a value outside the enum is refused, naming the field.
 KDA_CPU_CASE("options.layer_mode: whole layers or cores, as the plan says") {
   const char* const whole_spec =
       "name: c-layer-mode\nhidden_size: 64\nnum_hidden_layers: 1\n"
@@ -596,11 +596,47 @@ KDA_CPU_CASE("options.layer_mode: whole layers or cores, as the plan says") {
         KDA_INVALID_ARGUMENT);
   CHECK(std::string(err).find("options.layer_mode is 7, expected KDA_LAYER_MODE_DEFAULT, _WHOLE "
                               "or _CORE") != std::string::npos);
-  options = cpu_options();
-  options.reserved4 = 1;
-  CHECK(kda_engine_create_from_string(whole_spec, &options, &e, err, sizeof err) ==
+  CHECK(e == nullptr);
+}
+
+// options.poison_arena (EngineOptions::poison_arena): 0 or 1, anything else refused naming it; an
+// engine with it computes the same bits as one without (a prefill of two sequences and a decode
+// step with a padding row, every layer).
+KDA_CPU_CASE("options.poison_arena: the same outputs with the arena poisoned, 0 or 1 only") {
+  std::vector<std::uint16_t> outs[2];
+  for (const int poison : {0, 1}) {
+    CAPTURE(poison);
+    kda_engine_options options = cpu_options(5);
+    options.poison_arena = poison;
+    char err[512] = "";
+    Handle e;
+    REQUIRE(kda_engine_create_from_string(kMatrixSpec, &options, &e.engine, err, sizeof err) ==
+            KDA_OK);
+    int slots[2];
+    for (int& slot : slots) REQUIRE(kda_engine_acquire_slot(e, &slot) == KDA_OK);
+    kda::test::Rng rng(6);
+    const std::vector<std::uint16_t> x = kda::test::random_bf16(rng, 12 * E, 1.0);
+    const std::int64_t cu[3] = {0, 5, 12};
+    const int rows[3] = {slots[1], -1, slots[0]};
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<std::uint16_t> prefill(x.size(), 0x7FC1),
+          step(static_cast<std::size_t>(3 * E), 0x7FC1);
+      REQUIRE(kda_engine_prefill_hidden(e, layer, x.data(), prefill.data(), slots, 2, cu) ==
+              KDA_OK);
+      REQUIRE(kda_engine_decode_hidden(e, layer, x.data(), step.data(), rows, 3, 1) == KDA_OK);
+      CHECK(kda::test::rows_of(step, E, 1, 2) == std::vector<std::uint16_t>(E, 0));
+      outs[poison].insert(outs[poison].end(), prefill.begin(), prefill.end());
+      outs[poison].insert(outs[poison].end(), step.begin(), step.end());
+    }
+  }
+  CHECK(outs[0] == outs[1]);
+  kda_engine_options options = cpu_options();
+  options.poison_arena = 2;
+  char err[512] = "";
+  kda_engine* e = nullptr;
+  CHECK(kda_engine_create_from_string(kMatrixSpec, &options, &e, err, sizeof err) ==
         KDA_INVALID_ARGUMENT);
-  CHECK(std::string(err).find("options.reserved4 is 1, expected 0") != std::string::npos);
+  CHECK(std::string(err).find("options.poison_arena is 2, expected 0 or 1") != std::string::npos);
   CHECK(e == nullptr);
 }
 

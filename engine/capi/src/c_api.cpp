@@ -316,7 +316,11 @@ kda::engine::EngineOptions to_engine_options(const kda_engine_options* options,
       {KDA_LAYER_MODE_CORE, kda::engine::LayerMode::kCoreOnly}};
   result.layer_mode = mapped(options->layer_mode, modes, function, "layer_mode",
                              "KDA_LAYER_MODE_DEFAULT, _WHOLE or _CORE");
-  require_zero(options->reserved4, function, "reserved4");
+  if (options->poison_arena != 0 && options->poison_arena != 1) {
+    invalid(function, "options.poison_arena is " + std::to_string(options->poison_arena) +
+                          ", expected 0 or 1");
+  }
+  result.poison_arena = options->poison_arena == 1;
   result.null_slot = options->null_slot;
   return result;
 }

@@ -196,7 +196,10 @@ typedef struct kda_engine_options {
   kda_state_dtype state_dtype; /* runtime.state_dtype; default KDA_STATE_DTYPE_DEFAULT */
   int reserved3;               /* must be 0 (88 bytes on LP64) */
   kda_layer_mode layer_mode;   /* runtime.layers; default KDA_LAYER_MODE_DEFAULT */
-  int reserved4;               /* must be 0 */
+  int poison_arena;            /* 1: fill the arena with 0xFF bytes (NaN in bf16 and f32) once it
+                                  is allocated, before weights and states are written, so that a
+                                  read of arena memory nothing wrote shows as NaN (a debugging aid,
+                                  kda::engine::EngineOptions::poison_arena); default 0 */
   /* Tensor parallelism (runtime.tp_size > 1, whole layers): this rank's group, of tp_size ranks
    * with rank tp_rank. With it every whole-layer call all-reduces its output over the ranks
    * (bf16), so that each rank returns the whole layer's output; NULL (default): `out` is this
