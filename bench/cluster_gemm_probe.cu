@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "cuda/ptx.cuh"            // mma, wgmma, clusters, griddepcontrol (kda/src/cuda)
-#include "cuda/shared_memory.cuh"  // allow_shared_memory (layer/src/cuda)
+#include "cuda/shared_memory.cuh"  // allow_shared_memory (kda/src/cuda)
 #include "cuda/weight_rows.cuh"    // load_streaming (layer/src/cuda)
 #include "decode_gemm_shapes.hpp"
 #include "gemm_chain.cuh"
@@ -75,7 +75,7 @@ __device__ __forceinline__ void store_out(void* out, std::int64_t n, float sum) 
 
 using d::griddep_launch_dependents;
 using d::griddep_wait;
-using kda::layer::cuda::allow_shared_memory;
+using kda::detail::allow_shared_memory;
 using kda::layer::cuda::load_streaming;
 
 // ---- the mma.sync kernel -----------------------------------------------------------------------

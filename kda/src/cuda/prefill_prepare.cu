@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
+#include "cuda/shared_memory.cuh"  // allow_shared_memory
 #include "kda/detail/prepare_paths.hpp"
 
 namespace kda::detail {
@@ -697,25 +698,18 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepBlocksPerSm)
 
 }  // namespace
 
-Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots,
-                      int pipelined_blocks_per_sm, cudaStream_t stream) {
-  const bool pipelined = prm.ready != nullptr;
-  void (*kernel)(PrefillParams) =
-      prm.gate == GateMode::kLowerBound
-          ? (pipelined ? kda_prepare_kernel<GateMode::kLowerBound, true>
-                       : kda_prepare_kernel<GateMode::kLowerBound, false>)
-          : (pipelined ? kda_prepare_kernel<GateMode::kSoftplus, true>
-                       : kda_prepare_kernel<GateMode::kSoftplus, false>);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(sizeof(PrepSmem)));
-  if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
+namespace {
+
+template <GateMode GATE, bool kPipelined>
+Status launch_prepare_kernel(const PrefillParams& prm, std::int64_t chunk_slots,
+                             int pipelined_blocks_per_sm, cudaStream_t stream) {
   // All of the SM's unified memory as shared memory, or kPrepBlocksPerSm blocks do not fit.
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                             cudaSharedmemCarveoutMaxShared);
+  const cudaError_t err = allow_shared_memory<kda_prepare_kernel<GATE, kPipelined>>(
+      static_cast<int>(sizeof(PrepSmem)), /*max_shared_carveout=*/true);
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_prepare_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(chunk_slots), static_cast<unsigned>(prm.num_heads));
-  if (pipelined) {
+  if constexpr (kPipelined) {
     const std::int64_t items = chunk_slots * prm.num_heads;
     const int per_sm = pipelined_blocks_per_sm < 1                  ? 1
                        : pipelined_blocks_per_sm > kPrepBlocksPerSm ? kPrepBlocksPerSm
@@ -726,7 +720,25 @@ Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots,
   cfg.blockDim = dim3(kPrepThreads);
   cfg.dynamicSmemBytes = sizeof(PrepSmem);
   cfg.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&cfg, kernel, prm), "kda_prepare_kernel");
+  return cuda_status(cudaLaunchKernelEx(&cfg, kda_prepare_kernel<GATE, kPipelined>, prm),
+                     "kda_prepare_kernel");
+}
+
+}  // namespace
+
+Status launch_prepare(const PrefillParams& prm, std::int64_t chunk_slots,
+                      int pipelined_blocks_per_sm, cudaStream_t stream) {
+  const bool pipelined = prm.ready != nullptr;
+  if (prm.gate == GateMode::kLowerBound) {
+    return pipelined ? launch_prepare_kernel<GateMode::kLowerBound, true>(
+                           prm, chunk_slots, pipelined_blocks_per_sm, stream)
+                     : launch_prepare_kernel<GateMode::kLowerBound, false>(
+                           prm, chunk_slots, pipelined_blocks_per_sm, stream);
+  }
+  return pipelined ? launch_prepare_kernel<GateMode::kSoftplus, true>(
+                         prm, chunk_slots, pipelined_blocks_per_sm, stream)
+                   : launch_prepare_kernel<GateMode::kSoftplus, false>(
+                         prm, chunk_slots, pipelined_blocks_per_sm, stream);
 }
 
 }  // namespace kda::detail

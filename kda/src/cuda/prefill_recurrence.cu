@@ -7,6 +7,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
+#include "cuda/shared_memory.cuh"  // allow_shared_memory
 
 namespace kda::detail {
 namespace {
@@ -691,9 +692,8 @@ template <int WARPS, int MT, RecurrencePass PASS, bool SPLIT, bool CKPT>
 Status launch_kernel(const PrefillParams& prm, std::int64_t grid_x, int columns,
                      cudaStream_t stream) {
   constexpr std::size_t smem = recurrence_smem_bytes<WARPS, MT>();
-  cudaError_t err =
-      cudaFuncSetAttribute(kda_recurrence_kernel<WARPS, MT, PASS, SPLIT, CKPT>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t err = allow_shared_memory<kda_recurrence_kernel<WARPS, MT, PASS, SPLIT, CKPT>>(
+      static_cast<int>(smem));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_recurrence_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(prm.num_heads),

@@ -6,6 +6,7 @@
 
 #include "cuda/cuda_check.hpp"
 #include "cuda/prefill_kernels.cuh"
+#include "cuda/shared_memory.cuh"  // allow_shared_memory
 
 namespace kda::detail {
 namespace {
@@ -116,9 +117,8 @@ Status launch_apply_transition(const float* s_in, const float* p_t, const float*
 }
 
 Status launch_segment_scan(const PrefillParams& prm, std::int64_t num_seqs, cudaStream_t stream) {
-  cudaError_t err =
-      cudaFuncSetAttribute(kda_segment_scan_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           static_cast<int>(sizeof(ScanSmem)));
+  const cudaError_t err =
+      allow_shared_memory<kda_segment_scan_kernel>(static_cast<int>(sizeof(ScanSmem)));
   if (err != cudaSuccess) return cuda_status(err, "cudaFuncSetAttribute(kda_segment_scan_kernel)");
   cudaLaunchConfig_t cfg{};
   cfg.gridDim =

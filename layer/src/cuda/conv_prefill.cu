@@ -239,7 +239,8 @@ cudaError_t launch_conv_prefill(const ConvParams& p, cudaStream_t stream) {
   auto launch_as = [&](auto kernel_width, auto checkpoints) -> cudaError_t {
     constexpr int kW = decltype(kernel_width)::value;
     constexpr bool kCkpt = decltype(checkpoints)::value;
-    if (const cudaError_t err = allow_shared_memory<conv_prefill_kernel<kW, kCkpt>>(smem);
+    if (const cudaError_t err =
+            kda::detail::allow_shared_memory<conv_prefill_kernel<kW, kCkpt>>(smem);
         err != cudaSuccess) {
       return err;
     }

@@ -406,7 +406,8 @@ constexpr int kMaxRowBytes = 2 * D * D * 2;
 template <int W, bool kF32State, int NC, bool kRecords>
 cudaError_t launch_kernel(const FusedDecodeParams& p, cudaStream_t stream) {
   const cudaError_t raised =
-      allow_shared_memory<fused_decode_kernel<W, kF32State, NC, kRecords>>(kMaxRowBytes);
+      kda::detail::allow_shared_memory<fused_decode_kernel<W, kF32State, NC, kRecords>>(
+          kMaxRowBytes);
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(static_cast<unsigned>(p.sequences * NC), static_cast<unsigned>(p.heads));

@@ -969,7 +969,7 @@ cudaError_t launch_kernel(const OneLaunchStepParams& p, const SmemPlan& plan, in
                           cudaStream_t stream) {
   auto* kernel = one_launch_step_kernel<W, kF32State, kLowRank, kMulti>;
   const cudaError_t raised =
-      allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank, kMulti>>(
+      kda::detail::allow_shared_memory<one_launch_step_kernel<W, kF32State, kLowRank, kMulti>>(
           static_cast<int>(plan.total));
   if (raised != cudaSuccess) return raised;
   cudaLaunchConfig_t config{};

@@ -542,8 +542,8 @@ StreamPlan stream_plan(const SmallGemmParams& p) {
 template <bool kOutF32>
 cudaError_t launch_streamed(const SmallGemmParams& p, const StreamPlan& plan,
                             cudaLaunchConfig_t config) {
-  const cudaError_t raised =
-      allow_shared_memory<streamed_gemm_kernel<kOutF32>>(static_cast<int>(kStreamSmem));
+  const cudaError_t raised = kda::detail::allow_shared_memory<streamed_gemm_kernel<kOutF32>>(
+      static_cast<int>(kStreamSmem));
   if (raised != cudaSuccess) return raised;
   config.gridDim = dim3(static_cast<unsigned>(plan.grid));
   config.blockDim = dim3(kStreamThreads);
@@ -577,7 +577,8 @@ template <int MT, bool kOutF32>
 cudaError_t launch_tiled_mt(const SmallGemmParams& p, const TiledPlan& plan,
                             cudaLaunchConfig_t config) {
   constexpr int kSmem = kTiledStages * (kTiledRows + 8 * MT) * kTiledChunks * 16;
-  const cudaError_t raised = allow_shared_memory<tiled_gemm_kernel<MT, kOutF32>>(kSmem);
+  const cudaError_t raised =
+      kda::detail::allow_shared_memory<tiled_gemm_kernel<MT, kOutF32>>(kSmem);
   if (raised != cudaSuccess) return raised;
   config.gridDim = dim3(static_cast<unsigned>(plan.n_blocks), static_cast<unsigned>(plan.splits));
   config.blockDim = dim3(kTiledWarps * 32);

@@ -283,8 +283,10 @@ struct Variant {
 template <int N, int C>
 Variant variant_of() {
   if constexpr (instantiated<N, C>()) {
-    return {warpgroup_gemm_kernel<N, C>, smem_bytes<N, C>(),
-            [] { return allow_shared_memory<warpgroup_gemm_kernel<N, C>>(smem_bytes<N, C>()); }};
+    return {
+        warpgroup_gemm_kernel<N, C>, smem_bytes<N, C>(), [] {
+          return kda::detail::allow_shared_memory<warpgroup_gemm_kernel<N, C>>(smem_bytes<N, C>());
+        }};
   } else {
     return {};
   }
