@@ -1142,7 +1142,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
     // not wait for work on a non-blocking stream of the caller's.
     m.backend->synchronize();
   }
-  for (const auto& layer : m.layers) layer->bind(base, m.plan, *m.backend);
+  for (const auto& layer : m.layers) layer->bind(base, m.plan, *m.backend, options.poison_arena);
   load_layers(m.spec, options.seed, m.layers);
   m.weights_origin = m.layers.empty() ? std::string() : m.layers[0]->info().origin;
   for (const auto& layer : m.layers) m.weight_bytes += layer->weight_bytes();

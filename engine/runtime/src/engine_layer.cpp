@@ -132,8 +132,8 @@ void EngineLayer::declare_buffers(planner::MemoryPlanner& planner) {
                                      : planner::BufferHandle{};
 }
 
-void EngineLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan,
-                       EngineBackend& backend) {
+void EngineLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan, EngineBackend& backend,
+                       bool poison_workspace) {
   auto locate = [&](planner::BufferHandle handle, std::uint64_t* bytes) -> std::uint8_t* {
     const planner::PlanEntry* entry = plan.entry(handle);
     if (entry == nullptr) return nullptr;
@@ -158,6 +158,16 @@ void EngineLayer::bind(std::uint8_t* arena, const planner::MemoryPlan& plan,
   }
   if (missing) throw Error(StatusCode::kInternal, info_.label + ": buffers missing from the plan");
   backend_ = &backend;
+  poison_workspace_ = poison_workspace;
+}
+
+Workspace EngineLayer::call_workspace() const {
+  // A call that read workspace bytes an earlier call left (finite, stale) would pass unnoticed;
+  // poisoned, they read as NaN. In stream order, so that a captured call replays the fill too.
+  if (poison_workspace_ && workspace_bytes_ > 0) {
+    backend_->memset(workspace_, 0xFF, static_cast<std::size_t>(workspace_bytes_));
+  }
+  return Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)};
 }
 
 void EngineLayer::load(const layer::GateParameters& parameters, const std::string& origin) {
@@ -213,8 +223,7 @@ void EngineLayer::forward_core(const Problem& p, Tensors t, const CudaOptions& c
   t.dt_bias = dt_bias_;
   t.initial_state = state_pool_;
   t.final_state = state_pool_;  // in place
-  const Status st = backend_->prefill(
-      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
+  const Status st = backend_->prefill(p, t, call_workspace(), cuda);
   if (!st.ok()) throw Error(st, info_.label + " prefill");
 }
 
@@ -234,8 +243,7 @@ void EngineLayer::decode_core(const DecodeProblem& p, DecodeTensors t,
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   t.state_pool = state_pool_;
-  const Status st = backend_->decode(
-      p, t, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)}, cuda);
+  const Status st = backend_->decode(p, t, call_workspace(), cuda);
   if (!st.ok()) throw Error(st, info_.label + " decode");
 }
 
@@ -276,8 +284,7 @@ void EngineLayer::forward(const layer::Batch& batch, const void* hidden, void* o
   const layer::State state = this->state(records_region, fold_region);
   try {
     layer_->forward(batch, static_cast<const bf16_bits*>(hidden), static_cast<bf16_bits*>(out),
-                    state, Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)},
-                    options);
+                    state, call_workspace(), options);
   } catch (const Error& e) {
     throw Error(e.code(), info_.label + what + ": " + e.what());
   }
@@ -295,8 +302,7 @@ layer::CoreInputs EngineLayer::core_inputs(const layer::Batch& batch, const void
   state.recurrent_dtype = state_dtype_;
   try {
     return layer_->core_inputs(batch, static_cast<const bf16_bits*>(hidden), state,
-                               Workspace{workspace_, static_cast<std::size_t>(workspace_bytes_)},
-                               options);
+                               call_workspace(), options);
   } catch (const Error& e) {
     throw Error(e.code(), info_.label + " core inputs: " + e.what());
   }

@@ -59,8 +59,11 @@ class EngineLayer {
 
   void declare_buffers(planner::MemoryPlanner& planner);
   // Points the layer at its buffers in `arena`, laid out by `plan` (the plan of the planner
-  // declare_buffers() added to) and keeps `backend` for what follows. Throws kda::Error.
-  void bind(std::uint8_t* arena, const planner::MemoryPlan& plan, EngineBackend& backend);
+  // declare_buffers() added to) and keeps `backend` for what follows. `poison_workspace`
+  // (EngineOptions::poison_arena): every call that runs the layer first fills its workspace with
+  // 0xFF bytes in stream order. Throws kda::Error.
+  void bind(std::uint8_t* arena, const planner::MemoryPlan& plan, EngineBackend& backend,
+            bool poison_workspace = false);
   // Whole layers: builds the layer from `weights` (its weight image into layer{n}.weights, which
   // the caller may drop afterwards); both: copies the gate parameters into layer{n}.A_log and
   // dt_bias. Enqueued in the backend's stream order. Throws kda::Error.
@@ -106,6 +109,8 @@ class EngineLayer {
                                 bf16_bits* const conv[3], const layer::RunOptions& options) const;
 
  private:
+  // The workspace a call runs on: poisoned first where bind() was asked to.
+  Workspace call_workspace() const;
   planner::BufferHandle add(planner::MemoryPlanner& planner, const std::string& suffix,
                             planner::BufferKind kind, std::uint64_t bytes,
                             std::uint64_t alignment = 0);
@@ -133,6 +138,7 @@ class EngineLayer {
   std::uint64_t conv_pool_bytes_ = 0;
   void* workspace_ = nullptr;
   std::uint64_t workspace_bytes_ = 0;
+  bool poison_workspace_ = false;
   std::int64_t record_rows_ = 0;  // max_sequences * max_verify_tokens
   int record_regions_ = 1;        // runtime.record_regions
   float* records_ = nullptr;

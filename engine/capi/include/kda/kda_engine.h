@@ -197,8 +197,9 @@ typedef struct kda_engine_options {
   int reserved3;               /* must be 0 (88 bytes on LP64) */
   kda_layer_mode layer_mode;   /* runtime.layers; default KDA_LAYER_MODE_DEFAULT */
   int poison_arena;            /* 1: fill the arena with 0xFF bytes (NaN in bf16 and f32) once it
-                                  is allocated, before weights and states are written, so that a
-                                  read of arena memory nothing wrote shows as NaN (a debugging aid,
+                                  is allocated, before weights and states are written, and each
+                                  layer's workspace before every call that runs the layer, so that
+                                  a read of memory nothing wrote shows as NaN (a debugging aid,
                                   kda::engine::EngineOptions::poison_arena); default 0 */
   /* Tensor parallelism (runtime.tp_size > 1, whole layers): this rank's group, of tp_size ranks
    * with rank tp_rank. With it every whole-layer call all-reduces its output over the ranks

@@ -112,10 +112,13 @@ struct EngineOptions {
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
   bool check_pointers = true;
   // Fill the arena with 0xFF bytes (NaN in bf16 and f32) as soon as it is allocated, before the
-  // weights and the zeroed state pools are written into it: a debugging aid, so that a read of
-  // arena memory no call wrote shows as NaN in an output rather than as whatever the allocator
-  // left there. Costs one memset of the arena at construction (on the CPU it also touches every
-  // page of it); no call changes. Off by default; the project's engine tests run with it on.
+  // weights and the zeroed state pools are written into it, and each layer's workspace again
+  // before every call that runs the layer (in stream order: a captured call's replays refill it): a
+  // debugging aid, so that a read of arena memory no call wrote, or of workspace bytes an earlier
+  // call left, shows as NaN in an output rather than as whatever the allocator or that call left
+  // there. Costs one memset of the arena at construction (on the CPU it also touches every page of
+  // it) and one of the layer's workspace per layer call; no result changes. Off by default; the
+  // project's engine tests run with it on.
   bool poison_arena = false;
   // CUDA: the prefill's schedule (kda::CudaOptions::schedule); kAuto picks per call from the
   // shape. Unset: the spec's runtime.prefill_schedule (auto by default); Engine::spec() reports
