@@ -137,6 +137,11 @@ Status implement_and_validate(const Problem& p, const Tensors& t, Backend backen
 Status implement_and_validate(const DecodeProblem& p, const DecodeTensors& t, Backend backend,
                               ArgumentTable* table);
 
+// workspace_size(p, backend) of a problem these checks passed (a backend's own call): the bytes
+// without checking the problem a second time.
+Status checked_workspace_size(const Problem& p, Backend backend, std::size_t* bytes);
+Status checked_workspace_size(const DecodeProblem& p, Backend backend, std::size_t* bytes);
+
 // validate(p, t) that also hands back the table, for the backends' further walks.
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table);
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table);

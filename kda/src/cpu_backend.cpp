@@ -201,7 +201,7 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, &table); !st) return st;
   if (Status st = check_host_inputs(p, t); !st) return st;
   std::size_t needed = 0;
-  if (Status st = workspace_size(p, Backend::kCpu, &needed); !st) return st;
+  if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &needed); !st) return st;
   unsigned char* slots = nullptr;
   if (Status st = workspace_slots(ws, needed, "the CPU backend", &slots); !st) return st;
   const std::int64_t items = p.sequences() * p.num_heads;

@@ -212,6 +212,10 @@ Status decode_workspace_size(const DecodeProblem& p, Backend backend, std::size_
         StatusCode::kInvalidArgument,
         "backend must be cpu or cuda (got " + std::to_string(static_cast<int>(backend)) + ")");
   }
+  return detail::checked_workspace_size(p, backend, bytes);
+}
+
+Status detail::checked_workspace_size(const DecodeProblem& p, Backend backend, std::size_t* bytes) {
   *bytes = 0;
   if (backend == Backend::kCuda) return Status::Ok();
   // Scratch for the most threads a call could use, min(batch * H, kMaxThreads), then the slot
@@ -237,7 +241,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
   if (Status st = decode_checks(p, t); !st) return st;
   if (p.batch == 0) return Status::Ok();
   std::size_t need = 0;
-  if (Status st = decode_workspace_size(p, Backend::kCpu, &need); !st) return st;
+  if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &need); !st) return st;
   if (ws.bytes < need) {
     return Status(StatusCode::kWorkspaceTooSmall, "workspace has " + std::to_string(ws.bytes) +
                                                       " bytes, the CPU decode needs " +
@@ -266,7 +270,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptio
   if (Status st = decode_checks(p, t); !st) return st;
   if (p.batch == 0) return Status::Ok();
   std::size_t need = 0;
-  if (Status st = decode_workspace_size(p, Backend::kCpu, &need); !st) return st;
+  if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &need); !st) return st;
   try {
     std::vector<unsigned char> scratch(need);
     return decode_cpu(p, t, Workspace{scratch.data(), scratch.size()}, opt);

@@ -459,6 +459,10 @@ Status workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
   if (bytes == nullptr) return invalid("bytes is null");
   if (Status st = check_backend(backend); !st) return st;
   if (Status st = validate(p); !st) return st;
+  return detail::checked_workspace_size(p, backend, bytes);
+}
+
+Status detail::checked_workspace_size(const Problem& p, Backend backend, std::size_t* bytes) {
   std::uint64_t total = 0;
   if (backend == Backend::kCpu) {
     const std::uint64_t items = static_cast<std::uint64_t>(p.sequences()) *

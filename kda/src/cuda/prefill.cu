@@ -167,7 +167,7 @@ class PrefillLaunch {
     if (!(st = check_host_copies(p, t))) return st;
     if (!(st = check_cuda_alignment(args, "the CUDA backend"))) return st;
     std::size_t need = 0;
-    if (!(st = workspace_size(p, Backend::kCuda, &need))) return st;
+    if (!(st = checked_workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA prefill"))) return st;
     if (opt.check_pointers && !(st = check_device_arguments(args, ws.ptr, need))) return st;
     fill_params(p, t, ws);
