@@ -54,6 +54,7 @@ EngineOptions options(Communicator* communicator) {
   o.seed = 23;
   o.cpu_threads = 1;
   o.communicator = communicator;
+  o.poison_arena = true;  // no call may read arena memory nothing wrote (engine_matrix.hpp)
   return o;
 }
 
@@ -210,6 +211,7 @@ EngineOptions core_options(Communicator* group) {
   o.seed = 41;
   o.cpu_threads = 1;
   o.context_group = group;
+  o.poison_arena = true;
   return o;
 }
 
