@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A same-run A/B of several revisions on the GPU machine: kda-bench of every tree under .ab/
 # (export each with scripts/ab-prepare.sh REV), run round-robin for KDA_AB_ROUNDS rounds (default
-# 3), then each tree against the base as ratios (scripts/bench-ab.py): KDA_AB_BASE=<name under
+# 3; the order reversed every other round; --host runs pinned to one core), then each tree against the base as ratios (scripts/bench-ab.py): KDA_AB_BASE=<name under
 # .ab/>, or the first name in sort order. With .gpudeps/ and .ab/ in the working tree:
 #   scripts/ab-many.sh --prefill --iters 10
 # Output: one summary file, $OUT/ab-many.md.
@@ -30,9 +30,18 @@ wait
 for t in "${trees[@]}"; do
   [ -x "/tmp/ab-many-build-$t/bench/kda-bench" ] || { cat "$report"; exit 1; }
 done
+# Host-time rows (--host) move with the host CPU's scheduling: each run on one core. Rounds
+# alternate the trees' order (ABC, CBA, ...), so that a drift over the call favours none of them.
+pin=()
+case " $* " in *" --host "*) command -v taskset > /dev/null && pin=(taskset -c 1) ;; esac
 for round in $(seq 1 "${KDA_AB_ROUNDS:-3}"); do
-  for t in "${trees[@]}"; do
-    "/tmp/ab-many-build-$t/bench/kda-bench" "$@" > "/tmp/ab-many-$t-$round.md" 2>&1
+  order=("${trees[@]}")
+  if [ $((round % 2)) = 0 ]; then
+    order=()
+    for ((i = ${#trees[@]} - 1; i >= 0; i--)); do order+=("${trees[i]}"); done
+  fi
+  for t in "${order[@]}"; do
+    "${pin[@]}" "/tmp/ab-many-build-$t/bench/kda-bench" "$@" > "/tmp/ab-many-$t-$round.md" 2>&1
   done
 done
 base=${KDA_AB_BASE:-${trees[0]}}
