@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A same-run A/B of several revisions on the GPU machine: kda-bench of every tree under .ab/
 # (export each with scripts/ab-prepare.sh REV), run round-robin for KDA_AB_ROUNDS rounds (default
-# 3; the order reversed every other round; --host runs pinned to one core), then each tree against the base as ratios (scripts/bench-ab.py): KDA_AB_BASE=<name under
-# .ab/>, or the first name in sort order. With .gpudeps/ and .ab/ in the working tree:
+# 3; the order reversed every other round; --host runs pinned to one core), then each tree against
+# the base as ratios (scripts/bench-ab.py): KDA_AB_BASE=<name under .ab/>, or the first name in
+# sort order. With .gpudeps/ and .ab/ in the working tree:
 #   scripts/ab-many.sh --prefill --iters 10
 # Output: one summary file, $OUT/ab-many.md.
 set -uo pipefail
