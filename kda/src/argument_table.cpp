@@ -378,15 +378,18 @@ Status commit_arguments(const CommitProblem& p, const CommitLayer& layer, const 
 Status validate_arguments(const Problem& p, const Tensors& t, ArgumentTable* table) {
   if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = prefill_arguments(p, t, table); !st) return st;
-  if (Status st = check_presence(*table); !st) return st;
-  return check_no_overlap(*table);
+  return check_tensors(*table);
 }
 
 Status validate_arguments(const DecodeProblem& p, const DecodeTensors& t, ArgumentTable* table) {
   if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = decode_arguments(p, t, table); !st) return st;
-  if (Status st = check_presence(*table); !st) return st;
-  return check_no_overlap(*table);
+  return check_tensors(*table);
+}
+
+Status check_tensors(const ArgumentTable& table) {
+  if (Status st = check_presence(table); !st) return st;
+  return check_no_overlap(table);
 }
 
 Status check_presence(const ArgumentTable& table) {
@@ -495,8 +498,7 @@ Status validate(const CommitProblem& p, const CommitLayer* layers, int num_layer
     if (Status st = detail::commit_arguments(p, layers[i], slots, num_accepted, &table); !st) {
       return st;
     }
-    if (Status st = detail::check_presence(table); !st) return in_layer(i, st);
-    if (Status st = detail::check_no_overlap(table); !st) return in_layer(i, st);
+    if (Status st = detail::check_tensors(table); !st) return in_layer(i, st);
   }
   // Across layers: a pool (written) overlaps no other layer's pool or records. Every layer's
   // records and pool have the sizes of the last table's rows 0 and 1. (L^2 / 2 comparisons of two

@@ -162,6 +162,8 @@ Status check_presence(const ArgumentTable& table);
 // Aliasing: a kStateOut row equals its kStateIn row exactly (same dtype) or overlaps it not at all;
 // every other written row overlaps no other row.
 Status check_no_overlap(const ArgumentTable& table);
+// A call's tensors: presence, then aliasing (every table of a call is walked both ways, in order).
+Status check_tensors(const ArgumentTable& table);
 // CUDA: every backend row's pointer is a multiple of its cuda_alignment; `user` ends the message
 // ("q must be 16-byte aligned for <user>").
 Status check_cuda_alignment(const ArgumentTable& table, const char* user);

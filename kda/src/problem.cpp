@@ -289,8 +289,7 @@ Status validate_transition(const Problem& p, const Tensors& t, const float* p_t,
   ArgumentTable local;
   if (table == nullptr) table = &local;
   if (Status st = transition_arguments(p, t, p_t, h_t, table); !st) return st;
-  if (Status st = check_presence(*table); !st) return st;
-  return check_no_overlap(*table);
+  return check_tensors(*table);
 }
 }  // namespace detail
 
@@ -307,8 +306,7 @@ Status validate_apply_transition(std::int64_t pairs, std::int64_t head_dim_k,
       !st) {
     return st;
   }
-  if (Status st = detail::check_presence(*table); !st) return st;
-  return detail::check_no_overlap(*table);
+  return detail::check_tensors(*table);
 }
 
 Status validate_state_slots(const Problem& p, const std::int32_t* state_slots_host) {
@@ -448,8 +446,7 @@ Status detail::implement_and_validate(const Problem& p, const Tensors& t, Backen
   if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = prefill_arguments(p, t, table); !st) return st;  // the sizes, as validate(p)
   if (Status st = backend_limits(p, backend); !st) return st;
-  if (Status st = check_presence(*table); !st) return st;
-  return check_no_overlap(*table);
+  return check_tensors(*table);
 }
 
 // CPU: one scratch slot (state + token vectors, sized for fp64) per thread, for up to
@@ -591,8 +588,7 @@ Status detail::implement_and_validate(const DecodeProblem& p, const DecodeTensor
   if (Status st = check_problem_fields(p); !st) return st;
   if (Status st = decode_arguments(p, t, table); !st) return st;  // the sizes, as validate(p)
   if (Status st = backend_limits(p, backend); !st) return st;
-  if (Status st = check_presence(*table); !st) return st;
-  return check_no_overlap(*table);
+  return check_tensors(*table);
 }
 
 // ---------------------------------------------------------------------------------------------
