@@ -368,10 +368,11 @@ KDA_MATRIX_CASE(
                        kda::Error);
 }
 
-// EngineOptions::poison_arena fills the arena before anything is written into it (every other
-// case here runs with it on): an engine with it and one without compute the same bits, a prefill
-// of two sequences on fragmented slots and a decode step with a padding row, their outputs and
-// both layers' states; the padding row's out is zeros.
+// EngineOptions::poison_arena fills the arena before anything is written into it, and each
+// layer's workspace before every call (every other case here runs with it on): an engine with it
+// and one without compute the same bits, a prefill of two sequences on fragmented slots and a
+// decode step with a padding row, their outputs and both layers' states; the padding row's out is
+// zeros.
 KDA_MATRIX_CASE("whole layers: a poisoned arena changes no output and no state") {
   EngineOptions plain = options(runner);
   plain.poison_arena = false;
