@@ -736,7 +736,10 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       check_cuda(cudaEventRecord(events[boundary], stream), "cudaEventRecord");
   };
   CudaOptions core_options;
-  core_options.check_pointers = options.check_pointers;
+  // The core's buffers are those checked above (the workspace's regions, the pools, the batch's
+  // metadata) or the layer's own weights: asking the driver about them again cost a call a second
+  // round of pointer queries.
+  core_options.check_pointers = false;
   core_options.schedule = options.schedule;
   // The conv's launch: what its prefill and decode forms share.
   auto conv_params = [&] {

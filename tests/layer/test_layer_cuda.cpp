@@ -140,6 +140,18 @@ KDA_LAYER_CUDA_CASE("a host pointer where device memory belongs is refused befor
   const LayerRun run = check_refused(cuda, *layer, hidden, batch, before, settings);
   CHECK(run.code == StatusCode::kInvalidArgument);
   CHECK(run.error.find("cu_seqlens") != std::string::npos);
+  // A decode step's recurrent pool in host memory: the layer's own check names it (the core,
+  // which reads the pool, does not ask the driver a second time).
+  std::vector<float> host_pool(static_cast<std::size_t>(2 * config.num_heads * 128 * 128), 1.0f);
+  const BatchSpec step = decode_batch(2, 1, {1, 0});
+  ForwardSettings pool_settings;
+  pool_settings.change = [&host_pool](ForwardCall& call) {
+    call.state.recurrent = host_pool.data();
+  };
+  const LayerRun step_run = check_refused(cuda, *layer, hidden, step, before, pool_settings);
+  CHECK(step_run.code == StatusCode::kInvalidArgument);
+  CHECK(step_run.error.find("recurrent pool") != std::string::npos);
+  CHECK(std::all_of(host_pool.begin(), host_pool.end(), [](float x) { return x == 1.0f; }));
 }
 
 KDA_LAYER_CUDA_CASE("a weight image region in host memory is refused once a device can tell") {
@@ -488,7 +500,10 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 // 4 heads the o_proj blocks hold W_o in registers, the last block's rows fewer than the others'
 // (on a device of 132 multiprocessors, as the H200: 19-20 rows a block): at one row a group of
 // threads a weight row (o_proj_row_held), at two to four rows two tiles of 16 rows on the tensor
-// cores (o_proj_rows_mma). The TP8 shard's hidden size is 2304.
+// cores (o_proj_rows_mma). The TP8 shard's hidden size is 2304. At one row and 32, 12 or 17 heads
+// the o_proj blocks' W_o rows are in shared memory: at 32 and 12 heads y held in registers by
+// groups of 128 and 64 threads (o_proj_row_y_held), at 17 no such grouping fits (272 chunks of y),
+// so y is read from shared memory for each row.
 KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
   struct Variant {
     std::int64_t heads, hidden;  // hidden 0: the test config's
@@ -497,7 +512,8 @@ KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts eq
   std::uint64_t seed = 170;
   for (const Variant& v :
        {Variant{3, 0, {5, -1, 0, 9, 2, 7, -1, 4}}, Variant{8, 0, {6, 1, -1, 3}},
-        Variant{4, 4104, {2, 8, -1, 0, 6}}, Variant{4, 2312, {3}}, Variant{4, 2312, {7, -1, 2}}}) {
+        Variant{4, 4104, {2, 8, -1, 0, 6}}, Variant{4, 2312, {3}}, Variant{4, 2312, {7, -1, 2}},
+        Variant{32, 0, {6}}, Variant{12, 0, {4}}, Variant{17, 0, {9}}}) {
     for (const bool full_rank : {false, true}) {
       CAPTURE(v.heads);
       CAPTURE(v.hidden);
