@@ -240,6 +240,7 @@ EngineOptions cuda_options(std::uint64_t seed, void* stream) {
   o.backend = kda::engine::BackendChoice::kCuda;
   o.seed = seed;
   o.stream = stream;
+  o.poison_arena = true;  // no call may read arena memory nothing wrote (engine_matrix.hpp)
   return o;
 }
 
@@ -590,6 +591,7 @@ TEST_CASE("tensor parallel on CUDA through the C API's kda_communicator [cuda]")
     options.seed = 23;
     options.cuda_stream = stream.stream;
     options.communicator = &c;
+    options.poison_arena = 1;
     const std::string yaml =
         "name: tp\nhidden_size: 256\nnum_hidden_layers: 2\n"
         "linear_attn_config: {num_heads: 4, head_dim: 128, kda_layers: [1, 2], "
