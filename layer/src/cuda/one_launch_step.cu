@@ -21,8 +21,8 @@
 //      weight and the gate's bias (cp.async), so that no load after the projection leaves the
 //      multiprocessor but the projection's own outputs (from L2). After it, the other blocks start
 //      loading their share of W_o's rows, into their threads' registers where it fits
-//      (SmemPlan::out_in_registers) or into shared memory (cp.async.bulk), so that W_o streams
-//      while the heads step.
+//      (SmemPlan::out_in_registers) or into shared memory (cp.async.bulk; at one row held back
+//      kWoHoldNs first), so that W_o streams while the heads step.
 //   2. A (row, head) block takes the words of the rows its head reads (each thread its own), then
 //      steps its head as the fused kernel does (fused_decode.cu: the same operations in the same
 //      order, one block a head, 16 warps of 8 value rows), and writes the states and y's words.
@@ -56,6 +56,7 @@
 #include <cuda_bf16.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "cuda/common.cuh"  // the operator's gate activations (kda/src/cuda)
 #include "cuda/conv_silu.cuh"
@@ -80,6 +81,14 @@ constexpr int kRoundSteps = kLoadsPerLane / 4;  // 64-column steps a round, seve
 constexpr int kReduceBytes = kWarps * 4 * 32 * 4;  // the warps' tile sums, several rows
 static_assert(kOneLaunchMaxRows <= 8, "the rows are the columns of an m16n8 tile");
 constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
+// One row: how long an o_proj block holds back its W_o copies into shared memory after its
+// projection rows are done, so that the heads' polls for their last projected values cross a memory
+// system not yet full of W_o (19 MB at H = 32). One H100, graph replays per layer, held back 0 /
+// 0.7 / 1.5 / 3 us: H = 32 35.7-36.0 / 35.7-36.0 / 35.2-35.4 / 36.0-36.2 us, K3's shard 46.8-47.4 /
+// 46.8-47.0 / 46.2-46.6 / 47.0-47.1; the heads then took their values 2.7 us after the last
+// projection rows against 4.5 (docs/design/layer.md). KDA_LAYER_WO_HOLD_NS (a benchmark knob, read
+// once; not part of the contract) sets it.
+constexpr unsigned kWoHoldNs = 1500;
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
 // sync words 0-1, one 64-bit count (8-byte aligned): the blocks that have left this layer's
 // launches (every block of every launch adds one as it leaves). A launch's grid is the device's
@@ -148,6 +157,7 @@ struct SmemPlan {
   // columns), they go there instead of shared memory, and o_proj runs from them
   // (o_proj_row_held, o_proj_rows_mma).
   bool out_in_registers = false;
+  unsigned wo_hold_ns = 0;  // one row, W_o into shared memory: kWoHoldNs
 };
 SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   SmemPlan s;
@@ -171,6 +181,11 @@ SmemPlan smem_plan(const OneLaunchStepParams& p, int blocks) {
   s.out_in_registers =
       s.out_rows > 0 && (multi ? out_tiles <= 2 && Cl / 64 * out_tiles <= kWarps
                                : s.out_rows * s.out_lanes <= kThreads && Cl / 8 <= 4 * s.out_lanes);
+  static const unsigned hold = [] {
+    const char* env = std::getenv("KDA_LAYER_WO_HOLD_NS");
+    return env != nullptr ? static_cast<unsigned>(std::strtoul(env, nullptr, 10)) : kWoHoldNs;
+  }();
+  s.wo_hold_ns = multi || s.out_in_registers ? 0 : hold;
   return s;
 }
 
@@ -708,6 +723,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_out_row(p, plan, e0, e1, wo);
     }
   } else if (tid == 0 && e1 > e0) {
+    for (const std::uint64_t held = global_timer_ns();
+         global_timer_ns() - held < plan.wo_hold_ns;) {
+    }
     const auto bytes = static_cast<unsigned>((e1 - e0) * Cl * 2);
     mbarrier_expect_tx(&landed, bytes);
     const auto* src = reinterpret_cast<const unsigned char*>(p.w_o + e0 * Cl);
