@@ -501,9 +501,8 @@ KDA_LAYER_CUDA_CASE("decode conv: warps with fewer lanes than channel groups equ
 // (on a device of 132 multiprocessors, as the H200: 19-20 rows a block): at one row a group of
 // threads a weight row (o_proj_row_held), at two to four rows two tiles of 16 rows on the tensor
 // cores (o_proj_rows_mma). The TP8 shard's hidden size is 2304. At one row and 32, 12 or 17 heads
-// the o_proj blocks' W_o rows are in shared memory: at 32 and 12 heads y held in registers by
-// groups of 128 and 64 threads (o_proj_row_y_held), at 17 no such grouping fits (272 chunks of y),
-// so y is read from shared memory for each row.
+// (a y of 4096, 1536 or 2176 values) the o_proj blocks' W_o rows are in shared memory, copied there
+// kWoHoldNs after their projection rows, a group of threads a weight row.
 KDA_LAYER_CUDA_CASE("the one-launch step of several rows at other head counts equals the CPU") {
   struct Variant {
     std::int64_t heads, hidden;  // hidden 0: the test config's
