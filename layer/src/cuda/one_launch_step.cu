@@ -85,8 +85,9 @@ constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 // projection rows are done, so that the heads' polls for their last projected values cross a memory
 // system not yet full of W_o (19 MB at H = 32). One H100, graph replays per layer, held back 0 /
 // 0.7 / 1.5 / 3 us: H = 32 35.7-36.0 / 35.7-36.0 / 35.2-35.4 / 36.0-36.2 us, K3's shard 46.8-47.4 /
-// 46.8-47.0 / 46.2-46.6 / 47.0-47.1; the heads then took their values 2.7 us after the last
-// projection rows against 4.5 (docs/design/layer.md). KDA_LAYER_WO_HOLD_NS (a benchmark knob, read
+// 46.8-47.0 / 46.2-46.6 / 47.0-47.1 (1 to 2 us within 0.2 us of each other in another call); the
+// heads then took their values 2.7 us after the last projection rows against 4.5
+// (docs/design/layer.md). KDA_LAYER_WO_HOLD_NS (a benchmark knob, read
 // once; not part of the contract) sets it.
 constexpr unsigned kWoHoldNs = 1500;
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
