@@ -87,8 +87,8 @@ constexpr unsigned kCopyBytes = 16 * 1024;  // one cp.async.bulk of W_o's rows
 // 0.7 / 1.5 / 3 us: H = 32 35.7-36.0 / 35.7-36.0 / 35.2-35.4 / 36.0-36.2 us, K3's shard 46.8-47.4 /
 // 46.8-47.0 / 46.2-46.6 / 47.0-47.1 (1 to 2 us within 0.2 us of each other in another call); the
 // heads then took their values 2.7 us after the last projection rows against 4.5
-// (docs/design/layer.md). KDA_LAYER_WO_HOLD_NS (a benchmark knob, read
-// once; not part of the contract) sets it.
+// (docs/design/layer.md). KDA_LAYER_WO_HOLD_NS (a benchmark knob, read once; not part of the
+// contract) sets it.
 constexpr unsigned kWoHoldNs = 1500;
 constexpr std::uint64_t kSpinLimitNs = 2'000'000'000ull;
 // sync words 0-1, one 64-bit count (8-byte aligned): the blocks that have left this layer's
