@@ -7,7 +7,9 @@
 // (the minimum, median and maximum over the head blocks and over the o_proj blocks). A stamp is
 // thread 0 reading the global timer and storing it; on the H200 two stamps with only a branch on a
 // kernel parameter between them came out 0.3 us apart, so a short interval holds costs beside its
-// code. The weights' values are arbitrary (every byte 0x3c); the timing does not depend on them.
+// code. Then five pairs of launches back to back, both traced: the hand-off from the first's last
+// block leaving to the second's first block, its wait for the kernel before and its hidden row.
+// The weights' values are arbitrary (every byte 0x3c); the timing does not depend on them.
 // CUDA only.
 // Usage: kda-step-probe [--rows R]...: steps of R rows (sequences of one token; default 1), each
 // R a table of its own per shape.
@@ -113,7 +115,8 @@ int main(int argc, char** argv) {
       "head: step computed",
       "head: state back in shared memory",
       "head: norm done, y written (warp 0)",
-      "own words taken (thread 0)"};
+      "own words taken (thread 0)",
+      "the wait for the kernel before returned"};
   std::printf("# kda-step-probe, %s, %d multiprocessors\n", prop.name, prop.multiProcessorCount);
   for (const Shape& s : shapes) {
     for (const int R : row_counts) {
@@ -230,6 +233,49 @@ int main(int argc, char** argv) {
         std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
                     cell(rest).c_str());
       }
+      // The hand-off between two launches back to back: the second's blocks against the first's
+      // last block leaving (stamps of both launches on the one global timer).
+      auto* trace_next = static_cast<std::uint64_t*>(device_bytes(stamps.size() * 8, 0));
+      std::printf(
+          "\n| launch after launch | first's last block leaving (us from its start) | second's "
+          "first block start | second's wait returned min / median / max | second's hidden row "
+          "loaded min / median / max |\n|---|---|---|---|---|\n");
+      std::vector<std::uint64_t> next_stamps(stamps.size());
+      for (int r = 0; r < 5; ++r) {
+        for (int i = 0; i < 3; ++i) launch();
+        const std::size_t first = next;
+        copies[first]->p.trace = trace;
+        copies[(first + 1) % copies.size()]->p.trace = trace_next;
+        launch();
+        launch();
+        copies[first]->p.trace = nullptr;
+        copies[(first + 1) % copies.size()]->p.trace = nullptr;
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(stamps.data(), trace, stamps.size() * 8, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(next_stamps.data(), trace_next, stamps.size() * 8, cudaMemcpyDeviceToHost));
+        const int S = kda::layer::cuda::kOneLaunchTraceStamps;
+        std::uint64_t a0 = ~0ull, a_left = 0, b0 = ~0ull;
+        std::vector<double> wait_back, row_in;
+        for (int b = 0; b < blocks; ++b) {
+          a0 = std::min(a0, stamps[b * S]);
+          a_left = std::max(a_left, stamps[b * S + 6]);
+          b0 = std::min(b0, next_stamps[b * S]);
+        }
+        for (int b = 0; b < blocks; ++b) {
+          wait_back.push_back(
+              (static_cast<double>(next_stamps[b * S + 12]) - static_cast<double>(a_left)) * 1e-3);
+          row_in.push_back(
+              (static_cast<double>(next_stamps[b * S + 1]) - static_cast<double>(a_left)) * 1e-3);
+        }
+        std::sort(wait_back.begin(), wait_back.end());
+        std::sort(row_in.begin(), row_in.end());
+        std::printf("| %d | %.2f | %+.2f | %+.2f / %+.2f / %+.2f | %+.2f / %+.2f / %+.2f |\n", r,
+                    static_cast<double>(a_left - a0) * 1e-3,
+                    (static_cast<double>(b0) - static_cast<double>(a_left)) * 1e-3,
+                    wait_back.front(), wait_back[wait_back.size() / 2], wait_back.back(),
+                    row_in.front(), row_in[row_in.size() / 2], row_in.back());
+      }
+      cudaFree(trace_next);
       CK(cudaMemset(trace, 0, stamps.size() * 8));
       for (WeightCopy* c : copies) delete c;
       for (void* q :

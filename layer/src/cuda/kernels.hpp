@@ -294,7 +294,7 @@ struct OneLaunchStepParams {
   // phases end (kda-step-probe); null in the layer.
   std::uint64_t* trace = nullptr;
 };
-inline constexpr int kOneLaunchTraceStamps = 12;
+inline constexpr int kOneLaunchTraceStamps = 13;
 inline constexpr int kOneLaunchSyncWords = 4;
 // Whether launch_one_launch_step takes `p` on the current device: rows within
 // one_launch_max_rows(heads), every (row, head) a block of its own with a block to spare for

@@ -623,6 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
   // slots, the states, the count of blocks left and the exchange words) is read after this.
   griddep_wait();
+  stamp(12);
   auto* const left = reinterpret_cast<unsigned long long*>(p.sync + kLeftWord);
   const std::uint32_t tag =
       static_cast<std::uint32_t>(load_relaxed_gpu_u64(reinterpret_cast<std::uint64_t*>(left)) /
