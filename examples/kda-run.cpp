@@ -175,12 +175,14 @@ Options:
   --layer-case IN      one whole KDA layer on the tensors of IN (safetensors: hidden_states, the
                        layer's weights by their checkpoint names, optional cu_seqlens, conv_state_q,
                        conv_state_k, conv_state_v, recurrent_state and checkpoint_offsets; metadata
-                       gate, lower_bound, norm_eps, final_state); writes out and the final states
-                       (and the checkpoint states) to --output
+                       gate, lower_bound, norm_eps, final_state, mode prefill or decode, tokens in
+                       decode mode); writes out and the final states (and the checkpoint states, or
+                       in decode mode intermediate_states and intermediate_conv_state_q, _k, _v)
+                       to --output
   --core-only          run the KDA core of each layer only (q, k, v, g, beta in) instead of whole
                        layers
-  --strict-config      unknown keys in runtime / linear_attn_config (typos) are errors, not
-                       warnings
+  --strict-config      unknown keys in runtime / linear_attn_config, and near misses of the
+                       description's top-level keys (typos) are errors, not warnings
   --output OUT         where --case / --layer-case writes its result (atomically); must not be IN
                        itself (also not through a symlink or hard link)
   --help               this text

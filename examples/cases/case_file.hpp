@@ -95,20 +95,24 @@ void run_case_file(const std::string& input_path, const std::string& output_path
 //            cu_seqlens     I64 or I32 [N + 1]            (optional; else N = 1, the T tokens)
 //            conv_state_q, conv_state_k, conv_state_v  BF16 [N, H*D, W-1]   (optional; else zeros)
 //            recurrent_state  F32 or BF16 [N, H, V, K]   (optional; else zeros)
+//            checkpoint_offsets I64 or I32 [N, R]   (optional, R >= 1: prefix-cache checkpoints,
+//              as for --case; not in decode mode)
 //   Metadata gate = "lower_bound" | "softplus" (required); lower_bound (required with lower_bound);
 //            norm_eps = finite number > 0 (optional, default 1e-5);
 //            final_state = "f32" | "bf16" | "none" (optional; default: recurrent_state's dtype,
 //              else f32; the recurrent state is carried in that dtype, an initial state of the
-//              other dtype converted first)
-//            checkpoint_offsets I64 or I32 [N, R]   (optional, R >= 1: prefix-cache checkpoints,
-//              as for --case)
+//              other dtype converted first; none is refused in decode mode)
+//            mode = "prefill" | "decode" (optional; default prefill); tokens = T (decode: 1..16,
+//              dividing hidden_states' rows): N rows of T tokens, hidden_states [N*T, E] with
+//              row n's tokens consecutive, no cu_seqlens, initial states [N, ...], one verify step
 //   Output   out BF16 [T, E] and, unless final_state is none, the final states under the input
 //            names (conv_state_q, conv_state_k, conv_state_v, recurrent_state), so that an output
 //            file can give the next chunk its initial states; with checkpoint_offsets also
-//            checkpoint_states [N, R, H, V, K] (the recurrent state's dtype; f32 when final_state
-//            is none) and checkpoint_conv_state_q, _k, _v BF16 [N, R, H*D, W-1]: the states after
-//            that many of the sequence's tokens, zeros where the offset is -1. Metadata records
-//            the backend.
+//            checkpoint_states [N, R, H, V, K] (in final_state's dtype, as above; f32 when it is
+//            none) and checkpoint_conv_state_q, _k, _v BF16 [N, R, H*D, W-1]: the states after
+//            that many of the sequence's tokens, zeros where the offset is -1; in decode mode
+//            also intermediate_states [N, T, H, V, K] and intermediate_conv_state_q, _k, _v BF16
+//            [N, T, H*D, W-1], the states after each token. Metadata records the backend.
 // Everything is validated before any computation; a bad file throws kda::Error naming the file and
 // the tensor or key, and no output is written.
 struct LayerCase {

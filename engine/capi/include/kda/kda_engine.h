@@ -411,7 +411,8 @@ kda_status kda_engine_prefill_hidden_context_parallel(kda_engine* engine, int la
  * The forwards above on metadata the caller keeps in the engine's backend memory (device memory on
  * CUDA, host memory on the CPU) and rewrites before each call, or before each replay of calls
  * captured in a CUDA graph: nothing is staged or synchronized. Only tokens, sequences and
- * decode_tokens are host values (the bounds, fixed when a call is made or captured). On CUDA, a
+ * decode_tokens (the bounds) and the scalars checkpoints, records, records_region and fold_region
+ * are host values, fixed when a call is made or captured. On CUDA, a
  * slot outside the pool or broken cu_seqlens set the device status word
  * (kda_engine_check_device_status): a slot outside the pool makes its row a padding row, and
  * after broken cu_seqlens the batch's outputs and states are unspecified (every access stays in

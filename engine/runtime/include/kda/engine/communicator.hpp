@@ -83,10 +83,12 @@ std::vector<std::unique_ptr<Communicator>> make_local_communicators(int ranks);
 //
 // Misuse throws kda::Error on every rank of the collective alike (each rank's arguments are checked
 // against the others' before any device work): ranks that disagree on count, dtype or bytes, a null
-// buffer of a non-empty collective, a dtype other than bf16 / f32, a capturing stream. A CUDA error
-// throws kCudaError on the rank that saw it (the others may then wait for it forever: a failed CUDA
-// call leaves the group broken). Without CUDA (cuda_compiled() false) the factory throws
-// kBackendUnavailable; with no device, a CUDA error.
+// buffer of a non-empty collective, a dtype other than bf16 / f32, a capturing stream; a CUDA error
+// before any device work (setting the device, the capture query, recording the rank's event) is
+// reported the same way. A CUDA error while a rank enqueues its reads of the others' buffers throws
+// kCudaError on every rank; while it enqueues its own writes, on that rank alone. Both leave the
+// group broken (a later collective may wait forever for the rank that failed). Without CUDA
+// (cuda_compiled() false) the factory throws kBackendUnavailable; with no device, a CUDA error.
 std::vector<std::unique_ptr<Communicator>> make_cuda_local_communicators(
     int ranks, const std::vector<int>& devices = {});
 

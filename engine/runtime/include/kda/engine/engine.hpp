@@ -168,7 +168,8 @@ struct LayerInputs {
 // A batch whose per-step metadata the caller keeps in the engine's backend memory — device memory
 // on CUDA, host memory on the CPU — and rewrites before each call, or before each replay of calls
 // captured in a CUDA graph: the engine reads slots and cu_seqlens only where the kernels run, and
-// stages nothing. Only the bounds below are host values, fixed when a call is made (or captured).
+// stages nothing. Only the bounds below and the scalar fields (checkpoints, records, the regions)
+// are host values, fixed when a call is made (or captured).
 // On CUDA what is wrong in the metadata can only be seen on the device: a slot outside the pool or
 // broken cu_seqlens set a bit of the device status word (check_device_status()); a slot outside
 // the pool makes its row a padding row, and after broken cu_seqlens the batch's outputs and states
