@@ -26,7 +26,9 @@
  * Errors. Every function returns a kda_status (KDA_OK = 0). No C++ exception crosses this API and
  * nothing in it exits or aborts: a kda::Error becomes its status code, std::bad_alloc becomes
  * KDA_INTERNAL ("out of host memory"), anything else KDA_INTERNAL. A NULL handle or a NULL pointer
- * argument is KDA_INVALID_ARGUMENT.
+ * argument is KDA_INVALID_ARGUMENT, except where a call has nothing to read or write there: the
+ * tensors of a whole-layer batch of 0 tokens and the arrays of 0 slot pairs or entries may be
+ * NULL.
  *   - On a handle, the message of a failed call is kept per handle: kda_engine_last_error(engine)
  *     returns it until the next call on that handle (a successful call clears it to ""). It
  *     begins with the function's name ("kda_engine_prefill: prefill: sequence 0 uses slot 3,
@@ -42,7 +44,8 @@
  * Pointers. Tensors passed to prefill/decode live on the engine's backend: host memory on the CPU
  * backend, device memory on CUDA (enqueued on options.cuda_stream; kda_engine_synchronize() waits).
  * Layouts, all bf16 (raw 16-bit values): q, k, g [T, H, K], v [T, H, V], beta [T, H], out
- * [T, H, V], with K = V = head_dim and T the tokens of the batch (decode: T = batch * tokens).
+ * [T, H, V], with K = V = head_dim, T the tokens of the batch (decode: T = batch * tokens) and H
+ * the engine's local heads, kda_engine_num_heads() / tp_size (the model's runtime.tp_size).
  * `slots` and `cu_seqlens` are host arrays, except in a kda_batch (below): caller-owned metadata
  * in the backend's memory.
  */
@@ -257,7 +260,7 @@ const char* kda_engine_last_error(const kda_engine* engine);
 
 /* ---- queries (each writes *out only on success) ------------------------------------------- */
 kda_status kda_engine_num_layers(kda_engine* engine, int* out);      /* KDA layers */
-kda_status kda_engine_num_heads(kda_engine* engine, int64_t* out);   /* H */
+kda_status kda_engine_num_heads(kda_engine* engine, int64_t* out);   /* every rank's heads */
 kda_status kda_engine_head_dim(kda_engine* engine, int64_t* out);    /* K = V */
 kda_status kda_engine_backend(kda_engine* engine, kda_backend* out); /* KDA_BACKEND_CPU or _CUDA */
 kda_status kda_engine_max_tokens(kda_engine* engine, int64_t* out);  /* tokens per prefill */
@@ -310,7 +313,8 @@ kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
  * uint32 version 1, uint32 header bytes 64, uint64 payload bytes, then uint32 KDA layers, heads,
  * head_dim, conv width (0: no conv states), state value bytes (4 fp32, 2 bf16), tensor-parallel
  * rank and size, and three words written zero and not read), then per KDA layer, in order, the
- * recurrent state [H, V, K] of the state dtype and with whole layers the q, k and v conv states
+ * recurrent state [local heads, V, K] of the state dtype (local heads = heads / tensor-parallel
+ * size) and with whole layers the q, k and v conv states
  * (bf16 [local heads * head_dim, W - 1]). For moving a sequence to host memory and back, or
  * between engines of one model, state dtype and tensor-parallel rank: a write refuses a block
  * whose header differs (KDA_INVALID_ARGUMENT, each field named, the header checked before the
@@ -490,9 +494,9 @@ kda_status kda_engine_forward_hidden_batch(kda_engine* engine, int layer, const 
  * every KDA layer, in one operator commit launch and one conv launch on CUDA (nothing staged or
  * synchronized: capturable). slots and num_accepted: int32 [sequences] in the backend's memory,
  * the records step's slots and each count in 1..decode_tokens. KDA_INVALID_ARGUMENT (message:
- * kda_engine_last_error) without runtime.max_verify_tokens, when some layer's last records step
- * (of this region) was not of `sequences` rows or no layer ran one, or (CPU) for a count out of
- * range or a slot not acquired; on CUDA a bad count or slot is reported by
+ * kda_engine_last_error) without runtime.max_verify_tokens, when some KDA layer ran no records step
+ * on this region or its last one was not of `sequences` rows (every layer's of the same tokens), or
+ * (CPU) for a count out of range or a slot not acquired; on CUDA a bad count or slot is reported by
  * kda_engine_check_device_status(). The host checks only that shape and a commit does not consume
  * the records (a graph of records steps may be replayed before each eager commit): committing the
  * same records twice folds them in twice; calling it once per records step is the caller's part
