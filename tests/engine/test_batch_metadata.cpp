@@ -524,6 +524,14 @@ void prefill_checkpoints(Backend backend) {
   cp_dev.write(std::vector<std::int32_t>{1, -1, 3, -1});
   CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
         "prefill_hidden: slot 1 appears twice in the batch");
+  // A padding sequence's requests are not read, as the layer's contract says: one naming a slot
+  // not acquired (or its own sequence's) is no error there, and the other sequence's is written.
+  slots.write(std::vector<std::int32_t>{-1, 1});
+  cp_dev.write(std::vector<std::int32_t>{5, -1, 3, -1});
+  const std::vector<double> before = slot_values(e, 0, 3);
+  CHECK(kda::test::error_of([&] { e.prefill_hidden(0, hidden.get(), out.get(), b); }) ==
+        "(no error)");
+  CHECK(slot_values(e, 0, 3) != before);
 }
 
 }  // namespace

@@ -552,9 +552,12 @@ struct Engine::Impl {
       return;
     }
     claim_slots(call, decode ? "row" : "sequence", b.slots, n);
-    // Checkpoint slots: acquired, and (same stamp) none a sequence's slot or another's.
-    for (std::size_t i = 0; i < n * static_cast<std::size_t>(b.checkpoints); ++i) {
-      if (!padding(b.checkpoint_slots[i]) && b.checkpoint_offsets[i] >= 0) {
+    // Checkpoint slots: acquired, and (same stamp) none a sequence's slot or another's. A padding
+    // sequence's requests are not read (kda::layer::Batch::checkpoints).
+    const auto columns = static_cast<std::size_t>(b.checkpoints);
+    for (std::size_t i = 0; i < n * columns; ++i) {
+      if (!padding(b.slots[i / columns]) && !padding(b.checkpoint_slots[i]) &&
+          b.checkpoint_offsets[i] >= 0) {
         claim_slot(call, "checkpoint", i, b.checkpoint_slots[i]);
       }
     }

@@ -39,8 +39,11 @@
 // nothing unless it is asked for phase times: it enqueues work on the stream and returns, and it
 // can be captured in a CUDA graph (with RunOptions::check_pointers off while capturing). Errors
 // throw kda::Error (kda/error.hpp); every check the host can make runs before the first byte of out
-// or of a state is written. What only the device can see (a slot outside the pool, broken
-// cu_seqlens in device memory) is ORed into Batch::device_status (kda::DeviceStatusBit).
+// or of a state is written, but for one gap on CUDA: the core's checks of the alignment of the
+// recurrent pool, cu_seqlens and slots (kda.hpp lists what each needs) and of RunOptions::schedule
+// run after the conv's launch has updated the conv states (the engine's arena is always aligned).
+// What only the device can see (a slot outside the pool, broken cu_seqlens in device memory) is
+// ORed into Batch::device_status (kda::DeviceStatusBit).
 //
 // Threads. One forward at a time per Layer object (the CUDA layer owns one cuBLAS handle, and a
 // stream that a decode step's GEMMs of the output gate run on, forked from and joined back into
@@ -168,11 +171,14 @@ struct Batch {
   std::uint32_t* device_status = nullptr;
 };
 
-// Seconds spent per phase, added to by forward() when asked.
+// Seconds spent per phase, added to by forward() when asked. On CUDA a one-launch decode step
+// counts its whole time as the projections', a fused step its conv and norm as the core's, and a
+// decode step on the separate kernels its norm (the core's epilogue, or its own launch after it)
+// as the core's; core_inputs() on CUDA adds none.
 struct Times {
   double projections = 0.0;  // q/k/v, f_a/f_b, b, g_a/g_b (or g) projections
   double conv = 0.0;         // short convolutions + SiLU, conv state update
-  double core = 0.0;         // the KDA operator (a fused CUDA decode step: conv and norm too)
+  double core = 0.0;         // the KDA operator
   double norm = 0.0;         // gated RMSNorm
   double o_proj = 0.0;       // output projection
 };
@@ -192,8 +198,9 @@ enum class DecodeKernel : int {
                   // as its epilogue (or, for steps the operator's rule cuts finer, o stored and
                   // the norm's kernel)
   kOneLaunch,     // a plain step of one token of each of up to 8 sequences, at most 32 (row,
-                  // head) pairs: projections, step and o_proj in one launch (kAuto's choice
-                  // there, where it fits; else as kAuto)
+                  // head) pairs (one row where the layer has more than 32 heads), fewer pairs
+                  // than the device's multiprocessors: projections, step and o_proj in one
+                  // launch (kAuto's choice there, where it fits; else as kAuto)
 };
 // "auto", "fused", "fused-after-gemms", "separate", "one-launch" (kAuto .. kOneLaunch in order);
 // "unknown" for a value that is none of them.
@@ -343,7 +350,8 @@ std::size_t weight_image_alignment(Backend backend) noexcept;
 // image into `weight_image` (memory of the backend, weight_image_alignment()-aligned, at least
 // weight_image_bytes() of `bytes`, which the caller keeps, untouched, for the layer's life). The
 // region is checked before it is written. Throws kda::Error (kInvalidArgument: bad weights or a bad
-// region; kBackendUnavailable: CUDA not built or no device; kUnsupported: can_implement()).
+// region; kBackendUnavailable: CUDA not built or no device; kUnsupported: can_implement(), or a
+// device the kernels are not built for; kCudaError: the device cannot be queried).
 std::unique_ptr<Layer> make_layer(Backend backend, const Weights& weights, void* weight_image,
                                   std::size_t bytes);
 // The same into memory the layer allocates, and frees, itself.

@@ -310,7 +310,9 @@ class Engine {
   // The memory plan an engine for `spec` would use on `backend` (with spec.runtime.layer_mode),
   // without allocating anything (so a CPU-only machine can print a CUDA plan). Throws kda::Error;
   // for kCuda, kUnsupported naming why when the CUDA backend cannot run the model (head_dim not
-  // 128, a conv width outside 2..4, a grid too large), whatever this machine has.
+  // 128, a conv width outside 2..4, a grid too large), whatever this machine has, but for a
+  // machine whose GPU the kernels are not built for (there the model's obstacles cannot be told
+  // from the device's, and none is refused).
   // `context_ranks`: the size of the EngineOptions::context_group the engine will have (its
   // context-parallel buffers grow with it); 0, the default: none.
   static planner::MemoryPlan plan_for(const ModelSpec& spec, Backend backend,
