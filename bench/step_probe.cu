@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "bench_device.cuh"
@@ -83,6 +84,20 @@ struct WeightCopy {
 };
 
 using kda_bench::median;
+
+// "min / median / max" of `v`, in us to two places, signed where `sign` ("-" when empty).
+std::string spread(std::vector<double> v, bool sign) {
+  if (v.empty()) return "-";
+  std::sort(v.begin(), v.end());
+  char buf[96];
+  const double lo = v.front(), mid = v[v.size() / 2], hi = v.back();
+  if (sign) {
+    std::snprintf(buf, sizeof buf, "%+.2f / %+.2f / %+.2f", lo, mid, hi);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f / %.2f / %.2f", lo, mid, hi);
+  }
+  return buf;
+}
 
 }  // namespace
 
@@ -222,16 +237,8 @@ int main(int argc, char** argv) {
           if (v == 0) continue;
           (b < R * H ? head : rest).push_back(static_cast<double>(v - t0) * 1e-3);
         }
-        auto cell = [](std::vector<double> v) {
-          if (v.empty()) return std::string("-");
-          std::sort(v.begin(), v.end());
-          char buf[64];
-          std::snprintf(buf, sizeof buf, "%.2f / %.2f / %.2f", v.front(), v[v.size() / 2],
-                        v.back());
-          return std::string(buf);
-        };
-        std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], cell(head).c_str(),
-                    cell(rest).c_str());
+        std::printf("| %d %s | %s | %s |\n", k, stamp_names[k], spread(head, false).c_str(),
+                    spread(rest, false).c_str());
       }
       // The hand-off between two launches back to back: the second's blocks against the first's
       // last block leaving (stamps of both launches on the one global timer).
@@ -267,13 +274,9 @@ int main(int argc, char** argv) {
           row_in.push_back(
               (static_cast<double>(next_stamps[b * S + 1]) - static_cast<double>(a_left)) * 1e-3);
         }
-        std::sort(wait_back.begin(), wait_back.end());
-        std::sort(row_in.begin(), row_in.end());
-        std::printf("| %d | %.2f | %+.2f | %+.2f / %+.2f / %+.2f | %+.2f / %+.2f / %+.2f |\n", r,
-                    static_cast<double>(a_left - a0) * 1e-3,
+        std::printf("| %d | %.2f | %+.2f | %s | %s |\n", r, static_cast<double>(a_left - a0) * 1e-3,
                     (static_cast<double>(b0) - static_cast<double>(a_left)) * 1e-3,
-                    wait_back.front(), wait_back[wait_back.size() / 2], wait_back.back(),
-                    row_in.front(), row_in[row_in.size() / 2], row_in.back());
+                    spread(wait_back, true).c_str(), spread(row_in, true).c_str());
       }
       cudaFree(trace_next);
       CK(cudaMemset(trace, 0, stamps.size() * 8));
