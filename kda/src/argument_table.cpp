@@ -6,6 +6,7 @@
 #include <string>
 
 #include "kda/detail/checked_math.hpp"
+#include "state_slots.hpp"
 
 namespace kda {
 namespace detail {
@@ -451,12 +452,54 @@ Status check_cuda_alignment(const ArgumentTable& table, const char* user) {
   return Status::Ok();
 }
 
+Status check_host_copies(const Problem& p, const Tensors& t) {
+  if (t.cu_seqlens_host != nullptr) {
+    if (Status st = validate_cu_seqlens(p, t.cu_seqlens_host); !st) return st;
+  }
+  if (t.state_slots_host != nullptr) {
+    if (Status st = check_state_slots(p, t.state_slots_host, nullptr); !st) return st;
+  }
+  return Status::Ok();
+}
+
+Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt,
+                       ArgumentTable* table) {
+  if (!is_known(opt.schedule)) {
+    return invalid("CudaOptions::schedule is " + std::to_string(static_cast<int>(opt.schedule)) +
+                   ", expected kAuto, kTwoPhase or kPipelined");
+  }
+  if (Status st = implement_and_validate(p, t, Backend::kCuda, table); !st) return st;
+  if (Status st = check_host_copies(p, t); !st) return st;
+  return check_cuda_alignment(*table, "the CUDA backend");
+}
+
+Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt,
+                       ArgumentTable* table) {
+  if (Status st = implement_and_validate(p, t, Backend::kCuda, table); !st) return st;
+  if (Status st = check_cuda_alignment(*table, "the CUDA decode"); !st) return st;
+  if (opt.decode_blocks_per_head != 0 && !valid_blocks_per_head(opt.decode_blocks_per_head)) {
+    return invalid("CudaOptions::decode_blocks_per_head is " +
+                   std::to_string(opt.decode_blocks_per_head) + ", not 0, 1, 2 or 4");
+  }
+  return Status::Ok();
+}
+
 Status check_device_arguments(ArgumentTable table, const void* workspace, std::uint64_t bytes) {
   table.add("workspace", workspace, bytes, DType::kNone, ArgumentRole::kScratch);
   return check_device_arguments(table);
 }
 
 }  // namespace detail
+
+Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt) {
+  detail::ArgumentTable table;
+  return detail::check_cuda_call(p, t, opt, &table);
+}
+
+Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt) {
+  detail::ArgumentTable table;
+  return detail::check_cuda_call(p, t, opt, &table);
+}
 
 Status check_device_pointers(const Problem& p, const Tensors& t) {
   if (Status st = validate(p); !st) return st;

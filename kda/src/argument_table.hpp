@@ -167,6 +167,19 @@ Status check_tensors(const ArgumentTable& table);
 // CUDA: every backend row's pointer is a multiple of its cuda_alignment; `user` ends the message
 // ("q must be 16-byte aligned for <user>").
 Status check_cuda_alignment(const ArgumentTable& table, const char* user);
+// CudaOptions::decode_blocks_per_head's counts of blocks a (sequence, head) (0, choose, aside).
+constexpr bool valid_blocks_per_head(int blocks) {
+  return blocks == 1 || blocks == 2 || blocks == 4;
+}
+// The host copies a CUDA call was handed (Tensors::cu_seqlens_host, state_slots_host), checked as
+// the CPU checks the arrays themselves.
+Status check_host_copies(const Problem& p, const Tensors& t);
+// kda::check_cuda_call (kda.hpp), handing back the call's table for the backend's further walks:
+// the checks forward_cuda / decode_cuda make before their workspace and pointer checks.
+Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt,
+                       ArgumentTable* table);
+Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt,
+                       ArgumentTable* table);
 // CUDA builds: every backend row lies in device (or managed) memory of the current device, inside
 // one allocation that holds its bytes (kda/src/cuda/device.cu). Without CUDA: kBackendUnavailable.
 Status check_device_arguments(const ArgumentTable& table);

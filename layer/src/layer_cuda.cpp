@@ -624,21 +624,18 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
       batch.slots_host, batch.num_accepted_host, HostFold{}, state, hidden, out, workspace,
       kForward, inputs != nullptr);
-  // The core checks its checkpoint tensors only once it runs, after the conv has written: their
-  // alignment here, before anything is enqueued.
-  if (batch.checkpoints > 0 && N > 0 &&
-      (reinterpret_cast<std::uintptr_t>(batch.checkpoint_offsets) % alignof(std::int64_t) != 0 ||
-       reinterpret_cast<std::uintptr_t>(batch.checkpoint_slots) % alignof(std::int32_t) != 0)) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(kForward) +
-                    ": checkpoint_offsets must be 8-byte and checkpoint_slots 4-byte aligned");
-  }
   if (static_cast<unsigned>(options.decode_kernel) >
       static_cast<unsigned>(DecodeKernel::kOneLaunch)) {
     throw Error(StatusCode::kInvalidArgument,
                 std::string(kForward) + ": RunOptions::decode_kernel " +
                     std::to_string(static_cast<int>(options.decode_kernel)) +
                     " is not a kda::layer::DecodeKernel");
+  }
+  if (!is_known(options.schedule)) {
+    throw Error(StatusCode::kInvalidArgument,
+                std::string(kForward) + ": RunOptions::schedule " +
+                    std::to_string(static_cast<int>(options.schedule)) +
+                    " is not a kda::PrefillSchedule");
   }
   if (options.fused_cluster != 0 && options.fused_cluster != 1 && options.fused_cluster != 2 &&
       options.fused_cluster != 4 && options.fused_cluster != 8) {
@@ -803,15 +800,18 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     t.device_status = batch.device_status;
     return t;
   };
-  // The core's own checks of its call (its tensors against each other: the pools, the workspace,
-  // the records) before the conv is enqueued to write any state.
+  // The core's own checks of its call (its tensors against each other and their alignment: the
+  // pools, the workspace, the records, the batch's metadata; the schedule) before the conv is
+  // enqueued to write any state. The one-launch and fused steps, which take the same pools and
+  // metadata, are held to the same rules.
   if (inputs == nullptr && N > 0) {
     if (decode) {
-      throw_if_error(validate(step, core_step_tensors()), "KDA layer forward (CUDA): core");
+      throw_if_error(check_cuda_call(step, core_step_tensors(), core_options),
+                     "KDA layer forward (CUDA): core");
     } else {
       Problem prefill;
       const Tensors t = core_prefill_tensors(&prefill);
-      throw_if_error(validate(prefill, t), "KDA layer forward (CUDA): core");
+      throw_if_error(check_cuda_call(prefill, t, core_options), "KDA layer forward (CUDA): core");
     }
   }
   if (T == 0) {

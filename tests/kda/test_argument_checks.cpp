@@ -434,6 +434,41 @@ TEST_CASE("check_device_pointers: the problem first, then the device") {
   }
 }
 
+TEST_CASE("check_cuda_call: the options, the problem and the tensors before the backend") {
+  Prefill f;
+  Decode d;
+  CudaOptions unknown;
+  unknown.schedule = static_cast<PrefillSchedule>(7);
+  CHECK(message_of(check_cuda_call(f.p, f.t, unknown)) ==
+        "CudaOptions::schedule is 7, expected kAuto, kTwoPhase or kPipelined");
+  Problem bad = f.p;
+  bad.num_heads = 0;
+  CHECK(message_of(check_cuda_call(bad, f.t)) == "num_heads must be >= 1 (got 0)");
+  // Head size 4: the CUDA backend's limits refuse it before the tensors are walked.
+  CHECK(check_cuda_call(f.p, f.t).code() == StatusCode::kUnsupported);
+  CHECK(check_cuda_call(d.p, d.t).code() == StatusCode::kUnsupported);
+  // Head size 128 (the buffers are too small for it, which only the device walk would see): q two
+  // bytes past a 16-byte boundary is refused where a device can run the backend, with the words
+  // forward_cuda and decode_cuda use; elsewhere the backend is unavailable.
+  Problem p128 = f.p;
+  DecodeProblem d128 = d.p;
+  p128.head_dim_k = p128.head_dim_v = d128.head_dim_k = d128.head_dim_v = 128;
+  Tensors shifted = f.t;
+  shifted.q = static_cast<const unsigned char*>(f.t.q) + 2;
+  DecodeTensors shifted_step = d.t;
+  shifted_step.q = static_cast<const unsigned char*>(d.t.q) + 2;
+  const bool runs = cuda_compiled() && cuda_device_count() > 0 && cuda_device_supported().ok();
+  const Status prefill = check_cuda_call(p128, shifted);
+  const Status decode = check_cuda_call(d128, shifted_step);
+  if (runs) {
+    CHECK(message_of(prefill) == "q must be 16-byte aligned for the CUDA backend");
+    CHECK(message_of(decode) == "q must be 16-byte aligned for the CUDA decode");
+  } else if (!cuda_compiled() || cuda_device_count() == 0) {
+    CHECK_MESSAGE(prefill.code() == StatusCode::kBackendUnavailable, prefill.to_string());
+    CHECK_MESSAGE(decode.code() == StatusCode::kBackendUnavailable, decode.to_string());
+  }
+}
+
 TEST_CASE("checked arithmetic and align-up at their edges") {
   using namespace kda::detail;
   constexpr std::uint64_t kMax = std::numeric_limits<std::uint64_t>::max();

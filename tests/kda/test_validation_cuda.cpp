@@ -553,3 +553,76 @@ TEST_CASE("cuda prefill: an unknown schedule is rejected before anything runs") 
   REQUIRE(stream_synchronize(nullptr).ok());
   CHECK(rig.untouched());
 }
+
+TEST_CASE(
+    "cuda: check_cuda_call refuses what forward_cuda and decode_cuda refuse, in their words") {
+  if (!gpu_or_skip()) return;
+  PrefillRig rig(make_case(cuda_case(59)));
+  const Tensors good = rig.tensors();
+  CHECK(check_cuda_call(rig.c.problem, good).ok());
+  std::vector<std::int64_t> broken = {0, 30, 20, 67};  // decreasing
+  Tensors misaligned_k = good, bad_host_copy = good;
+  misaligned_k.k = static_cast<const unsigned char*>(good.k) + 2;
+  bad_host_copy.cu_seqlens_host = broken.data();
+  CudaOptions unknown;
+  unknown.schedule = static_cast<PrefillSchedule>(7);
+  const struct {
+    const Tensors* t;
+    const CudaOptions* opt;
+    const char* words;
+  } prefills[] = {{&misaligned_k, nullptr, "k must be 16-byte aligned for the CUDA backend"},
+                  {&bad_host_copy, nullptr, "cu_seqlens"},
+                  {&good, &unknown, "CudaOptions::schedule is 7"}};
+  for (const auto& call : prefills) {
+    CAPTURE(call.words);
+    const CudaOptions opt = call.opt != nullptr ? *call.opt : CudaOptions{};
+    const Status checked = check_cuda_call(rig.c.problem, *call.t, opt);
+    const Status ran = rig.run(*call.t, opt);
+    CHECK(checked.code() == StatusCode::kInvalidArgument);
+    CHECK_MESSAGE(contains(checked, call.words), checked.to_string());
+    CHECK(checked.message() == ran.message());
+  }
+  REQUIRE(stream_synchronize(nullptr).ok());
+  CHECK(rig.untouched());
+
+  // A decode step: a pool 8 bytes past a 16-byte boundary, a count of blocks a head not offered.
+  KdaCase c = make_case(cuda_case(61));
+  DeviceCase d(c);
+  DecodeProblem dp;
+  dp.batch = 3;
+  dp.tokens = 1;
+  dp.num_heads = c.problem.num_heads;
+  dp.num_slots = 3;
+  dp.state_dtype = DType::kF32;
+  DeviceBuffer pool(static_cast<std::size_t>(4 * dp.num_heads * 128 * 128) * 4);
+  pool.fill(0);
+  DeviceBuffer dout(static_cast<std::size_t>(3 * dp.num_heads * 128) * 2);
+  dout.fill(0xFF);
+  DeviceBuffer slots = DeviceBuffer::from(std::vector<std::int32_t>{2, 0, 1});
+  DecodeTensors step = d.decode_tensors();
+  step.state_pool = pool.get();
+  step.out = dout.get();
+  step.slots = static_cast<const std::int32_t*>(slots.get());
+  CHECK(check_cuda_call(dp, step).ok());
+  DecodeTensors shifted = step;
+  shifted.state_pool = static_cast<unsigned char*>(pool.get()) + 8;
+  CudaOptions three_blocks;
+  three_blocks.decode_blocks_per_head = 3;
+  const struct {
+    const DecodeTensors* t;
+    CudaOptions opt;
+    const char* words;
+  } steps[] = {{&shifted, CudaOptions{}, "state_pool must be 16-byte aligned for the CUDA decode"},
+               {&step, three_blocks, "CudaOptions::decode_blocks_per_head is 3"}};
+  for (const auto& call : steps) {
+    CAPTURE(call.words);
+    const Status checked = check_cuda_call(dp, *call.t, call.opt);
+    const Status ran = decode_cuda(dp, *call.t, nullptr, call.opt);
+    CHECK(checked.code() == StatusCode::kInvalidArgument);
+    CHECK_MESSAGE(contains(checked, call.words), checked.to_string());
+    CHECK(checked.message() == ran.message());
+  }
+  REQUIRE(stream_synchronize(nullptr).ok());
+  CHECK(all_bytes(dout, 0xFF));
+  CHECK(all_bytes(pool, 0));
+}

@@ -154,6 +154,56 @@ KDA_LAYER_CUDA_CASE("a host pointer where device memory belongs is refused befor
   CHECK(std::all_of(host_pool.begin(), host_pool.end(), [](float x) { return x == 1.0f; }));
 }
 
+KDA_LAYER_CUDA_CASE("the core's alignment and the schedule are refused before the conv writes") {
+  const layer::Config config = cuda.config();
+  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
+  const std::vector<bf16_bits> hidden =
+      random_bf16(static_cast<std::size_t>(6 * config.hidden_size), 1.0f, 3);
+  Pools before(config, 3);
+  before.randomize(5);
+  // A prefill, a one-row step (the one-launch kernel) and a step of two tokens a row (the separate
+  // kernels): each would have run the conv, which updates the conv states, before its core.
+  const BatchSpec prefill = prefill_batch({2, 4}, {0, 2});
+  const BatchSpec one_row = decode_batch(1, 1, {1});
+  const BatchSpec two_tokens = decode_batch(2, 2, {2, 0});
+  // The recurrent pool 4 bytes past a 16-byte boundary (the pointer checks off: they would refuse
+  // the pool first, as reaching 4 bytes past its allocation).
+  ForwardSettings shifted_pool;
+  shifted_pool.change = [](ForwardCall& call) {
+    call.options.check_pointers = false;
+    call.state.recurrent = static_cast<unsigned char*>(call.state.recurrent) + 4;
+  };
+  // The device slots 2 bytes past a 4-byte boundary (their host copy is right).
+  ForwardSettings shifted_slots;
+  shifted_slots.change = [](ForwardCall& call) {
+    call.options.check_pointers = false;
+    call.batch.slots = reinterpret_cast<const std::int32_t*>(
+        reinterpret_cast<const unsigned char*>(call.batch.slots) + 2);
+  };
+  for (const BatchSpec* batch : {&prefill, &one_row, &two_tokens}) {
+    CAPTURE(batch->decode_tokens);
+    CAPTURE(batch->sequences());
+    const LayerRun pool_run = check_refused(cuda, *layer, hidden, *batch, before, shifted_pool);
+    CHECK(pool_run.code == StatusCode::kInvalidArgument);
+    // The prefill's states 8-byte aligned, a decode step's f32 pool 16.
+    const bool states =
+        pool_run.error.find("initial_state must be 8-byte aligned") != std::string::npos ||
+        pool_run.error.find("state_pool must be 16-byte aligned") != std::string::npos;
+    CHECK(states);
+    const LayerRun slots_run = check_refused(cuda, *layer, hidden, *batch, before, shifted_slots);
+    CHECK(slots_run.code == StatusCode::kInvalidArgument);
+    CHECK(slots_run.error.find("slots must be 4-byte aligned") != std::string::npos);
+  }
+  ForwardSettings unknown_schedule;
+  unknown_schedule.change = [](ForwardCall& call) {
+    call.options.schedule = static_cast<PrefillSchedule>(7);
+  };
+  const LayerRun run = check_refused(cuda, *layer, hidden, prefill, before, unknown_schedule);
+  CHECK(run.code == StatusCode::kInvalidArgument);
+  CHECK(run.error ==
+        cuda.forward_error_prefix() + "RunOptions::schedule 7 is not a kda::PrefillSchedule");
+}
+
 KDA_LAYER_CUDA_CASE("a weight image region in host memory is refused once a device can tell") {
   const layer::Weights weights = with_bias_and_norm(layer::random_weights(cuda.config(), 5, 1));
   const std::size_t bytes = layer::weight_image_bytes(Backend::kCuda, weights.config);

@@ -597,6 +597,15 @@ Status check_device_pointers(const Problem& p, const Tensors& t);
 Status check_device_pointers(const DecodeProblem& p, const DecodeTensors& t);
 Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, int num_layers,
                              const std::int32_t* slots, const std::int32_t* num_accepted);
+// Every check forward_cuda (decode_cuda) makes of a call before its workspace and pointer checks,
+// on the host alone: what the CUDA backend implements, validate(p, t), the host copies of
+// cu_seqlens and state_slots, each tensor's alignment (the limits in docs/KDA.md) and opt's
+// schedule (decode_blocks_per_head). For layers above the operator that enqueue work of their own
+// ahead of the call and must refuse it before anything is written: the whole layer's conv updates
+// the conv states before its core runs. Without CUDA (or a device): kBackendUnavailable, as
+// can_implement.
+Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt = {});
+Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt = {});
 // Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
 // Not for the forward path (it synchronizes): call it where you would read results anyway.
 Status check_device_status(const std::uint32_t* device_status, void* stream);

@@ -130,10 +130,6 @@ struct StoreOut {
 // the pool only read, each token's record (alpha, k^, u) written instead of its state.
 // kFold: a plain or records step that folds the records step before it (kda.hpp, "Fold";
 // compiled apart, as the verify forms are, so that a step without a fold runs the kernel it ran).
-__host__ __device__ constexpr bool valid_blocks_per_head(int blocks) {
-  return blocks == 1 || blocks == 2 || blocks == 4;
-}
-
 // kSplit: the blocks a (sequence, head)'s 8 warps are cut into (1, 2 or 4), block blockIdx.z
 // holding warps [blockIdx.z 8 / kSplit, ...). The warps never meet (but in a kWholeHead epilogue,
 // which takes one block), so the cut is only the block scheduler's granularity: below.
@@ -146,7 +142,7 @@ __global__ void __launch_bounds__(kWarps / kSplit * 32, 2 * kSplit)
   using L = DecodeLanes<kVec>;
   const std::int64_t b = blockIdx.x;
   const int h = blockIdx.y;
-  static_assert(valid_blocks_per_head(kSplit), "1, 2 or 4 blocks a head");
+  static_assert(kSplit == 1 || kSplit == 2 || kSplit == 4, "1, 2 or 4 blocks a head");
   static_assert(!Epilogue::kWholeHead || kSplit == 1, "an epilogue over a head's warps: one block");
   const int lane = threadIdx.x & 31;
   // The warp and thread over the head's blocks (one block: the same as within it).
@@ -464,18 +460,11 @@ template <class Epilogue>
 Status launch_decode(const DecodeProblem& p, const DecodeTensors& t, void* stream_ptr,
                      const CudaOptions& opt, const Epilogue& epilogue) {
   ArgumentTable args;
-  Status st = implement_and_validate(p, t, Backend::kCuda, &args);
-  if (!st.ok()) return st;
-  st = check_cuda_alignment(args, "the CUDA decode");
+  Status st = check_cuda_call(p, t, opt, &args);
   if (!st.ok()) return st;
   if (opt.check_pointers) {
     st = check_device_arguments(args);
     if (!st.ok()) return st;
-  }
-  if (opt.decode_blocks_per_head != 0 && !valid_blocks_per_head(opt.decode_blocks_per_head)) {
-    return Status(StatusCode::kInvalidArgument, "CudaOptions::decode_blocks_per_head is " +
-                                                    std::to_string(opt.decode_blocks_per_head) +
-                                                    ", not 0, 1, 2 or 4");
   }
   if (p.batch == 0) return Status::Ok();
   DecodeParams prm{};

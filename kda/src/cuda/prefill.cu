@@ -156,16 +156,9 @@ class PrefillLaunch {
  public:
   // A forward: out and states.
   Status initialize(const Problem& p, const Tensors& t, Workspace ws, const CudaOptions& opt) {
-    if (!is_known(opt.schedule)) {
-      return Status(StatusCode::kInvalidArgument,
-                    "CudaOptions::schedule is " + std::to_string(static_cast<int>(opt.schedule)) +
-                        ", expected kAuto, kTwoPhase or kPipelined");
-    }
     ArgumentTable args;
-    Status st = implement_and_validate(p, t, Backend::kCuda, &args);
+    Status st = check_cuda_call(p, t, opt, &args);
     if (!st.ok()) return st;
-    if (!(st = check_host_copies(p, t))) return st;
-    if (!(st = check_cuda_alignment(args, "the CUDA backend"))) return st;
     std::size_t need = 0;
     if (!(st = checked_workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA prefill"))) return st;
@@ -292,15 +285,6 @@ class PrefillLaunch {
   }
 
  private:
-  static Status check_host_copies(const Problem& p, const Tensors& t) {
-    if (t.cu_seqlens_host != nullptr) {
-      if (Status st = validate_cu_seqlens(p, t.cu_seqlens_host); !st) return st;
-    }
-    if (t.state_slots_host != nullptr) {
-      if (Status st = check_state_slots(p, t.state_slots_host, nullptr); !st) return st;
-    }
-    return Status::Ok();
-  }
   // The longest sequence in chunks: exact for fixed-length rows and with a host copy of
   // cu_seqlens (O(N) host reads), else bounded by all the tokens.
   static std::int64_t longest_chunks(const Problem& p, const Tensors& t) {
