@@ -265,14 +265,18 @@ int main(int argc, char** argv) {
         std::vector<double> wait_back, row_in;
         for (int b = 0; b < blocks; ++b) {
           a0 = std::min(a0, stamps[b * S]);
-          a_left = std::max(a_left, stamps[b * S + 6]);
+          a_left = std::max(a_left, stamps[b * S + kda::layer::cuda::kStampLeaving]);
           b0 = std::min(b0, next_stamps[b * S]);
         }
         for (int b = 0; b < blocks; ++b) {
           wait_back.push_back(
-              (static_cast<double>(next_stamps[b * S + 12]) - static_cast<double>(a_left)) * 1e-3);
+              (static_cast<double>(next_stamps[b * S + kda::layer::cuda::kStampWaitReturned]) -
+               static_cast<double>(a_left)) *
+              1e-3);
           row_in.push_back(
-              (static_cast<double>(next_stamps[b * S + 1]) - static_cast<double>(a_left)) * 1e-3);
+              (static_cast<double>(next_stamps[b * S + kda::layer::cuda::kStampHiddenLoaded]) -
+               static_cast<double>(a_left)) *
+              1e-3);
         }
         std::printf("| %d | %.2f | %+.2f | %s | %s |\n", r, static_cast<double>(a_left - a0) * 1e-3,
                     (static_cast<double>(b0) - static_cast<double>(a_left)) * 1e-3,

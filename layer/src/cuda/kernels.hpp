@@ -294,7 +294,24 @@ struct OneLaunchStepParams {
   // phases end (kda-step-probe); null in the layer.
   std::uint64_t* trace = nullptr;
 };
-inline constexpr int kOneLaunchTraceStamps = 13;
+// The stamps of OneLaunchStepParams::trace, by their place in a block's row: where a block's phases
+// end (a head block's and an o_proj block's where both have the phase).
+enum OneLaunchStamp : int {
+  kStampStart = 0,
+  kStampHiddenLoaded,
+  kStampProjectionDone,  // the block's projection rows
+  kStampValuesTaken,     // head: projection, conv and second factors; o_proj: y
+  kStampWoLanded,        // o_proj: W_o in shared memory
+  kStampResultsIssued,   // head: the state's store issued; o_proj: its rows done
+  kStampLeaving,
+  kStampStateInRegisters,  // head
+  kStampStepComputed,      // head
+  kStampStateInShared,     // head: the state back in shared memory
+  kStampNormDone,          // head: y written (warp 0)
+  kStampOwnWordsTaken,     // thread 0
+  kStampWaitReturned,      // the wait for the kernel before returned
+};
+inline constexpr int kOneLaunchTraceStamps = kStampWaitReturned + 1;
 inline constexpr int kOneLaunchSyncWords = 4;
 // Whether launch_one_launch_step takes `p` on the current device: rows within
 // one_launch_max_rows(heads), every (row, head) a block of its own with a block to spare for

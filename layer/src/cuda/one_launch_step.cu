@@ -541,12 +541,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto report = [&](std::uint32_t bit) {
     if (p.status != nullptr) atomicOr(p.status, bit);
   };
-  auto stamp = [&](int k) {
+  auto stamp = [&](OneLaunchStamp k) {
     if (p.trace != nullptr && tid == 0) {
       p.trace[block * kOneLaunchTraceStamps + k] = global_timer_ns();
     }
   };
-  stamp(0);
+  stamp(kStampStart);
   // The kernel after this one (launched as a programmatic dependent) may start its blocks as this
   // grid's leave, and waits for it to complete before it reads what it wrote.
   griddep_launch_dependents();
@@ -623,7 +623,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Launched as a programmatic dependent: what the kernels before wrote (the hidden row, the
   // slots, the states, the count of blocks left and the exchange words) is read after this.
   griddep_wait();
-  stamp(12);
+  stamp(kStampWaitReturned);
   auto* const left = reinterpret_cast<unsigned long long*>(p.sync + kLeftWord);
   const std::uint32_t tag =
       static_cast<std::uint32_t>(load_relaxed_gpu_u64(reinterpret_cast<std::uint64_t*>(left)) /
@@ -680,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (head_block) cp_async_commit();
   __syncthreads();
   mbarrier_wait(&x_landed, 0);
-  stamp(1);
+  stamp(kStampHiddenLoaded);
 
   // ---- 1. the input projection: a warp a row (one row), or 16 rows a block (several) ----
   if constexpr (kMulti) {
@@ -712,7 +712,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   __syncthreads();
-  stamp(2);
+  stamp(kStampProjectionDone);
   // The o_proj blocks' W_o rows, from here on: into the threads' registers (out_in_registers) or,
   // contiguous, into shared memory by the copy engine.
   const std::int64_t e0 = head_block ? 0 : (block - R * H) * plan.out_rows;
@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           unpack_bf16x4(reinterpret_cast<const uint2*>(state_s)[off / 4], S[i]);
         }
       }
-      stamp(7);
+      stamp(kStampStateInRegisters);
       // What the step reads of the projection: each thread its words.
       bool late = false;
       {
@@ -804,7 +804,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         x[0] = bits_to_float(static_cast<std::uint16_t>(v[0]));
         x[1] = bits_to_float(static_cast<std::uint16_t>(v[1]));
       }
-      stamp(11);
+      stamp(kStampOwnWordsTaken);
       // Warps 0-7 go on once f_a and g_a (or the gate) are in, without waiting for the conv's
       // words: an mbarrier of their 256 arrivals (a block barrier here cost the TP8 shard's step
       // 0.2 us; a named barrier drew racecheck reports on the block barrier after it, an
@@ -837,7 +837,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       if (late) report(kDeviceStatusStepTimeout);
       __syncthreads();
-      stamp(3);
+      stamp(kStampValuesTaken);
 
       // The KDA step (the fused kernel's operations in its order), Sᵀ in registers.
       float qh[4], kh[4], alpha[4];
@@ -846,7 +846,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float mine =
           step_rows(S, alpha, kh, qh, beta_s, &qkv_s[2][v_row0], lane, [](int, float) {});
       if (lane < kRowsPerWarp) o_s[v_row0 + lane] = round_bf16(mine);
-      stamp(8);
+      stamp(kStampStepComputed);
       __syncthreads();  // o_s whole
       // The gated RMSNorm of the head (the norm kernel's operations), one warp, before the state
       // goes back to shared memory: y is what o_proj waits for, the state's store is not.
@@ -858,7 +858,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         put_word(my_words + y_word0 + (h * D + k0) / 2, tag, y.x);
         put_word(my_words + y_word0 + (h * D + k0) / 2 + 1, tag, y.y);
       }
-      stamp(10);
+      stamp(kStampNormDone);
       // The new state back into shared memory, whence the copy engine stores it (one bulk copy,
       // drained while o_proj runs): plain stores of 64 KB from one multiprocessor took 3.5-7 us
       // to issue (kda-step-probe), longer than the rest of the step.
@@ -873,7 +873,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       fence_proxy_async();  // this thread's shared writes, before the copy engine reads them
-      stamp(9);
+      stamp(kStampStateInShared);
       __syncthreads();
       if (tid == 0) {
         bulk_copy_to_global(static_cast<unsigned char*>(p.state) + state_base * (kF32State ? 4 : 2),
@@ -881,7 +881,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_commit();
       }
     }
-    stamp(5);
+    stamp(kStampResultsIssued);
   } else {
     // ---- 3. o_proj: this block's W_o rows · y (from registers where they fit: o_proj_row_held,
     // o_proj_rows_mma; else out_lanes threads a weight row from shared memory) ----
@@ -906,12 +906,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     if (late) report(kDeviceStatusStepTimeout);
-    stamp(11);
+    stamp(kStampOwnWordsTaken);
     __syncthreads();
-    stamp(3);
+    stamp(kStampValuesTaken);
     const std::int64_t y_chunks = Cl / 8;
     if (e1 > e0 && !plan.out_in_registers) mbarrier_wait(&landed, 0);
-    stamp(4);
+    stamp(kStampWoLanded);
     const auto* rows = reinterpret_cast<const uint4*>(region);
     const int L = plan.out_lanes, sub = tid % L;
     if (plan.out_in_registers) {
@@ -945,13 +945,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
-    stamp(5);
+    stamp(kStampResultsIssued);
   }
 
   // The block leaves: one more in the count the next launch's tag comes from (a reduction, no
   // fence: the next launch reads it after this one has completed).
   __syncthreads();
-  stamp(6);
+  stamp(kStampLeaving);
   if (steps && tid == 0)
     bulk_wait_all();  // the state's store, before the block (and its shared
                       // memory) goes
