@@ -39,8 +39,8 @@
 // nothing unless it is asked for phase times: it enqueues work on the stream and returns, and it
 // can be captured in a CUDA graph (with RunOptions::check_pointers off while capturing). Errors
 // throw kda::Error (kda/error.hpp); every check the host can make runs before the first byte of out
-// or of a state is written (on CUDA also the core's: its tensors' alignment as kda.hpp's limits
-// say, kda::check_cuda_call, before the conv's launch).
+// or of a state is written (on CUDA also the core's, kda::check_cuda_call, among them the pools',
+// cu_seqlens' and slots' alignment, before the conv's launch).
 // What only the device can see (a slot outside the pool, broken cu_seqlens in device memory) is
 // ORed into Batch::device_status (kda::DeviceStatusBit).
 //
