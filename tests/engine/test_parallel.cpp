@@ -502,6 +502,71 @@ TEST_CASE("context parallel whole layers: whole layers, tp_size 1, a group and a
   CHECK(y == want);
 }
 
+// Rank 1 of 2, its gathers counted; each gather hands back this rank's block as rank 0's too.
+struct SecondOfTwo final : Communicator {
+  int gathers = 0;
+  int rank() const noexcept override { return 1; }
+  int size() const noexcept override { return 2; }
+  kda::Backend backend() const noexcept override { return kda::Backend::kCpu; }
+  void all_reduce_sum(void*, std::size_t, kda::DType, void*) override {}
+  void all_gather(const void* send, void* recv, std::size_t bytes, void*) override {
+    ++gathers;
+    std::memcpy(recv, send, bytes);
+    std::memcpy(static_cast<unsigned char*>(recv) + bytes, send, bytes);
+  }
+};
+
+// A rank past the first moves its slot's states to its range's start before its own prefill runs:
+// what that prefill would refuse (an out overlapping an input) is refused before, with the slot
+// as it was and no collective made.
+TEST_CASE("context parallel: an out overlapping an input is refused before the slot moves") {
+  const std::int64_t T = 16, H = 2, D = 16, E = 64, W = 4;
+  const kda::test::SlotStates starting = kda::test::starting_slot_states(H, D, W);
+  auto read = [&](const Engine& e, int l, int slot) {
+    return kda::test::read_slot_states(e, l, slot, starting.recurrent.size(),
+                                       starting.conv[0].size());
+  };
+  {
+    SecondOfTwo group;
+    Engine e(core_spec(), core_options(&group));
+    const int slot = e.acquire_slot();
+    std::vector<float> before(starting.recurrent);
+    e.write_slot_state(0, slot, before.data());
+    std::vector<bf16_bits> q = kda::test::random_bf16(T * H * D, 1.0f, 1), k = q, g = q,
+                           beta = kda::test::random_bf16(T * H, 1.0f, 2);
+    std::vector<bf16_bits> v = kda::test::random_bf16(T * H * D, 1.0f, 3);
+    const std::string error = kda::test::error_of([&] {
+      e.prefill_context_parallel(0, {q.data(), k.data(), v.data(), g.data(), beta.data()}, v.data(),
+                                 slot, T);
+    });
+    CHECK(error.find("prefill_context_parallel: out overlaps v") != std::string::npos);
+    CHECK(group.gathers == 0);
+    std::vector<float> after(before.size());
+    e.read_slot_state(0, slot, after.data());
+    CHECK(after == before);
+  }
+  {
+    SecondOfTwo group;
+    Engine e(whole_cp_spec(), core_options(&group));
+    const int slot = e.acquire_slot();
+    kda::test::write_slot_states(e, 0, slot, starting.recurrent, starting.conv);
+    std::vector<bf16_bits> x = kda::test::random_bf16(T * E, 1.0f, 4);
+    const std::vector<bf16_bits> x_before = x;
+    for (const std::int64_t shift : {std::int64_t{0}, E}) {
+      CAPTURE(shift);
+      const std::string error = kda::test::error_of(
+          [&] { e.prefill_hidden_context_parallel(0, x.data(), x.data() + shift, slot, T - 1); });
+      CHECK(error.find("prefill_hidden_context_parallel: out overlaps hidden") !=
+            std::string::npos);
+      CHECK(group.gathers == 0);
+      const kda::test::SlotStates after = read(e, 0, slot);
+      CHECK(after.recurrent == starting.recurrent);
+      for (int p = 0; p < 3; ++p) CHECK(after.conv[p] == starting.conv[p]);
+      CHECK(x == x_before);
+    }
+  }
+}
+
 TEST_CASE("the CUDA transports of a build without them throw kBackendUnavailable") {
   if (!kda::cuda_compiled()) {
     const std::string message =

@@ -88,6 +88,9 @@ class HostBackend final : public EngineBackend {
   Status check_caller_tensors(const DecodeProblem&, const DecodeTensors&) const override {
     return Status();
   }
+  Status check_prefill(const Problem& p, const Tensors& t, const CudaOptions&) const override {
+    return validate(p, t);
+  }
 
  private:
   static std::size_t mapped_length(std::size_t bytes) { return bytes == 0 ? 1 : bytes; }
@@ -179,6 +182,9 @@ class CudaBackend final : public EngineBackend {
   }
   Status check_caller_tensors(const DecodeProblem& p, const DecodeTensors& t) const override {
     return check_pointers_ ? check_device_pointers(p, t) : Status();
+  }
+  Status check_prefill(const Problem& p, const Tensors& t, const CudaOptions& cuda) const override {
+    return check_cuda_call(p, t, cuda);
   }
 
  private:

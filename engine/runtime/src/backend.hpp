@@ -84,6 +84,12 @@ class EngineBackend {
   // q, k, v, g, beta and out; the operator itself refuses overlaps before it writes anything.
   virtual Status check_caller_tensors(const Problem& p, const Tensors& t) const = 0;
   virtual Status check_caller_tensors(const DecodeProblem& p, const DecodeTensors& t) const = 0;
+  // Every check prefill() makes of its call before it writes, without the driver's pointer queries
+  // (host: validate(p, t); CUDA: kda::check_cuda_call, alignment and `cuda`'s fields too): for a
+  // call that writes something of its own before the operator runs (a context-parallel prefill
+  // moves the slot's state to its range's start first).
+  virtual Status check_prefill(const Problem& p, const Tensors& t,
+                               const CudaOptions& cuda) const = 0;
 
  protected:
   explicit EngineBackend(void* stream) : stream_(stream) {}

@@ -664,6 +664,16 @@ struct Engine::Impl {
     b.cu_seqlens = cu_scratch;
     return b;
   }
+  // The same for one sequence of `tokens` tokens before its cu_seqlens and slot are staged (the
+  // arrays where they will be; only their addresses are read).
+  BatchMetadata staged_prefill_bounds(std::int64_t tokens) const {
+    BatchMetadata b;
+    b.sequences = 1;
+    b.tokens = tokens;
+    b.slots = prefill_slots.device;
+    b.cu_seqlens = cu_scratch;
+    return b;
+  }
   BatchMetadata staged_decode(std::size_t rows, int tokens) const {
     BatchMetadata b;
     b.sequences = static_cast<std::int64_t>(rows);
@@ -671,6 +681,34 @@ struct Engine::Impl {
     b.decode_tokens = tokens;
     b.slots = decode_slots.device;  // checked: acquired or padding, no duplicates
     return b;
+  }
+
+  // The core's prefill call on batch `b` (its problem into *problem): the caller's q..beta and
+  // out, the batch's metadata and the engine's status word.
+  Tensors core_prefill_call(const EngineLayer& layer, const LayerInputs& inputs, void* out,
+                            const BatchMetadata& b, const std::int64_t* cu_host,
+                            Problem* problem) const {
+    *problem = layer.prefill_problem(b.tokens, b.sequences);
+    Tensors t = caller_tensors<Tensors>(inputs, out);
+    if (b.checkpoints > 0) {
+      problem->checkpoints = b.checkpoints;
+      problem->checkpoint_offsets_dtype = DType::kI64;
+      t.checkpoint_offsets = b.checkpoint_offsets;
+      t.checkpoint_slots = b.checkpoint_slots;
+    }
+    // int32 cu_seqlens go to the core as they are (Problem::cu_seqlens_dtype); a host copy is
+    // only staged for the int64 host-span calls.
+    if (b.cu_seqlens == nullptr) {
+      problem->cu_seqlens_dtype = DType::kI32;
+      t.cu_seqlens = b.cu_seqlens_i32;
+    } else {
+      t.cu_seqlens = b.cu_seqlens;
+      t.cu_seqlens_host = cu_host;
+    }
+    t.state_slots = b.slots;
+    t.device_status = device_status;
+    problem->padding_slot = null_slot;
+    return t;
   }
 
   // The core alone on a checked batch. `cu_host`: the staged host copy of cu_seqlens, or null.
@@ -682,27 +720,10 @@ struct Engine::Impl {
     // operator refuses an out that overlaps an input before it writes anything). Each sequence
     // reads and writes its state through its slot index in the layer's pool, whatever the slots.
     if (b.decode_tokens == 0) {
-      Problem problem = layer.prefill_problem(b.tokens, b.sequences);
-      Tensors t = caller_tensors<Tensors>(inputs, out);
-      check_caller_tensors(layer, what, problem, t);
-      if (b.checkpoints > 0) {
-        problem.checkpoints = b.checkpoints;
-        problem.checkpoint_offsets_dtype = DType::kI64;
-        t.checkpoint_offsets = b.checkpoint_offsets;
-        t.checkpoint_slots = b.checkpoint_slots;
-      }
-      // int32 cu_seqlens go to the core as they are (Problem::cu_seqlens_dtype); a host copy is
-      // only staged for the int64 host-span calls.
-      if (b.cu_seqlens == nullptr) {
-        problem.cu_seqlens_dtype = DType::kI32;
-        t.cu_seqlens = b.cu_seqlens_i32;
-      } else {
-        t.cu_seqlens = b.cu_seqlens;
-        t.cu_seqlens_host = cu_host;
-      }
-      t.state_slots = b.slots;
-      t.device_status = device_status;
-      problem.padding_slot = null_slot;
+      check_caller_tensors(layer, what, layer.prefill_problem(b.tokens, b.sequences),
+                           caller_tensors<Tensors>(inputs, out));
+      Problem problem;
+      const Tensors t = core_prefill_call(layer, inputs, out, b, cu_host, &problem);
       layer.forward_core(problem, t, unchecked);
     } else {
       DecodeProblem problem = layer.decode_problem(b.sequences, b.decode_tokens);
@@ -1378,8 +1399,16 @@ void Engine::prefill_context_parallel(int kda_index, const LayerInputs& inputs, 
   const EngineLayer& layer = *m.layers[static_cast<std::size_t>(kda_index)];
   // Before the first collective, so that a refused call leaves this rank's slot as it was (a
   // failure after it would leave the slot half updated). The other ranks still go on into the
-  // gather: the runtime wakes them (Communicator's contract).
+  // gather: the runtime wakes them (Communicator's contract). Step 4's core call is checked
+  // whole here (an out overlapping an input; on CUDA the tensors' alignment): step 3 has moved
+  // the slot's state by the time it runs.
   m.check_core_range(layer, what, inputs, out, tokens);
+  {
+    Problem problem;
+    const Tensors t =
+        m.core_prefill_call(layer, inputs, out, m.staged_prefill_bounds(tokens), nullptr, &problem);
+    layer.check_forward_core(problem, t, m.unchecked, what);
+  }
   // 1. This range's transition (P^T, H^T per head), from its tokens alone.
   m.stage_cu_seqlens({0, tokens});
   m.range_transition(layer, caller_tensors<Tensors>(inputs, nullptr), tokens);
@@ -1409,6 +1438,16 @@ void Engine::prefill_hidden_context_parallel(int kda_index, const void* hidden, 
   Communicator& group = *m.context_group;
   const int rank = group.rank(), ranks = group.size();
   const std::int64_t E = m.spec.hidden_size;
+  // The layer refuses an out that overlaps hidden only in step 5, after steps 1-4 have moved the
+  // slot's states: here, before anything (what else it checks there is the engine's own: the
+  // batch, the arena's states and workspace, hidden and out set and usable).
+  {
+    const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+    const auto bytes = static_cast<std::uintptr_t>(tokens * E) * sizeof(bf16_bits);
+    if (tokens > 0 && at(out) < at(hidden) + bytes && at(hidden) < at(out) + bytes) {
+      fail(layer.info().label + " " + what + ": out overlaps hidden");
+    }
+  }
   const auto history = static_cast<std::int64_t>(m.spec.short_conv_kernel_size - 1);  // W - 1
   const std::uint64_t block = m.context_conv_block;
   const auto elements = static_cast<std::size_t>(conv_state_elements(m.spec));

@@ -217,14 +217,26 @@ DecodeProblem EngineLayer::decode_problem(std::int64_t batch, std::int64_t token
   return layer::core_decode_problem(config_, batch, tokens, max_sequences_, state_dtype_);
 }
 
-void EngineLayer::forward_core(const Problem& p, Tensors t, const CudaOptions& cuda) const {
+Tensors EngineLayer::core_prefill_tensors(Tensors t) const {
   if (backend_ == nullptr) throw Error(StatusCode::kInternal, info_.label + " prefill: not bound");
   t.A_log = A_log_;
   t.dt_bias = dt_bias_;
   t.initial_state = state_pool_;
   t.final_state = state_pool_;  // in place
-  const Status st = backend_->prefill(p, t, call_workspace(), cuda);
+  return t;
+}
+
+void EngineLayer::forward_core(const Problem& p, Tensors t, const CudaOptions& cuda) const {
+  const Tensors all = core_prefill_tensors(t);  // throws before backend_ is used where unbound
+  const Status st = backend_->prefill(p, all, call_workspace(), cuda);
   if (!st.ok()) throw Error(st, info_.label + " prefill");
+}
+
+void EngineLayer::check_forward_core(const Problem& p, Tensors t, const CudaOptions& cuda,
+                                     const char* what) const {
+  const Tensors all = core_prefill_tensors(t);
+  const Status st = backend_->check_prefill(p, all, cuda);
+  if (!st.ok()) throw Error(st, info_.label + " " + what);
 }
 
 void EngineLayer::transition_core(const Problem& p, Tensors t, float* p_t, float* h_t,

@@ -93,6 +93,10 @@ class EngineLayer {
   // The core alone on q, k, v, g, beta: `t` needs no parameters, states or workspace (the layer
   // fills them in). In the NVTX phase range "prefill.forward_cpu|cuda". Throws kda::Error.
   void forward_core(const Problem& p, Tensors t, const CudaOptions& cuda) const;
+  // forward_core's checks alone (EngineBackend::check_prefill), nothing enqueued. Throws, the
+  // message naming the layer and `what` (the engine's call).
+  void check_forward_core(const Problem& p, Tensors t, const CudaOptions& cuda,
+                          const char* what) const;
   void decode_core(const DecodeProblem& p, DecodeTensors t, const CudaOptions& cuda) const;
   // The segment transition of the core on q, k, v, g, beta (`p` without states): P^T, H^T per
   // head into p_t, h_t (kda.hpp), `ws` the caller's (the engine plans it). Throws.
@@ -109,6 +113,9 @@ class EngineLayer {
                                 bf16_bits* const conv[3], const layer::RunOptions& options) const;
 
  private:
+  // `t` with the layer's gate parameters and its pool as both states (in place). Throws where the
+  // layer is not bound to a backend.
+  Tensors core_prefill_tensors(Tensors t) const;
   // The workspace a call runs on: poisoned first where bind() was asked to.
   Workspace call_workspace() const;
   planner::BufferHandle add(planner::MemoryPlanner& planner, const std::string& suffix,
