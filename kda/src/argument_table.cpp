@@ -565,6 +565,24 @@ Status validate(const CommitProblem& p, const CommitLayer* layers, int num_layer
   return Status::Ok();
 }
 
+Status check_cuda_call(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                       const std::int32_t* slots, const std::int32_t* num_accepted,
+                       const std::uint32_t* device_status) {
+  if (Status st = can_implement(p, Backend::kCuda); !st) return st;
+  if (Status st = validate(p, layers, num_layers, slots, num_accepted); !st) return st;
+  if (reinterpret_cast<std::uintptr_t>(device_status) % 4 != 0) {
+    return invalid_commit("device_status must be 4-byte aligned for the CUDA commit");
+  }
+  detail::ArgumentTable table;
+  for (int i = 0; i < num_layers; ++i) {
+    detail::commit_arguments(p, layers[i], slots, num_accepted, &table);
+    if (Status st = detail::check_cuda_alignment(table, "the CUDA commit"); !st) {
+      return in_layer(i, st);
+    }
+  }
+  return Status::Ok();
+}
+
 Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, int num_layers,
                              const std::int32_t* slots, const std::int32_t* num_accepted) {
   if (Status st = validate(p, layers, num_layers, slots, num_accepted); !st) return st;

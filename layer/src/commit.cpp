@@ -181,12 +181,15 @@ void commit(Backend backend, const Config& config, const CommitBatch& batch, con
     return count;
   };
   // Every group checked before any is committed, so that a refused call writes nothing: the
-  // operator's checks of each group (its pools against each other and the records), the pools of
-  // different groups against each other, and on CUDA the pointers.
+  // operator's checks of each group (its pools against each other and the records; on CUDA also
+  // their alignment, kda::check_cuda_call), the pools of different groups against each other, and
+  // on CUDA the pointers.
   for (int first = 0; first < num_layers; first += kMaxCommitLayers) {
     const int count = group(first);
-    if (const Status st = validate(problem, layers, count, batch.slots, batch.num_accepted);
-        !st.ok()) {
+    const Status st = cpu ? validate(problem, layers, count, batch.slots, batch.num_accepted)
+                          : check_cuda_call(problem, layers, count, batch.slots, batch.num_accepted,
+                                            batch.device_status);
+    if (!st.ok()) {
       throw Error(st, std::string(what) + ": layers " + std::to_string(first) + " to " +
                           std::to_string(first + count - 1) +
                           " of the call (the message counts from the first of them)");

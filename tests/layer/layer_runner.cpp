@@ -191,7 +191,8 @@ class BufferLayerRunner final : public LayerRunner {
   }
 
   LayerRun commit(const layer::Config& config, const BatchSpec& batch,
-                  const std::vector<Pools*>& layers, bool host_copies) const override {
+                  const std::vector<Pools*>& layers, bool host_copies,
+                  const CommitChange& change) const override {
     // Each layer's pools and records uploaded as a forward's are (no hidden states, no workspace).
     std::vector<std::unique_ptr<ForwardBuffers<Buffer>>> buffers;
     std::vector<layer::State> states;
@@ -215,9 +216,12 @@ class BufferLayerRunner final : public LayerRunner {
       commit.num_accepted_host = batch.num_accepted.empty() ? nullptr : batch.num_accepted.data();
     }
     commit.device_status = static_cast<std::uint32_t*>(status.get());
+    layer::RunOptions options;
+    if (change) change(states, commit, options);
     LayerRun run;
     try {
-      layer::commit(backend_, config, commit, states.data(), static_cast<int>(states.size()));
+      layer::commit(backend_, config, commit, states.data(), static_cast<int>(states.size()),
+                    options);
     } catch (const Error& e) {
       run.error = e.what();
       run.code = e.code();

@@ -206,10 +206,13 @@ class LayerRunner {
                            const ForwardSettings& settings = {}) const = 0;
   // One layer::commit() of the records step `batch` (its slots, decode_tokens and padding_slot;
   // num_accepted [N]) over the layers whose pools and records are `layers` (updated in place).
-  // `host_copies`: hand the CUDA commit host copies of slots and num_accepted. The run's out is
-  // empty.
+  // `host_copies`: hand the CUDA commit host copies of slots and num_accepted. `change`, when set,
+  // is applied to the call's states, batch and options just before it. The run's out is empty.
+  using CommitChange =
+      std::function<void(std::vector<layer::State>&, layer::CommitBatch&, layer::RunOptions&)>;
   virtual LayerRun commit(const layer::Config& config, const BatchSpec& batch,
-                          const std::vector<Pools*>& layers, bool host_copies = true) const = 0;
+                          const std::vector<Pools*>& layers, bool host_copies = true,
+                          const CommitChange& change = {}) const = 0;
 };
 
 // A forward's buffers on one backend: the inputs and pools uploaded, out and the workspace of

@@ -1109,6 +1109,45 @@ KDA_LAYER_CPU_CASE(
   CHECK(pools != before);
 }
 
+// On CUDA each group's alignment is checked with the rest before the first group is committed (the
+// operator's commit checks it only for its own call).
+KDA_LAYER_CUDA_CASE(
+    "a commit of more layers than one operator call checks every group's alignment") {
+  const layer::Config config = cuda.config();
+  const int L = kMaxCommitLayers + 3;
+  std::vector<Pools> pools;
+  pools.reserve(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    pools.emplace_back(config, 2);
+    pools.back().randomize(static_cast<std::uint64_t>(l) + 1);
+    pools.back().add_records(config, 4);
+  }
+  const std::vector<Pools> before = pools;
+  std::vector<Pools*> layers;
+  for (Pools& p : pools) layers.push_back(&p);
+  BatchSpec batch = decode_batch(2, 2, {0, 1});
+  batch.records = true;
+  batch.num_accepted = {1, 2};
+  // The last layer's records 4 bytes past a 16-byte boundary (the pointer checks off: they would
+  // refuse the records first, as reaching past their allocation).
+  const LayerRun run = cuda.commit(
+      config, batch, layers, true,
+      [](std::vector<layer::State>& states, layer::CommitBatch&, layer::RunOptions& options) {
+        states.back().recurrent_records += 1;
+        options.check_pointers = false;
+      });
+  CHECK(run.code == StatusCode::kInvalidArgument);
+  CHECK(run.error ==
+        "KDA layer commit (CUDA): layers 128 to 130 of the call (the message counts from the "
+        "first of them): layers[2]: records must be 16-byte aligned for the CUDA commit");
+  CHECK(run.device_status == 0);
+  CHECK(pools == before);
+  // The same layers as they are commit.
+  const LayerRun committed = cuda.commit(config, batch, layers);
+  CHECK(committed.error.empty());
+  CHECK(pools != before);
+}
+
 // The same requests as the CUDA case below (an empty sequence at offset 0, a two-token one at its
 // length and at 0, 14 a sequence in any order): each row bit for bit the states of a prefill of
 // that many of its sequence's tokens (offset 0: the initial states), rows no request names

@@ -606,6 +606,12 @@ Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, 
 // can_implement.
 Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt = {});
 Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt = {});
+// The same for commit_cuda: what it implements, validate(p, layers, ...), each layer's records
+// and pool 16-byte aligned, device_status 4 (for a caller that commits more than
+// kMaxCommitLayers layers in several calls and checks them all before the first).
+Status check_cuda_call(const CommitProblem& p, const CommitLayer* layers, int num_layers,
+                       const std::int32_t* slots, const std::int32_t* num_accepted,
+                       const std::uint32_t* device_status);
 // Synchronizes `stream`, reads the device status word and returns describe_device_status() of it.
 // Not for the forward path (it synchronizes): call it where you would read results anyway.
 Status check_device_status(const std::uint32_t* device_status, void* stream);

@@ -185,22 +185,8 @@ Status commit_cuda(const CommitProblem& p, const CommitLayer* layers, int num_la
                    std::uint32_t* device_status, void* stream_ptr, const CudaOptions& opt) {
   using namespace detail;
   KDA_NVTX_RANGE("kda.commit");
-  Status st = can_implement(p, Backend::kCuda);
+  Status st = check_cuda_call(p, layers, num_layers, slots, num_accepted, device_status);
   if (!st.ok()) return st;
-  st = validate(p, layers, num_layers, slots, num_accepted);
-  if (!st.ok()) return st;
-  if (reinterpret_cast<std::uintptr_t>(device_status) % 4 != 0) {
-    return Status(StatusCode::kInvalidArgument,
-                  "device_status must be 4-byte aligned for the CUDA commit");
-  }
-  ArgumentTable table;
-  for (int i = 0; i < num_layers; ++i) {
-    commit_arguments(p, layers[i], slots, num_accepted, &table);
-    st = check_cuda_alignment(table, "the CUDA commit");
-    if (!st.ok()) {
-      return Status(st.code(), "layers[" + std::to_string(i) + "]: " + st.message());
-    }
-  }
   if (opt.check_pointers) {
     st = check_device_pointers(p, layers, num_layers, slots, num_accepted);
     if (!st.ok()) return st;
