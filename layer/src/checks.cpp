@@ -274,7 +274,14 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
     } else if (hidden == nullptr || out == nullptr) {
       invalid(what, "hidden or out is null");
     }
-    const auto bytes = static_cast<std::uint64_t>(T * c.hidden_size) * sizeof(bf16_bits);
+    std::uint64_t bytes = 0;
+    if (!kda::detail::checked_product(
+            {static_cast<std::uint64_t>(T), static_cast<std::uint64_t>(c.hidden_size),
+             sizeof(bf16_bits)},
+            &bytes)) {
+      throw Error(StatusCode::kOverflow,
+                  std::string(what) + ": tokens x hidden_size overflows 64-bit byte counts");
+    }
     if (byte_ranges_overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   // The messages' context only for an error: a forward allocates nothing.

@@ -14,6 +14,9 @@ namespace kda::layer {
 
 namespace {
 
+// A config's bounds (validate): heads, and channels a head.
+constexpr std::int64_t kMaxHeads = 4096, kMaxHeadDim = 1024;
+
 [[noreturn]] void invalid(const std::string& message) {
   throw Error(StatusCode::kInvalidArgument, message);
 }
@@ -57,13 +60,20 @@ void validate(const Config& c) {
   };
   require(c.hidden_size > 0 && c.hidden_size <= (std::int64_t{1} << 20),
           [&] { return "hidden_size " + std::to_string(c.hidden_size) + " is not in [1, 2^20]"; });
-  require(c.num_heads > 0 && c.num_heads <= 4096,
-          [&] { return "num_heads " + std::to_string(c.num_heads) + " is not in [1, 4096]"; });
-  require(c.head_dim > 0 && c.head_dim <= 1024,
-          [&] { return "head_dim " + std::to_string(c.head_dim) + " is not in [1, 1024]"; });
+  require(c.num_heads > 0 && c.num_heads <= kMaxHeads, [&] {
+    return "num_heads " + std::to_string(c.num_heads) + " is not in [1, " +
+           std::to_string(kMaxHeads) + "]";
+  });
+  require(c.head_dim > 0 && c.head_dim <= kMaxHeadDim, [&] {
+    return "head_dim " + std::to_string(c.head_dim) + " is not in [1, " +
+           std::to_string(kMaxHeadDim) + "]";
+  });
   require(c.conv_width >= 1 && c.conv_width <= kMaxConvWidth, [&] {
     return "conv_width " + std::to_string(c.conv_width) + " is not in [1, " +
            std::to_string(kMaxConvWidth) + "]";
+  });
+  require(c.gate == GateMode::kLowerBound || c.gate == GateMode::kSoftplus, [&] {
+    return "gate " + std::to_string(static_cast<int>(c.gate)) + " is not kLowerBound or kSoftplus";
   });
   require(c.gate != GateMode::kLowerBound ||
               (std::isfinite(c.lower_bound) && c.lower_bound >= -5.0f && c.lower_bound < 0.0f),
@@ -118,6 +128,12 @@ void check_sizes(const Weights& w) {
 
 GateParameters random_gate_parameters(std::uint64_t seed, int layer_index, std::int64_t num_heads,
                                       std::int64_t head_dim) {
+  // validate(Config)'s bounds.
+  if (num_heads < 1 || num_heads > kMaxHeads || head_dim < 1 || head_dim > kMaxHeadDim) {
+    invalid("random_gate_parameters: " + std::to_string(num_heads) + " heads of head_dim " +
+            std::to_string(head_dim) + ", expected [1, " + std::to_string(kMaxHeads) +
+            "] heads of [1, " + std::to_string(kMaxHeadDim) + "]");
+  }
   // Distinct, reproducible streams per (seed, layer).
   std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
                     static_cast<std::uint32_t>(layer_index), 0x6b6461u};

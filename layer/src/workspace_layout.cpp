@@ -31,6 +31,12 @@ WorkspaceLayout make_workspace_layout(Backend backend, const Config& c, std::int
     throw Error(StatusCode::kInvalidArgument,
                 "KDA layer workspace: tokens, sequences and num_slots must be >= 0");
   }
+  // Past 2^62 the counts' own sums (sequences + 1, num_slots + 63) would leave int64; any such
+  // workspace overflows 64-bit byte counts anyway.
+  constexpr std::int64_t kMaxCount = std::int64_t{1} << 62;
+  if (tokens > kMaxCount || sequences > kMaxCount || num_slots > kMaxCount) {
+    throw Error(StatusCode::kOverflow, "KDA layer workspace size overflows 64 bits");
+  }
   AlignedRegions regions("KDA layer workspace size", kWorkspaceAlignment);
   auto per_token = [&](std::int64_t width, std::uint64_t element_bytes) {
     return regions.take(regions.bytes_of(tokens, width, element_bytes));

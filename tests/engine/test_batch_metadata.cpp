@@ -1249,6 +1249,10 @@ TEST_CASE("engine: bad caller-owned metadata is refused before anything is writt
                  "runtime.max_tokens"));
   CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.decode_tokens = 1; }, false),
                  "expected 0 for a prefill"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.decode_tokens = -1; }, false),
+                 "decode_tokens -1, expected 0 for a prefill"));
+  CHECK(contains(attempt([](BatchMetadata& b, Slots&, Cu&) { b.decode_tokens = -1; }, true),
+                 "decode_tokens -1, expected 1..16 for a decode"));
   CHECK(out.read<std::uint16_t>() == poisoned);
   CHECK(all_states(e) == before);
 }

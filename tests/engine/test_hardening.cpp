@@ -177,6 +177,30 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
   }
 }
 
+TEST_CASE("a spec edited past the loader with a tp_size or tp_rank out of range is refused") {
+  const ModelSpec tiny = kda::engine::parse_model_spec(tiny_yaml(), "tiny.yaml");
+  EngineOptions options;
+  options.backend = BackendChoice::kCpu;
+  for (const auto& [size, rank] : {std::pair<int, int>{0, 0}, {-2, 0}, {3, 0}, {2, 2}, {2, -1}}) {
+    CAPTURE(size);
+    CAPTURE(rank);
+    ModelSpec spec = tiny;  // 4 heads
+    spec.runtime.tp_size = size;
+    spec.runtime.tp_rank = rank;
+    const std::string expected =
+        size < 1 || 4 % size != 0
+            ? "tiny.yaml: runtime.tp_size " + std::to_string(size) +
+                  " does not divide linear_attn_config.num_heads 4 (each rank holds num_heads / "
+                  "tp_size heads)"
+            : "tiny.yaml: runtime.tp_rank " + std::to_string(rank) + " is not in [0, tp_size " +
+                  std::to_string(size) + ")";
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          expected);
+    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                       kda::StatusCode::kInvalidArgument) == expected);
+  }
+}
+
 TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and writes nothing") {
   const ModelSpec spec = kda::engine::load_model_spec(tiny_path());
   REQUIRE(spec.runtime.max_tokens == 2048);

@@ -9,6 +9,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/one_launch_exchange.hpp"  // one_launch_max_rows (layer/src)
@@ -716,6 +717,67 @@ KDA_LAYER_CPU_CASE("check_sizes names each vector of the wrong size: A_log, o_no
         }).find("g_b_bias holds 64 values, expected 32") != std::string::npos);
   // No bias at all is a layer without one.
   CHECK(refusal([](layer::Weights& w) { w.g_b_bias.clear(); }) == "(no error)");
+}
+
+// Inputs at the extremes of the host-side entry points: refused by kda::Error naming them, where
+// a size would otherwise leave int64 or a count index a vector of none.
+KDA_LAYER_CPU_CASE("configs, sizes and random parameters at their extremes are refused by name") {
+  const layer::Config config = cpu_layer_runner().config();
+  layer::Config bad_gate = config;
+  bad_gate.gate = static_cast<GateMode>(7);
+  CHECK(error_of([&] { layer::validate(bad_gate); }) ==
+        "KDA layer config: gate 7 is not kLowerBound or kSoftplus");
+  CHECK(layer::can_implement(Backend::kCpu, bad_gate).code() == StatusCode::kInvalidArgument);
+  // A tp_size of 0 gives problems without heads, refused by their own checks (no division).
+  layer::Config no_ranks = config;
+  no_ranks.tp_size = 0;
+  CHECK(no_ranks.local_heads() == 0);
+  CHECK(validate(layer::core_prefill_problem(no_ranks, 16, 1, 0, DType::kF32)).code() ==
+        StatusCode::kInvalidArgument);
+  CHECK(validate(layer::core_decode_problem(no_ranks, 1, 1, 1, DType::kF32)).code() ==
+        StatusCode::kInvalidArgument);
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  for (const Backend backend : {Backend::kCpu, Backend::kCuda}) {
+    CAPTURE(static_cast<int>(backend));
+    for (const auto& [tokens, sequences, slots] :
+         {std::tuple<std::int64_t, std::int64_t, std::int64_t>{0, kMax, 0},
+          {0, 0, kMax},
+          {kMax, 1, 1},
+          {(std::int64_t{1} << 62) + 1, 0, 0}}) {
+      CHECK(error_of([&, tokens = tokens, sequences = sequences, slots = slots] {
+              layer::workspace_bytes(backend, config, tokens, sequences, slots);
+            }).find("overflows 64 bits") != std::string::npos);
+    }
+  }
+  CHECK(error_of([] { layer::random_gate_parameters(1, 0, -1, 16); }) ==
+        "random_gate_parameters: -1 heads of head_dim 16, expected [1, 4096] heads of [1, 1024]");
+  CHECK(error_of([] {
+          layer::random_gate_parameters(1, 0, 2, std::int64_t{1} << 62);
+        }).find("random_gate_parameters: 2 heads of head_dim") == 0);
+  // A prefill whose tokens x hidden_size bytes leave 64 bits: refused as such (the overlap check
+  // of out and hidden is the first to multiply them), not by a wrapped product.
+  layer::Config wide = config;
+  wide.hidden_size = std::int64_t{1} << 20;
+  wide.num_heads = 1;
+  wide.head_dim = 1;
+  wide.tp_size = 1;
+  wide.tp_rank = 0;
+  const auto layer = layer::make_layer(Backend::kCpu, layer::random_weights(wide, 1, 0));
+  const std::int64_t T = std::int64_t{1} << 44;
+  const std::int64_t cu[2] = {0, T};
+  layer::Batch batch;
+  batch.tokens = T;
+  batch.sequences = 1;
+  batch.cu_seqlens = cu;
+  std::vector<bf16_bits> conv(8), rows(8);
+  std::vector<float> recurrent(8);
+  layer::State state;
+  state.num_slots = 1;
+  state.conv_q = state.conv_k = state.conv_v = conv.data();
+  state.recurrent = recurrent.data();
+  CHECK(error_of([&] {
+          layer->forward(batch, rows.data(), rows.data() + 4, state, Workspace{}, {});
+        }) == "KDA layer forward (CPU): tokens x hidden_size overflows 64-bit byte counts");
 }
 
 // decode_tokens at its limit, kda::kMaxDecodeTokens, is a decode step like any other (the limit

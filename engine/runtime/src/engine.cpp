@@ -57,6 +57,19 @@ void check_layer_mode(const ModelSpec& spec) {
                     std::to_string(layer::kMaxConvWidth) +
                     " (the cores alone, runtime.layers: core, take any width)");
   }
+  // A spec built in code skips the loader's checks: the layers divide the heads by tp_size.
+  if (spec.runtime.tp_size < 1 || spec.num_heads % spec.runtime.tp_size != 0) {
+    throw Error(StatusCode::kInvalidArgument, spec.source + ": runtime.tp_size " +
+                                                  std::to_string(spec.runtime.tp_size) +
+                                                  " does not divide linear_attn_config.num_heads " +
+                                                  std::to_string(spec.num_heads) +
+                                                  " (each rank holds num_heads / tp_size heads)");
+  }
+  if (spec.runtime.tp_rank < 0 || spec.runtime.tp_rank >= spec.runtime.tp_size) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": runtime.tp_rank " + std::to_string(spec.runtime.tp_rank) +
+                    " is not in [0, tp_size " + std::to_string(spec.runtime.tp_size) + ")");
+  }
   if (spec.runtime.layer_mode == LayerMode::kCoreOnly && spec.runtime.tp_size != 1) {
     throw Error(StatusCode::kInvalidArgument,
                 spec.source + ": runtime.tp_size " + std::to_string(spec.runtime.tp_size) +
@@ -438,7 +451,7 @@ struct Engine::Impl {
   // distinct, cu_seqlens well formed; on CUDA the kernels check what they can (BatchMetadata).
   void check_metadata(const char* what, const BatchMetadata& b, bool decode) {
     const std::string call = what;
-    if (decode != (b.decode_tokens > 0)) {
+    if (decode ? b.decode_tokens <= 0 : b.decode_tokens != 0) {
       fail(call + ": decode_tokens " + std::to_string(b.decode_tokens) +
            (decode ? ", expected 1.." + std::to_string(kMaxDecodeTokens) + " for a decode"
                    : ", expected 0 for a prefill"));

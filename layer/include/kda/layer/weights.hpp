@@ -44,7 +44,9 @@ struct Config {
   int tp_size = 1;  // tensor-parallel ranks; num_heads % tp_size == 0
   int tp_rank = 0;  // this shard, 0 <= tp_rank < tp_size
 
-  std::int64_t local_heads() const noexcept { return num_heads / tp_size; }
+  // 0 for a tp_size below 1 (validate() refuses such a config; the problems built from it then
+  // have no heads, which their own checks refuse).
+  std::int64_t local_heads() const noexcept { return tp_size > 0 ? num_heads / tp_size : 0; }
   std::int64_t local_channels() const noexcept { return local_heads() * head_dim; }  // C / tp
 };
 
