@@ -34,7 +34,8 @@
 //
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
 //                        [--batch B]... [--state f32|bf16] [--verify-kernel K]
-//                        [--timeline] [--graph-only]
+//                        [--timeline] [--graph-only] [--host]
+// --host prints only the host's time per eager forward (run_host_table), for the shapes named.
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
@@ -57,6 +58,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -319,11 +321,95 @@ struct Case {
   std::int64_t checkpoint_every = kda::bench::kNoCheckpoints;
 };
 
+// --host: the host's time per eager forward (enqueued on a stream, no synchronization inside), as a
+// runtime pays it where it does not replay a graph (an eager prefill chunk, a decode step outside
+// the captured sizes), with RunOptions::check_pointers on and off. The median over 20 repeats of
+// 50 calls after 5 repeats, each repeat followed by a synchronization; the GPU's queue holds a
+// repeat's launches, so the loop times the host's enqueueing.
+void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t stream) {
+  std::printf(
+      "\n### Host time per eager forward (us a call; enqueue only, median of 20 x 50 calls; slots "
+      "and cu_seqlens with their host copies)\n\n");
+  std::printf("| layer | case | host us per call | checks off | cost of the checks |\n");
+  std::printf("|---|---|---:|---:|---:|\n");
+  const Case cases[] = {Case{"decode B = 1", 1, 1, true}, Case{"decode B = 64", 64, 1, true},
+                        Case{"prefill 1 x 64 tokens", 1, 64, false},
+                        Case{"prefill 16 x 16 tokens", 16, 16, false}};
+  for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
+    if (!shapes_wanted.empty() &&
+        std::find(shapes_wanted.begin(), shapes_wanted.end(), shape.key) == shapes_wanted.end()) {
+      continue;
+    }
+    const kda::layer::Config& config = shape.config;
+    const auto layer =
+        kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, 0));
+    const std::int64_t E = config.hidden_size, Cl = config.local_channels();
+    const std::int64_t Hl = config.local_heads(), D = config.head_dim, W = config.conv_width;
+    for (const Case& c : cases) {
+      const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
+      std::vector<std::int64_t> cu(static_cast<std::size_t>(N + 1));
+      for (std::int64_t n = 0; n <= N; ++n) cu[n] = n * c.tokens_per_sequence;
+      std::vector<std::int32_t> slots(static_cast<std::size_t>(N));  // reversed: a real list
+      for (std::int64_t n = 0; n < N; ++n) slots[n] = static_cast<std::int32_t>(N - 1 - n);
+      DeviceMemory d_hidden(static_cast<std::size_t>(T * E) * 2), d_out(d_hidden.bytes);
+      DeviceMemory d_cu(cu.size() * 8), d_slots(slots.size() * 4);
+      const std::size_t conv_bytes = static_cast<std::size_t>(N * Cl * (W - 1)) * 2;
+      DeviceMemory conv_q(conv_bytes), conv_k(conv_bytes), conv_v(conv_bytes);
+      DeviceMemory recurrent(static_cast<std::size_t>(N * Hl * D * D) * 4);
+      const std::size_t ws_bytes =
+          kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, N);
+      DeviceMemory workspace(ws_bytes);
+      CK(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(d_slots.ptr, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      kda::layer::Batch batch;
+      batch.tokens = T;
+      batch.sequences = N;
+      batch.decode_tokens = c.decode ? 1 : 0;
+      if (!c.decode) {
+        batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr);
+        batch.cu_seqlens_host = cu.data();
+      }
+      batch.slots = static_cast<const std::int32_t*>(d_slots.ptr);
+      batch.slots_host = slots.data();
+      kda::layer::State state;
+      state.num_slots = N;
+      state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
+      state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
+      state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
+      state.recurrent = recurrent.ptr;
+      state.recurrent_dtype = kda::DType::kF32;
+      auto host_us = [&](bool check_pointers) {
+        kda::layer::RunOptions options;
+        options.stream = stream;
+        options.check_pointers = check_pointers;
+        std::vector<double> per_call;
+        for (int rep = 0; rep < 25; ++rep) {
+          const auto t0 = std::chrono::steady_clock::now();
+          for (int i = 0; i < 50; ++i) {
+            layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                           static_cast<kda::bf16_bits*>(d_out.ptr), state,
+                           kda::Workspace{workspace.ptr, ws_bytes}, options);
+          }
+          const auto t1 = std::chrono::steady_clock::now();
+          CK(cudaStreamSynchronize(stream));
+          if (rep >= 5)
+            per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 50);
+        }
+        return median(per_call);
+      };
+      const double on = host_us(true), off = host_us(false);
+      std::printf("| %s | %s | %.2f | %.2f | %.2f |\n", shape.name, c.name.c_str(), on, off,
+                  on - off);
+      std::fflush(stdout);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int iters = 20, warmup = 5;
-  bool decode_only = false, timeline = false, graph_only = false;
+  bool decode_only = false, timeline = false, graph_only = false, host_only = false;
   std::vector<std::string> shapes_wanted;
   std::vector<std::int64_t> batches_wanted;
   kda::DType state_dtype = kda::DType::kF32;
@@ -333,6 +419,8 @@ int main(int argc, char** argv) {
       decode_only = true;
     } else if (std::strcmp(argv[i], "--graph-only") == 0) {
       graph_only = true;
+    } else if (std::strcmp(argv[i], "--host") == 0) {
+      host_only = true;
     } else if (std::strcmp(argv[i], "--iters") == 0 && i + 1 < argc) {
       iters = std::max(1, std::atoi(argv[++i]));
     } else if (std::strcmp(argv[i], "--warmup") == 0 && i + 1 < argc) {
@@ -360,7 +448,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]... "
                    "[--batch B]... [--state f32|bf16] [--verify-kernel K] "
-                   "[--timeline] [--graph-only]\n",
+                   "[--timeline] [--graph-only] [--host]\n",
                    argv[0]);
       return 2;
     }
@@ -372,6 +460,14 @@ int main(int argc, char** argv) {
   try {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, 0));
+    if (host_only) {
+      std::printf("kda-layer-bench --host on %s\n", prop.name);
+      cudaStream_t stream = nullptr;
+      CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      run_host_table(shapes_wanted, stream);
+      CK(cudaStreamDestroy(stream));
+      return 0;
+    }
     const double bw = kda::bench::measure_copy_bandwidth();
     const auto state_bytes = static_cast<std::int64_t>(kda::dtype_size(state_dtype));
     const double peak = kda::bench::kPeakBf16Flops;
