@@ -600,10 +600,10 @@ Status check_device_pointers(const CommitProblem& p, const CommitLayer* layers, 
 // Every check forward_cuda (decode_cuda) makes of a call before its workspace and pointer checks,
 // on the host alone: what the CUDA backend implements, validate(p, t), the host copies of
 // cu_seqlens and state_slots, each tensor's alignment (docs/VALIDATION.md lists them) and opt's
-// schedule (decode_blocks_per_head). For layers above the operator that enqueue work of their own
-// ahead of the call and must refuse it before anything is written: the whole layer's conv updates
-// the conv states before its core runs. Without CUDA (or a device): kBackendUnavailable, as
-// can_implement.
+// fields (the prefill's schedule, the decode's decode_blocks_per_head). For layers above the
+// operator that enqueue work of their own ahead of the call and must refuse it before anything is
+// written: the whole layer's conv updates the conv states before its core runs. Without CUDA (or a
+// device): kBackendUnavailable, as can_implement.
 Status check_cuda_call(const Problem& p, const Tensors& t, const CudaOptions& opt = {});
 Status check_cuda_call(const DecodeProblem& p, const DecodeTensors& t, const CudaOptions& opt = {});
 // The same for commit_cuda: what it implements, validate(p, layers, ...), each layer's records
