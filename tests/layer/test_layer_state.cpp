@@ -1018,19 +1018,29 @@ KDA_LAYER_CPU_CASE(
   }
 }
 
+namespace {
+
+// The pools of `layers` layers of 2 slots, random states, records regions of 4 row-token pairs.
+std::vector<Pools> commit_pools(const layer::Config& config, int layers) {
+  std::vector<Pools> pools;
+  pools.reserve(static_cast<std::size_t>(layers));
+  for (int l = 0; l < layers; ++l) {
+    pools.emplace_back(config, 2);
+    pools.back().randomize(static_cast<std::uint64_t>(l) + 1);
+    pools.back().add_records(config, 4);
+  }
+  return pools;
+}
+
+}  // namespace
+
 // Past kda::kMaxCommitLayers layers the operator's commit runs a group at a time: every group is
 // checked, and the pools of different groups against each other, before any layer is committed.
 KDA_LAYER_CPU_CASE(
     "a commit of more layers than one operator call refuses bad input before writing") {
   const layer::Config config = cpu_layer_runner().config();
   const int L = kMaxCommitLayers + 3;
-  std::vector<Pools> pools;
-  pools.reserve(static_cast<std::size_t>(L));
-  for (int l = 0; l < L; ++l) {
-    pools.emplace_back(config, 2);
-    pools.back().randomize(static_cast<std::uint64_t>(l) + 1);
-    pools.back().add_records(config, 4);
-  }
+  std::vector<Pools> pools = commit_pools(config, L);
   const std::vector<Pools> before = pools;
   std::vector<layer::State> states(static_cast<std::size_t>(L));
   for (int l = 0; l < L; ++l) {
@@ -1115,13 +1125,7 @@ KDA_LAYER_CUDA_CASE(
     "a commit of more layers than one operator call checks every group's alignment") {
   const layer::Config config = cuda.config();
   const int L = kMaxCommitLayers + 3;
-  std::vector<Pools> pools;
-  pools.reserve(static_cast<std::size_t>(L));
-  for (int l = 0; l < L; ++l) {
-    pools.emplace_back(config, 2);
-    pools.back().randomize(static_cast<std::uint64_t>(l) + 1);
-    pools.back().add_records(config, 4);
-  }
+  std::vector<Pools> pools = commit_pools(config, L);
   const std::vector<Pools> before = pools;
   std::vector<Pools*> layers;
   for (Pools& p : pools) layers.push_back(&p);
