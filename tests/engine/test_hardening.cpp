@@ -177,7 +177,7 @@ TEST_CASE("overflow: an engine whose sizes overflow fails with kda::Error and al
   }
 }
 
-TEST_CASE("a spec edited past the loader with a tp_size or tp_rank out of range is refused") {
+TEST_CASE("a spec edited past the loader with tp_size, tp_rank or bounds out of range is refused") {
   const ModelSpec tiny = kda::engine::parse_model_spec(tiny_yaml(), "tiny.yaml");
   EngineOptions options;
   options.backend = BackendChoice::kCpu;
@@ -198,6 +198,20 @@ TEST_CASE("a spec edited past the loader with a tp_size or tp_rank out of range 
           expected);
     CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
                        kda::StatusCode::kInvalidArgument) == expected);
+  }
+  for (const std::int64_t tokens : {std::int64_t{0}, std::int64_t{-1}}) {
+    ModelSpec spec = tiny;
+    spec.runtime.max_tokens = tokens;
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          "tiny.yaml: runtime.max_tokens " + std::to_string(tokens) + " is below 1");
+  }
+  for (const std::int64_t sequences : {std::int64_t{0}, std::int64_t{-1}, std::int64_t{1} << 31}) {
+    ModelSpec spec = tiny;
+    spec.runtime.max_sequences = sequences;
+    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                       kda::StatusCode::kInvalidArgument) ==
+          "tiny.yaml: runtime.max_sequences " + std::to_string(sequences) +
+              " is not in [1, 2147483647] (slots are int indices)");
   }
 }
 

@@ -57,7 +57,20 @@ void check_layer_mode(const ModelSpec& spec) {
                     std::to_string(layer::kMaxConvWidth) +
                     " (the cores alone, runtime.layers: core, take any width)");
   }
-  // A spec built in code skips the loader's checks: the layers divide the heads by tp_size.
+  // A spec built in code skips the loader's checks: the layers divide the heads by tp_size, and
+  // the slots are int indices.
+  if (spec.runtime.max_tokens < 1) {
+    throw Error(StatusCode::kInvalidArgument, spec.source + ": runtime.max_tokens " +
+                                                  std::to_string(spec.runtime.max_tokens) +
+                                                  " is below 1");
+  }
+  if (spec.runtime.max_sequences < 1 ||
+      spec.runtime.max_sequences > std::numeric_limits<int>::max()) {
+    throw Error(StatusCode::kInvalidArgument,
+                spec.source + ": runtime.max_sequences " +
+                    std::to_string(spec.runtime.max_sequences) +
+                    " is not in [1, 2147483647] (slots are int indices)");
+  }
   if (spec.runtime.tp_size < 1 || spec.num_heads % spec.runtime.tp_size != 0) {
     throw Error(StatusCode::kInvalidArgument, spec.source + ": runtime.tp_size " +
                                                   std::to_string(spec.runtime.tp_size) +
