@@ -128,11 +128,12 @@ void check_sizes(const Weights& w) {
 
 GateParameters random_gate_parameters(std::uint64_t seed, int layer_index, std::int64_t num_heads,
                                       std::int64_t head_dim) {
-  // validate(Config)'s bounds.
-  if (num_heads < 1 || num_heads > kMaxHeads || head_dim < 1 || head_dim > kMaxHeadDim) {
+  // Any positive sizes (a core-only engine's heads may be wider than a whole layer's) whose
+  // dt_bias stays a vector of at most 2^32 values.
+  constexpr std::int64_t kMaxValues = std::int64_t{1} << 32;
+  if (num_heads < 1 || head_dim < 1 || num_heads > kMaxValues / head_dim) {
     invalid("random_gate_parameters: " + std::to_string(num_heads) + " heads of head_dim " +
-            std::to_string(head_dim) + ", expected [1, " + std::to_string(kMaxHeads) +
-            "] heads of [1, " + std::to_string(kMaxHeadDim) + "]");
+            std::to_string(head_dim) + ", expected positive sizes of at most 2^32 values");
   }
   // Distinct, reproducible streams per (seed, layer).
   std::seed_seq seq{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32),
