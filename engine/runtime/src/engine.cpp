@@ -19,6 +19,7 @@
 
 #include "backend.hpp"
 #include "engine_layer.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/layer_weights_io.hpp"
 #include "kda/engine/safetensors.hpp"
@@ -1467,12 +1468,9 @@ void Engine::prefill_hidden_context_parallel(int kda_index, const void* hidden, 
   // The layer refuses an out that overlaps hidden only in step 5, after steps 1-4 have moved the
   // slot's states: here, before anything (what else it checks there is the engine's own: the
   // batch, the arena's states and workspace, hidden and out set and usable).
-  {
-    const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
-    const auto bytes = static_cast<std::uintptr_t>(tokens * E) * sizeof(bf16_bits);
-    if (tokens > 0 && at(out) < at(hidden) + bytes && at(hidden) < at(out) + bytes) {
-      fail(layer.info().label + " " + what + ": out overlaps hidden");
-    }
+  const auto hidden_bytes = static_cast<std::uint64_t>(tokens * E) * sizeof(bf16_bits);
+  if (kda::detail::byte_ranges_overlap(out, hidden_bytes, hidden, hidden_bytes)) {
+    fail(layer.info().label + " " + what + ": out overlaps hidden");
   }
   const auto history = static_cast<std::int64_t>(m.spec.short_conv_kernel_size - 1);  // W - 1
   const std::uint64_t block = m.context_conv_block;
