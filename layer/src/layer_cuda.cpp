@@ -810,7 +810,10 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                      "KDA layer forward (CUDA): core");
     } else {
       Problem prefill;
-      const Tensors t = core_prefill_tensors(&prefill);
+      Tensors t = core_prefill_tensors(&prefill);
+      // The host copy's contents were checked with the batch (checked_forward_layout), and the
+      // core's own call checks them again: not a third walk here.
+      t.cu_seqlens_host = nullptr;
       throw_if_error(check_cuda_call(prefill, t, core_options), "KDA layer forward (CUDA): core");
     }
   }
