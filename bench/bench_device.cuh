@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +42,24 @@ struct DeviceMemory {
 inline double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// The host's time per call of `call` (enqueued on `stream`, no synchronization inside), in
+// microseconds: the median over 20 repeats of `calls` calls after 5 repeats, each repeat followed
+// by a synchronization; the GPU's queue holds a repeat's launches, so the loop times the host's
+// enqueueing.
+template <typename Call>
+double host_us_per_call(cudaStream_t stream, int calls, Call&& call) {
+  std::vector<double> per_call;
+  for (int rep = 0; rep < 25; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) call();
+    const auto t1 = std::chrono::steady_clock::now();
+    CK(cudaStreamSynchronize(stream));
+    if (rep >= 5)
+      per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / calls);
+  }
+  return median(per_call);
 }
 
 // Uniform values in [lo, hi) from a counter-based hash (fast to fill gigabytes): element i of a

@@ -1016,19 +1016,7 @@ void run_host_overhead() {
 
   cudaStream_t s;
   CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  auto host_us = [&](auto&& call) {
-    std::vector<double> per_call;
-    for (int rep = 0; rep < 25; ++rep) {
-      const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < 100; ++i) call();
-      const auto t1 = std::chrono::steady_clock::now();
-      CK(cudaStreamSynchronize(s));
-      if (rep >= 5)
-        per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 100);
-    }
-    std::sort(per_call.begin(), per_call.end());
-    return per_call[per_call.size() / 2];
-  };
+  auto host_us = [&](auto&& call) { return kda_bench::host_us_per_call(s, 100, call); };
   kda::CudaOptions on, off;
   off.check_pointers = false;
   std::printf("\n### Host time per call (enqueue only; H = 32; median of 20 x 100 calls)\n\n");

@@ -35,7 +35,8 @@
 // Usage: kda-layer-bench [--iters N] [--warmup N] [--decode-only] [--shape h32|tp8|k3]...
 //                        [--batch B]... [--state f32|bf16] [--verify-kernel K]
 //                        [--timeline] [--graph-only] [--host]
-// --host prints only the host's time per eager forward (run_host_table), for the shapes named.
+// --host prints only the host's time per eager forward (run_host_table), for the shapes named,
+// and what the host's calls it is made of cost alone (run_host_pieces).
 // --decode-only leaves out the prefill rows (and the checkpoint table, which needs them).
 // --graph-only leaves out the tables by decode kernel and the verify steps: the rows' default
 // step alone, for A/B runs of one build against another.
@@ -55,6 +56,7 @@
 // forward's time goes between its launches, which the per-phase events, which serialize the
 // phases, cannot show. The other tables of such a run are timed with CUPTI loaded: compare them
 // with runs without --timeline only with care.
+#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -88,6 +90,7 @@ namespace {
 
 using kda_bench::DeviceMemory;
 
+using kda_bench::host_us_per_call;
 using kda_bench::median;
 
 // What `enqueue` puts on `stream`, captured in one graph and instantiated.
@@ -321,11 +324,9 @@ struct Case {
   std::int64_t checkpoint_every = kda::bench::kNoCheckpoints;
 };
 
-// --host: the host's time per eager forward (enqueued on a stream, no synchronization inside), as a
-// runtime pays it where it does not replay a graph (an eager prefill chunk, a decode step outside
-// the captured sizes), with RunOptions::check_pointers on and off. The median over 20 repeats of
-// 50 calls after 5 repeats, each repeat followed by a synchronization; the GPU's queue holds a
-// repeat's launches, so the loop times the host's enqueueing.
+// --host: the host's time per eager forward, as a runtime pays it where it does not replay a graph
+// (an eager prefill chunk, a decode step outside the captured sizes), with
+// RunOptions::check_pointers on and off.
 void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t stream) {
   std::printf(
       "\n### Host time per eager forward (us a call; enqueue only, median of 20 x 50 calls; slots "
@@ -378,31 +379,109 @@ void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t 
       state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
       state.recurrent = recurrent.ptr;
       state.recurrent_dtype = kda::DType::kF32;
-      auto host_us = [&](bool check_pointers) {
+      auto forward_us = [&](bool check_pointers) {
         kda::layer::RunOptions options;
         options.stream = stream;
         options.check_pointers = check_pointers;
-        std::vector<double> per_call;
-        for (int rep = 0; rep < 25; ++rep) {
-          const auto t0 = std::chrono::steady_clock::now();
-          for (int i = 0; i < 50; ++i) {
-            layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
-                           static_cast<kda::bf16_bits*>(d_out.ptr), state,
-                           kda::Workspace{workspace.ptr, ws_bytes}, options);
-          }
-          const auto t1 = std::chrono::steady_clock::now();
-          CK(cudaStreamSynchronize(stream));
-          if (rep >= 5)
-            per_call.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / 50);
-        }
-        return median(per_call);
+        return host_us_per_call(stream, 50, [&] {
+          layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                         static_cast<kda::bf16_bits*>(d_out.ptr), state,
+                         kda::Workspace{workspace.ptr, ws_bytes}, options);
+        });
       };
-      const double on = host_us(true), off = host_us(false);
+      const double on = forward_us(true), off = forward_us(false);
       std::printf("| %s | %s | %.2f | %.2f | %.2f |\n", shape.name, c.name.c_str(), on, off,
                   on - off);
       std::fflush(stdout);
     }
   }
+}
+
+__global__ void empty_kernel() {}
+
+// --host, second table: what the host calls that an eager forward is made of cost each, alone, in
+// the same loop, for telling where a forward's host time goes: a kernel launch (plain and
+// programmatic), a side stream's fork, cuBLAS's stream and workspace binding (every forward binds
+// them), and cublasGemmEx of each shape's GEMMs at 64 rows (past 8 rows the layer's GEMMs run on
+// cuBLAS).
+void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t stream) {
+  std::printf(
+      "\n### Host time of the pieces of an eager forward (us a call, alone; the same loop)\n\n");
+  std::printf("| call | host us per call |\n|---|---:|\n");
+  auto row = [](const std::string& what, double us) {
+    std::printf("| %s | %.2f |\n", what.c_str(), us);
+    std::fflush(stdout);
+  };
+  row("empty kernel, `<<<1, 32>>>`",
+      host_us_per_call(stream, 50, [&] { empty_kernel<<<1, 32, 0, stream>>>(); }));
+  cudaLaunchAttribute programmatic{};
+  programmatic.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  programmatic.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = dim3(1);
+  launch.blockDim = dim3(32);
+  launch.stream = stream;
+  launch.attrs = &programmatic;
+  launch.numAttrs = 1;
+  row("empty kernel, `cudaLaunchKernelEx`, programmatic",
+      host_us_per_call(stream, 50, [&] { CK(cudaLaunchKernelEx(&launch, empty_kernel)); }));
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork = nullptr;
+  CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  CK(cudaEventCreateWithFlags(&fork, cudaEventDisableTiming));
+  row("`cudaEventRecord` + `cudaStreamWaitEvent`", host_us_per_call(stream, 50, [&] {
+        CK(cudaEventRecord(fork, stream));
+        CK(cudaStreamWaitEvent(side, fork, 0));
+      }));
+  cublasHandle_t handle = nullptr;
+  if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "cublasCreate failed\n");
+    std::exit(1);
+  }
+  constexpr std::size_t kCublasScratch = std::size_t{32} << 20;
+  DeviceMemory scratch(kCublasScratch);
+  auto bind = [&] {
+    cublasSetStream(handle, stream);
+    cublasSetWorkspace(handle, scratch.ptr, kCublasScratch);
+  };
+  row("`cublasSetStream` + `cublasSetWorkspace`", host_us_per_call(stream, 50, bind));
+  bind();
+  for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
+    if (!shapes_wanted.empty() &&
+        std::find(shapes_wanted.begin(), shapes_wanted.end(), shape.key) == shapes_wanted.end()) {
+      continue;
+    }
+    const kda::layer::Config& c = shape.config;
+    const std::int64_t E = c.hidden_size, Cl = c.local_channels(), D = c.head_dim;
+    const std::int64_t gate_a = c.full_rank_gate ? 0 : D;
+    const std::int64_t stride = (3 * Cl + D + gate_a + c.local_heads() + 7) / 8 * 8;
+    constexpr int kRows = 64;
+    struct Gemm {
+      const char* what;
+      std::int64_t n_out, n_in;
+    };
+    const Gemm gemms[] = {{"input projection", stride, E}, {"o_proj", E, Cl}, {"f_a·W_fbᵀ", Cl, D}};
+    for (const Gemm& g : gemms) {
+      DeviceMemory weight(static_cast<std::size_t>(g.n_out * g.n_in) * 2);
+      DeviceMemory in(static_cast<std::size_t>(kRows * g.n_in) * 2);
+      DeviceMemory out(static_cast<std::size_t>(kRows * g.n_out) * 2);
+      const float one = 1.0f, zero = 0.0f;
+      auto gemm = [&] {
+        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(g.n_out), kRows,
+                     static_cast<int>(g.n_in), &one, weight.ptr, CUDA_R_16BF,
+                     static_cast<int>(g.n_in), in.ptr, CUDA_R_16BF, static_cast<int>(g.n_in), &zero,
+                     out.ptr, CUDA_R_16BF, static_cast<int>(g.n_out), CUBLAS_COMPUTE_32F,
+                     CUBLAS_GEMM_DEFAULT);
+      };
+      row(std::string("`cublasGemmEx`, ") + shape.name + " " + g.what + " [" +
+              std::to_string(kRows) + " x " + std::to_string(g.n_in) + "] · [" +
+              std::to_string(g.n_out) + " x " + std::to_string(g.n_in) + "]ᵀ",
+          host_us_per_call(stream, 50, gemm));
+    }
+  }
+  cublasDestroy(handle);
+  CK(cudaEventDestroy(fork));
+  CK(cudaStreamDestroy(side));
 }
 
 }  // namespace
@@ -465,6 +544,7 @@ int main(int argc, char** argv) {
       cudaStream_t stream = nullptr;
       CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       run_host_table(shapes_wanted, stream);
+      run_host_pieces(shapes_wanted, stream);
       CK(cudaStreamDestroy(stream));
       return 0;
     }
