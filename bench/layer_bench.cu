@@ -56,6 +56,7 @@
 // forward's time goes between its launches, which the per-phase events, which serialize the
 // phases, cannot show. The other tables of such a run are timed with CUPTI loaded: compare them
 // with runs without --timeline only with care.
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -402,8 +403,8 @@ __global__ void empty_kernel() {}
 // --host, second table: what the host calls that an eager forward is made of cost each, alone, in
 // the same loop, for telling where a forward's host time goes: a kernel launch (plain and
 // programmatic), a side stream's fork, cuBLAS's stream and workspace binding (every forward binds
-// them), and cublasGemmEx of each shape's GEMMs at 64 rows (past 8 rows the layer's GEMMs run on
-// cuBLAS).
+// them with cublasGemmEx), and each shape's GEMMs at 64 rows through cublasGemmEx and through
+// cublasLtMatmul as the layer calls it (past 8 rows the layer's GEMMs run on cuBLAS).
 void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t stream) {
   std::printf(
       "\n### Host time of the pieces of an eager forward (us a call, alone; the same loop)\n\n");
@@ -436,6 +437,11 @@ void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t
   cublasHandle_t handle = nullptr;
   if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "cublasCreate failed\n");
+    std::exit(1);
+  }
+  cublasLtHandle_t lt = nullptr;
+  if (cublasLtCreate(&lt) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "cublasLtCreate failed\n");
     std::exit(1);
   }
   constexpr std::size_t kCublasScratch = std::size_t{32} << 20;
@@ -473,12 +479,47 @@ void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t
                      out.ptr, CUDA_R_16BF, static_cast<int>(g.n_out), CUBLAS_COMPUTE_32F,
                      CUBLAS_GEMM_DEFAULT);
       };
-      row(std::string("`cublasGemmEx`, ") + shape.name + " " + g.what + " [" +
-              std::to_string(kRows) + " x " + std::to_string(g.n_in) + "] · [" +
-              std::to_string(g.n_out) + " x " + std::to_string(g.n_in) + "]ᵀ",
-          host_us_per_call(stream, 50, gemm));
+      const std::string gemm_name = std::string(shape.name) + " " + g.what + " [" +
+                                    std::to_string(kRows) + " x " + std::to_string(g.n_in) +
+                                    "] · [" + std::to_string(g.n_out) + " x " +
+                                    std::to_string(g.n_in) + "]ᵀ";
+      row("`cublasGemmEx`, " + gemm_name, host_us_per_call(stream, 50, gemm));
+      // The same through cuBLASLt as the layer calls it: descriptors built in place at each
+      // call, the algorithm chosen once (the layer's table of them).
+      cublasLtMatmulDescOpaque_t desc;
+      cublasLtMatrixLayoutOpaque_t a, b, d;
+      const cublasOperation_t transpose = CUBLAS_OP_T;
+      auto describe = [&] {
+        cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                       sizeof(transpose));
+        cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, g.n_in, g.n_out, g.n_in);
+        cublasLtMatrixLayoutInit(&b, CUDA_R_16BF, g.n_in, kRows, g.n_in);
+        cublasLtMatrixLayoutInit(&d, CUDA_R_16BF, g.n_out, kRows, g.n_out);
+      };
+      describe();
+      cublasLtMatmulPreferenceOpaque_t preference;
+      cublasLtMatmulPreferenceInit(&preference);
+      const std::uint64_t workspace_bytes = kCublasScratch;
+      cublasLtMatmulPreferenceSetAttribute(&preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes, sizeof(workspace_bytes));
+      cublasLtMatmulHeuristicResult_t chosen{};
+      int found = 0;
+      if (cublasLtMatmulAlgoGetHeuristic(lt, &desc, &a, &b, &d, &d, &preference, 1, &chosen,
+                                         &found) != CUBLAS_STATUS_SUCCESS ||
+          found < 1) {
+        row("`cublasLtMatmul`, " + gemm_name + ": no algorithm", 0.0);
+        continue;
+      }
+      row("`cublasLtMatmul` (descriptors built each call), " + gemm_name,
+          host_us_per_call(stream, 50, [&] {
+            describe();
+            cublasLtMatmul(lt, &desc, &one, weight.ptr, &a, in.ptr, &b, &zero, out.ptr, &d, out.ptr,
+                           &d, &chosen.algo, scratch.ptr, kCublasScratch, stream);
+          }));
     }
   }
+  cublasLtDestroy(lt);
   cublasDestroy(handle);
   CK(cudaEventDestroy(fork));
   CK(cudaStreamDestroy(side));

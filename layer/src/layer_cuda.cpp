@@ -38,6 +38,7 @@
 #include "workspace_layout.hpp"
 
 #ifdef KDA_HAVE_CUDA
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -247,6 +248,9 @@ struct GemmKnobs {
   // forward's stream before the conv, as every other GEMM, rather than on the layer's side stream
   // beside the conv (for measuring what the side stream gives).
   bool side_gemms = true;
+  // KDA_LAYER_CUBLAS_API=gemmex: the GEMMs past the small-row kernels through cublasGemmEx rather
+  // than cuBLASLt (lt_gemm), for measuring what each costs the host and the GPU.
+  bool cublas_lt = true;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -275,6 +279,7 @@ const GemmKnobs& gemm_knobs() {
     k.output = site("KDA_LAYER_OUTPUT_GEMM");
     k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
     k.side_gemms = value("KDA_LAYER_SIDE_GEMMS") != "0";
+    k.cublas_lt = value("KDA_LAYER_CUBLAS_API") != "gemmex";
     return k;
   }();
   return knobs;
@@ -366,14 +371,122 @@ constexpr std::int64_t kFragmentMaxK = 2304;
 // 52.5-52.7). Between the two, not measured.
 constexpr std::int64_t kFragmentProgrammaticMaxWeightBytes = std::int64_t{8} << 20;
 
-// Where a forward's GEMMs run: cuBLAS's handle (its workspace set to `scratch`), the stream, and
-// the same scratch for the small-row kernels' partial sums (one GEMM at a time on the stream).
+// A layer's cuBLASLt handle and the algorithms its heuristic chose for the GEMMs the layer ran:
+// each entry one GEMM's shape (rows included: a prefill's vary by call) and its operands'
+// alignments, a few entries replaced in turn, so that a forward asks the heuristic only for shapes
+// it has not seen lately, and allocates nothing.
+struct LtGemms {
+  struct Entry {
+    std::int64_t rows = -1, n_in = 0, n_out = 0, ldi = 0, ldo = 0;
+    cudaDataType out_type = CUDA_R_16BF;
+    unsigned alignment_in = 0, alignment_weight = 0, alignment_out = 0;
+    cublasLtMatmulAlgo_t algo{};
+  };
+  cublasLtHandle_t handle = nullptr;
+  Entry entries[16];
+  int next = 0;  // the entry replaced next
+};
+
+// Where a forward's GEMMs run: cuBLASLt's handle and the algorithms chosen (`lt`; or, with
+// KDA_LAYER_CUBLAS_API=gemmex, cuBLAS's handle, its workspace set to `scratch`), the stream, and
+// the same scratch for cuBLAS and the small-row kernels' partial sums (one GEMM at a time on the
+// stream).
 struct GemmContext {
   cublasHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;
   void* scratch = nullptr;
   std::size_t scratch_bytes = 0;
+  LtGemms* lt = nullptr;
 };
+
+// The largest power of two (up to 256) that divides the address: what cuBLASLt's heuristic is told
+// of each operand's alignment, since it assumes 256 bytes unless told otherwise and an operand at
+// a column offset of the fused projection's rows has less.
+unsigned address_alignment(const void* ptr) {
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  unsigned alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// The GEMM of gemm() below through cuBLASLt: the descriptors built in place on the stack, the
+// algorithm from `lt`'s entries or, for a shape not there, cuBLASLt's heuristic's first choice
+// within the scratch (kept in the entry replaced next).
+void lt_gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
+             std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+             cudaDataType out_type, std::int64_t ldo, const char* what) {
+  LtGemms& lt = *context.lt;
+  cublasLtMatmulDescOpaque_t desc_storage;
+  const cublasLtMatmulDesc_t desc = &desc_storage;
+  check_cublas(cublasLtMatmulDescInit(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
+  const cublasOperation_t transpose = CUBLAS_OP_T;
+  check_cublas(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                              sizeof(transpose)),
+               what);
+  // Column-major, as gemm() states it: the weight [n_in x n_out] (ld n_in) transposed, the input
+  // [n_in x rows] (ld ldi), the output [n_out x rows] (ld ldo).
+  cublasLtMatrixLayoutOpaque_t a_storage, b_storage, c_storage;
+  const cublasLtMatrixLayout_t a = &a_storage, b = &b_storage, c = &c_storage;
+  check_cublas(cublasLtMatrixLayoutInit(a, CUDA_R_16BF, static_cast<std::uint64_t>(n_in),
+                                        static_cast<std::uint64_t>(n_out), n_in),
+               what);
+  check_cublas(cublasLtMatrixLayoutInit(b, CUDA_R_16BF, static_cast<std::uint64_t>(n_in),
+                                        static_cast<std::uint64_t>(rows), ldi),
+               what);
+  check_cublas(cublasLtMatrixLayoutInit(c, out_type, static_cast<std::uint64_t>(n_out),
+                                        static_cast<std::uint64_t>(rows), ldo),
+               what);
+  const unsigned alignment_in = address_alignment(in), alignment_weight = address_alignment(weight),
+                 alignment_out = address_alignment(out);
+  const LtGemms::Entry* chosen = nullptr;
+  for (const LtGemms::Entry& e : lt.entries) {
+    if (e.rows == rows && e.n_in == n_in && e.n_out == n_out && e.ldi == ldi && e.ldo == ldo &&
+        e.out_type == out_type && e.alignment_in == alignment_in &&
+        e.alignment_weight == alignment_weight && e.alignment_out == alignment_out) {
+      chosen = &e;
+      break;
+    }
+  }
+  if (chosen == nullptr) {
+    cublasLtMatmulPreferenceOpaque_t preference_storage;
+    const cublasLtMatmulPreference_t preference = &preference_storage;
+    check_cublas(cublasLtMatmulPreferenceInit(preference), what);
+    const std::uint64_t workspace_bytes = context.scratch_bytes;
+    check_cublas(
+        cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes, sizeof(workspace_bytes)),
+        what);
+    const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> alignments[] = {
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_weight},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_in},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_out},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_out}};
+    for (const auto& [attribute, value] : alignments) {
+      check_cublas(
+          cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), what);
+    }
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    check_cublas(
+        cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, a, b, c, c, preference, 1, &result, &found),
+        what);
+    if (found < 1) {
+      throw Error(StatusCode::kCudaError,
+                  std::string("KDA layer (CUDA): ") + what + ": cuBLASLt has no algorithm for it");
+    }
+    LtGemms::Entry& e = lt.entries[lt.next];
+    lt.next = (lt.next + 1) % static_cast<int>(std::size(lt.entries));
+    e = LtGemms::Entry{rows,          n_in,       n_out,        ldi,
+                       ldo,           out_type,   alignment_in, alignment_weight,
+                       alignment_out, result.algo};
+    chosen = &e;
+  }
+  const float one = 1.0f, zero = 0.0f;
+  check_cublas(
+      cublasLtMatmul(lt.handle, desc, &one, weight, a, in, b, &zero, out, c, out, c, &chosen->algo,
+                     context.scratch, context.scratch_bytes, context.stream),
+      what);
+}
 
 // out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
@@ -436,12 +549,16 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
     return;
   }
   const float one = 1.0f, zero = 0.0f;
-  check_cublas(
-      cublasGemmEx(context.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
-                   static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
-                   static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
-                   out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-      what);
+  if (context.lt != nullptr) {
+    if (rows > 0) lt_gemm(context, in, ldi, rows, n_in, weight, n_out, out, out_type, ldo, what);
+  } else {
+    check_cublas(
+        cublasGemmEx(context.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
+                     static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
+                     static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
+                     out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        what);
+  }
   if (rows > 0) {
     const std::size_t element = out_type == CUDA_R_32F ? 4 : 2;
     mark_initialized(stream, out, static_cast<std::size_t>((rows - 1) * ldo + n_out) * element);
@@ -449,8 +566,9 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
 }
 
 // Gives `handle` the stream and workspace of `context`: cublasSetStream resets the workspace to
-// cuBLAS's own pool, so the workspace is set after it.
+// cuBLAS's own pool, so the workspace is set after it. Nothing for cuBLASLt.
 void bind_cublas(const GemmContext& context) {
+  if (context.lt != nullptr) return;  // cuBLASLt takes both with each call
   check_cublas(cublasSetStream(context.handle, context.stream), "cublasSetStream");
   check_cublas(cublasSetWorkspace(context.handle, context.scratch, context.scratch_bytes),
                "cublasSetWorkspace");
@@ -502,6 +620,7 @@ class CudaLayer final : public Layer {
     }
     if (side != nullptr) (void)cudaStreamDestroy(side);
     if (handle != nullptr) cublasDestroy(handle);
+    if (lt.handle != nullptr) cublasLtDestroy(lt.handle);
     if (owned_image != nullptr) cudaFree(owned_image);
   }
   void run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
@@ -510,7 +629,10 @@ class CudaLayer final : public Layer {
   // Seconds between the phase events of the last forward, added to `times` (waits for the last).
   void add_times(Times* times) const;
 
+  // The GEMMs' library: cuBLASLt's handle and the algorithms chosen so far (a forward adds the
+  // shapes it meets), or with KDA_LAYER_CUBLAS_API=gemmex cuBLAS's handle (the other one null).
   cublasHandle_t handle = nullptr;
+  mutable LtGemms lt;
   unsigned char* owned_image = nullptr;  // the layer's own allocation, else null
   // Phase boundaries: before the projections, after them, the conv, the core, the norm, o_proj.
   cudaEvent_t events[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -590,7 +712,11 @@ void CudaLayer::initialize(const Weights& w, unsigned char* image) {
   w_o = reinterpret_cast<const bf16_bits*>(image + layout.w_o);
   step_sync = reinterpret_cast<std::uint32_t*>(image + layout.step_sync);
   step_exchange = reinterpret_cast<std::uint64_t*>(image + layout.step_exchange);
-  check_cublas(cublasCreate(&handle), "cublasCreate");
+  if (gemm_knobs().cublas_lt) {
+    check_cublas(cublasLtCreate(&lt.handle), "cublasLtCreate");
+  } else {
+    check_cublas(cublasCreate(&handle), "cublasCreate");
+  }
   for (cudaEvent_t& event : events) check_cuda(cudaEventCreate(&event), "cudaEventCreate");
   for (cudaEvent_t* event : {&side_fork, &side_done}) {
     check_cuda(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "cudaEventCreate");
@@ -977,7 +1103,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       if (!open) return;
       (void)cudaEventRecord(done, side);
       (void)cudaStreamWaitEvent(stream, done, 0);
-      (void)cublasSetStream(handle, stream);
+      if (handle != nullptr) (void)cublasSetStream(handle, stream);
     }
   } side_branch{stream, side, side_done, handle};
 
@@ -985,8 +1111,8 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   GemmContext gemms;
   {
     KDA_NVTX_RANGE("projections");
-    gemms =
-        GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas), kCublasWorkspaceBytes};
+    gemms = GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas),
+                        kCublasWorkspaceBytes, lt.handle != nullptr ? &lt : nullptr};
     bind_cublas(gemms);
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
