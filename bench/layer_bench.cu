@@ -446,12 +446,21 @@ void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t
   }
   constexpr std::size_t kCublasScratch = std::size_t{32} << 20;
   DeviceMemory scratch(kCublasScratch);
-  auto bind = [&] {
-    cublasSetStream(handle, stream);
-    cublasSetWorkspace(handle, scratch.ptr, kCublasScratch);
+  // Each call is made once and its status checked before it is timed (the loop then ignores it).
+  auto must = [&](cublasStatus_t status, const std::string& what) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "%s failed: %s\n", what.c_str(), cublasGetStatusString(status));
+      std::exit(1);
+    }
+    CK(cudaStreamSynchronize(stream));
   };
+  auto bind = [&] {
+    return cublasSetStream(handle, stream) == CUBLAS_STATUS_SUCCESS
+               ? cublasSetWorkspace(handle, scratch.ptr, kCublasScratch)
+               : CUBLAS_STATUS_INVALID_VALUE;
+  };
+  must(bind(), "cublasSetStream + cublasSetWorkspace");
   row("`cublasSetStream` + `cublasSetWorkspace`", host_us_per_call(stream, 50, bind));
-  bind();
   for (const kda::bench::LayerShape& shape : kda::bench::layer_shapes()) {
     if (!shapes_wanted.empty() &&
         std::find(shapes_wanted.begin(), shapes_wanted.end(), shape.key) == shapes_wanted.end()) {
@@ -473,50 +482,64 @@ void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t
       DeviceMemory out(static_cast<std::size_t>(kRows * g.n_out) * 2);
       const float one = 1.0f, zero = 0.0f;
       auto gemm = [&] {
-        cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(g.n_out), kRows,
-                     static_cast<int>(g.n_in), &one, weight.ptr, CUDA_R_16BF,
-                     static_cast<int>(g.n_in), in.ptr, CUDA_R_16BF, static_cast<int>(g.n_in), &zero,
-                     out.ptr, CUDA_R_16BF, static_cast<int>(g.n_out), CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT);
+        return cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(g.n_out), kRows,
+                            static_cast<int>(g.n_in), &one, weight.ptr, CUDA_R_16BF,
+                            static_cast<int>(g.n_in), in.ptr, CUDA_R_16BF, static_cast<int>(g.n_in),
+                            &zero, out.ptr, CUDA_R_16BF, static_cast<int>(g.n_out),
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
       };
       const std::string gemm_name = std::string(shape.name) + " " + g.what + " [" +
                                     std::to_string(kRows) + " x " + std::to_string(g.n_in) +
                                     "] · [" + std::to_string(g.n_out) + " x " +
                                     std::to_string(g.n_in) + "]ᵀ";
+      must(gemm(), "cublasGemmEx, " + gemm_name);
       row("`cublasGemmEx`, " + gemm_name, host_us_per_call(stream, 50, gemm));
-      // The same through cuBLASLt as the layer calls it: descriptors built in place at each
-      // call, the algorithm chosen once (the layer's table of them).
+      // The same through cuBLASLt, its descriptors built in place at each call as the layer builds
+      // them and the algorithm chosen once (the layer's table of them; the layer also looks the
+      // shape up there, and its operands may sit at column offsets of a wider row).
       cublasLtMatmulDescOpaque_t desc;
       cublasLtMatrixLayoutOpaque_t a, b, d;
       const cublasOperation_t transpose = CUBLAS_OP_T;
       auto describe = [&] {
-        cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
-        cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
-                                       sizeof(transpose));
-        cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, g.n_in, g.n_out, g.n_in);
-        cublasLtMatrixLayoutInit(&b, CUDA_R_16BF, g.n_in, kRows, g.n_in);
-        cublasLtMatrixLayoutInit(&d, CUDA_R_16BF, g.n_out, kRows, g.n_out);
+        cublasStatus_t st = cublasLtMatmulDescInit(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+        if (st == CUBLAS_STATUS_SUCCESS) {
+          st = cublasLtMatmulDescSetAttribute(&desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                              sizeof(transpose));
+        }
+        if (st == CUBLAS_STATUS_SUCCESS)
+          st = cublasLtMatrixLayoutInit(&a, CUDA_R_16BF, g.n_in, g.n_out, g.n_in);
+        if (st == CUBLAS_STATUS_SUCCESS)
+          st = cublasLtMatrixLayoutInit(&b, CUDA_R_16BF, g.n_in, kRows, g.n_in);
+        if (st == CUBLAS_STATUS_SUCCESS)
+          st = cublasLtMatrixLayoutInit(&d, CUDA_R_16BF, g.n_out, kRows, g.n_out);
+        return st;
       };
-      describe();
+      must(describe(), "cuBLASLt descriptors, " + gemm_name);
       cublasLtMatmulPreferenceOpaque_t preference;
-      cublasLtMatmulPreferenceInit(&preference);
+      must(cublasLtMatmulPreferenceInit(&preference), "cublasLtMatmulPreferenceInit");
       const std::uint64_t workspace_bytes = kCublasScratch;
-      cublasLtMatmulPreferenceSetAttribute(&preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace_bytes, sizeof(workspace_bytes));
+      must(cublasLtMatmulPreferenceSetAttribute(&preference,
+                                                CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                &workspace_bytes, sizeof(workspace_bytes)),
+           "cublasLtMatmulPreferenceSetAttribute");
       cublasLtMatmulHeuristicResult_t chosen{};
       int found = 0;
       if (cublasLtMatmulAlgoGetHeuristic(lt, &desc, &a, &b, &d, &d, &preference, 1, &chosen,
                                          &found) != CUBLAS_STATUS_SUCCESS ||
-          found < 1) {
+          found < 1 || chosen.state != CUBLAS_STATUS_SUCCESS) {
         row("`cublasLtMatmul`, " + gemm_name + ": no algorithm", 0.0);
         continue;
       }
+      auto lt_gemm = [&] {
+        const cublasStatus_t st = describe();
+        return st != CUBLAS_STATUS_SUCCESS
+                   ? st
+                   : cublasLtMatmul(lt, &desc, &one, weight.ptr, &a, in.ptr, &b, &zero, out.ptr, &d,
+                                    out.ptr, &d, &chosen.algo, scratch.ptr, kCublasScratch, stream);
+      };
+      must(lt_gemm(), "cublasLtMatmul, " + gemm_name);
       row("`cublasLtMatmul` (descriptors built each call), " + gemm_name,
-          host_us_per_call(stream, 50, [&] {
-            describe();
-            cublasLtMatmul(lt, &desc, &one, weight.ptr, &a, in.ptr, &b, &zero, out.ptr, &d, out.ptr,
-                           &d, &chosen.algo, scratch.ptr, kCublasScratch, stream);
-          }));
+          host_us_per_call(stream, 50, lt_gemm));
     }
   }
   cublasLtDestroy(lt);

@@ -5,7 +5,7 @@
 //
 //   projections  x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ as one GEMM, then the two low-rank second
 //                factors; with a full-rank gate x·[W_q; W_k; W_v; W_fa; W_b]ᵀ, f_a·W_fbᵀ and the
-//                gate's own GEMM x·W_gᵀ (f32 out, as g_a·W_gbᵀ). cuBLAS (bf16 in, fp32
+//                gate's own GEMM x·W_gᵀ (f32 out, as g_a·W_gbᵀ). cuBLASLt (bf16 in, fp32
 //                accumulation, CUBLAS_COMPUTE_32F), or for batches of one token (decode of one
 //                sequence) the small-row kernel of cuda/small_gemm.cu; a decode step of up to
 //                kConvFactorMaxTiles tiles (kConvFactorMaxTilesOneToken at one token a row)
@@ -24,8 +24,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "aligned_regions.hpp"
@@ -467,10 +469,11 @@ void lt_gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::
     }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    check_cublas(
-        cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, a, b, c, c, preference, 1, &result, &found),
-        what);
-    if (found < 1) {
+    const cublasStatus_t asked =
+        cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, a, b, c, c, preference, 1, &result, &found);
+    if (asked != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(asked, what);
+    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found < 1 ||
+        result.state != CUBLAS_STATUS_SUCCESS) {
       throw Error(StatusCode::kCudaError,
                   std::string("KDA layer (CUDA): ") + what + ": cuBLASLt has no algorithm for it");
     }

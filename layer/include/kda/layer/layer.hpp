@@ -44,7 +44,8 @@
 // What only the device can see (a slot outside the pool, broken cu_seqlens in device memory) is
 // ORed into Batch::device_status (kda::DeviceStatusBit).
 //
-// Threads. One forward at a time per Layer object (the CUDA layer owns one cuBLAS handle, and a
+// Threads. One forward at a time per Layer object (the CUDA layer owns one cuBLASLt handle and a
+// table of the GEMM algorithms its forwards have used, which a forward reads and fills, and a
 // stream that a decode step's GEMMs of the output gate run on, forked from and joined back into
 // RunOptions::stream within the forward: docs/LAYER.md); different objects may run concurrently
 // (on CUDA, on different streams).
