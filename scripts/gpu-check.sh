@@ -17,7 +17,8 @@
 # with every GEMM of 2 to 256 rows on the warpgroup kernel), kda-gemv-probe and its --warpgroup
 # table, kda-layer-bench, then its decode rows twice over the variants KDA_LAYER_VARIANTS names
 # (default "default"; also input-cublas: the input projection on cuBLAS, warpgroup9 / warpgroup:
-# the warpgroup kernel for the GEMMs of 9 / 2 to 256 rows), alternating.
+# the warpgroup kernel for the GEMMs of 9 / 2 to 256 rows, gemmex: the cuBLAS GEMMs through
+# cublasGemmEx instead of cuBLASLt), alternating.
 # layer-sanitize: memcheck and racecheck over the layer's
 # decode-kernel, verify and records cases and the GEMM test (a run of its own: with layer's runs
 # it takes over ten minutes).
@@ -107,12 +108,13 @@ if [ "$what" = layer ]; then
   # The decode rows again, the variants alternating; one file, a header a run.
   for round in 1 2; do
     for variant in ${KDA_LAYER_VARIANTS:-default}; do
-      case "$variant" in default | input-cublas | warpgroup9 | warpgroup) ;;
+      case "$variant" in default | input-cublas | warpgroup9 | warpgroup | gemmex) ;;
         *) echo "KDA_LAYER_VARIANTS: unknown variant '$variant'"; rc=1; continue ;; esac
       env_args=()
       [ "$variant" = input-cublas ] && env_args=(KDA_LAYER_INPUT_GEMM=cublas)
       [ "$variant" = warpgroup9 ] && env_args=(KDA_LAYER_SMALL_GEMM=warpgroup9)
       [ "$variant" = warpgroup ] && env_args=(KDA_LAYER_SMALL_GEMM=warpgroup)
+      [ "$variant" = gemmex ] && env_args=(KDA_LAYER_CUBLAS_API=gemmex)
       echo "## $variant, round $round" >> "$OUT/layer-bench-decode.md"
       env "${env_args[@]}" timeout 60 "$build/bench/kda-layer-bench" --decode-only "$@" \
         >> "$OUT/layer-bench-decode.md" 2>&1 || rc=1
