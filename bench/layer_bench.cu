@@ -316,6 +316,32 @@ std::string timeline_table(const std::string& title, const std::vector<KernelSpa
   return out;
 }
 
+// One layer's state pools of `slots` rows (conv states of width - 1 columns, recurrent states in
+// `dtype`), zeroed, and the State that names them.
+struct StatePools {
+  DeviceMemory conv_q, conv_k, conv_v, recurrent;
+  std::int64_t slots;
+  kda::DType dtype;
+  StatePools(const kda::layer::Config& c, std::int64_t num_slots, kda::DType recurrent_dtype)
+      : conv_q(static_cast<std::size_t>(num_slots * c.local_channels() * (c.conv_width - 1)) * 2),
+        conv_k(conv_q.bytes),
+        conv_v(conv_q.bytes),
+        recurrent(static_cast<std::size_t>(num_slots * c.local_heads() * c.head_dim * c.head_dim) *
+                  kda::dtype_size(recurrent_dtype)),
+        slots(num_slots),
+        dtype(recurrent_dtype) {}
+  kda::layer::State state() const {
+    kda::layer::State state;
+    state.num_slots = slots;
+    state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
+    state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
+    state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
+    state.recurrent = recurrent.ptr;
+    state.recurrent_dtype = dtype;
+    return state;
+  }
+};
+
 struct Case {
   std::string name;
   std::int64_t sequences;
@@ -345,8 +371,7 @@ void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t 
     const kda::layer::Config& config = shape.config;
     const auto layer =
         kda::layer::make_layer(kda::Backend::kCuda, kda::layer::random_weights(config, 42, 0));
-    const std::int64_t E = config.hidden_size, Cl = config.local_channels();
-    const std::int64_t Hl = config.local_heads(), D = config.head_dim, W = config.conv_width;
+    const std::int64_t E = config.hidden_size;
     for (const Case& c : cases) {
       const std::int64_t N = c.sequences, T = N * c.tokens_per_sequence;
       std::vector<std::int64_t> cu(static_cast<std::size_t>(N + 1));
@@ -355,9 +380,7 @@ void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t 
       for (std::int64_t n = 0; n < N; ++n) slots[n] = static_cast<std::int32_t>(N - 1 - n);
       DeviceMemory d_hidden(static_cast<std::size_t>(T * E) * 2), d_out(d_hidden.bytes);
       DeviceMemory d_cu(cu.size() * 8), d_slots(slots.size() * 4);
-      const std::size_t conv_bytes = static_cast<std::size_t>(N * Cl * (W - 1)) * 2;
-      DeviceMemory conv_q(conv_bytes), conv_k(conv_bytes), conv_v(conv_bytes);
-      DeviceMemory recurrent(static_cast<std::size_t>(N * Hl * D * D) * 4);
+      const StatePools pools(config, N, kda::DType::kF32);
       const std::size_t ws_bytes =
           kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, N);
       DeviceMemory workspace(ws_bytes);
@@ -373,13 +396,7 @@ void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t 
       }
       batch.slots = static_cast<const std::int32_t*>(d_slots.ptr);
       batch.slots_host = slots.data();
-      kda::layer::State state;
-      state.num_slots = N;
-      state.conv_q = static_cast<kda::bf16_bits*>(conv_q.ptr);
-      state.conv_k = static_cast<kda::bf16_bits*>(conv_k.ptr);
-      state.conv_v = static_cast<kda::bf16_bits*>(conv_v.ptr);
-      state.recurrent = recurrent.ptr;
-      state.recurrent_dtype = kda::DType::kF32;
+      const kda::layer::State state = pools.state();
       auto forward_us = [&](bool check_pointers) {
         kda::layer::RunOptions options;
         options.stream = stream;
@@ -687,19 +704,9 @@ int main(int argc, char** argv) {
 
         DeviceMemory d_hidden(hidden.size() * 2), d_out(hidden.size() * 2);
         DeviceMemory d_cu(cu.size() * 8);
-        struct Pools {
-          DeviceMemory conv_q, conv_k, conv_v, recurrent;
-          explicit Pools(std::size_t conv_bytes, std::size_t recurrent_bytes)
-              : conv_q(conv_bytes),
-                conv_k(conv_bytes),
-                conv_v(conv_bytes),
-                recurrent(recurrent_bytes) {}
-        };
-        std::vector<std::unique_ptr<Pools>> pools;  // one set per layer of the graph
+        std::vector<std::unique_ptr<StatePools>> pools;  // one set per layer of the graph
         for (int l = 0; l < instances; ++l) {
-          pools.push_back(
-              std::make_unique<Pools>(static_cast<std::size_t>(slots * Cl * 3 * 2),
-                                      static_cast<std::size_t>(slots * Hl * D * D * state_bytes)));
+          pools.push_back(std::make_unique<StatePools>(config, slots, state_dtype));
         }
         const std::size_t ws_bytes =
             kda::layer::workspace_bytes(kda::Backend::kCuda, config, T, N, slots);
@@ -727,16 +734,7 @@ int main(int argc, char** argv) {
           batch.checkpoint_offsets = static_cast<const std::int64_t*>(d_offsets.ptr);
           batch.checkpoint_slots = static_cast<const std::int32_t*>(d_rows.ptr);
         }
-        auto state_of = [&](int l) {
-          kda::layer::State state;
-          state.num_slots = slots;
-          state.conv_q = static_cast<kda::bf16_bits*>(pools[l]->conv_q.ptr);
-          state.conv_k = static_cast<kda::bf16_bits*>(pools[l]->conv_k.ptr);
-          state.conv_v = static_cast<kda::bf16_bits*>(pools[l]->conv_v.ptr);
-          state.recurrent = pools[l]->recurrent.ptr;
-          state.recurrent_dtype = state_dtype;
-          return state;
-        };
+        auto state_of = [&](int l) { return pools[l]->state(); };
         const kda::layer::State state = state_of(0);
         kda::layer::RunOptions options;
         options.stream = stream;
