@@ -46,6 +46,19 @@ bool contains(const Status& st, const std::string& text) {
   return st.message().find(text) != std::string::npos;
 }
 
+// A decode step of `batch` rows of `tokens` tokens and `heads` heads on a pool of `num_slots` fp32
+// states.
+DecodeProblem f32_decode_problem(std::int64_t batch, std::int64_t tokens, std::int64_t heads,
+                                 std::int64_t num_slots) {
+  DecodeProblem dp;
+  dp.batch = batch;
+  dp.tokens = tokens;
+  dp.num_heads = heads;
+  dp.num_slots = num_slots;
+  dp.state_dtype = DType::kF32;
+  return dp;
+}
+
 // A prefill case on the device with poisoned outputs, a workspace and a status word.
 struct PrefillRig {
   KdaCase c;
@@ -343,12 +356,7 @@ TEST_CASE(
     CHECK_FALSE(contains(dev, "cu_seqlens"));
 
     // Decode of one token for two rows on the same parameters.
-    DecodeProblem dp;
-    dp.batch = 2;
-    dp.tokens = 1;
-    dp.num_heads = b.problem.num_heads;
-    dp.num_slots = 2;
-    dp.state_dtype = DType::kF32;
+    const DecodeProblem dp = f32_decode_problem(2, 1, b.problem.num_heads, 2);
     DeviceBuffer slots = DeviceBuffer::from(std::vector<std::int32_t>{1, 0});
     DeviceBuffer pool(static_cast<std::size_t>(2 * dp.num_heads * 128 * 128) * 4);
     pool.fill(0);
@@ -370,12 +378,7 @@ TEST_CASE("cuda decode: slots out of range / misaligned and host pointers") {
   if (!gpu_or_skip()) return;
   KdaCase c = make_case(cuda_case(23));
   DeviceCase d(c);
-  DecodeProblem dp;
-  dp.batch = 3;
-  dp.tokens = 2;
-  dp.num_heads = c.problem.num_heads;
-  dp.num_slots = 4;
-  dp.state_dtype = DType::kF32;
+  const DecodeProblem dp = f32_decode_problem(3, 2, c.problem.num_heads, 4);
   const std::size_t slot_bytes = static_cast<std::size_t>(dp.num_heads * 128 * 128) * 4;
   DeviceBuffer pool(4 * slot_bytes);
   pool.fill(0);
@@ -588,12 +591,7 @@ TEST_CASE(
   // A decode step: a pool 8 bytes past a 16-byte boundary, a count of blocks a head not offered.
   KdaCase c = make_case(cuda_case(61));
   DeviceCase d(c);
-  DecodeProblem dp;
-  dp.batch = 3;
-  dp.tokens = 1;
-  dp.num_heads = c.problem.num_heads;
-  dp.num_slots = 3;
-  dp.state_dtype = DType::kF32;
+  const DecodeProblem dp = f32_decode_problem(3, 1, c.problem.num_heads, 3);
   DeviceBuffer pool(static_cast<std::size_t>(4 * dp.num_heads * 128 * 128) * 4);
   pool.fill(0);
   DeviceBuffer dout(static_cast<std::size_t>(3 * dp.num_heads * 128) * 2);
