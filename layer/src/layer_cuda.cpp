@@ -411,98 +411,112 @@ unsigned address_alignment(const void* ptr) {
   return alignment;
 }
 
-// The GEMM of gemm() below through cuBLASLt: the descriptors built in place on the stack, the
-// algorithm from `lt`'s entries or, for a shape not there, cuBLASLt's heuristic's first choice
-// within the scratch (kept in the entry replaced next).
-void lt_gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
-             std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
-             cudaDataType out_type, std::int64_t ldo, const char* what) {
-  LtGemms& lt = *context.lt;
+// One GEMM as cuBLASLt states it, built in place (the descriptors are opaque storage a handle
+// points at, neither copied nor moved): column-major, as gemm() states it, the weight [n_in x
+// n_out] (ld n_in) transposed, the input [n_in x rows] (ld ldi), the output [n_out x rows] (ld
+// ldo).
+struct LtDescriptors {
   cublasLtMatmulDescOpaque_t desc_storage;
-  const cublasLtMatmulDesc_t desc = &desc_storage;
-  check_cublas(cublasLtMatmulDescInit(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
-  const cublasOperation_t transpose = CUBLAS_OP_T;
-  check_cublas(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
-                                              sizeof(transpose)),
-               what);
-  // Column-major, as gemm() states it: the weight [n_in x n_out] (ld n_in) transposed, the input
-  // [n_in x rows] (ld ldi), the output [n_out x rows] (ld ldo).
   cublasLtMatrixLayoutOpaque_t a_storage, b_storage, c_storage;
+  const cublasLtMatmulDesc_t desc = &desc_storage;
   const cublasLtMatrixLayout_t a = &a_storage, b = &b_storage, c = &c_storage;
-  check_cublas(cublasLtMatrixLayoutInit(a, CUDA_R_16BF, static_cast<std::uint64_t>(n_in),
-                                        static_cast<std::uint64_t>(n_out), n_in),
-               what);
-  check_cublas(cublasLtMatrixLayoutInit(b, CUDA_R_16BF, static_cast<std::uint64_t>(n_in),
-                                        static_cast<std::uint64_t>(rows), ldi),
-               what);
-  check_cublas(cublasLtMatrixLayoutInit(c, out_type, static_cast<std::uint64_t>(n_out),
-                                        static_cast<std::uint64_t>(rows), ldo),
-               what);
-  const unsigned alignment_in = address_alignment(in), alignment_weight = address_alignment(weight),
-                 alignment_out = address_alignment(out);
-  const LtGemms::Entry* chosen = nullptr;
+
+  LtDescriptors(const cuda::SmallGemmParams& p, const char* what) {
+    check_cublas(cublasLtMatmulDescInit(desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
+    const cublasOperation_t transpose = CUBLAS_OP_T;
+    check_cublas(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                                sizeof(transpose)),
+                 what);
+    check_cublas(cublasLtMatrixLayoutInit(a, CUDA_R_16BF, static_cast<std::uint64_t>(p.k),
+                                          static_cast<std::uint64_t>(p.n), p.k),
+                 what);
+    check_cublas(cublasLtMatrixLayoutInit(b, CUDA_R_16BF, static_cast<std::uint64_t>(p.k),
+                                          static_cast<std::uint64_t>(p.rows), p.ldi),
+                 what);
+    check_cublas(cublasLtMatrixLayoutInit(c, p.out_f32 ? CUDA_R_32F : CUDA_R_16BF,
+                                          static_cast<std::uint64_t>(p.n),
+                                          static_cast<std::uint64_t>(p.rows), p.ldo),
+                 what);
+  }
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
+};
+
+// The algorithm cuBLASLt runs the GEMM `p` with: `lt`'s entry for its shape and operands'
+// alignments or, for one not there, the heuristic's first choice within the scratch (kept in the
+// entry replaced next). Throws where cuBLASLt has none.
+cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallGemmParams& p,
+                                  const char* what) {
+  LtGemms& lt = *context.lt;
+  const cudaDataType out_type = p.out_f32 ? CUDA_R_32F : CUDA_R_16BF;
+  const unsigned alignment_in = address_alignment(p.in),
+                 alignment_weight = address_alignment(p.weight),
+                 alignment_out = address_alignment(p.out);
   for (const LtGemms::Entry& e : lt.entries) {
-    if (e.rows == rows && e.n_in == n_in && e.n_out == n_out && e.ldi == ldi && e.ldo == ldo &&
+    if (e.rows == p.rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
         e.out_type == out_type && e.alignment_in == alignment_in &&
         e.alignment_weight == alignment_weight && e.alignment_out == alignment_out) {
-      chosen = &e;
-      break;
+      return e.algo;
     }
   }
-  if (chosen == nullptr) {
-    cublasLtMatmulPreferenceOpaque_t preference_storage;
-    const cublasLtMatmulPreference_t preference = &preference_storage;
-    check_cublas(cublasLtMatmulPreferenceInit(preference), what);
-    const std::uint64_t workspace_bytes = context.scratch_bytes;
-    check_cublas(
-        cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &workspace_bytes, sizeof(workspace_bytes)),
-        what);
-    const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> alignments[] = {
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_weight},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_in},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_out},
-        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_out}};
-    for (const auto& [attribute, value] : alignments) {
-      check_cublas(
-          cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)), what);
-    }
-    cublasLtMatmulHeuristicResult_t result{};
-    int found = 0;
-    const cublasStatus_t asked =
-        cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, a, b, c, c, preference, 1, &result, &found);
-    if (asked != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(asked, what);
-    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found < 1 ||
-        result.state != CUBLAS_STATUS_SUCCESS) {
-      throw Error(StatusCode::kCudaError,
-                  std::string("KDA layer (CUDA): ") + what + ": cuBLASLt has no algorithm for it");
-    }
-    LtGemms::Entry& e = lt.entries[lt.next];
-    lt.next = (lt.next + 1) % static_cast<int>(std::size(lt.entries));
-    e = LtGemms::Entry{rows,          n_in,       n_out,        ldi,
-                       ldo,           out_type,   alignment_in, alignment_weight,
-                       alignment_out, result.algo};
-    chosen = &e;
-  }
-  const float one = 1.0f, zero = 0.0f;
+  const LtDescriptors gemm_descriptors(p, what);
+  cublasLtMatmulPreferenceOpaque_t preference_storage;
+  const cublasLtMatmulPreference_t preference = &preference_storage;
+  check_cublas(cublasLtMatmulPreferenceInit(preference), what);
+  const std::uint64_t workspace_bytes = context.scratch_bytes;
   check_cublas(
-      cublasLtMatmul(lt.handle, desc, &one, weight, a, in, b, &zero, out, c, out, c, &chosen->algo,
-                     context.scratch, context.scratch_bytes, context.stream),
+      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes, sizeof(workspace_bytes)),
       what);
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> alignments[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_weight},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_in},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_out},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_out}};
+  for (const auto& [attribute, value] : alignments) {
+    check_cublas(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)),
+                 what);
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t asked = cublasLtMatmulAlgoGetHeuristic(
+      lt.handle, gemm_descriptors.desc, gemm_descriptors.a, gemm_descriptors.b, gemm_descriptors.c,
+      gemm_descriptors.c, preference, 1, &result, &found);
+  if (asked != CUBLAS_STATUS_NOT_SUPPORTED) check_cublas(asked, what);
+  if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+    throw Error(StatusCode::kCudaError,
+                std::string("KDA layer (CUDA): ") + what + ": cuBLASLt has no algorithm for it");
+  }
+  LtGemms::Entry& e = lt.entries[lt.next];
+  lt.next = (lt.next + 1) % static_cast<int>(std::size(lt.entries));
+  e = LtGemms::Entry{p.rows,        p.k,        p.n,          p.ldi,
+                     p.ldo,         out_type,   alignment_in, alignment_weight,
+                     alignment_out, result.algo};
+  return e.algo;
 }
+
+// Which kernel one GEMM runs on, and its operands: a small-row kernel's launch (`small`), or
+// cuBLAS's, with cuBLASLt the algorithm chosen for it. Choosing is the part that can fail for want
+// of an algorithm, so a forward chooses its o_proj's before the conv writes any state.
+struct GemmPlan {
+  cuda::SmallGemmParams params;  // the operands; with `small`, the whole launch
+  bool small = false;
+  cublasLtMatmulAlgo_t algo{};  // cuBLASLt's, where it runs it
+};
 
 // out[rows, n_out] (row stride ldo) = in[rows, n_in] (row stride ldi) · weight[n_out, n_in]ᵀ:
 // bf16 operands, fp32 accumulation, bf16 or f32 out. In cuBLAS's column-major terms this is
 // outᵀ = weightᵀᵀ · inᵀ, i.e. op(A) = T on the row-major weight.
 // Few rows on the small-row kernels (gemm_knobs()), the rest on cuBLAS; `programmatic` launches
 // a small-row kernel as a programmatic dependent of the kernel before it; `site`: the knob of the
-// call site (GemmKnobs::input, ::output), if any.
-void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
-          std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
-          cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false,
-          GemmKnobs::SiteGemm site = GemmKnobs::SiteGemm::kAsOthers) {
-  cudaStream_t stream = context.stream;
-  cuda::SmallGemmParams small;
+// call site (GemmKnobs::input, ::output), if any. Enqueues nothing: run_gemm() does.
+GemmPlan plan_gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
+                   std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+                   cudaDataType out_type, std::int64_t ldo, const char* what,
+                   bool programmatic = false,
+                   GemmKnobs::SiteGemm site = GemmKnobs::SiteGemm::kAsOthers) {
+  GemmPlan plan;
+  cuda::SmallGemmParams& small = plan.params;
   small.workspace = context.scratch;
   small.workspace_bytes = context.scratch_bytes;
   small.programmatic = programmatic;
@@ -516,6 +530,7 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   small.n = n_out;
   small.k = n_in;
   small.split = gemm_knobs().split;
+  plan.small = true;
   SmallGemmChoice choice = gemm_knobs().choice;
   if (site == GemmKnobs::SiteGemm::kCublas) choice = SmallGemmChoice::kCublas;
   if (site == GemmKnobs::SiteGemm::kSplit2) {
@@ -525,47 +540,73 @@ void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int
   if (site == GemmKnobs::SiteGemm::kStreamed && rows == 1) choice = SmallGemmChoice::kStreamed;
   if (choice == SmallGemmChoice::kWarpgroup && rows >= gemm_knobs().warpgroup_min_rows) {
     small.kernel = cuda::SmallGemmKernel::kWarpgroup;
-    if (cuda::warpgroup_gemm_fits(small)) {
-      check_cuda(cuda::launch_small_gemm(small, stream), what);
-      return;
-    }
+    if (cuda::warpgroup_gemm_fits(small)) return plan;
   }
   if (choice == SmallGemmChoice::kWarpgroup) choice = SmallGemmChoice::kSliced;
-  if (choice == SmallGemmChoice::kSliced && rows > 1 && n_in <= kFragmentMaxK &&
-      cuda::fragment_gemm_fits(small)) {
+  if (choice == SmallGemmChoice::kSliced && rows > 1 && n_in <= kFragmentMaxK) {
     small.kernel = cuda::SmallGemmKernel::kFragment;
+    const int split = small.split;
     small.split = 0;  // KDA_LAYER_SLICED_SPLIT is the one-row kernel's
-    small.programmatic = programmatic && n_out * n_in * 2 <= kFragmentProgrammaticMaxWeightBytes;
-    check_cuda(cuda::launch_small_gemm(small, stream), what);
-    return;
+    if (cuda::fragment_gemm_fits(small)) {
+      small.programmatic = programmatic && n_out * n_in * 2 <= kFragmentProgrammaticMaxWeightBytes;
+      return plan;
+    }
+    small.split = split;
   }
-  if (choice == SmallGemmChoice::kStreamed && rows > 1 && cuda::tiled_gemm_fits(small)) {
+  if (choice == SmallGemmChoice::kStreamed && rows > 1) {
     small.kernel = cuda::SmallGemmKernel::kTiled;
-    check_cuda(cuda::launch_small_gemm(small, stream), what);
-    return;
+    if (cuda::tiled_gemm_fits(small)) return plan;
   }
+  small.kernel = cuda::SmallGemmKernel::kSliced;
   if (choice != SmallGemmChoice::kCublas && cuda::small_gemm_fits(small)) {
     if (choice == SmallGemmChoice::kStreamed && cuda::streamed_gemm_fits(small)) {
       small.kernel = cuda::SmallGemmKernel::kStreamed;
     }
-    check_cuda(cuda::launch_small_gemm(small, stream), what);
+    return plan;
+  }
+  plan.small = false;
+  if (context.lt != nullptr && rows > 0) plan.algo = lt_algorithm(context, small, what);
+  return plan;
+}
+
+// Enqueues the GEMM `plan` on the context's stream.
+void run_gemm(const GemmContext& context, const GemmPlan& plan, const char* what) {
+  const cuda::SmallGemmParams& p = plan.params;
+  if (plan.small) {
+    check_cuda(cuda::launch_small_gemm(p, context.stream), what);
     return;
   }
+  if (p.rows == 0) return;
   const float one = 1.0f, zero = 0.0f;
+  const cudaDataType out_type = p.out_f32 ? CUDA_R_32F : CUDA_R_16BF;
   if (context.lt != nullptr) {
-    if (rows > 0) lt_gemm(context, in, ldi, rows, n_in, weight, n_out, out, out_type, ldo, what);
+    const LtDescriptors d(p, what);
+    check_cublas(cublasLtMatmul(context.lt->handle, d.desc, &one, p.weight, d.a, p.in, d.b, &zero,
+                                p.out, d.c, p.out, d.c, &plan.algo, context.scratch,
+                                context.scratch_bytes, context.stream),
+                 what);
   } else {
-    check_cublas(
-        cublasGemmEx(context.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(n_out),
-                     static_cast<int>(rows), static_cast<int>(n_in), &one, weight, CUDA_R_16BF,
-                     static_cast<int>(n_in), in, CUDA_R_16BF, static_cast<int>(ldi), &zero, out,
-                     out_type, static_cast<int>(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        what);
+    check_cublas(cublasGemmEx(context.handle, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(p.n),
+                              static_cast<int>(p.rows), static_cast<int>(p.k), &one, p.weight,
+                              CUDA_R_16BF, static_cast<int>(p.k), p.in, CUDA_R_16BF,
+                              static_cast<int>(p.ldi), &zero, p.out, out_type,
+                              static_cast<int>(p.ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                 what);
   }
-  if (rows > 0) {
-    const std::size_t element = out_type == CUDA_R_32F ? 4 : 2;
-    mark_initialized(stream, out, static_cast<std::size_t>((rows - 1) * ldo + n_out) * element);
-  }
+  const std::size_t element = p.out_f32 ? 4 : 2;
+  mark_initialized(context.stream, p.out,
+                   static_cast<std::size_t>((p.rows - 1) * p.ldo + p.n) * element);
+}
+
+// plan_gemm() and run_gemm() at once: for the GEMMs enqueued before any state is written.
+void gemm(const GemmContext& context, const void* in, std::int64_t ldi, std::int64_t rows,
+          std::int64_t n_in, const void* weight, std::int64_t n_out, void* out,
+          cudaDataType out_type, std::int64_t ldo, const char* what, bool programmatic = false,
+          GemmKnobs::SiteGemm site = GemmKnobs::SiteGemm::kAsOthers) {
+  run_gemm(context,
+           plan_gemm(context, in, ldi, rows, n_in, weight, n_out, out, out_type, ldo, what,
+                     programmatic, site),
+           what);
 }
 
 // Gives `handle` the stream and workspace of `context`: cublasSetStream resets the workspace to
@@ -1110,12 +1151,20 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
     }
   } side_branch{stream, side, side_done, handle};
 
+  const GemmContext gemms{handle, stream, regions.at<unsigned char>(&L::cublas),
+                          kCublasWorkspaceBytes, lt.handle != nullptr ? &lt : nullptr};
+  // o_proj's kernel, and cuBLASLt's algorithm for it, chosen before anything is enqueued: a shape
+  // or an alignment of `out` that cuBLASLt has no algorithm for is refused here, not found after
+  // the conv and the core have written the states. After the fused step, the small-row kernel
+  // streams W_o while that step runs (`fuse`: launched as its programmatic dependent).
+  GemmPlan o_proj;
+  if (inputs == nullptr) {
+    o_proj = plan_gemm(gemms, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse,
+                       gemm_knobs().output);
+  }
   mark(0);
-  GemmContext gemms;
   {
     KDA_NVTX_RANGE("projections");
-    gemms = GemmContext{handle, stream, regions.at<unsigned char>(&L::cublas),
-                        kCublasWorkspaceBytes, lt.handle != nullptr ? &lt : nullptr};
     bind_cublas(gemms);
     gemm(gemms, hidden, E, T, E, w_in, cols.stride, proj, CUDA_R_16BF, cols.stride,
          c.full_rank_gate ? "x·[W_q; W_k; W_v; W_fa; W_b]ᵀ" : "x·[W_q; W_k; W_v; W_fa; W_ga; W_b]ᵀ",
@@ -1208,8 +1257,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   mark(4);
   {
     KDA_NVTX_RANGE("o_proj");
-    // After the fused step, the small-row kernel streams W_o while that step runs.
-    gemm(gemms, y, Cl, T, Cl, w_o, E, out, CUDA_R_16BF, E, "y·W_oᵀ", fuse, gemm_knobs().output);
+    run_gemm(gemms, o_proj, "y·W_oᵀ");
   }
   mark(5);
   if (options.times != nullptr) add_times(options.times);
