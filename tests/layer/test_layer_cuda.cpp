@@ -752,8 +752,10 @@ KDA_LAYER_CUDA_CASE("a fused_cluster other than 0, 1, 2, 4 or 8 is refused befor
 
 // hidden and out are bf16 arrays a caller may place at any even address (a row of a larger
 // buffer): every GEMM path (the small-row kernels where their alignment allows, cuBLASLt with the
-// operands' alignments told, the one-launch step) takes them one element past a 256-byte boundary
-// and computes the same layer, writing nothing before or after out.
+// operands' alignments told) takes them one element past a 256-byte boundary and computes the
+// same layer, writing nothing before or after out. With hidden shifted the one-launch step, which
+// loads it 16 bytes at a time, gives way to the fused or separate kernels; with out alone shifted
+// it runs and stores out an element at a time.
 KDA_LAYER_CUDA_CASE("hidden and out one element past an aligned address equal the CPU") {
 #ifndef KDA_HAVE_CUDA
   FAIL("a CUDA device without the CUDA backend");
@@ -763,38 +765,50 @@ KDA_LAYER_CUDA_CASE("hidden and out one element past an aligned address equal th
     const layer::Weights weights = with_bias_and_norm(layer::random_weights(config, 21, 2));
     const auto layer = cuda.make(weights);
     const std::int64_t E = config.hidden_size;
-    // A prefill (its GEMMs on cuBLASLt), steps of 1 row (the one-launch step where it takes the
-    // addresses), 4 (the fragment kernel's rows), 12 and 64 rows.
+    // A prefill (its GEMMs on cuBLASLt), steps of 1 and 4 rows (the one-launch step where it takes
+    // the addresses, else the fused step and the fragment kernel's GEMMs), 12 and 64 rows.
     for (const BatchSpec& batch : {prefill_batch({37, 0, 300}, {2, 0, 1}), decode_batch(1, 1, {3}),
                                    decode_batch(4, 1), decode_batch(12, 1), decode_batch(64, 1)}) {
-      CAPTURE(full_rank);
-      CAPTURE(batch.decode_tokens);
-      CAPTURE(batch.tokens());
-      Pools before(config, 64);
-      before.randomize(22);
-      const std::vector<bf16_bits> hidden =
-          random_bf16(static_cast<std::size_t>(batch.tokens() * E), 1.0f, 23);
-      const std::size_t bytes = hidden.size() * sizeof(bf16_bits);
-      DeviceBuffer shifted_hidden(bytes + 2), shifted_out(bytes + 2);
-      shifted_hidden.fill(0);
-      memcpy_to_device(static_cast<unsigned char*>(shifted_hidden.get()) + 2, hidden.data(), bytes);
-      shifted_out.fill(kPoisonByte);
-      ForwardSettings settings;
-      settings.change = [&](ForwardCall& call) {
-        call.hidden = static_cast<const bf16_bits*>(shifted_hidden.get()) + 1;
-        call.out = static_cast<bf16_bits*>(shifted_out.get()) + 1;
-      };
-      Pools after = before;
-      LayerRun run = cuda.forward(*layer, hidden, batch, &after, settings);
-      const std::vector<unsigned char> out_bytes = shifted_out.download<unsigned char>();
-      CHECK(out_bytes[0] == kPoisonByte);
-      CHECK(out_bytes[1] == kPoisonByte);
-      run.out.assign(hidden.size(), 0);
-      std::memcpy(run.out.data(), out_bytes.data() + 2, bytes);
-      run.all_written = all_finite(run.out);
-      run.guards_intact =
-          run.guards_intact && shifted_hidden.guards_intact() && shifted_out.guards_intact();
-      check_forward(cuda, weights, hidden, batch, before, run, after);
+      for (const bool shift_hidden : {true, false}) {
+        CAPTURE(full_rank);
+        CAPTURE(batch.decode_tokens);
+        CAPTURE(batch.tokens());
+        CAPTURE(shift_hidden);
+        Pools before(config, 64);
+        before.randomize(22);
+        const std::vector<bf16_bits> hidden =
+            random_bf16(static_cast<std::size_t>(batch.tokens() * E), 1.0f, 23);
+        const std::size_t bytes = hidden.size() * sizeof(bf16_bits);
+        DeviceBuffer shifted_hidden(bytes + 2), shifted_out(bytes + 2);
+        shifted_hidden.fill(0);
+        REQUIRE(memcpy_to_device(static_cast<unsigned char*>(shifted_hidden.get()) + 2,
+                                 hidden.data(), bytes)
+                    .ok());
+        REQUIRE(DeviceBuffer::synchronize().ok());
+        shifted_out.fill(kPoisonByte);
+        layer::DecodeKernel ran = layer::DecodeKernel::kAuto;
+        ForwardSettings settings;
+        settings.change = [&](ForwardCall& call) {
+          if (shift_hidden) call.hidden = static_cast<const bf16_bits*>(shifted_hidden.get()) + 1;
+          call.out = static_cast<bf16_bits*>(shifted_out.get()) + 1;
+          call.options.decode_kernel_ran = &ran;
+        };
+        Pools after = before;
+        LayerRun run = cuda.forward(*layer, hidden, batch, &after, settings);
+        const std::vector<unsigned char> out_bytes = shifted_out.download<unsigned char>();
+        CHECK(out_bytes[0] == kPoisonByte);
+        CHECK(out_bytes[1] == kPoisonByte);
+        run.out.assign(hidden.size(), 0);
+        std::memcpy(run.out.data(), out_bytes.data() + 2, bytes);
+        run.all_written = all_finite(run.out);
+        run.guards_intact =
+            run.guards_intact && shifted_hidden.guards_intact() && shifted_out.guards_intact();
+        check_forward(cuda, weights, hidden, batch, before, run, after);
+        if (batch.decode_tokens > 0 &&
+            batch.sequences() <= layer::cuda::one_launch_max_rows(config.num_heads)) {
+          CHECK((ran == layer::DecodeKernel::kOneLaunch) == !shift_hidden);
+        }
+      }
     }
   }
 #endif
