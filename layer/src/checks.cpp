@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -348,6 +349,63 @@ void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch
   if (workspace.ptr == nullptr) invalid(what, "workspace.ptr is null");
 }
 
+std::array<ForwardBuffer, kForwardBuffers> forward_buffers(const Config& c, const Batch& batch,
+                                                           const State& state, const void* hidden,
+                                                           const void* out, Workspace workspace) {
+  const auto T = static_cast<std::uint64_t>(batch.tokens),
+             N = static_cast<std::uint64_t>(batch.sequences);
+  const auto E = static_cast<std::uint64_t>(c.hidden_size),
+             D = static_cast<std::uint64_t>(c.head_dim);
+  const auto Hl = static_cast<std::uint64_t>(c.local_heads()),
+             Cl = static_cast<std::uint64_t>(c.local_channels());
+  const auto W = static_cast<std::uint64_t>(c.conv_width > 1 ? c.conv_width - 1 : 0);
+  const auto slots = static_cast<std::uint64_t>(state.num_slots);
+  const auto checkpoints = static_cast<std::uint64_t>(batch.checkpoints);
+  const auto fold_pairs = static_cast<std::uint64_t>(batch.fold_sequences) *
+                          static_cast<std::uint64_t>(batch.fold_decode_tokens);
+  const bool decode = batch.decode_tokens > 0;
+  const bool folds = decode && batch.fold_sequences > 0;
+  // A verify step's slots are [N, decode_tokens].
+  const auto slots_a_row = static_cast<std::uint64_t>(
+      batch.num_accepted != nullptr && batch.decode_tokens > 0 ? batch.decode_tokens : 1);
+  // Products of sizes check_forward bounded; checked all the same, since a wrong byte count here
+  // would pass a bad pointer.
+  auto bytes = [](std::initializer_list<std::uint64_t> factors) {
+    std::uint64_t product = 0;
+    if (!checked_product(factors, &product)) {
+      throw Error(StatusCode::kOverflow, "KDA layer forward: a buffer's bytes overflow 64 bits");
+    }
+    return product;
+  };
+  const std::uint64_t conv_pool = bytes({slots, Cl, W, 2});
+  return {{
+      {hidden, bytes({T, E, 2}), "hidden"},
+      {out, bytes({T, E, 2}), "out"},
+      {workspace.ptr, workspace.bytes, "workspace"},
+      {state.conv_q, conv_pool, "conv_q pool"},
+      {state.conv_k, conv_pool, "conv_k pool"},
+      {state.conv_v, conv_pool, "conv_v pool"},
+      {state.recurrent, bytes({slots, Hl, D, D, dtype_size(state.recurrent_dtype)}),
+       "recurrent pool"},
+      {decode ? nullptr : batch.cu_seqlens, bytes({N + 1, 8}), "cu_seqlens"},
+      {decode ? nullptr : batch.cu_seqlens_i32, bytes({N + 1, 4}), "cu_seqlens_i32"},
+      {batch.slots, bytes({N, slots_a_row, 4}), "slots"},
+      {batch.records ? state.recurrent_records : nullptr, bytes({T, Hl, 3, D, 4}),
+       "recurrent_records"},
+      {batch.records ? state.conv_records : nullptr, bytes({T, 3, Cl, 2}), "conv_records"},
+      {batch.num_accepted, bytes({N, 4}), "num_accepted"},
+      {folds ? batch.fold_rows : nullptr, bytes({N, 4}), "fold_rows"},
+      {folds ? batch.fold_counts : nullptr, bytes({N, 4}), "fold_counts"},
+      {folds ? state.fold_recurrent_records : nullptr, bytes({fold_pairs, Hl, 3, D, 4}),
+       "fold_recurrent_records"},
+      {folds ? state.fold_conv_records : nullptr, bytes({fold_pairs, 3, Cl, 2}),
+       "fold_conv_records"},
+      {batch.checkpoint_offsets, bytes({N, checkpoints, 8}), "checkpoint_offsets"},
+      {batch.checkpoint_slots, bytes({N, checkpoints, 4}), "checkpoint_slots"},
+      {batch.device_status, 4, "device_status"},
+  }};
+}
+
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, HostFold fold_host,
@@ -358,6 +416,16 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
   const WorkspaceLayout layout =
       forward_workspace_layout(backend, c, batch.tokens, batch.sequences, state.num_slots, what);
   check_workspace(workspace, layout.total, batch, what);
+  if (!core_inputs && batch.tokens > 0) {
+    const auto buffers = forward_buffers(c, batch, state, hidden, out, workspace);
+    const ForwardBuffer& written = buffers[1];
+    // hidden (buffers[0]): check_forward's own message.
+    for (std::size_t i = 2; i < buffers.size(); ++i) {
+      if (byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
+        invalid(what, std::string("out overlaps ") + buffers[i].name);
+      }
+    }
+  }
   return layout;
 }
 

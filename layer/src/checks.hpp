@@ -4,6 +4,7 @@
 // (CUDA)") in front of the message.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -79,13 +80,30 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
 
 // Every host check of a forward, in order — check_forward, the batch's workspace layout on
-// `backend`, check_workspace — and that layout.
+// `backend`, check_workspace, out overlapping none of the other forward_buffers (a forward writes
+// out last: it would overwrite states or metadata already used, or the workspace o_proj reads) —
+// and that layout.
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
                                        const std::int32_t* accepted_host, HostFold fold_host,
                                        const State& state, const void* hidden, const void* out,
                                        Workspace workspace, const char* what,
                                        bool core_inputs = false);
+
+// One of the caller's regions a forward reads or writes beside the layer's weights, and the bytes
+// of it the forward may touch; null where the batch names none (or does not use it).
+struct ForwardBuffer {
+  const void* ptr = nullptr;
+  std::uint64_t bytes = 0;
+  const char* name = "";
+};
+inline constexpr std::size_t kForwardBuffers = 20;
+// hidden and out first, then the workspace (its declared bytes), the state pools, the batch's
+// arrays, the records regions and the device status word: what the CUDA layer asks the driver
+// about, and what out must not overlap. After check_forward (which bounds the sizes).
+std::array<ForwardBuffer, kForwardBuffers> forward_buffers(const Config& c, const Batch& batch,
+                                                           const State& state, const void* hidden,
+                                                           const void* out, Workspace workspace);
 
 // A prefill's checkpoint requests (Batch::checkpoints > 0) where the host can read them: each
 // offset -1, or a multiple of kda::kCheckpointAlignment up to its sequence's length, or that

@@ -819,7 +819,6 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
                                               " tokens in " + std::to_string(N) +
                                               " sequences exceed one launch (2^31 - 1 rows)");
   }
-  const std::size_t hidden_bytes = static_cast<std::size_t>(T * E) * sizeof(bf16_bits);
   Problem core = core_prefill_problem(c, T, N, batch.slots != nullptr ? state.num_slots : 0,
                                       state.recurrent_dtype);
   core.cu_seqlens_dtype = cu_seqlens_dtype(batch);  // the core reads int32 ones as they are
@@ -828,7 +827,6 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   const DecodeProblem step = decode_step_problem(c, batch, state);
   // The commit of the records step before, deferred into this one (Batch::fold_sequences).
   const bool folds = decode && batch.fold_sequences > 0;
-  const bool per_token_slots = batch.num_accepted != nullptr;
   // The records regions are read and written 16 bytes at a time.
   auto require_aligned16 = [&](bool used, const void* a, const void* b, const char* names) {
     if (used &&
@@ -842,45 +840,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
   require_aligned16(folds && N > 0, state.fold_recurrent_records, state.fold_conv_records,
                     "State::fold_recurrent_records and fold_conv_records");
   if (options.check_pointers && N > 0) {
-    const std::size_t conv_pool = static_cast<std::size_t>(state.num_slots * Cl * (W - 1)) * 2;
-    const std::size_t recurrent_pool =
-        static_cast<std::size_t>(state.num_slots * Hl * D * D) * dtype_size(state.recurrent_dtype);
-    const struct {
-      const void* ptr;
-      std::size_t bytes;
-      const char* name;
-    } buffers[] = {
-        {hidden, hidden_bytes, "hidden"},
-        {out, hidden_bytes, "out"},
-        {workspace.ptr, workspace.bytes, "workspace"},
-        {state.conv_q, conv_pool, "conv_q pool"},
-        {state.conv_k, conv_pool, "conv_k pool"},
-        {state.conv_v, conv_pool, "conv_v pool"},
-        {state.recurrent, recurrent_pool, "recurrent pool"},
-        {decode ? nullptr : batch.cu_seqlens, static_cast<std::size_t>(N + 1) * 8, "cu_seqlens"},
-        {decode ? nullptr : batch.cu_seqlens_i32, static_cast<std::size_t>(N + 1) * 4,
-         "cu_seqlens_i32"},
-        {batch.slots, static_cast<std::size_t>(N * (per_token_slots ? batch.decode_tokens : 1)) * 4,
-         "slots"},
-        {batch.records ? state.recurrent_records : nullptr,
-         static_cast<std::size_t>(T * Hl * 3 * D) * 4, "recurrent_records"},
-        {batch.records ? state.conv_records : nullptr, static_cast<std::size_t>(T * 3 * Cl) * 2,
-         "conv_records"},
-        {batch.num_accepted, static_cast<std::size_t>(N) * 4, "num_accepted"},
-        {folds ? batch.fold_rows : nullptr, static_cast<std::size_t>(N) * 4, "fold_rows"},
-        {folds ? batch.fold_counts : nullptr, static_cast<std::size_t>(N) * 4, "fold_counts"},
-        {folds ? state.fold_recurrent_records : nullptr,
-         static_cast<std::size_t>(batch.fold_sequences * batch.fold_decode_tokens * Hl * 3 * D) * 4,
-         "fold_recurrent_records"},
-        {folds ? state.fold_conv_records : nullptr,
-         static_cast<std::size_t>(batch.fold_sequences * batch.fold_decode_tokens * 3 * Cl) * 2,
-         "fold_conv_records"},
-        {batch.checkpoint_offsets, static_cast<std::size_t>(N * batch.checkpoints) * 8,
-         "checkpoint_offsets"},
-        {batch.checkpoint_slots, static_cast<std::size_t>(N * batch.checkpoints) * 4,
-         "checkpoint_slots"},
-        {batch.device_status, 4, "device_status"},
-    };
+    const auto buffers = forward_buffers(c, batch, state, hidden, out, workspace);
     for (const auto& b : buffers) {
       throw_if_error(check_device_pointer(b.ptr, b.bytes, b.name), "KDA layer forward (CUDA)");
     }

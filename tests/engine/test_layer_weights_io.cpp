@@ -7,7 +7,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sys/stat.h>
+
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -177,6 +180,31 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
   CHECK(error_of([&] {
           Checkpoint::open(broken_dir.path.string());
         }).find(broken_index + ": has no \"weight_map\" object") != std::string::npos);
+
+  // An index that is a FIFO (its reader would block forever) or a link to a device (never ending),
+  // named or found in its folder, is refused before it is opened; one holding binary data names
+  // the offset of its first zero byte.
+  TempDir special_dir;
+  const std::string fifo_index = special_dir.file("model.safetensors.index.json");
+  REQUIRE(::mkfifo(fifo_index.c_str(), 0600) == 0);
+  for (const std::string& named : {fifo_index, special_dir.path.string()}) {
+    CAPTURE(named);
+    CHECK(error_of([&] { Checkpoint::open(named); }) ==
+          fifo_index + ": the checkpoint index is not a regular file (a FIFO, socket or device)");
+  }
+  TempDir device_dir;
+  const std::string device_index = device_dir.file("index.json");
+  std::error_code linked;
+  std::filesystem::create_symlink("/dev/zero", device_index, linked);
+  if (!linked) {
+    CHECK(error_of([&] {
+            Checkpoint::open(device_index);
+          }).find(device_index + ": the checkpoint index is not a regular file") == 0);
+  }
+  std::ofstream(broken_index, std::ios::binary) << std::string("{\"weight_map\"\0}", 15);
+  CHECK(error_of([&] { Checkpoint::open(broken_index); })
+            .find(broken_index + ": the checkpoint index holds binary data (a zero byte at offset "
+                                 "13): it should be the JSON text") == 0);
 
   // Shards outside the index's directory are refused before anything is opened, although the
   // files named exist.

@@ -698,7 +698,8 @@ TEST_CASE("files: weights resolve against the YAML's directory / unreadable file
   const std::string binary_message =
       binary.string() + ": the model description holds binary data (a zero byte at offset " +
       std::to_string(std::string(kValid).size()) +
-      "), not YAML or JSON text (a .safetensors file is named by the description's `weights` key)";
+      "): it should be a YAML or JSON text of a few KB; a checkpoint's weights are named by the "
+      "description's `weights` key, or found in its folder";
   CHECK_THROWS_WITH_AS(kda::engine::load_model_spec(binary.string()), binary_message.c_str(),
                        kda::Error);
   fs::resize_file(binary, (std::uintmax_t{16} << 20) + 1);

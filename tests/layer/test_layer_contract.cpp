@@ -299,6 +299,30 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
     };
     refused("out overlaps hidden");
   }
+  SUBCASE("out overlapping the workspace, a state pool or the batch's arrays") {
+    // A forward writes out last: over the states it has just written, the workspace o_proj
+    // reads, or metadata a captured graph reads again.
+    struct Target {
+      const char* name;
+      std::function<void*(const ForwardCall&)> at;
+    };
+    const Target targets[] = {
+        {"workspace", [](const ForwardCall& c) { return c.workspace.ptr; }},
+        {"recurrent pool", [](const ForwardCall& c) { return c.state.recurrent; }},
+        {"conv_v pool", [](const ForwardCall& c) { return static_cast<void*>(c.state.conv_v); }},
+        {"slots", [](const ForwardCall& c) { return const_cast<std::int32_t*>(c.batch.slots); }},
+        {"cu_seqlens",
+         [](const ForwardCall& c) { return const_cast<std::int64_t*>(c.batch.cu_seqlens); }},
+    };
+    for (const Target& target : targets) {
+      CAPTURE(target.name);
+      settings.change = [&target](ForwardCall& call) {
+        call.out = static_cast<bf16_bits*>(target.at(call));
+        call.options.check_pointers = false;
+      };
+      refused(std::string("out overlaps ") + target.name);
+    }
+  }
   SUBCASE("the recurrent pool inside the workspace") {
     // What only the core's own checks find (its state against its intermediates): still before
     // the conv writes the conv states. (CUDA's pointer checks find the pool past the workspace's

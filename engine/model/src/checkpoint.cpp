@@ -4,15 +4,12 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
 
-#include "file_failure.hpp"
 #include "json_error.hpp"
 #include "kda/error.hpp"
+#include "text_file.hpp"
 
 namespace kda::engine {
 
@@ -57,14 +54,13 @@ Checkpoint Checkpoint::open(const std::string& path) {
   if (!ends_with(index_path, ".json")) return from_file(SafetensorsFile::open(path));
 
   // A sharded checkpoint: {"metadata": {...}, "weight_map": {"tensor": "shard file", ...}}.
-  errno = 0;
-  std::ifstream in(index_path);
-  if (!in) fail(index_path, file_failure("cannot open the checkpoint index", index_path, errno));
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::string text = read_text_file(
+      index_path, "the checkpoint index",
+      "it should be the JSON text of model.safetensors.index.json, a map from each tensor's name "
+      "to its shard file");
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(text.str());
+    index = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& e) {
     // "parse error at line 3, column 7: ...": the position is kept, the library's tag is not.
     fail(index_path, "is not valid JSON: " + json_error_text(e));

@@ -9,20 +9,18 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <set>
 #include <sstream>
 
-#include "file_failure.hpp"
 #include "json_error.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/model_family.hpp"
 #include "kda/error.hpp"
 #include "kda/kda.hpp"
+#include "text_file.hpp"
 
 namespace kda::engine {
 
@@ -989,41 +987,12 @@ std::string first_model_key(const YAML::Node& root) {
   return "";
 }
 
-// The text of `path`, or an error naming it and why it cannot be read.
-std::string read_text_file(const std::string& path, const char* what) {
-  if (is_special_file(path)) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + what + " is not a regular file (a FIFO, socket or device)");
-  }
-  errno = 0;
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + file_failure(std::string("cannot open ") + what, path, errno));
-  }
-  // A description is a short text: read at most one byte past the cap (a character device or a
-  // checkpoint's weights named by mistake would otherwise be read whole), and no binary data.
-  constexpr std::size_t kMaxBytes = std::size_t{16} << 20;
-  std::string text(kMaxBytes + 1, '\0');
-  errno = 0;
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  if (in.bad()) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + file_failure(std::string("cannot read ") + what, path, errno));
-  }
-  text.resize(static_cast<std::size_t>(in.gcount()));
-  if (text.size() > kMaxBytes) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + what + " is over 16 MiB: it is a YAML or JSON text of a few KB (a " +
-                    "checkpoint's weights are named by its `weights` key, or found in its folder)");
-  }
-  if (const std::size_t nul = text.find('\0'); nul != std::string::npos) {
-    throw Error(StatusCode::kInvalidArgument,
-                path + ": " + what + " holds binary data (a zero byte at offset " +
-                    std::to_string(nul) + "), not YAML or JSON text (a .safetensors file is " +
-                    "named by the description's `weights` key)");
-  }
-  return text;
+// The text of a model description or a config.json (read_text_file), with what such a file is
+// when it is too long or binary.
+std::string read_description_text(const std::string& path, const char* what) {
+  return read_text_file(path, what,
+                        "it should be a YAML or JSON text of a few KB; a checkpoint's weights are "
+                        "named by the description's `weights` key, or found in its folder");
 }
 
 // A YAML or JSON document that is a map with unique keys.
@@ -1177,8 +1146,8 @@ ModelSpec parse_description(const std::string& text, const std::string& source_n
                              &spec.warnings);
     const Context& mctx = from_folder ? config_ctx : ctx;
     const YAML::Node top =
-        from_folder ? load_map(config_ctx,
-                               read_text_file(folder_config.string(), "the model's config.json"))
+        from_folder ? load_map(config_ctx, read_description_text(folder_config.string(),
+                                                                 "the model's config.json"))
                     : root;
     const YAML::Node text_config = optional(top, "text_config");
     if (text_config.IsDefined()) require_map(mctx, text_config, "text_config");
@@ -1334,10 +1303,10 @@ ModelSpec load_model_spec(const std::string& path, const ModelSpecOptions& optio
                       "config.json and its weights, model.safetensors or "
                       "model.safetensors.index.json; a model description is a YAML/JSON file)");
     }
-    return parse_description(read_text_file(config.string(), "the model's config.json"),
+    return parse_description(read_description_text(config.string(), "the model's config.json"),
                              config.string(), path, options, path);
   }
-  const std::string text = read_text_file(path, "the model description");
+  const std::string text = read_description_text(path, "the model description");
   const fs::path parent = fs::path(path).parent_path();
   return parse_description(text, path, parent.empty() ? std::string(".") : parent.string(), options,
                            {});

@@ -188,7 +188,7 @@ typedef struct kda_engine_options {
                                             KDA_DECODE_STEP_DEFAULT (0) */
   int null_slot; /* a slot index that is padding in every batch, as a negative one, and is never
                     acquired (kda::engine::EngineOptions::null_slot: one of the max_sequences
-                    slots); default -1: none */
+                    slots); default -1, as any negative value: none */
   int reserved2; /* must be 0; with null_slot, kept the size of the version that added it (64 bytes
                     on LP64) apart from the one before (56) */
   /* Values that replace the description's runtime keys, each checked as the description's own

@@ -257,7 +257,8 @@ class Layer {
   // Bytes of this layer's weight image (= weight_image_bytes(backend(), config())).
   std::size_t weight_bytes() const noexcept { return weight_bytes_; }
 
-  // hidden: bf16 [T, E]; out: bf16 [T, E], not overlapping hidden. Throws kda::Error.
+  // hidden: bf16 [T, E]; out: bf16 [T, E], overlapping none of hidden, the workspace, the state
+  // pools and records regions, the batch's arrays and its device status word. Throws kda::Error.
   void forward(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, const State& state,
                Workspace workspace, const RunOptions& options = {}) const {
     run(batch, hidden, out, state, workspace, options, nullptr);

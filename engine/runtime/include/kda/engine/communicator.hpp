@@ -18,7 +18,9 @@
 // never aborts a group: a call refused on one rank (its arguments are checked before the first
 // collective, so that rank's states stay as they were) is not known to the other ranks, which go
 // on into the collective; the runtime wakes or aborts them through its transport (NCCL:
-// ncclCommAbort).
+// ncclCommAbort). A collective that throws does so after the layers before it have run: the
+// call's slots have taken its tokens in those layers and out holds a partial result, so the
+// runtime resets or restores the call's sequences along with the group.
 //
 // Which bits an all-reduce gives: the local transports (CPU and CUDA) sum bf16 in fp32 in rank
 // order and round once, so every rank gets the same bits and the CPU and CUDA ones agree bitwise.
