@@ -788,6 +788,17 @@ TEST_CASE("kda-run --case: bad files exit 1 / name the problem and write nothing
   bad = good;
   bad.metadata["scale"] = "-1";
   check_rejected(bad, "scale");
+  // A scale that is 0 as a float would be taken as K^-1/2: refused, not replaced.
+  bad.metadata["scale"] = "1e-300";
+  check_rejected(bad,
+                 "metadata 'scale' is 1e-300, expected a finite value > 0 (as a float: from "
+                 "1.4e-45 up)");
+  // Decimal only, as the other metadata numbers: no leading space, no hexadecimal.
+  for (const char* written : {" 0.5", "0x1p-3", "0.5 "}) {
+    CAPTURE(written);
+    bad.metadata["scale"] = written;
+    check_rejected(bad, "not a number");
+  }
 
   bad = good;  // dt_bias neither [H, K] nor [H * K]
   bad.tensors.at("dt_bias").shape = {16, 1};

@@ -191,9 +191,11 @@ KdaCase make_case(std::map<std::string, Tensor> tensors,
     if (!parse_case_number(it->second, &scale)) {
       fail(source, "metadata 'scale' is '" + it->second + "', not a number");
     }
-    if (!std::isfinite(scale) || scale <= 0.0 || !std::isfinite(static_cast<float>(scale))) {
-      fail(source,
-           "metadata 'scale' is " + case_number_text(scale) + ", expected a finite value > 0");
+    if (!std::isfinite(scale) || scale <= 0.0 || !std::isfinite(static_cast<float>(scale)) ||
+        !(static_cast<float>(scale) > 0.0f)) {
+      // A float of 0 would mean K^-1/2 to the operator: a tiny scale is refused, not replaced.
+      fail(source, "metadata 'scale' is " + case_number_text(scale) +
+                       ", expected a finite value > 0 (as a float: from 1.4e-45 up)");
     }
     p.scale = static_cast<float>(scale);
   }

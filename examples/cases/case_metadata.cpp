@@ -1,6 +1,7 @@
 #include "case_metadata.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -18,7 +19,12 @@ void case_fail(const std::string& source, const std::string& what) {
 }
 
 bool parse_case_number(const std::string& text, double* value) {
-  if (text.empty()) return false;
+  // Decimal only, as written by the tools that make case files: no leading space (strtod skips
+  // it, where a trailing one is refused) and no hexadecimal ("0x2", "0x1p-3").
+  if (text.empty() || std::isspace(static_cast<unsigned char>(text.front())) ||
+      text.find_first_of("xX") != std::string::npos) {
+    return false;
+  }
   errno = 0;
   char* end = nullptr;
   const double parsed = std::strtod(text.c_str(), &end);

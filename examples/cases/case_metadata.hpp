@@ -19,7 +19,8 @@ using CaseMetadata = std::map<std::string, std::string>;
 // kInvalidArgument "source: what".
 [[noreturn]] void case_fail(const std::string& source, const std::string& what);
 
-// The whole string as a number, no trailing garbage; false otherwise.
+// The whole string as a decimal number (no leading space, no hexadecimal, nothing after it);
+// false otherwise.
 bool parse_case_number(const std::string& text, double* value);
 // A number as the messages print it.
 std::string case_number_text(double value);

@@ -107,7 +107,8 @@ LayerCase load_layer_case(const std::string& path) {
     double value = 0.0;
     if (!parse_case_number(eps->second, &value) || !std::isfinite(value) || value <= 0.0 ||
         !(static_cast<float>(value) > 0.0f)) {
-      fail(path, "metadata 'norm_eps' is '" + eps->second + "', expected a finite number > 0");
+      fail(path, "metadata 'norm_eps' is '" + eps->second + "', expected a finite number > 0" +
+                     (std::isfinite(value) && value > 0.0 ? " (as a float it is 0)" : ""));
     }
     config.norm_eps = static_cast<float>(value);
   }

@@ -217,6 +217,9 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
     if (Status st = detail::check_state_slots(p, t.state_slots, seen); !st) return st;
     if (Status st = detail::check_checkpoints(p, t, seen); !st) return st;
   }
+  // No token and no state to write (checkpoints go into final_state's pool): nothing to do, however
+  // many sequences (a fixed-length batch of 2^40 empty ones would otherwise be walked one by one).
+  if (p.total_tokens() == 0 && t.final_state == nullptr) return Status::Ok();
   // Tokens x V x K, saturated: only a heuristic for the automatic thread count.
   const double updates = static_cast<double>(p.total_tokens()) * static_cast<double>(p.num_heads) *
                          static_cast<double>(p.head_dim_v * p.head_dim_k);

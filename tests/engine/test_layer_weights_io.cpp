@@ -181,6 +181,13 @@ TEST_CASE("layer weights load from a sharded checkpoint's model.safetensors.inde
           Checkpoint::open(broken_dir.path.string());
         }).find(broken_index + ": has no \"weight_map\" object") != std::string::npos);
 
+  // A tensor listed twice: nlohmann would keep the second shard named.
+  std::ofstream(broken_index) << R"({"weight_map": {"a": "b.safetensors", "a": "c.safetensors"}})";
+  CHECK(error_of([&] {
+          Checkpoint::open(broken_dir.path.string());
+        }).find(broken_index + ": the checkpoint index repeats the key 'a' in one object") !=
+        std::string::npos);
+
   // An index that is a FIFO (its reader would block forever) or a link to a device (never ending),
   // named or found in its folder, is refused before it is opened; one holding binary data names
   // the offset of its first zero byte.

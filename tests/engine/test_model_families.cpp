@@ -509,6 +509,13 @@ KDA_CPU_CASE("GLM-5.3-Flash's config: its keys, layer_types, the bounded gate by
   CHECK(parse_error(replace(config, "-5.0", "0.5"))
             .find("text_config.linear_lower_bound: value "
                   "0.5 is outside [-5, 0)") != std::string::npos);
+  // A number or a boolean where a layer type belongs is refused, not taken for full attention.
+  for (const char* entry : {"5", "true", "\"\""}) {
+    CAPTURE(entry);
+    CHECK(parse_error(replace(config, "\"deepseek_sparse_attention\"", entry))
+              .find("text_config.layer_types[2]: expected a layer type such as "
+                    "\"linear_attention\" or \"full_attention\", got '") != std::string::npos);
+  }
 }
 
 KDA_CPU_CASE("Kimi-Linear as transformers writes it: top-level sizes and layer_types") {

@@ -187,6 +187,19 @@ TEST_CASE("typos in the engine's sections: a warning with the spelling meant") {
         std::string::npos);
 }
 
+TEST_CASE("text after the description (a second document, more after a JSON object) is refused") {
+  for (const std::string& text :
+       {kValid + std::string("---\nmodel:\n  hidden_size: 8\n"),
+        std::string(R"({"model": {"hidden_size": 64}} {"model": {"hidden_size": "x"}})"),
+        std::string(R"({"model": {"hidden_size": 64}} garbage)")}) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(parse_model_spec(text, "m.yaml"),
+                         doctest::Contains("text after the model description (a second YAML "
+                                           "document, or more after the JSON object's end)"),
+                         kda::Error);
+  }
+}
+
 TEST_CASE("strict mode: an unknown key in the engine's sections is an error") {
   kda::engine::ModelSpecOptions strict;
   strict.strict = true;

@@ -241,6 +241,37 @@ TEST_CASE("malformed files: header garbage") {
   check_bad(dir, file_with_header(R"({"__metadata__": {"gate": 3}})", 0),
             {"__metadata__", "'gate'", "not a string"});
   check_bad(dir, file_with_header(R"({"__metadata__": [1]})", 0), {"__metadata__"});
+  // A shape entry that is a whole structure is shown cut short, never dumped whole.
+  const std::string nested = "[[[[\"" + std::string(200, 'a') + "\"]]]]";
+  const std::string shown = "tensor 't': shape entry 1 ([[[[\"" + std::string(35, 'a') +
+                            "...) is not a non-negative 64-bit integer";
+  check_bad(
+      dir,
+      file_with_header(
+          R"({"t": {"dtype": "F32", "shape": [1, )" + nested + R"(], "data_offsets": [0, 4]}})", 4),
+      {shown.c_str()});
+}
+
+TEST_CASE("malformed files: a repeated key, deep nesting, a zero byte in the header") {
+  TempDir dir;
+  // nlohmann would keep the second 't' (here the one whose bytes are NaN).
+  check_bad(dir,
+            file_with_header(R"({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},)"
+                             R"( "t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                             8),
+            {"header repeats the key 't' in one object"});
+  check_bad(dir, file_with_header(R"({"__metadata__": {"a": "1", "a": "2"}})", 0),
+            {"header repeats the key 'a' in one object"});
+  // Nesting that would only be dumped or walked: refused by the first pass, which builds no tree
+  // (a shape nested 100,000 deep crashed the message that showed it).
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  check_bad(dir,
+            file_with_header(
+                R"({"t": {"dtype": "F32", "shape": )" + deep + R"(, "data_offsets": [0, 0]}})", 0),
+            {"header nests objects and arrays more than 8 deep"});
+  // A zero byte: nlohmann would stop reading there and take "{}".
+  check_bad(dir, file_with_header(std::string("{}\0 garbage", 11), 0),
+            {"header holds a zero byte at offset 2"});
 }
 
 TEST_CASE("dtypes: F16 is read, other safetensors dtypes are listed, refused when read, unknown") {

@@ -3,6 +3,7 @@
 // element written (zero-length sequences get zero states, not poison).
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <vector>
 
 #include "backend_matrix.hpp"
@@ -20,6 +21,26 @@ KDA_MATRIX_CASE("prefill of zero sequences and zero tokens") {
   const PrefillRun got = runner.prefill(c);
   CHECK_MESSAGE(got.status.ok(), got.status.to_string());
   CHECK(got.guards_intact);
+}
+
+KDA_CPU_CASE("2^40 empty fixed-length rows with no state to write return at once") {
+  // Nothing to compute and nothing to write: not walked row by row (hours at 2^40 rows).
+  Problem p;
+  p.batch = std::int64_t{1} << 40;
+  p.seq_len = 0;
+  p.num_heads = 1;
+  p.head_dim_k = p.head_dim_v = 8;
+  const std::vector<float> A_log(1, 0.0f), dt_bias(8, 0.0f);
+  Tensors t;
+  t.A_log = A_log.data();
+  t.dt_bias = dt_bias.data();
+  std::size_t bytes = 0;
+  REQUIRE(workspace_size(p, Backend::kCpu, &bytes).ok());
+  std::vector<unsigned char> workspace(bytes + 64);
+  const auto start = std::chrono::steady_clock::now();
+  const Status st = forward_cpu(p, t, Workspace{workspace.data(), workspace.size()});
+  CHECK_MESSAGE(st.ok(), st.to_string());
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
 }
 
 KDA_CPU_CASE("varlen equals fixed-length rows of the same tokens") {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 
+#include "bounded_json.hpp"
 #include "json_error.hpp"
 #include "kda/error.hpp"
 #include "text_file.hpp"
@@ -60,7 +61,9 @@ Checkpoint Checkpoint::open(const std::string& path) {
       "to its shard file");
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(text);
+    index = parse_bounded_json(text);
+  } catch (const JsonBoundsError& e) {
+    fail(index_path, std::string("the checkpoint index ") + e.what());
   } catch (const nlohmann::json::exception& e) {
     // "parse error at line 3, column 7: ...": the position is kept, the library's tag is not.
     fail(index_path, "is not valid JSON: " + json_error_text(e));

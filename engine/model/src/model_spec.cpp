@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <set>
 #include <sstream>
 
+#include "bounded_json.hpp"
 #include "json_error.hpp"
 #include "kda/engine/checkpoint.hpp"
 #include "kda/engine/model_family.hpp"
@@ -347,35 +349,31 @@ YAML::Mark mark_at(const std::string& text, std::size_t offset) {
 // neither is reported with the JSON parser's message, which is the one that names the problem.
 YAML::Node load_document(const Context& ctx, const std::string& text) {
   try {
-    return YAML::Load(text);
+    // Every document, so that text after the first (a second `---` document, or anything after a
+    // closed JSON object) is refused rather than ignored.
+    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
+    if (documents.size() > 1) {
+      ctx.fail(documents[1].Mark(), "",
+               "text after the model description (a second YAML document, or more after the "
+               "JSON object's end): a description is one document");
+    }
+    return documents.empty() ? YAML::Node() : documents[0];
   } catch (const YAML::Exception& e) {
     if (looks_like_json(text)) {
       try {
         // A key twice in one object: refused, as the YAML reader does (nlohmann would keep the
-        // last value).
-        std::vector<std::set<std::string>> open_objects;
-        std::string duplicate;
-        const auto on_event = [&](int, nlohmann::json::parse_event_t event,
-                                  nlohmann::json& parsed) {
-          using Event = nlohmann::json::parse_event_t;
-          if (event == Event::object_start) {
-            open_objects.emplace_back();
-          } else if (event == Event::object_end) {
-            if (!open_objects.empty()) open_objects.pop_back();
-          } else if (event == Event::key && duplicate.empty() && !open_objects.empty() &&
-                     parsed.is_string() &&
-                     !open_objects.back().insert(parsed.get<std::string>()).second) {
-            duplicate = parsed.get<std::string>();
-          }
-          return true;
-        };
-        nlohmann::json parsed = nlohmann::json::parse(text, on_event);
-        if (!duplicate.empty()) {
-          // Marked at the key's second spelling where it is written plainly.
-          const std::string quoted = "\"" + duplicate + "\"";
+        // last value); marked at the key's second spelling where it is written plainly.
+        nlohmann::json parsed;
+        try {
+          parsed = parse_bounded_json(text, JsonBounds{64});
+        } catch (const JsonBoundsError& bounds) {
+          if (bounds.key().empty())
+            ctx.fail(mark_at(text, 0), "", std::string("JSON ") + bounds.what());
+          const std::string quoted = "\"" + bounds.key() + "\"";
           std::size_t at = text.find(quoted);
           at = at == std::string::npos ? 0 : text.find(quoted, at + 1);
-          ctx.fail(mark_at(text, at == std::string::npos ? 0 : at), duplicate, "key appears twice");
+          ctx.fail(mark_at(text, at == std::string::npos ? 0 : at), bounds.key(),
+                   "key appears twice");
         }
         return yaml_from_json(ctx, parsed);
       } catch (const nlohmann::json::parse_error& json_error) {
@@ -640,7 +638,17 @@ std::vector<int> layers_of_types(const Context& ctx, const Found& found, std::in
   }
   std::vector<int> kda;
   for (std::size_t i = 0; i < list.size(); ++i) {
-    const std::string type = as_string(ctx, list[i], found.key + "[" + std::to_string(i) + "]");
+    const std::string entry = found.key + "[" + std::to_string(i) + "]";
+    const std::string type = as_string(ctx, list[i], entry);
+    // A layer type is a word; a number or a boolean in the list is a mistake, not a full-attention
+    // layer.
+    char* end = nullptr;
+    const bool number = !type.empty() && (std::strtod(type.c_str(), &end), *end == '\0');
+    if (number || type == "true" || type == "false" || type.empty()) {
+      ctx.fail(list[i], entry,
+               "expected a layer type such as \"linear_attention\" or \"full_attention\", got '" +
+                   type + "'");
+    }
     const int layer = static_cast<int>(i) + 1;
     if (type == "linear_attention" || type == "kda_attention") {
       kda.push_back(layer);
@@ -934,7 +942,9 @@ void read_model(const ModelConfig& m, const ModelFamily* family,
         static_cast<float>(value) <= 0.0f) {
       std::ostringstream shown;
       shown << value;
-      ctx.fail(eps, key, "value " + shown.str() + " is not a finite number > 0");
+      ctx.fail(eps, key,
+               "value " + shown.str() + " is not a finite number > 0" +
+                   (std::isfinite(value) && value > 0.0 ? " (as a float it is 0)" : ""));
     }
     spec->rms_norm_eps = static_cast<float>(value);
   }

@@ -14,6 +14,7 @@
 #include <set>
 #include <system_error>
 
+#include "bounded_json.hpp"
 #include "file_failure.hpp"
 #include "kda/error.hpp"
 
@@ -156,7 +157,9 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
                                                  std::map<std::string, std::string>* metadata) {
   json header;
   try {
-    header = json::parse(header_json);
+    header = parse_bounded_json(header_json);
+  } catch (const JsonBoundsError& e) {
+    fail(source, std::string("header ") + e.what());
   } catch (const json::exception& e) {
     fail(source, std::string("header is not valid JSON (") + e.what() + ")");
   }
@@ -198,13 +201,16 @@ std::vector<TensorInfo> parse_safetensors_header(const std::string& header_json,
 
     const auto shape_it = entry.find("shape");
     if (shape_it == entry.end() || !shape_it->is_array()) fail(source, who + ": missing shape");
-    for (const json& dim : *shape_it) {
+    for (std::size_t i = 0; i < shape_it->size(); ++i) {
+      const json& dim = (*shape_it)[i];
       std::uint64_t value = 0;
       if (!as_u64(dim, &value) ||
           value > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
-        fail(source, who + ": shape " + shape_it->dump() +
-                         " has an entry that is not a "
-                         "non-negative 64-bit integer");
+        // The entry as written, cut short: it may be a whole nested structure.
+        std::string shown = dim.dump();
+        if (shown.size() > 40) shown = shown.substr(0, 40) + "...";
+        fail(source, who + ": shape entry " + std::to_string(i) + " (" + shown +
+                         ") is not a non-negative 64-bit integer");
       }
       info.shape.push_back(static_cast<std::int64_t>(value));
     }
