@@ -200,6 +200,31 @@ TEST_CASE("text after the description (a second document, more after a JSON obje
   }
 }
 
+TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refused first") {
+  // Each of these kept yaml-cpp 0.7's parser from returning (found by fuzz_model_spec).
+  for (const char* text : {", 1", " , 1", "# c\n,x", "\"x\", 1", "'x', 1", "[1], 2", "{a: 1}, 2",
+                           "--- , 1", "a: 1\n---\n, 2", "&a , 1", "!t , 1", "- x\n, 2",
+                           "{\"model\": {\"hidden_size\": 64}}, 2"}) {
+    CAPTURE(text);
+    CHECK_THROWS_WITH_AS(parse_model_spec(text, "m.yaml"),
+                         doctest::Contains("a ',' outside any [ ] or { } list"), kda::Error);
+  }
+  // Commas inside plain scalars, quoted scalars, comments and lists are not that.
+  for (const char* name : {"\", test\"", "', x'", "test, model", "test , model", "layers.{i}, x"}) {
+    CAPTURE(name);
+    const std::string text = "# a, b\n" + replace(kValid, "test-model", name);
+    CHECK(error_of(text) == "");
+  }
+}
+
+TEST_CASE("YAML nested past the reader's depth limit says so") {
+  const std::string deep = "model: " + std::string(600, '[') + std::string(600, ']') + "\n";
+  CHECK_THROWS_WITH_AS(parse_model_spec(deep, "m.yaml"),
+                       doctest::Contains("YAML nested deeper than the reader takes (about 500 "
+                                         "levels)"),
+                       kda::Error);
+}
+
 TEST_CASE("strict mode: an unknown key in the engine's sections is an error") {
   kda::engine::ModelSpecOptions strict;
   strict.strict = true;

@@ -4,6 +4,7 @@
 #include "kda/engine/model_spec.hpp"
 #include "kda/detail/checked_math.hpp"
 
+#include <yaml-cpp/depthguard.h>  // YAML::DeepRecursion (not in yaml.h)
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
 
@@ -344,10 +345,84 @@ YAML::Mark mark_at(const std::string& text, std::size_t offset) {
   return mark;
 }
 
+// Where a ',' stands in `text` outside every [ ] and { } list as a token of its own (the first
+// thing on its line, or after a quoted scalar, a closed list, an anchor, a tag or `---`), or npos.
+// yaml-cpp 0.7 never returns from such a text when the comma follows the document's root node
+// rather than a block mapping (", 1", "\"x\", 1", "[1], 2", "- x\n, 2"), so it is refused before
+// yaml-cpp reads it. A comma that continues a plain scalar on a line of its own ("x\n  , y", valid
+// YAML) is refused too: a description has none. Quoted scalars and comments are skipped; a bracket
+// or quote opens something only where a token starts (after a space, a line start or [ { ,), as
+// the scanner has it, so that "model.layers.{i}" stays a plain scalar.
+std::size_t unlisted_comma(const std::string& text) {
+  int depth = 0;
+  char last = '\n';  // the last character that is not a space or a tab ('\n': none on this line)
+  bool token_start = true;
+  const std::size_t begin = text.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0;  // past a byte order mark
+  for (std::size_t i = begin; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == ' ' || c == '\t' || c == '\r') {
+      token_start = true;
+      continue;
+    }
+    const bool starts = token_start || last == '\n' || last == '[' || last == '{' || last == ',';
+    token_start = false;
+    if (c == '\n') {
+      last = '\n';
+      token_start = true;
+      continue;
+    }
+    if (c == '#' && starts) {  // a comment, to the line's end
+      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
+      continue;
+    }
+    if ((c == '"' || c == '\'') && starts) {  // a quoted scalar, to its closing quote
+      for (++i; i < text.size(); ++i) {
+        if (c == '"' && text[i] == '\\') {
+          ++i;
+        } else if (text[i] == c) {
+          if (c == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
+            ++i;
+          } else {
+            break;
+          }
+        }
+      }
+      last = c;
+      continue;
+    }
+    if ((c == '[' || c == '{') && starts) {
+      ++depth;
+    } else if (c == ']' || c == '}') {
+      if (depth == 0) {  // a plain scalar's character ("layers.{i}")
+        last = 'a';
+        continue;
+      }
+      --depth;
+    } else if (c == ',' && depth == 0 &&
+               (last == '\n' || last == '"' || last == '\'' || last == ']' || last == '}' ||
+                (starts && (last == '-' || last == '&' || last == '!')))) {
+      return i;
+    }
+    // An anchor or a tag is a token: what follows it after a space starts the next one.
+    if ((c == '&' || c == '!') && starts) {
+      while (i + 1 < text.size() && text[i + 1] != ' ' && text[i + 1] != '\n') ++i;
+      last = '&';
+      continue;
+    }
+    last = c;
+  }
+  return std::string::npos;
+}
+
 // Reads YAML, or JSON: yaml-cpp reads nearly all JSON with positions kept; what it rejects (a
 // surrogate-pair escape, as JSON writes an emoji) is read again as JSON, and a text that is JSON to
 // neither is reported with the JSON parser's message, which is the one that names the problem.
 YAML::Node load_document(const Context& ctx, const std::string& text) {
+  if (const std::size_t comma = unlisted_comma(text); comma != std::string::npos) {
+    ctx.fail(mark_at(text, comma), "",
+             "a ',' outside any [ ] or { } list, where no value precedes it on its line (commas "
+             "separate the entries of a list written in brackets)");
+  }
   try {
     // Every document, so that text after the first (a second `---` document, or anything after a
     // closed JSON object) is refused rather than ignored.
@@ -398,6 +473,12 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
         }
         ctx.fail(mark_at(text, at), "", "JSON: " + what);
       }
+    }
+    if (dynamic_cast<const YAML::DeepRecursion*>(&e) != nullptr) {
+      // yaml-cpp's own words for it are "bad file".
+      ctx.fail(e.mark, "",
+               "YAML nested deeper than the reader takes (about 500 levels): a model description "
+               "nests a few");
     }
     if (const auto* parser_error = dynamic_cast<const YAML::ParserException*>(&e)) {
       ctx.fail(parser_error->mark, "", "YAML syntax error: " + parser_error->msg);
