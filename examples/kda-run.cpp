@@ -264,9 +264,11 @@ Options parse_args(int argc, char** argv) {
       }
     }
     auto value = [&]() -> std::string {
-      if (inline_value) return *inline_value;
-      if (i + 1 >= argc) throw UsageError{arg + " needs a value"};
-      return argv[++i];
+      if (!inline_value && i + 1 >= argc) throw UsageError{arg + " needs a value"};
+      std::string given = inline_value ? *inline_value : std::string(argv[++i]);
+      // `--model ""` (an unset shell variable) would otherwise read as the option left out.
+      if (given.empty()) throw UsageError{arg + " needs a value, got an empty one"};
+      return given;
     };
     auto no_value = [&]() {
       if (inline_value) throw UsageError{arg + " takes no value"};

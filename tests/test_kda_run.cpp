@@ -324,12 +324,23 @@ TEST_CASE("kda-run: --help / usage errors exit 2") {
   CHECK(r.err.find("--decode-step expects auto, one-launch, fused, fused-after-gemms or separate, "
                    "got 'one_launch'") != std::string::npos);
   // Integers as written: digits with an optional '-', nothing around them.
-  for (const char* text : {" 5", "+5", "5 ", "0x10", "-", "", "1e3", "99999999999999999999"}) {
+  for (const char* text : {" 5", "+5", "5 ", "0x10", "-", "1e3", "99999999999999999999"}) {
     CAPTURE(text);
     r = kda_run({"--model", kModels + "tiny.yaml", "--tokens", text});
     CHECK(r.rc == 2);
     CHECK(r.err.find(std::string("--tokens expects an integer, got '") + text + "'") !=
           std::string::npos);
+  }
+  // An empty value (an unset shell variable) is refused as such, not read as the option left out.
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"--model", kModels + "tiny.yaml", "--tokens", ""},
+                                             {"--model", ""},
+                                             {"--model="},
+                                             {"--case", "", "--output", "o.safetensors"}}) {
+    CAPTURE(args.size());
+    r = kda_run(args);
+    CHECK(r.rc == 2);
+    CHECK(r.err.find(" needs a value, got an empty one") != std::string::npos);
   }
   r = kda_run({"--model", kModels + "tiny.yaml", "--decode-steps", "-1"});
   CHECK(r.rc == 2);

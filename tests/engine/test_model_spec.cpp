@@ -526,6 +526,13 @@ TEST_CASE("wrong types are named with their position") {
   check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: many\n"),
               {"m.yaml:5:14:", "linear_attn_config.num_heads", "expected an integer", "'many'"});
   check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 4.5\n"), {"num_heads", "integer"});
+  // Decimal only: yaml-cpp would read 04 as octal and 0x4 as hexadecimal.
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 04\n"),
+              {"num_heads", "expected a decimal integer, got '04' (a leading zero"});
+  check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: 0x4\n"),
+              {"num_heads", "expected an integer"});
+  CHECK(parse_model_spec(replace(kValid, "  num_heads: 4\n", "  num_heads: +4\n"), "m.yaml")
+            .num_heads == 4);
   check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: \"4\"\n"), {"num_heads", "string"});
   check_error(replace(kValid, "  num_heads: 4\n", "  num_heads: [4]\n"), {"num_heads", "a list"});
   check_error(replace(kValid, "hidden_size: 256\n", "hidden_size: {a: 1}\n"),

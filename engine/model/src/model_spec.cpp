@@ -193,10 +193,24 @@ bool is_plain_scalar(const YAML::Node& node) { return node.IsScalar() && node.Ta
 
 std::int64_t as_int(const Context& ctx, const YAML::Node& node, const std::string& key) {
   if (is_plain_scalar(node)) {
-    try {
-      return node.as<std::int64_t>();
-    } catch (const YAML::Exception&) {
-      // Falls through: not an integer, or one that does not fit in 64 bits.
+    // Decimal digits only, as JSON and YAML 1.2 read them: yaml-cpp would take "010" as octal 8
+    // and "0x20" as 32.
+    const std::string& text = node.Scalar();
+    const std::size_t digits = text.size() > 1 && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+    const bool decimal = digits < text.size() &&
+                         std::all_of(text.begin() + static_cast<std::ptrdiff_t>(digits), text.end(),
+                                     [](char c) { return c >= '0' && c <= '9'; });
+    if (decimal && text[digits] == '0' && text.size() > digits + 1) {
+      ctx.fail(node, key,
+               "expected a decimal integer, got '" + text +
+                   "' (a leading zero: YAML 1.1 readers take it as octal)");
+    }
+    if (decimal) {
+      try {
+        return node.as<std::int64_t>();
+      } catch (const YAML::Exception&) {
+        // Falls through: one that does not fit in 64 bits.
+      }
     }
   }
   ctx.fail(node, key, "expected an integer, got " + describe(node));
