@@ -202,9 +202,10 @@ TEST_CASE("text after the description (a second document, more after a JSON obje
 
 TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refused first") {
   // Each of these kept yaml-cpp 0.7's parser from returning (found by fuzz_model_spec).
-  for (const char* text : {", 1", " , 1", "# c\n,x", "\"x\", 1", "'x', 1", "[1], 2", "{a: 1}, 2",
-                           "--- , 1", "a: 1\n---\n, 2", "&a , 1", "!t , 1", "- x\n, 2",
-                           "{\"model\": {\"hidden_size\": 64}}, 2"}) {
+  for (const char* text :
+       {", 1", " , 1", "# c\n,x", "\"x\", 1", "'x', 1", "[1], 2", "{a: 1}, 2", "--- , 1",
+        "a: 1\n---\n, 2", "&a , 1", "!t , 1", "- x\n, 2", "{\"model\": {\"hidden_size\": 64}}, 2",
+        "{&a}, 2", "[!t], 2", "!\"x\" , 1", "!'x', 1", "|\n x\n, 1", "!ds\": 3\","}) {
     CAPTURE(text);
     CHECK_THROWS_WITH_AS(parse_model_spec(text, "m.yaml"),
                          doctest::Contains("a ',' outside any [ ] or { } list"), kda::Error);
@@ -215,6 +216,18 @@ TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refus
     const std::string text = "# a, b\n" + replace(kValid, "test-model", name);
     CHECK(error_of(text) == "");
   }
+}
+
+TEST_CASE("a description string holding a control character is refused where it stands") {
+  // yaml-cpp stops reading at a zero byte, and did not return from others in a tag.
+  CHECK_THROWS_WITH_AS(parse_model_spec(std::string("{\n\0 \"a\": 1},\n", 12), "m.yaml"),
+                       "m.yaml:2:1: holds a control character (byte 0x00), not YAML or JSON text",
+                       kda::Error);
+  CHECK_THROWS_WITH_AS(parse_model_spec("!'\x13t\x07x{\"\n,++,p\n", "m.yaml"),
+                       "m.yaml:1:3: holds a control character (byte 0x13), not YAML or JSON text",
+                       kda::Error);
+  // Tabs and carriage returns are text.
+  CHECK(error_of(std::string(kValid) + "\t\r\n").find("control character") == std::string::npos);
 }
 
 TEST_CASE("YAML nested past the reader's depth limit says so") {

@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <limits>
 #include <set>
@@ -359,71 +361,81 @@ YAML::Mark mark_at(const std::string& text, std::size_t offset) {
   return mark;
 }
 
-// Where a ',' stands in `text` outside every [ ] and { } list as a token of its own (the first
-// thing on its line, or after a quoted scalar, a closed list, an anchor, a tag or `---`), or npos.
+// Where a ',' stands in `text` as a token of its own outside every [ ] and { } list, or npos.
 // yaml-cpp 0.7 never returns from such a text when the comma follows the document's root node
-// rather than a block mapping (", 1", "\"x\", 1", "[1], 2", "- x\n, 2"), so it is refused before
-// yaml-cpp reads it. A comma that continues a plain scalar on a line of its own ("x\n  , y", valid
-// YAML) is refused too: a description has none. Quoted scalars and comments are skipped; a bracket
-// or quote opens something only where a token starts (after a space, a line start or [ { ,), as
-// the scanner has it, so that "model.layers.{i}" stays a plain scalar.
+// rather than a block mapping (", 1", "\"x\", 1", "[1], 2", "{&a}, 2", "--- , 1", "- x\n, 2";
+// YAML::Load as well as LoadAll), so it is refused before yaml-cpp reads it. The scan follows the
+// scanner's tokens: comments, quoted scalars, anchors, aliases and tags, the indicators, and plain
+// scalars, which in a block take commas and brackets as their own characters ("a: x, y",
+// "model.layers.{i}") and in a list end at them. Not a YAML parser: a comma that would continue a
+// plain scalar on a line of its own ("x\n  , y", valid YAML), or begin a line of a block scalar,
+// is refused too; a description has none.
 std::size_t unlisted_comma(const std::string& text) {
+  const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
+  const auto is_flow = [](char c) {
+    return c == ',' || c == '[' || c == ']' || c == '{' || c == '}';
+  };
+  const std::size_t n = text.size();
+  // Whether the character at j ends an indicator (-, ?, :) before it: a space, the end, or in a
+  // list a flow indicator.
   int depth = 0;
-  char last = '\n';  // the last character that is not a space or a tab ('\n': none on this line)
-  bool token_start = true;
-  const std::size_t begin = text.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0;  // past a byte order mark
-  for (std::size_t i = begin; i < text.size(); ++i) {
+  const auto ends_indicator = [&](std::size_t j) {
+    return j >= n || is_space(text[j]) || (depth > 0 && is_flow(text[j]));
+  };
+  bool line_start = true;
+  for (std::size_t i = text.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0; i < n; ++i) {
     const char c = text[i];
-    if (c == ' ' || c == '\t' || c == '\r') {
-      token_start = true;
+    const bool at_line_start = line_start;
+    line_start = c == '\n';
+    if (is_space(c)) continue;
+    if (at_line_start &&
+        (c == '%' || ((text.compare(i, 3, "---") == 0 || text.compare(i, 3, "...") == 0) &&
+                      ends_indicator(i + 3)))) {
+      if (c == '%') {  // a directive, to the line's end
+        while (i + 1 < n && text[i + 1] != '\n') ++i;
+      } else {
+        i += 2;  // a document marker
+      }
       continue;
     }
-    const bool starts = token_start || last == '\n' || last == '[' || last == '{' || last == ',';
-    token_start = false;
-    if (c == '\n') {
-      last = '\n';
-      token_start = true;
-      continue;
-    }
-    if (c == '#' && starts) {  // a comment, to the line's end
-      while (i + 1 < text.size() && text[i + 1] != '\n') ++i;
-      continue;
-    }
-    if ((c == '"' || c == '\'') && starts) {  // a quoted scalar, to its closing quote
-      for (++i; i < text.size(); ++i) {
+    if (c == '#') {  // a comment, to the line's end
+      while (i + 1 < n && text[i + 1] != '\n') ++i;
+    } else if (c == '"' || c == '\'') {  // a quoted scalar, to its closing quote
+      for (++i; i < n; ++i) {
         if (c == '"' && text[i] == '\\') {
           ++i;
         } else if (text[i] == c) {
-          if (c == '\'' && i + 1 < text.size() && text[i + 1] == '\'') {
+          if (c == '\'' && i + 1 < n && text[i + 1] == '\'') {
             ++i;
           } else {
             break;
           }
         }
       }
-      last = c;
-      continue;
-    }
-    if ((c == '[' || c == '{') && starts) {
+    } else if (c == '[' || c == '{') {
       ++depth;
     } else if (c == ']' || c == '}') {
-      if (depth == 0) {  // a plain scalar's character ("layers.{i}")
-        last = 'a';
-        continue;
+      if (depth > 0) --depth;
+    } else if (c == ',') {
+      if (depth == 0) return i;
+    } else if (c == '&' ||
+               c == '*') {  // an anchor's or alias's name: to a space or a flow indicator
+      while (i + 1 < n && !is_space(text[i + 1]) && !is_flow(text[i + 1])) ++i;
+    } else if (c == '!') {  // a tag: yaml-cpp's tag characters (no quote, no flow indicator)
+      while (i + 1 < n && (std::isalnum(static_cast<unsigned char>(text[i + 1])) != 0 ||
+                           std::strchr("-#;/?:@&=+$_.~*'()%!", text[i + 1]) != nullptr)) {
+        ++i;
       }
-      --depth;
-    } else if (c == ',' && depth == 0 &&
-               (last == '\n' || last == '"' || last == '\'' || last == ']' || last == '}' ||
-                (starts && (last == '-' || last == '&' || last == '!')))) {
-      return i;
+    } else if ((c == '-' || c == '?' || c == ':') && ends_indicator(i + 1)) {
+      continue;  // an indicator
+    } else {
+      // A plain scalar: to the line's end, a ": " or " #", and in a list a flow indicator.
+      while (i + 1 < n && text[i + 1] != '\n' && !(depth > 0 && is_flow(text[i + 1])) &&
+             !(text[i + 1] == ':' && ends_indicator(i + 2)) &&
+             !((text[i + 1] == ' ' || text[i + 1] == '\t') && i + 2 < n && text[i + 2] == '#')) {
+        ++i;
+      }
     }
-    // An anchor or a tag is a token: what follows it after a space starts the next one.
-    if ((c == '&' || c == '!') && starts) {
-      while (i + 1 < text.size() && text[i + 1] != ' ' && text[i + 1] != '\n') ++i;
-      last = '&';
-      continue;
-    }
-    last = c;
   }
   return std::string::npos;
 }
@@ -432,9 +444,22 @@ std::size_t unlisted_comma(const std::string& text) {
 // surrogate-pair escape, as JSON writes an emoji) is read again as JSON, and a text that is JSON to
 // neither is reported with the JSON parser's message, which is the one that names the problem.
 YAML::Node load_document(const Context& ctx, const std::string& text) {
+  // YAML and JSON text has no control characters but tab, line feed and carriage return; yaml-cpp
+  // stops reading at a zero byte, and with others (0x13, 0x07 in a tag) did not always return.
+  // (A file's zero bytes were refused as it was read.)
+  const auto control = std::find_if(text.begin(), text.end(), [](char c) {
+    const auto byte = static_cast<unsigned char>(c);
+    return (byte < 0x20 && c != '\t' && c != '\n' && c != '\r') || byte == 0x7f;
+  });
+  if (control != text.end()) {
+    char hex[8];
+    std::snprintf(hex, sizeof(hex), "0x%02x", static_cast<unsigned char>(*control));
+    ctx.fail(mark_at(text, static_cast<std::size_t>(control - text.begin())), "",
+             std::string("holds a control character (byte ") + hex + "), not YAML or JSON text");
+  }
   if (const std::size_t comma = unlisted_comma(text); comma != std::string::npos) {
     ctx.fail(mark_at(text, comma), "",
-             "a ',' outside any [ ] or { } list, where no value precedes it on its line (commas "
+             "a ',' outside any [ ] or { } list, where it is no part of a value (commas "
              "separate the entries of a list written in brackets)");
   }
   try {
