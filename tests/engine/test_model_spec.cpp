@@ -202,10 +202,27 @@ TEST_CASE("text after the description (a second document, more after a JSON obje
 
 TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refused first") {
   // Each of these kept yaml-cpp 0.7's parser from returning (found by fuzz_model_spec).
-  for (const char* text :
-       {", 1", " , 1", "# c\n,x", "\"x\", 1", "'x', 1", "[1], 2", "{a: 1}, 2", "--- , 1",
-        "a: 1\n---\n, 2", "&a , 1", "!t , 1", "- x\n, 2", "{\"model\": {\"hidden_size\": 64}}, 2",
-        "{&a}, 2", "[!t], 2", "!\"x\" , 1", "!'x', 1", "|\n x\n, 1", "!ds\": 3\","}) {
+  for (const char* text : {", 1",
+                           " , 1",
+                           "# c\n,x",
+                           "\"x\", 1",
+                           "'x', 1",
+                           "[1], 2",
+                           "{a: 1}, 2",
+                           "--- , 1",
+                           "a: 1\n---\n, 2",
+                           "&a , 1",
+                           "!t , 1",
+                           "- x\n, 2",
+                           "{\"model\": {\"hidden_size\": 64}}, 2",
+                           "{&a}, 2",
+                           "[!t], 2",
+                           "!\"x\" , 1",
+                           "!'x', 1",
+                           "|\n x\n, 1",
+                           "!ds\": 3\",",
+                           "{:\nx},",
+                           "{a: E\n'\nb},"}) {
     CAPTURE(text);
     CHECK_THROWS_WITH_AS(parse_model_spec(text, "m.yaml"),
                          doctest::Contains("a ',' outside any [ ] or { } list"), kda::Error);

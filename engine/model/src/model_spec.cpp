@@ -429,10 +429,12 @@ std::size_t unlisted_comma(const std::string& text) {
     } else if ((c == '-' || c == '?' || c == ':') && ends_indicator(i + 1)) {
       continue;  // an indicator
     } else {
-      // A plain scalar: to the line's end, a ": " or " #", and in a list a flow indicator.
-      while (i + 1 < n && text[i + 1] != '\n' && !(depth > 0 && is_flow(text[i + 1])) &&
+      // A plain scalar: to a ": " or a " #", in a block to the line's end, in a list to a flow
+      // indicator (there it goes on over line breaks: "E\n'x" is one scalar, not a quote).
+      while (i + 1 < n && (depth > 0 || text[i + 1] != '\n') &&
+             !(depth > 0 && is_flow(text[i + 1])) &&
              !(text[i + 1] == ':' && ends_indicator(i + 2)) &&
-             !((text[i + 1] == ' ' || text[i + 1] == '\t') && i + 2 < n && text[i + 2] == '#')) {
+             !(is_space(text[i + 1]) && i + 2 < n && text[i + 2] == '#')) {
         ++i;
       }
     }
