@@ -3,6 +3,8 @@
 // the engine's sections are warnings with a suggested spelling, or errors in strict mode.
 #include <doctest/doctest.h>
 
+#include <chrono>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -200,8 +202,8 @@ TEST_CASE("text after the description (a second document, more after a JSON obje
   }
 }
 
-TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refused first") {
-  // Each of these kept yaml-cpp 0.7's parser from returning (found by fuzz_model_spec).
+TEST_CASE("texts yaml-cpp's LoadAll never returned from are refused, and promptly") {
+  // Found by fuzz_model_spec: yaml-cpp 0.7's LoadAll kept taking empty documents from these.
   for (const char* text : {", 1",
                            " , 1",
                            "# c\n,x",
@@ -222,12 +224,15 @@ TEST_CASE("a comma outside any list, which yaml-cpp never returns from, is refus
                            "|\n x\n, 1",
                            "!ds\": 3\",",
                            "{:\nx},",
-                           "{a: E\n'\nb},"}) {
+                           "{a: E\n'\nb},",
+                           "\"\"z\n?\n",
+                           "&:,"}) {
     CAPTURE(text);
-    CHECK_THROWS_WITH_AS(parse_model_spec(text, "m.yaml"),
-                         doctest::Contains("a ',' outside any [ ] or { } list"), kda::Error);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(parse_model_spec(text, "m.yaml"), kda::Error);
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(5));
   }
-  // Commas inside plain scalars, quoted scalars, comments and lists are not that.
+  // Commas inside plain scalars, quoted scalars and comments are text.
   for (const char* name : {"\", test\"", "', x'", "test, model", "test , model", "layers.{i}, x"}) {
     CAPTURE(name);
     const std::string text = "# a, b\n" + replace(kValid, "test-model", name);

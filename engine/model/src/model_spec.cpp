@@ -4,7 +4,8 @@
 #include "kda/engine/model_spec.hpp"
 #include "kda/detail/checked_math.hpp"
 
-#include <yaml-cpp/depthguard.h>  // YAML::DeepRecursion (not in yaml.h)
+#include <yaml-cpp/depthguard.h>    // YAML::DeepRecursion (not in yaml.h)
+#include <yaml-cpp/eventhandler.h>  // YAML::EventHandler (not in yaml.h)
 #include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
 
@@ -13,9 +14,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -361,94 +362,45 @@ YAML::Mark mark_at(const std::string& text, std::size_t offset) {
   return mark;
 }
 
-// Where a ',' stands in `text` as a token of its own outside every [ ] and { } list, or npos.
-// yaml-cpp 0.7 never returns from such a text when the comma follows the document's root node
-// rather than a block mapping (", 1", "\"x\", 1", "[1], 2", "{&a}, 2", "--- , 1", "- x\n, 2";
-// YAML::Load as well as LoadAll), so it is refused before yaml-cpp reads it. The scan follows the
-// scanner's tokens: comments, quoted scalars, anchors, aliases and tags, the indicators, and plain
-// scalars, which in a block take commas and brackets as their own characters ("a: x, y",
-// "model.layers.{i}") and in a list end at them. Not a YAML parser: a comma that would continue a
-// plain scalar on a line of its own ("x\n  , y", valid YAML), or begin a line of a block scalar,
-// is refused too; a description has none.
-std::size_t unlisted_comma(const std::string& text) {
-  const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; };
-  const auto is_flow = [](char c) {
-    return c == ',' || c == '[' || c == ']' || c == '{' || c == '}';
-  };
-  const std::size_t n = text.size();
-  // Whether the character at j ends an indicator (-, ?, :) before it: a space, the end, or in a
-  // list a flow indicator.
-  int depth = 0;
-  const auto ends_indicator = [&](std::size_t j) {
-    return j >= n || is_space(text[j]) || (depth > 0 && is_flow(text[j]));
-  };
-  bool line_start = true;
-  for (std::size_t i = text.rfind("\xEF\xBB\xBF", 0) == 0 ? 3 : 0; i < n; ++i) {
-    const char c = text[i];
-    const bool at_line_start = line_start;
-    line_start = c == '\n';
-    if (is_space(c)) continue;
-    if (at_line_start &&
-        (c == '%' || ((text.compare(i, 3, "---") == 0 || text.compare(i, 3, "...") == 0) &&
-                      ends_indicator(i + 3)))) {
-      if (c == '%') {  // a directive, to the line's end
-        while (i + 1 < n && text[i + 1] != '\n') ++i;
-      } else {
-        i += 2;  // a document marker
-      }
-      continue;
-    }
-    if (c == '#') {  // a comment, to the line's end
-      while (i + 1 < n && text[i + 1] != '\n') ++i;
-    } else if (c == '"' || c == '\'') {  // a quoted scalar, to its closing quote
-      for (++i; i < n; ++i) {
-        if (c == '"' && text[i] == '\\') {
-          ++i;
-        } else if (text[i] == c) {
-          if (c == '\'' && i + 1 < n && text[i + 1] == '\'') {
-            ++i;
-          } else {
-            break;
-          }
-        }
-      }
-    } else if (c == '[' || c == '{') {
-      ++depth;
-    } else if (c == ']' || c == '}') {
-      if (depth > 0) --depth;
-    } else if (c == ',') {
-      if (depth == 0) return i;
-    } else if (c == '&' ||
-               c == '*') {  // an anchor's or alias's name: to a space or a flow indicator
-      while (i + 1 < n && !is_space(text[i + 1]) && !is_flow(text[i + 1])) ++i;
-    } else if (c == '!') {  // a tag: yaml-cpp's tag characters (no quote, no flow indicator)
-      while (i + 1 < n && (std::isalnum(static_cast<unsigned char>(text[i + 1])) != 0 ||
-                           std::strchr("-#;/?:@&=+$_.~*'()%!", text[i + 1]) != nullptr)) {
-        ++i;
-      }
-    } else if ((c == '-' || c == '?' || c == ':') && ends_indicator(i + 1)) {
-      continue;  // an indicator
-    } else {
-      // A plain scalar: to a ": " or a " #", in a block to the line's end, in a list to a flow
-      // indicator (there it goes on over line breaks: "E\n'x" is one scalar, not a quote).
-      while (i + 1 < n && (depth > 0 || text[i + 1] != '\n') &&
-             !(depth > 0 && is_flow(text[i + 1])) &&
-             !(text[i + 1] == ':' && ends_indicator(i + 2)) &&
-             !(is_space(text[i + 1]) && i + 2 < n && text[i + 2] == '#')) {
-        ++i;
-      }
-    }
+// Takes a document's events and keeps only where the last one began: what second_document() needs
+// of the parser.
+class DocumentStarts final : public YAML::EventHandler {
+ public:
+  YAML::Mark start;
+  void OnDocumentStart(const YAML::Mark& mark) override { start = mark; }
+  void OnDocumentEnd() override {}
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override {}
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                const std::string&) override {}
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                       YAML::EmitterStyle::value) override {}
+  void OnSequenceEnd() override {}
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t,
+                  YAML::EmitterStyle::value) override {}
+  void OnMapEnd() override {}
+};
+
+// Where a document after the first begins in `text`, if there is one (a second `---` document,
+// or more after a JSON object's end). Not by YAML::LoadAll: yaml-cpp 0.7's never returns from
+// some malformed texts (", 1", "[1], 2": it keeps taking empty documents that consume nothing),
+// so the parser is asked for two documents at most.
+std::optional<YAML::Mark> second_document(const std::string& text) {
+  std::istringstream in(text);
+  YAML::Parser parser(in);
+  DocumentStarts events;
+  if (!parser.HandleNextDocument(events) || !parser.HandleNextDocument(events)) {
+    return std::nullopt;
   }
-  return std::string::npos;
+  return events.start;
 }
 
 // Reads YAML, or JSON: yaml-cpp reads nearly all JSON with positions kept; what it rejects (a
 // surrogate-pair escape, as JSON writes an emoji) is read again as JSON, and a text that is JSON to
 // neither is reported with the JSON parser's message, which is the one that names the problem.
 YAML::Node load_document(const Context& ctx, const std::string& text) {
-  // YAML and JSON text has no control characters but tab, line feed and carriage return; yaml-cpp
-  // stops reading at a zero byte, and with others (0x13, 0x07 in a tag) did not always return.
-  // (A file's zero bytes were refused as it was read.)
+  // YAML and JSON text has no control characters but tab, line feed and carriage return, and
+  // yaml-cpp stops reading at a zero byte. (A file's zero bytes were refused as it was read.)
   const auto control = std::find_if(text.begin(), text.end(), [](char c) {
     const auto byte = static_cast<unsigned char>(c);
     return (byte < 0x20 && c != '\t' && c != '\n' && c != '\r') || byte == 0x7f;
@@ -459,21 +411,17 @@ YAML::Node load_document(const Context& ctx, const std::string& text) {
     ctx.fail(mark_at(text, static_cast<std::size_t>(control - text.begin())), "",
              std::string("holds a control character (byte ") + hex + "), not YAML or JSON text");
   }
-  if (const std::size_t comma = unlisted_comma(text); comma != std::string::npos) {
-    ctx.fail(mark_at(text, comma), "",
-             "a ',' outside any [ ] or { } list, where it is no part of a value (commas "
-             "separate the entries of a list written in brackets)");
-  }
   try {
-    // Every document, so that text after the first (a second `---` document, or anything after a
-    // closed JSON object) is refused rather than ignored.
-    const std::vector<YAML::Node> documents = YAML::LoadAll(text);
-    if (documents.size() > 1) {
-      ctx.fail(documents[1].Mark(), "",
+    YAML::Node document = YAML::Load(text);
+    // Text after the first document is refused rather than ignored (after an empty one, the
+    // empty description is the error).
+    if (document.IsNull()) return document;
+    if (const std::optional<YAML::Mark> second = second_document(text)) {
+      ctx.fail(*second, "",
                "text after the model description (a second YAML document, or more after the "
                "JSON object's end): a description is one document");
     }
-    return documents.empty() ? YAML::Node() : documents[0];
+    return document;
   } catch (const YAML::Exception& e) {
     if (looks_like_json(text)) {
       try {
