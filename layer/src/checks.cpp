@@ -283,7 +283,6 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
       throw Error(StatusCode::kOverflow,
                   std::string(what) + ": tokens x hidden_size overflows 64-bit byte counts");
     }
-    if (byte_ranges_overlap(out, bytes, hidden, bytes)) invalid(what, "out overlaps hidden");
   }
   // The messages' context only for an error: a forward allocates nothing.
   if (decode) {
@@ -418,10 +417,10 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
   check_workspace(workspace, layout.total, batch, what);
   if (!core_inputs && batch.tokens > 0) {
     const auto buffers = forward_buffers(c, batch, state, hidden, out, workspace);
-    const ForwardBuffer& written = buffers[1];
-    // hidden (buffers[0]): check_forward's own message.
-    for (std::size_t i = 2; i < buffers.size(); ++i) {
-      if (byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
+    const ForwardBuffer& written = buffers[1];  // out
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+      if (i != 1 &&
+          byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
         invalid(what, std::string("out overlaps ") + buffers[i].name);
       }
     }

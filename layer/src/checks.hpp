@@ -67,7 +67,7 @@ void add_step_batch(DecodeTensors& t, const Batch& batch, const State& state);
 //     above, each num_accepted in [1, decode_tokens] where the host can read it (`accepted_host`);
 //   - without slots, sequences <= num_slots;
 //   - the pools non-null (conv pools when W > 1), the recurrent dtype f32 or bf16;
-//   - hidden and out non-null and disjoint ([T, hidden_size] bf16 each);
+//   - hidden and out non-null ([T, hidden_size] bf16 each, their bytes within 64 bits);
 //   - the core's problem valid.
 // `core_inputs` (Layer::core_inputs): a prefill without checkpoints, which needs neither out nor
 // the recurrent pool.
@@ -80,8 +80,9 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
 void check_workspace(Workspace workspace, std::size_t needed, const Batch& batch, const char* what);
 
 // Every host check of a forward, in order — check_forward, the batch's workspace layout on
-// `backend`, check_workspace, out overlapping none of the other forward_buffers (a forward writes
-// out last: it would overwrite states or metadata already used, or the workspace o_proj reads) —
+// `backend`, check_workspace, out overlapping none of the other forward_buffers, hidden included (a
+// forward writes out last: it would overwrite states or metadata already used, or the workspace
+// o_proj reads) —
 // and that layout.
 WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const Batch& batch,
                                        HostCuSeqlens cu_host, const std::int32_t* slots_host,
