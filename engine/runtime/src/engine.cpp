@@ -630,8 +630,7 @@ struct Engine::Impl {
       const Status st = backend->check_caller_buffer(ptr, bytes, name);
       if (!st.ok()) throw Error(st, call());
     }
-    const Status st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
-    if (!st.ok()) throw Error(st, call());
+    check_current_device_for(call);
   }
 
   // The KDA core's twin of check_hidden for one range of `tokens` tokens (a context-parallel
@@ -674,12 +673,22 @@ struct Engine::Impl {
   template <typename CallProblem, typename CallTensors>
   void check_caller_tensors(const EngineLayer& layer, const char* what, const CallProblem& p,
                             const CallTensors& t) const {
-    Status st = backend->check_caller_tensors(p, t);
+    const Status st = backend->check_caller_tensors(p, t);
     if (!st.ok()) throw Error(st, layer.info().label + " " + what);
-    // The operator's own check of the arena's buffers (states, parameters, workspace) is off too:
-    // one query here still catches a call made while another device is current.
-    st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
-    if (!st.ok()) throw Error(st, layer.info().label + " " + what);
+    // The operator's own check of the arena's buffers (states, parameters, workspace) is off too.
+    check_current_device_for([&] { return layer.info().label + " " + what; });
+  }
+
+  // With pointer checks on (CUDA), refuses a call made while another device than the arena's is
+  // current: one query of the arena. `call_name()` names the call, made only for the error (a
+  // forward allocates nothing).
+  template <typename CallName>
+  void check_current_device_for(const CallName& call_name) const {
+    const Status st = backend->check_caller_buffer(arena.get(), 1, "the engine's arena");
+    if (!st.ok()) throw Error(st, call_name());
+  }
+  void check_current_device(const char* call) const {
+    check_current_device_for([call] { return std::string(call); });
   }
 
   // The staged batch of the host-span calls, as metadata in the arena.
@@ -1308,6 +1317,7 @@ void Engine::synchronize() const { impl_->backend->synchronize(); }
 void Engine::check_device_status() {
   Impl& m = *impl_;
   if (m.device_status == nullptr) return;
+  m.check_current_device("check_device_status");
   const Status st = m.backend->check_device_status(m.device_status);
   if (st.ok()) return;
   if (st.code() == StatusCode::kInvalidArgument) {  // bits were set: clear them for the next check
@@ -1334,6 +1344,7 @@ bool Engine::slot_in_use(int slot) const noexcept { return impl_->in_use(slot); 
 
 int Engine::acquire_slot() {
   Impl& m = *impl_;
+  m.check_current_device("acquire_slot");
   for (int slot = 0; slot < m.num_slots(); ++slot) {
     if (slot != m.null_slot && m.slot_in_use[static_cast<std::size_t>(slot)] == 0) {
       m.zero_slot("acquire_slot", slot);
@@ -1355,6 +1366,7 @@ void Engine::release_slot(int slot) {
 
 void Engine::reset_slot(int slot) {
   if (!slot_in_use(slot)) fail("reset_slot: slot " + std::to_string(slot) + " is not acquired");
+  impl_->check_current_device("reset_slot");
   impl_->zero_slot("reset_slot", slot);
 }
 
@@ -1362,6 +1374,7 @@ void Engine::read_slot_state(int kda_index, int slot, void* host_dst) const {
   const Impl& m = *impl_;
   m.check_layer(kda_index);
   m.check_sequence_state_buffer("read_slot_state", slot, host_dst);
+  m.check_current_device("read_slot_state");
   m.backend->copy_to_host(host_dst, m.slot_state(kda_index, slot),
                           static_cast<std::size_t>(m.slot_bytes));
 }
@@ -1370,6 +1383,7 @@ void Engine::write_slot_state(int kda_index, int slot, const void* host_src) {
   Impl& m = *impl_;
   m.check_layer(kda_index);
   m.check_sequence_state_buffer("write_slot_state", slot, host_src);
+  m.check_current_device("write_slot_state");
   m.backend->copy_to_device(m.slot_state(kda_index, slot), host_src,
                             static_cast<std::size_t>(m.slot_bytes));
   synchronize();
@@ -1585,6 +1599,7 @@ std::uint64_t Engine::conv_state_slot_bytes() const noexcept { return impl_->con
 void Engine::read_slot_conv_state(int kda_index, int slot, int projection, void* host_dst) const {
   const Impl& m = *impl_;
   m.check_conv_state_access("read_slot_conv_state", kda_index, slot, projection, host_dst);
+  m.check_current_device("read_slot_conv_state");
   m.backend->copy_to_host(host_dst, m.slot_conv_state(kda_index, slot, projection),
                           static_cast<std::size_t>(m.conv_slot_bytes));
 }
@@ -1683,6 +1698,7 @@ void Engine::read_sequence_state(int slot, void* host_dst, std::uint64_t bytes) 
   const Impl& m = *impl_;
   m.check_sequence_state_buffer("read_sequence_state", slot, host_dst);
   m.check_sequence_state_size("read_sequence_state", bytes, sequence_state_bytes());
+  m.check_current_device("read_sequence_state");
   const SequenceStateHeader header = m.sequence_state_header(bytes - sizeof(SequenceStateHeader));
   std::memcpy(host_dst, &header, sizeof(header));
   auto* at = static_cast<std::uint8_t*>(host_dst) + sizeof(header);
@@ -1705,6 +1721,7 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
   if (!m.in_use(slot)) {
     fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
   }
+  m.check_current_device("write_sequence_state");
   const auto* at = static_cast<const std::uint8_t*>(host_src) + sizeof(SequenceStateHeader);
   try {
     m.for_each_slot_entry(slot, [&](std::uint8_t* entry, std::uint64_t entry_bytes) {
@@ -1726,6 +1743,7 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
 void Engine::write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src) {
   Impl& m = *impl_;
   m.check_conv_state_access("write_slot_conv_state", kda_index, slot, projection, host_src);
+  m.check_current_device("write_slot_conv_state");
   m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, projection), host_src,
                             static_cast<std::size_t>(m.conv_slot_bytes));
   synchronize();
@@ -1790,6 +1808,7 @@ void Engine::commit(std::int64_t sequences, const std::int32_t* slots,
   if (slots == nullptr || num_accepted == nullptr) fail(call + ": slots or num_accepted is null");
   const auto n = static_cast<std::size_t>(sequences);
   m.check_index_arrays(call, n, {{slots, "slots"}, {num_accepted, "num_accepted"}});
+  m.check_current_device(call.c_str());
   if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
     m.claim_slots(call, "row", slots, n);
     for (std::size_t r = 0; r < n; ++r) {
@@ -1843,6 +1862,7 @@ void Engine::copy_slots(std::int64_t pairs, const std::int32_t* src, const std::
   if (src == nullptr || dst == nullptr) fail(call + ": src or dst is null");
   const auto n = static_cast<std::size_t>(pairs);
   m.check_index_arrays(call, n, {{src, "src"}, {dst, "dst"}});
+  m.check_current_device(call.c_str());
   // Host memory: checked before anything is written. The device's: its kernel checks the range.
   if (!m.backend->has_device_status()) m.check_copy_pairs(call, src, dst, n);
   m.run_copy(call, pairs, src, dst);
@@ -1856,6 +1876,7 @@ void Engine::reset_slots(std::int64_t count, const std::int32_t* slots) {
   if (slots == nullptr) fail(call + ": slots is null");
   const auto n = static_cast<std::size_t>(count);
   m.check_index_arrays(call, n, {{slots, "slots"}});
+  m.check_current_device(call.c_str());
   if (!m.backend->has_device_status()) {  // host memory: checked before anything is written
     for (std::size_t j = 0; j < n; ++j) {
       if (!m.padding(slots[j]) && !m.in_use(slots[j])) {
@@ -1877,6 +1898,7 @@ void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
   m.check_copy_count(call, static_cast<std::int64_t>(src.size()), "pairs");
   if (src.empty()) return;
   m.check_copy_pairs(call, src.data(), dst.data(), src.size());
+  m.check_current_device(call.c_str());
   m.stage_slots(src, &m.copy_src);
   m.stage_slots(dst, &m.copy_dst);
   m.run_copy(call, static_cast<std::int64_t>(src.size()), m.copy_src.device, m.copy_dst.device);
