@@ -412,6 +412,45 @@ void run_host_table(const std::vector<std::string>& shapes_wanted, cudaStream_t 
                   on - off);
       std::fflush(stdout);
     }
+    // A prefill of one sequence whose token count changes at every call (65, 66, ..., 128, then
+    // again): what a runtime's eager prefills of varying lengths pay, where the GEMMs on cuBLAS
+    // meet shapes the layer has not chosen an algorithm for yet.
+    constexpr std::int64_t kLeast = 65, kCounts = 64;
+    const std::int64_t T_most = kLeast + kCounts - 1;
+    std::vector<std::int64_t> cu(static_cast<std::size_t>(2 * kCounts));
+    for (std::int64_t i = 0; i < kCounts; ++i) cu[2 * i + 1] = kLeast + i;
+    DeviceMemory d_hidden(static_cast<std::size_t>(T_most * E) * 2), d_out(d_hidden.bytes);
+    DeviceMemory d_cu(cu.size() * 8), d_slots(4);
+    const std::int32_t slot = 0;
+    CK(cudaMemcpy(d_cu.ptr, cu.data(), cu.size() * 8, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_slots.ptr, &slot, 4, cudaMemcpyHostToDevice));
+    const StatePools pools(config, 1, kda::DType::kF32);
+    const std::size_t ws_bytes =
+        kda::layer::workspace_bytes(kda::Backend::kCuda, config, T_most, 1, 1);
+    DeviceMemory workspace(ws_bytes);
+    auto forward_us = [&](bool check_pointers) {
+      kda::layer::RunOptions options;
+      options.stream = stream;
+      options.check_pointers = check_pointers;
+      std::int64_t i = 0;
+      return host_us_per_call(stream, 50, [&] {
+        kda::layer::Batch batch;
+        batch.tokens = cu[2 * i + 1];
+        batch.sequences = 1;
+        batch.cu_seqlens = static_cast<const std::int64_t*>(d_cu.ptr) + 2 * i;
+        batch.cu_seqlens_host = cu.data() + 2 * i;
+        batch.slots = static_cast<const std::int32_t*>(d_slots.ptr);
+        batch.slots_host = &slot;
+        layer->forward(batch, static_cast<const kda::bf16_bits*>(d_hidden.ptr),
+                       static_cast<kda::bf16_bits*>(d_out.ptr), pools.state(),
+                       kda::Workspace{workspace.ptr, ws_bytes}, options);
+        i = (i + 1) % kCounts;
+      });
+    };
+    const double on = forward_us(true), off = forward_us(false);
+    std::printf("| %s | prefill 1 x 65..128 tokens, a new count each call | %.2f | %.2f | %.2f |\n",
+                shape.name, on, off, on - off);
+    std::fflush(stdout);
   }
 }
 
@@ -557,6 +596,19 @@ void run_host_pieces(const std::vector<std::string>& shapes_wanted, cudaStream_t
       must(lt_gemm(), "cublasLtMatmul, " + gemm_name);
       row("`cublasLtMatmul` (descriptors built each call), " + gemm_name,
           host_us_per_call(stream, 50, lt_gemm));
+      // What a shape the layer has no algorithm for yet costs on top: the heuristic's choice.
+      row("`cublasLtMatmulAlgoGetHeuristic` (first choice), " + gemm_name,
+          host_us_per_call(stream, 50, [&] {
+            cublasLtMatmulHeuristicResult_t result{};
+            int count = 0;
+            return cublasLtMatmulAlgoGetHeuristic(lt, &desc, &a, &b, &d, &d, &preference, 1,
+                                                  &result, &count);
+          }));
+      row("`cublasLtMatmulAlgoCheck` (the chosen algorithm), " + gemm_name,
+          host_us_per_call(stream, 50, [&] {
+            cublasLtMatmulHeuristicResult_t result{};
+            return cublasLtMatmulAlgoCheck(lt, &desc, &a, &b, &d, &d, &chosen.algo, &result);
+          }));
     }
   }
   cublasLtDestroy(lt);

@@ -253,6 +253,9 @@ struct GemmKnobs {
   // KDA_LAYER_CUBLAS_API=gemmex: the GEMMs past the small-row kernels through cublasGemmEx rather
   // than cuBLASLt (lt_gemm), for measuring what each costs the host and the GPU.
   bool cublas_lt = true;
+  // KDA_LAYER_LT_ROWS=exact: cuBLASLt's algorithm chosen for each row count rather than for its
+  // row class (lt_row_class), for measuring what the classes cost and save.
+  bool lt_row_classes = true;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -282,6 +285,7 @@ const GemmKnobs& gemm_knobs() {
     k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
     k.side_gemms = value("KDA_LAYER_SIDE_GEMMS") != "0";
     k.cublas_lt = value("KDA_LAYER_CUBLAS_API") != "gemmex";
+    k.lt_row_classes = value("KDA_LAYER_LT_ROWS") != "exact";
     return k;
   }();
   return knobs;
@@ -385,9 +389,27 @@ struct LtGemms {
     cublasLtMatmulAlgo_t algo{};
   };
   cublasLtHandle_t handle = nullptr;
-  Entry entries[16];
+  // Room for every row class (lt_row_class) of the layer's 2-4 GEMM shapes up to 128k rows: a
+  // runtime's prefills of any length then ask the heuristic once a class and shape.
+  Entry entries[128];
   int next = 0;  // the entry replaced next
 };
+
+// The row count cuBLASLt's algorithm is chosen for: up to 64 rows (decode steps) the rows
+// themselves; above, the rows rounded up to a quarter of their power of two (65-80 rows → 80,
+// 4097-5120 → 5120; a power of two is its own class). A runtime's eager prefills come in every
+// length, and the heuristic's choice costs the host more than the GEMM's launch each time a row
+// count is new; with four classes an octave a few entries serve them all. An algorithm fixes the
+// tiles and the split of K, not the rows, and the workspace it needs grows with the rows, so the
+// class's choice runs every row count of the class. The choice is the heuristic's for the class's
+// largest count: the same whichever count came first.
+std::int64_t lt_row_class(std::int64_t rows) {
+  if (rows <= 64 || !gemm_knobs().lt_row_classes) return rows;
+  std::int64_t octave_top = 128;  // the power of two with octave_top / 2 < rows <= octave_top
+  while (octave_top < rows) octave_top *= 2;
+  const std::int64_t step = octave_top / 8;
+  return (rows + step - 1) / step * step;
+}
 
 // Where a forward's GEMMs run: cuBLASLt's handle and the algorithms chosen (`lt`; or, with
 // KDA_LAYER_CUBLAS_API=gemmex, cuBLAS's handle, its workspace set to `scratch`), the stream, and
@@ -442,9 +464,9 @@ struct LtDescriptors {
   LtDescriptors& operator=(const LtDescriptors&) = delete;
 };
 
-// The algorithm cuBLASLt runs the GEMM `p` with: `lt`'s entry for its shape and operands'
-// alignments or, for one not there, the heuristic's first choice within the scratch (kept in the
-// entry replaced next). Throws where cuBLASLt has none.
+// The algorithm cuBLASLt runs the GEMM `p` with: `lt`'s entry for its shape (its rows by
+// lt_row_class) and operands' alignments or, for one not there, the heuristic's first choice
+// within the scratch (kept in the entry replaced next). Throws where cuBLASLt has none.
 cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallGemmParams& p,
                                   const char* what) {
   LtGemms& lt = *context.lt;
@@ -452,14 +474,17 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
   const unsigned alignment_in = address_alignment(p.in),
                  alignment_weight = address_alignment(p.weight),
                  alignment_out = address_alignment(p.out);
+  const std::int64_t rows = lt_row_class(p.rows);
   for (const LtGemms::Entry& e : lt.entries) {
-    if (e.rows == p.rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
+    if (e.rows == rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
         e.out_type == out_type && e.alignment_in == alignment_in &&
         e.alignment_weight == alignment_weight && e.alignment_out == alignment_out) {
       return e.algo;
     }
   }
-  const LtDescriptors gemm_descriptors(p, what);
+  cuda::SmallGemmParams asked_for = p;
+  asked_for.rows = rows;
+  const LtDescriptors gemm_descriptors(asked_for, what);
   cublasLtMatmulPreferenceOpaque_t preference_storage;
   const cublasLtMatmulPreference_t preference = &preference_storage;
   check_cublas(cublasLtMatmulPreferenceInit(preference), what);
@@ -489,7 +514,7 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
   }
   LtGemms::Entry& e = lt.entries[lt.next];
   lt.next = (lt.next + 1) % static_cast<int>(std::size(lt.entries));
-  e = LtGemms::Entry{p.rows,        p.k,        p.n,          p.ldi,
+  e = LtGemms::Entry{rows,          p.k,        p.n,          p.ldi,
                      p.ldo,         out_type,   alignment_in, alignment_weight,
                      alignment_out, result.algo};
   return e.algo;
