@@ -1670,6 +1670,8 @@ TEST_CASE("kda-run --layer-case: the full-rank output gate (g_proj) equals the C
     if (t.name == "g_a_proj.weight" || t.name == "g_b_proj.weight") both.tensors.emplace(t.name, t);
   }
   check_layer_rejected(both, "both output gate forms present: 'g_proj.weight' (full rank)");
+  // Not a shape error: no hint of where the expected sizes came from after it.
+  check_layer_rejected(both, "'g_b_proj.weight' (low rank)\n");
 }
 
 TEST_CASE("kda-run --layer-case: prefill checkpoints equal the states of the prefixes") {

@@ -219,9 +219,10 @@ LayerCase load_layer_case(const std::string& path) {
   try {
     c.weights = load_layer_weights(checkpoint, -1, config);
   } catch (const Error& e) {
-    // The shapes a weight is held to come from other tensors: say which, so that a wrong
-    // hidden_states width is not taken for a wrong weight.
+    // The shapes a weight is held to come from other tensors: a shape error says which, so that a
+    // wrong hidden_states width is not taken for a wrong weight.
     const Error named = naming(e, path);
+    if (std::string(named.what()).find("' has shape ") == std::string::npos) throw named;
     throw Error(named.code(), std::string(named.what()) + " (the sizes expected: hidden " +
                                   std::to_string(E) + " from hidden_states, heads " +
                                   std::to_string(H) + " from b_proj.weight, head_dim " +
