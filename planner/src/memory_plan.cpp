@@ -494,15 +494,20 @@ PlanResult MemoryPlanner::plan(PlanMode mode) const {
   if (mode == PlanMode::kReuse) {
     // Best fit is greedy: with mixed per-buffer alignments its padding can exceed the sum layout's
     // by a little. The sum layout is also a valid reuse layout, so keep whichever is smaller.
-    // (A sum layout that overflows does not stop reuse, which may need far less.)
+    // (A sum layout that overflows does not stop reuse, which may need far less; a best-fit layout
+    // that overflows, its largest buffers placed first, does not stop the sum layout.)
     std::vector<std::uint64_t> reuse_offsets(requests_.size(), 0);
     std::uint64_t reuse_high_water = 0;
     Failure reuse_failure = layout_reuse(requests_, alignment_, &reuse_offsets, &reuse_high_water);
-    if (reuse_failure.failed()) return fail(std::move(reuse_failure));
-    std::uint64_t sum_total = 0, reuse_total = 0;
-    checked_align_up(high_water, alignment_, &sum_total);  // place_after made these safe
-    checked_align_up(reuse_high_water, alignment_, &reuse_total);
-    if (sum_failure.failed() || reuse_total <= sum_total) {
+    if (reuse_failure.failed() && sum_failure.failed()) return fail(std::move(reuse_failure));
+    bool take_reuse = !reuse_failure.failed();
+    if (take_reuse && !sum_failure.failed()) {
+      std::uint64_t sum_total = 0, reuse_total = 0;
+      checked_align_up(high_water, alignment_, &sum_total);  // place_after made these safe
+      checked_align_up(reuse_high_water, alignment_, &reuse_total);
+      take_reuse = reuse_total <= sum_total;
+    }
+    if (take_reuse) {
       sum_failure = {};
       offsets.swap(reuse_offsets);
       high_water = reuse_high_water;

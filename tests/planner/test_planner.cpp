@@ -428,6 +428,21 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     check_common_invariants(apart, reuse, 256);
     CHECK(reuse.plan.arena_bytes == kMaxU64 - 255);
   }
+  SUBCASE("a best-fit layout that would overflow where the sum layout fits") {
+    // Reuse places the largest first; the small one's alignment then rounds past 2^64. The sum
+    // layout, small one first, fits, and is a reuse layout too.
+    const std::uint64_t half = std::uint64_t{1} << 63;
+    BufferRequest small = make_request("small", 256, 0, 0);
+    small.alignment = half;
+    const std::vector<BufferRequest> requests = {small, make_request("big", half + 256, 0, 0)};
+    const PlanResult sum = plan_of(requests, PlanMode::kSum);
+    REQUIRE(sum.ok);
+    const PlanResult reuse = plan_of(requests, PlanMode::kReuse);
+    REQUIRE(reuse.ok);
+    check_common_invariants(requests, reuse, 256);
+    CHECK(reuse.plan.arena_bytes == sum.plan.arena_bytes);
+    CHECK(reuse.plan.to_json().find("\"mode\": \"reuse\"") != std::string::npos);
+  }
   SUBCASE("many big buffers summing past 2^64") {
     std::vector<BufferRequest> requests;
     for (int i = 0; i < 20; ++i) {
