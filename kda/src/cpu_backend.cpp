@@ -6,11 +6,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <thread>
 
 #include "argument_table.hpp"
 #include "cpu_recurrence.hpp"
+#include "kda/detail/checked_math.hpp"
 #include "kda/kda.hpp"
 #include "state_slots.hpp"
 #include "transition.hpp"
@@ -19,6 +21,19 @@ namespace kda {
 
 Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
                                 std::int64_t head_dim_k) {
+  std::uint64_t dt_bias_count = 0;
+  if (num_heads < 0 || head_dim_k < 0 ||
+      !detail::checked_mul(static_cast<std::uint64_t>(num_heads),
+                           static_cast<std::uint64_t>(head_dim_k), &dt_bias_count) ||
+      dt_bias_count > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+    return Status(StatusCode::kInvalidArgument, "gate parameters of " + std::to_string(num_heads) +
+                                                    " heads of " + std::to_string(head_dim_k) +
+                                                    ": sizes must be >= 0 and their product fit");
+  }
+  if (num_heads > 0 && (A_log == nullptr || (dt_bias_count > 0 && dt_bias == nullptr))) {
+    return Status(StatusCode::kInvalidArgument,
+                  A_log == nullptr ? "A_log is null" : "dt_bias is null");
+  }
   for (std::int64_t h = 0; h < num_heads; ++h) {
     if (!std::isfinite(A_log[h])) {
       return Status(StatusCode::kInvalidArgument, "A_log[" + std::to_string(h) + "] is not finite");
@@ -31,7 +46,7 @@ Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::i
       return Status(StatusCode::kInvalidArgument, text);
     }
   }
-  for (std::int64_t i = 0; i < num_heads * head_dim_k; ++i) {
+  for (std::int64_t i = 0; i < static_cast<std::int64_t>(dt_bias_count); ++i) {
     if (!std::isfinite(dt_bias[i])) {
       return Status(StatusCode::kInvalidArgument, "dt_bias[" + std::to_string(i / head_dim_k) +
                                                       ", " + std::to_string(i % head_dim_k) +

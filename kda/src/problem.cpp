@@ -405,8 +405,9 @@ Status check_backend(Backend backend) {
 Status lower_bound_from_double(double bound, float* used) {
   // Cast only in range: a double beyond float's range has no float (the conversion is undefined).
   const bool in_range = std::isfinite(bound) && bound >= -5.0 && bound < 0.0;
-  *used = in_range ? static_cast<float>(bound) : 0.0f;
-  if (in_range && *used < 0.0f) return Status::Ok();
+  const float as_float = in_range ? static_cast<float>(bound) : 0.0f;
+  if (used != nullptr) *used = as_float;
+  if (in_range && as_float < 0.0f) return Status::Ok();
   return invalid(std::string("outside [-5, 0) or not finite") +
                  (in_range ? " (as a float it is -0)" : ""));
 }

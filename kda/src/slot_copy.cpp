@@ -60,9 +60,10 @@ Status validate_pools(const SlotCopyProblem& p, const SlotPool* pools, int num_p
   if (p.num_slots < 0) {
     return invalid("num_slots must be >= 0 (got " + std::to_string(p.num_slots) + ")");
   }
-  if (p.padding_slot < -1) {
-    return invalid("padding_slot must be -1 (none) or a slot index (got " +
-                   std::to_string(p.padding_slot) + ")");
+  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {  // as the steps' padding_slot
+    return invalid("padding_slot " + std::to_string(p.padding_slot) +
+                   " is outside the pool of num_slots = " + std::to_string(p.num_slots) +
+                   " (negative: no padding slot)");
   }
   if (num_pools < 0 || num_pools > kMaxCopyPools) {
     return invalid("num_pools must be in [0, " + std::to_string(kMaxCopyPools) + "] (got " +

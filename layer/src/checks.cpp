@@ -246,15 +246,17 @@ void check_forward(const Config& c, const Batch& batch, HostCuSeqlens cu_host,
         invalid(what, entry(n) + " has slot " + std::to_string(slots_host[n]) +
                           ", outside [0, num_slots = " + std::to_string(state.num_slots) + ")");
       }
-      // A records step only reads its slots (unless it folds): rows may share one.
-      const bool shared_ok = batch.records && batch.fold_sequences == 0;
-      for (std::int64_t m = 0; m < n && !shared_ok && !is_padding(batch, slots_host[n]); ++m) {
-        if (slots_host[m] == slots_host[n]) {
-          invalid(what, (verify ? entry(m) + " and " + entry(n)
-                                : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
-                            " share slot " + std::to_string(slots_host[n]));
-        }
-      }
+    }
+    // A records step only reads its slots (unless it folds): rows may share one.
+    const bool shared_ok = batch.records && batch.fold_sequences == 0;
+    const auto [m, n] =
+        shared_ok ? std::pair<std::int64_t, std::int64_t>{-1, -1}
+                  : find_repeated_slot(slots_host, N * per_row,
+                                       [&](std::int32_t s) { return is_padding(batch, s); });
+    if (m >= 0) {
+      invalid(what, (verify ? entry(m) + " and " + entry(n)
+                            : "sequences " + std::to_string(m) + " and " + std::to_string(n)) +
+                        " share slot " + std::to_string(slots_host[n]));
     }
   }
   if (N > 0) {

@@ -66,6 +66,9 @@ void check_commit(const Config& c, const CommitBatch& b, const State* states, in
       invalid(what, layer() + ": a state pool or a records region is null");
     }
   }
+  if (first.num_slots < 0) {
+    invalid(what, "State::num_slots " + std::to_string(first.num_slots) + " is negative");
+  }
   if (b.padding_slot >= first.num_slots) {
     invalid(what, "padding_slot " + std::to_string(b.padding_slot) +
                       " is outside [0, num_slots = " + std::to_string(first.num_slots) +
@@ -79,17 +82,17 @@ void check_commit(const Config& c, const CommitBatch& b, const State* states, in
       invalid(what, "row " + std::to_string(n) + " has slot " + std::to_string(slot) +
                         ", outside [0, num_slots = " + std::to_string(first.num_slots) + ")");
     }
-    for (std::int64_t m = 0; m < n; ++m) {
-      if (slots_host[m] == slot) {
-        invalid(what, "rows " + std::to_string(m) + " and " + std::to_string(n) + " share slot " +
-                          std::to_string(slot) + " (a commit writes each state once)");
-      }
-    }
     if (accepted_host != nullptr && (accepted_host[n] < 1 || accepted_host[n] > T)) {
       invalid(what, "row " + std::to_string(n) + " has num_accepted " +
                         std::to_string(accepted_host[n]) +
                         ", outside [1, decode_tokens = " + std::to_string(T) + "]");
     }
+  }
+  const auto [m, n] = detail::find_repeated_slot(
+      slots_host, N, [&](std::int32_t slot) { return padding_row(b, slot); });
+  if (m >= 0) {
+    invalid(what, "rows " + std::to_string(m) + " and " + std::to_string(n) + " share slot " +
+                      std::to_string(slots_host[n]) + " (a commit writes each state once)");
   }
 }
 

@@ -136,6 +136,33 @@ TEST_CASE("lower_bound_from_double: -5 up to 0 as written and as the float the o
   const Status st = lower_bound_from_double(-1e-300, &used);
   CHECK(st.code() == StatusCode::kInvalidArgument);
   CHECK(st.message() == "outside [-5, 0) or not finite (as a float it is -0)");
+  // Without a float to receive it: the answer alone.
+  CHECK(lower_bound_from_double(-0.5, nullptr).ok());
+  CHECK(lower_bound_from_double(1.0, nullptr).code() == StatusCode::kInvalidArgument);
+}
+
+TEST_CASE(
+    "validate_gate_parameters: sizes, null arrays and values are refused with what is wrong") {
+  const std::vector<float> A_log = {0.5f, -1.0f}, dt_bias(2 * 4, 0.25f);
+  CHECK(validate_gate_parameters(A_log.data(), dt_bias.data(), 2, 4).ok());
+  CHECK(validate_gate_parameters(nullptr, nullptr, 0, 4).ok());  // no heads: nothing to read
+  auto refused = [](const Status& st, const std::string& part) {
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK_MESSAGE(st.message().find(part) != std::string::npos, st.message());
+  };
+  refused(validate_gate_parameters(nullptr, dt_bias.data(), 2, 4), "A_log is null");
+  refused(validate_gate_parameters(A_log.data(), nullptr, 2, 4), "dt_bias is null");
+  refused(validate_gate_parameters(A_log.data(), dt_bias.data(), -3, 4), "sizes must be >= 0");
+  refused(validate_gate_parameters(A_log.data(), dt_bias.data(), 2, -4), "sizes must be >= 0");
+  refused(validate_gate_parameters(A_log.data(), dt_bias.data(), std::int64_t{1} << 40,
+                                   std::int64_t{1} << 40),
+          "their product fit");
+  std::vector<float> bad_bias = dt_bias;
+  bad_bias[5] = std::numeric_limits<float>::infinity();
+  refused(validate_gate_parameters(A_log.data(), bad_bias.data(), 2, 4),
+          "dt_bias[1, 1] is not finite");
+  const std::vector<float> bad_a = {0.5f, 21.0f};
+  refused(validate_gate_parameters(bad_a.data(), dt_bias.data(), 2, 4), "A_log[1] = 21");
 }
 
 TEST_CASE("validate(Problem): every shape and value check trips with the field named") {

@@ -229,8 +229,10 @@ KDA_CPU_CASE("slot copy: a destination twice or also a source, and bad arguments
          "num_pools must be in [0, 128]");
   expect(copy_slots_cpu(problem(1, num_slots), list.data(), 2, nullptr, two),
          "src is null but pairs is 1");
-  expect(copy_slots_cpu(problem(1, num_slots, -2), list.data(), 2, one, two),
-         "padding_slot must be -1");
+  expect(copy_slots_cpu(problem(1, num_slots, static_cast<std::int32_t>(num_slots)), list.data(), 2,
+                        one, two),
+         "padding_slot " + std::to_string(num_slots) + " is outside the pool of num_slots = " +
+             std::to_string(num_slots) + " (negative: no padding slot)");
   std::vector<SlotPool> overlapping = {{pools[0].data(), 64}, {pools[0].data() + 64, 32}};
   expect(copy_slots_cpu(problem(1, num_slots), overlapping.data(), 2, one, two),
          "pools[1] overlaps pools[0]");
@@ -250,6 +252,9 @@ KDA_CPU_CASE("slot copy: a destination twice or also a source, and bad arguments
   CHECK(run({-7}, {-2}).ok());
   CHECK(run({0, 4}, {-1, 0}).ok());
   CHECK(std::equal(pools[0].begin(), pools[0].begin() + 64, before[0].begin() + 4 * 64));
+  // Any negative padding_slot is none, as the steps take it: the pair is copied.
+  CHECK(copy_slots_cpu(problem(1, num_slots, -2), list.data(), 2, one, two).ok());
+  CHECK(std::equal(pools[0].begin() + 64, pools[0].begin() + 128, pools[0].begin()));
 }
 
 #ifdef KDA_HAVE_CUDA

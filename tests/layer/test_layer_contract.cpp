@@ -12,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checks.hpp"                    // find_repeated_slot (layer/src)
 #include "cuda/one_launch_exchange.hpp"  // one_launch_max_rows (layer/src)
 #include "layer_runner.hpp"
 
@@ -852,4 +853,34 @@ KDA_LAYER_CPU_CASE("core_inputs refuses checkpoints before anything is written")
   buffers.download(&after);
   CHECK(after == pools);
   CHECK(buffers.guards_intact());
+}
+
+TEST_CASE(
+    "find_repeated_slot: the first repeat, below and above the bitmap's slots, padding skipped") {
+  using kda::layer::detail::find_repeated_slot;
+  using Found = std::pair<std::int64_t, std::int64_t>;
+  auto find = [](const std::vector<std::int32_t>& slots, std::int32_t padding = -1) {
+    return find_repeated_slot(slots.data(), static_cast<std::int64_t>(slots.size()),
+                              [&](std::int32_t s) { return s < 0 || s == padding; });
+  };
+  CHECK(find({}) == Found{-1, -1});
+  CHECK(find({0, 1, 2, 65535}) == Found{-1, -1});
+  CHECK(find({3, 1, 3}) == Found{0, 2});
+  CHECK(find({5, 7, 7, 5}) == Found{1, 2});  // the first entry that repeats an earlier one
+  CHECK(find({-1, -1, -7, -7}) == Found{-1, -1});
+  CHECK(find({0, 4, 0}, 0) == Found{-1, -1});  // the padding slot may repeat
+  // Slots past the bitmap's 65,536 are found by a scan of the earlier entries.
+  CHECK(find({65536, 70000, 65536}) == Found{0, 2});
+  CHECK(find({1 << 30, 2, 1 << 30}) == Found{0, 2});
+  CHECK(find({65536, 65535, 65537, 65535}) == Found{1, 3});
+  CHECK(find({std::numeric_limits<std::int32_t>::max(), 0,
+              std::numeric_limits<std::int32_t>::max()}) == Found{0, 2});
+  // Many distinct rows, then one repeat at the end.
+  std::vector<std::int32_t> many(100000);
+  for (std::size_t i = 0; i < many.size(); ++i) many[i] = static_cast<std::int32_t>(i * 3);
+  CHECK(find(many) == Found{-1, -1});
+  many.push_back(3 * 40000);
+  CHECK(find(many) == Found{40000, 100000});
+  many.back() = 3;
+  CHECK(find(many) == Found{1, 100000});
 }

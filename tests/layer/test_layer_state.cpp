@@ -1105,6 +1105,11 @@ KDA_LAYER_CPU_CASE(
         "row-token pairs");
   CHECK(pools == before);
   for (layer::State& s : states) s.record_rows = 4;
+  // A negative pool size is named as such (not as the default padding_slot outside it).
+  for (layer::State& s : states) s.num_slots = -1;
+  CHECK(error_of() == "KDA layer commit (CPU): State::num_slots -1 is negative");
+  CHECK(pools == before);
+  for (std::size_t l = 0; l < states.size(); ++l) states[l].num_slots = pools[l].num_slots;
   // A row count whose row-token pairs overflow 64 bits is below any record_rows.
   batch.sequences = (std::int64_t{1} << 60) + 1;
   batch.decode_tokens = 16;

@@ -103,7 +103,8 @@ struct Problem {
   // requests per sequence (K; 0: none) in Tensors::checkpoint_offsets [N, K] (this dtype: i32 or
   // i64) and Tensors::checkpoint_slots int32 [N, K]. Request k of sequence s writes the state after
   // checkpoint_offsets[s][k] of the sequence's tokens (a multiple of 16, or the sequence's length;
-  // -1: no request) into pool entry checkpoint_slots[s][k] (-1: none), in final_state_dtype. The
+  // -1: no request) into pool entry checkpoint_slots[s][k] (negative or padding_slot: none), in
+  // final_state_dtype. The
   // entries written are distinct and none is a state_slots entry of the call. The CPU checks all
   // of this before computing; CUDA reads the requests on the device only (graph replays take new
   // ones): a bad offset, a slot >= the pool, or a slot another request of the call names sets
@@ -211,15 +212,15 @@ inline constexpr float kMaxAbsALog = 20.0f;
 // The rule above on host arrays A_log [num_heads] and dt_bias [num_heads, head_dim]: the one check
 // every layer above the operator makes where its parameters enter (loaders, the engine, the whole
 // layer), so that CUDA callers learn of bad parameters before a launch. kInvalidArgument names the
-// first bad element.
+// first bad element (or a negative or overflowing size, or a null array where there are heads).
 Status validate_gate_parameters(const float* A_log, const float* dt_bias, std::int64_t num_heads,
                                 std::int64_t head_dim);
 
 // The bounded gate's lower bound as a model description or a case file writes it, before it
 // becomes Problem::lower_bound: finite, in [-5, 0), and still below 0 as the float the operator
-// takes (-1e-300 rounds to -0). *used receives that float. kInvalidArgument's message is the
-// reason alone ("outside [-5, 0) or not finite", with " (as a float it is -0)" where rounding
-// made it so), for the caller to put after the value as written.
+// takes (-1e-300 rounds to -0). *used receives that float (where `used` is not null).
+// kInvalidArgument's message is the reason alone ("outside [-5, 0) or not finite", with " (as a
+// float it is -0)" where rounding made it so), for the caller to put after the value as written.
 Status lower_bound_from_double(double bound, float* used);
 
 // Bits the CUDA kernels OR into a caller's device status word (Tensors::device_status,
