@@ -441,6 +441,18 @@ Status check_no_overlap(const ArgumentTable& table) {
   return Status::Ok();
 }
 
+Status check_workspace_apart(const ArgumentTable& table, const void* workspace,
+                             std::uint64_t bytes) {
+  const Argument scratch = byte_range(workspace, bytes);
+  for (const Argument& a : table) {
+    if (overlaps(scratch, a)) {
+      return invalid(std::string("the workspace overlaps ") + a.name +
+                     " (it is the operator's scratch, written by the call)");
+    }
+  }
+  return Status::Ok();
+}
+
 Status check_cuda_alignment(const ArgumentTable& table, const char* user) {
   for (const Argument& a : table) {
     if (a.space != MemorySpace::kBackend) continue;

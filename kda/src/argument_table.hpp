@@ -164,6 +164,10 @@ Status check_presence(const ArgumentTable& table);
 Status check_no_overlap(const ArgumentTable& table);
 // A call's tensors: presence, then aliasing (every table of a call is walked both ways, in order).
 Status check_tensors(const ArgumentTable& table);
+// The `bytes` of workspace a call uses overlap none of its tensors: the backends write it (the CPU
+// before its last checks), so an overlap would change an input or an output of a refused call.
+Status check_workspace_apart(const ArgumentTable& table, const void* workspace,
+                             std::uint64_t bytes);
 // CUDA: every backend row's pointer is a multiple of its cuda_alignment; `user` ends the message
 // ("q must be 16-byte aligned for <user>").
 Status check_cuda_alignment(const ArgumentTable& table, const char* user);

@@ -219,6 +219,7 @@ Status forward_cpu(const Problem& p, const Tensors& t, Workspace ws, const CpuOp
   if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &needed); !st) return st;
   unsigned char* slots = nullptr;
   if (Status st = workspace_slots(ws, needed, "the CPU backend", &slots); !st) return st;
+  if (Status st = detail::check_workspace_apart(table, ws.ptr, needed); !st) return st;
   const std::int64_t items = p.sequences() * p.num_heads;
   if (items == 0) return Status::Ok();
 

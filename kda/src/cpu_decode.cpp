@@ -193,8 +193,10 @@ Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* 
   return Status::Ok();
 }
 
-Status decode_checks(const DecodeProblem& p, const DecodeTensors& t) {
-  detail::ArgumentTable table;  // validate(p, t), as the CUDA backend checks its calls
+Status decode_checks(const DecodeProblem& p, const DecodeTensors& t,
+                     detail::ArgumentTable* table_out = nullptr) {
+  detail::ArgumentTable own;  // validate(p, t), as the CUDA backend checks its calls
+  detail::ArgumentTable& table = table_out != nullptr ? *table_out : own;
   if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, &table); !st) return st;
   if (Status st = validate_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k); !st) {
     return st;
@@ -238,7 +240,8 @@ Status detail::checked_workspace_size(const DecodeProblem& p, Backend backend, s
 
 Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
                   const CpuOptions& opt) {
-  if (Status st = decode_checks(p, t); !st) return st;
+  detail::ArgumentTable table;
+  if (Status st = decode_checks(p, t, &table); !st) return st;
   if (p.batch == 0) return Status::Ok();
   std::size_t need = 0;
   if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &need); !st) return st;
@@ -249,6 +252,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
   }
   if (need > 0 && ws.ptr == nullptr)
     return Status(StatusCode::kInvalidArgument, "workspace.ptr is null");
+  if (Status st = detail::check_workspace_apart(table, ws.ptr, need); !st) return st;
   const std::uintptr_t align = detail::cpu::kSlotAlignment;
   const std::uintptr_t base = detail::align_up(reinterpret_cast<std::uintptr_t>(ws.ptr), align);
   auto* slots = reinterpret_cast<unsigned char*>(base);

@@ -203,6 +203,24 @@ KDA_CPU_CASE("state slot fields are validated") {
   p.padding_slot = -1;
   CHECK(validate_state_slots(p, named.data()).message().find("repeats state_slots[0]") !=
         std::string::npos);
+  // A workspace over the pool: refused before the CPU writes its slot bitmap there.
+  {
+    t.out = out.data();
+    t.state_slots = named.data();
+    std::size_t needed = 0;
+    REQUIRE(workspace_size(p, Backend::kCpu, &needed).ok());
+    std::vector<unsigned char> scratch(needed + pool.size() * sizeof(float));
+    float* in_scratch = reinterpret_cast<float*>(scratch.data());
+    std::fill(in_scratch, in_scratch + pool.size(), 0.5f);
+    t.initial_state = t.final_state = in_scratch;
+    const std::vector<unsigned char> before = scratch;
+    const Status st = forward_cpu(p, t, Workspace{scratch.data(), needed});
+    CHECK(st.code() == StatusCode::kInvalidArgument);
+    CHECK_MESSAGE(st.message().find("the workspace overlaps initial_state") != std::string::npos,
+                  st.message());
+    CHECK(scratch == before);
+    t.initial_state = t.final_state = pool.data();
+  }
   DecodeProblem d;
   d.batch = 1;
   d.num_heads = 1;

@@ -162,6 +162,7 @@ class PrefillLaunch {
     std::size_t need = 0;
     if (!(st = checked_workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA prefill"))) return st;
+    if (!(st = check_workspace_apart(args, ws.ptr, need))) return st;
     if (opt.check_pointers && !(st = check_device_arguments(args, ws.ptr, need))) return st;
     fill_params(p, t, ws);
     prm_.h0 = t.initial_state;
@@ -228,6 +229,7 @@ class PrefillLaunch {
     std::size_t need = 0;
     if (!(st = transition_workspace_size(p, Backend::kCuda, &need))) return st;
     if (!(st = check_workspace(ws, need, "the CUDA segment transition"))) return st;
+    if (!(st = check_workspace_apart(args, ws.ptr, need))) return st;
     if (opt.check_pointers && !(st = check_device_arguments(args, ws.ptr, need))) return st;
     fill_params(p, t, ws);
     prm_.transition_p = p_t;
