@@ -253,9 +253,10 @@ struct GemmKnobs {
   // KDA_LAYER_CUBLAS_API=gemmex: the GEMMs past the small-row kernels through cublasGemmEx rather
   // than cuBLASLt (lt_gemm), for measuring what each costs the host and the GPU.
   bool cublas_lt = true;
-  // KDA_LAYER_LT_ROWS=exact: cuBLASLt's algorithm chosen for each row count rather than for its
-  // row class (lt_row_class), for measuring what the classes cost and save.
-  bool lt_row_classes = true;
+  // KDA_LAYER_LT_ROWS=classes: cuBLASLt's algorithm chosen for each row class (lt_row_class)
+  // rather than for each row count, so that eager prefills of every length ask the heuristic once
+  // a class; not the default until measured on a GPU (kda-layer-bench --host times both).
+  bool lt_row_classes = false;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -285,7 +286,7 @@ const GemmKnobs& gemm_knobs() {
     k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
     k.side_gemms = value("KDA_LAYER_SIDE_GEMMS") != "0";
     k.cublas_lt = value("KDA_LAYER_CUBLAS_API") != "gemmex";
-    k.lt_row_classes = value("KDA_LAYER_LT_ROWS") != "exact";
+    k.lt_row_classes = value("KDA_LAYER_LT_ROWS") == "classes";
     return k;
   }();
   return knobs;
@@ -395,14 +396,14 @@ struct LtGemms {
   int next = 0;  // the entry replaced next
 };
 
-// The row count cuBLASLt's algorithm is chosen for: up to 64 rows (decode steps) the rows
-// themselves; above, the rows rounded up to a quarter of their power of two (65-80 rows → 80,
-// 4097-5120 → 5120; a power of two is its own class). A runtime's eager prefills come in every
-// length, and the heuristic's choice costs the host more than the GEMM's launch each time a row
-// count is new; with four classes an octave a few entries serve them all. An algorithm fixes the
-// tiles and the split of K, not the rows, and the workspace it needs grows with the rows, so the
-// class's choice runs every row count of the class. The choice is the heuristic's for the class's
-// largest count: the same whichever count came first.
+// The row count cuBLASLt's algorithm is chosen for: the rows themselves, or with
+// KDA_LAYER_LT_ROWS=classes above 64 rows (decode steps) the rows rounded up to an eighth of the
+// power of two above them (65-80 rows → 80, 4097-5120 → 5120; a power of two is its own class). A
+// runtime's eager prefills come in every length, and each new row count asks the heuristic;
+// with four classes an octave a few entries would serve them all. An algorithm fixes the tiles and
+// the split of K, not the rows, and the workspace it needs grows with the rows, so the class's
+// choice (the heuristic's for the class's largest count: the same whichever count came first)
+// should run every row count of the class; what it costs the GPU is not measured yet.
 std::int64_t lt_row_class(std::int64_t rows) {
   if (rows <= 64 || !gemm_knobs().lt_row_classes) return rows;
   std::int64_t octave_top = 128;  // the power of two with octave_top / 2 < rows <= octave_top
