@@ -430,6 +430,24 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
   return layout;
 }
 
+void check_run_options(const RunOptions& options, const char* what) {
+  if (static_cast<unsigned>(options.decode_kernel) >
+      static_cast<unsigned>(DecodeKernel::kOneLaunch)) {
+    invalid(what, "RunOptions::decode_kernel " +
+                      std::to_string(static_cast<int>(options.decode_kernel)) +
+                      " is not a kda::layer::DecodeKernel");
+  }
+  if (!is_known(options.schedule)) {
+    invalid(what, "RunOptions::schedule " + std::to_string(static_cast<int>(options.schedule)) +
+                      " is not a kda::PrefillSchedule");
+  }
+  if (options.fused_cluster != 0 && options.fused_cluster != 1 && options.fused_cluster != 2 &&
+      options.fused_cluster != 4 && options.fused_cluster != 8) {
+    invalid(what, "RunOptions::fused_cluster " + std::to_string(options.fused_cluster) +
+                      " is not 0, 1, 2, 4 or 8");
+  }
+}
+
 void check_gate_weights(const Weights& w) {
   throw_if_error(validate_gate_parameters(w.A_log.data(), w.dt_bias.data(), w.config.local_heads(),
                                           w.config.head_dim),

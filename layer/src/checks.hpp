@@ -123,6 +123,10 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
                                        Workspace workspace, const char* what,
                                        bool core_inputs = false);
 
+// RunOptions' enumerations and cluster sizes known, on both backends (the CPU uses none of them,
+// but a value no backend knows is a caller's mistake either way).
+void check_run_options(const RunOptions& options, const char* what);
+
 // One of the caller's regions a forward reads or writes beside the layer's weights, and the bytes
 // of it the forward may touch; null where the batch names none (or does not use it).
 struct ForwardBuffer {

@@ -301,6 +301,7 @@ void CpuLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out, 
       Backend::kCpu, c, batch, cu_host, batch.slots, batch.num_accepted,
       HostFold{batch.fold_rows, batch.fold_counts}, state, hidden, out, workspace,
       inputs != nullptr ? kCoreInputs : kForward, inputs != nullptr);
+  check_run_options(options, inputs != nullptr ? kCoreInputs : kForward);
   const WorkspaceRegions regions(layout, workspace.ptr);
   using L = WorkspaceLayout;
   if (inputs != nullptr) {

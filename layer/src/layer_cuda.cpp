@@ -820,25 +820,7 @@ void CudaLayer::run(const Batch& batch, const bf16_bits* hidden, bf16_bits* out,
       decode ? HostCuSeqlens{} : HostCuSeqlens{batch.cu_seqlens_host, batch.cu_seqlens_host_i32},
       batch.slots_host, batch.num_accepted_host, HostFold{}, state, hidden, out, workspace,
       kForward, inputs != nullptr);
-  if (static_cast<unsigned>(options.decode_kernel) >
-      static_cast<unsigned>(DecodeKernel::kOneLaunch)) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(kForward) + ": RunOptions::decode_kernel " +
-                    std::to_string(static_cast<int>(options.decode_kernel)) +
-                    " is not a kda::layer::DecodeKernel");
-  }
-  if (!is_known(options.schedule)) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(kForward) + ": RunOptions::schedule " +
-                    std::to_string(static_cast<int>(options.schedule)) +
-                    " is not a kda::PrefillSchedule");
-  }
-  if (options.fused_cluster != 0 && options.fused_cluster != 1 && options.fused_cluster != 2 &&
-      options.fused_cluster != 4 && options.fused_cluster != 8) {
-    throw Error(StatusCode::kInvalidArgument,
-                std::string(kForward) + ": RunOptions::fused_cluster " +
-                    std::to_string(options.fused_cluster) + " is not 0, 1, 2, 4 or 8");
-  }
+  check_run_options(options, kForward);
   constexpr std::int64_t kMaxInt = std::numeric_limits<int>::max();
   if (T > kMaxInt || (T + cuda::kConvChunk - 1) / cuda::kConvChunk + N > kMaxInt) {
     throw Error(StatusCode::kUnsupported, "KDA layer forward (CUDA): " + std::to_string(T) +

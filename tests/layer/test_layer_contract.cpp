@@ -884,3 +884,53 @@ TEST_CASE(
   many.back() = 3;
   CHECK(find(many) == Found{1, 100000});
 }
+
+// The CPU layer uses none of these options, but refuses what no backend knows, as CUDA does.
+KDA_LAYER_CASE(
+    "a decode_kernel or schedule that is none of the enumeration's is refused before anything "
+    "runs") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  Pools pools(config, 2);
+  const Pools before = pools;
+  ForwardSettings settings;
+  settings.change = [](ForwardCall& call) {
+    call.options.decode_kernel = static_cast<layer::DecodeKernel>(7);
+  };
+  const LayerRun run =
+      runner.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
+                     decode_batch(2, 1), &pools, settings);
+  CHECK(run.code == StatusCode::kInvalidArgument);
+  CHECK(run.error == runner.forward_error_prefix() +
+                         "RunOptions::decode_kernel 7 is not a kda::layer::DecodeKernel");
+  CHECK(pools == before);
+  settings.change = [](ForwardCall& call) {
+    call.options.schedule = static_cast<PrefillSchedule>(77);
+  };
+  const LayerRun prefill =
+      runner.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
+                     prefill_batch({2}, {0}), &pools, settings);
+  CHECK(prefill.code == StatusCode::kInvalidArgument);
+  CHECK(prefill.error ==
+        runner.forward_error_prefix() + "RunOptions::schedule 77 is not a kda::PrefillSchedule");
+  CHECK(pools == before);
+}
+
+KDA_LAYER_CASE("a fused_cluster other than 0, 1, 2, 4 or 8 is refused before anything runs") {
+  const layer::Config config = runner.config();
+  const auto layer = runner.make(layer::random_weights(config, 1, 0));
+  for (const int cluster : {3, 16, -1, 5}) {
+    CAPTURE(cluster);
+    Pools pools(config, 2);
+    const Pools before = pools;
+    ForwardSettings settings;
+    settings.change = [cluster](ForwardCall& call) { call.options.fused_cluster = cluster; };
+    const LayerRun run = runner.forward(
+        *layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
+        decode_batch(2, 1), &pools, settings);
+    CHECK(run.code == StatusCode::kInvalidArgument);
+    CHECK(run.error == runner.forward_error_prefix() + "RunOptions::fused_cluster " +
+                           std::to_string(cluster) + " is not 0, 1, 2, 4 or 8");
+    CHECK(pools == before);
+  }
+}

@@ -712,44 +712,6 @@ KDA_LAYER_CUDA_CASE("the one-launch step: one graph replayed with new slots equa
 #endif
 }
 
-KDA_LAYER_CUDA_CASE(
-    "a decode_kernel that is none of DecodeKernel's is refused before anything runs") {
-  const layer::Config config = cuda.config();
-  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
-  Pools pools(config, 2);
-  const Pools before = pools;
-  ForwardSettings settings;
-  settings.change = [](ForwardCall& call) {
-    call.options.decode_kernel = static_cast<layer::DecodeKernel>(7);
-  };
-  const LayerRun run =
-      cuda.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
-                   decode_batch(2, 1), &pools, settings);
-  CHECK(run.code == StatusCode::kInvalidArgument);
-  CHECK(run.error == cuda.forward_error_prefix() +
-                         "RunOptions::decode_kernel 7 is not a kda::layer::DecodeKernel");
-  CHECK(pools == before);
-}
-
-KDA_LAYER_CUDA_CASE("a fused_cluster other than 0, 1, 2, 4 or 8 is refused before anything runs") {
-  const layer::Config config = cuda.config();
-  const auto layer = cuda.make(layer::random_weights(config, 1, 0));
-  for (const int cluster : {3, 16, -1, 5}) {
-    CAPTURE(cluster);
-    Pools pools(config, 2);
-    const Pools before = pools;
-    ForwardSettings settings;
-    settings.change = [cluster](ForwardCall& call) { call.options.fused_cluster = cluster; };
-    const LayerRun run =
-        cuda.forward(*layer, random_bf16(static_cast<std::size_t>(2 * config.hidden_size), 1.0f, 5),
-                     decode_batch(2, 1), &pools, settings);
-    CHECK(run.code == StatusCode::kInvalidArgument);
-    CHECK(run.error == cuda.forward_error_prefix() + "RunOptions::fused_cluster " +
-                           std::to_string(cluster) + " is not 0, 1, 2, 4 or 8");
-    CHECK(pools == before);
-  }
-}
-
 // hidden and out are bf16 arrays a caller may place at any even address (a row of a larger
 // buffer): every GEMM path (the small-row kernels where their alignment allows, cuBLASLt with the
 // operands' alignments told) takes them one element past a 256-byte boundary and computes the
