@@ -2,6 +2,7 @@
 // folded into the states of many layers at once (layer.hpp). The recurrent states through the
 // operator's commit, the conv states here (CPU) or by one kernel (cuda/conv_commit.cu).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -28,6 +29,61 @@ namespace {
 
 bool padding_row(const CommitBatch& b, std::int64_t slot) {
   return slot < 0 || slot == b.padding_slot;
+}
+
+// The conv pools a commit writes overlap none of the call's other pools and records regions, in
+// any layer (the operator's commit checks the recurrent pools and records against each other).
+// States agree on num_slots (>= 0) and record_rows (>= 0) here.
+void check_conv_pools_apart(const Config& c, const State* states, int num_layers,
+                            const char* what) {
+  if (c.conv_width <= 1) return;
+  const State& first = states[0];
+  const auto slots = static_cast<std::uint64_t>(first.num_slots);
+  const auto rows = static_cast<std::uint64_t>(first.record_rows);
+  const auto Cl = static_cast<std::uint64_t>(c.local_channels());
+  const auto Hl = static_cast<std::uint64_t>(c.local_heads());
+  const auto D = static_cast<std::uint64_t>(c.head_dim);
+  const auto state_element = static_cast<std::uint64_t>(dtype_size(first.recurrent_dtype));
+  std::uint64_t conv_pool = 0, conv_records = 0, recurrent = 0, recurrent_records = 0;
+  if (!kda::detail::checked_product({slots, Cl, static_cast<std::uint64_t>(c.conv_width - 1), 2},
+                                    &conv_pool) ||
+      !kda::detail::checked_product({rows, 3, Cl, 2}, &conv_records) ||
+      !kda::detail::checked_product({slots, Hl, D, D, state_element}, &recurrent) ||
+      !kda::detail::checked_product({rows, Hl, 3, D, 4}, &recurrent_records)) {
+    throw Error(StatusCode::kOverflow, std::string(what) + ": the pools' bytes overflow 64 bits");
+  }
+  struct Region {
+    const void* ptr;
+    std::uint64_t bytes;
+    const char* name;
+  };
+  auto regions_of = [&](const State& s) {
+    return std::array<Region, 6>{
+        Region{s.conv_q, conv_pool, "conv_q pool"},
+        Region{s.conv_k, conv_pool, "conv_k pool"},
+        Region{s.conv_v, conv_pool, "conv_v pool"},
+        Region{s.conv_records, conv_records, "conv_records"},
+        Region{s.recurrent, recurrent, "recurrent pool"},
+        Region{s.recurrent_records, recurrent_records, "recurrent_records"}};
+  };
+  for (int l = 0; l < num_layers; ++l) {
+    const auto written = regions_of(states[l]);
+    for (int w = 0; w < 3; ++w) {  // the conv pools
+      for (int m = 0; m < num_layers; ++m) {
+        const auto other = regions_of(states[m]);
+        for (int r = 0; r < 6; ++r) {
+          if (m == l && r == w) continue;
+          if (m < l && r < 3) continue;  // a pair of conv pools once, named by the first
+          if (detail::byte_ranges_overlap(written[w].ptr, written[w].bytes, other[r].ptr,
+                                          other[r].bytes)) {
+            invalid(what, "layer " + std::to_string(l) + "'s " + written[w].name +
+                              " overlaps layer " + std::to_string(m) + "'s " + other[r].name +
+                              " (a commit writes each conv pool)");
+          }
+        }
+      }
+    }
+  }
 }
 
 // Everything the host can check, before anything is written. `slots_host` / `accepted_host`:
@@ -69,6 +125,7 @@ void check_commit(const Config& c, const CommitBatch& b, const State* states, in
   if (first.num_slots < 0) {
     invalid(what, "State::num_slots " + std::to_string(first.num_slots) + " is negative");
   }
+  check_conv_pools_apart(c, states, num_layers, what);
   if (b.padding_slot >= first.num_slots) {
     invalid(what, "padding_slot " + std::to_string(b.padding_slot) +
                       " is outside [0, num_slots = " + std::to_string(first.num_slots) +
