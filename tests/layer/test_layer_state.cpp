@@ -1106,24 +1106,23 @@ KDA_LAYER_CPU_CASE(
   CHECK(pools == before);
   for (layer::State& s : states) s.record_rows = 4;
   // Conv pools the commit writes, aliased within a layer, across layers, or over records.
-  bf16_bits* const conv_k0 = states[0].conv_k;
-  states[0].conv_k = states[0].conv_q;
-  CHECK(error_of() ==
-        "KDA layer commit (CPU): layer 0's conv_q pool overlaps layer 0's conv_k "
-        "pool (a commit writes each conv pool)");
-  states[0].conv_k = conv_k0;
-  bf16_bits* const conv_v5 = states[5].conv_v;
-  states[5].conv_v = states[130].conv_q;
-  CHECK(error_of() ==
-        "KDA layer commit (CPU): layer 5's conv_v pool overlaps layer 130's conv_q "
-        "pool (a commit writes each conv pool)");
-  states[5].conv_v = conv_v5;
-  bf16_bits* const conv_q7 = states[7].conv_q;
-  states[7].conv_q = states[2].conv_records;
-  CHECK(error_of() ==
-        "KDA layer commit (CPU): layer 7's conv_q pool overlaps layer 2's "
-        "conv_records (a commit writes each conv pool)");
-  states[7].conv_q = conv_q7;
+  struct Alias {
+    bf16_bits** pool;
+    bf16_bits* onto;
+    const char* message;
+  };
+  for (const Alias& alias : {Alias{&states[0].conv_k, states[0].conv_q,
+                                   "layer 0's conv_q pool overlaps layer 0's conv_k pool"},
+                             Alias{&states[5].conv_v, states[130].conv_q,
+                                   "layer 5's conv_v pool overlaps layer 130's conv_q pool"},
+                             Alias{&states[7].conv_q, states[2].conv_records,
+                                   "layer 7's conv_q pool overlaps layer 2's conv_records"}}) {
+    bf16_bits* const own = *alias.pool;
+    *alias.pool = alias.onto;
+    CHECK(error_of() == std::string("KDA layer commit (CPU): ") + alias.message +
+                            " (a commit writes each conv pool)");
+    *alias.pool = own;
+  }
   CHECK(pools == before);
   // A negative pool size is named as such (not as the default padding_slot outside it).
   for (layer::State& s : states) s.num_slots = -1;
