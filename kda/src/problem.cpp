@@ -75,16 +75,6 @@ Status check_gate_and_scale(GateMode gate, float lower_bound, float scale) {
   return Status::Ok();
 }
 
-// A caller-chosen padding slot names an entry of the pool (negative: none): prefill, decode,
-// commit.
-Status check_padding_slot(std::int32_t padding_slot, std::int64_t pool, const char* pool_name) {
-  if (padding_slot >= 0 && padding_slot >= pool) {
-    return invalid("padding_slot " + str(std::int64_t{padding_slot}) + " is outside the pool of " +
-                   pool_name + " = " + str(pool) + " (negative: no padding slot)");
-  }
-  return Status::Ok();
-}
-
 // The shape of a decode step and of the commit of its records: rows, tokens, heads, head dims,
 // the pool and its state dtype.
 Status check_step_shape(std::int64_t batch, std::int64_t tokens, std::int64_t num_heads,
@@ -98,7 +88,7 @@ Status check_step_shape(std::int64_t batch, std::int64_t tokens, std::int64_t nu
   if (num_heads < 1) return invalid("num_heads must be >= 1 (got " + str(num_heads) + ")");
   if (Status st = check_head_dims(head_dim_k, head_dim_v); !st) return st;
   if (num_slots < 0) return invalid("num_slots must be >= 0 (got " + str(num_slots) + ")");
-  if (Status st = check_padding_slot(padding_slot, num_slots, "num_slots"); !st) return st;
+  if (Status st = detail::check_padding_slot(padding_slot, num_slots, "num_slots"); !st) return st;
   if (state_dtype != DType::kBF16 && state_dtype != DType::kF32) {
     return invalid("state_dtype must be bf16 or f32 (got " + dtype_name(state_dtype) + ")");
   }
@@ -154,7 +144,8 @@ Status detail::check_problem_fields(const Problem& p) {
                    " but neither initial_state_dtype nor final_state_dtype is set (slots address "
                    "states)");
   }
-  if (Status st = check_padding_slot(p.padding_slot, p.num_state_slots, "num_state_slots"); !st)
+  if (Status st = detail::check_padding_slot(p.padding_slot, p.num_state_slots, "num_state_slots");
+      !st)
     return st;
   if (p.checkpoints < 0)
     return invalid("checkpoints must be >= 0 (got " + str(p.checkpoints) + ")");
@@ -184,6 +175,14 @@ Status validate(const Problem& p, const Tensors& t) {
 }
 
 namespace detail {
+Status check_padding_slot(std::int32_t padding_slot, std::int64_t pool, const char* pool_name) {
+  if (padding_slot >= 0 && padding_slot >= pool) {
+    return invalid("padding_slot " + str(std::int64_t{padding_slot}) + " is outside the pool of " +
+                   pool_name + " = " + str(pool) + " (negative: no padding slot)");
+  }
+  return Status::Ok();
+}
+
 Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint64_t* seen_bits) {
   const std::int64_t n = p.sequences();
   const bool writes = p.final_state_dtype != DType::kNone;

@@ -6,6 +6,7 @@
 #include "argument_table.hpp"
 #include "kda/detail/checked_math.hpp"
 #include "kda/kda.hpp"
+#include "state_slots.hpp"
 
 namespace kda {
 namespace {
@@ -60,10 +61,8 @@ Status validate_pools(const SlotCopyProblem& p, const SlotPool* pools, int num_p
   if (p.num_slots < 0) {
     return invalid("num_slots must be >= 0 (got " + std::to_string(p.num_slots) + ")");
   }
-  if (p.padding_slot >= 0 && p.padding_slot >= p.num_slots) {  // as the steps' padding_slot
-    return invalid("padding_slot " + std::to_string(p.padding_slot) +
-                   " is outside the pool of num_slots = " + std::to_string(p.num_slots) +
-                   " (negative: no padding slot)");
+  if (Status st = detail::check_padding_slot(p.padding_slot, p.num_slots, "num_slots"); !st) {
+    return invalid(st.message());
   }
   if (num_pools < 0 || num_pools > kMaxCopyPools) {
     return invalid("num_pools must be in [0, " + std::to_string(kMaxCopyPools) + "] (got " +
