@@ -31,27 +31,37 @@ bool padding_row(const CommitBatch& b, std::int64_t slot) {
   return slot < 0 || slot == b.padding_slot;
 }
 
-// The conv pools a commit writes overlap none of the call's other pools and records regions, in
-// any layer (the operator's commit checks the recurrent pools and records against each other).
-// States agree on num_slots (>= 0) and record_rows (>= 0) here.
-void check_conv_pools_apart(const Config& c, const State* states, int num_layers,
-                            const char* what) {
-  if (c.conv_width <= 1) return;
-  const State& first = states[0];
+// The bytes of each layer's pools and records regions in a commit (the States agree on num_slots,
+// recurrent_dtype and record_rows, each >= 0, once check_commit's loop has run); kOverflow past 64
+// bits.
+struct CommitRegionBytes {
+  std::uint64_t conv_pool = 0, conv_records = 0, recurrent = 0, recurrent_records = 0;
+};
+CommitRegionBytes commit_region_bytes(const Config& c, const State& first, const char* what) {
   const auto slots = static_cast<std::uint64_t>(first.num_slots);
   const auto rows = static_cast<std::uint64_t>(first.record_rows);
   const auto Cl = static_cast<std::uint64_t>(c.local_channels());
   const auto Hl = static_cast<std::uint64_t>(c.local_heads());
   const auto D = static_cast<std::uint64_t>(c.head_dim);
+  const auto W1 = static_cast<std::uint64_t>(c.conv_width - 1);
   const auto state_element = static_cast<std::uint64_t>(dtype_size(first.recurrent_dtype));
-  std::uint64_t conv_pool = 0, conv_records = 0, recurrent = 0, recurrent_records = 0;
-  if (!kda::detail::checked_product({slots, Cl, static_cast<std::uint64_t>(c.conv_width - 1), 2},
-                                    &conv_pool) ||
-      !kda::detail::checked_product({rows, 3, Cl, 2}, &conv_records) ||
-      !kda::detail::checked_product({slots, Hl, D, D, state_element}, &recurrent) ||
-      !kda::detail::checked_product({rows, Hl, 3, D, 4}, &recurrent_records)) {
-    throw Error(StatusCode::kOverflow, std::string(what) + ": the pools' bytes overflow 64 bits");
+  CommitRegionBytes b;
+  if (!kda::detail::checked_product({slots, Cl, W1, 2}, &b.conv_pool) ||
+      !kda::detail::checked_product({rows, 3, Cl, 2}, &b.conv_records) ||
+      !kda::detail::checked_product({slots, Hl, D, D, state_element}, &b.recurrent) ||
+      !kda::detail::checked_product({rows, Hl, 3, D, 4}, &b.recurrent_records)) {
+    throw Error(StatusCode::kOverflow,
+                std::string(what) + ": a layer's pool or records bytes overflow 64-bit sizes");
   }
+  return b;
+}
+
+// The conv pools a commit writes overlap none of the call's other pools and records regions, in
+// any layer (the operator's commit checks the recurrent pools and records against each other).
+void check_conv_pools_apart(const Config& c, const State* states, int num_layers,
+                            const char* what) {
+  if (c.conv_width <= 1) return;
+  const CommitRegionBytes bytes = commit_region_bytes(c, states[0], what);
   struct Region {
     const void* ptr;
     std::uint64_t bytes;
@@ -59,12 +69,12 @@ void check_conv_pools_apart(const Config& c, const State* states, int num_layers
   };
   auto regions_of = [&](const State& s) {
     return std::array<Region, 6>{
-        Region{s.conv_q, conv_pool, "conv_q pool"},
-        Region{s.conv_k, conv_pool, "conv_k pool"},
-        Region{s.conv_v, conv_pool, "conv_v pool"},
-        Region{s.conv_records, conv_records, "conv_records"},
-        Region{s.recurrent, recurrent, "recurrent pool"},
-        Region{s.recurrent_records, recurrent_records, "recurrent_records"}};
+        Region{s.conv_q, bytes.conv_pool, "conv_q pool"},
+        Region{s.conv_k, bytes.conv_pool, "conv_k pool"},
+        Region{s.conv_v, bytes.conv_pool, "conv_v pool"},
+        Region{s.conv_records, bytes.conv_records, "conv_records"},
+        Region{s.recurrent, bytes.recurrent, "recurrent pool"},
+        Region{s.recurrent_records, bytes.recurrent_records, "recurrent_records"}};
   };
   for (int l = 0; l < num_layers; ++l) {
     const auto written = regions_of(states[l]);
@@ -187,18 +197,8 @@ void commit_conv_cpu(const Config& c, const CommitBatch& b, const State& s) {
 // only past kMaxCommitLayers layers.
 void check_pools_across_groups(const Config& c, const State* states, int num_layers,
                                const char* what) {
-  const auto Hl = static_cast<std::uint64_t>(c.local_heads());
-  const auto D = static_cast<std::uint64_t>(c.head_dim);
-  std::uint64_t pool_bytes = 0, record_bytes = 0;
-  if (!kda::detail::checked_product(
-          {static_cast<std::uint64_t>(states[0].num_slots), Hl, D, D,
-           static_cast<std::uint64_t>(dtype_size(states[0].recurrent_dtype))},
-          &pool_bytes) ||
-      !kda::detail::checked_product(
-          {static_cast<std::uint64_t>(states[0].record_rows), Hl, 3, D, 4}, &record_bytes)) {
-    throw Error(StatusCode::kOverflow,
-                std::string(what) + ": a layer's pool or records bytes overflow 64-bit sizes");
-  }
+  const CommitRegionBytes bytes = commit_region_bytes(c, states[0], what);
+  const std::uint64_t pool_bytes = bytes.recurrent, record_bytes = bytes.recurrent_records;
   for (int l = 0; l < num_layers; ++l) {
     for (int m = (l / kMaxCommitLayers + 1) * kMaxCommitLayers; m < num_layers; ++m) {
       const State &a = states[l], &b = states[m];
