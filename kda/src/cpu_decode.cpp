@@ -193,11 +193,10 @@ Status decode_on(const DecodeProblem& p, const DecodeTensors& t, unsigned char* 
   return Status::Ok();
 }
 
-Status decode_checks(const DecodeProblem& p, const DecodeTensors& t,
-                     detail::ArgumentTable* table_out = nullptr) {
-  detail::ArgumentTable own;  // validate(p, t), as the CUDA backend checks its calls
-  detail::ArgumentTable& table = table_out != nullptr ? *table_out : own;
-  if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, &table); !st) return st;
+// validate(p, t), as the CUDA backend checks its calls, into `table` (the workspace's check walks
+// it), and the gate parameters.
+Status decode_checks(const DecodeProblem& p, const DecodeTensors& t, detail::ArgumentTable* table) {
+  if (Status st = detail::implement_and_validate(p, t, Backend::kCpu, table); !st) return st;
   if (Status st = validate_gate_parameters(t.A_log, t.dt_bias, p.num_heads, p.head_dim_k); !st) {
     return st;
   }
@@ -271,7 +270,8 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, Workspace ws,
 }
 
 Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptions& opt) {
-  if (Status st = decode_checks(p, t); !st) return st;
+  detail::ArgumentTable table;
+  if (Status st = decode_checks(p, t, &table); !st) return st;
   if (p.batch == 0) return Status::Ok();
   std::size_t need = 0;
   if (Status st = detail::checked_workspace_size(p, Backend::kCpu, &need); !st) return st;
