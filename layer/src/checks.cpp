@@ -420,12 +420,23 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
   if (!core_inputs && batch.tokens > 0) {
     const auto buffers = forward_buffers(c, batch, state, hidden, out, workspace);
     const ForwardBuffer& written = buffers[1];  // out
+    // The message names the buffer out begins in, where there is one: out may run on over
+    // buffers that lie after it, and the first of the list it overlaps says less.
+    const auto begins_in = [&](const ForwardBuffer& b) {
+      const auto at = reinterpret_cast<std::uintptr_t>(written.ptr),
+                 start = reinterpret_cast<std::uintptr_t>(b.ptr);
+      return b.ptr != nullptr && at >= start && at - start < b.bytes;
+    };
+    std::size_t named = buffers.size();
     for (std::size_t i = 0; i < buffers.size(); ++i) {
-      if (i != 1 &&
-          byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
-        invalid(what, std::string("out overlaps ") + buffers[i].name);
+      if (i == 1 ||
+          !byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
+        continue;
       }
+      if (named == buffers.size() || begins_in(buffers[i])) named = i;
+      if (begins_in(buffers[i])) break;
     }
+    if (named < buffers.size()) invalid(what, std::string("out overlaps ") + buffers[named].name);
   }
   return layout;
 }

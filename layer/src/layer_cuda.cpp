@@ -253,10 +253,6 @@ struct GemmKnobs {
   // KDA_LAYER_CUBLAS_API=gemmex: the GEMMs past the small-row kernels through cublasGemmEx rather
   // than cuBLASLt (lt_gemm), for measuring what each costs the host and the GPU.
   bool cublas_lt = true;
-  // KDA_LAYER_LT_ROWS=classes: cuBLASLt's algorithm chosen for each row class (lt_row_class)
-  // rather than for each row count, so that eager prefills of every length ask the heuristic once
-  // a class; not the default until measured on a GPU (kda-layer-bench --host times both).
-  bool lt_row_classes = false;
 };
 const GemmKnobs& gemm_knobs() {
   static const GemmKnobs knobs = [] {
@@ -286,7 +282,6 @@ const GemmKnobs& gemm_knobs() {
     k.fused_late_dependents = value("KDA_LAYER_FUSED_LATE_DEPENDENTS") == "1";
     k.side_gemms = value("KDA_LAYER_SIDE_GEMMS") != "0";
     k.cublas_lt = value("KDA_LAYER_CUBLAS_API") != "gemmex";
-    k.lt_row_classes = value("KDA_LAYER_LT_ROWS") == "classes";
     return k;
   }();
   return knobs;
@@ -390,27 +385,12 @@ struct LtGemms {
     cublasLtMatmulAlgo_t algo{};
   };
   cublasLtHandle_t handle = nullptr;
-  // Room for every row class (lt_row_class) of the layer's 2-4 GEMM shapes up to 128k rows: a
-  // runtime's prefills of any length then ask the heuristic once a class and shape.
+  // Room for the layer's 2-4 GEMM shapes at 32-64 row counts. A row count not there asks the
+  // heuristic (0.65-1.1 us of host time a GEMM beside cublasLtMatmul's 6.7-6.9, one H100), so an
+  // eager prefill of a new length pays about a microsecond a GEMM once.
   Entry entries[128];
   int next = 0;  // the entry replaced next
 };
-
-// The row count cuBLASLt's algorithm is chosen for: the rows themselves, or with
-// KDA_LAYER_LT_ROWS=classes above 64 rows (decode steps) the rows rounded up to an eighth of the
-// power of two above them (65-80 rows → 80, 4097-5120 → 5120; a power of two is its own class). A
-// runtime's eager prefills come in every length, and each new row count asks the heuristic;
-// with four classes an octave a few entries would serve them all. An algorithm fixes the tiles and
-// the split of K, not the rows, and the workspace it needs grows with the rows, so the class's
-// choice (the heuristic's for the class's largest count: the same whichever count came first)
-// should run every row count of the class; what it costs the GPU is not measured yet.
-std::int64_t lt_row_class(std::int64_t rows) {
-  if (rows <= 64 || !gemm_knobs().lt_row_classes) return rows;
-  std::int64_t octave_top = 128;  // the power of two with octave_top / 2 < rows <= octave_top
-  while (octave_top < rows) octave_top *= 2;
-  const std::int64_t step = octave_top / 8;
-  return (rows + step - 1) / step * step;
-}
 
 // Where a forward's GEMMs run: cuBLASLt's handle and the algorithms chosen (`lt`; or, with
 // KDA_LAYER_CUBLAS_API=gemmex, cuBLAS's handle, its workspace set to `scratch`), the stream, and
@@ -465,8 +445,8 @@ struct LtDescriptors {
   LtDescriptors& operator=(const LtDescriptors&) = delete;
 };
 
-// The algorithm cuBLASLt runs the GEMM `p` with: `lt`'s entry for its shape (its rows by
-// lt_row_class) and operands' alignments or, for one not there, the heuristic's first choice
+// The algorithm cuBLASLt runs the GEMM `p` with: `lt`'s entry for its shape (rows, columns,
+// strides, out type) and operands' alignments or, for one not there, the heuristic's first choice
 // within the scratch (kept in the entry replaced next). Throws where cuBLASLt has none.
 cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallGemmParams& p,
                                   const char* what) {
@@ -475,7 +455,7 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
   const unsigned alignment_in = address_alignment(p.in),
                  alignment_weight = address_alignment(p.weight),
                  alignment_out = address_alignment(p.out);
-  const std::int64_t rows = lt_row_class(p.rows);
+  const std::int64_t rows = p.rows;
   for (const LtGemms::Entry& e : lt.entries) {
     if (e.rows == rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
         e.out_type == out_type && e.alignment_in == alignment_in &&
@@ -483,9 +463,7 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
       return e.algo;
     }
   }
-  cuda::SmallGemmParams asked_for = p;
-  asked_for.rows = rows;
-  const LtDescriptors gemm_descriptors(asked_for, what);
+  const LtDescriptors gemm_descriptors(p, what);
   cublasLtMatmulPreferenceOpaque_t preference_storage;
   const cublasLtMatmulPreference_t preference = &preference_storage;
   check_cublas(cublasLtMatmulPreferenceInit(preference), what);

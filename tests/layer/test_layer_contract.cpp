@@ -324,6 +324,18 @@ KDA_LAYER_CASE("bad calls are refused before anything is written") {
       refused(std::string("out overlaps ") + target.name);
     }
   }
+  SUBCASE("out beginning in one buffer and running on over another named before it") {
+    // out at the workspace's start, hidden 256 bytes into it: both overlap out, and the message
+    // names the buffer out begins in (on CUDA an out at the slots ran on over a pool allocated
+    // after them, and the message had named the pool, the first of the list).
+    settings.change = [](ForwardCall& call) {
+      call.out = static_cast<bf16_bits*>(call.workspace.ptr);
+      call.hidden =
+          reinterpret_cast<const bf16_bits*>(static_cast<unsigned char*>(call.workspace.ptr) + 256);
+      call.options.check_pointers = false;
+    };
+    refused("out overlaps workspace");
+  }
   SUBCASE("the recurrent pool inside the workspace") {
     // What only the core's own checks find (its state against its intermediates): still before
     // the conv writes the conv states. (CUDA's pointer checks find the pool past the workspace's
