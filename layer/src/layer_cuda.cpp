@@ -386,7 +386,7 @@ struct LtGemms {
   };
   cublasLtHandle_t handle = nullptr;
   // Room for the layer's 2-4 GEMM shapes at 32-64 row counts. A row count not there asks the
-  // heuristic (0.65-1.1 us of host time a GEMM beside cublasLtMatmul's 6.7-6.9, one H100), so an
+  // heuristic (0.6-1.1 us of host time a GEMM beside cublasLtMatmul's 6.4-8.7, one H100), so an
   // eager prefill of a new length pays about a microsecond a GEMM once.
   Entry entries[128];
   int next = 0;  // the entry replaced next
