@@ -433,8 +433,11 @@ WorkspaceLayout checked_forward_layout(Backend backend, const Config& c, const B
           !byte_ranges_overlap(written.ptr, written.bytes, buffers[i].ptr, buffers[i].bytes)) {
         continue;
       }
-      if (named == buffers.size() || begins_in(buffers[i])) named = i;
-      if (begins_in(buffers[i])) break;
+      if (begins_in(buffers[i])) {
+        named = i;
+        break;
+      }
+      if (named == buffers.size()) named = i;
     }
     if (named < buffers.size()) invalid(what, std::string("out overlaps ") + buffers[named].name);
   }

@@ -455,9 +455,8 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
   const unsigned alignment_in = address_alignment(p.in),
                  alignment_weight = address_alignment(p.weight),
                  alignment_out = address_alignment(p.out);
-  const std::int64_t rows = p.rows;
   for (const LtGemms::Entry& e : lt.entries) {
-    if (e.rows == rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
+    if (e.rows == p.rows && e.n_in == p.k && e.n_out == p.n && e.ldi == p.ldi && e.ldo == p.ldo &&
         e.out_type == out_type && e.alignment_in == alignment_in &&
         e.alignment_weight == alignment_weight && e.alignment_out == alignment_out) {
       return e.algo;
@@ -493,7 +492,7 @@ cublasLtMatmulAlgo_t lt_algorithm(const GemmContext& context, const cuda::SmallG
   }
   LtGemms::Entry& e = lt.entries[lt.next];
   lt.next = (lt.next + 1) % static_cast<int>(std::size(lt.entries));
-  e = LtGemms::Entry{rows,          p.k,        p.n,          p.ldi,
+  e = LtGemms::Entry{p.rows,        p.k,        p.n,          p.ldi,
                      p.ldo,         out_type,   alignment_in, alignment_weight,
                      alignment_out, result.algo};
   return e.algo;
