@@ -213,6 +213,55 @@ TEST_CASE("a spec edited past the loader with tp_size, tp_rank or bounds out of 
           "tiny.yaml: runtime.max_sequences " + std::to_string(sequences) +
               " is not in [1, 2147483647] (slots are int indices)");
   }
+  // The records' sizes: the constructor and plan_for refuse alike (a wrapped size had planned a
+  // records region too small for the steps the engine then ran).
+  for (const int regions : {0, -1, 3, 1000000}) {
+    ModelSpec spec = tiny;
+    spec.runtime.record_regions = regions;
+    const std::string expected =
+        "tiny.yaml: runtime.record_regions is " + std::to_string(regions) + ", expected 1 or 2";
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          expected);
+    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                       kda::StatusCode::kInvalidArgument) == expected);
+  }
+  for (const std::int64_t tokens : {std::int64_t{-1}, std::int64_t{17}, (std::int64_t{1} << 55) + 1,
+                                    std::numeric_limits<std::int64_t>::max()}) {
+    ModelSpec spec = tiny;
+    spec.runtime.max_verify_tokens = tokens;
+    const std::string expected =
+        "tiny.yaml: runtime.max_verify_tokens is " + std::to_string(tokens) + ", expected 0..16";
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          expected);
+    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                       kda::StatusCode::kInvalidArgument) == expected);
+  }
+  // The KDA layers: tiny's are model layers 0, 1, 2 of 4.
+  REQUIRE(tiny.kda_layer_indices == std::vector<int>{0, 1, 2});
+  for (const std::vector<int>& indices :
+       {std::vector<int>{0, 0, 2}, {-5, 1, 2}, {0, 2, 1}, {0, 1, 4}}) {
+    ModelSpec spec = tiny;
+    spec.kda_layer_indices = indices;
+    spec.kda_layers.clear();
+    CHECK(
+        expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
+                     kda::StatusCode::kInvalidArgument)
+            .find("expected ascending model layers in [0, num_hidden_layers 4) without repeats") !=
+        std::string::npos);
+  }
+  {
+    ModelSpec spec = tiny;
+    spec.kda_layer_indices = {0};
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          "tiny.yaml: kda_layers (1-based) and kda_layer_indices (0-based) name different layers");
+  }
+  {
+    ModelSpec spec = tiny;
+    options.cpu_threads = -4;
+    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
+          "tiny.yaml: EngineOptions::cpu_threads is -4, expected >= 0 (0: all cores)");
+    options.cpu_threads = 0;
+  }
 }
 
 TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and writes nothing") {
@@ -295,6 +344,43 @@ TEST_CASE("limits: prefill past max_tokens or decode past its limits throws and 
       },
       kda::StatusCode::kInvalidArgument);
   CHECK(twice.find("appears twice") != std::string::npos);
+  // A total far past max_tokens is refused by that bound, not by the sizes it would imply.
+  CHECK(expect_error(
+            [&] {
+              engine.prefill(0, in, out.data(), {slots[0]},
+                             {0, std::numeric_limits<std::int64_t>::max()});
+            },
+            kda::StatusCode::kInvalidArgument)
+            .find("9223372036854775807 tokens exceed runtime.max_tokens 2048") !=
+        std::string::npos);
+  // Spans of entries without their data (a null pointer with a count).
+  using kda::engine::Span;
+  CHECK(expect_error(
+            [&] {
+              engine.prefill(0, in, out.data(), Span<const int>(nullptr, 1), {0, 2});
+            },
+            kda::StatusCode::kInvalidArgument) == "prefill: slots is null but has 1 entries");
+  CHECK(expect_error(
+            [&] {
+              engine.prefill_hidden(0, q.data(), out.data(), {slots[0]},
+                                    Span<const std::int64_t>(nullptr, 2));
+            },
+            kda::StatusCode::kInvalidArgument)
+            .find("cu_seqlens is null but has 2 entries") != std::string::npos);
+  CHECK(expect_error([&] { engine.decode(0, in, out.data(), Span<const int>(nullptr, 2), 1); },
+                     kda::StatusCode::kInvalidArgument) ==
+        "decode: slots is null but has 2 entries");
+  CHECK(
+      expect_error(
+          [&] { engine.copy_slots(Span<const int>(slots.data(), 1), Span<const int>(nullptr, 1)); },
+          kda::StatusCode::kInvalidArgument) == "copy_slots: dst is null but has 1 entries");
+  CHECK(expect_error(
+            [&] {
+              engine.copy_slots(Span<const int>(slots.data(), SIZE_MAX),
+                                Span<const int>(slots.data(), SIZE_MAX));
+            },
+            kda::StatusCode::kInvalidArgument)
+            .find(std::to_string(SIZE_MAX) + " pairs, expected 0..4") != std::string::npos);
   CHECK(untouched());
 
   // The engine is still usable afterwards: a prefill at exactly max_tokens works.

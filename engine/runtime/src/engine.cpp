@@ -90,6 +90,43 @@ void check_layer_mode(const ModelSpec& spec) {
                     " needs whole layers (runtime.layers: whole): a core-only engine holds every "
                     "head");
   }
+  // The loader takes 1 or 2 records regions and 0..16 verify tokens; both size the arena's records.
+  if (spec.runtime.record_regions < 1 || spec.runtime.record_regions > 2) {
+    throw Error(StatusCode::kInvalidArgument, spec.source + ": runtime.record_regions is " +
+                                                  std::to_string(spec.runtime.record_regions) +
+                                                  ", expected 1 or 2");
+  }
+  if (spec.runtime.max_verify_tokens < 0 || spec.runtime.max_verify_tokens > kMaxDecodeTokens) {
+    throw Error(StatusCode::kInvalidArgument, spec.source + ": runtime.max_verify_tokens is " +
+                                                  std::to_string(spec.runtime.max_verify_tokens) +
+                                                  ", expected 0.." +
+                                                  std::to_string(kMaxDecodeTokens));
+  }
+  // The KDA layers: model layers (0-based), ascending without repeats, as the loader lists them;
+  // kda_layers, where given, the same 1-based.
+  const std::vector<int>& indices = spec.kda_layer_indices;
+  for (std::size_t i = 0; i < indices.size(); ++i) {
+    if (indices[i] < 0 || indices[i] >= spec.num_hidden_layers ||
+        (i > 0 && indices[i] <= indices[i - 1])) {
+      throw Error(StatusCode::kInvalidArgument,
+                  spec.source + ": kda_layer_indices[" + std::to_string(i) + "] is " +
+                      std::to_string(indices[i]) + ", expected ascending model layers in [0, " +
+                      "num_hidden_layers " + std::to_string(spec.num_hidden_layers) +
+                      ") without repeats");
+    }
+  }
+  if (!spec.kda_layers.empty()) {
+    bool same = spec.kda_layers.size() == indices.size();
+    for (std::size_t i = 0; same && i < indices.size(); ++i) {
+      same = spec.kda_layers[i] == indices[i] + 1;
+    }
+    if (!same) {
+      throw Error(StatusCode::kInvalidArgument,
+                  spec.source +
+                      ": kda_layers (1-based) and kda_layer_indices (0-based) name "
+                      "different layers");
+    }
+  }
 }
 
 // The layers of `spec` on `backend`, sizes only: what the plan needs.
@@ -422,14 +459,17 @@ struct Engine::Impl {
       fail(call + ": cu_seqlens has " + std::to_string(cu_seqlens.size()) + " entries, expected " +
            std::to_string(n + 1) + " (sequences + 1)");
     }
+    check_span_data(call, slots, "slots");
+    check_span_data(call, cu_seqlens, "cu_seqlens");
+    // The bound first: a total past it would be refused as such, not by the sizes it implies.
+    if (cu_seqlens[n] > spec.runtime.max_tokens) {
+      fail(call + ": " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
+           std::to_string(spec.runtime.max_tokens));
+    }
     if (const Status st =
             validate_cu_seqlens(cu_seqlens.data(), static_cast<std::int64_t>(n), cu_seqlens[n]);
         !st.ok()) {
       fail(call + ": " + st.message());
-    }
-    if (cu_seqlens[n] > spec.runtime.max_tokens) {
-      fail(call + ": " + std::to_string(cu_seqlens[n]) + " tokens exceed runtime.max_tokens " +
-           std::to_string(spec.runtime.max_tokens));
     }
     claim_slots(call, "sequence", slots.data(), n);
   }
@@ -447,7 +487,17 @@ struct Engine::Impl {
       fail(call + ": tokens " + std::to_string(tokens) + " per sequence, expected 1.." +
            std::to_string(kMaxDecodeTokens));
     }
+    check_span_data(call, slots, "slots");
     claim_slots(call, "row", slots.data(), batch);
+  }
+
+  // A host span of entries has its data (Span{nullptr, n} is a caller's mistake, not an empty
+  // list).
+  template <typename T>
+  static void check_span_data(const std::string& call, Span<T> span, const char* name) {
+    if (!span.empty() && span.data() == nullptr) {
+      fail(call + ": " + name + " is null but has " + std::to_string(span.size()) + " entries");
+    }
   }
 
   // A records region named by a call (`name` its field): below runtime.record_regions.
@@ -1093,6 +1143,11 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   if (options.prefill_schedule) m.spec.runtime.prefill_schedule = *options.prefill_schedule;
   if (options.decode_step) m.spec.runtime.decode_step = *options.decode_step;
   check_layer_mode(m.spec);
+  if (options.cpu_threads < 0) {
+    throw Error(StatusCode::kInvalidArgument, m.spec.source + ": EngineOptions::cpu_threads is " +
+                                                  std::to_string(options.cpu_threads) +
+                                                  ", expected >= 0 (0: all cores)");
+  }
   m.cpu_threads = options.cpu_threads;
   const BackendChoice choice = options.backend.value_or(m.spec.runtime.backend);
   if (choice != BackendChoice::kAuto && choice != BackendChoice::kCpu &&
@@ -1116,13 +1171,6 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
                     (options.decode_step ? "EngineOptions::decode_step" : "runtime.decode_step") +
                     " is " + std::to_string(static_cast<int>(m.spec.runtime.decode_step)) +
                     ", expected kAuto, kFusedFactors, kFused, kSeparate or kOneLaunch");
-  }
-  // The YAML loader takes 1 or 2; a spec built in code is checked here, before anything is sized
-  // by it.
-  if (m.spec.runtime.record_regions < 1 || m.spec.runtime.record_regions > 2) {
-    throw Error(StatusCode::kInvalidArgument, where + ": runtime.record_regions is " +
-                                                  std::to_string(m.spec.runtime.record_regions) +
-                                                  ", expected 1 or 2");
   }
   BackendOptions backend_options;
   backend_options.cpu_threads = options.cpu_threads;
@@ -1895,8 +1943,13 @@ void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
     fail(call + ": src has " + std::to_string(src.size()) + " entries, dst " +
          std::to_string(dst.size()));
   }
-  m.check_copy_count(call, static_cast<std::int64_t>(src.size()), "pairs");
+  if (src.size() > static_cast<std::size_t>(m.num_slots())) {
+    fail(call + ": " + std::to_string(src.size()) + " pairs, expected 0.." +
+         std::to_string(m.num_slots()) + " (runtime.max_sequences)");
+  }
   if (src.empty()) return;
+  Impl::check_span_data(call, src, "src");
+  Impl::check_span_data(call, dst, "dst");
   m.check_copy_pairs(call, src.data(), dst.data(), src.size());
   m.check_current_device(call.c_str());
   m.stage_slots(src, &m.copy_src);

@@ -106,7 +106,7 @@ struct EngineOptions {
   // Unset: the spec's runtime.backend. See resolve_backend().
   std::optional<BackendChoice> backend;
   std::uint64_t seed = 0;  // random parameters (when the spec names no weights file)
-  int cpu_threads = 0;     // CPU backend threads; 0: all hardware threads
+  int cpu_threads = 0;     // CPU backend threads; 0: all hardware threads; negative: refused
   void* stream = nullptr;  // CUDA stream (cudaStream_t) for everything; nullptr: default
   // CUDA: check on every prefill / decode that the caller's pointers are device memory of the
   // current device, large enough (kda::CudaOptions::check_pointers). Costs host time per call.
