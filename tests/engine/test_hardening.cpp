@@ -215,26 +215,30 @@ TEST_CASE("a spec edited past the loader with tp_size, tp_rank or bounds out of 
   }
   // The records' sizes: the constructor and plan_for refuse alike (a wrapped size had planned a
   // records region too small for the steps the engine then ran).
-  for (const int regions : {0, -1, 3, 1000000}) {
+  struct RecordsCase {
+    std::int64_t regions, verify_tokens;
+    std::string expected;
+  };
+  const std::int64_t huge = (std::int64_t{1} << 55) + 1,
+                     most = std::numeric_limits<std::int64_t>::max();
+  const RecordsCase records_cases[] = {
+      {0, 0, "runtime.record_regions is 0, expected 1 or 2"},
+      {-1, 0, "runtime.record_regions is -1, expected 1 or 2"},
+      {3, 0, "runtime.record_regions is 3, expected 1 or 2"},
+      {1000000, 0, "runtime.record_regions is 1000000, expected 1 or 2"},
+      {1, -1, "runtime.max_verify_tokens is -1, expected 0..16"},
+      {1, 17, "runtime.max_verify_tokens is 17, expected 0..16"},
+      {1, huge, "runtime.max_verify_tokens is " + std::to_string(huge) + ", expected 0..16"},
+      {1, most, "runtime.max_verify_tokens is " + std::to_string(most) + ", expected 0..16"},
+  };
+  for (const RecordsCase& c : records_cases) {
     ModelSpec spec = tiny;
-    spec.runtime.record_regions = regions;
-    const std::string expected =
-        "tiny.yaml: runtime.record_regions is " + std::to_string(regions) + ", expected 1 or 2";
+    spec.runtime.record_regions = static_cast<int>(c.regions);
+    spec.runtime.max_verify_tokens = c.verify_tokens;
     CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
-          expected);
+          "tiny.yaml: " + c.expected);
     CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
-                       kda::StatusCode::kInvalidArgument) == expected);
-  }
-  for (const std::int64_t tokens : {std::int64_t{-1}, std::int64_t{17}, (std::int64_t{1} << 55) + 1,
-                                    std::numeric_limits<std::int64_t>::max()}) {
-    ModelSpec spec = tiny;
-    spec.runtime.max_verify_tokens = tokens;
-    const std::string expected =
-        "tiny.yaml: runtime.max_verify_tokens is " + std::to_string(tokens) + ", expected 0..16";
-    CHECK(expect_error([&] { Engine e(spec, options); }, kda::StatusCode::kInvalidArgument) ==
-          expected);
-    CHECK(expect_error([&] { Engine::plan_for(spec, kda::Backend::kCpu); },
-                       kda::StatusCode::kInvalidArgument) == expected);
+                       kda::StatusCode::kInvalidArgument) == "tiny.yaml: " + c.expected);
   }
   // The KDA layers: tiny's are model layers 0, 1, 2 of 4.
   REQUIRE(tiny.kda_layer_indices == std::vector<int>{0, 1, 2});
