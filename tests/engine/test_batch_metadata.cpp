@@ -815,6 +815,15 @@ void sequence_state_round_trip(Backend backend) {
         "read_slot_state: slot -1 out of range");
   CHECK(kda::test::error_of([&] { e.write_slot_state(0, -1, one_state.data()); }) ==
         "write_slot_state: slot -1 out of range");
+  // A free slot takes no state (acquire_slot would zero it): refused as the whole block is.
+  std::vector<std::uint8_t> one_conv(e.conv_state_slot_bytes(), 0x3C);
+  const std::vector<std::uint8_t> free_before = slot_states(e, 5);
+  std::fill(one_state.begin(), one_state.end(), std::uint8_t{0x3C});
+  CHECK(kda::test::error_of([&] { e.write_slot_state(0, 5, one_state.data()); }) ==
+        "write_slot_state: slot 5 is not acquired");
+  CHECK(kda::test::error_of([&] { e.write_slot_conv_state(1, 5, 2, one_conv.data()); }) ==
+        "write_slot_conv_state: slot 5 is not acquired");
+  CHECK(slot_states(e, 5) == free_before);
   CHECK(kda::test::error_of([&] { e.read_sequence_state(a, nullptr, bytes); }) ==
         "read_sequence_state: the host buffer is null");
   // Headers that do not describe this engine: each named, the block's value then the engine's.

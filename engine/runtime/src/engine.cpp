@@ -491,6 +491,14 @@ struct Engine::Impl {
     claim_slots(call, "row", slots.data(), batch);
   }
 
+  // A state written into a free slot would be lost (acquire_slot zeroes the slot): a caller's
+  // mistake. The null slot takes one (no row reads it: a test can fill it to show none writes it).
+  void check_acquired_for_write(const char* call, int slot) const {
+    if (!in_use(slot) && slot != null_slot) {
+      fail(std::string(call) + ": slot " + std::to_string(slot) + " is not acquired");
+    }
+  }
+
   // A host span of entries has its data (Span{nullptr, n} is a caller's mistake, not an empty
   // list).
   template <typename T>
@@ -1431,6 +1439,7 @@ void Engine::write_slot_state(int kda_index, int slot, const void* host_src) {
   Impl& m = *impl_;
   m.check_layer(kda_index);
   m.check_sequence_state_buffer("write_slot_state", slot, host_src);
+  m.check_acquired_for_write("write_slot_state", slot);
   m.check_current_device("write_slot_state");
   m.backend->copy_to_device(m.slot_state(kda_index, slot), host_src,
                             static_cast<std::size_t>(m.slot_bytes));
@@ -1766,9 +1775,7 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
     m.check_sequence_state_header(header, expected - sizeof(SequenceStateHeader));
   }
   m.check_sequence_state_size("write_sequence_state", bytes, expected);
-  if (!m.in_use(slot)) {
-    fail("write_sequence_state: slot " + std::to_string(slot) + " is not acquired");
-  }
+  m.check_acquired_for_write("write_sequence_state", slot);
   m.check_current_device("write_sequence_state");
   const auto* at = static_cast<const std::uint8_t*>(host_src) + sizeof(SequenceStateHeader);
   try {
@@ -1791,6 +1798,7 @@ void Engine::write_sequence_state(int slot, const void* host_src, std::uint64_t 
 void Engine::write_slot_conv_state(int kda_index, int slot, int projection, const void* host_src) {
   Impl& m = *impl_;
   m.check_conv_state_access("write_slot_conv_state", kda_index, slot, projection, host_src);
+  m.check_acquired_for_write("write_slot_conv_state", slot);
   m.check_current_device("write_slot_conv_state");
   m.backend->copy_to_device(m.slot_conv_state(kda_index, slot, projection), host_src,
                             static_cast<std::size_t>(m.conv_slot_bytes));

@@ -319,7 +319,7 @@ kda_status kda_engine_reset_slot(kda_engine* engine, int slot);
  * between engines of one model, state dtype and tensor-parallel rank: a write refuses a block
  * whose header differs (KDA_INVALID_ARGUMENT, each field named, the header checked before the
  * size) before it copies anything. Synchronous. `bytes` must equal
- * kda_engine_sequence_state_bytes(); the write's slot must be acquired. */
+ * kda_engine_sequence_state_bytes(); the write's slot must be acquired (or be the null slot). */
 kda_status kda_engine_sequence_state_bytes(kda_engine* engine, uint64_t* out);
 kda_status kda_engine_read_sequence_state(kda_engine* engine, int slot, void* host_dst,
                                           uint64_t bytes);

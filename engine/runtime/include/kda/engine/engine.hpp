@@ -357,7 +357,8 @@ class Engine {
   void reset_slot(int slot);
   std::uint64_t state_slot_bytes() const noexcept;
   // Copies one slot's state of one layer ([H, V, K] in the state dtype) to / from host memory
-  // (synchronous). For tests, checkpoints and moving sequences between engines.
+  // (synchronous). For tests, checkpoints and moving sequences between engines. The writes (this
+  // and write_slot_conv_state) take an acquired slot or the null slot, and refuse a free one.
   void read_slot_state(int kda_index, int slot, void* host_dst) const;
   void write_slot_state(int kda_index, int slot, const void* host_src);
   // Whole layers: one slot's conv state of one layer and projection (0 q, 1 k, 2 v), bf16
