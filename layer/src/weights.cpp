@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,6 +23,14 @@ constexpr std::int64_t kMaxHeads = 4096, kMaxHeadDim = 1024;
 }
 
 std::size_t to_size(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+// A float as a message shows it: every digit a float holds (std::to_string's six decimals showed
+// a bound just past -5 as -5.000000 and -1e-10 as -0.000000).
+std::string float_text(float value) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.9g", static_cast<double>(value));
+  return text;
+}
 
 // Rows [begin, begin + count) of a row-major matrix with `cols` columns.
 template <typename T>
@@ -77,9 +86,9 @@ void validate(const Config& c) {
   });
   require(c.gate != GateMode::kLowerBound ||
               (std::isfinite(c.lower_bound) && c.lower_bound >= -5.0f && c.lower_bound < 0.0f),
-          [&] { return "lower_bound " + std::to_string(c.lower_bound) + " is not in [-5, 0)"; });
+          [&] { return "lower_bound " + float_text(c.lower_bound) + " is not in [-5, 0)"; });
   require(std::isfinite(c.norm_eps) && c.norm_eps > 0.0f,
-          [&] { return "norm_eps " + std::to_string(c.norm_eps) + " is not finite and > 0"; });
+          [&] { return "norm_eps " + float_text(c.norm_eps) + " is not finite and > 0"; });
   require(c.tp_size >= 1 && c.num_heads % c.tp_size == 0, [&] {
     return "tp_size " + std::to_string(c.tp_size) + " does not divide num_heads " +
            std::to_string(c.num_heads);

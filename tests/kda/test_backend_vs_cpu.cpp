@@ -84,7 +84,7 @@ KDA_CUDA_CASE("prefill: a decay far below e^-88 inside a chunk stays finite") {
 
 // Without a device too: the CUDA cases above must reach each of the prepare kernel's three paths
 // (a gate regime the registry lost would leave a path untested without any failure).
-TEST_CASE("the CUDA cases reach every prepare path (reference 0, middle, exact)") {
+TEST_CASE("the CUDA cases reach every prepare path (reference 0, middle, exact) [cpu]") {
   PreparePaths total;
   for (const PrefillCase& pc : prefill_cases()) {
     // The large shapes repeat the small ones' gate regimes; skipping them keeps this test fast.

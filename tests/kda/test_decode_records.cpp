@@ -866,7 +866,8 @@ KDA_MATRIX_CASE("a fold row or count out of range is refused or reported") {
 }
 
 TEST_CASE(
-    "a fold is refused on a per-token-states verify step, and its records may not be the step's") {
+    "a fold is refused on a per-token-states verify step, and its records may not be the step's "
+    "[cpu]") {
   DecodeProblem p;
   p.batch = 2;
   p.tokens = 2;

@@ -690,15 +690,20 @@ KDA_LAYER_CPU_CASE(
   };
   CHECK(refusal(bounded(-5.0f)) == "(no error)");
   CHECK(refusal(bounded(-1e-6f)) == "(no error)");
-  CHECK(refused(bounded(0.0f), "lower_bound 0.000000 is not in [-5, 0)"));
+  CHECK(refused(bounded(0.0f), "lower_bound 0 is not in [-5, 0)"));
   CHECK(refused(bounded(std::nanf("")), "lower_bound"));
   CHECK(refused(bounded(-5.01f), "lower_bound"));
+  // Every digit a float holds: the float just below -5 does not read as -5.
+  CHECK(
+      refused(bounded(std::nextafter(-5.0f, -6.0f)), "lower_bound -5.00000048 is not in [-5, 0)"));
   CHECK(refusal([](layer::Config& c) { c.lower_bound = 0.0f; }) == "(no error)");  // softplus
   // norm_eps finite and > 0: an infinite or NaN epsilon is refused as 0 is.
   CHECK(refused([](layer::Config& c) { c.norm_eps = std::numeric_limits<float>::infinity(); },
                 "norm_eps inf is not finite and > 0"));
   CHECK(refused([](layer::Config& c) { c.norm_eps = std::nanf(""); }, "norm_eps"));
   CHECK(refused([](layer::Config& c) { c.norm_eps = 0.0f; }, "norm_eps"));
+  CHECK(refused([](layer::Config& c) { c.norm_eps = -1e-10f; },
+                "norm_eps -1.00000001e-10 is not finite and > 0"));
   // tp_rank in [0, tp_size): the last rank held, tp_size itself and -1 refused.
   CHECK(refusal([](layer::Config& c) {
           c.tp_size = 4;
@@ -868,7 +873,8 @@ KDA_LAYER_CPU_CASE("core_inputs refuses checkpoints before anything is written")
 }
 
 TEST_CASE(
-    "find_repeated_slot: the first repeat, below and above the bitmap's slots, padding skipped") {
+    "find_repeated_slot: the first repeat, below and above the bitmap's slots, padding skipped "
+    "[cpu]") {
   using kda::layer::detail::find_repeated_slot;
   using Found = std::pair<std::int64_t, std::int64_t>;
   auto find = [](const std::vector<std::int32_t>& slots, std::int32_t padding = -1) {
@@ -945,4 +951,22 @@ KDA_LAYER_CASE("a fused_cluster other than 0, 1, 2, 4 or 8 is refused before any
                            std::to_string(cluster) + " is not 0, 1, 2, 4 or 8");
     CHECK(pools == before);
   }
+}
+
+TEST_CASE(
+    "Config's head and channel counts of a config validate refuses are 0, not an overflow [cpu]") {
+  layer::Config c;
+  c.num_heads = std::numeric_limits<std::int64_t>::max();
+  c.head_dim = 2;
+  CHECK(c.local_heads() == c.num_heads);
+  CHECK(c.local_channels() == 0);
+  c.head_dim = -128;
+  CHECK(c.local_channels() == 0);
+  c.num_heads = 8;
+  c.head_dim = 128;
+  c.tp_size = 2;
+  CHECK(c.local_channels() == 512);
+  c.tp_size = 0;
+  CHECK(c.local_heads() == 0);
+  CHECK(c.local_channels() == 0);
 }

@@ -44,10 +44,14 @@ struct Config {
   int tp_size = 1;  // tensor-parallel ranks; num_heads % tp_size == 0
   int tp_rank = 0;  // this shard, 0 <= tp_rank < tp_size
 
-  // 0 for a tp_size below 1 (validate() refuses such a config; the problems built from it then
-  // have no heads, which their own checks refuse).
+  // 0 for a tp_size below 1, and channels 0 where heads x head_dim is not a positive int64
+  // (validate() refuses such configs; the problems built from them then have no heads or
+  // channels, which their own checks refuse).
   std::int64_t local_heads() const noexcept { return tp_size > 0 ? num_heads / tp_size : 0; }
-  std::int64_t local_channels() const noexcept { return local_heads() * head_dim; }  // C / tp
+  std::int64_t local_channels() const noexcept {  // C / tp
+    const std::int64_t heads = local_heads();
+    return heads > 0 && head_dim > 0 && heads <= INT64_MAX / head_dim ? heads * head_dim : 0;
+  }
 };
 
 // Throws kda::Error (kInvalidArgument) naming the first bad field.
