@@ -35,6 +35,11 @@ bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
 }
 
 // How a request is called in error messages: by name, or by position when it has none.
+bool known_kind(BufferKind kind) {
+  return kind == BufferKind::kWorkspace || kind == BufferKind::kState ||
+         kind == BufferKind::kScratch || kind == BufferKind::kParameter;
+}
+
 std::string describe(const BufferRequest& request, std::size_t index) {
   if (request.name.empty()) return "buffer request #" + std::to_string(index) + " (unnamed)";
   return "buffer '" + request.name + "'";
@@ -76,6 +81,15 @@ Failure validate(const std::vector<BufferRequest>& requests, std::uint64_t plan_
                                                      std::to_string(inserted.first->second));
     }
     if (request.bytes == 0) return failure(PlanStatus::kZeroBytes, who + ": bytes must be > 0");
+    if (!known_kind(request.kind)) {
+      return failure(PlanStatus::kBadField, who + ": kind " +
+                                                std::to_string(static_cast<int>(request.kind)) +
+                                                " is not a BufferKind");
+    }
+    if (request.layer < -1) {
+      return failure(PlanStatus::kBadField,
+                     who + ": layer " + std::to_string(request.layer) + " is below -1 (-1: none)");
+    }
     if (request.alignment != 0 && !is_power_of_two(request.alignment)) {
       return failure(
           PlanStatus::kBadAlignment,
@@ -350,6 +364,8 @@ const char* to_string(PlanStatus status) noexcept {
       return "bad lifetime";
     case PlanStatus::kOverflow:
       return "overflow";
+    case PlanStatus::kBadField:
+      return "bad field";
     case PlanStatus::kBadMode:
       return "bad mode";
   }
@@ -406,6 +422,24 @@ const PlanEntry* MemoryPlan::find(const std::string& name) const noexcept {
   return nullptr;
 }
 
+namespace {
+// A name as one cell of the table: control characters as \xNN, so that a row stays one line.
+std::string table_cell(const std::string& name) {
+  std::string cell;
+  for (const char ch : name) {
+    const auto byte = static_cast<unsigned char>(ch);
+    if (byte < 0x20 || byte == 0x7F) {
+      char escaped[5];
+      std::snprintf(escaped, sizeof escaped, "\\x%02X", byte);
+      cell += escaped;
+    } else {
+      cell += ch;
+    }
+  }
+  return cell;
+}
+}  // namespace
+
 std::string MemoryPlan::to_table(const TableFormat& format) const {
   struct Row {
     std::string name, kind, layer, offset, bytes, lifetime;
@@ -413,7 +447,7 @@ std::string MemoryPlan::to_table(const TableFormat& format) const {
   std::vector<Row> rows;
   rows.push_back({"name", "kind", "layer", "offset", "bytes", format.lifetime_heading});
   for (const PlanEntry& entry : entries) {
-    rows.push_back({entry.name, to_string(entry.kind),
+    rows.push_back({table_cell(entry.name), to_string(entry.kind),
                     entry.layer < 0     ? std::string("-")
                     : format.layer_text ? format.layer_text(entry.layer)
                                         : std::to_string(entry.layer),

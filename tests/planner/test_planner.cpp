@@ -520,6 +520,18 @@ TEST_CASE("planner: errors name the buffer and the problem") {
     persistent.last_step = -1;
     CHECK(plan_of({persistent}, PlanMode::kReuse).ok);
   }
+  SUBCASE("bad fields: an unknown kind, a layer below -1") {
+    BufferRequest kind = make_request("k", 1, 0, 0);
+    kind.kind = static_cast<BufferKind>(42);
+    CHECK(error_of({kind}, PlanMode::kSum) == "buffer 'k': kind 42 is not a BufferKind");
+    BufferRequest layer = make_request("l", 1, 0, 0);
+    layer.layer = -77;
+    CHECK(error_of({layer}, PlanMode::kReuse) == "buffer 'l': layer -77 is below -1 (-1: none)");
+    CHECK(status_of({layer}, PlanMode::kSum) == PlanStatus::kBadField);
+    layer.layer = -1;  // none
+    CHECK(plan_of({layer}, PlanMode::kSum).ok);
+    CHECK(std::string(kda::planner::to_string(PlanStatus::kBadField)) == "bad field");
+  }
   SUBCASE("unknown mode") {
     CHECK(contains(error_of({make_request("a", 1, 0, 0)}, static_cast<PlanMode>(7)), "mode"));
     CHECK(status_of({make_request("a", 1, 0, 0)}, static_cast<PlanMode>(7)) ==
@@ -681,4 +693,13 @@ TEST_CASE("planner: to_table lists every buffer / the mode and the total") {
   REQUIRE(lifetime_column != std::string::npos);
   CHECK(lines[1].substr(lifetime_column) == "[0, 0]");
   CHECK(lines[3].substr(lifetime_column) == "persistent");
+  // A name's control characters as \xNN: each buffer stays one line.
+  const PlanResult odd = plan_of(
+      {make_request("line\nbreak\r", 1, 0, 0), make_request(std::string("nul\0\x7f", 5), 1, 0, 0)},
+      PlanMode::kSum);
+  REQUIRE(odd.ok);
+  const std::string odd_table = odd.plan.to_table();
+  CHECK(std::count(odd_table.begin(), odd_table.end(), '\n') == 4);
+  CHECK(contains(odd_table, "line\\x0Abreak\\x0D"));
+  CHECK(contains(odd_table, "nul\\x00\\x7F"));
 }

@@ -48,6 +48,7 @@ enum class PlanStatus : int {
   kBadLifetime = 5,    // negative steps or first_step > last_step
   kOverflow = 6,       // sizes or offsets do not fit in 64 bits
   kBadMode = 7,        // not a PlanMode
+  kBadField = 8,       // a kind not a BufferKind, a layer below -1
 };
 const char* to_string(PlanStatus status) noexcept;
 
@@ -101,8 +102,8 @@ struct MemoryPlan {
   const PlanEntry* entry(BufferHandle handle) const noexcept;
   // By name, for reports and tests (engine code resolves handles); nullptr when absent.
   const PlanEntry* find(const std::string& name) const noexcept;
-  // Human-readable table: one line per buffer (name, kind, layer, offset, bytes, lifetime), then
-  // mode, alignment, buffer count and arena_bytes.
+  // Human-readable table: one line per buffer (name, kind, layer, offset, bytes, lifetime; a
+  // name's control characters as \xNN), then mode, alignment, buffer count and arena_bytes.
   std::string to_table(const TableFormat& format = {}) const;
   // {"mode", "alignment", "arena_bytes", "buffers": [{"name","kind","layer","offset","bytes",...}]}
   std::string to_json() const;
