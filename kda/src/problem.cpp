@@ -186,39 +186,40 @@ Status check_padding_slot(std::int32_t padding_slot, std::int64_t pool, const ch
 Status check_state_slots(const Problem& p, const std::int32_t* slots, std::uint64_t* seen_bits) {
   const std::int64_t n = p.sequences();
   const bool writes = p.final_state_dtype != DType::kNone;
-  if (seen_bits != nullptr && writes) {
-    std::fill(seen_bits, seen_bits + (p.num_state_slots + 63) / 64, std::uint64_t{0});
+  auto outside = [&](std::int64_t s) {
+    return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slots[s]}) +
+                   " is outside the pool of num_state_slots = " + str(p.num_state_slots));
+  };
+  auto repeated = [&](std::int64_t s, std::int64_t first) {
+    return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slots[s]}) +
+                   " repeats state_slots[" + str(first) +
+                   "] (two sequences cannot write one state)");
+  };
+  // Padding (negative, or the padding slot) may repeat; without a final state nothing is written.
+  auto free_to_repeat = [&](std::int32_t slot) {
+    return slot < 0 || slot == p.padding_slot || slot >= p.num_state_slots || !writes;
+  };
+  if (seen_bits == nullptr || !writes) {
+    // The first repeat, then the first entry outside the pool before it: the first error in order.
+    const auto [first, repeat] = find_repeated_slot(slots, n, free_to_repeat);
+    for (std::int64_t s = 0; s < n && (repeat < 0 || s < repeat); ++s) {
+      if (slots[s] >= p.num_state_slots) return outside(s);
+    }
+    return repeat >= 0 ? repeated(repeat, first) : Status::Ok();
   }
+  std::fill(seen_bits, seen_bits + (p.num_state_slots + 63) / 64, std::uint64_t{0});
   for (std::int64_t s = 0; s < n; ++s) {
     const std::int32_t slot = slots[s];
-    if (slot >= p.num_state_slots) {
-      return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
-                     " is outside the pool of num_state_slots = " + str(p.num_state_slots));
+    if (slot >= p.num_state_slots) return outside(s);
+    if (free_to_repeat(slot)) continue;
+    std::uint64_t& word = seen_bits[slot / 64];
+    const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
+    if ((word & bit) != 0) {
+      std::int64_t first = 0;  // only on the error path
+      while (slots[first] != slot) ++first;
+      return repeated(s, first);
     }
-    if (slot < 0 || slot == p.padding_slot || !writes) continue;  // padding: any number of times
-    bool twice = false;
-    std::int64_t first = -1;
-    if (seen_bits != nullptr) {
-      std::uint64_t& word = seen_bits[slot / 64];
-      const std::uint64_t bit = std::uint64_t{1} << (slot % 64);
-      twice = (word & bit) != 0;
-      word |= bit;
-      for (std::int64_t r = 0; twice && r < s && first < 0; ++r) {  // only on the error path
-        if (slots[r] == slot) first = r;
-      }
-    } else {
-      for (std::int64_t r = 0; r < s && !twice; ++r) {
-        if (slots[r] == slot) {
-          twice = true;
-          first = r;
-        }
-      }
-    }
-    if (twice) {
-      return invalid("state_slots[" + str(s) + "] = " + str(std::int64_t{slot}) +
-                     (first >= 0 ? " repeats state_slots[" + str(first) + "]" : " appears twice") +
-                     " (two sequences cannot write one state)");
-    }
+    word |= bit;
   }
   return Status::Ok();
 }

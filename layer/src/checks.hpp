@@ -5,7 +5,6 @@
 #pragma once
 
 #include <array>
-#include <bitset>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -14,6 +13,7 @@
 #include "kda/detail/checked_math.hpp"
 #include "kda/kda.hpp"
 #include "kda/layer/layer.hpp"
+#include "state_slots.hpp"
 #include "workspace_layout.hpp"
 
 namespace kda::layer::detail {
@@ -41,35 +41,8 @@ inline bool is_padding(const Batch& batch, std::int64_t slot) noexcept {
   return slot < 0 || slot == batch.padding_slot;
 }
 
-// Two entries of slots [0, count) that name the same slot, skipping those `skip(slot)` holds for
-// (padding): {earlier, later} for the first repeat, or {-1, -1}. Linear for slots below
-// kSlotBits (a bitmap on the stack, so that a forward allocates nothing), a scan of the earlier
-// entries for a larger one.
-template <typename Skip>
-std::pair<std::int64_t, std::int64_t> find_repeated_slot(const std::int32_t* slots,
-                                                         std::int64_t count, Skip skip) {
-  constexpr std::int64_t kSlotBits = std::int64_t{1} << 16;
-  std::bitset<kSlotBits> seen;
-  auto earlier = [&](std::int64_t n) {
-    for (std::int64_t m = 0; m < n; ++m) {
-      if (slots[m] == slots[n]) return m;
-    }
-    return std::int64_t{-1};
-  };
-  for (std::int64_t n = 0; n < count; ++n) {
-    const std::int32_t slot = slots[n];
-    if (skip(slot)) continue;
-    if (slot >= 0 && slot < kSlotBits) {
-      if (!seen[static_cast<std::size_t>(slot)]) {
-        seen.set(static_cast<std::size_t>(slot));
-        continue;
-      }
-    }
-    const std::int64_t m = earlier(n);
-    if (m >= 0) return {m, n};
-  }
-  return {-1, -1};
-}
+// The operator's linear repeated-slot search (kda/src/state_slots.hpp), for the layer's checks.
+using kda::detail::find_repeated_slot;
 
 // The dtype of the batch's device cu_seqlens (kI64 unless cu_seqlens_i32 is set): the core's
 // Problem::cu_seqlens_dtype.

@@ -165,6 +165,37 @@ KDA_CPU_CASE("prefill refuses bad state slots before writing anything") {
   CHECK(validate_state_slots(p, twice.data()).ok());
 }
 
+KDA_CPU_CASE("validate_state_slots: the first error in order, many sequences, slots past 65,536") {
+  Problem p = make_case(cpu_slot_options(41)).problem;
+  p.cu_seqlens_dtype = DType::kI64;
+  p.num_seqs = 200000;  // checked without scratch: linear, a scan of earlier entries only past 2^16
+  p.num_state_slots = 1 << 20;
+  REQUIRE(p.varlen());
+  std::vector<std::int32_t> slots(static_cast<std::size_t>(p.num_seqs));
+  for (std::size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<std::int32_t>(i * 5);
+  CHECK(validate_state_slots(p, slots.data()).ok());
+  slots.back() = 5 * 70000;  // past the stack bitmap's slots
+  CHECK(validate_state_slots(p, slots.data()).message() ==
+        "state_slots[199999] = 350000 repeats state_slots[70000] (two sequences cannot write one "
+        "state)");
+  slots[150000] = 1 << 20;  // outside the pool, before the repeat: named first
+  CHECK(validate_state_slots(p, slots.data()).message() ==
+        "state_slots[150000] = 1048576 is outside the pool of num_state_slots = 1048576");
+  slots[150000] = 3;
+  slots[160000] = 3;  // a repeat before the slot outside the pool: named first
+  slots[170000] = -5;
+  slots[180000] = 1 << 21;
+  CHECK(validate_state_slots(p, slots.data())
+            .message()
+            .find("state_slots[160000] = 3 repeats "
+                  "state_slots[150000]") == 0);
+  p.padding_slot = 3;  // the padding slot may repeat
+  CHECK(validate_state_slots(p, slots.data())
+            .message()
+            .find("state_slots[180000] = 2097152 is "
+                  "outside the pool") == 0);
+}
+
 KDA_CPU_CASE("state slot fields are validated") {
   const KdaCase c = make_case(cpu_slot_options(41));
   Problem p = c.problem;

@@ -12,9 +12,9 @@
 #include <tuple>
 #include <vector>
 
-#include "checks.hpp"                    // find_repeated_slot (layer/src)
 #include "cuda/one_launch_exchange.hpp"  // one_launch_max_rows (layer/src)
 #include "layer_runner.hpp"
+#include "state_slots.hpp"  // find_repeated_slot (kda/src)
 
 using namespace kda;
 using namespace kda::test;
@@ -875,7 +875,7 @@ KDA_LAYER_CPU_CASE("core_inputs refuses checkpoints before anything is written")
 TEST_CASE(
     "find_repeated_slot: the first repeat, below and above the bitmap's slots, padding skipped "
     "[cpu]") {
-  using kda::layer::detail::find_repeated_slot;
+  using kda::detail::find_repeated_slot;
   using Found = std::pair<std::int64_t, std::int64_t>;
   auto find = [](const std::vector<std::int32_t>& slots, std::int32_t padding = -1) {
     return find_repeated_slot(slots.data(), static_cast<std::int64_t>(slots.size()),
