@@ -40,7 +40,10 @@ bool context_parallel_fits(const ModelSpec& spec) {
   return spec.runtime.tp_size == 1 && spec.runtime.state_dtype == DType::kF32;
 }
 
-void check_layer_mode(const ModelSpec& spec) {
+// What the loader checks of a description, checked again for a spec built or edited in code (and
+// the layer mode, which EngineOptions may set): the constructor and plan_for, before anything is
+// sized by it.
+void check_spec(const ModelSpec& spec) {
   if (spec.runtime.layer_mode != LayerMode::kWhole &&
       spec.runtime.layer_mode != LayerMode::kCoreOnly) {
     throw Error(StatusCode::kInvalidArgument,
@@ -1128,7 +1131,7 @@ void check_weights_file(const ModelSpec& spec) {
 }
 
 planner::MemoryPlan Engine::plan_for(const ModelSpec& spec, Backend backend, int context_ranks) {
-  check_layer_mode(spec);
+  check_spec(spec);
   if (backend == Backend::kCuda) check_cuda_can_run_model(spec);
   if (context_ranks < 0) {
     throw Error(StatusCode::kInvalidArgument, spec.source + ": plan_for: context_ranks is " +
@@ -1150,7 +1153,7 @@ Engine::Engine(ModelSpec spec, const EngineOptions& options) : impl_(std::make_u
   if (options.layer_mode) m.spec.runtime.layer_mode = *options.layer_mode;
   if (options.prefill_schedule) m.spec.runtime.prefill_schedule = *options.prefill_schedule;
   if (options.decode_step) m.spec.runtime.decode_step = *options.decode_step;
-  check_layer_mode(m.spec);
+  check_spec(m.spec);
   if (options.cpu_threads < 0) {
     throw Error(StatusCode::kInvalidArgument, m.spec.source + ": EngineOptions::cpu_threads is " +
                                                   std::to_string(options.cpu_threads) +
