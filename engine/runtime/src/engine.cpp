@@ -15,6 +15,7 @@
 #include <string_view>
 #include <system_error>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "backend.hpp"
@@ -989,8 +990,12 @@ struct Engine::Impl {
     }
   }
 
-  void check_copy_count(const std::string& call, std::int64_t count, const char* what) const {
-    if (count < 0 || count > num_slots()) {
+  // A copy's or zeroing's count, signed (the pointer forms) or a span's size: 0..max_sequences.
+  template <typename Count>
+  void check_copy_count(const std::string& call, Count count, const char* what) const {
+    bool negative = false;
+    if constexpr (std::is_signed_v<Count>) negative = count < 0;
+    if (negative || static_cast<std::uint64_t>(count) > static_cast<std::uint64_t>(num_slots())) {
       fail(call + ": " + std::to_string(count) + " " + what + ", expected 0.." +
            std::to_string(num_slots()) + " (runtime.max_sequences)");
     }
@@ -1954,10 +1959,7 @@ void Engine::copy_slots(Span<const int> src, Span<const int> dst) {
     fail(call + ": src has " + std::to_string(src.size()) + " entries, dst " +
          std::to_string(dst.size()));
   }
-  if (src.size() > static_cast<std::size_t>(m.num_slots())) {
-    fail(call + ": " + std::to_string(src.size()) + " pairs, expected 0.." +
-         std::to_string(m.num_slots()) + " (runtime.max_sequences)");
-  }
+  m.check_copy_count(call, src.size(), "pairs");
   if (src.empty()) return;
   Impl::check_span_data(call, src, "src");
   Impl::check_span_data(call, dst, "dst");
