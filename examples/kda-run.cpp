@@ -631,7 +631,7 @@ int run_case_mode(const Options& o) {
   } catch (const std::bad_alloc&) {
     // A small file can ask for much: its cu_seqlens may hold a million sequences, each with its
     // states. Nothing was written (the output is written last).
-    throw kda::Error(kda::StatusCode::kInternal,
+    throw kda::Error(kda::StatusCode::kOutOfMemory,
                      o.case_path +
                          ": out of host memory: the case's tensors, states and outputs (one "
                          "state a sequence of its cu_seqlens) do not fit in this machine's memory");

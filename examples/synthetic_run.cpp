@@ -210,7 +210,7 @@ SyntheticInputs::SyntheticInputs(const engine::Engine& engine, std::int64_t toke
     memory_ = std::aligned_alloc(kAlignment, std::max<std::size_t>(size, kAlignment));
     if (memory_ == nullptr) {
       fail("cannot allocate the synthetic inputs (" + std::to_string(bytes_) + " bytes)",
-           StatusCode::kInternal);
+           StatusCode::kOutOfMemory);
     }
   }
   auto* base = static_cast<std::uint8_t*>(memory_);

@@ -279,7 +279,7 @@ Status decode_cpu(const DecodeProblem& p, const DecodeTensors& t, const CpuOptio
     std::vector<unsigned char> scratch(need);
     return decode_cpu(p, t, Workspace{scratch.data(), scratch.size()}, opt);
   } catch (const std::bad_alloc&) {
-    return Status(StatusCode::kInternal, "decode_cpu could not allocate its per-thread scratch");
+    return Status(StatusCode::kOutOfMemory, "decode_cpu could not allocate its per-thread scratch");
   }
 }
 

@@ -25,6 +25,8 @@ const char* to_string(StatusCode code) noexcept {
       return "CUDA error";
     case StatusCode::kInternal:
       return "internal error";
+    case StatusCode::kOutOfMemory:
+      return "out of memory";
   }
   return "unknown status";
 }

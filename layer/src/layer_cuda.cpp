@@ -44,7 +44,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_check.hpp"  // current_device_sm_count (kda/src/cuda)
+#include "cuda/cuda_check.hpp"  // cuda_status, current_device_sm_count (kda/src/cuda)
 #include "cuda/kernels.hpp"
 static_assert(kda::layer::cuda::kOneLaunchSyncWords == 4, "the weight image's step sync words");
 #if defined(KDA_HAVE_NVTX) && !defined(NVTX_DISABLE)
@@ -173,12 +173,10 @@ std::unique_ptr<Layer> make_cuda_layer(const Weights& weights) {
 
 namespace {
 
+// kda's rule for a failed CUDA call (kda/src/cuda/cuda_check.hpp): the runtime's last error read
+// and cleared, cudaMalloc's refusal kOutOfMemory.
 void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    throw Error(StatusCode::kCudaError, std::string("KDA layer (CUDA): ") + what + ": " +
-                                            cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                                            ")");
-  }
+  throw_if_error(kda::detail::cuda_status(err, what), "KDA layer (CUDA)");
 }
 
 void check_cublas(cublasStatus_t status, const char* what) {

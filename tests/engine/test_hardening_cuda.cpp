@@ -1,7 +1,8 @@
 // Hardening of the CUDA path (label `gpu`; two engines on two streams in two threads:
 // test_engine_threads.cpp, both backends): an engine's prefill and decode captured in a CUDA
 // graph and replayed with new input contents equal eager runs, bitwise; create -> 1000 forwards ->
-// destroy, three times, gives device memory back; a prefill of T*H*K > 2^31 elements (H = 128, T =
+// destroy, three times, gives device memory back; an engine the device cannot hold is refused as
+// kOutOfMemory and the next engine runs; a prefill of T*H*K > 2^31 elements (H = 128, T =
 // 150,000) agrees with the CPU backend on sampled heads. Every case prints "KDA_SKIP: ..." without
 // a device.
 #include <doctest/doctest.h>
@@ -357,6 +358,50 @@ TEST_CASE(
                 baseline, lost);
     CHECK(lost <= kSlack);
   }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Out of memory
+// ---------------------------------------------------------------------------------------------
+TEST_CASE(
+    "an engine the device cannot hold is refused as out of memory, and the next engine's forwards "
+    "run") {
+  if (!kda::test::gpu_or_skip()) return;
+#ifdef KDA_HAVE_CUDA
+  ModelSpec huge = cuda_spec();
+  huge.runtime.max_sequences = 1 << 20;  // 2^20 slots of three layers' 1 MiB fp32 states: 3 TiB
+  CUDA_REQUIRE(cudaFree(nullptr));
+  CUDA_REQUIRE(cudaGetLastError());
+  bool refused = false;
+  try {
+    Engine e(huge, cuda_options(5, nullptr));
+  } catch (const kda::Error& err) {
+    refused = true;
+    CAPTURE(std::string(err.what()));
+    CHECK(err.code() == kda::StatusCode::kOutOfMemory);
+    CHECK(std::string(err.what()).find("cudaErrorMemoryAllocation") != std::string::npos);
+  }
+  CHECK(refused);
+  // The refusal is not left as the runtime's last error, which the layer's launch checks read
+  // (cudaGetLastError after the conv's and the norm's launches): the next engine's first forwards
+  // would have failed with it.
+  CHECK(cudaPeekAtLastError() == cudaSuccess);
+  constexpr std::int64_t kTokens = 40;
+  Engine e(cuda_spec(), cuda_options(73, nullptr));
+  SyntheticInputs synthetic(e, kTokens + 1);
+  synthetic.generate(5);
+  const std::vector<int> slots = {e.acquire_slot()};
+  const std::vector<std::int64_t> cu = {0, kTokens};
+  for (int layer = 0; layer < e.num_layers(); ++layer) {
+    CAPTURE(layer);
+    CHECK_NOTHROW(
+        e.prefill_hidden(layer, synthetic.hidden(0), synthetic.hidden_output(), slots, cu));
+    CHECK_NOTHROW(
+        e.decode_hidden(layer, synthetic.hidden(kTokens), synthetic.hidden_output(), slots, 1));
+  }
+  CHECK_NOTHROW(e.synchronize());
+  CHECK_NOTHROW(e.check_device_status());
 #endif
 }
 

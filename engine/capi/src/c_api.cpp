@@ -34,6 +34,8 @@ static_assert(KDA_WORKSPACE_TOO_SMALL == static_cast<int>(StatusCode::kWorkspace
 static_assert(KDA_BACKEND_UNAVAILABLE == static_cast<int>(StatusCode::kBackendUnavailable), "");
 static_assert(KDA_CUDA_ERROR == static_cast<int>(StatusCode::kCudaError), "");
 static_assert(KDA_INTERNAL == static_cast<int>(StatusCode::kInternal), "");
+static_assert(KDA_OUT_OF_MEMORY == static_cast<int>(StatusCode::kOutOfMemory), "");
+constexpr int kLastStatus = KDA_OUT_OF_MEMORY;
 // struct_size tells versions of kda_engine_options apart only if their sizes differ: the version
 // before prefill_schedule was 48 bytes on LP64, the one before null_slot 56, the one before the
 // runtime overrides (max_tokens .. reserved3) 64, the one before layer_mode and the communicators
@@ -63,7 +65,7 @@ constexpr std::size_t kMessageCapacity = 1024;  // bytes, NUL included (document
 
 kda_status to_c(StatusCode code) noexcept {
   const int value = static_cast<int>(code);
-  if (value < KDA_OK || value > KDA_INTERNAL) return KDA_INTERNAL;
+  if (value < KDA_OK || value > kLastStatus) return KDA_INTERNAL;
   return static_cast<kda_status>(value);
 }
 
@@ -113,7 +115,7 @@ kda_status guarded(char* dst, std::size_t size, Body&& body,
     return to_c(e.code());
   } catch (const std::bad_alloc&) {
     write_message(dst, size, nullptr, "out of host memory (std::bad_alloc)", function);
-    return KDA_INTERNAL;
+    return KDA_OUT_OF_MEMORY;
   } catch (const std::exception& e) {
     write_message(dst, size, "internal error: ", e.what(), function);
     return KDA_INTERNAL;
@@ -465,7 +467,7 @@ extern "C" {
 
 const char* kda_status_string(kda_status status) {
   const int value = enum_bits(status);  // any int a C caller passes, negative ones too
-  if (value < KDA_OK || value > KDA_INTERNAL) return "unknown status";
+  if (value < KDA_OK || value > kLastStatus) return "unknown status";
   return kda::to_string(static_cast<StatusCode>(value));
 }
 

@@ -27,7 +27,7 @@ class HostBackend final : public EngineBackend {
     void* ptr = mmap(nullptr, mapped_length(bytes), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (ptr == MAP_FAILED) {
-      throw Error(StatusCode::kInternal,
+      throw Error(StatusCode::kOutOfMemory,
                   "cannot allocate " + what + " (" + std::to_string(bytes) + " bytes)");
     }
     return ptr;

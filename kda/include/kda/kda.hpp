@@ -27,7 +27,8 @@ enum class StatusCode : int {
   kWorkspaceTooSmall = 4,   // caller's workspace smaller than workspace_size()
   kBackendUnavailable = 5,  // CUDA not compiled in, or no device present
   kCudaError = 6,           // a CUDA runtime call or launch failed
-  kInternal = 7,
+  kInternal = 7,            // an invariant of the library broke (a bug)
+  kOutOfMemory = 8,         // host or device memory could not be allocated (retry smaller)
 };
 
 const char* to_string(StatusCode code) noexcept;

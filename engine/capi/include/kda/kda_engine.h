@@ -25,10 +25,10 @@
  *
  * Errors. Every function returns a kda_status (KDA_OK = 0). No C++ exception crosses this API and
  * nothing in it exits or aborts: a kda::Error becomes its status code, std::bad_alloc becomes
- * KDA_INTERNAL ("out of host memory"), anything else KDA_INTERNAL. A NULL handle or a NULL pointer
- * argument is KDA_INVALID_ARGUMENT, except where a call has nothing to read or write there: the
- * tensors of a whole-layer batch of 0 tokens and the arrays of 0 slot pairs or entries may be
- * NULL.
+ * KDA_OUT_OF_MEMORY ("out of host memory"), anything else KDA_INTERNAL. A NULL handle or a NULL
+ * pointer argument is KDA_INVALID_ARGUMENT, except where a call has nothing to read or write
+ * there: the tensors of a whole-layer batch of 0 tokens and the arrays of 0 slot pairs or entries
+ * may be NULL.
  *   - On a handle, the message of a failed call is kept per handle: kda_engine_last_error(engine)
  *     returns it until the next call on that handle (a successful call clears it to ""). It
  *     begins with the function's name ("kda_engine_prefill: prefill: sequence 0 uses slot 3,
@@ -69,7 +69,9 @@ typedef enum kda_status {
   KDA_WORKSPACE_TOO_SMALL = 4, /* a workspace smaller than needed */
   KDA_BACKEND_UNAVAILABLE = 5, /* CUDA not compiled in, or no device present */
   KDA_CUDA_ERROR = 6,          /* a CUDA runtime call or launch failed */
-  KDA_INTERNAL = 7,            /* out of host memory, or a bug */
+  KDA_INTERNAL = 7,            /* an invariant of the library broke: a bug */
+  KDA_OUT_OF_MEMORY = 8,       /* host or device memory could not be allocated (the arena, a
+                                  layer's weights, scratch): a smaller request may fit */
   /* Not a status: makes the enum an int-sized type whose range covers any int a caller passes. */
   KDA_STATUS_MAX_ENUM_ = 0x7FFFFFFF
 } kda_status;
