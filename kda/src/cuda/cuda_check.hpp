@@ -9,11 +9,11 @@
 
 namespace kda::detail {
 
-// A failed call's error is also the runtime's last error until someone reads it, and every launch
-// check (cudaGetLastError after a launch) would report it again: a cudaMalloc refused for an engine
-// too large would fail the first launch of the next engine. So reading it here clears it (an error
-// that corrupts the context stays: every later call reports it). cudaMalloc's refusal is
-// kOutOfMemory, which a caller can answer with a smaller request.
+// A failed call's error is also the runtime's last error until someone reads it, and the first
+// launch check to read it (cudaGetLastError after a launch) would report it again, failing a call
+// that did nothing wrong: a cudaMalloc refused for an engine too large, then a smaller engine. So
+// reading it here clears it (an error that corrupts the context stays: every later call reports
+// it). cudaMalloc's refusal is kOutOfMemory, which a caller can answer with a smaller request.
 inline Status cuda_status(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Status::Ok();
   (void)cudaGetLastError();
