@@ -34,12 +34,13 @@ bool checked_add(std::uint64_t a, std::uint64_t b, std::uint64_t* out) {
   return true;
 }
 
-// How a request is called in error messages: by name, or by position when it has none.
+// A kind the planner knows (a request's kind may be any int cast to BufferKind).
 bool known_kind(BufferKind kind) {
   return kind == BufferKind::kWorkspace || kind == BufferKind::kState ||
          kind == BufferKind::kScratch || kind == BufferKind::kParameter;
 }
 
+// How a request is called in error messages: by name, or by position when it has none.
 std::string describe(const BufferRequest& request, std::size_t index) {
   if (request.name.empty()) return "buffer request #" + std::to_string(index) + " (unnamed)";
   return "buffer '" + request.name + "'";

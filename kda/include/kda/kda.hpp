@@ -153,7 +153,8 @@ struct Tensors {
   // written.
   const std::int32_t* state_slots = nullptr;
   // Optional host copy of state_slots (CUDA backend): when given, its range and duplicates are
-  // checked before anything runs (linear host time; callers that already checked pass none).
+  // checked before anything runs (linear host time below 65,536 slots; an entry past that scans
+  // the earlier ones; callers that already checked pass none).
   const std::int32_t* state_slots_host = nullptr;
   // With Problem::checkpoints > 0 (above): [N, K] each, on the backend as state_slots.
   const void* checkpoint_offsets = nullptr;
